@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:
+#   make demo   set up .venv, generate a small synthetic dataset, train the tiny
+#               sequence model on 2 local ranks (torchrun, gloo on CPU)
+#   make test   set up .venv if needed and run the test suite
+# FREESCALE_STACK=cpu|cuda overrides the stack choice (default: cuda when nvidia-smi sees a GPU).
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NPROC ?= 2
+DEMO_DATA ?= data/demo
+DEMO_RUN ?= runs/demo
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench-quick clean
+
+setup:
+	@scripts/setup_env.sh
+
+demo: setup
+	$(VENV)/bin/freescale gen-data --out $(DEMO_DATA) --rows 40000 --eval-rows 8192 --max-len 64 --seed 0
+	$(VENV)/bin/freescale launch --nproc-per-node $(NPROC) --config configs/tiny_hstu.toml \
+		--data.path $(DEMO_DATA) --train.output_dir $(DEMO_RUN)
+
+# pytest exits 5 when it collected no test: treat that as the failure it is.
+test: setup
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+bench-quick: setup
+	$(PY) benchmarks/bench_train.py --quick
+
+clean:
+	rm -rf $(VENV) data runs build dist *.egg-info .pytest_cache

@@ -1,0 +1,46 @@
+"""``Batch``: what one rank feeds its model for one step.
+
+Shapes (legend: B samples on this rank, D dense width, T jagged values):
+    sparse  KeyedJaggedTensor, keys as the model asks (for example
+            ``history_item_ids`` with lengths_B and values_T, ``candidate_item_id``
+            with one id per sample)
+    dense   float32 [B, D]
+    labels  float32 [B]
+
+It implements torchrec's ``Pipelineable`` (``to``, ``record_stream``,
+``pin_memory``) so torchrec's train pipelines can move it between streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
+
+
+@dataclass
+class Batch(Pipelineable):
+    sparse: KeyedJaggedTensor
+    dense: torch.Tensor
+    labels: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.labels.shape[0])
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        return Batch(
+            sparse=self.sparse.to(device=device, non_blocking=non_blocking),
+            dense=self.dense.to(device=device, non_blocking=non_blocking),
+            labels=self.labels.to(device=device, non_blocking=non_blocking),
+        )
+
+    def record_stream(self, stream: torch.Stream) -> None:  # type: ignore[override]
+        self.sparse.record_stream(stream)
+        self.dense.record_stream(stream)
+        self.labels.record_stream(stream)
+
+    def pin_memory(self) -> Batch:
+        return Batch(sparse=self.sparse.pin_memory(), dense=self.dense.pin_memory(), labels=self.labels.pin_memory())

@@ -1,0 +1,125 @@
+"""The Arrow schema of a sequence-recommendation sample, and the dataset manifest.
+
+A dataset is a directory::
+
+    dataset.json             manifest: vocabulary sizes, dense width, files per split
+    train-00000.parquet      one row per sample (schema below)
+    eval-00000.parquet
+
+One row is one (user history, candidate item) pair:
+
+| column               | Arrow type                | meaning                                      |
+|----------------------|---------------------------|----------------------------------------------|
+| user_id              | int64                     | in [0, num_users)                            |
+| history_item_ids     | list<int64>               | past items, oldest first, in [0, num_items)  |
+| history_timestamps   | list<int64>               | seconds, same length as history_item_ids     |
+| candidate_item_id    | int64                     | the item to score, in [0, num_items)         |
+| dense_features       | fixed_size_list<float32>  | ``dense_dim`` floats                         |
+| label                | float32                   | 0 or 1 (click)                               |
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+MANIFEST_NAME = "dataset.json"
+FORMAT_VERSION = 1
+
+USER_ID = "user_id"
+HISTORY_ITEMS = "history_item_ids"
+HISTORY_TIMESTAMPS = "history_timestamps"
+CANDIDATE_ITEM = "candidate_item_id"
+DENSE = "dense_features"
+LABEL = "label"
+
+
+class DataError(ValueError):
+    """Bad input data, phrased for the user: names the file, and the column or key."""
+
+
+def sample_schema(dense_dim: int) -> pa.Schema:
+    return pa.schema(
+        [
+            pa.field(USER_ID, pa.int64(), nullable=False),
+            pa.field(HISTORY_ITEMS, pa.list_(pa.int64()), nullable=False),
+            pa.field(HISTORY_TIMESTAMPS, pa.list_(pa.int64()), nullable=False),
+            pa.field(CANDIDATE_ITEM, pa.int64(), nullable=False),
+            pa.field(DENSE, pa.list_(pa.float32(), dense_dim), nullable=False),
+            pa.field(LABEL, pa.float32(), nullable=False),
+        ]
+    )
+
+
+def check_schema(schema: pa.Schema, dense_dim: int, where: str) -> None:
+    """Raise DataError naming ``where`` and the column if ``schema`` lacks or mistypes one."""
+    expected = sample_schema(dense_dim)
+    for want in expected:
+        idx = schema.get_field_index(want.name)
+        if idx < 0:
+            raise DataError(f"{where}: missing column '{want.name}' (expected {want.type})")
+        got = schema.field(idx).type
+        if not got.equals(want.type):
+            raise DataError(f"{where}: column '{want.name}' has type {got}, expected {want.type}")
+
+
+@dataclass
+class DatasetManifest:
+    """What a reader and a model need to know about a dataset before reading rows."""
+
+    num_items: int
+    num_users: int
+    dense_dim: int
+    max_len: int
+    splits: dict[str, list[str]] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    generator: dict[str, object] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def write(self, directory: Path) -> None:
+        path = directory / MANIFEST_NAME
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def read(cls, directory: str | Path) -> DatasetManifest:
+        directory = Path(directory)
+        path = directory / MANIFEST_NAME
+        if not directory.exists():
+            raise DataError(
+                f"data path not found: {directory} (create one with `freescale gen-data --out {directory}`)"
+            )
+        if not path.is_file():
+            raise DataError(f"{directory}: no {MANIFEST_NAME}; is this a dataset written by `freescale gen-data`?")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: invalid JSON: {exc}") from None
+        required = ("num_items", "num_users", "dense_dim", "max_len", "splits")
+        for key in required:
+            if key not in raw:
+                raise DataError(f"{path}: missing key '{key}'")
+        for key in ("num_items", "num_users", "dense_dim", "max_len"):
+            if not isinstance(raw[key], int) or raw[key] < 0:
+                raise DataError(f"{path}: key '{key}' must be a non-negative integer, got {raw[key]!r}")
+        version = raw.get("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise DataError(f"{path}: format_version {version} is not supported (expected {FORMAT_VERSION})")
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    def files(self, directory: str | Path, split: str) -> list[Path]:
+        directory = Path(directory)
+        if split not in self.splits:
+            raise DataError(
+                f"{directory / MANIFEST_NAME}: no split '{split}' (has: {', '.join(sorted(self.splits)) or 'none'})"
+            )
+        paths = [directory / name for name in self.splits[split]]
+        for p in paths:
+            if not p.is_file():
+                raise DataError(f"{p}: listed in {MANIFEST_NAME} split '{split}' but missing")
+        return paths

@@ -1,0 +1,153 @@
+"""HSTU-style sequence model: item history + candidate -> click logit.
+
+Legend: B samples, T tokens over the batch (history plus one candidate per
+sample), D embedding width, H heads, A attention dim per head, V value dim per head.
+
+Forward, per batch::
+
+    item_table (torchrec EmbeddingCollection, sharded by DMP)
+      history_item_ids  -> jagged [T-B, D]     candidate_item_id -> [B, D]
+    interleave: each sample's sequence is its history (oldest first) then its candidate
+    x_TD += position embedding of recency (0 = the candidate, 1 = newest history item, ...)
+    N x HSTUBlock:  u, v, q, k = silu(Linear(LayerNorm(x)))
+                    x = x + Linear(LayerNorm(attention(q, k, v)) * u)
+    read the candidate token of each sample -> LayerNorm -> concat dense -> MLP -> logit
+
+The attention is ``freescale.kernels.jagged_hstu_attention`` (pointwise SiLU, no
+softmax, causal, the candidate is a target token that sees the history).  The
+whole path stays jagged: no sample is padded to the batch's longest history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec import EmbeddingCollection, EmbeddingConfig
+
+from freescale.config import require
+from freescale.dataloader.batch import Batch
+from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS
+from freescale.kernels import jagged_hstu_attention
+from freescale.models.common import ModelOutput, bce_output, mlp
+
+
+@dataclass
+class HSTUConfig:
+    embedding_dim: int = 32
+    num_blocks: int = 2
+    num_heads: int = 2
+    attention_dim: int = 16
+    """Per head, for q and k."""
+    value_dim: int = 16
+    """Per head, for v and u."""
+    alpha: float = 0.0
+    """Scale inside silu(alpha * q.k); 0 means 1/sqrt(attention_dim)."""
+    max_attn_len: int = 0
+    """Attend at most this many tokens back; 0 = unlimited."""
+    head_layers: list[int] = field(default_factory=lambda: [64, 32])
+    attention_backend: str = "auto"
+
+    def validate(self) -> None:
+        for key in ("embedding_dim", "num_heads", "attention_dim", "value_dim"):
+            require(getattr(self, key) > 0, key, f"must be positive, got {getattr(self, key)}")
+        require(self.num_blocks >= 0, "num_blocks", f"must be >= 0, got {self.num_blocks}")
+        require(self.alpha >= 0, "alpha", f"must be >= 0, got {self.alpha}")
+        require(self.max_attn_len >= 0, "max_attn_len", f"must be >= 0, got {self.max_attn_len}")
+        require(all(w > 0 for w in self.head_layers), "head_layers", f"widths must be positive, got {self.head_layers}")
+
+
+class HSTUBlock(nn.Module):
+    """One layer of jagged pointwise attention with SiLU gating (see module docstring)."""
+
+    def __init__(self, cfg: HSTUConfig, max_seq_len: int) -> None:
+        super().__init__()
+        self.heads, self.attn_dim, self.value_dim = cfg.num_heads, cfg.attention_dim, cfg.value_dim
+        self.max_seq_len = max_seq_len
+        self.alpha = cfg.alpha or cfg.attention_dim**-0.5
+        self.max_attn_len = cfg.max_attn_len
+        self.backend = cfg.attention_backend
+        d = cfg.embedding_dim
+        self.input_norm = nn.LayerNorm(d)
+        self.uvqk = nn.Linear(d, cfg.num_heads * (2 * cfg.value_dim + 2 * cfg.attention_dim))
+        self.attn_norm = nn.LayerNorm(cfg.num_heads * cfg.value_dim)
+        self.output = nn.Linear(cfg.num_heads * cfg.value_dim, d)
+
+    def forward(
+        self, x_TD: torch.Tensor, seq_offsets_B1: torch.Tensor, num_targets_B: torch.Tensor | None
+    ) -> torch.Tensor:
+        total = x_TD.shape[0]
+        hv, ha = self.heads * self.value_dim, self.heads * self.attn_dim
+        u_TX, v_TX, q_TX, k_TX = torch.split(F.silu(self.uvqk(self.input_norm(x_TD))), [hv, hv, ha, ha], dim=-1)
+        attn_THV = jagged_hstu_attention(
+            q_TX.reshape(total, self.heads, self.attn_dim),
+            k_TX.reshape(total, self.heads, self.attn_dim),
+            v_TX.reshape(total, self.heads, self.value_dim),
+            seq_offsets_B1,
+            max_seq_len=self.max_seq_len,
+            alpha=self.alpha,
+            num_targets_B=num_targets_B,
+            max_attn_len=self.max_attn_len,
+            backend=self.backend,
+        )
+        return x_TD + self.output(self.attn_norm(attn_THV.reshape(total, hv)) * u_TX)
+
+
+class HSTUModel(nn.Module):
+    """Item-history sequence model; ``forward(batch) -> (loss, (loss, logits, labels))``."""
+
+    sparse_feature_names = [HISTORY_ITEMS, CANDIDATE_ITEM]
+
+    def __init__(
+        self, cfg: HSTUConfig, *, num_items: int, dense_dim: int, max_seq_len: int, embedding_device: torch.device
+    ) -> None:
+        super().__init__()
+        d = cfg.embedding_dim
+        self.max_history = max_seq_len
+        # Sequence = up to max_seq_len history items + 1 candidate; the attention
+        # normaliser is that fixed length, never the batch's longest.
+        self.max_tokens = max_seq_len + 1
+        self.item_embeddings = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name="item_table", embedding_dim=d, num_embeddings=num_items,
+                    feature_names=[HISTORY_ITEMS, CANDIDATE_ITEM],
+                )
+            ],
+            device=embedding_device,
+        )
+        self.recency_embedding = nn.Embedding(self.max_tokens, d)
+        nn.init.normal_(self.recency_embedding.weight, std=0.02)
+        self.blocks = nn.ModuleList(HSTUBlock(cfg, self.max_tokens) for _ in range(cfg.num_blocks))
+        self.final_norm = nn.LayerNorm(d)
+        self.head = mlp(d + dense_dim, [*cfg.head_layers, 1])
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        embeddings = self.item_embeddings(batch.sparse)
+        history, candidate = embeddings[HISTORY_ITEMS], embeddings[CANDIDATE_ITEM]
+        history_TD, candidate_BD = history.values(), candidate.values()
+        num_history = history_TD.shape[0]
+        seq_lengths_B = history.lengths() + 1
+        seq_offsets_B1 = torch.ops.fbgemm.asynchronous_complete_cumsum(seq_lengths_B)
+        total = num_history + candidate_BD.shape[0]
+
+        # Token p of sample b: history item (p - b) of the concatenation, or the
+        # candidate (num_history + b) when p is the last token of its sequence.
+        sample_T = torch.repeat_interleave(
+            torch.arange(seq_lengths_B.numel(), device=history_TD.device), seq_lengths_B, output_size=total
+        )
+        token_T = torch.arange(total, device=history_TD.device)
+        last_T = seq_offsets_B1[1:][sample_T] - 1
+        source_T = torch.where(token_T == last_T, num_history + sample_T, token_T - sample_T)
+        x_TD = torch.cat([history_TD, candidate_BD])[source_T]
+        recency_T = (last_T - token_T).clamp(max=self.max_tokens - 1)
+        x_TD = x_TD + self.recency_embedding(recency_T)
+
+        num_targets_B = torch.ones_like(seq_lengths_B)
+        for block in self.blocks:
+            x_TD = block(x_TD, seq_offsets_B1, num_targets_B)
+        candidate_out_BD = self.final_norm(x_TD[seq_offsets_B1[1:] - 1])
+        logits_B = self.head(torch.cat([candidate_out_BD, batch.dense], dim=-1)).squeeze(-1)
+        return bce_output(logits_B, batch.labels)

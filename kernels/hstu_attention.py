@@ -1,0 +1,145 @@
+"""Jagged causal pointwise (HSTU) attention: the torch reference and the selector.
+
+Legend: T total tokens over the batch, B sequences, H heads, A attention dim per
+head, V value dim per head, N longest sequence in the batch.
+
+For sequence ``b`` with tokens ``seq_offsets[b] .. seq_offsets[b+1]`` (length L,
+the last ``num_targets[b]`` of them candidate tokens)::
+
+    out[i] = sum_j  mask(i, j) * silu(alpha * q[i] . k[j]) / max_seq_len * v[j]
+    mask(i, j) = j <= i                                   (causal)
+             and (j < L - num_targets  or  j == i)        (targets see history, not each other)
+             and (max_attn_len == 0  or  i - j <= max_attn_len)
+
+There is no softmax.  The normaliser is the configured ``max_seq_len``, not the
+batch's longest sequence, so a sample's output does not depend on which other
+samples share its batch (balancing moves samples between ranks freely).
+
+``jagged_hstu_attention`` picks an implementation: the reference below runs
+everywhere; a Triton kernel registers itself under ``"triton"`` and is chosen
+on CUDA.  The reference pads to ``[B, N, H, *]`` internally (padding only inside
+this function; inputs and outputs stay jagged) and is meant for CPU training,
+tests and as the ground truth for kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionImpl(Protocol):
+    def __call__(
+        self,
+        q_THA: torch.Tensor,
+        k_THA: torch.Tensor,
+        v_THV: torch.Tensor,
+        seq_offsets_B1: torch.Tensor,
+        max_seq_len: int,
+        alpha: float,
+        num_targets_B: torch.Tensor | None,
+        max_attn_len: int,
+    ) -> torch.Tensor: ...
+
+
+def jagged_to_padded(x_TD: torch.Tensor, seq_offsets_B1: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``[T, *]`` jagged -> ``[B, max_len, *]`` zero-padded (differentiable)."""
+    lengths_B = seq_offsets_B1[1:] - seq_offsets_B1[:-1]
+    num_seqs = lengths_B.numel()
+    seq_T = torch.repeat_interleave(torch.arange(num_seqs, device=x_TD.device), lengths_B, output_size=x_TD.shape[0])
+    pos_T = torch.arange(x_TD.shape[0], device=x_TD.device) - seq_offsets_B1[:-1][seq_T]
+    out = x_TD.new_zeros((num_seqs, max_len, *x_TD.shape[1:]))
+    return out.index_put((seq_T, pos_T), x_TD)
+
+
+def padded_to_jagged(x_BN: torch.Tensor, seq_offsets_B1: torch.Tensor, total: int) -> torch.Tensor:
+    """Inverse of :func:`jagged_to_padded` (drops the padding)."""
+    lengths_B = seq_offsets_B1[1:] - seq_offsets_B1[:-1]
+    seq_T = torch.repeat_interleave(torch.arange(lengths_B.numel(), device=x_BN.device), lengths_B, output_size=total)
+    pos_T = torch.arange(total, device=x_BN.device) - seq_offsets_B1[:-1][seq_T]
+    return x_BN[seq_T, pos_T]
+
+
+def attention_mask(
+    lengths_B: torch.Tensor, max_len: int, num_targets_B: torch.Tensor | None, max_attn_len: int
+) -> torch.Tensor:
+    """Boolean ``[B, N, N]`` mask: ``mask[b, i, j]`` is True where token i may attend to j."""
+    idx = torch.arange(max_len, device=lengths_B.device)
+    i, j = idx.view(1, -1, 1), idx.view(1, 1, -1)
+    valid = (i < lengths_B.view(-1, 1, 1)) & (j <= i)
+    if num_targets_B is not None:
+        history_B = (lengths_B - num_targets_B).view(-1, 1, 1)
+        valid = valid & ((j < history_B) | (j == i))
+    if max_attn_len > 0:
+        valid = valid & (i - j <= max_attn_len)
+    return valid
+
+
+def reference_hstu_attention(
+    q_THA: torch.Tensor,
+    k_THA: torch.Tensor,
+    v_THV: torch.Tensor,
+    seq_offsets_B1: torch.Tensor,
+    max_seq_len: int,
+    alpha: float,
+    num_targets_B: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+) -> torch.Tensor:
+    """Plain torch implementation of the module docstring's formula; returns ``[T, H, V]``."""
+    total = q_THA.shape[0]
+    lengths_B = seq_offsets_B1[1:] - seq_offsets_B1[:-1]
+    if total == 0 or lengths_B.numel() == 0:
+        return v_THV.new_zeros(v_THV.shape)
+    longest = int(lengths_B.max())
+    q_BNHA = jagged_to_padded(q_THA, seq_offsets_B1, longest)
+    k_BNHA = jagged_to_padded(k_THA, seq_offsets_B1, longest)
+    v_BNHV = jagged_to_padded(v_THV, seq_offsets_B1, longest)
+    scores_BHNN = torch.einsum("bnha,bmha->bhnm", q_BNHA, k_BNHA) * alpha
+    mask_B1NN = attention_mask(lengths_B, longest, num_targets_B, max_attn_len).unsqueeze(1)
+    weights_BHNN = F.silu(scores_BHNN) * mask_B1NN / max_seq_len
+    out_BNHV = torch.einsum("bhnm,bmhv->bnhv", weights_BHNN, v_BNHV)
+    return padded_to_jagged(out_BNHV, seq_offsets_B1, total)
+
+
+_IMPLS: dict[str, AttentionImpl] = {"reference": reference_hstu_attention}
+_CUDA_PREFERRED: list[str] = []
+
+
+def register_impl(name: str, impl: AttentionImpl, preferred_on_cuda: bool = True) -> None:
+    """Make ``impl`` selectable as ``backend=name`` (kernels call this when they import)."""
+    _IMPLS[name] = impl
+    if preferred_on_cuda and name not in _CUDA_PREFERRED:
+        _CUDA_PREFERRED.append(name)
+
+
+def available_backends() -> list[str]:
+    return sorted(_IMPLS)
+
+
+def select_backend(backend: str, device: torch.device) -> str:
+    """``auto``: the first registered CUDA kernel on CUDA tensors, else the reference."""
+    if backend == "auto":
+        if device.type == "cuda" and _CUDA_PREFERRED:
+            return _CUDA_PREFERRED[0]
+        return "reference"
+    if backend not in _IMPLS:
+        raise ValueError(f"attention backend '{backend}' is not available (have: auto, {', '.join(available_backends())})")
+    return backend
+
+
+def jagged_hstu_attention(
+    q_THA: torch.Tensor,
+    k_THA: torch.Tensor,
+    v_THV: torch.Tensor,
+    seq_offsets_B1: torch.Tensor,
+    max_seq_len: int,
+    alpha: float,
+    num_targets_B: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """HSTU attention over jagged ``[T, H, *]`` tensors; see the module docstring."""
+    impl = _IMPLS[select_backend(backend, q_THA.device)]
+    return impl(q_THA, k_THA, v_THV, seq_offsets_B1, max_seq_len, alpha, num_targets_B, max_attn_len)

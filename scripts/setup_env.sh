@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Create .venv and install freescale with the right torch/fbgemm/torchrec stack.
+#
+#   scripts/setup_env.sh            # runtime + test tools
+#   FREESCALE_STACK=cpu|cuda ...    # force a stack (default: cuda when nvidia-smi sees a GPU)
+#   PYTHON=python3.11 ...           # interpreter used to create the venv
+#
+# Order matters: torch is pinned first so nothing later can pull a CUDA wheel on a
+# CPU machine, then fbgemm, then torchrec with --no-deps (its metadata names the
+# CUDA fbgemm-gpu), then everything else.  A stamp file records what was
+# installed, so re-running is a no-op unless these files changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+if [[ -z "${FREESCALE_STACK:-}" ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    FREESCALE_STACK=cuda
+  else
+    FREESCALE_STACK=cpu
+  fi
+fi
+case "$FREESCALE_STACK" in
+  cpu|cuda) ;;
+  *) echo "setup_env: FREESCALE_STACK must be cpu or cuda, got '$FREESCALE_STACK'" >&2; exit 2 ;;
+esac
+
+stamp="$VENV/.freescale-stack"
+want="$FREESCALE_STACK $(cat requirements/"$FREESCALE_STACK".txt requirements/test.txt pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  exit 0
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "setup_env: creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+
+echo "setup_env: installing the $FREESCALE_STACK stack"
+# One package per call, in file order: each later call sees the pinned torch.
+grep -vE '^\s*(#|$)' "requirements/$FREESCALE_STACK.txt" | while read -r req; do
+  "${pip[@]}" "$req"
+done
+"${pip[@]}" --no-deps "torchrec==1.8.0"
+# The project itself (its dependencies are index-safe: torch is already pinned),
+# then the test tools.
+"${pip[@]}" --no-build-isolation -e .
+"${pip[@]}" -r requirements/test.txt
+"$VENV/bin/python" - <<'PY'
+import torch, torchrec, fbgemm_gpu  # noqa: F401  fail here, not in the first test
+import freescale, freescale.dataloader, freescale.kernels, freescale.ft  # noqa: F401
+print(f"setup_env: torch {torch.__version__}, torchrec ok, cuda={torch.cuda.is_available()}")
+PY
+echo "$want" > "$stamp"
