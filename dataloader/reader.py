@@ -192,15 +192,14 @@ class ParquetSequenceReader:
         assert self.table is not None
         return self._to_batch(self.table.take(pa.array(self.rows_for(epoch, step))))
 
-    def __iter__(self) -> Iterator[Batch]:
-        """Endless batches from the current position, epoch after epoch."""
-        while True:
-            batch = self.batch_at(self.epoch, self.step_in_epoch)
-            self.step_in_epoch += 1
-            if self.step_in_epoch == self.steps_per_epoch:
-                self.epoch += 1
-                self.step_in_epoch = 0
-            yield batch
+    def next_batch(self) -> Batch:
+        """The batch at the current position; the position then moves one step on."""
+        batch = self.batch_at(self.epoch, self.step_in_epoch)
+        self.step_in_epoch += 1
+        if self.step_in_epoch == self.steps_per_epoch:
+            self.epoch += 1
+            self.step_in_epoch = 0
+        return batch
 
     def one_epoch(self) -> Iterator[Batch]:
         """Each of epoch 0's steps once, without moving the position (for evaluation)."""

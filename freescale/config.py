@@ -28,12 +28,12 @@ class ConfigError(ValueError):
     """A configuration problem, phrased for the user (one line, names the key)."""
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if origin is list:
-        return f"list of {_type_name(get_args(tp)[0])}"
+        return f"list of {type_name(get_args(tp)[0])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -43,7 +43,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     from_text = isinstance(value, str) and tp is not str and origin is not Literal
     if origin is Literal:
         if value not in get_args(tp):
-            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
         return value
     if origin is list:
         (item_tp,) = get_args(tp)
@@ -51,7 +51,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             text = value.strip().strip("[]")
             value = [v.strip() for v in text.split(",") if v.strip()] if text else []
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
         return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
@@ -81,7 +81,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return value
     else:  # pragma: no cover - a programming error in a Config class
         raise TypeError(f"{key}: unsupported config field type {tp!r}")
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
 
 
 def _fields(cls: type) -> dict[str, tuple[dataclasses.Field[Any], Any]]:

@@ -1,0 +1,141 @@
+"""Atomic, resumable checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Layout under the checkpoint directory::
+
+    step_000000200/            a complete checkpoint (DCP shards + .metadata)
+        freescale.json         step, data position, config, world size: written last
+    step_000000300.partial/    a save in progress, or one killed mid-way: never loaded
+
+A save writes every rank's shards into ``step_N.partial`` (DCP fsyncs each
+file), waits for all ranks, then rank 0 writes ``freescale.json`` (fsync) and
+renames the directory to ``step_N`` (fsync of the parent).  A rename is atomic,
+so a kill at any moment leaves either the previous complete checkpoints or a
+``.partial`` directory that ``latest`` ignores and the next save of that step
+removes.  Model and optimizer state go through DCP, which stores torchrec's
+sharded tables shard by shard and reshards dense weights on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from freescale.config import require
+
+META_NAME = "freescale.json"
+PARTIAL_SUFFIX = ".partial"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    """Where checkpoints go; empty means <train.output_dir>/checkpoints."""
+    every: int = 0
+    """Save every this many steps; 0 saves only at the end of training."""
+    keep: int = 2
+    """Complete checkpoints kept; older ones are removed after a save."""
+    resume: bool = False
+    """Start from the latest complete checkpoint in ``dir`` (fresh start if none)."""
+    save_final: bool = True
+
+    def validate(self) -> None:
+        require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
+        require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, phrased for the user (names the path)."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:09d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every complete checkpoint under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / META_NAME).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def save(root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str, Any], keep: int = 2) -> Path:
+    """Collective: every rank calls it with its own ``app_state``; returns the final path."""
+    root = Path(root)
+    final, partial = step_dir(root, step), Path(str(step_dir(root, step)) + PARTIAL_SUFFIX)
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    if is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+    _barrier()
+    dcp.save(app_state, checkpoint_id=str(partial))
+    _barrier()  # every rank's files are written before rank 0 commits
+    if is_main:
+        meta_path = partial / META_NAME
+        with meta_path.open("w") as fh:
+            json.dump({**meta, "step": step}, fh, indent=2, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(partial)
+        if final.exists():  # an older save of the same step (e.g. after a restart): replace it
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _fsync_dir(root)
+        for _, old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    meta_path = Path(path) / META_NAME
+    if not meta_path.is_file():
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {META_NAME})")
+    try:
+        return json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{meta_path}: unreadable ({exc})") from None
+
+
+def load(path: str | Path, app_state: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``app_state`` in place from the checkpoint at ``path``; return its metadata."""
+    meta = read_meta(path)
+    try:
+        dcp.load(app_state, checkpoint_id=str(path))
+    except Exception as exc:  # DCP raises CheckpointException with per-rank tracebacks
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot load into this model/optimizer: {first_line}") from exc
+    return meta

@@ -1,0 +1,100 @@
+"""Process-group set-up for one replica group: gloo on CPU, NCCL on CUDA, same code.
+
+Under torchrun the usual environment variables (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT) describe the group.  Without them the process runs as
+a group of one over an in-memory store, so the Python API and tests work in a
+plain interpreter too.  ``shutdown`` ends with a barrier and
+``destroy_process_group``: a gloo process that exits without them aborts
+("terminate called without an active exception") more often than not.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from freescale.config import require
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: NCCL when CUDA is available, else gloo."""
+    timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        require(self.timeout_s > 0, "timeout_s", f"must be positive, got {self.timeout_s}")
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    owns_group: bool
+    """True when ``init_distributed`` created the process group (and must destroy it)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(cfg: DistConfig) -> DistContext:
+    """Join (or create) the default process group and pick this rank's device."""
+    use_cuda = torch.cuda.is_available() and cfg.backend != "gloo"
+    if cfg.backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("dist.backend = 'nccl' needs CUDA, and none is available; use 'gloo' or 'auto'")
+    backend = "nccl" if use_cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    owns = False
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=cfg.timeout_s)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        owns = True
+    return DistContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        device=device,
+        backend=dist.get_backend(),
+        owns_group=owns,
+    )
+
+
+def shutdown(ctx: DistContext) -> None:
+    """Barrier, then destroy the group if we created it."""
+    if ctx.owns_group and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_gather_varlen(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate a 1-D tensor of possibly different length from every rank (on every rank)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return tensor
+    size = torch.tensor([tensor.numel()], device=tensor.device, dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = int(max(int(s) for s in sizes))
+    padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.numel()] = tensor
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])

@@ -1,0 +1,78 @@
+"""Shard a model over one replica group with torchrec, and build its optimizers.
+
+Embedding tables are placed by torchrec's ``EmbeddingShardingPlanner`` over the
+group's ranks (model parallel) and updated by fbgemm's fused optimizer inside
+backward (no embedding gradient is ever materialized).  Everything else is
+dense and data parallel: ``DistributedModelParallel`` wraps it in DDP, and
+AdamW steps it.  ``CombinedOptimizer`` presents both as one optimizer whose
+state dict holds both (sharded tensors for the tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.types import ModuleSharder
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+
+from freescale.config import require
+from freescale.distributed import DistContext
+
+_SPARSE_OPTIMIZERS = {
+    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "sgd": EmbOptimType.EXACT_SGD,
+}
+
+
+@dataclass
+class OptimConfig:
+    dense_lr: float = 3e-3
+    dense_weight_decay: float = 0.0
+    sparse_optimizer: Literal["rowwise_adagrad", "sgd"] = "rowwise_adagrad"
+    sparse_lr: float = 0.05
+    sparse_eps: float = 1e-8
+
+    def validate(self) -> None:
+        require(self.dense_lr > 0, "dense_lr", f"must be positive, got {self.dense_lr}")
+        require(self.sparse_lr > 0, "sparse_lr", f"must be positive, got {self.sparse_lr}")
+        require(self.dense_weight_decay >= 0, "dense_weight_decay", "must be >= 0")
+
+
+def sharders(cfg: OptimConfig) -> list[ModuleSharder[nn.Module]]:
+    fused = {
+        "optimizer": _SPARSE_OPTIMIZERS[cfg.sparse_optimizer],
+        "learning_rate": cfg.sparse_lr,
+        "eps": cfg.sparse_eps,
+    }
+    return [EmbeddingCollectionSharder(fused_params=fused), EmbeddingBagCollectionSharder(fused_params=fused)]
+
+
+def shard_model(model: nn.Module, ctx: DistContext, cfg: OptimConfig) -> DistributedModelParallel:
+    """Plan and shard ``model`` (embedding tables built on the meta device) over the default group."""
+    module_sharders = sharders(cfg)
+    topology = Topology(
+        world_size=ctx.world_size, compute_device=ctx.device.type, local_world_size=ctx.local_world_size
+    )
+    planner = EmbeddingShardingPlanner(topology=topology)
+    plan = planner.collective_plan(model, module_sharders, dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=ctx.device, plan=plan, sharders=module_sharders)
+
+
+def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> CombinedOptimizer:
+    """Fused embedding optimizer (already inside ``dmp``) + AdamW over the dense parameters."""
+    fused_keys = set(dmp.fused_optimizer.params.keys())
+    dense_params = {name: p for name, p in dmp.named_parameters() if name not in fused_keys}
+    dense = KeyedOptimizerWrapper(
+        dense_params,
+        lambda params: torch.optim.AdamW(params, lr=cfg.dense_lr, weight_decay=cfg.dense_weight_decay),
+    )
+    return CombinedOptimizer([dmp.fused_optimizer, dense])

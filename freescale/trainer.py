@@ -1,0 +1,263 @@
+"""``Trainer``: one replica group's training loop over a torchrec-sharded model.
+
+    from freescale import Trainer, TrainerConfig
+    cfg = TrainerConfig()
+    cfg.data.path = "data/demo"
+    summary = Trainer(cfg).fit()      # under torchrun, or as a group of one
+
+One step on rank r (all ranks in lockstep; collectives must match):
+
+    1. reader.next_batch()            this rank's block of global batch s (no exchange)
+    2. batch.to(device)
+    3. dmp(batch)                     input dist (ids all-to-all) -> embedding lookup ->
+                                      output all-to-all -> dense forward -> loss
+    4. loss.backward()                embedding grads all-to-all back, fused row-wise
+                                      Adagrad updates the shards inside backward; DDP
+                                      all-reduces dense grads, bucketed, during backward
+    5. optimizer.step()               AdamW on the dense parameters
+    6. every log_every steps          metrics over the window, gathered from all ranks
+    7. every checkpoint.every steps   atomic DCP checkpoint (model, optimizers, step,
+                                      data position)
+
+Nothing here overlaps one batch with the next yet; pipelining is the train
+pipeline's job.  Rank 0 alone prints (progress bar, summary) and writes the
+JSONL log ``<train.output_dir>/train_log.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from tqdm import tqdm
+
+from freescale import checkpoint
+from freescale.checkpoint import CheckpointConfig
+from freescale.config import require, to_dict
+from freescale.dataloader.reader import DataConfig, ParquetSequenceReader
+from freescale.dataloader.schema import DatasetManifest
+from freescale.distributed import DistConfig, DistContext, init_distributed, shutdown
+from freescale.metrics import ClickMetrics, MetricWindow
+from freescale.models import ModelConfig, build_model
+from freescale.parallelize import OptimConfig, build_optimizer, shard_model
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seed: int = 0
+    log_every: int = 20
+    output_dir: str = "runs/default"
+    eval: bool = True
+    """Evaluate on the dataset's ``eval`` split after training."""
+    progress: bool = True
+    """Progress bar on rank 0 (only when stderr is a terminal)."""
+
+    def validate(self) -> None:
+        require(self.steps > 0, "steps", f"must be positive, got {self.steps}")
+        require(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
+        require(bool(self.output_dir), "output_dir", "must not be empty")
+
+
+@dataclass
+class TrainerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+@dataclass
+class TrainSummary:
+    model: str
+    world_size: int
+    start_step: int
+    steps: int
+    samples: int
+    seconds: float
+    samples_per_s: float
+    train_loss: float
+    train_auc: float
+    eval_loss: float | None = None
+    eval_auc: float | None = None
+    eval_ne: float | None = None
+    checkpoint: str | None = None
+
+
+class RunLog:
+    """JSONL events on rank 0 (one object per line, flushed); a no-op elsewhere."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._fh: TextIO | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = path.open("a")
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+def quiet_libraries() -> None:
+    """Silence torchrec/fbgemm chatter that says nothing to a user of this trainer."""
+    for name in ("torchrec", "fbgemm_gpu", "torch.fx._symbolic_trace", "torch.distributed.checkpoint"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for module in ("torchrec", "fbgemm_gpu", "torch.distributed", "torch.fx", "torch.autograd", "torch.nn"):
+        warnings.filterwarnings("ignore", module=module)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig) -> None:
+        self.cfg = cfg
+
+    def fit(self) -> TrainSummary:
+        """Train ``train.steps`` steps (resuming if asked), evaluate, return the summary."""
+        quiet_libraries()
+        ctx = init_distributed(self.cfg.dist)
+        try:
+            return self._fit(ctx)
+        finally:
+            shutdown(ctx)
+
+    # ------------------------------------------------------------------------------
+    def _fit(self, ctx: DistContext) -> TrainSummary:
+        cfg = self.cfg
+        out_dir = Path(cfg.train.output_dir)
+        ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+        manifest = DatasetManifest.read(cfg.data.path)
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(
+            cfg.model, manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta")
+        )
+        features = list(model.sparse_feature_names)
+        dmp = shard_model(model, ctx, cfg.optim)
+        optimizer = build_optimizer(dmp, cfg.optim)
+        reader = ParquetSequenceReader(
+            cfg.data.path, "train", batch_size=cfg.data.batch_size, max_seq_len=cfg.data.max_seq_len,
+            sparse_features=features, rank=ctx.rank, world_size=ctx.world_size,
+            seed=cfg.train.seed, shuffle=cfg.data.shuffle,
+        )
+        log = RunLog(out_dir / "train_log.jsonl" if ctx.is_main else None)
+
+        start_step = 0
+        if cfg.checkpoint.resume:
+            path = checkpoint.latest(ckpt_root)
+            if path is not None:
+                state = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
+                meta = checkpoint.load(path, state)
+                dmp.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optim"])
+                reader.load_state_dict(meta["data"])
+                start_step = int(meta["step"])
+                log.write("resume", step=start_step, path=str(path))
+                self._say(ctx, f"resumed from {path} at step {start_step}")
+            else:
+                self._say(ctx, f"no checkpoint under {ckpt_root}; starting from step 0")
+
+        log.write(
+            "start", config=to_dict(cfg), world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device),
+            start_step=start_step, torch=torch.__version__, python=platform.python_version(),
+            host=platform.node(), pid=os.getpid(),
+        )
+
+        def save(step: int) -> Path:
+            state = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
+            meta = {"data": reader.state_dict(), "world_size": ctx.world_size, "config": to_dict(cfg)}
+            path = checkpoint.save(ckpt_root, step, state, meta, keep=cfg.checkpoint.keep)
+            log.write("checkpoint", step=step, path=str(path))
+            return path
+
+        window, run_window = MetricWindow(), MetricWindow()
+        bar = tqdm(
+            total=cfg.train.steps, initial=start_step, desc=f"train {cfg.model.kind}", unit="step",
+            disable=not (ctx.is_main and cfg.train.progress and sys.stderr.isatty()), dynamic_ncols=True,
+        )
+        dmp.train()
+        last_ckpt: Path | None = None
+        last_metrics = ClickMetrics(float("nan"), float("nan"), float("nan"), 0)
+        timed_from, timed_steps = time.perf_counter(), 0
+        window_start = time.perf_counter()
+        for step in range(start_step, cfg.train.steps):
+            batch = reader.next_batch().to(ctx.device, non_blocking=True)
+            optimizer.zero_grad()
+            loss, (_, logits, labels) = dmp(batch)
+            loss.backward()
+            optimizer.step()
+            window.add(logits, labels)
+            run_window.add(logits, labels)
+            done = step + 1
+            if step == start_step:  # the first step pays for lazy initialisation: not timed
+                timed_from = time.perf_counter()
+            else:
+                timed_steps += 1
+            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                last_metrics = window.compute()
+                now = time.perf_counter()
+                rate = last_metrics.samples / max(now - window_start, 1e-9)
+                window_start = now
+                log.write("step", step=done, loss=last_metrics.loss, auc=last_metrics.auc, ne=last_metrics.ne,
+                          samples_per_s=rate, epoch=reader.epoch)
+                bar.set_postfix(loss=f"{last_metrics.loss:.4f}", auc=f"{last_metrics.auc:.3f}")
+                if bar.disable and ctx.is_main and cfg.train.progress:
+                    print(f"step {done}/{cfg.train.steps}  loss {last_metrics.loss:.4f}  "
+                          f"auc {last_metrics.auc:.3f}  {rate:,.0f} samples/s", flush=True)
+            bar.update(1)
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.train.steps:
+                last_ckpt = save(done)
+        seconds = time.perf_counter() - timed_from
+        bar.close()
+        if cfg.checkpoint.save_final and start_step < cfg.train.steps:
+            last_ckpt = save(cfg.train.steps)
+        run_metrics = run_window.compute() if start_step < cfg.train.steps else last_metrics
+        steps_run = cfg.train.steps - start_step
+        samples_per_s = timed_steps * reader.global_batch / seconds if timed_steps else float("nan")
+        summary = TrainSummary(
+            model=cfg.model.kind, world_size=ctx.world_size, start_step=start_step, steps=steps_run,
+            samples=steps_run * reader.global_batch, seconds=seconds, samples_per_s=samples_per_s,
+            train_loss=run_metrics.loss, train_auc=run_metrics.auc,
+            checkpoint=str(last_ckpt) if last_ckpt else None,
+        )
+        if cfg.train.eval and manifest.rows.get("eval", 0) >= reader.global_batch:
+            result = self._evaluate(dmp, ctx, features)
+            summary.eval_loss, summary.eval_auc, summary.eval_ne = result.loss, result.auc, result.ne
+            log.write("eval", loss=result.loss, auc=result.auc, ne=result.ne, samples=result.samples)
+        log.write("summary", **asdict(summary))
+        log.close()
+        return summary
+
+    def _evaluate(self, dmp: torch.nn.Module, ctx: DistContext, features: list[str]) -> ClickMetrics:
+        cfg = self.cfg
+        reader = ParquetSequenceReader(
+            cfg.data.path, "eval", batch_size=cfg.data.batch_size, max_seq_len=cfg.data.max_seq_len,
+            sparse_features=features, rank=ctx.rank, world_size=ctx.world_size, shuffle=False,
+        )
+        window = MetricWindow()
+        dmp.eval()
+        with torch.no_grad():
+            for batch in reader.one_epoch():
+                _, (_, logits, labels) = dmp(batch.to(ctx.device, non_blocking=True))
+                window.add(logits, labels)
+        dmp.train()
+        return window.compute()
+
+    @staticmethod
+    def _say(ctx: DistContext, message: str) -> None:
+        if ctx.is_main:
+            print(message, flush=True)
+
