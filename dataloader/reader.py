@@ -108,7 +108,7 @@ def validate_table(table: pa.Table, manifest: DatasetManifest, where: str) -> No
         bad = ~np.isin(labels, (0.0, 1.0))
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            raise DataError(f"{where}: column '{LABEL}' row {row} is {labels[row]!r}; labels must be 0 or 1")
+            raise DataError(f"{where}: column '{LABEL}' row {row} is {float(labels[row])}; labels must be 0 or 1")
 
 
 class ParquetSequenceReader:
