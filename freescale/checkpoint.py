@@ -11,7 +11,9 @@ file), waits for all ranks, then rank 0 writes ``freescale.json`` (fsync) and
 renames the directory to ``step_N`` (fsync of the parent).  A rename is atomic,
 so a kill at any moment leaves either the previous complete checkpoints or a
 ``.partial`` directory that ``latest`` ignores and the next save of that step
-removes.  Model and optimizer state go through DCP, which stores torchrec's
+removes.  Old checkpoints are renamed to ``step_N.deleting`` before they are
+deleted, so a kill during pruning cannot leave a half-deleted one on offer.
+Model and optimizer state go through DCP, which stores torchrec's
 sharded tables shard by shard and reshards dense weights on load.
 """
 
@@ -27,11 +29,13 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from freescale.config import require
 
 META_NAME = "freescale.json"
 PARTIAL_SUFFIX = ".partial"
+TRASH_SUFFIX = ".deleting"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -92,6 +96,16 @@ def latest(root: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def _discard(path: Path) -> None:
+    """Remove a checkpoint so that no kill can leave it half-deleted but still offered:
+    rename it out of the ``step_N`` namespace (atomic) first, then delete."""
+    trash = path.with_name(path.name + TRASH_SUFFIX)
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
+    _fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def save(root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str, Any], keep: int = 2) -> Path:
     """Collective: every rank calls it with its own ``app_state``; returns the final path."""
     root = Path(root)
@@ -111,11 +125,11 @@ def save(root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str,
             os.fsync(fh.fileno())
         _fsync_dir(partial)
         if final.exists():  # an older save of the same step (e.g. after a restart): replace it
-            shutil.rmtree(final)
+            _discard(final)
         os.rename(partial, final)
         _fsync_dir(root)
         for _, old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _discard(old)
     _barrier()
     return final
 
@@ -135,7 +149,7 @@ def load(path: str | Path, app_state: dict[str, Any]) -> dict[str, Any]:
     meta = read_meta(path)
     try:
         dcp.load(app_state, checkpoint_id=str(path))
-    except Exception as exc:  # DCP raises CheckpointException with per-rank tracebacks
+    except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: cannot load into this model/optimizer: {first_line}") from exc
     return meta
