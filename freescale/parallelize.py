@@ -76,3 +76,16 @@ def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> Combined
         lambda params: torch.optim.AdamW(params, lr=cfg.dense_lr, weight_decay=cfg.dense_weight_decay),
     )
     return CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def materialize_optimizer_state(optimizer: CombinedOptimizer) -> None:
+    """Create the lazily built dense optimizer state (AdamW moments) with one zero-gradient
+    step, so that a checkpoint can be loaded into it in place.
+
+    Only before loading a checkpoint: the step counts it adds are overwritten by the
+    load.  The fused embedding optimizer allocates its state eagerly and is skipped.
+    """
+    for _, opt in optimizer.optimizers:
+        if isinstance(opt, KeyedOptimizerWrapper):
+            opt.init_state()
+            opt.zero_grad(set_to_none=True)

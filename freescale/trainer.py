@@ -48,7 +48,7 @@ from freescale.dataloader.schema import DatasetManifest
 from freescale.distributed import DistConfig, DistContext, init_distributed, shutdown
 from freescale.metrics import ClickMetrics, MetricWindow
 from freescale.models import ModelConfig, build_model
-from freescale.parallelize import OptimConfig, build_optimizer, shard_model
+from freescale.parallelize import OptimConfig, build_optimizer, materialize_optimizer_state, shard_model
 
 
 @dataclass
@@ -159,6 +159,7 @@ class Trainer:
         if cfg.checkpoint.resume:
             path = checkpoint.latest(ckpt_root)
             if path is not None:
+                materialize_optimizer_state(optimizer)
                 state = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
                 meta = checkpoint.load(path, state)
                 dmp.load_state_dict(state["model"])

@@ -1,0 +1,63 @@
+"""The `freescale` command as a user meets it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.conftest import REPO, read_log, run_cli
+
+
+def test_help_for_each_command() -> None:
+    top = run_cli("--help")
+    assert top.returncode == 0 and all(c in top.stdout for c in ("gen-data", "train", "launch"))
+    train = run_cli("train", "--help")
+    assert train.returncode == 0 and "--train.steps" in train.stdout and "--model.hstu.num_blocks" in train.stdout
+    launch = run_cli("launch", "--help")
+    assert launch.returncode == 0 and "--nproc-per-node" in launch.stdout
+    gen = run_cli("gen-data", "--help")
+    assert gen.returncode == 0 and "--lengths" in gen.stdout
+
+
+def test_gen_data_writes_a_dataset(tmp_path: Path) -> None:
+    proc = run_cli("gen-data", "--out", str(tmp_path / "d"), "--rows", "1000", "--eval-rows", "100", "--max-len", "16")
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((tmp_path / "d" / "dataset.json").read_text())
+    assert manifest["rows"] == {"train": 1000, "eval": 100} and manifest["max_len"] == 16
+    bad = run_cli("gen-data", "--out", str(tmp_path / "e"), "--lengths", "pareto")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "freescale: error: gen-data: lengths: must be one of ml-1m, ml-20m, uniform, got 'pareto'"
+    ]
+
+
+def test_bad_key_is_one_line_for_train_and_launch(tiny_data: Path) -> None:
+    for command in ("train", "launch"):
+        proc = run_cli(command, "--config", str(REPO / "configs" / "tiny_hstu.toml"), "--train.stpes", "5")
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines() == [
+            "freescale: error: unknown config key 'train.stpes' (did you mean 'train.steps'?)"
+        ]
+
+
+def test_missing_data_path_is_named(tmp_path: Path) -> None:
+    proc = run_cli("launch", "--data.path", str(tmp_path / "missing"))
+    assert proc.returncode == 2
+    assert f"data path not found: {tmp_path / 'missing'}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_single_process_train_without_torchrun(tiny_data: Path, tmp_path: Path) -> None:
+    proc = run_cli(
+        "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
+        f"--train.output_dir={tmp_path}", "--train.steps=5", "--train.log_every=5",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "freescale: dlrm on 1 rank(s)" in proc.stdout
+    summary = [e for e in read_log(tmp_path) if e["event"] == "summary"][0]
+    assert summary["world_size"] == 1 and summary["steps"] == 5
+    again = run_cli(
+        "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
+        f"--train.output_dir={tmp_path}", "--train.steps=8", "--train.log_every=4", "--resume",
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "3 (from step 5)" in again.stdout
