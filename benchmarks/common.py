@@ -1,0 +1,54 @@
+"""Shared by the benchmark scripts: machine/version facts, a printed table, JSON rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "ci": os.environ.get("CI") == "true",
+    }
+    for package in ("torch", "torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu", "pyarrow", "triton"):
+        try:
+            info[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - machine facts must never sink a benchmark
+        info["gpu"] = None
+    return info
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.4f}" if abs(v) < 10 else f"{v:,.1f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def write_json(path: str | Path, benchmark: str, params: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    out = {"benchmark": benchmark, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
+           "params": params, "rows": rows}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
