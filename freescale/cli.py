@@ -5,8 +5,8 @@
     freescale launch --nproc-per-node 2 --config configs/tiny_hstu.toml --data.path data/demo
 
 ``train`` runs one rank (under torchrun, or alone); ``launch`` starts N local
-ranks through torchrun after checking the config and data in the parent, so a
-typo costs one line, not N tracebacks.  Every config key can be overridden as
+ranks under torch's elastic agent (``freescale.launch``) after checking the
+config and data in the parent, so a typo costs one line, not N tracebacks.  Every config key can be overridden as
 ``--section.key VALUE`` (see ``freescale train --help``).  Bad input exits with
 status 2 and one line that names the key, file or column.
 """
@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import typing
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from freescale.config import ConfigError, type_name, load_config
@@ -52,7 +50,8 @@ def _trainer_config_cls() -> type:
 
 def _load_train_config(config: str | None, overrides: list[str], resume: bool) -> Any:
     cfg = load_config(_trainer_config_cls(), config, overrides)
-    if resume:
+    # torchrun --max-restarts: a restarted group continues from its latest checkpoint.
+    if resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         cfg.checkpoint.resume = True
     return cfg
 
@@ -124,32 +123,14 @@ def print_summary(summary: Any) -> None:
 
 
 # ----- launch ----------------------------------------------------------------------------
-def torchrun_command(nproc: int, max_restarts: int, train_args: Sequence[str]) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}", "-m", "freescale.cli", "train", *train_args,
-    ]
-
-
 def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load_train_config(args.config, overrides, args.resume)
     from freescale.dataloader.schema import DatasetManifest
+    from freescale.launch import launch_local
 
-    DatasetManifest.read(cfg.data.path)
+    DatasetManifest.read(cfg.data.path)  # fail here, once, before any rank starts
     train_args = ([f"--config={args.config}"] if args.config else []) + (["--resume"] if args.resume else [])
-    cmd = torchrun_command(args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
-    env = dict(os.environ)
-    cores = os.cpu_count() or 1
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc_per_node)))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("TORCHELASTIC_ERROR_FILE", str(Path(cfg.train.output_dir) / "torchelastic_error.json"))
-    Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, env=env)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.wait()
-        return 130
+    return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
 
 
 # ----- entry -----------------------------------------------------------------------------
@@ -178,13 +159,13 @@ def build_parser(with_config_keys: bool = True) -> argparse.ArgumentParser:
             _config_keys(_trainer_config_cls())
         )
     for name, helptext in (("train", "train on this process (one rank; run under torchrun for more)"),
-                           ("launch", "start N local ranks of `train` through torchrun")):
+                           ("launch", "start N local ranks of `train` (torchrun's elastic agent)")):
         p = sub.add_parser(name, help=helptext, epilog=keys_help, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", help="TOML config file (e.g. configs/tiny_hstu.toml)")
         p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
         if name == "launch":
             p.add_argument("--nproc-per-node", type=int, default=2, help="local ranks (default 2)")
-            p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts on failure (default 0)")
+            p.add_argument("--max-restarts", type=int, default=0, help="restart the group this often when a rank fails; it resumes from its latest checkpoint (default 0)")
     return parser
 
 
@@ -205,8 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from freescale.dataloader.schema import DataError
 
         if isinstance(exc, (ConfigError, DataError, CheckpointError, UserError)):
-            if _is_rank0():
-                print(f"freescale: error: {exc}", file=sys.stderr)
+            from freescale.launch import report_user_error
+
+            report_user_error(str(exc))
             return 2
         raise
 

@@ -77,10 +77,12 @@ def init_distributed(cfg: DistConfig) -> DistContext:
     )
 
 
-def shutdown(ctx: DistContext) -> None:
-    """Barrier, then destroy the group if we created it."""
+def shutdown(ctx: DistContext, clean: bool = True) -> None:
+    """Destroy the group if we created it; after a barrier when every rank ends together
+    (``clean``), without one when leaving on an error (a barrier could wait for a dead peer)."""
     if ctx.owns_group and dist.is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -131,9 +131,13 @@ class Trainer:
         quiet_libraries()
         ctx = init_distributed(self.cfg.dist)
         try:
-            return self._fit(ctx)
-        finally:
-            shutdown(ctx)
+            summary = self._fit(ctx)
+        except BaseException:
+            # Peers may be dead or stuck in another collective: no barrier on the way out.
+            shutdown(ctx, clean=False)
+            raise
+        shutdown(ctx)
+        return summary
 
     # ------------------------------------------------------------------------------
     def _fit(self, ctx: DistContext) -> TrainSummary:

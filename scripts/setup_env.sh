@@ -36,18 +36,23 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   echo "setup_env: creating $VENV with $($PYTHON --version)"
   "$PYTHON" -m venv "$VENV"
 fi
-pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+pip_install() {
+  # pip's resolver reports that torchrec's metadata wants `fbgemm-gpu`: expected,
+  # since the matching fbgemm build was installed under its own name above.
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2> >(
+    grep -vE "dependency resolver does not currently take into account|torchrec .* requires fbgemm-gpu" >&2)
+}
 
 echo "setup_env: installing the $FREESCALE_STACK stack"
 # One package per call, in file order: each later call sees the pinned torch.
 grep -vE '^\s*(#|$)' "requirements/$FREESCALE_STACK.txt" | while read -r req; do
-  "${pip[@]}" "$req"
+  pip_install "$req"
 done
-"${pip[@]}" --no-deps "torchrec==1.8.0"
+pip_install --no-deps "torchrec==1.8.0"
 # The project itself (its dependencies are index-safe: torch is already pinned),
 # then the test tools.
-"${pip[@]}" --no-build-isolation -e .
-"${pip[@]}" -r requirements/test.txt
+pip_install --no-build-isolation -e .
+pip_install -r requirements/test.txt
 "$VENV/bin/python" - <<'PY'
 import torch, torchrec, fbgemm_gpu  # noqa: F401  fail here, not in the first test
 import freescale, freescale.dataloader, freescale.kernels, freescale.ft  # noqa: F401

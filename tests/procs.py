@@ -31,6 +31,13 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
     """Signal ``pid`` and every descendant (deepest first, so none is re-parented unseen)."""
     for p in [*reversed(descendants(pid)), pid]:

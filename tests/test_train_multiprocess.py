@@ -12,7 +12,7 @@ import pytest
 
 from freescale import checkpoint
 from tests.conftest import REPO, cli_env, events, read_log, run_cli
-from tests.procs import kill_tree, wait_for
+from tests.procs import cmdline, descendants, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -85,3 +85,43 @@ def test_sigkill_then_resume_equals_uninterrupted(
     after = step_losses(log[resume_at:])
     assert sorted(after) == list(range(resume_step + 1, 41))
     assert after == {s: reference_losses[s] for s in after}  # bit-identical, not close
+
+
+def test_rank_killed_restarts_group_and_resumes_automatically(
+    reference_losses: dict[int, float], tiny_data: Path, tmp_path: Path
+) -> None:
+    """SIGKILL one rank; `--max-restarts 1` restarts the group, which resumes by itself."""
+    args = launch_args("tiny_hstu.toml", tiny_data, tmp_path, *SHORT, "--checkpoint.every=10", "--max-restarts=1")
+    proc = subprocess.Popen([sys.executable, "-m", "freescale.cli", *args], cwd=REPO, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: checkpoint.latest(tmp_path / "checkpoints") is not None, timeout=180)
+        ranks = [p for p in descendants(proc.pid) if "freescale.cli train" in cmdline(p)]
+        assert len(ranks) == 2, [cmdline(p) for p in descendants(proc.pid)]
+        kill_tree(ranks[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 0, err[-4000:]
+    log = read_log(tmp_path)
+    (resume,) = events(log, "resume")
+    after = step_losses(log[log.index(resume):])
+    assert sorted(after) == list(range(resume["step"] + 1, 41))
+    assert after == {s: reference_losses[s] for s in after}
+    assert len(events(log, "summary")) == 1
+
+
+def test_crash_without_restarts_names_the_rank(tiny_data: Path, tmp_path: Path) -> None:
+    args = launch_args("tiny_hstu.toml", tiny_data, tmp_path, *SHORT, "--train.steps=400")
+    proc = subprocess.Popen([sys.executable, "-m", "freescale.cli", *args], cwd=REPO, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: (tmp_path / "train_log.jsonl").exists() and
+                        '"step"' in (tmp_path / "train_log.jsonl").read_text(), timeout=180)
+        ranks = [p for p in descendants(proc.pid) if "freescale.cli train" in cmdline(p)]
+        kill_tree(ranks[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1].endswith("failed with signal 9; see its output above")

@@ -1,0 +1,71 @@
+"""``freescale launch``: N local ranks of ``freescale train`` under torch's elastic agent.
+
+The same agent ``torchrun --standalone`` runs (c10d rendezvous on a free local
+port, ``--max-restarts`` restarts of the whole group), but in this process, so a
+failure ends in one line instead of the agent's traceback:
+
+- a user error in a rank (bad data, bad checkpoint) is written by that rank to
+  ``$FREESCALE_ERROR_DIR/rank<N>.txt`` and printed here once, however many ranks
+  hit it; exit status 2;
+- a crash keeps the rank's own traceback on stderr, and this prints which rank
+  died and how; exit status 1.
+
+Multi-node runs use torchrun directly (see README).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+ERROR_DIR_ENV = "FREESCALE_ERROR_DIR"
+
+
+def report_user_error(message: str) -> None:
+    """Called by a rank on a user error: hand it to the launcher, or print it."""
+    rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir:
+        Path(error_dir, f"rank{rank}.txt").write_text(message)
+    else:
+        prefix = f"[rank {rank}] " if world > 1 else ""
+        print(f"freescale: error: {prefix}{message}", file=sys.stderr)
+
+
+def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[str]) -> int:
+    """Run ``freescale train TRAIN_ARGS`` on ``nproc_per_node`` local ranks; return an exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    cores = os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc_per_node)))
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    error_dir = tempfile.mkdtemp(prefix="freescale-errors-")
+    os.environ[ERROR_DIR_ENV] = error_dir
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.1,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "freescale.cli", "train", *train_args)
+        return 0
+    except ChildFailedError as failed:
+        messages = sorted({p.read_text() for p in Path(error_dir).glob("rank*.txt")})
+        for message in messages:
+            print(f"freescale: error: {message}", file=sys.stderr)
+        if messages:
+            return 2
+        rank, failure = failed.get_first_failure()
+        how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        print(f"freescale: error: rank {rank} (pid {failure.pid}) failed with {how}; see its output above",
+              file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
