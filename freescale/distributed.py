@@ -62,7 +62,10 @@ def init_distributed(cfg: DistConfig) -> DistContext:
     if not dist.is_initialized():
         timeout = timedelta(seconds=cfg.timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(
+                backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+            )
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         owns = True
@@ -75,6 +78,26 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         backend=dist.get_backend(),
         owns_group=owns,
     )
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """The rendezvous store for this (re)start of the group.
+
+    Under torchrun's elastic agent the ranks share the agent's TCPStore, and it is
+    the *same* store after a restart: the previous attempt's keys (each rank's gloo
+    address) are still there.  A restarted rank that reads a peer's key before the
+    peer rewrites it gets the dead process's address, and the group's creation
+    then fails ("Connection refused") or hangs; seen here in about 1 of 3
+    restarts.  A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) keeps each
+    attempt's keys apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+        is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and os.environ["RANK"] == "0",
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"/freescale/attempt_{attempt}", base)
 
 
 def shutdown(ctx: DistContext, clean: bool = True) -> None:
