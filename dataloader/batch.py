@@ -6,6 +6,10 @@ Shapes (legend: B samples on this rank, D dense width, T jagged values):
             with one id per sample)
     dense   float32 [B, D]
     labels  float32 [B]
+    costs   float32 [B], the planner's cost of each sample (for logs and calibration)
+    loss_scale  the factor on the *sum* of per-sample losses that makes DDP's mean over
+            ranks equal the mean over the step's samples: live ranks / samples in the step
+            (ranks may hold different numbers of samples)
 
 It implements torchrec's ``Pipelineable`` (``to``, ``record_stream``,
 ``pin_memory``) so torchrec's train pipelines can move it between streams.
@@ -25,6 +29,8 @@ class Batch(Pipelineable):
     sparse: KeyedJaggedTensor
     dense: torch.Tensor
     labels: torch.Tensor
+    costs: torch.Tensor | None = None
+    loss_scale: float | None = None
 
     @property
     def size(self) -> int:
@@ -35,6 +41,8 @@ class Batch(Pipelineable):
             sparse=self.sparse.to(device=device, non_blocking=non_blocking),
             dense=self.dense.to(device=device, non_blocking=non_blocking),
             labels=self.labels.to(device=device, non_blocking=non_blocking),
+            costs=self.costs,
+            loss_scale=self.loss_scale,
         )
 
     def record_stream(self, stream: torch.Stream) -> None:  # type: ignore[override]
@@ -43,4 +51,7 @@ class Batch(Pipelineable):
         self.labels.record_stream(stream)
 
     def pin_memory(self) -> Batch:
-        return Batch(sparse=self.sparse.pin_memory(), dense=self.dense.pin_memory(), labels=self.labels.pin_memory())
+        return Batch(
+            sparse=self.sparse.pin_memory(), dense=self.dense.pin_memory(), labels=self.labels.pin_memory(),
+            costs=self.costs, loss_scale=self.loss_scale,
+        )

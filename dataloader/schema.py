@@ -16,6 +16,10 @@ One row is one (user history, candidate item) pair:
 | candidate_item_id    | int64                     | the item to score, in [0, num_items)         |
 | dense_features       | fixed_size_list<float32>  | ``dense_dim`` floats                         |
 | label                | float32                   | 0 or 1 (click)                               |
+| history_length       | int32 (optional)          | len(history_item_ids); lets the planner read |
+|                      |                           | 4 bytes per row instead of the whole list    |
+
+Other columns are ignored.  ``freescale gen-data`` writes all of the above.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 MANIFEST_NAME = "dataset.json"
 FORMAT_VERSION = 1
@@ -35,6 +40,7 @@ HISTORY_TIMESTAMPS = "history_timestamps"
 CANDIDATE_ITEM = "candidate_item_id"
 DENSE = "dense_features"
 LABEL = "label"
+HISTORY_LENGTH = "history_length"
 
 
 class DataError(ValueError):
@@ -57,6 +63,9 @@ def sample_schema(dense_dim: int) -> pa.Schema:
 def check_schema(schema: pa.Schema, dense_dim: int, where: str) -> None:
     """Raise DataError naming ``where`` and the column if ``schema`` lacks or mistypes one."""
     expected = sample_schema(dense_dim)
+    idx = schema.get_field_index(HISTORY_LENGTH)
+    if idx >= 0 and not schema.field(idx).type.equals(pa.int32()):
+        raise DataError(f"{where}: column '{HISTORY_LENGTH}' has type {schema.field(idx).type}, expected int32")
     for want in expected:
         idx = schema.get_field_index(want.name)
         if idx < 0:
@@ -86,18 +95,24 @@ class DatasetManifest:
         tmp.replace(path)
 
     @classmethod
-    def read(cls, directory: str | Path) -> DatasetManifest:
-        directory = Path(directory)
-        path = directory / MANIFEST_NAME
-        if not directory.exists():
-            raise DataError(
-                f"data path not found: {directory} (create one with `freescale gen-data --out {directory}`)"
-            )
-        if not path.is_file():
-            raise DataError(f"{directory}: no {MANIFEST_NAME}; is this a dataset written by `freescale gen-data`?")
+    def read(cls, uri: str | Path) -> DatasetManifest:
+        """The manifest of the dataset at a local path or filesystem URI."""
+        from freescale.dataloader.source import resolve
+
+        fs, base = resolve(str(uri))
+        return cls.read_from(fs, base, str(uri))
+
+    @classmethod
+    def read_from(cls, fs: pafs.FileSystem, base: str, shown: str) -> DatasetManifest:
+        path = f"{shown.rstrip('/')}/{MANIFEST_NAME}"
+        if fs.get_file_info(f"{base}/{MANIFEST_NAME}").type != pafs.FileType.File:
+            if fs.get_file_info(base).type == pafs.FileType.NotFound:
+                raise DataError(f"data path not found: {shown} (create one with `freescale gen-data --out {shown}`)")
+            raise DataError(f"{shown}: no {MANIFEST_NAME}; is this a dataset written by `freescale gen-data`?")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+            with fs.open_input_stream(f"{base}/{MANIFEST_NAME}") as fh:
+                raw = json.loads(fh.read().decode())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise DataError(f"{path}: invalid JSON: {exc}") from None
         required = ("num_items", "num_users", "dense_dim", "max_len", "splits")
         for key in required:
@@ -112,14 +127,10 @@ class DatasetManifest:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in raw.items() if k in known})
 
-    def files(self, directory: str | Path, split: str) -> list[Path]:
-        directory = Path(directory)
+    def split_files(self, split: str, shown: str) -> list[str]:
+        """File names of ``split`` (relative to the dataset directory)."""
         if split not in self.splits:
             raise DataError(
-                f"{directory / MANIFEST_NAME}: no split '{split}' (has: {', '.join(sorted(self.splits)) or 'none'})"
+                f"{shown}/{MANIFEST_NAME}: no split '{split}' (has: {', '.join(sorted(self.splits)) or 'none'})"
             )
-        paths = [directory / name for name in self.splits[split]]
-        for p in paths:
-            if not p.is_file():
-                raise DataError(f"{p}: listed in {MANIFEST_NAME} split '{split}' but missing")
-        return paths
+        return list(self.splits[split])

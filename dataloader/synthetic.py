@@ -22,14 +22,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from freescale.config import ConfigError, require
-from freescale.dataloader.schema import DatasetManifest, sample_schema
+from freescale.dataloader.schema import HISTORY_LENGTH, DatasetManifest, sample_schema
 
 # scipy.stats.lognorm(s, loc, scale) fits of per-user history lengths (ANCHORS.md).
 LOGNORMAL_LENGTHS: dict[str, tuple[float, float, float]] = {
     "ml-1m": (1.387, 17.7, 67.3),
     "ml-20m": (1.608, 19.1, 43.2),
 }
-LENGTH_DISTRIBUTIONS = (*LOGNORMAL_LENGTHS, "uniform")
+LENGTH_DISTRIBUTIONS = (*LOGNORMAL_LENGTHS, "zipf", "uniform")
 
 
 @dataclass
@@ -42,6 +42,8 @@ class SyntheticSpec:
     dense_dim: int = 8
     max_len: int = 64
     lengths: str = "ml-20m"
+    zipf_alpha: float = 1.1
+    """Exponent of the ``zipf`` length distribution (heavier tail as it nears 1)."""
     item_zipf_alpha: float = 1.05
     history_affinity: float = 0.8
     seed: int = 0
@@ -65,14 +67,19 @@ class SyntheticSpec:
             "lengths",
             f"must be one of {', '.join(LENGTH_DISTRIBUTIONS)}, got {self.lengths!r}",
         )
+        require(self.zipf_alpha > 1.0, "zipf_alpha", f"must be > 1, got {self.zipf_alpha}")
         require(0.0 <= self.history_affinity <= 1.0, "history_affinity", "must be in [0, 1]")
         require(self.rows_per_file > 0 and self.row_group_size > 0, "rows_per_file", "must be positive")
 
 
-def sample_lengths(rng: np.random.Generator, n: int, distribution: str, max_len: int) -> np.ndarray:
+def sample_lengths(
+    rng: np.random.Generator, n: int, distribution: str, max_len: int, zipf_alpha: float = 1.1
+) -> np.ndarray:
     """History lengths, int64, clipped to ``[1, max_len]``."""
     if distribution == "uniform":
         return rng.integers(1, max_len + 1, size=n, dtype=np.int64)
+    if distribution == "zipf":
+        return np.minimum(rng.zipf(zipf_alpha, size=n), max_len).astype(np.int64)
     s, loc, scale = LOGNORMAL_LENGTHS[distribution]
     raw = loc + scale * rng.lognormal(mean=0.0, sigma=s, size=n)
     return np.clip(np.rint(raw), 1, max_len).astype(np.int64)
@@ -103,7 +110,7 @@ class _World:
         user = rng.integers(0, spec.num_users, size=n, dtype=np.int64)
         pref = self.user_category[user]
 
-        lengths = sample_lengths(rng, n, spec.lengths, spec.max_len)
+        lengths = sample_lengths(rng, n, spec.lengths, spec.max_len, spec.zipf_alpha)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         total = int(offsets[-1])
@@ -133,8 +140,9 @@ class _World:
                 pa.array(candidate),
                 pa.FixedSizeListArray.from_arrays(pa.array(dense.reshape(-1)), spec.dense_dim),
                 pa.array(label),
+                pa.array(lengths.astype(np.int32)),
             ],
-            schema=sample_schema(spec.dense_dim),
+            schema=sample_schema(spec.dense_dim).append(pa.field(HISTORY_LENGTH, pa.int32(), nullable=False)),
         )
 
 

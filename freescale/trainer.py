@@ -7,7 +7,8 @@
 
 One step on rank r (all ranks in lockstep; collectives must match):
 
-    1. reader.next_batch()            this rank's block of global batch s (no exchange)
+    1. loader.next_batch()            this rank's share of global batch s, planned by cost
+                                      on every rank alike, read and prefetched on a thread
     2. batch.to(device)
     3. dmp(batch)                     input dist (ids all-to-all) -> embedding lookup ->
                                       output all-to-all -> dense forward -> loss
@@ -37,17 +38,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from freescale import checkpoint
 from freescale.checkpoint import CheckpointConfig
 from freescale.config import require, to_dict
-from freescale.dataloader.reader import DataConfig, ParquetSequenceReader
+from freescale.dataloader.loader import BalancedLoader, DataConfig, StepInfo, build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.distributed import DistConfig, DistContext, init_distributed, shutdown
 from freescale.metrics import ClickMetrics, MetricWindow
-from freescale.models import ModelConfig, build_model
+from freescale.models import ModelConfig, build_model, cost_model_for
 from freescale.parallelize import OptimConfig, build_optimizer, materialize_optimizer_state, shard_model
 
 
@@ -93,6 +96,45 @@ class TrainSummary:
     eval_auc: float | None = None
     eval_ne: float | None = None
     checkpoint: str | None = None
+    skipped_rows: int = 0
+
+
+class StepTiming:
+    """Per-step balance and busy time over a log window (see DESIGN.md "Measures").
+
+    ``busy`` is this rank's main-thread CPU time in forward, backward and the
+    optimizer step: on CPU, with one compute thread per rank, that is the rank's
+    own compute, and time blocked in collectives is not in it.  The bubble
+    fraction ``1 - busy / step_time`` is averaged over ranks (all-reduce) and
+    steps.  On CUDA kernels run asynchronously and CPU time says nothing, so the
+    bubble is reported on CPU only.  ``imbalance`` and ``bound`` are the planner's
+    (planned cost, the same on every rank), ``loader_wait_ms`` the time the step
+    waited for its batch.
+    """
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[float, float, float, float, float, float]] = []
+
+    def add(self, info: StepInfo | None, *, busy: float, load_cpu: float, wall: float) -> None:
+        imbalance, bound, wait = (info.imbalance, info.bound, info.wait_s) if info else (1.0, 1.0, 0.0)
+        self._rows.append((busy, load_cpu, wall, imbalance, bound, wait))
+
+    def compute(self, with_bubble: bool) -> dict[str, float]:
+        """Collective when ``with_bubble`` (every rank must call it at the same step)."""
+        rows = np.array(self._rows) if self._rows else np.zeros((1, 6))
+        self._rows.clear()
+        busy, _, wall, imbalance, bound, wait = rows.T
+        out = {
+            "imbalance": float(imbalance.mean()), "bound": float(bound.mean()),
+            "step_ms": 1e3 * float(wall.mean()), "loader_wait_ms": 1e3 * float(wait.mean()),
+        }
+        if with_bubble:
+            per_step = torch.tensor(1.0 - busy / np.maximum(wall, 1e-9), dtype=torch.float64)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(per_step)
+                per_step /= dist.get_world_size()
+            out["bubble"] = float(per_step.mean())
+        return out
 
 
 class RunLog:
@@ -152,11 +194,7 @@ class Trainer:
         features = list(model.sparse_feature_names)
         dmp = shard_model(model, ctx, cfg.optim)
         optimizer = build_optimizer(dmp, cfg.optim)
-        reader = ParquetSequenceReader(
-            cfg.data.path, "train", batch_size=cfg.data.batch_size, max_seq_len=cfg.data.max_seq_len,
-            sparse_features=features, rank=ctx.rank, world_size=ctx.world_size,
-            seed=cfg.train.seed, shuffle=cfg.data.shuffle,
-        )
+        loader = self._loader(ctx, features, manifest.dense_dim, "train")
         log = RunLog(out_dir / "train_log.jsonl" if ctx.is_main else None)
 
         start_step = 0
@@ -168,7 +206,7 @@ class Trainer:
                 meta = checkpoint.load(path, state)
                 dmp.load_state_dict(state["model"])
                 optimizer.load_state_dict(state["optim"])
-                reader.load_state_dict(meta["data"])
+                loader.load_state_dict(meta["data"])
                 start_step = int(meta["step"])
                 log.write("resume", step=start_step, path=str(path))
                 self._say(ctx, f"resumed from {path} at step {start_step}")
@@ -183,7 +221,7 @@ class Trainer:
 
         def save(step: int) -> Path:
             state = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
-            meta = {"data": reader.state_dict(), "world_size": ctx.world_size, "config": to_dict(cfg)}
+            meta = {"data": loader.state_dict(), "world_size": ctx.world_size, "config": to_dict(cfg)}
             path = checkpoint.save(ckpt_root, step, state, meta, keep=cfg.checkpoint.keep)
             log.write("checkpoint", step=step, path=str(path))
             return path
@@ -198,14 +236,19 @@ class Trainer:
         last_metrics = ClickMetrics(float("nan"), float("nan"), float("nan"), 0)
         timed_from, timed_steps = time.perf_counter(), 0
         window_start = time.perf_counter()
+        timing = StepTiming()
         for step in range(start_step, cfg.train.steps):
-            batch = reader.next_batch().to(ctx.device, non_blocking=True)
+            step_start, cpu_start = time.perf_counter(), time.thread_time()
+            batch = loader.next_batch().to(ctx.device, non_blocking=True)
+            cpu_loaded = time.thread_time()
             optimizer.zero_grad()
             loss, (_, logits, labels) = dmp(batch)
             loss.backward()
             optimizer.step()
             window.add(logits, labels)
             run_window.add(logits, labels)
+            timing.add(loader.last, busy=time.thread_time() - cpu_loaded, load_cpu=cpu_loaded - cpu_start,
+                       wall=time.perf_counter() - step_start)
             done = step + 1
             if step == start_step:  # the first step pays for lazy initialisation: not timed
                 timed_from = time.perf_counter()
@@ -216,12 +259,14 @@ class Trainer:
                 now = time.perf_counter()
                 rate = last_metrics.samples / max(now - window_start, 1e-9)
                 window_start = now
+                balance = timing.compute(ctx.device.type == "cpu")
                 log.write("step", step=done, loss=last_metrics.loss, auc=last_metrics.auc, ne=last_metrics.ne,
-                          samples_per_s=rate, epoch=reader.epoch)
+                          samples_per_s=rate, epoch=loader.epoch, **balance)
                 bar.set_postfix(loss=f"{last_metrics.loss:.4f}", auc=f"{last_metrics.auc:.3f}")
                 if bar.disable and ctx.is_main and cfg.train.progress:
                     print(f"step {done}/{cfg.train.steps}  loss {last_metrics.loss:.4f}  "
-                          f"auc {last_metrics.auc:.3f}  {rate:,.0f} samples/s", flush=True)
+                          f"auc {last_metrics.auc:.3f}  {rate:,.0f} samples/s  "
+                          f"imbalance {balance['imbalance']:.3f}", flush=True)
             bar.update(1)
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.train.steps:
                 last_ckpt = save(done)
@@ -231,34 +276,41 @@ class Trainer:
             last_ckpt = save(cfg.train.steps)
         run_metrics = run_window.compute() if start_step < cfg.train.steps else last_metrics
         steps_run = cfg.train.steps - start_step
-        samples_per_s = timed_steps * reader.global_batch / seconds if timed_steps else float("nan")
+        samples_per_s = timed_steps * loader.global_batch_size / seconds if timed_steps else float("nan")
         summary = TrainSummary(
             model=cfg.model.kind, world_size=ctx.world_size, start_step=start_step, steps=steps_run,
-            samples=steps_run * reader.global_batch, seconds=seconds, samples_per_s=samples_per_s,
+            samples=steps_run * loader.global_batch_size, seconds=seconds, samples_per_s=samples_per_s,
             train_loss=run_metrics.loss, train_auc=run_metrics.auc,
             checkpoint=str(last_ckpt) if last_ckpt else None,
         )
-        if cfg.train.eval and manifest.rows.get("eval", 0) >= reader.global_batch:
-            result = self._evaluate(dmp, ctx, features)
+        loader.close()
+        if cfg.train.eval and manifest.rows.get("eval", 0) >= loader.global_batch_size:
+            result = self._evaluate(dmp, ctx, features, manifest.dense_dim)
             summary.eval_loss, summary.eval_auc, summary.eval_ne = result.loss, result.auc, result.ne
             log.write("eval", loss=result.loss, auc=result.auc, ne=result.ne, samples=result.samples)
-        log.write("summary", **asdict(summary))
+        summary.skipped_rows = sum(loader.source.skipped.values())
+        log.write("summary", **asdict(summary), skipped=dict(loader.source.skipped))
         log.close()
         return summary
 
-    def _evaluate(self, dmp: torch.nn.Module, ctx: DistContext, features: list[str]) -> ClickMetrics:
+    def _loader(self, ctx: DistContext, features: list[str], dense_dim: int, split: str) -> BalancedLoader:
         cfg = self.cfg
-        reader = ParquetSequenceReader(
-            cfg.data.path, "eval", batch_size=cfg.data.batch_size, max_seq_len=cfg.data.max_seq_len,
-            sparse_features=features, rank=ctx.rank, world_size=ctx.world_size, shuffle=False,
+        return build_loader(
+            cfg.data, split, rank=ctx.rank, world_size=ctx.world_size, sparse_features=features,
+            derived_cost=cost_model_for(cfg.model, dense_dim), seed=cfg.train.seed, training=split == "train",
+            pin_memory=ctx.device.type == "cuda",
         )
+
+    def _evaluate(self, dmp: torch.nn.Module, ctx: DistContext, features: list[str], dense_dim: int) -> ClickMetrics:
+        loader = self._loader(ctx, features, dense_dim, "eval")
         window = MetricWindow()
         dmp.eval()
         with torch.no_grad():
-            for batch in reader.one_epoch():
+            for batch in loader:
                 _, (_, logits, labels) = dmp(batch.to(ctx.device, non_blocking=True))
                 window.add(logits, labels)
         dmp.train()
+        loader.close()
         return window.compute()
 
     @staticmethod

@@ -19,7 +19,9 @@ samples share its batch (balancing moves samples between ranks freely).
 everywhere; a Triton kernel registers itself under ``"triton"`` and is chosen
 on CUDA.  The reference pads to ``[B, N, H, *]`` internally (padding only inside
 this function; inputs and outputs stay jagged) and is meant for CPU training,
-tests and as the ground truth for kernels.
+tests and as the ground truth for kernels.  It pads within power-of-two length
+buckets so its cost follows the jagged sum of L^2 (what the cost model and the
+balancer assume), not batch x longest^2.
 """
 
 from __future__ import annotations
@@ -87,11 +89,52 @@ def reference_hstu_attention(
     num_targets_B: torch.Tensor | None = None,
     max_attn_len: int = 0,
 ) -> torch.Tensor:
-    """Plain torch implementation of the module docstring's formula; returns ``[T, H, V]``."""
+    """Plain torch implementation of the module docstring's formula; returns ``[T, H, V]``.
+
+    Sequences are grouped by length into power-of-two buckets and padded only to
+    their bucket's longest, so the work is within 4x of the jagged sum of L^2
+    rather than batch x longest^2: a rank holding one long history and many
+    short ones does not pay for padding every short one to the long one.
+    """
     total = q_THA.shape[0]
     lengths_B = seq_offsets_B1[1:] - seq_offsets_B1[:-1]
     if total == 0 or lengths_B.numel() == 0:
         return v_THV.new_zeros(v_THV.shape)
+    bucket_B = torch.ceil(torch.log2(lengths_B.clamp(min=1).double())).long()
+    if bool((bucket_B == bucket_B[0]).all()):
+        return _padded_attention(q_THA, k_THA, v_THV, seq_offsets_B1, max_seq_len, alpha, num_targets_B, max_attn_len)
+    out_THV = v_THV.new_zeros(v_THV.shape)
+    for bucket in torch.unique(bucket_B).tolist():
+        seqs = torch.nonzero(bucket_B == bucket).squeeze(1)
+        sub_lengths = lengths_B[seqs]
+        sub_offsets = torch.zeros(seqs.numel() + 1, dtype=seq_offsets_B1.dtype, device=seq_offsets_B1.device)
+        sub_offsets[1:] = torch.cumsum(sub_lengths, 0)
+        sub_total = int(sub_offsets[-1])
+        if sub_total == 0:
+            continue
+        owner = torch.repeat_interleave(torch.arange(seqs.numel(), device=seqs.device), sub_lengths, output_size=sub_total)
+        tokens = seq_offsets_B1[:-1][seqs][owner] + torch.arange(sub_total, device=seqs.device) - sub_offsets[:-1][owner]
+        sub_out = _padded_attention(
+            q_THA[tokens], k_THA[tokens], v_THV[tokens], sub_offsets, max_seq_len, alpha,
+            None if num_targets_B is None else num_targets_B[seqs], max_attn_len,
+        )
+        out_THV = out_THV.index_copy(0, tokens, sub_out)
+    return out_THV
+
+
+def _padded_attention(
+    q_THA: torch.Tensor,
+    k_THA: torch.Tensor,
+    v_THV: torch.Tensor,
+    seq_offsets_B1: torch.Tensor,
+    max_seq_len: int,
+    alpha: float,
+    num_targets_B: torch.Tensor | None,
+    max_attn_len: int,
+) -> torch.Tensor:
+    """The formula on all sequences padded to their longest (one batched einsum)."""
+    total = q_THA.shape[0]
+    lengths_B = seq_offsets_B1[1:] - seq_offsets_B1[:-1]
     longest = int(lengths_B.max())
     q_BNHA = jagged_to_padded(q_THA, seq_offsets_B1, longest)
     k_BNHA = jagged_to_padded(k_THA, seq_offsets_B1, longest)

@@ -7,9 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from freescale.dataloader.reader import ParquetSequenceReader
+from freescale.dataloader.cost import CostModel
+from freescale.dataloader.loader import DataConfig, build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.models import ModelConfig, build_model
+
+
+def first_batch(path: Path, batch_size: int, features: list[str]):  # type: ignore[no-untyped-def]
+    """The first ``batch_size`` rows of the split, in file order."""
+    cfg = DataConfig(path=str(path), batch_size=batch_size, max_seq_len=32, shuffle=False,
+                     partitioner="round_robin", prefetch=0)
+    return build_loader(cfg, "train", rank=0, world_size=1, sparse_features=features,
+                        derived_cost=CostModel(1, 1, 1), seed=0).next_batch()
 
 
 @pytest.mark.parametrize("kind", ["hstu", "dlrm"])
@@ -17,9 +26,7 @@ def test_forward_shapes_and_every_parameter_gets_a_gradient(kind: str, tiny_data
     torch.manual_seed(0)
     manifest = DatasetManifest.read(tiny_data)
     model = build_model(ModelConfig(kind=kind), manifest, max_seq_len=32, embedding_device=torch.device("cpu"))
-    batch = ParquetSequenceReader(
-        tiny_data, "train", batch_size=16, max_seq_len=32, sparse_features=model.sparse_feature_names
-    ).next_batch()
+    batch = first_batch(tiny_data, 16, model.sparse_feature_names)
     loss, (detached, logits, labels) = model(batch)
     assert loss.shape == () and torch.isfinite(loss)
     assert logits.shape == (16,) and labels.shape == (16,)
@@ -36,9 +43,7 @@ def test_hstu_scores_each_sample_independently_of_its_batch(tiny_data: Path) -> 
     manifest = DatasetManifest.read(tiny_data)
     model = build_model(ModelConfig(kind="hstu"), manifest, max_seq_len=32, embedding_device=torch.device("cpu"))
     features = model.sparse_feature_names
-    big = ParquetSequenceReader(tiny_data, "train", batch_size=8, max_seq_len=32, sparse_features=features, shuffle=False)
-    small = ParquetSequenceReader(tiny_data, "train", batch_size=2, max_seq_len=32, sparse_features=features, shuffle=False)
     with torch.no_grad():
-        _, (_, logits_big, _) = model(big.next_batch())
-        _, (_, logits_small, _) = model(small.next_batch())
+        _, (_, logits_big, _) = model(first_batch(tiny_data, 8, features))
+        _, (_, logits_small, _) = model(first_batch(tiny_data, 2, features))
     torch.testing.assert_close(logits_big[:2], logits_small, rtol=1e-5, atol=1e-6)

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from freescale.dataloader.cost import CostModel
 from freescale.dataloader.schema import DatasetManifest
 from freescale.models.dlrm import DLRMConfig, DLRMModel
 from freescale.models.hstu import HSTUConfig, HSTUModel
@@ -40,4 +41,22 @@ def build_model(
     )
 
 
-__all__ = ["DLRMConfig", "DLRMModel", "HSTUConfig", "HSTUModel", "ModelConfig", "build_model"]
+def cost_model_for(cfg: ModelConfig, dense_dim: int) -> CostModel:
+    """Per-sample cost ``a*L^2 + b*L + c0`` (FLOPs) derived from the model's dimensions."""
+    if cfg.kind == "hstu":
+        h = cfg.hstu
+        return CostModel.for_hstu(
+            embedding_dim=h.embedding_dim, num_blocks=h.num_blocks, num_heads=h.num_heads,
+            attention_dim=h.attention_dim, value_dim=h.value_dim,
+            head_width=max(h.head_layers, default=1) + dense_dim,
+        )
+    d = cfg.dlrm
+    widths = [dense_dim, *d.bottom_layers]
+    bottom = sum(2 * a * b for a, b in zip(widths, widths[1:]))
+    interactions = 4 * 3 // 2 + d.embedding_dim
+    tops = [interactions, *d.top_layers, 1]
+    top = sum(2 * a * b for a, b in zip(tops, tops[1:]))
+    return CostModel.for_pooled(embedding_dim=d.embedding_dim, dense_flops=bottom + top)
+
+
+__all__ = ["cost_model_for", "DLRMConfig", "DLRMModel", "HSTUConfig", "HSTUModel", "ModelConfig", "build_model"]

@@ -25,7 +25,15 @@ def mlp(in_features: int, widths: list[int]) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def bce_output(logits_B: torch.Tensor, labels_B: torch.Tensor) -> ModelOutput:
-    """Mean binary cross-entropy of click logits, in the (loss, output) convention."""
-    loss = F.binary_cross_entropy_with_logits(logits_B, labels_B)
+def bce_output(logits_B: torch.Tensor, labels_B: torch.Tensor, loss_scale: float | None = None) -> ModelOutput:
+    """Binary cross-entropy of click logits, in the (loss, output) convention.
+
+    Without ``loss_scale`` the mean over this rank's samples; with it, the sum times
+    ``loss_scale`` (the loader sets it so that averaging over ranks gives the mean
+    over the whole step's samples when ranks hold different numbers of samples).
+    """
+    if loss_scale is None:
+        loss = F.binary_cross_entropy_with_logits(logits_B, labels_B)
+    else:
+        loss = F.binary_cross_entropy_with_logits(logits_B, labels_B, reduction="sum") * loss_scale
     return loss, (loss.detach(), logits_B.detach(), labels_B)

@@ -71,4 +71,4 @@ class DLRMModel(nn.Module):
 
     def forward(self, batch: Batch) -> ModelOutput:
         logits_B = self.dlrm(batch.dense, batch.sparse).squeeze(-1)
-        return bce_output(logits_B, batch.labels)
+        return bce_output(logits_B, batch.labels, batch.loss_scale)

@@ -150,4 +150,4 @@ class HSTUModel(nn.Module):
             x_TD = block(x_TD, seq_offsets_B1, num_targets_B)
         candidate_out_BD = self.final_norm(x_TD[seq_offsets_B1[1:] - 1])
         logits_B = self.head(torch.cat([candidate_out_BD, batch.dense], dim=-1)).squeeze(-1)
-        return bce_output(logits_B, batch.labels)
+        return bce_output(logits_B, batch.labels, batch.loss_scale)

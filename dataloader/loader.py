@@ -1,0 +1,361 @@
+"""``BalancedLoader``: this rank's ``Batch`` of every step, planned by cost, prefetched.
+
+Per step, on every rank, with no exchange of samples::
+
+    planner.plan(epoch, step, live_ranks)   same answer on every rank (planner.py)
+    source.read(my rows)                    row-group reads of just these rows (source.py)
+    to_batch(...)                           Arrow offsets/values -> KJT, no per-sample loop
+
+A background thread runs those three for the next ``prefetch`` steps, so the
+training loop only waits when reading is slower than a step (``wait_s`` in
+``last`` says how long it waited).  Planning, Parquet decoding and the numpy
+work release the GIL for most of their time, so the thread overlaps the
+model's compute even on CPU.  ``prefetch = 0`` does it all inline.
+
+Position and resumption: ``state_dict`` holds the next (epoch, step) to be
+*consumed* (prefetched batches do not count) and the current planning window's
+history; ``load_state_dict`` restarts there, also with a different set of live
+ranks (the rest of the window is re-planned over them).  ``set_live_ranks``
+changes the set between steps and discards batches prefetched for the old one.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from freescale.config import require
+from freescale.dataloader.batch import Batch
+from freescale.dataloader.cost import CostModel
+from freescale.dataloader.partition import PARTITIONERS
+from freescale.dataloader.planner import BatchPlanner, EpochOrder, StepPlan
+from freescale.dataloader.schema import CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, USER_ID, DataError
+from freescale.dataloader.source import ParquetSource
+
+# Sparse feature name -> (column, is a list column).
+SPARSE_FEATURES: dict[str, tuple[str, bool]] = {
+    HISTORY_ITEMS: (HISTORY_ITEMS, True),
+    CANDIDATE_ITEM: (CANDIDATE_ITEM, False),
+    USER_ID: (USER_ID, False),
+}
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/demo"
+    """Dataset directory: a local path or a pyarrow filesystem URI (s3://, gs://, hdfs://)."""
+    batch_size: int = 64
+    """Samples per rank per step on average; the global batch is batch_size x ranks at start."""
+    max_seq_len: int = 64
+    """History items kept per sample (the most recent); longer histories are truncated."""
+    shuffle: bool = True
+    partitioner: Literal["round_robin", "token_kk", "lpt", "kk"] = "lpt"
+    equal_count: bool = False
+    """Give every rank the same number of samples (balancing cost within that constraint)."""
+    window: int = 1
+    """Global batches planned together; > 1 groups the heaviest samples into the same steps."""
+    shuffle_row_groups: int = 8
+    """Row groups whose rows are shuffled together (the reads of a step stay within them)."""
+    prefetch: int = 2
+    """Batches prepared ahead on a background thread; 0 prepares them inline."""
+    on_bad_rows: Literal["error", "skip"] = "error"
+    cost_quadratic: float = -1.0
+    """Cost model ``a*L^2 + b*L + c0``; negative values mean: derive from the model's dimensions."""
+    cost_linear: float = -1.0
+    cost_constant: float = -1.0
+
+    def validate(self) -> None:
+        require(bool(self.path), "path", "must name a dataset directory")
+        require(self.batch_size > 0, "batch_size", f"must be positive, got {self.batch_size}")
+        require(self.max_seq_len > 0, "max_seq_len", f"must be positive, got {self.max_seq_len}")
+        require(self.window >= 1, "window", f"must be >= 1, got {self.window}")
+        require(
+            self.window == 1 or (self.partitioner != "round_robin" and not self.equal_count),
+            "window", "> 1 needs a cost-balancing partitioner (lpt, kk, token_kk) and equal_count = false",
+        )
+        require(self.shuffle_row_groups >= 1, "shuffle_row_groups", "must be >= 1")
+        require(self.prefetch >= 0, "prefetch", f"must be >= 0, got {self.prefetch}")
+
+    def cost_model(self, derived: CostModel) -> CostModel:
+        """The configured coefficients, each falling back to ``derived`` when negative."""
+        return CostModel(
+            quadratic=self.cost_quadratic if self.cost_quadratic >= 0 else derived.quadratic,
+            linear=self.cost_linear if self.cost_linear >= 0 else derived.linear,
+            constant=self.cost_constant if self.cost_constant >= 0 else derived.constant,
+        )
+
+
+@dataclass
+class StepInfo:
+    """What the loader knows about the step just handed out (for logs and benchmarks)."""
+
+    epoch: int
+    step: int
+    imbalance: float
+    bound: float
+    global_size: int
+    rank_size: int
+    rank_cost: float
+    wait_s: float
+    rows: np.ndarray
+    """Global row ids this rank trained on (after skipping bad rows)."""
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_END = object()
+
+
+class BalancedLoader:
+    def __init__(
+        self,
+        source: ParquetSource,
+        planner: BatchPlanner,
+        *,
+        rank: int,
+        live_ranks: list[int],
+        sparse_features: list[str],
+        max_seq_len: int,
+        prefetch: int = 2,
+        epochs: int | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        unknown = [f for f in sparse_features if f not in SPARSE_FEATURES]
+        if unknown:
+            raise DataError(f"unknown sparse feature(s) {unknown}; known: {sorted(SPARSE_FEATURES)}")
+        if planner.steps_per_epoch == 0:
+            raise DataError(
+                f"{source.uri}: the split has {source.num_rows} rows, fewer than one global batch "
+                f"({planner.global_batch_size})"
+            )
+        self.source, self.planner = source, planner
+        self.rank = rank
+        self.sparse_features = list(sparse_features)
+        self.max_seq_len = max_seq_len
+        self.prefetch = prefetch
+        self.epochs = epochs
+        self.pin_memory = pin_memory
+        self.dense_dim = source.manifest.dense_dim
+        self._live = self._check_ranks(live_ranks)
+        self.epoch, self.step = 0, 0
+        self.last: StepInfo | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue[Any] = queue.Queue()
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.planner.steps_per_epoch
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.planner.global_batch_size
+
+    @property
+    def live_ranks(self) -> tuple[int, ...]:
+        return self._live
+
+    def _check_ranks(self, ranks: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+        live = tuple(sorted(set(ranks)))
+        if self.rank not in live:
+            raise ValueError(f"rank {self.rank} is not among the live ranks {list(live)}")
+        return live
+
+    # ----- consuming ---------------------------------------------------------------------------
+    def next_batch(self) -> Batch:
+        """This rank's batch of the current step; the position then moves one step on."""
+        if self.epochs is not None and self.epoch >= self.epochs:
+            raise StopIteration
+        start = time.perf_counter()
+        if self.prefetch == 0:
+            item = self._make(self.epoch, self.step, self._live)
+        else:
+            if self._thread is None:
+                self._start()
+            item = self._queue.get()
+            if isinstance(item, _Failure):
+                self._thread = None
+                raise item.exc
+        plan_info, batch = item
+        self.last = StepInfo(**plan_info, wait_s=time.perf_counter() - start)
+        self.epoch, self.step = _advance(self.epoch, self.step, self.steps_per_epoch)
+        return batch
+
+    def __iter__(self) -> Any:
+        while self.epochs is None or self.epoch < self.epochs:
+            yield self.next_batch()
+
+    def set_live_ranks(self, ranks: list[int]) -> None:
+        """Use ``ranks`` from the next step on (batches prefetched for the old set are dropped)."""
+        live = self._check_ranks(ranks)
+        if live != self._live:
+            self._halt()
+            self._live = live
+
+    # ----- position ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch, "step": self.step, "global_batch_size": self.global_batch_size,
+            "window": self._window_state_for_position(), "skipped": dict(self.source.skipped),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["global_batch_size"]) != self.global_batch_size:
+            raise DataError(
+                f"{self.source.uri}: the checkpoint's global batch is {state['global_batch_size']}, this run's is "
+                f"{self.global_batch_size}; resuming would skip or repeat samples"
+            )
+        self._halt()
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.planner.load_window_state(state.get("window") or {})
+        self.source.skipped.update(state.get("skipped", {}))
+
+    def _window_state_for_position(self) -> dict[str, Any]:
+        # The producer thread may have planned ahead into a later window; the consumed
+        # position's window is what a restart needs, so re-derive it when they differ.
+        self._halt()
+        state = self.planner.window_state()
+        index = self.step // self.planner.window
+        if state and (state["epoch"], state["index"]) == (self.epoch, index):
+            return state
+        return {}
+
+    def close(self) -> None:
+        self._halt()
+
+    # ----- producing ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(
+            target=self._produce, args=(self.epoch, self.step, self._live, self._stop, self._queue),
+            name="freescale-loader", daemon=True,
+        )
+        self._thread.start()
+
+    def _halt(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            while self._thread.is_alive():
+                try:
+                    self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            self._thread = None
+
+    def _produce(self, epoch: int, step: int, live: tuple[int, ...], stop: threading.Event, out: queue.Queue[Any]) -> None:
+        try:
+            while not stop.is_set() and (self.epochs is None or epoch < self.epochs):
+                item = self._make(epoch, step, live)
+                while not stop.is_set():
+                    try:
+                        out.put(item, timeout=0.05)
+                        break
+                    except queue.Full:
+                        continue
+                epoch, step = _advance(epoch, step, self.steps_per_epoch)
+        except BaseException as exc:  # handed to the consumer, raised there
+            out.put(_Failure(exc))
+
+    def _make(self, epoch: int, step: int, live: tuple[int, ...]) -> tuple[dict[str, Any], Batch]:
+        plan = self.planner.plan(epoch, step, live)
+        rows, costs = plan.for_rank(self.rank)
+        table, kept = self.source.read(rows)
+        batch = self._to_batch(table, self.planner.costs[kept], plan)
+        if self.pin_memory:
+            batch = batch.pin_memory()
+        info = dict(epoch=epoch, step=step, imbalance=plan.imbalance(), bound=plan.bound(),
+                    global_size=plan.global_size, rank_size=batch.size, rank_cost=float(costs.sum()), rows=kept)
+        return info, batch
+
+    def _to_batch(self, rows: pa.Table, costs: np.ndarray, plan: StepPlan) -> Batch:
+        lengths: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        for feature in self.sparse_features:
+            column, is_list = SPARSE_FEATURES[feature]
+            array = rows.column(column).combine_chunks()
+            if is_list:
+                flat, lens = truncate_recent(
+                    array.flatten().to_numpy(), pc.list_value_length(array).to_numpy().astype(np.int64),
+                    self.max_seq_len,
+                )
+            else:
+                flat, lens = array.to_numpy(), np.ones(len(array), dtype=np.int64)
+            values.append(flat.astype(np.int64, copy=False))
+            lengths.append(lens)
+        sparse = KeyedJaggedTensor(
+            keys=self.sparse_features,
+            values=torch.from_numpy(np.concatenate(values)),
+            lengths=torch.from_numpy(np.concatenate(lengths)),
+        )
+        dense_flat = rows.column(DENSE).combine_chunks().flatten().to_numpy()
+        return Batch(
+            sparse=sparse,
+            dense=torch.from_numpy(dense_flat.reshape(rows.num_rows, self.dense_dim).copy()),
+            labels=torch.from_numpy(rows.column(LABEL).to_numpy().copy()),
+            costs=torch.from_numpy(costs.astype(np.float32)),
+            # sum of per-sample losses x (ranks / samples in the step): DDP's mean over
+            # ranks then gives the exact mean over the step's samples, whatever each rank holds.
+            loss_scale=len(plan.live_ranks) / max(plan.global_size, 1),
+        )
+
+
+def _advance(epoch: int, step: int, steps_per_epoch: int) -> tuple[int, int]:
+    step += 1
+    return (epoch + 1, 0) if step == steps_per_epoch else (epoch, step)
+
+
+def truncate_recent(values: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the last ``max_len`` values of each jagged row (vectorized)."""
+    if lengths.size == 0 or lengths.max(initial=0) <= max_len:
+        return values, lengths
+    kept = np.minimum(lengths, max_len)
+    src_start = np.cumsum(lengths) - kept
+    dst_offsets = np.concatenate([[0], np.cumsum(kept)])
+    within = np.arange(dst_offsets[-1]) - np.repeat(dst_offsets[:-1], kept)
+    return values[np.repeat(src_start, kept) + within], kept
+
+
+def build_loader(
+    cfg: DataConfig,
+    split: str,
+    *,
+    rank: int,
+    world_size: int,
+    sparse_features: list[str],
+    derived_cost: CostModel,
+    seed: int,
+    training: bool = True,
+    pin_memory: bool = False,
+) -> BalancedLoader:
+    """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order)."""
+    columns = sorted({SPARSE_FEATURES[f][0] for f in sparse_features} | {DENSE, LABEL})
+    source = ParquetSource(cfg.path, split, columns, on_bad_rows=cfg.on_bad_rows,
+                           cache_row_groups=2 * cfg.shuffle_row_groups + 2)
+    order = EpochOrder(source.rg_rows, seed=seed, shuffle=cfg.shuffle and training,
+                       window_row_groups=cfg.shuffle_row_groups)
+    planner = BatchPlanner(
+        source.lengths, order, cost_model=cfg.cost_model(derived_cost),
+        partitioner=cfg.partitioner if training else "round_robin",
+        global_batch_size=cfg.batch_size * world_size, window=cfg.window if training else 1,
+        equal_count=cfg.equal_count and training, max_seq_len=cfg.max_seq_len,
+    )
+    return BalancedLoader(
+        source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,
+        max_seq_len=cfg.max_seq_len, prefetch=cfg.prefetch, epochs=None if training else 1, pin_memory=pin_memory,
+    )
+
+
+__all__ = ["PARTITIONERS", "BalancedLoader", "DataConfig", "StepInfo", "build_loader", "truncate_recent"]

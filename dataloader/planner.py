@@ -1,0 +1,197 @@
+"""Which rows each live rank trains on at each step, decided without moving samples.
+
+Every rank builds the same ``BatchPlanner`` from the same inputs (the split's
+history lengths, the seed, the cost model) and asks it for the same steps, so
+all ranks agree on the partition without exchanging anything.
+
+Epoch order (``EpochOrder``): row groups are shuffled, then rows are shuffled
+inside windows of ``window_row_groups`` row groups: global enough to mix, local
+enough that a step touches few row groups.  Global batch ``s`` of an epoch is
+rows ``order[s*G : (s+1)*G]`` of that order, ``G`` the global batch size; the
+partial last batch of an epoch is dropped.
+
+Planning: the samples of ``window`` consecutive global batches are split by
+the partitioner into ``window * R`` parts of equal cost (R = live ranks), the
+parts are sorted by their heaviest sample, and step ``j`` of the window takes
+parts ``j*R .. (j+1)*R - 1``.  With ``window = 1`` that is a plain per-step
+partition of global batch s.  With a larger window the samples too heavy to
+balance inside one step (heavier than a rank's share) land in the same steps,
+one per rank, instead of each stretching a different step; steps then hold
+different numbers of samples, and the loss is normalised by each step's count.
+
+Live ranks may change between steps (fault tolerance shrinks or grows the
+set): the unconsumed samples of the current window are re-planned over the new
+set, so every sample of an epoch is still trained on exactly once.  The history
+of such re-plans in the current window is part of ``state_dict`` so a restart
+rebuilds the identical plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from freescale.dataloader.cost import CostModel
+from freescale.dataloader.partition import lower_bound, partition
+
+
+class EpochOrder:
+    """Deterministic order of the split's rows in each epoch (see module docstring)."""
+
+    def __init__(self, row_group_rows: np.ndarray, *, seed: int, shuffle: bool, window_row_groups: int) -> None:
+        self.row_group_rows = row_group_rows.astype(np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.row_group_rows)]).astype(np.int64)
+        self.num_rows = int(self.starts[-1])
+        self.seed, self.shuffle, self.window = seed, shuffle, max(1, window_row_groups)
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_rows, dtype=np.int64)
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        groups = rng.permutation(self.row_group_rows.size)
+        sizes = self.row_group_rows[groups]
+        # Row ids of the permuted row groups, concatenated (vectorized).
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        rows = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1] - self.starts[groups], sizes)
+        for start in range(0, groups.size, self.window):
+            lo, hi = offsets[start], offsets[min(start + self.window, groups.size)]
+            rows[lo:hi] = rows[lo:hi][rng.permutation(hi - lo)]
+        self._cached = (epoch, rows)
+        return rows
+
+
+@dataclass
+class StepPlan:
+    """One step: global row ids, per-sample costs and lengths for each live rank."""
+
+    epoch: int
+    step: int
+    live_ranks: tuple[int, ...]
+    rows: list[np.ndarray]
+    costs: list[np.ndarray]
+
+    @property
+    def global_size(self) -> int:
+        return sum(r.size for r in self.rows)
+
+    def loads(self) -> np.ndarray:
+        return np.array([c.sum() for c in self.costs])
+
+    def imbalance(self) -> float:
+        loads = self.loads()
+        return float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0
+
+    def bound(self) -> float:
+        return lower_bound(np.concatenate(self.costs), len(self.live_ranks))
+
+    def for_rank(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        i = self.live_ranks.index(rank)
+        return self.rows[i], self.costs[i]
+
+
+@dataclass
+class _Window:
+    epoch: int
+    index: int
+    first_step: int
+    initial_ranks: tuple[int, ...]
+    steps: list[tuple[tuple[int, ...], list[np.ndarray]]]  # per step: (live ranks, rows per rank)
+    replans: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+
+
+class BatchPlanner:
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        order: EpochOrder,
+        *,
+        cost_model: CostModel,
+        partitioner: str,
+        global_batch_size: int,
+        window: int = 1,
+        equal_count: bool = False,
+        max_seq_len: int | None = None,
+    ) -> None:
+        if window > 1 and (equal_count or partitioner == "round_robin"):
+            raise ValueError("window > 1 needs a cost-balancing partitioner and equal_count = false")
+        clipped = np.maximum(lengths, 0)
+        if max_seq_len is not None:
+            clipped = np.minimum(clipped, max_seq_len)
+        self.lengths = clipped
+        self.costs = np.where(lengths >= 0, cost_model(clipped), 0.0)
+        self.order = order
+        self.partitioner = partitioner
+        self.global_batch_size = global_batch_size
+        self.window = window
+        self.equal_count = equal_count
+        self.steps_per_epoch = order.num_rows // global_batch_size
+        self._current: _Window | None = None
+
+    # ----- planning -------------------------------------------------------------------------
+    def plan(self, epoch: int, step: int, live_ranks: tuple[int, ...]) -> StepPlan:
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} outside the epoch's {self.steps_per_epoch} steps")
+        index = step // self.window
+        win = self._current
+        if win is None or (win.epoch, win.index) != (epoch, index):
+            win = self._current = self._new_window(epoch, index, live_ranks)
+        ranks, rows = win.steps[step - win.first_step]
+        if ranks != tuple(live_ranks):
+            self._replan(win, step, tuple(live_ranks))
+            ranks, rows = win.steps[step - win.first_step]
+        return StepPlan(epoch, step, ranks, rows, [self.costs[r] for r in rows])
+
+    def _new_window(self, epoch: int, index: int, live_ranks: tuple[int, ...]) -> _Window:
+        first = index * self.window
+        count = min(self.window, self.steps_per_epoch - first)
+        g = self.global_batch_size
+        samples = self.order(epoch)[first * g : (first + count) * g]
+        ranks = tuple(live_ranks)
+        return _Window(epoch, index, first, ranks, [(ranks, rows) for rows in self._split(samples, count, len(ranks))])
+
+    def _replan(self, win: _Window, step: int, live_ranks: tuple[int, ...]) -> None:
+        """Re-plan the steps from ``step`` to the window's end over ``live_ranks``."""
+        k = step - win.first_step
+        remaining = np.concatenate([r for _, rows in win.steps[k:] for r in rows])
+        count = len(win.steps) - k
+        win.steps[k:] = [(live_ranks, rows) for rows in self._split(np.sort(remaining), count, len(live_ranks))]
+        win.replans.append((step, live_ranks))
+
+    def _split(self, samples: np.ndarray, steps: int, ranks: int) -> list[list[np.ndarray]]:
+        """``samples`` (global row ids) -> per step, per rank row ids."""
+        costs, lengths = self.costs[samples], self.lengths[samples]
+        if steps == 1:
+            parts = partition(self.partitioner, costs, lengths, ranks, self.equal_count)
+            return [[samples[p] for p in parts]]
+        parts = partition(self.partitioner, costs, lengths, steps * ranks)
+        heaviest = np.array([costs[p].max() if p.size else 0.0 for p in parts])
+        by_weight = np.argsort(-heaviest, kind="stable")
+        return [[samples[parts[b]] for b in by_weight[j * ranks : (j + 1) * ranks]] for j in range(steps)]
+
+    # ----- state ------------------------------------------------------------------------------
+    def window_state(self) -> dict[str, object]:
+        """How the current window was planned (its first live ranks and every re-plan)."""
+        win = self._current
+        if win is None:
+            return {}
+        return {
+            "epoch": win.epoch, "index": win.index, "initial_ranks": list(win.initial_ranks),
+            "replans": [[s, list(r)] for s, r in win.replans],
+        }
+
+    def load_window_state(self, state: dict[str, object]) -> None:
+        """Rebuild the current window exactly as it was planned before a restart."""
+        if not state:
+            self._current = None
+            return
+        epoch, index = int(state["epoch"]), int(state["index"])  # type: ignore[call-overload]
+        replans = [(int(s), tuple(int(x) for x in r)) for s, r in state["replans"]]  # type: ignore[attr-defined]
+        initial = tuple(int(x) for x in state["initial_ranks"])  # type: ignore[attr-defined]
+        win = self._new_window(epoch, index, initial)
+        for step, ranks in replans:
+            self._replan(win, step, ranks)
+        self._current = win

@@ -1,0 +1,222 @@
+"""Row-group-granular Parquet access for the balanced loader.
+
+``ParquetSource`` opens one split of a dataset directory on any pyarrow
+filesystem (a local path, or ``s3://``, ``gs://``, ``hdfs://`` URIs where the
+user has them) and offers two things:
+
+- ``lengths``: the history length of every row of the split, read at open from
+  the small ``history_length`` column (or, for datasets without it, from the
+  list column's offsets).  This is all the planner needs: 4 bytes per row.
+- ``read(rows)``: the projected columns of the given global rows, decoded one
+  row group at a time.  Decoded, validated row groups stay in a small LRU cache:
+  consecutive steps draw their rows from the same shuffle window of row groups,
+  so each row group is decoded about once per epoch per rank.
+
+Rows are checked when their row group is first decoded, against the manifest's
+table sizes: nulls, ids out of range, empty histories, list lengths that
+disagree, labels that are not 0/1.  ``on_bad_rows="error"`` raises a
+``DataError`` naming file, row group, row and column; ``"skip"`` drops such rows
+from every batch and counts them per reason (``skipped``).  Nothing is clamped.
+
+Cost of the "no sample crosses the network" design: every rank decodes the row
+groups its rows live in, and with a global shuffle that is most row groups of the
+shuffle window, so decoding (not network) grows with the number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+
+from freescale.dataloader.schema import (
+    CANDIDATE_ITEM,
+    DENSE,
+    HISTORY_ITEMS,
+    HISTORY_LENGTH,
+    HISTORY_TIMESTAMPS,
+    LABEL,
+    USER_ID,
+    DataError,
+    DatasetManifest,
+    check_schema,
+)
+
+BadRows = Literal["error", "skip"]
+
+
+def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and the path inside it for a local path or a URI."""
+    if "://" in uri:
+        try:
+            return pafs.FileSystem.from_uri(uri)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
+            raise DataError(f"{uri}: cannot open this filesystem URI ({exc})") from None
+    return pafs.LocalFileSystem(), uri
+
+
+@dataclass
+class _RowGroup:
+    table: pa.Table
+    bad: np.ndarray | None  # bool per row when on_bad_rows == "skip"
+
+
+class ParquetSource:
+    def __init__(
+        self, uri: str, split: str, columns: list[str], *, on_bad_rows: BadRows = "error", cache_row_groups: int = 32
+    ) -> None:
+        self.uri = uri.rstrip("/")
+        self.fs, base = resolve(self.uri)
+        self.manifest = DatasetManifest.read_from(self.fs, base, self.uri)
+        self.on_bad_rows = on_bad_rows
+        self.columns = list(columns)
+        names = self.manifest.split_files(split, self.uri)
+        paths = [f"{base}/{name}" for name in names]
+        self.file_names = [f"{self.uri}/{name}" for name in names]
+        self.fragments: list[ds.ParquetFileFragment] = []
+        rg_file, rg_id, rg_rows = [], [], []
+        has_length_column = True
+        for file_index, (path, shown) in enumerate(zip(paths, self.file_names)):
+            try:
+                info = self.fs.get_file_info(path)
+                if info.type != pafs.FileType.File:
+                    raise DataError(f"{shown}: listed in dataset.json split '{split}' but missing")
+                fragment = ds.ParquetFileFormat().make_fragment(path, filesystem=self.fs)
+                fragment.ensure_complete_metadata()
+                schema = fragment.physical_schema
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise DataError(f"{shown}: not a readable Parquet file ({exc})") from None
+            check_schema(schema, self.manifest.dense_dim, shown)
+            has_length_column = has_length_column and schema.get_field_index(HISTORY_LENGTH) >= 0
+            self.fragments.append(fragment)
+            for rg in fragment.row_groups:
+                rg_file.append(file_index)
+                rg_id.append(rg.id)
+                rg_rows.append(rg.num_rows)
+        self.rg_file = np.array(rg_file, dtype=np.int64)
+        self.rg_id = np.array(rg_id, dtype=np.int64)
+        self.rg_rows = np.array(rg_rows, dtype=np.int64)
+        self.rg_start = np.concatenate([[0], np.cumsum(self.rg_rows)]).astype(np.int64)
+        self.num_rows = int(self.rg_start[-1])
+        self.has_length_column = has_length_column
+        self.lengths = self._read_lengths(has_length_column)
+        self.skipped: Counter[str] = Counter()
+        self._cache: OrderedDict[int, _RowGroup] = OrderedDict()
+        self._cache_size = max(1, cache_row_groups)
+
+    # ----- lengths (for planning) ---------------------------------------------------------
+    def _read_lengths(self, has_length_column: bool) -> np.ndarray:
+        """int64 per row; -1 where the history is null (planned at cost 0, rejected on read)."""
+        parts = []
+        for fragment, shown in zip(self.fragments, self.file_names):
+            try:
+                if has_length_column:
+                    column = fragment.to_table(columns=[HISTORY_LENGTH]).column(HISTORY_LENGTH)
+                    lengths = pc.fill_null(column, -1)
+                else:
+                    column = fragment.to_table(columns=[HISTORY_ITEMS]).column(HISTORY_ITEMS)
+                    lengths = pc.fill_null(pc.list_value_length(column), -1)
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise DataError(f"{shown}: corrupt or truncated Parquet data ({exc})") from None
+            parts.append(lengths.to_numpy().astype(np.int64))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    # ----- rows ---------------------------------------------------------------------------------
+    def read(self, rows: np.ndarray) -> tuple[pa.Table, np.ndarray]:
+        """The projected columns of ``rows`` (global row ids, any order) in ascending row
+        order, and the row ids actually returned (in ``skip`` mode bad rows are dropped)."""
+        rows = np.sort(rows)
+        groups = np.searchsorted(self.rg_start, rows, side="right") - 1
+        pieces, kept = [], []
+        for rg in np.unique(groups):
+            local = rows[groups == rg] - self.rg_start[rg]
+            entry = self._row_group(int(rg))
+            if entry.bad is not None:
+                local = local[~entry.bad[local]]
+            pieces.append(entry.table.take(pa.array(local)))
+            kept.append(local + self.rg_start[rg])
+        if not pieces:
+            return self._empty(), rows[:0]
+        return pa.concat_tables(pieces), np.concatenate(kept)
+
+    def _empty(self) -> pa.Table:
+        schema = self.fragments[0].physical_schema
+        return pa.table({c: pa.array([], type=schema.field(c).type) for c in self.columns})
+
+    def _row_group(self, rg: int) -> _RowGroup:
+        entry = self._cache.get(rg)
+        if entry is not None:
+            self._cache.move_to_end(rg)
+            return entry
+        file_index, rg_id = int(self.rg_file[rg]), int(self.rg_id[rg])
+        shown = self.file_names[file_index]
+        columns = sorted(set(self.columns) | _CHECK_COLUMNS | ({HISTORY_LENGTH} if self.has_length_column else set()))
+        try:
+            table = self.fragments[file_index].subset(row_group_ids=[rg_id]).to_table(columns=columns)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"{shown}: row group {rg_id}: corrupt or truncated Parquet data ({exc})") from None
+        bad = self._validate(table, f"{shown}: row group {rg_id}")
+        entry = _RowGroup(table=table.select(self.columns), bad=bad)
+        self._cache[rg] = entry
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return entry
+
+    def _validate(self, table: pa.Table, where: str) -> np.ndarray | None:
+        """Per-row problems; raise on the first (error mode) or return the bad-row mask (skip)."""
+        bad_any = np.zeros(table.num_rows, dtype=bool)
+        for column, reason, mask in _row_checks(table, self.manifest):
+            if not mask.any():
+                continue
+            if self.on_bad_rows == "error":
+                row = int(np.flatnonzero(mask)[0])
+                raise DataError(f"{where}: row {row}: column '{column}': {reason}")
+            self.skipped[f"{column}: {reason.split(' (')[0]}"] += int((mask & ~bad_any).sum())
+            bad_any |= mask
+        return bad_any if self.on_bad_rows == "skip" else None
+
+
+_CHECK_COLUMNS = {USER_ID, HISTORY_ITEMS, HISTORY_TIMESTAMPS, CANDIDATE_ITEM, DENSE, LABEL}
+
+
+def _row_checks(table: pa.Table, manifest: DatasetManifest) -> list[tuple[str, str, np.ndarray]]:
+    """(column, reason, bad-row mask) for every check, in reporting order."""
+    checks: list[tuple[str, str, np.ndarray]] = []
+    for name in table.column_names:
+        column = table.column(name)
+        if column.null_count:
+            checks.append((name, "null value", pc.is_null(column).to_numpy(zero_copy_only=False)))
+    history = table.column(HISTORY_ITEMS).combine_chunks()
+    lengths = pc.fill_null(pc.list_value_length(history), 0).to_numpy().astype(np.int64)
+    checks.append((HISTORY_ITEMS, "empty history", (lengths == 0) & history.is_valid().to_numpy(zero_copy_only=False)))
+    owner = np.repeat(np.arange(table.num_rows), lengths)
+    id_columns = (
+        (HISTORY_ITEMS, pc.fill_null(history.flatten(), 0).to_numpy(), manifest.num_items, "num_items"),
+        (CANDIDATE_ITEM, pc.fill_null(table.column(CANDIDATE_ITEM), 0).to_numpy(), manifest.num_items, "num_items"),
+        (USER_ID, pc.fill_null(table.column(USER_ID), 0).to_numpy(), manifest.num_users, "num_users"),
+    )
+    for column, ids, limit, vocab in id_columns:
+        for bad, reason in (
+            (ids < 0, lambda v: f"negative id {v}"),
+            (ids >= limit, lambda v: f"id {v} is >= the table size {vocab}={limit} (dataset.json)"),
+        ):
+            if bad.any():
+                # History ids are per value: a row is bad when any of its values is.
+                rows = np.bincount(owner, weights=bad, minlength=table.num_rows) > 0 if column == HISTORY_ITEMS else bad
+                checks.append((column, reason(int(ids[bad][0])), rows))
+    stamps = pc.fill_null(pc.list_value_length(table.column(HISTORY_TIMESTAMPS)), 0).to_numpy()
+    checks.append((HISTORY_TIMESTAMPS, "length differs from history_item_ids", stamps != lengths))
+    if HISTORY_LENGTH in table.column_names:
+        declared = pc.fill_null(table.column(HISTORY_LENGTH), 0).to_numpy()
+        checks.append((HISTORY_LENGTH, "differs from the length of history_item_ids", declared != lengths))
+    labels = pc.fill_null(table.column(LABEL), 0.0).to_numpy()
+    not_binary = ~np.isin(labels, (0.0, 1.0))
+    if not_binary.any():
+        checks.append((LABEL, f"is {float(labels[not_binary][0])}; labels must be 0 or 1", not_binary))
+    return checks

@@ -1,0 +1,127 @@
+"""Partitioners, the cost model and the planner: properties on drawn inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freescale.dataloader.cost import CostModel, calibrate
+from freescale.dataloader.partition import PARTITIONERS, imbalance, lower_bound, lpt, partition, round_robin
+from freescale.dataloader.planner import BatchPlanner, EpochOrder
+
+costs_st = st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=0, max_size=300).map(np.array)
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=costs_st, k=st.integers(1, 20), name=st.sampled_from(sorted(PARTITIONERS)), equal=st.booleans())
+def test_every_partition_is_a_permutation_and_deterministic(costs: np.ndarray, k: int, name: str, equal: bool) -> None:
+    lengths = np.rint(costs).astype(np.int64)
+    parts = partition(name, costs, lengths, k, equal)
+    assert len(parts) == k
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(costs.size))
+    again = partition(name, costs.copy(), lengths.copy(), k, equal)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    if costs.size >= k:
+        assert min(p.size for p in parts) >= 1  # no rank idles through a step
+    if equal and name != "round_robin":
+        sizes = [p.size for p in parts]
+        assert max(sizes) - min(sizes) <= 1 or costs.size < k
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=costs_st.filter(lambda c: c.size > 0 and c.sum() > 0), k=st.integers(1, 20))
+def test_lpt_within_its_guarantee_of_round_robin(costs: np.ndarray, k: int) -> None:
+    # Round robin is a partition, so OPT <= its max; LPT <= (4/3 - 1/(3k)) OPT (Graham).
+    rr = max(costs[p].sum() for p in round_robin(costs, k))
+    got = max(costs[p].sum() for p in lpt(costs, k))
+    assert got <= (4 / 3 - 1 / (3 * k)) * rr + 1e-6
+    assert imbalance(costs, lpt(costs, k)) >= lower_bound(costs, k) - 1e-9
+
+
+def test_lpt_can_lose_to_a_lucky_round_robin() -> None:
+    """Why "never worse than round robin" is not a property: here RR happens to be optimal."""
+    costs = np.array([2.0, 3.0, 2.0, 3.0, 2.0])
+    assert imbalance(costs, round_robin(costs, 2)) == 1.0
+    assert imbalance(costs, lpt(costs, 2)) > 1.0
+
+
+@pytest.mark.parametrize("max_len", [200, 1024, 4096])
+def test_balancers_beat_round_robin_on_heavy_tailed_lengths(max_len: int) -> None:
+    rng = np.random.default_rng(max_len)
+    model = CostModel(1e-3, 1.0, 10.0)
+    for _ in range(20):
+        lengths = np.clip(np.rint(19.1 + 43.2 * rng.lognormal(0, 1.608, 32 * 16)), 1, max_len).astype(np.int64)
+        costs = model(lengths)
+        rr = imbalance(costs, partition("round_robin", costs, lengths, 16))
+        bound = lower_bound(costs, 16)
+        for name in ("lpt", "kk"):
+            got = imbalance(costs, partition(name, costs, lengths, 16))
+            assert got <= rr + 1e-9
+            assert got <= max(bound * 1.01, 1.02), (name, got, bound)
+
+
+def test_calibrate_recovers_coefficients() -> None:
+    rng = np.random.default_rng(0)
+    truth = CostModel(2e-6, 3e-4, 5e-3)
+    obs = []
+    for _ in range(40):
+        lengths = rng.integers(1, 500, size=rng.integers(4, 40))
+        obs.append(((lengths.astype(float) ** 2).sum(), lengths.sum(), lengths.size, truth(lengths).sum()))
+    sq, ln, n, sec = map(np.array, zip(*obs))
+    fit = calibrate(sq, ln, n, sec * (1 + 0.01 * rng.standard_normal(sec.size)))  # 1% timing noise
+    predicted = fit.quadratic * sq + fit.linear * ln + fit.constant * n
+    assert np.abs(predicted / sec - 1).max() < 0.03
+    assert fit.quadratic == pytest.approx(truth.quadratic, rel=0.25)
+    no_quadratic = calibrate(sq, ln, n, ln * 1e-3 + n * 1e-2)
+    assert no_quadratic.quadratic == pytest.approx(0.0, abs=1e-12) and no_quadratic.linear == pytest.approx(1e-3)
+
+
+def make_planner(lengths: np.ndarray, window: int, seed: int = 0) -> BatchPlanner:
+    order = EpochOrder(np.full(lengths.size // 100, 100), seed=seed, shuffle=True, window_row_groups=3)
+    return BatchPlanner(lengths, order, cost_model=CostModel(1e-3, 1.0, 1.0), partitioner="lpt",
+                        global_batch_size=64, window=window)
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_planner_exactly_once_with_live_rank_changes(window: int) -> None:
+    rng = np.random.default_rng(1)
+    lengths = np.clip(rng.zipf(1.2, 2000), 1, 1024)
+    planner = make_planner(lengths, window)
+    live_by_step = {0: (0, 1, 2, 3), 5: (0, 2, 3), 6: (0, 1, 2, 3, 4), 13: (1, 2)}
+    live, seen = (0, 1, 2, 3), []
+    for step in range(planner.steps_per_epoch):
+        live = live_by_step.get(step, live)
+        plan = planner.plan(0, step, live)
+        assert plan.live_ranks == live
+        seen.extend(np.concatenate(plan.rows).tolist())
+    assert len(seen) == len(set(seen)) == planner.steps_per_epoch * 64
+    epoch1 = np.concatenate(planner.plan(1, 0, live).rows)
+    assert not np.array_equal(np.sort(epoch1), np.sort(np.concatenate(make_planner(lengths, window).plan(0, 0, live).rows)))
+
+
+def test_planner_resumes_mid_window_identically() -> None:
+    lengths = np.clip(np.random.default_rng(2).zipf(1.1, 3000), 1, 2048)
+    straight = make_planner(lengths, 8)
+    a = [straight.plan(0, s, (0, 1, 2) if s < 3 else (0, 2)) for s in range(6)]
+    first = make_planner(lengths, 8)
+    for s in range(4):
+        first.plan(0, s, (0, 1, 2) if s < 3 else (0, 2))
+    resumed = make_planner(lengths, 8)
+    resumed.load_window_state(first.window_state())
+    for s in (4, 5):
+        got = resumed.plan(0, s, (0, 2))
+        assert all(np.array_equal(x, y) for x, y in zip(got.rows, a[s].rows))
+
+
+def test_window_groups_heavy_samples_and_shortens_the_epoch() -> None:
+    rng = np.random.default_rng(3)
+    lengths = np.clip(np.rint(19.1 + 43.2 * rng.lognormal(0, 1.608, 64 * 200)), 1, 4096).astype(np.int64)
+    total_time = {}
+    for window in (1, 16):
+        planner = make_planner(lengths, window)
+        steps = [planner.plan(0, s, tuple(range(8))) for s in range(planner.steps_per_epoch)]
+        total_time[window] = sum(p.loads().max() for p in steps)  # every step lasts as long as its slowest rank
+        assert sum(p.global_size for p in steps) == planner.steps_per_epoch * 64
+    assert total_time[16] < 0.95 * total_time[1], total_time
