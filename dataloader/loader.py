@@ -223,14 +223,8 @@ class BalancedLoader:
         self.source.skipped.update(state.get("skipped", {}))
 
     def _window_state_for_position(self) -> dict[str, Any]:
-        # The producer thread may have planned ahead into a later window; the consumed
-        # position's window is what a restart needs, so re-derive it when they differ.
-        self._halt()
-        state = self.planner.window_state()
-        index = self.step // self.planner.window
-        if state and (state["epoch"], state["index"]) == (self.epoch, index):
-            return state
-        return {}
+        self._halt()  # the producer thread plans too; stop it before reading the planner
+        return self.planner.window_state(self.epoch, self.step)
 
     def close(self) -> None:
         self._halt()

@@ -28,12 +28,16 @@ rebuilds the identical plan.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.partition import lower_bound, partition
+
+
+_WINDOWS_KEPT = 8
 
 
 class EpochOrder:
@@ -129,16 +133,24 @@ class BatchPlanner:
         self.window = window
         self.equal_count = equal_count
         self.steps_per_epoch = order.num_rows // global_batch_size
-        self._current: _Window | None = None
+        # Recently planned windows: a prefetching loader plans ahead, and after a
+        # restart of its thread goes back to the window of the consumed position.
+        self._windows: OrderedDict[tuple[int, int], _Window] = OrderedDict()
+
+    def _remember(self, win: _Window) -> _Window:
+        self._windows[(win.epoch, win.index)] = win
+        while len(self._windows) > _WINDOWS_KEPT:
+            self._windows.popitem(last=False)
+        return win
 
     # ----- planning -------------------------------------------------------------------------
     def plan(self, epoch: int, step: int, live_ranks: tuple[int, ...]) -> StepPlan:
         if not 0 <= step < self.steps_per_epoch:
             raise IndexError(f"step {step} outside the epoch's {self.steps_per_epoch} steps")
         index = step // self.window
-        win = self._current
-        if win is None or (win.epoch, win.index) != (epoch, index):
-            win = self._current = self._new_window(epoch, index, live_ranks)
+        win = self._windows.get((epoch, index))
+        if win is None:
+            win = self._remember(self._new_window(epoch, index, tuple(live_ranks)))
         ranks, rows = win.steps[step - win.first_step]
         if ranks != tuple(live_ranks):
             self._replan(win, step, tuple(live_ranks))
@@ -149,7 +161,7 @@ class BatchPlanner:
         first = index * self.window
         count = min(self.window, self.steps_per_epoch - first)
         g = self.global_batch_size
-        samples = self.order(epoch)[first * g : (first + count) * g]
+        samples = np.sort(self.order(epoch)[first * g : (first + count) * g])
         ranks = tuple(live_ranks)
         return _Window(epoch, index, first, ranks, [(ranks, rows) for rows in self._split(samples, count, len(ranks))])
 
@@ -162,7 +174,9 @@ class BatchPlanner:
         win.replans.append((step, live_ranks))
 
     def _split(self, samples: np.ndarray, steps: int, ranks: int) -> list[list[np.ndarray]]:
-        """``samples`` (global row ids) -> per step, per rank row ids."""
+        """``samples`` (global row ids, ascending: a canonical order, so that a window
+        planned afresh and one re-planned from its first step agree) -> per step, per
+        rank row ids."""
         costs, lengths = self.costs[samples], self.lengths[samples]
         if steps == 1:
             parts = partition(self.partitioner, costs, lengths, ranks, self.equal_count)
@@ -173,9 +187,10 @@ class BatchPlanner:
         return [[samples[parts[b]] for b in by_weight[j * ranks : (j + 1) * ranks]] for j in range(steps)]
 
     # ----- state ------------------------------------------------------------------------------
-    def window_state(self) -> dict[str, object]:
-        """How the current window was planned (its first live ranks and every re-plan)."""
-        win = self._current
+    def window_state(self, epoch: int, step: int) -> dict[str, object]:
+        """How the window holding ``(epoch, step)`` was planned: its first live ranks and
+        every re-plan; empty when it has not been planned (it will be planned afresh)."""
+        win = self._windows.get((epoch, step // self.window))
         if win is None:
             return {}
         return {
@@ -184,9 +199,9 @@ class BatchPlanner:
         }
 
     def load_window_state(self, state: dict[str, object]) -> None:
-        """Rebuild the current window exactly as it was planned before a restart."""
+        """Rebuild a window exactly as it was planned before a restart."""
+        self._windows.clear()
         if not state:
-            self._current = None
             return
         epoch, index = int(state["epoch"]), int(state["index"])  # type: ignore[call-overload]
         replans = [(int(s), tuple(int(x) for x in r)) for s, r in state["replans"]]  # type: ignore[attr-defined]
@@ -194,4 +209,4 @@ class BatchPlanner:
         win = self._new_window(epoch, index, initial)
         for step, ranks in replans:
             self._replan(win, step, ranks)
-        self._current = win
+        self._remember(win)

@@ -69,7 +69,7 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     spec = SyntheticSpec(
         rows=args.rows, eval_rows=args.eval_rows, num_items=args.num_items, num_users=args.num_users,
         num_categories=args.num_categories, dense_dim=args.dense_dim, max_len=args.max_len,
-        lengths=args.lengths, seed=args.seed, row_group_size=args.row_group_size,
+        lengths=args.lengths, zipf_alpha=args.zipf_alpha, seed=args.seed, row_group_size=args.row_group_size,
     )
     start = time.perf_counter()
     manifest = generate(args.out, spec)
@@ -149,7 +149,8 @@ def build_parser(with_config_keys: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--num-categories", type=int, default=16, help="hidden item categories (default 16)")
     gen.add_argument("--dense-dim", type=int, default=8, help="dense features per sample (default 8)")
     gen.add_argument("--max-len", type=int, default=64, help="longest history (default 64)")
-    gen.add_argument("--lengths", default="ml-20m", help="history lengths: ml-1m, ml-20m or uniform (default ml-20m)")
+    gen.add_argument("--lengths", default="ml-20m", help="history lengths: ml-1m, ml-20m, zipf or uniform (default ml-20m)")
+    gen.add_argument("--zipf-alpha", type=float, default=1.1, help="exponent for --lengths zipf (default 1.1)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--row-group-size", type=int, default=8_192)
 

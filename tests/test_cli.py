@@ -26,7 +26,7 @@ def test_gen_data_writes_a_dataset(tmp_path: Path) -> None:
     assert manifest["rows"] == {"train": 1000, "eval": 100} and manifest["max_len"] == 16
     bad = run_cli("gen-data", "--out", str(tmp_path / "e"), "--lengths", "pareto")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "freescale: error: gen-data: lengths: must be one of ml-1m, ml-20m, uniform, got 'pareto'"
+        "freescale: error: gen-data: lengths: must be one of ml-1m, ml-20m, zipf, uniform, got 'pareto'"
     ]
 
 
