@@ -1,7 +1,10 @@
-"""Sequence-sample data: schema, synthetic generator, reader producing ``Batch`` es.
+"""Sequence-sample data: schema, synthetic generator, and the cost-balanced loader.
 
 Reading order: ``schema`` (columns, manifest, errors) -> ``synthetic`` (gen-data)
--> ``reader`` (Parquet to ``Batch``) -> ``batch``.
+-> ``cost`` (per-sample cost model) -> ``partition`` (split a batch by cost)
+-> ``planner`` (which rows each live rank takes at each step) -> ``source``
+(row-group Parquet reads, validation) -> ``loader`` (``BalancedLoader``,
+prefetch, state) -> ``batch``.
 """
 
 from freescale.dataloader.schema import DataError, DatasetManifest, sample_schema

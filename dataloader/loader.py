@@ -72,6 +72,9 @@ class DataConfig:
     """Cost model ``a*L^2 + b*L + c0``; negative values mean: derive from the model's dimensions."""
     cost_linear: float = -1.0
     cost_constant: float = -1.0
+    calibrate_every: int = 0
+    """Every this many steps, refit the cost model to the ranks' measured compute times
+    (``cost.calibrate``) and plan with it from the next window on; 0 = never."""
 
     def validate(self) -> None:
         require(bool(self.path), "path", "must name a dataset directory")
@@ -84,6 +87,7 @@ class DataConfig:
         )
         require(self.shuffle_row_groups >= 1, "shuffle_row_groups", "must be >= 1")
         require(self.prefetch >= 0, "prefetch", f"must be >= 0, got {self.prefetch}")
+        require(self.calibrate_every >= 0, "calibrate_every", f"must be >= 0, got {self.calibrate_every}")
 
     def cost_model(self, derived: CostModel) -> CostModel:
         """The configured coefficients, each falling back to ``derived`` when negative."""
@@ -197,6 +201,12 @@ class BalancedLoader:
         while self.epochs is None or self.epoch < self.epochs:
             yield self.next_batch()
 
+    def set_cost_model(self, model: CostModel) -> None:
+        """Plan with ``model`` from the next planning window on.  Every rank must call it at
+        the same step with the same model (the trainer fits it from gathered timings)."""
+        self._halt()
+        self.planner.set_cost_model(model, self.epoch, self.step)
+
     def set_live_ranks(self, ranks: list[int]) -> None:
         """Use ``ranks`` from the next step on (batches prefetched for the old set are dropped)."""
         live = self._check_ranks(ranks)
@@ -209,6 +219,8 @@ class BalancedLoader:
         return {
             "epoch": self.epoch, "step": self.step, "global_batch_size": self.global_batch_size,
             "window": self._window_state_for_position(), "skipped": dict(self.source.skipped),
+            "cost_model": [self.planner.cost_model.quadratic, self.planner.cost_model.linear,
+                           self.planner.cost_model.constant],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -219,6 +231,8 @@ class BalancedLoader:
             )
         self._halt()
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        if "cost_model" in state:
+            self.planner.set_cost_model(CostModel(*state["cost_model"]), 0, 0)
         self.planner.load_window_state(state.get("window") or {})
         self.source.skipped.update(state.get("skipped", {}))
 
@@ -267,7 +281,7 @@ class BalancedLoader:
         plan = self.planner.plan(epoch, step, live)
         rows, costs = plan.for_rank(self.rank)
         table, kept = self.source.read(rows)
-        batch = self._to_batch(table, self.planner.costs[kept], plan)
+        batch = self._to_batch(table, self.planner.costs(plan.model, kept), plan)
         if self.pin_memory:
             batch = batch.pin_memory()
         info = dict(epoch=epoch, step=step, imbalance=plan.imbalance(), bound=plan.bound(),

@@ -19,7 +19,10 @@ LPT closes a part when it is full; KK starts from groups of k consecutive
 sorted samples (balanced largest differencing), so each part takes one per group.
 
 No per-step partition can beat ``max(1, max_sample / mean_part)``: the part
-holding the heaviest sample costs at least that much (``lower_bound``).
+holding the heaviest sample costs at least that much (``lower_bound``).  When
+many samples are nearly as heavy as a part's share (histories clipped at
+max_len), whole samples cannot be split, and ``granular_lower_bound`` says how
+far that alone keeps any partition from 1.0.
 """
 
 from __future__ import annotations
@@ -45,6 +48,24 @@ def lower_bound(costs: np.ndarray, num_parts: int) -> float:
     if total <= 0 or costs.size == 0:
         return 1.0
     return max(1.0, float(costs.max()) / (total / num_parts))
+
+
+def granular_lower_bound(costs: np.ndarray, num_parts: int) -> float:
+    """A tighter bound that also counts sample granularity (pigeonhole).
+
+    Among the ``j*k + 1`` heaviest samples some part holds ``j + 1``, so some
+    part costs at least the ``j + 1`` lightest of them.  The maximum over j (j =
+    0 is the heaviest sample alone) over the mean part, and at least 1.
+    """
+    n, k = costs.size, num_parts
+    total = costs.sum()
+    if total <= 0 or n == 0:
+        return 1.0
+    top = np.sort(costs)[::-1]
+    csum = np.concatenate([[0.0], np.cumsum(top)])
+    j = np.arange(0, (n - 1) // k + 1)
+    loads = csum[j * k + 1] - csum[j * k - j]
+    return max(1.0, float(loads.max()) / (total / k))
 
 
 def round_robin(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> list[np.ndarray]:

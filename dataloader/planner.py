@@ -77,6 +77,7 @@ class StepPlan:
     live_ranks: tuple[int, ...]
     rows: list[np.ndarray]
     costs: list[np.ndarray]
+    model: CostModel
 
     @property
     def global_size(self) -> int:
@@ -102,6 +103,7 @@ class _Window:
     epoch: int
     index: int
     first_step: int
+    model: CostModel
     initial_ranks: tuple[int, ...]
     steps: list[tuple[tuple[int, ...], list[np.ndarray]]]  # per step: (live ranks, rows per rank)
     replans: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
@@ -126,7 +128,9 @@ class BatchPlanner:
         if max_seq_len is not None:
             clipped = np.minimum(clipped, max_seq_len)
         self.lengths = clipped
-        self.costs = np.where(lengths >= 0, cost_model(clipped), 0.0)
+        self.valid = lengths >= 0  # null histories cost nothing; the source rejects them on read
+        self.cost_model = cost_model
+        self._models: list[tuple[tuple[int, int], CostModel]] = [((0, 0), cost_model)]
         self.order = order
         self.partitioner = partitioner
         self.global_batch_size = global_batch_size
@@ -155,29 +159,60 @@ class BatchPlanner:
         if ranks != tuple(live_ranks):
             self._replan(win, step, tuple(live_ranks))
             ranks, rows = win.steps[step - win.first_step]
-        return StepPlan(epoch, step, ranks, rows, [self.costs[r] for r in rows])
+        return StepPlan(epoch, step, ranks, rows, [self.costs(win.model, r) for r in rows], win.model)
 
-    def _new_window(self, epoch: int, index: int, live_ranks: tuple[int, ...]) -> _Window:
+    def costs(self, model: CostModel, rows: np.ndarray) -> np.ndarray:
+        """Per-sample cost of ``rows`` under ``model`` (lengths clipped to max_seq_len)."""
+        return np.where(self.valid[rows], model(self.lengths[rows]), 0.0)
+
+    def set_cost_model(self, model: CostModel, epoch: int, step: int) -> None:
+        """Plan with ``model`` from the first window that starts at or after ``(epoch, step)``.
+
+        The window holding that step keeps the model it was planned with; windows a
+        prefetching thread planned beyond it are forgotten and planned again.  So every
+        rank that calls this at the same step gets the same plans, whatever each had
+        prefetched.
+        """
+        index = -(-step // self.window)
+        boundary = (epoch, index * self.window) if index * self.window < self.steps_per_epoch else (epoch + 1, 0)
+        self._models.append((boundary, model))
+        self.cost_model = model
+        for key in [k for k in self._windows if (k[0], k[1] * self.window) >= boundary]:
+            del self._windows[key]
+
+    def _model_for(self, epoch: int, first_step: int) -> CostModel:
+        chosen = self._models[0][1]
+        for start, model in self._models:
+            if start <= (epoch, first_step):
+                chosen = model
+        return chosen
+
+    def _new_window(
+        self, epoch: int, index: int, live_ranks: tuple[int, ...], model: CostModel | None = None
+    ) -> _Window:
         first = index * self.window
+        model = model or self._model_for(epoch, first)
         count = min(self.window, self.steps_per_epoch - first)
         g = self.global_batch_size
         samples = np.sort(self.order(epoch)[first * g : (first + count) * g])
         ranks = tuple(live_ranks)
-        return _Window(epoch, index, first, ranks, [(ranks, rows) for rows in self._split(samples, count, len(ranks))])
+        steps = self._split(model, samples, count, len(ranks))
+        return _Window(epoch, index, first, model, ranks, [(ranks, rows) for rows in steps])
 
     def _replan(self, win: _Window, step: int, live_ranks: tuple[int, ...]) -> None:
         """Re-plan the steps from ``step`` to the window's end over ``live_ranks``."""
         k = step - win.first_step
         remaining = np.concatenate([r for _, rows in win.steps[k:] for r in rows])
         count = len(win.steps) - k
-        win.steps[k:] = [(live_ranks, rows) for rows in self._split(np.sort(remaining), count, len(live_ranks))]
+        steps = self._split(win.model, np.sort(remaining), count, len(live_ranks))
+        win.steps[k:] = [(live_ranks, rows) for rows in steps]
         win.replans.append((step, live_ranks))
 
-    def _split(self, samples: np.ndarray, steps: int, ranks: int) -> list[list[np.ndarray]]:
+    def _split(self, model: CostModel, samples: np.ndarray, steps: int, ranks: int) -> list[list[np.ndarray]]:
         """``samples`` (global row ids, ascending: a canonical order, so that a window
         planned afresh and one re-planned from its first step agree) -> per step, per
         rank row ids."""
-        costs, lengths = self.costs[samples], self.lengths[samples]
+        costs, lengths = self.costs(model, samples), self.lengths[samples]
         if steps == 1:
             parts = partition(self.partitioner, costs, lengths, ranks, self.equal_count)
             return [[samples[p] for p in parts]]
@@ -196,6 +231,7 @@ class BatchPlanner:
         return {
             "epoch": win.epoch, "index": win.index, "initial_ranks": list(win.initial_ranks),
             "replans": [[s, list(r)] for s, r in win.replans],
+            "model": [win.model.quadratic, win.model.linear, win.model.constant],
         }
 
     def load_window_state(self, state: dict[str, object]) -> None:
@@ -206,7 +242,8 @@ class BatchPlanner:
         epoch, index = int(state["epoch"]), int(state["index"])  # type: ignore[call-overload]
         replans = [(int(s), tuple(int(x) for x in r)) for s, r in state["replans"]]  # type: ignore[attr-defined]
         initial = tuple(int(x) for x in state["initial_ranks"])  # type: ignore[attr-defined]
-        win = self._new_window(epoch, index, initial)
+        model = CostModel(*state["model"]) if "model" in state else self.cost_model  # type: ignore[misc]
+        win = self._new_window(epoch, index, initial, model)
         for step, ranks in replans:
             self._replan(win, step, ranks)
         self._remember(win)

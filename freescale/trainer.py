@@ -46,6 +46,7 @@ from tqdm import tqdm
 from freescale import checkpoint
 from freescale.checkpoint import CheckpointConfig
 from freescale.config import require, to_dict
+from freescale.dataloader.cost import CostModel, calibrate
 from freescale.dataloader.loader import BalancedLoader, DataConfig, StepInfo, build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.distributed import DistConfig, DistContext, init_distributed, shutdown
@@ -135,6 +136,54 @@ class StepTiming:
                 per_step /= dist.get_world_size()
             out["bubble"] = float(per_step.mean())
         return out
+
+
+class Calibration:
+    """Per-step observations (sum L^2, sum L, samples, busy seconds) for ``cost.calibrate``.
+
+    Rank 0 fits on everyone's observations and broadcasts the three coefficients,
+    so every rank plans with bit-identical costs (a fit on each rank could differ
+    in the last bits on different machines, and the plans with it).
+    """
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[float, float, float, float]] = []
+
+    def add(self, lengths: np.ndarray, busy_s: float) -> None:
+        length = lengths.astype(np.float64)
+        self._rows.append((float((length * length).sum()), float(length.sum()), float(length.size), busy_s))
+
+    def fit_and_share(self, current: CostModel) -> CostModel | None:
+        """Collective.  None while there are too few observations, or when the fit does not
+        explain the measured times clearly better (10% lower residual) than ``current``
+        does at its best scale: noisy timings must not replace a sound model."""
+        mine = torch.tensor(self._rows or [[0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        if world > 1:
+            dist.all_gather(everyone, mine)
+        else:
+            everyone = [mine]
+        coefficients = torch.zeros(4, dtype=torch.float64)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            obs = torch.cat(everyone).numpy()
+            obs = obs[obs[:, 2] > 0]
+            if obs.shape[0] >= 8:
+                fit = calibrate(obs[:, 0], obs[:, 1], obs[:, 2], obs[:, 3])
+                if _residual(fit, obs) < 0.9 * _residual(current, obs):
+                    coefficients = torch.tensor([1.0, fit.quadratic, fit.linear, fit.constant], dtype=torch.float64)
+        if world > 1:
+            dist.broadcast(coefficients, src=0)
+        if coefficients[0] == 0:
+            return None
+        return CostModel(float(coefficients[1]), float(coefficients[2]), float(coefficients[3]))
+
+
+def _residual(model: CostModel, obs: np.ndarray) -> float:
+    """Root mean square error of ``model``'s prediction, at the scale that fits best."""
+    predicted = model.quadratic * obs[:, 0] + model.linear * obs[:, 1] + model.constant * obs[:, 2]
+    scale = float(predicted @ obs[:, 3] / max(float(predicted @ predicted), 1e-300))
+    return float(np.sqrt(np.mean((obs[:, 3] - scale * predicted) ** 2)))
 
 
 class RunLog:
@@ -237,6 +286,7 @@ class Trainer:
         timed_from, timed_steps = time.perf_counter(), 0
         window_start = time.perf_counter()
         timing = StepTiming()
+        calibration = Calibration()
         for step in range(start_step, cfg.train.steps):
             step_start, cpu_start = time.perf_counter(), time.thread_time()
             batch = loader.next_batch().to(ctx.device, non_blocking=True)
@@ -247,8 +297,10 @@ class Trainer:
             optimizer.step()
             window.add(logits, labels)
             run_window.add(logits, labels)
-            timing.add(loader.last, busy=time.thread_time() - cpu_loaded, load_cpu=cpu_loaded - cpu_start,
-                       wall=time.perf_counter() - step_start)
+            busy = time.thread_time() - cpu_loaded
+            timing.add(loader.last, busy=busy, load_cpu=cpu_loaded - cpu_start, wall=time.perf_counter() - step_start)
+            if loader.last is not None and step > start_step + 1:  # lazy initialisation skews early steps
+                calibration.add(loader.planner.lengths[loader.last.rows], busy)
             done = step + 1
             if step == start_step:  # the first step pays for lazy initialisation: not timed
                 timed_from = time.perf_counter()
@@ -268,6 +320,12 @@ class Trainer:
                           f"auc {last_metrics.auc:.3f}  {rate:,.0f} samples/s  "
                           f"imbalance {balance['imbalance']:.3f}", flush=True)
             bar.update(1)
+            if cfg.data.calibrate_every and done % cfg.data.calibrate_every == 0 and done != cfg.train.steps:
+                model = calibration.fit_and_share(loader.planner.cost_model)
+                if model is not None:
+                    loader.set_cost_model(model)
+                    log.write("calibrate", step=done, quadratic=model.quadratic, linear=model.linear,
+                              constant=model.constant)
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.train.steps:
                 last_ckpt = save(done)
         seconds = time.perf_counter() - timed_from
