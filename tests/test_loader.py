@@ -103,3 +103,32 @@ def test_two_processes_see_each_sample_exactly_once_per_epoch(tiny_data: Path, t
     rows = np.concatenate([np.load(tmp_path / f"rank{r}.npy") for r in (0, 1)])
     steps = make(tiny_data).steps_per_epoch
     assert rows.size == np.unique(rows).size == steps * 64
+
+
+def test_cost_model_change_keeps_ranks_in_agreement_and_resumes(tiny_data: Path) -> None:
+    """All ranks switch cost model at the same step, whatever each had prefetched."""
+    new_model = CostModel(1.0, 0.0, 0.0)
+    loaders = [make(tiny_data, rank=r, world_size=2, window=4, prefetch=p) for r, p in ((0, 4), (1, 0))]
+    seen: list[int] = []
+    for step in range(14):
+        if step == 5:
+            for loader in loaders:
+                loader.set_cost_model(new_model)
+        for loader in loaders:
+            loader.next_batch()
+            seen.extend(loader.last.rows.tolist())  # type: ignore[union-attr]
+        if step == 9:
+            state = loaders[0].state_dict()
+    assert len(seen) == len(set(seen)) == 14 * 64
+    straight = seen[10 * 64 :]
+    resumed = [make(tiny_data, rank=r, world_size=2, window=4, prefetch=2) for r in (0, 1)]
+    again: list[int] = []
+    for loader in resumed:
+        loader.load_state_dict(state)
+    for _ in range(4):
+        for loader in resumed:
+            loader.next_batch()
+            again.extend(loader.last.rows.tolist())  # type: ignore[union-attr]
+    assert again == straight
+    for loader in loaders + resumed:
+        loader.close()

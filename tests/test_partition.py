@@ -125,3 +125,19 @@ def test_window_groups_heavy_samples_and_shortens_the_epoch() -> None:
         total_time[window] = sum(p.loads().max() for p in steps)  # every step lasts as long as its slowest rank
         assert sum(p.global_size for p in steps) == planner.steps_per_epoch * 64
     assert total_time[16] < 0.95 * total_time[1], total_time
+
+
+def test_trainer_calibration_accepts_a_clearly_better_fit_only() -> None:
+    from freescale.trainer import Calibration
+
+    rng = np.random.default_rng(4)
+    linear = CostModel(0.0, 1.0, 0.0)
+    quadratic_world = Calibration()
+    noise_world = Calibration()
+    for _ in range(30):
+        lengths = rng.integers(1, 800, size=16)
+        quadratic_world.add(lengths, float((lengths.astype(float) ** 2).sum() * 1e-8))
+        noise_world.add(lengths, float(lengths.sum() * 1e-6 * (1 + 0.02 * rng.standard_normal())))
+    fitted = quadratic_world.fit_and_share(linear)
+    assert fitted is not None and fitted.quadratic > 0 and fitted.linear < 1e-9
+    assert noise_world.fit_and_share(linear) is None  # the current model already explains it
