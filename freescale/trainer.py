@@ -313,7 +313,8 @@ class Trainer:
                 window_start = now
                 balance = timing.compute(ctx.device.type == "cpu")
                 log.write("step", step=done, loss=last_metrics.loss, auc=last_metrics.auc, ne=last_metrics.ne,
-                          samples_per_s=rate, epoch=loader.epoch, **balance)
+                          samples_per_s=rate, epoch=loader.epoch, skipped_rows=sum(loader.source.skipped.values()),
+                          **balance)
                 bar.set_postfix(loss=f"{last_metrics.loss:.4f}", auc=f"{last_metrics.auc:.3f}")
                 if bar.disable and ctx.is_main and cfg.train.progress:
                     print(f"step {done}/{cfg.train.steps}  loss {last_metrics.loss:.4f}  "
