@@ -99,7 +99,7 @@ def reference_hstu_attention(
     total = q_THA.shape[0]
     lengths_B = seq_offsets_B1[1:] - seq_offsets_B1[:-1]
     if total == 0 or lengths_B.numel() == 0:
-        return v_THV.new_zeros(v_THV.shape)
+        return v_THV * 0.0  # empty, but still part of the autograd graph
     bucket_B = torch.ceil(torch.log2(lengths_B.clamp(min=1).double())).long()
     if bool((bucket_B == bucket_B[0]).all()):
         return _padded_attention(q_THA, k_THA, v_THV, seq_offsets_B1, max_seq_len, alpha, num_targets_B, max_attn_len)

@@ -1,0 +1,284 @@
+"""Triton kernels for jagged HSTU attention, forward and backward.
+
+Same formula and mask as ``hstu_attention.reference_hstu_attention`` (see its
+module docstring); legend: T tokens, H heads, A attention dim, V value dim,
+B sequences, N = max_seq_len (the normaliser and the longest allowed sequence).
+
+Work decomposition (one program per (block of rows, sequence x head)):
+
+- forward, program (m, b*H + h): query rows ``m*BLOCK_M ..`` of sequence b, head
+  h; walks the key blocks that the causal (and ``max_attn_len``) window allows,
+  accumulating ``(silu(alpha q k^T) * mask / N) @ v`` in fp32.  Nothing is padded:
+  programs whose rows lie past the sequence's end exit at once, so the grid is
+  ``ceil(N / BLOCK_M) x B*H`` without a host sync for the batch's longest.
+- backward, two kernels without atomics: ``_bwd_dkdv`` (program per key block)
+  walks the query blocks that can see it and accumulates dK and dV;
+  ``_bwd_dq`` (program per query block) walks key blocks and accumulates dQ.
+  Both recompute the scores instead of storing the T x T weights.
+
+With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (tests do this
+at small sizes).  On CUDA the block sizes are autotuned per (N bucket, A, V);
+the configs target Hopper (128-wide tiles, 8 warps, 3 stages) and smaller GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Tests set this so that any element a kernel fails to write is NaN, not stale memory.
+_POISON = os.environ.get("FREESCALE_POISON_KERNEL_OUTPUTS") == "1"
+
+
+def _output_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan")) if _POISON else torch.empty_like(t)
+
+
+@triton.jit
+def _mask(offs_m, offs_n, length, history, max_attn_len):
+    causal = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < length) & (offs_n[None, :] < length)
+    target_ok = (offs_n[None, :] < history) | (offs_n[None, :] == offs_m[:, None])
+    window_ok = (max_attn_len == 0) | (offs_m[:, None] - offs_n[None, :] <= max_attn_len)
+    return causal & target_ok & window_ok
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, seq_offsets, num_targets,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    alpha, inv_n, max_attn_len, H, A, Vd,
+    HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    start = tl.load(seq_offsets + b)
+    length = (tl.load(seq_offsets + b + 1) - start).to(tl.int32)
+    first_m = pid_m * BLOCK_M
+    if first_m >= length:
+        return
+    history = length
+    if HAS_TARGETS:
+        history = length - tl.load(num_targets + b).to(tl.int32)
+    offs_m = first_m + tl.arange(0, BLOCK_M)
+    offs_a = tl.arange(0, BLOCK_A)
+    offs_v = tl.arange(0, BLOCK_V)
+    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_a[None, :],
+                mask=(offs_m[:, None] < length) & (offs_a[None, :] < A), other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
+    lo = 0
+    if max_attn_len > 0:
+        lo = tl.maximum(first_m - max_attn_len, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(first_m + BLOCK_M, length)
+    for first_n in range(lo, hi, BLOCK_N):
+        offs_n = first_n + tl.arange(0, BLOCK_N)
+        k = tl.load(K + (start + offs_n)[:, None] * stride_kt + h * stride_kh + offs_a[None, :],
+                    mask=(offs_n[:, None] < length) & (offs_a[None, :] < A), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * alpha
+        w = s * tl.sigmoid(s) * inv_n
+        w = tl.where(_mask(offs_m, offs_n, length, history, max_attn_len), w, 0.0)
+        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
+                    mask=(offs_n[:, None] < length) & (offs_v[None, :] < Vd), other=0.0)
+        acc += tl.dot(w.to(v.dtype), v)
+    tl.store(Out + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
+             acc.to(Out.dtype.element_ty), mask=(offs_m[:, None] < length) & (offs_v[None, :] < Vd))
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, dO, dK, dV, seq_offsets, num_targets,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    alpha, inv_n, max_attn_len, H, A, Vd,
+    HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    start = tl.load(seq_offsets + b)
+    length = (tl.load(seq_offsets + b + 1) - start).to(tl.int32)
+    first_n = pid_n * BLOCK_N
+    if first_n >= length:
+        return
+    history = length
+    if HAS_TARGETS:
+        history = length - tl.load(num_targets + b).to(tl.int32)
+    offs_n = first_n + tl.arange(0, BLOCK_N)
+    offs_a = tl.arange(0, BLOCK_A)
+    offs_v = tl.arange(0, BLOCK_V)
+    k = tl.load(K + (start + offs_n)[:, None] * stride_kt + h * stride_kh + offs_a[None, :],
+                mask=(offs_n[:, None] < length) & (offs_a[None, :] < A), other=0.0)
+    v = tl.load(V + (start + offs_n)[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
+                mask=(offs_n[:, None] < length) & (offs_v[None, :] < Vd), other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_A), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    lo = first_n // BLOCK_M * BLOCK_M
+    hi = length
+    if max_attn_len > 0:
+        hi = tl.minimum(first_n + BLOCK_N + max_attn_len, length)
+    for first_m in range(lo, hi, BLOCK_M):
+        offs_m = first_m + tl.arange(0, BLOCK_M)
+        q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_a[None, :],
+                    mask=(offs_m[:, None] < length) & (offs_a[None, :] < A), other=0.0)
+        do = tl.load(dO + (start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_v[None, :],
+                     mask=(offs_m[:, None] < length) & (offs_v[None, :] < Vd), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * alpha  # [M, N]
+        sig = tl.sigmoid(s)
+        keep = _mask(offs_m, offs_n, length, history, max_attn_len)
+        w = tl.where(keep, s * sig * inv_n, 0.0)
+        dv += tl.dot(tl.trans(w.to(do.dtype)), do)
+        dw = tl.dot(do, tl.trans(v))  # [M, N]
+        ds = tl.where(keep, dw * sig * (1.0 + s * (1.0 - sig)) * (alpha * inv_n), 0.0)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    tl.store(dK + (start + offs_n)[:, None] * stride_kt + h * stride_kh + offs_a[None, :],
+             dk.to(dK.dtype.element_ty), mask=(offs_n[:, None] < length) & (offs_a[None, :] < A))
+    tl.store(dV + (start + offs_n)[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
+             dv.to(dV.dtype.element_ty), mask=(offs_n[:, None] < length) & (offs_v[None, :] < Vd))
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, dO, dQ, seq_offsets, num_targets,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    alpha, inv_n, max_attn_len, H, A, Vd,
+    HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    start = tl.load(seq_offsets + b)
+    length = (tl.load(seq_offsets + b + 1) - start).to(tl.int32)
+    first_m = pid_m * BLOCK_M
+    if first_m >= length:
+        return
+    history = length
+    if HAS_TARGETS:
+        history = length - tl.load(num_targets + b).to(tl.int32)
+    offs_m = first_m + tl.arange(0, BLOCK_M)
+    offs_a = tl.arange(0, BLOCK_A)
+    offs_v = tl.arange(0, BLOCK_V)
+    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_a[None, :],
+                mask=(offs_m[:, None] < length) & (offs_a[None, :] < A), other=0.0)
+    do = tl.load(dO + (start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_v[None, :],
+                 mask=(offs_m[:, None] < length) & (offs_v[None, :] < Vd), other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_A), dtype=tl.float32)
+    lo = 0
+    if max_attn_len > 0:
+        lo = tl.maximum(first_m - max_attn_len, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(first_m + BLOCK_M, length)
+    for first_n in range(lo, hi, BLOCK_N):
+        offs_n = first_n + tl.arange(0, BLOCK_N)
+        k = tl.load(K + (start + offs_n)[:, None] * stride_kt + h * stride_kh + offs_a[None, :],
+                    mask=(offs_n[:, None] < length) & (offs_a[None, :] < A), other=0.0)
+        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
+                    mask=(offs_n[:, None] < length) & (offs_v[None, :] < Vd), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * alpha
+        sig = tl.sigmoid(s)
+        keep = _mask(offs_m, offs_n, length, history, max_attn_len)
+        dw = tl.dot(do, tl.trans(v))
+        ds = tl.where(keep, dw * sig * (1.0 + s * (1.0 - sig)) * (alpha * inv_n), 0.0)
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(dQ + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_a[None, :],
+             dq.to(dQ.dtype.element_ty), mask=(offs_m[:, None] < length) & (offs_a[None, :] < A))
+
+
+def _hopper_configs() -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        for m, n, w, s in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)]
+    ]
+
+
+# N_BUCKET (next power of two of max_seq_len) exists only as an autotuning key.
+_KEY = ["N_BUCKET", "BLOCK_A", "BLOCK_V"]
+
+
+def _tuned(kernel):  # type: ignore[no-untyped-def]
+    return triton.autotune(configs=_hopper_configs(), key=_KEY)(kernel) if not _INTERPRET else kernel
+
+
+_FWD, _DKDV, _DQ = _tuned(_fwd_kernel), _tuned(_bwd_dkdv_kernel), _tuned(_bwd_dq_kernel)
+_INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def _launch(kernel, rows_per_block_key: str, max_seq_len: int, bh: int, *args, **meta):  # type: ignore[no-untyped-def]
+    if _INTERPRET:
+        grid = (triton.cdiv(max_seq_len, _INTERPRET_BLOCKS[rows_per_block_key]), bh)
+        kernel[grid](*args, **meta, **_INTERPRET_BLOCKS)
+    else:
+        kernel[lambda m: (triton.cdiv(max_seq_len, m[rows_per_block_key]), bh)](*args, **meta)
+
+
+def _dims(q: torch.Tensor, v: torch.Tensor) -> dict[str, int]:
+    return {"BLOCK_A": max(16, triton.next_power_of_2(q.shape[2])), "BLOCK_V": max(16, triton.next_power_of_2(v.shape[2]))}
+
+
+class _HSTUAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, max_attn_len):  # type: ignore[no-untyped-def, override]
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        total, heads, _ = q.shape
+        out = _output_like(v)
+        batch = seq_offsets.numel() - 1
+        if total and batch:
+            targets = num_targets if num_targets is not None else seq_offsets
+            _launch(
+                _FWD, "BLOCK_M", max_seq_len, batch * heads,
+                q, k, v, out, seq_offsets, targets,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                float(alpha), 1.0 / max_seq_len, int(max_attn_len), heads, q.shape[2], v.shape[2],
+                HAS_TARGETS=num_targets is not None, N_BUCKET=triton.next_power_of_2(max_seq_len), **_dims(q, v),
+            )
+        ctx.save_for_backward(q, k, v, seq_offsets, num_targets)
+        ctx.args = (max_seq_len, alpha, max_attn_len)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[no-untyped-def, override]
+        q, k, v, seq_offsets, num_targets = ctx.saved_tensors
+        max_seq_len, alpha, max_attn_len = ctx.args
+        d_out = d_out.contiguous()
+        dq, dk, dv = _output_like(q), _output_like(k), _output_like(v)  # every token row is written
+        total, heads, _ = q.shape
+        batch = seq_offsets.numel() - 1
+        if total and batch:
+            targets = num_targets if num_targets is not None else seq_offsets
+            common = (
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                d_out.stride(0), d_out.stride(1), float(alpha), 1.0 / max_seq_len, int(max_attn_len),
+                heads, q.shape[2], v.shape[2],
+            )
+            meta = dict(HAS_TARGETS=num_targets is not None, N_BUCKET=triton.next_power_of_2(max_seq_len),
+                        **_dims(q, v))
+            _launch(_DKDV, "BLOCK_N", max_seq_len, batch * heads, q, k, v, d_out, dk, dv, seq_offsets, targets,
+                    *common, **meta)
+            _launch(_DQ, "BLOCK_M", max_seq_len, batch * heads, q, k, v, d_out, dq, seq_offsets, targets,
+                    *common, **meta)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def triton_hstu_attention(
+    q_THA: torch.Tensor,
+    k_THA: torch.Tensor,
+    v_THV: torch.Tensor,
+    seq_offsets_B1: torch.Tensor,
+    max_seq_len: int,
+    alpha: float,
+    num_targets_B: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+) -> torch.Tensor:
+    """Jagged HSTU attention with Triton kernels; sequences must not exceed ``max_seq_len``."""
+    if not (q_THA.is_cuda or _INTERPRET):
+        raise RuntimeError("the triton HSTU attention needs CUDA tensors (or TRITON_INTERPRET=1 for tests)")
+    return _HSTUAttention.apply(
+        q_THA, k_THA, v_THV, seq_offsets_B1, max_seq_len, alpha, num_targets_B, max_attn_len
+    )
