@@ -47,6 +47,43 @@ def _mask(offs_m, offs_n, length, history, max_attn_len):
 
 
 @triton.jit
+def _sequence(seq_offsets, num_targets, b, HAS_TARGETS: tl.constexpr):
+    """First token, length and history length (length minus targets) of sequence b."""
+    start = tl.load(seq_offsets + b)
+    length = (tl.load(seq_offsets + b + 1) - start).to(tl.int32)
+    history = length
+    if HAS_TARGETS:
+        history = length - tl.load(num_targets + b).to(tl.int32)
+    return start, length, history
+
+
+@triton.jit
+def _rows(ptr, start, offs_t, stride_t, head_offset, offs_d, dim, length):
+    """A [rows, D] tile of a [T, H, D] tensor: tokens start+offs_t of one head, zero-padded."""
+    return tl.load(ptr + (start + offs_t)[:, None] * stride_t + head_offset + offs_d[None, :],
+                   mask=(offs_t[:, None] < length) & (offs_d[None, :] < dim), other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, value, start, offs_t, stride_t, head_offset, offs_d, dim, length):
+    tl.store(ptr + (start + offs_t)[:, None] * stride_t + head_offset + offs_d[None, :],
+             value.to(ptr.dtype.element_ty), mask=(offs_t[:, None] < length) & (offs_d[None, :] < dim))
+
+
+@triton.jit
+def _weights_and_grad(q, k, v, do, offs_m, offs_n, length, history, max_attn_len, alpha, inv_n):
+    """For an [M, N] tile: the weights w = silu(alpha q k^T) * mask / N and the gradient
+    of the loss w.r.t. the scores q k^T, dS = (dO v^T) * silu'(alpha s) * alpha * mask / N."""
+    s = tl.dot(q, tl.trans(k)) * alpha
+    sig = tl.sigmoid(s)
+    keep = _mask(offs_m, offs_n, length, history, max_attn_len)
+    w = tl.where(keep, s * sig * inv_n, 0.0)
+    dw = tl.dot(do, tl.trans(v))
+    ds = tl.where(keep, dw * sig * (1.0 + s * (1.0 - sig)) * (alpha * inv_n), 0.0)
+    return w, ds
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, Out, seq_offsets, num_targets,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -58,19 +95,14 @@ def _fwd_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
-    start = tl.load(seq_offsets + b)
-    length = (tl.load(seq_offsets + b + 1) - start).to(tl.int32)
+    start, length, history = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
     first_m = pid_m * BLOCK_M
     if first_m >= length:
         return
-    history = length
-    if HAS_TARGETS:
-        history = length - tl.load(num_targets + b).to(tl.int32)
     offs_m = first_m + tl.arange(0, BLOCK_M)
     offs_a = tl.arange(0, BLOCK_A)
     offs_v = tl.arange(0, BLOCK_V)
-    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_a[None, :],
-                mask=(offs_m[:, None] < length) & (offs_a[None, :] < A), other=0.0)
+    q = _rows(Q, start, offs_m, stride_qt, h * stride_qh, offs_a, A, length)
     acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
     lo = 0
     if max_attn_len > 0:
@@ -78,16 +110,13 @@ def _fwd_kernel(
     hi = tl.minimum(first_m + BLOCK_M, length)
     for first_n in range(lo, hi, BLOCK_N):
         offs_n = first_n + tl.arange(0, BLOCK_N)
-        k = tl.load(K + (start + offs_n)[:, None] * stride_kt + h * stride_kh + offs_a[None, :],
-                    mask=(offs_n[:, None] < length) & (offs_a[None, :] < A), other=0.0)
+        k = _rows(K, start, offs_n, stride_kt, h * stride_kh, offs_a, A, length)
         s = tl.dot(q, tl.trans(k)) * alpha
         w = s * tl.sigmoid(s) * inv_n
         w = tl.where(_mask(offs_m, offs_n, length, history, max_attn_len), w, 0.0)
-        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
-                    mask=(offs_n[:, None] < length) & (offs_v[None, :] < Vd), other=0.0)
+        v = _rows(V, start, offs_n, stride_vt, h * stride_vh, offs_v, Vd, length)
         acc += tl.dot(w.to(v.dtype), v)
-    tl.store(Out + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
-             acc.to(Out.dtype.element_ty), mask=(offs_m[:, None] < length) & (offs_v[None, :] < Vd))
+    _store_rows(Out, acc, start, offs_m, stride_ot, h * stride_oh, offs_v, Vd, length)
 
 
 @triton.jit
@@ -102,21 +131,15 @@ def _bwd_dkdv_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
-    start = tl.load(seq_offsets + b)
-    length = (tl.load(seq_offsets + b + 1) - start).to(tl.int32)
+    start, length, history = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
     first_n = pid_n * BLOCK_N
     if first_n >= length:
         return
-    history = length
-    if HAS_TARGETS:
-        history = length - tl.load(num_targets + b).to(tl.int32)
     offs_n = first_n + tl.arange(0, BLOCK_N)
     offs_a = tl.arange(0, BLOCK_A)
     offs_v = tl.arange(0, BLOCK_V)
-    k = tl.load(K + (start + offs_n)[:, None] * stride_kt + h * stride_kh + offs_a[None, :],
-                mask=(offs_n[:, None] < length) & (offs_a[None, :] < A), other=0.0)
-    v = tl.load(V + (start + offs_n)[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
-                mask=(offs_n[:, None] < length) & (offs_v[None, :] < Vd), other=0.0)
+    k = _rows(K, start, offs_n, stride_kt, h * stride_kh, offs_a, A, length)
+    v = _rows(V, start, offs_n, stride_vt, h * stride_vh, offs_v, Vd, length)
     dk = tl.zeros((BLOCK_N, BLOCK_A), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     lo = first_n // BLOCK_M * BLOCK_M
@@ -125,22 +148,13 @@ def _bwd_dkdv_kernel(
         hi = tl.minimum(first_n + BLOCK_N + max_attn_len, length)
     for first_m in range(lo, hi, BLOCK_M):
         offs_m = first_m + tl.arange(0, BLOCK_M)
-        q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_a[None, :],
-                    mask=(offs_m[:, None] < length) & (offs_a[None, :] < A), other=0.0)
-        do = tl.load(dO + (start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_v[None, :],
-                     mask=(offs_m[:, None] < length) & (offs_v[None, :] < Vd), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * alpha  # [M, N]
-        sig = tl.sigmoid(s)
-        keep = _mask(offs_m, offs_n, length, history, max_attn_len)
-        w = tl.where(keep, s * sig * inv_n, 0.0)
+        q = _rows(Q, start, offs_m, stride_qt, h * stride_qh, offs_a, A, length)
+        do = _rows(dO, start, offs_m, stride_dot, h * stride_doh, offs_v, Vd, length)
+        w, ds = _weights_and_grad(q, k, v, do, offs_m, offs_n, length, history, max_attn_len, alpha, inv_n)
         dv += tl.dot(tl.trans(w.to(do.dtype)), do)
-        dw = tl.dot(do, tl.trans(v))  # [M, N]
-        ds = tl.where(keep, dw * sig * (1.0 + s * (1.0 - sig)) * (alpha * inv_n), 0.0)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-    tl.store(dK + (start + offs_n)[:, None] * stride_kt + h * stride_kh + offs_a[None, :],
-             dk.to(dK.dtype.element_ty), mask=(offs_n[:, None] < length) & (offs_a[None, :] < A))
-    tl.store(dV + (start + offs_n)[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
-             dv.to(dV.dtype.element_ty), mask=(offs_n[:, None] < length) & (offs_v[None, :] < Vd))
+    _store_rows(dK, dk, start, offs_n, stride_kt, h * stride_kh, offs_a, A, length)
+    _store_rows(dV, dv, start, offs_n, stride_vt, h * stride_vh, offs_v, Vd, length)
 
 
 @triton.jit
@@ -155,21 +169,15 @@ def _bwd_dq_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
-    start = tl.load(seq_offsets + b)
-    length = (tl.load(seq_offsets + b + 1) - start).to(tl.int32)
+    start, length, history = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
     first_m = pid_m * BLOCK_M
     if first_m >= length:
         return
-    history = length
-    if HAS_TARGETS:
-        history = length - tl.load(num_targets + b).to(tl.int32)
     offs_m = first_m + tl.arange(0, BLOCK_M)
     offs_a = tl.arange(0, BLOCK_A)
     offs_v = tl.arange(0, BLOCK_V)
-    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_a[None, :],
-                mask=(offs_m[:, None] < length) & (offs_a[None, :] < A), other=0.0)
-    do = tl.load(dO + (start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_v[None, :],
-                 mask=(offs_m[:, None] < length) & (offs_v[None, :] < Vd), other=0.0)
+    q = _rows(Q, start, offs_m, stride_qt, h * stride_qh, offs_a, A, length)
+    do = _rows(dO, start, offs_m, stride_dot, h * stride_doh, offs_v, Vd, length)
     dq = tl.zeros((BLOCK_M, BLOCK_A), dtype=tl.float32)
     lo = 0
     if max_attn_len > 0:
@@ -177,18 +185,11 @@ def _bwd_dq_kernel(
     hi = tl.minimum(first_m + BLOCK_M, length)
     for first_n in range(lo, hi, BLOCK_N):
         offs_n = first_n + tl.arange(0, BLOCK_N)
-        k = tl.load(K + (start + offs_n)[:, None] * stride_kt + h * stride_kh + offs_a[None, :],
-                    mask=(offs_n[:, None] < length) & (offs_a[None, :] < A), other=0.0)
-        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
-                    mask=(offs_n[:, None] < length) & (offs_v[None, :] < Vd), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * alpha
-        sig = tl.sigmoid(s)
-        keep = _mask(offs_m, offs_n, length, history, max_attn_len)
-        dw = tl.dot(do, tl.trans(v))
-        ds = tl.where(keep, dw * sig * (1.0 + s * (1.0 - sig)) * (alpha * inv_n), 0.0)
+        k = _rows(K, start, offs_n, stride_kt, h * stride_kh, offs_a, A, length)
+        v = _rows(V, start, offs_n, stride_vt, h * stride_vh, offs_v, Vd, length)
+        _, ds = _weights_and_grad(q, k, v, do, offs_m, offs_n, length, history, max_attn_len, alpha, inv_n)
         dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(dQ + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_a[None, :],
-             dq.to(dQ.dtype.element_ty), mask=(offs_m[:, None] < length) & (offs_a[None, :] < A))
+    _store_rows(dQ, dq, start, offs_m, stride_qt, h * stride_qh, offs_a, A, length)
 
 
 def _hopper_configs() -> list[triton.Config]:
