@@ -36,7 +36,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from freescale.config import require
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.cost import CostModel
-from freescale.dataloader.partition import PARTITIONERS
 from freescale.dataloader.planner import BatchPlanner, EpochOrder, StepPlan
 from freescale.dataloader.schema import CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, USER_ID, DataError
 from freescale.dataloader.source import ParquetSource
@@ -145,6 +144,9 @@ class BalancedLoader:
                 f"({planner.global_batch_size})"
             )
         self.source, self.planner = source, planner
+        # The producer may run ``prefetch`` steps ahead; the window of the consumed
+        # position (and its re-plan history) must still be there when it is saved.
+        planner.windows_kept = max(planner.windows_kept, prefetch // planner.window + 2)
         self.rank = rank
         self.sparse_features = list(sparse_features)
         self.max_seq_len = max_seq_len
@@ -366,4 +368,4 @@ def build_loader(
     )
 
 
-__all__ = ["PARTITIONERS", "BalancedLoader", "DataConfig", "StepInfo", "build_loader", "truncate_recent"]
+__all__ = ["BalancedLoader", "DataConfig", "StepInfo", "build_loader", "truncate_recent"]

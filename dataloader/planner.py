@@ -140,10 +140,11 @@ class BatchPlanner:
         # Recently planned windows: a prefetching loader plans ahead, and after a
         # restart of its thread goes back to the window of the consumed position.
         self._windows: OrderedDict[tuple[int, int], _Window] = OrderedDict()
+        self.windows_kept = _WINDOWS_KEPT
 
     def _remember(self, win: _Window) -> _Window:
         self._windows[(win.epoch, win.index)] = win
-        while len(self._windows) > _WINDOWS_KEPT:
+        while len(self._windows) > self.windows_kept:
             self._windows.popitem(last=False)
         return win
 

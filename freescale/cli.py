@@ -24,10 +24,6 @@ from typing import Any
 from freescale.config import ConfigError, type_name, load_config
 
 
-class UserError(Exception):
-    """Raised for anything the user can fix; printed as one line."""
-
-
 def _config_keys(cls: type, prefix: str = "") -> list[str]:
     """``section.key  (type, default)`` lines for ``train --help``."""
     lines = []
@@ -186,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from freescale.checkpoint import CheckpointError
         from freescale.dataloader.schema import DataError
 
-        if isinstance(exc, (ConfigError, DataError, CheckpointError, UserError)):
+        if isinstance(exc, (ConfigError, DataError, CheckpointError)):
             from freescale.launch import report_user_error
 
             report_user_error(str(exc))

@@ -128,7 +128,7 @@ def test_window_groups_heavy_samples_and_shortens_the_epoch() -> None:
 
 
 def test_trainer_calibration_accepts_a_clearly_better_fit_only() -> None:
-    from freescale.trainer import Calibration
+    from freescale.step_stats import Calibration
 
     rng = np.random.default_rng(4)
     linear = CostModel(0.0, 1.0, 0.0)
