@@ -17,6 +17,12 @@ triton TFLOP/s >= 0.5 x matmul TFLOP/s.
 
     python benchmarks/bench_kernels.py [--quick] [--json benchmarks/results/kernels_<gpu>.json]
 
+A second table times the fused ``LayerNorm(x) * u`` (``triton_layer_norm_mul``)
+against the eager torch pair (``F.layer_norm`` then multiply) over [tokens, D]
+rows, D in {256, 1024} (heads x value dim), forward and forward+backward, and
+reports effective GB/s over the bytes the fused kernels must move (forward:
+read x, u, write y; backward: read x, u, dy, write dx, du).
+
 Needs CUDA; on a machine without it, it says so and exits with status 2.
 """
 
@@ -108,6 +114,27 @@ def case(max_len: int, heads: int, dim: int, tokens: int, with_reference: bool) 
     return row
 
 
+def norm_case(tokens: int, width: int) -> dict[str, object]:
+    from freescale.kernels.layer_norm_mul import reference_layer_norm_mul
+    from freescale.kernels.triton_layer_norm_mul import triton_layer_norm_mul
+
+    make = lambda: torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    x, u = make(), make()
+    w = torch.ones(width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.zeros(width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    row: dict[str, object] = {"tokens": tokens, "width": width}
+    for name, fn in (("fused", triton_layer_norm_mul), ("torch", reference_layer_norm_mul)):
+        row[f"{name}_fwd_ms"] = bench(lambda: fn(x, u, w, b, 1e-5))
+        row[f"{name}_fwdbwd_ms"] = bench(lambda: fn(x, u, w, b, 1e-5).backward(dy))
+    element = 2  # bf16
+    fwd_bytes, bwd_bytes = 3 * tokens * width * element, 5 * tokens * width * element
+    row["fused_fwd_GBps"] = fwd_bytes / (row["fused_fwd_ms"] * 1e-3) / 1e9  # type: ignore[operator]
+    row["fused_fwdbwd_GBps"] = (fwd_bytes + bwd_bytes) / (row["fused_fwdbwd_ms"] * 1e-3) / 1e9  # type: ignore[operator]
+    row["speedup_fwdbwd"] = row["torch_fwdbwd_ms"] / row["fused_fwdbwd_ms"]  # type: ignore[operator]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, max_len 1024 and 4096")
@@ -127,9 +154,16 @@ def main() -> None:
     print(f"bf16 matmul 8192^3: {peak:.1f} TFLOP/s on {torch.cuda.get_device_name(0)}")
     print_table(rows, ["max_len", "heads", "dim", "tokens", "padded_tokens", "triton_fwd_ms", "triton_fwdbwd_ms",
                        "sdpa_fwdbwd_ms", "speedup_vs_sdpa_fwdbwd", "triton_fwdbwd_tflops", "fraction_of_matmul_rate"])
+    norm_rows = [norm_case(args.tokens, width) for width in (256, 1024)]
+    print_table(norm_rows, ["tokens", "width", "fused_fwd_ms", "torch_fwd_ms", "fused_fwdbwd_ms", "torch_fwdbwd_ms",
+                            "speedup_fwdbwd", "fused_fwdbwd_GBps"])
     if args.json:
+        for r in rows:
+            r["op"] = "hstu_attention"
+        for r in norm_rows:
+            r["op"] = "layer_norm_mul"
         write_json(args.json, "bench_kernels", {"quick": args.quick, "tokens": args.tokens, "dtype": "bf16",
-                                                "matmul_tflops": peak}, rows)
+                                                "matmul_tflops": peak}, rows + norm_rows)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@
   backend selector.
 - ``triton_hstu_attention``: its Triton forward/backward kernels, registered as
   backend ``"triton"`` (chosen by ``"auto"`` on CUDA tensors) when Triton imports.
+- ``layer_norm_mul`` / ``triton_layer_norm_mul``: the fused ``LayerNorm(x) * u``
+  of every HSTU block, same arrangement.
+- ``registry``: the selector both share.
 """
 
 from freescale.kernels.hstu_attention import (
@@ -12,12 +15,29 @@ from freescale.kernels.hstu_attention import (
     reference_hstu_attention,
     register_impl,
 )
+from freescale.kernels.layer_norm_mul import (
+    layer_norm_mul,
+    layer_norm_mul_backends,
+    reference_layer_norm_mul,
+    register_layer_norm_mul,
+)
 
-try:  # Triton is optional at run time: CPU training uses the reference.
+try:  # Triton is optional at run time: CPU training uses the references.
     from freescale.kernels.triton_hstu_attention import triton_hstu_attention
+    from freescale.kernels.triton_layer_norm_mul import triton_layer_norm_mul
 except ImportError:  # pragma: no cover - depends on the installed stack
     pass
 else:
     register_impl("triton", triton_hstu_attention)
+    register_layer_norm_mul("triton", triton_layer_norm_mul)
 
-__all__ = ["available_backends", "jagged_hstu_attention", "reference_hstu_attention", "register_impl"]
+__all__ = [
+    "available_backends",
+    "jagged_hstu_attention",
+    "layer_norm_mul",
+    "layer_norm_mul_backends",
+    "reference_hstu_attention",
+    "reference_layer_norm_mul",
+    "register_impl",
+    "register_layer_norm_mul",
+]

@@ -31,6 +31,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from freescale.kernels.registry import KernelRegistry
+
 
 class AttentionImpl(Protocol):
     def __call__(
@@ -146,30 +148,21 @@ def _padded_attention(
     return padded_to_jagged(out_BNHV, seq_offsets_B1, total)
 
 
-_IMPLS: dict[str, AttentionImpl] = {"reference": reference_hstu_attention}
-_CUDA_PREFERRED: list[str] = []
+_REGISTRY: KernelRegistry[AttentionImpl] = KernelRegistry("attention", reference_hstu_attention)
 
 
 def register_impl(name: str, impl: AttentionImpl, preferred_on_cuda: bool = True) -> None:
     """Make ``impl`` selectable as ``backend=name`` (kernels call this when they import)."""
-    _IMPLS[name] = impl
-    if preferred_on_cuda and name not in _CUDA_PREFERRED:
-        _CUDA_PREFERRED.append(name)
+    _REGISTRY.register(name, impl, preferred_on_cuda)
 
 
 def available_backends() -> list[str]:
-    return sorted(_IMPLS)
+    return _REGISTRY.names()
 
 
 def select_backend(backend: str, device: torch.device) -> str:
     """``auto``: the first registered CUDA kernel on CUDA tensors, else the reference."""
-    if backend == "auto":
-        if device.type == "cuda" and _CUDA_PREFERRED:
-            return _CUDA_PREFERRED[0]
-        return "reference"
-    if backend not in _IMPLS:
-        raise ValueError(f"attention backend '{backend}' is not available (have: auto, {', '.join(available_backends())})")
-    return backend
+    return _REGISTRY.select(backend, device)
 
 
 def jagged_hstu_attention(
@@ -184,5 +177,5 @@ def jagged_hstu_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """HSTU attention over jagged ``[T, H, *]`` tensors; see the module docstring."""
-    impl = _IMPLS[select_backend(backend, q_THA.device)]
+    impl = _REGISTRY.get(backend, q_THA.device)
     return impl(q_THA, k_THA, v_THV, seq_offsets_B1, max_seq_len, alpha, num_targets_B, max_attn_len)

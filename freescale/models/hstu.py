@@ -10,11 +10,13 @@ Forward, per batch::
     interleave: each sample's sequence is its history (oldest first) then its candidate
     x_TD += position embedding of recency (0 = the candidate, 1 = newest history item, ...)
     N x HSTUBlock:  u, v, q, k = silu(Linear(LayerNorm(x)))
-                    x = x + Linear(LayerNorm(attention(q, k, v)) * u)
+                    x = x + Linear(LayerNorm(attention(q, k, v)) * u)    (norm x gate fused)
     read the candidate token of each sample -> LayerNorm -> concat dense -> MLP -> logit
 
 The attention is ``freescale.kernels.jagged_hstu_attention`` (pointwise SiLU, no
-softmax, causal, the candidate is a target token that sees the history).  The
+softmax, causal, the candidate is a target token that sees the history); the
+norm-and-gate after it is ``freescale.kernels.layer_norm_mul`` (one fused kernel
+on CUDA).  The
 whole path stays jagged: no sample is padded to the batch's longest history.
 """
 
@@ -30,7 +32,7 @@ from torchrec import EmbeddingCollection, EmbeddingConfig
 from freescale.config import require
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS
-from freescale.kernels import jagged_hstu_attention
+from freescale.kernels import available_backends, jagged_hstu_attention, layer_norm_mul, layer_norm_mul_backends
 from freescale.models.common import ModelOutput, bce_output, mlp
 
 
@@ -49,6 +51,9 @@ class HSTUConfig:
     """Attend at most this many tokens back; 0 = unlimited."""
     head_layers: list[int] = field(default_factory=lambda: [64, 32])
     attention_backend: str = "auto"
+    """``auto`` (Triton on CUDA, torch reference on CPU), ``triton`` or ``reference``."""
+    norm_backend: str = "auto"
+    """Same choice for the fused ``LayerNorm(attention) * u`` of each block."""
 
     def validate(self) -> None:
         for key in ("embedding_dim", "num_heads", "attention_dim", "value_dim"):
@@ -57,6 +62,9 @@ class HSTUConfig:
         require(self.alpha >= 0, "alpha", f"must be >= 0, got {self.alpha}")
         require(self.max_attn_len >= 0, "max_attn_len", f"must be >= 0, got {self.max_attn_len}")
         require(all(w > 0 for w in self.head_layers), "head_layers", f"widths must be positive, got {self.head_layers}")
+        for key, names in (("attention_backend", available_backends()), ("norm_backend", layer_norm_mul_backends())):
+            choices = ["auto", *names]
+            require(getattr(self, key) in choices, key, f"must be one of {choices}, got '{getattr(self, key)}'")
 
 
 class HSTUBlock(nn.Module):
@@ -69,6 +77,7 @@ class HSTUBlock(nn.Module):
         self.alpha = cfg.alpha or cfg.attention_dim**-0.5
         self.max_attn_len = cfg.max_attn_len
         self.backend = cfg.attention_backend
+        self.norm_backend = cfg.norm_backend
         d = cfg.embedding_dim
         self.input_norm = nn.LayerNorm(d)
         self.uvqk = nn.Linear(d, cfg.num_heads * (2 * cfg.value_dim + 2 * cfg.attention_dim))
@@ -92,7 +101,9 @@ class HSTUBlock(nn.Module):
             max_attn_len=self.max_attn_len,
             backend=self.backend,
         )
-        return x_TD + self.output(self.attn_norm(attn_THV.reshape(total, hv)) * u_TX)
+        norm = self.attn_norm
+        gated_TX = layer_norm_mul(attn_THV.reshape(total, hv), u_TX, norm.weight, norm.bias, norm.eps, self.norm_backend)
+        return x_TD + self.output(gated_TX)
 
 
 class HSTUModel(nn.Module):
