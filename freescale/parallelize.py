@@ -18,10 +18,11 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-from torchrec.distributed.types import ModuleSharder
+from torchrec.distributed.types import ModuleSharder, ShardingEnv
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from freescale.config import require
@@ -56,15 +57,30 @@ def sharders(cfg: OptimConfig) -> list[ModuleSharder[nn.Module]]:
     return [EmbeddingCollectionSharder(fused_params=fused), EmbeddingBagCollectionSharder(fused_params=fused)]
 
 
-def shard_model(model: nn.Module, ctx: DistContext, cfg: OptimConfig) -> DistributedModelParallel:
-    """Plan and shard ``model`` (embedding tables built on the meta device) over the default group."""
+class NoDataParallel(DataParallelWrapper):
+    """Leave the dense modules unwrapped: the prioritized pipeline reduces their gradients itself."""
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        return None
+
+
+def shard_model(
+    model: nn.Module, ctx: DistContext, cfg: OptimConfig, data_parallel: bool = True
+) -> DistributedModelParallel:
+    """Plan and shard ``model`` (embedding tables built on the meta device) over the default group.
+
+    ``data_parallel=False``: no DDP around the dense part (the caller all-reduces its gradients).
+    """
     module_sharders = sharders(cfg)
     topology = Topology(
         world_size=ctx.world_size, compute_device=ctx.device.type, local_world_size=ctx.local_world_size
     )
     planner = EmbeddingShardingPlanner(topology=topology)
     plan = planner.collective_plan(model, module_sharders, dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=ctx.device, plan=plan, sharders=module_sharders)
+    wrapper = None if data_parallel else NoDataParallel()
+    return DistributedModelParallel(
+        model, device=ctx.device, plan=plan, sharders=module_sharders, data_parallel_wrapper=wrapper
+    )
 
 
 def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> CombinedOptimizer:

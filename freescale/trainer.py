@@ -9,19 +9,20 @@ One step on rank r (all ranks in lockstep; collectives must match):
 
     1. loader.next_batch()            this rank's share of global batch s, planned by cost
                                       on every rank alike, read and prefetched on a thread
-    2. batch.to(device)
-    3. dmp(batch)                     input dist (ids all-to-all) -> embedding lookup ->
-                                      output all-to-all -> dense forward -> loss
-    4. loss.backward()                embedding grads all-to-all back, fused row-wise
-                                      Adagrad updates the shards inside backward; DDP
-                                      all-reduces dense grads, bucketed, during backward
-    5. optimizer.step()               AdamW on the dense parameters
+    2. pipeline.progress(batches)     (``freescale.pipeline``; ``pipeline.kind``)
+       batch.to(device)               input dist (ids all-to-all) -> embedding lookup ->
+       dmp(batch)                     output all-to-all -> dense forward -> loss
+       loss.backward()                embedding grads all-to-all back, fused row-wise
+                                      Adagrad updates the shards inside backward; dense
+                                      grads all-reduced (DDP, or the prioritized reducer)
+       optimizer.step()               AdamW on the dense parameters
     6. every log_every steps          metrics over the window, gathered from all ranks
     7. every checkpoint.every steps   atomic DCP checkpoint (model, optimizers, step,
                                       data position)
 
-Nothing here overlaps one batch with the next yet; pipelining is the train
-pipeline's job.  Rank 0 alone prints (progress bar, summary) and writes the
+Pipelines other than ``plain`` read batches ahead; the trainer hands them an
+iterator that stops at the next checkpoint, so the pipeline is empty exactly
+when the loader position is saved.  Rank 0 alone prints (progress bar, summary) and writes the
 JSONL log ``<train.output_dir>/train_log.jsonl``.
 """
 
@@ -36,6 +37,8 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections import deque
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 import torch
@@ -44,11 +47,13 @@ from tqdm import tqdm
 from freescale import checkpoint
 from freescale.checkpoint import CheckpointConfig
 from freescale.config import require, to_dict
-from freescale.dataloader.loader import BalancedLoader, DataConfig, build_loader
+from freescale.dataloader.batch import Batch
+from freescale.dataloader.loader import BalancedLoader, DataConfig, StepInfo, build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.distributed import DistConfig, DistContext, init_distributed, shutdown
 from freescale.metrics import ClickMetrics, MetricWindow
 from freescale.models import ModelConfig, build_model, cost_model_for
+from freescale.pipeline import PipelineConfig, build_pipeline
 from freescale.parallelize import OptimConfig, build_optimizer, materialize_optimizer_state, shard_model
 from freescale.step_stats import Calibration, StepTiming
 
@@ -78,6 +83,7 @@ class TrainerConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
 
 @dataclass
@@ -153,7 +159,7 @@ class Trainer:
             cfg.model, manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta")
         )
         features = list(model.sparse_feature_names)
-        dmp = shard_model(model, ctx, cfg.optim)
+        dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp)
         optimizer = build_optimizer(dmp, cfg.optim)
         loader = self._loader(ctx, features, manifest.dense_dim, "train")
         log = RunLog(out_dir / "train_log.jsonl" if ctx.is_main else None)
@@ -199,21 +205,31 @@ class Trainer:
         window_start = time.perf_counter()
         timing = StepTiming()
         calibration = Calibration()
+        pipeline = build_pipeline(cfg.pipeline, dmp, optimizer, ctx.device)
+        infos: deque[StepInfo | None] = deque()
+
+        def batches(first: int, stop: int) -> Iterator[Batch]:
+            """Batches of steps ``first .. stop-1``; the pipeline is empty at ``stop``."""
+            for _ in range(first, stop):
+                batch = loader.next_batch()
+                infos.append(loader.last)
+                yield batch.to(ctx.device, non_blocking=True)
+
+        segment: Iterator[Batch] = iter(())
         for step in range(start_step, cfg.train.steps):
+            if step == start_step or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                segment = batches(step, self._segment_end(step))
             step_start = time.perf_counter()
-            batch = loader.next_batch().to(ctx.device, non_blocking=True)
-            cpu_loaded = time.thread_time()
-            optimizer.zero_grad()
-            loss, (_, logits, labels) = dmp(batch)
-            loss.backward()
-            optimizer.step()
+            cpu_start = time.thread_time()
+            loss, logits, labels = pipeline.progress(segment)
+            info = infos.popleft()
             window.add(logits, labels)
             run_window.add(logits, labels)
-            busy = time.thread_time() - cpu_loaded
-            timing.add(loader.last, busy=busy, wall=time.perf_counter() - step_start)
+            busy = time.thread_time() - cpu_start
+            timing.add(info, busy=busy, wall=time.perf_counter() - step_start)
             # Early steps pay for lazy initialisation: not an observation of compute cost.
-            if cfg.data.calibrate_every and loader.last is not None and step > start_step + 1:
-                calibration.add(loader.planner.lengths[loader.last.rows], busy)
+            if cfg.data.calibrate_every and info is not None and step > start_step + 1:
+                calibration.add(loader.planner.lengths[info.rows], busy)
             done = step + 1
             if step == start_step:  # the first step pays for lazy initialisation: not timed
                 timed_from = time.perf_counter()
@@ -257,13 +273,18 @@ class Trainer:
         )
         loader.close()
         if cfg.train.eval and manifest.rows.get("eval", 0) >= loader.global_batch_size:
-            result = self._evaluate(dmp, ctx, features, manifest.dense_dim)
+            result = self._evaluate(pipeline.detach(), ctx, features, manifest.dense_dim)
             summary.eval_loss, summary.eval_auc, summary.eval_ne = result.loss, result.auc, result.ne
             log.write("eval", loss=result.loss, auc=result.auc, ne=result.ne, samples=result.samples)
         summary.skipped_rows = sum(loader.source.skipped.values())
         log.write("summary", **asdict(summary), skipped=dict(loader.source.skipped))
         log.close()
         return summary
+
+    def _segment_end(self, step: int) -> int:
+        """Next step at which the pipeline must hold no read-ahead batch: a checkpoint or the end."""
+        every, end = self.cfg.checkpoint.every, self.cfg.train.steps
+        return min(end, (step // every + 1) * every) if every else end
 
     def _loader(self, ctx: DistContext, features: list[str], dense_dim: int, split: str) -> BalancedLoader:
         cfg = self.cfg

@@ -32,7 +32,7 @@ def build_model(
     """Build the configured model; embedding tables go on ``embedding_device`` ("meta" before DMP)."""
     if cfg.kind == "hstu":
         return HSTUModel(
-            cfg.hstu, num_items=manifest.num_items, dense_dim=manifest.dense_dim,
+            cfg.hstu, num_items=manifest.num_items, num_users=manifest.num_users, dense_dim=manifest.dense_dim,
             max_seq_len=max_seq_len, embedding_device=embedding_device,
         )
     return DLRMModel(

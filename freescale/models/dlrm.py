@@ -70,5 +70,19 @@ class DLRMModel(nn.Module):
         )
 
     def forward(self, batch: Batch) -> ModelOutput:
-        logits_B = self.dlrm(batch.dense, batch.sparse).squeeze(-1)
+        """torchrec's DLRM, reordered so the embedding exchange overlaps the bottom MLP.
+
+        Calling the (sharded) bag collection issues its output all-to-all and
+        returns at once (torchrec awaits it lazily); the bottom MLP runs while
+        the pooled embeddings travel, and ``to_dict`` waits for them.  Same
+        modules and parameters as ``DLRM.forward``, same results.
+        """
+        arch = self.dlrm
+        pooled = arch.sparse_arch.embedding_bag_collection(batch.sparse)
+        dense_BD = arch.dense_arch(batch.dense)
+        by_name = pooled.to_dict()
+        sparse_BFD = torch.cat([by_name[n] for n in arch.sparse_arch.sparse_feature_names], dim=1).reshape(
+            -1, arch.sparse_arch.F, arch.sparse_arch.D
+        )
+        logits_B = arch.over_arch(arch.inter_arch(dense_features=dense_BD, sparse_features=sparse_BFD)).squeeze(-1)
         return bce_output(logits_B, batch.labels, batch.loss_scale)

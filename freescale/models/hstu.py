@@ -11,7 +11,13 @@ Forward, per batch::
     x_TD += position embedding of recency (0 = the candidate, 1 = newest history item, ...)
     N x HSTUBlock:  u, v, q, k = silu(Linear(LayerNorm(x)))
                     x = x + Linear(LayerNorm(attention(q, k, v)) * u)    (norm x gate fused)
-    read the candidate token of each sample -> LayerNorm -> concat dense -> MLP -> logit
+    read the candidate token of each sample -> LayerNorm -> concat (user embedding, dense) -> MLP -> logit
+
+Two embedding modules, called in priority order: ``item_embeddings`` (history
+and candidate: the attention stack needs them first) and then
+``user_embeddings`` (a pooled side feature that only the head reads).  torchrec
+awaits a sharded module's output all-to-all lazily, so the user embeddings
+travel while the attention stack computes.
 
 The attention is ``freescale.kernels.jagged_hstu_attention`` (pointwise SiLU, no
 softmax, causal, the candidate is a target token that sees the history); the
@@ -27,11 +33,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchrec import EmbeddingCollection, EmbeddingConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
+from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from freescale.config import require
 from freescale.dataloader.batch import Batch
-from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS
+from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS, USER_ID
 from freescale.kernels import available_backends, jagged_hstu_attention, layer_norm_mul, layer_norm_mul_backends
 from freescale.models.common import ModelOutput, bce_output, mlp
 
@@ -106,38 +113,24 @@ class HSTUBlock(nn.Module):
         return x_TD + self.output(gated_TX)
 
 
-class HSTUModel(nn.Module):
-    """Item-history sequence model; ``forward(batch) -> (loss, (loss, logits, labels))``."""
+class HSTUSequence(nn.Module):
+    """Jagged history + candidate embeddings -> the candidate token's output, ``[B, D]``.
 
-    sparse_feature_names = [HISTORY_ITEMS, CANDIDATE_ITEM]
+    One module (not a loop in ``HSTUModel.forward``) so that torchrec's
+    pipelines, which FX-trace the model to find the sharded modules' inputs,
+    treat the whole attention stack as one opaque call.
+    """
 
-    def __init__(
-        self, cfg: HSTUConfig, *, num_items: int, dense_dim: int, max_seq_len: int, embedding_device: torch.device
-    ) -> None:
+    def __init__(self, cfg: HSTUConfig, max_tokens: int) -> None:
         super().__init__()
         d = cfg.embedding_dim
-        self.max_history = max_seq_len
-        # Sequence = up to max_seq_len history items + 1 candidate; the attention
-        # normaliser is that fixed length, never the batch's longest.
-        self.max_tokens = max_seq_len + 1
-        self.item_embeddings = EmbeddingCollection(
-            tables=[
-                EmbeddingConfig(
-                    name="item_table", embedding_dim=d, num_embeddings=num_items,
-                    feature_names=[HISTORY_ITEMS, CANDIDATE_ITEM],
-                )
-            ],
-            device=embedding_device,
-        )
-        self.recency_embedding = nn.Embedding(self.max_tokens, d)
+        self.max_tokens = max_tokens
+        self.recency_embedding = nn.Embedding(max_tokens, d)
         nn.init.normal_(self.recency_embedding.weight, std=0.02)
-        self.blocks = nn.ModuleList(HSTUBlock(cfg, self.max_tokens) for _ in range(cfg.num_blocks))
+        self.blocks = nn.ModuleList(HSTUBlock(cfg, max_tokens) for _ in range(cfg.num_blocks))
         self.final_norm = nn.LayerNorm(d)
-        self.head = mlp(d + dense_dim, [*cfg.head_layers, 1])
 
-    def forward(self, batch: Batch) -> ModelOutput:
-        embeddings = self.item_embeddings(batch.sparse)
-        history, candidate = embeddings[HISTORY_ITEMS], embeddings[CANDIDATE_ITEM]
+    def forward(self, history: JaggedTensor, candidate: JaggedTensor) -> torch.Tensor:
         history_TD, candidate_BD = history.values(), candidate.values()
         num_history = history_TD.shape[0]
         seq_lengths_B = history.lengths() + 1
@@ -159,6 +152,48 @@ class HSTUModel(nn.Module):
         num_targets_B = torch.ones_like(seq_lengths_B)
         for block in self.blocks:
             x_TD = block(x_TD, seq_offsets_B1, num_targets_B)
-        candidate_out_BD = self.final_norm(x_TD[seq_offsets_B1[1:] - 1])
-        logits_B = self.head(torch.cat([candidate_out_BD, batch.dense], dim=-1)).squeeze(-1)
+        return self.final_norm(x_TD[seq_offsets_B1[1:] - 1])
+
+
+class HSTUModel(nn.Module):
+    """Item-history sequence model; ``forward(batch) -> (loss, (loss, logits, labels))``."""
+
+    sparse_feature_names = [HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID]
+
+    def __init__(
+        self, cfg: HSTUConfig, *, num_items: int, num_users: int, dense_dim: int, max_seq_len: int,
+        embedding_device: torch.device,
+    ) -> None:
+        super().__init__()
+        d = cfg.embedding_dim
+        self.max_history = max_seq_len
+        # Sequence = up to max_seq_len history items + 1 candidate; the attention
+        # normaliser is that fixed length, never the batch's longest.
+        self.max_tokens = max_seq_len + 1
+        self.item_embeddings = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name="item_table", embedding_dim=d, num_embeddings=num_items,
+                    feature_names=[HISTORY_ITEMS, CANDIDATE_ITEM],
+                )
+            ],
+            device=embedding_device,
+        )
+        self.user_embeddings = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(
+                    name="user_table", embedding_dim=d, num_embeddings=num_users, feature_names=[USER_ID],
+                    pooling=PoolingType.SUM,
+                )
+            ],
+            device=embedding_device,
+        )
+        self.sequence = HSTUSequence(cfg, self.max_tokens)
+        self.head = mlp(2 * d + dense_dim, [*cfg.head_layers, 1])
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        embeddings = self.item_embeddings(batch.sparse)  # first: the attention stack needs these
+        user = self.user_embeddings(batch.sparse)  # issued now, awaited at the head
+        candidate_out_BD = self.sequence(embeddings[HISTORY_ITEMS], embeddings[CANDIDATE_ITEM])
+        logits_B = self.head(torch.cat([candidate_out_BD, user[USER_ID], batch.dense], dim=-1)).squeeze(-1)
         return bce_output(logits_B, batch.labels, batch.loss_scale)

@@ -1,0 +1,128 @@
+"""Record the collectives a training step issues: order, size, phase and time blocked.
+
+``CommTracer`` wraps ``torch.distributed.all_to_all_single`` and
+``all_reduce`` (torchrec's embedding all-to-alls and our dense reducer call
+them through the module attribute, so one patch sees both) while it is active.
+Each call becomes a :class:`CommEvent`: which op, which process group (by the
+label it was registered under), how many bytes, which phase of the step
+(forward / backward, set by the pipeline), when it was issued and how long the
+training thread was blocked waiting for it.  The pipeline tests read the issue
+order from these events; ``bench_pipeline`` reads the blocked time ("exposed
+communication" as the training thread sees it).
+
+Tracing costs a Python wrapper per collective; it is off unless a tracer is
+entered (benchmarks and tests only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_state = threading.local()
+
+
+def current_phase() -> str:
+    return getattr(_state, "phase", "")
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Label the collectives issued on this thread inside the block (``forward``, ``backward``)."""
+    previous = current_phase()
+    _state.phase = name
+    try:
+        yield
+    finally:
+        _state.phase = previous
+
+
+@dataclass
+class CommEvent:
+    op: str
+    group: str
+    bytes: int
+    phase: str
+    step: int
+    issued_s: float
+    blocked_s: float = 0.0
+    completed_in_wait: bool = False
+
+
+class _TracedWork:
+    """Delegates to the real work handle; times ``wait()``."""
+
+    def __init__(self, work: Any, event: CommEvent) -> None:
+        self._work, self._event = work, event
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        already = self._work.is_completed()
+        result = self._work.wait(*args, **kwargs)
+        self._event.blocked_s += time.perf_counter() - start
+        self._event.completed_in_wait = self._event.completed_in_wait or not already
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CommTracer:
+    """Context manager; ``events`` lists every traced collective, ``step`` tags them."""
+
+    def __init__(self) -> None:
+        self.events: list[CommEvent] = []
+        self.step = 0
+        self._labels: dict[int, str] = {}
+        self._originals: dict[str, Any] = {}
+
+    def label(self, group: Any, name: str) -> None:
+        self._labels[id(group)] = name
+
+    def _group_name(self, group: Any) -> str:
+        if group is None or group is dist.GroupMember.WORLD:
+            return self._labels.get(id(dist.GroupMember.WORLD), "world")
+        return self._labels.get(id(group), "other")
+
+    def _wrap(self, name: str, size_of: Any) -> Any:
+        original = getattr(dist, name)
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            event = CommEvent(name, self._group_name(group), size_of(*args, **kwargs), current_phase(), self.step,
+                              time.perf_counter())
+            self.events.append(event)
+            if kwargs.get("async_op"):
+                return _TracedWork(original(*args, **kwargs), event)
+            start = time.perf_counter()
+            result = original(*args, **kwargs)
+            event.blocked_s = time.perf_counter() - start
+            event.completed_in_wait = True
+            return result
+
+        self._originals[name] = original
+        return traced
+
+    def __enter__(self) -> CommTracer:
+        dist.all_to_all_single = self._wrap("all_to_all_single", lambda output, input, *a, **k: _nbytes(input))
+        dist.all_reduce = self._wrap("all_reduce", lambda tensor, *a, **k: _nbytes(tensor))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+
+    def blocked_s(self, steps: range | None = None) -> float:
+        return sum(e.blocked_s for e in self.events if steps is None or e.step in steps)
