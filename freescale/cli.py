@@ -88,6 +88,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     summary = Trainer(cfg).fit()
     if _is_rank0():
         print_summary(summary)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Training ended cleanly (barrier, process groups destroyed, files closed).
+        # Interpreter teardown then runs C++ destructors of torchrec/gloo objects,
+        # which abort now and then ("terminate called without an active
+        # exception", signal 6) and would turn a finished run into a failed one.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -50,6 +50,7 @@ from freescale.config import require, to_dict
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.loader import BalancedLoader, DataConfig, StepInfo, build_loader
 from freescale.dataloader.schema import DatasetManifest
+from freescale.digest import state_digest
 from freescale.distributed import DistConfig, DistContext, init_distributed, shutdown
 from freescale.metrics import ClickMetrics, MetricWindow
 from freescale.models import ModelConfig, build_model, cost_model_for
@@ -102,6 +103,8 @@ class TrainSummary:
     eval_ne: float | None = None
     checkpoint: str | None = None
     skipped_rows: int = 0
+    state_digest: str = ""
+    """SHA-256 over every rank's parameters and optimizer state after training (``freescale.digest``)."""
 
 
 class RunLog:
@@ -272,6 +275,7 @@ class Trainer:
             checkpoint=str(last_ckpt) if last_ckpt else None,
         )
         loader.close()
+        summary.state_digest = state_digest(dmp, optimizer)
         if cfg.train.eval and manifest.rows.get("eval", 0) >= loader.global_batch_size:
             result = self._evaluate(pipeline.detach(), ctx, features, manifest.dense_dim)
             summary.eval_loss, summary.eval_auc, summary.eval_ne = result.loss, result.auc, result.ne
