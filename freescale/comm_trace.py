@@ -17,10 +17,12 @@ entered (benchmarks and tests only).
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +33,10 @@ _state = threading.local()
 
 def current_phase() -> str:
     return getattr(_state, "phase", "")
+
+
+def current_source() -> str:
+    return getattr(_state, "source", "")
 
 
 @contextlib.contextmanager
@@ -50,19 +56,26 @@ class CommEvent:
     group: str
     bytes: int
     phase: str
+    source: str
+    """The embedding module whose output dist issued it (``attribute``), else empty."""
     step: int
     issued_s: float
     blocked_s: float = 0.0
     completed_in_wait: bool = False
 
 
-class _TracedWork:
-    """Delegates to the real work handle; times ``wait()``."""
+class _TracedWork(dist.Work):
+    """Delegates to the real work handle and times ``wait()``.
 
-    def __init__(self, work: Any, event: CommEvent) -> None:
+    A ``dist.Work`` subclass because torchrec checks ``isinstance(req, dist.Work)``
+    before waiting.
+    """
+
+    def __init__(self, work: dist.Work, event: CommEvent) -> None:
+        super().__init__()
         self._work, self._event = work, event
 
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
         start = time.perf_counter()
         already = self._work.is_completed()
         result = self._work.wait(*args, **kwargs)
@@ -70,8 +83,23 @@ class _TracedWork:
         self._event.completed_in_wait = self._event.completed_in_wait or not already
         return result
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+    def result(self) -> Any:
+        return self._work.result()
+
+    def synchronize(self) -> None:
+        self._work.synchronize()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -90,6 +118,25 @@ class CommTracer:
     def label(self, group: Any, name: str) -> None:
         self._labels[id(group)] = name
 
+    def attribute(self, module: Any, name: str) -> None:
+        """Tag collectives issued by ``module.compute_and_output_dist`` (a torchrec sharded module) with ``name``."""
+        original = module.compute_and_output_dist
+
+        def tagged(*args: Any, **kwargs: Any) -> Any:
+            previous = current_source()
+            _state.source = name
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _state.source = previous
+
+        module.compute_and_output_dist = tagged
+
+    def write_jsonl(self, path: str | Path) -> None:
+        with open(path, "w") as fh:
+            for event in self.events:
+                fh.write(json.dumps(asdict(event)) + "\n")
+
     def _group_name(self, group: Any) -> str:
         if group is None or group is dist.GroupMember.WORLD:
             return self._labels.get(id(dist.GroupMember.WORLD), "world")
@@ -100,8 +147,8 @@ class CommTracer:
 
         def traced(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")
-            event = CommEvent(name, self._group_name(group), size_of(*args, **kwargs), current_phase(), self.step,
-                              time.perf_counter())
+            event = CommEvent(name, self._group_name(group), size_of(*args, **kwargs), current_phase(),
+                              current_source(), self.step, time.perf_counter())
             self.events.append(event)
             if kwargs.get("async_op"):
                 return _TracedWork(original(*args, **kwargs), event)

@@ -36,7 +36,7 @@ threads, and every wait is on an async work handle.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from freescale.comm_trace import phase
+from freescale.comm_trace import CommTracer, phase
 from freescale.config import require
 from freescale.dataloader.batch import Batch
 from freescale.dense_reducer import DenseGradReducer
@@ -173,7 +173,7 @@ def build_pipeline(
     dmp: nn.Module,
     optimizer: torch.optim.Optimizer,
     device: torch.device,
-    dense_group_factory: Callable[[], Any] | None = None,
+    tracer: CommTracer | None = None,
 ) -> StepPipeline:
     """The configured pipeline over an already sharded model (``shard_model(data_parallel=cfg.uses_ddp)``)."""
     if cfg.comm == "copy_engine" and device.type != "cuda":
@@ -185,7 +185,9 @@ def build_pipeline(
         return PlainPipeline(dmp, optimizer, device)
     if cfg.kind == "torchrec":
         return _TorchrecPipeline(_TracedTorchrecSparseDist(dmp, optimizer, device))
-    group = dense_group_factory() if dense_group_factory else dist.new_group(backend=dist.get_backend())
+    group = dist.new_group(backend=dist.get_backend())
+    if tracer is not None:
+        tracer.label(group, "dense")
     reducer = DenseGradReducer(dense_parameters(dmp), group, chunk_bytes=cfg.chunk_kb * 1024,
                                max_inflight=cfg.max_inflight)
     return _TorchrecPipeline(_PrioritizedSparseDist(dmp, optimizer, device, reducer))

@@ -50,6 +50,7 @@ from freescale.config import require, to_dict
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.loader import BalancedLoader, DataConfig, StepInfo, build_loader
 from freescale.dataloader.schema import DatasetManifest
+from freescale.comm_trace import CommTracer
 from freescale.digest import state_digest
 from freescale.distributed import DistConfig, DistContext, init_distributed, shutdown
 from freescale.metrics import ClickMetrics, MetricWindow
@@ -69,6 +70,9 @@ class TrainConfig:
     """Evaluate on the dataset's ``eval`` split after training."""
     progress: bool = True
     """Progress bar on rank 0 (only when stderr is a terminal)."""
+    trace_comm: bool = False
+    """Record every collective (op, group, bytes, phase, issuing module, time blocked) to
+    ``<output_dir>/comm_trace_rank<R>.jsonl`` (``freescale.comm_trace``; costs a little per collective)."""
 
     def validate(self) -> None:
         require(self.steps > 0, "steps", f"must be positive, got {self.steps}")
@@ -208,7 +212,13 @@ class Trainer:
         window_start = time.perf_counter()
         timing = StepTiming()
         calibration = Calibration()
-        pipeline = build_pipeline(cfg.pipeline, dmp, optimizer, ctx.device)
+        tracer = CommTracer() if cfg.train.trace_comm else None
+        if tracer is not None:
+            for name, module in dmp.named_modules():
+                if hasattr(module, "compute_and_output_dist"):
+                    tracer.attribute(module, name.rsplit(".", 1)[-1])
+            tracer.__enter__()
+        pipeline = build_pipeline(cfg.pipeline, dmp, optimizer, ctx.device, tracer)
         infos: deque[StepInfo | None] = deque()
 
         def batches(first: int, stop: int) -> Iterator[Batch]:
@@ -222,6 +232,8 @@ class Trainer:
         for step in range(start_step, cfg.train.steps):
             if step == start_step or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 segment = batches(step, self._segment_end(step))
+            if tracer is not None:
+                tracer.step = step
             step_start = time.perf_counter()
             cpu_start = time.thread_time()
             loss, logits, labels = pipeline.progress(segment)
@@ -262,6 +274,9 @@ class Trainer:
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.train.steps:
                 last_ckpt = save(done)
         seconds = time.perf_counter() - timed_from
+        if tracer is not None:
+            tracer.__exit__(None, None, None)
+            tracer.write_jsonl(out_dir / f"comm_trace_rank{ctx.rank}.jsonl")
         bar.close()
         if cfg.checkpoint.save_final and start_step < cfg.train.steps:
             last_ckpt = save(cfg.train.steps)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
+import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -56,3 +55,31 @@ def test_config_errors_name_the_key() -> None:
     with pytest.raises(RuntimeError, match="copy_engine.*needs a GPU"):
         build_pipeline(PipelineConfig(kind="prioritized", comm="copy_engine"), torch.nn.Linear(1, 1),
                        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), torch.device("cpu"))
+
+
+@pytest.mark.multiprocess
+def test_prioritized_pipeline_issues_transfers_in_priority_order(tiny_data: Path, tmp_path: Path) -> None:
+    """From the recorded collectives of each step, on each rank:
+
+    forward: the item sequence's output all-to-all (the attention stack's input)
+    is issued before the user side feature's; backward: dense gradients travel
+    on their own group, in chunks no larger than configured, issued while
+    backward still runs (before its last embedding-gradient all-to-all).
+    """
+    chunk_kb = 8
+    run_pipeline("prioritized", "hstu", tiny_data, tmp_path, "--checkpoint.every=0", "--train.trace_comm=true",
+                 f"--pipeline.chunk_kb={chunk_kb}")
+    for rank in (0, 1):
+        trace = [json.loads(line) for line in (tmp_path / f"comm_trace_rank{rank}.jsonl").read_text().splitlines()]
+        for step in range(1, 12):
+            events_of_step = [e for e in trace if e["step"] == step]
+            forward = [e["source"] for e in events_of_step if e["phase"] == "forward" and e["source"]]
+            assert forward == ["item_embeddings", "user_embeddings"], (rank, step, forward)
+            backward = [e for e in events_of_step if e["phase"] == "backward"]
+            dense = [i for i, e in enumerate(backward) if e["op"] == "all_reduce"]
+            embedding = [i for i, e in enumerate(backward) if e["op"] == "all_to_all_single"]
+            assert dense and embedding, (rank, step)
+            assert all(backward[i]["group"] == "dense" for i in dense)
+            assert all(backward[i]["group"] == "world" for i in embedding)
+            assert all(backward[i]["bytes"] <= chunk_kb * 1024 for i in dense)
+            assert dense[0] < embedding[-1], "dense reduction waited for the end of backward"
