@@ -106,10 +106,44 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class CommTracer:
-    """Context manager; ``events`` lists every traced collective, ``step`` tags them."""
+class _CompletedWork(dist.Work):
+    """What a skipped collective returns: already done."""
 
-    def __init__(self) -> None:
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> Any:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.is_floating_point()
+
+
+class CommTracer:
+    """Context manager; ``events`` lists every traced collective, ``step`` tags them.
+
+    ``skip_float=True`` is the benchmark's "communication replaced by no-ops of
+    the same shapes" (DESIGN.md, exposed communication): collectives on
+    floating-point tensors (embeddings out, their gradients back, dense
+    gradients) return at once, leaving the caller-allocated outputs zeroed;
+    integer ones (ids, lengths, split sizes: they decide the shapes) still run.
+    Training numbers are meaningless in that mode; step times are what it is for.
+    """
+
+    def __init__(self, skip_float: bool = False) -> None:
+        self.skip_float = skip_float
         self.events: list[CommEvent] = []
         self.step = 0
         self._labels: dict[int, str] = {}
@@ -142,10 +176,12 @@ class CommTracer:
             return self._labels.get(id(dist.GroupMember.WORLD), "world")
         return self._labels.get(id(group), "other")
 
-    def _wrap(self, name: str, size_of: Any) -> Any:
+    def _wrap(self, name: str, size_of: Any, skippable: Any) -> Any:
         original = getattr(dist, name)
 
         def traced(*args: Any, **kwargs: Any) -> Any:
+            if self.skip_float and skippable(*args, **kwargs):
+                return _CompletedWork() if kwargs.get("async_op") else None
             group = kwargs.get("group")
             event = CommEvent(name, self._group_name(group), size_of(*args, **kwargs), current_phase(),
                               current_source(), self.step, time.perf_counter())
@@ -162,8 +198,18 @@ class CommTracer:
         return traced
 
     def __enter__(self) -> CommTracer:
-        dist.all_to_all_single = self._wrap("all_to_all_single", lambda output, input, *a, **k: _nbytes(input))
-        dist.all_reduce = self._wrap("all_reduce", lambda tensor, *a, **k: _nbytes(tensor))
+        def skip_a2a(output: torch.Tensor, input: torch.Tensor, *a: Any, **k: Any) -> bool:
+            if _is_float(input):
+                output.zero_()
+                return True
+            return False
+
+        dist.all_to_all_single = self._wrap(
+            "all_to_all_single", lambda output, input, *a, **k: _nbytes(input), skip_a2a
+        )
+        dist.all_reduce = self._wrap(
+            "all_reduce", lambda tensor, *a, **k: _nbytes(tensor), lambda tensor, *a, **k: _is_float(tensor)
+        )
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -73,6 +73,10 @@ class TrainConfig:
     trace_comm: bool = False
     """Record every collective (op, group, bytes, phase, issuing module, time blocked) to
     ``<output_dir>/comm_trace_rank<R>.jsonl`` (``freescale.comm_trace``; costs a little per collective)."""
+    benchmark_skip_float_comm: bool = False
+    """Benchmarks only: floating-point collectives (embeddings, their gradients, dense gradients) become
+    no-ops of the same shapes, so step time minus this run's step time is the exposed communication.
+    The model learns nothing in this mode."""
 
     def validate(self) -> None:
         require(self.steps > 0, "steps", f"must be positive, got {self.steps}")
@@ -212,7 +216,14 @@ class Trainer:
         window_start = time.perf_counter()
         timing = StepTiming()
         calibration = Calibration()
-        tracer = CommTracer() if cfg.train.trace_comm else None
+        skip = cfg.train.benchmark_skip_float_comm
+        tracer = CommTracer(skip_float=skip) if cfg.train.trace_comm or skip else None
+        if skip and cfg.pipeline.uses_ddp:
+            from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+            ddp = dmp._dmp_wrapped_module
+            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+                ddp.register_comm_hook(None, noop_hook)
         if tracer is not None:
             for name, module in dmp.named_modules():
                 if hasattr(module, "compute_and_output_dist"):
@@ -276,7 +287,8 @@ class Trainer:
         seconds = time.perf_counter() - timed_from
         if tracer is not None:
             tracer.__exit__(None, None, None)
-            tracer.write_jsonl(out_dir / f"comm_trace_rank{ctx.rank}.jsonl")
+            if cfg.train.trace_comm:
+                tracer.write_jsonl(out_dir / f"comm_trace_rank{ctx.rank}.jsonl")
         bar.close()
         if cfg.checkpoint.save_final and start_step < cfg.train.steps:
             last_ckpt = save(cfg.train.steps)

@@ -6,11 +6,12 @@ B sequences, N = max_seq_len (the normaliser and the longest allowed sequence).
 
 Work decomposition (one program per (block of rows, sequence x head)):
 
-- forward, program (m, b*H + h): query rows ``m*BLOCK_M ..`` of sequence b, head
+- forward, program (b*H + h, m): query rows ``m*BLOCK_M ..`` of sequence b, head
   h; walks the key blocks that the causal (and ``max_attn_len``) window allows,
   accumulating ``(silu(alpha q k^T) * mask / N) @ v`` in fp32.  Nothing is padded:
   programs whose rows lie past the sequence's end exit at once, so the grid is
-  ``ceil(N / BLOCK_M) x B*H`` without a host sync for the batch's longest.
+  ``B*H x ceil(N / BLOCK_M)`` without a host sync for the batch's longest
+  (B*H on axis 0: CUDA caps axis 1 at 65535).
 - backward, two kernels without atomics: ``_bwd_dkdv`` (program per key block)
   walks the query blocks that can see it and accumulates dK and dV;
   ``_bwd_dq`` (program per query block) walks key blocks and accumulates dQ.
@@ -18,7 +19,11 @@ Work decomposition (one program per (block of rows, sequence x head)):
 
 With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (tests do this
 at small sizes).  On CUDA the block sizes are autotuned per (N bucket, A, V);
-the configs target Hopper (128-wide tiles, 8 warps, 3 stages) and smaller GPUs.
+forward configs go up to 128 x 128 tiles (8 warps, 3 stages), backward ones
+stay at or below 64 x 64 or 128 x 32 (their live tiles overflow Hopper's shared
+memory at 128 x 128), and head dims of 256 drop the 128-row tiles before any
+compile.  fp32 inputs use exact fp32 dots (``input_precision="ieee"``), not
+TF32, so compiled and interpreted results agree with the float64 reference.
 """
 
 from __future__ import annotations
@@ -39,17 +44,19 @@ def _output_like(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _mask(offs_m, offs_n, length, history, max_attn_len):
-    causal = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < length) & (offs_n[None, :] < length)
-    target_ok = (offs_n[None, :] < history) | (offs_n[None, :] == offs_m[:, None])
-    window_ok = (max_attn_len == 0) | (offs_m[:, None] - offs_n[None, :] <= max_attn_len)
+def _mask(m, n, length, history, max_attn_len):
+    """May query token m attend to key token n?  m, n: broadcastable index grids
+    (``[M, 1]`` and ``[1, N]`` for a scores tile, ``[1, M]`` and ``[N, 1]`` for its transpose)."""
+    causal = (n <= m) & (m < length) & (n < length)
+    target_ok = (n < history) | (n == m)
+    window_ok = (max_attn_len == 0) | (m - n <= max_attn_len)
     return causal & target_ok & window_ok
 
 
 @triton.jit
 def _sequence(seq_offsets, num_targets, b, HAS_TARGETS: tl.constexpr):
     """First token, length and history length (length minus targets) of sequence b."""
-    start = tl.load(seq_offsets + b)
+    start = tl.load(seq_offsets + b).to(tl.int64)  # row * stride must not wrap at 2^31
     length = (tl.load(seq_offsets + b + 1) - start).to(tl.int32)
     history = length
     if HAS_TARGETS:
@@ -71,14 +78,11 @@ def _store_rows(ptr, value, start, offs_t, stride_t, head_offset, offs_d, dim, l
 
 
 @triton.jit
-def _weights_and_grad(q, k, v, do, offs_m, offs_n, length, history, max_attn_len, alpha, inv_n):
-    """For an [M, N] tile: the weights w = silu(alpha q k^T) * mask / N and the gradient
-    of the loss w.r.t. the scores q k^T, dS = (dO v^T) * silu'(alpha s) * alpha * mask / N."""
-    s = tl.dot(q, tl.trans(k)) * alpha
+def _score_grad(s, dw, keep, alpha, inv_n):
+    """Weights w = silu(s) * mask / N of scores s = alpha q.k, and the loss gradient
+    w.r.t. q.k: dS = dW * silu'(s) * alpha * mask / N, where dW = dO . v."""
     sig = tl.sigmoid(s)
-    keep = _mask(offs_m, offs_n, length, history, max_attn_len)
     w = tl.where(keep, s * sig * inv_n, 0.0)
-    dw = tl.dot(do, tl.trans(v))
     ds = tl.where(keep, dw * sig * (1.0 + s * (1.0 - sig)) * (alpha * inv_n), 0.0)
     return w, ds
 
@@ -89,10 +93,10 @@ def _fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     alpha, inv_n, max_attn_len, H, A, Vd,
     HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)  # batch x heads on axis 0: axis 1 is capped at 65535 on CUDA
+    pid_m = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     start, length, history = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
@@ -111,11 +115,11 @@ def _fwd_kernel(
     for first_n in range(lo, hi, BLOCK_N):
         offs_n = first_n + tl.arange(0, BLOCK_N)
         k = _rows(K, start, offs_n, stride_kt, h * stride_kh, offs_a, A, length)
-        s = tl.dot(q, tl.trans(k)) * alpha
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
         w = s * tl.sigmoid(s) * inv_n
-        w = tl.where(_mask(offs_m, offs_n, length, history, max_attn_len), w, 0.0)
+        w = tl.where(_mask(offs_m[:, None], offs_n[None, :], length, history, max_attn_len), w, 0.0)
         v = _rows(V, start, offs_n, stride_vt, h * stride_vh, offs_v, Vd, length)
-        acc += tl.dot(w.to(v.dtype), v)
+        acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
     _store_rows(Out, acc, start, offs_m, stride_ot, h * stride_oh, offs_v, Vd, length)
 
 
@@ -125,10 +129,10 @@ def _bwd_dkdv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     alpha, inv_n, max_attn_len, H, A, Vd,
     HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     start, length, history = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
@@ -150,9 +154,13 @@ def _bwd_dkdv_kernel(
         offs_m = first_m + tl.arange(0, BLOCK_M)
         q = _rows(Q, start, offs_m, stride_qt, h * stride_qh, offs_a, A, length)
         do = _rows(dO, start, offs_m, stride_dot, h * stride_doh, offs_v, Vd, length)
-        w, ds = _weights_and_grad(q, k, v, do, offs_m, offs_n, length, history, max_attn_len, alpha, inv_n)
-        dv += tl.dot(tl.trans(w.to(do.dtype)), do)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        # Transposed [N, M] tiles straight from the dots (no register transposes).
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * alpha
+        dw_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        keep_t = _mask(offs_m[None, :], offs_n[:, None], length, history, max_attn_len)
+        w_t, ds_t = _score_grad(s_t, dw_t, keep_t, alpha, inv_n)
+        dv += tl.dot(w_t.to(do.dtype), do, input_precision=PRECISION)
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     _store_rows(dK, dk, start, offs_n, stride_kt, h * stride_kh, offs_a, A, length)
     _store_rows(dV, dv, start, offs_n, stride_vt, h * stride_vh, offs_v, Vd, length)
 
@@ -163,10 +171,10 @@ def _bwd_dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     alpha, inv_n, max_attn_len, H, A, Vd,
     HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)  # batch x heads on axis 0: axis 1 is capped at 65535 on CUDA
+    pid_m = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     start, length, history = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
@@ -187,36 +195,68 @@ def _bwd_dq_kernel(
         offs_n = first_n + tl.arange(0, BLOCK_N)
         k = _rows(K, start, offs_n, stride_kt, h * stride_kh, offs_a, A, length)
         v = _rows(V, start, offs_n, stride_vt, h * stride_vh, offs_v, Vd, length)
-        _, ds = _weights_and_grad(q, k, v, do, offs_m, offs_n, length, history, max_attn_len, alpha, inv_n)
-        dq += tl.dot(ds.to(k.dtype), k)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
+        dw = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        keep = _mask(offs_m[:, None], offs_n[None, :], length, history, max_attn_len)
+        _, ds = _score_grad(s, dw, keep, alpha, inv_n)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     _store_rows(dQ, dq, start, offs_m, stride_qt, h * stride_qh, offs_a, A, length)
 
 
-def _hopper_configs() -> list[triton.Config]:
+def _forward_configs() -> list[triton.Config]:
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-        for m, n, w, s in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)]
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+        for m, n, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)]
     ]
+
+
+def _backward_configs() -> list[triton.Config]:
+    """Smaller tiles than forward: backward keeps q, k, v, dO tiles and two fp32
+    accumulators live, and 128 x 128 tiles overflow Hopper's 227 KB of shared memory."""
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+        for m, n, w, st in [(64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (128, 32, 8, 2)]
+    ]
+
+
+def _prune_for_head_dim(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
+    """Head dims of 256 leave no room for 128-row tiles: drop them before compiling."""
+    widest = max(int(kwargs.get("BLOCK_A", named_args.get("BLOCK_A", 0))),
+                 int(kwargs.get("BLOCK_V", named_args.get("BLOCK_V", 0))))
+    small = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) < 128]
+    return small if widest >= 256 and small else configs
 
 
 # N_BUCKET (next power of two of max_seq_len) exists only as an autotuning key.
 _KEY = ["N_BUCKET", "BLOCK_A", "BLOCK_V"]
 
 
-def _tuned(kernel):  # type: ignore[no-untyped-def]
-    return triton.autotune(configs=_hopper_configs(), key=_KEY)(kernel) if not _INTERPRET else kernel
+def _tuned(kernel, configs):  # type: ignore[no-untyped-def]
+    if _INTERPRET:
+        return kernel
+    return triton.autotune(configs=configs, key=_KEY, prune_configs_by={"early_config_prune": _prune_for_head_dim})(
+        kernel
+    )
 
 
-_FWD, _DKDV, _DQ = _tuned(_fwd_kernel), _tuned(_bwd_dkdv_kernel), _tuned(_bwd_dq_kernel)
+_FWD = _tuned(_fwd_kernel, _forward_configs())
+_DKDV = _tuned(_bwd_dkdv_kernel, _backward_configs())
+_DQ = _tuned(_bwd_dq_kernel, _backward_configs())
 _INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
 def _launch(kernel, rows_per_block_key: str, max_seq_len: int, bh: int, *args, **meta):  # type: ignore[no-untyped-def]
+    """Grid (batch x heads, row blocks up to max_seq_len); blocks past a sequence's end exit at once."""
     if _INTERPRET:
-        grid = (triton.cdiv(max_seq_len, _INTERPRET_BLOCKS[rows_per_block_key]), bh)
+        grid = (bh, triton.cdiv(max_seq_len, _INTERPRET_BLOCKS[rows_per_block_key]))
         kernel[grid](*args, **meta, **_INTERPRET_BLOCKS)
     else:
-        kernel[lambda m: (triton.cdiv(max_seq_len, m[rows_per_block_key]), bh)](*args, **meta)
+        kernel[lambda m: (bh, triton.cdiv(max_seq_len, m[rows_per_block_key]))](*args, **meta)
+
+
+def _precision(t: torch.Tensor) -> str | None:
+    """fp32 inputs: exact fp32 dots ("ieee"), not Hopper's default TF32; others: the default."""
+    return "ieee" if t.dtype == torch.float32 else None
 
 
 def _dims(q: torch.Tensor, v: torch.Tensor) -> dict[str, int]:
@@ -238,6 +278,7 @@ class _HSTUAttention(torch.autograd.Function):
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                 float(alpha), 1.0 / max_seq_len, int(max_attn_len), heads, q.shape[2], v.shape[2],
                 HAS_TARGETS=num_targets is not None, N_BUCKET=triton.next_power_of_2(max_seq_len), **_dims(q, v),
+                PRECISION=_precision(q),
             )
         ctx.save_for_backward(q, k, v, seq_offsets, num_targets)
         ctx.args = (max_seq_len, alpha, max_attn_len)
@@ -259,7 +300,7 @@ class _HSTUAttention(torch.autograd.Function):
                 heads, q.shape[2], v.shape[2],
             )
             meta = dict(HAS_TARGETS=num_targets is not None, N_BUCKET=triton.next_power_of_2(max_seq_len),
-                        **_dims(q, v))
+                        PRECISION=_precision(q), **_dims(q, v))
             _launch(_DKDV, "BLOCK_N", max_seq_len, batch * heads, q, k, v, d_out, dk, dv, seq_offsets, targets,
                     *common, **meta)
             _launch(_DQ, "BLOCK_M", max_seq_len, batch * heads, q, k, v, d_out, dq, seq_offsets, targets,

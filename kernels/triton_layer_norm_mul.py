@@ -16,8 +16,9 @@ Legend: T rows (tokens), D features, ``BLOCK_D`` = next power of two >= D
   buffer stays small (programs, not rows).
 
 With ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests).  On CUDA the
-row-block size and warps are autotuned per ``BLOCK_D``; configs aim at Hopper
-(up to 8 warps for 4k-wide rows, 1-16 rows per program for narrow ones).
+row-block size and warps are autotuned per ``BLOCK_D``; configs aim at Hopper:
+1-16 rows per program, pruned to tiles of at most 16k elements (larger ones
+spill registers), 16 warps only for rows of 4096 and wider.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _fwd_kernel(X, U, W, B, Y, Mean, Rstd, T, D, stride_x, stride_u, stride_y, e
     u = tl.load(U + rows64[:, None] * stride_u + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / D
     centered = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / D + eps)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / D + eps)
     w = tl.load(W + offs_d, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(B + offs_d, mask=col_ok, other=0.0).to(tl.float32)
     y = (centered * rstd[:, None] * w[None, :] + b[None, :]) * u
@@ -104,12 +105,31 @@ def _bwd_kernel(X, U, W, B, DY, DX, DU, DW_partial, DB_partial, Mean, Rstd, T, D
 def _configs() -> list[triton.Config]:
     return [
         triton.Config({"BLOCK_T": t}, num_warps=w)
-        for t, w in [(1, 4), (1, 8), (2, 4), (4, 4), (4, 8), (8, 4), (8, 8), (16, 4), (16, 8)]
+        for t, w in [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8), (16, 4), (16, 8)]
     ]
 
 
+_MAX_TILE = 16384  # elements of one [BLOCK_T, BLOCK_D] tile; more spills registers
+
+
+def _prune_tiles(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
+    """Keep tiles of at most _MAX_TILE elements (always one row per program, at least);
+    16 warps only for rows of 4096 and wider."""
+    width = int(kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 1)))
+    kept = [
+        c for c in configs
+        if (c.kwargs["BLOCK_T"] == 1 or c.kwargs["BLOCK_T"] * width <= _MAX_TILE)
+        and (c.num_warps < 16 or width >= 4096)
+    ]
+    return kept or configs[:1]
+
+
 def _tuned(kernel):  # type: ignore[no-untyped-def]
-    return triton.autotune(configs=_configs(), key=["BLOCK_D"])(kernel) if not _INTERPRET else kernel
+    if _INTERPRET:
+        return kernel
+    return triton.autotune(configs=_configs(), key=["BLOCK_D"], prune_configs_by={"early_config_prune": _prune_tiles})(
+        kernel
+    )
 
 
 _FWD, _BWD = _tuned(_fwd_kernel), _tuned(_bwd_kernel)

@@ -1,0 +1,116 @@
+"""Step time and exposed communication: plain loop vs torchrec's pipeline vs ours.
+
+Trains the tiny sequence model (HSTU, item sequence + pooled user side
+feature) and DLRM on 2 local ranks (gloo on CPU; NCCL when run on GPUs) with
+``pipeline.kind`` = plain, torchrec (``TrainPipelineSparseDist``) and
+prioritized, same data, seed and steps; runs are interleaved and repeated
+(``--repeats``) so machine drift hits every variant alike.  Per run:
+
+- step_ms: mean wall time of a step (log windows after the first);
+- blocked_ms: per step, time the training thread sat in ``wait()`` on a
+  collective it issued through ``torch.distributed`` (embedding all-to-alls;
+  the prioritized pipeline's dense all-reduce), from ``train.trace_comm``;
+  averaged over ranks.  DDP's own bucket waits happen inside its C++ reducer
+  and are not in this figure for plain and torchrec: their blocked_ms is a
+  lower bound, step_ms is the comparable number;
+- emb_bwd_blocked_ms: the part of blocked_ms spent on the embedding-gradient
+  all-to-all in backward;
+- identical: whether the run's final state digest equals the plain loop's.
+
+    python benchmarks/bench_pipeline.py [--quick] [--json benchmarks/results/pipeline_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from common import print_table, write_json
+
+from freescale.dataloader import SyntheticSpec, generate
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ("plain", "torchrec", "prioritized")
+
+
+def train(model: str, kind: str, data: Path, out: Path, steps: int, batch: int) -> dict[str, object]:
+    cmd = [sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node=2", "--config",
+           str(REPO / "configs" / f"tiny_{model}.toml"), f"--data.path={data}", f"--train.output_dir={out}",
+           f"--train.steps={steps}", "--train.log_every=10", "--train.eval=false", "--checkpoint.every=0",
+           "--checkpoint.save_final=false", f"--data.batch_size={batch}", f"--pipeline.kind={kind}",
+           "--train.trace_comm=true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_pipeline: {model}/{kind} failed:\n{proc.stderr[-3000:]}")
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    windows = [e for e in log if e["event"] == "step"][1:]
+    (summary,) = [e for e in log if e["event"] == "summary"]
+    first_timed = 10  # the first log window is warm-up
+    blocked, emb_bwd = [], []
+    for rank in (0, 1):
+        trace = [json.loads(line) for line in (out / f"comm_trace_rank{rank}.jsonl").read_text().splitlines()]
+        timed = [e for e in trace if e["step"] >= first_timed]
+        n = steps - first_timed
+        blocked.append(sum(e["blocked_s"] for e in timed) / n)
+        emb_bwd.append(sum(e["blocked_s"] for e in timed if e["phase"] == "backward" and e["op"] == "all_to_all_single") / n)
+    return {
+        "model": model, "pipeline": kind,
+        "step_ms": float(np.mean([w["step_ms"] for w in windows])),
+        "blocked_ms": 1e3 * float(np.mean(blocked)),
+        "emb_bwd_blocked_ms": 1e3 * float(np.mean(emb_bwd)),
+        "digest": summary["state_digest"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="HSTU only, 30 steps, one repeat")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=128, help="samples per rank per step")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    steps, repeats = (30, 1) if args.quick else (args.steps, args.repeats)
+    models = ("hstu",) if args.quick else ("hstu", "dlrm")
+    runs: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        generate(data, SyntheticSpec(rows=50_000, eval_rows=0, max_len=64, lengths="ml-1m", seed=0))
+        for model in models:
+            for r in range(repeats):
+                for kind in KINDS:
+                    runs.append(train(model, kind, data, Path(tmp) / f"{model}-{kind}-{r}", steps, args.batch))
+    rows = []
+    for model in models:
+        plain_digest = next(r["digest"] for r in runs if r["model"] == model and r["pipeline"] == "plain")
+        for kind in KINDS:
+            mine = [r for r in runs if r["model"] == model and r["pipeline"] == kind]
+            rows.append({
+                "model": model, "pipeline": kind, "runs": len(mine),
+                "step_ms": float(np.median([r["step_ms"] for r in mine])),
+                "blocked_ms": float(np.median([r["blocked_ms"] for r in mine])),
+                "emb_bwd_blocked_ms": float(np.median([r["emb_bwd_blocked_ms"] for r in mine])),
+                "identical_to_plain": all(r["digest"] == plain_digest for r in mine),
+            })
+        base = {r["pipeline"]: r for r in rows if r["model"] == model}
+        for r in rows:
+            if r["model"] == model:
+                r["speedup_vs_plain"] = base["plain"]["step_ms"] / r["step_ms"]
+                r["speedup_vs_torchrec"] = base["torchrec"]["step_ms"] / r["step_ms"]
+    print_table(rows, ["model", "pipeline", "runs", "step_ms", "speedup_vs_plain", "speedup_vs_torchrec",
+                       "blocked_ms", "emb_bwd_blocked_ms", "identical_to_plain"])
+    if args.json:
+        write_json(args.json, "bench_pipeline", {"quick": args.quick, "steps": steps, "repeats": repeats,
+                                                 "batch_per_rank": args.batch, "ranks": 2, "lengths": "ml-1m",
+                                                 "max_len": 64, "configs": [f"configs/tiny_{m}.toml" for m in models]},
+                   rows)
+
+
+if __name__ == "__main__":
+    main()
