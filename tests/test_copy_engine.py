@@ -23,7 +23,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, port: int, result_path: str) -> None:
     import torch.distributed as dist
 
     from freescale.comm_trace import CommTracer
@@ -49,7 +49,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         order = [e.bytes for e in tracer.events]
         for (_, got), want in zip(results, expected):
             assert torch.equal(got, want)
-        Path(out).write_text(json.dumps({"issued_bytes": order}))
+        Path(result_path).write_text(json.dumps({"issued_bytes": order}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
