@@ -15,6 +15,12 @@ next step's lookups) wait for.  Here:
   all earlier chunks are issued (post-accumulate-grad hooks), so the reduction
   overlaps the rest of backward; ``finish()`` issues the rest and waits.
 
+Gradients live in the chunks: ``begin()`` points each parameter's ``.grad`` at
+its slice of a flat chunk buffer filled with -0.0, autograd accumulates into it in
+place, and the all-reduce runs on the buffer itself (no copies in or out).  A
+bucket holds whole parameters; one larger than ``chunk_bytes`` has a bucket of
+its own, reduced in ``chunk_bytes`` pieces.
+
 Issue order is the fixed chunk order on every rank (collectives must match),
 whatever the timing.  Gradients are divided by the world size before the sum,
 as DDP does, so the result is bit-identical to DDP's.  Parameters are
@@ -32,19 +38,11 @@ from torch import nn
 
 
 @dataclass
-class _Piece:
-    param: nn.Parameter
-    start: int
-    end: int
-
-
-@dataclass
-class _Chunk:
-    pieces: list[_Piece] = field(default_factory=list)
+class _Bucket:
+    params: list[nn.Parameter] = field(default_factory=list)
     numel: int = 0
-    waiting_for: int = 0
     buffer: torch.Tensor | None = None
-    work: Any = None
+    waiting_for: int = 0
 
 
 class DenseGradReducer:
@@ -65,97 +63,84 @@ class DenseGradReducer:
             for p in self.params:
                 dist.broadcast(p.data, src=0, group=group)
         # Backward produces gradients roughly in reverse order of definition.
-        self.chunks: list[_Chunk] = []
-        chunk = _Chunk()
+        self.buckets: list[_Bucket] = []
+        bucket = _Bucket()
         for p in reversed(self.params):
-            per_chunk = max(1, chunk_bytes // p.element_size())
-            start = 0
-            while start < p.numel():
-                take = min(p.numel() - start, per_chunk - chunk.numel)
-                chunk.pieces.append(_Piece(p, start, start + take))
-                chunk.numel += take
-                start += take
-                if chunk.numel >= per_chunk:
-                    self.chunks.append(chunk)
-                    chunk = _Chunk()
-        if chunk.pieces:
-            self.chunks.append(chunk)
-        self._chunks_of: dict[int, list[int]] = {}
-        for index, c in enumerate(self.chunks):
-            for piece in c.pieces:
-                ids = self._chunks_of.setdefault(id(piece.param), [])
-                if index not in ids:
-                    ids.append(index)
-        self._next_issue = 0
-        self._inflight: list[_Chunk] = []
+            limit = max(1, chunk_bytes // p.element_size())
+            if bucket.params and (bucket.numel + p.numel() > limit or bucket.params[0].dtype != p.dtype
+                                  or bucket.params[0].device != p.device):
+                self.buckets.append(bucket)
+                bucket = _Bucket()
+            bucket.params.append(p)
+            bucket.numel += p.numel()
+        if bucket.params:
+            self.buckets.append(bucket)
+        for b in self.buckets:
+            b.buffer = torch.zeros(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
+        # Pieces in issue order (bucket, start, end): at most chunk_bytes each.
+        self._pieces: list[tuple[int, int, int]] = []
+        for index, b in enumerate(self.buckets):
+            step = max(1, chunk_bytes // b.params[0].element_size())
+            self._pieces += [(index, lo, min(b.numel, lo + step)) for lo in range(0, b.numel, step)]
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._next_piece = 0
+        self._inflight: list[Any] = []
         self._active = False
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     # ------------------------------------------------------------------------------
     def begin(self) -> None:
-        """Call before ``loss.backward()``."""
-        for c in self.chunks:
-            c.waiting_for = len({id(piece.param) for piece in c.pieces})
-            c.buffer, c.work = None, None
-        self._next_issue = 0
+        """Call before ``loss.backward()`` (after ``zero_grad``): grads become zeroed views of the buckets."""
+        for b in self.buckets:
+            assert b.buffer is not None
+            # -0.0, not 0.0: the IEEE additive identity.  0.0 + (-0.0) is +0.0, so a
+            # zero-filled buffer would flip the sign of gradients that are exactly
+            # -0.0, and with it the bits of the optimizer state.
+            b.buffer.fill_(-0.0)
+            offset = 0
+            for p in b.params:
+                p.grad = b.buffer[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            b.waiting_for = len(b.params)
+        self._next_piece = 0
         self._inflight = []
         self._active = True
 
     def finish(self) -> None:
-        """Call after ``loss.backward()``: issue what is left, wait, write averaged gradients back."""
+        """Call after ``loss.backward()``: issue what is left and wait; grads then hold the average."""
         if not self._active:
             return
-        while self._next_issue < len(self.chunks):
-            self._issue(self.chunks[self._next_issue], force=True)
-        for c in self._inflight:
-            c.work.wait()
+        while self._next_piece < len(self._pieces):
+            if len(self._inflight) >= self.max_inflight:
+                self._inflight.pop(0).wait()
+            self._issue_next_piece()
+        for work in self._inflight:
+            work.wait()
         self._inflight = []
-        for c in self.chunks:
-            self._scatter_back(c)
         self._active = False
 
     # ------------------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
+        """Issue every piece that is ready, without ever blocking: a wait here, inside
+        backward, could wait for a peer that is itself blocked in an embedding
+        all-to-all further along its backward."""
         if not self._active:
             return
-        for index in self._chunks_of[id(param)]:
-            self.chunks[index].waiting_for -= 1
-        self._pump()
-
-    def _pump(self) -> None:
-        self._inflight = [c for c in self._inflight if not c.work.is_completed()]
+        self.buckets[self._bucket_of[id(param)]].waiting_for -= 1
+        self._inflight = [w for w in self._inflight if not w.is_completed()]
         while (
-            self._next_issue < len(self.chunks)
-            and self.chunks[self._next_issue].waiting_for == 0
+            self._next_piece < len(self._pieces)
+            and self.buckets[self._pieces[self._next_piece][0]].waiting_for == 0
             and len(self._inflight) < self.max_inflight
         ):
-            self._issue(self.chunks[self._next_issue], force=False)
+            self._issue_next_piece()
 
-    def _issue(self, chunk: _Chunk, force: bool) -> None:
-        if force and len(self._inflight) >= self.max_inflight:
-            self._inflight.pop(0).work.wait()
-        parts = []
-        for piece in chunk.pieces:
-            grad = piece.param.grad
-            flat = grad.reshape(-1)[piece.start:piece.end] if grad is not None else None
-            parts.append(flat if flat is not None else torch.zeros(piece.end - piece.start, device=piece.param.device,
-                                                                   dtype=piece.param.dtype))
-        chunk.buffer = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        chunk.buffer.div_(self.world_size)
-        chunk.work = dist.all_reduce(chunk.buffer, group=self.group, async_op=True)
-        self._inflight.append(chunk)
-        self._next_issue += 1
-
-    @staticmethod
-    def _scatter_back(chunk: _Chunk) -> None:
-        assert chunk.buffer is not None
-        offset = 0
-        for piece in chunk.pieces:
-            n = piece.end - piece.start
-            p = piece.param
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.view(-1)[piece.start:piece.end].copy_(chunk.buffer[offset:offset + n])
-            offset += n
-        chunk.buffer = None
+    def _issue_next_piece(self) -> None:
+        index, lo, hi = self._pieces[self._next_piece]
+        bucket = self.buckets[index]
+        assert bucket.buffer is not None
+        piece = bucket.buffer[lo:hi]
+        piece.div_(self.world_size)
+        self._inflight.append(dist.all_reduce(piece, group=self.group, async_op=True))
+        self._next_piece += 1

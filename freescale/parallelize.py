@@ -22,7 +22,7 @@ from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-from torchrec.distributed.types import ModuleSharder, ShardingEnv
+from torchrec.distributed.types import ModuleSharder, ShardedModule, ShardingEnv
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from freescale.config import require
@@ -83,10 +83,25 @@ def shard_model(
     )
 
 
+def dense_named_parameters(dmp: DistributedModelParallel) -> dict[str, nn.Parameter]:
+    """Parameters outside every torchrec sharded module (those are updated by the fused optimizer).
+
+    Filtering by the fused optimizer's keys is not enough: without DDP around the
+    dense part, a rank's ``named_parameters`` also lists tables whose shards live
+    on other ranks.
+    """
+    # ``dmp.module`` unwraps DMP (and DDP), so these names match ``dmp.named_parameters()``.
+    sharded = [name for name, module in dmp.module.named_modules() if isinstance(module, ShardedModule)]
+    fused_keys = set(dmp.fused_optimizer.params.keys())
+    return {
+        name: p for name, p in dmp.named_parameters()
+        if name not in fused_keys and not any(name.startswith(prefix + ".") for prefix in sharded)
+    }
+
+
 def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> CombinedOptimizer:
     """Fused embedding optimizer (already inside ``dmp``) + AdamW over the dense parameters."""
-    fused_keys = set(dmp.fused_optimizer.params.keys())
-    dense_params = {name: p for name, p in dmp.named_parameters() if name not in fused_keys}
+    dense_params = dense_named_parameters(dmp)
     dense = KeyedOptimizerWrapper(
         dense_params,
         lambda params: torch.optim.AdamW(params, lr=cfg.dense_lr, weight_decay=cfg.dense_weight_decay),

@@ -26,9 +26,9 @@ batches in flight and streams, plus priority inside the step:
   their own process group, so they never queue ahead of the embedding-gradient
   all-to-all (the fused embedding update waits on it), cut into chunks with a
   bounded number in flight, issued as backward produces them;
-- on CUDA the dense group's reductions run at low priority and the data-dist
-  stream at high priority; ``comm = "copy_engine"`` is the SM-free path
-  (``freescale.kernels.copy_engine``) and needs CUDA.
+- on CUDA torchrec's data-dist stream runs at high priority; ``comm =
+  "copy_engine"`` selects the SM-free path, which is not wired in yet
+  (``freescale.kernels.copy_engine`` holds the primitive; the option says so).
 
 On CPU with gloo the overlap is real too: gloo runs collectives on its own
 threads, and every wait is on an async work handle.
@@ -49,6 +49,7 @@ from freescale.comm_trace import CommTracer, phase
 from freescale.config import require
 from freescale.dataloader.batch import Batch
 from freescale.dense_reducer import DenseGradReducer
+from freescale.parallelize import dense_named_parameters
 
 PIPELINES = ("plain", "torchrec", "prioritized")
 COMMS = ("nccl", "copy_engine")
@@ -162,12 +163,6 @@ class _TracedTorchrecSparseDist(TrainPipelineSparseDist[Batch, Any]):
             super()._backward(losses)
 
 
-def dense_parameters(dmp: nn.Module) -> list[nn.Parameter]:
-    """Parameters that the fused embedding optimizer does not own, in definition order."""
-    fused = set(dmp.fused_optimizer.params.keys())  # type: ignore[union-attr]
-    return [p for name, p in dmp.named_parameters() if name not in fused]
-
-
 def build_pipeline(
     cfg: PipelineConfig,
     dmp: nn.Module,
@@ -176,10 +171,15 @@ def build_pipeline(
     tracer: CommTracer | None = None,
 ) -> StepPipeline:
     """The configured pipeline over an already sharded model (``shard_model(data_parallel=cfg.uses_ddp)``)."""
-    if cfg.comm == "copy_engine" and device.type != "cuda":
-        raise RuntimeError(
-            "train.pipeline.comm = 'copy_engine' moves bytes with CUDA copy engines and needs a GPU; "
-            "on CPU use 'nccl' (gloo carries it)"
+    if cfg.comm == "copy_engine":
+        if device.type != "cuda":
+            raise RuntimeError(
+                "pipeline.comm = 'copy_engine' moves bytes with CUDA copy engines and needs a GPU; "
+                "on CPU use 'nccl' (gloo carries it)"
+            )
+        raise NotImplementedError(
+            "pipeline.comm = 'copy_engine': the SM-free all-to-all exists (freescale.kernels.copy_engine) but is "
+            "not yet wired into torchrec's output dist, and has not run on a GPU; use 'nccl'"
         )
     if cfg.kind == "plain":
         return PlainPipeline(dmp, optimizer, device)
@@ -188,6 +188,6 @@ def build_pipeline(
     group = dist.new_group(backend=dist.get_backend())
     if tracer is not None:
         tracer.label(group, "dense")
-    reducer = DenseGradReducer(dense_parameters(dmp), group, chunk_bytes=cfg.chunk_kb * 1024,
+    reducer = DenseGradReducer(list(dense_named_parameters(dmp).values()), group, chunk_bytes=cfg.chunk_kb * 1024,
                                max_inflight=cfg.max_inflight)
     return _TorchrecPipeline(_PrioritizedSparseDist(dmp, optimizer, device, reducer))
