@@ -79,6 +79,22 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
 
 
 # ----- train ----------------------------------------------------------------------------
+def cmd_lighthouse(args: argparse.Namespace) -> int:
+    from freescale.ft.lighthouse import LighthouseConfig, run_forever
+
+    cfg = LighthouseConfig(
+        bind=args.bind, min_replicas=args.min_replicas, join_timeout_s=args.join_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout, store_port=args.store_port,
+        max_request_bytes=args.max_request_bytes, token=os.environ.get("FREESCALE_LIGHTHOUSE_TOKEN", ""),
+    )
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    run_forever(cfg)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load_train_config(args.config, overrides, args.resume)
     from freescale.dataloader.schema import DatasetManifest
@@ -142,7 +158,7 @@ def build_parser(with_config_keys: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="freescale", description="Train recommendation models on torchrec; keep every rank busy."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{gen-data,train,launch}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{gen-data,train,launch,lighthouse}")
 
     gen = sub.add_parser("gen-data", help="write a synthetic Parquet dataset with a learnable signal")
     gen.add_argument("--out", required=True, help="output directory (dataset.json + Parquet files)")
@@ -157,6 +173,15 @@ def build_parser(with_config_keys: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--zipf-alpha", type=float, default=1.1, help="exponent for --lengths zipf (default 1.1)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--row-group-size", type=int, default=8_192)
+
+    lh = sub.add_parser("lighthouse", help="serve quorums for fault-tolerant replica groups (freescale.ft)")
+    lh.add_argument("--bind", default="127.0.0.1:29510", help="host:port to serve HTTP on (default 127.0.0.1:29510)")
+    lh.add_argument("--min-replicas", type=int, default=1, help="smallest quorum (default 1)")
+    lh.add_argument("--join-timeout", type=float, default=1.0, help="seconds to wait for joiners when membership changes")
+    lh.add_argument("--heartbeat-timeout", type=float, default=0.3, help="seconds without a heartbeat before a replica is dead")
+    lh.add_argument("--store-port", type=int, default=0, help="rendezvous TCPStore port (default: a free one)")
+    lh.add_argument("--max-request-bytes", type=int, default=64 * 1024)
+    # The shared token comes from the environment: a command line is visible to every user.
 
     keys_help = None
     if with_config_keys:  # imports torchrec: only worth it when help is asked for
@@ -183,6 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
             return cmd_gen_data(args)
+        if args.command == "lighthouse":
+            if rest:
+                parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            return cmd_lighthouse(args)
         if args.command == "launch" and args.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
         return cmd_train(args, rest) if args.command == "train" else cmd_launch(args, rest)

@@ -1,0 +1,157 @@
+"""A rank's side of the lighthouse: heartbeats on a thread, quorum and commit requests.
+
+Every rank of every replica group runs one ``LighthouseClient``.  Heartbeats go
+out every ``heartbeat_interval_s`` on their own HTTP session and thread, so a
+long forward or a blocked collective never makes a live rank look dead.
+``quorum_async`` starts the step's quorum request on a worker thread; the
+trainer calls it at the start of a step so the round trip overlaps the forward
+and reads the result before the gradient exchange.
+
+Every request retries on connection errors until ``request_timeout_s``: a
+lighthouse that is restarted (same address) is re-registered with by the next
+heartbeat, and the quorum id the client last saw travels with each request so
+the new lighthouse keeps ids growing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+
+class LighthouseError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Participant:
+    replica_id: str
+    incarnation: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Quorum:
+    quorum_id: int
+    participants: tuple[Participant, ...]
+    max_step: int
+    store_host: str
+    store_port: int
+
+    @staticmethod
+    def from_json(body: dict[str, Any]) -> Quorum:
+        host, _, port = str(body["store"]).rpartition(":")
+        return Quorum(
+            quorum_id=int(body["quorum_id"]),
+            participants=tuple(Participant(str(p["replica_id"]), int(p["incarnation"]), int(p["step"]))
+                               for p in body["participants"]),
+            max_step=int(body["max_step"]), store_host=host, store_port=int(port),
+        )
+
+    def index_of(self, replica_id: str) -> int:
+        for i, p in enumerate(self.participants):
+            if p.replica_id == replica_id:
+                return i
+        raise LighthouseError(f"replica '{replica_id}' is not in quorum {self.quorum_id}")
+
+    @property
+    def replica_ids(self) -> tuple[str, ...]:
+        return tuple(p.replica_id for p in self.participants)
+
+
+class LighthouseClient:
+    def __init__(
+        self,
+        url: str,
+        replica_id: str,
+        incarnation: int,
+        member: int = 0,
+        group_size: int = 1,
+        token: str = "",
+        heartbeat_interval_s: float = 0.05,
+        request_timeout_s: float = 60.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.identity = {"replica_id": replica_id, "incarnation": incarnation, "member": member,
+                         "group_size": group_size}
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.request_timeout_s = request_timeout_s
+        self.last_quorum_id = 0
+        self._session = requests.Session()
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._heartbeat_loop, name="freescale-heartbeat", daemon=True)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-quorum")
+
+    @property
+    def replica_id(self) -> str:
+        return str(self.identity["replica_id"])
+
+    def start(self) -> LighthouseClient:
+        self._beats.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._beats.join(timeout=2)
+        self._session.close()
+
+    # ------------------------------------------------------------------ requests
+    def _post(self, path: str, body: dict[str, Any], session: requests.Session | None = None,
+              timeout_s: float | None = None) -> dict[str, Any]:
+        deadline = time.monotonic() + (timeout_s or self.request_timeout_s)
+        session = session or self._session
+        while True:
+            try:
+                response = session.post(f"{self.url}{path}", json={**self.identity, **body}, headers=self.headers,
+                                        timeout=max(0.1, deadline - time.monotonic()))
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                if time.monotonic() >= deadline:
+                    raise LighthouseError(f"lighthouse {self.url} unreachable for {path}: {exc}") from None
+                time.sleep(0.05)
+                continue
+            if response.status_code == 200:
+                return dict(response.json())
+            try:
+                detail = response.json().get("error", response.text)
+            except ValueError:
+                detail = response.text
+            raise LighthouseError(f"lighthouse {self.url}{path} answered {response.status_code}: {detail}")
+
+    def quorum(self, step: int) -> Quorum:
+        """Block until a quorum including this replica forms (see ``freescale.ft.lighthouse``)."""
+        quorum = Quorum.from_json(self._post("/v1/quorum", {"step": step, "last_quorum_id": self.last_quorum_id}))
+        self.last_quorum_id = max(self.last_quorum_id, quorum.quorum_id)
+        return quorum
+
+    def quorum_async(self, step: int) -> Future[Quorum]:
+        return self._pool.submit(self.quorum, step)
+
+    def commit(self, quorum_id: int, step: int, ok: bool) -> bool:
+        """The step's commit vote: True only if every member of every participant voted ok."""
+        return bool(self._post("/v1/commit", {"quorum_id": quorum_id, "step": step, "ok": ok})["commit"])
+
+    def report_failure(self, quorum_id: int) -> None:
+        self._post("/v1/report", {"quorum_id": quorum_id})
+
+    def status(self) -> dict[str, Any]:
+        response = self._session.get(f"{self.url}/v1/status", headers=self.headers, timeout=5)
+        response.raise_for_status()
+        return dict(response.json())
+
+    def _heartbeat_loop(self) -> None:
+        session = requests.Session()
+        while not self._stop.is_set():
+            try:
+                session.post(f"{self.url}/v1/heartbeat", json=self.identity, headers=self.headers,
+                             timeout=max(0.5, 4 * self.heartbeat_interval_s))
+            except requests.RequestException:
+                pass  # lighthouse down or restarting: keep beating, the next one re-registers
+            self._stop.wait(self.heartbeat_interval_s)
+        session.close()

@@ -1,0 +1,456 @@
+"""The lighthouse: membership, per-step quorums and commit votes for replica groups.
+
+A replica group (one torchrun job of ``group_size`` ranks, the unit of failure)
+is known by ``replica_id`` and an ``incarnation`` number that grows each time
+the group restarts.  Every rank of every group talks to the lighthouse over
+HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
+
+``POST /v1/heartbeat``  ``{replica_id, incarnation, member, group_size}``
+    Sent every ~50 ms from a background thread of each rank.  A higher
+    incarnation replaces the group's previous one (its pending requests fail);
+    a lower one is refused (409): that process belongs to a dead incarnation.
+
+``POST /v1/quorum``  ``{replica_id, incarnation, member, group_size, step, last_quorum_id}``
+    Long-polls until a quorum that includes the caller's group forms, then
+    returns ``{quorum_id, participants: [{replica_id, incarnation, step}],
+    max_step, store: "host:port"}``.  A group has *joined* when all its
+    members have asked.  A quorum forms:
+
+    - fast path: the joined groups are exactly the previous quorum's
+      (same incarnations): at once, same quorum id;
+    - every healthy group has joined and there are at least ``min_replicas``:
+      at once, new id;
+    - ``join_timeout_s`` after the first group joined, if at least
+      ``min_replicas`` joined *and* they are more than half of the healthy
+      groups (the split-brain guard: two disjoint quorums cannot both hold a
+      majority): new id.
+
+    Quorum ids only grow, also across a lighthouse restart (callers report
+    the last id they saw).  Participants are sorted by ``replica_id``, so
+    every rank derives the same process-group ranks from the reply.
+
+``POST /v1/commit``  ``{replica_id, incarnation, member, quorum_id, step, ok}``
+    The commit vote of a step: resolves ``{commit: true}`` once every member
+    of every participant voted ``ok``; ``{commit: false}`` as soon as one
+    votes not ok, or a participant turns unhealthy before voting.  All
+    replicas therefore commit exactly the same steps.
+
+``POST /v1/report``  ``{replica_id, quorum_id}``
+    A rank saw a collective of ``quorum_id`` fail.  That quorum is broken (the
+    next one gets a new id, so nobody reuses its process groups) and every
+    other participant becomes *suspect*: it counts as healthy again only after a
+    heartbeat (or request) that arrives after the report.  A dead group never
+    sends one, so the survivors form the next quorum without waiting for its
+    heartbeat to time out; a live group is back within one heartbeat.
+
+``GET /v1/status``  the membership, for operators and tests.
+
+Health: a group is healthy while some member's last heartbeat (or request) is
+younger than ``heartbeat_timeout_s`` and it is not suspect.  A SIGSTOPped
+group stops heartbeating and is evicted by that timeout.
+
+The lighthouse also hosts the ``TCPStore`` that the groups' fault-tolerant
+all-reduce process groups rendezvous on (one key prefix per quorum id and
+rank position, so a new quorum never reads an old one's keys).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+log = logging.getLogger("freescale.ft.lighthouse")
+
+
+@dataclass
+class LighthouseConfig:
+    bind: str = "127.0.0.1:0"
+    """host:port for HTTP; port 0 picks a free one."""
+    min_replicas: int = 1
+    join_timeout_s: float = 1.0
+    heartbeat_timeout_s: float = 0.3
+    token: str = ""
+    """When set, every request must carry ``Authorization: Bearer <token>``."""
+    max_request_bytes: int = 64 * 1024
+    store_port: int = 0
+    """Port of the rendezvous TCPStore (0: a free one)."""
+    tick_s: float = 0.01
+
+    def validate(self) -> None:
+        if self.min_replicas < 1:
+            raise ValueError(f"lighthouse: min_replicas must be >= 1, got {self.min_replicas}")
+        if self.join_timeout_s < 0 or self.heartbeat_timeout_s <= 0:
+            raise ValueError("lighthouse: join_timeout_s must be >= 0 and heartbeat_timeout_s > 0")
+        host, _, port = self.bind.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"lighthouse: bind must be host:port, got '{self.bind}'")
+
+
+class BadRequest(Exception):
+    pass
+
+
+@dataclass
+class _Group:
+    replica_id: str
+    incarnation: int
+    group_size: int
+    beats: dict[int, float] = field(default_factory=dict)
+    suspect_since: float | None = None
+
+    def last_beat(self) -> float:
+        return max(self.beats.values(), default=0.0)
+
+    def healthy(self, now: float, timeout: float) -> bool:
+        last = self.last_beat()
+        if self.suspect_since is not None and last <= self.suspect_since:
+            return False
+        return now - last <= timeout
+
+
+@dataclass
+class _Join:
+    incarnation: int
+    since: float
+    steps: dict[int, int] = field(default_factory=dict)
+    waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
+
+
+@dataclass
+class _Vote:
+    participants: dict[str, tuple[int, int]]
+    """replica_id -> (incarnation, group_size)."""
+    ballots: dict[tuple[str, int], bool] = field(default_factory=dict)
+    waiters: list[asyncio.Future[bool]] = field(default_factory=list)
+    result: bool | None = None
+
+
+def _field(body: dict[str, Any], name: str, kind: type) -> Any:
+    if name not in body:
+        raise BadRequest(f"missing field '{name}'")
+    value = body[name]
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise BadRequest(f"field '{name}' must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+class Lighthouse:
+    def __init__(self, cfg: LighthouseConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.groups: dict[str, _Group] = {}
+        self.joins: dict[str, _Join] = {}
+        self.quorum: dict[str, Any] | None = None
+        self.quorum_id = 0
+        self.votes: dict[tuple[int, int], _Vote] = {}
+        self.store: Any = None
+        self.store_address = ""
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._tick_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> str:
+        """Serve on ``cfg.bind`` (and start the rendezvous store); returns the base URL."""
+        from torch.distributed import TCPStore
+
+        host, _, port = self.cfg.bind.rpartition(":")
+        self.store = TCPStore(host, self.cfg.store_port, is_master=True, wait_for_workers=False)
+        self.store_address = f"{host}:{self.store.port}"
+        app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._auth])
+        app.router.add_post("/v1/heartbeat", self._heartbeat)
+        app.router.add_post("/v1/quorum", self._quorum)
+        app.router.add_post("/v1/commit", self._commit)
+        app.router.add_post("/v1/report", self._report)
+        app.router.add_get("/v1/status", self._status)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, int(port))
+        await site.start()
+        bound = self._runner.addresses[0]
+        self.url = f"http://{host}:{bound[1]}"
+        self._tick_task = asyncio.get_running_loop().create_task(self._ticker())
+        return self.url
+
+    async def stop(self) -> None:
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.store = None
+
+    def start_in_thread(self) -> str:
+        """Run in a daemon thread of this process (demo, local launcher, tests); returns the URL."""
+        ready = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                box["url"] = loop.run_until_complete(self.start())
+            except BaseException as exc:  # reported to the caller below
+                box["error"] = exc
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self.stop())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="freescale-lighthouse", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if "error" in box:
+            raise box["error"]
+        return str(box["url"])
+
+    def stop_thread(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ http plumbing
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.cfg.token:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.cfg.token}".encode()):
+                return web.json_response({"error": "missing or wrong token"}, status=401)
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise BadRequest(f"body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("body must be a JSON object")
+        return body
+
+    def _member(self, body: dict[str, Any]) -> tuple[_Group | None, int, str]:
+        """Record a sign of life from (replica, incarnation, member); returns (group, member, error)."""
+        replica_id = _field(body, "replica_id", str)
+        incarnation = _field(body, "incarnation", int)
+        member = _field(body, "member", int)
+        group_size = _field(body, "group_size", int)
+        if not replica_id or len(replica_id) > 200:
+            raise BadRequest("field 'replica_id' must be 1-200 characters")
+        if group_size < 1 or not 0 <= member < group_size:
+            raise BadRequest(f"member {member} is outside a group of {group_size}")
+        group = self.groups.get(replica_id)
+        if group is not None and incarnation < group.incarnation:
+            return None, member, (f"replica '{replica_id}' incarnation {incarnation} is stale "
+                                  f"(current: {group.incarnation})")
+        if group is None or incarnation > group.incarnation:
+            group = _Group(replica_id, incarnation, group_size)
+            self.groups[replica_id] = group
+            stale = self.joins.pop(replica_id, None)
+            if stale is not None:
+                for waiter in stale.waiters:
+                    if not waiter.done():
+                        waiter.set_exception(web.HTTPConflict(text="a newer incarnation of this replica joined"))
+        group.beats[member] = time.monotonic()
+        return group, member, ""
+
+    # ------------------------------------------------------------------ handlers
+    async def _heartbeat(self, request: web.Request) -> web.Response:
+        group, _, error = self._member(await self._body(request))
+        if group is None:
+            return web.json_response({"error": error}, status=409)
+        return web.json_response({"ok": True, "quorum_id": self.quorum_id})
+
+    async def _quorum(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        step = _field(body, "step", int)
+        last_seen = int(body.get("last_quorum_id", 0) or 0)
+        group, member, error = self._member(body)
+        if group is None:
+            return web.json_response({"error": error}, status=409)
+        self.quorum_id = max(self.quorum_id, last_seen)
+        join = self.joins.get(group.replica_id)
+        if join is None or join.incarnation != group.incarnation:
+            join = _Join(group.incarnation, time.monotonic())
+            self.joins[group.replica_id] = join
+        join.steps[member] = step
+        waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        join.waiters.append(waiter)
+        self._try_form(time.monotonic())
+        try:
+            return web.json_response(await waiter)
+        except web.HTTPConflict as exc:
+            return web.json_response({"error": exc.text}, status=409)
+
+    async def _commit(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        quorum_id, step = _field(body, "quorum_id", int), _field(body, "step", int)
+        ok = _field(body, "ok", bool)
+        group, member, error = self._member(body)
+        if group is None:
+            return web.json_response({"error": error}, status=409)
+        vote = self.votes.get((quorum_id, step))
+        if vote is None:
+            if self.quorum is None or self.quorum["quorum_id"] != quorum_id:
+                return web.json_response({"commit": False, "reason": "quorum superseded"})
+            vote = _Vote({p["replica_id"]: (p["incarnation"], self.groups[p["replica_id"]].group_size)
+                          for p in self.quorum["participants"] if p["replica_id"] in self.groups})
+            self.votes[(quorum_id, step)] = vote
+            for key in [k for k in self.votes if k[1] < step - 8]:  # keep the table small
+                del self.votes[key]
+        if vote.result is None:
+            expected = vote.participants.get(group.replica_id)
+            if expected is None or expected[0] != group.incarnation:
+                return web.json_response({"commit": False, "reason": "not a participant of this quorum"})
+            vote.ballots[(group.replica_id, member)] = ok
+            self._settle(vote, time.monotonic())
+        if vote.result is not None:
+            return web.json_response({"commit": vote.result})
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        vote.waiters.append(waiter)
+        return web.json_response({"commit": await waiter})
+
+    async def _report(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        quorum_id = _field(body, "quorum_id", int)
+        reporter = _field(body, "replica_id", str)
+        now = time.monotonic()
+        if self.quorum is not None and self.quorum["quorum_id"] == quorum_id:
+            # Its process groups are broken: the next quorum gets a new id even if
+            # every participant turns out to be alive.
+            self.quorum["broken"] = True
+            for p in self.quorum["participants"]:
+                group = self.groups.get(p["replica_id"])
+                if group is not None and p["replica_id"] != reporter:
+                    group.suspect_since = now
+        reporter_group = self.groups.get(reporter)
+        if reporter_group is not None:
+            reporter_group.beats = {m: now for m in reporter_group.beats}
+        for vote in self.votes.values():
+            self._settle(vote, now)
+        self._try_form(now)
+        return web.json_response({"ok": True})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        return web.json_response({
+            "quorum_id": self.quorum_id,
+            "quorum": self.quorum,
+            "groups": {rid: {"incarnation": g.incarnation, "group_size": g.group_size,
+                             "healthy": g.healthy(now, self.cfg.heartbeat_timeout_s),
+                             "since_heartbeat_s": now - g.last_beat()} for rid, g in self.groups.items()},
+            "joining": sorted(self.joins),
+        })
+
+    # ------------------------------------------------------------------ decisions
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.tick_s)
+            try:
+                now = time.monotonic()
+                self._try_form(now)
+                for vote in list(self.votes.values()):
+                    self._settle(vote, now)
+            except Exception:  # a bug here must not stop every later decision
+                log.exception("lighthouse: tick failed")
+
+    def _healthy(self, now: float) -> set[str]:
+        return {rid for rid, g in self.groups.items() if g.healthy(now, self.cfg.heartbeat_timeout_s)}
+
+    def _try_form(self, now: float) -> None:
+        healthy = self._healthy(now)
+        joined = {
+            rid for rid, j in self.joins.items()
+            if rid in healthy and j.incarnation == self.groups[rid].incarnation
+            and len(j.steps) == self.groups[rid].group_size
+        }
+        if not joined:
+            return
+        previous: set[tuple[str, int]] = set()
+        if self.quorum is not None and not self.quorum.get("broken"):
+            previous = {(p["replica_id"], p["incarnation"]) for p in self.quorum["participants"]}
+        members = {(rid, self.groups[rid].incarnation) for rid in joined}
+        if previous and members == previous:
+            self._form(joined, new_id=False)
+        elif healthy <= joined and len(joined) >= self.cfg.min_replicas:
+            self._form(joined, new_id=True)
+        else:
+            first = min(self.joins[rid].since for rid in joined)
+            if (now - first >= self.cfg.join_timeout_s and len(joined) >= self.cfg.min_replicas
+                    and 2 * len(joined) > len(healthy)):
+                self._form(joined, new_id=True)
+
+    def _form(self, joined: set[str], new_id: bool) -> None:
+        if new_id or self.quorum is None:
+            self.quorum_id += 1
+        participants = [
+            {"replica_id": rid, "incarnation": self.groups[rid].incarnation,
+             "step": max(self.joins[rid].steps.values())}
+            for rid in sorted(joined)
+        ]
+        self.quorum = {
+            "quorum_id": self.quorum_id, "participants": participants,
+            "max_step": max(p["step"] for p in participants), "store": self.store_address,
+        }
+        for rid in joined:
+            join = self.joins.pop(rid)
+            for waiter in join.waiters:
+                if not waiter.done():
+                    waiter.set_result(self.quorum)
+
+    def _settle(self, vote: _Vote, now: float) -> None:
+        if vote.result is not None:
+            return
+        if not all(vote.ballots.values()):
+            vote.result = False
+        else:
+            for rid, (incarnation, group_size) in vote.participants.items():
+                group = self.groups.get(rid)
+                voted = sum(1 for (r, _) in vote.ballots if r == rid)
+                if voted < group_size and (group is None or group.incarnation != incarnation
+                                           or not group.healthy(now, self.cfg.heartbeat_timeout_s)):
+                    vote.result = False
+                    break
+            else:
+                expected = sum(size for _, size in vote.participants.values())
+                if len(vote.ballots) == expected:
+                    vote.result = True
+        if vote.result is not None:
+            for waiter in vote.waiters:
+                if not waiter.done():
+                    waiter.set_result(vote.result)
+
+
+def run_forever(cfg: LighthouseConfig) -> None:
+    """``freescale lighthouse``: serve until SIGINT/SIGTERM."""
+    import signal
+
+    async def main() -> None:
+        lighthouse = Lighthouse(cfg)
+        url = await lighthouse.start()
+        print(f"lighthouse: serving {url} (rendezvous store {lighthouse.store_address}), "
+              f"min_replicas={cfg.min_replicas}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await lighthouse.stop()
+
+    asyncio.run(main())
+
+
+__all__ = ["Lighthouse", "LighthouseConfig", "run_forever"]

@@ -1,0 +1,111 @@
+"""One replica of a fault-tolerance test: a small MLP trained with FTAR, as a real process.
+
+    python tests/ft_worker.py --lighthouse URL --replica-id a --steps 20 --out DIR
+        [--batch 32] [--kill-at STEP:PHASE[:DELAY_MS]] [--hidden 128]
+
+Each step: quorum request (overlapping the forward), forward/backward on this
+replica's own data (seeded by step and replica, ``--batch`` samples), weighted
+FTAR of the gradients, AdamW update, then one JSON line in
+``<out>/<replica>.jsonl``: step, quorum id, participants, attempts, seconds and
+a SHA-256 of the parameters after the update.  ``--kill-at 5:reduce:20`` makes
+the process SIGKILL itself 20 ms after entering step 5's reduce (a real
+signal, mid-collective); ``5:forward`` before step 5's backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from freescale.ft.client import LighthouseClient
+from freescale.ft.ftar import ReplicaSync
+
+
+def batch(step: int, replica: str, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This replica's samples of ``step`` (deterministic across processes)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{step}:{replica}".encode()))
+    x = torch.randn(size, 16, generator=g)
+    return x, x[:, :1] * 0.5 - x[:, 1:2]
+
+
+def digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().reshape(-1).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--incarnation", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kill-at", default="")
+    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--wait-for", type=int, default=0,
+                        help="start step 0 only once the lighthouse sees this many healthy replicas (a late joiner "
+                             "would have to catch up, which is not built yet)")
+    parser.add_argument("--save-params", action="store_true", help="torch.save the final parameters to <out>/<replica>.pt")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # every replica starts from the same weights
+    model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    client = LighthouseClient(args.lighthouse, args.replica_id, args.incarnation, request_timeout_s=60).start()
+    sync = ReplicaSync(client, timeout_s=args.timeout)
+    deadline = time.monotonic() + 60
+    while args.wait_for and time.monotonic() < deadline:
+        healthy = [g for g in client.status()["groups"].values() if g["healthy"]]
+        if len(healthy) >= args.wait_for:
+            break
+        time.sleep(0.02)
+    kill_step, kill_phase, kill_delay = -1, "", 0.0
+    if args.kill_at:
+        parts = args.kill_at.split(":")
+        kill_step, kill_phase = int(parts[0]), parts[1]
+        kill_delay = float(parts[2]) / 1000 if len(parts) > 2 else 0.0
+    log = open(Path(args.out) / f"{args.replica_id}.jsonl", "a")
+    for step in range(args.steps):
+        sync.start_step(step)
+        x, y = batch(step, args.replica_id, args.batch)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == kill_step and kill_phase == "forward":
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+        if step == kill_step and kill_phase == "reduce":
+            threading.Timer(kill_delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        result = sync.reduce_and_commit(step, [p.grad for p in model.parameters()], weight=args.batch)
+        for p, g_avg in zip(model.parameters(), result.tensors):
+            p.grad = g_avg
+        optimizer.step()
+        log.write(json.dumps({
+            "step": step, "time": time.time(), "quorum_id": result.quorum.quorum_id,
+            "participants": list(result.quorum.replica_ids), "attempts": result.attempts,
+            "seconds": result.seconds, "digest": digest(model), "loss": float(loss.detach()),
+        }) + "\n")
+        log.flush()
+    log.close()
+    if args.save_params:
+        torch.save([p.detach() for p in model.parameters()], Path(args.out) / f"{args.replica_id}.pt")
+    client.close()
+    sys.stdout.flush()
+    os._exit(0)  # gloo groups of dead quorums may still hold threads: skip C++ teardown
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""FTAR across replica processes with real faults (SIGKILL, SIGSTOP) on 127.0.0.1.
+
+Each replica is ``tests/ft_worker.py`` in its own process; the lighthouse runs
+in this process.  In every case the survivors finish, commit every step, and
+are bit-identical at every committed step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
+from tests.conftest import REPO, cli_env
+from tests.ft_worker import batch
+
+pytestmark = pytest.mark.multiprocess
+WORKER = REPO / "tests" / "ft_worker.py"
+
+
+def start(lh: Lighthouse, replica: str, out: Path, steps: int, *extra: str, group: int = 3) -> subprocess.Popen[str]:
+    """A replica process that starts training once ``group`` replicas are up (no late joiners: no catch-up yet)."""
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), "--lighthouse", lh.url, "--replica-id", replica, "--steps", str(steps),
+         "--out", str(out), "--wait-for", str(group), *extra],
+        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def read(out: Path, replica: str) -> list[dict[str, Any]]:
+    path = out / f"{replica}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def lighthouse(**overrides: Any) -> Lighthouse:
+    cfg = LighthouseConfig(**{"min_replicas": 1, "join_timeout_s": 0.5, "heartbeat_timeout_s": 0.3, **overrides})
+    lh = Lighthouse(cfg)
+    lh.start_in_thread()
+    return lh
+
+
+def finish(procs: dict[str, subprocess.Popen[str]], survivors: list[str], timeout: float = 120) -> None:
+    for name in survivors:
+        rc = procs[name].wait(timeout=timeout)
+        assert rc == 0, f"{name} exited {rc}:\n{procs[name].stderr.read()[-3000:] if procs[name].stderr else ''}"
+
+
+def assert_identical_every_step(out: Path, survivors: list[str], steps: int) -> list[list[dict[str, Any]]]:
+    logs = [read(out, r) for r in survivors]
+    for log in logs:
+        assert [e["step"] for e in log] == list(range(steps)), "a step was skipped or repeated"
+    for per_step in zip(*logs):
+        assert len({e["digest"] for e in per_step}) == 1, per_step
+        assert len({e["quorum_id"] for e in per_step}) == 1
+    return logs
+
+
+def test_weighted_average_is_the_mean_over_samples(tmp_path: Path) -> None:
+    """Replicas with 8, 24 and 64 samples: the update equals one model trained on all 96."""
+    lh = lighthouse(min_replicas=3)
+    sizes = {"a": 8, "b": 24, "c": 64}
+    procs = {r: start(lh, r, tmp_path, 3, "--batch", str(n), "--save-params") for r, n in sizes.items()}
+    finish(procs, list(sizes))
+    logs = assert_identical_every_step(tmp_path, list(sizes), 3)
+    assert all(e["participants"] == ["a", "b", "c"] for e in logs[0])
+    # Reference: one model, the same three batches, gradient = mean over all 96 samples.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for r, n in sizes.items():
+            x, y = batch(step, r, n)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            for acc, p in zip(grads, model.parameters()):
+                acc += p.grad * n
+        for p, acc in zip(model.parameters(), grads):
+            p.grad = acc / sum(sizes.values())
+        optimizer.step()
+    got = torch.load(tmp_path / "a.pt", weights_only=True)
+    for mine, want in zip(got, model.parameters()):  # summation order differs from gloo's: values, not bits
+        torch.testing.assert_close(mine, want.detach(), rtol=1e-5, atol=1e-6)
+    # A participant-count average (torchft's) would differ by far more than that tolerance.
+    lh.stop_thread()
+
+
+@pytest.mark.parametrize("phase", ["forward", "reduce:0", "reduce:3"])
+def test_sigkill_one_replica_survivors_commit_every_step(phase: str, tmp_path: Path) -> None:
+    lh = lighthouse(min_replicas=1)
+    steps = 12
+    procs = {r: start(lh, r, tmp_path, steps, *(["--kill-at", f"5:{phase}", "--hidden", "2048"] if r == "c"
+                                                 else ["--hidden", "2048"]))
+             for r in ("a", "b", "c")}
+    assert procs["c"].wait(timeout=120) == -signal.SIGKILL
+    finish(procs, ["a", "b"])
+    logs = assert_identical_every_step(tmp_path, ["a", "b"], steps)
+    with_c = [e["step"] for e in logs[0] if e["participants"] == ["a", "b", "c"]]
+    without_c = [e["step"] for e in logs[0] if e["participants"] == ["a", "b"]]
+    # c took part in steps 0..k (k >= 4: it died during step 5, possibly after step 5's vote), then never again.
+    assert with_c == list(range(len(with_c))) and len(with_c) in (5, 6)
+    assert without_c == list(range(len(with_c), steps))
+    assert [e["step"] for e in read(tmp_path, "c")] == list(range(5))  # c logged steps 0..4, died in 5
+    lh.stop_thread()
+
+
+def test_sigstopped_replica_is_evicted_by_timeout(tmp_path: Path) -> None:
+    lh = lighthouse(min_replicas=1)
+    steps = 10
+    procs = {r: start(lh, r, tmp_path, steps, "--timeout", "2") for r in ("a", "b", "c")}
+    deadline = time.monotonic() + 60
+    while len(read(tmp_path, "c")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(procs["c"].pid, signal.SIGSTOP)
+    try:
+        finish(procs, ["a", "b"])
+    finally:
+        os.kill(procs["c"].pid, signal.SIGKILL)
+        procs["c"].wait(timeout=30)
+    logs = assert_identical_every_step(tmp_path, ["a", "b"], steps)
+    assert logs[0][-1]["participants"] == ["a", "b"]
+    lh.stop_thread()

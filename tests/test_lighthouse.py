@@ -1,0 +1,195 @@
+"""Lighthouse and client over real HTTP on 127.0.0.1: quorums, votes, health, limits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+
+from freescale.ft.client import LighthouseClient, LighthouseError, Quorum
+from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[Lighthouse]:
+    lh = Lighthouse(LighthouseConfig(min_replicas=2, join_timeout_s=0.3, heartbeat_timeout_s=0.3))
+    lh.start_in_thread()
+    yield lh
+    lh.stop_thread()
+
+
+def client(lh: Lighthouse, rid: str, incarnation: int = 0, member: int = 0, group_size: int = 1,
+           **kwargs: object) -> LighthouseClient:
+    return LighthouseClient(lh.url, rid, incarnation, member, group_size, request_timeout_s=5, **kwargs).start()
+
+
+def quorums(clients: list[LighthouseClient], step: int) -> list[Quorum]:
+    futures = [c.quorum_async(step) for c in clients]
+    return [f.result(timeout=10) for f in futures]
+
+
+def test_quorum_of_all_then_fast_path_keeps_the_id(lighthouse: Lighthouse) -> None:
+    a, b = client(lighthouse, "a"), client(lighthouse, "b")
+    first = quorums([a, b], 0)
+    assert first[0] == first[1]
+    assert first[0].replica_ids == ("a", "b") and first[0].quorum_id == 1
+    second = quorums([a, b], 1)
+    assert second[0].quorum_id == 1 and second[0].max_step == 1
+    assert f"{second[0].store_host}:{second[0].store_port}" == lighthouse.store_address
+    for c in (a, b):
+        c.close()
+
+
+def test_group_joins_when_all_members_ask(lighthouse: Lighthouse) -> None:
+    members = [client(lighthouse, "g0", member=m, group_size=2) for m in range(2)]
+    other = client(lighthouse, "g1")
+    first = members[0].quorum_async(0)
+    lone = other.quorum_async(0)
+    time.sleep(0.5)  # one member of g0 alone: g0 has not joined, g1 alone is below min_replicas
+    assert not first.done() and not lone.done()
+    second = members[1].quorum_async(0)
+    q = [f.result(timeout=5) for f in (first, second, lone)]
+    assert q[0] == q[1] == q[2] and q[0].replica_ids == ("g0", "g1")
+    for c in [*members, other]:
+        c.close()
+
+
+def test_dead_replica_is_dropped_after_report_without_waiting_for_timeout() -> None:
+    lh = Lighthouse(LighthouseConfig(min_replicas=1, join_timeout_s=5.0, heartbeat_timeout_s=5.0))
+    lh.start_in_thread()
+    a, b = client(lh, "a"), client(lh, "b")
+    q = quorums([a, b], 0)[0]
+    b.close()  # b "dies": no more heartbeats (its last one is fresh for 5 s)
+    a.report_failure(q.quorum_id)
+    start = time.monotonic()
+    q2 = a.quorum(1)
+    assert q2.replica_ids == ("a",) and q2.quorum_id == q.quorum_id + 1
+    assert time.monotonic() - start < 1.0
+    a.close()
+    lh.stop_thread()
+
+
+def test_hung_replica_is_evicted_by_heartbeat_timeout(lighthouse: Lighthouse) -> None:
+    a, b, c = client(lighthouse, "a"), client(lighthouse, "b"), client(lighthouse, "c")
+    quorums([a, b, c], 0)
+    c.close()  # stops heartbeating, like a SIGSTOPped process
+    q = quorums([a, b], 1)[0]
+    assert q.replica_ids == ("a", "b")
+    for x in (a, b):
+        x.close()
+
+
+def test_split_brain_guard_needs_a_majority_of_healthy_replicas() -> None:
+    lh = Lighthouse(LighthouseConfig(min_replicas=1, join_timeout_s=0.2, heartbeat_timeout_s=5.0))
+    lh.start_in_thread()
+    clients = [client(lh, r) for r in "abcd"]
+    quorums(clients, 0)
+    # Two of four healthy replicas ask: not a majority, so no quorum even after the join timeout.
+    pending = [c.quorum_async(1) for c in clients[:2]]
+    time.sleep(0.6)
+    assert not any(f.done() for f in pending)
+    third = clients[2].quorum_async(1)  # three of four: a majority, forms after the join timeout
+    q = [f.result(timeout=5) for f in (*pending, third)]
+    assert q[0].replica_ids == ("a", "b", "c")
+    for c in clients:
+        c.close()
+    lh.stop_thread()
+
+
+def test_commit_vote_is_unanimous_and_aborts_on_a_no(lighthouse: Lighthouse) -> None:
+    a, b = client(lighthouse, "a"), client(lighthouse, "b")
+    q = quorums([a, b], 0)[0]
+    results: dict[str, bool] = {}
+    threads = [threading.Thread(target=lambda c=c: results.__setitem__(c.replica_id, c.commit(q.quorum_id, 0, True)))
+               for c in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert results == {"a": True, "b": True}
+    q = quorums([a, b], 1)[0]
+    threads = [threading.Thread(target=lambda c=c, ok=ok: results.__setitem__(c.replica_id, c.commit(q.quorum_id, 1, ok)))
+               for c, ok in ((a, True), (b, False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert results == {"a": False, "b": False}
+    for c in (a, b):
+        c.close()
+
+
+def test_vote_aborts_when_a_participant_dies_before_voting(lighthouse: Lighthouse) -> None:
+    a, b = client(lighthouse, "a"), client(lighthouse, "b")
+    q = quorums([a, b], 0)[0]
+    b.close()
+    start = time.monotonic()
+    assert a.commit(q.quorum_id, 0, True) is False
+    assert time.monotonic() - start < 2.0
+
+
+def test_new_incarnation_replaces_the_old_and_stale_one_is_refused(lighthouse: Lighthouse) -> None:
+    a, b = client(lighthouse, "a"), client(lighthouse, "b")
+    q = quorums([a, b], 0)[0]
+    b2 = client(lighthouse, "b", incarnation=1)
+    q2 = quorums([a, b2], 1)[0]
+    assert q2.participants[1].incarnation == 1 and q2.quorum_id > q.quorum_id
+    with pytest.raises(LighthouseError, match="incarnation 0 is stale"):
+        b.quorum(2)
+    for c in (a, b, b2):
+        c.close()
+
+
+def test_token_size_limit_and_bad_fields_are_refused() -> None:
+    lh = Lighthouse(LighthouseConfig(token="s3cret", max_request_bytes=1024))
+    lh.start_in_thread()
+    url = f"{lh.url}/v1/heartbeat"
+    body = {"replica_id": "a", "incarnation": 0, "member": 0, "group_size": 1}
+    assert requests.post(url, json=body, timeout=5).status_code == 401
+    auth = {"Authorization": "Bearer s3cret"}
+    assert requests.post(url, json=body, headers=auth, timeout=5).status_code == 200
+    assert requests.post(url, json={**body, "pad": "x" * 4096}, headers=auth, timeout=5).status_code == 413
+    bad = requests.post(url, json={**body, "member": "zero"}, headers=auth, timeout=5)
+    assert bad.status_code == 400 and "member" in bad.json()["error"]
+    lh.stop_thread()
+
+
+def test_restarted_lighthouse_keeps_quorum_ids_growing() -> None:
+    cfg = LighthouseConfig(bind="127.0.0.1:0", min_replicas=2, join_timeout_s=0.2, heartbeat_timeout_s=1.0)
+    lh = Lighthouse(cfg)
+    lh.start_in_thread()
+    port = int(lh.url.rsplit(":", 1)[1])
+    a, b = client(lh, "a"), client(lh, "b")
+    for step in range(3):
+        quorums([a, b], step)
+    a2 = client(lh, "a", incarnation=1)
+    q = quorums([a2, b], 3)[0]
+    seen = q.quorum_id
+    lh.stop_thread()
+    time.sleep(0.2)
+    restarted = Lighthouse(LighthouseConfig(bind=f"127.0.0.1:{port}", min_replicas=2, join_timeout_s=0.2,
+                                            heartbeat_timeout_s=1.0))
+    restarted.start_in_thread()
+    q2 = quorums([a2, b], 4)[0]
+    assert q2.quorum_id > seen and q2.replica_ids == ("a", "b")
+    for c in (a, a2, b):
+        c.close()
+    restarted.stop_thread()
+
+
+def test_cli_lighthouse_serves_and_stops_on_sigterm() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "freescale.cli", "lighthouse", "--bind", "127.0.0.1:0",
+                             "--min-replicas", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert "lighthouse: serving http://127.0.0.1:" in line, line + (proc.stderr.read() if proc.stderr else "")
+        url = line.split("serving ")[1].split(" ")[0]
+        assert requests.get(f"{url}/v1/status", timeout=5).json()["quorum_id"] == 0
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
