@@ -33,6 +33,8 @@ class Participant:
     replica_id: str
     incarnation: int
     step: int
+    addresses: tuple[str, ...] = ()
+    """Each member's snapshot server (``freescale.ft.catchup``), "" where it runs none."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class Quorum:
         host, _, port = str(body["store"]).rpartition(":")
         return Quorum(
             quorum_id=int(body["quorum_id"]),
-            participants=tuple(Participant(str(p["replica_id"]), int(p["incarnation"]), int(p["step"]))
+            participants=tuple(Participant(str(p["replica_id"]), int(p["incarnation"]), int(p["step"]),
+                                           tuple(str(a) for a in p.get("addresses", ())))
                                for p in body["participants"]),
             max_step=int(body["max_step"]), store_host=host, store_port=int(port),
         )
@@ -83,6 +86,8 @@ class LighthouseClient:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.request_timeout_s = request_timeout_s
         self.last_quorum_id = 0
+        self.address = ""
+        """This rank's snapshot server, announced with every quorum request."""
         self._session = requests.Session()
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat_loop, name="freescale-heartbeat", daemon=True)
@@ -126,7 +131,9 @@ class LighthouseClient:
 
     def quorum(self, step: int) -> Quorum:
         """Block until a quorum including this replica forms (see ``freescale.ft.lighthouse``)."""
-        quorum = Quorum.from_json(self._post("/v1/quorum", {"step": step, "last_quorum_id": self.last_quorum_id}))
+        quorum = Quorum.from_json(self._post(
+            "/v1/quorum", {"step": step, "last_quorum_id": self.last_quorum_id, "address": self.address}
+        ))
         self.last_quorum_id = max(self.last_quorum_id, quorum.quorum_id)
         return quorum
 

@@ -26,14 +26,17 @@ discarded.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
+import requests
 import torch
 import torch.distributed as dist
 
+from freescale.ft.catchup import SnapshotServer, fetch_snapshot
 from freescale.ft.client import LighthouseClient, Quorum
 
 
@@ -80,21 +83,56 @@ def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor
 
 @dataclass
 class StepResult:
+    step: int
+    """The step that committed: the caller's, or the quorum's when this replica joined behind it."""
     tensors: list[torch.Tensor]
     quorum: Quorum
     attempts: int
     """1 when the first quorum committed; more when the step was redone with survivors."""
     seconds: float
+    recovering: bool
+    """This replica holds no valid state yet: it must not apply ``tensors`` itself (see ``ReplicaSync``)."""
+    stage_snapshot: bool
+    """A participant is catching up and this one is a source: call ``stage()`` after the optimizer step."""
 
 
 class ReplicaSync:
-    """One rank position's side of FT-HSDP's gradient exchange (see module docstring)."""
+    """One rank position's side of FT-HSDP's gradient exchange and catch-up.
 
-    def __init__(self, client: LighthouseClient, position: int = 0, timeout_s: float = 5.0) -> None:
+    Per step::
+
+        sync.start_step(step)                         # quorum request overlaps the forward
+        ... forward / backward (skip when sync.recovering) ...
+        r = sync.reduce_and_commit(step, grads, weight=samples)
+        if not r.recovering: apply r.tensors, optimizer.step()
+        if r.stage_snapshot: sync.stage(r.step, state())
+        sync.poll_catch_up(load_state, apply_update)  # recovering: load + replay once the snapshot is in
+        step = r.step + 1
+
+    A replica that finds the quorum ahead of its step (a restarted group)
+    adopts the quorum's step, contributes zeros with weight 0, records every
+    committed average, and fetches a snapshot from a source on a side thread
+    (``freescale.ft.catchup``); ``poll_catch_up`` then loads it and replays the
+    recorded averages newer than the snapshot, after which the replica is
+    bit-identical to the others and contributes normally.
+    """
+
+    def __init__(self, client: LighthouseClient, position: int = 0, timeout_s: float = 5.0,
+                 snapshot_server: SnapshotServer | None = None, token: str = "") -> None:
         self.client = client
+        self.position = position
         self.group = FTARGroup(client.replica_id, position, timeout_s)
+        self.snapshots = snapshot_server
+        if snapshot_server is not None:
+            client.address = snapshot_server.address
+        self.token = token
         self._pending: Future[Quorum] | None = None
         self.quorum: Quorum | None = None
+        self.recovering = False
+        self._recorded: list[tuple[int, list[torch.Tensor]]] = []
+        self._fetch: Future[tuple[int, dict[str, torch.Tensor], float]] | None = None
+        self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-catchup")
+        self.catch_up_log: dict[str, Any] = {}
 
     def start_step(self, step: int) -> None:
         """Ask for the step's quorum now; the answer is read in ``reduce_and_commit``."""
@@ -108,18 +146,73 @@ class ReplicaSync:
         while True:
             attempts += 1
             if quorum.max_step > step:
-                raise RuntimeError(
-                    f"replica '{self.client.replica_id}' is at step {step} but quorum {quorum.quorum_id} is at step "
-                    f"{quorum.max_step}: it would need to catch up from a peer first, which is not built yet"
-                )
+                self._start_recovery(quorum, step)
+                step = quorum.max_step
+            send, send_weight = (([torch.zeros_like(t) for t in tensors], 0.0) if self.recovering
+                                 else (list(tensors), float(weight)))
             reduced: list[torch.Tensor] | None = None
             try:
-                reduced = weighted_all_reduce(self.group.for_quorum(quorum), tensors, weight)
+                reduced = weighted_all_reduce(self.group.for_quorum(quorum), send, send_weight)
             except (RuntimeError, dist.DistError):
                 self.group.drop()
                 self.client.report_failure(quorum.quorum_id)
             if self.client.commit(quorum.quorum_id, step, reduced is not None) and reduced is not None:
                 self.quorum = quorum
-                return StepResult(reduced, quorum, attempts, time.perf_counter() - start)
+                if self.recovering:
+                    self._recorded.append((step, [t.clone() for t in reduced]))
+                catching_up = any(p.step < quorum.max_step for p in quorum.participants)
+                return StepResult(step, reduced, quorum, attempts, time.perf_counter() - start, self.recovering,
+                                  catching_up and not self.recovering and self.snapshots is not None)
             self.group.drop()
             quorum = self.client.quorum(step)
+
+    # ------------------------------------------------------------------ catch-up
+    def stage(self, step: int, state: dict[str, torch.Tensor]) -> float:
+        """Source side: copy committed ``step``'s state for a recovering peer; returns seconds spent."""
+        assert self.snapshots is not None
+        return self.snapshots.stage(step, state)
+
+    def _start_recovery(self, quorum: Quorum, step: int) -> None:
+        if self.recovering:
+            return
+        self.recovering = True
+        self._recorded = []
+        sources = [p.addresses[self.position] for p in quorum.participants
+                   if p.replica_id != self.client.replica_id and p.step == quorum.max_step
+                   and len(p.addresses) > self.position and p.addresses[self.position]]
+        if not sources:
+            raise RuntimeError(f"replica '{self.client.replica_id}' must catch up to step {quorum.max_step} but no "
+                               "participant runs a snapshot server")
+        self.catch_up_log = {"joined_step": quorum.max_step, "own_step": step, "sources": sources,
+                             "started": time.time()}
+        self._fetch = self._fetch_pool.submit(self._fetch_from_any, sources, quorum.max_step)
+
+    def _fetch_from_any(self, sources: list[str], min_step: int) -> tuple[int, dict[str, torch.Tensor], float]:
+        errors = []
+        for _ in range(3):
+            for address in sources:
+                try:
+                    return fetch_snapshot(address, min_step, self.token)
+                except (ConnectionError, requests.RequestException, ValueError) as exc:
+                    errors.append(f"{address}: {exc}")
+        raise RuntimeError(f"catch-up: every source failed: {'; '.join(errors[-len(sources):])}")
+
+    def poll_catch_up(self, load: Callable[[dict[str, torch.Tensor]], None],
+                      apply: Callable[[list[torch.Tensor]], None]) -> bool:
+        """Recovering: once the snapshot is in, ``load`` it and ``apply`` each newer recorded average.
+
+        Returns True on the call that finishes the catch-up.
+        """
+        if not self.recovering or self._fetch is None or not self._fetch.done():
+            return False
+        snap_step, state, rate = self._fetch.result()
+        load(state)
+        replayed = 0
+        for step, averaged in self._recorded:
+            if step > snap_step:
+                apply(averaged)
+                replayed += 1
+        self.catch_up_log.update(snapshot_step=snap_step, replayed=replayed, bytes_per_s=rate,
+                                 finished=time.time())
+        self.recovering, self._recorded, self._fetch = False, [], None
+        return True

@@ -10,10 +10,11 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
     incarnation replaces the group's previous one (its pending requests fail);
     a lower one is refused (409): that process belongs to a dead incarnation.
 
-``POST /v1/quorum``  ``{replica_id, incarnation, member, group_size, step, last_quorum_id}``
+``POST /v1/quorum``  ``{replica_id, incarnation, member, group_size, step, last_quorum_id, address}``
     Long-polls until a quorum that includes the caller's group forms, then
-    returns ``{quorum_id, participants: [{replica_id, incarnation, step}],
-    max_step, store: "host:port"}``.  A group has *joined* when all its
+    returns ``{quorum_id, participants: [{replica_id, incarnation, step,
+    addresses}], max_step, store: "host:port"}`` (``addresses``: each member's
+    snapshot server, for catch-up).  A group has *joined* when all its
     members have asked.  A quorum forms:
 
     - fast path: the joined groups are exactly the previous quorum's
@@ -120,6 +121,7 @@ class _Join:
     incarnation: int
     since: float
     steps: dict[int, int] = field(default_factory=dict)
+    addresses: dict[int, str] = field(default_factory=dict)
     waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
 
 
@@ -287,6 +289,10 @@ class Lighthouse:
             join = _Join(group.incarnation, time.monotonic())
             self.joins[group.replica_id] = join
         join.steps[member] = step
+        address = body.get("address", "")
+        if not isinstance(address, str) or len(address) > 300:
+            raise BadRequest("field 'address' must be a string of at most 300 characters")
+        join.addresses[member] = address
         waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         join.waiters.append(waiter)
         self._try_form(time.monotonic())
@@ -398,7 +404,8 @@ class Lighthouse:
             self.quorum_id += 1
         participants = [
             {"replica_id": rid, "incarnation": self.groups[rid].incarnation,
-             "step": max(self.joins[rid].steps.values())}
+             "step": max(self.joins[rid].steps.values()),
+             "addresses": [self.joins[rid].addresses.get(m, "") for m in range(self.groups[rid].group_size)]}
             for rid in sorted(joined)
         ]
         self.quorum = {

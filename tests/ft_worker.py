@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import LighthouseClient
 from freescale.ft.ftar import ReplicaSync
 
@@ -36,6 +37,26 @@ def batch(step: int, replica: str, size: int) -> tuple[torch.Tensor, torch.Tenso
     g = torch.Generator().manual_seed(zlib.crc32(f"{step}:{replica}".encode()))
     x = torch.randn(size, 16, generator=g)
     return x, x[:, :1] * 0.5 - x[:, 1:2]
+
+
+def state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Everything a replica must copy to be identical: parameters and AdamW moments."""
+    out = {f"param{i}": p.detach() for i, p in enumerate(model.parameters())}
+    for i, s in optimizer.state_dict()["state"].items():
+        out.update({f"optim{i}.{k}": v for k, v in s.items()})
+    return out
+
+
+def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(tensors[f"param{i}"])
+    moments: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if name.startswith("optim"):
+            index, key = name[len("optim"):].split(".", 1)
+            moments.setdefault(int(index), {})[key] = t
+    optimizer.load_state_dict({"state": moments, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
 def digest(model: torch.nn.Module) -> str:
@@ -60,13 +81,18 @@ def main() -> None:
                         help="start step 0 only once the lighthouse sees this many healthy replicas (a late joiner "
                              "would have to catch up, which is not built yet)")
     parser.add_argument("--save-params", action="store_true", help="torch.save the final parameters to <out>/<replica>.pt")
+    parser.add_argument("--snapshots", action="store_true", help="serve snapshots so a restarted peer can catch up")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every replica starts from the same weights
     model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     client = LighthouseClient(args.lighthouse, args.replica_id, args.incarnation, request_timeout_s=60).start()
-    sync = ReplicaSync(client, timeout_s=args.timeout)
+    server = SnapshotServer() if args.snapshots else None
+    if server is not None:
+        server.start()
+    sync = ReplicaSync(client, timeout_s=args.timeout, snapshot_server=server)
     deadline = time.monotonic() + 60
     while args.wait_for and time.monotonic() < deadline:
         healthy = [g for g in client.status()["groups"].values() if g["healthy"]]
@@ -79,7 +105,13 @@ def main() -> None:
         kill_step, kill_phase = int(parts[0]), parts[1]
         kill_delay = float(parts[2]) / 1000 if len(parts) > 2 else 0.0
     log = open(Path(args.out) / f"{args.replica_id}.jsonl", "a")
-    for step in range(args.steps):
+    def apply(averaged: list[torch.Tensor]) -> None:
+        for p, g_avg in zip(model.parameters(), averaged):
+            p.grad = g_avg
+        optimizer.step()
+
+    step = 0
+    while step < args.steps:
         sync.start_step(step)
         x, y = batch(step, args.replica_id, args.batch)
         optimizer.zero_grad()
@@ -87,18 +119,26 @@ def main() -> None:
         if step == kill_step and kill_phase == "forward":
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         if step == kill_step and kill_phase == "reduce":
             threading.Timer(kill_delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
         result = sync.reduce_and_commit(step, [p.grad for p in model.parameters()], weight=args.batch)
-        for p, g_avg in zip(model.parameters(), result.tensors):
-            p.grad = g_avg
-        optimizer.step()
-        log.write(json.dumps({
-            "step": step, "time": time.time(), "quorum_id": result.quorum.quorum_id,
-            "participants": list(result.quorum.replica_ids), "attempts": result.attempts,
-            "seconds": result.seconds, "digest": digest(model), "loss": float(loss.detach()),
-        }) + "\n")
-        log.flush()
+        stage_s = 0.0
+        if not result.recovering:
+            apply(result.tensors)
+        if result.stage_snapshot:
+            stage_s = sync.stage(result.step, state(model, optimizer))
+        caught_up = sync.poll_catch_up(lambda t: load(model, optimizer, t), apply)
+        if not sync.recovering:
+            log.write(json.dumps({
+                "step": result.step, "time": time.time(), "quorum_id": result.quorum.quorum_id,
+                "participants": list(result.quorum.replica_ids), "attempts": result.attempts,
+                "seconds": result.seconds, "digest": digest(model), "loss": float(loss.detach()),
+                "stage_s": stage_s, **({"catch_up": sync.catch_up_log} if caught_up else {}),
+            }) + "\n")
+            log.flush()
+        step = result.step + 1
     log.close()
     if args.save_params:
         torch.save([p.detach() for p in model.parameters()], Path(args.out) / f"{args.replica_id}.pt")

@@ -1,0 +1,192 @@
+"""Non-blocking catch-up: a recovering replica copies a peer's state while everyone keeps training.
+
+A restarted replica group finds the quorum ahead of its own step.  Instead of
+making the healthy groups stop and send it a checkpoint (torchft's healing
+blocks the source until the transfer ends):
+
+1. **Stage (source, at a step boundary)**: every up-to-date participant that
+   sees a recovering one in its quorum copies its state (parameters, optimizer
+   state, anything the caller includes) into a host staging buffer right after
+   the step commits: one memcpy, then it goes on training.  ``SnapshotServer``
+   streams that buffer to whoever asks, in chunks, from its own thread.
+2. **Join with weight 0 (recovering)**: from its first quorum on, the
+   recovering replica takes part in every FTAR with zero gradients and weight
+   0, so the others' averages are unchanged, and records each committed
+   step's averaged gradients.
+3. **Fetch, load, replay**: on a side thread it downloads the snapshot (step
+   ``k``) from a source, trying the next source if one dies mid-transfer;
+   then loads it and re-applies the recorded averaged gradients of steps
+   ``k+1 ..`` with the same optimizer.  Optimizer steps are deterministic, so
+   its state is then bit-identical to the others', and it contributes from the
+   next step on.
+
+Wire format (``GET /v1/snapshot?min_step=k``): an 8-byte little-endian header
+length, a JSON header ``{step, tensors: [{name, dtype, shape, offset, nbytes}]}``
+and the raw tensor bytes.  Nothing is unpickled.  A shared token, when set,
+is required as ``Authorization: Bearer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+import torch
+from aiohttp import web
+
+CHUNK_BYTES = 4 << 20
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                torch.int32, torch.int8, torch.uint8, torch.bool)}
+
+
+@dataclass
+class _Staged:
+    step: int
+    header: bytes
+    payload: torch.Tensor  # flat uint8, host memory
+
+
+def pack(step: int, tensors: dict[str, torch.Tensor]) -> _Staged:
+    """Copy ``tensors`` into one flat host buffer (the only work the source does on its training thread)."""
+    entries, offset = [], 0
+    for name, t in tensors.items():
+        if str(t.dtype) not in _DTYPES:
+            raise ValueError(f"snapshot: tensor '{name}' has unsupported dtype {t.dtype}")
+        nbytes = t.numel() * t.element_size()
+        entries.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset,
+                        "nbytes": nbytes})
+        offset += nbytes
+    payload = torch.empty(offset, dtype=torch.uint8)
+    for entry, t in zip(entries, tensors.values()):
+        flat = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+        payload[entry["offset"]:entry["offset"] + entry["nbytes"]].copy_(flat)
+    header = json.dumps({"step": step, "tensors": entries}).encode()
+    return _Staged(step, header, payload)
+
+
+def unpack(header: dict[str, Any], payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    out = {}
+    buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+    for e in header["tensors"]:
+        dtype = _DTYPES.get(e["dtype"])
+        if dtype is None:
+            raise ValueError(f"snapshot: unknown dtype {e['dtype']!r} for '{e['name']}'")
+        raw = buffer[e["offset"]:e["offset"] + e["nbytes"]]
+        out[e["name"]] = raw.view(dtype).reshape(e["shape"]).clone()
+    return out
+
+
+class SnapshotServer:
+    """Serves the latest staged snapshot over HTTP from a daemon thread (aiohttp)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "") -> None:
+        self.host, self.port, self.token = host, port, token
+        self.address = ""
+        self._staged: _Staged | None = None
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.bytes_served = 0
+
+    def stage(self, step: int, tensors: dict[str, torch.Tensor]) -> float:
+        """Copy the state of committed ``step`` for serving; returns the seconds the copy took."""
+        start = time.perf_counter()
+        staged = pack(step, tensors)
+        with self._lock:
+            self._staged = staged
+        return time.perf_counter() - start
+
+    @property
+    def staged_step(self) -> int | None:
+        with self._lock:
+            return self._staged.step if self._staged else None
+
+    def start(self) -> str:
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            app = web.Application(client_max_size=4096)
+            app.router.add_get("/v1/snapshot", self._serve)
+            runner = web.AppRunner(app, access_log=None)
+            loop.run_until_complete(runner.setup())
+            site = web.TCPSite(runner, self.host, self.port)
+            loop.run_until_complete(site.start())
+            self.address = f"{self.host}:{runner.addresses[0][1]}"
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="freescale-snapshot", daemon=True)
+        self._thread.start()
+        ready.wait()
+        return self.address
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        if self.token and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
+                                                  f"Bearer {self.token}".encode()):
+            return web.json_response({"error": "missing or wrong token"}, status=401)
+        try:
+            min_step = int(request.query.get("min_step", "0"))
+            wait_s = min(float(request.query.get("wait_s", "30")), 120.0)
+        except ValueError:
+            return web.json_response({"error": "min_step and wait_s must be numbers"}, status=400)
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                staged = self._staged
+            if staged is not None and staged.step >= min_step:
+                break
+            if time.monotonic() >= deadline:
+                return web.json_response({"error": f"no snapshot at step >= {min_step} yet"}, status=503)
+            await asyncio.sleep(0.005)
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        response.content_length = 8 + len(staged.header) + staged.payload.numel()
+        await response.prepare(request)
+        await response.write(struct.pack("<Q", len(staged.header)) + staged.header)
+        view = memoryview(staged.payload.numpy())
+        for lo in range(0, len(view), CHUNK_BYTES):
+            await response.write(view[lo:lo + CHUNK_BYTES])
+            self.bytes_served += min(CHUNK_BYTES, len(view) - lo)
+        await response.write_eof()
+        return response
+
+
+def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: float = 60.0) -> tuple[int, dict[str, torch.Tensor], float]:
+    """Download a snapshot of step >= ``min_step`` from ``address``; returns (step, tensors, bytes/s)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    start = time.perf_counter()
+    with requests.get(f"http://{address}/v1/snapshot", params={"min_step": min_step, "wait_s": timeout_s},
+                      headers=headers, stream=True, timeout=timeout_s + 5) as response:
+        if response.status_code != 200:
+            raise ConnectionError(f"snapshot source {address} answered {response.status_code}: {response.text[:200]}")
+        raw = response.raw
+        size = struct.unpack("<Q", raw.read(8))[0]
+        if size > 64 << 20:
+            raise ConnectionError(f"snapshot source {address} sent a {size}-byte header: refusing")
+        header = json.loads(raw.read(size))
+        total = sum(e["nbytes"] for e in header["tensors"])
+        payload = bytearray(total)
+        view, got = memoryview(payload), 0
+        while got < total:
+            n = raw.readinto(view[got:got + CHUNK_BYTES])
+            if not n:
+                raise ConnectionError(f"snapshot source {address} closed the stream at {got} of {total} bytes")
+            got += n
+    seconds = time.perf_counter() - start
+    return int(header["step"]), unpack(header, payload), total / max(seconds, 1e-9)
