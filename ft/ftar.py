@@ -67,16 +67,25 @@ class FTARGroup:
 
 
 def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], weight: float) -> list[torch.Tensor]:
-    """``sum_r w_r t_r / sum_r w_r`` over the group; inputs are left untouched."""
-    flat = torch.cat([t.detach().reshape(-1).to(torch.float32) * weight for t in tensors]
-                     + [torch.tensor([float(weight)])])
+    """``sum_r w_r t_r / sum_r w_r`` over the group; inputs are left untouched.
+
+    One flat float32 buffer: the tensors, then the weight; scaled in place, reduced
+    once, and the results are views of it (no copies back unless a dtype differs).
+    """
+    total_numel = sum(t.numel() for t in tensors)
+    flat = torch.empty(total_numel + 1, dtype=torch.float32)
+    torch.cat([t.detach().reshape(-1) for t in tensors], out=flat[:total_numel])
+    flat[:total_numel].mul_(weight)
+    flat[total_numel] = float(weight)
     group.allreduce([flat]).wait()
-    total = float(flat[-1])
+    total = float(flat[total_numel])
     if total <= 0:
         raise RuntimeError("weighted all-reduce: every participant has weight 0")
+    flat[:total_numel].div_(total)
     out, offset = [], 0
     for t in tensors:
-        out.append((flat[offset:offset + t.numel()] / total).view(t.shape).to(t.dtype))
+        piece = flat[offset:offset + t.numel()].view(t.shape)
+        out.append(piece if t.dtype == torch.float32 else piece.to(t.dtype))
         offset += t.numel()
     return out
 
@@ -94,6 +103,10 @@ class StepResult:
     """This replica holds no valid state yet: it must not apply ``tensors`` itself (see ``ReplicaSync``)."""
     stage_snapshot: bool
     """A participant is catching up and this one is a source: call ``stage()`` after the optimizer step."""
+    quorum_wait_s: float = 0.0
+    """Time blocked on the step's quorum (zero when it arrived during the forward)."""
+    reduce_s: float = 0.0
+    vote_s: float = 0.0
 
 
 class ReplicaSync:
@@ -142,6 +155,8 @@ class ReplicaSync:
         start = time.perf_counter()
         quorum = self._pending.result() if self._pending is not None else self.client.quorum(step)
         self._pending = None
+        quorum_wait = time.perf_counter() - start
+        reduce_s = vote_s = 0.0
         attempts = 0
         while True:
             attempts += 1
@@ -151,18 +166,23 @@ class ReplicaSync:
             send, send_weight = (([torch.zeros_like(t) for t in tensors], 0.0) if self.recovering
                                  else (list(tensors), float(weight)))
             reduced: list[torch.Tensor] | None = None
+            t0 = time.perf_counter()
             try:
                 reduced = weighted_all_reduce(self.group.for_quorum(quorum), send, send_weight)
             except (RuntimeError, dist.DistError):
                 self.group.drop()
                 self.client.report_failure(quorum.quorum_id)
-            if self.client.commit(quorum.quorum_id, step, reduced is not None) and reduced is not None:
+            t1 = time.perf_counter()
+            committed = self.client.commit(quorum.quorum_id, step, reduced is not None)
+            reduce_s, vote_s = reduce_s + t1 - t0, vote_s + time.perf_counter() - t1
+            if committed and reduced is not None:
                 self.quorum = quorum
                 if self.recovering:
                     self._recorded.append((step, [t.clone() for t in reduced]))
                 catching_up = any(p.step < quorum.max_step for p in quorum.participants)
                 return StepResult(step, reduced, quorum, attempts, time.perf_counter() - start, self.recovering,
-                                  catching_up and not self.recovering and self.snapshots is not None)
+                                  catching_up and not self.recovering and self.snapshots is not None,
+                                  quorum_wait, reduce_s, vote_s)
             self.group.drop()
             quorum = self.client.quorum(step)
 

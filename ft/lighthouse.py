@@ -17,6 +17,10 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
     snapshot server, for catch-up).  A group has *joined* when all its
     members have asked.  A quorum forms:
 
+    - steady state: the caller is in the current quorum, all its
+      participants are healthy, nobody waits to join, and the step is the
+      next one: answered at once, without waiting for the others (decided
+      once per step, so all participants agree; see ``_steady_answer``);
     - fast path: the joined groups are exactly the previous quorum's
       (same incarnations): at once, same quorum id;
     - every healthy group has joined and there are at least ``min_replicas``:
@@ -39,10 +43,12 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
 ``POST /v1/report``  ``{replica_id, quorum_id}``
     A rank saw a collective of ``quorum_id`` fail.  That quorum is broken (the
     next one gets a new id, so nobody reuses its process groups) and every
-    other participant becomes *suspect*: it counts as healthy again only after a
-    heartbeat (or request) that arrives after the report.  A dead group never
-    sends one, so the survivors form the next quorum without waiting for its
-    heartbeat to time out; a live group is back within one heartbeat.
+    other participant becomes *suspect*: healthy again only after a heartbeat
+    (or request) that arrives after the report.  No quorum forms while a
+    suspect is within ``suspect_grace_s`` (three heartbeat intervals) of the
+    report, so a live group is never left out (which could let two quorums
+    commit the same step); a dead group never answers, so the survivors form
+    the next quorum after the grace instead of the heartbeat timeout.
 
 ``GET /v1/status``  the membership, for operators and tests.
 
@@ -83,6 +89,9 @@ class LighthouseConfig:
     store_port: int = 0
     """Port of the rendezvous TCPStore (0: a free one)."""
     tick_s: float = 0.01
+    suspect_grace_s: float = 0.15
+    """After a failure report, how long a suspect participant has to show it is alive (a
+    heartbeat: clients send one every 50 ms) before a quorum forms without it."""
 
     def validate(self) -> None:
         if self.min_replicas < 1:
@@ -152,6 +161,7 @@ class Lighthouse:
         self.quorum: dict[str, Any] | None = None
         self.quorum_id = 0
         self.votes: dict[tuple[int, int], _Vote] = {}
+        self.steady_steps: dict[tuple[int, int], bool] = {}
         self.store: Any = None
         self.store_address = ""
         self.url = ""
@@ -284,6 +294,9 @@ class Lighthouse:
         if group is None:
             return web.json_response({"error": error}, status=409)
         self.quorum_id = max(self.quorum_id, last_seen)
+        steady = self._steady_answer(group, step)
+        if steady is not None:
+            return web.json_response(steady)
         join = self.joins.get(group.replica_id)
         if join is None or join.incarnation != group.incarnation:
             join = _Join(group.incarnation, time.monotonic())
@@ -362,6 +375,42 @@ class Lighthouse:
         })
 
     # ------------------------------------------------------------------ decisions
+    def _steady_answer(self, group: _Group, step: int) -> dict[str, Any] | None:
+        """The steady-state fast path: answer at once, without waiting for the other participants.
+
+        Taken when the caller is in the current, unbroken quorum, every
+        participant is healthy and no healthy outsider is waiting to join.  The
+        choice is made once per (quorum, step), by the first request of that
+        step, and every participant's request for the step follows it, so all
+        of them use the same quorum.  A participant that died since is found
+        by the step's all-reduce (the survivors report it) or by its
+        heartbeat; the commit vote still needs everyone.
+        """
+        q = self.quorum
+        if q is None or q.get("broken"):
+            return None
+        if (group.replica_id, group.incarnation) not in {(p["replica_id"], p["incarnation"]) for p in q["participants"]}:
+            return None
+        key = (q["quorum_id"], step)
+        steady = self.steady_steps.get(key)
+        if steady is None:
+            now = time.monotonic()
+            healthy = self._healthy(now)
+            members = {p["replica_id"] for p in q["participants"]}
+            outsiders = [rid for rid in self.joins if rid not in members and rid in healthy]
+            current = all(rid in self.groups and self.groups[rid].incarnation == p["incarnation"]
+                          for rid, p in ((p["replica_id"], p) for p in q["participants"]))
+            steady = current and members <= healthy and not outsiders and step == q["max_step"] + 1
+            self.steady_steps[key] = steady
+            if steady:
+                q["max_step"] = step
+                q["participants"] = [{**p, "step": step} for p in q["participants"]]
+            for old in [k for k in self.steady_steps if k[1] < step - 8]:
+                del self.steady_steps[old]
+        if not steady:
+            return None
+        return q
+
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.tick_s)
@@ -376,7 +425,18 @@ class Lighthouse:
     def _healthy(self, now: float) -> set[str]:
         return {rid for rid, g in self.groups.items() if g.healthy(now, self.cfg.heartbeat_timeout_s)}
 
+    def _awaiting_suspects(self, now: float) -> bool:
+        """Suspects still inside their grace period: alive ones will heartbeat any moment."""
+        return any(
+            g.suspect_since is not None and g.last_beat() <= g.suspect_since
+            and now - g.suspect_since < self.cfg.suspect_grace_s
+            and now - g.last_beat() <= self.cfg.heartbeat_timeout_s
+            for g in self.groups.values()
+        )
+
     def _try_form(self, now: float) -> None:
+        if self._awaiting_suspects(now):
+            return  # forming now could leave out a live group that is merely suspect
         healthy = self._healthy(now)
         joined = {
             rid for rid, j in self.joins.items()
@@ -412,6 +472,7 @@ class Lighthouse:
             "quorum_id": self.quorum_id, "participants": participants,
             "max_step": max(p["step"] for p in participants), "store": self.store_address,
         }
+        self.steady_steps.clear()
         for rid in joined:
             join = self.joins.pop(rid)
             for waiter in join.waiters:

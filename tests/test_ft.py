@@ -1,6 +1,6 @@
 """FTAR across replica processes with real faults (SIGKILL, SIGSTOP) on 127.0.0.1.
 
-Each replica is ``tests/ft_worker.py`` in its own process; the lighthouse runs
+Each replica is ``python -m freescale.ft.mlp_replica`` in its own process; the lighthouse runs
 in this process.  In every case the survivors finish, commit every step, and
 are bit-identical at every committed step.
 """
@@ -20,17 +20,17 @@ import pytest
 import torch
 
 from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
-from tests.conftest import REPO, cli_env
-from tests.ft_worker import batch
+from freescale.ft.mlp_replica import batch, build_model
+from tests.conftest import cli_env
 
 pytestmark = pytest.mark.multiprocess
-WORKER = REPO / "tests" / "ft_worker.py"
+WORKER = "freescale.ft.mlp_replica"
 
 
 def start(lh: Lighthouse, replica: str, out: Path, steps: int, *extra: str, group: int = 3) -> subprocess.Popen[str]:
     """A replica process that starts training once ``group`` replicas are up (no late joiners: no catch-up yet)."""
     return subprocess.Popen(
-        [sys.executable, str(WORKER), "--lighthouse", lh.url, "--replica-id", replica, "--steps", str(steps),
+        [sys.executable, "-m", WORKER, "--lighthouse", lh.url, "--replica-id", replica, "--steps", str(steps),
          "--out", str(out), "--wait-for", str(group), *extra],
         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -68,14 +68,14 @@ def test_weighted_average_is_the_mean_over_samples(tmp_path: Path) -> None:
     """Replicas with 8, 24 and 64 samples: the update equals one model trained on all 96."""
     lh = lighthouse(min_replicas=3)
     sizes = {"a": 8, "b": 24, "c": 64}
-    procs = {r: start(lh, r, tmp_path, 3, "--batch", str(n), "--save-params") for r, n in sizes.items()}
+    procs = {r: start(lh, r, tmp_path, 3, "--batch", str(n), "--save-params", "--hidden", "128")
+             for r, n in sizes.items()}
     finish(procs, list(sizes))
     logs = assert_identical_every_step(tmp_path, list(sizes), 3)
     assert all(e["participants"] == ["a", "b", "c"] for e in logs[0])
     # Reference: one model, the same three batches, gradient = mean over all 96 samples.
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = build_model(128, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(3):
         grads = [torch.zeros_like(p) for p in model.parameters()]
         for r, n in sizes.items():
@@ -98,8 +98,7 @@ def test_weighted_average_is_the_mean_over_samples(tmp_path: Path) -> None:
 def test_sigkill_one_replica_survivors_commit_every_step(phase: str, tmp_path: Path) -> None:
     lh = lighthouse(min_replicas=1)
     steps = 12
-    procs = {r: start(lh, r, tmp_path, steps, *(["--kill-at", f"5:{phase}", "--hidden", "2048"] if r == "c"
-                                                 else ["--hidden", "2048"]))
+    procs = {r: start(lh, r, tmp_path, steps, *(["--kill-at", f"5:{phase}"] if r == "c" else []))
              for r in ("a", "b", "c")}
     assert procs["c"].wait(timeout=120) == -signal.SIGKILL
     finish(procs, ["a", "b"])
@@ -137,7 +136,7 @@ def test_killed_replica_restarts_and_catches_up_without_stalling_the_others(tmp_
     missed, and from then on all three are bit-identical at every step."""
     lh = lighthouse(min_replicas=1)
     steps = 150
-    common = ["--snapshots", "--step-sleep", "0.02", "--hidden", "512"]
+    common = ["--snapshots", "--step-sleep", "0.02", "--hidden", "256"]
     procs = {r: start(lh, r, tmp_path, steps, *common, *(["--kill-at", "5:reduce:0"] if r == "c" else []))
              for r in ("a", "b", "c")}
     assert procs["c"].wait(timeout=120) == -signal.SIGKILL

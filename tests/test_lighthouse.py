@@ -25,7 +25,21 @@ def lighthouse() -> Iterator[Lighthouse]:
 
 def client(lh: Lighthouse, rid: str, incarnation: int = 0, member: int = 0, group_size: int = 1,
            **kwargs: object) -> LighthouseClient:
-    return LighthouseClient(lh.url, rid, incarnation, member, group_size, request_timeout_s=5, **kwargs).start()
+    """A started client, returned once the lighthouse has its first heartbeat (so quorum tests
+    do not race a replica's start: with min_replicas=1 the first to ask would go alone)."""
+    c = LighthouseClient(lh.url, rid, incarnation, member, group_size, request_timeout_s=5, **kwargs).start()
+    wait_known(lh, rid, incarnation)
+    return c
+
+
+def wait_known(lh: Lighthouse, rid: str, incarnation: int) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        group = lh.groups.get(rid)
+        if group is not None and group.incarnation == incarnation:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"lighthouse never heard from {rid}/{incarnation}")
 
 
 def quorums(clients: list[LighthouseClient], step: int) -> list[Quorum]:
@@ -33,13 +47,17 @@ def quorums(clients: list[LighthouseClient], step: int) -> list[Quorum]:
     return [f.result(timeout=10) for f in futures]
 
 
-def test_quorum_of_all_then_fast_path_keeps_the_id(lighthouse: Lighthouse) -> None:
+def test_quorum_of_all_then_steady_steps_keep_the_id(lighthouse: Lighthouse) -> None:
     a, b = client(lighthouse, "a"), client(lighthouse, "b")
     first = quorums([a, b], 0)
     assert first[0] == first[1]
     assert first[0].replica_ids == ("a", "b") and first[0].quorum_id == 1
     second = quorums([a, b], 1)
     assert second[0].quorum_id == 1 and second[0].max_step == 1
+    # Steady state: each participant gets the next step's quorum at once, without waiting for the other.
+    start = time.monotonic()
+    third = a.quorum(2)
+    assert third.quorum_id == 1 and third.max_step == 2 and time.monotonic() - start < 0.2
     assert f"{second[0].store_host}:{second[0].store_port}" == lighthouse.store_address
     for c in (a, b):
         c.close()
@@ -78,6 +96,7 @@ def test_hung_replica_is_evicted_by_heartbeat_timeout(lighthouse: Lighthouse) ->
     a, b, c = client(lighthouse, "a"), client(lighthouse, "b"), client(lighthouse, "c")
     quorums([a, b, c], 0)
     c.close()  # stops heartbeating, like a SIGSTOPped process
+    time.sleep(0.4)  # past the heartbeat timeout: the next step's quorum is formed without c
     q = quorums([a, b], 1)[0]
     assert q.replica_ids == ("a", "b")
     for x in (a, b):
@@ -88,7 +107,9 @@ def test_split_brain_guard_needs_a_majority_of_healthy_replicas() -> None:
     lh = Lighthouse(LighthouseConfig(min_replicas=1, join_timeout_s=0.2, heartbeat_timeout_s=5.0))
     lh.start_in_thread()
     clients = [client(lh, r) for r in "abcd"]
-    quorums(clients, 0)
+    q = quorums(clients, 0)[0]
+    clients[0].report_failure(q.quorum_id)  # e.g. a partition broke the all-reduce: membership is re-decided
+    time.sleep(0.2)  # heartbeats show everyone alive again
     # Two of four healthy replicas ask: not a majority, so no quorum even after the join timeout.
     pending = [c.quorum_async(1) for c in clients[:2]]
     time.sleep(0.6)
@@ -175,9 +196,12 @@ def test_restarted_lighthouse_keeps_quorum_ids_growing() -> None:
     restarted = Lighthouse(LighthouseConfig(bind=f"127.0.0.1:{port}", min_replicas=2, join_timeout_s=0.2,
                                             heartbeat_timeout_s=1.0))
     restarted.start_in_thread()
+    a.close()  # the dead incarnation 0 of a stops beating; a2 and b re-register by their heartbeats
+    wait_known(restarted, "a", 1)
+    wait_known(restarted, "b", 0)
     q2 = quorums([a2, b], 4)[0]
     assert q2.quorum_id > seen and q2.replica_ids == ("a", "b")
-    for c in (a, a2, b):
+    for c in (a2, b):
         c.close()
     restarted.stop_thread()
 

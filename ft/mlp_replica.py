@@ -1,7 +1,10 @@
-"""One replica of a fault-tolerance test: a small MLP trained with FTAR, as a real process.
+"""A replica that trains an MLP with the fault-tolerance core: demo, tests and ``bench_ft``.
 
-    python tests/ft_worker.py --lighthouse URL --replica-id a --steps 20 --out DIR
-        [--batch 32] [--kill-at STEP:PHASE[:DELAY_MS]] [--hidden 128]
+    python -m freescale.ft.mlp_replica --lighthouse URL --replica-id a --steps 20 --out DIR
+        [--batch 32] [--kill-at STEP:PHASE[:DELAY_MS]] [--hidden 128] [--snapshots]
+
+    python -m freescale.ft.mlp_replica --mode ddp --rank 0 --world-size 2 --master 127.0.0.1:PORT ...
+        (the baseline: the same model with a plain gloo all-reduce, no fault tolerance)
 
 Each step: quorum request (overlapping the forward), forward/backward on this
 replica's own data (seeded by step and replica, ``--batch`` samples), weighted
@@ -9,7 +12,9 @@ FTAR of the gradients, AdamW update, then one JSON line in
 ``<out>/<replica>.jsonl``: step, quorum id, participants, attempts, seconds and
 a SHA-256 of the parameters after the update.  ``--kill-at 5:reduce:20`` makes
 the process SIGKILL itself 20 ms after entering step 5's reduce (a real
-signal, mid-collective); ``5:forward`` before step 5's backward.
+signal, mid-collective; the time is written to ``<out>/<replica>.killed``);
+``5:forward`` before step 5's backward.  ``--layers`` hidden layers of width
+``--hidden`` over 256 inputs: the default (1 x 1024) is ~1.3M parameters.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,10 +38,22 @@ from freescale.ft.client import LighthouseClient
 from freescale.ft.ftar import ReplicaSync
 
 
+INPUTS = 256
+
+
+def build_model(hidden: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)  # every replica starts from the same weights
+    widths = [INPUTS] + [hidden] * layers
+    modules: list[torch.nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        modules += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*modules, torch.nn.Linear(widths[-1], 1))
+
+
 def batch(step: int, replica: str, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This replica's samples of ``step`` (deterministic across processes)."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{step}:{replica}".encode()))
-    x = torch.randn(size, 16, generator=g)
+    x = torch.randn(size, INPUTS, generator=g)
     return x, x[:, :1] * 0.5 - x[:, 1:2]
 
 
@@ -66,14 +84,53 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def _die(args: argparse.Namespace) -> None:
+    (Path(args.out) / f"{args.replica_id}.killed").write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_ddp(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer, log: Any) -> None:
+    """Baseline without fault tolerance: average gradients with one flat gloo all-reduce per step."""
+    import torch.distributed as dist
+
+    host, _, port = args.master.rpartition(":")
+    store = dist.TCPStore(host, int(port), args.world_size, is_master=args.rank == 0)
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size)
+    params = list(model.parameters())
+    for step in range(args.steps):
+        x, y = batch(step, args.replica_id, args.batch)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat /= args.world_size
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        optimizer.step()
+        log.write(json.dumps({"step": step, "time": time.time(), "committed": time.time(),
+                              "digest": digest(model)}) + "\n")
+        log.flush()
+    log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--lighthouse", default="")
     parser.add_argument("--replica-id", required=True)
     parser.add_argument("--incarnation", type=int, default=0)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--mode", choices=["ftar", "ddp"], default="ftar")
+    parser.add_argument("--rank", type=int, default=0, help="ddp mode")
+    parser.add_argument("--world-size", type=int, default=2, help="ddp mode")
+    parser.add_argument("--master", default="127.0.0.1:29531", help="ddp mode: host:port of rank 0's store")
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill-at", default="")
     parser.add_argument("--timeout", type=float, default=5.0)
@@ -85,9 +142,12 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)  # every replica starts from the same weights
-    model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = build_model(args.hidden, args.layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    log = open(Path(args.out) / f"{args.replica_id}.jsonl", "a")
+    if args.mode == "ddp":
+        run_ddp(args, model, optimizer, log)
+        return
     client = LighthouseClient(args.lighthouse, args.replica_id, args.incarnation, request_timeout_s=60).start()
     server = SnapshotServer() if args.snapshots else None
     if server is not None:
@@ -104,7 +164,7 @@ def main() -> None:
         parts = args.kill_at.split(":")
         kill_step, kill_phase = int(parts[0]), parts[1]
         kill_delay = float(parts[2]) / 1000 if len(parts) > 2 else 0.0
-    log = open(Path(args.out) / f"{args.replica_id}.jsonl", "a")
+
     def apply(averaged: list[torch.Tensor]) -> None:
         for p, g_avg in zip(model.parameters(), averaged):
             p.grad = g_avg
@@ -117,13 +177,14 @@ def main() -> None:
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         if step == kill_step and kill_phase == "forward":
-            os.kill(os.getpid(), signal.SIGKILL)
+            _die(args)
         loss.backward()
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if step == kill_step and kill_phase == "reduce":
-            threading.Timer(kill_delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            threading.Timer(kill_delay, _die, (args,)).start()
         result = sync.reduce_and_commit(step, [p.grad for p in model.parameters()], weight=args.batch)
+        committed = time.time()
         stage_s = 0.0
         if not result.recovering:
             apply(result.tensors)
@@ -132,9 +193,10 @@ def main() -> None:
         caught_up = sync.poll_catch_up(lambda t: load(model, optimizer, t), apply)
         if not sync.recovering:
             log.write(json.dumps({
-                "step": result.step, "time": time.time(), "quorum_id": result.quorum.quorum_id,
+                "step": result.step, "time": time.time(), "committed": committed, "quorum_id": result.quorum.quorum_id,
                 "participants": list(result.quorum.replica_ids), "attempts": result.attempts,
-                "seconds": result.seconds, "digest": digest(model), "loss": float(loss.detach()),
+                "seconds": result.seconds, "quorum_wait_s": result.quorum_wait_s, "reduce_s": result.reduce_s,
+                "vote_s": result.vote_s, "digest": digest(model), "loss": float(loss.detach()),
                 "stage_s": stage_s, **({"catch_up": sync.catch_up_log} if caught_up else {}),
             }) + "\n")
             log.flush()
