@@ -178,7 +178,7 @@ def build_parser(with_config_keys: bool = True) -> argparse.ArgumentParser:
     lh.add_argument("--bind", default="127.0.0.1:29510", help="host:port to serve HTTP on (default 127.0.0.1:29510)")
     lh.add_argument("--min-replicas", type=int, default=1, help="smallest quorum (default 1)")
     lh.add_argument("--join-timeout", type=float, default=1.0, help="seconds to wait for joiners when membership changes")
-    lh.add_argument("--heartbeat-timeout", type=float, default=0.3, help="seconds without a heartbeat before a replica is dead")
+    lh.add_argument("--heartbeat-timeout", type=float, default=1.0, help="seconds without a heartbeat before a replica is dead")
     lh.add_argument("--store-port", type=int, default=0, help="rendezvous TCPStore port (default: a free one)")
     lh.add_argument("--max-request-bytes", type=int, default=64 * 1024)
     # The shared token comes from the environment: a command line is visible to every user.

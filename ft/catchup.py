@@ -5,7 +5,8 @@ making the healthy groups stop and send it a checkpoint (torchft's healing
 blocks the source until the transfer ends):
 
 1. **Stage (source, at a step boundary)**: every up-to-date participant that
-   sees a recovering one in its quorum copies its state (parameters, optimizer
+   sees a recovering one in its quorum, or whose snapshot server has a fetcher
+   waiting for a newer step than it holds, copies its state (parameters, optimizer
    state, anything the caller includes) into a host staging buffer right after
    the step commits: one memcpy, then it goes on training.  ``SnapshotServer``
    streams that buffer to whoever asks, in chunks, from its own thread.
@@ -94,6 +95,9 @@ class SnapshotServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.bytes_served = 0
+        self.wanted_step: int | None = None
+        """Smallest step a waiting fetcher asked for and that is not staged yet: the trainer
+        stages at its next committed step >= this (on-demand staging)."""
 
     def stage(self, step: int, tensors: dict[str, torch.Tensor]) -> float:
         """Copy the state of committed ``step`` for serving; returns the seconds the copy took."""
@@ -102,6 +106,12 @@ class SnapshotServer:
         with self._lock:
             self._staged = staged
         return time.perf_counter() - start
+
+    def wants(self, step: int) -> bool:
+        """Should the state of committed ``step`` be staged for a waiting fetcher?"""
+        with self._lock:
+            return self.wanted_step is not None and step >= self.wanted_step and (
+                self._staged is None or self._staged.step < self.wanted_step)
 
     @property
     def staged_step(self) -> int | None:
@@ -150,8 +160,11 @@ class SnapshotServer:
         while True:
             with self._lock:
                 staged = self._staged
-            if staged is not None and staged.step >= min_step:
-                break
+                if staged is not None and staged.step >= min_step:
+                    if self.wanted_step is not None and self.wanted_step <= staged.step:
+                        self.wanted_step = None
+                    break
+                self.wanted_step = min_step if self.wanted_step is None else min(self.wanted_step, min_step)
             if time.monotonic() >= deadline:
                 return web.json_response({"error": f"no snapshot at step >= {min_step} yet"}, status=503)
             await asyncio.sleep(0.005)

@@ -157,12 +157,15 @@ class ReplicaSync:
         self._pending = None
         quorum_wait = time.perf_counter() - start
         reduce_s = vote_s = 0.0
+        seen_behind = False
         attempts = 0
         while True:
             attempts += 1
             if quorum.max_step > step:
                 self._start_recovery(quorum, step)
                 step = quorum.max_step
+            # A quorum retried after a failure may no longer show who was behind: remember it.
+            seen_behind = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
             send, send_weight = (([torch.zeros_like(t) for t in tensors], 0.0) if self.recovering
                                  else (list(tensors), float(weight)))
             reduced: list[torch.Tensor] | None = None
@@ -179,9 +182,10 @@ class ReplicaSync:
                 self.quorum = quorum
                 if self.recovering:
                     self._recorded.append((step, [t.clone() for t in reduced]))
-                catching_up = any(p.step < quorum.max_step for p in quorum.participants)
+                catching_up = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
+                asked = self.snapshots is not None and self.snapshots.wants(step)
                 return StepResult(step, reduced, quorum, attempts, time.perf_counter() - start, self.recovering,
-                                  catching_up and not self.recovering and self.snapshots is not None,
+                                  (catching_up or asked) and not self.recovering and self.snapshots is not None,
                                   quorum_wait, reduce_s, vote_s)
             self.group.drop()
             quorum = self.client.quorum(step)

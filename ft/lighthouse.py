@@ -82,7 +82,9 @@ class LighthouseConfig:
     """host:port for HTTP; port 0 picks a free one."""
     min_replicas: int = 1
     join_timeout_s: float = 1.0
-    heartbeat_timeout_s: float = 0.3
+    heartbeat_timeout_s: float = 1.0
+    """A crash is found faster (failure reports); this catches hangs, and must exceed the longest
+    time a loaded machine can keep a rank's heartbeat thread off the CPU."""
     token: str = ""
     """When set, every request must carry ``Authorization: Bearer <token>``."""
     max_request_bytes: int = 64 * 1024
