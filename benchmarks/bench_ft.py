@@ -122,10 +122,13 @@ def failure_and_catch_up(tmp: Path, steps: int, hidden: int, layers: int, label:
     restart = time.time()
     procs["c"] = replica(out, "c", steps, *common, "--incarnation", "1")
     wait_all(list(procs.values()))
-    a, c = read(out, "a"), read(out, "c")
+    logs = {n: read(out, n) for n in "ab"}
+    c = read(out, "c")
     lh.stop_thread()
-    steps_seen = [e["step"] for e in a]
-    discarded = len(set(range(steps)) - set(steps_seen))
+    # A step is discarded when no surviving replica committed it.
+    discarded = len(set(range(steps)) - {e["step"] for log in logs.values() for e in log})
+    # The survivor that never had to catch up itself (the one with a complete log) times the others' steps.
+    a = max(logs.values(), key=len)
     next_commit = min(e["committed"] for e in a if e["committed"] > killed_at)
     rows = [{"measure": f"kill -> survivors' next committed step ({label})",
              "freescale": f"{next_commit - killed_at:.3f} s", "torchft": TORCHFT["kill_to_commit_s"],

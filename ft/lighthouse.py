@@ -30,6 +30,9 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
       groups (the split-brain guard: two disjoint quorums cannot both hold a
       majority): new id.
 
+    On every path a new quorum must also hold a majority of the previous
+    quorum's groups that may still be alive (``_keeps_majority``).
+
     Quorum ids only grow, also across a lighthouse restart (callers report
     the last id they saw).  Participants are sorted by ``replica_id``, so
     every rank derives the same process-group ranks from the reply.
@@ -450,6 +453,8 @@ class Lighthouse:
         previous: set[tuple[str, int]] = set()
         if self.quorum is not None and not self.quorum.get("broken"):
             previous = {(p["replica_id"], p["incarnation"]) for p in self.quorum["participants"]}
+        if not self._keeps_majority(joined, now):
+            return
         members = {(rid, self.groups[rid].incarnation) for rid in joined}
         if previous and members == previous:
             self._form(joined, new_id=False)
@@ -460,6 +465,25 @@ class Lighthouse:
             if (now - first >= self.cfg.join_timeout_s and len(joined) >= self.cfg.min_replicas
                     and 2 * len(joined) > len(healthy)):
                 self._form(joined, new_id=True)
+
+    def _keeps_majority(self, joined: set[str], now: float) -> bool:
+        """A new quorum must hold more than half of the previous quorum's participants that may
+        still be alive (same incarnation, heartbeat within the timeout, suspect or not).
+
+        So a lone group whose peers are merely slow to answer (a starved heartbeat
+        thread, a long pause) cannot go on by itself and commit a step that the
+        others then commit differently; a crashed group's share stops counting only
+        when its heartbeat times out.  With three or more groups one crash leaves a
+        majority at once; with two, the survivor waits for the heartbeat timeout.
+        """
+        if self.quorum is None:
+            return True
+        maybe_alive = {
+            p["replica_id"] for p in self.quorum["participants"]
+            if (g := self.groups.get(p["replica_id"])) is not None and g.incarnation == p["incarnation"]
+            and now - g.last_beat() <= self.cfg.heartbeat_timeout_s
+        }
+        return not maybe_alive or 2 * len(maybe_alive & joined) > len(maybe_alive)
 
     def _form(self, joined: set[str], new_id: bool) -> None:
         if new_id or self.quorum is None:

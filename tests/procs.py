@@ -54,3 +54,12 @@ def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:  # type
             return True
         time.sleep(interval)
     return predicate()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a spawned group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -7,20 +7,15 @@ no test yet: it needs two GPUs in one node.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.procs import free_port
+
 pytestmark = pytest.mark.multiprocess
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, result_path: str) -> None:
@@ -57,7 +52,7 @@ def _rank(rank: int, port: int, result_path: str) -> None:
 
 def test_cpu_fallback_matches_all_to_all_and_runs_highest_priority_first(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path / f"r{r}.json"))) for r in range(2)]
     for p in procs:
         p.start()

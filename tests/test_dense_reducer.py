@@ -5,19 +5,14 @@ Two real processes (spawn, gloo on loopback).
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.procs import free_port
+
 pytestmark = pytest.mark.multiprocess
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, chunk_bytes: int, max_inflight: int) -> None:
@@ -59,7 +54,7 @@ def _rank(rank: int, port: int, chunk_bytes: int, max_inflight: int) -> None:
 @pytest.mark.parametrize(("chunk_bytes", "max_inflight"), [(16, 1), (64, 2), (1 << 20, 4)])
 def test_reduced_gradients_equal_a_plain_average_bit_for_bit(chunk_bytes: int, max_inflight: int) -> None:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, chunk_bytes, max_inflight)) for r in range(2)]
     for p in procs:
         p.start()

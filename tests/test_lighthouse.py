@@ -80,14 +80,34 @@ def test_group_joins_when_all_members_ask(lighthouse: Lighthouse) -> None:
 def test_dead_replica_is_dropped_after_report_without_waiting_for_timeout() -> None:
     lh = Lighthouse(LighthouseConfig(min_replicas=1, join_timeout_s=5.0, heartbeat_timeout_s=5.0))
     lh.start_in_thread()
-    a, b = client(lh, "a"), client(lh, "b")
-    q = quorums([a, b], 0)[0]
-    b.close()  # b "dies": no more heartbeats (its last one is fresh for 5 s)
+    a, b, c = client(lh, "a"), client(lh, "b"), client(lh, "c")
+    q = quorums([a, b, c], 0)[0]
+    c.close()  # c "dies": no more heartbeats (its last one counts as fresh for 5 s)
     a.report_failure(q.quorum_id)
     start = time.monotonic()
-    q2 = a.quorum(1)
-    assert q2.replica_ids == ("a",) and q2.quorum_id == q.quorum_id + 1
-    assert time.monotonic() - start < 1.0
+    q2 = quorums([a, b], 1)[0]
+    assert q2.replica_ids == ("a", "b") and q2.quorum_id == q.quorum_id + 1
+    assert time.monotonic() - start < 1.0  # the report's grace, not the 5 s heartbeat timeout
+    for x in (a, b):
+        x.close()
+    lh.stop_thread()
+
+
+def test_lone_replica_cannot_go_on_while_its_peers_may_be_alive() -> None:
+    """Two of three groups stop answering quorum requests but keep heartbeating (slow, not dead):
+    the third may not form a quorum alone, even after a failure report and the join timeout;
+    once their heartbeats time out it may."""
+    lh = Lighthouse(LighthouseConfig(min_replicas=1, join_timeout_s=0.1, heartbeat_timeout_s=1.0))
+    lh.start_in_thread()
+    a, b, c = client(lh, "a"), client(lh, "b"), client(lh, "c")
+    q = quorums([a, b, c], 0)[0]
+    a.report_failure(q.quorum_id)
+    pending = a.quorum_async(1)
+    time.sleep(0.6)
+    assert not pending.done()
+    b.close()
+    c.close()
+    assert pending.result(timeout=5).replica_ids == ("a",)
     a.close()
     lh.stop_thread()
 
