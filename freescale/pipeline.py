@@ -36,6 +36,8 @@ threads, and every wait is on an async work handle.
 
 from __future__ import annotations
 
+import abc
+
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +82,7 @@ class PipelineConfig:
         return self.kind != "prioritized"
 
 
-class StepPipeline:
+class StepPipeline(abc.ABC):
     """``progress(batches)`` trains one batch; the pipeline may read further batches ahead.
 
     The caller hands an iterator that ends where the pipeline must be empty
@@ -89,11 +91,11 @@ class StepPipeline:
     own (for evaluation).
     """
 
-    def progress(self, batches: Iterator[Batch]) -> StepOutput:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def progress(self, batches: Iterator[Batch]) -> StepOutput: ...
 
-    def detach(self) -> nn.Module:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def detach(self) -> nn.Module: ...
 
 
 class PlainPipeline(StepPipeline):
