@@ -30,7 +30,6 @@ is required as ``Authorization: Bearer``.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import struct
 import threading
@@ -41,6 +40,8 @@ from typing import Any
 import requests
 import torch
 from aiohttp import web
+
+from freescale.ft.serving import LoopThread, token_ok
 
 CHUNK_BYTES = 4 << 20
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -92,8 +93,7 @@ class SnapshotServer:
         self.address = ""
         self._staged: _Staged | None = None
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._background = LoopThread("freescale-snapshot")
         self.bytes_served = 0
         self.wanted_step: int | None = None
         """Smallest step a waiting fetcher asked for and that is not staged yet: the trainer
@@ -119,37 +119,28 @@ class SnapshotServer:
             return self._staged.step if self._staged else None
 
     def start(self) -> str:
-        ready = threading.Event()
+        """Serve from a daemon thread; returns ``host:port``."""
+        runner: dict[str, web.AppRunner] = {}
 
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            asyncio.set_event_loop(loop)
+        async def start() -> str:
             app = web.Application(client_max_size=4096)
             app.router.add_get("/v1/snapshot", self._serve)
-            runner = web.AppRunner(app, access_log=None)
-            loop.run_until_complete(runner.setup())
-            site = web.TCPSite(runner, self.host, self.port)
-            loop.run_until_complete(site.start())
-            self.address = f"{self.host}:{runner.addresses[0][1]}"
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(runner.cleanup())
-            loop.close()
+            runner["app"] = web.AppRunner(app, access_log=None)
+            await runner["app"].setup()
+            await web.TCPSite(runner["app"], self.host, self.port).start()
+            return f"{self.host}:{runner['app'].addresses[0][1]}"
 
-        self._thread = threading.Thread(target=run, name="freescale-snapshot", daemon=True)
-        self._thread.start()
-        ready.wait()
+        async def cleanup() -> None:
+            await runner["app"].cleanup()
+
+        self.address = str(self._background.run(start, cleanup))
         return self.address
 
     def stop(self) -> None:
-        if self._loop is not None and self._thread is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+        self._background.stop()
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
-        if self.token and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
-                                                  f"Bearer {self.token}".encode()):
+        if not token_ok(request, self.token):
             return web.json_response({"error": "missing or wrong token"}, status=401)
         try:
             min_step = int(request.query.get("min_step", "0"))

@@ -67,14 +67,14 @@ rank position, so a new quorum never reads an old one's keys).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from freescale.ft.serving import LoopThread, token_ok
 
 log = logging.getLogger("freescale.ft.lighthouse")
 
@@ -172,8 +172,7 @@ class Lighthouse:
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._background = LoopThread("freescale-lighthouse")
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -207,43 +206,16 @@ class Lighthouse:
 
     def start_in_thread(self) -> str:
         """Run in a daemon thread of this process (demo, local launcher, tests); returns the URL."""
-        ready = threading.Event()
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            asyncio.set_event_loop(loop)
-            try:
-                box["url"] = loop.run_until_complete(self.start())
-            except BaseException as exc:  # reported to the caller below
-                box["error"] = exc
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self.stop())
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="freescale-lighthouse", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if "error" in box:
-            raise box["error"]
-        return str(box["url"])
+        return str(self._background.run(self.start, self.stop))
 
     def stop_thread(self) -> None:
-        if self._loop is not None and self._thread is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+        self._background.stop()
 
     # ------------------------------------------------------------------ http plumbing
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self.cfg.token:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.cfg.token}".encode()):
-                return web.json_response({"error": "missing or wrong token"}, status=401)
+        if not token_ok(request, self.cfg.token):
+            return web.json_response({"error": "missing or wrong token"}, status=401)
         try:
             return await handler(request)
         except BadRequest as exc:

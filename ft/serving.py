@@ -1,0 +1,60 @@
+"""What the lighthouse and the snapshot server share: an asyncio loop on a daemon thread, and the token check."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+
+def token_ok(request: web.Request, token: str) -> bool:
+    """True when no token is configured or the request carries ``Authorization: Bearer <token>``."""
+    if not token:
+        return True
+    return hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {token}".encode())
+
+
+class LoopThread:
+    """Runs ``start()`` on a fresh event loop in a daemon thread, then serves until ``stop()``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def run(self, start: Callable[[], Awaitable[Any]], cleanup: Callable[[], Awaitable[None]]) -> Any:
+        """Await ``start()`` on the new loop and return its result (or raise its error here)."""
+        ready = threading.Event()
+        box: dict[str, Any] = {}
+
+        def main() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                box["result"] = loop.run_until_complete(start())
+            except BaseException as exc:  # handed to the caller below
+                box["error"] = exc
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(cleanup())
+            loop.close()
+
+        self._thread = threading.Thread(target=main, name=self.name, daemon=True)
+        self._thread.start()
+        ready.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
