@@ -17,6 +17,15 @@ Position and resumption: ``state_dict`` holds the next (epoch, step) to be
 history; ``load_state_dict`` restarts there, also with a different set of live
 ranks (the rest of the window is re-planned over them).  ``set_live_ranks``
 changes the set between steps and discards batches prefetched for the old one.
+
+Requeue: when a rank dies in the middle of a step, the survivors commit that
+step without its samples and call ``requeue(its rows)`` (``last.plan_rows``
+says which they were); the rows are added to the next step to be consumed and
+spread over its live ranks (``BatchPlanner.requeue``), batches prefetched
+without them are dropped, so each sample of an epoch is still trained exactly
+once.  Carry pending at or after the consumed position is part of
+``state_dict``; a failure on an epoch's last step carries into the next
+epoch's step 0.
 """
 
 from __future__ import annotations
@@ -111,6 +120,13 @@ class StepInfo:
     wait_s: float
     rows: np.ndarray
     """Global row ids this rank trained on (after skipping bad rows)."""
+    live_ranks: tuple[int, ...]
+    """The ranks the step was planned over, ascending."""
+    plan_rows: tuple[np.ndarray, ...]
+    """Each live rank's planned rows (read-only), in ``live_ranks`` order, carried rows
+    included, before any source drops bad rows: what a dead rank would have trained."""
+    rank_sizes: tuple[int, ...]
+    """``len`` of each of ``plan_rows``: the sample count of each rank (replica group)."""
 
 
 class _Failure:
@@ -197,6 +213,8 @@ class BalancedLoader:
         plan_info, batch = item
         self.last = StepInfo(**plan_info, wait_s=time.perf_counter() - start)
         self.epoch, self.step = _advance(self.epoch, self.step, self.steps_per_epoch)
+        # Carry of consumed steps is spent; the producer only reads the carry.
+        self.planner.forget_carry_before(self.epoch, self.step)
         return batch
 
     def __iter__(self) -> Any:
@@ -216,6 +234,34 @@ class BalancedLoader:
             self._halt()
             self._live = live
 
+    def skip_step(self, live_ranks: tuple[int, ...] | list[int]) -> StepPlan:
+        """Plan the current step over ``live_ranks`` and move past it without reading anything.
+
+        For a rank that trains nothing in this step but must keep the same position and
+        plan history as the ranks that do: a fault-tolerant replica that is catching up
+        (replaying the steps it missed) or that is ready but not yet in the step's live
+        set.  ``live_ranks`` need not include this rank.
+        """
+        self._halt()
+        live = tuple(sorted(set(live_ranks)))
+        plan = self.planner.plan(self.epoch, self.step, live)
+        self.epoch, self.step = _advance(self.epoch, self.step, self.steps_per_epoch)
+        self.planner.forget_carry_before(self.epoch, self.step)
+        return plan
+
+    def requeue(self, rows: np.ndarray) -> None:
+        """Train ``rows`` (global row ids) in the next step to be consumed, on top of its plan.
+
+        For the rows of a rank that died during the step just taken (the survivors
+        commit it without them): every survivor calls this with the same rows, after
+        or before ``set_live_ranks``, and the next ``next_batch`` holds this rank's
+        share.  Batches prefetched without them are dropped.
+        """
+        if self.epochs is not None and self.epoch >= self.epochs:
+            raise ValueError(f"the loader has finished its {self.epochs} epoch(s): no step is left for requeued rows")
+        self._halt()
+        self.planner.requeue(self.epoch, self.step, np.asarray(rows, dtype=np.int64))
+
     # ----- position ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -223,6 +269,7 @@ class BalancedLoader:
             "window": self._window_state_for_position(), "skipped": dict(self.source.skipped),
             "cost_model": [self.planner.cost_model.quadratic, self.planner.cost_model.linear,
                            self.planner.cost_model.constant],
+            "carry": self.planner.carry_state(self.epoch, self.step),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -236,6 +283,7 @@ class BalancedLoader:
         if "cost_model" in state:
             self.planner.set_cost_model(CostModel(*state["cost_model"]), 0, 0)
         self.planner.load_window_state(state.get("window") or {})
+        self.planner.load_carry_state(state.get("carry") or [])
         self.source.skipped.update(state.get("skipped", {}))
 
     def _window_state_for_position(self) -> dict[str, Any]:
@@ -286,8 +334,10 @@ class BalancedLoader:
         batch = self._to_batch(table, self.planner.costs(plan.model, kept), plan)
         if self.pin_memory:
             batch = batch.pin_memory()
+        plan_rows = tuple(_read_only(r) for r in plan.rows)
         info = dict(epoch=epoch, step=step, imbalance=plan.imbalance(), bound=plan.bound(),
-                    global_size=plan.global_size, rank_size=batch.size, rank_cost=float(costs.sum()), rows=kept)
+                    global_size=plan.global_size, rank_size=batch.size, rank_cost=float(costs.sum()), rows=kept,
+                    live_ranks=plan.live_ranks, plan_rows=plan_rows, rank_sizes=tuple(r.size for r in plan_rows))
         return info, batch
 
     def _to_batch(self, rows: pa.Table, costs: np.ndarray, plan: StepPlan) -> Batch:
@@ -320,6 +370,13 @@ class BalancedLoader:
             # ranks then gives the exact mean over the step's samples, whatever each rank holds.
             loss_scale=len(plan.live_ranks) / max(plan.global_size, 1),
         )
+
+
+def _read_only(rows: np.ndarray) -> np.ndarray:
+    """A read-only view: the arrays are the planner's own, shared with its windows."""
+    view = rows.view()
+    view.flags.writeable = False
+    return view
 
 
 def _advance(epoch: int, step: int, steps_per_epoch: int) -> tuple[int, int]:

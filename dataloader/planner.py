@@ -24,6 +24,16 @@ set): the unconsumed samples of the current window are re-planned over the new
 set, so every sample of an epoch is still trained on exactly once.  The history
 of such re-plans in the current window is part of ``state_dict`` so a restart
 rebuilds the identical plan.
+
+Requeue (``requeue``): when a rank dies in the middle of step s, the survivors
+commit s without its samples; those rows are *carried* into a later step (the
+loader uses the next one) and trained there on top of its planned rows.  The
+carried rows of a step, sorted (a canonical order), are split by the same
+partitioner into one part per live rank, the heaviest part going to the rank
+with the lightest planned load, and added to the ranks' rows.  Carry is kept
+apart from the windows (``_carry``), so a window re-plan neither loses nor
+duplicates it; it lives until the consumer says the step is in the past
+(``forget_carry_before``), and ``carry_state``/``load_carry_state`` save it.
 """
 
 from __future__ import annotations
@@ -70,7 +80,11 @@ class EpochOrder:
 
 @dataclass
 class StepPlan:
-    """One step: global row ids, per-sample costs and lengths for each live rank."""
+    """One step: global row ids, per-sample costs and lengths for each live rank.
+
+    ``rows``/``costs`` include the step's carried (requeued) rows; ``carried`` counts
+    them over all ranks.  Each rank's rows are ascending (the order the source reads).
+    """
 
     epoch: int
     step: int
@@ -78,6 +92,7 @@ class StepPlan:
     rows: list[np.ndarray]
     costs: list[np.ndarray]
     model: CostModel
+    carried: int = 0
 
     @property
     def global_size(self) -> int:
@@ -141,6 +156,11 @@ class BatchPlanner:
         # restart of its thread goes back to the window of the consumed position.
         self._windows: OrderedDict[tuple[int, int], _Window] = OrderedDict()
         self.windows_kept = _WINDOWS_KEPT
+        # (epoch, step) -> rows requeued onto that step, ascending.  Separate from the
+        # windows: re-plans only move a window's own rows, carry is added in ``plan``.
+        # Mutated only by the consumer (the loader halts its producer first, or the
+        # producer merely reads it), so a prefetching thread needs no lock.
+        self._carry: dict[tuple[int, int], np.ndarray] = {}
 
     def _remember(self, win: _Window) -> _Window:
         self._windows[(win.epoch, win.index)] = win
@@ -160,7 +180,75 @@ class BatchPlanner:
         if ranks != tuple(live_ranks):
             self._replan(win, step, tuple(live_ranks))
             ranks, rows = win.steps[step - win.first_step]
-        return StepPlan(epoch, step, ranks, rows, [self.costs(win.model, r) for r in rows], win.model)
+        carried = self._carry.get((epoch, step))
+        if carried is not None and carried.size:
+            rows = self._add_carry(win.model, rows, carried)
+        costs = [self.costs(win.model, r) for r in rows]
+        return StepPlan(epoch, step, ranks, rows, costs, win.model, 0 if carried is None else int(carried.size))
+
+    def _add_carry(self, model: CostModel, rows: list[np.ndarray], carried: np.ndarray) -> list[np.ndarray]:
+        """``rows`` (one array per live rank) with a share of ``carried`` (ascending)
+        added to each, merged in ascending order (the order the source returns).  The
+        carry is partitioned on its own, like a step; its heaviest part goes to the
+        rank with the lightest planned load (with ``equal_count``: its largest part
+        to the rank with the fewest samples), so the step stays as balanced as the
+        two partitions allow.  Deterministic: stable sorts of values every rank
+        computes alike."""
+        costs = self.costs(model, carried)
+        parts = partition(self.partitioner, costs, self.lengths[carried], len(rows), self.equal_count)
+        if self.equal_count:
+            planned = np.array([r.size for r in rows], dtype=np.float64)
+            weight = np.array([p.size for p in parts], dtype=np.float64)
+        else:
+            planned = np.array([self.costs(model, r).sum() for r in rows])
+            weight = np.array([costs[p].sum() for p in parts])
+        out = list(rows)
+        for rank, part in zip(np.argsort(planned, kind="stable"), np.argsort(-weight, kind="stable")):
+            out[rank] = np.sort(np.concatenate([rows[rank], carried[parts[part]]]))
+        return out
+
+    # ----- requeue ----------------------------------------------------------------------------
+    def requeue(self, epoch: int, step: int, rows: np.ndarray) -> None:
+        """Train ``rows`` (global row ids) in step ``(epoch, step)`` on top of its plan.
+
+        For samples a dead rank did not train: ``plan`` spreads them over the step's
+        live ranks.  Adds to rows already carried onto that step.  Every rank that
+        plans the step must requeue the same rows onto it (the loader's callers do).
+        """
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} outside the epoch's {self.steps_per_epoch} steps")
+        if epoch < 0:
+            raise IndexError(f"epoch {epoch} is negative")
+        new = np.asarray(rows, dtype=np.int64).ravel()
+        if new.size == 0:
+            return
+        if new.min() < 0 or new.max() >= self.order.num_rows:
+            raise ValueError(f"requeued row ids must lie in [0, {self.order.num_rows}), got {new.min()}..{new.max()}")
+        key = (int(epoch), int(step))
+        old = self._carry.get(key)
+        self._carry[key] = np.sort(new if old is None else np.concatenate([old, new]), kind="stable")
+
+    def carried(self, epoch: int, step: int) -> np.ndarray:
+        """Rows carried onto ``(epoch, step)`` (ascending; empty when none)."""
+        return self._carry.get((epoch, step), np.zeros(0, dtype=np.int64)).copy()
+
+    def forget_carry_before(self, epoch: int, step: int) -> None:
+        """Drop the carry of every step before ``(epoch, step)``: those are trained
+        (the loader calls it with its consumed position, which it never goes back
+        behind except through ``load_carry_state``)."""
+        for key in [k for k in self._carry if k < (epoch, step)]:
+            del self._carry[key]
+
+    def carry_state(self, epoch: int, step: int) -> list[list[object]]:
+        """The carry of ``(epoch, step)`` and later steps, JSON-friendly:
+        ``[[epoch, step, [row, ...]], ...]`` in step order."""
+        return [[e, s, rows.tolist()] for (e, s), rows in sorted(self._carry.items()) if (e, s) >= (epoch, step)]
+
+    def load_carry_state(self, state: list[list[object]]) -> None:
+        """Replace the carry with ``state`` (from ``carry_state``)."""
+        self._carry.clear()
+        for epoch, step, rows in state:
+            self.requeue(int(epoch), int(step), np.asarray(rows, dtype=np.int64))  # type: ignore[call-overload]
 
     def costs(self, model: CostModel, rows: np.ndarray) -> np.ndarray:
         """Per-sample cost of ``rows`` under ``model`` (lengths clipped to max_seq_len)."""

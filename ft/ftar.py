@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -66,19 +66,29 @@ class FTARGroup:
         self._group, self._quorum_id = None, -1
 
 
-def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], weight: float) -> list[torch.Tensor]:
+def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], weight: float,
+                        index: int = 0, size: int = 1, ready: bool = True
+                        ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
     """``sum_r w_r t_r / sum_r w_r`` over the group; inputs are left untouched.
 
-    One flat float32 buffer: the tensors, then the weight; scaled in place, reduced
-    once, and the results are views of it (no copies back unless a dtype differs).
+    One flat float32 buffer: the tensors, then one weight slot and one *ready* slot per
+    participant (this one writes its own, at ``index`` of ``size``); scaled in place,
+    reduced once, and the results are views of it (no copies back unless a dtype
+    differs).  Returns the averages, every participant's weight and ready flag (ready:
+    it holds valid state, i.e. it is not catching up), which all participants receive
+    alike: the trainer plans the next step's data over the ready ones.
     """
     total_numel = sum(t.numel() for t in tensors)
-    flat = torch.empty(total_numel + 1, dtype=torch.float32)
-    torch.cat([t.detach().reshape(-1) for t in tensors], out=flat[:total_numel])
+    flat = torch.zeros(total_numel + 2 * size, dtype=torch.float32)
+    if tensors:
+        torch.cat([t.detach().reshape(-1).float() for t in tensors], out=flat[:total_numel])
     flat[:total_numel].mul_(weight)
-    flat[total_numel] = float(weight)
+    flat[total_numel + index] = float(weight)
+    flat[total_numel + size + index] = 1.0 if ready else 0.0
     group.allreduce([flat]).wait()
-    total = float(flat[total_numel])
+    weights = flat[total_numel:total_numel + size].tolist()
+    flags = [f > 0.5 for f in flat[total_numel + size:].tolist()]
+    total = float(sum(weights))
     if total <= 0:
         raise RuntimeError("weighted all-reduce: every participant has weight 0")
     flat[:total_numel].div_(total)
@@ -87,7 +97,13 @@ def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor
         piece = flat[offset:offset + t.numel()].view(t.shape)
         out.append(piece if t.dtype == torch.float32 else piece.to(t.dtype))
         offset += t.numel()
-    return out
+    return out, weights, flags
+
+
+Exchange = Callable[[dist.ProcessGroup, Quorum, list[float]], Any]
+"""An extra collective run in the same quorum attempt as the dense reduction, after it (so a
+failure in it is redone with the survivors too): ``(group, quorum, weights) -> result``.
+The trainer exchanges the touched embedding rows here (``freescale.ft.sparse_sync``)."""
 
 
 @dataclass
@@ -103,6 +119,12 @@ class StepResult:
     """This replica holds no valid state yet: it must not apply ``tensors`` itself (see ``ReplicaSync``)."""
     stage_snapshot: bool
     """A participant is catching up and this one is a source: call ``stage()`` after the optimizer step."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Samples each participant contributed (0 for one that is catching up or idle)."""
+    ready: frozenset[str] = frozenset()
+    """Participants holding valid state at this step: the next step's data is planned over them."""
+    extra: Any = None
+    """What the step's ``exchange`` returned (the embedding rows' union)."""
     quorum_wait_s: float = 0.0
     """Time blocked on the step's quorum (zero when it arrived during the forward)."""
     reduce_s: float = 0.0
@@ -119,7 +141,7 @@ class ReplicaSync:
         r = sync.reduce_and_commit(step, grads, weight=samples)
         if not r.recovering: apply r.tensors, optimizer.step()
         if r.stage_snapshot: sync.stage(r.step, state())
-        sync.poll_catch_up(load_state, apply_update)  # recovering: load + replay once the snapshot is in
+        sync.poll_catch_up(load_state, apply_step)    # recovering: load + replay once the snapshot is in
         step = r.step + 1
 
     A replica that finds the quorum ahead of its step (a restarted group)
@@ -142,7 +164,7 @@ class ReplicaSync:
         self._pending: Future[Quorum] | None = None
         self.quorum: Quorum | None = None
         self.recovering = False
-        self._recorded: list[tuple[int, list[torch.Tensor]]] = []
+        self._recorded: list[StepResult] = []
         self._fetch: Future[tuple[int, dict[str, torch.Tensor], float]] | None = None
         self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-catchup")
         self.catch_up_log: dict[str, Any] = {}
@@ -151,7 +173,8 @@ class ReplicaSync:
         """Ask for the step's quorum now; the answer is read in ``reduce_and_commit``."""
         self._pending = self.client.quorum_async(step)
 
-    def reduce_and_commit(self, step: int, tensors: Sequence[torch.Tensor], weight: float) -> StepResult:
+    def reduce_and_commit(self, step: int, tensors: Sequence[torch.Tensor], weight: float,
+                          exchange: Exchange | None = None) -> StepResult:
         start = time.perf_counter()
         quorum = self._pending.result() if self._pending is not None else self.client.quorum(step)
         self._pending = None
@@ -169,10 +192,19 @@ class ReplicaSync:
             send, send_weight = (([torch.zeros_like(t) for t in tensors], 0.0) if self.recovering
                                  else (list(tensors), float(weight)))
             reduced: list[torch.Tensor] | None = None
+            weights: list[float] = []
+            flags: list[bool] = []
+            extra: Any = None
             t0 = time.perf_counter()
             try:
-                reduced = weighted_all_reduce(self.group.for_quorum(quorum), send, send_weight)
+                group = self.group.for_quorum(quorum)
+                index = quorum.index_of(self.client.replica_id)
+                reduced, weights, flags = weighted_all_reduce(group, send, send_weight, index,
+                                                              len(quorum.participants), not self.recovering)
+                if exchange is not None:
+                    extra = exchange(group, quorum, weights)
             except (RuntimeError, dist.DistError):
+                reduced = None
                 self.group.drop()
                 self.client.report_failure(quorum.quorum_id)
             t1 = time.perf_counter()
@@ -180,13 +212,20 @@ class ReplicaSync:
             reduce_s, vote_s = reduce_s + t1 - t0, vote_s + time.perf_counter() - t1
             if committed and reduced is not None:
                 self.quorum = quorum
+                ids = quorum.replica_ids
+                result = StepResult(
+                    step, reduced, quorum, attempts, 0.0, self.recovering, False,
+                    weights=dict(zip(ids, weights)), ready=frozenset(r for r, f in zip(ids, flags) if f),
+                    extra=extra, quorum_wait_s=quorum_wait, reduce_s=reduce_s, vote_s=vote_s,
+                )
                 if self.recovering:
-                    self._recorded.append((step, [t.clone() for t in reduced]))
+                    self._recorded.append(result)
                 catching_up = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
                 asked = self.snapshots is not None and self.snapshots.wants(step)
-                return StepResult(step, reduced, quorum, attempts, time.perf_counter() - start, self.recovering,
-                                  (catching_up or asked) and not self.recovering and self.snapshots is not None,
-                                  quorum_wait, reduce_s, vote_s)
+                result.stage_snapshot = ((catching_up or asked) and not self.recovering
+                                         and self.snapshots is not None)
+                result.seconds = time.perf_counter() - start
+                return result
             self.group.drop()
             quorum = self.client.quorum(step)
 
@@ -221,20 +260,26 @@ class ReplicaSync:
                     errors.append(f"{address}: {exc}")
         raise RuntimeError(f"catch-up: every source failed: {'; '.join(errors[-len(sources):])}")
 
-    def poll_catch_up(self, load: Callable[[dict[str, torch.Tensor]], None],
-                      apply: Callable[[list[torch.Tensor]], None]) -> bool:
-        """Recovering: once the snapshot is in, ``load`` it and ``apply`` each newer recorded average.
+    @property
+    def snapshot_arrived(self) -> bool:
+        """Recovering and the snapshot is downloaded (``poll_catch_up`` would finish now)."""
+        return self.recovering and self._fetch is not None and self._fetch.done()
 
-        Returns True on the call that finishes the catch-up.
+    def poll_catch_up(self, load: Callable[[dict[str, torch.Tensor]], None],
+                      apply: Callable[[StepResult], None], wait: bool = False) -> bool:
+        """Recovering: once the snapshot is in, ``load`` it and ``apply`` each newer recorded step.
+
+        ``wait``: block until the snapshot is in (a group whose ranks agreed to finish
+        together).  Returns True on the call that finishes the catch-up.
         """
-        if not self.recovering or self._fetch is None or not self._fetch.done():
+        if not self.recovering or self._fetch is None or not (wait or self._fetch.done()):
             return False
         snap_step, state, rate = self._fetch.result()
         load(state)
         replayed = 0
-        for step, averaged in self._recorded:
-            if step > snap_step:
-                apply(averaged)
+        for result in self._recorded:
+            if result.step > snap_step:
+                apply(result)
                 replayed += 1
         self.catch_up_log.update(snapshot_step=snap_step, replayed=replayed, bytes_per_s=rate,
                                  finished=time.time())

@@ -190,7 +190,7 @@ def main() -> None:
             apply(result.tensors)
         if result.stage_snapshot:
             stage_s = sync.stage(result.step, state(model, optimizer))
-        caught_up = sync.poll_catch_up(lambda t: load(model, optimizer, t), apply)
+        caught_up = sync.poll_catch_up(lambda t: load(model, optimizer, t), lambda r: apply(r.tensors))
         if not sync.recovering:
             log.write(json.dumps({
                 "step": result.step, "time": time.time(), "committed": committed, "quorum_id": result.quorum.quorum_id,

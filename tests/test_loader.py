@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from freescale.dataloader.cost import CostModel
-from freescale.dataloader.loader import BalancedLoader, DataConfig, build_loader
+from freescale.dataloader.loader import BalancedLoader, DataConfig, StepInfo, build_loader
 from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS, DataError
 from tests.test_data import table_with, write_dataset
 
@@ -132,3 +134,126 @@ def test_cost_model_change_keeps_ranks_in_agreement_and_resumes(tiny_data: Path)
     assert again == straight
     for loader in loaders + resumed:
         loader.close()
+
+
+def _train_with_failures(
+    path: Path, *, window: int, dies: dict[int, list[int]], returns: dict[int, list[int]], epochs: int = 2,
+) -> tuple[np.ndarray, np.ndarray, dict[int, BalancedLoader]]:
+    """Three simulated ranks over ``epochs`` epochs.  ``dies[t]``: ranks that fail during global
+    step t (after taking their batch): the survivors commit t without them, requeue their planned
+    rows and go on without them.  ``returns[t]``: ranks that rejoin before step t, restored from a
+    survivor's ``state_dict``.  Returns (committed rows, every row of the epochs' full batches)."""
+    loaders = {r: make(path, rank=r, world_size=3, window=window, batch_size=128, prefetch=p)
+               for r, p in zip(range(3), (2, 0, 3))}
+    steps = loaders[0].steps_per_epoch
+    live = [0, 1, 2]
+    committed: list[np.ndarray] = []
+    for t in range(epochs * steps):
+        if t in returns:
+            state = loaders[live[0]].state_dict()
+            for r in returns[t]:
+                loaders[r].load_state_dict(state)
+            live = sorted(live + returns[t])
+        for r in live:
+            loaders[r].set_live_ranks(live)
+            loaders[r].next_batch()
+        infos: dict[int, StepInfo] = {r: loaders[r].last for r in live}  # type: ignore[misc]
+        for r, info in infos.items():  # every rank knows every live rank's plan, its own included
+            assert info is not None and (info.epoch * steps + info.step) == t and info.live_ranks == tuple(live)
+            assert sum(info.rank_sizes) == info.global_size and info.rank_sizes == tuple(p.size for p in info.plan_rows)
+            assert np.array_equal(info.plan_rows[live.index(r)], info.rows)  # no bad rows in tiny_data
+            assert all(np.array_equal(a, b) for a, b in zip(info.plan_rows, infos[live[0]].plan_rows))
+        dead = dies.get(t, [])
+        survivors = [r for r in live if r not in dead]
+        committed.extend(infos[r].rows for r in survivors)
+        if dead:
+            # What every survivor knows of the dead ranks' samples: the plan, identical on all of them.
+            lost = {r: np.concatenate([infos[r].plan_rows[live.index(d)] for d in dead]) for r in survivors}
+            assert all(np.array_equal(lost[r], lost[survivors[0]]) for r in survivors)
+            for r in survivors:
+                loaders[r].requeue(lost[r])
+                loaders[r].set_live_ranks(survivors)
+            live = survivors
+    order = loaders[0].planner.order
+    expected = np.concatenate([order(e)[: steps * 128 * 3] for e in range(epochs)])
+    return np.concatenate(committed), expected, {r: loaders[r] for r in live}
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_requeue_after_failures_trains_every_row_exactly_once(tiny_data: Path, window: int) -> None:
+    """Rank 2 dies mid-epoch and comes back; ranks 1 then 0 die on the steps after (carry of carry);
+    rank 0 dies on the epoch's last step (carry into the next epoch's step 0)."""
+    steps = make(tiny_data, world_size=3, batch_size=128).steps_per_epoch
+    dies = {5: [2], 11: [1], 12: [0], steps - 1: [0]}
+    returns = {9: [2], 15: [0, 1], steps + 2: [0]}
+    got, expected, loaders = _train_with_failures(tiny_data, window=window, dies=dies, returns=returns)
+    assert np.array_equal(np.sort(got), np.sort(expected))
+    for loader in loaders.values():
+        assert loader.planner.carry_state(0, 0) == []  # spent carry is forgotten
+        loader.close()
+
+
+def test_requeue_on_the_last_step_carries_into_the_next_epoch(tiny_data: Path) -> None:
+    """Ranks 1 and 2 die on epoch 0's last step: what they lost is pending for (1, 0), in the state."""
+    steps = make(tiny_data, world_size=3, batch_size=128).steps_per_epoch
+    got, expected, loaders = _train_with_failures(tiny_data, window=4, dies={steps - 1: [1, 2]}, returns={}, epochs=1)
+    (epoch, step, carried), = loaders[0].state_dict()["carry"]
+    assert (epoch, step) == (1, 0) and len(carried) > 0
+    assert np.array_equal(np.sort(np.concatenate([got, np.asarray(carried)])), np.sort(expected))
+    for loader in loaders.values():
+        loader.close()
+
+
+def _batches(loader: BalancedLoader, steps: int) -> list[tuple[np.ndarray, ...]]:
+    out = []
+    for _ in range(steps):
+        batch = loader.next_batch()
+        info = loader.last
+        assert info is not None
+        out.append((info.rows, *info.plan_rows, batch.dense.numpy(), batch.labels.numpy(),
+                    batch.sparse.values().numpy(), batch.sparse.lengths().numpy(), np.array([batch.loss_scale])))
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_state_with_pending_carry_resumes_identically(tiny_data: Path, window: int) -> None:
+    first = make(tiny_data, prefetch=3, window=window)
+    consume(first, 6)
+    info = first.last
+    assert info is not None
+    lost = np.asarray(info.plan_rows[1][:20])  # as if part of rank 1's step had to be trained again
+    first.requeue(lost)
+    first.planner.requeue(first.epoch, first.step + 2, np.asarray(info.plan_rows[1][20:30]))  # a later step too
+    state = json.loads(json.dumps(first.state_dict()))  # JSON-friendly
+    assert [c[:2] for c in state["carry"]] == [[0, 6], [0, 8]]
+    straight = _batches(first, 5)
+    assert set(lost.tolist()) <= set(np.concatenate(straight[0][1:3]).tolist())  # the next step holds the carry
+    resumed = make(tiny_data, prefetch=1, window=window)
+    resumed.load_state_dict(state)
+    again = _batches(resumed, 5)
+    assert all(len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b)) for a, b in zip(straight, again))
+    # An old state without carry still loads, and plans without any.
+    old = make(tiny_data, prefetch=0, window=window)
+    old.load_state_dict({k: v for k, v in state.items() if k != "carry"})
+    assert old.planner.carry_state(0, 0) == [] and not set(lost.tolist()) & set(consume(old, 1)[0].tolist())
+    for loader in (first, resumed, old):
+        loader.close()
+
+
+def test_requeue_drops_batches_prefetched_without_the_carry(tiny_data: Path) -> None:
+    loader = make(tiny_data, prefetch=3, window=4)
+    consume(loader, 2)
+    deadline = time.monotonic() + 30
+    while loader._queue.qsize() < 3 and time.monotonic() < deadline:  # the next steps are prefetched
+        time.sleep(0.01)
+    info = loader.last
+    assert info is not None
+    lost = np.asarray(info.plan_rows[1])
+    loader.requeue(lost)
+    loader.next_batch()
+    nxt = loader.last
+    assert nxt is not None and nxt.step == 2 and nxt.global_size == 64 + lost.size
+    assert np.array_equal(np.sort(np.concatenate(nxt.plan_rows)), np.sort(np.concatenate([lost, *make(
+        tiny_data, prefetch=0, window=4).planner.plan(0, 2, (0, 1)).rows])))
+    assert set(nxt.rows.tolist()) & set(lost.tolist())  # this rank's share is in its batch
+    loader.close()
