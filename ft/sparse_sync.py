@@ -1,0 +1,268 @@
+"""Keep every embedding shard and its fused optimizer state bit-identical across replica groups.
+
+Scheme: **the union update**.  Rank position ``r`` of every replica group holds
+the same embedding shards (same sharding plan, same ``r``).  Normally fbgemm's
+table-batched embedding (TBE) applies its fused optimizer (row-wise Adagrad)
+inside backward, to the rows this group looked up, with this group's
+gradients, so replicas would drift apart at once.  Here, per step:
+
+1. **Forward** (``_deferring_forward``): each fused TBE looks its ids up
+   *without* recording its fused backward (``no_grad``), and a pass-through
+   autograd node in its place catches the gradient of its output in
+   backward.  Nothing is updated; nothing extra crosses the network during the
+   step.
+2. **Exchange** (inside the fault-tolerant all-reduce's quorum attempt, after
+   the dense reduction: a failure in it is redone with the survivors like the
+   dense one): at position ``r`` the replicas all-gather each TBE's
+   ``(indices, offsets, output gradient)``.  Three gloo all-gathers per step in
+   all (sizes, ints, floats), whatever the number of tables.
+3. **Apply** (only once the step commits): every replica builds the same
+   *union* batch, participants in quorum order, each one's gradient rows
+   scaled by its share of the step's samples ``w_j / sum w``, and runs the
+   TBE forward and backward on it: the fused optimizer then updates each
+   touched row once, from the gradients of all replicas' samples, exactly as
+   one group that had trained on all of them would (row-wise Adagrad sums
+   a row's gradients within a batch before its update).  Same inputs, same
+   deterministic kernel, so the tables and the optimizer state stay identical
+   bit for bit; a recovering replica records the union of each step it sits
+   out and replays it onto its snapshot.
+
+Costs: one more TBE lookup per step over the union (``R`` times the group's
+ids at position ``r``), and the all-gather of the looked-up ids and their
+output gradients (``ids x dim`` floats per replica).  What it buys: no dense
+table gradient ever exists, and no step needs a second round trip.
+
+Limits (raised as errors, not silently wrong): per-sample weights and
+variable batch per feature (VBE) are not supported, and every table must use
+a fused kernel (tables planned as data parallel would be updated by the dense
+optimizer from a group-local gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from freescale.ft.client import Quorum
+
+
+@dataclass
+class TBEStep:
+    """One TBE's lookups of a step: ``T`` features, ``B`` bags per feature."""
+
+    indices: torch.Tensor  # int64 [N]
+    offsets: torch.Tensor  # int64 [T * B + 1]
+    grad: torch.Tensor  # float32 [B, sum of dims] pooled, [N, dim] sequence
+
+
+@dataclass
+class UnionUpdate:
+    """What every replica applies at a committed step: one ``TBEStep`` per TBE, in model order."""
+
+    tables: list[TBEStep]
+
+    def nbytes(self) -> int:
+        return sum(t.indices.numel() * 8 + t.offsets.numel() * 8 + t.grad.numel() * 4 for t in self.tables)
+
+
+class _CatchGradient(torch.autograd.Function):
+    """Identity on the looked-up embeddings whose backward stores their gradient instead of
+    running the fused update (``anchor`` is a scalar that requires grad, so the node exists)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, looked_up: torch.Tensor, slot: _Slot) -> torch.Tensor:
+        ctx.slot = slot
+        return looked_up.view_as(looked_up)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        slot: _Slot = ctx.slot
+        slot.grad = grad.detach().float().contiguous() if slot.grad is None else slot.grad + grad.float()
+        return None, None, None
+
+
+@dataclass
+class _Slot:
+    name: str
+    tbe: nn.Module
+    features: int
+    pooled: bool
+    run: Any  # the TBE's own forward (bound method), with its fused backward
+    indices: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    calls: int = 0
+
+
+def fused_tbes(dmp: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every fbgemm TBE with a fused optimizer under ``dmp``'s sharded modules, in a fixed order.
+
+    torchrec keeps a sharded module's lookups in a plain list (not registered
+    submodules), so they are walked explicitly.
+    """
+    from torchrec.distributed.batched_embedding_kernel import (
+        BatchedDenseEmbedding, BatchedDenseEmbeddingBag, BatchedFusedEmbedding, BatchedFusedEmbeddingBag,
+    )
+    from torchrec.distributed.types import ShardedModule
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in dmp.named_modules():
+        if not isinstance(module, ShardedModule):
+            continue
+        for i, lookup in enumerate(getattr(module, "_lookups", [])):
+            for sub_name, sub in lookup.named_modules():
+                if isinstance(sub, (BatchedDenseEmbedding, BatchedDenseEmbeddingBag)):
+                    raise ValueError(
+                        f"fault tolerance: the embeddings of '{name}' were planned with a dense (non-fused) kernel; "
+                        "their updates could not be kept identical across replica groups. Give the planner fused "
+                        "kernels only (the default sharders in freescale.parallelize do)")
+                if isinstance(sub, (BatchedFusedEmbedding, BatchedFusedEmbeddingBag)):
+                    found.append((f"{name}.lookup{i}.{sub_name}", sub.emb_module))
+    return found
+
+
+class UnionSparseUpdate:
+    """Defers the fused embedding updates of a sharded model to a union applied by every replica."""
+
+    def __init__(self, dmp: nn.Module) -> None:
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._slots: list[_Slot] = []
+        for name, tbe in fused_tbes(dmp):
+            pooled = int(tbe.pooling_mode) != 2  # fbgemm PoolingMode.NONE == 2: one row per id
+            slot = _Slot(name, tbe, len(tbe.feature_table_map), pooled, tbe.forward)
+            tbe.forward = self._deferring_forward(slot)  # instance attribute: state_dict etc. untouched
+            self._slots.append(slot)
+        if not self._slots:
+            raise ValueError("fault tolerance: the model has no fused embedding tables to keep in sync")
+
+    @property
+    def tables(self) -> list[str]:
+        return [s.name for s in self._slots]
+
+    def _deferring_forward(self, slot: _Slot) -> Any:
+        def forward(indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
+                    **kwargs: Any) -> torch.Tensor:
+            if per_sample_weights is not None or any(v is not None for v in kwargs.values()):
+                used = ["per_sample_weights"] * (per_sample_weights is not None) + [
+                    k for k, v in kwargs.items() if v is not None]
+                raise ValueError(f"fault tolerance: embedding '{slot.name}' was called with {used}; the union "
+                                 "update supports plain ids and offsets only")
+            with torch.no_grad():
+                looked_up = slot.run(indices, offsets)
+            if not torch.is_grad_enabled():
+                return looked_up  # evaluation: nothing to update
+            if slot.calls:
+                raise RuntimeError(f"fault tolerance: embedding '{slot.name}' was looked up twice in one step")
+            slot.calls += 1
+            slot.indices, slot.offsets, slot.grad = indices.detach().long(), offsets.detach().long(), None
+            return _CatchGradient.apply(self._anchor, looked_up, slot)
+        return forward
+
+    # ------------------------------------------------------------------ one step
+    def local_step(self) -> UnionUpdate:
+        """This replica's lookups and gradients of the step (empty for a replica that sat it out)."""
+        tables = []
+        for s in self._slots:
+            if s.indices is None or s.offsets is None:
+                tables.append(TBEStep(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                                      torch.zeros(0, 0)))
+                continue
+            rows = (s.offsets.numel() - 1) // s.features if s.pooled else s.indices.numel()
+            grad = s.grad if s.grad is not None else torch.zeros(rows, 0)
+            if s.grad is None and rows:
+                raise RuntimeError(f"fault tolerance: embedding '{s.name}' got no gradient this step")
+            tables.append(TBEStep(s.indices, s.offsets, grad.reshape(rows, -1)))
+        return UnionUpdate(tables)
+
+    def reset(self) -> None:
+        for s in self._slots:
+            s.indices = s.offsets = s.grad = None
+            s.calls = 0
+
+    def exchange(self, group: dist.ProcessGroup, quorum: Quorum, weights: list[float]) -> UnionUpdate:
+        """All-gather every participant's ``local_step`` and build the weighted union (same on all)."""
+        mine = self.local_step()
+        size = len(quorum.participants)
+        header = torch.tensor([[t.indices.numel(), t.offsets.numel(), t.grad.shape[0], t.grad.shape[1]]
+                               for t in mine.tables], dtype=torch.int64).reshape(-1)
+        headers = _all_gather(group, header, size)
+        ints = torch.cat([torch.cat([t.indices, t.offsets]) for t in mine.tables])
+        floats = torch.cat([t.grad.reshape(-1).float() for t in mine.tables])
+        int_sizes = [int(h.view(-1, 4)[:, :2].sum()) for h in headers]
+        float_sizes = [int((h.view(-1, 4)[:, 2] * h.view(-1, 4)[:, 3]).sum()) for h in headers]
+        all_ints = _all_gather_varlen(group, ints, int_sizes)
+        all_floats = _all_gather_varlen(group, floats, float_sizes)
+        total = float(sum(weights))
+        per_participant: list[list[TBEStep]] = []
+        for p in range(size):
+            h = headers[p].view(-1, 4).tolist()
+            i_off = f_off = 0
+            steps = []
+            for n_idx, n_off, rows, cols in h:
+                idx = all_ints[p][i_off:i_off + n_idx]
+                off = all_ints[p][i_off + n_idx:i_off + n_idx + n_off]
+                grad = all_floats[p][f_off:f_off + rows * cols].view(rows, cols)
+                i_off, f_off = i_off + n_idx + n_off, f_off + rows * cols
+                share = torch.tensor(weights[p] / total if total > 0 else 0.0, dtype=torch.float32)
+                steps.append(TBEStep(idx, off, grad * share))
+            per_participant.append(steps)
+        return UnionUpdate([self._union(slot, [pp[k] for pp in per_participant])
+                            for k, slot in enumerate(self._slots)])
+
+    def _union(self, slot: _Slot, parts: list[TBEStep]) -> TBEStep:
+        """Concatenate participants' batches feature by feature (the TBE's feature-major layout)."""
+        t = slot.features
+        lengths, idx_pieces, grad_pieces = [], [], []
+        width = max((p.grad.shape[1] for p in parts), default=0)
+        for p in parts:
+            if p.offsets.numel() == 0 or p.indices.numel() == 0 and p.grad.numel() == 0:
+                continue
+            if int(p.offsets[0]) != 0 or int(p.offsets[-1]) != p.indices.numel():
+                raise RuntimeError(f"fault tolerance: embedding '{slot.name}': offsets do not cover the ids")
+            bags = (p.offsets.numel() - 1) // t
+            per_bag = p.offsets.diff().view(t, bags)
+            counts = per_bag.sum(dim=1).tolist()
+            lengths.append(per_bag)
+            idx_pieces.append(torch.split(p.indices, counts))
+            grad_pieces.append(p.grad if slot.pooled else torch.split(p.grad, counts))
+        if not lengths:
+            return TBEStep(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                           torch.zeros(0, width))
+        union_lengths = torch.cat(lengths, dim=1).reshape(-1)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(union_lengths, 0)])
+        indices = torch.cat([pieces[f] for f in range(t) for pieces in idx_pieces])
+        if slot.pooled:
+            grad = torch.cat(grad_pieces, dim=0)
+        else:
+            grad = torch.cat([pieces[f] for f in range(t) for pieces in grad_pieces])
+        return TBEStep(indices, offsets, grad)
+
+    def apply(self, update: UnionUpdate) -> None:
+        """Run each TBE's forward and fused backward over the union: the one update of the step."""
+        if len(update.tables) != len(self._slots):
+            raise RuntimeError(f"fault tolerance: an update for {len(update.tables)} embedding modules, "
+                               f"this model has {len(self._slots)}")
+        with torch.enable_grad():
+            for slot, step in zip(self._slots, update.tables):
+                if step.indices.numel() == 0:
+                    continue
+                out = slot.run(step.indices, step.offsets)
+                out.backward(step.grad.reshape(out.shape).to(out.dtype))
+
+
+def _all_gather(group: dist.ProcessGroup, tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    group.allgather([out], [tensor]).wait()
+    return out
+
+
+def _all_gather_varlen(group: dist.ProcessGroup, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    longest = max(sizes) if sizes else 0
+    padded = torch.zeros(longest, dtype=tensor.dtype)
+    padded[:tensor.numel()] = tensor
+    gathered = _all_gather(group, padded, len(sizes))
+    return [g[:n] for g, n in zip(gathered, sizes)]

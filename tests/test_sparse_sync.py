@@ -1,0 +1,102 @@
+"""The union update of ``freescale.ft.sparse_sync`` against one model trained on all samples.
+
+In one process (a group of one rank): replicas A and B start from the same
+weights, each looks up and back-propagates its own batch with the fused
+update deferred; both then apply the weighted union of the two.  They must be
+bit-identical to each other, and equal (to float rounding: the union scales
+each replica's mean gradient by its sample share) to one model whose fused
+optimizer updated the rows from the concatenated batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from freescale.dataloader.batch import Batch
+from freescale.dataloader.loader import build_loader
+from freescale.dataloader.schema import DatasetManifest
+from freescale.digest import local_digest
+from freescale.distributed import init_distributed
+from freescale.ft.sparse_sync import TBEStep, UnionSparseUpdate, UnionUpdate
+from freescale.models import build_model, cost_model_for
+from freescale.parallelize import shard_model
+from freescale.trainer import TrainerConfig, quiet_libraries
+
+
+def _concat(a: Batch, b: Batch) -> Batch:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    keys = a.sparse.keys()
+    values, lengths = [], []
+    for k in keys:
+        for batch in (a, b):
+            jt = batch.sparse[k]
+            values.append(jt.values())
+            lengths.append(jt.lengths())
+    sparse = KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+    return Batch(sparse, torch.cat([a.dense, b.dense]), torch.cat([a.labels, b.labels]))
+
+
+def _tables(dmp: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.local_shards()[0].tensor.clone() for k, v in dmp.state_dict().items() if hasattr(v, "local_shards")}
+
+
+@pytest.mark.parametrize("kind", ["hstu", "dlrm"])
+def test_union_update_equals_one_model_on_all_samples(kind: str, tiny_data: Path) -> None:
+    quiet_libraries()
+    cfg = TrainerConfig()
+    cfg.data.path, cfg.model.kind, cfg.data.batch_size = str(tiny_data), kind, 24
+    ctx = init_distributed(cfg.dist)
+    try:
+        manifest = DatasetManifest.read(cfg.data.path)
+
+        def fresh() -> torch.nn.Module:
+            torch.manual_seed(0)
+            model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
+                                embedding_device=torch.device("meta"))
+            torch.manual_seed(1)  # tables are initialised when sharded
+            return shard_model(model, ctx, cfg.optim)
+
+        features = list(build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
+                                    embedding_device=torch.device("meta")).sparse_feature_names)
+        loader = build_loader(cfg.data, "train", rank=0, world_size=1, sparse_features=features,
+                              derived_cost=cost_model_for(cfg.model, manifest.dense_dim), seed=0, training=True)
+        batch_a, batch_b = loader.next_batch(), loader.next_batch()
+        loader.close()
+        reference, replica_a, replica_b = fresh(), fresh(), fresh()
+        assert local_digest(_tables(reference)) == local_digest(_tables(replica_a)) == local_digest(_tables(replica_b))
+
+        reference_before = fresh()
+        both = _concat(batch_a, batch_b)
+        reference(Batch(both.sparse, both.dense, both.labels))[0].backward()
+
+        syncs, steps = [], []
+        for replica, batch in ((replica_a, batch_a), (replica_b, batch_b)):
+            sync = UnionSparseUpdate(replica)
+            replica(Batch(batch.sparse, batch.dense, batch.labels))[0].backward()
+            assert local_digest(_tables(replica)) == local_digest(_tables(reference_before)), \
+                "the fused update ran inside backward"
+            syncs.append(sync)
+            steps.append(sync.local_step())
+        weights = [float(batch_a.size), float(batch_b.size)]
+        total = sum(weights)
+        for sync in syncs:
+            parts = [[TBEStep(t.indices, t.offsets, t.grad * torch.tensor(w / total)) for t in step.tables]
+                     for step, w in zip(steps, weights)]
+            union = [sync._union(slot, [p[k] for p in parts]) for k, slot in enumerate(sync._slots)]
+            sync.apply(UnionUpdate(union))
+        a, b, ref = _tables(replica_a), _tables(replica_b), _tables(reference)
+        assert local_digest(a) == local_digest(b), "replicas applying the same union differ"
+        initial = _tables(fresh())
+        for name in ref:
+            moved = (ref[name] - initial[name]).abs().sum(dim=1) > 0
+            assert moved.any(), name
+            assert torch.equal((a[name] - initial[name]).abs().sum(dim=1) > 0, moved), f"{name}: other rows updated"
+            torch.testing.assert_close(a[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        if ctx.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
