@@ -55,7 +55,7 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
 
 ``GET /v1/status``  the membership, for operators and tests.
 
-Health: a group is healthy while some member's last heartbeat (or request) is
+Health: a group is healthy while every member's last heartbeat (or request) is
 younger than ``heartbeat_timeout_s`` and it is not suspect.  A SIGSTOPped
 group stops heartbeating and is evicted by that timeout.
 
@@ -121,7 +121,12 @@ class _Group:
     suspect_since: float | None = None
 
     def last_beat(self) -> float:
-        return max(self.beats.values(), default=0.0)
+        """The *least* recent member's last sign of life (0 while a member has never shown one).
+
+        A group is the unit of failure: one dead or hung rank stops all of it (its peers
+        block in the group's own collectives), so the group is as alive as its
+        stalest member, whose heartbeat thread a healthy peer's does not vouch for."""
+        return min((self.beats.get(m, 0.0) for m in range(self.group_size)), default=0.0)
 
     def healthy(self, now: float, timeout: float) -> bool:
         last = self.last_beat()

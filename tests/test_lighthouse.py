@@ -237,3 +237,17 @@ def test_cli_lighthouse_serves_and_stops_on_sigterm() -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+def test_group_with_one_silent_member_is_unhealthy(lighthouse: Lighthouse) -> None:
+    """A group fails as a whole: a member that stops heartbeating (dead or hung rank) makes its
+    group unhealthy even though the other member's heartbeat thread keeps beating."""
+    g0 = [client(lighthouse, "g0", member=m, group_size=2) for m in range(2)]
+    g1 = client(lighthouse, "g1")
+    assert lighthouse.groups["g0"].healthy(time.monotonic(), 0.3)
+    g0[1].close()
+    time.sleep(0.45)
+    status = g1.status()["groups"]
+    assert status["g0"]["healthy"] is False and status["g1"]["healthy"] is True
+    for c in (g0[0], g1):
+        c.close()
