@@ -146,10 +146,12 @@ def print_summary(summary: Any) -> None:
 def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load_train_config(args.config, overrides, args.resume)
     from freescale.dataloader.schema import DatasetManifest
-    from freescale.launch import launch_local
+    from freescale.launch import launch_local, launch_replicas
 
     DatasetManifest.read(cfg.data.path)  # fail here, once, before any rank starts
     train_args = ([f"--config={args.config}"] if args.config else []) + (["--resume"] if args.resume else [])
+    if args.replicas > 1:
+        return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
     return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
 
 
@@ -195,6 +197,7 @@ def build_parser(with_config_keys: bool = True) -> argparse.ArgumentParser:
         p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
         if name == "launch":
             p.add_argument("--nproc-per-node", type=int, default=2, help="local ranks (default 2)")
+            p.add_argument("--replicas", type=int, default=1, help="fault-tolerant replica groups of --nproc-per-node ranks each, with a lighthouse in this process (freescale.ft; default 1: no fault tolerance)")
             p.add_argument("--max-restarts", type=int, default=0, help="restart the group this often when a rank fails; it resumes from its latest checkpoint (default 0)")
     return parser
 
@@ -214,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_lighthouse(args)
         if args.command == "launch" and args.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+        if args.command == "launch" and args.replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
         return cmd_train(args, rest) if args.command == "train" else cmd_launch(args, rest)
     except Exception as exc:  # one line for what the user can fix; tracebacks for our bugs
         from freescale.checkpoint import CheckpointError

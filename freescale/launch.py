@@ -69,3 +69,38 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
         return 1
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train_args: Sequence[str],
+                    heartbeat_timeout_s: float = 3.0) -> int:
+    """Fault-tolerant training on this machine: a lighthouse in this process and ``replicas``
+    groups of ``nproc_per_node`` ranks, each its own elastic job (``launch_local`` in a child
+    process) that restarts with a new incarnation after a failure and catches up from its peers.
+
+    Returns 0 when every group finished, else the worst group's exit status.
+    """
+    import subprocess
+
+    from freescale.ft.config import LIGHTHOUSE_ENV, REPLICA_INDEX_ENV, REPLICAS_ENV
+    from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
+
+    lighthouse = Lighthouse(LighthouseConfig(min_replicas=1, heartbeat_timeout_s=heartbeat_timeout_s))
+    url = lighthouse.start_in_thread()
+    print(f"freescale: lighthouse at {url}; {replicas} replica group(s) of {nproc_per_node} rank(s)", flush=True)
+    groups = []
+    try:
+        for index in range(replicas):
+            env = {**os.environ, LIGHTHOUSE_ENV: url, REPLICAS_ENV: str(replicas), REPLICA_INDEX_ENV: str(index)}
+            groups.append(subprocess.Popen(
+                [sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node", str(nproc_per_node),
+                 "--max-restarts", str(max_restarts), *train_args], env=env))
+        codes = [group.wait() for group in groups]
+    finally:
+        for group in groups:
+            if group.poll() is None:
+                group.kill()
+        lighthouse.stop_thread()
+    for index, code in enumerate(codes):
+        if code:
+            print(f"freescale: error: replica group {index} exited with status {code}", file=sys.stderr)
+    return max(codes, default=0)

@@ -46,10 +46,11 @@ from tqdm import tqdm
 
 from freescale import checkpoint
 from freescale.checkpoint import CheckpointConfig
-from freescale.config import require, to_dict
+from freescale.config import ConfigError, require, to_dict
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.loader import BalancedLoader, DataConfig, StepInfo, build_loader
 from freescale.dataloader.schema import DatasetManifest
+from freescale.ft.config import FTConfig
 from freescale.comm_trace import CommTracer
 from freescale.digest import state_digest
 from freescale.distributed import DistConfig, DistContext, init_distributed, shutdown
@@ -93,6 +94,7 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    ft: FTConfig = field(default_factory=FTConfig)
 
 
 @dataclass
@@ -149,9 +151,14 @@ class Trainer:
     def fit(self) -> TrainSummary:
         """Train ``train.steps`` steps (resuming if asked), evaluate, return the summary."""
         quiet_libraries()
+        self.cfg.ft.resolve_env()
+        self.cfg.ft.validate()
+        if self.cfg.ft.enabled and self.cfg.pipeline.kind != "plain":
+            raise ConfigError(f"pipeline.kind: fault-tolerant training (ft.lighthouse) runs the plain loop, "
+                              f"got '{self.cfg.pipeline.kind}'")
         ctx = init_distributed(self.cfg.dist)
         try:
-            summary = self._fit(ctx)
+            summary = self._fit_replica(ctx) if self.cfg.ft.enabled else self._fit(ctx)
         except BaseException:
             # Peers may be dead or stuck in another collective: no barrier on the way out.
             shutdown(ctx, clean=False)
@@ -310,6 +317,33 @@ class Trainer:
         summary.skipped_rows = sum(loader.source.skipped.values())
         log.write("summary", **asdict(summary), skipped=dict(loader.source.skipped))
         log.close()
+        return summary
+
+    def _fit_replica(self, ctx: DistContext) -> TrainSummary:
+        """One rank of a fault-tolerant replica group (``freescale.ft.trainer``)."""
+        from freescale.ft.trainer import ReplicaRank
+
+        cfg = self.cfg
+        rank = ReplicaRank(cfg, ctx)
+        try:
+            rank.wait_for_peers()
+            outcome = rank.run(cfg.train.steps)
+            metrics = rank.window.compute()
+            summary = TrainSummary(
+                model=cfg.model.kind, world_size=ctx.world_size, start_step=0, steps=outcome["committed_steps"],
+                samples=metrics.samples, seconds=outcome["seconds"],
+                samples_per_s=metrics.samples / max(outcome["seconds"], 1e-9),
+                train_loss=metrics.loss, train_auc=metrics.auc,
+            )
+            summary.state_digest = state_digest(rank.dmp, rank.optimizer)
+            rank._write(event="summary", **asdict(summary), contributed_steps=outcome["contributed_steps"],
+                        pending_rows=outcome["pending_rows"])
+            if cfg.train.eval and DatasetManifest.read(cfg.data.path).rows.get("eval", 0) >= cfg.data.batch_size * ctx.world_size:
+                result = self._evaluate(rank.dmp, ctx, list(rank.dmp.module.sparse_feature_names),
+                                        DatasetManifest.read(cfg.data.path).dense_dim)
+                summary.eval_loss, summary.eval_auc, summary.eval_ne = result.loss, result.auc, result.ne
+        finally:
+            rank.close()
         return summary
 
     def _segment_end(self, step: int) -> int:

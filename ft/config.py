@@ -1,0 +1,63 @@
+"""``[ft]`` config section: fault-tolerant training across replica groups (FT-HSDP)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from freescale.config import require
+
+LIGHTHOUSE_ENV = "FREESCALE_LIGHTHOUSE"
+REPLICA_INDEX_ENV = "FREESCALE_REPLICA_INDEX"
+REPLICAS_ENV = "FREESCALE_REPLICAS"
+TOKEN_ENV = "FREESCALE_LIGHTHOUSE_TOKEN"
+
+
+@dataclass
+class FTConfig:
+    lighthouse: str = ""
+    """Lighthouse URL (``http://host:port``); empty: no fault tolerance (one group).  ``freescale
+    launch --replicas R`` sets it (and the two below) through the environment."""
+    replicas: int = 1
+    """Replica groups the data is planned over at step 0 (replica ids ``replica0 ..``)."""
+    replica_index: int = 0
+    """This group's index in ``0 .. replicas-1``."""
+    timeout_s: float = 10.0
+    """Collective timeout of the fault-tolerant all-reduce: how long a hung (not crashed) peer can stall a step."""
+    snapshots: bool = True
+    """Serve snapshots so a restarted group can catch up from this one."""
+    wait_for_replicas_s: float = 60.0
+    """Before step 0, wait up to this long for ``replicas`` groups to be up (a late group would
+    have to catch up from the first step)."""
+    digest_every: int = 0
+    """Log a SHA-256 of the whole state every N committed steps (tests compare replicas; costs a hash)."""
+    log_rows: bool = False
+    """Log the row ids each rank trained at every committed step (sample accounting in tests)."""
+
+    def resolve_env(self) -> None:
+        self.lighthouse = os.environ.get(LIGHTHOUSE_ENV, self.lighthouse)
+        self.replicas = int(os.environ.get(REPLICAS_ENV, self.replicas))
+        self.replica_index = int(os.environ.get(REPLICA_INDEX_ENV, self.replica_index))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.lighthouse)
+
+    @property
+    def replica_id(self) -> str:
+        return f"replica{self.replica_index}"
+
+    def validate(self) -> None:
+        require(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
+        require(0 <= self.replica_index < self.replicas, "replica_index",
+                f"must be in 0..{self.replicas - 1}, got {self.replica_index}")
+        require(self.timeout_s > 0, "timeout_s", "must be positive")
+        require(not self.lighthouse or self.lighthouse.startswith(("http://", "https://")), "lighthouse",
+                f"must be an http(s):// URL, got '{self.lighthouse}'")
+
+
+def replica_index_of(replica_id: str) -> int:
+    """``replica3`` -> 3 (ids the launcher and ``FTConfig.replica_id`` give out)."""
+    if not replica_id.startswith("replica") or not replica_id[len("replica"):].isdigit():
+        raise ValueError(f"fault tolerance: replica id '{replica_id}' is not of the form replica<N>")
+    return int(replica_id[len("replica"):])

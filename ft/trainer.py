@@ -1,0 +1,286 @@
+"""One rank of a fault-tolerant replica group: torchrec training with FTAR, union updates, catch-up.
+
+``Trainer.fit`` runs this when ``ft.lighthouse`` is set (``freescale launch
+--replicas R --nproc-per-node G`` sets it).  Topology: R replica groups, each
+a torchrun job of G ranks sharding the embedding tables among themselves with
+the same plan; rank ``r`` of group ``g`` is global data rank ``g*G + r`` and
+replica-dimension position ``r``.
+
+One step on rank ``r`` of group ``g``::
+
+    sync.start_step(s)                quorum request; the round trip overlaps the forward
+    batch = loader.next_batch()       this rank's share of global batch s, planned over the
+                                      ranks of the groups that were *ready* at step s-1's commit
+    dmp(batch).backward()             in-group: input/output all-to-alls, DDP all-reduce of dense
+                                      grads (group mean); fused embedding updates deferred
+                                      (``sparse_sync``): each TBE's output gradient is caught
+    sync.reduce_and_commit(...)       across groups at position r, one quorum attempt:
+                                      weighted FTAR of the dense grads (weight = the group's
+                                      samples), all-gather of every TBE's ids and gradients,
+                                      commit vote; on a failure: redo with the survivors
+    apply                             AdamW on the averaged dense grads; each TBE's fused update
+                                      over the union of all replicas' lookups (same on all)
+    account                           rows planned for groups that did not commit are requeued
+                                      into step s+1; the next step is planned over the groups
+                                      that are ready now
+
+A group restarted by torchrun (new incarnation = ``TORCHELASTIC_RESTART_COUNT``)
+finds the quorum ahead, sits the steps out with weight 0 while each of its
+ranks fetches its position's snapshot from a peer group (parameters, both
+optimizers' state, embedding shards with their row-wise Adagrad state, the
+loader's position and carry), and records every committed step's averages and
+unions.  When *all* its ranks have their snapshot (an in-group all-reduce,
+so the group turns ready at one step), each loads it and replays the recorded
+steps (dense update, union update, data accounting), and the group is
+bit-identical to the others.
+
+Checkpoints are not written in this mode: a lost group recovers from its
+peers.  Losing every group at once is not recovered from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from freescale.dataloader.loader import build_loader
+from freescale.dataloader.schema import DatasetManifest
+from freescale.digest import _tensors, state_digest
+from freescale.distributed import DistContext
+from freescale.ft.catchup import SnapshotServer
+from freescale.ft.client import LighthouseClient
+from freescale.ft.config import TOKEN_ENV, replica_index_of
+from freescale.ft.ftar import ReplicaSync, StepResult
+from freescale.ft.sparse_sync import UnionSparseUpdate
+from freescale.metrics import MetricWindow
+from freescale.models import build_model, cost_model_for
+from freescale.parallelize import build_optimizer, dense_named_parameters, materialize_optimizer_state, shard_model
+
+FAULT_ENV = "FREESCALE_FT_FAULT"
+"""Tests and demos: ``<replica index>:<rank>:<step>:<forward|reduce>[:<delay ms>]`` SIGKILLs that rank
+of the group's first incarnation at that point of that step (a real signal)."""
+
+
+@dataclass
+class _Planned:
+    live_ranks: tuple[int, ...]
+    rows: tuple[np.ndarray, ...]
+
+
+def _named_tensors(value: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor in a (nested) state dict, by path; sharded tensors as their local shards."""
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            yield from _named_tensors(value[key], f"{prefix}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _named_tensors(item, f"{prefix}/{i}")
+    elif isinstance(value, torch.Tensor):
+        for i, t in enumerate(_tensors(value)):
+            yield f"{prefix}#{i}", t
+
+
+class ReplicaRank:
+    """State and step of one rank of one replica group (see the module docstring)."""
+
+    def __init__(self, cfg: Any, ctx: DistContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        ft = cfg.ft
+        self.group_size, self.group_index = ctx.world_size, ft.replica_index
+        self.incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.out_dir = Path(cfg.train.output_dir) / ft.replica_id
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        token = os.environ.get(TOKEN_ENV, "")
+        manifest = DatasetManifest.read(cfg.data.path)
+        torch.manual_seed(cfg.train.seed)  # every group builds the same initial model
+        model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
+                            embedding_device=torch.device("meta"))
+        self.dmp = shard_model(model, ctx, cfg.optim, data_parallel=True)
+        self.optimizer = build_optimizer(self.dmp, cfg.optim)
+        self.dense_optimizer = self.optimizer.optimizers[1][1]
+        self.dense = list(dense_named_parameters(self.dmp).values())
+        self.sparse = UnionSparseUpdate(self.dmp)
+        self.loader = build_loader(
+            cfg.data, "train", rank=self.group_index * self.group_size + ctx.rank,
+            world_size=ft.replicas * self.group_size, sparse_features=list(model.sparse_feature_names),
+            derived_cost=cost_model_for(cfg.model, manifest.dense_dim), seed=cfg.train.seed, training=True,
+        )
+        self.live: set[int] = set(range(ft.replicas))
+        """Groups the next step's data is planned over: those ready at the last commit."""
+        self.server = SnapshotServer(token=token) if ft.snapshots else None
+        if self.server is not None:
+            self.server.start()
+        self.client = LighthouseClient(ft.lighthouse, ft.replica_id, self.incarnation, member=ctx.rank,
+                                       group_size=self.group_size, token=token).start()
+        self.sync = ReplicaSync(self.client, position=ctx.rank, timeout_s=ft.timeout_s,
+                                snapshot_server=self.server, token=token)
+        self.log: TextIO = (self.out_dir / f"rank{ctx.rank}.jsonl").open("a")
+        self.window = MetricWindow()
+        self._fault = self._parse_fault()
+
+    # ------------------------------------------------------------------ data accounting
+    def _ranks(self, groups: Iterable[int]) -> list[int]:
+        return [g * self.group_size + r for g in sorted(groups) for r in range(self.group_size)]
+
+    def _account(self, result: StepResult, planned: _Planned) -> None:
+        """Requeue the rows of groups that did not commit this step; plan the next over the ready ones."""
+        trained = {replica_index_of(rid) for rid, w in result.weights.items() if w > 0}
+        lost = [rows for rank, rows in zip(planned.live_ranks, planned.rows) if rank // self.group_size not in trained]
+        if lost:
+            self.loader.requeue(np.concatenate(lost))
+        self.live = {replica_index_of(rid) for rid in result.ready}
+
+    # ------------------------------------------------------------------ updates
+    def _apply(self, result: StepResult) -> None:
+        """The committed step's update: AdamW on the averaged dense grads, then the union sparse update."""
+        for p, averaged in zip(self.dense, result.tensors):
+            p.grad = averaged
+        self.dense_optimizer.step()
+        for p in self.dense:
+            p.grad = None
+        self.sparse.apply(result.extra)
+
+    def _replay(self, result: StepResult) -> None:
+        planned = self.loader.skip_step(self._ranks(self.live))
+        self._apply(result)
+        self._account(result, _Planned(planned.live_ranks, tuple(planned.rows)))
+
+    # ------------------------------------------------------------------ snapshots
+    def _state(self) -> dict[str, Any]:
+        return {"model": self.dmp.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        tensors = dict(_named_tensors(self._state(), ""))
+        meta = json.dumps({"loader": self.loader.state_dict(), "live": sorted(self.live)}).encode()
+        tensors["meta.json"] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        return tensors
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        materialize_optimizer_state(self.optimizer)
+        mine = dict(_named_tensors(self._state(), ""))
+        missing = sorted(set(mine) - set(tensors))
+        if missing:
+            raise RuntimeError(f"catch-up: the snapshot lacks {missing[:3]} (a different model or sharding plan?)")
+        with torch.no_grad():
+            for name, t in mine.items():
+                if t.shape != tensors[name].shape:
+                    raise RuntimeError(f"catch-up: '{name}' is {tuple(tensors[name].shape)} in the snapshot, "
+                                       f"{tuple(t.shape)} here")
+                t.copy_(tensors[name])
+        meta = json.loads(bytes(tensors["meta.json"].numpy()).decode())
+        self.loader.load_state_dict(meta["loader"])
+        self.live = set(meta["live"])
+
+    # ------------------------------------------------------------------ faults (tests)
+    def _parse_fault(self) -> tuple[int, str, float]:
+        spec = os.environ.get(FAULT_ENV, "")
+        if not spec or self.incarnation != 0:
+            return -1, "", 0.0
+        parts = spec.split(":")
+        if int(parts[0]) != self.group_index or int(parts[1]) != self.ctx.rank:
+            return -1, "", 0.0
+        return int(parts[2]), parts[3], float(parts[4]) / 1000 if len(parts) > 4 else 0.0
+
+    def _die(self) -> None:
+        (self.out_dir / f"rank{self.ctx.rank}.killed").write_text(repr(time.time()))
+        self.log.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # ------------------------------------------------------------------ the loop
+    def wait_for_peers(self) -> None:
+        deadline = time.monotonic() + self.cfg.ft.wait_for_replicas_s
+        while time.monotonic() < deadline:
+            groups = self.client.status()["groups"]
+            if sum(1 for g in groups.values() if g["healthy"]) >= self.cfg.ft.replicas:
+                return
+            time.sleep(0.05)
+
+    def run(self, steps: int) -> dict[str, Any]:
+        ft, device = self.cfg.ft, self.ctx.device
+        step, committed_steps, contributed = 0, 0, 0
+        kill_step, kill_phase, kill_delay = self._fault
+        start = time.perf_counter()
+        while step < steps:
+            self.sync.start_step(step)
+            self.sparse.reset()
+            contributing = not self.sync.recovering and self.group_index in self.live
+            planned: _Planned | None = None
+            weight, loss_value = 0.0, float("nan")
+            if contributing:
+                self.loader.set_live_ranks(self._ranks(self.live))
+                batch = self.loader.next_batch()
+                info = self.loader.last
+                assert info is not None
+                planned = _Planned(info.live_ranks, info.plan_rows)
+                weight = float(sum(size for rank, size in zip(info.live_ranks, info.rank_sizes)
+                                   if rank // self.group_size == self.group_index))
+                batch.loss_scale = self.group_size / max(weight, 1.0)  # DDP's group mean = mean over the group's samples
+                for p in self.dense:
+                    p.grad = None
+                loss, (_, logits, labels) = self.dmp(batch.to(device))
+                if step == kill_step and kill_phase == "forward":
+                    self._die()
+                loss.backward()
+                loss_value = float(loss.detach())
+                self.window.add(logits.detach(), labels)
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
+            else:
+                grads = [torch.zeros_like(p) for p in self.dense]
+            if step == kill_step and kill_phase == "reduce":
+                threading.Timer(kill_delay, self._die).start()
+            result = self.sync.reduce_and_commit(step, grads, weight, exchange=self.sparse.exchange)
+            event: dict[str, Any] = {}
+            if not result.recovering:
+                if planned is None:  # ready but not planned in: same position and plan as the others
+                    skipped = self.loader.skip_step(self._ranks(self.live))
+                    planned = _Planned(skipped.live_ranks, tuple(skipped.rows))
+                self._apply(result)
+                self._account(result, planned)
+                committed_steps += 1
+                contributed += int(contributing)
+                if contributing and ft.log_rows:
+                    event["rows"] = info.rows.tolist()
+            if result.stage_snapshot:
+                event["stage_s"] = self.sync.stage(result.step, self.snapshot())
+            if self.sync.recovering and self._group_has_snapshot():
+                self.sync.poll_catch_up(self.load, self._replay, wait=True)
+                event["catch_up"] = self.sync.catch_up_log
+            if not self.sync.recovering:
+                if ft.digest_every and (result.step + 1) % ft.digest_every == 0:
+                    event["digest"] = state_digest(self.dmp, self.optimizer)
+                self._write(step=result.step, quorum_id=result.quorum.quorum_id,
+                            participants=list(result.quorum.replica_ids), attempts=result.attempts,
+                            contributing=contributing, weight=weight, loss=loss_value, seconds=result.seconds,
+                            quorum_wait_s=result.quorum_wait_s, reduce_s=result.reduce_s, vote_s=result.vote_s,
+                            ready=sorted(result.ready), time=time.time(), **event)
+            step = result.step + 1
+        return {"seconds": time.perf_counter() - start, "committed_steps": committed_steps,
+                "contributed_steps": contributed, "pending_rows": self.loader.state_dict().get("carry", [])}
+
+    def _group_has_snapshot(self) -> bool:
+        """Every rank of this group has its snapshot (so the group turns ready at one step)."""
+        flag = torch.tensor([1 if self.sync.snapshot_arrived else 0], dtype=torch.int32, device=self.ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _write(self, **fields: Any) -> None:
+        self.log.write(json.dumps(fields) + "\n")
+        self.log.flush()
+
+    def close(self) -> None:
+        self.loader.close()
+        self.log.close()
+        self.client.close()
+        if self.server is not None:
+            self.server.stop()
