@@ -151,7 +151,8 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     DatasetManifest.read(cfg.data.path)  # fail here, once, before any rank starts
     train_args = ([f"--config={args.config}"] if args.config else []) + (["--resume"] if args.resume else [])
     if args.replicas > 1:
-        return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
+        return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [*train_args, *overrides],
+                               lighthouse_url=args.lighthouse)
     return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
 
 
@@ -197,6 +198,7 @@ def build_parser(with_config_keys: bool = True) -> argparse.ArgumentParser:
         p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
         if name == "launch":
             p.add_argument("--nproc-per-node", type=int, default=2, help="local ranks (default 2)")
+            p.add_argument("--lighthouse", default="", help="with --replicas: use this lighthouse URL (a `freescale lighthouse` process) instead of one in the launcher")
             p.add_argument("--replicas", type=int, default=1, help="fault-tolerant replica groups of --nproc-per-node ranks each, with a lighthouse in this process (freescale.ft; default 1: no fault tolerance)")
             p.add_argument("--max-restarts", type=int, default=0, help="restart the group this often when a rank fails; it resumes from its latest checkpoint (default 0)")
     return parser

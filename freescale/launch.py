@@ -72,11 +72,13 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
 
 
 def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train_args: Sequence[str],
-                    heartbeat_timeout_s: float = 3.0) -> int:
+                    heartbeat_timeout_s: float = 3.0, lighthouse_url: str = "") -> int:
     """Fault-tolerant training on this machine: a lighthouse in this process and ``replicas``
     groups of ``nproc_per_node`` ranks, each its own elastic job (``launch_local`` in a child
     process) that restarts with a new incarnation after a failure and catches up from its peers.
 
+    ``lighthouse_url``: use that lighthouse (``freescale lighthouse``, e.g. on another host or
+    one that outlives this launcher) instead of starting one here.
     Returns 0 when every group finished, else the worst group's exit status.
     """
     import subprocess
@@ -84,8 +86,9 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     from freescale.ft.config import LIGHTHOUSE_ENV, REPLICA_INDEX_ENV, REPLICAS_ENV
     from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
 
-    lighthouse = Lighthouse(LighthouseConfig(min_replicas=1, heartbeat_timeout_s=heartbeat_timeout_s))
-    url = lighthouse.start_in_thread()
+    lighthouse = None if lighthouse_url else Lighthouse(LighthouseConfig(min_replicas=1,
+                                                                         heartbeat_timeout_s=heartbeat_timeout_s))
+    url = lighthouse_url or lighthouse.start_in_thread()
     print(f"freescale: lighthouse at {url}; {replicas} replica group(s) of {nproc_per_node} rank(s)", flush=True)
     groups = []
     try:
@@ -99,7 +102,8 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
         for group in groups:
             if group.poll() is None:
                 group.kill()
-        lighthouse.stop_thread()
+        if lighthouse is not None:
+            lighthouse.stop_thread()
     for index, code in enumerate(codes):
         if code:
             print(f"freescale: error: replica group {index} exited with status {code}", file=sys.stderr)

@@ -35,6 +35,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import requests
@@ -95,6 +96,11 @@ class SnapshotServer:
         self._lock = threading.Lock()
         self._background = LoopThread("freescale-snapshot")
         self.bytes_served = 0
+        self.can_serve = True
+        """False while this replica is catching up itself: fetchers are told at once to try
+        another source instead of waiting for a snapshot that will not come."""
+        self.on_stream: Callable[[], None] | None = None
+        """Fault injection (tests): called once the header of a snapshot has been sent."""
         self.wanted_step: int | None = None
         """Smallest step a waiting fetcher asked for and that is not staged yet: the trainer
         stages at its next committed step >= this (on-demand staging)."""
@@ -148,6 +154,8 @@ class SnapshotServer:
         except ValueError:
             return web.json_response({"error": "min_step and wait_s must be numbers"}, status=400)
         deadline = time.monotonic() + wait_s
+        if not self.can_serve:
+            return web.json_response({"error": "this replica is catching up itself"}, status=503)
         while True:
             with self._lock:
                 staged = self._staged
@@ -163,6 +171,8 @@ class SnapshotServer:
         response.content_length = 8 + len(staged.header) + staged.payload.numel()
         await response.prepare(request)
         await response.write(struct.pack("<Q", len(staged.header)) + staged.header)
+        if self.on_stream is not None:
+            self.on_stream()
         view = memoryview(staged.payload.numpy())
         for lo in range(0, len(view), CHUNK_BYTES):
             await response.write(view[lo:lo + CHUNK_BYTES])

@@ -28,6 +28,14 @@ class LighthouseError(RuntimeError):
     pass
 
 
+class JobFinished(Exception):
+    """Another group finished the run (``POST /v1/finish``): there is nothing left to train."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"the run finished at step {step}")
+        self.step = step
+
+
 @dataclass(frozen=True)
 class Participant:
     replica_id: str
@@ -44,6 +52,8 @@ class Quorum:
     max_step: int
     store_host: str
     store_port: int
+    high_step: int = -1
+    """Highest step any earlier quorum reached (see ``freescale.ft.lighthouse``)."""
 
     @staticmethod
     def from_json(body: dict[str, Any]) -> Quorum:
@@ -54,6 +64,7 @@ class Quorum:
                                            tuple(str(a) for a in p.get("addresses", ())))
                                for p in body["participants"]),
             max_step=int(body["max_step"]), store_host=host, store_port=int(port),
+            high_step=int(body.get("high_step", -1)),
         )
 
     def index_of(self, replica_id: str) -> int:
@@ -131,9 +142,16 @@ class LighthouseClient:
 
     def quorum(self, step: int) -> Quorum:
         """Block until a quorum including this replica forms (see ``freescale.ft.lighthouse``)."""
-        quorum = Quorum.from_json(self._post(
-            "/v1/quorum", {"step": step, "last_quorum_id": self.last_quorum_id, "address": self.address}
-        ))
+        body = self._post("/v1/quorum", {"step": step, "last_quorum_id": self.last_quorum_id,
+                                         "address": self.address})
+        if body.get("finished"):
+            raise JobFinished(int(body["finished_step"]))
+        quorum = Quorum.from_json(body)
+        if quorum.max_step < quorum.high_step:
+            raise LighthouseError(
+                f"quorum {quorum.quorum_id} reaches step {quorum.max_step} but the run had reached step "
+                f"{quorum.high_step}: every group holding that progress is gone, so no one can catch up from it; "
+                "restart the run (from a checkpoint) instead")
         self.last_quorum_id = max(self.last_quorum_id, quorum.quorum_id)
         return quorum
 
@@ -143,6 +161,10 @@ class LighthouseClient:
     def commit(self, quorum_id: int, step: int, ok: bool) -> bool:
         """The step's commit vote: True only if every member of every participant voted ok."""
         return bool(self._post("/v1/commit", {"quorum_id": quorum_id, "step": step, "ok": ok})["commit"])
+
+    def finish(self, step: int) -> None:
+        """This group ran its last step: tell late joiners (restarted groups) to stop."""
+        self._post("/v1/finish", {"step": step})
 
     def report_failure(self, quorum_id: int) -> None:
         self._post("/v1/report", {"quorum_id": quorum_id})

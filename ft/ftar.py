@@ -240,6 +240,8 @@ class ReplicaSync:
             return
         self.recovering = True
         self._recorded = []
+        if self.snapshots is not None:
+            self.snapshots.can_serve = False
         sources = [p.addresses[self.position] for p in quorum.participants
                    if p.replica_id != self.client.replica_id and p.step == quorum.max_step
                    and len(p.addresses) > self.position and p.addresses[self.position]]
@@ -284,4 +286,6 @@ class ReplicaSync:
         self.catch_up_log.update(snapshot_step=snap_step, replayed=replayed, bytes_per_s=rate,
                                  finished=time.time())
         self.recovering, self._recorded, self._fetch = False, [], None
+        if self.snapshots is not None:
+            self.snapshots.can_serve = True
         return True

@@ -53,6 +53,16 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
     commit the same step); a dead group never answers, so the survivors form
     the next quorum after the grace instead of the heartbeat timeout.
 
+``POST /v1/finish``  ``{replica_id, incarnation, member, step}``
+    A group finished the run at ``step``.  From then on every quorum request
+    is answered ``{finished: true, finished_step}``: a group restarted after
+    the others finished stops instead of training alone from step 0.
+
+Every quorum also carries ``high_step``, the highest step any earlier quorum
+reached; a quorum whose ``max_step`` is below it holds none of the groups
+that had that progress (all of them died), and its clients stop with an error
+rather than silently start over.
+
 ``GET /v1/status``  the membership, for operators and tests.
 
 Health: a group is healthy while every member's last heartbeat (or request) is
@@ -172,6 +182,11 @@ class Lighthouse:
         self.quorum_id = 0
         self.votes: dict[tuple[int, int], _Vote] = {}
         self.steady_steps: dict[tuple[int, int], bool] = {}
+        self.high_step = -1
+        """Highest step any quorum reached: a quorum below it has lost the job's progress."""
+        self.finished_step: int | None = None
+        """Set when a group finished the run: later quorum requests are told so (a group restarted
+        after the others finished must not train alone from step 0)."""
         self.store: Any = None
         self.store_address = ""
         self.url = ""
@@ -192,6 +207,7 @@ class Lighthouse:
         app.router.add_post("/v1/quorum", self._quorum)
         app.router.add_post("/v1/commit", self._commit)
         app.router.add_post("/v1/report", self._report)
+        app.router.add_post("/v1/finish", self._finish)
         app.router.add_get("/v1/status", self._status)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -276,6 +292,8 @@ class Lighthouse:
         if group is None:
             return web.json_response({"error": error}, status=409)
         self.quorum_id = max(self.quorum_id, last_seen)
+        if self.finished_step is not None:
+            return web.json_response(self._finished_answer())
         steady = self._steady_answer(group, step)
         if steady is not None:
             return web.json_response(steady)
@@ -345,6 +363,29 @@ class Lighthouse:
         self._try_form(now)
         return web.json_response({"ok": True})
 
+    def _finished_answer(self) -> dict[str, Any]:
+        return {"finished": True, "finished_step": self.finished_step}
+
+    async def _finish(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        step = _field(body, "step", int)
+        group, _, error = self._member(body)
+        if group is None:
+            return web.json_response({"error": error}, status=409)
+        self.finished_step = max(step, self.finished_step if self.finished_step is not None else step)
+        for join in self.joins.values():
+            for waiter in join.waiters:
+                if not waiter.done():
+                    waiter.set_result(self._finished_answer())
+        self.joins.clear()
+        for vote in self.votes.values():  # a vote still open cannot complete: its group went home
+            if vote.result is None:
+                vote.result = False
+                for waiter in vote.waiters:
+                    if not waiter.done():
+                        waiter.set_result(False)
+        return web.json_response({"ok": True})
+
     async def _status(self, request: web.Request) -> web.Response:
         now = time.monotonic()
         return web.json_response({
@@ -386,6 +427,8 @@ class Lighthouse:
             self.steady_steps[key] = steady
             if steady:
                 q["max_step"] = step
+                self.high_step = max(self.high_step, step)
+                q["high_step"] = self.high_step
                 q["participants"] = [{**p, "step": step} for p in q["participants"]]
             for old in [k for k in self.steady_steps if k[1] < step - 8]:
                 del self.steady_steps[old]
@@ -474,7 +517,9 @@ class Lighthouse:
         self.quorum = {
             "quorum_id": self.quorum_id, "participants": participants,
             "max_step": max(p["step"] for p in participants), "store": self.store_address,
+            "high_step": self.high_step,
         }
+        self.high_step = max(self.high_step, self.quorum["max_step"])
         self.steady_steps.clear()
         for rid in joined:
             join = self.joins.pop(rid)

@@ -59,7 +59,7 @@ from freescale.dataloader.schema import DatasetManifest
 from freescale.digest import _tensors, state_digest
 from freescale.distributed import DistContext
 from freescale.ft.catchup import SnapshotServer
-from freescale.ft.client import LighthouseClient
+from freescale.ft.client import JobFinished, LighthouseClient
 from freescale.ft.config import TOKEN_ENV, replica_index_of
 from freescale.ft.ftar import ReplicaSync, StepResult
 from freescale.ft.sparse_sync import UnionSparseUpdate
@@ -68,8 +68,12 @@ from freescale.models import build_model, cost_model_for
 from freescale.parallelize import build_optimizer, dense_named_parameters, materialize_optimizer_state, shard_model
 
 FAULT_ENV = "FREESCALE_FT_FAULT"
-"""Tests and demos: ``<replica index>:<rank>:<step>:<forward|reduce>[:<delay ms>]`` SIGKILLs that rank
-of the group's first incarnation at that point of that step (a real signal)."""
+"""Tests and demos: comma-separated ``<replica index>:<rank>:<step>:<phase>[:<delay ms>][@<incarnation>]``;
+each SIGKILLs that rank (a real signal) in that incarnation of its group (default 0) at:
+``forward`` (step ``step``, before backward), ``reduce`` (``delay`` ms into step ``step``'s
+exchange), ``catchup`` (the first step at or after ``step`` that the group sits out while
+catching up, its snapshot download under way) or ``serve`` (while this rank's snapshot
+server streams a snapshot to a recovering peer: the source dies mid-transfer; ``step`` unused)."""
 
 
 @dataclass
@@ -118,8 +122,11 @@ class ReplicaRank:
         )
         self.live: set[int] = set(range(ft.replicas))
         """Groups the next step's data is planned over: those ready at the last commit."""
+        self._faults = self._parse_faults()
         self.server = SnapshotServer(token=token) if ft.snapshots else None
         if self.server is not None:
+            if any(phase == "serve" for _, phase, _ in self._faults):
+                self.server.on_stream = self._die
             self.server.start()
         self.client = LighthouseClient(ft.lighthouse, ft.replica_id, self.incarnation, member=ctx.rank,
                                        group_size=self.group_size, token=token).start()
@@ -127,7 +134,7 @@ class ReplicaRank:
                                 snapshot_server=self.server, token=token)
         self.log: TextIO = (self.out_dir / f"rank{ctx.rank}.jsonl").open("a")
         self.window = MetricWindow()
-        self._fault = self._parse_fault()
+        self.finished_elsewhere = False
 
     # ------------------------------------------------------------------ data accounting
     def _ranks(self, groups: Iterable[int]) -> list[int]:
@@ -183,14 +190,21 @@ class ReplicaRank:
         self.live = set(meta["live"])
 
     # ------------------------------------------------------------------ faults (tests)
-    def _parse_fault(self) -> tuple[int, str, float]:
-        spec = os.environ.get(FAULT_ENV, "")
-        if not spec or self.incarnation != 0:
-            return -1, "", 0.0
-        parts = spec.split(":")
-        if int(parts[0]) != self.group_index or int(parts[1]) != self.ctx.rank:
-            return -1, "", 0.0
-        return int(parts[2]), parts[3], float(parts[4]) / 1000 if len(parts) > 4 else 0.0
+    def _parse_faults(self) -> list[tuple[int, str, float]]:
+        faults = []
+        for spec in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+            where, _, incarnation = spec.partition("@")
+            parts = where.split(":")
+            if (int(parts[0]), int(parts[1]), int(incarnation or 0)) == (self.group_index, self.ctx.rank,
+                                                                       self.incarnation):
+                faults.append((int(parts[2]), parts[3], float(parts[4]) / 1000 if len(parts) > 4 else 0.0))
+        return faults
+
+    def _fault_at(self, step: int, phase: str) -> float | None:
+        for at, kind, delay in self._faults:
+            if kind == phase and (step == at or (phase == "catchup" and step >= at)):
+                return delay
+        return None
 
     def _die(self) -> None:
         (self.out_dir / f"rank{self.ctx.rank}.killed").write_text(repr(time.time()))
@@ -209,7 +223,6 @@ class ReplicaRank:
     def run(self, steps: int) -> dict[str, Any]:
         ft, device = self.cfg.ft, self.ctx.device
         step, committed_steps, contributed = 0, 0, 0
-        kill_step, kill_phase, kill_delay = self._fault
         start = time.perf_counter()
         while step < steps:
             self.sync.start_step(step)
@@ -229,7 +242,7 @@ class ReplicaRank:
                 for p in self.dense:
                     p.grad = None
                 loss, (_, logits, labels) = self.dmp(batch.to(device))
-                if step == kill_step and kill_phase == "forward":
+                if self._fault_at(step, "forward") is not None:
                     self._die()
                 loss.backward()
                 loss_value = float(loss.detach())
@@ -237,9 +250,18 @@ class ReplicaRank:
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
             else:
                 grads = [torch.zeros_like(p) for p in self.dense]
-            if step == kill_step and kill_phase == "reduce":
-                threading.Timer(kill_delay, self._die).start()
-            result = self.sync.reduce_and_commit(step, grads, weight, exchange=self.sparse.exchange)
+            delay = self._fault_at(step, "reduce")
+            if delay is not None:
+                threading.Timer(delay, self._die).start()
+            try:
+                result = self.sync.reduce_and_commit(step, grads, weight, exchange=self.sparse.exchange)
+            except JobFinished as done:
+                self._write(event="finished_elsewhere", step=step, finished_step=done.step,
+                            recovering=self.sync.recovering, time=time.time())
+                self.finished_elsewhere = True
+                break
+            if result.recovering and self._fault_at(result.step, "catchup") is not None:
+                self._die()
             event: dict[str, Any] = {}
             if not result.recovering:
                 if planned is None:  # ready but not planned in: same position and plan as the others
@@ -265,6 +287,8 @@ class ReplicaRank:
                             quorum_wait_s=result.quorum_wait_s, reduce_s=result.reduce_s, vote_s=result.vote_s,
                             ready=sorted(result.ready), time=time.time(), **event)
             step = result.step + 1
+        if not self.finished_elsewhere:
+            self.client.finish(steps - 1)
         return {"seconds": time.perf_counter() - start, "committed_steps": committed_steps,
                 "contributed_steps": contributed, "pending_rows": self.loader.state_dict().get("carry", [])}
 

@@ -25,18 +25,26 @@ from freescale.models import ModelConfig, cost_model_for
 from tests.conftest import REPO, cli_env
 
 
-def launch(out: Path, data: Path, replicas: int, ranks: int, steps: int, model: str, fault: str = "",
-           max_restarts: int = 0, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def launch_args(out: Path, data: Path, replicas: int, ranks: int, steps: int, model: str,
+                max_restarts: int = 0, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "freescale.cli", "launch", "--replicas", str(replicas), "--nproc-per-node",
+            str(ranks), "--max-restarts", str(max_restarts), "--config", f"configs/tiny_{model}.toml",
+            "--data.path", str(data), "--data.batch_size", "32", "--train.steps", str(steps),
+            "--train.output_dir", str(out), "--train.eval", "false", "--train.progress", "false",
+            "--ft.digest_every", "1", "--ft.log_rows", "true", *extra]
+
+
+def fault_env(fault: str) -> dict[str, str]:
     env = cli_env()
     if fault:
         env["FREESCALE_FT_FAULT"] = fault
-    return subprocess.run(
-        [sys.executable, "-m", "freescale.cli", "launch", "--replicas", str(replicas), "--nproc-per-node", str(ranks),
-         "--max-restarts", str(max_restarts), "--config", f"configs/tiny_{model}.toml", "--data.path", str(data),
-         "--data.batch_size", "32", "--train.steps", str(steps), "--train.output_dir", str(out),
-         "--train.eval", "false", "--train.progress", "false", "--ft.digest_every", "1", "--ft.log_rows", "true"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    return env
+
+
+def launch(out: Path, data: Path, replicas: int, ranks: int, steps: int, model: str, fault: str = "",
+           max_restarts: int = 0, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(launch_args(out, data, replicas, ranks, steps, model, max_restarts),
+                          cwd=REPO, env=fault_env(fault), capture_output=True, text=True, timeout=timeout)
 
 
 def logs(out: Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
@@ -114,3 +122,79 @@ def test_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(phase: str,
     assert any(e["contributing"] for s, e in recovered.items() if s > caught["joined_step"]), \
         "group 1 never contributed again"
     assert survivor[steps - 1]["participants"] == ["replica0", "replica1"]
+
+
+def catch_ups(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e["catch_up"] for e in events if "catch_up" in e]
+
+
+def test_group_killed_twice_in_a_row_the_second_time_mid_catch_up(tiny_data: Path, tmp_path: Path) -> None:
+    """Group 1 dies mid-reduce at step 5; its restart dies again while downloading its snapshot;
+    the third incarnation catches up.  Group 0 never stops; all identical; every sample once."""
+    steps = 30
+    proc = launch(tmp_path, tiny_data, 2, 1, steps, "dlrm", fault="1:0:5:reduce:0,1:0:0:catchup@1", max_restarts=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
+    assert sorted(by_step(runs[(0, 0)])) == list(range(steps))
+    assert len(catch_ups(runs[(1, 0)])) == 1, "only the third incarnation finishes a catch-up"
+    assert by_step(runs[(1, 0)])[steps - 1]["contributing"]
+
+
+def test_two_groups_at_once_then_a_source_dies_mid_transfer(tiny_data: Path, tmp_path: Path) -> None:
+    """Three groups: 1 and 2 die in the same step (group 0 goes on alone once their heartbeats
+    time out: the split-brain guard); both restart and catch up from group 0.  Group 2 dies a
+    second time at step 14; when it asks for a snapshot, its first source (group 0) dies
+    mid-transfer, so it takes the snapshot from group 1; group 0 restarts and catches up too."""
+    steps = 36
+    fault = "1:0:5:reduce:0,2:0:5:reduce:0,2:0:14:forward@1,0:0:0:serve"
+    proc = launch(tmp_path, tiny_data, 3, 1, steps, "dlrm", fault=fault, max_restarts=2, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = check_run(tmp_path, tiny_data, "dlrm", 3, 1, steps)
+    assert (tmp_path / "replica0" / "rank0.killed").exists(), "the source never died mid-transfer"
+    last = catch_ups(runs[(2, 0)])[-1]
+    assert last["sources"][0] != last.get("used", last["sources"][0]) or len(last["sources"]) >= 2
+    for group in range(3):
+        assert by_step(runs[(group, 0)])[steps - 1]["participants"] == ["replica0", "replica1", "replica2"]
+
+
+def test_lighthouse_killed_and_restarted_while_groups_train(tiny_data: Path, tmp_path: Path) -> None:
+    """The lighthouse process is SIGKILLed mid-run and started again on the same port: the groups
+    retry, re-register, get quorums with larger ids, and finish identical, every sample once."""
+    import socket
+    import signal
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    def lighthouse() -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "freescale.cli", "lighthouse", "--bind", f"127.0.0.1:{port}",
+                                 "--heartbeat-timeout", "3"], cwd=REPO, env=cli_env(), text=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    steps = 40
+    lh = lighthouse()
+    group_logs = tmp_path / "replica0" / "rank0.jsonl"
+    run = subprocess.Popen(launch_args(tmp_path, tiny_data, 2, 1, steps, "dlrm", 0, "--lighthouse",
+                                       f"http://127.0.0.1:{port}"),
+                           cwd=REPO, env=cli_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if group_logs.exists() and sum(1 for _ in group_logs.open()) >= 10:
+                break
+            time.sleep(0.05)
+        lh.send_signal(signal.SIGKILL)
+        lh.wait()
+        time.sleep(0.5)
+        lh = lighthouse()
+        _, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err[-3000:]
+    finally:
+        for p in (run, lh):
+            if p.poll() is None:
+                p.kill()
+    runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
+    ids = [e["quorum_id"] for e in by_step(runs[(0, 0)]).values()]
+    assert ids == sorted(ids) and ids[-1] > ids[0], "quorum ids must keep growing across the restart"

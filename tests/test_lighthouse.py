@@ -239,15 +239,49 @@ def test_cli_lighthouse_serves_and_stops_on_sigterm() -> None:
         assert proc.wait(timeout=10) == 0
 
 
-def test_group_with_one_silent_member_is_unhealthy(lighthouse: Lighthouse) -> None:
+def test_group_with_one_silent_member_is_unhealthy() -> None:
     """A group fails as a whole: a member that stops heartbeating (dead or hung rank) makes its
     group unhealthy even though the other member's heartbeat thread keeps beating."""
-    g0 = [client(lighthouse, "g0", member=m, group_size=2) for m in range(2)]
-    g1 = client(lighthouse, "g1")
-    assert lighthouse.groups["g0"].healthy(time.monotonic(), 0.3)
+    lh = Lighthouse(LighthouseConfig(min_replicas=1, heartbeat_timeout_s=1.0))
+    lh.start_in_thread()
+    g0 = [client(lh, "g0", member=m, group_size=2) for m in range(2)]
+    assert lh.groups["g0"].healthy(time.monotonic(), 1.0)
     g0[1].close()
-    time.sleep(0.45)
-    status = g1.status()["groups"]
-    assert status["g0"]["healthy"] is False and status["g1"]["healthy"] is True
-    for c in (g0[0], g1):
+    time.sleep(1.3)
+    group = lh.groups["g0"]
+    assert time.monotonic() - group.beats[0] < 1.0, "member 0 keeps beating"
+    assert g0[0].status()["groups"]["g0"]["healthy"] is False
+    g0[0].close()
+    lh.stop_thread()
+
+
+def test_finished_run_turns_late_joiners_away(lighthouse: Lighthouse) -> None:
+    """Once a group reports the run finished, a restarted group asking for a quorum is told so
+    instead of forming a quorum of its own at step 0 (it would train alone from scratch)."""
+    from freescale.ft.client import JobFinished
+
+    a, b = client(lighthouse, "a"), client(lighthouse, "b")
+    quorums([a, b], 0)
+    a.finish(0)
+    late = client(lighthouse, "c")
+    with pytest.raises(JobFinished):
+        late.quorum(0)
+    for c in (a, b, late):
         c.close()
+
+
+def test_quorum_below_the_runs_progress_is_refused() -> None:
+    """If every group that reached step N is gone, a quorum of groups at an earlier step cannot
+    catch up from anyone: the client stops with an error instead of silently starting over."""
+    lh = Lighthouse(LighthouseConfig(min_replicas=1, join_timeout_s=0.1, heartbeat_timeout_s=0.3))
+    lh.start_in_thread()
+    a = client(lh, "a")
+    for step in range(3):
+        a.quorum(step)
+    a.close()
+    time.sleep(0.4)  # a's heartbeat times out: it is gone
+    b = client(lh, "b")
+    with pytest.raises(LighthouseError, match="every group holding that progress is gone"):
+        b.quorum(0)
+    b.close()
+    lh.stop_thread()

@@ -1,0 +1,148 @@
+"""One torchft replica training the MLP of ``freescale.ft.mlp_replica``: the other side of ``bench_ft``.
+
+    python benchmarks/torchft_replica.py --lighthouse http://127.0.0.1:PORT --replica-id a --steps 60 --out DIR
+        [--wait-for 2] [--kill-at STEP:PHASE[:DELAY_MS]] [--hidden 1024] [--layers 1] [--step-sleep 0.02]
+
+Needs torchft (``torchft-nightly``), which is not a freescale dependency: bench_ft
+prints how to install it.  Same model, same AdamW (lr 1e-3), same batches
+(``batch(step, replica, size)``) and the same per-step SHA-256 digest as
+mlp_replica; fault tolerance is torchft's own: a ``torchft.Manager`` (async
+quorum overlapping the forward, ``min_replica_size=1``) over a reconfigurable
+``torchft.ProcessGroupGloo`` with one rank per replica group, healing through
+the Manager's default checkpoint transport (``HTTPTransport``).  The gradients
+are averaged with one flat ``manager.allreduce`` per step, like mlp_replica's
+``--mode ddp`` baseline, and the optimizer steps only when
+``manager.should_commit()`` says so.
+
+``step`` is this process's data step: it advances on every attempt, as a data
+loader would in torchft's training loops, so a step that torchft discards
+(``should_commit`` false) leaves a hole in the committed steps.  One JSON line
+per attempt in ``<out>/<replica>.jsonl``: ``step``, ``time``, ``committed``
+(time of the commit decision), ``should_commit`` (whether the step was
+committed), ``manager_step`` (torchft's count of committed steps),
+``participating`` (false while healing: a zero gradient), ``healed`` (this
+attempt loaded a checkpoint from a peer), ``quorum_id``, ``participants``,
+``digest``, ``loss``.  ``--kill-at 20:reduce:0`` SIGKILLs the process from a
+timer started just before step 20's all-reduce (the time goes to
+``<out>/<replica>.killed``); ``20:forward`` kills it before step 20's backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from freescale.ft.mlp_replica import batch, build_model, digest
+
+
+def _die(out: Path, replica_id: str) -> None:
+    (out / f"{replica_id}.killed").write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lighthouse", required=True, help="torchft lighthouse address, http://host:port")
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--steps", type=int, default=20, help="committed steps to train")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kill-at", default="")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds: collectives, commit, checkpoint fetch")
+    parser.add_argument("--wait-for", type=int, default=0,
+                        help="start step 0 only once this many replicas have their torchft manager up (ready files in "
+                             "--out), so that the first quorum holds them all")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+
+    from torchft import Manager, ProcessGroupGloo
+
+    model = build_model(args.hidden, args.layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        optimizer.load_state_dict(sd["optim"])
+
+    timeout = timedelta(seconds=args.timeout)
+    # The replica group's own store (one rank per group): the Manager publishes its server address there.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
+        min_replica_size=1, use_async_quorum=True, replica_id=args.replica_id, lighthouse_addr=args.lighthouse,
+        store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1, hostname="127.0.0.1",
+        timeout=timeout, quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=30),
+        init_sync=False,  # every replica builds the same weights (build_model seeds them)
+    )
+    if args.wait_for:
+        (out / f"{args.replica_id}.ready").touch()
+        deadline = time.monotonic() + 60
+        while len(list(out.glob("*.ready"))) < args.wait_for and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    kill_step, kill_phase, kill_delay = -1, "", 0.0
+    if args.kill_at:
+        parts = args.kill_at.split(":")
+        kill_step, kill_phase = int(parts[0]), parts[1]
+        kill_delay = float(parts[2]) / 1000 if len(parts) > 2 else 0.0
+
+    params = list(model.parameters())
+    log = open(out / f"{args.replica_id}.jsonl", "a")
+    step = 0
+    while manager.current_step() < args.steps:
+        started = time.time()
+        manager.start_quorum()  # async: the lighthouse round trip overlaps the forward
+        optimizer.zero_grad()
+        x, y = batch(step, args.replica_id, args.batch)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == kill_step and kill_phase == "forward":
+            _die(out, args.replica_id)
+        loss.backward()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        if step == kill_step and kill_phase == "reduce":
+            threading.Timer(kill_delay, _die, (out, args.replica_id)).start()
+        manager.allreduce(flat).wait()  # averaged over the participants; errors are recorded, not raised
+        healing = manager._healing  # noqa: SLF001 - set by this step's quorum when we fetch a peer's checkpoint
+        participating = manager.is_participating()
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        should_commit = manager.should_commit()  # loads the fetched checkpoint first when healing
+        committed = time.time()
+        if should_commit:
+            optimizer.step()
+        log.write(json.dumps({
+            "step": step, "time": time.time(), "committed": committed, "started": started,
+            "should_commit": should_commit, "manager_step": manager.current_step(),
+            "participating": participating, "healed": healing, "quorum_id": manager._quorum_id,  # noqa: SLF001
+            "participants": manager.num_participants(), "digest": digest(model), "loss": float(loss.detach()),
+        }) + "\n")
+        log.flush()
+        step += 1
+    log.close()
+    manager.shutdown(wait=False)
+    os._exit(0)  # skip gloo / Rust runtime teardown
+
+
+if __name__ == "__main__":
+    main()
