@@ -19,11 +19,20 @@ through failure reports, not the timeout).  Runs:
   restart-to-contributing time, and the snapshot transfer rate; repeated with a
   ~60M-parameter model (``--big-hidden``) so the transfer is not all latency.
 
-torchft's figures for the same kind of run (2-core machine, 2 replicas, gloo,
-1.3M-param MLP, torchft-nightly; from ANCHORS.md, not rerun by this script):
-+6-8 ms per step over DDP (about 35%), 1.13 s kill to next committed step
-with a 1 s heartbeat timeout, 1 step discarded per failure, survivor 1.5-2x
-slower during a heal, restart to contributing 2.2-5.0 s.
+torchft runs side by side, on the same machine and model: ``benchmarks/torchft_replica.py``
+(a ``torchft.Manager`` with async quorum, ``min_replica_size=1``, a reconfigurable
+``torchft.ProcessGroupGloo``, healing through its ``HTTPTransport``) under torchft's own
+Rust lighthouse (``torchft.coordination.LighthouseServer`` in this process, heartbeat
+timeout 1 s, join timeout 0.5 s like freescale's, quorum tick 100 ms: its default).
+``torchft-ddp`` is interleaved with ``ddp`` and ``ftar`` in the overhead repeats; the kill
+and restart runs are repeated with torchft replicas (same step, same kill point, same
+``--step-sleep``).  torchft drops the step in which a peer dies (``should_commit`` false)
+and its data loader moves on: the replica logs every attempt and the dropped ones are the
+committed steps missing.  Healing: the survivors' step time from the step whose quorum
+first holds the restarted replica to one step after its first contributing step, vs their
+steps before; restart to contributing = restart to its first committed step with a
+non-zero gradient (the healing step itself contributes zeros).  torchft is not a freescale
+dependency: without it (``import torchft`` fails) its column says why and how to install it.
 
     python benchmarks/bench_ft.py [--quick] [--json benchmarks/results/ft_cpu.json]
 """
@@ -39,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +57,34 @@ from common import print_table, write_json
 
 from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
 
-TORCHFT = {"overhead_ms": "+6-8 (~35%)", "kill_to_commit_s": "1.13 (1 s heartbeat)", "steps_discarded": "1",
-           "catch_up_step_ratio": "1.5-2.0", "restart_to_contributing_s": "2.2-5.0"}
+TORCHFT_INSTALL = ("pip download torchft-nightly --no-deps -d /tmp/tft && pip install --no-deps /tmp/tft/*.whl, "
+                   "then its pure-python imports, also --no-deps: opentelemetry-api opentelemetry-sdk "
+                   "opentelemetry-semantic-conventions opentelemetry-exporter-otlp-proto-http "
+                   "opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-common "
+                   "opentelemetry-exporter-http-transport opentelemetry-proto protobuf googleapis-common-protos "
+                   "importlib-metadata zipp lazy-importer (torch stays as it is)")
+# torchft's figures as quoted before this script ran torchft itself (ANCHORS.md; 2-core machine, 2 replicas, gloo,
+# 1.3M-param MLP, torchft-nightly); kept for reference only, printed under the table.
+TORCHFT_QUOTED = ("+6-8 ms per step over DDP (about 35%), 1.13 s kill to next committed step with a 1 s heartbeat "
+                  "timeout, 1 step discarded per failure, survivor 1.5-2x slower during a heal, restart to "
+                  "contributing 2.2-5.0 s")
+TORCHFT_REPLICA = Path(__file__).with_name("torchft_replica.py")
+
+
+def torchft_version() -> tuple[str | None, str]:
+    """(torchft's version, "") when it imports, else (None, why not)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
+    try:
+        import torchft  # noqa: F401
+        from torchft.coordination import LighthouseServer  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure (missing, extension not loading) means: skip it
+        return None, f"{type(e).__name__}: {e}"
+    for dist in ("torchft-nightly", "torchft"):
+        try:
+            return metadata.version(dist), ""
+        except metadata.PackageNotFoundError:
+            pass
+    return "unknown", ""
 
 
 def free_port() -> int:

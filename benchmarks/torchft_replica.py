@@ -22,7 +22,9 @@ per attempt in ``<out>/<replica>.jsonl``: ``step``, ``time``, ``committed``
 committed), ``manager_step`` (torchft's count of committed steps),
 ``participating`` (false while healing: a zero gradient), ``healed`` (this
 attempt loaded a checkpoint from a peer), ``quorum_id``, ``participants``,
-``digest``, ``loss``.  ``--kill-at 20:reduce:0`` SIGKILLs the process from a
+``digest``, ``loss``; on the healing attempt also ``heal_fetch_s`` (the
+checkpoint fetch time torchft logs) and ``heal_bytes`` (model + optimizer
+state fetched).  ``--kill-at 20:reduce:0`` SIGKILLs the process from a
 timer started just before step 20's all-reduce (the time goes to
 ``<out>/<replica>.killed``); ``20:forward`` kills it before step 20's backward.
 """
@@ -31,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -45,9 +49,32 @@ import torch.distributed as dist
 from freescale.ft.mlp_replica import batch, build_model, digest
 
 
+class _FetchTimes(logging.Handler):
+    """Collects the checkpoint fetch times that torchft's HTTPTransport logs ("fetching checkpoint from URL took Xs")."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seconds: list[float] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = re.match(r"fetching checkpoint from .* took ([0-9.e-]+)s$", record.getMessage())
+        if match:
+            self.seconds.append(float(match.group(1)))
+
+
 def _die(out: Path, replica_id: str) -> None:
     (out / f"{replica_id}.killed").write_text(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return []
 
 
 def main() -> None:
@@ -60,7 +87,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill-at", default="")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds: collectives, commit, checkpoint fetch")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds: collectives, commit, checkpoint fetch")
     parser.add_argument("--wait-for", type=int, default=0,
                         help="start step 0 only once this many replicas have their torchft manager up (ready files in "
                              "--out), so that the first quorum holds them all")
@@ -70,6 +97,12 @@ def main() -> None:
     out = Path(args.out)
 
     from torchft import Manager, ProcessGroupGloo
+
+    fetch_times = _FetchTimes()
+    transport_logger = logging.getLogger("torchft.checkpointing.http_transport")
+    transport_logger.setLevel(logging.INFO)
+    transport_logger.addHandler(fetch_times)
+    transport_logger.propagate = False
 
     model = build_model(args.hidden, args.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -131,11 +164,16 @@ def main() -> None:
         committed = time.time()
         if should_commit:
             optimizer.step()
+        heal: dict[str, Any] = {}
+        if healing and fetch_times.seconds:
+            heal = {"heal_fetch_s": fetch_times.seconds[-1],
+                    "heal_bytes": sum(t.numel() * t.element_size() for t in _tensors(state_dict()))}
         log.write(json.dumps({
             "step": step, "time": time.time(), "committed": committed, "started": started,
             "should_commit": should_commit, "manager_step": manager.current_step(),
             "participating": participating, "healed": healing, "quorum_id": manager._quorum_id,  # noqa: SLF001
             "participants": manager.num_participants(), "digest": digest(model), "loss": float(loss.detach()),
+            **heal,
         }) + "\n")
         log.flush()
         step += 1

@@ -245,6 +245,9 @@ def test_group_with_one_silent_member_is_unhealthy() -> None:
     lh = Lighthouse(LighthouseConfig(min_replicas=1, heartbeat_timeout_s=1.0))
     lh.start_in_thread()
     g0 = [client(lh, "g0", member=m, group_size=2) for m in range(2)]
+    deadline = time.monotonic() + 5
+    while not lh.groups["g0"].healthy(time.monotonic(), 1.0) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until both members' first heartbeats are in
     assert lh.groups["g0"].healthy(time.monotonic(), 1.0)
     g0[1].close()
     time.sleep(1.3)
