@@ -24,7 +24,7 @@ torchft runs side by side, on the same machine and model: ``benchmarks/torchft_r
 ``torchft.ProcessGroupGloo``, healing through its ``HTTPTransport``) under torchft's own
 Rust lighthouse (``torchft.coordination.LighthouseServer`` in this process, heartbeat
 timeout 1 s, join timeout 0.5 s like freescale's, quorum tick 100 ms: its default).
-``torchft-ddp`` is interleaved with ``ddp`` and ``ftar`` in the overhead repeats; the kill
+The same 2 replicas under torchft are interleaved with ``ddp`` and ``ftar`` in the overhead repeats; the kill
 and restart runs are repeated with torchft replicas (same step, same kill point, same
 ``--step-sleep``).  torchft drops the step in which a peer dies (``should_commit`` false)
 and its data loader moves on: the replica logs every attempt and the dropped ones are the
@@ -32,9 +32,10 @@ committed steps missing.  Healing: the survivors' step time from the step whose 
 first holds the restarted replica to one step after its first contributing step, vs their
 steps before; restart to contributing = restart to its first committed step with a
 non-zero gradient (the healing step itself contributes zeros).  torchft is not a freescale
-dependency: without it (``import torchft`` fails) its column says why and how to install it.
+dependency: without it (``import torchft`` fails) its column is skipped and the script says why and how
+to install it.  torchft's figures quoted before it was run here (ANCHORS.md) are printed under the table.
 
-    python benchmarks/bench_ft.py [--quick] [--json benchmarks/results/ft_cpu.json]
+    python benchmarks/bench_ft.py [--quick] [--no-torchft] [--json benchmarks/results/ft_cpu.json]
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ TORCHFT_QUOTED = ("+6-8 ms per step over DDP (about 35%), 1.13 s kill to next co
                   "timeout, 1 step discarded per failure, survivor 1.5-2x slower during a heal, restart to "
                   "contributing 2.2-5.0 s")
 TORCHFT_REPLICA = Path(__file__).with_name("torchft_replica.py")
+TFT_CHILDREN: list[subprocess.Popen[str]] = []
 
 
 def torchft_version() -> tuple[str | None, str]:
@@ -100,15 +102,45 @@ def replica(out: Path, name: str, steps: int, *extra: str) -> subprocess.Popen[s
                             env={"OMP_NUM_THREADS": "1", **os.environ})
 
 
+def tft_replica(out: Path, name: str, steps: int, *extra: str) -> subprocess.Popen[str]:
+    """A torchft replica; its stderr (torchft logs a line per reconfiguration) goes to ``<out>/<name>.err``."""
+    with open(out / f"{name}.err", "a") as err:
+        proc = subprocess.Popen([sys.executable, str(TORCHFT_REPLICA), "--replica-id", name, "--steps", str(steps),
+                                 "--out", str(out), *extra], stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                env={"OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **os.environ})
+    TFT_CHILDREN.append(proc)
+    return proc
+
+
+def torchft_failed(e: BaseException, what: str) -> str:
+    """Stop the torchft replicas still running after a failed run; the torchft column's text."""
+    for proc in TFT_CHILDREN:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    TFT_CHILDREN.clear()
+    print(f"bench_ft: torchft {what}: {e}", file=sys.stderr)
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return f"failed: {lines[-1][:200]}"
+
+
 def read(out: Path, name: str) -> list[dict[str, Any]]:
     path = out / f"{name}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 600) -> None:
+def committed(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The committed steps (torchft replicas also log the attempts torchft discarded)."""
+    return [e for e in log if e.get("should_commit", True)]
+
+
+def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 600, out: Path | None = None) -> None:
     for p in procs:
         if p.wait(timeout=timeout) not in (0, -9):
-            raise SystemExit(f"bench_ft: a replica failed:\n{p.stderr.read()[-3000:] if p.stderr else ''}")
+            err = p.stderr.read()[-3000:] if p.stderr else ""
+            if out is not None:
+                err += "".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(out.glob("*.err")))
+            raise SystemExit(f"bench_ft: a replica failed:\n{err}")
 
 
 def step_ms(log: list[dict[str, Any]], skip: int = 5) -> float:
@@ -122,8 +154,18 @@ def lighthouse() -> Lighthouse:
     return lh
 
 
-def overhead(tmp: Path, steps: int, repeats: int, hidden: int) -> dict[str, Any]:
-    ddp, ftar = [], []
+def tft_lighthouse() -> tuple[Any, str]:
+    """torchft's Rust lighthouse, with freescale's timeouts: heartbeat 1 s, stragglers 0.5 s (quorum tick: 100 ms)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    from torchft.coordination import LighthouseServer
+
+    lh = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=1000)
+    return lh, f"http://127.0.0.1:{lh.address().rsplit(':', 1)[1]}"
+
+
+def overhead(tmp: Path, steps: int, repeats: int, hidden: int, tft: bool) -> dict[str, Any]:
+    ddp, ftar, tf = [], [], []
+    failed = ""
     for r in range(repeats):
         out = tmp / f"ddp{r}"
         out.mkdir()
@@ -138,13 +180,29 @@ def overhead(tmp: Path, steps: int, repeats: int, hidden: int) -> dict[str, Any]
                   for n in "ab"])
         ftar.append(step_ms(read(out, "a")))
         lh.stop_thread()
+        if tft and not failed:
+            out = tmp / f"torchft{r}"
+            out.mkdir()
+            tlh, addr = tft_lighthouse()
+            try:
+                wait_all([tft_replica(out, n, steps, "--lighthouse", addr, "--wait-for", "2", "--hidden", str(hidden))
+                          for n in "ab"], timeout=300, out=out)
+                tf.append(step_ms(committed(read(out, "a"))))
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - torchft's trouble must not sink freescale's rows
+                failed = torchft_failed(e, "overhead run")
+            tlh.shutdown()
     d, f = float(np.median(ddp)), float(np.median(ftar))
-    return {"measure": "per-step overhead vs plain all-reduce", "ddp_step_ms": d, "ftar_step_ms": f,
-            "freescale": f"+{f - d:.2f} ms ({(f - d) / d:.1%})", "torchft": TORCHFT["overhead_ms"],
-            "target": "<= 1 ms or 5%"}
+    row = {"measure": "per-step overhead vs plain all-reduce", "ddp_step_ms": d, "ftar_step_ms": f,
+           "freescale": f"+{f - d:.2f} ms ({(f - d) / d:.1%})", "target": "<= 1 ms or 5%"}
+    if failed:
+        row["torchft"] = failed
+    elif tft:
+        t = float(np.median(tf))
+        row.update(torchft_step_ms=t, torchft=f"+{t - d:.2f} ms ({(t - d) / d:.1%})")
+    return row
 
 
-def failure_and_catch_up(tmp: Path, steps: int, hidden: int, layers: int, label: str) -> list[dict[str, Any]]:
+def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str) -> dict[str, Any]:
     out = tmp / f"kill-{label}"
     out.mkdir()
     lh = lighthouse()
@@ -165,28 +223,79 @@ def failure_and_catch_up(tmp: Path, steps: int, hidden: int, layers: int, label:
     discarded = len(set(range(steps)) - {e["step"] for log in logs.values() for e in log})
     # The survivor that never had to catch up itself (the one with a complete log) times the others' steps.
     a = max(logs.values(), key=len)
-    next_commit = min(e["committed"] for e in a if e["committed"] > killed_at)
-    rows = [{"measure": f"kill -> survivors' next committed step ({label})",
-             "freescale": f"{next_commit - killed_at:.3f} s", "torchft": TORCHFT["kill_to_commit_s"],
-             "target": "<= 0.3 s"},
-            {"measure": f"steps discarded per failure ({label})", "freescale": str(discarded),
-             "torchft": TORCHFT["steps_discarded"], "target": "0"}]
+    res: dict[str, Any] = {"kill_s": min(e["committed"] for e in a if e["committed"] > killed_at) - killed_at,
+                           "discarded": discarded}
     if c:
         info = c[0]["catch_up"]
         joined, done = info["joined_step"], c[0]["step"]
-        before = step_ms([e for e in a if 25 <= e["step"] < joined - 1], skip=0)
-        during = step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0)
-        rows += [
-            {"measure": f"survivor step during catch-up / before ({label})",
-             "freescale": f"{during / before:.2f} ({during:.1f} vs {before:.1f} ms)",
-             "torchft": TORCHFT["catch_up_step_ratio"], "target": "<= 1.05"},
-            {"measure": f"restart -> contributing ({label})", "freescale": f"{info['finished'] - restart:.2f} s",
-             "torchft": TORCHFT["restart_to_contributing_s"], "target": "-"},
-            {"measure": f"catch-up transfer rate ({label})",
-             "freescale": f"{info['bytes_per_s'] / 1e9:.3f} GB/s", "torchft": "-", "target": ">= 1 GB/s"},
-        ]
-    else:
-        rows.append({"measure": f"catch-up ({label})", "freescale": "never caught up", "torchft": "-", "target": "-"})
+        res.update(before_ms=step_ms([e for e in a if 25 <= e["step"] < joined - 1], skip=0),
+                   during_ms=step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0),
+                   contributing_s=info["finished"] - restart, rate=info["bytes_per_s"])
+    return res
+
+
+def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str) -> dict[str, Any]:
+    """The same kill and restart with torchft replicas under torchft's lighthouse."""
+    out = tmp / f"torchft-kill-{label}"
+    out.mkdir()
+    lh, addr = tft_lighthouse()
+    try:
+        common = ["--lighthouse", addr, "--hidden", str(hidden), "--layers", str(layers), "--step-sleep", "0.02"]
+        procs = {n: tft_replica(out, n, steps, *common, "--wait-for", "3",
+                                *(["--kill-at", "20:reduce:0"] if n == "c" else [])) for n in "abc"}
+        procs["c"].wait(timeout=300)
+        killed_at = float((out / "c.killed").read_text())
+        (out / "c.jsonl").rename(out / "c_first.jsonl")
+        restart = time.time()
+        procs["c"] = tft_replica(out, "c", steps, *common)
+        wait_all(list(procs.values()), timeout=300, out=out)
+    finally:
+        lh.shutdown()
+    logs = {n: read(out, n) for n in "ab"}
+    # Survivors' data steps run on past a discarded one: the holes among the steps they attempted.
+    attempted = max(e["step"] for log in logs.values() for e in log) + 1
+    discarded = len(set(range(attempted)) - {e["step"] for log in logs.values() for e in committed(log)})
+    a = committed(max(logs.values(), key=len))
+    res: dict[str, Any] = {"kill_s": min(e["committed"] for e in a if e["committed"] > killed_at) - killed_at,
+                           "discarded": discarded}
+    c = committed(read(out, "c"))
+    contributing = [e for e in c if e["participating"]]
+    # The restarted replica's own data steps restart from 0: match steps through quorum ids and torchft's
+    # committed-step count.  (Had it joined only after the survivors finished, it would have trained alone.)
+    joined = next((e["step"] for e in a if c and e["quorum_id"] >= c[0]["quorum_id"]), None)
+    if contributing and joined is not None:
+        done = next((e["step"] for e in a if e["manager_step"] >= contributing[0]["manager_step"]), a[-1]["step"])
+        healed = next((e for e in c if "heal_fetch_s" in e), None)
+        res.update(before_ms=step_ms([e for e in a if 25 <= e["step"] < joined - 1], skip=0),
+                   during_ms=step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0),
+                   contributing_s=contributing[0]["committed"] - restart,
+                   rate=healed["heal_bytes"] / healed["heal_fetch_s"] if healed else float("nan"))
+    return res
+
+
+def failure_rows(label: str, fs: dict[str, Any], tf: dict[str, Any] | None, skip: str) -> list[dict[str, Any]]:
+    def both(key: str, fmt: Any) -> dict[str, Any]:
+        cell = {"freescale": fmt(fs) if key in fs else "never caught up"}
+        cell["torchft"] = skip if tf is None else fmt(tf) if key in tf else "never caught up"
+        return cell
+
+    rows = [
+        {"measure": f"kill -> survivors' next committed step ({label})",
+         **both("kill_s", lambda r: f"{r['kill_s']:.3f} s"), "target": "<= 0.3 s"},
+        {"measure": f"steps discarded per failure ({label})", **both("discarded", lambda r: str(r["discarded"])),
+         "target": "0"},
+        {"measure": f"survivor step during catch-up / before ({label})",
+         **both("during_ms", lambda r: f"{r['during_ms'] / r['before_ms']:.2f} ({r['during_ms']:.1f} vs "
+                                       f"{r['before_ms']:.1f} ms)"), "target": "<= 1.05"},
+        {"measure": f"restart -> contributing ({label})", **both("contributing_s", lambda r: f"{r['contributing_s']:.2f} s"),
+         "target": "-"},
+        {"measure": f"catch-up transfer rate ({label})", **both("rate", lambda r: f"{r['rate'] / 1e9:.3f} GB/s"),
+         "target": ">= 1 GB/s"},
+    ]
+    for row, key in zip(rows, ["kill_s", "discarded", "during_ms", "contributing_s", "rate"]):
+        row["freescale_raw"] = fs.get(key)
+        if tf is not None:
+            row["torchft_raw"] = tf.get(key)
     return rows
 
 
@@ -194,23 +303,49 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps, one repeat, no big-model catch-up")
     parser.add_argument("--big-hidden", type=int, default=4096, help="width of the big-model catch-up run")
+    parser.add_argument("--no-torchft", action="store_true", help="skip the torchft runs")
     parser.add_argument("--json")
     args = parser.parse_args()
     steps, repeats = (60, 1) if args.quick else (300, 3)
+    tft_version, why = (None, "--no-torchft") if args.no_torchft else torchft_version()
+    skip = "" if tft_version is not None else "skipped (--no-torchft)" if args.no_torchft else "skipped (see below)"
+    if tft_version is None and not args.no_torchft:
+        print(f"bench_ft: torchft does not import ({why}): its runs are skipped", file=sys.stderr)
+    tft = tft_version is not None
     rows: list[dict[str, Any]] = []
     tmp = Path(tempfile.mkdtemp(prefix="bench_ft"))
     try:
-        rows.append(overhead(tmp, steps, repeats, 1024))
-        rows += failure_and_catch_up(tmp, 120 if args.quick else 300, 1024, 1, "1.3M params")
+        rows.append({"torchft": skip, **overhead(tmp, steps, repeats, 1024, tft)})
+        # Quick: 200 steps, so that the restarted replica (~3-4 s to start on 2 cores) joins before the end.
+        runs = [(200 if args.quick else 300, 1024, 1, "1.3M params")]
         if not args.quick:
-            rows += failure_and_catch_up(tmp, 200, args.big_hidden, 4, f"{args.big_hidden}x4 MLP")
+            runs.append((200, args.big_hidden, 4, f"{args.big_hidden}x4 MLP"))
+        for n, hidden, layers, label in runs:
+            fs = freescale_failure(tmp, n, hidden, layers, label)
+            tf, why_not = None, skip
+            if tft:
+                try:
+                    tf = torchft_failure(tmp, n, hidden, layers, label)
+                except (Exception, SystemExit) as e:  # noqa: BLE001 - report it in the torchft column
+                    why_not = torchft_failed(e, f"failure run ({label})")
+            rows += failure_rows(label, fs, tf, why_not)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows, ["measure", "freescale", "torchft", "target"])
+    ran = f"torchft-nightly {tft_version}, run here" if tft else f"not run: {why}"
+    if not tft and not args.no_torchft:
+        ran += f"\n  install it (not a freescale dependency) with: {TORCHFT_INSTALL}"
+    print(f"torchft: {ran}\ntorchft's figures quoted before it was run here (ANCHORS.md, for reference only): "
+          f"{TORCHFT_QUOTED}")
     if args.json:
-        write_json(args.json, "bench_ft", {"quick": args.quick, "replicas": "2 (overhead), 3 (failure)",
-                                           "model": "MLP 256->1024->1 (~1.3M params), AdamW", "backend": "gloo",
-                                           "heartbeat_timeout_s": 1.0, "torchft_figures": "ANCHORS.md"}, rows)
+        write_json(args.json, "bench_ft", {
+            "quick": args.quick, "replicas": "2 (overhead), 3 (failure)",
+            "model": "MLP 256->1024->1 (~1.3M params), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,
+            "join_timeout_s": 0.5, "torchft": tft_version, "torchft_skipped": why or None,
+            "torchft_setup": "torchft.Manager (use_async_quorum, min_replica_size=1), torchft.ProcessGroupGloo, "
+                             "HTTPTransport healing, Rust LighthouseServer (heartbeat 1000 ms, join 500 ms, "
+                             "tick 100 ms), flat manager.allreduce per step",
+            "torchft_quoted": TORCHFT_QUOTED}, rows)
 
 
 if __name__ == "__main__":

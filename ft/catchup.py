@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 import requests
+import urllib3
 import torch
 from aiohttp import web
 
@@ -99,8 +100,8 @@ class SnapshotServer:
         self.can_serve = True
         """False while this replica is catching up itself: fetchers are told at once to try
         another source instead of waiting for a snapshot that will not come."""
-        self.on_stream: Callable[[], None] | None = None
-        """Fault injection (tests): called once the header of a snapshot has been sent."""
+        self.on_stream: Callable[[int], None] | None = None
+        """Fault injection (tests): called with the snapshot's step once its header has been sent."""
         self.wanted_step: int | None = None
         """Smallest step a waiting fetcher asked for and that is not staged yet: the trainer
         stages at its next committed step >= this (on-demand staging)."""
@@ -172,7 +173,7 @@ class SnapshotServer:
         await response.prepare(request)
         await response.write(struct.pack("<Q", len(staged.header)) + staged.header)
         if self.on_stream is not None:
-            self.on_stream()
+            self.on_stream(staged.step)
         view = memoryview(staged.payload.numpy())
         for lo in range(0, len(view), CHUNK_BYTES):
             await response.write(view[lo:lo + CHUNK_BYTES])
@@ -185,22 +186,27 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
     """Download a snapshot of step >= ``min_step`` from ``address``; returns (step, tensors, bytes/s)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     start = time.perf_counter()
-    with requests.get(f"http://{address}/v1/snapshot", params={"min_step": min_step, "wait_s": timeout_s},
-                      headers=headers, stream=True, timeout=timeout_s + 5) as response:
-        if response.status_code != 200:
-            raise ConnectionError(f"snapshot source {address} answered {response.status_code}: {response.text[:200]}")
-        raw = response.raw
-        size = struct.unpack("<Q", raw.read(8))[0]
-        if size > 64 << 20:
-            raise ConnectionError(f"snapshot source {address} sent a {size}-byte header: refusing")
-        header = json.loads(raw.read(size))
-        total = sum(e["nbytes"] for e in header["tensors"])
-        payload = bytearray(total)
-        view, got = memoryview(payload), 0
-        while got < total:
-            n = raw.readinto(view[got:got + CHUNK_BYTES])
-            if not n:
-                raise ConnectionError(f"snapshot source {address} closed the stream at {got} of {total} bytes")
-            got += n
+    try:
+        with requests.get(f"http://{address}/v1/snapshot", params={"min_step": min_step, "wait_s": timeout_s},
+                          headers=headers, stream=True, timeout=timeout_s + 5) as response:
+            if response.status_code != 200:
+                raise ConnectionError(f"snapshot source {address} answered {response.status_code}: "
+                                      f"{response.text[:200]}")
+            raw = response.raw
+            size = struct.unpack("<Q", raw.read(8))[0]
+            if size > 64 << 20:
+                raise ConnectionError(f"snapshot source {address} sent a {size}-byte header: refusing")
+            header = json.loads(raw.read(size))
+            total = sum(e["nbytes"] for e in header["tensors"])
+            payload = bytearray(total)
+            view, got = memoryview(payload), 0
+            while got < total:
+                n = raw.readinto(view[got:got + CHUNK_BYTES])
+                if not n:
+                    raise ConnectionError(f"snapshot source {address} closed the stream at {got} of {total} bytes")
+                got += n
+    except (urllib3.exceptions.HTTPError, OSError, struct.error) as exc:
+        # The source died mid-transfer (urllib3 reports a broken stream as ProtocolError).
+        raise ConnectionError(f"snapshot source {address}: transfer broken: {exc}") from None
     seconds = time.perf_counter() - start
     return int(header["step"]), unpack(header, payload), total / max(seconds, 1e-9)

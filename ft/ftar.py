@@ -257,7 +257,9 @@ class ReplicaSync:
         for _ in range(3):
             for address in sources:
                 try:
-                    return fetch_snapshot(address, min_step, self.token)
+                    fetched = fetch_snapshot(address, min_step, self.token)
+                    self.catch_up_log.update(source=address, failed_sources=errors)
+                    return fetched
                 except (ConnectionError, requests.RequestException, ValueError) as exc:
                     errors.append(f"{address}: {exc}")
         raise RuntimeError(f"catch-up: every source failed: {'; '.join(errors[-len(sources):])}")

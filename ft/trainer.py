@@ -70,10 +70,14 @@ from freescale.parallelize import build_optimizer, dense_named_parameters, mater
 FAULT_ENV = "FREESCALE_FT_FAULT"
 """Tests and demos: comma-separated ``<replica index>:<rank>:<step>:<phase>[:<delay ms>][@<incarnation>]``;
 each SIGKILLs that rank (a real signal) in that incarnation of its group (default 0) at:
-``forward`` (step ``step``, before backward), ``reduce`` (``delay`` ms into step ``step``'s
-exchange), ``catchup`` (the first step at or after ``step`` that the group sits out while
-catching up, its snapshot download under way) or ``serve`` (while this rank's snapshot
-server streams a snapshot to a recovering peer: the source dies mid-transfer; ``step`` unused)."""
+``forward`` (the first step at or after ``step`` it trains in, before backward), ``reduce``
+(``delay`` ms into step ``step``'s exchange), ``catchup`` (the first step at or after ``step``
+that the group sits out while catching up, its snapshot download under way) or ``serve`` (while
+this rank's snapshot server streams a snapshot of step ``step`` or later to a recovering peer:
+the source dies mid-transfer).
+``slow`` is no fault: from ``step`` on, each step of every incarnation sleeps ``delay`` ms after
+backward (longer "compute", so survivors are still training when a restarted group is back).
+``*`` as replica index or rank matches every one."""
 
 
 @dataclass
@@ -126,7 +130,7 @@ class ReplicaRank:
         self.server = SnapshotServer(token=token) if ft.snapshots else None
         if self.server is not None:
             if any(phase == "serve" for _, phase, _ in self._faults):
-                self.server.on_stream = self._die
+                self.server.on_stream = lambda step: self._die() if self._fault_at(step, "serve") is not None else None
             self.server.start()
         self.client = LighthouseClient(ft.lighthouse, ft.replica_id, self.incarnation, member=ctx.rank,
                                        group_size=self.group_size, token=token).start()
@@ -195,14 +199,16 @@ class ReplicaRank:
         for spec in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
             where, _, incarnation = spec.partition("@")
             parts = where.split(":")
-            if (int(parts[0]), int(parts[1]), int(incarnation or 0)) == (self.group_index, self.ctx.rank,
-                                                                       self.incarnation):
+            group = self.group_index if parts[0] == "*" else int(parts[0])
+            rank = self.ctx.rank if parts[1] == "*" else int(parts[1])
+            wanted = self.incarnation if parts[3] == "slow" and not incarnation else int(incarnation or 0)
+            if (group, rank, wanted) == (self.group_index, self.ctx.rank, self.incarnation):
                 faults.append((int(parts[2]), parts[3], float(parts[4]) / 1000 if len(parts) > 4 else 0.0))
         return faults
 
     def _fault_at(self, step: int, phase: str) -> float | None:
         for at, kind, delay in self._faults:
-            if kind == phase and (step == at or (phase == "catchup" and step >= at)):
+            if kind == phase and (step == at or (phase in ("forward", "catchup", "slow", "serve") and step >= at)):
                 return delay
         return None
 
@@ -248,6 +254,9 @@ class ReplicaRank:
                 loss_value = float(loss.detach())
                 self.window.add(logits.detach(), labels)
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
+                pause = self._fault_at(step, "slow")
+                if pause:
+                    time.sleep(pause)
             else:
                 grads = [torch.zeros_like(p) for p in self.dense]
             delay = self._fault_at(step, "reduce")
