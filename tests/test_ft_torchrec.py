@@ -47,6 +47,11 @@ def launch(out: Path, data: Path, replicas: int, ranks: int, steps: int, model: 
                           cwd=REPO, env=fault_env(fault), capture_output=True, text=True, timeout=timeout)
 
 
+SLOW = "*:*:0:slow:20"
+"""20 ms more "compute" per step: the survivors are still training when a restarted group is back
+(restarting a group takes seconds: new processes, imports, sharding)."""
+
+
 def logs(out: Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
     found = {}
     for path in sorted(out.glob("replica*/rank*.jsonl")):
@@ -107,8 +112,8 @@ def test_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(phase: str,
     before backward).  Group 0 commits step 6 without it (no step discarded), trains group 1's
     rows of step 6 in step 7, keeps going; the agent restarts group 1, which joins with weight 0,
     catches up from group 0's snapshot, replays, and contributes again, bit-identical."""
-    steps = 30
-    proc = launch(tmp_path, tiny_data, 2, 2, steps, "hstu", fault=f"1:1:6:{phase}", max_restarts=1)
+    steps = 80
+    proc = launch(tmp_path, tiny_data, 2, 2, steps, "hstu", fault=f"1:1:6:{phase},{SLOW}", max_restarts=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "replica1" / "rank1.killed").exists()
     runs = check_run(tmp_path, tiny_data, "hstu", 2, 2, steps)
@@ -125,11 +130,6 @@ def test_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(phase: str,
     assert any(e["contributing"] for s, e in recovered.items() if s > caught["joined_step"]), \
         "group 1 never contributed again"
     assert survivor[steps - 1]["participants"] == ["replica0", "replica1"]
-
-
-SLOW = "*:*:0:slow:20"
-"""20 ms more "compute" per step: the survivors are still training when a restarted group is back
-(restarting a group takes seconds: new processes, imports, sharding)."""
 
 
 def catch_ups(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
