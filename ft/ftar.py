@@ -81,7 +81,8 @@ def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor
     total_numel = sum(t.numel() for t in tensors)
     flat = torch.zeros(total_numel + 2 * size, dtype=torch.float32)
     if tensors:
-        torch.cat([t.detach().reshape(-1).float() for t in tensors], out=flat[:total_numel])
+        # The replica-dimension groups are gloo: device gradients take one host copy each way.
+        torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors], out=flat[:total_numel])
     flat[:total_numel].mul_(weight)
     flat[total_numel + index] = float(weight)
     flat[total_numel + size + index] = 1.0 if ready else 0.0
@@ -95,7 +96,8 @@ def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor
     out, offset = [], 0
     for t in tensors:
         piece = flat[offset:offset + t.numel()].view(t.shape)
-        out.append(piece if t.dtype == torch.float32 else piece.to(t.dtype))
+        out.append(piece if t.dtype == torch.float32 and t.device.type == "cpu"
+                   else piece.to(device=t.device, dtype=t.dtype))
         offset += t.numel()
     return out, weights, flags
 

@@ -190,8 +190,9 @@ class UnionSparseUpdate:
         header = torch.tensor([[t.indices.numel(), t.offsets.numel(), t.grad.shape[0], t.grad.shape[1]]
                                for t in mine.tables], dtype=torch.int64).reshape(-1)
         headers = _all_gather(group, header, size)
-        ints = torch.cat([torch.cat([t.indices, t.offsets]) for t in mine.tables])
-        floats = torch.cat([t.grad.reshape(-1).float() for t in mine.tables])
+        # gloo across groups: device tensors take one host copy (the union is moved back in ``apply``).
+        ints = torch.cat([torch.cat([t.indices.cpu(), t.offsets.cpu()]) for t in mine.tables])
+        floats = torch.cat([t.grad.reshape(-1).float().cpu() for t in mine.tables])
         int_sizes = [int(h.view(-1, 4)[:, :2].sum()) for h in headers]
         float_sizes = [int((h.view(-1, 4)[:, 2] * h.view(-1, 4)[:, 3]).sum()) for h in headers]
         all_ints = _all_gather_varlen(group, ints, int_sizes)
@@ -250,8 +251,9 @@ class UnionSparseUpdate:
             for slot, step in zip(self._slots, update.tables):
                 if step.indices.numel() == 0:
                     continue
-                out = slot.run(step.indices, step.offsets)
-                out.backward(step.grad.reshape(out.shape).to(out.dtype))
+                device = slot.tbe.current_device if hasattr(slot.tbe, "current_device") else step.indices.device
+                out = slot.run(step.indices.to(device), step.offsets.to(device))
+                out.backward(step.grad.reshape(out.shape).to(device=out.device, dtype=out.dtype))
 
 
 def _all_gather(group: dist.ProcessGroup, tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
