@@ -139,6 +139,7 @@ class ReplicaRank:
         self.log: TextIO = (self.out_dir / f"rank{ctx.rank}.jsonl").open("a")
         self.window = MetricWindow()
         self.finished_elsewhere = False
+        self._write(event="start", pid=os.getpid(), incarnation=self.incarnation, time=time.time())
 
     # ------------------------------------------------------------------ data accounting
     def _ranks(self, groups: Iterable[int]) -> list[int]:

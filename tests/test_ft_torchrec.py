@@ -208,3 +208,40 @@ def test_lighthouse_killed_and_restarted_while_groups_train(tiny_data: Path, tmp
     runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
     ids = [e["quorum_id"] for e in by_step(runs[(0, 0)]).values()]
     assert ids == sorted(ids) and ids[-1] > ids[0], "quorum ids must keep growing across the restart"
+
+
+def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tmp_path: Path) -> None:
+    """Group 1's rank is SIGSTOPped mid-run (a hang, not a crash): group 0's all-reduce times out
+    (``ft.timeout_s``), the lighthouse evicts group 1 (heartbeat timeout), group 0 goes on alone.
+    After SIGCONT group 1 finds itself behind, catches up without a restart, and trains again."""
+    import os
+    import signal
+    import time
+
+    steps = 200
+    run = subprocess.Popen(launch_args(tmp_path, tiny_data, 2, 1, steps, "dlrm", 0, "--ft.timeout_s", "2"),
+                           cwd=REPO, env=fault_env(SLOW), text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    victim = tmp_path / "replica1" / "rank0.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if victim.exists() and sum(1 for _ in victim.open()) >= 12:
+                break
+            time.sleep(0.05)
+        pid = json.loads(victim.read_text().splitlines()[0])["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.time()
+        time.sleep(5)
+        os.kill(pid, signal.SIGCONT)
+        _, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err[-3000:]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
+    survivor = by_step(runs[(0, 0)])
+    alone = [s for s, e in survivor.items() if e["participants"] == ["replica0"] and e["time"] > stopped]
+    assert alone, "group 0 never went on without the stopped group"
+    assert len(catch_ups(runs[(1, 0)])) == 1, "the resumed group did not catch up"
+    assert by_step(runs[(1, 0)])[steps - 1]["contributing"]

@@ -1,0 +1,367 @@
+"""Fault tolerance on a torchrec model: per-step overhead, stall per failure, catch-up.
+
+Everything runs as real processes through the real CLI (``python -m freescale.cli launch``),
+on CPU with gloo, one compute thread per rank (``OMP_NUM_THREADS=1``, as the tests run it),
+the tiny DLRM by default (``--model hstu``: the tiny HSTU; ``configs/tiny_<model>.toml``),
+``--batch`` rows per rank (default 128), on a synthetic dataset generated into a temporary
+directory with ``freescale.dataloader.generate`` unless ``--data PATH`` is given.  torchft
+has nothing to run side by side here (it has no torchrec integration): the comparison is
+with freescale's own plain trainer.
+
+1. Per-step overhead.  ``plain``: ``launch --nproc-per-node 2``, no fault tolerance: one job of
+   2 ranks, the tables sharded over both (input/output all-to-alls), dense gradients averaged
+   by DDP.  ``ft``: ``launch --replicas 2 --nproc-per-node 1``: 2 replica groups of 1 rank
+   (each holds whole tables) through the lighthouse: quorum request overlapping the forward,
+   sample-weighted FTAR of the dense gradients, all-gather of every table's ids and gradients
+   for the union update, commit vote.  Same per-rank batch, so the same global batch and
+   process count.  Plain step time: the trainer's ``train_log.jsonl`` "step" events
+   (``--train.log_every 10``), ``step_ms`` = mean wall time of a step in the window (loader,
+   forward, backward, optimizer; the per-step metrics bookkeeping is outside it), median over
+   the windows after the first (the loop time, gaps between the events / 10, goes to the JSON
+   too).  FT step time: median gap between consecutive committed steps' ``time`` on replica0
+   rank0 after a warm-up of 10 steps (the whole loop), and the medians of its breakdown
+   (``quorum_wait_s``, ``reduce_s`` = FTAR + embedding exchange, ``vote_s``).  The two runs
+   are interleaved ``--repeats`` times; medians over repeats.  Target: <= 1 ms or 5%.
+2. Kill -> survivors' next committed step.  3 groups of 1 rank, ``--max-restarts 1``, group 2's
+   rank SIGKILLs itself at the start of step K's exchange (``FREESCALE_FT_FAULT=2:0:K:reduce:0``,
+   K=30); torch's elastic agent restarts it (new incarnation) and it catches up from a peer's
+   snapshot.  Stall = time of replica0's first committed step >= K (committed after the kill)
+   minus the kill time (``replica2/rank0.killed``); replica0's step K-1 can be logged after
+   the kill (group 2 had already moved on), so "the first committed step after the kill" alone
+   would measure nothing.  Steps discarded = steps in 0..steps-1 missing from replica0's log.
+   Targets: <= 0.3 s and 0.  With 3 groups the crash is found through the survivors' failure
+   reports (and the lighthouse's short suspect grace), not the heartbeat timeout (the launcher's
+   3 s, printed).
+3. Catch-up (same run).  Survivor step time (replica0; mean gap = window duration / steps, as
+   the cost sits in one or two steps: staging the snapshot) during the catch-up window (from
+   the restarted group's ``joined_step`` to its first contributing step) / before the failure
+   (steps 10..K-1, 3 groups contributing).  Target: <= 1.05.  Restart -> contributing: the
+   restarted group's first contributing step's time minus the kill time; that includes the
+   agent noticing the death, the new process's imports, process groups and sharding, and the
+   wait for the next quorum (split: kill -> catch-up started, started -> finished).  Snapshot
+   transfer rate: the ``bytes_per_s`` the restarted rank measured (snapshot bytes over the
+   request's start to its last byte, so the source staging the snapshot at its next step is
+   in it), target >= 1 GB/s; the snapshot's size is not logged: it is estimated from the
+   model's parameter count (fp32 parameters, AdamW's two moments per dense parameter, one
+   row-wise Adagrad accumulator per embedding row).  With the tiny models the snapshot is
+   well under 1 MB and the rate is latency, not bandwidth: ``--num-items`` grows the item table.
+   Also shown: the survivors' step time while the killed group restarts (2 groups, with its
+   start-up competing for the same cores).
+
+The kill run is sized with enough steps that the restarted group (several seconds to start on
+2 cores) rejoins and contributes for a while; no artificial per-step sleep is used.
+
+    python benchmarks/bench_ft_torchrec.py [--quick] [--model dlrm|hstu] [--batch 128] [--data PATH]
+                                           [--json benchmarks/results/ft_torchrec_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from common import print_table, write_json
+
+REPO = Path(__file__).resolve().parents[1]
+WARMUP = 10
+"""FT steps left out of the step time (first quorum, lazy initialisation)."""
+LOG_EVERY = 10
+"""The plain trainer's log window (steps per "step" event)."""
+FAULT_ENV = "FREESCALE_FT_FAULT"
+
+
+# ---------------------------------------------------------------------------- runs
+def launch(out: Path, data: Path, model: str, batch: int, steps: int, nproc: int, replicas: int = 1,
+           max_restarts: int = 0, fault: str = "", timeout: float = 900) -> float:
+    """``freescale launch`` to completion (output in ``<out>.log``); returns its wall time."""
+    cmd = [sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node", str(nproc),
+           *(["--replicas", str(replicas)] if replicas > 1 else []), "--max-restarts", str(max_restarts),
+           "--config", str(REPO / "configs" / f"tiny_{model}.toml"), "--data.path", str(data),
+           "--data.batch_size", str(batch), "--train.steps", str(steps), "--train.output_dir", str(out),
+           "--train.eval", "false", "--train.progress", "false", "--train.log_every", str(LOG_EVERY),
+           "--checkpoint.every", "0", "--checkpoint.save_final", "false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop(FAULT_ENV, None)
+    if fault:
+        env[FAULT_ENV] = fault
+    log_path = out.with_name(out.name + ".log")
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        # Own session: on a timeout or ^C the whole tree (launcher, agents, ranks) goes with it.
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_ft_torchrec: `{' '.join(cmd[1:])}` exited with {proc.returncode}:\n"
+                         f"{log_path.read_text()[-3000:]}")
+    return wall
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def committed(path: Path) -> list[dict[str, Any]]:
+    """A replica rank's committed steps (its log also holds a summary and other events)."""
+    return [e for e in jsonl(path) if "step" in e and "event" not in e]
+
+
+def median(values: list[float]) -> float:
+    return float(np.median(values)) if values else float("nan")
+
+
+def mean_gap(times: dict[int, float], first: int, last: int) -> float:
+    """Mean step time over steps ``first..last``: (t[last] - t[first-1]) / steps; NaN if one is missing."""
+    if last < first or first - 1 not in times or last not in times:
+        return float("nan")
+    return (times[last] - times[first - 1]) / (last - first + 1)
+
+
+# ---------------------------------------------------------------------------- 1. overhead
+def plain_step_ms(out: Path) -> tuple[float, float]:
+    """(median ``step_ms`` over the windows after the first, median loop time per step from the event gaps)."""
+    windows = [e for e in jsonl(out / "train_log.jsonl") if e["event"] == "step"]
+    step_ms = [e["step_ms"] for e in windows[1:]]
+    loop = [1e3 * (b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(windows[1:], windows[2:])]
+    return median(step_ms), median(loop)
+
+
+def ft_step(out: Path) -> dict[str, float]:
+    steps = [e for e in committed(out / "replica0" / "rank0.jsonl") if e["step"] >= WARMUP]
+    times = [e["time"] for e in steps]
+    return {"step_ms": 1e3 * median(list(np.diff(times))),
+            **{f"{k}_ms": 1e3 * median([e[f"{k}_s"] for e in steps]) for k in ("quorum_wait", "reduce", "vote")},
+            "sync_ms": 1e3 * median([e["seconds"] for e in steps])}
+
+
+def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeats: int) -> dict[str, Any]:
+    plain: list[tuple[float, float]] = []
+    ft: list[dict[str, float]] = []
+    for r in range(repeats):
+        out = tmp / f"plain{r}"
+        launch(out, data, args.model, args.batch, steps, nproc=2)
+        plain.append(plain_step_ms(out))
+        out = tmp / f"ft{r}"
+        launch(out, data, args.model, args.batch, steps, nproc=1, replicas=2)
+        ft.append(ft_step(out))
+        print(f"bench_ft_torchrec: repeat {r}: plain {plain[-1][0]:.2f} ms, ft {ft[-1]['step_ms']:.2f} ms",
+              file=sys.stderr)
+    res = {"plain_step_ms": median([p[0] for p in plain]), "plain_loop_ms": median([p[1] for p in plain]),
+           **{f"ft_{k}": median([f[k] for f in ft]) for k in ft[0]},
+           "plain_step_ms_runs": [p[0] for p in plain], "ft_step_ms_runs": [f["step_ms"] for f in ft]}
+    res["overhead_ms"] = res["ft_step_ms"] - res["plain_step_ms"]
+    res["overhead_frac"] = res["overhead_ms"] / res["plain_step_ms"]
+    return res
+
+
+# ---------------------------------------------------------------------------- 2./3. kill and catch-up
+def kill_run(tmp: Path, data: Path, args: argparse.Namespace, steps: int) -> dict[str, Any]:
+    k = args.kill_step
+    fault = f"2:0:{k}:reduce:0"
+    out = tmp / "kill"
+    wall = launch(out, data, args.model, args.batch, steps, nproc=1, replicas=3, max_restarts=1, fault=fault)
+    killed_file = out / "replica2" / "rank0.killed"
+    if not killed_file.exists():
+        raise SystemExit(f"bench_ft_torchrec: the fault ({fault}) never fired")
+    kill = float(killed_file.read_text())
+    survivor = committed(out / "replica0" / "rank0.jsonl")
+    times = {e["step"]: e["time"] for e in survivor}
+    nxt = next((e for e in survivor if e["step"] >= k and e["time"] > kill), None)
+    if nxt is None:
+        raise SystemExit(f"bench_ft_torchrec: replica0 committed no step >= {k} after the kill")
+    res: dict[str, Any] = {
+        "fault": fault, "steps": steps, "wall_s": wall, "kill_s": nxt["time"] - kill, "next_step": nxt["step"],
+        "next_step_attempts": nxt["attempts"], "next_step_participants": nxt["participants"],
+        "discarded": len(set(range(steps)) - set(times)),
+        "before_ms": 1e3 * mean_gap(times, WARMUP, k - 1),
+        "before_median_ms": 1e3 * median([times[s] - times[s - 1] for s in range(WARMUP, k) if s - 1 in times
+                                          and s in times]),
+    }
+    restarted = [e for e in committed(out / "replica2" / "rank0.jsonl") if e["time"] > kill]
+    caught = next((e["catch_up"] for e in restarted if "catch_up" in e), None)
+    first = next((e for e in restarted if e["contributing"]), None)
+    res["catch_up"] = caught
+    if caught is None or first is None:
+        return res  # it never got back in before the survivors finished: the rows say so
+    joined, back = int(caught["joined_step"]), int(first["step"])
+    res.update(
+        joined_step=joined, first_contributing_step=back, contributing_steps=sum(e["contributing"] for e in restarted),
+        during_ms=1e3 * mean_gap(times, joined, back),
+        during_median_ms=1e3 * median([times[s] - times[s - 1] for s in range(joined, back + 1)
+                                       if s - 1 in times and s in times]),
+        restarting_ms=1e3 * mean_gap(times, nxt["step"] + 1, joined - 1),
+        contributing_s=first["time"] - kill, kill_to_catch_up_start_s=caught["started"] - kill,
+        catch_up_s=caught["finished"] - caught["started"], rate=caught.get("bytes_per_s"),
+        stage_s=max((e.get("stage_s", 0.0) for e in survivor), default=0.0),
+    )
+    return res
+
+
+def snapshot_bytes(model: str, data: Path) -> int | None:
+    """Estimated snapshot of one rank of a 1-rank group: the model built on the meta device, counted."""
+    try:
+        import torch
+        from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+        from freescale.config import load_config
+        from freescale.dataloader.schema import DatasetManifest
+        from freescale.models import build_model
+        from freescale.trainer import TrainerConfig
+
+        cfg = load_config(TrainerConfig, REPO / "configs" / f"tiny_{model}.toml", ["--data.path", str(data)])
+        net = build_model(cfg.model, DatasetManifest.read(data), max_seq_len=cfg.data.max_seq_len,
+                          embedding_device=torch.device("meta"))
+        tables = {id(p): p for m in net.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
+                  for p in m.parameters()}
+        dense = sum(p.numel() for p in net.parameters() if id(p) not in tables)
+        emb = sum(p.numel() for p in tables.values())
+        rows = sum(p.shape[0] for p in tables.values())
+        buffers = sum(b.numel() * b.element_size() for b in net.buffers())
+        return 4 * (emb + rows + 3 * dense) + buffers
+    except Exception as e:  # noqa: BLE001 - an estimate must never sink the benchmark
+        print(f"bench_ft_torchrec: snapshot size estimate failed: {e}", file=sys.stderr)
+        return None
+
+
+def heartbeat_timeout_s() -> float:
+    from freescale.launch import launch_replicas
+
+    return float(inspect.signature(launch_replicas).parameters["heartbeat_timeout_s"].default)
+
+
+def lighthouse_defaults() -> dict[str, float]:
+    from freescale.ft.lighthouse import LighthouseConfig
+
+    cfg = LighthouseConfig()
+    return {"join_timeout_s": cfg.join_timeout_s, "suspect_grace_s": cfg.suspect_grace_s}
+
+
+# ---------------------------------------------------------------------------- table
+def rows_for(ov: dict[str, Any], kr: dict[str, Any], size: int | None, hb: float) -> list[dict[str, Any]]:
+    k = kr["fault"].split(":")[2]
+    rows: list[dict[str, Any]] = [
+        {"measure": "plain step, 2 ranks (tables sharded, DDP)", "value": f"{ov['plain_step_ms']:.2f} ms",
+         "target": "-", "raw": ov["plain_step_ms"]},
+        {"measure": "FT step, 2 groups x 1 rank (committed-step gap)", "value": f"{ov['ft_step_ms']:.2f} ms",
+         "target": "-", "raw": ov["ft_step_ms"]},
+        {"measure": "per-step overhead FT vs plain", "value": f"{ov['overhead_ms']:+.2f} ms ({ov['overhead_frac']:+.1%})",
+         "target": "<= 1 ms or 5%", "raw": ov["overhead_ms"],
+         "met": bool(ov["overhead_ms"] <= 1.0 or ov["overhead_frac"] <= 0.05)},
+        {"measure": "  FT: quorum wait (median)", "value": f"{ov['ft_quorum_wait_ms']:.2f} ms", "target": "-",
+         "raw": ov["ft_quorum_wait_ms"]},
+        {"measure": "  FT: FTAR + embedding exchange (median)", "value": f"{ov['ft_reduce_ms']:.2f} ms", "target": "-",
+         "raw": ov["ft_reduce_ms"]},
+        {"measure": "  FT: commit vote (median)", "value": f"{ov['ft_vote_ms']:.2f} ms", "target": "-",
+         "raw": ov["ft_vote_ms"]},
+        {"measure": f"kill (step {k}, mid-exchange) -> survivors' next committed step",
+         "value": f"{kr['kill_s']:.3f} s (step {kr['next_step']}, {kr['next_step_attempts']} attempts)",
+         "target": "<= 0.3 s", "raw": kr["kill_s"], "met": bool(kr["kill_s"] <= 0.3)},
+        {"measure": "steps discarded per failure", "value": str(kr["discarded"]), "target": "0",
+         "raw": kr["discarded"], "met": kr["discarded"] == 0},
+    ]
+    if "contributing_s" not in kr:
+        never = f"never contributed again in {kr['steps']} steps (raise --kill-steps)"
+        rows += [{"measure": m, "value": never, "target": t, "raw": None}
+                 for m, t in (("survivor step during catch-up / before", "<= 1.05"),
+                              ("restart -> contributing", "-"), ("catch-up transfer rate", ">= 1 GB/s"))]
+    else:
+        ratio = kr["during_ms"] / kr["before_ms"]
+        rows += [
+            {"measure": "survivor step during catch-up / before",
+             "value": f"{ratio:.2f} ({kr['during_ms']:.1f} vs {kr['before_ms']:.1f} ms, steps "
+                      f"{kr['joined_step']}..{kr['first_contributing_step']} vs {WARMUP}..{int(k) - 1})",
+             "target": "<= 1.05", "raw": ratio, "met": bool(ratio <= 1.05)},
+            {"measure": "  survivor step while the group restarts (2 groups)",
+             "value": f"{kr['restarting_ms']:.1f} ms", "target": "-", "raw": kr["restarting_ms"]},
+            {"measure": "restart -> contributing (agent restart, imports, sharding incl.)",
+             "value": f"{kr['contributing_s']:.2f} s (to catch-up start {kr['kill_to_catch_up_start_s']:.2f} s, "
+                      f"catch-up {kr['catch_up_s']:.3f} s)", "target": "-", "raw": kr["contributing_s"]},
+            {"measure": "catch-up snapshot transfer rate",
+             "value": f"{kr['rate'] / 1e9:.3f} GB/s" if kr.get("rate") else "not logged", "target": ">= 1 GB/s",
+             "raw": kr.get("rate"), "met": bool(kr.get("rate") and kr["rate"] >= 1e9)},
+        ]
+    rows += [
+        {"measure": "  snapshot size (estimate from parameter count)",
+         "value": f"{size / 1e6:.2f} MB" if size else "n/a", "target": "-", "raw": size},
+        {"measure": "lighthouse heartbeat timeout (launch_replicas)",
+         "value": f"{hb:g} s (3 groups: crash found by failure reports)", "target": "-", "raw": hb},
+    ]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer steps, one repeat (< ~90 s on 2 cores)")
+    parser.add_argument("--model", choices=["dlrm", "hstu"], default="dlrm")
+    parser.add_argument("--batch", type=int, default=128, help="rows per rank per step (default 128)")
+    parser.add_argument("--data", help="an existing dataset (default: synthetic, generated into a temp dir)")
+    parser.add_argument("--rows", type=int, default=40_000, help="synthetic training rows (default 40000)")
+    parser.add_argument("--num-items", type=int, default=2_000,
+                        help="synthetic item vocabulary (default 2000; larger: a bigger item table and snapshot)")
+    parser.add_argument("--repeats", type=int, help="interleaved plain/FT overhead runs (default 3, quick 1)")
+    parser.add_argument("--steps", type=int, help="steps of each overhead run (default 400, quick 100)")
+    parser.add_argument("--kill-step", type=int, default=30, help="step K at which group 2 is killed (default 30)")
+    parser.add_argument("--kill-steps", type=int,
+                        help="steps of the kill run; enough for the restarted group to rejoin and contribute "
+                             "(default 1500, quick 600)")
+    parser.add_argument("--json", help="write rows, machine and parameters to this path")
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    steps = args.steps or (100 if args.quick else 400)
+    kill_steps = args.kill_steps or (600 if args.quick else 1500)
+    if args.kill_step <= WARMUP + 1 or kill_steps <= args.kill_step + 1 or steps <= 2 * LOG_EVERY + WARMUP:
+        parser.error(f"need --kill-step > {WARMUP + 1}, --kill-steps > --kill-step + 1 and "
+                     f"--steps > {2 * LOG_EVERY + WARMUP}")
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_ft_torchrec"))
+    try:
+        if args.data:
+            data = Path(args.data).resolve()
+        else:
+            from freescale.dataloader import SyntheticSpec, generate
+
+            data = tmp / "data"
+            generate(data, SyntheticSpec(rows=args.rows, eval_rows=0, num_items=args.num_items,
+                                         row_group_size=4_096, seed=0))
+        ov = overhead(tmp, data, args, steps, repeats)
+        kr = kill_run(tmp, data, args, kill_steps)
+        size = snapshot_bytes(args.model, data)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    hb = heartbeat_timeout_s()
+    rows = rows_for(ov, kr, size, hb)
+    print_table(rows, ["measure", "value", "target"])
+    print(f"bench_ft_torchrec: {time.perf_counter() - start:.0f} s in all; kill run {kr['wall_s']:.0f} s "
+          f"({kr['steps']} steps), {kr.get('contributing_steps', 0)} of them with the restarted group contributing")
+    if args.json:
+        write_json(args.json, "bench_ft_torchrec", {
+            "quick": args.quick, "model": args.model, "config": f"configs/tiny_{args.model}.toml",
+            "batch_per_rank": args.batch, "data": args.data or f"synthetic: {args.rows} rows, "
+                                                              f"{args.num_items} items",
+            "backend": "gloo (CPU)", "omp_num_threads": 1, "repeats": repeats, "overhead_steps": steps,
+            "ft_warmup_steps": WARMUP, "plain_log_every": LOG_EVERY,
+            "plain": "launch --nproc-per-node 2 (1 job, tables sharded over 2 ranks, DDP)",
+            "ft": "launch --replicas 2 --nproc-per-node 1", "kill": "launch --replicas 3 --nproc-per-node 1 "
+            "--max-restarts 1", "fault": kr["fault"], "slow": None, "kill_steps": kill_steps,
+            "heartbeat_timeout_s": hb, **lighthouse_defaults(), "snapshot_bytes_estimate": size,
+            "overhead": ov, "kill_run": kr}, rows)
+
+
+if __name__ == "__main__":
+    main()
