@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import requests
 import torch
@@ -62,33 +62,71 @@ class FTARGroup:
         return self._group
 
     def drop(self) -> None:
-        """Forget the current group (after a failure its peers may be gone)."""
+        """Abort and forget the current group after a failure.
+
+        Aborting closes its connections at once, so a peer still blocked in a collective
+        on it (waiting for data this rank will never relay) fails now instead of at the
+        collective timeout; the survivors then meet in the next quorum's group.
+        """
+        if self._group is not None:
+            try:
+                self._group.abort()
+            except RuntimeError:
+                pass  # a backend without abort: its connections close when it is collected
         self._group, self._quorum_id = None, -1
 
 
+_HEADER_SPLIT = 1 << 20
+"""Header integers travel in the float32 sum as two parts below 2**20 each: exact up to 2**40."""
+
+
+@dataclass
+class Reduced:
+    """What every participant receives from one ``weighted_all_reduce``."""
+
+    tensors: list[torch.Tensor]
+    weights: list[float]
+    ready: list[bool]
+    headers: list[torch.Tensor]
+    """Each participant's ``header`` (int64), in quorum order: sizes for a following exchange."""
+
+
 def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], weight: float,
-                        index: int = 0, size: int = 1, ready: bool = True
-                        ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
+                        index: int = 0, size: int = 1, ready: bool = True,
+                        header: torch.Tensor | None = None) -> Reduced:
     """``sum_r w_r t_r / sum_r w_r`` over the group; inputs are left untouched.
 
-    One flat float32 buffer: the tensors, then one weight slot and one *ready* slot per
-    participant (this one writes its own, at ``index`` of ``size``); scaled in place,
-    reduced once, and the results are views of it (no copies back unless a dtype
-    differs).  Returns the averages, every participant's weight and ready flag (ready:
-    it holds valid state, i.e. it is not catching up), which all participants receive
-    alike: the trainer plans the next step's data over the ready ones.
+    One flat float32 buffer: the tensors, then per participant a weight slot, a *ready*
+    slot and its ``header`` (non-negative int64s, the same count on every participant;
+    this one fills its own slots, at ``index`` of ``size``); scaled in place, reduced
+    once, and the averages are views of it (no copies back unless a dtype or device
+    differs).  Every participant receives the same weights, ready flags (ready: holds
+    valid state, i.e. is not catching up; the trainer plans the next step's data over
+    the ready ones) and headers (so a variable-size exchange that follows needs no
+    round of its own to learn the sizes).
     """
     total_numel = sum(t.numel() for t in tensors)
-    flat = torch.zeros(total_numel + 2 * size, dtype=torch.float32)
+    head = header.reshape(-1).to(torch.int64).cpu() if header is not None else torch.zeros(0, dtype=torch.int64)
+    if head.numel() and (int(head.min()) < 0 or int(head.max()) >= _HEADER_SPLIT ** 2):
+        raise ValueError(f"weighted all-reduce: header values must be in [0, 2**40), got {head.tolist()[:8]}")
+    h = head.numel()
+    flat = torch.zeros(total_numel + size * (2 + 2 * h), dtype=torch.float32)
     if tensors:
         # The replica-dimension groups are gloo: device gradients take one host copy each way.
         torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors], out=flat[:total_numel])
     flat[:total_numel].mul_(weight)
-    flat[total_numel + index] = float(weight)
-    flat[total_numel + size + index] = 1.0 if ready else 0.0
+    meta = flat[total_numel:]
+    meta[index] = float(weight)
+    meta[size + index] = 1.0 if ready else 0.0
+    headers_at = meta[2 * size:].view(size, 2, h) if h else None
+    if headers_at is not None:
+        headers_at[index, 0] = (head // _HEADER_SPLIT).float()
+        headers_at[index, 1] = (head % _HEADER_SPLIT).float()
     group.allreduce([flat]).wait()
-    weights = flat[total_numel:total_numel + size].tolist()
-    flags = [f > 0.5 for f in flat[total_numel + size:].tolist()]
+    weights = meta[:size].tolist()
+    flags = [f > 0.5 for f in meta[size:2 * size].tolist()]
+    headers = ([(headers_at[i, 0].long() * _HEADER_SPLIT + headers_at[i, 1].long()) for i in range(size)]
+               if headers_at is not None else [torch.zeros(0, dtype=torch.int64)] * size)
     total = float(sum(weights))
     if total <= 0:
         raise RuntimeError("weighted all-reduce: every participant has weight 0")
@@ -99,13 +137,20 @@ def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor
         out.append(piece if t.dtype == torch.float32 and t.device.type == "cpu"
                    else piece.to(device=t.device, dtype=t.dtype))
         offset += t.numel()
-    return out, weights, flags
+    return Reduced(out, weights, flags, headers)
 
 
-Exchange = Callable[[dist.ProcessGroup, Quorum, list[float]], Any]
-"""An extra collective run in the same quorum attempt as the dense reduction, after it (so a
-failure in it is redone with the survivors too): ``(group, quorum, weights) -> result``.
-The trainer exchanges the touched embedding rows here (``freescale.ft.sparse_sync``)."""
+class Exchange(Protocol):
+    """An extra collective run in the same quorum attempt as the dense reduction, after it (so
+    a failure in it is redone with the survivors too).  ``header()`` (int64, the same length on
+    every participant) rides along in the reduction, so ``__call__`` knows every participant's
+    sizes without a round of its own.  The trainer exchanges the touched embedding rows here
+    (``freescale.ft.sparse_sync``)."""
+
+    def header(self) -> torch.Tensor: ...
+
+    def __call__(self, group: dist.ProcessGroup, quorum: Quorum, weights: list[float],
+                 headers: list[torch.Tensor]) -> Any: ...
 
 
 @dataclass
@@ -201,12 +246,14 @@ class ReplicaSync:
             try:
                 group = self.group.for_quorum(quorum)
                 index = quorum.index_of(self.client.replica_id)
-                reduced, weights, flags = weighted_all_reduce(group, send, send_weight, index,
-                                                              len(quorum.participants), not self.recovering)
+                result_of_reduce = weighted_all_reduce(
+                    group, send, send_weight, index, len(quorum.participants), not self.recovering,
+                    exchange.header() if exchange is not None else None)
+                reduced, weights, flags = result_of_reduce.tensors, result_of_reduce.weights, result_of_reduce.ready
                 if exchange is not None:
-                    extra = exchange(group, quorum, weights)
+                    extra = exchange(group, quorum, weights, result_of_reduce.headers)
             except (RuntimeError, dist.DistError):
-                reduced = None
+                reduced, group = None, None
                 self.group.drop()
                 self.client.report_failure(quorum.quorum_id)
             t1 = time.perf_counter()

@@ -14,8 +14,8 @@ gradients, so replicas would drift apart at once.  Here, per step:
 2. **Exchange** (inside the fault-tolerant all-reduce's quorum attempt, after
    the dense reduction: a failure in it is redone with the survivors like the
    dense one): at position ``r`` the replicas all-gather each TBE's
-   ``(indices, offsets, output gradient)``.  Three gloo all-gathers per step in
-   all (sizes, ints, floats), whatever the number of tables.
+   ``(indices, offsets, output gradient)``.  One gloo all-gather per step,
+   whatever the number of tables: the sizes ride in the dense reduction.
 3. **Apply** (only once the step commits): every replica builds the same
    *union* batch, participants in quorum order, each one's gradient rows
    scaled by its share of the step's samples ``w_j / sum w``, and runs the
@@ -130,6 +130,7 @@ class UnionSparseUpdate:
 
     def __init__(self, dmp: nn.Module) -> None:
         self._anchor = torch.zeros((), requires_grad=True)
+        self._mine: UnionUpdate | None = None
         self._slots: list[_Slot] = []
         for name, tbe in fused_tbes(dmp):
             pooled = int(tbe.pooling_mode) != 2  # fbgemm PoolingMode.NONE == 2: one row per id
@@ -179,36 +180,49 @@ class UnionSparseUpdate:
         return UnionUpdate(tables)
 
     def reset(self) -> None:
+        self._mine = None
         for s in self._slots:
             s.indices = s.offsets = s.grad = None
             s.calls = 0
 
-    def exchange(self, group: dist.ProcessGroup, quorum: Quorum, weights: list[float]) -> UnionUpdate:
-        """All-gather every participant's ``local_step`` and build the weighted union (same on all)."""
-        mine = self.local_step()
+    def header(self) -> torch.Tensor:
+        """Sizes of this replica's step, per TBE ``[ids, offsets, grad rows, grad cols]``: they ride
+        in the dense reduction (``freescale.ft.ftar.Exchange``), so the exchange is one all-gather."""
+        self._mine = self.local_step()
+        return torch.tensor([[t.indices.numel(), t.offsets.numel(), t.grad.shape[0], t.grad.shape[1]]
+                             for t in self._mine.tables], dtype=torch.int64).reshape(-1)
+
+    def __call__(self, group: dist.ProcessGroup, quorum: Quorum, weights: list[float],
+                 headers: list[torch.Tensor]) -> UnionUpdate:
+        """All-gather every participant's ``local_step`` and build the weighted union (same on all).
+
+        One float32 all-gather: each participant's ids and offsets (int64, bit-cast to
+        float32 pairs: no arithmetic touches them) then its gradients, padded to the longest.
+        """
+        mine = self._mine if self._mine is not None else self.local_step()
+        self._mine = None
         size = len(quorum.participants)
-        header = torch.tensor([[t.indices.numel(), t.offsets.numel(), t.grad.shape[0], t.grad.shape[1]]
-                               for t in mine.tables], dtype=torch.int64).reshape(-1)
-        headers = _all_gather(group, header, size)
         # gloo across groups: device tensors take one host copy (the union is moved back in ``apply``).
         ints = torch.cat([torch.cat([t.indices.cpu(), t.offsets.cpu()]) for t in mine.tables])
         floats = torch.cat([t.grad.reshape(-1).float().cpu() for t in mine.tables])
-        int_sizes = [int(h.view(-1, 4)[:, :2].sum()) for h in headers]
-        float_sizes = [int((h.view(-1, 4)[:, 2] * h.view(-1, 4)[:, 3]).sum()) for h in headers]
-        all_ints = _all_gather_varlen(group, ints, int_sizes)
-        all_floats = _all_gather_varlen(group, floats, float_sizes)
+        mine_flat = torch.cat([ints.view(torch.float32), floats])
+        shapes = [h.view(-1, 4) for h in headers]
+        int_sizes = [int(h[:, :2].sum()) for h in shapes]
+        float_sizes = [int((h[:, 2] * h[:, 3]).sum()) for h in shapes]
+        gathered = _all_gather_varlen(group, mine_flat, [2 * i + f for i, f in zip(int_sizes, float_sizes)])
         total = float(sum(weights))
         per_participant: list[list[TBEStep]] = []
         for p in range(size):
-            h = headers[p].view(-1, 4).tolist()
+            all_ints = gathered[p][:2 * int_sizes[p]].contiguous().view(torch.int64)
+            all_floats = gathered[p][2 * int_sizes[p]:]
             i_off = f_off = 0
             steps = []
-            for n_idx, n_off, rows, cols in h:
-                idx = all_ints[p][i_off:i_off + n_idx]
-                off = all_ints[p][i_off + n_idx:i_off + n_idx + n_off]
-                grad = all_floats[p][f_off:f_off + rows * cols].view(rows, cols)
+            share = torch.tensor(weights[p] / total if total > 0 else 0.0, dtype=torch.float32)
+            for n_idx, n_off, rows, cols in shapes[p].tolist():
+                idx = all_ints[i_off:i_off + n_idx]
+                off = all_ints[i_off + n_idx:i_off + n_idx + n_off]
+                grad = all_floats[f_off:f_off + rows * cols].view(rows, cols)
                 i_off, f_off = i_off + n_idx + n_off, f_off + rows * cols
-                share = torch.tensor(weights[p] / total if total > 0 else 0.0, dtype=torch.float32)
                 steps.append(TBEStep(idx, off, grad * share))
             per_participant.append(steps)
         return UnionUpdate([self._union(slot, [pp[k] for pp in per_participant])
@@ -257,6 +271,7 @@ class UnionSparseUpdate:
 
 
 def _all_gather(group: dist.ProcessGroup, tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Every participant's ``tensor`` (same shape on all)."""
     out = [torch.empty_like(tensor) for _ in range(size)]
     group.allgather([out], [tensor]).wait()
     return out

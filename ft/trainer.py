@@ -264,7 +264,7 @@ class ReplicaRank:
             if delay is not None:
                 threading.Timer(delay, self._die).start()
             try:
-                result = self.sync.reduce_and_commit(step, grads, weight, exchange=self.sparse.exchange)
+                result = self.sync.reduce_and_commit(step, grads, weight, exchange=self.sparse)
             except JobFinished as done:
                 self._write(event="finished_elsewhere", step=step, finished_step=done.step,
                             recovering=self.sync.recovering, time=time.time())

@@ -100,3 +100,20 @@ def test_union_update_equals_one_model_on_all_samples(kind: str, tiny_data: Path
     finally:
         if ctx.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_headers_ride_in_the_reduction_exactly() -> None:
+    """Integers up to 2**40 travel through the float32 sum split in two parts, bit-exact."""
+    from datetime import timedelta
+
+    from freescale.ft.ftar import weighted_all_reduce
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5))
+    header = torch.tensor([0, 1, 2**24 + 1, 2**33 + 12345, 2**40 - 1], dtype=torch.int64)
+    grads = [torch.tensor([1.0, -2.0]), torch.tensor([[0.5]])]
+    reduced = weighted_all_reduce(group, grads, 8.0, 0, 1, True, header)
+    assert torch.equal(reduced.headers[0], header)
+    assert reduced.weights == [8.0] and reduced.ready == [True]
+    assert all(torch.equal(a, b) for a, b in zip(reduced.tensors, grads))
+    with pytest.raises(ValueError, match="header values"):
+        weighted_all_reduce(group, grads, 1.0, 0, 1, True, torch.tensor([-1]))
