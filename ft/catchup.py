@@ -77,7 +77,8 @@ def pack(step: int, tensors: dict[str, torch.Tensor]) -> _Staged:
 
 def unpack(header: dict[str, Any], payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     out = {}
-    buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+    owned = payload if isinstance(payload, bytearray) else bytearray(payload)
+    buffer = torch.frombuffer(owned, dtype=torch.uint8) if len(owned) else torch.empty(0, dtype=torch.uint8)
     for e in header["tensors"]:
         dtype = _DTYPES.get(e["dtype"])
         if dtype is None:
@@ -182,8 +183,14 @@ class SnapshotServer:
         return response
 
 
-def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: float = 60.0) -> tuple[int, dict[str, torch.Tensor], float]:
-    """Download a snapshot of step >= ``min_step`` from ``address``; returns (step, tensors, bytes/s)."""
+def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: float = 60.0
+                   ) -> tuple[int, dict[str, torch.Tensor], float, float]:
+    """Download a snapshot of step >= ``min_step`` from ``address``.
+
+    Returns (step, tensors, bytes/s of the transfer, seconds waited for the source): the
+    rate is timed from the header's arrival to the last byte; the wait before it is the
+    source reaching its next step boundary and staging the snapshot there.
+    """
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     start = time.perf_counter()
     try:
@@ -197,6 +204,7 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
             if size > 64 << 20:
                 raise ConnectionError(f"snapshot source {address} sent a {size}-byte header: refusing")
             header = json.loads(raw.read(size))
+            waited = time.perf_counter() - start
             total = sum(e["nbytes"] for e in header["tensors"])
             payload = bytearray(total)
             view, got = memoryview(payload), 0
@@ -208,5 +216,5 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
     except (urllib3.exceptions.HTTPError, OSError, struct.error) as exc:
         # The source died mid-transfer (urllib3 reports a broken stream as ProtocolError).
         raise ConnectionError(f"snapshot source {address}: transfer broken: {exc}") from None
-    seconds = time.perf_counter() - start
-    return int(header["step"]), unpack(header, payload), total / max(seconds, 1e-9)
+    seconds = time.perf_counter() - start - waited
+    return int(header["step"]), unpack(header, payload), total / max(seconds, 1e-9), waited

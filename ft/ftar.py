@@ -212,7 +212,7 @@ class ReplicaSync:
         self.quorum: Quorum | None = None
         self.recovering = False
         self._recorded: list[StepResult] = []
-        self._fetch: Future[tuple[int, dict[str, torch.Tensor], float]] | None = None
+        self._fetch: Future[tuple[int, dict[str, torch.Tensor], float, float]] | None = None
         self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-catchup")
         self.catch_up_log: dict[str, Any] = {}
 
@@ -301,7 +301,7 @@ class ReplicaSync:
                              "started": time.time()}
         self._fetch = self._fetch_pool.submit(self._fetch_from_any, sources, quorum.max_step)
 
-    def _fetch_from_any(self, sources: list[str], min_step: int) -> tuple[int, dict[str, torch.Tensor], float]:
+    def _fetch_from_any(self, sources: list[str], min_step: int) -> tuple[int, dict[str, torch.Tensor], float, float]:
         errors = []
         for _ in range(3):
             for address in sources:
@@ -327,7 +327,7 @@ class ReplicaSync:
         """
         if not self.recovering or self._fetch is None or not (wait or self._fetch.done()):
             return False
-        snap_step, state, rate = self._fetch.result()
+        snap_step, state, rate, waited = self._fetch.result()
         load(state)
         replayed = 0
         for result in self._recorded:
@@ -335,6 +335,7 @@ class ReplicaSync:
                 apply(result)
                 replayed += 1
         self.catch_up_log.update(snapshot_step=snap_step, replayed=replayed, bytes_per_s=rate,
+                                 source_wait_s=waited, bytes=sum(t.numel() * t.element_size() for t in state.values()),
                                  finished=time.time())
         self.recovering, self._recorded, self._fetch = False, [], None
         if self.snapshots is not None:
