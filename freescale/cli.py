@@ -3,6 +3,7 @@
     freescale gen-data --out data/demo --rows 40000
     freescale train --config configs/tiny_hstu.toml --data.path data/demo --train.steps 50
     freescale launch --nproc-per-node 2 --config configs/tiny_hstu.toml --data.path data/demo
+    freescale launch --replicas 2 --ranks-per-replica 2 --max-restarts 3 --config configs/tiny_hstu.toml
 
 ``train`` runs one rank (under torchrun, or alone); ``launch`` starts N local
 ranks under torch's elastic agent (``freescale.launch``) after checking the
@@ -151,6 +152,9 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     DatasetManifest.read(cfg.data.path)  # fail here, once, before any rank starts
     train_args = ([f"--config={args.config}"] if args.config else []) + (["--resume"] if args.resume else [])
     if args.replicas > 1:
+        if cfg.pipeline.kind != "plain":
+            raise ConfigError(f"pipeline.kind: fault-tolerant replica groups (--replicas) run the plain loop, "
+                              f"got '{cfg.pipeline.kind}'")
         return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [*train_args, *overrides],
                                lighthouse_url=args.lighthouse)
     return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
@@ -197,7 +201,8 @@ def build_parser(with_config_keys: bool = True) -> argparse.ArgumentParser:
         p.add_argument("--config", help="TOML config file (e.g. configs/tiny_hstu.toml)")
         p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
         if name == "launch":
-            p.add_argument("--nproc-per-node", type=int, default=2, help="local ranks (default 2)")
+            p.add_argument("--nproc-per-node", "--ranks-per-replica", dest="nproc_per_node", type=int, default=2,
+                           help="local ranks (of each replica group with --replicas; default 2)")
             p.add_argument("--lighthouse", default="", help="with --replicas: use this lighthouse URL (a `freescale lighthouse` process) instead of one in the launcher")
             p.add_argument("--replicas", type=int, default=1, help="fault-tolerant replica groups of --nproc-per-node ranks each, with a lighthouse in this process (freescale.ft; default 1: no fault tolerance)")
             p.add_argument("--max-restarts", type=int, default=0, help="restart the group this often when a rank fails; it resumes from its latest checkpoint (default 0)")

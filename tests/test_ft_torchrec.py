@@ -27,7 +27,7 @@ from tests.conftest import REPO, cli_env
 
 def launch_args(out: Path, data: Path, replicas: int, ranks: int, steps: int, model: str,
                 max_restarts: int = 0, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "freescale.cli", "launch", "--replicas", str(replicas), "--nproc-per-node",
+    return [sys.executable, "-m", "freescale.cli", "launch", "--replicas", str(replicas), "--ranks-per-replica",
             str(ranks), "--max-restarts", str(max_restarts), "--config", f"configs/tiny_{model}.toml",
             "--data.path", str(data), "--data.batch_size", "32", "--train.steps", str(steps),
             "--train.output_dir", str(out), "--train.eval", "false", "--train.progress", "false",
@@ -95,6 +95,13 @@ def check_run(out: Path, data: Path, model: str, replicas: int, ranks: int, step
     assert got.size == expected.size, f"{got.size} samples trained or pending, {expected.size} planned"
     assert np.array_equal(got, expected), "a sample was lost or trained twice"
     return runs
+
+
+def test_launch_refuses_a_pipeline_it_cannot_run(tiny_data: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(launch_args(tmp_path, tiny_data, 2, 1, 5, "dlrm", 0, "--pipeline.kind", "prioritized"),
+                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "pipeline.kind" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_replicas_stay_identical_and_train_each_sample_once(tiny_data: Path, tmp_path: Path) -> None:
