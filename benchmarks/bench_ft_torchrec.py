@@ -118,8 +118,12 @@ def jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def committed(path: Path) -> list[dict[str, Any]]:
-    """A replica rank's committed steps (its log also holds a summary and other events)."""
-    return [e for e in jsonl(path) if "step" in e and "event" not in e]
+    """A replica rank's committed steps (its log also holds a summary and other events), each with the
+    seconds it spent staging a snapshot after that step (``stage`` events), if it staged one."""
+    lines = jsonl(path)
+    staged = {e["step"]: e["stage_s"] for e in lines if e.get("event") == "stage"}
+    return [{**e, **({"stage_s": staged[e["step"]]} if e["step"] in staged else {})}
+            for e in lines if "step" in e and "event" not in e]
 
 
 def median(values: list[float]) -> float:

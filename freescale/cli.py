@@ -230,8 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # one line for what the user can fix; tracebacks for our bugs
         from freescale.checkpoint import CheckpointError
         from freescale.dataloader.schema import DataError
+        from freescale.ft.client import LighthouseError
 
-        if isinstance(exc, (ConfigError, DataError, CheckpointError)):
+        if isinstance(exc, (ConfigError, DataError, CheckpointError, LighthouseError)):
             from freescale.launch import report_user_error
 
             report_user_error(str(exc))

@@ -91,9 +91,12 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     url = lighthouse_url or lighthouse.start_in_thread()
     print(f"freescale: lighthouse at {url}; {replicas} replica group(s) of {nproc_per_node} rank(s)", flush=True)
     groups = []
+    devices = _gpus_per_group(replicas, nproc_per_node)
     try:
         for index in range(replicas):
             env = {**os.environ, LIGHTHOUSE_ENV: url, REPLICAS_ENV: str(replicas), REPLICA_INDEX_ENV: str(index)}
+            if devices is not None:  # each group its own GPUs (every group numbers its ranks 0..G-1)
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[index * nproc_per_node:(index + 1) * nproc_per_node])
             groups.append(subprocess.Popen(
                 [sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node", str(nproc_per_node),
                  "--max-restarts", str(max_restarts), *train_args], env=env))
@@ -108,3 +111,18 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
         if code:
             print(f"freescale: error: replica group {index} exited with status {code}", file=sys.stderr)
     return max(codes, default=0)
+
+
+def _gpus_per_group(replicas: int, nproc_per_node: int) -> list[str] | None:
+    """The visible GPUs, if there are enough for every rank of every group to have its own."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if len(devices) < replicas * nproc_per_node:
+        print(f"freescale: warning: {len(devices)} GPU(s) for {replicas} x {nproc_per_node} ranks: groups share GPUs",
+              file=sys.stderr)
+        return None
+    return devices

@@ -204,6 +204,9 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
             if size > 64 << 20:
                 raise ConnectionError(f"snapshot source {address} sent a {size}-byte header: refusing")
             header = json.loads(raw.read(size))
+            if not isinstance(header, dict) or not isinstance(header.get("step"), int) or not isinstance(
+                    header.get("tensors"), list):
+                raise ValueError(f"snapshot source {address} sent a malformed header")
             waited = time.perf_counter() - start
             total = sum(e["nbytes"] for e in header["tensors"])
             payload = bytearray(total)

@@ -195,17 +195,25 @@ class LighthouseClient:
         self._post("/v1/report", {"quorum_id": quorum_id})
 
     def status(self) -> dict[str, Any]:
-        conn = http.client.HTTPConnection(urllib.parse.urlsplit(self.url).hostname or "127.0.0.1",
-                                          urllib.parse.urlsplit(self.url).port, timeout=5)
-        try:
-            conn.request("GET", "/v1/status", headers=self.headers)
-            response = conn.getresponse()
-            raw = response.read()
-            if response.status != 200:
-                raise LighthouseError(f"lighthouse {self.url}/v1/status answered {response.status}")
-            return dict(json.loads(raw))
-        finally:
-            conn.close()
+        """``GET /v1/status``; retried like every request, a ``LighthouseError`` naming the URL if it stays down."""
+        deadline = time.monotonic() + self.request_timeout_s
+        parsed = urllib.parse.urlsplit(self.url)
+        while True:
+            conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=5)
+            try:
+                conn.request("GET", "/v1/status", headers=self.headers)
+                response = conn.getresponse()
+                raw = response.read()
+                if response.status != 200:
+                    raise LighthouseError(f"lighthouse {self.url}/v1/status answered {response.status}: "
+                                          f"{raw[:200].decode(errors='replace')}")
+                return dict(json.loads(raw))
+            except (OSError, http.client.HTTPException) as exc:
+                if time.monotonic() >= deadline:
+                    raise LighthouseError(f"lighthouse {self.url} unreachable: {exc}") from None
+                time.sleep(0.1)
+            finally:
+                conn.close()
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():

@@ -74,6 +74,7 @@ class FTARGroup:
             except RuntimeError:
                 pass  # a backend without abort: its connections close when it is collected
         self._group, self._quorum_id = None, -1
+        self._stores.clear()  # the lighthouse (and its store) may have restarted: connect afresh
 
 
 _HEADER_SPLIT = 1 << 20
@@ -128,9 +129,8 @@ def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor
     headers = ([(headers_at[i, 0].long() * _HEADER_SPLIT + headers_at[i, 1].long()) for i in range(size)]
                if headers_at is not None else [torch.zeros(0, dtype=torch.int64)] * size)
     total = float(sum(weights))
-    if total <= 0:
-        raise RuntimeError("weighted all-reduce: every participant has weight 0")
-    flat[:total_numel].div_(total)
+    if total > 0:  # all weights 0 (no participant trained): the sums are zeros, the caller skips the update
+        flat[:total_numel].div_(total)
     out, offset = [], 0
     for t in tensors:
         piece = flat[offset:offset + t.numel()].view(t.shape)
@@ -178,6 +178,10 @@ class StepResult:
     vote_s: float = 0.0
 
 
+class _NoValidState(RuntimeError):
+    """Nobody in the quorum can provide the run's state: not a peer failure, not retried."""
+
+
 class ReplicaSync:
     """One rank position's side of FT-HSDP's gradient exchange and catch-up.
 
@@ -200,7 +204,8 @@ class ReplicaSync:
     """
 
     def __init__(self, client: LighthouseClient, position: int = 0, timeout_s: float = 5.0,
-                 snapshot_server: SnapshotServer | None = None, token: str = "") -> None:
+                 snapshot_server: SnapshotServer | None = None, token: str = "", max_attempts: int = 50,
+                 agree: Callable[[bool], bool] | None = None) -> None:
         self.client = client
         self.position = position
         self.group = FTARGroup(client.replica_id, position, timeout_s)
@@ -208,6 +213,9 @@ class ReplicaSync:
         if snapshot_server is not None:
             client.address = snapshot_server.address
         self.token = token
+        self.max_attempts = max_attempts
+        self.agree = agree
+        """Group-wide agreement on each vote's outcome (an in-group all-reduce, MIN); None for a group of one."""
         self._pending: Future[Quorum] | None = None
         self.quorum: Quorum | None = None
         self.recovering = False
@@ -229,8 +237,14 @@ class ReplicaSync:
         reduce_s = vote_s = 0.0
         seen_behind = False
         attempts = 0
+        last_error = ""
+        header = exchange.header() if exchange is not None else None  # local: its errors are not a peer's
         while True:
             attempts += 1
+            if attempts > self.max_attempts:
+                raise RuntimeError(
+                    f"replica '{self.client.replica_id}': step {step} failed in {self.max_attempts} quorums in a row "
+                    f"(last quorum {quorum.quorum_id}: {last_error or 'the vote did not pass'}); giving up")
             if quorum.max_step > step:
                 self._start_recovery(quorum, step)
                 step = quorum.max_step
@@ -247,17 +261,27 @@ class ReplicaSync:
                 group = self.group.for_quorum(quorum)
                 index = quorum.index_of(self.client.replica_id)
                 result_of_reduce = weighted_all_reduce(
-                    group, send, send_weight, index, len(quorum.participants), not self.recovering,
-                    exchange.header() if exchange is not None else None)
+                    group, send, send_weight, index, len(quorum.participants), not self.recovering, header)
                 reduced, weights, flags = result_of_reduce.tensors, result_of_reduce.weights, result_of_reduce.ready
+                if not any(flags):
+                    raise _NoValidState(
+                        f"quorum {quorum.quorum_id} at step {step}: no participant holds valid state (all are catching "
+                        "up and every group that had the run's progress is gone); restart the run")
                 if exchange is not None:
                     extra = exchange(group, quorum, weights, result_of_reduce.headers)
-            except (RuntimeError, dist.DistError):
+            except (RuntimeError, dist.DistError) as exc:  # a peer died or hung: redo with the survivors
+                if isinstance(exc, _NoValidState):
+                    raise
+                last_error = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
                 reduced, group = None, None
                 self.group.drop()
                 self.client.report_failure(quorum.quorum_id)
             t1 = time.perf_counter()
             committed = self.client.commit(quorum.quorum_id, step, reduced is not None)
+            if self.agree is not None:
+                # Every rank of this group acts on the same decision (a lighthouse restarted mid-vote
+                # can answer two members differently); a group that ends up behind catches up.
+                committed = self.agree(committed)
             reduce_s, vote_s = reduce_s + t1 - t0, vote_s + time.perf_counter() - t1
             if committed and reduced is not None:
                 self.quorum = quorum
@@ -285,8 +309,8 @@ class ReplicaSync:
         return self.snapshots.stage(step, state)
 
     def _start_recovery(self, quorum: Quorum, step: int) -> None:
-        if self.recovering:
-            return
+        """Start catching up to ``quorum.max_step``; again from scratch when already catching up
+        (the quorum moved past steps this replica has not recorded: its replay would miss them)."""
         self.recovering = True
         self._recorded = []
         if self.snapshots is not None:
@@ -299,6 +323,9 @@ class ReplicaSync:
                                "participant runs a snapshot server")
         self.catch_up_log = {"joined_step": quorum.max_step, "own_step": step, "sources": sources,
                              "started": time.time()}
+        # A fresh worker each time: a fetch of an abandoned catch-up may still be waiting on its source.
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-catchup")
         self._fetch = self._fetch_pool.submit(self._fetch_from_any, sources, quorum.max_step)
 
     def _fetch_from_any(self, sources: list[str], min_step: int) -> tuple[int, dict[str, torch.Tensor], float, float]:
@@ -328,6 +355,9 @@ class ReplicaSync:
         if not self.recovering or self._fetch is None or not (wait or self._fetch.done()):
             return False
         snap_step, state, rate, waited = self._fetch.result()
+        newer = [r.step for r in self._recorded if r.step > snap_step]
+        if newer != list(range(snap_step + 1, snap_step + 1 + len(newer))):
+            raise RuntimeError(f"catch-up: recorded steps {newer[:5]}.. do not follow snapshot step {snap_step}")
         load(state)
         replayed = 0
         for result in self._recorded:

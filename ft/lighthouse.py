@@ -77,6 +77,7 @@ rank position, so a new quorum never reads an old one's keys).
 from __future__ import annotations
 
 import asyncio
+import socket
 import logging
 import time
 from dataclasses import dataclass, field
@@ -201,7 +202,9 @@ class Lighthouse:
 
         host, _, port = self.cfg.bind.rpartition(":")
         self.store = TCPStore(host, self.cfg.store_port, is_master=True, wait_for_workers=False)
-        self.store_address = f"{host}:{self.store.port}"
+        # Bound to every interface: advertise a name other hosts can reach (the groups connect to it).
+        advertised = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+        self.store_address = f"{advertised}:{self.store.port}"
         app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._auth])
         app.router.add_post("/v1/heartbeat", self._heartbeat)
         app.router.add_post("/v1/quorum", self._quorum)

@@ -261,6 +261,18 @@ class UnionSparseUpdate:
         if len(update.tables) != len(self._slots):
             raise RuntimeError(f"fault tolerance: an update for {len(update.tables)} embedding modules, "
                                f"this model has {len(self._slots)}")
+        # fbgemm's CUDA backward sums a row's gradients with atomics when it occurs more than
+        # ~1024 times in a batch (the union of all replicas' ids easily does): different
+        # rounding on each replica.  Deterministic mode makes it one ordered sum.
+        deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
+            torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            self._apply(update)
+        finally:
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+    def _apply(self, update: UnionUpdate) -> None:
         with torch.enable_grad():
             for slot, step in zip(self._slots, update.tables):
                 if step.indices.numel() == 0:

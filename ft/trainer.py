@@ -135,7 +135,8 @@ class ReplicaRank:
         self.client = LighthouseClient(ft.lighthouse, ft.replica_id, self.incarnation, member=ctx.rank,
                                        group_size=self.group_size, token=token).start()
         self.sync = ReplicaSync(self.client, position=ctx.rank, timeout_s=ft.timeout_s,
-                                snapshot_server=self.server, token=token)
+                                snapshot_server=self.server, token=token,
+                                agree=self._agree if self.group_size > 1 else None)
         self.log: TextIO = (self.out_dir / f"rank{ctx.rank}.jsonl").open("a")
         self.window = MetricWindow()
         self.finished_elsewhere = False
@@ -156,6 +157,8 @@ class ReplicaRank:
     # ------------------------------------------------------------------ updates
     def _apply(self, result: StepResult) -> None:
         """The committed step's update: AdamW on the averaged dense grads, then the union sparse update."""
+        if sum(result.weights.values()) <= 0:
+            return  # nobody trained this step (all catching up or not planned in): no update at all
         for p, averaged in zip(self.dense, result.tensors):
             p.grad = averaged
         self.dense_optimizer.step()
@@ -283,24 +286,32 @@ class ReplicaRank:
                 contributed += int(contributing)
                 if contributing and ft.log_rows:
                     event["rows"] = info.rows.tolist()
-            if result.stage_snapshot:
-                event["stage_s"] = self.sync.stage(result.step, self.snapshot())
             if self.sync.recovering and self._group_has_snapshot():
                 self.sync.poll_catch_up(self.load, self._replay, wait=True)
                 event["catch_up"] = self.sync.catch_up_log
             if not self.sync.recovering:
                 if ft.digest_every and (result.step + 1) % ft.digest_every == 0:
                     event["digest"] = state_digest(self.dmp, self.optimizer)
+                # Logged before staging: a peer's download may begin the moment the snapshot is staged.
                 self._write(step=result.step, quorum_id=result.quorum.quorum_id,
                             participants=list(result.quorum.replica_ids), attempts=result.attempts,
                             contributing=contributing, weight=weight, loss=loss_value, seconds=result.seconds,
                             quorum_wait_s=result.quorum_wait_s, reduce_s=result.reduce_s, vote_s=result.vote_s,
                             ready=sorted(result.ready), time=time.time(), **event)
+            if result.stage_snapshot:
+                self._write(event="stage", step=result.step, stage_s=self.sync.stage(result.step, self.snapshot()),
+                            time=time.time())
             step = result.step + 1
         if not self.finished_elsewhere:
             self.client.finish(steps - 1)
         return {"seconds": time.perf_counter() - start, "committed_steps": committed_steps,
                 "contributed_steps": contributed, "pending_rows": self.loader.state_dict().get("carry", [])}
+
+    def _agree(self, ok: bool) -> bool:
+        """True only if every rank of this group got True (an in-group all-reduce, MIN)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _group_has_snapshot(self) -> bool:
         """Every rank of this group has its snapshot (so the group turns ready at one step)."""
