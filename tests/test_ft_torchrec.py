@@ -139,6 +139,18 @@ def test_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(phase: str,
     assert survivor[steps - 1]["participants"] == ["replica0", "replica1"]
 
 
+def wait_for_lines(path: Path, lines: int, timeout_s: float = 180) -> None:
+    """Until the rank log at ``path`` has ``lines`` lines (the run is that far along)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and sum(1 for _ in path.open()) >= lines:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never reached {lines} lines")
+
+
 def catch_ups(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e["catch_up"] for e in events if "catch_up" in e]
 
@@ -197,11 +209,7 @@ def test_lighthouse_killed_and_restarted_while_groups_train(tiny_data: Path, tmp
                                        f"http://127.0.0.1:{port}"),
                            cwd=REPO, env=cli_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if group_logs.exists() and sum(1 for _ in group_logs.open()) >= 10:
-                break
-            time.sleep(0.05)
+        wait_for_lines(group_logs, 10)
         lh.send_signal(signal.SIGKILL)
         lh.wait()
         time.sleep(0.5)
@@ -231,11 +239,7 @@ def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tm
                            stderr=subprocess.PIPE)
     victim = tmp_path / "replica1" / "rank0.jsonl"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if victim.exists() and sum(1 for _ in victim.open()) >= 12:
-                break
-            time.sleep(0.05)
+        wait_for_lines(victim, 12)
         pid = json.loads(victim.read_text().splitlines()[0])["pid"]
         os.kill(pid, signal.SIGSTOP)
         stopped = time.time()
