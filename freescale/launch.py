@@ -83,7 +83,7 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     """
     import subprocess
 
-    from freescale.ft.config import LIGHTHOUSE_ENV, REPLICA_INDEX_ENV, REPLICAS_ENV
+    from freescale.ft.config import LIGHTHOUSE_ENV, REPLICA_INDEX_ENV, REPLICAS_ENV, RUN_ID_ENV
     from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
 
     lighthouse = None if lighthouse_url else Lighthouse(LighthouseConfig(min_replicas=1,
@@ -92,9 +92,11 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     print(f"freescale: lighthouse at {url}; {replicas} replica group(s) of {nproc_per_node} rank(s)", flush=True)
     groups = []
     devices = _gpus_per_group(replicas, nproc_per_node)
+    run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16]
     try:
         for index in range(replicas):
-            env = {**os.environ, LIGHTHOUSE_ENV: url, REPLICAS_ENV: str(replicas), REPLICA_INDEX_ENV: str(index)}
+            env = {**os.environ, LIGHTHOUSE_ENV: url, REPLICAS_ENV: str(replicas), REPLICA_INDEX_ENV: str(index),
+                   RUN_ID_ENV: run_id}
             if devices is not None:  # each group its own GPUs (every group numbers its ranks 0..G-1)
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[index * nproc_per_node:(index + 1) * nproc_per_node])
             groups.append(subprocess.Popen(

@@ -91,10 +91,11 @@ class LighthouseClient:
         token: str = "",
         heartbeat_interval_s: float = 0.05,
         request_timeout_s: float = 60.0,
+        run_id: str = "",
     ) -> None:
         self.url = url.rstrip("/")
         self.identity = {"replica_id": replica_id, "incarnation": incarnation, "member": member,
-                         "group_size": group_size}
+                         "group_size": group_size, "run_id": run_id}
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.heartbeat_interval_s = heartbeat_interval_s
         self.request_timeout_s = request_timeout_s

@@ -11,6 +11,7 @@ LIGHTHOUSE_ENV = "FREESCALE_LIGHTHOUSE"
 REPLICA_INDEX_ENV = "FREESCALE_REPLICA_INDEX"
 REPLICAS_ENV = "FREESCALE_REPLICAS"
 TOKEN_ENV = "FREESCALE_LIGHTHOUSE_TOKEN"
+RUN_ID_ENV = "FREESCALE_RUN_ID"
 
 
 @dataclass
@@ -32,7 +33,8 @@ class FTConfig:
     digest_every: int = 0
     """Log a SHA-256 of the whole state every N committed steps (tests compare replicas; costs a hash)."""
     log_rows: bool = False
-    """Log the row ids each rank trained at every committed step (sample accounting in tests)."""
+    """Log (rank 0 of each group) the row ids the whole step trained, every group's, at every committed
+    step: all groups see the same set, so any survivor's log accounts for the step (tests)."""
 
     def resolve_env(self) -> None:
         self.lighthouse = os.environ.get(LIGHTHOUSE_ENV, self.lighthouse)

@@ -63,6 +63,12 @@ reached; a quorum whose ``max_step`` is below it holds none of the groups
 that had that progress (all of them died), and its clients stop with an error
 rather than silently start over.
 
+Runs: every request may carry a ``run_id`` (``freescale launch`` makes one per
+run).  A lighthouse that outlives a run serves the next one once the previous
+finished or all its groups are gone (its state is then forgotten; quorum ids
+keep growing); while the previous run is going, requests of another run are
+refused (409) with a message saying so.
+
 ``GET /v1/status``  the membership, for operators and tests.
 
 Health: a group is healthy while every member's last heartbeat (or request) is
@@ -183,6 +189,8 @@ class Lighthouse:
         self.quorum_id = 0
         self.votes: dict[tuple[int, int], _Vote] = {}
         self.steady_steps: dict[tuple[int, int], bool] = {}
+        self.run_id: str | None = None
+        """The run being served (``run_id`` of the requests; ``freescale launch`` makes one per run)."""
         self.high_step = -1
         """Highest step any quorum reached: a quorum below it has lost the job's progress."""
         self.finished_step: int | None = None
@@ -265,6 +273,14 @@ class Lighthouse:
             raise BadRequest("field 'replica_id' must be 1-200 characters")
         if group_size < 1 or not 0 <= member < group_size:
             raise BadRequest(f"member {member} is outside a group of {group_size}")
+        run_id = body.get("run_id", "")
+        if not isinstance(run_id, str) or len(run_id) > 100:
+            raise BadRequest("field 'run_id' must be a string of at most 100 characters")
+        if run_id != self.run_id:
+            if self.run_id is not None and self.finished_step is None and self._healthy(time.monotonic()):
+                return None, member, (f"this lighthouse serves run '{self.run_id}', which is still going; "
+                                      f"start another lighthouse for run '{run_id}'")
+            self._new_run(run_id)
         group = self.groups.get(replica_id)
         if group is not None and incarnation < group.incarnation:
             return None, member, (f"replica '{replica_id}' incarnation {incarnation} is stale "
@@ -279,6 +295,22 @@ class Lighthouse:
                         waiter.set_exception(web.HTTPConflict(text="a newer incarnation of this replica joined"))
         group.beats[member] = time.monotonic()
         return group, member, ""
+
+    def _new_run(self, run_id: str) -> None:
+        """A new run (another ``freescale launch``) on a lighthouse whose previous run finished or
+        died: forget its groups, quorum, votes and progress; quorum ids keep growing."""
+        for join in self.joins.values():
+            for waiter in join.waiters:
+                if not waiter.done():
+                    waiter.set_exception(web.HTTPConflict(text=f"a new run '{run_id}' started on this lighthouse"))
+        self.run_id = run_id
+        self.groups.clear()
+        self.joins.clear()
+        self.votes.clear()
+        self.steady_steps.clear()
+        self.quorum = None
+        self.high_step = -1
+        self.finished_step = None
 
     # ------------------------------------------------------------------ handlers
     async def _heartbeat(self, request: web.Request) -> web.Response:

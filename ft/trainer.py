@@ -60,7 +60,7 @@ from freescale.digest import _tensors, state_digest
 from freescale.distributed import DistContext
 from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import JobFinished, LighthouseClient
-from freescale.ft.config import TOKEN_ENV, replica_index_of
+from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, replica_index_of
 from freescale.ft.ftar import ReplicaSync, StepResult
 from freescale.ft.sparse_sync import UnionSparseUpdate
 from freescale.metrics import MetricWindow
@@ -133,7 +133,8 @@ class ReplicaRank:
                 self.server.on_stream = lambda step: self._die() if self._fault_at(step, "serve") is not None else None
             self.server.start()
         self.client = LighthouseClient(ft.lighthouse, ft.replica_id, self.incarnation, member=ctx.rank,
-                                       group_size=self.group_size, token=token).start()
+                                       group_size=self.group_size, token=token,
+                                       run_id=os.environ.get(RUN_ID_ENV, "")).start()
         self.sync = ReplicaSync(self.client, position=ctx.rank, timeout_s=ft.timeout_s,
                                 snapshot_server=self.server, token=token,
                                 agree=self._agree if self.group_size > 1 else None)
@@ -146,13 +147,17 @@ class ReplicaRank:
     def _ranks(self, groups: Iterable[int]) -> list[int]:
         return [g * self.group_size + r for g in sorted(groups) for r in range(self.group_size)]
 
-    def _account(self, result: StepResult, planned: _Planned) -> None:
-        """Requeue the rows of groups that did not commit this step; plan the next over the ready ones."""
+    def _account(self, result: StepResult, planned: _Planned) -> list[np.ndarray]:
+        """Requeue the rows of groups that did not commit this step; plan the next over the ready ones.
+
+        Returns the rows the step trained (every group's, as all groups see them alike)."""
         trained = {replica_index_of(rid) for rid, w in result.weights.items() if w > 0}
+        done = [rows for rank, rows in zip(planned.live_ranks, planned.rows) if rank // self.group_size in trained]
         lost = [rows for rank, rows in zip(planned.live_ranks, planned.rows) if rank // self.group_size not in trained]
         if lost:
             self.loader.requeue(np.concatenate(lost))
         self.live = {replica_index_of(rid) for rid in result.ready}
+        return done
 
     # ------------------------------------------------------------------ updates
     def _apply(self, result: StepResult) -> None:
@@ -281,11 +286,11 @@ class ReplicaRank:
                     skipped = self.loader.skip_step(self._ranks(self.live))
                     planned = _Planned(skipped.live_ranks, tuple(skipped.rows))
                 self._apply(result)
-                self._account(result, planned)
+                trained_rows = self._account(result, planned)
                 committed_steps += 1
                 contributed += int(contributing)
-                if contributing and ft.log_rows:
-                    event["rows"] = info.rows.tolist()
+                if ft.log_rows and self.ctx.rank == 0:
+                    event["rows"] = np.concatenate(trained_rows).tolist() if trained_rows else []
             if self.sync.recovering and self._group_has_snapshot():
                 self.sync.poll_catch_up(self.load, self._replay, wait=True)
                 event["catch_up"] = self.sync.catch_up_log

@@ -84,7 +84,16 @@ def check_run(out: Path, data: Path, model: str, replicas: int, ranks: int, step
         digests = {s[step]["digest"] for s in steps_seen if step in s}
         assert len(digests) == 1, f"step {step}: replicas differ"
     # Every sample exactly once: trained rows + rows still carried at the end = the planned batches.
-    trained = [row for s in steps_seen for e in s.values() for row in e.get("rows", [])]
+    # Each group's rank 0 logs the rows the whole step trained (every group's); all that logged
+    # a step must agree, and a step any of them logged counts once.
+    trained_by_step: dict[int, list[int]] = {}
+    for (group, rank), events in runs.items():
+        for step, e in by_step(events).items():
+            if "rows" not in e:
+                continue
+            rows = sorted(e["rows"])
+            assert trained_by_step.setdefault(step, rows) == rows, f"step {step}: groups disagree on its rows"
+    trained = [row for rows in trained_by_step.values() for row in rows]
     pending = [row for events in runs.values() for e in events if e.get("event") == "summary"
                for _, _, rows in e["pending_rows"] for row in rows]
     summaries = {key: [e for e in events if e.get("event") == "summary"] for key, events in runs.items()}

@@ -288,3 +288,23 @@ def test_quorum_below_the_runs_progress_is_refused() -> None:
         b.quorum(0)
     b.close()
     lh.stop_thread()
+
+
+def test_lighthouse_serves_one_run_at_a_time_then_the_next() -> None:
+    """A second run is refused while the first is going, and served once the first finished
+    (its state forgotten: no 'finished' answer, no stale incarnations; quorum ids keep growing)."""
+    lh = Lighthouse(LighthouseConfig(min_replicas=1, heartbeat_timeout_s=1.0))
+    lh.start_in_thread()
+    first = LighthouseClient(lh.url, "replica0", 3, run_id="run-1", request_timeout_s=5).start()
+    wait_known(lh, "replica0", 3)
+    q1 = first.quorum(0)
+    intruder = LighthouseClient(lh.url, "replica0", 0, run_id="run-2", request_timeout_s=5)
+    with pytest.raises(LighthouseError, match="serves run 'run-1', which is still going"):
+        intruder.quorum(0)
+    first.finish(0)
+    second = LighthouseClient(lh.url, "replica0", 0, run_id="run-2", request_timeout_s=5).start()
+    q2 = second.quorum(0)
+    assert q2.quorum_id > q1.quorum_id and q2.replica_ids == ("replica0",)
+    for c in (first, second):
+        c.close()
+    lh.stop_thread()
