@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from freescale.ft.mlp_replica import batch, build_model, digest
+from freescale.ft.mlp_replica import batch, build_model, digest, parse_kill_at
 
 
 class _FetchTimes(logging.Handler):
@@ -130,11 +130,7 @@ def main() -> None:
         while len(list(out.glob("*.ready"))) < args.wait_for and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    kill_step, kill_phase, kill_delay = -1, "", 0.0
-    if args.kill_at:
-        parts = args.kill_at.split(":")
-        kill_step, kill_phase = int(parts[0]), parts[1]
-        kill_delay = float(parts[2]) / 1000 if len(parts) > 2 else 0.0
+    kill_step, kill_phase, kill_delay = parse_kill_at(args.kill_at)
 
     params = list(model.parameters())
     log = open(out / f"{args.replica_id}.jsonl", "a")

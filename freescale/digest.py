@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def local_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors this rank holds in ``value`` (nested dicts/lists; sharded tensors as their local shards)."""
     if isinstance(value, torch.Tensor):
         if hasattr(value, "local_shards"):  # ShardedTensor
             return [shard.tensor for shard in value.local_shards()]
@@ -24,9 +25,9 @@ def _tensors(value: Any) -> list[torch.Tensor]:
             return [value.to_local()]
         return [value]
     if isinstance(value, dict):
-        return [t for key in sorted(value, key=str) for t in _tensors(value[key])]
+        return [t for key in sorted(value, key=str) for t in local_tensors(value[key])]
     if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
+        return [t for item in value for t in local_tensors(item)]
     return []
 
 
@@ -34,7 +35,7 @@ def local_digest(state: dict[str, Any]) -> bytes:
     h = hashlib.sha256()
     for key in sorted(state, key=str):
         h.update(str(key).encode())
-        for t in _tensors(state[key]):
+        for t in local_tensors(state[key]):
             h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.digest()
 

@@ -84,6 +84,14 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def parse_kill_at(spec: str) -> tuple[int, str, float]:
+    """``STEP:PHASE[:DELAY_MS]`` -> (step, phase, delay in seconds); ``""`` -> no kill."""
+    if not spec:
+        return -1, "", 0.0
+    parts = spec.split(":")
+    return int(parts[0]), parts[1], float(parts[2]) / 1000 if len(parts) > 2 else 0.0
+
+
 def _die(args: argparse.Namespace) -> None:
     (Path(args.out) / f"{args.replica_id}.killed").write_text(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
@@ -159,11 +167,7 @@ def main() -> None:
         if len(healthy) >= args.wait_for:
             break
         time.sleep(0.02)
-    kill_step, kill_phase, kill_delay = -1, "", 0.0
-    if args.kill_at:
-        parts = args.kill_at.split(":")
-        kill_step, kill_phase = int(parts[0]), parts[1]
-        kill_delay = float(parts[2]) / 1000 if len(parts) > 2 else 0.0
+    kill_step, kill_phase, kill_delay = parse_kill_at(args.kill_at)
 
     def apply(averaged: list[torch.Tensor]) -> None:
         for p, g_avg in zip(model.parameters(), averaged):

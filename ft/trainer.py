@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from freescale.dataloader.loader import build_loader
 from freescale.dataloader.schema import DatasetManifest
-from freescale.digest import _tensors, state_digest
+from freescale.digest import local_tensors, state_digest
 from freescale.distributed import DistContext
 from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import JobFinished, LighthouseClient
@@ -95,7 +95,7 @@ def _named_tensors(value: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]
         for i, item in enumerate(value):
             yield from _named_tensors(item, f"{prefix}/{i}")
     elif isinstance(value, torch.Tensor):
-        for i, t in enumerate(_tensors(value)):
+        for i, t in enumerate(local_tensors(value)):
             yield f"{prefix}#{i}", t
 
 
