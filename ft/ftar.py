@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import requests
 import torch
@@ -38,6 +38,9 @@ import torch.distributed as dist
 
 from freescale.ft.catchup import SnapshotServer, fetch_snapshot
 from freescale.ft.client import LighthouseClient, Quorum
+
+if TYPE_CHECKING:
+    from freescale.ft.overlap import OverlappedFTAR
 
 
 class FTARGroup:
@@ -81,6 +84,118 @@ _HEADER_SPLIT = 1 << 20
 """Header integers travel in the float32 sum as two parts below 2**20 each: exact up to 2**40."""
 
 
+@dataclass(frozen=True)
+class ReduceLayout:
+    """Where each tensor sits in FTAR's flat float32 buffer, and the pieces it is reduced in.
+
+    Tensors are laid out in reverse order (the order backward produces gradients) and
+    grouped into buckets of whole tensors, as DDP does: the first holds at most
+    ``first_bucket_bytes`` (a reduction starts early in backward), the others at most
+    ``bucket_bytes`` (a tensor larger than that has a bucket of its own).  Each bucket is
+    one all-reduce, issued in bucket order; the step's meta (weights, ready flags,
+    headers) rides at the end of the last one.  Every participant of a quorum must use
+    the same layout, whether it overlaps the reduction with backward
+    (``freescale.ft.overlap``) or reduces afterwards (``weighted_all_reduce``): the
+    collectives then match one for one.
+    """
+
+    numels: tuple[int, ...]
+    offsets: tuple[int, ...]
+    buckets: tuple[tuple[int, int], ...]
+    """Flat ``[lo, hi)`` of each bucket, in issue order."""
+    members: tuple[tuple[int, ...], ...]
+    """Indices of the tensors in each bucket."""
+    total: int
+
+    @classmethod
+    def of(cls, numels: Sequence[int], first_bucket_bytes: int = 1 << 20,
+           bucket_bytes: int = 25 << 20) -> ReduceLayout:
+        if first_bucket_bytes <= 0 or bucket_bytes <= 0:
+            raise ValueError(f"bucket sizes must be positive, got {first_bucket_bytes} and {bucket_bytes}")
+        offsets = [0] * len(numels)
+        buckets: list[tuple[int, int]] = []
+        members: list[tuple[int, ...]] = []
+        current: list[int] = []
+        lo = pos = 0
+        for i in reversed(range(len(numels))):
+            cap = (bucket_bytes if buckets else first_bucket_bytes) // 4
+            if current and pos - lo + numels[i] > cap:
+                buckets.append((lo, pos))
+                members.append(tuple(current))
+                current, lo = [], pos
+            offsets[i] = pos
+            pos += int(numels[i])
+            current.append(i)
+        if current or not buckets:
+            buckets.append((lo, pos))
+            members.append(tuple(current))
+        return cls(tuple(int(n) for n in numels), tuple(offsets), tuple(buckets), tuple(members), pos)
+
+    @classmethod
+    def single(cls, numels: Sequence[int]) -> ReduceLayout:
+        """One bucket: one all-reduce of everything (the layout when nothing overlaps)."""
+        return cls.of(numels, 1 << 62, 1 << 62)
+
+    def check(self, tensors: Sequence[torch.Tensor]) -> None:
+        if tuple(t.numel() for t in tensors) != self.numels:
+            raise ValueError(f"weighted all-reduce: {len(tensors)} tensors of sizes "
+                             f"{[t.numel() for t in tensors][:6]}.. do not fit the layout {list(self.numels)[:6]}..")
+
+
+class FlatReduction:
+    """One participant's buffer for one weighted reduction: ``w * t`` for each tensor at its
+    layout offset, then per participant a weight slot, a *ready* slot and its header
+    (non-negative int64s, the same count on every participant; this one fills its own slots,
+    at ``index`` of ``size``).  ``piece(k)`` is bucket ``k``'s slice (the last one with the
+    meta); once every piece is reduced, ``result`` divides by the summed weights."""
+
+    def __init__(self, layout: ReduceLayout, weight: float, index: int, size: int, ready: bool,
+                 header: torch.Tensor | None) -> None:
+        head = header.reshape(-1).to(torch.int64).cpu() if header is not None else torch.zeros(0, dtype=torch.int64)
+        if head.numel() and (int(head.min()) < 0 or int(head.max()) >= _HEADER_SPLIT ** 2):
+            raise ValueError(f"weighted all-reduce: header values must be in [0, 2**40), got {head.tolist()[:8]}")
+        self.layout, self.weight, self.size, self.h = layout, float(weight), size, head.numel()
+        # The replica-dimension groups are gloo: device gradients take one host copy each.
+        self.flat = torch.zeros(layout.total + size * (2 + 2 * self.h), dtype=torch.float32)
+        meta = self.flat[layout.total:]
+        meta[index] = self.weight
+        meta[size + index] = 1.0 if ready else 0.0
+        if self.h:
+            headers_at = meta[2 * size:].view(size, 2, self.h)
+            headers_at[index, 0] = (head // _HEADER_SPLIT).float()
+            headers_at[index, 1] = (head % _HEADER_SPLIT).float()
+
+    def piece(self, k: int) -> torch.Tensor:
+        lo, hi = self.layout.buckets[k]
+        return self.flat[lo:self.flat.numel() if k == len(self.layout.buckets) - 1 else hi]
+
+    def put(self, lo: int, values: torch.Tensor) -> None:
+        """``w * values`` at flat offset ``lo`` (the same two operations on every path: same bits)."""
+        dst = self.flat[lo:lo + values.numel()]
+        dst.copy_(values.detach().reshape(-1))
+        dst.mul_(self.weight)
+
+    def result(self, like: Sequence[torch.Tensor]) -> Reduced:
+        layout, size, h = self.layout, self.size, self.h
+        meta = self.flat[layout.total:]
+        weights = meta[:size].tolist()
+        flags = [f > 0.5 for f in meta[size:2 * size].tolist()]
+        if h:
+            headers_at = meta[2 * size:].view(size, 2, h)
+            headers = [headers_at[i, 0].long() * _HEADER_SPLIT + headers_at[i, 1].long() for i in range(size)]
+        else:
+            headers = [torch.zeros(0, dtype=torch.int64)] * size
+        total = float(sum(weights))
+        if total > 0:  # all weights 0 (no participant trained): the sums are zeros, the caller skips the update
+            self.flat[:layout.total].div_(total)
+        out = []
+        for t, offset in zip(like, layout.offsets):
+            piece = self.flat[offset:offset + t.numel()].view(t.shape)
+            out.append(piece if t.dtype == torch.float32 and t.device.type == "cpu"
+                       else piece.to(device=t.device, dtype=t.dtype))
+        return Reduced(out, weights, flags, headers)
+
+
 @dataclass
 class Reduced:
     """What every participant receives from one ``weighted_all_reduce``."""
@@ -94,50 +209,25 @@ class Reduced:
 
 def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], weight: float,
                         index: int = 0, size: int = 1, ready: bool = True,
-                        header: torch.Tensor | None = None) -> Reduced:
+                        header: torch.Tensor | None = None, layout: ReduceLayout | None = None) -> Reduced:
     """``sum_r w_r t_r / sum_r w_r`` over the group; inputs are left untouched.
 
-    One flat float32 buffer: the tensors, then per participant a weight slot, a *ready*
-    slot and its ``header`` (non-negative int64s, the same count on every participant;
-    this one fills its own slots, at ``index`` of ``size``); scaled in place, reduced
-    once, and the averages are views of it (no copies back unless a dtype or device
-    differs).  Every participant receives the same weights, ready flags (ready: holds
-    valid state, i.e. is not catching up; the trainer plans the next step's data over
-    the ready ones) and headers (so a variable-size exchange that follows needs no
-    round of its own to learn the sizes).
+    The tensors are scaled into one flat float32 buffer (``FlatReduction``), reduced bucket
+    by bucket as ``layout`` says (default: one bucket), and the averages are views of it
+    (no copies back unless a dtype or device differs).  Every participant receives the
+    same weights, ready flags (ready: holds valid state, i.e. is not catching up; the
+    trainer plans the next step's data over the ready ones) and headers (so a
+    variable-size exchange that follows needs no round of its own to learn the sizes).
     """
-    total_numel = sum(t.numel() for t in tensors)
-    head = header.reshape(-1).to(torch.int64).cpu() if header is not None else torch.zeros(0, dtype=torch.int64)
-    if head.numel() and (int(head.min()) < 0 or int(head.max()) >= _HEADER_SPLIT ** 2):
-        raise ValueError(f"weighted all-reduce: header values must be in [0, 2**40), got {head.tolist()[:8]}")
-    h = head.numel()
-    flat = torch.zeros(total_numel + size * (2 + 2 * h), dtype=torch.float32)
-    if tensors:
-        # The replica-dimension groups are gloo: device gradients take one host copy each way.
-        torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors], out=flat[:total_numel])
-    flat[:total_numel].mul_(weight)
-    meta = flat[total_numel:]
-    meta[index] = float(weight)
-    meta[size + index] = 1.0 if ready else 0.0
-    headers_at = meta[2 * size:].view(size, 2, h) if h else None
-    if headers_at is not None:
-        headers_at[index, 0] = (head // _HEADER_SPLIT).float()
-        headers_at[index, 1] = (head % _HEADER_SPLIT).float()
-    group.allreduce([flat]).wait()
-    weights = meta[:size].tolist()
-    flags = [f > 0.5 for f in meta[size:2 * size].tolist()]
-    headers = ([(headers_at[i, 0].long() * _HEADER_SPLIT + headers_at[i, 1].long()) for i in range(size)]
-               if headers_at is not None else [torch.zeros(0, dtype=torch.int64)] * size)
-    total = float(sum(weights))
-    if total > 0:  # all weights 0 (no participant trained): the sums are zeros, the caller skips the update
-        flat[:total_numel].div_(total)
-    out, offset = [], 0
-    for t in tensors:
-        piece = flat[offset:offset + t.numel()].view(t.shape)
-        out.append(piece if t.dtype == torch.float32 and t.device.type == "cpu"
-                   else piece.to(device=t.device, dtype=t.dtype))
-        offset += t.numel()
-    return Reduced(out, weights, flags, headers)
+    layout = layout or ReduceLayout.single([t.numel() for t in tensors])
+    layout.check(tensors)
+    reduction = FlatReduction(layout, weight, index, size, ready, header)
+    for t, offset in zip(tensors, layout.offsets):
+        reduction.put(offset, t)
+    works = [group.allreduce([reduction.piece(k)]) for k in range(len(layout.buckets))]
+    for work in works:
+        work.wait()
+    return reduction.result(tensors)
 
 
 class Exchange(Protocol):
@@ -182,6 +272,11 @@ class _NoValidState(RuntimeError):
     """Nobody in the quorum can provide the run's state: not a peer failure, not retried."""
 
 
+class GroupFailure(RuntimeError):
+    """A collective inside this replica group failed: the group lost a rank (torchrun restarts
+    it).  Not a peer group's failure: never redone in another quorum."""
+
+
 class ReplicaSync:
     """One rank position's side of FT-HSDP's gradient exchange and catch-up.
 
@@ -217,6 +312,8 @@ class ReplicaSync:
         self.agree = agree
         """Group-wide agreement on each vote's outcome (an in-group all-reduce, MIN); None for a group of one."""
         self._pending: Future[Quorum] | None = None
+        self._resolved: Quorum | None = None
+        self._overlap_quorum_wait = 0.0
         self.quorum: Quorum | None = None
         self.recovering = False
         self._recorded: list[StepResult] = []
@@ -227,13 +324,47 @@ class ReplicaSync:
     def start_step(self, step: int) -> None:
         """Ask for the step's quorum now; the answer is read in ``reduce_and_commit``."""
         self._pending = self.client.quorum_async(step)
+        self._resolved = None
 
-    def reduce_and_commit(self, step: int, tensors: Sequence[torch.Tensor], weight: float,
-                          exchange: Exchange | None = None) -> StepResult:
+    def _quorum_of(self, step: int) -> tuple[Quorum, float]:
+        """The step's quorum (asked for in ``start_step``) and the seconds spent waiting for it now."""
+        if self._resolved is not None:
+            return self._resolved, 0.0
         start = time.perf_counter()
         quorum = self._pending.result() if self._pending is not None else self.client.quorum(step)
         self._pending = None
-        quorum_wait = time.perf_counter() - start
+        self._resolved = quorum
+        return quorum, time.perf_counter() - start
+
+    def begin_overlapped(self, step: int, reduction: OverlappedFTAR, weight: float,
+                         header: torch.Tensor | None = None) -> bool:
+        """Before backward: start ``reduction`` in the step's quorum, so each gradient bucket is
+        reduced across groups as backward makes it (``freescale.ft.overlap``).  False when this
+        replica will not contribute to the quorum (it is behind it, or catching up) or its group
+        cannot be joined now; ``reduce_and_commit`` then reduces after backward as usual."""
+        quorum, waited = self._quorum_of(step)
+        self._overlap_quorum_wait = waited
+        if self.recovering or quorum.max_step > step:
+            return False
+        try:
+            group = self.group.for_quorum(quorum)
+        except (RuntimeError, dist.DistError):
+            return False  # the first attempt meets the same failure, reports it and redoes
+        reduction.begin(group, quorum.quorum_id, quorum.index_of(self.client.replica_id),
+                        len(quorum.participants), weight, header)
+        return True
+
+    def reduce_and_commit(self, step: int, tensors: Sequence[torch.Tensor], weight: float,
+                          exchange: Exchange | None = None, overlapped: OverlappedFTAR | None = None) -> StepResult:
+        """Reduce ``tensors`` across the quorum (in ``overlapped``'s layout, and through it when
+        ``begin_overlapped`` started it in this quorum), run ``exchange``, vote; redo with the
+        survivors until a quorum commits (see the class docstring)."""
+        start = time.perf_counter()
+        quorum, quorum_wait = self._quorum_of(step)
+        quorum_wait += self._overlap_quorum_wait
+        self._overlap_quorum_wait = 0.0
+        self._resolved = None
+        layout = overlapped.layout if overlapped is not None else None
         reduce_s = vote_s = 0.0
         seen_behind = False
         attempts = 0
@@ -260,8 +391,12 @@ class ReplicaSync:
             try:
                 group = self.group.for_quorum(quorum)
                 index = quorum.index_of(self.client.replica_id)
-                result_of_reduce = weighted_all_reduce(
-                    group, send, send_weight, index, len(quorum.participants), not self.recovering, header)
+                if overlapped is not None and overlapped.active and overlapped.quorum_id == quorum.quorum_id:
+                    result_of_reduce = overlapped.finish()  # started during backward, same layout and meta
+                else:
+                    result_of_reduce = weighted_all_reduce(
+                        group, send, send_weight, index, len(quorum.participants), not self.recovering, header,
+                        layout)
                 reduced, weights, flags = result_of_reduce.tensors, result_of_reduce.weights, result_of_reduce.ready
                 if not any(flags):
                     raise _NoValidState(
@@ -270,8 +405,10 @@ class ReplicaSync:
                 if exchange is not None:
                     extra = exchange(group, quorum, weights, result_of_reduce.headers)
             except (RuntimeError, dist.DistError) as exc:  # a peer died or hung: redo with the survivors
-                if isinstance(exc, _NoValidState):
+                if isinstance(exc, (_NoValidState, GroupFailure)):
                     raise
+                if overlapped is not None:
+                    overlapped.abandon()
                 last_error = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
                 reduced, group = None, None
                 self.group.drop()

@@ -4,11 +4,11 @@
         [--batch 32] [--kill-at STEP:PHASE[:DELAY_MS]] [--hidden 128] [--snapshots]
 
     python -m freescale.ft.mlp_replica --mode ddp --rank 0 --world-size 2 --master 127.0.0.1:PORT ...
-        (the baseline: the same model with a plain gloo all-reduce, no fault tolerance)
+        (the baseline: the same model under torch DDP over gloo, no fault tolerance)
 
 Each step: quorum request (overlapping the forward), forward/backward on this
-replica's own data (seeded by step and replica, ``--batch`` samples), weighted
-FTAR of the gradients, AdamW update, then one JSON line in
+replica's own data (seeded by step and replica, ``--batch`` samples) with the
+weighted FTAR of each gradient bucket started during backward, AdamW update, then one JSON line in
 ``<out>/<replica>.jsonl``: step, quorum id, participants, attempts, seconds and
 a SHA-256 of the parameters after the update.  ``--kill-at 5:reduce:20`` makes
 the process SIGKILL itself 20 ms after entering step 5's reduce (a real
@@ -36,6 +36,7 @@ import torch
 from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import LighthouseClient
 from freescale.ft.ftar import ReplicaSync
+from freescale.ft.overlap import OverlappedFTAR
 
 
 INPUTS = 256
@@ -98,24 +99,17 @@ def _die(args: argparse.Namespace) -> None:
 
 
 def run_ddp(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer, log: Any) -> None:
-    """Baseline without fault tolerance: average gradients with one flat gloo all-reduce per step."""
+    """Baseline without fault tolerance: torch DDP over gloo (bucketed all-reduce overlapped with backward)."""
     import torch.distributed as dist
 
     host, _, port = args.master.rpartition(":")
     store = dist.TCPStore(host, int(port), args.world_size, is_master=args.rank == 0)
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size)
-    params = list(model.parameters())
+    ddp = torch.nn.parallel.DistributedDataParallel(model)  # buckets reduced during backward, as FTAR's are
     for step in range(args.steps):
         x, y = batch(step, args.replica_id, args.batch)
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
-        flat /= args.world_size
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
         optimizer.step()
         log.write(json.dumps({"step": step, "time": time.time(), "committed": time.time(),
                               "digest": digest(model)}) + "\n")
@@ -161,6 +155,7 @@ def main() -> None:
     if server is not None:
         server.start()
     sync = ReplicaSync(client, timeout_s=args.timeout, snapshot_server=server)
+    reduction = OverlappedFTAR(list(model.parameters()))
     deadline = time.monotonic() + 60
     while args.wait_for and time.monotonic() < deadline:
         healthy = [g for g in client.status()["groups"].values() if g["healthy"]]
@@ -182,12 +177,14 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
         if step == kill_step and kill_phase == "forward":
             _die(args)
+        sync.begin_overlapped(step, reduction, weight=args.batch)
         loss.backward()
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if step == kill_step and kill_phase == "reduce":
             threading.Timer(kill_delay, _die, (args,)).start()
-        result = sync.reduce_and_commit(step, [p.grad for p in model.parameters()], weight=args.batch)
+        result = sync.reduce_and_commit(step, [p.grad for p in model.parameters()], weight=args.batch,
+                                        overlapped=reduction)
         committed = time.time()
         stage_s = 0.0
         if not result.recovering:

@@ -1,0 +1,175 @@
+"""FTAR overlapped with backward: each gradient bucket is reduced as soon as backward has made it.
+
+``weighted_all_reduce`` reduces after backward, so the whole cross-group
+transfer sits between the last gradient and the optimizer step.  Here, as in
+DDP, the gradients live in buckets (``ReduceLayout``: whole tensors in reverse
+definition order, a small first bucket) and a post-accumulate-grad hook starts
+a bucket's reduction the moment backward has produced every gradient in it,
+so it overlaps the rest of backward.  Per bucket, two stages:
+
+1. **in-group** (groups of more than one rank): sum over the group's ranks on
+   the group's own dense process group, divided by the group size first (as
+   DDP does); in place, so ``param.grad`` then holds the group mean;
+2. **across groups**: ``w * bucket`` copied into the step's ``FlatReduction``
+   (the group mean stays in ``param.grad``: after a failure the step is redone
+   in the next quorum with exactly what this rank holds) and all-reduced in the
+   quorum's replica-dimension group.  The meta (weights, ready flags, headers)
+   rides in the last bucket.
+
+Stage 2 of bucket ``k`` starts only after stage 1 of ``k`` finished and stage 2
+of every bucket before it started, so every participant issues the same
+collectives in the same order, whatever the timing: a participant that did
+not train (catching up, or not planned in) runs ``weighted_all_reduce`` with
+the same layout and its collectives match these one for one.
+
+Nothing here blocks or raises inside backward: a hook only starts work whose
+inputs are complete (``is_completed``) and records an error instead of raising
+it (a wait inside backward could wait for a peer that is itself blocked in an
+embedding all-to-all further along its backward).  ``finish()`` starts what is
+left, waits, and raises: ``GroupFailure`` when the in-group stage failed (the
+group has lost a rank; torchrun restarts it), the backend's error when the
+cross-group stage failed (a peer group died: ``ReplicaSync`` redoes the step).
+
+CUDA: the gradients stay on the device for the in-group stage; the copy into the
+host buffer of stage 2 waits for that bucket's gradients (the replica-dimension
+groups are gloo).  Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from freescale.ft.ftar import FlatReduction, GroupFailure, Reduced, ReduceLayout
+
+__all__ = ["GroupFailure", "OverlappedFTAR"]
+
+
+class OverlappedFTAR:
+    """Dense gradients of one rank, reduced bucket by bucket during backward (see the module docstring).
+
+    Per step::
+
+        started = sync.begin_overlapped(step, reduction, weight, header)   # before backward
+        loss.backward()                                                    # buckets start here
+        sync.reduce_and_commit(step, reduction.grads_view(), weight, overlapped=reduction)
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], in_group: Any = None, in_group_size: int = 1,
+                 first_bucket_bytes: int = 1 << 20, bucket_bytes: int = 25 << 20) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        for i, p in enumerate(self.params):
+            if p.dtype != torch.float32 or p.device != self.params[0].device:
+                raise ValueError(f"overlapped FTAR: parameter {i} is {p.dtype} on {p.device}; every dense "
+                                 f"parameter must be float32 on {self.params[0].device}")
+        self.layout = ReduceLayout.of([p.numel() for p in self.params], first_bucket_bytes, bucket_bytes)
+        self.in_group, self.in_group_size = in_group, in_group_size
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.grads = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
+        """The gradients, in layout order: each ``param.grad`` is a view of it during a step."""
+        self._bucket_of = {id(self.params[i]): k for k, members in enumerate(self.layout.members) for i in members}
+        self._missing = [0] * len(self.layout.buckets)
+        self._in_works: list[Any] = []
+        self._cross_works: list[Any] = []
+        self._reduction: FlatReduction | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._error: BaseException | None = None
+        self._group_error: BaseException | None = None
+        self.quorum_id = -1
+        """The quorum the current step's reduction runs in (-1: none started)."""
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    @property
+    def active(self) -> bool:
+        return self._reduction is not None
+
+    def grads_view(self) -> list[torch.Tensor]:
+        """Each parameter's gradient as it stands (views of ``grads``; the group mean after ``finish``)."""
+        return [self.grads[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.layout.offsets)]
+
+    def begin(self, group: dist.ProcessGroup, quorum_id: int, index: int, size: int, weight: float,
+              header: torch.Tensor | None = None) -> None:
+        """Before ``loss.backward()``: gradients become views of the buckets (filled with -0.0, the
+        additive identity: +0.0 would flip the sign of gradients that are exactly -0.0)."""
+        self.grads.fill_(-0.0)
+        for p, view in zip(self.params, self.grads_view()):
+            p.grad = view
+        self._missing = [len(members) for members in self.layout.members]
+        self._in_works, self._cross_works = [], []
+        self._error = self._group_error = None
+        self._reduction = FlatReduction(self.layout, weight, index, size, True, header)
+        self._group, self.quorum_id = group, quorum_id
+
+    def abandon(self) -> None:
+        """Forget a started reduction (its quorum failed before ``finish``); gradients stay as they are."""
+        self._reduction, self._group, self.quorum_id = None, None, -1
+
+    def finish(self) -> Reduced:
+        """After ``loss.backward()``: start what is left, wait for all of it; the averages (as
+        ``weighted_all_reduce`` returns them), or raise (see the module docstring)."""
+        if self._reduction is None:
+            raise RuntimeError("overlapped FTAR: finish() without begin()")
+        try:
+            self._advance(block=True)
+            for work in self._in_works[len(self._cross_works):]:  # a cross-group error stopped stage 2 early:
+                if work is not None and self._group_error is None:  # the redo needs every group mean in place
+                    try:
+                        work.wait()
+                    except (RuntimeError, dist.DistError) as exc:
+                        self._group_error = exc
+            if self._group_error is not None:
+                raise GroupFailure(f"in-group reduction of the dense gradients failed: {self._group_error}") \
+                    from self._group_error
+            if self._error is not None:
+                raise self._error
+            for work in self._cross_works:
+                work.wait()
+            return self._reduction.result(self.params)
+        finally:
+            self.abandon()
+
+    # ------------------------------------------------------------------------------
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if self._reduction is None:
+            return
+        self._missing[self._bucket_of[id(param)]] -= 1
+        self._advance(block=False)
+
+    def _advance(self, block: bool) -> None:
+        """Start every stage whose inputs are complete, in bucket order; ``block``: wait for them (finish)."""
+        assert self._reduction is not None
+        buckets = self.layout.buckets
+        while len(self._in_works) < len(buckets) and (block or self._missing[len(self._in_works)] <= 0):
+            lo, hi = buckets[len(self._in_works)]
+            work = None
+            if self.in_group is not None and self.in_group_size > 1 and self._group_error is None:
+                piece = self.grads[lo:hi]
+                piece.div_(self.in_group_size)
+                try:
+                    work = dist.all_reduce(piece, group=self.in_group, async_op=True)
+                except (RuntimeError, dist.DistError) as exc:
+                    self._group_error = exc
+            self._in_works.append(work)
+        while len(self._cross_works) < len(self._in_works) and self._group_error is None and self._error is None:
+            k = len(self._cross_works)
+            work = self._in_works[k]
+            if work is not None:
+                if not block and not work.is_completed():
+                    return
+                try:
+                    work.wait()
+                except (RuntimeError, dist.DistError) as exc:
+                    self._group_error = exc
+                    return
+            lo, hi = buckets[k]
+            self._reduction.put(lo, self.grads[lo:hi])
+            try:
+                assert self._group is not None
+                self._cross_works.append(self._group.allreduce([self._reduction.piece(k)]))
+            except (RuntimeError, dist.DistError) as exc:
+                self._error = exc
