@@ -30,6 +30,11 @@ class FTConfig:
     wait_for_replicas_s: float = 60.0
     """Before step 0, wait up to this long for ``replicas`` groups to be up (a late group would
     have to catch up from the first step)."""
+    first_bucket_kb: int = 1024
+    """Dense gradients are reduced across groups in buckets during backward: the first (the last
+    layers' gradients, ready first) holds at most this many KiB, so a reduction starts early."""
+    bucket_kb: int = 25 * 1024
+    """The other buckets' cap in KiB (a larger tensor has a bucket of its own); as DDP's ``bucket_cap_mb``."""
     digest_every: int = 0
     """Log a SHA-256 of the whole state every N committed steps (tests compare replicas; costs a hash)."""
     log_rows: bool = False
@@ -54,6 +59,8 @@ class FTConfig:
         require(0 <= self.replica_index < self.replicas, "replica_index",
                 f"must be in 0..{self.replicas - 1}, got {self.replica_index}")
         require(self.timeout_s > 0, "timeout_s", "must be positive")
+        require(self.first_bucket_kb > 0 and self.bucket_kb > 0, "bucket_kb",
+                f"bucket sizes must be positive, got first_bucket_kb={self.first_bucket_kb}, bucket_kb={self.bucket_kb}")
         require(not self.lighthouse or self.lighthouse.startswith(("http://", "https://")), "lighthouse",
                 f"must be an http(s):// URL, got '{self.lighthouse}'")
 

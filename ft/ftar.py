@@ -336,22 +336,23 @@ class ReplicaSync:
         self._resolved = quorum
         return quorum, time.perf_counter() - start
 
-    def begin_overlapped(self, step: int, reduction: OverlappedFTAR, weight: float,
-                         header: torch.Tensor | None = None) -> bool:
-        """Before backward: start ``reduction`` in the step's quorum, so each gradient bucket is
-        reduced across groups as backward makes it (``freescale.ft.overlap``).  False when this
-        replica will not contribute to the quorum (it is behind it, or catching up) or its group
-        cannot be joined now; ``reduce_and_commit`` then reduces after backward as usual."""
-        quorum, waited = self._quorum_of(step)
+    def begin_overlapped(self, step: int, reduction: OverlappedFTAR) -> bool:
+        """Before backward, after ``reduction.begin``: attach it to the step's quorum, so each
+        gradient bucket is reduced across groups as backward makes it (``freescale.ft.overlap``).
+        False when this replica will not contribute to the quorum (it is behind it, or catching
+        up) or cannot join its group now: ``reduce_and_commit`` then reduces after backward."""
+        try:
+            quorum, waited = self._quorum_of(step)
+        except Exception:  # noqa: BLE001 - the run finished, the lighthouse gave up, ...: the same future
+            return False  # raises it again in ``reduce_and_commit``, where the caller handles it
         self._overlap_quorum_wait = waited
-        if self.recovering or quorum.max_step > step:
+        if self.recovering or quorum.max_step > step or not reduction.active:
             return False
         try:
             group = self.group.for_quorum(quorum)
         except (RuntimeError, dist.DistError):
             return False  # the first attempt meets the same failure, reports it and redoes
-        reduction.begin(group, quorum.quorum_id, quorum.index_of(self.client.replica_id),
-                        len(quorum.participants), weight, header)
+        reduction.attach(group, quorum.quorum_id, quorum.index_of(self.client.replica_id), len(quorum.participants))
         return True
 
     def reduce_and_commit(self, step: int, tensors: Sequence[torch.Tensor], weight: float,
@@ -391,9 +392,11 @@ class ReplicaSync:
             try:
                 group = self.group.for_quorum(quorum)
                 index = quorum.index_of(self.client.replica_id)
-                if overlapped is not None and overlapped.active and overlapped.quorum_id == quorum.quorum_id:
+                if overlapped is not None and overlapped.attached and overlapped.quorum_id == quorum.quorum_id:
                     result_of_reduce = overlapped.finish()  # started during backward, same layout and meta
                 else:
+                    if overlapped is not None:
+                        overlapped.settle()  # tensors hold the group mean once the in-group stage is done
                     result_of_reduce = weighted_all_reduce(
                         group, send, send_weight, index, len(quorum.participants), not self.recovering, header,
                         layout)
@@ -408,7 +411,7 @@ class ReplicaSync:
                 if isinstance(exc, (_NoValidState, GroupFailure)):
                     raise
                 if overlapped is not None:
-                    overlapped.abandon()
+                    overlapped.settle()  # the redo reduces the group means with the survivors
                 last_error = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
                 reduced, group = None, None
                 self.group.drop()

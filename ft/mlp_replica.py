@@ -177,7 +177,8 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
         if step == kill_step and kill_phase == "forward":
             _die(args)
-        sync.begin_overlapped(step, reduction, weight=args.batch)
+        reduction.begin(weight=args.batch)
+        sync.begin_overlapped(step, reduction)
         loss.backward()
         if args.step_sleep:
             time.sleep(args.step_sleep)

@@ -52,11 +52,12 @@ __all__ = ["GroupFailure", "OverlappedFTAR"]
 class OverlappedFTAR:
     """Dense gradients of one rank, reduced bucket by bucket during backward (see the module docstring).
 
-    Per step::
+    Per step, on a rank whose group trains::
 
-        started = sync.begin_overlapped(step, reduction, weight, header)   # before backward
-        loss.backward()                                                    # buckets start here
-        sync.reduce_and_commit(step, reduction.grads_view(), weight, overlapped=reduction)
+        reduction.begin(weight, header)          # before backward: grads become bucket views
+        sync.begin_overlapped(step, reduction)   # attach the step's quorum (False: behind it / no group)
+        loss.backward()                          # buckets are reduced here
+        sync.reduce_and_commit(step, [p.grad ...], weight, overlapped=reduction)   # finish() or settle()
     """
 
     def __init__(self, params: Sequence[nn.Parameter], in_group: Any = None, in_group_size: int = 1,
@@ -79,6 +80,8 @@ class OverlappedFTAR:
         self._group: dist.ProcessGroup | None = None
         self._error: BaseException | None = None
         self._group_error: BaseException | None = None
+        self._active = False
+        self._weight, self._header = 0.0, None
         self.quorum_id = -1
         """The quorum the current step's reduction runs in (-1: none started)."""
         for p in self.params:
@@ -86,63 +89,91 @@ class OverlappedFTAR:
 
     @property
     def active(self) -> bool:
+        """Between ``begin`` and ``finish``/``settle``."""
+        return self._active
+
+    @property
+    def attached(self) -> bool:
+        """The cross-group stage runs in a quorum (``attach`` was called this step)."""
         return self._reduction is not None
 
     def grads_view(self) -> list[torch.Tensor]:
         """Each parameter's gradient as it stands (views of ``grads``; the group mean after ``finish``)."""
         return [self.grads[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.layout.offsets)]
 
-    def begin(self, group: dist.ProcessGroup, quorum_id: int, index: int, size: int, weight: float,
-              header: torch.Tensor | None = None) -> None:
-        """Before ``loss.backward()``: gradients become views of the buckets (filled with -0.0, the
-        additive identity: +0.0 would flip the sign of gradients that are exactly -0.0)."""
+    def begin(self, weight: float, header: torch.Tensor | None = None) -> None:
+        """Before ``loss.backward()`` on every rank of a group that trains this step: gradients
+        become views of the buckets (filled with -0.0, the additive identity: +0.0 would flip
+        the sign of gradients that are exactly -0.0) and the in-group stage is armed."""
         self.grads.fill_(-0.0)
         for p, view in zip(self.params, self.grads_view()):
             p.grad = view
         self._missing = [len(members) for members in self.layout.members]
         self._in_works, self._cross_works = [], []
         self._error = self._group_error = None
-        self._reduction = FlatReduction(self.layout, weight, index, size, True, header)
+        self._weight, self._header = float(weight), header
+        self._reduction, self._group, self.quorum_id = None, None, -1
+        self._active = True
+
+    def attach(self, group: dist.ProcessGroup, quorum_id: int, index: int, size: int) -> None:
+        """Run the cross-group stage in this quorum's group (``ReplicaSync.begin_overlapped``; before backward)."""
+        assert self._active, "attach() after begin()"
+        self._reduction = FlatReduction(self.layout, self._weight, index, size, True, self._header)
         self._group, self.quorum_id = group, quorum_id
 
-    def abandon(self) -> None:
-        """Forget a started reduction (its quorum failed before ``finish``); gradients stay as they are."""
-        self._reduction, self._group, self.quorum_id = None, None, -1
-
     def finish(self) -> Reduced:
-        """After ``loss.backward()``: start what is left, wait for all of it; the averages (as
-        ``weighted_all_reduce`` returns them), or raise (see the module docstring)."""
-        if self._reduction is None:
-            raise RuntimeError("overlapped FTAR: finish() without begin()")
+        """After ``loss.backward()``, attached: start what is left, wait for all of it; the
+        averages (as ``weighted_all_reduce`` returns them), or raise (see the module docstring)."""
+        if not self._active or self._reduction is None:
+            raise RuntimeError("overlapped FTAR: finish() without begin() and attach()")
         try:
             self._advance(block=True)
-            for work in self._in_works[len(self._cross_works):]:  # a cross-group error stopped stage 2 early:
-                if work is not None and self._group_error is None:  # the redo needs every group mean in place
-                    try:
-                        work.wait()
-                    except (RuntimeError, dist.DistError) as exc:
-                        self._group_error = exc
-            if self._group_error is not None:
-                raise GroupFailure(f"in-group reduction of the dense gradients failed: {self._group_error}") \
-                    from self._group_error
+            self._settle_in_group()
             if self._error is not None:
                 raise self._error
             for work in self._cross_works:
                 work.wait()
             return self._reduction.result(self.params)
         finally:
-            self.abandon()
+            self._done()
+
+    def settle(self) -> None:
+        """After ``loss.backward()``, when the cross-group stage will not be used (not attached, or
+        its quorum failed): finish the in-group stage, so the gradients hold the group mean for a
+        reduction after backward.  Raises ``GroupFailure`` when the in-group stage failed."""
+        if not self._active:
+            return
+        try:
+            self._reduction = None  # no more cross-group work
+            self._advance(block=True)
+            self._settle_in_group()
+        finally:
+            self._done()
+
+    def _settle_in_group(self) -> None:
+        for work in self._in_works:
+            if work is not None and self._group_error is None:
+                try:
+                    work.wait()
+                except (RuntimeError, dist.DistError) as exc:
+                    self._group_error = exc
+        if self._group_error is not None:
+            raise GroupFailure(f"in-group reduction of the dense gradients failed: {self._group_error}") \
+                from self._group_error
+
+    def _done(self) -> None:
+        self._active = False
+        self._reduction, self._group, self.quorum_id = None, None, -1
 
     # ------------------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
-        if self._reduction is None:
+        if not self._active:
             return
         self._missing[self._bucket_of[id(param)]] -= 1
         self._advance(block=False)
 
     def _advance(self, block: bool) -> None:
         """Start every stage whose inputs are complete, in bucket order; ``block``: wait for them (finish)."""
-        assert self._reduction is not None
         buckets = self.layout.buckets
         while len(self._in_works) < len(buckets) and (block or self._missing[len(self._in_works)] <= 0):
             lo, hi = buckets[len(self._in_works)]
@@ -155,7 +186,8 @@ class OverlappedFTAR:
                 except (RuntimeError, dist.DistError) as exc:
                     self._group_error = exc
             self._in_works.append(work)
-        while len(self._cross_works) < len(self._in_works) and self._group_error is None and self._error is None:
+        while (self._reduction is not None and len(self._cross_works) < len(self._in_works)
+               and self._group_error is None and self._error is None):
             k = len(self._cross_works)
             work = self._in_works[k]
             if work is not None:

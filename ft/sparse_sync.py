@@ -96,6 +96,8 @@ class _Slot:
     offsets: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     calls: int = 0
+    shape: tuple[int, ...] = ()
+    """The looked-up output's shape (its gradient's): known after the forward."""
 
 
 def fused_tbes(dmp: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -130,7 +132,6 @@ class UnionSparseUpdate:
 
     def __init__(self, dmp: nn.Module) -> None:
         self._anchor = torch.zeros((), requires_grad=True)
-        self._mine: UnionUpdate | None = None
         self._slots: list[_Slot] = []
         for name, tbe in fused_tbes(dmp):
             pooled = int(tbe.pooling_mode) != 2  # fbgemm PoolingMode.NONE == 2: one row per id
@@ -160,6 +161,7 @@ class UnionSparseUpdate:
                 raise RuntimeError(f"fault tolerance: embedding '{slot.name}' was looked up twice in one step")
             slot.calls += 1
             slot.indices, slot.offsets, slot.grad = indices.detach().long(), offsets.detach().long(), None
+            slot.shape = tuple(looked_up.shape)
             return _CatchGradient.apply(self._anchor, looked_up, slot)
         return forward
 
@@ -180,17 +182,23 @@ class UnionSparseUpdate:
         return UnionUpdate(tables)
 
     def reset(self) -> None:
-        self._mine = None
         for s in self._slots:
             s.indices = s.offsets = s.grad = None
             s.calls = 0
 
     def header(self) -> torch.Tensor:
         """Sizes of this replica's step, per TBE ``[ids, offsets, grad rows, grad cols]``: they ride
-        in the dense reduction (``freescale.ft.ftar.Exchange``), so the exchange is one all-gather."""
-        self._mine = self.local_step()
-        return torch.tensor([[t.indices.numel(), t.offsets.numel(), t.grad.shape[0], t.grad.shape[1]]
-                             for t in self._mine.tables], dtype=torch.int64).reshape(-1)
+        in the dense reduction (``freescale.ft.ftar.Exchange``), so the exchange is one all-gather.
+        Known once the forward ran (the reduction's meta is filled before backward)."""
+        sizes = []
+        for s in self._slots:
+            if s.indices is None or s.offsets is None:
+                sizes.append([0, 1, 0, 0])
+                continue
+            rows = (s.offsets.numel() - 1) // s.features if s.pooled else s.indices.numel()
+            cols = s.shape[-1] if rows and s.shape else 0
+            sizes.append([s.indices.numel(), s.offsets.numel(), rows, cols])
+        return torch.tensor(sizes, dtype=torch.int64).reshape(-1)
 
     def __call__(self, group: dist.ProcessGroup, quorum: Quorum, weights: list[float],
                  headers: list[torch.Tensor]) -> UnionUpdate:
@@ -199,8 +207,7 @@ class UnionSparseUpdate:
         One float32 all-gather: each participant's ids and offsets (int64, bit-cast to
         float32 pairs: no arithmetic touches them) then its gradients, padded to the longest.
         """
-        mine = self._mine if self._mine is not None else self.local_step()
-        self._mine = None
+        mine = self.local_step()
         size = len(quorum.participants)
         # gloo across groups: device tensors take one host copy (the union is moved back in ``apply``).
         ints = torch.cat([torch.cat([t.indices.cpu(), t.offsets.cpu()]) for t in mine.tables])

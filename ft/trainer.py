@@ -11,13 +11,16 @@ One step on rank ``r`` of group ``g``::
     sync.start_step(s)                quorum request; the round trip overlaps the forward
     batch = loader.next_batch()       this rank's share of global batch s, planned over the
                                       ranks of the groups that were *ready* at step s-1's commit
-    dmp(batch).backward()             in-group: input/output all-to-alls, DDP all-reduce of dense
-                                      grads (group mean); fused embedding updates deferred
-                                      (``sparse_sync``): each TBE's output gradient is caught
-    sync.reduce_and_commit(...)       across groups at position r, one quorum attempt:
-                                      weighted FTAR of the dense grads (weight = the group's
-                                      samples), all-gather of every TBE's ids and gradients,
-                                      commit vote; on a failure: redo with the survivors
+    dmp(batch).backward()             in-group: input/output all-to-alls; fused embedding updates
+                                      deferred (``sparse_sync``): each TBE's output gradient is
+                                      caught; each dense gradient bucket, once backward made it,
+                                      is averaged in the group, then its weighted FTAR across
+                                      groups at position r starts (``overlap``; weight = the
+                                      group's samples), both overlapping the rest of backward
+    sync.reduce_and_commit(...)       one quorum attempt across groups at position r: the rest
+                                      of the FTAR, all-gather of every TBE's ids and gradients,
+                                      commit vote; on a failure: redo with the survivors (the
+                                      group means this rank still holds, reduced after backward)
     apply                             AdamW on the averaged dense grads; each TBE's fused update
                                       over the union of all replicas' lookups (same on all)
     account                           rows planned for groups that did not commit are requeued
@@ -62,6 +65,7 @@ from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import JobFinished, LighthouseClient
 from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, replica_index_of
 from freescale.ft.ftar import ReplicaSync, StepResult
+from freescale.ft.overlap import OverlappedFTAR
 from freescale.ft.sparse_sync import UnionSparseUpdate
 from freescale.metrics import MetricWindow
 from freescale.models import build_model, cost_model_for
@@ -114,10 +118,21 @@ class ReplicaRank:
         torch.manual_seed(cfg.train.seed)  # every group builds the same initial model
         model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
                             embedding_device=torch.device("meta"))
-        self.dmp = shard_model(model, ctx, cfg.optim, data_parallel=True)
+        # No DDP: the dense gradients are reduced in group and across groups bucket by bucket during
+        # backward (``freescale.ft.overlap``), on a group of their own (never queued behind torchrec's
+        # all-to-alls on the default group).
+        self.dmp = shard_model(model, ctx, cfg.optim, data_parallel=False)
         self.optimizer = build_optimizer(self.dmp, cfg.optim)
         self.dense_optimizer = self.optimizer.optimizers[1][1]
         self.dense = list(dense_named_parameters(self.dmp).values())
+        in_group = dist.new_group() if self.group_size > 1 else None
+        if in_group is not None:
+            with torch.no_grad():
+                for p in self.dense:  # the same initial weights on every rank, as DDP would broadcast
+                    dist.broadcast(p.data, src=0, group=in_group)
+        self.reduction = OverlappedFTAR(self.dense, in_group=in_group, in_group_size=self.group_size,
+                                        first_bucket_bytes=ft.first_bucket_kb * 1024,
+                                        bucket_bytes=ft.bucket_kb * 1024)
         self.sparse = UnionSparseUpdate(self.dmp)
         self.loader = build_loader(
             cfg.data, "train", rank=self.group_index * self.group_size + ctx.rank,
@@ -253,12 +268,13 @@ class ReplicaRank:
                 planned = _Planned(info.live_ranks, info.plan_rows)
                 weight = float(sum(size for rank, size in zip(info.live_ranks, info.rank_sizes)
                                    if rank // self.group_size == self.group_index))
-                batch.loss_scale = self.group_size / max(weight, 1.0)  # DDP's group mean = mean over the group's samples
-                for p in self.dense:
-                    p.grad = None
+                # The in-group stage's mean over ranks = the mean over the group's samples.
+                batch.loss_scale = self.group_size / max(weight, 1.0)
                 loss, (_, logits, labels) = self.dmp(batch.to(device))
                 if self._fault_at(step, "forward") is not None:
                     self._die()
+                self.reduction.begin(weight, self.sparse.header())
+                self.sync.begin_overlapped(step, self.reduction)
                 loss.backward()
                 loss_value = float(loss.detach())
                 self.window.add(logits.detach(), labels)
@@ -272,7 +288,8 @@ class ReplicaRank:
             if delay is not None:
                 threading.Timer(delay, self._die).start()
             try:
-                result = self.sync.reduce_and_commit(step, grads, weight, exchange=self.sparse)
+                result = self.sync.reduce_and_commit(step, grads, weight, exchange=self.sparse,
+                                                     overlapped=self.reduction)
             except JobFinished as done:
                 self._write(event="finished_elsewhere", step=step, finished_step=done.step,
                             recovering=self.sync.recovering, time=time.time())

@@ -67,7 +67,8 @@ def _proc(index: int, in_ports: list[int], cross_ports: list[int], out: str) -> 
                 reduced = weighted_all_reduce(cross, [torch.zeros_like(p) for p in params], 0.0, group, GROUPS,
                                               False, None, reduction.layout)
             elif group in overlapped:
-                reduction.begin(cross, step, group, GROUPS, weight)
+                reduction.begin(weight)
+                reduction.attach(cross, step, group, GROUPS)
                 # sum over this rank's samples / (group's samples / ranks): the in-group mean is the group's mean
                 loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum") * RANKS / weight
                 loss.backward()
@@ -75,15 +76,12 @@ def _proc(index: int, in_ports: list[int], cross_ports: list[int], out: str) -> 
                 assert all(p.grad.untyped_storage().data_ptr() == reduction.grads.untyped_storage().data_ptr()
                            for p in params)
                 reduced = reduction.finish()
-            else:  # trained, but reduces after backward (the path of every redo)
-                for p in params:
-                    p.grad = None
+            else:  # trained, not attached to the quorum: in-group stage only, then reduced after backward
+                reduction.begin(weight)  # (the path of every redo after a failure)
                 loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum") * RANKS / weight
                 loss.backward()
-                means = [p.grad.clone() for p in params]
-                for t in means:
-                    dist.all_reduce(t)
-                    t.div_(RANKS)
+                reduction.settle()
+                means = [p.grad for p in params]
                 reduced = weighted_all_reduce(cross, means, weight, group, GROUPS, True, None, reduction.layout)
             results[step] = {"weights": reduced.weights, "ready": reduced.ready,
                              "grads": [t.double().reshape(-1).tolist() for t in reduced.tensors]}
