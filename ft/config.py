@@ -30,6 +30,9 @@ class FTConfig:
     wait_for_replicas_s: float = 60.0
     """Before step 0, wait up to this long for ``replicas`` groups to be up (a late group would
     have to catch up from the first step)."""
+    overlap_backward: bool = True
+    """Reduce each dense gradient bucket across groups while backward runs; false: after backward
+    (the in-group reduction still overlaps backward).  The same collectives either way."""
     first_bucket_kb: int = 1024
     """Dense gradients are reduced across groups in buckets during backward: the first (the last
     layers' gradients, ready first) holds at most this many KiB, so a reduction starts early."""

@@ -141,6 +141,8 @@ def main() -> None:
                              "would have to catch up, which is not built yet)")
     parser.add_argument("--save-params", action="store_true", help="torch.save the final parameters to <out>/<replica>.pt")
     parser.add_argument("--snapshots", action="store_true", help="serve snapshots so a restarted peer can catch up")
+    parser.add_argument("--first-bucket-kb", type=int, default=1024,
+                        help="cap of the first gradient bucket reduced during backward (the others: 25 MiB)")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -155,7 +157,7 @@ def main() -> None:
     if server is not None:
         server.start()
     sync = ReplicaSync(client, timeout_s=args.timeout, snapshot_server=server)
-    reduction = OverlappedFTAR(list(model.parameters()))
+    reduction = OverlappedFTAR(list(model.parameters()), first_bucket_bytes=args.first_bucket_kb * 1024)
     deadline = time.monotonic() + 60
     while args.wait_for and time.monotonic() < deadline:
         healthy = [g for g in client.status()["groups"].values() if g["healthy"]]

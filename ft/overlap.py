@@ -162,8 +162,12 @@ class OverlappedFTAR:
                 from self._group_error
 
     def _done(self) -> None:
+        # Drop every reference to the quorum's group, its pending work included: after a failure the
+        # group is aborted, and a peer still blocked in one of its collectives only sees the
+        # connections close once the last reference to the group is gone.
         self._active = False
         self._reduction, self._group, self.quorum_id = None, None, -1
+        self._in_works, self._cross_works = [], []
 
     # ------------------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:

@@ -43,9 +43,11 @@ peers.  Losing every group at once is not recovered from.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -157,6 +159,8 @@ class ReplicaRank:
         self.window = MetricWindow()
         self.finished_elsewhere = False
         self._write(event="start", pid=os.getpid(), incarnation=self.incarnation, time=time.time())
+        # ``kill -USR1 <pid>`` prints every thread's stack to the rank's output (a hung collective, say).
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     # ------------------------------------------------------------------ data accounting
     def _ranks(self, groups: Iterable[int]) -> list[int]:
@@ -274,7 +278,8 @@ class ReplicaRank:
                 if self._fault_at(step, "forward") is not None:
                     self._die()
                 self.reduction.begin(weight, self.sparse.header())
-                self.sync.begin_overlapped(step, self.reduction)
+                if ft.overlap_backward:
+                    self.sync.begin_overlapped(step, self.reduction)
                 loss.backward()
                 loss_value = float(loss.detach())
                 self.window.add(logits.detach(), labels)
