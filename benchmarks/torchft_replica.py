@@ -143,9 +143,9 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
         if step == kill_step and kill_phase == "forward":
             _die(out, args.replica_id)
-        loss.backward()
-        if args.step_sleep:
+        if args.step_sleep:  # more "compute" (before backward: the gradient reduction stays at the step's end)
             time.sleep(args.step_sleep)
+        loss.backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         if step == kill_step and kill_phase == "reduce":
             threading.Timer(kill_delay, _die, (out, args.replica_id)).start()

@@ -172,8 +172,10 @@ class FlatReduction:
     def put(self, lo: int, values: torch.Tensor) -> None:
         """``w * values`` at flat offset ``lo`` (the same two operations on every path: same bits)."""
         dst = self.flat[lo:lo + values.numel()]
-        dst.copy_(values.detach().reshape(-1))
-        dst.mul_(self.weight)
+        src = values.detach().reshape(-1)
+        if src.device.type != "cpu":
+            src = src.cpu()  # one host copy (the replica-dimension groups are gloo)
+        torch.mul(src.float(), self.weight, out=dst)  # one pass: the copy and the scaling
 
     def result(self, like: Sequence[torch.Tensor]) -> Reduced:
         layout, size, h = self.layout, self.size, self.h

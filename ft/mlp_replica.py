@@ -4,7 +4,8 @@
         [--batch 32] [--kill-at STEP:PHASE[:DELAY_MS]] [--hidden 128] [--snapshots]
 
     python -m freescale.ft.mlp_replica --mode ddp --rank 0 --world-size 2 --master 127.0.0.1:PORT ...
-        (the baseline: the same model under torch DDP over gloo, no fault tolerance)
+        (the baseline: the same model under torch DDP over gloo, no fault tolerance;
+         --mode allreduce: one flat gloo all-reduce after backward instead)
 
 Each step: quorum request (overlapping the forward), forward/backward on this
 replica's own data (seeded by step and replica, ``--batch`` samples) with the
@@ -99,17 +100,27 @@ def _die(args: argparse.Namespace) -> None:
 
 
 def run_ddp(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer, log: Any) -> None:
-    """Baseline without fault tolerance: torch DDP over gloo (bucketed all-reduce overlapped with backward)."""
+    """Baselines without fault tolerance over gloo: ``ddp`` torch DDP (buckets reduced during
+    backward), ``allreduce`` one flat all-reduce of the gradients after backward."""
     import torch.distributed as dist
 
     host, _, port = args.master.rpartition(":")
     store = dist.TCPStore(host, int(port), args.world_size, is_master=args.rank == 0)
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)  # buckets reduced during backward, as FTAR's are
+    params = list(model.parameters())
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if args.mode == "ddp" else model
     for step in range(args.steps):
         x, y = batch(step, args.replica_id, args.batch)
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
+        if args.mode == "allreduce":  # one flat all-reduce after backward
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            flat /= args.world_size
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
         optimizer.step()
         log.write(json.dumps({"step": step, "time": time.time(), "committed": time.time(),
                               "digest": digest(model)}) + "\n")
@@ -129,7 +140,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--mode", choices=["ftar", "ddp"], default="ftar")
+    parser.add_argument("--mode", choices=["ftar", "ddp", "allreduce"], default="ftar")
     parser.add_argument("--rank", type=int, default=0, help="ddp mode")
     parser.add_argument("--world-size", type=int, default=2, help="ddp mode")
     parser.add_argument("--master", default="127.0.0.1:29531", help="ddp mode: host:port of rank 0's store")
@@ -149,7 +160,7 @@ def main() -> None:
     model = build_model(args.hidden, args.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     log = open(Path(args.out) / f"{args.replica_id}.jsonl", "a")
-    if args.mode == "ddp":
+    if args.mode in ("ddp", "allreduce"):
         run_ddp(args, model, optimizer, log)
         return
     client = LighthouseClient(args.lighthouse, args.replica_id, args.incarnation, request_timeout_s=60).start()
@@ -179,11 +190,11 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
         if step == kill_step and kill_phase == "forward":
             _die(args)
+        if args.step_sleep:  # more "compute" (before backward: the gradient reduction stays at the step's end)
+            time.sleep(args.step_sleep)
         reduction.begin(weight=args.batch)
         sync.begin_overlapped(step, reduction)
         loss.backward()
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
         if step == kill_step and kill_phase == "reduce":
             threading.Timer(kill_delay, _die, (args,)).start()
         result = sync.reduce_and_commit(step, [p.grad for p in model.parameters()], weight=args.batch,
