@@ -1,7 +1,7 @@
 """Fault-tolerance core on one machine: overhead, stall per failure, catch-up.
 
 Replicas are real processes (``python -m freescale.ft.mlp_replica``) training
-a ~1.3M-parameter MLP (256 -> 1024 -> 1, AdamW) on CPU with gloo, one rank per
+a ~1.3M-parameter MLP (256 -> 1024 -> 1024 -> 1, AdamW) on CPU with gloo, one rank per
 replica, the lighthouse in this process (heartbeat timeout 1 s; crashes are found
 through failure reports, not the timeout).  Runs:
 
@@ -173,12 +173,12 @@ def overhead(tmp: Path, steps: int, repeats: int, hidden: int, tft: bool) -> dic
             out.mkdir()
             master = f"127.0.0.1:{free_port()}"
             wait_all([replica(out, n, steps, "--mode", mode, "--rank", str(i), "--world-size", "2", "--master", master,
-                              "--hidden", str(hidden)) for i, n in enumerate("ab")])
+                              "--hidden", str(hidden), "--layers", "2") for i, n in enumerate("ab")])
             times.append(step_ms(read(out, "a")))
         out = tmp / f"ftar{r}"
         out.mkdir()
         lh = lighthouse()
-        wait_all([replica(out, n, steps, "--lighthouse", lh.url, "--wait-for", "2", "--hidden", str(hidden))
+        wait_all([replica(out, n, steps, "--lighthouse", lh.url, "--wait-for", "2", "--hidden", str(hidden), "--layers", "2")
                   for n in "ab"])
         ftar.append(step_ms(read(out, "a")))
         lh.stop_thread()
@@ -187,7 +187,8 @@ def overhead(tmp: Path, steps: int, repeats: int, hidden: int, tft: bool) -> dic
             out.mkdir()
             tlh, addr = tft_lighthouse()
             try:
-                wait_all([tft_replica(out, n, steps, "--lighthouse", addr, "--wait-for", "2", "--hidden", str(hidden))
+                wait_all([tft_replica(out, n, steps, "--lighthouse", addr, "--wait-for", "2", "--hidden", str(hidden),
+                                     "--layers", "2")
                           for n in "ab"], timeout=300, out=out)
                 tf.append(step_ms(committed(read(out, "a"))))
             except (Exception, SystemExit) as e:  # noqa: BLE001 - torchft's trouble must not sink freescale's rows
@@ -320,7 +321,7 @@ def main() -> None:
     try:
         rows.append({"torchft": skip, **overhead(tmp, steps, repeats, 1024, tft)})
         # Quick: 200 steps, so that the restarted replica (~3-4 s to start on 2 cores) joins before the end.
-        runs = [(200 if args.quick else 300, 1024, 1, "1.3M params")]
+        runs = [(200 if args.quick else 300, 1024, 2, "1.3M params")]
         if not args.quick:
             runs.append((200, args.big_hidden, 4, f"{args.big_hidden}x4 MLP"))
         for n, hidden, layers, label in runs:
@@ -347,7 +348,7 @@ def main() -> None:
     if args.json:
         write_json(args.json, "bench_ft", {
             "quick": args.quick, "replicas": "2 (overhead), 3 (failure)",
-            "model": "MLP 256->1024->1 (~1.3M params), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,
+            "model": "MLP 256->1024->1024->1 (1.31M params), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,
             "join_timeout_s": 0.5, "torchft": tft_version, "torchft_skipped": why or None,
             "torchft_setup": "torchft.Manager (use_async_quorum, min_replica_size=1), torchft.ProcessGroupGloo, "
                              "HTTPTransport healing, Rust LighthouseServer (heartbeat 1000 ms, join 500 ms, "
