@@ -326,11 +326,13 @@ class Trainer:
         cfg = self.cfg
         rank = ReplicaRank(cfg, ctx)
         try:
+            start_step = rank.resume()
             rank.wait_for_peers()
-            outcome = rank.run(cfg.train.steps)
+            outcome = rank.run(cfg.train.steps, start_step)
             metrics = rank.window.compute()
             summary = TrainSummary(
-                model=cfg.model.kind, world_size=ctx.world_size, start_step=0, steps=outcome["committed_steps"],
+                model=cfg.model.kind, world_size=ctx.world_size, start_step=start_step,
+                steps=outcome["committed_steps"],
                 samples=metrics.samples, seconds=outcome["seconds"],
                 samples_per_s=metrics.samples / max(outcome["seconds"], 1e-9),
                 train_loss=metrics.loss, train_auc=metrics.auc,

@@ -430,6 +430,7 @@ class Lighthouse:
                              "healthy": g.healthy(now, self.cfg.heartbeat_timeout_s),
                              "since_heartbeat_s": now - g.last_beat()} for rid, g in self.groups.items()},
             "joining": sorted(self.joins),
+            "high_step": self.high_step,
         })
 
     # ------------------------------------------------------------------ decisions

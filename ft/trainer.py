@@ -37,8 +37,10 @@ so the group turns ready at one step), each loads it and replays the recorded
 steps (dense update, union update, data accounting), and the group is
 bit-identical to the others.
 
-Checkpoints are not written in this mode: a lost group recovers from its
-peers.  Losing every group at once is not recovered from.
+A lost group recovers from its peers, never from a checkpoint.  Checkpoints
+(``[checkpoint] every``, ``save_final``) are for losing every group at once:
+the ready group with the lowest index writes them (all hold the same state),
+and a new job with ``checkpoint.resume`` starts every group from the latest.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from freescale import checkpoint
 from freescale.dataloader.loader import build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.digest import local_tensors, state_digest
@@ -221,6 +224,67 @@ class ReplicaRank:
         self.loader.load_state_dict(meta["loader"])
         self.live = set(meta["live"])
 
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_root(self) -> Path:
+        c = self.cfg.checkpoint
+        return Path(c.dir) if c.dir else Path(self.cfg.train.output_dir) / "checkpoints"
+
+    def resume(self) -> int:
+        """With ``checkpoint.resume``, when the run has no progress yet (a new job after every group
+        was lost): load the latest complete checkpoint (all groups write to, and read from, the same
+        directory); returns the step to start at.  A group restarted while others train skips it: it
+        catches up from them.  Every rank of the group decides alike (in-group agreement)."""
+        if not self.cfg.checkpoint.resume:
+            return 0
+        path = checkpoint.latest(self.checkpoint_root)
+        fresh = int(self.client.status().get("high_step", -1)) < 0
+        if self.group_size > 1:
+            fresh = self._agree(fresh)
+        if path is None or not fresh:
+            self._write(event="no_resume", checkpoint=str(path) if path else None, fresh_run=fresh, time=time.time())
+            return 0
+        materialize_optimizer_state(self.optimizer)
+        state = self._state()
+        meta = checkpoint.load(path, state)
+        saved = meta.get("ft") or {}
+        if saved.get("replicas") != self.cfg.ft.replicas or meta.get("world_size") != self.group_size:
+            raise checkpoint.CheckpointError(
+                f"{path}: saved by {saved.get('replicas')} replica groups of {meta.get('world_size')} ranks; this "
+                f"run has {self.cfg.ft.replicas} of {self.group_size} (the data plan would differ)")
+        self.dmp.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.loader.load_state_dict(meta["data"])
+        self.live = set(saved["live"])
+        step = int(meta["step"])
+        if self.group_size > 1:  # every rank of the group read the same checkpoint
+            steps = torch.tensor([step, -step], dtype=torch.int64, device=self.ctx.device)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+            if int(steps[0]) != -int(steps[1]):
+                raise checkpoint.CheckpointError(f"{self.checkpoint_root}: the group's ranks found different latest "
+                                                 "checkpoints (one being written while this job started?)")
+        self._write(event="resume", step=step, path=str(path), time=time.time())
+        return step
+
+    def _maybe_save(self, result: StepResult, done: int, steps: int) -> None:
+        """After committed step ``done - 1``: every ``checkpoint.every`` steps (and at the end with
+        ``save_final``) the ready group with the lowest index saves (all groups hold the same state,
+        so one writes; every group computes the same choice from the step's ready set)."""
+        c = self.cfg.checkpoint
+        if not ((c.every and done % c.every == 0) or (c.save_final and done == steps)):
+            return
+        mine = min(replica_index_of(r) for r in result.ready) == self.group_index
+        if self.group_size > 1:
+            mine = self._agree(mine)
+        if not mine:
+            return
+        start = time.perf_counter()
+        meta = {"data": self.loader.state_dict(), "world_size": self.group_size,
+                "ft": {"replicas": self.cfg.ft.replicas, "live": sorted(self.live)}}
+        path = checkpoint.save(self.checkpoint_root, done, self._state(), meta, keep=c.keep)
+        self._write(event="checkpoint", step=done, path=str(path), seconds=time.perf_counter() - start,
+                    time=time.time())
+
     # ------------------------------------------------------------------ faults (tests)
     def _parse_faults(self) -> list[tuple[int, str, float]]:
         faults = []
@@ -254,9 +318,9 @@ class ReplicaRank:
                 return
             time.sleep(0.05)
 
-    def run(self, steps: int) -> dict[str, Any]:
+    def run(self, steps: int, start_step: int = 0) -> dict[str, Any]:
         ft, device = self.cfg.ft, self.ctx.device
-        step, committed_steps, contributed = 0, 0, 0
+        step, committed_steps, contributed = start_step, 0, 0
         start = time.perf_counter()
         while step < steps:
             self.sync.start_step(step)
@@ -325,6 +389,8 @@ class ReplicaRank:
                             contributing=contributing, weight=weight, loss=loss_value, seconds=result.seconds,
                             quorum_wait_s=result.quorum_wait_s, reduce_s=result.reduce_s, vote_s=result.vote_s,
                             ready=sorted(result.ready), time=time.time(), **event)
+            if not self.sync.recovering:
+                self._maybe_save(result, result.step + 1, steps)
             if result.stage_snapshot:
                 self._write(event="stage", step=result.step, stage_s=self.sync.stage(result.step, self.snapshot()),
                             time=time.time())

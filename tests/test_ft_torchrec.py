@@ -114,11 +114,35 @@ def test_launch_refuses_a_pipeline_it_cannot_run(tiny_data: Path, tmp_path: Path
 
 
 def test_replicas_stay_identical_and_train_each_sample_once(tiny_data: Path, tmp_path: Path) -> None:
-    """Two groups of one rank, DLRM: no fault; the union update keeps the tables identical."""
-    proc = launch(tmp_path, tiny_data, 2, 1, 12, "dlrm")
+    """Two groups of one rank, DLRM: no fault; the union update keeps the tables identical.
+
+    Then every group is lost at once: a second job is SIGKILLed in both groups at step 9 (no
+    restarts: the job fails); a third job with ``checkpoint.resume`` starts both groups from the
+    step-6 checkpoint group 0 wrote, and each later step's whole state equals the first job's."""
+    ref = tmp_path / "ref"
+    proc = launch(ref, tiny_data, 2, 1, 12, "dlrm")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, 12)
+    runs = check_run(ref, tiny_data, "dlrm", 2, 1, 12)
     assert all(e["contributing"] for events in runs.values() for e in by_step(events).values())
+
+    out, every = tmp_path / "lost", ["--checkpoint.every", "6", "--checkpoint.save_final", "false"]
+    killed = subprocess.run(launch_args(out, tiny_data, 2, 1, 12, "dlrm", 0, *every), cwd=REPO,
+                            env=fault_env("*:0:9:forward"), capture_output=True, text=True, timeout=240)
+    assert killed.returncode != 0 and (out / "replica0" / "rank0.killed").exists()
+    resumed = subprocess.run(launch_args(out, tiny_data, 2, 1, 12, "dlrm", 0, *every, "--checkpoint.resume", "true"),
+                             cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    reference = by_step(runs[(0, 0)])
+    for (group, _), events in logs(out).items():
+        saves = [e["step"] for e in events if e.get("event") == "checkpoint"]
+        # Step 6 by the killed job, 12 by the resumed one; only the lowest ready group writes.
+        assert saves == ([6, 12] if group == 0 else []), f"group {group} saved at {saves}"
+        starts = [i for i, e in enumerate(events) if e.get("event") == "resume"]
+        assert len(starts) == 1 and events[starts[0]]["step"] == 6
+        after = by_step(events[starts[0]:])
+        assert sorted(after) == list(range(6, 12))
+        for step, e in after.items():
+            assert e["digest"] == reference[step]["digest"], f"group {group}, step {step}: differs after the resume"
 
 
 @pytest.mark.parametrize("phase", ["reduce", "forward"])
