@@ -217,6 +217,13 @@ class BalancedLoader:
         self.planner.forget_carry_before(self.epoch, self.step)
         return batch
 
+    def start_producing(self) -> None:
+        """Start producing the current step's batch now, in the background (otherwise the producer
+        starts at the next ``next_batch``, which then waits for the read and the plan): after a
+        change of position or live ranks, when the caller has other work before its next batch."""
+        if self.prefetch > 0 and self._thread is None and (self.epochs is None or self.epoch < self.epochs):
+            self._start()
+
     def __iter__(self) -> Any:
         while self.epochs is None or self.epoch < self.epochs:
             yield self.next_batch()

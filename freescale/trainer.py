@@ -327,6 +327,7 @@ class Trainer:
         rank = ReplicaRank(cfg, ctx)
         try:
             start_step = rank.resume()
+            rank.warm_up()
             rank.wait_for_peers()
             outcome = rank.run(cfg.train.steps, start_step)
             metrics = rank.window.compute()

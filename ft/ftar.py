@@ -338,6 +338,18 @@ class ReplicaSync:
         self._resolved = quorum
         return quorum, time.perf_counter() - start
 
+    def behind(self, step: int) -> bool:
+        """Wait for the step's quorum now and say whether it is ahead of ``step`` (this replica must
+        catch up: no use training the step).  A process's first step asks this before its forward:
+        a restarted group would otherwise train a stale step 0 (its first batch and forward are
+        slow) while the others wait for it to join their group."""
+        try:
+            quorum, waited = self._quorum_of(step)
+        except Exception:  # noqa: BLE001 - raised again where the caller handles it (reduce_and_commit)
+            return False
+        self._overlap_quorum_wait += waited
+        return quorum.max_step > step
+
     def begin_overlapped(self, step: int, reduction: OverlappedFTAR) -> bool:
         """Before backward, after ``reduction.begin``: attach it to the step's quorum, so each
         gradient bucket is reduced across groups as backward makes it (``freescale.ft.overlap``).
@@ -347,7 +359,7 @@ class ReplicaSync:
             quorum, waited = self._quorum_of(step)
         except Exception:  # noqa: BLE001 - the run finished, the lighthouse gave up, ...: the same future
             return False  # raises it again in ``reduce_and_commit``, where the caller handles it
-        self._overlap_quorum_wait = waited
+        self._overlap_quorum_wait += waited
         if self.recovering or quorum.max_step > step or not reduction.active:
             return False
         try:
@@ -393,6 +405,8 @@ class ReplicaSync:
             t0 = time.perf_counter()
             try:
                 group = self.group.for_quorum(quorum)
+                if self.recovering and "group_ready" not in self.catch_up_log:
+                    self.catch_up_log["group_ready"] = time.time()  # joined its first quorum's group
                 index = quorum.index_of(self.client.replica_id)
                 if overlapped is not None and overlapped.attached and overlapped.quorum_id == quorum.quorum_id:
                     result_of_reduce = overlapped.finish()  # started during backward, same layout and meta

@@ -139,11 +139,11 @@ class ReplicaRank:
                                         first_bucket_bytes=ft.first_bucket_kb * 1024,
                                         bucket_bytes=ft.bucket_kb * 1024)
         self.sparse = UnionSparseUpdate(self.dmp)
-        self.loader = build_loader(
-            cfg.data, "train", rank=self.group_index * self.group_size + ctx.rank,
-            world_size=ft.replicas * self.group_size, sparse_features=list(model.sparse_feature_names),
-            derived_cost=cost_model_for(cfg.model, manifest.dense_dim), seed=cfg.train.seed, training=True,
-        )
+        self._loader_args: dict[str, Any] = dict(
+            rank=self.group_index * self.group_size + ctx.rank, world_size=ft.replicas * self.group_size,
+            sparse_features=list(model.sparse_feature_names),
+            derived_cost=cost_model_for(cfg.model, manifest.dense_dim), seed=cfg.train.seed, training=True)
+        self.loader = build_loader(cfg.data, "train", **self._loader_args)
         self.live: set[int] = set(range(ft.replicas))
         """Groups the next step's data is planned over: those ready at the last commit."""
         self._faults = self._parse_faults()
@@ -310,6 +310,25 @@ class ReplicaRank:
         os.kill(os.getpid(), signal.SIGKILL)
 
     # ------------------------------------------------------------------ the loop
+    def warm_up(self) -> None:
+        """One forward and backward on a batch of a throwaway loader, nothing updated, before the
+        first quorum: torchrec's lazy set-up and the first kernels' costs are paid here, not in
+        the first step the other groups wait for (a restarted group's first contributing step
+        stalled them ~180 ms).  Every rank of the group runs it (the forward's all-to-alls)."""
+        start = time.perf_counter()
+        loader = build_loader(self.cfg.data, "train", **self._loader_args)
+        try:
+            batch = loader.next_batch()
+        finally:
+            loader.close()
+        batch.loss_scale = 0.0
+        loss, _ = self.dmp(batch.to(self.ctx.device))
+        loss.backward()  # the embedding updates are deferred (``sparse_sync``): only caught, then dropped
+        for p in self.dense:
+            p.grad = None
+        self.sparse.reset()
+        self._write(event="warm_up", seconds=time.perf_counter() - start, time=time.time())
+
     def wait_for_peers(self) -> None:
         deadline = time.monotonic() + self.cfg.ft.wait_for_replicas_s
         while time.monotonic() < deadline:
@@ -325,12 +344,15 @@ class ReplicaRank:
         while step < steps:
             self.sync.start_step(step)
             self.sparse.reset()
-            contributing = not self.sync.recovering and self.group_index in self.live
+            contributing = (not self.sync.recovering and self.group_index in self.live
+                            and not (step == start_step and self.sync.behind(step)))
             planned: _Planned | None = None
-            weight, loss_value = 0.0, float("nan")
+            weight, loss_value, batch_wait, compute_s = 0.0, float("nan"), 0.0, 0.0
             if contributing:
                 self.loader.set_live_ranks(self._ranks(self.live))
+                t_batch = time.perf_counter()
                 batch = self.loader.next_batch()
+                batch_wait = time.perf_counter() - t_batch
                 info = self.loader.last
                 assert info is not None
                 planned = _Planned(info.live_ranks, info.plan_rows)
@@ -338,6 +360,7 @@ class ReplicaRank:
                                    if rank // self.group_size == self.group_index))
                 # The in-group stage's mean over ranks = the mean over the group's samples.
                 batch.loss_scale = self.group_size / max(weight, 1.0)
+                t_compute = time.perf_counter()
                 loss, (_, logits, labels) = self.dmp(batch.to(device))
                 if self._fault_at(step, "forward") is not None:
                     self._die()
@@ -345,6 +368,7 @@ class ReplicaRank:
                 if ft.overlap_backward:
                     self.sync.begin_overlapped(step, self.reduction)
                 loss.backward()
+                compute_s = time.perf_counter() - t_compute
                 loss_value = float(loss.detach())
                 self.window.add(logits.detach(), labels)
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
@@ -388,9 +412,15 @@ class ReplicaRank:
                             participants=list(result.quorum.replica_ids), attempts=result.attempts,
                             contributing=contributing, weight=weight, loss=loss_value, seconds=result.seconds,
                             quorum_wait_s=result.quorum_wait_s, reduce_s=result.reduce_s, vote_s=result.vote_s,
+                            batch_wait_s=batch_wait, compute_s=compute_s,
                             ready=sorted(result.ready), time=time.time(), **event)
             if not self.sync.recovering:
                 self._maybe_save(result, result.step + 1, steps)
+            if not self.sync.recovering and self.group_index in self.live:
+                # The next step's batch is read while this rank stages, votes and waits (the producer
+                # restarts whenever the live set changes or a catch-up moved the position).
+                self.loader.set_live_ranks(self._ranks(self.live))
+                self.loader.start_producing()
             if result.stage_snapshot:
                 self._write(event="stage", step=result.step, stage_s=self.sync.stage(result.step, self.snapshot()),
                             time=time.time())
