@@ -206,6 +206,16 @@ def overhead(tmp: Path, steps: int, repeats: int, hidden: int, tft: bool) -> dic
     return row
 
 
+def steady_before(survivor: list[dict[str, Any]], joined: int) -> tuple[float, str]:
+    """The survivors' step before the restarted replica joins: steps 25 .. joined-2 (two replicas,
+    after the kill's redo).  When the restart took fewer steps than that (the 51M model: ~2 s
+    steps), steps 5 .. 19 before the kill instead (three replicas: slower, so the ratio reads low)."""
+    after = [e for e in survivor if 25 <= e["step"] < joined - 1]
+    if len(after) >= 3:
+        return step_ms(after, skip=0), f"steps 25..{joined - 2}"
+    return step_ms([e for e in survivor if 5 <= e["step"] < 20], skip=0), "steps 5..19, before the kill (3 replicas)"
+
+
 def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str) -> dict[str, Any]:
     out = tmp / f"kill-{label}"
     out.mkdir()
@@ -232,7 +242,8 @@ def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: st
     if c:
         info = c[0]["catch_up"]
         joined, done = info["joined_step"], c[0]["step"]
-        res.update(before_ms=step_ms([e for e in a if 25 <= e["step"] < joined - 1], skip=0),
+        before_ms, before_window = steady_before(a, joined)
+        res.update(before_ms=before_ms, before_window=before_window,
                    during_ms=step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0),
                    contributing_s=info["finished"] - restart, rate=info["bytes_per_s"])
     return res
@@ -270,7 +281,8 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str)
     if contributing and joined is not None:
         done = next((e["step"] for e in a if e["manager_step"] >= contributing[0]["manager_step"]), a[-1]["step"])
         healed = next((e for e in c if "heal_fetch_s" in e), None)
-        res.update(before_ms=step_ms([e for e in a if 25 <= e["step"] < joined - 1], skip=0),
+        before_ms, before_window = steady_before(a, joined)
+        res.update(before_ms=before_ms, before_window=before_window,
                    during_ms=step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0),
                    contributing_s=contributing[0]["committed"] - restart,
                    rate=healed["heal_bytes"] / healed["heal_fetch_s"] if healed else float("nan"))
@@ -300,6 +312,9 @@ def failure_rows(label: str, fs: dict[str, Any], tf: dict[str, Any] | None, skip
         row["freescale_raw"] = fs.get(key)
         if tf is not None:
             row["torchft_raw"] = tf.get(key)
+    rows[2]["freescale_before_window"] = fs.get("before_window")
+    if tf is not None:
+        rows[2]["torchft_before_window"] = tf.get("before_window")
     return rows
 
 
