@@ -139,11 +139,11 @@ class ReplicaRank:
                                         first_bucket_bytes=ft.first_bucket_kb * 1024,
                                         bucket_bytes=ft.bucket_kb * 1024)
         self.sparse = UnionSparseUpdate(self.dmp)
-        self._loader_args: dict[str, Any] = dict(
-            rank=self.group_index * self.group_size + ctx.rank, world_size=ft.replicas * self.group_size,
-            sparse_features=list(model.sparse_feature_names),
-            derived_cost=cost_model_for(cfg.model, manifest.dense_dim), seed=cfg.train.seed, training=True)
-        self.loader = build_loader(cfg.data, "train", **self._loader_args)
+        self.loader = build_loader(
+            cfg.data, "train", rank=self.group_index * self.group_size + ctx.rank,
+            world_size=ft.replicas * self.group_size, sparse_features=list(model.sparse_feature_names),
+            derived_cost=cost_model_for(cfg.model, manifest.dense_dim), seed=cfg.train.seed, training=True,
+        )
         self.live: set[int] = set(range(ft.replicas))
         """Groups the next step's data is planned over: those ready at the last commit."""
         self._faults = self._parse_faults()
@@ -311,16 +311,15 @@ class ReplicaRank:
 
     # ------------------------------------------------------------------ the loop
     def warm_up(self) -> None:
-        """One forward and backward on a batch of a throwaway loader, nothing updated, before the
-        first quorum: torchrec's lazy set-up and the first kernels' costs are paid here, not in
-        the first step the other groups wait for (a restarted group's first contributing step
-        stalled them ~180 ms).  Every rank of the group runs it (the forward's all-to-alls)."""
+        """One forward and backward, nothing updated, before the first quorum: torchrec's lazy
+        set-up, the first kernels and the loader's first read are paid here, not in the first
+        step the other groups wait for (a restarted group's first contributing step stalled them
+        ~180 ms).  The batch is the loader's next one, and the loader is put back where it was.
+        Every rank of the group runs it (the forward's all-to-alls)."""
         start = time.perf_counter()
-        loader = build_loader(self.cfg.data, "train", **self._loader_args)
-        try:
-            batch = loader.next_batch()
-        finally:
-            loader.close()
+        position = self.loader.state_dict()
+        batch = self.loader.next_batch()  # from the real loader, so that its reader is warm too
+        self.loader.load_state_dict(position)  # ... and back to where it was: nothing consumed
         batch.loss_scale = 0.0
         loss, _ = self.dmp(batch.to(self.ctx.device))
         loss.backward()  # the embedding updates are deferred (``sparse_sync``): only caught, then dropped
