@@ -155,9 +155,12 @@ class FlatReduction:
         if head.numel() and (int(head.min()) < 0 or int(head.max()) >= _HEADER_SPLIT ** 2):
             raise ValueError(f"weighted all-reduce: header values must be in [0, 2**40), got {head.tolist()[:8]}")
         self.layout, self.weight, self.size, self.h = layout, float(weight), size, head.numel()
-        # The replica-dimension groups are gloo: device gradients take one host copy each.
-        self.flat = torch.zeros(layout.total + size * (2 + 2 * self.h), dtype=torch.float32)
+        # The replica-dimension groups are gloo: device gradients take one host copy each.  Not
+        # zero-filled: ``put`` writes every tensor's slice before its bucket is reduced (a pass over
+        # the gradients saved per step); only the meta, where other participants' slots stay 0, is.
+        self.flat = torch.empty(layout.total + size * (2 + 2 * self.h), dtype=torch.float32)
         meta = self.flat[layout.total:]
+        meta.zero_()
         meta[index] = self.weight
         meta[size + index] = 1.0 if ready else 0.0
         if self.h:
