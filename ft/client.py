@@ -102,6 +102,8 @@ class LighthouseClient:
         self.last_quorum_id = 0
         self.address = ""
         """This rank's snapshot server, announced with every quorum request."""
+        self._next: tuple[int, Quorum] | None = None
+        """(step, quorum) from the last committed vote's reply: that step's quorum, already decided."""
         self._local = threading.local()
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat_loop, name="freescale-heartbeat", daemon=True)
@@ -167,9 +169,17 @@ class LighthouseClient:
             raise LighthouseError(f"lighthouse {self.url}{path} answered {status}: {answer.get('error', answer)}")
 
     def quorum(self, step: int) -> Quorum:
-        """Block until a quorum including this replica forms (see ``freescale.ft.lighthouse``)."""
-        body = self._post("/v1/quorum", {"step": step, "last_quorum_id": self.last_quorum_id,
-                                         "address": self.address})
+        """Block until a quorum including this replica forms (see ``freescale.ft.lighthouse``).
+
+        When the last committed vote's reply carried this step's quorum, that is the answer,
+        without a request."""
+        known, self._next = self._next, None
+        if known is not None and known[0] == step:
+            return known[1]
+        return self._accept(self._post("/v1/quorum", {"step": step, "last_quorum_id": self.last_quorum_id,
+                                                      "address": self.address}))
+
+    def _accept(self, body: dict[str, Any]) -> Quorum:
         if body.get("finished"):
             raise JobFinished(int(body["finished_step"]))
         quorum = Quorum.from_json(body)
@@ -182,11 +192,29 @@ class LighthouseClient:
         return quorum
 
     def quorum_async(self, step: int) -> Future[Quorum]:
+        if self._next is not None and self._next[0] == step:
+            done: Future[Quorum] = Future()
+            done.set_result(self.quorum(step))
+            return done
         return self._pool.submit(self.quorum, step)
 
     def commit(self, quorum_id: int, step: int, ok: bool) -> bool:
-        """The step's commit vote: True only if every member of every participant voted ok."""
-        return bool(self._post("/v1/commit", {"quorum_id": quorum_id, "step": step, "ok": ok})["commit"])
+        """The step's commit vote: True only if every member of every participant voted ok.
+
+        A committed reply may carry step + 1's quorum (``quorum`` then answers it without a
+        request); ``forget_next`` drops it when this rank does not go on to that step."""
+        body = self._post("/v1/commit", {"quorum_id": quorum_id, "step": step, "ok": ok})
+        self._next = None
+        following = body.get("next")
+        if body["commit"] and isinstance(following, dict):
+            try:
+                self._next = (step + 1, self._accept(following))
+            except (LighthouseError, KeyError, TypeError, ValueError):
+                self._next = None  # not usable: the next step asks the lighthouse as usual
+        return bool(body["commit"])
+
+    def forget_next(self) -> None:
+        self._next = None
 
     def finish(self, step: int) -> None:
         """This group ran its last step: tell late joiners (restarted groups) to stop."""

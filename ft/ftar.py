@@ -441,6 +441,8 @@ class ReplicaSync:
                 # Every rank of this group acts on the same decision (a lighthouse restarted mid-vote
                 # can answer two members differently); a group that ends up behind catches up.
                 committed = self.agree(committed)
+                if not committed:
+                    self.client.forget_next()  # this step is redone: its quorum is asked again
             reduce_s, vote_s = reduce_s + t1 - t0, vote_s + time.perf_counter() - t1
             if committed and reduced is not None:
                 self.quorum = quorum

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -163,6 +164,36 @@ def test_commit_vote_is_unanimous_and_aborts_on_a_no(lighthouse: Lighthouse) -> 
     assert results == {"a": False, "b": False}
     for c in (a, b):
         c.close()
+
+
+def commit_all(clients: list[LighthouseClient], quorum_id: int, step: int) -> list[bool]:
+    with ThreadPoolExecutor(len(clients)) as pool:
+        return list(pool.map(lambda c: c.commit(quorum_id, step, True), clients))
+
+
+def test_committed_vote_carries_the_next_quorum_unless_a_group_waits_to_join() -> None:
+    lh = Lighthouse(LighthouseConfig(min_replicas=2, join_timeout_s=0.3, heartbeat_timeout_s=2.0))
+    lh.start_in_thread()
+    a, b = client(lh, "a"), client(lh, "b")
+    q = quorums([a, b], 0)[0]
+    assert commit_all([a, b], q.quorum_id, 0) == [True, True]
+    # A third group asks to join during step 1: step 1's vote must not hand out a steady step 2.
+    c = client(lh, "c")
+    joining = c.quorum_async(0)
+    time.sleep(0.1)
+    q1 = quorums([a, b], 1)[0]
+    assert q1.quorum_id == q.quorum_id and q1.max_step == 1
+    assert commit_all([a, b], q1.quorum_id, 1) == [True, True]
+    q2 = quorums([a, b], 2)
+    assert q2[0] == q2[1] == joining.result(timeout=5) and q2[0].replica_ids == ("a", "b", "c")
+    assert q2[0].quorum_id > q.quorum_id and q2[0].max_step == 2
+    assert commit_all([a, b, c], q2[0].quorum_id, 2) == [True, True, True]
+    # Steady again: step 3's quorum came with the vote; no request is sent (the lighthouse is gone).
+    lh.stop_thread()
+    q3 = [cl.quorum(3) for cl in (a, b, c)]
+    assert q3[0] == q3[1] == q3[2] and q3[0].quorum_id == q2[0].quorum_id and q3[0].max_step == 3
+    for cl in (a, b, c):
+        cl.close()
 
 
 def test_vote_aborts_when_a_participant_dies_before_voting(lighthouse: Lighthouse) -> None:
