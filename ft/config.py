@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from freescale.config import require
+from freescale.ft.replica_group import BACKENDS
 
 LIGHTHOUSE_ENV = "FREESCALE_LIGHTHOUSE"
 REPLICA_INDEX_ENV = "FREESCALE_REPLICA_INDEX"
@@ -38,6 +39,10 @@ class FTConfig:
     layers' gradients, ready first) holds at most this many KiB, so a reduction starts early."""
     bucket_kb: int = 25 * 1024
     """The other buckets' cap in KiB (a larger tensor has a bucket of its own); as DDP's ``bucket_cap_mb``."""
+    replica_backend: str = "auto"
+    """Process groups across replica groups (``freescale.ft.replica_group``): ``gloo`` (host
+    buffers), ``nccl`` (GPU buffers, bounded waits, abort on failure; needs a GPU per rank) or
+    ``auto``: ``nccl`` on CUDA ranks, ``gloo`` otherwise."""
     digest_every: int = 0
     """Log a SHA-256 of the whole state every N committed steps (tests compare replicas; costs a hash)."""
     log_rows: bool = False
@@ -64,6 +69,8 @@ class FTConfig:
         require(self.timeout_s > 0, "timeout_s", "must be positive")
         require(self.first_bucket_kb > 0 and self.bucket_kb > 0, "bucket_kb",
                 f"bucket sizes must be positive, got first_bucket_kb={self.first_bucket_kb}, bucket_kb={self.bucket_kb}")
+        require(self.replica_backend in BACKENDS, "replica_backend",
+                f"must be one of {', '.join(BACKENDS)}, got '{self.replica_backend}'")
         require(not self.lighthouse or self.lighthouse.startswith(("http://", "https://")), "lighthouse",
                 f"must be an http(s):// URL, got '{self.lighthouse}'")
 

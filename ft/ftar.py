@@ -1,7 +1,8 @@
 """Fault-tolerant all-reduce (FTAR) of dense gradients across replica groups.
 
-Rank position ``r`` of every participating group forms one gloo process group
-per quorum (rendezvous through the lighthouse's TCPStore under the prefix
+Rank position ``r`` of every participating group forms one process group per
+quorum (gloo, or NCCL on GPUs: ``freescale.ft.replica_group``; rendezvous
+through the lighthouse's TCPStore under the prefix
 ``freescale/ftar/q<quorum id>/p<r>``, so a new quorum never reads an old
 quorum's keys), ranked by the quorum's sorted participant order.
 
@@ -11,7 +12,8 @@ average over, and everyone divides the summed gradients by the summed weights.
 With unequal batches (balanced loader, a group that lost ranks, a recovering
 group contributing ``w = 0``) this is the exact mean over all the samples of
 the step; torchft's division by the participant count is not.  Gloo's ring
-all-reduce hands every rank the same reduced bytes and the division is local
+all-reduce (and NCCL's, whose reduction order depends only on the group's
+ranks and sizes) hands every rank the same reduced bytes and the division is local
 and identical, so replicas stay bit-identical.
 
 ``ReplicaSync.reduce_and_commit`` is one step's exchange: reduce in the
@@ -38,29 +40,34 @@ import torch.distributed as dist
 
 from freescale.ft.catchup import SnapshotServer, fetch_snapshot
 from freescale.ft.client import LighthouseClient, Quorum
+from freescale.ft.replica_group import ReplicaGroup, resolve_backend
 
 if TYPE_CHECKING:
     from freescale.ft.overlap import OverlappedFTAR
 
 
 class FTARGroup:
-    """The gloo process group of one rank position for the current quorum."""
+    """The replica-dimension process group of one rank position for the current quorum."""
 
-    def __init__(self, replica_id: str, position: int, timeout_s: float) -> None:
+    def __init__(self, replica_id: str, position: int, timeout_s: float, backend: str = "gloo",
+                 device: torch.device | None = None) -> None:
         self.replica_id, self.position, self.timeout_s = replica_id, position, timeout_s
+        self.device = device or torch.device("cpu")
+        self.backend = resolve_backend(backend, self.device)
         self._stores: dict[tuple[str, int], dist.TCPStore] = {}
-        self._group: dist.ProcessGroup | None = None
+        self._group: ReplicaGroup | None = None
         self._quorum_id = -1
 
-    def for_quorum(self, quorum: Quorum) -> dist.ProcessGroup:
+    def for_quorum(self, quorum: Quorum) -> ReplicaGroup:
         if self._group is None or quorum.quorum_id != self._quorum_id:
             key = (quorum.store_host, quorum.store_port)
             if key not in self._stores:
                 self._stores[key] = dist.TCPStore(quorum.store_host, quorum.store_port, is_master=False,
                                                   timeout=timedelta(seconds=max(self.timeout_s, 10)))
-            store = dist.PrefixStore(f"freescale/ftar/q{quorum.quorum_id}/p{self.position}", self._stores[key])
-            self._group = dist.ProcessGroupGloo(store, quorum.index_of(self.replica_id), len(quorum.participants),
-                                                timedelta(seconds=self.timeout_s))
+            prefix = f"freescale/ftar/q{quorum.quorum_id}/p{self.position}"
+            self._group = ReplicaGroup.create(self.backend, dist.PrefixStore(prefix, self._stores[key]),
+                                              quorum.index_of(self.replica_id), len(quorum.participants),
+                                              self.timeout_s, self.device, prefix)
             self._quorum_id = quorum.quorum_id
         return self._group
 
@@ -72,10 +79,7 @@ class FTARGroup:
         collective timeout; the survivors then meet in the next quorum's group.
         """
         if self._group is not None:
-            try:
-                self._group.abort()
-            except RuntimeError:
-                pass  # a backend without abort: its connections close when it is collected
+            self._group.abort()
         self._group, self._quorum_id = None, -1
         self._stores.clear()  # the lighthouse (and its store) may have restarted: connect afresh
 
@@ -150,23 +154,25 @@ class FlatReduction:
     meta); once every piece is reduced, ``result`` divides by the summed weights."""
 
     def __init__(self, layout: ReduceLayout, weight: float, index: int, size: int, ready: bool,
-                 header: torch.Tensor | None) -> None:
+                 header: torch.Tensor | None, device: torch.device | None = None) -> None:
         head = header.reshape(-1).to(torch.int64).cpu() if header is not None else torch.zeros(0, dtype=torch.int64)
         if head.numel() and (int(head.min()) < 0 or int(head.max()) >= _HEADER_SPLIT ** 2):
             raise ValueError(f"weighted all-reduce: header values must be in [0, 2**40), got {head.tolist()[:8]}")
         self.layout, self.weight, self.size, self.h = layout, float(weight), size, head.numel()
-        # The replica-dimension groups are gloo: device gradients take one host copy each.  Not
-        # zero-filled: ``put`` writes every tensor's slice before its bucket is reduced (a pass over
-        # the gradients saved per step); only the meta, where other participants' slots stay 0, is.
-        self.flat = torch.empty(layout.total + size * (2 + 2 * self.h), dtype=torch.float32)
-        meta = self.flat[layout.total:]
-        meta.zero_()
+        # On the replica group's device (the host for gloo: device gradients take one copy each).
+        # Not zero-filled: ``put`` writes every tensor's slice before its bucket is reduced (a pass
+        # over the gradients saved per step); only the meta, where other participants' slots stay 0,
+        # is: built on the host and copied once.
+        self.flat = torch.empty(layout.total + size * (2 + 2 * self.h), dtype=torch.float32,
+                                device=device or torch.device("cpu"))
+        meta = torch.zeros(self.flat.numel() - layout.total, dtype=torch.float32)
         meta[index] = self.weight
         meta[size + index] = 1.0 if ready else 0.0
         if self.h:
             headers_at = meta[2 * size:].view(size, 2, self.h)
             headers_at[index, 0] = (head // _HEADER_SPLIT).float()
             headers_at[index, 1] = (head % _HEADER_SPLIT).float()
+        self.flat[layout.total:].copy_(meta)
 
     def piece(self, k: int) -> torch.Tensor:
         lo, hi = self.layout.buckets[k]
@@ -176,13 +182,13 @@ class FlatReduction:
         """``w * values`` at flat offset ``lo`` (the same two operations on every path: same bits)."""
         dst = self.flat[lo:lo + values.numel()]
         src = values.detach().reshape(-1)
-        if src.device.type != "cpu":
-            src = src.cpu()  # one host copy (the replica-dimension groups are gloo)
+        if src.device != dst.device:
+            src = src.to(dst.device)  # gloo: one host copy of a device gradient
         torch.mul(src.float(), self.weight, out=dst)  # one pass: the copy and the scaling
 
     def result(self, like: Sequence[torch.Tensor]) -> Reduced:
         layout, size, h = self.layout, self.size, self.h
-        meta = self.flat[layout.total:]
+        meta = self.flat[layout.total:].cpu()  # a view on the host; one small copy from a device
         weights = meta[:size].tolist()
         flags = [f > 0.5 for f in meta[size:2 * size].tolist()]
         if h:
@@ -196,7 +202,7 @@ class FlatReduction:
         out = []
         for t, offset in zip(like, layout.offsets):
             piece = self.flat[offset:offset + t.numel()].view(t.shape)
-            out.append(piece if t.dtype == torch.float32 and t.device.type == "cpu"
+            out.append(piece if t.dtype == torch.float32 and t.device == piece.device
                        else piece.to(device=t.device, dtype=t.dtype))
         return Reduced(out, weights, flags, headers)
 
@@ -212,7 +218,7 @@ class Reduced:
     """Each participant's ``header`` (int64), in quorum order: sizes for a following exchange."""
 
 
-def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], weight: float,
+def weighted_all_reduce(group: ReplicaGroup | dist.ProcessGroup, tensors: Sequence[torch.Tensor], weight: float,
                         index: int = 0, size: int = 1, ready: bool = True,
                         header: torch.Tensor | None = None, layout: ReduceLayout | None = None) -> Reduced:
     """``sum_r w_r t_r / sum_r w_r`` over the group; inputs are left untouched.
@@ -224,14 +230,15 @@ def weighted_all_reduce(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor
     trainer plans the next step's data over the ready ones) and headers (so a
     variable-size exchange that follows needs no round of its own to learn the sizes).
     """
+    replica_group = ReplicaGroup.of(group)
     layout = layout or ReduceLayout.single([t.numel() for t in tensors])
     layout.check(tensors)
-    reduction = FlatReduction(layout, weight, index, size, ready, header)
+    reduction = FlatReduction(layout, weight, index, size, ready, header, replica_group.device)
     for t, offset in zip(tensors, layout.offsets):
         reduction.put(offset, t)
-    works = [group.allreduce([reduction.piece(k)]) for k in range(len(layout.buckets))]
+    works = [replica_group.allreduce(reduction.piece(k)) for k in range(len(layout.buckets))]
     for work in works:
-        work.wait()
+        replica_group.wait(work)
     return reduction.result(tensors)
 
 
@@ -244,7 +251,7 @@ class Exchange(Protocol):
 
     def header(self) -> torch.Tensor: ...
 
-    def __call__(self, group: dist.ProcessGroup, quorum: Quorum, weights: list[float],
+    def __call__(self, group: ReplicaGroup, quorum: Quorum, weights: list[float],
                  headers: list[torch.Tensor]) -> Any: ...
 
 
@@ -305,10 +312,11 @@ class ReplicaSync:
 
     def __init__(self, client: LighthouseClient, position: int = 0, timeout_s: float = 5.0,
                  snapshot_server: SnapshotServer | None = None, token: str = "", max_attempts: int = 50,
-                 agree: Callable[[bool], bool] | None = None) -> None:
+                 agree: Callable[[bool], bool] | None = None, backend: str = "gloo",
+                 device: torch.device | None = None) -> None:
         self.client = client
         self.position = position
-        self.group = FTARGroup(client.replica_id, position, timeout_s)
+        self.group = FTARGroup(client.replica_id, position, timeout_s, backend, device)
         self.snapshots = snapshot_server
         if snapshot_server is not None:
             client.address = snapshot_server.address
@@ -453,6 +461,8 @@ class ReplicaSync:
                     extra=extra, quorum_wait_s=quorum_wait, reduce_s=reduce_s, vote_s=vote_s,
                 )
                 if self.recovering:
+                    # Kept until the snapshot is in, maybe for many steps: on the host (NCCL: not GPU memory).
+                    result.tensors = [t.cpu() for t in result.tensors]
                     self._recorded.append(result)
                 catching_up = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
                 asked = self.snapshots is not None and self.snapshots.wants(step)

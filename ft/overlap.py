@@ -30,9 +30,12 @@ left, waits, and raises: ``GroupFailure`` when the in-group stage failed (the
 group has lost a rank; torchrun restarts it), the backend's error when the
 cross-group stage failed (a peer group died: ``ReplicaSync`` redoes the step).
 
-CUDA: the gradients stay on the device for the in-group stage; the copy into the
-host buffer of stage 2 waits for that bucket's gradients (the replica-dimension
-groups are gloo).  Not yet run on a GPU.
+CUDA: the gradients stay on the device.  With NCCL in the group (the in-group
+stage) stage 2 of a bucket is queued right behind its stage 1 on the GPU
+stream (``work.wait()`` there orders streams and does not block the CPU), and
+with NCCL across groups (``[ft] replica_backend``, ``freescale.ft.replica_group``)
+the step's buffer is on the GPU too; with gloo across groups the copy into
+the host buffer waits for that bucket's gradients.  Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from freescale.ft.ftar import FlatReduction, GroupFailure, Reduced, ReduceLayout
+from freescale.ft.replica_group import ReplicaGroup
 
 __all__ = ["GroupFailure", "OverlappedFTAR"]
 
@@ -69,6 +73,9 @@ class OverlappedFTAR:
                                  f"parameter must be float32 on {self.params[0].device}")
         self.layout = ReduceLayout.of([p.numel() for p in self.params], first_bucket_bytes, bucket_bytes)
         self.in_group, self.in_group_size = in_group, in_group_size
+        self._in_group_stream_ordered = (in_group is not None and in_group_size > 1
+                                         and dist.get_backend(in_group) == "nccl")
+        """NCCL in the group: a bucket's stage 2 can be queued behind its stage 1 without waiting on the CPU."""
         device = self.params[0].device if self.params else torch.device("cpu")
         self.grads = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
         """The gradients, in layout order: each ``param.grad`` is a view of it during a step."""
@@ -77,7 +84,7 @@ class OverlappedFTAR:
         self._in_works: list[Any] = []
         self._cross_works: list[Any] = []
         self._reduction: FlatReduction | None = None
-        self._group: dist.ProcessGroup | None = None
+        self._group: ReplicaGroup | None = None
         self._error: BaseException | None = None
         self._group_error: BaseException | None = None
         self._active = False
@@ -115,11 +122,13 @@ class OverlappedFTAR:
         self._reduction, self._group, self.quorum_id = None, None, -1
         self._active = True
 
-    def attach(self, group: dist.ProcessGroup, quorum_id: int, index: int, size: int) -> None:
+    def attach(self, group: ReplicaGroup | dist.ProcessGroup, quorum_id: int, index: int, size: int) -> None:
         """Run the cross-group stage in this quorum's group (``ReplicaSync.begin_overlapped``; before backward)."""
         assert self._active, "attach() after begin()"
-        self._reduction = FlatReduction(self.layout, self._weight, index, size, True, self._header)
-        self._group, self.quorum_id = group, quorum_id
+        replica_group = ReplicaGroup.of(group)
+        self._reduction = FlatReduction(self.layout, self._weight, index, size, True, self._header,
+                                        replica_group.device)
+        self._group, self.quorum_id = replica_group, quorum_id
 
     def finish(self) -> Reduced:
         """After ``loss.backward()``, attached: start what is left, wait for all of it; the
@@ -131,8 +140,9 @@ class OverlappedFTAR:
             self._settle_in_group()
             if self._error is not None:
                 raise self._error
+            assert self._group is not None
             for work in self._cross_works:
-                work.wait()
+                self._group.wait(work)
             return self._reduction.result(self.params)
         finally:
             self._done()
@@ -195,7 +205,7 @@ class OverlappedFTAR:
             k = len(self._cross_works)
             work = self._in_works[k]
             if work is not None:
-                if not block and not work.is_completed():
+                if not block and not self._in_group_stream_ordered and not work.is_completed():
                     return
                 try:
                     work.wait()
@@ -206,6 +216,6 @@ class OverlappedFTAR:
             self._reduction.put(lo, self.grads[lo:hi])
             try:
                 assert self._group is not None
-                self._cross_works.append(self._group.allreduce([self._reduction.piece(k)]))
+                self._cross_works.append(self._group.allreduce(self._reduction.piece(k)))
             except (RuntimeError, dist.DistError) as exc:
                 self._error = exc

@@ -14,7 +14,7 @@ gradients, so replicas would drift apart at once.  Here, per step:
 2. **Exchange** (inside the fault-tolerant all-reduce's quorum attempt, after
    the dense reduction: a failure in it is redone with the survivors like the
    dense one): at position ``r`` the replicas all-gather each TBE's
-   ``(indices, offsets, output gradient)``.  One gloo all-gather per step,
+   ``(indices, offsets, output gradient)``.  One all-gather per step,
    whatever the number of tables: the sizes ride in the dense reduction.
 3. **Apply** (only once the step commits): every replica builds the same
    *union* batch, participants in quorum order, each one's gradient rows
@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from freescale.ft.client import Quorum
+from freescale.ft.replica_group import ReplicaGroup
 
 
 @dataclass
@@ -200,7 +201,7 @@ class UnionSparseUpdate:
             sizes.append([s.indices.numel(), s.offsets.numel(), rows, cols])
         return torch.tensor(sizes, dtype=torch.int64).reshape(-1)
 
-    def __call__(self, group: dist.ProcessGroup, quorum: Quorum, weights: list[float],
+    def __call__(self, group: ReplicaGroup | dist.ProcessGroup, quorum: Quorum, weights: list[float],
                  headers: list[torch.Tensor]) -> UnionUpdate:
         """All-gather every participant's ``local_step`` and build the weighted union (same on all).
 
@@ -209,14 +210,18 @@ class UnionSparseUpdate:
         """
         mine = self.local_step()
         size = len(quorum.participants)
-        # gloo across groups: device tensors take one host copy (the union is moved back in ``apply``).
-        ints = torch.cat([torch.cat([t.indices.cpu(), t.offsets.cpu()]) for t in mine.tables])
-        floats = torch.cat([t.grad.reshape(-1).float().cpu() for t in mine.tables])
+        replica_group = ReplicaGroup.of(group)
+        device = replica_group.device
+        # Gathered on the replica group's device (gloo: the host; NCCL: the GPU, then one copy of the
+        # whole gather to the host, where the union is built; ``apply`` moves it back).
+        ints = torch.cat([torch.cat([t.indices.to(device), t.offsets.to(device)]) for t in mine.tables])
+        floats = torch.cat([t.grad.reshape(-1).float().to(device) for t in mine.tables])
         mine_flat = torch.cat([ints.view(torch.float32), floats])
         shapes = [h.view(-1, 4) for h in headers]
         int_sizes = [int(h[:, :2].sum()) for h in shapes]
         float_sizes = [int((h[:, 2] * h[:, 3]).sum()) for h in shapes]
-        gathered = _all_gather_varlen(group, mine_flat, [2 * i + f for i, f in zip(int_sizes, float_sizes)])
+        gathered = [g.cpu() for g in _all_gather_varlen(replica_group, mine_flat,
+                                                        [2 * i + f for i, f in zip(int_sizes, float_sizes)])]
         total = float(sum(weights))
         per_participant: list[list[TBEStep]] = []
         for p in range(size):
@@ -289,16 +294,16 @@ class UnionSparseUpdate:
                 out.backward(step.grad.reshape(out.shape).to(device=out.device, dtype=out.dtype))
 
 
-def _all_gather(group: dist.ProcessGroup, tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
+def _all_gather(group: ReplicaGroup, tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
     """Every participant's ``tensor`` (same shape on all)."""
     out = [torch.empty_like(tensor) for _ in range(size)]
-    group.allgather([out], [tensor]).wait()
+    group.wait(group.allgather(out, tensor))
     return out
 
 
-def _all_gather_varlen(group: dist.ProcessGroup, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+def _all_gather_varlen(group: ReplicaGroup, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     longest = max(sizes) if sizes else 0
-    padded = torch.zeros(longest, dtype=tensor.dtype)
+    padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
     padded[:tensor.numel()] = tensor
     gathered = _all_gather(group, padded, len(sizes))
     return [g[:n] for g, n in zip(gathered, sizes)]

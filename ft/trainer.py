@@ -157,7 +157,8 @@ class ReplicaRank:
                                        run_id=os.environ.get(RUN_ID_ENV, "")).start()
         self.sync = ReplicaSync(self.client, position=ctx.rank, timeout_s=ft.timeout_s,
                                 snapshot_server=self.server, token=token,
-                                agree=self._agree if self.group_size > 1 else None)
+                                agree=self._agree if self.group_size > 1 else None,
+                                backend=ft.replica_backend, device=ctx.device)
         self.log: TextIO = (self.out_dir / f"rank{ctx.rank}.jsonl").open("a")
         self.window = MetricWindow()
         self.finished_elsewhere = False
@@ -187,7 +188,7 @@ class ReplicaRank:
         if sum(result.weights.values()) <= 0:
             return  # nobody trained this step (all catching up or not planned in): no update at all
         for p, averaged in zip(self.dense, result.tensors):
-            p.grad = averaged
+            p.grad = averaged if averaged.device == p.device else averaged.to(p.device)  # a replayed step
         self.dense_optimizer.step()
         for p in self.dense:
             p.grad = None
