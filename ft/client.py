@@ -102,6 +102,8 @@ class LighthouseClient:
         self.last_quorum_id = 0
         self.address = ""
         """This rank's snapshot server, announced with every quorum request."""
+        self._lighthouse_quorum: tuple[int | None, bool] = (None, False)
+        """(current quorum id, lost) from the last heartbeat reply."""
         self._next: tuple[int, Quorum] | None = None
         """(step, quorum) from the last committed vote's reply: that step's quorum, already decided."""
         self._local = threading.local()
@@ -244,10 +246,21 @@ class LighthouseClient:
             finally:
                 conn.close()
 
+    def quorum_lost(self, quorum_id: int) -> bool:
+        """The lighthouse's last heartbeat reply says a collective of ``quorum_id`` cannot complete:
+        that quorum lost a participant (failure report, heartbeat timeout, restart) or a newer one
+        formed without this rank's help (its peers left it).  False while nothing is known (no
+        reply yet, lighthouse restarting: it has no quorum then)."""
+        current, lost = self._lighthouse_quorum
+        return current is not None and (current > quorum_id or current == quorum_id and lost)
+
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._post("/v1/heartbeat", {}, timeout_s=max(0.5, 4 * self.heartbeat_interval_s))
+                reply = self._post("/v1/heartbeat", {}, timeout_s=max(0.5, 4 * self.heartbeat_interval_s))
+                current = reply.get("quorum_id")
+                self._lighthouse_quorum = (current if isinstance(current, int) else None,
+                                           bool(reply.get("quorum_lost")))
             except LighthouseError:
                 pass  # lighthouse down or restarting: keep beating, the next one re-registers
             self._stop.wait(self.heartbeat_interval_s)

@@ -25,7 +25,9 @@ class FTConfig:
     replica_index: int = 0
     """This group's index in ``0 .. replicas-1``."""
     timeout_s: float = 10.0
-    """Collective timeout of the fault-tolerant all-reduce: how long a hung (not crashed) peer can stall a step."""
+    """Collective timeout of the fault-tolerant all-reduce: the longest a hung (not crashed) peer can
+    stall a step.  Usually the lighthouse ends the wait sooner: once the hung group's heartbeat times
+    out, the others are told their quorum is lost and redo the step without it."""
     snapshots: bool = True
     """Serve snapshots so a restarted group can catch up from this one."""
     wait_for_replicas_s: float = 60.0

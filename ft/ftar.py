@@ -18,7 +18,8 @@ and identical, so replicas stay bit-identical.
 
 ``ReplicaSync.reduce_and_commit`` is one step's exchange: reduce in the
 current quorum; on any collective failure (a peer died: connection reset; or
-hung: timeout) report the quorum broken; then vote.  Only a unanimous vote
+hung: the lighthouse says the quorum is lost once its heartbeat times out, or
+the collective timeout) report the quorum broken; then vote.  Only a unanimous vote
 commits; otherwise ask for the next quorum (the dead group is out) and reduce
 again **with the gradients this replica still holds** (inputs are never
 reduced in place), so the step commits with the survivors: no step is
@@ -30,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -50,25 +52,43 @@ class FTARGroup:
     """The replica-dimension process group of one rank position for the current quorum."""
 
     def __init__(self, replica_id: str, position: int, timeout_s: float, backend: str = "gloo",
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, quorum_lost: Callable[[int], bool] | None = None) -> None:
         self.replica_id, self.position, self.timeout_s = replica_id, position, timeout_s
+        self.quorum_lost = quorum_lost or (lambda quorum_id: False)
         self.device = device or torch.device("cpu")
         self.backend = resolve_backend(backend, self.device)
         self._stores: dict[tuple[str, int], dist.TCPStore] = {}
         self._group: ReplicaGroup | None = None
         self._quorum_id = -1
+        # Rendezvous runs here, so the caller can stop waiting for it; room for a few abandoned ones.
+        self._rendezvous = ThreadPoolExecutor(max_workers=4, thread_name_prefix="freescale-ftar-rendezvous")
 
     def for_quorum(self, quorum: Quorum) -> ReplicaGroup:
+        """This quorum's group (made on the first call: every participant's rank at this position
+        meets under the quorum's store prefix).  A participant that dies before it arrives would
+        hold the others in the rendezvous until the store's timeout: the wait stops as soon as
+        the lighthouse says the quorum is lost (``RuntimeError``: the step is redone without it)."""
         if self._group is None or quorum.quorum_id != self._quorum_id:
             key = (quorum.store_host, quorum.store_port)
             if key not in self._stores:
                 self._stores[key] = dist.TCPStore(quorum.store_host, quorum.store_port, is_master=False,
                                                   timeout=timedelta(seconds=max(self.timeout_s, 10)))
             prefix = f"freescale/ftar/q{quorum.quorum_id}/p{self.position}"
-            self._group = ReplicaGroup.create(self.backend, dist.PrefixStore(prefix, self._stores[key]),
-                                              quorum.index_of(self.replica_id), len(quorum.participants),
-                                              self.timeout_s, self.device, prefix)
-            self._quorum_id = quorum.quorum_id
+            qid = quorum.quorum_id
+            made = self._rendezvous.submit(ReplicaGroup.create, self.backend,
+                                           dist.PrefixStore(prefix, self._stores[key]),
+                                           quorum.index_of(self.replica_id), len(quorum.participants),
+                                           self.timeout_s, self.device, prefix, lambda: self.quorum_lost(qid))
+            while True:
+                try:
+                    self._group = made.result(timeout=0.05)
+                    break
+                except FutureTimeout:
+                    if self.quorum_lost(qid):
+                        made.add_done_callback(_retire_late)
+                        raise RuntimeError(f"quorum {qid}: the lighthouse reports it lost while its process group "
+                                           "was being set up (a participant failed); set-up abandoned") from None
+            self._quorum_id = qid
         return self._group
 
     def drop(self) -> None:
@@ -79,9 +99,15 @@ class FTARGroup:
         collective timeout; the survivors then meet in the next quorum's group.
         """
         if self._group is not None:
-            self._group.abort()
+            self._group.retire()
         self._group, self._quorum_id = None, -1
         self._stores.clear()  # the lighthouse (and its store) may have restarted: connect afresh
+
+
+def _retire_late(made: Future[ReplicaGroup]) -> None:
+    """An abandoned rendezvous that completed after all: let its group go."""
+    if made.exception() is None:
+        made.result().retire()
 
 
 _HEADER_SPLIT = 1 << 20
@@ -316,7 +342,7 @@ class ReplicaSync:
                  device: torch.device | None = None) -> None:
         self.client = client
         self.position = position
-        self.group = FTARGroup(client.replica_id, position, timeout_s, backend, device)
+        self.group = FTARGroup(client.replica_id, position, timeout_s, backend, device, client.quorum_lost)
         self.snapshots = snapshot_server
         if snapshot_server is not None:
             client.address = snapshot_server.address

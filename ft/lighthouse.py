@@ -9,6 +9,12 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
     Sent every ~50 ms from a background thread of each rank.  A higher
     incarnation replaces the group's previous one (its pending requests fail);
     a lower one is refused (409): that process belongs to a dead incarnation.
+    The reply says ``{quorum_id, quorum_lost}``: the current quorum, and
+    whether a collective of it can no longer complete (a failure was reported,
+    or a participant is unhealthy or restarted).  A rank blocked in a
+    collective of that quorum (or of an older one) stops waiting and redoes
+    the step with the survivors (``freescale.ft.replica_group``): a hung peer
+    stalls the others for the heartbeat timeout, not the collective timeout.
 
 ``POST /v1/quorum``  ``{replica_id, incarnation, member, group_size, step, last_quorum_id, address}``
     Long-polls until a quorum that includes the caller's group forms, then
@@ -325,7 +331,17 @@ class Lighthouse:
         group, _, error = self._member(await self._body(request))
         if group is None:
             return web.json_response({"error": error}, status=409)
-        return web.json_response({"ok": True, "quorum_id": self.quorum_id})
+        q = self.quorum
+        return web.json_response({"ok": True, "quorum_id": q["quorum_id"] if q is not None else None,
+                                  "quorum_lost": q is not None and self._lost(q, time.monotonic())})
+
+    def _lost(self, quorum: dict[str, Any], now: float) -> bool:
+        """A collective of ``quorum`` cannot complete: a failure was reported, or a participant is
+        unhealthy (hung or dead: no heartbeat within the timeout) or was restarted."""
+        return bool(quorum.get("broken")) or any(
+            (g := self.groups.get(p["replica_id"])) is None or g.incarnation != p["incarnation"]
+            or not g.healthy(now, self.cfg.heartbeat_timeout_s)
+            for p in quorum["participants"])
 
     async def _quorum(self, request: web.Request) -> web.Response:
         body = await self._body(request)

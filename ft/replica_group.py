@@ -7,6 +7,13 @@ buffers live on, and a wait that is bounded and turns a dead or hung peer into
 an exception on the calling (CPU) thread, which ``ReplicaSync`` answers by
 aborting the group and redoing the step with the survivors.
 
+Every wait also stops early when the lighthouse says the quorum is lost
+(``LighthouseClient.quorum_lost``: a failure was reported, a participant's
+heartbeat timed out or it restarted, or a newer quorum formed without this
+rank): a hung peer then stalls the survivors for the heartbeat timeout, not
+the collective timeout, and on NCCL a peer whose death raises no transport
+error at all is found the same way.
+
 Backends (``[ft] replica_backend``):
 
 - ``gloo`` (CPU runs; CUDA runs that ask for it): buffers on the host, device
@@ -18,9 +25,9 @@ Backends (``[ft] replica_backend``):
   (``config.blocking = 0``: its init and an abort never block forever) that is
   connected when the group is made, before backward, rather than lazily inside
   a gradient hook.  An NCCL ``work.wait()`` only makes the current stream wait,
-  so ``wait`` passes a deadline (``work.wait(timeout)``): the CPU then polls the
-  work and, at the deadline or on an NCCL error, aborts the communicator and
-  raises ``DistBackendError`` here.  The watchdog's own timeout is set well past
+  so ``wait`` polls the work from the CPU (every 0.2 ms) and, at the deadline,
+  on an NCCL error or when the quorum is lost, aborts the communicator (which
+  ends the kernels still waiting on the dead peer) and raises here.  The watchdog's own timeout is set well past
   that deadline and its error handling off for these groups
   (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` while one is made: with the default
   the watchdog would end the process, and a dead peer group must not take the
@@ -34,9 +41,12 @@ Backends (``[ft] replica_backend``):
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -74,6 +84,35 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+class _Reaper:
+    """Holds retired process groups (and their unfinished work) on a thread of its own until
+    they can be let go.  A group given up on mid-collective still has an operation running on
+    a worker thread, and dropping the last reference to a gloo group joins that thread: done on
+    the training thread, that would block it until the hung peer wakes or the collective's own
+    timeout fires, which is exactly the wait the early give-up avoids."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[float, Any]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def bury(self, remains: Any, hold_s: float) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="freescale-replica-group-reaper", daemon=True)
+                self._thread.start()
+        self._queue.put((time.monotonic() + hold_s, remains))
+
+    def _run(self) -> None:
+        while True:
+            until, remains = self._queue.get()
+            time.sleep(max(0.0, until - time.monotonic()))
+            del remains  # the destructor runs here, on this thread, however long it blocks
+
+
+_REAPER = _Reaper()
+
+
 @dataclass
 class ReplicaGroup:
     """One quorum's process group at one rank position, and where its buffers live."""
@@ -84,6 +123,11 @@ class ReplicaGroup:
     device: torch.device
     """Where FTAR's buffers must be for this group: the host for gloo, the rank's GPU for NCCL."""
     timeout_s: float
+    lost: Callable[[], bool] = lambda: False
+    """True once the lighthouse says this group's quorum cannot complete a collective."""
+    _aborted: bool = False
+    _pending: list[Any] = field(default_factory=list)
+    """Work started and not yet waited for to the end (handed to the reaper with the group)."""
 
     @staticmethod
     def of(group: ReplicaGroup | Any, timeout_s: float = 30.0) -> ReplicaGroup:
@@ -92,10 +136,10 @@ class ReplicaGroup:
 
     @staticmethod
     def create(backend: str, store: Any, rank: int, size: int, timeout_s: float, device: torch.device,
-               name: str) -> ReplicaGroup:
+               name: str, lost: Callable[[], bool] = lambda: False) -> ReplicaGroup:
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
-            return ReplicaGroup(pg, "gloo", torch.device("cpu"), timeout_s)
+            return ReplicaGroup(pg, "gloo", torch.device("cpu"), timeout_s, lost)
         if backend != "nccl":
             raise ValueError(f"replica group: unknown backend '{backend}'")
         torch.cuda.set_device(device)
@@ -108,28 +152,68 @@ class ReplicaGroup:
         with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="0"):
             pg = dist.ProcessGroupNCCL(store, rank, size, opts)
         pg.eager_connect_single_device(device)
-        return ReplicaGroup(pg, "nccl", device, timeout_s)
+        return ReplicaGroup(pg, "nccl", device, timeout_s, lost)
 
     def allreduce(self, tensor: torch.Tensor) -> Any:
         """Start a sum all-reduce of ``tensor`` (on ``device``) in place; returns the work."""
-        return self.pg.allreduce([tensor])
+        work = self.pg.allreduce([tensor])
+        self._pending.append(work)
+        return work
 
     def allgather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> Any:
-        return self.pg.allgather([out], [tensor])
+        work = self.pg.allgather([out], [tensor])
+        self._pending.append(work)
+        return work
+
+    SLICE_S = 0.05
+    """gloo: the wait blocks in slices this long, checking between them whether the quorum is lost."""
 
     def wait(self, work: Any) -> None:
-        """Block the CPU until ``work`` is done; raise (a ``RuntimeError``/``DistError``) when a peer failed.
-
-        gloo raises by itself (reset connection, or the group's timeout).  NCCL: a bounded wait
-        (see the module docstring) that aborts the communicator and raises at the deadline."""
+        """Block the CPU until ``work`` is done; raise (a ``RuntimeError``/``DistError``) when a peer
+        failed, at the group's timeout, or once the quorum is lost (see the module docstring)."""
+        deadline = time.monotonic() + self.timeout_s
         if self.backend == "nccl":
-            work.wait(timedelta(seconds=self.timeout_s))
-        else:
-            work.wait()
+            while not work.is_completed():  # raises the communicator's error, if it has one
+                if self.lost() or time.monotonic() > deadline:
+                    self._give_up("NCCL")
+                time.sleep(0.0002)
+            work.wait()  # the current stream waits for the collective (the CPU does not)
+            self._forget(work)
+            return
+        while True:
+            try:
+                work.wait(timedelta(seconds=self.SLICE_S))  # returns at once when it completes
+                self._forget(work)
+                return
+            except (RuntimeError, dist.DistError):
+                if work.is_completed():
+                    raise  # failed: a peer reset the connection, or the group's own timeout
+            if self.lost():  # still running: a slice ran out
+                self._give_up("gloo")
 
-    def abort(self) -> None:
-        """Close the group's connections now: a peer blocked in one of its collectives fails at once."""
+    def _forget(self, work: Any) -> None:
+        for i, pending in enumerate(self._pending):
+            if pending is work:
+                del self._pending[i]
+                return
+
+    def _give_up(self, backend: str) -> None:
+        lost = self.lost()
+        self.retire()
+        raise RuntimeError(f"{backend} replica group: "
+                           + ("the lighthouse reports its quorum lost (a participant failed, hung past the "
+                              "heartbeat timeout or restarted)" if lost else
+                              f"collective not done after {self.timeout_s:.1f} s (a peer hung)") + "; aborted")
+
+    def retire(self) -> None:
+        """Abort the group (its connections close: a peer blocked in one of its collectives fails at
+        once) and let it go on the reaper's thread, unfinished work included (see ``_Reaper``)."""
+        if self._aborted:
+            return
+        self._aborted = True
         try:
             self.pg.abort()
         except (RuntimeError, AttributeError):
             pass  # a backend without abort: its connections close when it is collected
+        _REAPER.bury((self.pg, self._pending), hold_s=self.timeout_s + 5.0 if self._pending else 0.0)
+        self._pending = []

@@ -259,15 +259,17 @@ def test_lighthouse_killed_and_restarted_while_groups_train(tiny_data: Path, tmp
 
 
 def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tmp_path: Path) -> None:
-    """Group 1's rank is SIGSTOPped mid-run (a hang, not a crash): group 0's all-reduce times out
-    (``ft.timeout_s``), the lighthouse evicts group 1 (heartbeat timeout), group 0 goes on alone.
-    After SIGCONT group 1 finds itself behind, catches up without a restart, and trains again."""
+    """Group 1's rank is SIGSTOPped mid-run for 5 s (a hang, not a crash): the lighthouse evicts
+    group 1 at its heartbeat timeout (3 s) and says group 0's quorum is lost, so group 0 stops
+    waiting in the collective (the collective timeout, 30 s here, is never reached) and goes on
+    alone while group 1 is still stopped.  After SIGCONT group 1 finds itself behind, catches up
+    without a restart, and trains again."""
     import os
     import signal
     import time
 
     steps = 200
-    run = subprocess.Popen(launch_args(tmp_path, tiny_data, 2, 1, steps, "dlrm", 0, "--ft.timeout_s", "2"),
+    run = subprocess.Popen(launch_args(tmp_path, tiny_data, 2, 1, steps, "dlrm", 0, "--ft.timeout_s", "30"),
                            cwd=REPO, env=fault_env(SLOW), text=True, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE)
     victim = tmp_path / "replica1" / "rank0.jsonl"
@@ -278,6 +280,7 @@ def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tm
         stopped = time.time()
         time.sleep(5)
         os.kill(pid, signal.SIGCONT)
+        resumed = time.time()
         _, err = run.communicate(timeout=240)
         assert run.returncode == 0, err[-3000:]
     finally:
@@ -287,5 +290,6 @@ def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tm
     survivor = by_step(runs[(0, 0)])
     alone = [s for s, e in survivor.items() if e["participants"] == ["replica0"] and e["time"] > stopped]
     assert alone, "group 0 never went on without the stopped group"
+    assert min(survivor[s]["time"] for s in alone) < resumed, "group 0 waited for the stopped group instead of going on"
     assert len(catch_ups(runs[(1, 0)])) == 1, "the resumed group did not catch up"
     assert by_step(runs[(1, 0)])[steps - 1]["contributing"]

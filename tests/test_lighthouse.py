@@ -205,6 +205,22 @@ def test_vote_aborts_when_a_participant_dies_before_voting(lighthouse: Lighthous
     assert time.monotonic() - start < 2.0
 
 
+def test_heartbeats_say_when_a_quorum_is_lost(lighthouse: Lighthouse) -> None:
+    """A rank blocked in a collective learns from its heartbeat replies that a peer of the quorum
+    stopped (heartbeat timeout), so it can stop waiting (``freescale.ft.replica_group``)."""
+    a, b = client(lighthouse, "a"), client(lighthouse, "b")
+    q = quorums([a, b], 0)[0]
+    time.sleep(0.2)
+    assert not a.quorum_lost(q.quorum_id) and not b.quorum_lost(q.quorum_id)
+    b.close()  # a hang: no more heartbeats
+    deadline = time.monotonic() + 3
+    while not a.quorum_lost(q.quorum_id) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert a.quorum_lost(q.quorum_id), "the heartbeat timeout (0.3 s) passed and the quorum is still not lost"
+    assert not a.quorum_lost(q.quorum_id + 1)
+    a.close()
+
+
 def test_new_incarnation_replaces_the_old_and_stale_one_is_refused(lighthouse: Lighthouse) -> None:
     a, b = client(lighthouse, "a"), client(lighthouse, "b")
     q = quorums([a, b], 0)[0]

@@ -79,7 +79,7 @@ def _nccl_proc(rank: int, port: int, out: str, kill: bool) -> None:
         with pytest.raises((RuntimeError, dist.DistError)):
             group.wait(group.allreduce(torch.ones(1 << 20, device=device)))
         result["failed_after_s"] = time.monotonic() - start
-        group.abort()
+        group.retire()
         alone = ReplicaGroup.create("nccl", dist.PrefixStore("q2", store), 0, 1, 5.0, device, "q2")
         x = torch.full((5,), 2.0, device=device)
         alone.wait(alone.allreduce(x))
