@@ -85,6 +85,7 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
 
     from freescale.ft.config import LIGHTHOUSE_ENV, REPLICA_INDEX_ENV, REPLICAS_ENV, RUN_ID_ENV
     from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
+    from freescale.ft.replica_group import SHARED_GPUS_ENV
 
     lighthouse = None if lighthouse_url else Lighthouse(LighthouseConfig(min_replicas=1,
                                                                          heartbeat_timeout_s=heartbeat_timeout_s))
@@ -99,6 +100,8 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
                    RUN_ID_ENV: run_id}
             if devices is not None:  # each group its own GPUs (every group numbers its ranks 0..G-1)
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[index * nproc_per_node:(index + 1) * nproc_per_node])
+            elif torch_cuda_available():
+                env[SHARED_GPUS_ENV] = "1"  # NCCL refuses two ranks on one GPU: replica groups use gloo
             groups.append(subprocess.Popen(
                 [sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node", str(nproc_per_node),
                  "--max-restarts", str(max_restarts), *train_args], env=env))
@@ -115,6 +118,12 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     return max(codes, default=0)
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def _gpus_per_group(replicas: int, nproc_per_node: int) -> list[str] | None:
     """The visible GPUs, if there are enough for every rank of every group to have its own."""
     import torch
@@ -124,7 +133,8 @@ def _gpus_per_group(replicas: int, nproc_per_node: int) -> list[str] | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     if len(devices) < replicas * nproc_per_node:
-        print(f"freescale: warning: {len(devices)} GPU(s) for {replicas} x {nproc_per_node} ranks: groups share GPUs",
+        print(f"freescale: warning: {len(devices)} GPU(s) for {replicas} x {nproc_per_node} ranks: groups share "
+              "GPUs, so the gradient exchange across groups runs over gloo (NCCL refuses two ranks on one GPU)",
               file=sys.stderr)
         return None
     return devices

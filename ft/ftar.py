@@ -28,6 +28,7 @@ discarded.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,8 +61,6 @@ class FTARGroup:
         self._stores: dict[tuple[str, int], dist.TCPStore] = {}
         self._group: ReplicaGroup | None = None
         self._quorum_id = -1
-        # Rendezvous runs here, so the caller can stop waiting for it; room for a few abandoned ones.
-        self._rendezvous = ThreadPoolExecutor(max_workers=4, thread_name_prefix="freescale-ftar-rendezvous")
 
     def for_quorum(self, quorum: Quorum) -> ReplicaGroup:
         """This quorum's group (made on the first call: every participant's rank at this position
@@ -69,16 +68,23 @@ class FTARGroup:
         hold the others in the rendezvous until the store's timeout: the wait stops as soon as
         the lighthouse says the quorum is lost (``RuntimeError``: the step is redone without it)."""
         if self._group is None or quorum.quorum_id != self._quorum_id:
+            if self._group is not None:
+                self._group.retire()  # the previous quorum's: nobody uses it any more
+                self._group = None
+            qid = quorum.quorum_id
+            if self.quorum_lost(qid):
+                raise RuntimeError(f"quorum {qid}: the lighthouse already reports it lost (a participant failed)")
             key = (quorum.store_host, quorum.store_port)
             if key not in self._stores:
                 self._stores[key] = dist.TCPStore(quorum.store_host, quorum.store_port, is_master=False,
                                                   timeout=timedelta(seconds=max(self.timeout_s, 10)))
-            prefix = f"freescale/ftar/q{quorum.quorum_id}/p{self.position}"
-            qid = quorum.quorum_id
-            made = self._rendezvous.submit(ReplicaGroup.create, self.backend,
-                                           dist.PrefixStore(prefix, self._stores[key]),
-                                           quorum.index_of(self.replica_id), len(quorum.participants),
-                                           self.timeout_s, self.device, prefix, lambda: self.quorum_lost(qid))
+            prefix = f"freescale/ftar/q{qid}/p{self.position}"
+            # On a thread of its own, so this one can stop waiting (an abandoned one ends at the store's timeout).
+            made: Future[ReplicaGroup] = Future()
+            threading.Thread(target=_run_into, name="freescale-ftar-rendezvous", daemon=True, args=(
+                made, ReplicaGroup.create, self.backend, dist.PrefixStore(prefix, self._stores[key]),
+                quorum.index_of(self.replica_id), len(quorum.participants), self.timeout_s, self.device, prefix,
+                lambda: self.quorum_lost(qid))).start()
             while True:
                 try:
                     self._group = made.result(timeout=0.05)
@@ -102,6 +108,13 @@ class FTARGroup:
             self._group.retire()
         self._group, self._quorum_id = None, -1
         self._stores.clear()  # the lighthouse (and its store) may have restarted: connect afresh
+
+
+def _run_into(future: Future[Any], fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+        future.set_exception(exc)
 
 
 def _retire_late(made: Future[ReplicaGroup]) -> None:

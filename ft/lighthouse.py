@@ -177,6 +177,7 @@ class _Join:
 
 @dataclass
 class _Vote:
+    quorum_id: int
     participants: dict[str, tuple[int, int]]
     """replica_id -> (incarnation, group_size)."""
     ballots: dict[tuple[str, int], bool] = field(default_factory=dict)
@@ -384,7 +385,7 @@ class Lighthouse:
         if vote is None:
             if self.quorum is None or self.quorum["quorum_id"] != quorum_id:
                 return web.json_response({"commit": False, "reason": "quorum superseded"})
-            vote = _Vote({p["replica_id"]: (p["incarnation"], self.groups[p["replica_id"]].group_size)
+            vote = _Vote(quorum_id, {p["replica_id"]: (p["incarnation"], self.groups[p["replica_id"]].group_size)
                           for p in self.quorum["participants"] if p["replica_id"] in self.groups})
             self.votes[(quorum_id, step)] = vote
             for key in [k for k in self.votes if k[1] < step - 8]:  # keep the table small
@@ -610,6 +611,10 @@ class Lighthouse:
                 if len(vote.ballots) == expected:
                     vote.result = True
         if vote.result is not None:
+            if not vote.result and self.quorum is not None and self.quorum["quorum_id"] == vote.quorum_id:
+                # Everyone drops the quorum's process groups: the next one gets a new id (and store
+                # prefix), even with the same members, so no rendezvous reads this one's keys.
+                self.quorum["broken"] = True
             for waiter in vote.waiters:
                 if not waiter.done():
                     waiter.set_result(vote.result)

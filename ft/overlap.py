@@ -205,7 +205,10 @@ class OverlappedFTAR:
             k = len(self._cross_works)
             work = self._in_works[k]
             if work is not None:
-                if not block and not self._in_group_stream_ordered and not work.is_completed():
+                # NCCL in the group and a device buffer: stage 2 queues behind stage 1 on the stream; a
+                # host buffer would make ``put`` wait for it here, inside backward.
+                ordered = self._in_group_stream_ordered and self._reduction.flat.is_cuda
+                if not block and not ordered and not work.is_completed():
                     return
                 try:
                     work.wait()

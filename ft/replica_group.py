@@ -41,7 +41,6 @@ Backends (``[ft] replica_backend``):
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -54,63 +53,73 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("auto", "gloo", "nccl")
+SHARED_GPUS_ENV = "FREESCALE_GROUPS_SHARE_GPUS"
+"""Set to 1 by ``freescale launch`` when replica groups share GPUs (too few for one per rank): NCCL
+refuses two ranks on one GPU, so ``auto`` then means gloo."""
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
-    """``auto`` -> ``nccl`` for a CUDA rank where torch has NCCL, else ``gloo``; errors name ``[ft] replica_backend``."""
+    """``auto`` -> ``nccl`` for a CUDA rank with a GPU of its own where torch has NCCL, else ``gloo``.
+    Errors name ``ft.replica_backend``."""
     if requested not in BACKENDS:
         raise ValueError(f"ft.replica_backend: must be one of {', '.join(BACKENDS)}, got '{requested}'")
-    nccl_ok = device.type == "cuda" and dist.is_nccl_available()
+    shared = os.environ.get(SHARED_GPUS_ENV) == "1"
+    nccl_ok = device.type == "cuda" and dist.is_nccl_available() and not shared
     if requested == "auto":
         return "nccl" if nccl_ok else "gloo"
     if requested == "nccl" and not nccl_ok:
-        why = "this torch has no NCCL" if device.type == "cuda" else f"this rank trains on {device}, not a GPU"
-        raise ValueError(f"ft.replica_backend: 'nccl' needs a CUDA rank and a torch built with NCCL ({why}); "
-                         "use 'gloo' or 'auto'")
+        why = (f"this rank trains on {device}, not a GPU" if device.type != "cuda" else
+               "this torch has no NCCL" if not dist.is_nccl_available() else
+               f"replica groups share GPUs here ({SHARED_GPUS_ENV}=1) and NCCL refuses two ranks on one GPU")
+        raise ValueError(f"ft.replica_backend: 'nccl' needs a GPU of its own per rank and a torch built with NCCL "
+                         f"({why}); use 'gloo' or 'auto'")
     return requested
+
+
+_ENV_LOCK = threading.Lock()
+"""Groups are made on rendezvous threads: the environment is changed under this lock only."""
 
 
 @contextmanager
 def _env(**values: str) -> Iterator[None]:
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    with _ENV_LOCK:
+        before = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _let_go(remains: list[Any], pending: list[Any], until: float) -> None:
+    while time.monotonic() < until and not all(_done(w) for w in pending):
+        time.sleep(0.05)
+    pending.clear()
+    remains.clear()  # the destructors run here, on this thread, however long they block
+
+
+def _done(work: Any) -> bool:
     try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        return bool(work.is_completed())
+    except (RuntimeError, dist.DistError):
+        return True  # completed with an error
 
 
-class _Reaper:
-    """Holds retired process groups (and their unfinished work) on a thread of its own until
-    they can be let go.  A group given up on mid-collective still has an operation running on
-    a worker thread, and dropping the last reference to a gloo group joins that thread: done on
-    the training thread, that would block it until the hung peer wakes or the collective's own
-    timeout fires, which is exactly the wait the early give-up avoids."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[float, Any]] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def bury(self, remains: Any, hold_s: float) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="freescale-replica-group-reaper", daemon=True)
-                self._thread.start()
-        self._queue.put((time.monotonic() + hold_s, remains))
-
-    def _run(self) -> None:
-        while True:
-            until, remains = self._queue.get()
-            time.sleep(max(0.0, until - time.monotonic()))
-            del remains  # the destructor runs here, on this thread, however long it blocks
-
-
-_REAPER = _Reaper()
+def _bury(pg: Any, pending: list[Any], hold_s: float) -> None:
+    """Let a retired group go.  At once (here) when none of its work is still running: its
+    connections close now, so a peer still blocked in one of its collectives fails now.  Otherwise
+    on a thread of its own, once that work has ended or after ``hold_s``: a gloo group's
+    destructor joins its worker threads, and one of them is still blocked on the hung peer; done
+    here, that would block training until the peer wakes or the collective's own timeout fires,
+    which is exactly the wait giving up early avoids."""
+    if all(_done(w) for w in pending):
+        return  # the caller drops the last references
+    threading.Thread(target=_let_go, args=([pg], list(pending), time.monotonic() + hold_s),
+                     name="freescale-retired-group", daemon=True).start()
 
 
 @dataclass
@@ -127,7 +136,7 @@ class ReplicaGroup:
     """True once the lighthouse says this group's quorum cannot complete a collective."""
     _aborted: bool = False
     _pending: list[Any] = field(default_factory=list)
-    """Work started and not yet waited for to the end (handed to the reaper with the group)."""
+    """Work started and not yet waited for to the end (see ``_bury``)."""
 
     @staticmethod
     def of(group: ReplicaGroup | Any, timeout_s: float = 30.0) -> ReplicaGroup:
@@ -152,15 +161,24 @@ class ReplicaGroup:
         with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="0"):
             pg = dist.ProcessGroupNCCL(store, rank, size, opts)
         pg.eager_connect_single_device(device)
-        return ReplicaGroup(pg, "nccl", device, timeout_s, lost)
+        group = ReplicaGroup(pg, "nccl", device, timeout_s, lost)
+        # A non-blocking communicator may still be connecting in the background: one tiny all-reduce,
+        # waited for here (bounded, and given up when the quorum is lost), so that the first gradient
+        # bucket's collective, started inside backward, finds it ready.
+        group.wait(group.allreduce(torch.zeros(1, device=device)))
+        return group
 
     def allreduce(self, tensor: torch.Tensor) -> Any:
         """Start a sum all-reduce of ``tensor`` (on ``device``) in place; returns the work."""
+        if self._aborted:
+            raise RuntimeError("replica group: used after it was retired (its quorum failed)")
         work = self.pg.allreduce([tensor])
         self._pending.append(work)
         return work
 
     def allgather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> Any:
+        if self._aborted:
+            raise RuntimeError("replica group: used after it was retired (its quorum failed)")
         work = self.pg.allgather([out], [tensor])
         self._pending.append(work)
         return work
@@ -186,8 +204,10 @@ class ReplicaGroup:
                 self._forget(work)
                 return
             except (RuntimeError, dist.DistError):
-                if work.is_completed():
-                    raise  # failed: a peer reset the connection, or the group's own timeout
+                if work.is_completed():  # it ended (maybe just after the slice ran out): its own outcome
+                    work.wait()  # returns, or raises the real error (a peer reset the connection, the timeout)
+                    self._forget(work)
+                    return
             if self.lost():  # still running: a slice ran out
                 self._give_up("gloo")
 
@@ -206,8 +226,9 @@ class ReplicaGroup:
                               f"collective not done after {self.timeout_s:.1f} s (a peer hung)") + "; aborted")
 
     def retire(self) -> None:
-        """Abort the group (its connections close: a peer blocked in one of its collectives fails at
-        once) and let it go on the reaper's thread, unfinished work included (see ``_Reaper``)."""
+        """Abort the group and let it go (``_bury``): NCCL's abort ends its kernels; a gloo group's
+        connections close once it is destroyed, and a peer blocked in one of its collectives then
+        fails (a hung peer's survivors learn it from the lighthouse: ``lost``)."""
         if self._aborted:
             return
         self._aborted = True
@@ -215,5 +236,6 @@ class ReplicaGroup:
             self.pg.abort()
         except (RuntimeError, AttributeError):
             pass  # a backend without abort: its connections close when it is collected
-        _REAPER.bury((self.pg, self._pending), hold_s=self.timeout_s + 5.0 if self._pending else 0.0)
-        self._pending = []
+        pending = [w for w in self._pending if not _done(w)]
+        _bury(self.pg, pending, hold_s=self.timeout_s + 5.0)
+        self.pg, self._pending = None, []

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from freescale.config import ConfigError
 from freescale.ft.config import FTConfig
-from freescale.ft.replica_group import ReplicaGroup, resolve_backend
+from freescale.ft.replica_group import SHARED_GPUS_ENV, ReplicaGroup, resolve_backend
 from tests.procs import free_port
 
 two_gpus = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2
@@ -31,14 +31,21 @@ two_gpus = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.devi
                               reason="NCCL across replica groups needs >= 2 GPUs")
 
 
-def test_backend_choice_and_clear_errors() -> None:
+def test_backend_choice_and_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) == "gloo"
     assert resolve_backend("gloo", torch.device("cuda", 0)) == "gloo"
-    with pytest.raises(ValueError, match=r"ft.replica_backend: 'nccl' needs a CUDA rank.*trains on cpu"):
+    with pytest.raises(ValueError, match=r"ft.replica_backend: 'nccl' needs a GPU of its own per rank.*trains on cpu"):
         resolve_backend("nccl", cpu)
     with pytest.raises(ValueError, match="ft.replica_backend: must be one of auto, gloo, nccl, got 'mpi'"):
         resolve_backend("mpi", cpu)
+    # Groups sharing GPUs (the launcher says so): NCCL would refuse them, auto means gloo.
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"
+    monkeypatch.setenv(SHARED_GPUS_ENV, "1")
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "gloo"
+    with pytest.raises(ValueError, match="replica groups share GPUs here"):
+        resolve_backend("nccl", torch.device("cuda", 0))
     cfg = FTConfig(replica_backend="ncl")
     with pytest.raises(ConfigError, match="replica_backend: must be one of auto, gloo, nccl, got 'ncl'"):
         cfg.validate()
@@ -52,6 +59,42 @@ def test_a_bare_gloo_group_reduces_on_the_host() -> None:
     grads = [torch.tensor([3.0, -1.5]), torch.tensor([[0.25]])]
     reduced = weighted_all_reduce(group, grads, 4.0)
     assert reduced.weights == [4.0] and all(torch.equal(a, b) for a, b in zip(reduced.tensors, grads))
+
+
+def _hung_peer_proc(rank: int, port: int, out: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=30))
+    lost_at = time.monotonic() + 0.5
+    group = ReplicaGroup.create("gloo", dist.PrefixStore("q1", store), rank, 2, 30.0, torch.device("cpu"), "q1",
+                                lambda: rank == 0 and time.monotonic() > lost_at)
+    x = torch.ones(1 << 16)
+    group.wait(group.allreduce(x))
+    if rank == 1:  # hangs: never joins the next collective, and holds its connections open
+        Path(out, "hung").write_text("")
+        time.sleep(4)
+        os._exit(0)
+    while not Path(out, "hung").exists():
+        time.sleep(0.01)
+    lost_at = time.monotonic() + 0.5
+    start = time.monotonic()
+    try:
+        group.wait(group.allreduce(x))
+        result = "completed?!"
+    except RuntimeError as exc:
+        result = str(exc)
+    given_up = time.monotonic() - start
+    del group  # retired: its unfinished collective is let go off this thread, which must not block here
+    released = time.monotonic() - start
+    Path(out, "0.json").write_text(json.dumps({"error": result, "given_up_s": given_up, "released_s": released}))
+    os._exit(0)
+
+
+def test_gloo_wait_gives_up_when_the_quorum_is_lost_without_blocking_on_the_hung_peer(tmp_path: Path) -> None:
+    """A hung peer (30 s collective timeout): the wait ends once ``lost`` says so, and letting the
+    group go does not block on the collective still running inside gloo."""
+    mp.spawn(_hung_peer_proc, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    run = json.loads((tmp_path / "0.json").read_text())
+    assert "quorum lost" in run["error"]
+    assert 0.4 < run["given_up_s"] < 2.0 and run["released_s"] < 2.0, run
 
 
 def _nccl_proc(rank: int, port: int, out: str, kill: bool) -> None:
