@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-import requests
 import torch
 import torch.distributed as dist
 
@@ -546,7 +545,7 @@ class ReplicaSync:
                     fetched = fetch_snapshot(address, min_step, self.token)
                     self.catch_up_log.update(source=address, failed_sources=errors)
                     return fetched
-                except (ConnectionError, requests.RequestException, ValueError) as exc:
+                except (ConnectionError, ValueError) as exc:
                     errors.append(f"{address}: {exc}")
         raise RuntimeError(f"catch-up: every source failed: {'; '.join(errors[-len(sources):])}")
 
