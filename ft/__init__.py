@@ -4,7 +4,12 @@
   split-brain guard, growing ids, incarnations), commit votes, failure
   reports, finish, the rendezvous store; an aiohttp server (``freescale
   lighthouse`` or ``Lighthouse.start_in_thread()``).
-- ``client``: a rank's heartbeats (own thread) and quorum / commit requests.
+- ``client``: a rank's heartbeats (own thread; the replies say when the
+  current quorum is lost) and quorum / commit requests (the committed vote
+  brings the next steady quorum).
+- ``replica_group``: one quorum's process group across groups: gloo over host
+  buffers or NCCL over GPU buffers; bounded waits that give up when the
+  lighthouse says the quorum is lost; abort, and release off the training thread.
 - ``ftar``: sample-weighted all-reduce of dense tensors across the quorum's
   replicas plus an exchange hook in the same attempt; a failed collective is
   redone with the survivors in the next quorum, and a unanimous vote commits
