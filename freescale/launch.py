@@ -92,7 +92,7 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     url = lighthouse_url or lighthouse.start_in_thread()
     print(f"freescale: lighthouse at {url}; {replicas} replica group(s) of {nproc_per_node} rank(s)", flush=True)
     groups = []
-    devices = _gpus_per_group(replicas, nproc_per_node)
+    devices, shared_gpus = _gpus_per_group(replicas, nproc_per_node)
     run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16]
     try:
         for index in range(replicas):
@@ -100,7 +100,7 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
                    RUN_ID_ENV: run_id}
             if devices is not None:  # each group its own GPUs (every group numbers its ranks 0..G-1)
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[index * nproc_per_node:(index + 1) * nproc_per_node])
-            elif torch_cuda_available():
+            elif shared_gpus:
                 env[SHARED_GPUS_ENV] = "1"  # NCCL refuses two ranks on one GPU: replica groups use gloo
             groups.append(subprocess.Popen(
                 [sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node", str(nproc_per_node),
@@ -118,23 +118,18 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     return max(codes, default=0)
 
 
-def torch_cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def _gpus_per_group(replicas: int, nproc_per_node: int) -> list[str] | None:
-    """The visible GPUs, if there are enough for every rank of every group to have its own."""
+def _gpus_per_group(replicas: int, nproc_per_node: int) -> tuple[list[str] | None, bool]:
+    """(The visible GPUs, if there are enough for every rank of every group to have its own;
+    whether groups must share GPUs instead)."""
     import torch
 
     if not torch.cuda.is_available():
-        return None
+        return None, False
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     if len(devices) < replicas * nproc_per_node:
         print(f"freescale: warning: {len(devices)} GPU(s) for {replicas} x {nproc_per_node} ranks: groups share "
               "GPUs, so the gradient exchange across groups runs over gloo (NCCL refuses two ranks on one GPU)",
               file=sys.stderr)
-        return None
-    return devices
+        return None, True
+    return devices, False

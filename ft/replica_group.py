@@ -109,19 +109,6 @@ def _done(work: Any) -> bool:
         return True  # completed with an error
 
 
-def _bury(pg: Any, pending: list[Any], hold_s: float) -> None:
-    """Let a retired group go.  At once (here) when none of its work is still running: its
-    connections close now, so a peer still blocked in one of its collectives fails now.  Otherwise
-    on a thread of its own, once that work has ended or after ``hold_s``: a gloo group's
-    destructor joins its worker threads, and one of them is still blocked on the hung peer; done
-    here, that would block training until the peer wakes or the collective's own timeout fires,
-    which is exactly the wait giving up early avoids."""
-    if all(_done(w) for w in pending):
-        return  # the caller drops the last references
-    threading.Thread(target=_let_go, args=([pg], list(pending), time.monotonic() + hold_s),
-                     name="freescale-retired-group", daemon=True).start()
-
-
 @dataclass
 class ReplicaGroup:
     """One quorum's process group at one rank position, and where its buffers live."""
@@ -136,7 +123,7 @@ class ReplicaGroup:
     """True once the lighthouse says this group's quorum cannot complete a collective."""
     _aborted: bool = False
     _pending: list[Any] = field(default_factory=list)
-    """Work started and not yet waited for to the end (see ``_bury``)."""
+    """Work started and not yet waited for to the end (see ``retire``)."""
 
     @staticmethod
     def of(group: ReplicaGroup | Any, timeout_s: float = 30.0) -> ReplicaGroup:
@@ -201,15 +188,14 @@ class ReplicaGroup:
         while True:
             try:
                 work.wait(timedelta(seconds=self.SLICE_S))  # returns at once when it completes
-                self._forget(work)
-                return
+                break
             except (RuntimeError, dist.DistError):
                 if work.is_completed():  # it ended (maybe just after the slice ran out): its own outcome
                     work.wait()  # returns, or raises the real error (a peer reset the connection, the timeout)
-                    self._forget(work)
-                    return
+                    break
             if self.lost():  # still running: a slice ran out
                 self._give_up("gloo")
+        self._forget(work)
 
     def _forget(self, work: Any) -> None:
         for i, pending in enumerate(self._pending):
@@ -226,9 +212,15 @@ class ReplicaGroup:
                               f"collective not done after {self.timeout_s:.1f} s (a peer hung)") + "; aborted")
 
     def retire(self) -> None:
-        """Abort the group and let it go (``_bury``): NCCL's abort ends its kernels; a gloo group's
-        connections close once it is destroyed, and a peer blocked in one of its collectives then
-        fails (a hung peer's survivors learn it from the lighthouse: ``lost``)."""
+        """Abort the group and let it go: NCCL's abort ends its kernels; a gloo group's connections
+        close once it is destroyed, and a peer blocked in one of its collectives then fails (a hung
+        peer's survivors learn it from the lighthouse: ``lost``).
+
+        Destroyed at once (by the caller dropping its references) when none of its work is still
+        running.  Otherwise on a thread of its own, once that work has ended or after
+        ``timeout_s + 5``: a gloo group's destructor joins its worker threads, one of them still
+        blocked on the hung peer; on this thread that would block training until the peer wakes or
+        the collective's own timeout fires, which is exactly the wait giving up early avoids."""
         if self._aborted:
             return
         self._aborted = True
@@ -237,5 +229,7 @@ class ReplicaGroup:
         except (RuntimeError, AttributeError):
             pass  # a backend without abort: its connections close when it is collected
         pending = [w for w in self._pending if not _done(w)]
-        _bury(self.pg, pending, hold_s=self.timeout_s + 5.0)
+        if pending:
+            threading.Thread(target=_let_go, args=([self.pg], pending, time.monotonic() + self.timeout_s + 5.0),
+                             name="freescale-retired-group", daemon=True).start()
         self.pg, self._pending = None, []
