@@ -7,6 +7,10 @@ Reading order: ``schema`` (columns, manifest, errors) -> ``synthetic`` (gen-data
 prefetch, state) -> ``batch``.
 """
 
+if __name__ != "freescale.dataloader":  # imported by its folder name, the repository root on sys.path
+    raise ImportError(f"import freescale.dataloader, not {__name__}: dataloader/ is the package freescale.dataloader, and a "
+                      "second name would load its modules twice (duplicate registries, classes that differ)")
+
 from freescale.dataloader.schema import DataError, DatasetManifest, sample_schema
 from freescale.dataloader.synthetic import SyntheticSpec, generate
 

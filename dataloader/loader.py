@@ -126,7 +126,9 @@ class StepInfo:
     """Each live rank's planned rows (read-only), in ``live_ranks`` order, carried rows
     included, before any source drops bad rows: what a dead rank would have trained."""
     rank_sizes: tuple[int, ...]
-    """``len`` of each of ``plan_rows``: the sample count of each rank (replica group)."""
+    """``len`` of each of ``plan_rows``: the sample count of each rank."""
+    row_lengths: np.ndarray
+    """History length of each of ``rows`` (cost-model calibration pairs them with measured time)."""
 
 
 class _Failure:
@@ -150,6 +152,7 @@ class BalancedLoader:
         prefetch: int = 2,
         epochs: int | None = None,
         pin_memory: bool = False,
+        group_size: int | None = None,
     ) -> None:
         unknown = [f for f in sparse_features if f not in SPARSE_FEATURES]
         if unknown:
@@ -169,6 +172,9 @@ class BalancedLoader:
         self.prefetch = prefetch
         self.epochs = epochs
         self.pin_memory = pin_memory
+        self.group_size = group_size or max(live_ranks) + 1
+        """Ranks whose gradients are averaged together first (one replica group; without fault
+        tolerance every rank): ``loss_scale`` makes that average the mean over their samples."""
         self.dense_dim = source.manifest.dense_dim
         self._live = self._check_ranks(live_ranks)
         self.epoch, self.step = 0, 0
@@ -184,6 +190,11 @@ class BalancedLoader:
     @property
     def global_batch_size(self) -> int:
         return self.planner.global_batch_size
+
+    @property
+    def skipped_rows(self) -> int:
+        """Rows dropped so far as invalid (``data.on_bad_rows = "skip"``)."""
+        return sum(self.source.skipped.values())
 
     @property
     def live_ranks(self) -> tuple[int, ...]:
@@ -344,7 +355,8 @@ class BalancedLoader:
         plan_rows = tuple(_read_only(r) for r in plan.rows)
         info = dict(epoch=epoch, step=step, imbalance=plan.imbalance(), bound=plan.bound(),
                     global_size=plan.global_size, rank_size=batch.size, rank_cost=float(costs.sum()), rows=kept,
-                    live_ranks=plan.live_ranks, plan_rows=plan_rows, rank_sizes=tuple(r.size for r in plan_rows))
+                    live_ranks=plan.live_ranks, plan_rows=plan_rows, rank_sizes=tuple(r.size for r in plan_rows),
+                    row_lengths=self.planner.lengths[kept])
         return info, batch
 
     def _to_batch(self, rows: pa.Table, costs: np.ndarray, plan: StepPlan) -> Batch:
@@ -373,10 +385,16 @@ class BalancedLoader:
             dense=torch.from_numpy(dense_flat.reshape(rows.num_rows, self.dense_dim).copy()),
             labels=torch.from_numpy(rows.column(LABEL).to_numpy().copy()),
             costs=torch.from_numpy(costs.astype(np.float32)),
-            # sum of per-sample losses x (ranks / samples in the step): DDP's mean over
-            # ranks then gives the exact mean over the step's samples, whatever each rank holds.
-            loss_scale=len(plan.live_ranks) / max(plan.global_size, 1),
+            loss_scale=self._loss_scale(plan),
         )
+
+    def _loss_scale(self, plan: StepPlan) -> float:
+        """Sum of per-sample losses x (ranks / samples) of this rank's group: the in-group mean over
+        ranks (DDP's, or the bucketed reducer's) then is the exact mean over the group's samples,
+        whatever each rank holds; fault tolerance weights each group's mean by its samples."""
+        group = self.rank // self.group_size
+        sizes = [rows.size for rank, rows in zip(plan.live_ranks, plan.rows) if rank // self.group_size == group]
+        return len(sizes) / max(sum(sizes), 1)
 
 
 def _read_only(rows: np.ndarray) -> np.ndarray:
@@ -413,6 +431,7 @@ def build_loader(
     seed: int,
     training: bool = True,
     pin_memory: bool = False,
+    group_size: int | None = None,
 ) -> BalancedLoader:
     """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order)."""
     columns = sorted({SPARSE_FEATURES[f][0] for f in sparse_features} | {DENSE, LABEL})
@@ -429,6 +448,7 @@ def build_loader(
     return BalancedLoader(
         source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,
         max_seq_len=cfg.max_seq_len, prefetch=cfg.prefetch, epochs=None if training else 1, pin_memory=pin_memory,
+        group_size=group_size,
     )
 
 

@@ -89,11 +89,14 @@ def _fields(cls: type) -> dict[str, tuple[dataclasses.Field[Any], Any]]:
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
 
 
-def _unknown_key(prefix: str, name: str, known: typing.Iterable[str]) -> ConfigError:
-    key = f"{prefix}{name}"
+def did_you_mean(name: str, known: typing.Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean '<prefix><closest>'?)`` for the closest of ``known`` to ``name``, or ``""``."""
     close = difflib.get_close_matches(name, list(known), n=1)
-    hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-    return ConfigError(f"unknown config key '{key}'{hint}")
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
+def _unknown_key(prefix: str, name: str, known: typing.Iterable[str]) -> ConfigError:
+    return ConfigError(f"unknown config key '{prefix}{name}'{did_you_mean(name, known, prefix)}")
 
 
 def _apply_mapping(obj: Any, mapping: dict[str, Any], prefix: str = "") -> None:

@@ -123,3 +123,11 @@ def all_gather_varlen(tensor: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded)
     return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device whose tensors ``group``'s collectives take: this process's current CUDA
+    device when the group's backend includes NCCL, else the CPU (gloo)."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

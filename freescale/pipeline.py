@@ -22,13 +22,21 @@ batches in flight and streams, plus priority inside the step:
   its bottom MLP) is issued first, side features (HSTU's user embedding)
   next; torchrec awaits each output dist lazily, at first use, so compute
   starts when its own inputs land and side features travel behind it;
-- backward: dense gradients go through ``DenseGradReducer`` instead of DDP:
-  their own process group, so they never queue ahead of the embedding-gradient
-  all-to-all (the fused embedding update waits on it), cut into chunks with a
-  bounded number in flight, issued as backward produces them;
-- on CUDA torchrec's data-dist stream runs at high priority; ``comm =
-  "copy_engine"`` selects the SM-free path, which is not wired in yet
-  (``freescale.kernels.copy_engine`` holds the primitive; the option says so).
+- backward: dense gradients go through ``BucketedGrads`` instead of DDP
+  (``freescale.grad_buckets``): their own process group, so they never queue
+  ahead of the embedding-gradient all-to-all (the fused embedding update
+  waits on it), cut into chunks with a bounded number in flight, issued as
+  backward produces them;
+- on CUDA ``comm = "copy_engine"`` selects the SM-free path, which is not
+  wired in yet (``freescale.kernels.copy_engine`` holds the primitive; the
+  option says so).
+
+No pipeline reduces gradients or steps an optimizer itself: at the points
+where torchrec's pipelines call ``optimizer.zero_grad()``, ``backward`` and
+``optimizer.step()`` they call the step's ``StepSync``
+(``freescale.step_sync``): the local one, or fault tolerance across replica
+groups (``freescale.ft.FaultTolerance``).  So every pipeline composes with
+fault tolerance, and the sync decides when an update is committed.
 
 On CPU with gloo the overlap is real too: gloo runs collectives on its own
 threads, and every wait is on an async work handle.
@@ -47,11 +55,10 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from freescale.comm_trace import CommTracer, phase
+from freescale.comm_trace import phase
 from freescale.config import require
 from freescale.dataloader.batch import Batch
-from freescale.dense_reducer import DenseGradReducer
-from freescale.parallelize import dense_named_parameters
+from freescale.step_sync import StepSync, SyncedOptimizer
 
 PIPELINES = ("plain", "torchrec", "prioritized")
 COMMS = ("nccl", "copy_engine")
@@ -78,8 +85,13 @@ class PipelineConfig:
         require(self.max_inflight > 0, "max_inflight", f"must be positive, got {self.max_inflight}")
 
     @property
-    def uses_ddp(self) -> bool:
-        return self.kind != "prioritized"
+    def read_ahead(self) -> int:
+        """Batches the pipeline holds beyond the one it trains (torchrec's: the next two)."""
+        return 0 if self.kind == "plain" else 2
+
+    def uses_ddp(self, fault_tolerant: bool) -> bool:
+        """DDP reduces the dense gradients (else ``BucketedGrads``: prioritized, or fault tolerance)."""
+        return self.kind != "prioritized" and not fault_tolerant
 
 
 class StepPipeline(abc.ABC):
@@ -87,92 +99,80 @@ class StepPipeline(abc.ABC):
 
     The caller hands an iterator that ends where the pipeline must be empty
     (checkpoint, end of training): every batch it yields is trained by some
-    ``progress`` call, in order.  ``detach()`` returns the model usable on its
-    own (for evaluation).
+    ``progress`` call, in order.  ``reset()`` drops batches in flight (a replica
+    that must catch up); ``detach()`` returns the model usable on its own (for
+    evaluation).
     """
+
+    read_ahead = 0
 
     @abc.abstractmethod
     def progress(self, batches: Iterator[Batch]) -> StepOutput: ...
+
+    def reset(self) -> None:
+        """Forget batches in flight."""
 
     @abc.abstractmethod
     def detach(self) -> nn.Module: ...
 
 
 class PlainPipeline(StepPipeline):
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        self.model, self.optimizer, self.device = model, optimizer, device
+    def __init__(self, model: nn.Module, sync: StepSync, device: torch.device) -> None:
+        self.model, self.sync, self.device = model, sync, device
 
     def progress(self, batches: Iterator[Batch]) -> StepOutput:
         batch = next(batches).to(self.device, non_blocking=True)
-        self.optimizer.zero_grad()
+        self.sync.zero_grad()
         with phase("forward"):
             loss, (_, logits, labels) = self.model(batch)
         with phase("backward"):
-            loss.backward()
-        self.optimizer.step()
+            self.sync.backward(loss)
+        self.sync.step()
         return loss.detach(), logits, labels
 
     def detach(self) -> nn.Module:
         return self.model
 
 
-class _TorchrecPipeline(StepPipeline):
-    """Adapter over torchrec's ``TrainPipelineSparseDist`` (and our subclass of it)."""
+class _SyncedSparseDist(TrainPipelineSparseDist[Batch, Any]):
+    """torchrec's three-stage pipeline whose backward and optimizer step go to the ``StepSync``."""
 
-    def __init__(self, pipeline: TrainPipelineSparseDist[Batch, Any]) -> None:
-        self.pipeline = pipeline
+    def __init__(self, model: nn.Module, sync: StepSync, device: torch.device) -> None:
+        def forward(batch: Batch | None) -> Any:
+            with phase("forward"):
+                return model(batch)
+
+        super().__init__(model, SyncedOptimizer(sync), device, custom_model_fwd=forward)  # type: ignore[arg-type]
+        self.sync = sync
+
+    def _backward(self, losses: torch.Tensor) -> None:
+        with phase("backward"):
+            self.sync.backward(torch.sum(losses, dim=0))
+
+
+class TorchrecPipeline(StepPipeline):
+    """``torchrec`` and ``prioritized``: torchrec's batches in flight (they differ in the sync's
+    in-group reduction: DDP, or ``BucketedGrads`` on a group of its own)."""
+
+    read_ahead = 2
+
+    def __init__(self, model: nn.Module, sync: StepSync, device: torch.device) -> None:
+        self.pipeline = _SyncedSparseDist(model, sync, device)
 
     def progress(self, batches: Iterator[Batch]) -> StepOutput:
         loss, logits, labels = self.pipeline.progress(batches)
         return loss, logits, labels
 
+    def reset(self) -> None:
+        self.pipeline.reset()
+
     def detach(self) -> nn.Module:
         return self.pipeline.detach()
 
 
-class _PrioritizedSparseDist(TrainPipelineSparseDist[Batch, Any]):
-    """torchrec's three-stage pipeline with our backward: dense gradients at low priority."""
-
-    def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, reducer: DenseGradReducer
-    ) -> None:
-        def forward(batch: Batch | None) -> Any:
-            with phase("forward"):
-                return model(batch)
-
-        super().__init__(model, optimizer, device, custom_model_fwd=forward)
-        self.reducer = reducer
-
-    def _backward(self, losses: torch.Tensor) -> None:
-        with phase("backward"):
-            self.reducer.begin()
-            losses.backward()
-            self.reducer.finish()
-
-
-class _TracedTorchrecSparseDist(TrainPipelineSparseDist[Batch, Any]):
-    """Unchanged torchrec pipeline; only labels forward/backward for the comm tracer."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        def forward(batch: Batch | None) -> Any:
-            with phase("forward"):
-                return model(batch)
-
-        super().__init__(model, optimizer, device, custom_model_fwd=forward)
-
-    def _backward(self, losses: torch.Tensor) -> None:
-        with phase("backward"):
-            super()._backward(losses)
-
-
-def build_pipeline(
-    cfg: PipelineConfig,
-    dmp: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    tracer: CommTracer | None = None,
-) -> StepPipeline:
-    """The configured pipeline over an already sharded model (``shard_model(data_parallel=cfg.uses_ddp)``)."""
+def build_pipeline(cfg: PipelineConfig, dmp: nn.Module, sync: StepSync, device: torch.device) -> StepPipeline:
+    """The configured pipeline over an already sharded model (DDP around its dense part exactly
+    when ``cfg.uses_ddp(...)``) and the step's sync."""
     if cfg.comm == "copy_engine":
         if device.type != "cuda":
             raise RuntimeError(
@@ -183,13 +183,6 @@ def build_pipeline(
             "pipeline.comm = 'copy_engine': the SM-free all-to-all exists (freescale.kernels.copy_engine) but is "
             "not yet wired into torchrec's output dist, and has not run on a GPU; use 'nccl'"
         )
-    if cfg.kind == "plain":
-        return PlainPipeline(dmp, optimizer, device)
-    if cfg.kind == "torchrec":
-        return _TorchrecPipeline(_TracedTorchrecSparseDist(dmp, optimizer, device))
-    group = dist.new_group(backend=dist.get_backend())
-    if tracer is not None:
-        tracer.label(group, "dense")
-    reducer = DenseGradReducer(list(dense_named_parameters(dmp).values()), group, chunk_bytes=cfg.chunk_kb * 1024,
-                               max_inflight=cfg.max_inflight)
-    return _TorchrecPipeline(_PrioritizedSparseDist(dmp, optimizer, device, reducer))
+    pipeline = PlainPipeline(dmp, sync, device) if cfg.kind == "plain" else TorchrecPipeline(dmp, sync, device)
+    assert pipeline.read_ahead == cfg.read_ahead
+    return pipeline

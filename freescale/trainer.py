@@ -1,64 +1,62 @@
-"""``Trainer``: one replica group's training loop over a torchrec-sharded model.
+"""``Trainer``: the one training loop, with or without fault tolerance, over any pipeline.
 
     from freescale import Trainer, TrainerConfig
     cfg = TrainerConfig()
     cfg.data.path = "data/demo"
     summary = Trainer(cfg).fit()      # under torchrun, or as a group of one
 
-One step on rank r (all ranks in lockstep; collectives must match):
+One step of rank r of replica group g (all ranks of a group in lockstep), in
+the order the code runs it (``../shared/DESIGN.md``, "Data flow of one step"):
 
-    1. loader.next_batch()            this rank's share of global batch s, planned by cost
-                                      on every rank alike, read and prefetched on a thread
-    2. pipeline.progress(batches)     (``freescale.pipeline``; ``pipeline.kind``)
-       batch.to(device)               input dist (ids all-to-all) -> embedding lookup ->
-       dmp(batch)                     output all-to-all -> dense forward -> loss
-       loss.backward()                embedding grads all-to-all back, fused row-wise
-                                      Adagrad updates the shards inside backward; dense
-                                      grads all-reduced (DDP, or the prioritized reducer)
-       optimizer.step()               AdamW on the dense parameters
-    6. every log_every steps          metrics over the window, gathered from all ranks
-    7. every checkpoint.every steps   atomic DCP checkpoint (model, optimizers, step,
-                                      data position)
+    1-2  plan, read       ``StepFeed`` (``freescale.step_feed``): planned and read ahead, on the
+                          loader's prefetch thread, over the ranks of every ready group
+         begin            ``sync.begin_step``: with fault tolerance, the quorum request (its
+                          round trip overlaps the forward)
+    3-5  input dist,      ``pipeline.progress`` (``freescale.pipeline``, ``pipeline.kind``):
+         output dist,     ids all-to-all, prioritized embedding lookups and output all-to-alls,
+         dense fwd/bwd    dense forward, backward with the dense buckets reduced during it
+    6    exchange         ``sync.step`` (``freescale.step_sync``), called by the pipeline where an
+    7    commit           optimizer step would be: in-group, then (fault tolerance) the weighted FTAR
+    8    update           across groups, the vote, then the update: optimizer, union update of tables
+    9    account, log,    the feed requeues rows of groups that did not train the step; the log's
+         checkpoint       ``commit`` record; metrics every ``log_every``; a checkpoint at segment ends
 
-Pipelines other than ``plain`` read batches ahead; the trainer hands them an
-iterator that stops at the next checkpoint, so the pipeline is empty exactly
-when the loader position is saved.  Rank 0 alone prints (progress bar, summary) and writes the
-JSONL log ``<train.output_dir>/train_log.jsonl``.
+A step this rank sits out (its group is catching up, or rejoined and is not
+yet planned in) skips 3-5: ``sync.step`` contributes zeros with weight 0.
+Everything else (metrics, calibration, tracing, progress, checkpoints, eval)
+is the same code with or without ``--replicas``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections import deque
-from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import Any
 
 import torch
-from tqdm import tqdm
+import torch.distributed as dist
 
 from freescale import checkpoint
 from freescale.checkpoint import CheckpointConfig
+from freescale.components import Components, build
 from freescale.config import ConfigError, require, to_dict
-from freescale.dataloader.batch import Batch
-from freescale.dataloader.loader import BalancedLoader, DataConfig, StepInfo, build_loader
-from freescale.dataloader.schema import DatasetManifest
-from freescale.ft.config import FTConfig
-from freescale.comm_trace import CommTracer
+from freescale.dataloader.loader import DataConfig, build_loader
 from freescale.digest import state_digest
 from freescale.distributed import DistConfig, DistContext, init_distributed, shutdown
+from freescale.ft.config import FTConfig
 from freescale.metrics import ClickMetrics, MetricWindow
-from freescale.models import ModelConfig, build_model, cost_model_for
-from freescale.pipeline import PipelineConfig, build_pipeline
-from freescale.parallelize import OptimConfig, build_optimizer, materialize_optimizer_state, shard_model
-from freescale.step_stats import Calibration, StepTiming
+from freescale.models import ModelConfig, cost_model_for
+from freescale.parallelize import OptimConfig, materialize_optimizer_state
+from freescale.pipeline import PipelineConfig
+from freescale.run_log import Progress, RunLog
+from freescale.step_feed import Commit
+from freescale.step_stats import Calibration
+from freescale.step_sync import NONFINITE, JobFinished
 
 
 @dataclass
@@ -74,15 +72,16 @@ class TrainConfig:
     trace_comm: bool = False
     """Record every collective (op, group, bytes, phase, issuing module, time blocked) to
     ``<output_dir>/comm_trace_rank<R>.jsonl`` (``freescale.comm_trace``; costs a little per collective)."""
-    benchmark_skip_float_comm: bool = False
-    """Benchmarks only: floating-point collectives (embeddings, their gradients, dense gradients) become
-    no-ops of the same shapes, so step time minus this run's step time is the exposed communication.
-    The model learns nothing in this mode."""
+    nonfinite: str = "stop"
+    """A step whose reduced dense gradients are not finite (NaN or inf loss): ``stop`` (one line naming
+    the step and rank; the last good checkpoint stays the one to resume from) or ``skip_step`` (no
+    update, training goes on; needs fault tolerance, whose embedding update is deferred to the commit)."""
 
     def validate(self) -> None:
         require(self.steps > 0, "steps", f"must be positive, got {self.steps}")
         require(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
         require(bool(self.output_dir), "output_dir", "must not be empty")
+        require(self.nonfinite in NONFINITE, "nonfinite", f"must be one of {list(NONFINITE)}, got '{self.nonfinite}'")
 
 
 @dataclass
@@ -103,6 +102,7 @@ class TrainSummary:
     world_size: int
     start_step: int
     steps: int
+    """Steps this group committed with valid state (all of them, unless it had to catch up)."""
     samples: int
     seconds: float
     samples_per_s: float
@@ -115,25 +115,6 @@ class TrainSummary:
     skipped_rows: int = 0
     state_digest: str = ""
     """SHA-256 over every rank's parameters and optimizer state after training (``freescale.digest``)."""
-
-
-class RunLog:
-    """JSONL events on rank 0 (one object per line, flushed); a no-op elsewhere."""
-
-    def __init__(self, path: Path | None) -> None:
-        self._fh: TextIO | None = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = path.open("a")
-
-    def write(self, event: str, **fields: Any) -> None:
-        if self._fh is not None:
-            self._fh.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
-            self._fh.flush()
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
 
 
 def quiet_libraries() -> None:
@@ -151,14 +132,24 @@ class Trainer:
     def fit(self) -> TrainSummary:
         """Train ``train.steps`` steps (resuming if asked), evaluate, return the summary."""
         quiet_libraries()
-        self.cfg.ft.resolve_env()
-        self.cfg.ft.validate()
-        if self.cfg.ft.enabled and self.cfg.pipeline.kind != "plain":
-            raise ConfigError(f"pipeline.kind: fault-tolerant training (ft.lighthouse) runs the plain loop, "
-                              f"got '{self.cfg.pipeline.kind}'")
-        ctx = init_distributed(self.cfg.dist)
+        cfg = self.cfg
+        cfg.ft.resolve_env()
+        cfg.ft.validate()
+        if cfg.ft.enabled and cfg.data.calibrate_every:
+            raise ConfigError("data.calibrate_every: not supported with replica groups yet (the fitted cost model "
+                              "would have to be agreed across groups to keep their plans identical); set it to 0")
+        if not cfg.ft.enabled and cfg.train.nonfinite == "skip_step":
+            raise ConfigError("train.nonfinite: 'skip_step' needs fault tolerance (--replicas), whose embedding update "
+                              "waits for the commit; without it the fused update already ran inside backward")
+        ctx = init_distributed(cfg.dist)
         try:
-            summary = self._fit_replica(ctx) if self.cfg.ft.enabled else self._fit(ctx)
+            parts = build(cfg, ctx)
+            log = RunLog(parts.log_dir / "train_log.jsonl" if ctx.is_main else None)
+            try:
+                summary = self._run(parts, log)
+            finally:
+                parts.close()
+                log.close()
         except BaseException:
             # Peers may be dead or stuck in another collective: no barrier on the way out.
             shutdown(ctx, clean=False)
@@ -167,210 +158,207 @@ class Trainer:
         return summary
 
     # ------------------------------------------------------------------------------
-    def _fit(self, ctx: DistContext) -> TrainSummary:
-        cfg = self.cfg
-        out_dir = Path(cfg.train.output_dir)
-        ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
-        manifest = DatasetManifest.read(cfg.data.path)
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(
-            cfg.model, manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta")
-        )
-        features = list(model.sparse_feature_names)
-        dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp)
-        optimizer = build_optimizer(dmp, cfg.optim)
-        loader = self._loader(ctx, features, manifest.dense_dim, "train")
-        log = RunLog(out_dir / "train_log.jsonl" if ctx.is_main else None)
-
-        start_step = 0
-        if cfg.checkpoint.resume:
-            path = checkpoint.latest(ckpt_root)
-            if path is not None:
-                materialize_optimizer_state(optimizer)
-                state = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
-                meta = checkpoint.load(path, state)
-                dmp.load_state_dict(state["model"])
-                optimizer.load_state_dict(state["optim"])
-                loader.load_state_dict(meta["data"])
-                start_step = int(meta["step"])
-                log.write("resume", step=start_step, path=str(path))
-                self._say(ctx, f"resumed from {path} at step {start_step}")
-            else:
-                self._say(ctx, f"no checkpoint under {ckpt_root}; starting from step 0")
-
-        log.write(
-            "start", config=to_dict(cfg), world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device),
-            start_step=start_step, torch=torch.__version__, python=platform.python_version(),
-            host=platform.node(), pid=os.getpid(),
-        )
-
-        def save(step: int) -> Path:
-            state = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
-            meta = {"data": loader.state_dict(), "world_size": ctx.world_size, "config": to_dict(cfg)}
-            path = checkpoint.save(ckpt_root, step, state, meta, keep=cfg.checkpoint.keep)
-            log.write("checkpoint", step=step, path=str(path))
-            return path
-
-        window, run_window = MetricWindow(), MetricWindow()
-        bar = tqdm(
-            total=cfg.train.steps, initial=start_step, desc=f"train {cfg.model.kind}", unit="step",
-            disable=not (ctx.is_main and cfg.train.progress and sys.stderr.isatty()), dynamic_ncols=True,
-        )
-        dmp.train()
-        last_ckpt: Path | None = None
-        last_metrics = ClickMetrics(float("nan"), float("nan"), float("nan"), 0)
-        timed_from, timed_steps = time.perf_counter(), 0
-        window_start = time.perf_counter()
-        timing = StepTiming()
-        calibration = Calibration()
-        skip = cfg.train.benchmark_skip_float_comm
-        tracer = CommTracer(skip_float=skip) if cfg.train.trace_comm or skip else None
-        if skip and cfg.pipeline.uses_ddp:
-            from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
-
-            ddp = dmp._dmp_wrapped_module
-            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-                ddp.register_comm_hook(None, noop_hook)
-        if tracer is not None:
-            for name, module in dmp.named_modules():
-                if hasattr(module, "compute_and_output_dist"):
-                    tracer.attribute(module, name.rsplit(".", 1)[-1])
-            tracer.__enter__()
-        pipeline = build_pipeline(cfg.pipeline, dmp, optimizer, ctx.device, tracer)
-        infos: deque[StepInfo | None] = deque()
-
-        def batches(first: int, stop: int) -> Iterator[Batch]:
-            """Batches of steps ``first .. stop-1``; the pipeline is empty at ``stop``."""
-            for _ in range(first, stop):
-                batch = loader.next_batch()
-                infos.append(loader.last)
-                yield batch.to(ctx.device, non_blocking=True)
-
-        segment: Iterator[Batch] = iter(())
-        for step in range(start_step, cfg.train.steps):
-            if step == start_step or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                segment = batches(step, self._segment_end(step))
-            if tracer is not None:
-                tracer.step = step
-            step_start = time.perf_counter()
-            cpu_start = time.thread_time()
-            loss, logits, labels = pipeline.progress(segment)
-            info = infos.popleft()
-            window.add(logits, labels)
-            run_window.add(logits, labels)
-            busy = time.thread_time() - cpu_start
-            timing.add(info, busy=busy, wall=time.perf_counter() - step_start)
-            # Early steps pay for lazy initialisation: not an observation of compute cost.
-            if cfg.data.calibrate_every and info is not None and step > start_step + 1:
-                calibration.add(loader.planner.lengths[info.rows], busy)
-            done = step + 1
-            if step == start_step:  # the first step pays for lazy initialisation: not timed
-                timed_from = time.perf_counter()
-            else:
-                timed_steps += 1
-            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-                last_metrics = window.compute()
-                now = time.perf_counter()
-                rate = last_metrics.samples / max(now - window_start, 1e-9)
-                window_start = now
-                balance = timing.compute(ctx.device.type == "cpu")
-                log.write("step", step=done, loss=last_metrics.loss, auc=last_metrics.auc, ne=last_metrics.ne,
-                          samples_per_s=rate, epoch=loader.epoch, skipped_rows=sum(loader.source.skipped.values()),
-                          **balance)
-                bar.set_postfix(loss=f"{last_metrics.loss:.4f}", auc=f"{last_metrics.auc:.3f}")
-                if bar.disable and ctx.is_main and cfg.train.progress:
-                    print(f"step {done}/{cfg.train.steps}  loss {last_metrics.loss:.4f}  "
-                          f"auc {last_metrics.auc:.3f}  {rate:,.0f} samples/s  "
-                          f"imbalance {balance['imbalance']:.3f}", flush=True)
-            bar.update(1)
-            if cfg.data.calibrate_every and done % cfg.data.calibrate_every == 0 and done != cfg.train.steps:
-                model = calibration.fit_and_share(loader.planner.cost_model)
-                if model is not None:
-                    loader.set_cost_model(model)
-                    log.write("calibrate", step=done, quadratic=model.quadratic, linear=model.linear,
-                              constant=model.constant)
-            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.train.steps:
-                last_ckpt = save(done)
-        seconds = time.perf_counter() - timed_from
-        if tracer is not None:
-            tracer.__exit__(None, None, None)
-            if cfg.train.trace_comm:
-                tracer.write_jsonl(out_dir / f"comm_trace_rank{ctx.rank}.jsonl")
-        bar.close()
-        if cfg.checkpoint.save_final and start_step < cfg.train.steps:
-            last_ckpt = save(cfg.train.steps)
-        run_metrics = run_window.compute() if start_step < cfg.train.steps else last_metrics
-        steps_run = cfg.train.steps - start_step
-        samples_per_s = timed_steps * loader.global_batch_size / seconds if timed_steps else float("nan")
+    def _run(self, parts: Components, log: RunLog) -> TrainSummary:
+        cfg, ctx = self.cfg, parts.ctx
+        start_step = self._resume(parts, log)
+        log.write("start", config=to_dict(cfg), world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device),
+                  start_step=start_step, torch=torch.__version__, python=platform.python_version(),
+                  host=platform.node(), pid=os.getpid(), group=parts.group, replicas=cfg.ft.replicas if parts.ft else 1,
+                  incarnation=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        if parts.ft is not None:
+            self._warm_up(parts, log)
+            parts.ft.start()
+        progress = Progress(log, cfg.train.steps, start_step, cfg.model.kind,
+                            ctx.is_main and cfg.train.progress, ctx.device.type == "cpu",
+                            parts.loader.global_batch_size)
+        committed, last_ckpt = self._train(parts, log, progress, start_step)
+        seconds = progress.close()
+        if parts.tracer is not None:
+            parts.tracer.__exit__(None, None, None)
+            parts.tracer.write_jsonl(Path(cfg.train.output_dir) / f"comm_trace_rank{parts.loader.rank}.jsonl")
+            parts.tracer = None
+        run = progress.run_window.compute() if committed else progress.last
         summary = TrainSummary(
-            model=cfg.model.kind, world_size=ctx.world_size, start_step=start_step, steps=steps_run,
-            samples=steps_run * loader.global_batch_size, seconds=seconds, samples_per_s=samples_per_s,
-            train_loss=run_metrics.loss, train_auc=run_metrics.auc,
-            checkpoint=str(last_ckpt) if last_ckpt else None,
+            model=cfg.model.kind, world_size=ctx.world_size, start_step=start_step, steps=committed,
+            samples=run.samples, seconds=seconds, samples_per_s=progress.samples_per_s,
+            train_loss=run.loss, train_auc=run.auc, checkpoint=str(last_ckpt) if last_ckpt else None,
+            skipped_rows=parts.loader.skipped_rows,
         )
-        loader.close()
-        summary.state_digest = state_digest(dmp, optimizer)
-        if cfg.train.eval and manifest.rows.get("eval", 0) >= loader.global_batch_size:
-            result = self._evaluate(pipeline.detach(), ctx, features, manifest.dense_dim)
+        summary.state_digest = state_digest(parts.dmp, parts.optimizer)
+        if cfg.train.eval and parts.manifest.rows.get("eval", 0) >= cfg.data.batch_size * ctx.world_size:
+            result = self._evaluate(parts, parts.pipeline.detach())
             summary.eval_loss, summary.eval_auc, summary.eval_ne = result.loss, result.auc, result.ne
             log.write("eval", loss=result.loss, auc=result.auc, ne=result.ne, samples=result.samples)
-        summary.skipped_rows = sum(loader.source.skipped.values())
-        log.write("summary", **asdict(summary), skipped=dict(loader.source.skipped))
-        log.close()
+        log.write("summary", **asdict(summary), skipped=dict(parts.loader.source.skipped),
+                  pending_rows=parts.loader.state_dict().get("carry", []))
         return summary
 
-    def _fit_replica(self, ctx: DistContext) -> TrainSummary:
-        """One rank of a fault-tolerant replica group (``freescale.ft.trainer``)."""
-        from freescale.ft.trainer import ReplicaRank
+    def _train(self, parts: Components, log: RunLog, progress: Progress, start_step: int) -> tuple[int, Path | None]:
+        """Steps ``start_step .. train.steps - 1``; (steps committed with valid state, last checkpoint)."""
+        cfg, steps = self.cfg, self.cfg.train.steps
+        calibration = Calibration() if cfg.data.calibrate_every else None
+        step, committed, first, last_ckpt = start_step, 0, True, None
+        while step < steps:
+            try:
+                commit, output, info, busy, wall = self._step(parts, step)
+            except _Finished:
+                break
+            self._log_events(parts, log)
+            step = commit.step + 1
+            if not commit.applied:
+                first = True  # catching up: the next step this process trains is its first again
+                continue
+            done = commit.step + 1
+            committed += 1
+            self._log_commit(parts, log, commit, info, busy, wall)
+            if output is not None:
+                progress.add(output[1], output[2])
+            progress.timing.add(info, busy=busy, wall=wall)
+            progress.timed(first)
+            if calibration is not None and info is not None and not first:
+                calibration.add(info.row_lengths, busy)  # a first step pays for lazy set-up: no observation
+            first = False
+            if done % cfg.train.log_every == 0 or done == steps:
+                progress.report(done, parts.loader.epoch, parts.loader.skipped_rows)
+            progress.bar.update(1)
+            if calibration is not None and done % cfg.data.calibrate_every == 0 and done != steps:
+                self._calibrate(parts, log, calibration, done)
+            if self._checkpoint_due(done):
+                last_ckpt = self._save(parts, log, commit) or last_ckpt
+        if parts.ft is not None:
+            parts.ft.finish(steps - 1)
+        return committed, last_ckpt
 
-        cfg = self.cfg
-        rank = ReplicaRank(cfg, ctx)
+    def _step(self, parts: Components, step: int) -> tuple[Commit, Any, Any, float, float]:
+        """One step (module docstring): (commit, (loss, logits, labels) or None, StepInfo or None,
+        busy seconds of this thread, wall seconds)."""
+        sync, feed = parts.sync, parts.feed
+        if parts.tracer is not None:
+            parts.tracer.step = step
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        sync.begin_step(step)
+        trains = sync.can_train(step) and feed.trains(step)
+        info = feed.head(step).info if trains else None
         try:
-            start_step = rank.resume()
-            rank.warm_up()
-            rank.wait_for_peers()
-            outcome = rank.run(cfg.train.steps, start_step)
-            metrics = rank.window.compute()
-            summary = TrainSummary(
-                model=cfg.model.kind, world_size=ctx.world_size, start_step=start_step,
-                steps=outcome["committed_steps"],
-                samples=metrics.samples, seconds=outcome["seconds"],
-                samples_per_s=metrics.samples / max(outcome["seconds"], 1e-9),
-                train_loss=metrics.loss, train_auc=metrics.auc,
-            )
-            summary.state_digest = state_digest(rank.dmp, rank.optimizer)
-            rank._write(event="summary", **asdict(summary), contributed_steps=outcome["contributed_steps"],
-                        pending_rows=outcome["pending_rows"])
-            if cfg.train.eval and DatasetManifest.read(cfg.data.path).rows.get("eval", 0) >= cfg.data.batch_size * ctx.world_size:
-                result = self._evaluate(rank.dmp, ctx, list(rank.dmp.module.sparse_feature_names),
-                                        DatasetManifest.read(cfg.data.path).dense_dim)
-                summary.eval_loss, summary.eval_auc, summary.eval_ne = result.loss, result.auc, result.ne
-        finally:
-            rank.close()
-        return summary
+            output = parts.pipeline.progress(feed.batches()) if trains else None
+            commit = sync.last_commit if trains else sync.step()
+        except JobFinished as finished:
+            raise _Finished() from finished
+        if not commit.applied:  # this replica must catch up: batches in flight were planned for nothing
+            parts.pipeline.reset()
+            feed.discard_batches()
+        return commit, output, info, time.thread_time() - cpu_start, time.perf_counter() - start
 
-    def _segment_end(self, step: int) -> int:
-        """Next step at which the pipeline must hold no read-ahead batch: a checkpoint or the end."""
-        every, end = self.cfg.checkpoint.every, self.cfg.train.steps
-        return min(end, (step // every + 1) * every) if every else end
+    def _log_commit(self, parts: Components, log: RunLog, commit: Commit, info: Any, busy: float,
+                    wall: float) -> None:
+        record: dict[str, Any] = {"step": commit.step, "samples": parts.feed.last_samples, "seconds": wall,
+                                  "busy_s": busy, "batch_wait_s": info.wait_s if info is not None else 0.0,
+                                  **parts.sync.record}
+        if parts.hooks.audit:  # tests: the whole state's hash and the rows the step trained
+            record["digest"] = state_digest(parts.dmp, parts.optimizer)
+            record["rows"] = parts.feed.last_rows.tolist()
+        log.write("commit", **record)
 
-    def _loader(self, ctx: DistContext, features: list[str], dense_dim: int, split: str) -> BalancedLoader:
-        cfg = self.cfg
-        return build_loader(
-            cfg.data, split, rank=ctx.rank, world_size=ctx.world_size, sparse_features=features,
-            derived_cost=cost_model_for(cfg.model, dense_dim), seed=cfg.train.seed, training=split == "train",
-            pin_memory=ctx.device.type == "cuda",
-        )
+    @staticmethod
+    def _log_events(parts: Components, log: RunLog) -> None:
+        events = getattr(parts.sync, "events", None)
+        while events:
+            fields = events.pop(0)
+            log.write(fields.pop("event"), **fields)
 
-    def _evaluate(self, dmp: torch.nn.Module, ctx: DistContext, features: list[str], dense_dim: int) -> ClickMetrics:
-        loader = self._loader(ctx, features, dense_dim, "eval")
+    # ------------------------------------------------------------------------------ checkpoints
+    @property
+    def _checkpoint_root(self) -> Path:
+        c = self.cfg.checkpoint
+        return Path(c.dir) if c.dir else Path(self.cfg.train.output_dir) / "checkpoints"
+
+    def _checkpoint_due(self, done: int) -> bool:
+        c, steps = self.cfg.checkpoint, self.cfg.train.steps
+        return bool((c.every and done % c.every == 0) or (c.save_final and done == steps))
+
+    def _save(self, parts: Components, log: RunLog, commit: Commit) -> Path | None:
+        """Collective over the group.  With fault tolerance one group writes (all hold the same state)."""
+        if parts.ft is not None and not parts.ft.owns_checkpoint(commit):
+            return None
+        start = time.perf_counter()
+        done = commit.step + 1
+        state = {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
+        meta = {"data": parts.feed.state_dict(), "world_size": parts.ctx.world_size, "config": to_dict(self.cfg),
+                "ft": {"replicas": self.cfg.ft.replicas} if parts.ft is not None else None}
+        path = checkpoint.save(self._checkpoint_root, done, state, meta, keep=self.cfg.checkpoint.keep)
+        log.write("checkpoint", step=done, path=str(path), seconds=time.perf_counter() - start)
+        return path
+
+    def _resume(self, parts: Components, log: RunLog) -> int:
+        """With ``checkpoint.resume``: load the latest complete checkpoint; the step to start at.  With
+        fault tolerance only in a fresh run (every group was lost): a group restarted while others train
+        catches up from them instead."""
+        if not self.cfg.checkpoint.resume:
+            return 0
+        path = checkpoint.latest(self._checkpoint_root)
+        fresh = parts.ft.fresh_run() if parts.ft is not None else True
+        if path is None or not fresh:
+            log.write("no_resume", checkpoint=str(path) if path else None, fresh_run=fresh)
+            self._say(parts.ctx, f"no checkpoint under {self._checkpoint_root}; starting from step 0"
+                      if path is None else "the run is under way in other replica groups: catching up from them")
+            return 0
+        materialize_optimizer_state(parts.optimizer)
+        state = {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
+        meta = checkpoint.load(path, state)
+        saved = (meta.get("ft") or {}).get("replicas", 1)
+        mine = self.cfg.ft.replicas if parts.ft is not None else 1
+        if saved != mine or meta.get("world_size") != parts.ctx.world_size:
+            raise checkpoint.CheckpointError(
+                f"{path}: saved by {saved} replica group(s) of {meta.get('world_size')} rank(s); this run has {mine} "
+                f"of {parts.ctx.world_size} (the data plan would differ)")
+        parts.dmp.load_state_dict(state["model"])
+        parts.optimizer.load_state_dict(state["optim"])
+        step = int(meta["step"])
+        data = meta["data"]
+        parts.feed.load_state_dict(data if "loader" in data else {"loader": data, "next": step, "ready": [0],
+                                                                  "plans": []})
+        if parts.ft is not None and parts.ctx.world_size > 1:  # every rank of the group read the same one
+            steps = torch.tensor([step, -step], dtype=torch.int64, device=parts.ctx.device)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+            if int(steps[0]) != -int(steps[1]):
+                raise checkpoint.CheckpointError(f"{self._checkpoint_root}: the group's ranks found different latest "
+                                                 "checkpoints (one being written while this job started?)")
+        log.write("resume", step=step, path=str(path))
+        self._say(parts.ctx, f"resumed from {path} at step {step}")
+        return step
+
+    # ------------------------------------------------------------------------------
+    def _warm_up(self, parts: Components, log: RunLog) -> None:
+        """Fault tolerance: one forward and backward, nothing updated, before the first quorum, so
+        torchrec's lazy set-up and the loader's first read are not paid in a step the other groups
+        wait for.  The batch is the loader's next one, and the loader is put back where it was."""
+        start = time.perf_counter()
+        position = parts.loader.state_dict()
+        batch = parts.loader.next_batch()
+        parts.loader.load_state_dict(position)
+        loss, _ = parts.dmp(batch.to(parts.ctx.device))
+        parts.ft.warm_up(loss)
+        log.write("warm_up", seconds=time.perf_counter() - start)
+
+    def _calibrate(self, parts: Components, log: RunLog, calibration: Calibration, done: int) -> None:
+        model = calibration.fit_and_share(parts.loader.planner.cost_model)
+        if model is not None:
+            parts.loader.set_cost_model(model)
+            log.write("calibrate", step=done, quadratic=model.quadratic, linear=model.linear,
+                      constant=model.constant)
+
+    def _evaluate(self, parts: Components, model: torch.nn.Module) -> ClickMetrics:
+        cfg, ctx = self.cfg, parts.ctx
+        loader = build_loader(cfg.data, "eval", rank=ctx.rank, world_size=ctx.world_size, sparse_features=parts.features,
+                              derived_cost=cost_model_for(cfg.model, parts.manifest.dense_dim), seed=cfg.train.seed,
+                              training=False, pin_memory=ctx.device.type == "cuda")
         window = MetricWindow()
-        dmp.eval()
+        model.eval()
         with torch.no_grad():
             for batch in loader:
-                _, (_, logits, labels) = dmp(batch.to(ctx.device, non_blocking=True))
+                _, (_, logits, labels) = model(batch.to(ctx.device, non_blocking=True))
                 window.add(logits, labels)
-        dmp.train()
+        model.train()
         loader.close()
         return window.compute()
 
@@ -379,3 +367,6 @@ class Trainer:
         if ctx.is_main:
             print(message, flush=True)
 
+
+class _Finished(Exception):
+    """Another replica group finished the run: nothing is left to train."""

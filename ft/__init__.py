@@ -21,3 +21,7 @@
   (``Trainer.fit`` with ``ft.lighthouse`` set; ``freescale launch --replicas``).
 - ``mlp_replica``: a small MLP replica process (tests, ``bench_ft``).
 """
+
+if __name__ != "freescale.ft":  # imported by its folder name, the repository root on sys.path
+    raise ImportError(f"import freescale.ft, not {__name__}: ft/ is the package freescale.ft, and a "
+                      "second name would load its modules twice (duplicate registries, classes that differ)")

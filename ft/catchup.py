@@ -236,3 +236,46 @@ def _read_exactly(response: http.client.HTTPResponse, n: int, address: str) -> b
     if len(data) != n:
         raise ConnectionError(f"snapshot source {address} closed the stream after {len(data)} of {n} header bytes")
     return data
+
+
+class SnapshotFetch:
+    """A recovering replica's download of a snapshot of step >= ``min_step``, on a worker thread,
+    trying each source in turn (three rounds): a source that dies mid-transfer costs one retry.
+
+    ``log`` collects what the catch-up record reports (sources, the one used, failures)."""
+
+    def __init__(self, sources: list[str], min_step: int, token: str, log: dict[str, Any]) -> None:
+        self.sources, self.min_step, self.token, self.log = sources, min_step, token, log
+        self._result: tuple[int, dict[str, torch.Tensor], float, float] | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, name="freescale-catchup", daemon=True).start()
+
+    def _run(self) -> None:
+        errors: list[str] = []
+        try:
+            for _ in range(3):
+                for address in self.sources:
+                    try:
+                        self._result = fetch_snapshot(address, self.min_step, self.token)
+                        self.log.update(source=address, failed_sources=errors)
+                        return
+                    except (ConnectionError, ValueError) as exc:
+                        errors.append(f"{address}: {exc}")
+            self._error = RuntimeError(f"catch-up: every source failed: {'; '.join(errors[-len(self.sources):])}")
+        except BaseException as exc:  # noqa: BLE001 - raised on the training thread by ``result``
+            self._error = exc
+        finally:
+            self._done.set()
+
+    @property
+    def arrived(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> tuple[int, dict[str, torch.Tensor], float, float]:
+        """(step, tensors, bytes/s, seconds waited for the source); blocks until the download ends."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result

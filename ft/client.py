@@ -7,35 +7,61 @@ long forward or a blocked collective never makes a live rank look dead.
 trainer calls it at the start of a step so the round trip overlaps the forward
 and reads the result before the gradient exchange.
 
-Every request retries on connection errors until ``request_timeout_s``: a
-lighthouse that is restarted (same address) is re-registered with by the next
-heartbeat, and the quorum id the client last saw travels with each request so
-the new lighthouse keeps ids growing.
+Every request (``_request``: one path for all of them) retries on connection
+errors and transient 5xx answers (502, 503, 504: a lighthouse restarting, or a
+proxy in front of it) until ``request_timeout_s``, sleeping with exponential
+backoff and full jitter in between (20 ms doubling to a 1 s cap), so the ranks of
+many groups do not reconnect in lockstep.  A lighthouse that is restarted (same
+address) is re-registered with by the next heartbeat, and the quorum id the
+client last saw travels with each quorum request so the new lighthouse keeps ids
+growing.  ``http://`` and ``https://`` URLs are accepted (https with the default
+SSL context: system CAs, or ``SSL_CERT_FILE`` for a private one); any other
+scheme is refused when the client is made.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import random
+import ssl
 import threading
-import urllib.parse
 import time
+import urllib.parse
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from freescale.step_sync import JobFinished
+
+_BACKOFF_FIRST_S = 0.02
+_BACKOFF_CAP_S = 1.0
+_TRANSIENT_STATUSES = frozenset({502, 503, 504})
+"""Answers worth retrying: a proxy that cannot reach a restarting lighthouse, or an overloaded one.
+Other 5xx (500: a lighthouse bug) and every 4xx are reported at once."""
+
+
+def backoff_delays(rng: random.Random, first_s: float = _BACKOFF_FIRST_S,
+                   cap_s: float = _BACKOFF_CAP_S) -> Iterator[float]:
+    """Sleeps between retries: exponential backoff with full jitter (uniform in [0, ceiling],
+    the ceiling doubling from ``first_s`` to ``cap_s``).
+
+    A few lines here instead of a library: neither ``tenacity`` nor ``backoff`` is a dependency,
+    and the retry loop (deadline, reconnects, which answers are transient) is ``_request``'s own
+    anyway; only the delay sequence would come from one."""
+    ceiling = first_s
+    while True:
+        yield rng.uniform(0.0, ceiling)
+        ceiling = min(cap_s, ceiling * 2)
+
+
+def _one_line(text: object, limit: int = 300) -> str:
+    return " ".join(str(text).split())[:limit]
 
 
 class LighthouseError(RuntimeError):
     pass
-
-
-class JobFinished(Exception):
-    """Another group finished the run (``POST /v1/finish``): there is nothing left to train."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(f"the run finished at step {step}")
-        self.step = step
 
 
 @dataclass(frozen=True)
@@ -94,6 +120,19 @@ class LighthouseClient:
         run_id: str = "",
     ) -> None:
         self.url = url.rstrip("/")
+        parsed = urllib.parse.urlsplit(self.url)
+        try:
+            port = parsed.port
+        except ValueError:
+            port = -1
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or port == -1:
+            raise LighthouseError(f"lighthouse URL {url!r} is not http://HOST[:PORT] or https://HOST[:PORT]")
+        self._https = parsed.scheme == "https"
+        self._host, self._port = parsed.hostname, port
+        self._ssl_context = ssl.create_default_context() if self._https else None
+        """Made once (loading the CAs costs milliseconds); every thread's connection shares it."""
+        self._rng = random.Random()
+        self._sleep = time.sleep
         self.identity = {"replica_id": replica_id, "incarnation": incarnation, "member": member,
                          "group_size": group_size, "run_id": run_id}
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -122,7 +161,8 @@ class LighthouseClient:
     def close(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._beats.join(timeout=2)
+        if self._beats.ident is not None:  # started (a client used without heartbeats closes too)
+            self._beats.join(timeout=2)
         self._drop_connection()
 
     # ------------------------------------------------------------------ requests
@@ -131,9 +171,11 @@ class LighthouseClient:
         about a quarter of ``requests``' cost, and the commit vote is on every step's path)."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            parsed = urllib.parse.urlsplit(self.url)
-            cls = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
-            conn = cls(parsed.hostname or "127.0.0.1", parsed.port, timeout=self.request_timeout_s)
+            if self._https:
+                conn = http.client.HTTPSConnection(self._host, self._port, timeout=self.request_timeout_s,
+                                                   context=self._ssl_context)
+            else:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=self.request_timeout_s)
             self._local.conn = conn
         return conn
 
@@ -143,32 +185,57 @@ class LighthouseClient:
             conn.close()
             self._local.conn = None
 
-    def _post(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+    def _request(self, method: str, path: str, body: dict[str, Any] | None,
+                 timeout_s: float | None = None) -> dict[str, Any]:
+        """The one way to the lighthouse: ``body`` (sent with this client's identity) or None (GET).
+
+        Connection errors and transient answers (502/503/504) are retried, with backoff, until
+        ``timeout_s`` (default ``request_timeout_s``) has passed; then, or at once for any other
+        answer than 200 (4xx: a refused request), a one-line ``LighthouseError`` naming the URL,
+        the path and the lighthouse's message."""
         deadline = time.monotonic() + (timeout_s or self.request_timeout_s)
-        payload = json.dumps({**self.identity, **body})
-        headers = {"Content-Type": "application/json", **self.headers}
+        payload = None if body is None else json.dumps({**self.identity, **body})
+        headers = dict(self.headers)
+        if payload is not None:
+            headers["Content-Type"] = "application/json"
+        delays = backoff_delays(self._rng)
+        reconnected = False
         while True:
+            reused = False
             try:
                 conn = self._connection()
+                reused = conn.sock is not None
                 conn.timeout = max(0.1, deadline - time.monotonic())
                 if conn.sock is not None:
                     conn.sock.settimeout(conn.timeout)
-                conn.request("POST", path, payload, headers)
+                conn.request(method, path, payload, headers)
                 response = conn.getresponse()
                 status, raw = response.status, response.read()
+            except ssl.SSLCertVerificationError as exc:  # not transient: retrying cannot fix it
+                self._drop_connection()
+                raise LighthouseError(f"lighthouse {self.url}{path}: TLS certificate not trusted: "
+                                      f"{_one_line(exc.verify_message or exc)}") from None
             except (OSError, http.client.HTTPException) as exc:
                 self._drop_connection()  # lighthouse down, restarting, or the keep-alive closed
-                if time.monotonic() >= deadline:
-                    raise LighthouseError(f"lighthouse {self.url} unreachable for {path}: {exc}") from None
-                time.sleep(0.05)
-                continue
-            try:
-                answer = json.loads(raw)
-            except ValueError:
-                answer = {"error": raw[:200].decode(errors="replace")}
-            if status == 200:
-                return dict(answer)
-            raise LighthouseError(f"lighthouse {self.url}{path} answered {status}: {answer.get('error', answer)}")
+                failure = f"lighthouse {self.url} unreachable for {path}: {_one_line(exc) or type(exc).__name__}"
+                if reused and not reconnected and not isinstance(exc, TimeoutError):
+                    reconnected = True  # most likely an idle keep-alive the server closed: reconnect at once
+                    continue
+            else:
+                try:
+                    answer = json.loads(raw)
+                except ValueError:
+                    answer = {"error": raw[:200].decode(errors="replace")}
+                if status == 200:
+                    return dict(answer)
+                message = answer.get("error", answer) if isinstance(answer, dict) else answer
+                failure = f"lighthouse {self.url}{path} answered {status}: {_one_line(message)}"
+                if status not in _TRANSIENT_STATUSES:
+                    raise LighthouseError(failure)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LighthouseError(failure)
+            self._sleep(min(next(delays), remaining))
 
     def quorum(self, step: int) -> Quorum:
         """Block until a quorum including this replica forms (see ``freescale.ft.lighthouse``).
@@ -178,8 +245,8 @@ class LighthouseClient:
         known, self._next = self._next, None
         if known is not None and known[0] == step:
             return known[1]
-        return self._accept(self._post("/v1/quorum", {"step": step, "last_quorum_id": self.last_quorum_id,
-                                                      "address": self.address}))
+        return self._accept(self._request("POST", "/v1/quorum", {
+            "step": step, "last_quorum_id": self.last_quorum_id, "address": self.address}))
 
     def _accept(self, body: dict[str, Any]) -> Quorum:
         if body.get("finished"):
@@ -205,7 +272,7 @@ class LighthouseClient:
 
         A committed reply may carry step + 1's quorum (``quorum`` then answers it without a
         request); ``forget_next`` drops it when this rank does not go on to that step."""
-        body = self._post("/v1/commit", {"quorum_id": quorum_id, "step": step, "ok": ok})
+        body = self._request("POST", "/v1/commit", {"quorum_id": quorum_id, "step": step, "ok": ok})
         self._next = None
         following = body.get("next")
         if body["commit"] and isinstance(following, dict):
@@ -220,31 +287,14 @@ class LighthouseClient:
 
     def finish(self, step: int) -> None:
         """This group ran its last step: tell late joiners (restarted groups) to stop."""
-        self._post("/v1/finish", {"step": step})
+        self._request("POST", "/v1/finish", {"step": step})
 
     def report_failure(self, quorum_id: int) -> None:
-        self._post("/v1/report", {"quorum_id": quorum_id})
+        self._request("POST", "/v1/report", {"quorum_id": quorum_id})
 
     def status(self) -> dict[str, Any]:
         """``GET /v1/status``; retried like every request, a ``LighthouseError`` naming the URL if it stays down."""
-        deadline = time.monotonic() + self.request_timeout_s
-        parsed = urllib.parse.urlsplit(self.url)
-        while True:
-            conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=5)
-            try:
-                conn.request("GET", "/v1/status", headers=self.headers)
-                response = conn.getresponse()
-                raw = response.read()
-                if response.status != 200:
-                    raise LighthouseError(f"lighthouse {self.url}/v1/status answered {response.status}: "
-                                          f"{raw[:200].decode(errors='replace')}")
-                return dict(json.loads(raw))
-            except (OSError, http.client.HTTPException) as exc:
-                if time.monotonic() >= deadline:
-                    raise LighthouseError(f"lighthouse {self.url} unreachable: {exc}") from None
-                time.sleep(0.1)
-            finally:
-                conn.close()
+        return self._request("GET", "/v1/status", None)
 
     def quorum_lost(self, quorum_id: int) -> bool:
         """The lighthouse's last heartbeat reply says a collective of ``quorum_id`` cannot complete:
@@ -257,7 +307,8 @@ class LighthouseClient:
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                reply = self._post("/v1/heartbeat", {}, timeout_s=max(0.5, 4 * self.heartbeat_interval_s))
+                reply = self._request("POST", "/v1/heartbeat", {},
+                                      timeout_s=max(0.5, 4 * self.heartbeat_interval_s))
                 current = reply.get("quorum_id")
                 self._lighthouse_quorum = (current if isinstance(current, int) else None,
                                            bool(reply.get("quorum_lost")))

@@ -45,11 +45,6 @@ class FTConfig:
     """Process groups across replica groups (``freescale.ft.replica_group``): ``gloo`` (host
     buffers), ``nccl`` (GPU buffers, bounded waits, abort on failure; needs a GPU per rank) or
     ``auto``: ``nccl`` on CUDA ranks, ``gloo`` otherwise."""
-    digest_every: int = 0
-    """Log a SHA-256 of the whole state every N committed steps (tests compare replicas; costs a hash)."""
-    log_rows: bool = False
-    """Log (rank 0 of each group) the row ids the whole step trained, every group's, at every committed
-    step: all groups see the same set, so any survivor's log accounts for the step (tests)."""
 
     def resolve_env(self) -> None:
         self.lighthouse = os.environ.get(LIGHTHOUSE_ENV, self.lighthouse)

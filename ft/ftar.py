@@ -31,21 +31,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from freescale.ft.catchup import SnapshotServer, fetch_snapshot
+from freescale.ft.catchup import SnapshotFetch, SnapshotServer
 from freescale.ft.client import LighthouseClient, Quorum
 from freescale.ft.replica_group import ReplicaGroup, resolve_backend
-
-if TYPE_CHECKING:
-    from freescale.ft.overlap import OverlappedFTAR
+from freescale.grad_buckets import BucketedGrads, BucketLayout, GroupFailure
 
 
 class FTARGroup:
@@ -126,64 +124,6 @@ _HEADER_SPLIT = 1 << 20
 """Header integers travel in the float32 sum as two parts below 2**20 each: exact up to 2**40."""
 
 
-@dataclass(frozen=True)
-class ReduceLayout:
-    """Where each tensor sits in FTAR's flat float32 buffer, and the pieces it is reduced in.
-
-    Tensors are laid out in reverse order (the order backward produces gradients) and
-    grouped into buckets of whole tensors, as DDP does: the first holds at most
-    ``first_bucket_bytes`` (a reduction starts early in backward), the others at most
-    ``bucket_bytes`` (a tensor larger than that has a bucket of its own).  Each bucket is
-    one all-reduce, issued in bucket order; the step's meta (weights, ready flags,
-    headers) rides at the end of the last one.  Every participant of a quorum must use
-    the same layout, whether it overlaps the reduction with backward
-    (``freescale.ft.overlap``) or reduces afterwards (``weighted_all_reduce``): the
-    collectives then match one for one.
-    """
-
-    numels: tuple[int, ...]
-    offsets: tuple[int, ...]
-    buckets: tuple[tuple[int, int], ...]
-    """Flat ``[lo, hi)`` of each bucket, in issue order."""
-    members: tuple[tuple[int, ...], ...]
-    """Indices of the tensors in each bucket."""
-    total: int
-
-    @classmethod
-    def of(cls, numels: Sequence[int], first_bucket_bytes: int = 1 << 20,
-           bucket_bytes: int = 25 << 20) -> ReduceLayout:
-        if first_bucket_bytes <= 0 or bucket_bytes <= 0:
-            raise ValueError(f"bucket sizes must be positive, got {first_bucket_bytes} and {bucket_bytes}")
-        offsets = [0] * len(numels)
-        buckets: list[tuple[int, int]] = []
-        members: list[tuple[int, ...]] = []
-        current: list[int] = []
-        lo = pos = 0
-        for i in reversed(range(len(numels))):
-            cap = (bucket_bytes if buckets else first_bucket_bytes) // 4
-            if current and pos - lo + numels[i] > cap:
-                buckets.append((lo, pos))
-                members.append(tuple(current))
-                current, lo = [], pos
-            offsets[i] = pos
-            pos += int(numels[i])
-            current.append(i)
-        if current or not buckets:
-            buckets.append((lo, pos))
-            members.append(tuple(current))
-        return cls(tuple(int(n) for n in numels), tuple(offsets), tuple(buckets), tuple(members), pos)
-
-    @classmethod
-    def single(cls, numels: Sequence[int]) -> ReduceLayout:
-        """One bucket: one all-reduce of everything (the layout when nothing overlaps)."""
-        return cls.of(numels, 1 << 62, 1 << 62)
-
-    def check(self, tensors: Sequence[torch.Tensor]) -> None:
-        if tuple(t.numel() for t in tensors) != self.numels:
-            raise ValueError(f"weighted all-reduce: {len(tensors)} tensors of sizes "
-                             f"{[t.numel() for t in tensors][:6]}.. do not fit the layout {list(self.numels)[:6]}..")
-
-
 class FlatReduction:
     """One participant's buffer for one weighted reduction: ``w * t`` for each tensor at its
     layout offset, then per participant a weight slot, a *ready* slot and its header
@@ -191,7 +131,7 @@ class FlatReduction:
     at ``index`` of ``size``).  ``piece(k)`` is bucket ``k``'s slice (the last one with the
     meta); once every piece is reduced, ``result`` divides by the summed weights."""
 
-    def __init__(self, layout: ReduceLayout, weight: float, index: int, size: int, ready: bool,
+    def __init__(self, layout: BucketLayout, weight: float, index: int, size: int, ready: bool,
                  header: torch.Tensor | None, device: torch.device | None = None) -> None:
         head = header.reshape(-1).to(torch.int64).cpu() if header is not None else torch.zeros(0, dtype=torch.int64)
         if head.numel() and (int(head.min()) < 0 or int(head.max()) >= _HEADER_SPLIT ** 2):
@@ -258,7 +198,7 @@ class Reduced:
 
 def weighted_all_reduce(group: ReplicaGroup | dist.ProcessGroup, tensors: Sequence[torch.Tensor], weight: float,
                         index: int = 0, size: int = 1, ready: bool = True,
-                        header: torch.Tensor | None = None, layout: ReduceLayout | None = None) -> Reduced:
+                        header: torch.Tensor | None = None, layout: BucketLayout | None = None) -> Reduced:
     """``sum_r w_r t_r / sum_r w_r`` over the group; inputs are left untouched.
 
     The tensors are scaled into one flat float32 buffer (``FlatReduction``), reduced bucket
@@ -269,7 +209,7 @@ def weighted_all_reduce(group: ReplicaGroup | dist.ProcessGroup, tensors: Sequen
     variable-size exchange that follows needs no round of its own to learn the sizes).
     """
     replica_group = ReplicaGroup.of(group)
-    layout = layout or ReduceLayout.single([t.numel() for t in tensors])
+    layout = layout or BucketLayout.single([t.numel() for t in tensors])
     layout.check(tensors)
     reduction = FlatReduction(layout, weight, index, size, ready, header, replica_group.device)
     for t, offset in zip(tensors, layout.offsets):
@@ -322,60 +262,85 @@ class _NoValidState(RuntimeError):
     """Nobody in the quorum can provide the run's state: not a peer failure, not retried."""
 
 
-class GroupFailure(RuntimeError):
-    """A collective inside this replica group failed: the group lost a rank (torchrun restarts
-    it).  Not a peer group's failure: never redone in another quorum."""
+class FTARStage:
+    """The cross-group stage of one step's dense buckets (``freescale.grad_buckets.CrossStage``):
+    each bucket's group mean, scaled by this replica's weight, into the step's ``FlatReduction``
+    (the mean stays in ``param.grad``: after a failure the step is redone in the next quorum
+    with exactly what this rank holds), then all-reduced in the quorum's group."""
+
+    def __init__(self, reduction: FlatReduction, group: ReplicaGroup, quorum_id: int) -> None:
+        self.reduction, self.group, self.quorum_id = reduction, group, quorum_id
+
+    def start(self, k: int, lo: int, values: torch.Tensor) -> Any:
+        self.reduction.put(lo, values)
+        return self.group.allreduce(self.reduction.piece(k))
+
+    def wait(self, work: Any) -> None:
+        self.group.wait(work)
+
+    def result(self, like: Sequence[torch.Tensor]) -> Reduced:
+        return self.reduction.result(like)
+
+
+@dataclass
+class CatchUp:
+    """A recovering replica's snapshot and the committed steps it sat out after it: load the
+    snapshot, then apply each result in order, and the replica is bit-identical to the others."""
+
+    snapshot_step: int
+    state: dict[str, torch.Tensor]
+    replay: list[StepResult]
 
 
 class ReplicaSync:
-    """One rank position's side of FT-HSDP's gradient exchange and catch-up.
+    """One rank position's side of FT-HSDP's gradient exchange, vote and catch-up.
 
-    Per step::
+    Per step (``freescale.ft.layer.FaultTolerance`` drives it)::
 
         sync.start_step(step)                         # quorum request overlaps the forward
-        ... forward / backward (skip when sync.recovering) ...
-        r = sync.reduce_and_commit(step, grads, weight=samples)
-        if not r.recovering: apply r.tensors, optimizer.step()
-        if r.stage_snapshot: sync.stage(r.step, state())
-        sync.poll_catch_up(load_state, apply_step)    # recovering: load + replay once the snapshot is in
-        step = r.step + 1
+        grads.begin(); sync.attach(step, grads, w, header); loss.backward()   # buckets reduced in backward
+        r = sync.reduce_and_commit(step, grads, weight=w, exchange=...)
+        if not r.recovering: apply r.tensors and r.extra
+        if r.stage_snapshot: sync.stage(r.step, state)
+        catch_up = sync.take_catch_up()               # recovering: snapshot in -> load + replay
 
-    A replica that finds the quorum ahead of its step (a restarted group)
-    adopts the quorum's step, contributes zeros with weight 0, records every
-    committed average, and fetches a snapshot from a source on a side thread
-    (``freescale.ft.catchup``); ``poll_catch_up`` then loads it and replays the
-    recorded averages newer than the snapshot, after which the replica is
-    bit-identical to the others and contributes normally.
+    A replica that finds the quorum ahead of its step (a restarted group) adopts
+    the quorum's step, contributes zeros with weight 0, records every committed
+    result, and fetches a snapshot from a source on a side thread
+    (``freescale.ft.catchup``).
     """
 
     def __init__(self, client: LighthouseClient, position: int = 0, timeout_s: float = 5.0,
                  snapshot_server: SnapshotServer | None = None, token: str = "", max_attempts: int = 50,
-                 agree: Callable[[bool], bool] | None = None, backend: str = "gloo",
-                 device: torch.device | None = None) -> None:
+                 in_group: Any = None, backend: str = "gloo", device: torch.device | None = None) -> None:
         self.client = client
         self.position = position
+        self.device = device or torch.device("cpu")
         self.group = FTARGroup(client.replica_id, position, timeout_s, backend, device, client.quorum_lost)
         self.snapshots = snapshot_server
         if snapshot_server is not None:
             client.address = snapshot_server.address
         self.token = token
         self.max_attempts = max_attempts
-        self.agree = agree
-        """Group-wide agreement on each vote's outcome (an in-group all-reduce, MIN); None for a group of one."""
+        self.in_group = in_group
+        """This replica group's own process group (None for a group of one): every vote's outcome is
+        agreed over it (a lighthouse restarted mid-vote can answer two members differently)."""
         self._pending: Future[Quorum] | None = None
         self._resolved: Quorum | None = None
-        self._overlap_quorum_wait = 0.0
+        self._early_quorum_wait = 0.0
+        self._attached: int = -1
+        """The quorum whose group the current step's buckets are reduced in during backward."""
         self.quorum: Quorum | None = None
         self.recovering = False
         self._recorded: list[StepResult] = []
-        self._fetch: Future[tuple[int, dict[str, torch.Tensor], float, float]] | None = None
-        self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-catchup")
+        self._fetch: SnapshotFetch | None = None
         self.catch_up_log: dict[str, Any] = {}
 
     def start_step(self, step: int) -> None:
-        """Ask for the step's quorum now; the answer is read in ``reduce_and_commit``."""
+        """Ask for the step's quorum now; the answer is read when the step needs it."""
         self._pending = self.client.quorum_async(step)
         self._resolved = None
+        self._attached = -1
 
     def _quorum_of(self, step: int) -> tuple[Quorum, float]:
         """The step's quorum (asked for in ``start_step``) and the seconds spent waiting for it now."""
@@ -390,45 +355,69 @@ class ReplicaSync:
     def behind(self, step: int) -> bool:
         """Wait for the step's quorum now and say whether it is ahead of ``step`` (this replica must
         catch up: no use training the step).  A process's first step asks this before its forward:
-        a restarted group would otherwise train a stale step 0 (its first batch and forward are
-        slow) while the others wait for it to join their group."""
+        a restarted group would otherwise train a stale step 0 while the others wait for it."""
         try:
             quorum, waited = self._quorum_of(step)
         except Exception:  # noqa: BLE001 - raised again where the caller handles it (reduce_and_commit)
             return False
-        self._overlap_quorum_wait += waited
+        self._early_quorum_wait += waited
         return quorum.max_step > step
 
-    def begin_overlapped(self, step: int, reduction: OverlappedFTAR) -> bool:
-        """Before backward, after ``reduction.begin``: attach it to the step's quorum, so each
-        gradient bucket is reduced across groups as backward makes it (``freescale.ft.overlap``).
-        False when this replica will not contribute to the quorum (it is behind it, or catching
-        up) or cannot join its group now: ``reduce_and_commit`` then reduces after backward."""
+    def attach(self, step: int, grads: BucketedGrads, weight: float, header: torch.Tensor | None) -> bool:
+        """Before backward, after ``grads.begin()``: reduce each bucket across groups as backward
+        makes it, in the step's quorum.  False when this replica will not contribute to the quorum
+        (behind it, or catching up) or cannot join its group now: ``reduce_and_commit`` then
+        reduces after backward, in the same layout."""
         try:
             quorum, waited = self._quorum_of(step)
-        except Exception:  # noqa: BLE001 - the run finished, the lighthouse gave up, ...: the same future
-            return False  # raises it again in ``reduce_and_commit``, where the caller handles it
-        self._overlap_quorum_wait += waited
-        if self.recovering or quorum.max_step > step or not reduction.active:
+        except Exception:  # noqa: BLE001 - the same future raises again in ``reduce_and_commit``
+            return False
+        self._early_quorum_wait += waited
+        if self.recovering or quorum.max_step > step or not grads.active:
             return False
         try:
             group = self.group.for_quorum(quorum)
         except (RuntimeError, dist.DistError):
             return False  # the first attempt meets the same failure, reports it and redoes
-        reduction.attach(group, quorum.quorum_id, quorum.index_of(self.client.replica_id), len(quorum.participants))
+        index, size = quorum.index_of(self.client.replica_id), len(quorum.participants)
+        reduction = FlatReduction(grads.layout, weight, index, size, True, header, group.device)
+        grads.attach(FTARStage(reduction, group, quorum.quorum_id))
+        self._attached = quorum.quorum_id
         return True
 
+    def _agree(self, ok: bool) -> bool:
+        """True only if every rank of this replica group got True (an in-group all-reduce, MIN)."""
+        if self.in_group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.in_group)
+        return bool(flag.item())
+
+    def _reduce(self, quorum: Quorum, step: int, tensors: Sequence[torch.Tensor], weight: float,
+                header: torch.Tensor | None, grads: BucketedGrads | None) -> Reduced:
+        """One attempt's dense reduction: the one started during backward (same quorum), or now."""
+        group = self.group.for_quorum(quorum)
+        if self.recovering and "group_ready" not in self.catch_up_log:
+            self.catch_up_log["group_ready"] = time.time()  # joined its first quorum's group
+        if grads is not None and grads.attached and self._attached == quorum.quorum_id:
+            return grads.finish()
+        if grads is not None:
+            grads.settle()  # the gradients hold the group mean once the in-group stage is done
+        send, send_weight = (([torch.zeros_like(t) for t in tensors], 0.0) if self.recovering
+                             else (list(tensors), float(weight)))
+        return weighted_all_reduce(group, send, send_weight, quorum.index_of(self.client.replica_id),
+                                   len(quorum.participants), not self.recovering, header,
+                                   grads.layout if grads is not None else None)
+
     def reduce_and_commit(self, step: int, tensors: Sequence[torch.Tensor], weight: float,
-                          exchange: Exchange | None = None, overlapped: OverlappedFTAR | None = None) -> StepResult:
-        """Reduce ``tensors`` across the quorum (in ``overlapped``'s layout, and through it when
-        ``begin_overlapped`` started it in this quorum), run ``exchange``, vote; redo with the
-        survivors until a quorum commits (see the class docstring)."""
+                          exchange: Exchange | None = None, grads: BucketedGrads | None = None) -> StepResult:
+        """Reduce ``tensors`` across the quorum (through ``grads`` when ``attach`` started it in this
+        quorum), run ``exchange``, vote; redo with the survivors until a quorum commits."""
         start = time.perf_counter()
         quorum, quorum_wait = self._quorum_of(step)
-        quorum_wait += self._overlap_quorum_wait
-        self._overlap_quorum_wait = 0.0
+        quorum_wait += self._early_quorum_wait
+        self._early_quorum_wait = 0.0
         self._resolved = None
-        layout = overlapped.layout if overlapped is not None else None
         reduce_s = vote_s = 0.0
         seen_behind = False
         attempts = 0
@@ -445,71 +434,55 @@ class ReplicaSync:
                 step = quorum.max_step
             # A quorum retried after a failure may no longer show who was behind: remember it.
             seen_behind = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
-            send, send_weight = (([torch.zeros_like(t) for t in tensors], 0.0) if self.recovering
-                                 else (list(tensors), float(weight)))
-            reduced: list[torch.Tensor] | None = None
-            weights: list[float] = []
-            flags: list[bool] = []
+            reduced: Reduced | None = None
             extra: Any = None
             t0 = time.perf_counter()
             try:
-                group = self.group.for_quorum(quorum)
-                if self.recovering and "group_ready" not in self.catch_up_log:
-                    self.catch_up_log["group_ready"] = time.time()  # joined its first quorum's group
-                index = quorum.index_of(self.client.replica_id)
-                if overlapped is not None and overlapped.attached and overlapped.quorum_id == quorum.quorum_id:
-                    result_of_reduce = overlapped.finish()  # started during backward, same layout and meta
-                else:
-                    if overlapped is not None:
-                        overlapped.settle()  # tensors hold the group mean once the in-group stage is done
-                    result_of_reduce = weighted_all_reduce(
-                        group, send, send_weight, index, len(quorum.participants), not self.recovering, header,
-                        layout)
-                reduced, weights, flags = result_of_reduce.tensors, result_of_reduce.weights, result_of_reduce.ready
-                if not any(flags):
+                reduced = self._reduce(quorum, step, tensors, weight, header, grads)
+                if not any(reduced.ready):
                     raise _NoValidState(
                         f"quorum {quorum.quorum_id} at step {step}: no participant holds valid state (all are catching "
                         "up and every group that had the run's progress is gone); restart the run")
                 if exchange is not None:
-                    extra = exchange(group, quorum, weights, result_of_reduce.headers)
+                    extra = exchange(self.group.for_quorum(quorum), quorum, reduced.weights, reduced.headers)
             except (RuntimeError, dist.DistError) as exc:  # a peer died or hung: redo with the survivors
                 if isinstance(exc, (_NoValidState, GroupFailure)):
                     raise
-                if overlapped is not None:
-                    overlapped.settle()  # the redo reduces the group means with the survivors
+                if grads is not None:
+                    grads.settle()  # the redo reduces the group means with the survivors
                 last_error = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-                reduced, group = None, None
+                reduced = None
                 self.group.drop()
                 self.client.report_failure(quorum.quorum_id)
             t1 = time.perf_counter()
-            committed = self.client.commit(quorum.quorum_id, step, reduced is not None)
-            if self.agree is not None:
-                # Every rank of this group acts on the same decision (a lighthouse restarted mid-vote
-                # can answer two members differently); a group that ends up behind catches up.
-                committed = self.agree(committed)
-                if not committed:
-                    self.client.forget_next()  # this step is redone: its quorum is asked again
+            committed = self._agree(self.client.commit(quorum.quorum_id, step, reduced is not None))
+            if not committed:
+                self.client.forget_next()  # this step is redone: its quorum is asked again
             reduce_s, vote_s = reduce_s + t1 - t0, vote_s + time.perf_counter() - t1
             if committed and reduced is not None:
-                self.quorum = quorum
-                ids = quorum.replica_ids
-                result = StepResult(
-                    step, reduced, quorum, attempts, 0.0, self.recovering, False,
-                    weights=dict(zip(ids, weights)), ready=frozenset(r for r, f in zip(ids, flags) if f),
-                    extra=extra, quorum_wait_s=quorum_wait, reduce_s=reduce_s, vote_s=vote_s,
-                )
-                if self.recovering:
-                    # Kept until the snapshot is in, maybe for many steps: on the host (NCCL: not GPU memory).
-                    result.tensors = [t.cpu() for t in result.tensors]
-                    self._recorded.append(result)
-                catching_up = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
-                asked = self.snapshots is not None and self.snapshots.wants(step)
-                result.stage_snapshot = ((catching_up or asked) and not self.recovering
-                                         and self.snapshots is not None)
-                result.seconds = time.perf_counter() - start
-                return result
+                return self._committed(step, quorum, reduced, extra, attempts, seen_behind, start,
+                                       quorum_wait, reduce_s, vote_s)
             self.group.drop()
             quorum = self.client.quorum(step)
+
+    def _committed(self, step: int, quorum: Quorum, reduced: Reduced, extra: Any, attempts: int,
+                   seen_behind: bool, start: float, quorum_wait: float, reduce_s: float, vote_s: float) -> StepResult:
+        self.quorum = quorum
+        ids = quorum.replica_ids
+        result = StepResult(
+            step, reduced.tensors, quorum, attempts, 0.0, self.recovering, False,
+            weights=dict(zip(ids, reduced.weights)), ready=frozenset(r for r, f in zip(ids, reduced.ready) if f),
+            extra=extra, quorum_wait_s=quorum_wait, reduce_s=reduce_s, vote_s=vote_s,
+        )
+        if self.recovering:
+            # Kept until the snapshot is in, maybe for many steps: on the host (NCCL: not GPU memory).
+            result.tensors = [t.cpu() for t in result.tensors]
+            self._recorded.append(result)
+        catching_up = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
+        asked = self.snapshots is not None and self.snapshots.wants(step)
+        result.stage_snapshot = (catching_up or asked) and not self.recovering and self.snapshots is not None
+        result.seconds = time.perf_counter() - start
+        return result
 
     # ------------------------------------------------------------------ catch-up
     def stage(self, step: int, state: dict[str, torch.Tensor]) -> float:
@@ -532,51 +505,27 @@ class ReplicaSync:
                                "participant runs a snapshot server")
         self.catch_up_log = {"joined_step": quorum.max_step, "own_step": step, "sources": sources,
                              "started": time.time()}
-        # A fresh worker each time: a fetch of an abandoned catch-up may still be waiting on its source.
-        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
-        self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-catchup")
-        self._fetch = self._fetch_pool.submit(self._fetch_from_any, sources, quorum.max_step)
-
-    def _fetch_from_any(self, sources: list[str], min_step: int) -> tuple[int, dict[str, torch.Tensor], float, float]:
-        errors = []
-        for _ in range(3):
-            for address in sources:
-                try:
-                    fetched = fetch_snapshot(address, min_step, self.token)
-                    self.catch_up_log.update(source=address, failed_sources=errors)
-                    return fetched
-                except (ConnectionError, ValueError) as exc:
-                    errors.append(f"{address}: {exc}")
-        raise RuntimeError(f"catch-up: every source failed: {'; '.join(errors[-len(sources):])}")
+        # A fresh download each time: one of an abandoned catch-up may still be waiting on its source.
+        self._fetch = SnapshotFetch(sources, quorum.max_step, self.token, self.catch_up_log)
 
     @property
     def snapshot_arrived(self) -> bool:
-        """Recovering and the snapshot is downloaded (``poll_catch_up`` would finish now)."""
-        return self.recovering and self._fetch is not None and self._fetch.done()
+        """Recovering and the snapshot is downloaded (``take_catch_up`` would not block)."""
+        return self.recovering and self._fetch is not None and self._fetch.arrived
 
-    def poll_catch_up(self, load: Callable[[dict[str, torch.Tensor]], None],
-                      apply: Callable[[StepResult], None], wait: bool = False) -> bool:
-        """Recovering: once the snapshot is in, ``load`` it and ``apply`` each newer recorded step.
-
-        ``wait``: block until the snapshot is in (a group whose ranks agreed to finish
-        together).  Returns True on the call that finishes the catch-up.
-        """
-        if not self.recovering or self._fetch is None or not (wait or self._fetch.done()):
-            return False
+    def take_catch_up(self) -> CatchUp:
+        """Recovering: the snapshot (blocks until it is in) and the recorded steps newer than it.
+        The caller loads and replays them; the replica is then ready again."""
+        assert self.recovering and self._fetch is not None, "take_catch_up() while not recovering"
         snap_step, state, rate, waited = self._fetch.result()
-        newer = [r.step for r in self._recorded if r.step > snap_step]
-        if newer != list(range(snap_step + 1, snap_step + 1 + len(newer))):
-            raise RuntimeError(f"catch-up: recorded steps {newer[:5]}.. do not follow snapshot step {snap_step}")
-        load(state)
-        replayed = 0
-        for result in self._recorded:
-            if result.step > snap_step:
-                apply(result)
-                replayed += 1
-        self.catch_up_log.update(snapshot_step=snap_step, replayed=replayed, bytes_per_s=rate,
+        newer = [r for r in self._recorded if r.step > snap_step]
+        if [r.step for r in newer] != list(range(snap_step + 1, snap_step + 1 + len(newer))):
+            raise RuntimeError(f"catch-up: recorded steps {[r.step for r in newer][:5]}.. do not follow "
+                               f"snapshot step {snap_step}")
+        self.catch_up_log.update(snapshot_step=snap_step, replayed=len(newer), bytes_per_s=rate,
                                  source_wait_s=waited, bytes=sum(t.numel() * t.element_size() for t in state.values()),
                                  finished=time.time())
         self.recovering, self._recorded, self._fetch = False, [], None
         if self.snapshots is not None:
             self.snapshots.can_serve = True
-        return True
+        return CatchUp(snap_step, state, newer)

@@ -9,6 +9,10 @@
 - ``registry``: the selector both share.
 """
 
+if __name__ != "freescale.kernels":  # imported by its folder name, the repository root on sys.path
+    raise ImportError(f"import freescale.kernels, not {__name__}: kernels/ is the package freescale.kernels, and a "
+                      "second name would load its modules twice (duplicate registries, classes that differ)")
+
 from freescale.kernels.hstu_attention import (
     available_backends,
     jagged_hstu_attention,

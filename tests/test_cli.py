@@ -61,3 +61,31 @@ def test_single_process_train_without_torchrun(tiny_data: Path, tmp_path: Path) 
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "3 (from step 5)" in again.stdout
+
+
+def test_unknown_flag_is_named_wherever_it_sits(tmp_path: Path) -> None:
+    # Parsed as an override, an unknown flag took the next flag as its value, and the error named 'DIR'.
+    data = str(tmp_path / "d")
+    for args in (["--bogus-flag", "--data.path", data], ["--data.path", data, "--bogus-flag"],
+                 ["--nproc-per-node", "1", "--bogus-flag=3", "--data.path", data]):
+        proc = run_cli("launch", *args)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines() == ["freescale: error: unknown option '--bogus-flag'"], args
+    hint = run_cli("launch", "--nprocs-per-node", "2", "--data.path", data)
+    assert hint.returncode == 2
+    assert hint.stderr.strip().splitlines() == [
+        "freescale: error: unknown option '--nprocs-per-node' (did you mean '--nproc-per-node'?)"
+    ]
+
+
+def test_bad_launcher_option_value_is_one_line() -> None:
+    for args, line in (
+        (["--nproc-per-node", "two"], "--nproc-per-node/--ranks-per-replica: expected an integer, got 'two'"),
+        (["--replicas", "1.5", "--data.path", "x"], "--replicas: expected an integer, got '1.5'"),
+        (["--data.path", "x", "--max-restarts"], "--max-restarts: expected one argument"),
+    ):
+        proc = run_cli("launch", *args)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines() == [f"freescale: error: {line}"], args

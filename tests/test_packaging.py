@@ -11,9 +11,8 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_wheel_imports_outside_the_repo(tmp_path: Path) -> None:
     wheels, site, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -42,3 +41,17 @@ def test_wheel_imports_outside_the_repo(tmp_path: Path) -> None:
                           "--eval-rows", "0"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert (elsewhere / "d" / "dataset.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["ft", "kernels", "dataloader"])
+def test_folder_name_import_fails_loudly(name: str) -> None:
+    """From the repository root the folders are importable by their bare names: that would be a
+    second copy of freescale.<name> (duplicate registries), so it raises, and the real name works."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bare = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert bare.returncode == 1
+    assert bare.stderr.strip().splitlines()[-1].startswith(f"ImportError: import freescale.{name}, not {name}: ")
+    real = subprocess.run([sys.executable, "-c", f"import freescale.{name}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert real.returncode == 0, real.stderr[-3000:]

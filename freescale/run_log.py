@@ -1,0 +1,106 @@
+"""What a run reports: the JSONL log, the progress output, the metric windows (one format, any mode).
+
+One log per replica group (its rank 0 writes it; without fault tolerance the
+run is one group): ``<train.output_dir>/train_log.jsonl``, or
+``<train.output_dir>/replica<g>/train_log.jsonl`` with ``--replicas``.  One
+JSON object per line, flushed, each with ``event`` and ``time``:
+
+``start``       config, world size, backend, device, versions, pid, group, incarnation
+``resume``      step, path (``no_resume`` when a checkpoint was not used, and why)
+``warm_up``     seconds (fault tolerance: torchrec's lazy set-up before the first quorum)
+``commit``      every step this group committed with valid state: ``step``, ``samples``
+                (this group's), ``seconds``, ``batch_wait_s``, ``busy_s``; with fault
+                tolerance the quorum (``quorum_id``, ``participants``, ``attempts``,
+                ``contributing``, ``weight``, ``ready``, waits); with ``FREESCALE_AUDIT``
+                ``digest`` and ``rows`` (``freescale.testing``)
+``step``        every ``train.log_every`` steps: loss, AUC, NE over the window (reduced
+                over the group's ranks), samples/s, epoch, skipped rows, imbalance,
+                bubble, loader wait
+``calibrate``, ``checkpoint``, ``stage``, ``catch_up``, ``eval``, ``summary``
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from tqdm import tqdm
+
+from freescale.metrics import ClickMetrics, MetricWindow
+from freescale.step_stats import StepTiming
+
+
+class RunLog:
+    """JSONL events (one object per line, flushed) on the group's rank 0; a no-op elsewhere."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._fh: TextIO | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = path.open("a")
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+class Progress:
+    """Metric windows, balance timings and the progress output of one run."""
+
+    def __init__(self, log: RunLog, total: int, initial: int, name: str, show: bool, on_cpu: bool,
+                 global_batch: int) -> None:
+        self.log, self.total, self.show, self.on_cpu = log, total, show, on_cpu
+        self.global_batch = global_batch
+        self.window, self.run_window, self.timing = MetricWindow(), MetricWindow(), StepTiming()
+        self.last = ClickMetrics(float("nan"), float("nan"), float("nan"), 0)
+        self.bar = tqdm(total=total, initial=initial, desc=f"train {name}", unit="step",
+                        disable=not (show and sys.stderr.isatty()), dynamic_ncols=True)
+        self._window_start = time.perf_counter()
+        self.timed_from = time.perf_counter()
+        self.timed_steps = 0
+        self.samples = 0
+
+    def add(self, logits: torch.Tensor | None, labels: torch.Tensor | None) -> None:
+        if logits is not None and labels is not None:
+            self.window.add(logits, labels)
+            self.run_window.add(logits, labels)
+
+    def timed(self, first_of_process: bool) -> None:
+        """After each committed step; the first step of a process pays for lazy set-up: not timed."""
+        if first_of_process:
+            self.timed_from = time.perf_counter()
+        else:
+            self.timed_steps += 1
+
+    def report(self, done: int, epoch: int, skipped_rows: int) -> None:
+        """Every ``log_every`` steps (collective over the group: metrics and bubble are reduced)."""
+        self.last = self.window.compute()
+        now = time.perf_counter()
+        rate = self.last.samples / max(now - self._window_start, 1e-9)
+        self._window_start = now
+        balance = self.timing.compute(self.on_cpu)
+        self.log.write("step", step=done, loss=self.last.loss, auc=self.last.auc, ne=self.last.ne,
+                       samples_per_s=rate, epoch=epoch, skipped_rows=skipped_rows, **balance)
+        self.bar.set_postfix(loss=f"{self.last.loss:.4f}", auc=f"{self.last.auc:.3f}")
+        if self.bar.disable and self.show:
+            print(f"step {done}/{self.total}  loss {self.last.loss:.4f}  auc {self.last.auc:.3f}  "
+                  f"{rate:,.0f} samples/s  imbalance {balance['imbalance']:.3f}", flush=True)
+
+    def close(self) -> float:
+        """Seconds since timing began."""
+        self.bar.close()
+        return time.perf_counter() - self.timed_from
+
+    @property
+    def samples_per_s(self) -> float:
+        seconds = time.perf_counter() - self.timed_from
+        return self.timed_steps * self.global_batch / seconds if self.timed_steps else float("nan")

@@ -1,0 +1,190 @@
+"""The data side of the step engine: which rows each step trains, planned ahead, accounted at commit.
+
+Stages 1-2 of a step (plan, read) run here, ahead of the step, and the
+accounting of stage 9 closes them.  Every rank of every replica group keeps
+the same *plans*; each reads only its own share.
+
+- **Plans ahead, by a fixed depth.**  A pipeline holds ``depth`` batches
+  beyond the one it trains (``plain``: 0; torchrec's: 2).  After step ``t``
+  commits, step ``t + 1 + depth`` is planned (``BalancedLoader`` plans and
+  reads it on its prefetch thread), over the ranks of the groups *ready* at
+  that commit, so every group, whatever it trains, plans the same steps over
+  the same ranks at the same points: the plans stay identical without any
+  exchange.  ``batches()`` is the iterator the pipeline pulls from; it ends
+  at the segment's end (a checkpoint, or the last step), so the pipeline
+  holds no batch when the data position is saved.
+- **Accounting at commit.**  A step's plan is kept until it commits; then
+  the rows planned for groups that contributed nothing (dead, hung, catching
+  up) are requeued into the next step to be planned: every sample is trained
+  exactly once, and no step is discarded.  Steps already in flight keep
+  their plans: a group that died leaves its share of them to the requeue, and
+  a group that rejoins sits them out and trains from the first step planned
+  with it.
+- **State** (``state_dict``): the loader's position and carry plus the plans
+  in flight: what a checkpoint saves (at a segment end, none in flight) and
+  what a recovering group loads from a peer's snapshot.
+
+Without fault tolerance the same code runs with one group, always ready.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from freescale.dataloader.batch import Batch
+from freescale.dataloader.loader import BalancedLoader, StepInfo
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What a committed step tells the data side (and the log): the engine's one step outcome."""
+
+    step: int
+    trained: frozenset[int]
+    """Groups whose samples the committed update holds (weight > 0)."""
+    ready: frozenset[int]
+    """Groups holding valid state after the step: the next plans are over their ranks."""
+    applied: bool = True
+    """The update reached this rank's state (False while catching up: it is recorded, replayed later)."""
+
+
+@dataclass
+class PlannedStep:
+    step: int
+    live_ranks: tuple[int, ...]
+    plan_rows: tuple[np.ndarray, ...]
+    info: StepInfo | None = None
+    """Set when this rank reads a share of the step (its group is planned in)."""
+
+    def samples_of(self, ranks: range) -> int:
+        return int(sum(rows.size for rank, rows in zip(self.live_ranks, self.plan_rows) if rank in ranks))
+
+
+class StepFeed:
+    """Plans, reads and accounts the steps of one rank (module docstring)."""
+
+    def __init__(self, loader: BalancedLoader, group: int, group_size: int, groups: int, depth: int,
+                 segment_end: Callable[[int], int], device: torch.device) -> None:
+        self.loader, self.group, self.group_size, self.depth = loader, group, group_size, depth
+        self.segment_end, self.device = segment_end, device
+        self.ready: frozenset[int] = frozenset(range(groups))
+        """Groups the next step is planned over: every group at the start, then those ready at each commit."""
+        self._plans: deque[PlannedStep] = deque()
+        self._batches: deque[Batch] = deque()
+        self._next = 0
+        """The next step to plan."""
+        self._iter: Iterator[Batch] = iter(())
+        self.last_rows = np.zeros(0, dtype=np.int64)
+        """Rows the last committed step trained (every group's)."""
+        self.last_samples = 0
+        """Samples this group had in the last committed step's plan."""
+
+    # ------------------------------------------------------------------ groups and ranks
+    def ranks_of(self, group: int) -> range:
+        return range(group * self.group_size, (group + 1) * self.group_size)
+
+    def _live_ranks(self) -> list[int]:
+        return [r for g in sorted(self.ready) for r in self.ranks_of(g)]
+
+    # ------------------------------------------------------------------ planning
+    def start(self, step: int, ready: frozenset[int]) -> None:
+        """Plan from ``step`` on over ``ready`` (a run's first step, a resume, a segment start)."""
+        self.ready = ready
+        self._plans.clear()
+        self._batches.clear()
+        self._next = step
+        self._top_up(step)
+
+    def _top_up(self, step: int) -> None:
+        """Plan every step up to ``step + depth`` within ``step``'s segment."""
+        last = min(step + self.depth, self.segment_end(step) - 1)
+        fresh_segment = not self._plans
+        while self._next <= last:
+            if self.group in self.ready:
+                self.loader.set_live_ranks(self._live_ranks())
+                batch = self.loader.next_batch()
+                info = self.loader.last
+                assert info is not None
+                self._plans.append(PlannedStep(self._next, info.live_ranks, info.plan_rows, info))
+                self._batches.append(batch.to(self.device, non_blocking=True))
+            else:
+                plan = self.loader.skip_step(self._live_ranks())
+                self._plans.append(PlannedStep(self._next, plan.live_ranks, tuple(plan.rows)))
+            self._next += 1
+        if fresh_segment:
+            self._iter = self._pull()  # a new object: torchrec's pipelines reset "exhausted" on it
+
+    def _pull(self) -> Iterator[Batch]:
+        while self._batches:
+            yield self._batches.popleft()
+
+    def batches(self) -> Iterator[Batch]:
+        """The pipeline's iterator: this rank's batches of the planned steps, in order; it ends
+        where the segment ends (the pipeline must then hold nothing)."""
+        return self._iter
+
+    def discard_batches(self) -> None:
+        """Forget batches read for the pipeline (it was reset: this replica must catch up)."""
+        self._batches.clear()
+        self._iter = self._pull()
+
+    # ------------------------------------------------------------------ the step about to run
+    def head(self, step: int) -> PlannedStep:
+        if not self._plans:
+            self.start(step, self.ready)
+        head = self._plans[0]
+        if head.step != step:
+            raise RuntimeError(f"step feed: step {step} is running but step {head.step} is planned next")
+        return head
+
+    def trains(self, step: int) -> bool:
+        """This group's ranks have a share of ``step``."""
+        return self.head(step).info is not None
+
+    def weight(self, step: int) -> float:
+        """Samples of this group in ``step``: its gradients' weight across groups."""
+        return float(self.head(step).samples_of(self.ranks_of(self.group)))
+
+    # ------------------------------------------------------------------ accounting
+    def commit(self, commit: Commit) -> np.ndarray:
+        """After ``commit.step`` committed (or was replayed): requeue the rows of groups that did not
+        train it, plan the next step over the ready groups.  Returns the rows the step trained."""
+        planned = self.head(commit.step)
+        self._plans.popleft()
+        trained, lost = [], []
+        for rank, rows in zip(planned.live_ranks, planned.plan_rows):
+            (trained if rank // self.group_size in commit.trained else lost).append(rows)
+        if lost:
+            self.loader.requeue(np.concatenate(lost))
+        self.ready = commit.ready
+        self.last_samples = planned.samples_of(self.ranks_of(self.group))
+        self.last_rows = np.concatenate(trained) if trained else np.zeros(0, dtype=np.int64)
+        nxt = commit.step + 1
+        if self.segment_end(commit.step) > nxt:
+            self._top_up(nxt)  # within the segment; the next segment is planned when it starts
+        return self.last_rows
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able: the loader's position (= the next step to plan) and the plans in flight."""
+        return {"loader": self.loader.state_dict(), "next": self._next, "ready": sorted(self.ready),
+                "plans": [{"step": p.step, "live_ranks": list(p.live_ranks),
+                           "rows": [r.tolist() for r in p.plan_rows]} for p in self._plans]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a peer's (or a checkpoint's) data position; batches of in-flight steps are not read:
+        a group loading a peer's state was not ready when they were planned, so has no share."""
+        self.loader.load_state_dict(state["loader"])
+        self._next = int(state["next"])
+        self.ready = frozenset(int(g) for g in state["ready"])
+        self._plans = deque(PlannedStep(int(p["step"]), tuple(p["live_ranks"]),
+                                        tuple(np.asarray(r, dtype=np.int64) for r in p["rows"]))
+                            for p in state["plans"])
+        self._batches.clear()
+        self._iter = self._pull()

@@ -1,0 +1,102 @@
+"""Test instrumentation, reached from the training path through one object: ``StepHooks``.
+
+The training code calls ``hooks.at(point, step)`` at a few named points and
+asks ``hooks.audit`` whether step records should carry an audit; everything
+else (parsing, signals) lives here.  A production run gets ``StepHooks()``:
+every call is a no-op.  Two environment variables turn it on, for tests,
+benchmarks and demos (the same in every process of a run):
+
+``FREESCALE_FAULTS``: comma-separated ``<group>:<rank>:<step>:<point>[:<ms>][@<incarnation>]``.
+    Each SIGKILLs (a real signal) that rank of that replica group, in that
+    incarnation of the group (default 0), at ``point``:
+
+    - ``forward``: after the forward of the first step at or after ``step`` it
+      trains, before backward;
+    - ``reduce``: ``ms`` milliseconds into step ``step``'s gradient exchange;
+    - ``catchup``: at the first step at or after ``step`` the group sits out
+      while catching up (its snapshot download under way);
+    - ``serve``: while its snapshot server streams a snapshot of step ``step``
+      or later to a recovering peer (the source dies mid-transfer);
+    - ``slow`` is no fault: from ``step`` on, every incarnation sleeps ``ms``
+      after backward (longer "compute": survivors are still training when a
+      restarted group is back).
+
+    ``*`` as group or rank matches every one.  Before dying, the rank writes
+    ``<dir>/rank<R>.killed`` (the time), ``dir`` being its group's log directory.
+``FREESCALE_AUDIT=1``: every step record carries ``digest`` (SHA-256 of the
+    group's whole state: parameters, both optimizers) and ``rows`` (the row ids
+    the whole step trained, every group's): tests compare replicas step by
+    step and count every sample.  Costs a hash and a gather per step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+FAULTS_ENV = "FREESCALE_FAULTS"
+AUDIT_ENV = "FREESCALE_AUDIT"
+POINTS = ("forward", "reduce", "catchup", "serve", "slow")
+_AT_OR_AFTER = ("forward", "catchup", "slow", "serve")
+
+
+class StepHooks:
+    """The training path's one hook (no-ops): see the module docstring."""
+
+    audit = False
+
+    def at(self, point: str, step: int) -> None:
+        """Called at ``point`` of ``step``."""
+
+    def wants(self, point: str) -> bool:
+        """Whether ``at(point, ...)`` can ever act (lets callers skip setting a point up)."""
+        return False
+
+
+class FaultHooks(StepHooks):
+    """``FREESCALE_FAULTS`` and ``FREESCALE_AUDIT`` for one rank (module docstring)."""
+
+    def __init__(self, spec: str, group: int, rank: int, incarnation: int, out_dir: Path, audit: bool) -> None:
+        self.rank, self.out_dir, self.audit = rank, out_dir, audit
+        self.faults: list[tuple[int, str, float]] = []
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            where, _, wanted_incarnation = item.partition("@")
+            parts = where.split(":")
+            if len(parts) < 4 or parts[3] not in POINTS:
+                raise ValueError(f"{FAULTS_ENV}: '{item}' is not <group>:<rank>:<step>:<point>[:<ms>][@<incarnation>] "
+                                 f"with <point> one of {', '.join(POINTS)}")
+            g = group if parts[0] == "*" else int(parts[0])
+            r = rank if parts[1] == "*" else int(parts[1])
+            inc = incarnation if parts[3] == "slow" and not wanted_incarnation else int(wanted_incarnation or 0)
+            if (g, r, inc) == (group, rank, incarnation):
+                self.faults.append((int(parts[2]), parts[3], float(parts[4]) / 1000 if len(parts) > 4 else 0.0))
+
+    def wants(self, point: str) -> bool:
+        return any(kind == point for _, kind, _ in self.faults)
+
+    def at(self, point: str, step: int) -> None:
+        for at, kind, delay in self.faults:
+            if kind != point or not (step == at or (point in _AT_OR_AFTER and step >= at)):
+                continue
+            if point == "slow":
+                time.sleep(delay)
+            elif point == "reduce":
+                threading.Timer(delay, self.die).start()
+            else:
+                self.die()
+
+    def die(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"rank{self.rank}.killed").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hooks_from_env(group: int, rank: int, incarnation: int, out_dir: Path) -> StepHooks:
+    """``FaultHooks`` when either variable is set, else the no-op ``StepHooks``."""
+    spec, audit = os.environ.get(FAULTS_ENV, ""), os.environ.get(AUDIT_ENV, "") not in ("", "0")
+    if not spec and not audit:
+        return StepHooks()
+    return FaultHooks(spec, group, rank, incarnation, out_dir, audit)

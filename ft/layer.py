@@ -1,0 +1,328 @@
+"""``FaultTolerance``: fault tolerance as a layer over any training loop, freescale's or a user's own.
+
+One object per rank of a replica group.  A loop calls it at four points (the
+engine in ``freescale.trainer`` does exactly this, through its pipelines)::
+
+    ft = FaultTolerance(dmp, optimizer, FTConfig.from_env(), data=accounting)
+    ft.start()                                    # wait for the peers; joins late as a recovering group
+    step = 0
+    while step < steps:
+        ft.begin_step(step)                       # quorum request: its round trip overlaps the forward
+        if ft.can_train(step):                    # not catching up (and, with ``data``, planned in)
+            loss = dmp(batch)                     # forward: the fused embedding updates are deferred
+            ft.backward(loss, weight=len(batch))  # dense buckets reduced in the group, then across
+                                                  # groups (weighted FTAR), while backward runs
+        commit = ft.step()                        # rest of the exchange, the embedding rows' union,
+                                                  # the vote; redo with the survivors on a failure;
+                                                  # once committed: AdamW on the averages and the
+                                                  # union update of the tables (same on every group)
+        step = commit.step + 1                    # a recovering group adopts the quorum's step
+    ft.finish(steps - 1); ft.close()
+
+A restarted group finds the quorum ahead, sits the steps out with weight 0,
+records every committed step while each rank downloads a peer's snapshot
+(parameters, both optimizers' state, embedding shards, and ``data``'s state),
+then loads it and replays the recorded steps: bit-identical to the others,
+without stopping them (``freescale.ft.catchup``).  ``data`` (optional; the
+engine passes its ``StepFeed``) is told every committed step (``commit``) so a
+dead group's rows are requeued, and travels in the snapshot.
+
+Requirements on the model: torchrec ``DistributedModelParallel`` sharded
+*without* DDP around the dense part (``data_parallel_wrapper=NoDataParallel()``:
+this layer reduces the dense gradients) and fused embedding kernels; or any
+``nn.Module`` with only dense parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from freescale.digest import local_tensors
+from freescale.ft.catchup import SnapshotServer
+from freescale.ft.client import JobFinished, LighthouseClient
+from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, replica_index_of
+from freescale.ft.ftar import ReplicaSync, StepResult
+from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
+from freescale.grad_buckets import BucketedGrads
+from freescale.step_feed import Commit
+from freescale.step_sync import NonFiniteError, all_finite, nonfinite_message
+from freescale.testing import StepHooks
+
+__all__ = ["DataState", "FaultTolerance", "JobFinished"]
+
+
+class DataState(Protocol):
+    """The data side of a loop (``freescale.step_feed.StepFeed`` is one)."""
+
+    def commit(self, commit: Commit) -> Any: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _named_tensors(value: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor in a (nested) state dict, by path; sharded tensors as their local shards."""
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            yield from _named_tensors(value[key], f"{prefix}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _named_tensors(item, f"{prefix}/{i}")
+    elif isinstance(value, torch.Tensor):
+        for i, t in enumerate(local_tensors(value)):
+            yield f"{prefix}#{i}", t
+
+
+def _dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    if hasattr(model, "fused_optimizer"):  # torchrec DMP: everything outside the sharded modules
+        from freescale.parallelize import dense_named_parameters
+
+        ddp = getattr(model, "_dmp_wrapped_module", None)
+        if isinstance(ddp, nn.parallel.DistributedDataParallel):
+            raise ValueError("fault tolerance: the model is wrapped in DDP; shard it with "
+                             "data_parallel_wrapper=freescale.parallelize.NoDataParallel() (this layer reduces the "
+                             "dense gradients itself, in the group and across groups)")
+        return list(dense_named_parameters(model).values())  # type: ignore[arg-type]
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class FaultTolerance:
+    """One rank's fault tolerance across replica groups (module docstring)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: FTConfig, *,
+                 data: DataState | None = None, hooks: StepHooks | None = None,
+                 chunk_bytes: int | None = None, max_inflight: int | None = None,
+                 nonfinite: str = "stop", device: torch.device | None = None) -> None:
+        cfg.validate()
+        self.cfg, self.model, self.optimizer, self.data = cfg, model, optimizer, data
+        self.hooks = hooks or StepHooks()
+        self.nonfinite = nonfinite
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.group_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.group_index = cfg.replica_index
+        self.device = device or next(iter(p.device for p in model.parameters() if p.device.type != "meta"),
+                                     torch.device("cpu"))
+        self.incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.dense = _dense_parameters(model)
+        fused = getattr(model, "fused_optimizer", None)
+        self._dense_optimizers = [opt for _, opt in getattr(optimizer, "optimizers", [("", optimizer)])
+                                  if opt is not fused]
+        self.in_group = dist.new_group() if self.group_size > 1 else None
+        self.grads = BucketedGrads(self.dense, self.in_group, cfg.first_bucket_kb * 1024, cfg.bucket_kb * 1024,
+                                   chunk_bytes=chunk_bytes, max_inflight=max_inflight)
+        self.sparse = UnionSparseUpdate(model) if fused is not None and fused_tbes(model) else None
+        token = os.environ.get(TOKEN_ENV, "")
+        self.server = SnapshotServer(token=token) if cfg.snapshots else None
+        if self.server is not None:
+            if self.hooks.wants("serve"):
+                self.server.on_stream = lambda step: self.hooks.at("serve", step)
+            self.server.start()
+        self.client = LighthouseClient(cfg.lighthouse, cfg.replica_id, self.incarnation, member=self.rank,
+                                       group_size=self.group_size, token=token,
+                                       run_id=os.environ.get(RUN_ID_ENV, "")).start()
+        self.sync = ReplicaSync(self.client, position=self.rank, timeout_s=cfg.timeout_s, snapshot_server=self.server,
+                                token=token, in_group=self.in_group, backend=cfg.replica_backend, device=self.device)
+        self.record: dict[str, Any] = {}
+        self.last_commit = Commit(-1, frozenset(), frozenset())
+        self.events: list[dict[str, Any]] = []
+        """Events for the run log since the caller last took them (catch-up, staging)."""
+        self.finished_elsewhere = False
+        self._step, self._first_step = -1, True
+        self._weight: float | None = None
+        self._loss: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ start and end
+    def start(self) -> None:
+        """Wait (``wait_for_replicas_s`` at most) until ``replicas`` groups are up: a late group would
+        have to catch up from the first step."""
+        deadline = time.monotonic() + self.cfg.wait_for_replicas_s
+        while time.monotonic() < deadline:
+            groups = self.client.status()["groups"]
+            if sum(1 for g in groups.values() if g["healthy"]) >= self.cfg.replicas:
+                return
+            time.sleep(0.05)
+
+    def fresh_run(self) -> bool:
+        """No group has committed a step of this run yet (a new job may resume from a checkpoint;
+        a group restarted while others train must catch up from them instead).  Agreed in-group."""
+        return self._agree(int(self.client.status().get("high_step", -1)) < 0)
+
+    def owns_checkpoint(self, commit: Commit) -> bool:
+        """This group writes the checkpoint of ``commit``: the ready group with the lowest index
+        (all hold the same state; every group computes the same choice).  Agreed in-group."""
+        return self._agree(bool(commit.ready) and min(commit.ready) == self.group_index)
+
+    def finish(self, last_step: int) -> None:
+        if not self.finished_elsewhere:
+            self.client.finish(last_step)
+
+    def close(self) -> None:
+        self.client.close()
+        if self.server is not None:
+            self.server.stop()
+
+    # ------------------------------------------------------------------ one step
+    @property
+    def recovering(self) -> bool:
+        return self.sync.recovering
+
+    def begin_step(self, step: int) -> None:
+        self._step, self._weight, self._loss = step, None, None
+        self.sync.start_step(step)
+        if self.sparse is not None:
+            self.sparse.reset()
+
+    def can_train(self, step: int) -> bool:
+        """Not catching up; on a process's first step, not behind the quorum (a restarted group
+        would train a stale step while the others wait for it to join their group)."""
+        first, self._first_step = self._first_step, False
+        return not self.sync.recovering and not (first and self.sync.behind(step))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.dense:
+            p.grad = None
+
+    def backward(self, loss: torch.Tensor, weight: float | None = None) -> None:
+        """``loss.backward()`` with the dense buckets reduced in the group and across groups while
+        it runs.  ``weight``: the samples this group's gradients average over (default: ``data``'s)."""
+        step = self._step
+        if weight is None:
+            weight = self.data.weight(step) if hasattr(self.data, "weight") else None  # type: ignore[union-attr]
+            if weight is None:
+                raise ValueError("FaultTolerance.backward: pass weight= (the samples of this group's step)")
+        self._weight, self._loss = float(weight), loss.detach()
+        self.grads.begin()
+        self.hooks.at("forward", step)
+        if self.cfg.overlap_backward:
+            header = self.sparse.header() if self.sparse is not None else None
+            self.sync.attach(step, self.grads, self._weight, header)
+        loss.backward()
+        self.hooks.at("slow", step)
+
+    def step(self) -> Commit:
+        """The rest of the step's exchange, the vote and, once committed, the update (module
+        docstring).  Without a ``backward`` this step, the replica contributes zeros with weight 0."""
+        step, trained = self._step, self._weight is not None
+        tensors = self.grads.views() if trained else [torch.zeros_like(p) for p in self.dense]
+        self.hooks.at("reduce", step)
+        try:
+            result = self.sync.reduce_and_commit(step, tensors, self._weight or 0.0, exchange=self.sparse,
+                                                 grads=self.grads if trained else None)
+        except JobFinished as done:
+            self.finished_elsewhere = True
+            self.events.append({"event": "finished_elsewhere", "step": step, "finished_step": done.step})
+            raise
+        self.record = self._record_of(result, trained)
+        if result.recovering:
+            self.hooks.at("catchup", result.step)
+            if self._agree(self.sync.snapshot_arrived):  # the whole group turns ready at one step
+                self._catch_up()
+            self.last_commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result),
+                                      applied=False)
+            return self.last_commit
+        commit = self.last_commit = self._apply(result)
+        if result.stage_snapshot:
+            self.events.append({"event": "stage", "step": result.step,
+                                "stage_s": self.sync.stage(result.step, self.snapshot())})
+        return commit
+
+    def _apply(self, result: StepResult) -> Commit:
+        """The committed step's update (dense optimizer on the averages, union update of the
+        tables), then the data side's accounting."""
+        commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result))
+        if sum(result.weights.values()) > 0:  # nobody trained this step: no update at all
+            if not all_finite(result.tensors):
+                if self.nonfinite == "stop":
+                    raise NonFiniteError(nonfinite_message(result.step, self.rank, self._loss))
+                self.events.append({"event": "nonfinite_skipped", "step": result.step})
+            else:
+                for p, averaged in zip(self.dense, result.tensors):
+                    p.grad = averaged if averaged.device == p.device else averaged.to(p.device)  # replayed
+                for opt in self._dense_optimizers:
+                    opt.step()
+                for p in self.dense:
+                    p.grad = None
+                if self.sparse is not None:
+                    self.sparse.apply(result.extra)
+        if self.data is not None:
+            self.data.commit(commit)
+        return commit
+
+    def _record_of(self, result: StepResult, trained: bool) -> dict[str, Any]:
+        return {"quorum_id": result.quorum.quorum_id, "participants": list(result.quorum.replica_ids),
+                "attempts": result.attempts, "contributing": trained, "weight": self._weight or 0.0,
+                "quorum_wait_s": result.quorum_wait_s, "reduce_s": result.reduce_s, "vote_s": result.vote_s,
+                "ready": sorted(result.ready), "recovering": result.recovering}
+
+    @staticmethod
+    def _trained_groups(result: StepResult) -> frozenset[int]:
+        return frozenset(replica_index_of(rid) for rid, w in result.weights.items() if w > 0)
+
+    @staticmethod
+    def _ready_groups(result: StepResult) -> frozenset[int]:
+        return frozenset(replica_index_of(rid) for rid in result.ready)
+
+    # ------------------------------------------------------------------ catch-up
+    def _state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """This rank's whole state as named tensors (what a recovering peer at this position loads)."""
+        tensors = dict(_named_tensors(self._state(), ""))
+        meta = json.dumps({"data": self.data.state_dict() if self.data is not None else None}).encode()
+        tensors["meta.json"] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        return tensors
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        from freescale.parallelize import materialize_optimizer_state
+
+        if hasattr(self.optimizer, "optimizers"):
+            materialize_optimizer_state(self.optimizer)  # type: ignore[arg-type]
+        mine = dict(_named_tensors(self._state(), ""))
+        missing = sorted(set(mine) - set(tensors))
+        if missing:
+            raise RuntimeError(f"catch-up: the snapshot lacks {missing[:3]} (a different model or sharding plan?)")
+        with torch.no_grad():
+            for name, t in mine.items():
+                if t.shape != tensors[name].shape:
+                    raise RuntimeError(f"catch-up: '{name}' is {tuple(tensors[name].shape)} in the snapshot, "
+                                       f"{tuple(t.shape)} here")
+                t.copy_(tensors[name])
+        meta = json.loads(bytes(tensors["meta.json"].numpy()).decode())
+        if self.data is not None and meta.get("data") is not None:
+            self.data.load_state_dict(meta["data"])
+
+    def _catch_up(self) -> None:
+        """Load the snapshot and replay every recorded step after it (the group agreed it is in)."""
+        caught = self.sync.take_catch_up()
+        self.load(caught.state)
+        for result in caught.replay:
+            self._apply(result)
+        self.events.append({"event": "catch_up", "step": caught.replay[-1].step if caught.replay
+                            else caught.snapshot_step, "catch_up": dict(self.sync.catch_up_log)})
+
+    def _agree(self, ok: bool) -> bool:
+        """True only if every rank of this group got True (an in-group all-reduce, MIN)."""
+        return self.sync._agree(ok)
+
+    def warm_up(self, loss: torch.Tensor) -> None:
+        """Backward of a forward whose result is thrown away (before the first quorum: torchrec's
+        lazy set-up and the first kernels are paid here, not in a step the other groups wait for)."""
+        (loss * 0.0).backward()
+        for p in self.dense:
+            p.grad = None
+        if self.sparse is not None:
+            self.sparse.reset()
+
+    @staticmethod
+    def dense_zeros(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+        return [torch.zeros_like(p) for p in params]
