@@ -1,6 +1,6 @@
 """Fault-tolerance core on one machine: overhead, stall per failure, catch-up.
 
-Replicas are real processes (``python -m freescale.ft.mlp_replica``) training
+Replicas are real processes (``benchmarks/mlp_replica.py``: ``freescale.ft.FaultTolerance`` in a user loop) training
 a ~1.3M-parameter MLP (256 -> 1024 -> 1024 -> 1, AdamW) on CPU with gloo, one rank per
 replica, the lighthouse in this process (heartbeat timeout 1 s; crashes are found
 through failure reports, not the timeout).  Runs:
@@ -58,6 +58,8 @@ import numpy as np
 from common import print_table, write_json
 
 from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
+from freescale.testing import FAULTS_ENV
+from mlp_replica import group_of
 
 TORCHFT_INSTALL = ("pip download torchft-nightly --no-deps -d /tmp/tft && pip install --no-deps /tmp/tft/*.whl, "
                    "then its pure-python imports, also --no-deps: opentelemetry-api opentelemetry-sdk "
@@ -71,6 +73,7 @@ TORCHFT_QUOTED = ("+6-8 ms per step over DDP (about 35%), 1.13 s kill to next co
                   "timeout, 1 step discarded per failure, survivor 1.5-2x slower during a heal, restart to "
                   "contributing 2.2-5.0 s")
 TORCHFT_REPLICA = Path(__file__).with_name("torchft_replica.py")
+MLP_REPLICA = Path(__file__).with_name("mlp_replica.py")
 TFT_CHILDREN: list[subprocess.Popen[str]] = []
 
 
@@ -96,19 +99,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def replica(out: Path, name: str, steps: int, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "freescale.ft.mlp_replica", "--replica-id", name,
+def fault_env(name: str, kill: bool) -> dict[str, str]:
+    """``FREESCALE_FAULTS`` (``freescale.testing``): replica ``name`` SIGKILLs itself as step 20's exchange begins."""
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    env.pop(FAULTS_ENV, None)
+    if kill:
+        env[FAULTS_ENV] = f"{group_of(name)}:0:20:reduce:0"
+    return env
+
+
+def killed_at(out: Path, name: str) -> float:
+    return float((out / name / "rank0.killed").read_text())
+
+
+def replica(out: Path, name: str, steps: int, *extra: str, kill: bool = False) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(MLP_REPLICA), "--replica-id", name,
                              "--steps", str(steps), "--out", str(out), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={"OMP_NUM_THREADS": "1", **os.environ})
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=fault_env(name, kill))
 
 
-def tft_replica(out: Path, name: str, steps: int, *extra: str) -> subprocess.Popen[str]:
+def tft_replica(out: Path, name: str, steps: int, *extra: str, kill: bool = False) -> subprocess.Popen[str]:
     """A torchft replica; its stderr (torchft logs a line per reconfiguration) goes to ``<out>/<name>.err``."""
     with open(out / f"{name}.err", "a") as err:
         proc = subprocess.Popen([sys.executable, str(TORCHFT_REPLICA), "--replica-id", name, "--steps", str(steps),
                                  "--out", str(out), *extra], stdout=subprocess.DEVNULL, stderr=err, text=True,
-                                env={"OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **os.environ})
+                                env={**fault_env(name, kill), "RUST_LOG": "warn"})
     TFT_CHILDREN.append(proc)
     return proc
 
@@ -222,10 +237,10 @@ def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: st
     lh = lighthouse()
     common = ["--lighthouse", lh.url, "--snapshots", "--hidden", str(hidden), "--layers", str(layers),
               "--step-sleep", "0.02"]
-    procs = {n: replica(out, n, steps, *common, "--wait-for", "3", *(["--kill-at", "20:reduce:0"] if n == "c" else []))
+    procs = {n: replica(out, n, steps, *common, "--wait-for", "3", kill=n == "c")
              for n in "abc"}
     procs["c"].wait(timeout=300)
-    killed_at = float((out / "c.killed").read_text())
+    killed = killed_at(out, "c")
     (out / "c.jsonl").rename(out / "c_first.jsonl")
     restart = time.time()
     procs["c"] = replica(out, "c", steps, *common, "--incarnation", "1")
@@ -237,7 +252,7 @@ def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: st
     discarded = len(set(range(steps)) - {e["step"] for log in logs.values() for e in log})
     # The survivor that never had to catch up itself (the one with a complete log) times the others' steps.
     a = max(logs.values(), key=len)
-    res: dict[str, Any] = {"kill_s": min(e["committed"] for e in a if e["committed"] > killed_at) - killed_at,
+    res: dict[str, Any] = {"kill_s": min(e["committed"] for e in a if e["committed"] > killed) - killed,
                            "discarded": discarded}
     if c:
         info = c[0]["catch_up"]
@@ -257,9 +272,9 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str)
     try:
         common = ["--lighthouse", addr, "--hidden", str(hidden), "--layers", str(layers), "--step-sleep", "0.02"]
         procs = {n: tft_replica(out, n, steps, *common, "--wait-for", "3",
-                                *(["--kill-at", "20:reduce:0"] if n == "c" else [])) for n in "abc"}
+                                kill=n == "c") for n in "abc"}
         procs["c"].wait(timeout=300)
-        killed_at = float((out / "c.killed").read_text())
+        killed = killed_at(out, "c")
         (out / "c.jsonl").rename(out / "c_first.jsonl")
         restart = time.time()
         procs["c"] = tft_replica(out, "c", steps, *common)
@@ -271,7 +286,7 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str)
     attempted = max(e["step"] for log in logs.values() for e in log) + 1
     discarded = len(set(range(attempted)) - {e["step"] for log in logs.values() for e in committed(log)})
     a = committed(max(logs.values(), key=len))
-    res: dict[str, Any] = {"kill_s": min(e["committed"] for e in a if e["committed"] > killed_at) - killed_at,
+    res: dict[str, Any] = {"kill_s": min(e["committed"] for e in a if e["committed"] > killed) - killed,
                            "discarded": discarded}
     c = committed(read(out, "c"))
     contributing = [e for e in c if e["participating"]]

@@ -1,7 +1,7 @@
-"""One torchft replica training the MLP of ``freescale.ft.mlp_replica``: the other side of ``bench_ft``.
+"""One torchft replica training the MLP of ``mlp_replica.py``: the other side of ``bench_ft``.
 
     python benchmarks/torchft_replica.py --lighthouse http://127.0.0.1:PORT --replica-id a --steps 60 --out DIR
-        [--wait-for 2] [--kill-at STEP:PHASE[:DELAY_MS]] [--hidden 1024] [--layers 1] [--step-sleep 0.02]
+        [--wait-for 2] [--hidden 1024] [--layers 1] [--step-sleep 0.02]
 
 Needs torchft (``torchft-nightly``), which is not a freescale dependency: bench_ft
 prints how to install it.  Same model, same AdamW (lr 1e-3), same batches
@@ -24,9 +24,10 @@ committed), ``manager_step`` (torchft's count of committed steps),
 attempt loaded a checkpoint from a peer), ``quorum_id``, ``participants``,
 ``digest``, ``loss``; on the healing attempt also ``heal_fetch_s`` (the
 checkpoint fetch time torchft logs) and ``heal_bytes`` (model + optimizer
-state fetched).  ``--kill-at 20:reduce:0`` SIGKILLs the process from a
-timer started just before step 20's all-reduce (the time goes to
-``<out>/<replica>.killed``); ``20:forward`` kills it before step 20's backward.
+state fetched).  ``FREESCALE_FAULTS=<group>:0:20:reduce:0`` (``freescale.testing``; replica
+``a`` is group 0, ``b`` 1, ...) SIGKILLs the process from a timer started just before step 20's
+all-reduce (the time goes to ``<out>/<replica>/rank0.killed``); ``...:20:forward`` kills it
+before step 20's backward.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ import json
 import logging
 import os
 import re
-import signal
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from freescale.ft.mlp_replica import batch, build_model, digest, parse_kill_at
+from freescale.testing import hooks_from_env
+from mlp_replica import batch, build_model, digest, group_of
 
 
 class _FetchTimes(logging.Handler):
@@ -60,11 +60,6 @@ class _FetchTimes(logging.Handler):
         match = re.match(r"fetching checkpoint from .* took ([0-9.e-]+)s$", record.getMessage())
         if match:
             self.seconds.append(float(match.group(1)))
-
-
-def _die(out: Path, replica_id: str) -> None:
-    (out / f"{replica_id}.killed").write_text(repr(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -86,7 +81,6 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--kill-at", default="")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds: collectives, commit, checkpoint fetch")
     parser.add_argument("--wait-for", type=int, default=0,
                         help="start step 0 only once this many replicas have their torchft manager up (ready files in "
@@ -130,7 +124,8 @@ def main() -> None:
         while len(list(out.glob("*.ready"))) < args.wait_for and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    kill_step, kill_phase, kill_delay = parse_kill_at(args.kill_at)
+    # Faults as for freescale's replicas (``FREESCALE_FAULTS``, ``freescale.testing``): same points, same syntax.
+    hooks = hooks_from_env(group_of(args.replica_id), 0, 0, out / args.replica_id)
 
     params = list(model.parameters())
     log = open(out / f"{args.replica_id}.jsonl", "a")
@@ -141,14 +136,12 @@ def main() -> None:
         optimizer.zero_grad()
         x, y = batch(step, args.replica_id, args.batch)
         loss = torch.nn.functional.mse_loss(model(x), y)
-        if step == kill_step and kill_phase == "forward":
-            _die(out, args.replica_id)
+        hooks.at("forward", step)
         if args.step_sleep:  # more "compute" (before backward: the gradient reduction stays at the step's end)
             time.sleep(args.step_sleep)
         loss.backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        if step == kill_step and kill_phase == "reduce":
-            threading.Timer(kill_delay, _die, (out, args.replica_id)).start()
+        hooks.at("reduce", step)
         manager.allreduce(flat).wait()  # averaged over the participants; errors are recorded, not raised
         healing = manager._healing  # noqa: SLF001 - set by this step's quorum when we fetch a peer's checkpoint
         participating = manager.is_participating()

@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 

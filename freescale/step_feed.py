@@ -52,6 +52,9 @@ class Commit:
     """Groups holding valid state after the step: the next plans are over their ranks."""
     applied: bool = True
     """The update reached this rank's state (False while catching up: it is recorded, replayed later)."""
+    restored: bool = False
+    """This rank's state was replaced from a peer's snapshot during the step (a catch-up finished):
+    batches it had in flight are void."""
 
 
 @dataclass

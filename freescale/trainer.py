@@ -205,8 +205,9 @@ class Trainer:
                 break
             self._log_events(parts, log)
             step = commit.step + 1
-            if not commit.applied:
+            if not commit.applied or commit.restored:
                 first = True  # catching up: the next step this process trains is its first again
+            if not commit.applied:
                 continue
             done = commit.step + 1
             committed += 1
@@ -244,7 +245,7 @@ class Trainer:
             commit = sync.last_commit if trains else sync.step()
         except JobFinished as finished:
             raise _Finished() from finished
-        if not commit.applied:  # this replica must catch up: batches in flight were planned for nothing
+        if not commit.applied or commit.restored:  # catching up: batches in flight were planned for nothing
             parts.pipeline.reset()
             feed.discard_batches()
         return commit, output, info, time.thread_time() - cpu_start, time.perf_counter() - start

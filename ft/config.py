@@ -24,6 +24,9 @@ class FTConfig:
     """Replica groups the data is planned over at step 0 (replica ids ``replica0 ..``)."""
     replica_index: int = 0
     """This group's index in ``0 .. replicas-1``."""
+    name: str = ""
+    """This group's replica id; default ``replica<replica_index>`` (the form the data plan reads
+    group indices from: a loop with ``data`` accounting must keep it)."""
     timeout_s: float = 10.0
     """Collective timeout of the fault-tolerant all-reduce: the longest a hung (not crashed) peer can
     stall a step.  Usually the lighthouse ends the wait sooner: once the hung group's heartbeat times
@@ -57,7 +60,7 @@ class FTConfig:
 
     @property
     def replica_id(self) -> str:
-        return f"replica{self.replica_index}"
+        return self.name or f"replica{self.replica_index}"
 
     def validate(self) -> None:
         require(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")

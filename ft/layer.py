@@ -95,6 +95,16 @@ def _dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def _load_torch_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    """A plain torch optimizer's per-parameter state from snapshot names ``/optim/state/<i>/<key>#0``."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if name.startswith("/optim/state/"):
+            index, key = name[len("/optim/state/"):].rsplit("#", 1)[0].split("/", 1)
+            state.setdefault(int(index), {})[key] = t.clone()
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
 class FaultTolerance:
     """One rank's fault tolerance across replica groups (module docstring)."""
 
@@ -141,13 +151,14 @@ class FaultTolerance:
         self._loss: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ start and end
-    def start(self) -> None:
-        """Wait (``wait_for_replicas_s`` at most) until ``replicas`` groups are up: a late group would
-        have to catch up from the first step."""
+    def start(self, wait_for: int | None = None) -> None:
+        """Wait (``wait_for_replicas_s`` at most) until ``wait_for`` (default ``replicas``) groups are
+        up: a late group would have to catch up from the first step."""
         deadline = time.monotonic() + self.cfg.wait_for_replicas_s
+        wanted = self.cfg.replicas if wait_for is None else wait_for
         while time.monotonic() < deadline:
             groups = self.client.status()["groups"]
-            if sum(1 for g in groups.values() if g["healthy"]) >= self.cfg.replicas:
+            if sum(1 for g in groups.values() if g["healthy"]) >= wanted:
                 return
             time.sleep(0.05)
 
@@ -224,10 +235,11 @@ class FaultTolerance:
         self.record = self._record_of(result, trained)
         if result.recovering:
             self.hooks.at("catchup", result.step)
-            if self._agree(self.sync.snapshot_arrived):  # the whole group turns ready at one step
-                self._catch_up()
+            caught_up = self._agree(self.sync.snapshot_arrived)  # the whole group turns ready at one step
+            if caught_up:
+                self._catch_up()  # the snapshot and every recorded step up to this one: valid state now
             self.last_commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result),
-                                      applied=False)
+                                      applied=caught_up, restored=caught_up)
             return self.last_commit
         commit = self.last_commit = self._apply(result)
         if result.stage_snapshot:
@@ -259,17 +271,25 @@ class FaultTolerance:
 
     def _record_of(self, result: StepResult, trained: bool) -> dict[str, Any]:
         return {"quorum_id": result.quorum.quorum_id, "participants": list(result.quorum.replica_ids),
-                "attempts": result.attempts, "contributing": trained, "weight": self._weight or 0.0,
+                "attempts": result.attempts, "exchange_s": result.seconds, "contributing": trained, "weight": self._weight or 0.0,
                 "quorum_wait_s": result.quorum_wait_s, "reduce_s": result.reduce_s, "vote_s": result.vote_s,
                 "ready": sorted(result.ready), "recovering": result.recovering}
 
-    @staticmethod
-    def _trained_groups(result: StepResult) -> frozenset[int]:
-        return frozenset(replica_index_of(rid) for rid, w in result.weights.items() if w > 0)
+    def _group_of(self, replica_id: str) -> int:
+        if replica_id == self.cfg.replica_id:
+            return self.group_index
+        try:
+            return replica_index_of(replica_id)
+        except ValueError:
+            if self.data is not None:
+                raise
+            return -1  # custom replica ids and no data accounting: group indices are not used
 
-    @staticmethod
-    def _ready_groups(result: StepResult) -> frozenset[int]:
-        return frozenset(replica_index_of(rid) for rid in result.ready)
+    def _trained_groups(self, result: StepResult) -> frozenset[int]:
+        return frozenset(self._group_of(rid) for rid, w in result.weights.items() if w > 0)
+
+    def _ready_groups(self, result: StepResult) -> frozenset[int]:
+        return frozenset(self._group_of(rid) for rid in result.ready)
 
     # ------------------------------------------------------------------ catch-up
     def _state(self) -> dict[str, Any]:
@@ -287,6 +307,8 @@ class FaultTolerance:
 
         if hasattr(self.optimizer, "optimizers"):
             materialize_optimizer_state(self.optimizer)  # type: ignore[arg-type]
+        else:
+            _load_torch_optimizer(self.optimizer, tensors)  # its state may not exist yet: rebuilt
         mine = dict(_named_tensors(self._state(), ""))
         missing = sorted(set(mine) - set(tensors))
         if missing:

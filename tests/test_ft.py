@@ -1,7 +1,7 @@
 """FTAR across replica processes with real faults (SIGKILL, SIGSTOP) on 127.0.0.1.
 
-Each replica is ``python -m freescale.ft.mlp_replica`` in its own process; the lighthouse runs
-in this process.  In every case the survivors finish, commit every step, and
+Each replica is ``benchmarks/mlp_replica.py`` (a user's own loop over ``freescale.ft.FaultTolerance``)
+in its own process; faults come from ``FREESCALE_FAULTS``; the lighthouse runs in this process.  In every case the survivors finish, commit every step, and
 are bit-identical at every committed step.
 """
 
@@ -20,19 +20,25 @@ import pytest
 import torch
 
 from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
-from freescale.ft.mlp_replica import batch, build_model
-from tests.conftest import cli_env
+from benchmarks.mlp_replica import batch, build_model, group_of
+from freescale.testing import FAULTS_ENV
+from tests.conftest import REPO, cli_env
 
 pytestmark = pytest.mark.multiprocess
-WORKER = "freescale.ft.mlp_replica"
+WORKER = REPO / "benchmarks" / "mlp_replica.py"
 
 
-def start(lh: Lighthouse, replica: str, out: Path, steps: int, *extra: str, group: int = 3) -> subprocess.Popen[str]:
-    """A replica process that starts training once ``group`` replicas are up (no late joiners: no catch-up yet)."""
+def start(lh: Lighthouse, replica: str, out: Path, steps: int, *extra: str, group: int = 3,
+          fault: str = "") -> subprocess.Popen[str]:
+    """A replica process that starts training once ``group`` replicas are up; ``fault``:
+    ``<step>:<point>[:<ms>]`` of ``FREESCALE_FAULTS`` for this replica."""
+    env = cli_env()
+    if fault:
+        env[FAULTS_ENV] = f"{group_of(replica)}:0:{fault}"
     return subprocess.Popen(
-        [sys.executable, "-m", WORKER, "--lighthouse", lh.url, "--replica-id", replica, "--steps", str(steps),
+        [sys.executable, str(WORKER), "--lighthouse", lh.url, "--replica-id", replica, "--steps", str(steps),
          "--out", str(out), "--wait-for", str(group), *extra],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
 
@@ -98,8 +104,7 @@ def test_weighted_average_is_the_mean_over_samples(tmp_path: Path) -> None:
 def test_sigkill_one_replica_survivors_commit_every_step(phase: str, tmp_path: Path) -> None:
     lh = lighthouse(min_replicas=1)
     steps = 12
-    procs = {r: start(lh, r, tmp_path, steps, *(["--kill-at", f"5:{phase}"] if r == "c" else []))
-             for r in ("a", "b", "c")}
+    procs = {r: start(lh, r, tmp_path, steps, fault=f"5:{phase}" if r == "c" else "") for r in ("a", "b", "c")}
     assert procs["c"].wait(timeout=120) == -signal.SIGKILL
     finish(procs, ["a", "b"])
     logs = assert_identical_every_step(tmp_path, ["a", "b"], steps)
@@ -137,8 +142,7 @@ def test_killed_replica_restarts_and_catches_up_without_stalling_the_others(tmp_
     lh = lighthouse(min_replicas=1)
     steps = 150
     common = ["--snapshots", "--step-sleep", "0.02", "--hidden", "256"]
-    procs = {r: start(lh, r, tmp_path, steps, *common, *(["--kill-at", "5:reduce:0"] if r == "c" else []))
-             for r in ("a", "b", "c")}
+    procs = {r: start(lh, r, tmp_path, steps, *common, fault="5:reduce:0" if r == "c" else "") for r in ("a", "b", "c")}
     assert procs["c"].wait(timeout=120) == -signal.SIGKILL
     first_life = read(tmp_path, "c")
     (tmp_path / "c.jsonl").rename(tmp_path / "c_first_life.jsonl")

@@ -1,21 +1,23 @@
-"""A replica that trains an MLP with the fault-tolerance core: demo, tests and ``bench_ft``.
+"""A replica that trains a small MLP through ``freescale.ft.FaultTolerance``: tests and ``bench_ft``.
 
-    python -m freescale.ft.mlp_replica --lighthouse URL --replica-id a --steps 20 --out DIR
-        [--batch 32] [--kill-at STEP:PHASE[:DELAY_MS]] [--hidden 128] [--snapshots]
+    python benchmarks/mlp_replica.py --lighthouse URL --replica-id a --steps 20 --out DIR
+        [--batch 32] [--hidden 128] [--snapshots] [--wait-for 3]
 
-    python -m freescale.ft.mlp_replica --mode ddp --rank 0 --world-size 2 --master 127.0.0.1:PORT ...
+    python benchmarks/mlp_replica.py --mode ddp --rank 0 --world-size 2 --master 127.0.0.1:PORT ...
         (the baseline: the same model under torch DDP over gloo, no fault tolerance;
          --mode allreduce: one flat gloo all-reduce after backward instead)
 
-Each step: quorum request (overlapping the forward), forward/backward on this
+A user's own loop over a model that is not freescale's (no torchrec here):
+each step asks for the quorum (overlapping the forward), trains this
 replica's own data (seeded by step and replica, ``--batch`` samples) with the
-weighted FTAR of each gradient bucket started during backward, AdamW update, then one JSON line in
-``<out>/<replica>.jsonl``: step, quorum id, participants, attempts, seconds and
-a SHA-256 of the parameters after the update.  ``--kill-at 5:reduce:20`` makes
-the process SIGKILL itself 20 ms after entering step 5's reduce (a real
-signal, mid-collective; the time is written to ``<out>/<replica>.killed``);
-``5:forward`` before step 5's backward.  ``--layers`` hidden layers of width
-``--hidden`` over 256 inputs: the default (1 x 1024) has 264k parameters, ``--layers 2``
+weighted FTAR of each gradient bucket started during backward, commits, and
+writes one JSON line to ``<out>/<replica>.jsonl``: step, quorum id,
+participants, attempts, seconds and a SHA-256 of the parameters after the
+update.  Replica ids ``a``, ``b``, ``c``, ... are groups 0, 1, 2, ...: faults
+come from ``FREESCALE_FAULTS`` (``freescale.testing``; e.g. ``2:0:5:reduce:20``
+SIGKILLs replica c 20 ms into step 5's exchange and writes the time to
+``<out>/c/rank0.killed``).  ``--layers`` hidden layers of width ``--hidden``
+over 256 inputs: the default (1 x 1024) has 264k parameters, ``--layers 2``
 (``bench_ft``'s model) 1.31M.
 """
 
@@ -25,9 +27,7 @@ import argparse
 import hashlib
 import json
 import os
-import signal
 import sys
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -35,10 +35,8 @@ from typing import Any
 
 import torch
 
-from freescale.ft.catchup import SnapshotServer
-from freescale.ft.client import LighthouseClient
-from freescale.ft.ftar import ReplicaSync
-from freescale.ft.overlap import OverlappedFTAR
+from freescale.ft import FaultTolerance, FTConfig
+from freescale.testing import hooks_from_env
 
 
 INPUTS = 256
@@ -60,26 +58,6 @@ def batch(step: int, replica: str, size: int) -> tuple[torch.Tensor, torch.Tenso
     return x, x[:, :1] * 0.5 - x[:, 1:2]
 
 
-def state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Everything a replica must copy to be identical: parameters and AdamW moments."""
-    out = {f"param{i}": p.detach() for i, p in enumerate(model.parameters())}
-    for i, s in optimizer.state_dict()["state"].items():
-        out.update({f"optim{i}.{k}": v for k, v in s.items()})
-    return out
-
-
-def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.copy_(tensors[f"param{i}"])
-    moments: dict[int, dict[str, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        if name.startswith("optim"):
-            index, key = name[len("optim"):].split(".", 1)
-            moments.setdefault(int(index), {})[key] = t
-    optimizer.load_state_dict({"state": moments, "param_groups": optimizer.state_dict()["param_groups"]})
-
-
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
@@ -87,17 +65,9 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def parse_kill_at(spec: str) -> tuple[int, str, float]:
-    """``STEP:PHASE[:DELAY_MS]`` -> (step, phase, delay in seconds); ``""`` -> no kill."""
-    if not spec:
-        return -1, "", 0.0
-    parts = spec.split(":")
-    return int(parts[0]), parts[1], float(parts[2]) / 1000 if len(parts) > 2 else 0.0
-
-
-def _die(args: argparse.Namespace) -> None:
-    (Path(args.out) / f"{args.replica_id}.killed").write_text(repr(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
+def group_of(replica_id: str) -> int:
+    """``a`` -> 0, ``b`` -> 1, ...: the replica's group index (fault specs and the FT config use it)."""
+    return ord(replica_id[0]) - ord("a")
 
 
 def run_ddp(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer, log: Any) -> None:
@@ -146,7 +116,6 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2, help="ddp mode")
     parser.add_argument("--master", default="127.0.0.1:29531", help="ddp mode: host:port of rank 0's store")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--kill-at", default="")
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--wait-for", type=int, default=0,
                         help="start step 0 only once the lighthouse sees this many healthy replicas (a late joiner "
@@ -164,63 +133,50 @@ def main() -> None:
     if args.mode in ("ddp", "allreduce"):
         run_ddp(args, model, optimizer, log)
         return
-    client = LighthouseClient(args.lighthouse, args.replica_id, args.incarnation, request_timeout_s=60).start()
-    server = SnapshotServer() if args.snapshots else None
-    if server is not None:
-        server.start()
-    sync = ReplicaSync(client, timeout_s=args.timeout, snapshot_server=server)
-    reduction = OverlappedFTAR(list(model.parameters()), first_bucket_bytes=args.first_bucket_kb * 1024)
-    deadline = time.monotonic() + 60
-    while args.wait_for and time.monotonic() < deadline:
-        healthy = [g for g in client.status()["groups"].values() if g["healthy"]]
-        if len(healthy) >= args.wait_for:
-            break
-        time.sleep(0.02)
-    kill_step, kill_phase, kill_delay = parse_kill_at(args.kill_at)
+    run_ftar(args, model, optimizer, log)
 
-    def apply(averaged: list[torch.Tensor]) -> None:
-        for p, g_avg in zip(model.parameters(), averaged):
-            p.grad = g_avg
-        optimizer.step()
 
+def run_ftar(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer, log: Any) -> None:
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(args.incarnation)  # what torchrun would tell a restarted group
+    group = group_of(args.replica_id)
+    cfg = FTConfig(lighthouse=args.lighthouse, replicas=max(args.wait_for, group + 1), replica_index=group,
+                   name=args.replica_id, timeout_s=args.timeout, snapshots=args.snapshots,
+                   first_bucket_kb=args.first_bucket_kb, wait_for_replicas_s=60.0 if args.wait_for else 0.0)
+    hooks = hooks_from_env(group, 0, args.incarnation, Path(args.out) / args.replica_id)
+    ft = FaultTolerance(model, optimizer, cfg, hooks=hooks)
+    ft.start(wait_for=args.wait_for)
     step = 0
     while step < args.steps:
-        sync.start_step(step)
-        x, y = batch(step, args.replica_id, args.batch)
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        if step == kill_step and kill_phase == "forward":
-            _die(args)
-        if args.step_sleep:  # more "compute" (before backward: the gradient reduction stays at the step's end)
-            time.sleep(args.step_sleep)
-        reduction.begin(weight=args.batch)
-        sync.begin_overlapped(step, reduction)
-        loss.backward()
-        if step == kill_step and kill_phase == "reduce":
-            threading.Timer(kill_delay, _die, (args,)).start()
-        result = sync.reduce_and_commit(step, [p.grad for p in model.parameters()], weight=args.batch,
-                                        overlapped=reduction)
+        ft.begin_step(step)
+        loss = None
+        if ft.can_train(step):
+            x, y = batch(step, args.replica_id, args.batch)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if args.step_sleep:  # more "compute" (before backward: the gradient reduction stays at the step's end)
+                time.sleep(args.step_sleep)
+            ft.backward(loss, weight=args.batch)
+        commit = ft.step()
         committed = time.time()
-        stage_s = 0.0
-        if not result.recovering:
-            apply(result.tensors)
-        if result.stage_snapshot:
-            stage_s = sync.stage(result.step, state(model, optimizer))
-        caught_up = sync.poll_catch_up(lambda t: load(model, optimizer, t), lambda r: apply(r.tensors))
-        if not sync.recovering:
+        events = {e["event"]: e for e in ft.events}
+        ft.events.clear()
+        if commit.applied:
+            record = ft.record
             log.write(json.dumps({
-                "step": result.step, "time": time.time(), "committed": committed, "quorum_id": result.quorum.quorum_id,
-                "participants": list(result.quorum.replica_ids), "attempts": result.attempts,
-                "seconds": result.seconds, "quorum_wait_s": result.quorum_wait_s, "reduce_s": result.reduce_s,
-                "vote_s": result.vote_s, "digest": digest(model), "loss": float(loss.detach()),
-                "stage_s": stage_s, **({"catch_up": sync.catch_up_log} if caught_up else {}),
+                "step": commit.step, "time": time.time(), "committed": committed,
+                "quorum_id": record["quorum_id"], "participants": record["participants"],
+                "attempts": record["attempts"], "seconds": record["exchange_s"],
+                "quorum_wait_s": record["quorum_wait_s"], "reduce_s": record["reduce_s"], "vote_s": record["vote_s"],
+                "digest": digest(model), "loss": float(loss.detach()) if loss is not None else float("nan"),
+                "stage_s": events["stage"]["stage_s"] if "stage" in events else 0.0,
+                **({"catch_up": events["catch_up"]["catch_up"]} if "catch_up" in events else {}),
             }) + "\n")
             log.flush()
-        step = result.step + 1
+        step = commit.step + 1
     log.close()
+    ft.finish(args.steps - 1)
     if args.save_params:
         torch.save([p.detach() for p in model.parameters()], Path(args.out) / f"{args.replica_id}.pt")
-    client.close()
+    ft.close()
     sys.stdout.flush()
     os._exit(0)  # gloo groups of dead quorums may still hold threads: skip C++ teardown
 
