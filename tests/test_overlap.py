@@ -1,4 +1,5 @@
-"""Overlapped FTAR (bucketed, during backward) across 2 groups x 2 ranks: exact mean, same bits everywhere.
+"""FTAR overlapped with backward (``BucketedGrads`` + ``FTARStage``) across 2 groups x 2 ranks: exact
+mean, same bits everywhere.
 
 Four real processes (spawn, gloo on loopback).  Each group is its own world (the
 in-group stage), rank position r of both groups is a replica-dimension group (the
@@ -47,8 +48,9 @@ def _proc(index: int, in_ports: list[int], cross_ports: list[int], out: str) -> 
 
     import torch.distributed as dist
 
-    from freescale.ft.ftar import weighted_all_reduce
-    from freescale.ft.overlap import OverlappedFTAR
+    from freescale.ft.ftar import FlatReduction, FTARStage, weighted_all_reduce
+    from freescale.ft.replica_group import ReplicaGroup
+    from freescale.grad_buckets import BucketedGrads
 
     group, rank = divmod(index, RANKS)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{in_ports[group]}", rank=rank, world_size=RANKS)
@@ -56,8 +58,7 @@ def _proc(index: int, in_ports: list[int], cross_ports: list[int], out: str) -> 
     try:
         model = _model()
         params = list(model.parameters())
-        reduction = OverlappedFTAR(params, in_group=dist.group.WORLD, in_group_size=RANKS,
-                                   first_bucket_bytes=64, bucket_bytes=4096)
+        reduction = BucketedGrads(params, dist.group.WORLD, first_bucket_bytes=64, bucket_bytes=4096)
         results = {}
         for step, (contributing, overlapped) in enumerate([({0, 1}, {0, 1}), ({0}, {0}), ({0, 1}, {1})]):
             cross = dist.ProcessGroupGloo(dist.PrefixStore(f"s{step}", store), group, GROUPS, timedelta(seconds=30))
@@ -67,8 +68,10 @@ def _proc(index: int, in_ports: list[int], cross_ports: list[int], out: str) -> 
                 reduced = weighted_all_reduce(cross, [torch.zeros_like(p) for p in params], 0.0, group, GROUPS,
                                               False, None, reduction.layout)
             elif group in overlapped:
-                reduction.begin(weight)
-                reduction.attach(cross, step, group, GROUPS)
+                reduction.begin()
+                replica_group = ReplicaGroup.of(cross)
+                flat = FlatReduction(reduction.layout, weight, group, GROUPS, True, None, replica_group.device)
+                reduction.attach(FTARStage(flat, replica_group, step))
                 # sum over this rank's samples / (group's samples / ranks): the in-group mean is the group's mean
                 loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum") * RANKS / weight
                 loss.backward()
@@ -77,7 +80,7 @@ def _proc(index: int, in_ports: list[int], cross_ports: list[int], out: str) -> 
                            for p in params)
                 reduced = reduction.finish()
             else:  # trained, not attached to the quorum: in-group stage only, then reduced after backward
-                reduction.begin(weight)  # (the path of every redo after a failure)
+                reduction.begin()  # (the path of every redo after a failure)
                 loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum") * RANKS / weight
                 loss.backward()
                 reduction.settle()

@@ -1,4 +1,5 @@
-"""DenseGradReducer against a plain all-reduce average: bit-equal, any chunking, no deadlock.
+"""BucketedGrads' in-group stage (the prioritized pipeline's dense reduction) against a plain
+all-reduce average: bit-equal, any bucketing and chunking, bounded in flight, no deadlock.
 
 Two real processes (spawn, gloo on loopback).
 """
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.multiprocess
 def _rank(rank: int, port: int, chunk_bytes: int, max_inflight: int) -> None:
     import torch.distributed as dist
 
-    from freescale.dense_reducer import DenseGradReducer
+    from freescale.grad_buckets import BucketedGrads
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -26,8 +27,8 @@ def _rank(rank: int, port: int, chunk_bytes: int, max_inflight: int) -> None:
         model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5),
                                     torch.nn.LayerNorm(5))
         group = dist.new_group(backend="gloo")
-        reducer = DenseGradReducer(list(model.parameters()), group, chunk_bytes=chunk_bytes,
-                                   max_inflight=max_inflight)
+        reducer = BucketedGrads(list(model.parameters()), group, chunk_bytes, chunk_bytes, chunk_bytes=chunk_bytes,
+                                max_inflight=max_inflight)
         reference = [p.detach().clone() for p in model.parameters()]
         for t in reference:
             dist.broadcast(t, src=0)
