@@ -211,7 +211,7 @@ class Trainer:
                 continue
             done = commit.step + 1
             committed += 1
-            self._log_commit(parts, log, commit, info, busy, wall)
+            self._log_commit(parts, log, commit, output, info, busy, wall)
             if output is not None:
                 progress.add(output[1], output[2])
             progress.timing.add(info, busy=busy, wall=wall)
@@ -250,14 +250,15 @@ class Trainer:
             feed.discard_batches()
         return commit, output, info, time.thread_time() - cpu_start, time.perf_counter() - start
 
-    def _log_commit(self, parts: Components, log: RunLog, commit: Commit, info: Any, busy: float,
+    def _log_commit(self, parts: Components, log: RunLog, commit: Commit, output: Any, info: Any, busy: float,
                     wall: float) -> None:
         record: dict[str, Any] = {"step": commit.step, "samples": parts.feed.last_samples, "seconds": wall,
                                   "busy_s": busy, "batch_wait_s": info.wait_s if info is not None else 0.0,
                                   **parts.sync.record}
-        if parts.hooks.audit:  # tests: the whole state's hash and the rows the step trained
+        if parts.hooks.audit:  # tests: the whole state's hash, the rows the step trained, rank 0's loss
             record["digest"] = state_digest(parts.dmp, parts.optimizer)
             record["rows"] = parts.feed.last_rows.tolist()
+            record["loss"] = float(output[0]) if output is not None else None
         log.write("commit", **record)
 
     @staticmethod

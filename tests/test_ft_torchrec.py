@@ -44,8 +44,8 @@ def fault_env(fault: str) -> dict[str, str]:
 
 
 def launch(out: Path, data: Path, replicas: int, ranks: int, steps: int, model: str, fault: str = "",
-           max_restarts: int = 0, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(launch_args(out, data, replicas, ranks, steps, model, max_restarts),
+           max_restarts: int = 0, timeout: float = 240, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(launch_args(out, data, replicas, ranks, steps, model, max_restarts, *extra),
                           cwd=REPO, env=fault_env(fault), capture_output=True, text=True, timeout=timeout)
 
 
@@ -149,23 +149,54 @@ def test_replicas_stay_identical_and_train_each_sample_once(tiny_data: Path, tmp
             assert e["digest"] == reference[step]["digest"], f"group {group}, step {step}: differs after the resume"
 
 
-@pytest.mark.parametrize("phase", ["reduce", "forward"])
-def test_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(phase: str, tiny_data: Path,
-                                                                    tmp_path: Path) -> None:
-    """Two groups of two ranks, HSTU: rank 1 of group 1 is SIGKILLed at step 6 (mid-reduce or
-    before backward).  Group 0 commits step 6 without it (no step discarded), trains group 1's
-    rows of step 6 in step 7, keeps going; the agent restarts group 1, which joins with weight 0,
-    catches up from group 0's snapshot, replays, and contributes again, bit-identical."""
+REFERENCE_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def references(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, float]]:
+    """Rank 0's loss at steps 0..5 of one group of 4 ranks without fault tolerance, per model (the
+    three pipelines are bit-identical without it: ``test_pipeline``): the same global batches and
+    the same rank-0 share as group 0 of 2 groups x 2 ranks."""
+    found: dict[str, dict[int, float]] = {}
+    for model in ("hstu", "dlrm"):
+        out = tmp_path_factory.mktemp(f"reference_{model}")
+        proc = subprocess.run([sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node", "4", "--config",
+                               f"configs/tiny_{model}.toml", "--data.path", str(tiny_data), "--data.batch_size", "32",
+                               "--train.steps", str(REFERENCE_STEPS), "--train.output_dir", str(out),
+                               "--train.eval", "false", "--train.progress", "false"],
+                              cwd=REPO, env=fault_env(""), capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+        found[model] = {e["step"]: e["loss"] for e in lines if e["event"] == "commit"}
+    return found
+
+
+@pytest.mark.parametrize(("kind", "model", "phase"), [("plain", "hstu", "reduce"), ("torchrec", "dlrm", "reduce"),
+                                                     ("prioritized", "hstu", "forward")])
+def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(
+        kind: str, model: str, phase: str, tiny_data: Path, tmp_path: Path,
+        references: dict[str, dict[int, float]]) -> None:
+    """Two groups of two ranks, each pipeline: rank 1 of group 1 is SIGKILLed at step 6 (mid-reduce
+    or before backward).  Group 0 commits step 6 without it (no step discarded), trains group 1's
+    rows of step 6 in the first step planned after it (step 7; with torchrec's two batches in
+    flight, step 9), keeps going; the agent restarts group 1, which joins with weight 0, catches
+    up from group 0's snapshot, replays, and contributes again, bit-identical.  Before the kill,
+    the losses equal those of one 4-rank group without fault tolerance (the same global batches;
+    equal up to float32 summation order: the exchange averages in-group, then across groups)."""
     steps = 80
-    proc = launch(tmp_path, tiny_data, 2, 2, steps, "hstu", fault=f"1:1:6:{phase},{SLOW}", max_restarts=1)
+    depth = 0 if kind == "plain" else 2
+    proc = launch(tmp_path, tiny_data, 2, 2, steps, model, fault=f"1:1:6:{phase},{SLOW}", max_restarts=1,
+                  extra=("--pipeline.kind", kind))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "replica1" / "rank1.killed").exists()
-    runs = check_run(tmp_path, tiny_data, "hstu", 2, 2, steps)
+    runs = check_run(tmp_path, tiny_data, model, 2, 2, steps)
     survivor = by_step(runs[(0, 0)])
     assert sorted(survivor) == list(range(steps)), "the survivor skipped or discarded a step"
     assert survivor[6]["participants"] == ["replica0"], "step 6 should commit with the survivor alone"
-    # Step 7: the whole global batch (4 ranks x 32) on group 0, plus group 1's 64 rows of step 6.
-    assert survivor[5]["weight"] == 64 and survivor[7]["weight"] == 128 + 64
+    # The first step planned after the kill: the whole global batch (4 ranks x 32) on group 0, plus
+    # group 1's 64 rows of step 6 (steps already in flight keep their plans: group 0's 64 rows).
+    assert survivor[5]["weight"] == 64 and survivor[7 + depth]["weight"] == 128 + 64
+    assert all(survivor[s]["weight"] == 64 for s in range(7, 7 + depth))
     restarted = [e for e in runs[(1, 0)] if "catch_up" in e]
     assert len(restarted) == 1, "group 1 did not catch up"
     caught = restarted[0]["catch_up"]
@@ -174,6 +205,8 @@ def test_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(phase: str,
     assert any(e["contributing"] for s, e in recovered.items() if s > caught["joined_step"]), \
         "group 1 never contributed again"
     assert survivor[steps - 1]["participants"] == ["replica0", "replica1"]
+    for step, loss in references[model].items():
+        assert survivor[step]["loss"] == pytest.approx(loss, rel=1e-5), f"step {step}: loss differs"
 
 
 def wait_for_lines(path: Path, lines: int, timeout_s: float = 180) -> None:
