@@ -287,8 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from freescale.checkpoint import CheckpointError
         from freescale.dataloader.schema import DataError
         from freescale.ft.client import LighthouseError
+        from freescale.step_sync import NonFiniteError
 
-        if isinstance(exc, (ConfigError, DataError, CheckpointError, LighthouseError)):
+        if isinstance(exc, (ConfigError, DataError, CheckpointError, LighthouseError, NonFiniteError)):
             from freescale.launch import report_user_error
 
             report_user_error(str(exc))

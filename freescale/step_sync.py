@@ -27,10 +27,12 @@ same decision with no extra collective.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from freescale.grad_buckets import BucketedGrads
@@ -72,11 +74,21 @@ def all_finite(tensors: Sequence[torch.Tensor | None]) -> bool:
     return not present or bool(torch.isfinite(torch.nn.utils.get_total_norm(present)).item())
 
 
-def nonfinite_message(step: int, rank: int, loss: torch.Tensor | None, what: str = "dense gradients") -> str:
-    local = "" if loss is None else f" (this rank's loss: {float(loss):.6g})"
-    return (f"step {step}: the reduced {what} are not finite on rank {rank}{local}; training stopped "
-            f"before the update (train.nonfinite = 'stop'): resume from the last checkpoint, or lower the "
-            "learning rate")
+def nonfinite_message(step: int, loss: torch.Tensor | None, group: Any = None, where: str = "") -> str:
+    """One line, the same on every rank of ``group`` (a collective there: every rank of it calls this
+    at the same step, as they all see the same reduced gradients): the step and each rank's loss."""
+    mine = torch.tensor([float(loss) if loss is not None else float("nan")], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else mine.device
+        losses = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(losses, mine.to(device), group=group)
+        values = [float(t) for t in losses]
+    else:
+        values = [float(mine)]
+    bad = [f"rank {r} ({v:.6g})" for r, v in enumerate(values) if not math.isfinite(v)]
+    culprit = f"non-finite loss on {', '.join(bad)}" if bad else "finite losses but non-finite gradients"
+    return (f"step {step}{where}: {culprit}; training stopped before the update (train.nonfinite = 'stop'): "
+            "resume from the last checkpoint, or lower the learning rate")
 
 
 class SyncedOptimizer:
@@ -126,7 +138,7 @@ class LocalSync:
         step = self._step
         if not all_finite([p.grad for p in self.dense]):
             # The fused embedding update already ran inside backward: only stopping is exact here.
-            raise NonFiniteError(nonfinite_message(step, self.rank, self._loss))
+            raise NonFiniteError(nonfinite_message(step, self._loss))
         self.optimizer.step()
         commit = Commit(step, frozenset({0}), frozenset({0}))
         self.record = {"weight": self.feed.weight(step)}

@@ -254,7 +254,8 @@ class FaultTolerance:
         if sum(result.weights.values()) > 0:  # nobody trained this step: no update at all
             if not all_finite(result.tensors):
                 if self.nonfinite == "stop":
-                    raise NonFiniteError(nonfinite_message(result.step, self.rank, self._loss))
+                    raise NonFiniteError(nonfinite_message(result.step, self._loss, self.in_group,
+                                                           f" (replica group {self.group_index})"))
                 self.events.append({"event": "nonfinite_skipped", "step": result.step})
             else:
                 for p, averaged in zip(self.dense, result.tensors):

@@ -330,3 +330,18 @@ def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tm
     assert min(survivor[s]["time"] for s in alone) < resumed, "group 0 waited for the stopped group instead of going on"
     assert len(catch_ups(runs[(1, 0)])) == 1, "the resumed group did not catch up"
     assert by_step(runs[(1, 0)])[steps - 1]["contributing"]
+
+
+def test_nonfinite_steps_are_skipped_alike_on_every_group(tiny_data: Path, tmp_path: Path) -> None:
+    """``train.nonfinite = skip_step`` with replica groups: a learning rate that blows the model up makes
+    every step after the first non-finite; each is committed with no update at all (dense or embedding:
+    the union update waits for the commit), on every group alike, and the run goes on to the end."""
+    steps = 8
+    proc = launch(tmp_path, tiny_data, 2, 1, steps, "dlrm",
+                  extra=("--optim.dense_lr", "1e25", "--train.nonfinite", "skip_step"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
+    skipped = {g: [e["step"] for e in events if e.get("event") == "nonfinite_skipped"] for (g, _), events in runs.items()}
+    assert skipped[0] == skipped[1] and skipped[0] and skipped[0][-1] == steps - 1, skipped
+    survivor = by_step(runs[(0, 0)])
+    assert len({survivor[s]["digest"] for s in skipped[0]}) == 1, "a skipped step changed the state"

@@ -125,3 +125,18 @@ def test_crash_without_restarts_names_the_rank(tiny_data: Path, tmp_path: Path) 
         kill_tree(proc.pid)
     assert proc.returncode == 1
     assert err.strip().splitlines()[-1].endswith("failed with signal 9; see its output above")
+
+
+def test_nonfinite_loss_stops_at_that_step_naming_the_ranks(tiny_data: Path, tmp_path: Path) -> None:
+    """A learning rate that blows the model up: the run stops at the first step whose reduced gradients
+    are not finite, in one line naming the step and the ranks whose loss was not finite, before that
+    step's update; the last checkpoint (taken after the previous step) stays the one to resume from."""
+    run = tmp_path / "run"
+    proc = run_cli(*launch_args("tiny_dlrm.toml", tiny_data, run, "--optim.dense_lr=1e25", "--train.steps=30",
+                                "--checkpoint.every=1", "--train.eval=false"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("freescale: error")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    step = int(lines[0].split("step ", 1)[1].split(":", 1)[0])
+    assert "rank 0" in lines[0] and "rank 1" in lines[0], lines[0]
+    assert checkpoint.latest(run / "checkpoints") == run / "checkpoints" / f"step_{step:09d}"
