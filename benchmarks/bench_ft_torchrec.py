@@ -6,24 +6,24 @@ the tiny DLRM by default (``--model hstu``: the tiny HSTU; ``configs/tiny_<model
 ``--batch`` rows per rank (default 128), on a synthetic dataset generated into a temporary
 directory with ``freescale.dataloader.generate`` unless ``--data PATH`` is given.  torchft
 has nothing to run side by side here (it has no torchrec integration): the comparison is
-with freescale's own plain trainer.
+with freescale's own trainer without fault tolerance, the same loop and the same pipeline.
 
-1. Per-step overhead.  ``plain``: ``launch --nproc-per-node 2``, no fault tolerance: one job of
-   2 ranks, the tables sharded over both (input/output all-to-alls), dense gradients averaged
-   by DDP.  ``ft``: ``launch --replicas 2 --nproc-per-node 1``: 2 replica groups of 1 rank
-   (each holds whole tables) through the lighthouse: quorum request overlapping the forward,
-   sample-weighted FTAR of the dense gradients, all-gather of every table's ids and gradients
-   for the union update, commit vote.  Same per-rank batch, so the same global batch and
-   process count.  Plain step time: the trainer's ``train_log.jsonl`` "step" events
-   (``--train.log_every 10``), ``step_ms`` = mean wall time of a step in the window (loader,
-   forward, backward, optimizer; the per-step metrics bookkeeping is outside it), median over
-   the windows after the first (the loop time, gaps between the events / 10, goes to the JSON
-   too).  FT step time: median gap between consecutive committed steps' ``time`` on replica0
-   rank0 after a warm-up of 10 steps (the whole loop), and the medians of its breakdown
-   (``quorum_wait_s``, ``reduce_s`` = FTAR + embedding exchange, ``vote_s``).  The two runs
-   are interleaved ``--repeats`` times; medians over repeats.  Target: <= 1 ms or 5%.
+1. Per-step overhead, per pipeline kind (``--pipeline plain,torchrec,prioritized``: each is
+   measured with and without fault tolerance).  ``plain`` (the column, not the pipeline):
+   ``launch --nproc-per-node 2``, no fault tolerance: one job of 2 ranks, the tables sharded
+   over both (input/output all-to-alls), dense gradients averaged by DDP (``prioritized``: by
+   its own bucketed reducer).  ``ft``: ``launch --replicas 2 --nproc-per-node 1``: 2 replica
+   groups of 1 rank (each holds whole tables) through the lighthouse: quorum request
+   overlapping the forward, sample-weighted FTAR of the dense gradients during backward,
+   all-gather of every table's ids and gradients for the union update, commit vote.  Same
+   per-rank batch, so the same global batch and process count.  Both sides are timed the same
+   way, from the one log format: median gap between consecutive ``commit`` events' ``time`` of
+   replica (group) 0's log after a warm-up of 10 steps (the whole loop), and for FT the medians
+   of its breakdown (``quorum_wait_s``, ``reduce_s`` = FTAR + embedding exchange, ``vote_s``).
+   Runs are interleaved (every kind's plain and FT run, then again) ``--repeats`` times;
+   medians over repeats, and every run's value in the JSON.  Target: <= 1 ms or 5% per kind.
 2. Kill -> survivors' next committed step.  3 groups of 1 rank, ``--max-restarts 1``, group 2's
-   rank SIGKILLs itself at the start of step K's exchange (``FREESCALE_FT_FAULT=2:0:K:reduce:0``,
+   rank SIGKILLs itself at the start of step K's exchange (``FREESCALE_FAULTS=2:0:K:reduce:0``,
    K=30); torch's elastic agent restarts it (new incarnation) and it catches up from a peer's
    snapshot.  Stall = time of replica0's first committed step >= K (committed after the kill)
    minus the kill time (``replica2/rank0.killed``); replica0's step K-1 can be logged after
@@ -77,20 +77,21 @@ REPO = Path(__file__).resolve().parents[1]
 WARMUP = 10
 """FT steps left out of the step time (first quorum, lazy initialisation)."""
 LOG_EVERY = 10
-"""The plain trainer's log window (steps per "step" event)."""
-FAULT_ENV = "FREESCALE_FT_FAULT"
+"""The trainer's metric window (steps per "step" event)."""
+FAULT_ENV = "FREESCALE_FAULTS"
+PIPELINES = ("plain", "torchrec", "prioritized")
 
 
 # ---------------------------------------------------------------------------- runs
 def launch(out: Path, data: Path, model: str, batch: int, steps: int, nproc: int, replicas: int = 1,
-           max_restarts: int = 0, fault: str = "", timeout: float = 900) -> float:
+           max_restarts: int = 0, fault: str = "", timeout: float = 900, pipeline: str = "plain") -> float:
     """``freescale launch`` to completion (output in ``<out>.log``); returns its wall time."""
     cmd = [sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node", str(nproc),
            *(["--replicas", str(replicas)] if replicas > 1 else []), "--max-restarts", str(max_restarts),
            "--config", str(REPO / "configs" / f"tiny_{model}.toml"), "--data.path", str(data),
            "--data.batch_size", str(batch), "--train.steps", str(steps), "--train.output_dir", str(out),
            "--train.eval", "false", "--train.progress", "false", "--train.log_every", str(LOG_EVERY),
-           "--checkpoint.every", "0", "--checkpoint.save_final", "false"]
+           "--checkpoint.every", "0", "--checkpoint.save_final", "false", "--pipeline.kind", pipeline]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop(FAULT_ENV, None)
     if fault:
@@ -118,12 +119,15 @@ def jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def committed(path: Path) -> list[dict[str, Any]]:
-    """A replica rank's committed steps (its log also holds a summary and other events), each with the
-    seconds it spent staging a snapshot after that step (``stage`` events), if it staged one."""
+    """A group's committed steps (``commit`` events of its log), each with the seconds it spent staging a
+    snapshot after that step (``stage`` events), if it staged one, and its catch-up record, if it
+    finished a catch-up at that step (``catch_up`` events)."""
     lines = jsonl(path)
     staged = {e["step"]: e["stage_s"] for e in lines if e.get("event") == "stage"}
-    return [{**e, **({"stage_s": staged[e["step"]]} if e["step"] in staged else {})}
-            for e in lines if "step" in e and "event" not in e]
+    caught = {e["step"]: e["catch_up"] for e in lines if e.get("event") == "catch_up"}
+    return [{**e, **({"stage_s": staged[e["step"]]} if e["step"] in staged else {}),
+             **({"catch_up": caught[e["step"]]} if e["step"] in caught else {})}
+            for e in lines if e.get("event") == "commit"]
 
 
 def median(values: list[float]) -> float:
@@ -138,39 +142,40 @@ def mean_gap(times: dict[int, float], first: int, last: int) -> float:
 
 
 # ---------------------------------------------------------------------------- 1. overhead
-def plain_step_ms(out: Path) -> tuple[float, float]:
-    """(median ``step_ms`` over the windows after the first, median loop time per step from the event gaps)."""
-    windows = [e for e in jsonl(out / "train_log.jsonl") if e["event"] == "step"]
-    step_ms = [e["step_ms"] for e in windows[1:]]
-    loop = [1e3 * (b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(windows[1:], windows[2:])]
-    return median(step_ms), median(loop)
-
-
-def ft_step(out: Path) -> dict[str, float]:
-    steps = [e for e in committed(out / "replica0" / "rank0.jsonl") if e["step"] >= WARMUP]
+def step_ms(out: Path) -> dict[str, float]:
+    """Median committed-step gap of group 0 after the warm-up, and (FT) the exchange's breakdown."""
+    path = out / "replica0" / "train_log.jsonl"
+    steps = [e for e in committed(path if path.exists() else out / "train_log.jsonl") if e["step"] >= WARMUP]
     times = [e["time"] for e in steps]
-    return {"step_ms": 1e3 * median(list(np.diff(times))),
-            **{f"{k}_ms": 1e3 * median([e[f"{k}_s"] for e in steps]) for k in ("quorum_wait", "reduce", "vote")},
-            "sync_ms": 1e3 * median([e["seconds"] for e in steps])}
+    res = {"step_ms": 1e3 * median(list(np.diff(times)))}
+    if steps and "quorum_wait_s" in steps[0]:
+        res.update({f"{k}_ms": 1e3 * median([e[f"{k}_s"] for e in steps]) for k in ("quorum_wait", "reduce", "vote")})
+        res["sync_ms"] = 1e3 * median([e["exchange_s"] for e in steps])
+    return res
 
 
 def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeats: int) -> dict[str, Any]:
-    plain: list[tuple[float, float]] = []
-    ft: list[dict[str, float]] = []
+    """Per pipeline kind: plain (no FT) and FT runs, interleaved across kinds and repeats."""
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {k: {"plain": [], "ft": []} for k in args.pipelines}
     for r in range(repeats):
-        out = tmp / f"plain{r}"
-        launch(out, data, args.model, args.batch, steps, nproc=2)
-        plain.append(plain_step_ms(out))
-        out = tmp / f"ft{r}"
-        launch(out, data, args.model, args.batch, steps, nproc=1, replicas=2)
-        ft.append(ft_step(out))
-        print(f"bench_ft_torchrec: repeat {r}: plain {plain[-1][0]:.2f} ms, ft {ft[-1]['step_ms']:.2f} ms",
-              file=sys.stderr)
-    res = {"plain_step_ms": median([p[0] for p in plain]), "plain_loop_ms": median([p[1] for p in plain]),
-           **{f"ft_{k}": median([f[k] for f in ft]) for k in ft[0]},
-           "plain_step_ms_runs": [p[0] for p in plain], "ft_step_ms_runs": [f["step_ms"] for f in ft]}
-    res["overhead_ms"] = res["ft_step_ms"] - res["plain_step_ms"]
-    res["overhead_frac"] = res["overhead_ms"] / res["plain_step_ms"]
+        for kind in args.pipelines:
+            out = tmp / f"plain-{kind}-{r}"
+            launch(out, data, args.model, args.batch, steps, nproc=2, pipeline=kind)
+            runs[kind]["plain"].append(step_ms(out))
+            out = tmp / f"ft-{kind}-{r}"
+            launch(out, data, args.model, args.batch, steps, nproc=1, replicas=2, pipeline=kind)
+            runs[kind]["ft"].append(step_ms(out))
+            print(f"bench_ft_torchrec: repeat {r} {kind}: plain {runs[kind]['plain'][-1]['step_ms']:.2f} ms, "
+                  f"ft {runs[kind]['ft'][-1]['step_ms']:.2f} ms", file=sys.stderr)
+    res: dict[str, Any] = {}
+    for kind, both in runs.items():
+        one = {"plain_step_ms": median([p["step_ms"] for p in both["plain"]]),
+               **{f"ft_{k}": median([f[k] for f in both["ft"]]) for k in both["ft"][0]},
+               "plain_step_ms_runs": [p["step_ms"] for p in both["plain"]],
+               "ft_step_ms_runs": [f["step_ms"] for f in both["ft"]]}
+        one["overhead_ms"] = one["ft_step_ms"] - one["plain_step_ms"]
+        one["overhead_frac"] = one["overhead_ms"] / one["plain_step_ms"]
+        res[kind] = one
     return res
 
 
@@ -179,7 +184,8 @@ def kill_run(tmp: Path, data: Path, args: argparse.Namespace, steps: int) -> dic
     k = args.kill_step
     fault = f"2:0:{k}:reduce:0"
     out = tmp / "kill"
-    wall = launch(out, data, args.model, args.batch, steps, nproc=1, replicas=3, max_restarts=1, fault=fault)
+    wall = launch(out, data, args.model, args.batch, steps, nproc=1, replicas=3, max_restarts=1, fault=fault,
+                  pipeline=args.kill_pipeline)
     return analyse_kill(out, steps, k, fault, wall)
 
 
@@ -189,7 +195,7 @@ def analyse_kill(out: Path, steps: int, k: int, fault: str, wall: float) -> dict
     if not killed_file.exists():
         raise SystemExit(f"bench_ft_torchrec: the fault ({fault}) never fired")
     kill = float(killed_file.read_text())
-    survivor = committed(out / "replica0" / "rank0.jsonl")
+    survivor = committed(out / "replica0" / "train_log.jsonl")
     times = {e["step"]: e["time"] for e in survivor}
     nxt = next((e for e in survivor if e["step"] >= k and e["time"] > kill), None)
     if nxt is None:
@@ -207,10 +213,10 @@ def analyse_kill(out: Path, steps: int, k: int, fault: str, wall: float) -> dict
     res["step_k"] = {f"replica{g}": {"after_kill_s": e["time"] - kill, "attempts": e["attempts"],
                                      "participants": e["participants"], "quorum_wait_ms": 1e3 * e["quorum_wait_s"],
                                      "reduce_ms": 1e3 * e["reduce_s"], "vote_ms": 1e3 * e["vote_s"],
-                                     "seconds": e["seconds"]}
-                     for g in (0, 1) for e in committed(out / f"replica{g}" / "rank0.jsonl")
+                                     "seconds": e["exchange_s"]}
+                     for g in (0, 1) for e in committed(out / f"replica{g}" / "train_log.jsonl")
                      if e["step"] == nxt["step"]}
-    restarted = [e for e in committed(out / "replica2" / "rank0.jsonl") if e["time"] > kill]
+    restarted = [e for e in committed(out / "replica2" / "train_log.jsonl") if e["time"] > kill]
     caught = next((e["catch_up"] for e in restarted if "catch_up" in e), None)
     first = next((e for e in restarted if e["contributing"]), None)
     res["catch_up"] = caught
@@ -279,23 +285,31 @@ def lighthouse_defaults() -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- table
+def overhead_rows(ov: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for kind, o in ov.items():
+        rows += [
+            {"measure": f"[{kind}] step without FT, 2 ranks (tables sharded)", "value": f"{o['plain_step_ms']:.2f} ms",
+             "target": "-", "raw": o["plain_step_ms"]},
+            {"measure": f"[{kind}] FT step, 2 groups x 1 rank", "value": f"{o['ft_step_ms']:.2f} ms",
+             "target": "-", "raw": o["ft_step_ms"]},
+            {"measure": f"[{kind}] per-step overhead FT vs without",
+             "value": f"{o['overhead_ms']:+.2f} ms ({o['overhead_frac']:+.1%}); runs "
+                      f"{'/'.join(f'{v:.1f}' for v in o['plain_step_ms_runs'])} vs "
+                      f"{'/'.join(f'{v:.1f}' for v in o['ft_step_ms_runs'])} ms",
+             "target": "<= 1 ms or 5%", "raw": o["overhead_ms"],
+             "met": bool(o["overhead_ms"] <= 1.0 or o["overhead_frac"] <= 0.05)},
+            {"measure": f"[{kind}] FT: quorum wait / FTAR + emb exchange / vote (medians)",
+             "value": f"{o['ft_quorum_wait_ms']:.2f} / {o['ft_reduce_ms']:.2f} / {o['ft_vote_ms']:.2f} ms",
+             "target": "-", "raw": o["ft_reduce_ms"]},
+        ]
+    return rows
+
+
 def rows_for(ov: dict[str, Any], kr: dict[str, Any], size: int | None, hb: float) -> list[dict[str, Any]]:
     k = kr["fault"].split(":")[2]
     rows: list[dict[str, Any]] = [
-        {"measure": "plain step, 2 ranks (tables sharded, DDP)", "value": f"{ov['plain_step_ms']:.2f} ms",
-         "target": "-", "raw": ov["plain_step_ms"]},
-        {"measure": "FT step, 2 groups x 1 rank (committed-step gap)", "value": f"{ov['ft_step_ms']:.2f} ms",
-         "target": "-", "raw": ov["ft_step_ms"]},
-        {"measure": "per-step overhead FT vs plain",
-         "value": f"{ov['overhead_ms']:+.2f} ms ({ov['overhead_frac']:+.1%})",
-         "target": "<= 1 ms or 5%", "raw": ov["overhead_ms"],
-         "met": bool(ov["overhead_ms"] <= 1.0 or ov["overhead_frac"] <= 0.05)},
-        {"measure": "FT breakdown: quorum wait (median)", "value": f"{ov['ft_quorum_wait_ms']:.2f} ms", "target": "-",
-         "raw": ov["ft_quorum_wait_ms"]},
-        {"measure": "FT breakdown: FTAR + embedding exchange (median)", "value": f"{ov['ft_reduce_ms']:.2f} ms",
-         "target": "-", "raw": ov["ft_reduce_ms"]},
-        {"measure": "FT breakdown: commit vote (median)", "value": f"{ov['ft_vote_ms']:.2f} ms", "target": "-",
-         "raw": ov["ft_vote_ms"]},
+        *overhead_rows(ov),
         {"measure": f"kill (step {k}, mid-exchange) -> survivors' next committed step",
          "value": f"{kr['kill_s']:.3f} s (step {kr['next_step']}, {kr['next_step_attempts']} attempts)",
          "target": "<= 0.3 s", "raw": kr["kill_s"], "met": bool(kr["kill_s"] <= 0.3)},
@@ -335,7 +349,11 @@ def rows_for(ov: dict[str, Any], kr: dict[str, Any], size: int | None, hb: float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps, one repeat (< ~90 s on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, one repeat")
+    parser.add_argument("--pipeline", default=",".join(PIPELINES),
+                        help="pipeline kinds to measure with and without FT, comma-separated (default all three)")
+    parser.add_argument("--kill-pipeline", default="plain", choices=PIPELINES,
+                        help="pipeline kind of the kill/catch-up run (default plain)")
     parser.add_argument("--model", choices=["dlrm", "hstu"], default="dlrm")
     parser.add_argument("--batch", type=int, default=128, help="rows per rank per step (default 128)")
     parser.add_argument("--data", help="an existing dataset (default: synthetic, generated into a temp dir)")
@@ -351,9 +369,12 @@ def main() -> None:
     parser.add_argument("--json", help="write rows, machine and parameters to this path")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories (logs) and print where")
     args = parser.parse_args()
+    args.pipelines = [k for k in args.pipeline.split(",") if k]
+    if any(k not in PIPELINES for k in args.pipelines):
+        parser.error(f"--pipeline: each of {args.pipeline!r} must be one of {', '.join(PIPELINES)}")
     repeats = args.repeats or (1 if args.quick else 3)
-    steps = args.steps or (100 if args.quick else 400)
-    kill_steps = args.kill_steps or (600 if args.quick else 1500)
+    steps = args.steps or (60 if args.quick else 400)
+    kill_steps = args.kill_steps or (300 if args.quick else 1500)
     if args.kill_step <= WARMUP + 1 or kill_steps <= args.kill_step + 1 or steps <= 2 * LOG_EVERY + WARMUP:
         parser.error(f"need --kill-step > {WARMUP + 1}, --kill-steps > --kill-step + 1 and "
                      f"--steps > {2 * LOG_EVERY + WARMUP}")
@@ -394,7 +415,8 @@ def main() -> None:
                                                               f"{args.num_items} items",
             "backend": "gloo (CPU)", "omp_num_threads": 1, "repeats": repeats, "overhead_steps": steps,
             "ft_warmup_steps": WARMUP, "plain_log_every": LOG_EVERY,
-            "plain": "launch --nproc-per-node 2 (1 job, tables sharded over 2 ranks, DDP)",
+            "pipelines": args.pipelines, "kill_pipeline": args.kill_pipeline,
+            "plain": "launch --nproc-per-node 2 (1 job, tables sharded over 2 ranks; DDP, or prioritized's reducer)",
             "ft": "launch --replicas 2 --nproc-per-node 1", "kill": "launch --replicas 3 --nproc-per-node 1 "
             "--max-restarts 1", "fault": kr["fault"], "slow": None, "kill_steps": kill_steps,
             "heartbeat_timeout_s": hb, **lighthouse_defaults(), "snapshot_bytes_estimate": size,

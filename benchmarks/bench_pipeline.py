@@ -155,7 +155,7 @@ def run_schedule(items: list[dict[str, Any]], tmp: Path, timeout_s: float) -> No
 # ---------------------------------------------------------------------------------------------
 # One run's values.
 def read_run(out: Path, warmup: int, log_every: int) -> dict[str, Any]:
-    from freescale.comm_trace import blocked_per_step, read_jsonl
+    from freescale.comm_report import blocked_per_step, read_jsonl
 
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     commits = [e for e in log if e["event"] == "commit" and e["step"] >= warmup]

@@ -44,6 +44,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -51,6 +53,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from freescale.ft.client import Quorum
 
 BACKENDS = ("auto", "gloo", "nccl")
 SHARED_GPUS_ENV = "FREESCALE_GROUPS_SHARE_GPUS"
@@ -233,3 +237,77 @@ class ReplicaGroup:
             threading.Thread(target=_let_go, args=([self.pg], pending, time.monotonic() + self.timeout_s + 5.0),
                              name="freescale-retired-group", daemon=True).start()
         self.pg, self._pending = None, []
+
+
+class FTARGroup:
+    """The replica-dimension process group of one rank position for the current quorum."""
+
+    def __init__(self, replica_id: str, position: int, timeout_s: float, backend: str = "gloo",
+                 device: torch.device | None = None, quorum_lost: Callable[[int], bool] | None = None) -> None:
+        self.replica_id, self.position, self.timeout_s = replica_id, position, timeout_s
+        self.quorum_lost = quorum_lost or (lambda quorum_id: False)
+        self.device = device or torch.device("cpu")
+        self.backend = resolve_backend(backend, self.device)
+        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self._group: ReplicaGroup | None = None
+        self._quorum_id = -1
+
+    def for_quorum(self, quorum: Quorum) -> ReplicaGroup:
+        """This quorum's group (made on the first call: every participant's rank at this position
+        meets under the quorum's store prefix).  A participant that dies before it arrives would
+        hold the others in the rendezvous until the store's timeout: the wait stops as soon as
+        the lighthouse says the quorum is lost (``RuntimeError``: the step is redone without it)."""
+        if self._group is None or quorum.quorum_id != self._quorum_id:
+            if self._group is not None:
+                self._group.retire()  # the previous quorum's: nobody uses it any more
+                self._group = None
+            qid = quorum.quorum_id
+            if self.quorum_lost(qid):
+                raise RuntimeError(f"quorum {qid}: the lighthouse already reports it lost (a participant failed)")
+            key = (quorum.store_host, quorum.store_port)
+            if key not in self._stores:
+                self._stores[key] = dist.TCPStore(quorum.store_host, quorum.store_port, is_master=False,
+                                                  timeout=timedelta(seconds=max(self.timeout_s, 10)))
+            prefix = f"freescale/ftar/q{qid}/p{self.position}"
+            # On a thread of its own, so this one can stop waiting (an abandoned one ends at the store's timeout).
+            made: Future[ReplicaGroup] = Future()
+            threading.Thread(target=_run_into, name="freescale-ftar-rendezvous", daemon=True, args=(
+                made, ReplicaGroup.create, self.backend, dist.PrefixStore(prefix, self._stores[key]),
+                quorum.index_of(self.replica_id), len(quorum.participants), self.timeout_s, self.device, prefix,
+                lambda: self.quorum_lost(qid))).start()
+            while True:
+                try:
+                    self._group = made.result(timeout=0.05)
+                    break
+                except FutureTimeout:
+                    if self.quorum_lost(qid):
+                        made.add_done_callback(_retire_late)
+                        raise RuntimeError(f"quorum {qid}: the lighthouse reports it lost while its process group "
+                                           "was being set up (a participant failed); set-up abandoned") from None
+            self._quorum_id = qid
+        return self._group
+
+    def drop(self) -> None:
+        """Abort and forget the current group after a failure.
+
+        Aborting closes its connections at once, so a peer still blocked in a collective
+        on it (waiting for data this rank will never relay) fails now instead of at the
+        collective timeout; the survivors then meet in the next quorum's group.
+        """
+        if self._group is not None:
+            self._group.retire()
+        self._group, self._quorum_id = None, -1
+        self._stores.clear()  # the lighthouse (and its store) may have restarted: connect afresh
+
+
+def _run_into(future: Future[Any], fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+        future.set_exception(exc)
+
+
+def _retire_late(made: Future[ReplicaGroup]) -> None:
+    """An abandoned rendezvous that completed after all: let its group go."""
+    if made.exception() is None:
+        made.result().retire()
