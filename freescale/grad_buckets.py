@@ -242,9 +242,6 @@ class BucketedGrads:
         self._missing[self._bucket_of[id(param)]] -= 1
         self._advance(block=False)
 
-    def _inflight(self) -> int:
-        return sum(1 for works in self._in_works for w in works if w is not None and not w.is_completed())
-
     def _start_in_group(self, block: bool) -> None:
         """Issue in-group pieces in bucket order; at most ``max_inflight`` outstanding unless ``block``."""
         while self._next_bucket < len(self._pieces):
@@ -256,10 +253,13 @@ class BucketedGrads:
             lo, hi = self._pieces[k][i]
             work = None
             if self.in_group_size > 1 and hi > lo and self._group_error is None:
-                while self._inflight() >= self.max_inflight:
+                while True:
+                    pending = [w for ws in self._in_works for w in ws if w is not None and not w.is_completed()]
+                    if len(pending) < self.max_inflight:
+                        break
                     if not block:
                         return
-                    next(w for ws in self._in_works for w in ws if w is not None and not w.is_completed()).wait()
+                    pending[0].wait()
                 piece = self.grads[lo:hi]
                 piece.div_(self.in_group_size)
                 try:

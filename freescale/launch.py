@@ -102,9 +102,11 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[index * nproc_per_node:(index + 1) * nproc_per_node])
             elif shared_gpus:
                 env[SHARED_GPUS_ENV] = "1"  # NCCL refuses two ranks on one GPU: replica groups use gloo
+            # The group's own agent (``python -m freescale.launch``): the config was checked here, once,
+            # so the group's launcher does not import torchrec to load it again.
             groups.append(subprocess.Popen(
-                [sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node", str(nproc_per_node),
-                 "--max-restarts", str(max_restarts), *train_args], env=env))
+                [sys.executable, "-m", "freescale.launch", str(nproc_per_node), str(max_restarts), *train_args],
+                env=env))
         codes = [group.wait() for group in groups]
     finally:
         for group in groups:
@@ -133,3 +135,14 @@ def _gpus_per_group(replicas: int, nproc_per_node: int) -> tuple[list[str] | Non
               file=sys.stderr)
         return None, True
     return devices, False
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m freescale.launch NPROC MAX_RESTARTS TRAIN_ARGS...``: one replica group's agent
+    (``launch_replicas`` starts one per group)."""
+    nproc, restarts, *train_args = argv
+    return launch_local(int(nproc), int(restarts), train_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -5,18 +5,32 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from freescale.cli import main
 from tests.conftest import REPO, read_log, run_cli
 
 
-def test_help_for_each_command() -> None:
-    top = run_cli("--help")
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``freescale ARGS`` in this process (errors that come before any rank starts, and ``--help``):
+    (exit status, stdout, stderr).  An exception escaping ``main`` fails the test: no traceback."""
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # --help
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_for_each_command(capsys: pytest.CaptureFixture[str]) -> None:
+    top = run_cli("--help")  # one real process: the entry point itself
     assert top.returncode == 0 and all(c in top.stdout for c in ("gen-data", "train", "launch"))
-    train = run_cli("train", "--help")
-    assert train.returncode == 0 and "--train.steps" in train.stdout and "--model.hstu.num_blocks" in train.stdout
-    launch = run_cli("launch", "--help")
-    assert launch.returncode == 0 and "--nproc-per-node" in launch.stdout
-    gen = run_cli("gen-data", "--help")
-    assert gen.returncode == 0 and "--lengths" in gen.stdout
+    code, out, _ = run_main(capsys, "train", "--help")
+    assert code == 0 and "--train.steps" in out and "--model.hstu.num_blocks" in out
+    code, out, _ = run_main(capsys, "launch", "--help")
+    assert code == 0 and "--nproc-per-node" in out
+    code, out, _ = run_main(capsys, "gen-data", "--help")
+    assert code == 0 and "--lengths" in out
 
 
 def test_gen_data_writes_a_dataset(tmp_path: Path) -> None:
@@ -30,11 +44,17 @@ def test_gen_data_writes_a_dataset(tmp_path: Path) -> None:
     ]
 
 
-def test_bad_key_is_one_line_for_train_and_launch(tiny_data: Path) -> None:
-    for command in ("train", "launch"):
-        proc = run_cli(command, "--config", str(REPO / "configs" / "tiny_hstu.toml"), "--train.stpes", "5")
-        assert proc.returncode == 2
-        assert proc.stderr.strip().splitlines() == [
+def test_bad_key_is_one_line_for_train_and_launch(tiny_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proc = run_cli("launch", "--config", str(REPO / "configs" / "tiny_hstu.toml"), "--train.stpes", "5")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "freescale: error: unknown config key 'train.stpes' (did you mean 'train.steps'?)"
+    ]
+    for command in ("train",):
+        code, _, err = run_main(capsys, command, "--config", str(REPO / "configs" / "tiny_hstu.toml"),
+                                "--train.stpes", "5")
+        assert code == 2
+        assert err.strip().splitlines() == [
             "freescale: error: unknown config key 'train.stpes' (did you mean 'train.steps'?)"
         ]
 
@@ -63,29 +83,29 @@ def test_single_process_train_without_torchrun(tiny_data: Path, tmp_path: Path) 
     assert "resumed from" in again.stdout and "3 (from step 5)" in again.stdout
 
 
-def test_unknown_flag_is_named_wherever_it_sits(tmp_path: Path) -> None:
+def test_unknown_flag_is_named_wherever_it_sits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Parsed as an override, an unknown flag took the next flag as its value, and the error named 'DIR'.
     data = str(tmp_path / "d")
-    for args in (["--bogus-flag", "--data.path", data], ["--data.path", data, "--bogus-flag"],
-                 ["--nproc-per-node", "1", "--bogus-flag=3", "--data.path", data]):
-        proc = run_cli("launch", *args)
-        assert proc.returncode == 2, proc.stderr
-        assert "Traceback" not in proc.stderr
-        assert proc.stderr.strip().splitlines() == ["freescale: error: unknown option '--bogus-flag'"], args
-    hint = run_cli("launch", "--nprocs-per-node", "2", "--data.path", data)
-    assert hint.returncode == 2
-    assert hint.stderr.strip().splitlines() == [
+    proc = run_cli("launch", "--bogus-flag", "--data.path", data)  # one real process: nothing else is printed
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["freescale: error: unknown option '--bogus-flag'"]
+    for args in (["--data.path", data, "--bogus-flag"], ["--nproc-per-node", "1", "--bogus-flag=3", "--data.path", data]):
+        code, _, err = run_main(capsys, "launch", *args)
+        assert code == 2, err
+        assert err.strip().splitlines() == ["freescale: error: unknown option '--bogus-flag'"], args
+    code, _, err = run_main(capsys, "launch", "--nprocs-per-node", "2", "--data.path", data)
+    assert code == 2
+    assert err.strip().splitlines() == [
         "freescale: error: unknown option '--nprocs-per-node' (did you mean '--nproc-per-node'?)"
     ]
 
 
-def test_bad_launcher_option_value_is_one_line() -> None:
+def test_bad_launcher_option_value_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     for args, line in (
         (["--nproc-per-node", "two"], "--nproc-per-node/--ranks-per-replica: expected an integer, got 'two'"),
         (["--replicas", "1.5", "--data.path", "x"], "--replicas: expected an integer, got '1.5'"),
         (["--data.path", "x", "--max-restarts"], "--max-restarts: expected one argument"),
     ):
-        proc = run_cli("launch", *args)
-        assert proc.returncode == 2, proc.stderr
-        assert "Traceback" not in proc.stderr
-        assert proc.stderr.strip().splitlines() == [f"freescale: error: {line}"], args
+        code, _, err = run_main(capsys, "launch", *args)
+        assert code == 2, err
+        assert err.strip().splitlines() == [f"freescale: error: {line}"], args

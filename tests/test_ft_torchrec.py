@@ -258,7 +258,12 @@ def test_two_groups_at_once_then_a_source_dies_mid_transfer(tiny_data: Path, tmp
 
 def test_lighthouse_killed_and_restarted_while_groups_train(tiny_data: Path, tmp_path: Path) -> None:
     """The lighthouse process is SIGKILLed mid-run and started again on the same port: the groups
-    retry, re-register, get quorums with larger ids, and finish identical, every sample once."""
+    retry, re-register, get quorums with larger ids, and finish identical, every sample once.
+
+    The same run checks ``train.nonfinite = skip_step`` (merged here to save a run): a learning
+    rate that blows the model up makes every step after the first non-finite; each is committed
+    with no update at all (dense or embedding: the union update waits for the commit), on every
+    group alike, and the run goes on to the end."""
     import socket
     import signal
     import time
@@ -276,7 +281,8 @@ def test_lighthouse_killed_and_restarted_while_groups_train(tiny_data: Path, tmp
     lh = lighthouse()
     group_logs = tmp_path / "replica0" / "train_log.jsonl"
     run = subprocess.Popen(launch_args(tmp_path, tiny_data, 2, 1, steps, "dlrm", 0, "--lighthouse",
-                                       f"http://127.0.0.1:{port}"),
+                                       f"http://127.0.0.1:{port}", "--optim.dense_lr", "1e25",
+                                       "--train.nonfinite", "skip_step"),
                            cwd=REPO, env=fault_env(SLOW), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for_lines(group_logs, 10)
@@ -293,6 +299,10 @@ def test_lighthouse_killed_and_restarted_while_groups_train(tiny_data: Path, tmp
     runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
     ids = [e["quorum_id"] for e in by_step(runs[(0, 0)]).values()]
     assert ids == sorted(ids) and ids[-1] > ids[0], "quorum ids must keep growing across the restart"
+    skipped = {g: [e["step"] for e in events if e.get("event") == "nonfinite_skipped"] for (g, _), events in runs.items()}
+    assert skipped[0] == skipped[1] and skipped[0] and skipped[0][-1] == steps - 1, skipped
+    survivor = by_step(runs[(0, 0)])
+    assert len({survivor[s]["digest"] for s in skipped[0]}) == 1, "a skipped step changed the state"
 
 
 def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tmp_path: Path) -> None:
@@ -331,17 +341,3 @@ def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tm
     assert len(catch_ups(runs[(1, 0)])) == 1, "the resumed group did not catch up"
     assert by_step(runs[(1, 0)])[steps - 1]["contributing"]
 
-
-def test_nonfinite_steps_are_skipped_alike_on_every_group(tiny_data: Path, tmp_path: Path) -> None:
-    """``train.nonfinite = skip_step`` with replica groups: a learning rate that blows the model up makes
-    every step after the first non-finite; each is committed with no update at all (dense or embedding:
-    the union update waits for the commit), on every group alike, and the run goes on to the end."""
-    steps = 8
-    proc = launch(tmp_path, tiny_data, 2, 1, steps, "dlrm",
-                  extra=("--optim.dense_lr", "1e25", "--train.nonfinite", "skip_step"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
-    skipped = {g: [e["step"] for e in events if e.get("event") == "nonfinite_skipped"] for (g, _), events in runs.items()}
-    assert skipped[0] == skipped[1] and skipped[0] and skipped[0][-1] == steps - 1, skipped
-    survivor = by_step(runs[(0, 0)])
-    assert len({survivor[s]["digest"] for s in skipped[0]}) == 1, "a skipped step changed the state"
