@@ -164,6 +164,7 @@ def train(args: argparse.Namespace) -> None:
                                       "trained": data.last_trained, "digest": digest,
                                       "caught_up": commit.restored}) + "\n")
                 log.flush()
+        ft.events.clear()  # catch-up, staging, skipped steps: events for a log (this example keeps none)
         step = commit.step + 1
     ft.finish(args.steps - 1)
     if log is not None:

@@ -1,5 +1,5 @@
-"""Everything one rank trains with, built once from the config: the same parts with or without
-fault tolerance (only the ``StepSync`` differs).
+"""The run's config tree and everything one rank trains with, built once from it: the same parts
+with or without fault tolerance (only the ``StepSync`` differs).
 
     model (meta embeddings) -> DMP (sharded; DDP around the dense part only where DDP reduces)
     -> optimizers (fused row-wise Adagrad in the tables, AdamW dense) -> loader (planned over every
@@ -10,26 +10,78 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.optim.keyed import CombinedOptimizer
 
+from freescale.checkpoint import CheckpointConfig
 from freescale.comm_trace import CommTracer
-from freescale.dataloader.loader import BalancedLoader, build_loader
+from freescale.config import ConfigError, require
+from freescale.dataloader.loader import BalancedLoader, DataConfig, build_loader
 from freescale.dataloader.schema import DatasetManifest
-from freescale.distributed import DistContext
+from freescale.distributed import DistConfig, DistContext
+from freescale.ft.config import FTConfig
 from freescale.grad_buckets import BucketedGrads
-from freescale.models import build_model, cost_model_for
-from freescale.parallelize import build_optimizer, dense_named_parameters, shard_model
-from freescale.pipeline import StepPipeline, build_pipeline
+from freescale.models import ModelConfig, build_model, cost_model_for
+from freescale.parallelize import OptimConfig, build_optimizer, dense_named_parameters, shard_model
+from freescale.pipeline import PipelineConfig, StepPipeline, build_pipeline
 from freescale.step_feed import StepFeed
-from freescale.step_sync import LocalSync, StepSync
+from freescale.step_sync import NONFINITE, LocalSync, StepSync
 from freescale.testing import StepHooks, hooks_from_env
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seed: int = 0
+    log_every: int = 20
+    output_dir: str = "runs/default"
+    eval: bool = True
+    """Evaluate on the dataset's ``eval`` split after training."""
+    progress: bool = True
+    """Progress bar on rank 0 (only when stderr is a terminal)."""
+    trace_comm: bool = False
+    """Record every collective (op, group, bytes, phase, issuing module, time blocked) to
+    ``<output_dir>/comm_trace_rank<R>.jsonl`` (``freescale.comm_trace``; costs a little per collective)."""
+    nonfinite: str = "stop"
+    """A step whose reduced dense gradients are not finite (NaN or inf loss): ``stop`` (one line naming
+    the step and rank; the last good checkpoint stays the one to resume from) or ``skip_step`` (no
+    update, training goes on; needs fault tolerance, whose embedding update is deferred to the commit)."""
+
+    def validate(self) -> None:
+        require(self.steps > 0, "steps", f"must be positive, got {self.steps}")
+        require(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
+        require(bool(self.output_dir), "output_dir", "must not be empty")
+        require(self.nonfinite in NONFINITE, "nonfinite", f"must be one of {list(NONFINITE)}, got '{self.nonfinite}'")
+
+
+@dataclass
+class TrainerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    ft: FTConfig = field(default_factory=FTConfig)
+
+
+def prepare(cfg: TrainerConfig) -> None:
+    """Resolve what the launcher put in the environment and refuse combinations that cannot run
+    (one line each, naming the key), before any process group exists."""
+    cfg.ft.resolve_env()
+    cfg.ft.validate()
+    if cfg.ft.enabled and cfg.data.calibrate_every:
+        raise ConfigError("data.calibrate_every: not supported with replica groups yet (the fitted cost model "
+                          "would have to be agreed across groups to keep their plans identical); set it to 0")
+    if not cfg.ft.enabled and cfg.train.nonfinite == "skip_step":
+        raise ConfigError("train.nonfinite: 'skip_step' needs fault tolerance (--replicas), whose embedding update "
+                          "waits for the commit; without it the fused update already ran inside backward")
 
 
 @dataclass
@@ -46,10 +98,10 @@ class Components:
     tracer: CommTracer | None
     group: int
     """This rank's replica group (0 without fault tolerance)."""
+    groups: int
+    """Replica groups of the run (1 without fault tolerance)."""
     log_dir: Path
     """Where this group's log goes: ``output_dir``, or ``output_dir/replica<g>``."""
-    ft: Any = None
-    """``freescale.ft.FaultTolerance`` (it is also ``sync``), or None."""
 
     @property
     def features(self) -> list[str]:
@@ -59,8 +111,7 @@ class Components:
         self.loader.close()
         if self.tracer is not None:
             self.tracer.__exit__(None, None, None)
-        if self.ft is not None:
-            self.ft.close()
+        self.sync.close()
 
 
 def segment_end_of(every: int, end: int) -> Callable[[int], int]:
@@ -68,8 +119,8 @@ def segment_end_of(every: int, end: int) -> Callable[[int], int]:
     return lambda step: min(end, (step // every + 1) * every) if every else end
 
 
-def build(cfg: Any, ctx: DistContext) -> Components:
-    """The rank's components (``cfg``: a ``TrainerConfig``)."""
+def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
+    """The rank's components."""
     ft_on = cfg.ft.enabled
     group = cfg.ft.replica_index if ft_on else 0
     groups = cfg.ft.replicas if ft_on else 1
@@ -85,22 +136,22 @@ def build(cfg: Any, ctx: DistContext) -> Components:
         seed=cfg.train.seed, training=True, pin_memory=ctx.device.type == "cuda", group_size=ctx.world_size,
     )
     feed = StepFeed(loader, group, ctx.world_size, groups, cfg.pipeline.read_ahead,
-                    segment_end_of(cfg.checkpoint.every, cfg.train.steps), ctx.device)
+                    segment_end_of(cfg.checkpoint.every, cfg.train.steps))
     incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     hooks = hooks_from_env(group, ctx.rank, incarnation, log_dir)
     tracer = _tracer(dmp) if cfg.train.trace_comm else None
     prioritized = cfg.pipeline.kind == "prioritized"
     chunk = cfg.pipeline.chunk_kb * 1024 if prioritized else None
     inflight = cfg.pipeline.max_inflight if prioritized else None
-    ft = None
     sync: StepSync
     if ft_on:
         from freescale.ft.layer import FaultTolerance
 
-        ft = sync = FaultTolerance(dmp, optimizer, cfg.ft, data=feed, hooks=hooks, chunk_bytes=chunk,
-                                   max_inflight=inflight, nonfinite=cfg.train.nonfinite, device=ctx.device)
+        ft = FaultTolerance(dmp, optimizer, cfg.ft, data=feed, hooks=hooks, chunk_bytes=chunk,
+                            max_inflight=inflight, nonfinite=cfg.train.nonfinite, device=ctx.device)
         if tracer is not None and ft.in_group is not None:
             tracer.label(ft.in_group, "dense")
+        sync = ft
     else:
         grads = None
         if prioritized:
@@ -109,10 +160,10 @@ def build(cfg: Any, ctx: DistContext) -> Components:
                 tracer.label(dense_group, "dense")
             grads = BucketedGrads(list(dense_named_parameters(dmp).values()), dense_group, chunk or 1, chunk or 1,
                                   chunk_bytes=chunk, max_inflight=inflight)
-        sync = LocalSync(optimizer, list(dense_named_parameters(dmp).values()), feed, ctx.rank, grads,
-                         cfg.train.nonfinite)
+        sync = LocalSync(optimizer, list(dense_named_parameters(dmp).values()), feed, grads)
     pipeline = build_pipeline(cfg.pipeline, dmp, sync, ctx.device)
-    return Components(ctx, manifest, dmp, optimizer, loader, feed, sync, pipeline, hooks, tracer, group, log_dir, ft)
+    return Components(ctx, manifest, dmp, optimizer, loader, feed, sync, pipeline, hooks, tracer, group, groups,
+                      log_dir)
 
 
 def _tracer(dmp: nn.Module) -> CommTracer:

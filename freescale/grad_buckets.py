@@ -23,8 +23,10 @@ bucket of its own).  Gradients live in one flat buffer: ``begin`` points each
 ``param.grad`` at its slice, filled with -0.0 (the IEEE additive identity:
 +0.0 would flip the sign of gradients that are exactly -0.0), autograd
 accumulates in place, and the in-group reduction runs on the buffer itself.
-Gradients are divided by the group size before the sum, as DDP does: the
-result is bit-identical to DDP's.
+Gradients are divided by the group size before the sum, as DDP does: with
+two ranks (what the tests run) the result is bit-identical to DDP's; with more,
+the ring's summation order follows each value's place in the buffer, and DDP's
+buckets (rebuilt in ready order) may differ from this layout in the last bit.
 
 Nothing here blocks or raises inside backward: a post-accumulate-grad hook
 starts only work whose inputs are complete and records an error instead of

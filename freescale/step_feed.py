@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.loader import BalancedLoader, StepInfo
@@ -73,9 +72,9 @@ class StepFeed:
     """Plans, reads and accounts the steps of one rank (module docstring)."""
 
     def __init__(self, loader: BalancedLoader, group: int, group_size: int, groups: int, depth: int,
-                 segment_end: Callable[[int], int], device: torch.device) -> None:
+                 segment_end: Callable[[int], int]) -> None:
         self.loader, self.group, self.group_size, self.depth = loader, group, group_size, depth
-        self.segment_end, self.device = segment_end, device
+        self.segment_end = segment_end
         self.ready: frozenset[int] = frozenset(range(groups))
         """Groups the next step is planned over: every group at the start, then those ready at each commit."""
         self._plans: deque[PlannedStep] = deque()
@@ -115,7 +114,7 @@ class StepFeed:
                 info = self.loader.last
                 assert info is not None
                 self._plans.append(PlannedStep(self._next, info.live_ranks, info.plan_rows, info))
-                self._batches.append(batch.to(self.device, non_blocking=True))
+                self._batches.append(batch)  # on the host: the pipeline copies it (torchrec: on its own stream)
             else:
                 plan = self.loader.skip_step(self._live_ranks())
                 self._plans.append(PlannedStep(self._next, plan.live_ranks, tuple(plan.rows)))
@@ -139,7 +138,9 @@ class StepFeed:
 
     # ------------------------------------------------------------------ the step about to run
     def head(self, step: int) -> PlannedStep:
-        if not self._plans:
+        if not self._plans:  # a segment's first step: the pipeline holds nothing, the position is ``step``
+            if self._next != step:
+                raise RuntimeError(f"step feed: step {step} is running but the data position is at step {self._next}")
             self.start(step, self.ready)
         head = self._plans[0]
         if head.step != step:
@@ -181,8 +182,9 @@ class StepFeed:
                            "rows": [r.tolist() for r in p.plan_rows]} for p in self._plans]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a peer's (or a checkpoint's) data position; batches of in-flight steps are not read:
-        a group loading a peer's state was not ready when they were planned, so has no share."""
+        """Take a peer's (or a checkpoint's) data position.  Batches of in-flight steps are not read:
+        this rank sits those steps out (weight 0; ``trains`` is False for them), and every group
+        requeues whatever share of them a non-training group had, at their commits."""
         self.loader.load_state_dict(state["loader"])
         self._next = int(state["next"])
         self.ready = frozenset(int(g) for g in state["ready"])

@@ -54,9 +54,24 @@ class NonFiniteError(RuntimeError):
 
 
 class StepSync(Protocol):
+    """The step's exchange, commit and update, and the few run-level points a replica layer needs.
+    The engine calls every one of them, with or without fault tolerance."""
+
     record: dict[str, Any]
     """Fields of the last step for the step's log record (quorum, weights, timings)."""
     last_commit: Commit
+    events: list[dict[str, Any]]
+    """Events for the run log since the engine last took them (catch-up, staging, skipped steps)."""
+    warms_up: bool
+    """Wants one forward/backward before the first step (``warm_up``): peers would wait for its lazy set-up."""
+
+    def fresh_run(self) -> bool:
+        """A checkpoint may be resumed from (fault tolerance: no group has progress yet)."""
+
+    def start(self) -> None:
+        """Before the first step (fault tolerance: wait for the peers)."""
+
+    def warm_up(self, loss: torch.Tensor) -> None: ...
 
     def begin_step(self, step: int) -> None: ...
 
@@ -68,6 +83,17 @@ class StepSync(Protocol):
 
     def step(self) -> Commit: ...
 
+    def check_finite(self) -> None:
+        """Raise ``NonFiniteError`` if a step so far had non-finite gradients (the engine calls it at
+        its log points, before a checkpoint and at the end: no host sync in every step)."""
+
+    def owns_checkpoint(self, commit: Commit) -> bool:
+        """This rank's group writes the checkpoint after ``commit``."""
+
+    def finish(self, last_step: int) -> None: ...
+
+    def close(self) -> None: ...
+
 
 def all_finite(tensors: Sequence[torch.Tensor | None]) -> bool:
     present = [t for t in tensors if t is not None]
@@ -76,19 +102,26 @@ def all_finite(tensors: Sequence[torch.Tensor | None]) -> bool:
 
 def nonfinite_message(step: int, loss: torch.Tensor | None, group: Any = None, where: str = "") -> str:
     """One line, the same on every rank of ``group`` (a collective there: every rank of it calls this
-    at the same step, as they all see the same reduced gradients): the step and each rank's loss."""
-    mine = torch.tensor([float(loss) if loss is not None else float("nan")], dtype=torch.float64)
+    at the same step, as they all see the same reduced gradients): the step, and the ranks whose
+    loss was not finite (``loss`` None: this rank did not train the step)."""
+    mine = torch.tensor([float(loss) if loss is not None else 0.0, 0.0 if loss is None else 1.0],
+                        dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else mine.device
-        losses = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(losses, mine.to(device), group=group)
-        values = [float(t) for t in losses]
+        gathered = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine.to(device), group=group)
+        rows = [t.tolist() for t in gathered]
     else:
-        values = [float(mine)]
-    bad = [f"rank {r} ({v:.6g})" for r, v in enumerate(values) if not math.isfinite(v)]
-    culprit = f"non-finite loss on {', '.join(bad)}" if bad else "finite losses but non-finite gradients"
-    return (f"step {step}{where}: {culprit}; training stopped before the update (train.nonfinite = 'stop'): "
-            "resume from the last checkpoint, or lower the learning rate")
+        rows = [mine.tolist()]
+    bad = [f"rank {r} ({v:.6g})" for r, (v, trained) in enumerate(rows) if trained and not math.isfinite(v)]
+    if bad:
+        culprit = f"non-finite loss on {', '.join(bad)}"
+    elif not any(trained for _, trained in rows):
+        culprit = "this group did not train the step; the gradients averaged from the others are not finite"
+    else:
+        culprit = "finite losses but non-finite gradients"
+    return (f"step {step}{where}: {culprit}; training stopped and no checkpoint was written after it "
+            "(train.nonfinite = 'stop'): resume from the last checkpoint, or lower the learning rate")
 
 
 class SyncedOptimizer:
@@ -105,16 +138,34 @@ class SyncedOptimizer:
 
 
 class LocalSync:
-    """One replica group: every step commits (module docstring)."""
+    """One replica group: every step commits (module docstring).
+
+    Non-finite gradients are noted on the device each step (no host sync) and checked at the
+    engine's log points, before a checkpoint and at the end: the run stops there, naming the first
+    bad step; no checkpoint is written after it, so the last good one stays the one to resume from.
+    (The fused embedding update already ran inside backward: only stopping is exact here.)"""
+
+    warms_up = False
 
     def __init__(self, optimizer: torch.optim.Optimizer, dense: Sequence[nn.Parameter], feed: StepFeed,
-                 rank: int, grads: BucketedGrads | None = None, nonfinite: str = "stop") -> None:
-        self.optimizer, self.dense, self.feed, self.rank = optimizer, list(dense), feed, rank
-        self.grads, self.nonfinite = grads, nonfinite
+                 grads: BucketedGrads | None = None) -> None:
+        self.optimizer, self.dense, self.feed, self.grads = optimizer, list(dense), feed, grads
         self.record: dict[str, Any] = {}
+        self.events: list[dict[str, Any]] = []
         self.last_commit = Commit(-1, frozenset(), frozenset())
         self._step = -1
         self._loss: torch.Tensor | None = None
+        self._first_bad: torch.Tensor | None = None
+        """[step, loss] of the first step whose reduced dense gradients were not finite (step -1: none)."""
+
+    def fresh_run(self) -> bool:
+        return True
+
+    def start(self) -> None:
+        pass
+
+    def warm_up(self, loss: torch.Tensor) -> None:
+        pass
 
     def begin_step(self, step: int) -> None:
         self._step, self._loss = step, None
@@ -136,12 +187,37 @@ class LocalSync:
 
     def step(self) -> Commit:
         step = self._step
-        if not all_finite([p.grad for p in self.dense]):
-            # The fused embedding update already ran inside backward: only stopping is exact here.
-            raise NonFiniteError(nonfinite_message(step, self._loss))
+        self._note_finite(step)
         self.optimizer.step()
         commit = Commit(step, frozenset({0}), frozenset({0}))
         self.record = {"weight": self.feed.weight(step)}
         self.feed.commit(commit)
         self.last_commit = commit
         return commit
+
+    def _note_finite(self, step: int) -> None:
+        grads = [p.grad for p in self.dense if p.grad is not None]
+        if not grads:
+            return
+        bad = ~torch.isfinite(torch.nn.utils.get_total_norm(grads))
+        loss = self._loss.reshape(()).double() if self._loss is not None else torch.tensor(float("nan"))
+        now = torch.stack([torch.tensor(float(step), dtype=torch.float64, device=loss.device), loss.to(bad.device)])
+        if self._first_bad is None:
+            self._first_bad = torch.tensor([-1.0, 0.0], dtype=torch.float64, device=bad.device)
+        self._first_bad = torch.where((self._first_bad[0] < 0) & bad, now, self._first_bad)
+
+    def check_finite(self) -> None:
+        if self._first_bad is None:
+            return
+        step, loss = self._first_bad.tolist()
+        if step >= 0:  # the same on every rank: the reduced gradients are
+            raise NonFiniteError(nonfinite_message(int(step), torch.tensor(loss)))
+
+    def owns_checkpoint(self, commit: Commit) -> bool:
+        return True
+
+    def finish(self, last_step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

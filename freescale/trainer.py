@@ -34,7 +34,7 @@ import os
 import platform
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,58 +42,18 @@ import torch
 import torch.distributed as dist
 
 from freescale import checkpoint
-from freescale.checkpoint import CheckpointConfig
-from freescale.components import Components, build
-from freescale.config import ConfigError, require, to_dict
-from freescale.dataloader.loader import DataConfig, build_loader
+from freescale.components import Components, TrainConfig, TrainerConfig, build, prepare
+from freescale.config import to_dict
+from freescale.dataloader.loader import build_loader
 from freescale.digest import state_digest
-from freescale.distributed import DistConfig, DistContext, init_distributed, shutdown
-from freescale.ft.config import FTConfig
+from freescale.distributed import DistContext, init_distributed, shutdown
 from freescale.metrics import ClickMetrics, MetricWindow
-from freescale.models import ModelConfig, cost_model_for
-from freescale.parallelize import OptimConfig, materialize_optimizer_state
-from freescale.pipeline import PipelineConfig
+from freescale.models import cost_model_for
+from freescale.parallelize import materialize_optimizer_state
 from freescale.run_log import Progress, RunLog
 from freescale.step_feed import Commit
 from freescale.step_stats import Calibration
-from freescale.step_sync import NONFINITE, JobFinished
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 300
-    seed: int = 0
-    log_every: int = 20
-    output_dir: str = "runs/default"
-    eval: bool = True
-    """Evaluate on the dataset's ``eval`` split after training."""
-    progress: bool = True
-    """Progress bar on rank 0 (only when stderr is a terminal)."""
-    trace_comm: bool = False
-    """Record every collective (op, group, bytes, phase, issuing module, time blocked) to
-    ``<output_dir>/comm_trace_rank<R>.jsonl`` (``freescale.comm_trace``; costs a little per collective)."""
-    nonfinite: str = "stop"
-    """A step whose reduced dense gradients are not finite (NaN or inf loss): ``stop`` (one line naming
-    the step and rank; the last good checkpoint stays the one to resume from) or ``skip_step`` (no
-    update, training goes on; needs fault tolerance, whose embedding update is deferred to the commit)."""
-
-    def validate(self) -> None:
-        require(self.steps > 0, "steps", f"must be positive, got {self.steps}")
-        require(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
-        require(bool(self.output_dir), "output_dir", "must not be empty")
-        require(self.nonfinite in NONFINITE, "nonfinite", f"must be one of {list(NONFINITE)}, got '{self.nonfinite}'")
-
-
-@dataclass
-class TrainerConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    ft: FTConfig = field(default_factory=FTConfig)
+from freescale.step_sync import JobFinished
 
 
 @dataclass
@@ -125,6 +85,9 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", module=module)
 
 
+__all__ = ["TrainConfig", "Trainer", "TrainerConfig", "TrainSummary"]
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg
@@ -133,14 +96,7 @@ class Trainer:
         """Train ``train.steps`` steps (resuming if asked), evaluate, return the summary."""
         quiet_libraries()
         cfg = self.cfg
-        cfg.ft.resolve_env()
-        cfg.ft.validate()
-        if cfg.ft.enabled and cfg.data.calibrate_every:
-            raise ConfigError("data.calibrate_every: not supported with replica groups yet (the fitted cost model "
-                              "would have to be agreed across groups to keep their plans identical); set it to 0")
-        if not cfg.ft.enabled and cfg.train.nonfinite == "skip_step":
-            raise ConfigError("train.nonfinite: 'skip_step' needs fault tolerance (--replicas), whose embedding update "
-                              "waits for the commit; without it the fused update already ran inside backward")
+        prepare(cfg)
         ctx = init_distributed(cfg.dist)
         try:
             parts = build(cfg, ctx)
@@ -163,11 +119,11 @@ class Trainer:
         start_step = self._resume(parts, log)
         log.write("start", config=to_dict(cfg), world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device),
                   start_step=start_step, torch=torch.__version__, python=platform.python_version(),
-                  host=platform.node(), pid=os.getpid(), group=parts.group, replicas=cfg.ft.replicas if parts.ft else 1,
+                  host=platform.node(), pid=os.getpid(), group=parts.group, replicas=parts.groups,
                   incarnation=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-        if parts.ft is not None:
+        if parts.sync.warms_up:
             self._warm_up(parts, log)
-            parts.ft.start()
+        parts.sync.start()
         progress = Progress(log, cfg.train.steps, start_step, cfg.model.kind,
                             ctx.is_main and cfg.train.progress, ctx.device.type == "cpu",
                             parts.loader.global_batch_size)
@@ -220,14 +176,15 @@ class Trainer:
                 calibration.add(info.row_lengths, busy)  # a first step pays for lazy set-up: no observation
             first = False
             if done % cfg.train.log_every == 0 or done == steps:
+                parts.sync.check_finite()
                 progress.report(done, parts.loader.epoch, parts.loader.skipped_rows)
             progress.bar.update(1)
             if calibration is not None and done % cfg.data.calibrate_every == 0 and done != steps:
                 self._calibrate(parts, log, calibration, done)
             if self._checkpoint_due(done):
                 last_ckpt = self._save(parts, log, commit) or last_ckpt
-        if parts.ft is not None:
-            parts.ft.finish(steps - 1)
+        parts.sync.check_finite()
+        parts.sync.finish(steps - 1)
         return committed, last_ckpt
 
     def _step(self, parts: Components, step: int) -> tuple[Commit, Any, Any, float, float]:
@@ -263,7 +220,7 @@ class Trainer:
 
     @staticmethod
     def _log_events(parts: Components, log: RunLog) -> None:
-        events = getattr(parts.sync, "events", None)
+        events = parts.sync.events
         while events:
             fields = events.pop(0)
             log.write(fields.pop("event"), **fields)
@@ -280,13 +237,14 @@ class Trainer:
 
     def _save(self, parts: Components, log: RunLog, commit: Commit) -> Path | None:
         """Collective over the group.  With fault tolerance one group writes (all hold the same state)."""
-        if parts.ft is not None and not parts.ft.owns_checkpoint(commit):
+        parts.sync.check_finite()  # never a checkpoint after a non-finite step
+        if not parts.sync.owns_checkpoint(commit):
             return None
         start = time.perf_counter()
         done = commit.step + 1
         state = {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
         meta = {"data": parts.feed.state_dict(), "world_size": parts.ctx.world_size, "config": to_dict(self.cfg),
-                "ft": {"replicas": self.cfg.ft.replicas} if parts.ft is not None else None}
+                "ft": {"replicas": parts.groups}}
         path = checkpoint.save(self._checkpoint_root, done, state, meta, keep=self.cfg.checkpoint.keep)
         log.write("checkpoint", step=done, path=str(path), seconds=time.perf_counter() - start)
         return path
@@ -294,11 +252,11 @@ class Trainer:
     def _resume(self, parts: Components, log: RunLog) -> int:
         """With ``checkpoint.resume``: load the latest complete checkpoint; the step to start at.  With
         fault tolerance only in a fresh run (every group was lost): a group restarted while others train
-        catches up from them instead."""
+        catches up from them instead.  Every rank of the group decides alike."""
         if not self.cfg.checkpoint.resume:
             return 0
-        path = checkpoint.latest(self._checkpoint_root)
-        fresh = parts.ft.fresh_run() if parts.ft is not None else True
+        path = self._agreed_latest(parts)
+        fresh = parts.sync.fresh_run()
         if path is None or not fresh:
             log.write("no_resume", checkpoint=str(path) if path else None, fresh_run=fresh)
             self._say(parts.ctx, f"no checkpoint under {self._checkpoint_root}; starting from step 0"
@@ -308,26 +266,32 @@ class Trainer:
         state = {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
         meta = checkpoint.load(path, state)
         saved = (meta.get("ft") or {}).get("replicas", 1)
-        mine = self.cfg.ft.replicas if parts.ft is not None else 1
-        if saved != mine or meta.get("world_size") != parts.ctx.world_size:
+        if saved != parts.groups or meta.get("world_size") != parts.ctx.world_size:
             raise checkpoint.CheckpointError(
-                f"{path}: saved by {saved} replica group(s) of {meta.get('world_size')} rank(s); this run has {mine} "
-                f"of {parts.ctx.world_size} (the data plan would differ)")
+                f"{path}: saved by {saved} replica group(s) of {meta.get('world_size')} rank(s); this run has "
+                f"{parts.groups} of {parts.ctx.world_size} (the data plan would differ)")
         parts.dmp.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optim"])
         step = int(meta["step"])
         data = meta["data"]
         parts.feed.load_state_dict(data if "loader" in data else {"loader": data, "next": step, "ready": [0],
                                                                   "plans": []})
-        if parts.ft is not None and parts.ctx.world_size > 1:  # every rank of the group read the same one
+        log.write("resume", step=step, path=str(path))
+        self._say(parts.ctx, f"resumed from {path} at step {step}")
+        return step
+
+    def _agreed_latest(self, parts: Components) -> Path | None:
+        """The latest complete checkpoint, the same on every rank of the group (an in-group all-reduce:
+        a checkpoint being written while the job starts could otherwise split the ranks)."""
+        found = checkpoint.complete_checkpoints(self._checkpoint_root)
+        step = found[-1][0] if found else -1
+        if parts.ctx.world_size > 1:
             steps = torch.tensor([step, -step], dtype=torch.int64, device=parts.ctx.device)
             dist.all_reduce(steps, op=dist.ReduceOp.MAX)
             if int(steps[0]) != -int(steps[1]):
                 raise checkpoint.CheckpointError(f"{self._checkpoint_root}: the group's ranks found different latest "
                                                  "checkpoints (one being written while this job started?)")
-        log.write("resume", step=step, path=str(path))
-        self._say(parts.ctx, f"resumed from {path} at step {step}")
-        return step
+        return found[-1][1] if found else None
 
     # ------------------------------------------------------------------------------
     def _warm_up(self, parts: Components, log: RunLog) -> None:
@@ -339,7 +303,7 @@ class Trainer:
         batch = parts.loader.next_batch()
         parts.loader.load_state_dict(position)
         loss, _ = parts.dmp(batch.to(parts.ctx.device))
-        parts.ft.warm_up(loss)
+        parts.sync.warm_up(loss)
         log.write("warm_up", seconds=time.perf_counter() - start)
 
     def _calibrate(self, parts: Components, log: RunLog, calibration: Calibration, done: int) -> None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -107,6 +107,8 @@ def _load_torch_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, t
 
 class FaultTolerance:
     """One rank's fault tolerance across replica groups (module docstring)."""
+
+    warms_up = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: FTConfig, *,
                  data: DataState | None = None, hooks: StepHooks | None = None,
@@ -194,9 +196,12 @@ class FaultTolerance:
 
     def can_train(self, step: int) -> bool:
         """Not catching up; on a process's first step, not behind the quorum (a restarted group
-        would train a stale step while the others wait for it to join their group)."""
+        would train a stale step while the others wait for it to join their group: every rank of
+        the group decides alike).  Call it once per step, after ``begin_step``."""
         first, self._first_step = self._first_step, False
-        return not self.sync.recovering and not (first and self.sync.behind(step))
+        if first and not self._agree(not self.sync.behind(step)):
+            return False
+        return not self.sync.recovering
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.dense:
@@ -254,9 +259,10 @@ class FaultTolerance:
         if sum(result.weights.values()) > 0:  # nobody trained this step: no update at all
             if not all_finite(result.tensors):
                 if self.nonfinite == "stop":
-                    raise NonFiniteError(nonfinite_message(result.step, self._loss, self.in_group,
-                                                           f" (replica group {self.group_index})"))
+                    raise NonFiniteError(nonfinite_message(result.step, self._loss if self._weight else None,
+                                                           self.in_group, f" (replica group {self.group_index})"))
                 self.events.append({"event": "nonfinite_skipped", "step": result.step})
+                self.record["nonfinite_skipped"] = True
             else:
                 for p, averaged in zip(self.dense, result.tensors):
                     p.grad = averaged if averaged.device == p.device else averaged.to(p.device)  # replayed
@@ -346,6 +352,5 @@ class FaultTolerance:
         if self.sparse is not None:
             self.sparse.reset()
 
-    @staticmethod
-    def dense_zeros(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-        return [torch.zeros_like(p) for p in params]
+    def check_finite(self) -> None:
+        """Non-finite steps are found when they commit (``train.nonfinite``): nothing left to check."""
