@@ -26,6 +26,7 @@ from freescale.dataloader.loader import DataConfig, build_loader
 from freescale.models import ModelConfig, cost_model_for
 from freescale.testing import AUDIT_ENV, FAULTS_ENV
 from tests.conftest import REPO, cli_env
+from tests.trainings import run_trainings
 
 
 def launch_args(out: Path, data: Path, replicas: int, ranks: int, steps: int, model: str,
@@ -158,15 +159,13 @@ def references(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     three pipelines are bit-identical without it: ``test_pipeline``): the same global batches and
     the same rank-0 share as group 0 of 2 groups x 2 ranks."""
     found: dict[str, dict[int, float]] = {}
+    tmp = tmp_path_factory.mktemp("references")
+    run_trainings([(str(REPO / "configs" / f"tiny_{model}.toml"), [
+        "--data.path", str(tiny_data), "--data.batch_size", "32", "--train.steps", str(REFERENCE_STEPS),
+        "--train.output_dir", str(tmp / model), "--train.eval", "false", "--train.progress", "false"])
+        for model in ("hstu", "dlrm")], 4, tmp, env={AUDIT_ENV: "1"})
     for model in ("hstu", "dlrm"):
-        out = tmp_path_factory.mktemp(f"reference_{model}")
-        proc = subprocess.run([sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node", "4", "--config",
-                               f"configs/tiny_{model}.toml", "--data.path", str(tiny_data), "--data.batch_size", "32",
-                               "--train.steps", str(REFERENCE_STEPS), "--train.output_dir", str(out),
-                               "--train.eval", "false", "--train.progress", "false"],
-                              cwd=REPO, env=fault_env(""), capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+        lines = [json.loads(line) for line in (tmp / model / "train_log.jsonl").read_text().splitlines()]
         found[model] = {e["step"]: e["loss"] for e in lines if e["event"] == "commit"}
     return found
 

@@ -9,35 +9,48 @@ import pytest
 import torch
 
 from freescale.pipeline import PipelineConfig, build_pipeline
-from tests.conftest import REPO, events, read_log, run_cli
+from tests.conftest import REPO, events, read_log
+from tests.trainings import run_trainings
 
 PIPELINES = ["plain", "torchrec", "prioritized"]
+TRACED_CHUNK_KB = 8
 
 
-def run_pipeline(kind: str, model: str, data: Path, out: Path, *extra: str) -> tuple[dict[int, float], str]:
-    proc = run_cli(
-        "launch", "--nproc-per-node=2", "--config", str(REPO / "configs" / f"tiny_{model}.toml"),
-        f"--data.path={data}", f"--train.output_dir={out}", "--train.steps=12", "--train.log_every=1",
-        "--train.eval=false", f"--pipeline.kind={kind}", *extra,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+def losses_and_digest(out: Path) -> tuple[dict[int, float], str]:
     log = read_log(out)
     (summary,) = events(log, "summary")
     return {e["step"]: e["loss"] for e in events(log, "step")}, summary["state_digest"]
 
 
+@pytest.fixture(scope="module")
+def pipeline_runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """Every (model, pipeline) for 12 steps on 2 ranks, in one pair of rank processes
+    (``tests.trainings``).  The pipelined runs checkpoint every 5 steps, so they also drain and
+    refill their read-ahead twice."""
+    tmp = tmp_path_factory.mktemp("pipelines")
+    runs, items = {}, []
+    for model in ("hstu", "dlrm"):
+        for kind in PIPELINES:
+            out = tmp / f"{model}-{kind}"
+            runs[(model, kind)] = out
+            items.append((str(REPO / "configs" / f"tiny_{model}.toml"), [
+                f"--data.path={tiny_data}", f"--train.output_dir={out}", "--train.steps=12", "--train.log_every=1",
+                "--train.eval=false", "--train.progress=false", f"--pipeline.kind={kind}",
+                "--checkpoint.every=0" if kind == "plain" else "--checkpoint.every=5"]))
+    out = runs[("hstu", "traced")] = tmp / "hstu-prioritized-traced"  # for the priority-order test
+    items.append((str(REPO / "configs" / "tiny_hstu.toml"), [
+        f"--data.path={tiny_data}", f"--train.output_dir={out}", "--train.steps=12", "--train.eval=false",
+        "--train.progress=false", "--pipeline.kind=prioritized", "--checkpoint.every=0", "--train.trace_comm=true",
+        f"--pipeline.chunk_kb={TRACED_CHUNK_KB}"]))
+    run_trainings(items, 2, tmp)
+    return runs
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])
-def test_pipelines_match_the_plain_loop_bit_for_bit(model: str, tiny_data: Path, tmp_path: Path) -> None:
-    """Losses of every step and the final state (parameters, both optimizers) are identical.
-
-    The pipelined runs checkpoint every 5 steps, so they also drain and refill
-    their read-ahead twice.
-    """
-    results = {}
-    for kind in PIPELINES:
-        extra = ["--checkpoint.every=0"] if kind == "plain" else ["--checkpoint.every=5"]
-        results[kind] = run_pipeline(kind, model, tiny_data, tmp_path / kind, *extra)
+def test_pipelines_match_the_plain_loop_bit_for_bit(model: str, pipeline_runs: dict[tuple[str, str], Path]) -> None:
+    """Losses of every step and the final state (parameters, both optimizers) are identical."""
+    results = {kind: losses_and_digest(pipeline_runs[(model, kind)]) for kind in PIPELINES}
     plain_losses, plain_digest = results["plain"]
     assert sorted(plain_losses) == list(range(1, 13))
     assert len(plain_digest) == 64
@@ -58,7 +71,7 @@ def test_config_errors_name_the_key() -> None:
 
 
 @pytest.mark.multiprocess
-def test_prioritized_pipeline_issues_transfers_in_priority_order(tiny_data: Path, tmp_path: Path) -> None:
+def test_prioritized_pipeline_issues_transfers_in_priority_order(pipeline_runs: dict[tuple[str, str], Path]) -> None:
     """From the recorded collectives of each step, on each rank:
 
     forward: the item sequence's output all-to-all (the attention stack's input)
@@ -66,9 +79,7 @@ def test_prioritized_pipeline_issues_transfers_in_priority_order(tiny_data: Path
     on their own group, in chunks no larger than configured, issued while
     backward still runs (before its last embedding-gradient all-to-all).
     """
-    chunk_kb = 8
-    run_pipeline("prioritized", "hstu", tiny_data, tmp_path, "--checkpoint.every=0", "--train.trace_comm=true",
-                 f"--pipeline.chunk_kb={chunk_kb}")
+    chunk_kb, tmp_path = TRACED_CHUNK_KB, pipeline_runs[("hstu", "traced")]
     for rank in (0, 1):
         trace = [json.loads(line) for line in (tmp_path / f"comm_trace_rank{rank}.jsonl").read_text().splitlines()]
         for step in range(1, 12):
