@@ -231,8 +231,10 @@ class FaultTolerance:
         tensors = self.grads.views() if trained else [torch.zeros_like(p) for p in self.dense]
         self.hooks.at("reduce", step)
         try:
+            # ``grads`` even when this replica did not train: its layout is the buckets every participant
+            # reduces in (a zero contribution must issue the same collectives as the others).
             result = self.sync.reduce_and_commit(step, tensors, self._weight or 0.0, exchange=self.sparse,
-                                                 grads=self.grads if trained else None)
+                                                 grads=self.grads)
         except JobFinished as done:
             self.finished_elsewhere = True
             self.events.append({"event": "finished_elsewhere", "step": step, "finished_step": done.step})

@@ -141,7 +141,9 @@ def test_killed_replica_restarts_and_catches_up_without_stalling_the_others(tmp_
     missed, and from then on all three are bit-identical at every step."""
     lh = lighthouse(min_replicas=1)
     steps = 150
-    common = ["--snapshots", "--step-sleep", "0.02", "--hidden", "256"]
+    # A 64 KiB first bucket: several buckets, so a replica sitting a step out (zeros, weight 0) must
+    # reduce in the others' bucket layout, or the collectives mismatch.
+    common = ["--snapshots", "--step-sleep", "0.02", "--hidden", "256", "--first-bucket-kb", "64"]
     procs = {r: start(lh, r, tmp_path, steps, *common, fault="5:reduce:0" if r == "c" else "") for r in ("a", "b", "c")}
     assert procs["c"].wait(timeout=120) == -signal.SIGKILL
     first_life = read(tmp_path, "c")
