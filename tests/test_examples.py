@@ -35,9 +35,12 @@ def test_user_loop_survives_a_sigkill_and_catches_up(tmp_path: Path) -> None:
             for g in (0, 1)}
     steps_of = {g: {e["step"]: e for e in log if "step" in e} for g, log in logs.items()}
     assert sorted(steps_of[0]) == list(range(steps)), "the survivor skipped a step"
-    assert steps_of[0][8]["participants"] == ["replica0"]
+    # Rank 1 of group 1 dies as step 8's exchange begins (a timer on another thread fires the SIGKILL),
+    # so step 8 may still commit with both groups; from step 8 or 9 on, group 0 goes on alone.
+    alone = [s for s, e in steps_of[0].items() if e["participants"] == ["replica0"]]
+    assert alone and alone[0] in (8, 9), alone[:3]
     caught = [s for s, e in steps_of[1].items() if e["caught_up"]]
-    assert len(caught) == 1 and caught[0] > 8, "group 1 did not catch up once"
+    assert len(caught) == 1 and caught[0] > alone[0], "group 1 did not catch up once"
     assert max(steps_of[1]) == steps - 1 and steps_of[0][steps - 1]["participants"] == ["replica0", "replica1"]
     for step, e in steps_of[1].items():
         assert e["digest"] == steps_of[0][step]["digest"], f"step {step}: the groups differ"
