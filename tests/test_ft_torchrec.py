@@ -242,7 +242,7 @@ def test_two_groups_at_once_then_a_source_dies_mid_transfer(tiny_data: Path, tmp
     time out: the split-brain guard); both restart and catch up from group 0.  Group 2 dies a
     second time (step >= 150); when it asks for a snapshot, its first source (group 0) dies
     mid-transfer, so it takes the snapshot from group 1; group 0 restarts and catches up too."""
-    steps = 330
+    steps = 380  # enough for group 0 to restart (~5-6 s on 2 cores) and catch up before the others finish
     fault = f"1:0:5:reduce:0,2:0:5:reduce:0,2:0:150:forward@1,0:0:150:serve,{SLOW}"
     proc = launch(tmp_path, tiny_data, 3, 1, steps, "dlrm", fault=fault, max_restarts=2, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
