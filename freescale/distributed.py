@@ -109,22 +109,6 @@ def shutdown(ctx: DistContext, clean: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def all_gather_varlen(tensor: torch.Tensor) -> torch.Tensor:
-    """Concatenate a 1-D tensor of possibly different length from every rank (on every rank)."""
-    world = dist.get_world_size()
-    if world == 1:
-        return tensor
-    size = torch.tensor([tensor.numel()], device=tensor.device, dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    longest = int(max(int(s) for s in sizes))
-    padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
-    padded[: tensor.numel()] = tensor
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
-    return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])
-
-
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device whose tensors ``group``'s collectives take: this process's current CUDA
     device when the group's backend includes NCCL, else the CPU (gloo)."""

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from freescale.distributed import collective_device
 from freescale.grad_buckets import BucketedGrads
 from freescale.step_feed import Commit, StepFeed
 
@@ -107,7 +108,7 @@ def nonfinite_message(step: int, loss: torch.Tensor | None, group: Any = None, w
     mine = torch.tensor([float(loss) if loss is not None else 0.0, 0.0 if loss is None else 1.0],
                         dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else mine.device
+        device = collective_device(group)
         gathered = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine.to(device), group=group)
         rows = [t.tolist() for t in gathered]

@@ -308,7 +308,7 @@ class ReplicaSync:
         self._attached = quorum.quorum_id
         return True
 
-    def _agree(self, ok: bool) -> bool:
+    def agree(self, ok: bool) -> bool:
         """True only if every rank of this replica group got True (an in-group all-reduce, MIN)."""
         if self.in_group is None:
             return ok
@@ -378,7 +378,7 @@ class ReplicaSync:
                 self.group.drop()
                 self.client.report_failure(quorum.quorum_id)
             t1 = time.perf_counter()
-            committed = self._agree(self.client.commit(quorum.quorum_id, step, reduced is not None))
+            committed = self.agree(self.client.commit(quorum.quorum_id, step, reduced is not None))
             if not committed:
                 self.client.forget_next()  # this step is redone: its quorum is asked again
             reduce_s, vote_s = reduce_s + t1 - t0, vote_s + time.perf_counter() - t1

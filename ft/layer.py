@@ -167,12 +167,12 @@ class FaultTolerance:
     def fresh_run(self) -> bool:
         """No group has committed a step of this run yet (a new job may resume from a checkpoint;
         a group restarted while others train must catch up from them instead).  Agreed in-group."""
-        return self._agree(int(self.client.status().get("high_step", -1)) < 0)
+        return self.agree(int(self.client.status().get("high_step", -1)) < 0)
 
     def owns_checkpoint(self, commit: Commit) -> bool:
         """This group writes the checkpoint of ``commit``: the ready group with the lowest index
         (all hold the same state; every group computes the same choice).  Agreed in-group."""
-        return self._agree(bool(commit.ready) and min(commit.ready) == self.group_index)
+        return self.agree(bool(commit.ready) and min(commit.ready) == self.group_index)
 
     def finish(self, last_step: int) -> None:
         if not self.finished_elsewhere:
@@ -199,7 +199,7 @@ class FaultTolerance:
         would train a stale step while the others wait for it to join their group: every rank of
         the group decides alike).  Call it once per step, after ``begin_step``."""
         first, self._first_step = self._first_step, False
-        if first and not self._agree(not self.sync.behind(step)):
+        if first and not self.agree(not self.sync.behind(step)):
             return False
         return not self.sync.recovering
 
@@ -242,7 +242,7 @@ class FaultTolerance:
         self.record = self._record_of(result, trained)
         if result.recovering:
             self.hooks.at("catchup", result.step)
-            caught_up = self._agree(self.sync.snapshot_arrived)  # the whole group turns ready at one step
+            caught_up = self.agree(self.sync.snapshot_arrived)  # the whole group turns ready at one step
             if caught_up:
                 self._catch_up()  # the snapshot and every recorded step up to this one: valid state now
             self.last_commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result),
@@ -341,9 +341,9 @@ class FaultTolerance:
         self.events.append({"event": "catch_up", "step": caught.replay[-1].step if caught.replay
                             else caught.snapshot_step, "catch_up": dict(self.sync.catch_up_log)})
 
-    def _agree(self, ok: bool) -> bool:
+    def agree(self, ok: bool) -> bool:
         """True only if every rank of this group got True (an in-group all-reduce, MIN)."""
-        return self.sync._agree(ok)
+        return self.sync.agree(ok)
 
     def warm_up(self, loss: torch.Tensor) -> None:
         """Backward of a forward whose result is thrown away (before the first quorum: torchrec's
