@@ -45,6 +45,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from freescale.config import require
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.cost import CostModel
+from freescale.dataloader.partition import Parts
 from freescale.dataloader.planner import BatchPlanner, EpochOrder, StepPlan
 from freescale.dataloader.schema import CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, USER_ID, DataError
 from freescale.dataloader.source import ParquetSource
@@ -122,7 +123,7 @@ class StepInfo:
     """Global row ids this rank trained on (after skipping bad rows)."""
     live_ranks: tuple[int, ...]
     """The ranks the step was planned over, ascending."""
-    plan_rows: tuple[np.ndarray, ...]
+    plan_rows: Parts
     """Each live rank's planned rows (read-only), in ``live_ranks`` order, carried rows
     included, before any source drops bad rows: what a dead rank would have trained."""
     rank_sizes: tuple[int, ...]
@@ -352,10 +353,10 @@ class BalancedLoader:
         batch = self._to_batch(table, self.planner.costs(plan.model, kept), plan)
         if self.pin_memory:
             batch = batch.pin_memory()
-        plan_rows = tuple(_read_only(r) for r in plan.rows)
+        plan_rows = Parts(_read_only(plan.rows.index), plan.rows.offsets)
         info = dict(epoch=epoch, step=step, imbalance=plan.imbalance(), bound=plan.bound(),
                     global_size=plan.global_size, rank_size=batch.size, rank_cost=float(costs.sum()), rows=kept,
-                    live_ranks=plan.live_ranks, plan_rows=plan_rows, rank_sizes=tuple(r.size for r in plan_rows),
+                    live_ranks=plan.live_ranks, plan_rows=plan_rows, rank_sizes=tuple(plan.rows.sizes.tolist()),
                     row_lengths=self.planner.lengths[kept])
         return info, batch
 
@@ -392,9 +393,8 @@ class BalancedLoader:
         """Sum of per-sample losses x (ranks / samples) of this rank's group: the in-group mean over
         ranks (DDP's, or the bucketed reducer's) then is the exact mean over the group's samples,
         whatever each rank holds; fault tolerance weights each group's mean by its samples."""
-        group = self.rank // self.group_size
-        sizes = [rows.size for rank, rows in zip(plan.live_ranks, plan.rows) if rank // self.group_size == group]
-        return len(sizes) / max(sum(sizes), 1)
+        in_group = np.asarray(plan.live_ranks) // self.group_size == self.rank // self.group_size
+        return int(in_group.sum()) / max(int(plan.rows.sizes[in_group].sum()), 1)
 
 
 def _read_only(rows: np.ndarray) -> np.ndarray:

@@ -1,16 +1,20 @@
 """Split one batch of per-sample costs into per-rank parts (FreeScale technique 1).
 
 Every partitioner has the signature ``(costs, num_parts, equal_count) -> parts``:
-``costs`` is a float64 array with one entry per sample, ``parts`` a list of
-``num_parts`` int64 index arrays into ``costs`` that together are a permutation
-of ``range(len(costs))``.  Every rank calls the same function on the same
-costs and gets the same answer, so no sample ever crosses the network.
+``costs`` is a float64 array with one entry per sample, ``parts`` a ``Parts``
+(CSR: ``num_parts`` int64 index arrays into ``costs`` that together are a
+permutation of ``range(len(costs))``; ``lpt`` lists each part heaviest first,
+the others ascending).  Every rank calls the same function
+on the same costs and gets the same answer, so no sample ever crosses the network.
 
 - ``round_robin``: sample i to part i mod k; what "split by sample count" does.
-- ``lpt``: greedy longest-processing-time first: heaviest sample to the lightest part.
+- ``lpt``: longest-processing-time first (heaviest sample to the lightest part),
+  then a local search that lowers the heaviest part by single moves and swaps
+  (``balance_kernels``: compiled, linear time, runs without the GIL).
 - ``kk``: Karmarkar-Karp largest differencing, k-way: repeatedly merge the two
   partial solutions whose spread (max - min part) is largest, pairing the
-  heaviest part of one with the lightest of the other.
+  heaviest part of one with the lightest of the other.  Its memory is one
+  k-vector per sample: it refuses batches over ``KK_MAX_CELLS`` samples x parts.
 - ``token_kk``: ``kk`` on token counts instead of costs (what a balancer that
   models cost as linear in length does; the baseline used elsewhere).
 
@@ -28,16 +32,104 @@ far that alone keeps any partition from 1.0.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
-Partitioner = Callable[[np.ndarray, int, bool], list[np.ndarray]]
+from freescale.dataloader import balance_kernels
+
+Partitioner = Callable[[np.ndarray, int, bool], "Parts"]
+KK_MAX_CELLS = 1 << 24
+"""``kk`` keeps one k-vector per sample (n x k cells, ~32 bytes each): beyond this it refuses."""
+LPT_REFINE_PARTNERS = 8
+"""Lightest parts the local search tries against the heaviest one at each step."""
+LPT_RESOLUTION = 1e-5
+"""LPT's "lightest part" is exact up to this share of a mean part (the bucket queue's width)."""
+LPT_TOLERANCE = 1e-3
+"""The local search stops once the heaviest part is within this share of the mean part."""
+LPT_HEAD_SHARE = 1 / 16
+"""Samples of at least this share of a mean part are placed and refined first."""
 
 
-def imbalance(costs: np.ndarray, parts: list[np.ndarray]) -> float:
+@dataclass(frozen=True)
+class Parts:
+    """Members of each part, CSR: part ``p`` is ``index[offsets[p]:offsets[p + 1]]``.
+
+    A sequence of index arrays (``len``, ``parts[p]``, iteration) for callers that look at a
+    few parts; the vectorised methods for those that look at all of them (16,384 ranks)."""
+
+    index: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def of_owner(cls, owner: np.ndarray, num_parts: int) -> Parts:
+        """From the part of each sample (members ascending)."""
+        index, offsets = balance_kernels.members_of(np.ascontiguousarray(owner, dtype=np.int64), num_parts)
+        return cls(index, offsets)
+
+    @classmethod
+    def of_list(cls, parts: list[np.ndarray]) -> Parts:
+        sizes = np.array([p.size for p in parts], dtype=np.int64)
+        index = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+        return cls(index, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+
+    def __len__(self) -> int:
+        return self.offsets.size - 1
+
+    def __getitem__(self, part: int) -> np.ndarray:
+        return self.index[self.offsets[part] : self.offsets[part + 1]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[p] for p in range(len(self)))
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def owner(self) -> np.ndarray:
+        """Part of each entry of ``index``."""
+        return np.repeat(np.arange(len(self), dtype=np.int64), self.sizes)
+
+    def sums(self, values: np.ndarray) -> np.ndarray:
+        """Per part, the sum of ``values`` over its members (0.0 for an empty part)."""
+        return self.map(values).totals()
+
+    def totals(self) -> np.ndarray:
+        """Per part, the sum of its entries (for parts of values, e.g. costs; 0.0 when empty)."""
+        out = np.zeros(len(self), dtype=np.float64)
+        full = self.sizes > 0
+        if full.any():
+            out[full] = np.add.reduceat(self.index.astype(np.float64, copy=False), self.offsets[:-1][full])
+        return out
+
+    def maxima(self, values: np.ndarray) -> np.ndarray:
+        """Per part, the largest of ``values`` over its members (0.0 for an empty part)."""
+        out = np.zeros(len(self), dtype=np.float64)
+        full = self.sizes > 0
+        if full.any():
+            out[full] = np.maximum.reduceat(values[self.index], self.offsets[:-1][full])
+        return out
+
+    def sums_of(self, values_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Per part, the sum of ``values_of(entries)`` (one vectorised call over every entry)."""
+        return Parts(values_of(self.index), self.offsets).totals()
+
+    def map(self, values: np.ndarray) -> Parts:
+        """The same parts over ``values[index]`` (e.g. positions -> row ids)."""
+        return Parts(values[self.index], self.offsets)
+
+    def select(self, parts: np.ndarray) -> Parts:
+        """Parts ``parts`` (in that order) as a new ``Parts``."""
+        sizes = self.sizes[parts]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        shift = np.repeat(self.offsets[:-1][parts] - offsets[:-1], sizes)
+        return Parts(self.index[np.arange(offsets[-1], dtype=np.int64) + shift], offsets)
+
+
+def imbalance(costs: np.ndarray, parts: Parts | list[np.ndarray]) -> float:
     """``max_part(cost) / mean_part(cost)``; 1.0 is perfect (DESIGN.md "imbalance")."""
-    loads = np.array([costs[p].sum() for p in parts])
+    loads = (parts if isinstance(parts, Parts) else Parts.of_list(parts)).sums(costs)
     mean = loads.mean()
     return float(loads.max() / mean) if mean > 0 else 1.0
 
@@ -68,41 +160,29 @@ def granular_lower_bound(costs: np.ndarray, num_parts: int) -> float:
     return max(1.0, float(loads.max()) / (total / k))
 
 
-def round_robin(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> list[np.ndarray]:
-    return [np.arange(p, costs.size, num_parts, dtype=np.int64) for p in range(num_parts)]
+def round_robin(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
+    return Parts.of_owner(np.arange(costs.size, dtype=np.int64) % num_parts, num_parts)
 
 
-def lpt(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> list[np.ndarray]:
-    order = np.argsort(-costs, kind="stable")
-    n = costs.size
-    owner = np.empty(n, dtype=np.int64)
-    if num_parts >= n:
-        owner[order] = np.arange(n)
-        return _groups(owner, num_parts)
-    # The first k samples open the k parts; after that the heap decides.
-    owner[order[:num_parts]] = np.arange(num_parts)
-    heap = [(float(costs[order[p]]), p) for p in range(num_parts)]
-    heapq.heapify(heap)
-    capacity = -(-n // num_parts) if equal_count else n
-    counts = [1] * num_parts
-    ordered_costs = costs[order].tolist()
-    ordered_index = order.tolist()
-    replace, pop = heapq.heapreplace, heapq.heappop
-    for i in range(num_parts, n):
-        load, part = heap[0]
-        owner[ordered_index[i]] = part
-        counts[part] += 1
-        if counts[part] < capacity:
-            replace(heap, (load + ordered_costs[i], part))
-        else:
-            pop(heap)
-    return _groups(owner, num_parts)
+def lpt(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
+    """LPT plus local search (module docstring; the algorithm is in ``balance_kernels``)."""
+    costs = np.ascontiguousarray(costs, dtype=np.float64)
+    index, offsets, bad = balance_kernels.lpt_refined(
+        costs, num_parts, equal_count, 4 * num_parts + 64, LPT_REFINE_PARTNERS, LPT_RESOLUTION, LPT_TOLERANCE,
+        LPT_HEAD_SHARE)
+    if bad >= 0:
+        raise ValueError(f"sample {bad} has cost {float(costs[bad])}: costs must be finite and >= 0")
+    return Parts(index, offsets)
 
 
-def kk(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> list[np.ndarray]:
+def kk(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
     n, k = costs.size, num_parts
+    cells = (-(-n // k) if equal_count else n) * k
+    if cells > KK_MAX_CELLS:
+        raise ValueError(f"partitioner 'kk' would keep {cells:,} cells ({n:,} samples x {k:,} parts) over its "
+                         f"limit of {KK_MAX_CELLS:,}: use 'lpt', or 'kk' with equal_count = true up to that size")
     if n == 0:
-        return [np.zeros(0, dtype=np.int64) for _ in range(k)]
+        return Parts.of_owner(np.zeros(0, dtype=np.int64), k)
     order = np.argsort(-costs, kind="stable")
     # Each partial solution: k subsets as linked lists (head, tail, sum).
     # ``nxt`` links samples; -1 ends a list; an empty subset has head -1.
@@ -144,28 +224,23 @@ def kk(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> list[np.
         while head >= 0:
             owner[head] = part
             head = int(nxt[head])
-    return _groups(owner, k)
+    return Parts.of_owner(owner, k)
 
 
-def _groups(owner: np.ndarray, num_parts: int) -> list[np.ndarray]:
-    """Index arrays per part from an owner-per-sample array (indices ascending)."""
-    order = np.argsort(owner, kind="stable")
-    bounds = np.searchsorted(owner[order], np.arange(num_parts + 1))
-    return [order[bounds[p] : bounds[p + 1]] for p in range(num_parts)]
-
-
-def fill_empty(costs: np.ndarray, parts: list[np.ndarray]) -> list[np.ndarray]:
+def fill_empty(costs: np.ndarray, parts: Parts) -> Parts:
     """Give every part at least one sample (when there are enough): a rank with an
     empty batch would still have to join every collective, for nothing."""
-    parts = list(parts)
+    if parts.sizes.min(initial=1) > 0 or costs.size < len(parts):
+        return parts
+    moved = list(parts)
     while True:
-        empty = [i for i, p in enumerate(parts) if p.size == 0]
-        donor = max(range(len(parts)), key=lambda i: parts[i].size)
-        if not empty or parts[donor].size < 2:
-            return parts
-        lightest = int(np.argmin(costs[parts[donor]]))
-        parts[empty[0]] = parts[donor][lightest : lightest + 1]
-        parts[donor] = np.delete(parts[donor], lightest)
+        empty = [i for i, p in enumerate(moved) if p.size == 0]
+        donor = max(range(len(moved)), key=lambda i: moved[i].size)
+        if not empty or moved[donor].size < 2:
+            return Parts.of_list(moved)
+        lightest = int(np.argmin(costs[moved[donor]]))
+        moved[empty[0]] = moved[donor][lightest : lightest + 1]
+        moved[donor] = np.delete(moved[donor], lightest)
 
 
 PARTITIONERS: dict[str, Partitioner] = {"round_robin": round_robin, "lpt": lpt, "kk": kk, "token_kk": kk}
@@ -177,7 +252,7 @@ def weights_for(name: str, costs: np.ndarray, lengths: np.ndarray) -> np.ndarray
     return lengths.astype(np.float64) if name == "token_kk" else costs
 
 
-def partition(name: str, costs: np.ndarray, lengths: np.ndarray, num_parts: int, equal_count: bool = False) -> list[np.ndarray]:
+def partition(name: str, costs: np.ndarray, lengths: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
     """Run partitioner ``name``; every part non-empty when there are enough samples."""
     if name not in PARTITIONERS:
         raise ValueError(f"unknown partitioner '{name}' (have: {', '.join(PARTITIONERS)})")

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from freescale.dataloader.cost import CostModel
-from freescale.dataloader.partition import lower_bound, partition
+from freescale.dataloader.partition import Parts, lower_bound, partition
 
 
 _WINDOWS_KEPT = 8
@@ -80,37 +80,42 @@ class EpochOrder:
 
 @dataclass
 class StepPlan:
-    """One step: global row ids, per-sample costs and lengths for each live rank.
+    """One step: global row ids and per-sample costs for each live rank (``Parts``: one
+    part per entry of ``live_ranks``, in that order).
 
     ``rows``/``costs`` include the step's carried (requeued) rows; ``carried`` counts
-    them over all ranks.  Each rank's rows are ascending (the order the source reads).
+    them over all ranks.  Within a rank, rows are in the partitioner's order;
+    ``for_rank`` gives them ascending (the order the source reads).
     """
 
     epoch: int
     step: int
     live_ranks: tuple[int, ...]
-    rows: list[np.ndarray]
-    costs: list[np.ndarray]
+    rows: Parts
+    costs: Parts
     model: CostModel
     carried: int = 0
 
     @property
     def global_size(self) -> int:
-        return sum(r.size for r in self.rows)
+        return int(self.rows.index.size)
 
     def loads(self) -> np.ndarray:
-        return np.array([c.sum() for c in self.costs])
+        return self.costs.totals()
 
     def imbalance(self) -> float:
         loads = self.loads()
         return float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0
 
     def bound(self) -> float:
-        return lower_bound(np.concatenate(self.costs), len(self.live_ranks))
+        return lower_bound(self.costs.index, len(self.live_ranks))
 
     def for_rank(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """``rank``'s rows, ascending, and their costs."""
         i = self.live_ranks.index(rank)
-        return self.rows[i], self.costs[i]
+        rows, costs = self.rows[i], self.costs[i]
+        order = np.argsort(rows, kind="stable")
+        return rows[order], costs[order]
 
 
 @dataclass
@@ -120,7 +125,7 @@ class _Window:
     first_step: int
     model: CostModel
     initial_ranks: tuple[int, ...]
-    steps: list[tuple[tuple[int, ...], list[np.ndarray]]]  # per step: (live ranks, rows per rank)
+    steps: list[tuple[tuple[int, ...], Parts]]  # per step: (live ranks, rows per rank)
     replans: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
 
@@ -183,10 +188,10 @@ class BatchPlanner:
         carried = self._carry.get((epoch, step))
         if carried is not None and carried.size:
             rows = self._add_carry(win.model, rows, carried)
-        costs = [self.costs(win.model, r) for r in rows]
+        costs = Parts(self.costs(win.model, rows.index), rows.offsets)
         return StepPlan(epoch, step, ranks, rows, costs, win.model, 0 if carried is None else int(carried.size))
 
-    def _add_carry(self, model: CostModel, rows: list[np.ndarray], carried: np.ndarray) -> list[np.ndarray]:
+    def _add_carry(self, model: CostModel, rows: Parts, carried: np.ndarray) -> Parts:
         """``rows`` (one array per live rank) with a share of ``carried`` (ascending)
         added to each, merged in ascending order (the order the source returns).  The
         carry is partitioned on its own, like a step; its heaviest part goes to the
@@ -197,15 +202,17 @@ class BatchPlanner:
         costs = self.costs(model, carried)
         parts = partition(self.partitioner, costs, self.lengths[carried], len(rows), self.equal_count)
         if self.equal_count:
-            planned = np.array([r.size for r in rows], dtype=np.float64)
-            weight = np.array([p.size for p in parts], dtype=np.float64)
+            planned, weight = rows.sizes.astype(np.float64), parts.sizes.astype(np.float64)
         else:
-            planned = np.array([self.costs(model, r).sum() for r in rows])
-            weight = np.array([costs[p].sum() for p in parts])
-        out = list(rows)
-        for rank, part in zip(np.argsort(planned, kind="stable"), np.argsort(-weight, kind="stable")):
-            out[rank] = np.sort(np.concatenate([rows[rank], carried[parts[part]]]))
-        return out
+            planned, weight = rows.sums_of(lambda r: self.costs(model, r)), parts.sums(costs)
+        part_of_rank = np.empty(len(rows), dtype=np.int64)
+        part_of_rank[np.argsort(planned, kind="stable")] = np.argsort(-weight, kind="stable")
+        extra = parts.select(part_of_rank).map(carried)
+        values = np.concatenate([rows.index, extra.index])
+        owners = np.concatenate([rows.owner(), extra.owner()])
+        merged = np.lexsort((values, owners))
+        sizes = rows.sizes + extra.sizes
+        return Parts(values[merged], np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
 
     # ----- requeue ----------------------------------------------------------------------------
     def requeue(self, epoch: int, step: int, rows: np.ndarray) -> None:
@@ -291,24 +298,22 @@ class BatchPlanner:
     def _replan(self, win: _Window, step: int, live_ranks: tuple[int, ...]) -> None:
         """Re-plan the steps from ``step`` to the window's end over ``live_ranks``."""
         k = step - win.first_step
-        remaining = np.concatenate([r for _, rows in win.steps[k:] for r in rows])
+        remaining = np.concatenate([rows.index for _, rows in win.steps[k:]])
         count = len(win.steps) - k
         steps = self._split(win.model, np.sort(remaining), count, len(live_ranks))
         win.steps[k:] = [(live_ranks, rows) for rows in steps]
         win.replans.append((step, live_ranks))
 
-    def _split(self, model: CostModel, samples: np.ndarray, steps: int, ranks: int) -> list[list[np.ndarray]]:
+    def _split(self, model: CostModel, samples: np.ndarray, steps: int, ranks: int) -> list[Parts]:
         """``samples`` (global row ids, ascending: a canonical order, so that a window
         planned afresh and one re-planned from its first step agree) -> per step, per
         rank row ids."""
         costs, lengths = self.costs(model, samples), self.lengths[samples]
         if steps == 1:
-            parts = partition(self.partitioner, costs, lengths, ranks, self.equal_count)
-            return [[samples[p] for p in parts]]
+            return [partition(self.partitioner, costs, lengths, ranks, self.equal_count).map(samples)]
         parts = partition(self.partitioner, costs, lengths, steps * ranks)
-        heaviest = np.array([costs[p].max() if p.size else 0.0 for p in parts])
-        by_weight = np.argsort(-heaviest, kind="stable")
-        return [[samples[parts[b]] for b in by_weight[j * ranks : (j + 1) * ranks]] for j in range(steps)]
+        by_weight = np.argsort(-parts.maxima(costs), kind="stable")
+        return [parts.select(by_weight[j * ranks : (j + 1) * ranks]).map(samples) for j in range(steps)]
 
     # ----- state ------------------------------------------------------------------------------
     def window_state(self, epoch: int, step: int) -> dict[str, object]:

@@ -38,6 +38,7 @@ import numpy as np
 
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.loader import BalancedLoader, StepInfo
+from freescale.dataloader.partition import Parts
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,13 @@ class Commit:
 class PlannedStep:
     step: int
     live_ranks: tuple[int, ...]
-    plan_rows: tuple[np.ndarray, ...]
+    plan_rows: Parts
     info: StepInfo | None = None
     """Set when this rank reads a share of the step (its group is planned in)."""
 
     def samples_of(self, ranks: range) -> int:
-        return int(sum(rows.size for rank, rows in zip(self.live_ranks, self.plan_rows) if rank in ranks))
+        live = np.asarray(self.live_ranks)
+        return int(self.plan_rows.sizes[(live >= ranks.start) & (live < ranks.stop)].sum())
 
 
 class StepFeed:
@@ -117,7 +119,7 @@ class StepFeed:
                 self._batches.append(batch)  # on the host: the pipeline copies it (torchrec: on its own stream)
             else:
                 plan = self.loader.skip_step(self._live_ranks())
-                self._plans.append(PlannedStep(self._next, plan.live_ranks, tuple(plan.rows)))
+                self._plans.append(PlannedStep(self._next, plan.live_ranks, plan.rows))
             self._next += 1
         if fresh_segment:
             self._iter = self._pull()  # a new object: torchrec's pipelines reset "exhausted" on it
@@ -161,14 +163,13 @@ class StepFeed:
         train it, plan the next step over the ready groups.  Returns the rows the step trained."""
         planned = self.head(commit.step)
         self._plans.popleft()
-        trained, lost = [], []
-        for rank, rows in zip(planned.live_ranks, planned.plan_rows):
-            (trained if rank // self.group_size in commit.trained else lost).append(rows)
-        if lost:
-            self.loader.requeue(np.concatenate(lost))
+        groups = np.asarray(planned.live_ranks, dtype=np.int64) // self.group_size
+        in_trained = np.isin(groups, np.fromiter(commit.trained, dtype=np.int64, count=len(commit.trained)))
+        if not in_trained.all():
+            self.loader.requeue(planned.plan_rows.select(np.flatnonzero(~in_trained)).index)
         self.ready = commit.ready
         self.last_samples = planned.samples_of(self.ranks_of(self.group))
-        self.last_rows = np.concatenate(trained) if trained else np.zeros(0, dtype=np.int64)
+        self.last_rows = planned.plan_rows.select(np.flatnonzero(in_trained)).index
         nxt = commit.step + 1
         if self.segment_end(commit.step) > nxt:
             self._top_up(nxt)  # within the segment; the next segment is planned when it starts
@@ -189,7 +190,7 @@ class StepFeed:
         self._next = int(state["next"])
         self.ready = frozenset(int(g) for g in state["ready"])
         self._plans = deque(PlannedStep(int(p["step"]), tuple(p["live_ranks"]),
-                                        tuple(np.asarray(r, dtype=np.int64) for r in p["rows"]))
+                                        Parts.of_list([np.asarray(r, dtype=np.int64) for r in p["rows"]]))
                             for p in state["plans"])
         self._batches.clear()
         self._iter = self._pull()

@@ -56,6 +56,8 @@ pip_install -r requirements/test.txt
 "$VENV/bin/python" - <<'PY'
 import torch, torchrec, fbgemm_gpu  # noqa: F401  fail here, not in the first test
 import freescale, freescale.dataloader, freescale.kernels, freescale.ft  # noqa: F401
+from freescale.dataloader.balance_kernels import warm_up
+warm_up()  # compile the planner's kernels once into their cache, not in the first training's ranks
 print(f"setup_env: torch {torch.__version__}, torchrec ok, cuda={torch.cuda.is_available()}")
 PY
 echo "$want" > "$stamp"

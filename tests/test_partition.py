@@ -8,7 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freescale.dataloader.cost import CostModel, calibrate
-from freescale.dataloader.partition import PARTITIONERS, imbalance, lower_bound, lpt, partition, round_robin
+from freescale.dataloader.partition import (
+    LPT_RESOLUTION,
+    PARTITIONERS,
+    granular_lower_bound,
+    imbalance,
+    lower_bound,
+    lpt,
+    partition,
+    round_robin,
+)
 from freescale.dataloader.planner import BatchPlanner, EpochOrder
 
 costs_st = st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=0, max_size=300).map(np.array)
@@ -36,15 +45,61 @@ def test_lpt_within_its_guarantee_of_round_robin(costs: np.ndarray, k: int) -> N
     # Round robin is a partition, so OPT <= its max; LPT <= (4/3 - 1/(3k)) OPT (Graham).
     rr = max(costs[p].sum() for p in round_robin(costs, k))
     got = max(costs[p].sum() for p in lpt(costs, k))
-    assert got <= (4 / 3 - 1 / (3 * k)) * rr + 1e-6
+    # LPT's lightest part is exact up to LPT_RESOLUTION of a mean part; the local search only lowers the max.
+    assert got <= (4 / 3 - 1 / (3 * k)) * rr + 2 * LPT_RESOLUTION * costs.sum() / k + 1e-6
     assert imbalance(costs, lpt(costs, k)) >= lower_bound(costs, k) - 1e-9
 
 
-def test_lpt_can_lose_to_a_lucky_round_robin() -> None:
-    """Why "never worse than round robin" is not a property: here RR happens to be optimal."""
+def test_the_local_search_repairs_what_lpt_alone_loses() -> None:
+    """LPT alone: {3, 2, 2} and {3, 2} (7 vs 5); one swap of a 3 for a 2 makes it 6 and 6, which
+    round robin happens to find too."""
     costs = np.array([2.0, 3.0, 2.0, 3.0, 2.0])
     assert imbalance(costs, round_robin(costs, 2)) == 1.0
-    assert imbalance(costs, lpt(costs, 2)) > 1.0
+    assert imbalance(costs, lpt(costs, 2)) == 1.0
+
+
+def bimodal(rng: np.random.Generator, n: int, long_share: float) -> np.ndarray:
+    return np.where(rng.random(n) < long_share, rng.integers(800, 1025, n), rng.integers(1, 61, n))
+
+
+@pytest.mark.parametrize("equal_count", [False, True])
+def test_lpt_on_bimodal_lengths_is_within_a_percent_of_the_granular_bound(equal_count: bool) -> None:
+    """About three long histories per rank: plain LPT gives the parts that must hold a fourth its
+    largest ones (~5% over the bound here); placing and refining the long samples first fixes it."""
+    rng = np.random.default_rng(3)
+    model = CostModel.for_hstu(embedding_dim=256, num_blocks=4, num_heads=4, attention_dim=64, value_dim=64,
+                               head_width=512)
+    for ranks in (64, 512):
+        lengths = bimodal(rng, ranks * 32, 3 / 32)
+        costs = model(lengths)
+        got = imbalance(costs, lpt(costs, ranks, equal_count))
+        assert got <= granular_lower_bound(costs, ranks) * 1.01, (ranks, got)
+
+
+def test_kk_refuses_a_batch_it_cannot_hold_and_lpt_names_a_bad_cost() -> None:
+    costs = np.ones(32_768)
+    with pytest.raises(ValueError, match="partitioner 'kk' would keep .* over its limit"):
+        partition("kk", costs, np.ones(32_768, dtype=np.int64), 1024)
+    costs[7] = np.nan
+    with pytest.raises(ValueError, match="sample 7 has cost nan"):
+        lpt(costs, 4)
+
+
+def test_lpt_plans_the_same_in_another_process_with_another_hash_seed(tmp_path) -> None:
+    """Every rank computes the plan alone: no dependence on hash seed, threads or process."""
+    import subprocess
+    import sys
+
+    script = ("import numpy as np, sys; from freescale.dataloader.partition import lpt; "
+              "rng = np.random.default_rng(0); c = rng.lognormal(3, 1.5, 50_000); p = lpt(c, 512); "
+              "np.save(sys.argv[1], np.concatenate([p.index, p.offsets]))")
+    for seed in ("0", "12345"):
+        env = {"PYTHONHASHSEED": seed, "OMP_NUM_THREADS": seed[:1] or "1", "PATH": "/usr/bin:/bin"}
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / f"{seed}.npy")], env=env, check=True)
+    rng = np.random.default_rng(0)
+    here = lpt(rng.lognormal(3, 1.5, 50_000), 512)
+    for seed in ("0", "12345"):
+        assert np.array_equal(np.load(tmp_path / f"{seed}.npy"), np.concatenate([here.index, here.offsets]))
 
 
 @pytest.mark.parametrize("max_len", [200, 1024, 4096])

@@ -1,0 +1,397 @@
+"""The LPT partitioner's inner loops, compiled with numba and run without the GIL.
+
+Planning runs on the loader's prefetch thread while the training thread runs the
+step.  In Python (a heap step per sample) one 16,384-rank batch of 524,288
+samples took ~0.6 s holding the GIL; here it is one compiled call that releases
+the GIL (``nogil=True``), so the training thread never waits on planning.
+numba rather than a C extension: no compiler at install time, one wheel, and the
+code stays next to the algorithm it implements (timed in
+``benchmarks/bench_balance.py``).  ``cache=True`` keeps the compiled code beside
+this file: only the first process on a machine pays the compile (seconds).
+
+Each stage is linear in the samples (no log factor, few unpredictable branches):
+
+- ``_sort_desc``: descending order up to 2**-16 of the largest cost (one counting
+  pass over the costs quantized to 16 bits), stable;
+- ``_lpt_sorted``: longest processing time first, the "lightest part" found in a
+  bucket queue of width ``resolution * mean part`` instead of a heap (LPT's
+  lightest load only grows, so a queue of buckets is exact up to that width);
+- ``_refine_sorted``: local search that lowers the heaviest part by moving one
+  sample to, or swapping one pair with, one of the lightest parts, until no such
+  step lowers it: LPT leaves its excess in a few parts holding one long sample
+  too many (bimodal lengths), and one swap each fixes them;
+- ``_members``: the part of each position -> CSR (members of each part, heaviest first).
+
+Determinism: the same costs give the same parts on every process and machine:
+plain IEEE arithmetic in a fixed order (no fastmath, no threads, no reordered
+reductions), and every order is stable.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_JIT = dict(nogil=True, cache=True)
+_KEYS = 1 << 16
+
+
+@numba.njit(**_JIT)
+def _scan(costs: np.ndarray) -> tuple[int, float, float]:
+    """``(bad, total, largest)``: ``bad`` is the first cost that is negative, NaN or infinite
+    (-1 when none)."""
+    total, largest = 0.0, 0.0
+    for i in range(costs.size):
+        c = costs[i]
+        if not (0.0 <= c < np.inf):
+            return i, 0.0, 0.0
+        total += c
+        largest = max(largest, c)
+    return -1, total, largest
+
+
+@numba.njit(**_JIT)
+def _sort_desc(costs: np.ndarray, largest: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, costs[order])``, ``order`` descending by cost up to ``largest / 2**16`` (a
+    counting sort on the costs quantized to 16 bits; stable).  LPT's choices move by at most
+    that much per sample, a few millionths of a part: one pass instead of a full sort."""
+    n = costs.size
+    scale = (_KEYS - 1) / largest if largest > 0.0 else 0.0
+    keys = np.empty(n, dtype=np.int32)
+    starts = np.zeros(_KEYS + 1, dtype=np.int64)
+    for i in range(n):
+        key = (_KEYS - 1) - int(costs[i] * scale)  # heaviest first
+        keys[i] = key
+        starts[key + 1] += 1
+    for d in range(_KEYS):
+        starts[d + 1] += starts[d]
+    order = np.empty(n, dtype=np.int64)
+    ordered = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        j = starts[keys[i]]
+        starts[keys[i]] = j + 1
+        order[j] = i
+        ordered[j] = costs[i]
+    return order, ordered
+
+
+@numba.njit(**_JIT)
+def _enqueue(head: np.ndarray, tail: np.ndarray, link: np.ndarray, bucket: int, part: int) -> None:
+    """Append ``part`` to ``bucket`` (first in, first out: equal loads take turns)."""
+    link[part] = -1
+    if head[bucket] < 0:
+        head[bucket] = part
+    else:
+        link[tail[bucket]] = part
+    tail[bucket] = part
+
+
+@numba.njit(**_JIT)
+def _lpt_sorted(ordered: np.ndarray, part_of: np.ndarray, start: int, stop: int, loads: np.ndarray,
+                counts: np.ndarray, full: int, extra: int, width: float) -> int:
+    """Place positions ``start:stop`` of ``ordered`` (costs, heaviest first) into ``part_of``:
+    each to the lightest open part (within ``width``), updating ``loads`` and ``counts``.
+    A part is open below ``full`` samples, and at ``full`` while fewer than ``extra`` parts
+    have gone past it (equal counts: ``full = n // k``, ``extra = n % k``).  Returns ``extra``
+    left.
+
+    Parts wait in buckets of that width by load; ``current`` walks the buckets upwards (a
+    part's load only grows, so the lightest never lies behind it).  Parts beyond the last
+    bucket wait in an overflow list (index ``buckets``), re-bucketed when the buckets run out."""
+    k = loads.size
+    buckets = 4 * k + 64
+    head = np.full(buckets + 1, -1, dtype=np.int64)
+    tail = np.full(buckets + 1, -1, dtype=np.int64)
+    link = np.full(k, -1, dtype=np.int64)
+    base, current = np.inf, 0
+    for p in range(k):
+        base = min(base, loads[p])
+    for p in range(k):
+        if counts[p] < full or (counts[p] == full and extra > 0):
+            _enqueue(head, tail, link, min(int((loads[p] - base) / width), buckets), p)
+    for i in range(start, stop):
+        while True:
+            while current < buckets and head[current] < 0:
+                current += 1
+            if current == buckets:  # re-bucket the overflow from its lightest load
+                q, base, current = head[buckets], np.inf, 0
+                head[buckets] = -1
+                r = q
+                while r >= 0:
+                    base = min(base, loads[r])
+                    r = link[r]
+                while q >= 0:
+                    after = link[q]
+                    _enqueue(head, tail, link, min(int((loads[q] - base) / width), buckets), q)
+                    q = after
+                continue
+            p = head[current]
+            head[current] = link[p]
+            if counts[p] < full or extra > 0:
+                break  # else: closed since it was queued (the extra slots ran out)
+        part_of[i] = p
+        counts[p] += 1
+        loads[p] += ordered[i]
+        if counts[p] == full + 1:
+            extra -= 1
+        if counts[p] < full or (counts[p] == full and extra > 0):
+            _enqueue(head, tail, link, min(int((loads[p] - base) / width), buckets), p)
+    return extra
+
+
+@numba.njit(**_JIT)
+def _less(load_a: float, part_a: int, load_b: float, part_b: int) -> bool:
+    return load_a < load_b or (load_a == load_b and part_a < part_b)
+
+
+@numba.njit(**_JIT)
+def _sift_down(loads: np.ndarray, parts: np.ndarray, size: int, i: int) -> None:
+    """Restore the min-heap ``(loads, parts)[:size]`` below position ``i``."""
+    load, part = loads[i], parts[i]
+    while True:
+        child = 2 * i + 1
+        if child >= size:
+            break
+        if child + 1 < size and _less(loads[child + 1], parts[child + 1], loads[child], parts[child]):
+            child += 1
+        if not _less(loads[child], parts[child], load, part):
+            break
+        loads[i], parts[i] = loads[child], parts[child]
+        i = child
+    loads[i], parts[i] = load, part
+
+
+@numba.njit(**_JIT)
+def _push(loads: np.ndarray, parts: np.ndarray, size: int, load: float, part: int) -> int:
+    """Push onto the min-heap ``(loads, parts)[:size]``; returns the new size."""
+    i = size
+    while i > 0:
+        parent = (i - 1) // 2
+        if not _less(load, part, loads[parent], parts[parent]):
+            break
+        loads[i], parts[i] = loads[parent], parts[parent]
+        i = parent
+    loads[i], parts[i] = load, part
+    return size + 1
+
+
+@numba.njit(**_JIT)
+def _pop(loads: np.ndarray, parts: np.ndarray, size: int) -> int:
+    size -= 1
+    loads[0], parts[0] = loads[size], parts[size]
+    _sift_down(loads, parts, size, 0)
+    return size
+
+
+@numba.njit(**_JIT)
+def _heap(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """A min-heap of ``(keys[p], p)`` with room for pushes (lazy deletion adds entries)."""
+    k = keys.size
+    loads = np.empty(9 * k + 64, dtype=np.float64)
+    parts = np.empty(9 * k + 64, dtype=np.int64)
+    loads[:k] = keys
+    parts[:k] = np.arange(k)
+    for i in range(k // 2 - 1, -1, -1):
+        _sift_down(loads, parts, k, i)
+    return loads, parts, k
+
+
+@numba.njit(**_JIT)
+def _closest(vals: np.ndarray, count: int, target: float) -> int:
+    """Position in the ascending ``vals[:count]`` of the value nearest ``target`` (-1 if empty)."""
+    j = np.searchsorted(vals[:count], target)
+    if j >= count:
+        return count - 1
+    if j > 0 and target - vals[j - 1] <= vals[j] - target:
+        return j - 1
+    return j
+
+
+@numba.njit(**_JIT)
+def _best_exchange(vals: np.ndarray, counts: np.ndarray, h: int, p: int, gap: float,
+                   allow_moves: bool, cap: int) -> tuple[float, int, int]:
+    """The move (``y == -1``) of member ``x`` of part ``h`` to the lighter part ``p``, or swap
+    of ``x`` with member ``y`` of ``p``, whose cost shift ``d`` in ``(0, gap)`` is nearest
+    ``gap / 2`` (the pair's new maximum is ``max(H - d, P + d)``).  ``(d, x, y)``; ``d = 0``: none."""
+    half = gap / 2.0
+    best_d, best_x, best_y, best_miss = 0.0, -1, -1, np.inf
+    nh, np_ = counts[h], counts[p]
+    if allow_moves and nh > 1 and np_ < cap:
+        x = _closest(vals[h], nh, half)
+        if 0.0 < vals[h, x] < gap:
+            best_d, best_x, best_miss = vals[h, x], x, abs(vals[h, x] - half)
+    for x in range(nh):
+        y = _closest(vals[p], np_, vals[h, x] - half)
+        if y >= 0:
+            d = vals[h, x] - vals[p, y]
+            if 0.0 < d < gap and abs(d - half) < best_miss:
+                best_d, best_x, best_y, best_miss = d, x, y, abs(d - half)
+    return best_d, best_x, best_y
+
+
+@numba.njit(**_JIT)
+def _insert(ids: np.ndarray, vals: np.ndarray, count: int, sample: int, cost: float) -> None:
+    """Insert into the ascending ``vals[:count]`` (after equal values)."""
+    j = count
+    while j > 0 and vals[j - 1] > cost:
+        ids[j], vals[j] = ids[j - 1], vals[j - 1]
+        j -= 1
+    ids[j], vals[j] = sample, cost
+
+
+@numba.njit(**_JIT)
+def _remove(ids: np.ndarray, vals: np.ndarray, count: int, j: int) -> int:
+    """Remove position ``j`` of ``ids/vals[:count]``; returns the removed id."""
+    sample = ids[j]
+    for i in range(j, count - 1):
+        ids[i], vals[i] = ids[i + 1], vals[i + 1]
+    return sample
+
+
+@numba.njit(**_JIT)
+def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_parts: int, allow_moves: bool,
+                   partners: int, max_steps: int, target: float) -> None:
+    """Lower the heaviest part by local search, in place on ``part_of[:stop]`` (positions of
+    ``ordered``).
+
+    Each step takes the heaviest part H and, among the ``partners`` lightest parts, the one
+    move of a sample of H (``allow_moves``; off for equal counts) or swap of one pair that
+    lowers ``max(H, P)`` the most.  Stops when H is at most ``target``, when no such step
+    lowers H (a local optimum), or after ``max_steps``."""
+    k, n = num_parts, stop
+    counts = np.zeros(k, dtype=np.int64)
+    for i in range(n):
+        counts[part_of[i]] += 1
+    cap = counts.max() + (4 if allow_moves else 0)
+    ids = np.empty((k, cap), dtype=np.int64)
+    vals = np.empty((k, cap), dtype=np.float64)
+    loads = np.zeros(k, dtype=np.float64)
+    counts[:] = 0
+    for i in range(n - 1, -1, -1):  # lightest first: each part's members ascending by cost
+        p = part_of[i]
+        ids[p, counts[p]], vals[p, counts[p]] = i, ordered[i]
+        counts[p] += 1
+        loads[p] += ordered[i]
+    if n == 0 or loads.sum() <= 0.0:
+        return
+    heavy_loads, heavy_parts, heavy = _heap(-loads)
+    light_loads, light_parts, light = _heap(loads.copy())
+    picked = np.empty(partners, dtype=np.int64)
+    picked_at = np.full(k, -1, dtype=np.int64)
+    for step in range(max_steps):
+        if heavy + 2 > heavy_loads.size or light + 2 + partners > light_loads.size:
+            break  # the lazy heaps are full of stale entries: enough steps
+        while -heavy_loads[0] != loads[heavy_parts[0]]:
+            heavy = _pop(heavy_loads, heavy_parts, heavy)  # stale entry of a part that changed
+        h = heavy_parts[0]
+        if loads[h] <= target:
+            break
+        found = 0
+        while found < partners and light > 0:
+            load, p = light_loads[0], light_parts[0]
+            light = _pop(light_loads, light_parts, light)
+            if load == loads[p] and picked_at[p] != step and p != h:
+                picked_at[p] = step
+                picked[found] = p
+                found += 1
+        best_max, best_d, best_x, best_y, best_p = loads[h], 0.0, -1, -1, -1
+        for i in range(found):
+            p = picked[i]
+            d, x, y = _best_exchange(vals, counts, h, p, loads[h] - loads[p], allow_moves, cap)
+            if d > 0.0 and max(loads[h] - d, loads[p] + d) < best_max:
+                best_max, best_d, best_x, best_y, best_p = max(loads[h] - d, loads[p] + d), d, x, y, p
+        for i in range(found):
+            light = _push(light_loads, light_parts, light, loads[picked[i]], picked[i])
+        if best_p < 0:
+            break  # no single move or swap lowers the heaviest part
+        p = best_p
+        moved = _remove(ids[h], vals[h], counts[h], best_x)
+        counts[h] -= 1
+        if best_y >= 0:
+            back = _remove(ids[p], vals[p], counts[p], best_y)
+            counts[p] -= 1
+            _insert(ids[h], vals[h], counts[h], back, ordered[back])
+            counts[h] += 1
+            part_of[back] = h
+        _insert(ids[p], vals[p], counts[p], moved, ordered[moved])
+        counts[p] += 1
+        part_of[moved] = p
+        for q in (h, p):
+            loads[q] = 0.0
+            for j in range(counts[q]):
+                loads[q] += vals[q, j]
+            heavy = _push(heavy_loads, heavy_parts, heavy, -loads[q], q)
+            light = _push(light_loads, light_parts, light, loads[q], q)
+
+
+@numba.njit(**_JIT)
+def _members(part_of: np.ndarray, order: np.ndarray, num_parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(index, offsets)``: part p holds samples ``index[offsets[p]:offsets[p+1]]``, where sample
+    ``order[i]`` is in part ``part_of[i]`` (kept in the order of ``i``)."""
+    offsets = np.zeros(num_parts + 1, dtype=np.int64)
+    for i in range(part_of.size):
+        offsets[part_of[i] + 1] += 1
+    for p in range(num_parts):
+        offsets[p + 1] += offsets[p]
+    fill = offsets[:-1].copy()
+    index = np.empty(part_of.size, dtype=np.int64)
+    for i in range(part_of.size):
+        index[fill[part_of[i]]] = order[i]
+        fill[part_of[i]] += 1
+    return index, offsets
+
+
+@numba.njit(**_JIT)
+def members_of(owner: np.ndarray, num_parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """CSR of an owner-per-sample array, members ascending (see ``_members``)."""
+    return _members(owner, np.arange(owner.size), num_parts)
+
+
+@numba.njit(**_JIT)
+def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_steps: int, partners: int,
+                resolution: float, tolerance: float, head_share: float) -> tuple[np.ndarray, np.ndarray, int]:
+    """LPT with local search over ``costs``: ``(index, offsets, bad)``, the parts as CSR (each
+    part's samples heaviest first); ``bad``
+    is the first sample whose cost is negative or not finite (then nothing is planned), else -1.
+
+    In two rounds.  The head (samples of at least ``head_share`` of a mean part) is placed by
+    LPT and refined while the parts still have room: that is where LPT loses on bimodal
+    lengths (the parts that must hold one long sample more get LPT's larger ones), and later
+    the light samples fill every part to the brim, leaving no room to swap.  Then the tail is
+    placed by LPT on top, and the whole refined once more, until the heaviest part is within
+    ``tolerance`` of the mean."""
+    n, k = costs.size, num_parts
+    bad, total, largest = _scan(costs)
+    if bad >= 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(k + 1, dtype=np.int64), bad
+    order, ordered = _sort_desc(costs, largest)
+    mean = total / k
+    full, extra = (n // k, n % k) if equal_count else (n + 1, 0)
+    part_of = np.empty(n, dtype=np.int64)
+    loads, counts = np.zeros(k, dtype=np.float64), np.zeros(k, dtype=np.int64)
+    width = resolution * mean if mean > 0.0 else 1.0
+    head = 0
+    while head < n and ordered[head] >= head_share * mean:
+        head += 1
+    extra = _lpt_sorted(ordered, part_of, 0, head, loads, counts, full, extra, width)
+    allow_moves = not equal_count
+    if refine_steps > 0 and head > k and loads.max() > mean * (1.0 + tolerance):
+        _refine_sorted(ordered, part_of, head, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance))
+        loads[:], counts[:] = 0.0, 0
+        for i in range(head):
+            loads[part_of[i]] += ordered[i]
+            counts[part_of[i]] += 1
+    _lpt_sorted(ordered, part_of, head, n, loads, counts, full, extra, width)
+    if refine_steps > 0 and n > k and loads.max() > mean * (1.0 + tolerance):
+        _refine_sorted(ordered, part_of, n, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance))
+    index, offsets = _members(part_of, order, k)
+    return index, offsets, -1
+
+
+def warm_up() -> None:
+    """Compile every entry point (or load it from the cache): set-up calls it once, so no
+    training's prefetch thread waits seconds for the compiler."""
+    costs = np.array([3.0, 1.0, 2.0, 2.0, 5.0, 0.5])
+    for equal_count in (False, True):
+        lpt_refined(costs, 2, equal_count, 8, 2, 1e-5, 1e-3, 0.25)
+    members_of(np.array([1, 0, 1], dtype=np.int64), 2)
