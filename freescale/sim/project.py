@@ -1,0 +1,210 @@
+"""The projection: this project's measured figures and labelled assumptions, at 1K-100K GPUs.
+
+Every input is a ``Sourced`` value: a figure read from a benchmark result of this repository
+(file and field printed beside it), a setting read from the code, or an assumption for what
+cannot be measured on a 2-core CPU machine (a GPU cluster's failure rates, the restart time of
+an 8K-GPU group), each with where its number comes from.  ``inputs()`` gathers them;
+``scenario()`` turns them into one ``Cluster`` and the three ``Policy`` objects at a GPU count;
+``project()`` simulates the three on one trace per GPU count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from freescale.sim.engine import Outcome, simulate
+from freescale.sim.params import Cluster, Policy, SimError
+from freescale.sim.trace import make_trace
+
+INF = math.inf
+SCALES = (1_024, 16_384, 102_400)
+CURVE = (1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 102_400)
+RSC1_PER_GPU_HOUR = 6.5 / (1000 * 24 * 8)
+"""Meta RSC-1: 6.5 failures per 1,000 node-days, 8 GPUs a node (arXiv 2410.21680); at 98K GPUs
+that is a job MTBF of 18 min, FT-HSDP's figure."""
+
+
+@dataclass(frozen=True)
+class Sourced:
+    value: float
+    source: str
+    kind: str  # "measured" (a benchmark result here), "code" (a setting), "assumption", "override"
+
+
+def _field(doc: dict[str, Any], path: str, file: Path) -> float:
+    node: Any = doc
+    for part in path.split("."):
+        if isinstance(node, list):
+            node = node[int(part)] if part.isdigit() and int(part) < len(node) else None
+        elif isinstance(node, dict):
+            node = node.get(part)
+        if node is None:
+            raise SimError(f"{file}: no field '{path}' (re-run the benchmark that writes it)")
+    if not isinstance(node, (int, float)):
+        raise SimError(f"{file}: field '{path}' is not a number: {node!r}")
+    return float(node)
+
+
+def _load(file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise SimError(f"{file}: not found (run the benchmark that writes it, or pass --results DIR)") from None
+    except json.JSONDecodeError as exc:
+        raise SimError(f"{file}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+
+
+def _row(doc: dict[str, Any], file: Path, measure: str) -> tuple[int, dict[str, Any]]:
+    for i, row in enumerate(doc.get("rows", [])):
+        if row.get("measure", "").startswith(measure):
+            return i, row
+    raise SimError(f"{file}: no row whose measure starts with '{measure}'")
+
+
+def measured(results: Path) -> dict[str, Sourced]:
+    """The fault-tolerance figures measured here (``bench_ft_torchrec.py``, ``bench_ft.py``)."""
+    tr_file, ft_file = results / "ft_torchrec_cpu.json", results / "ft_cpu.json"
+    tr, ft = _load(tr_file), _load(ft_file)
+
+    def m(file: Path, doc: dict[str, Any], path: str) -> Sourced:
+        return Sourced(_field(doc, path, file), f"{file.name}: {path}", "measured")
+
+    over_i, over = _row(ft, ft_file, "per-step overhead vs torch DDP")
+    kill_i, _ = _row(ft, ft_file, "kill -> survivors' next committed step (1.3M")
+    slow_i, _ = _row(tr, tr_file, "survivor step during catch-up / before")
+    ddp = _field(over, "ddp_step_ms", ft_file)
+    return {
+        "kill_to_commit_s": m(tr_file, tr, "params.kill_run.kill_s"),
+        "torchft_kill_to_commit_s": m(ft_file, ft, f"rows.{kill_i}.torchft_raw"),
+        "restart_to_catchup_s": m(tr_file, tr, "params.kill_run.kill_to_catch_up_start_s"),
+        "catchup_end_to_end_s": m(tr_file, tr, "params.kill_run.catch_up_s"),
+        "catchup_gbps": Sourced(_field(tr, "params.kill_run.rate", tr_file) / 1e9,
+                                f"{tr_file.name}: params.kill_run.rate / 1e9", "measured"),
+        "catchup_slowdown": m(tr_file, tr, f"rows.{slow_i}.raw"),
+        "heartbeat_timeout_s": m(tr_file, tr, "params.heartbeat_timeout_s"),
+        "overhead": Sourced(max(0.0, _field(over, "ftar_step_ms", ft_file) / ddp - 1),
+                            f"{ft_file.name}: rows.{over_i}.ftar_step_ms / ddp_step_ms - 1", "measured"),
+        "torchft_overhead": Sourced(max(0.0, _field(over, "torchft_step_ms", ft_file) / ddp - 1),
+                                    f"{ft_file.name}: rows.{over_i}.torchft_step_ms / ddp_step_ms - 1 (>= 0)",
+                                    "measured"),
+    }
+
+
+def code_settings() -> dict[str, Sourced]:
+    """Settings read from the code (imports ``freescale.ft``: torch)."""
+    from freescale.ft.config import FTConfig
+
+    return {"hang_bound_s": Sourced(FTConfig().timeout_s, "ft/config.py: FTConfig.timeout_s (collective timeout: "
+                                    "the longest a hung peer can stall a step)", "code")}
+
+
+def assumptions() -> dict[str, Sourced]:
+    """What a CPU machine cannot measure: each from a published figure or a stated guess."""
+    a = "assumption"
+    return {
+        "failures_per_gpu_hour": Sourced(RSC1_PER_GPU_HOUR, "arXiv 2410.21680 (RSC-1: 6.5 / 1000 node-days, 8 GPUs/node);"
+                                         " = FT-HSDP's 18 min job MTBF at 98K GPUs", a),
+        "hang_fraction": Sourced(0.2, "guess: 1 in 5 failures hangs rather than crashes", a),
+        "slow_per_gpu_hour": Sourced(1e-5, "guess (Falcon, arXiv 2410.12588: fail-slow is common, tens of s to hours)", a),
+        "slow_speed": Sourced(0.5, "guess: a slow replica at half speed", a),
+        "slow_duration_s": Sourced(600.0, "guess: 10 min episodes (Falcon: tens of s to hours)", a),
+        "slow_detect_s": Sourced(30.0, "design, not yet built: a 30-step speed window, then planning by speed "
+                                 "(DESIGN.md 'fail-slow'; the loader does not plan by speed yet)", a),
+        "correlated_fraction": Sourced(0.05, "guess: 1 in 20 failures takes a second group (switch, power)", a),
+        "step_s": Sourced(1.0, "guess: a 1 s recommendation-model step", a),
+        "state_gb": Sourced(8.0, "guess: 8 GB of parameters + optimizer state per rank", a),
+        "node_replacement_s": Sourced(390.0, "FT-HSDP: failed replica out 10 min, 3 of them the global stall: "
+                                      "~7 min to replace and restart a group (scheduler, node swap, start)", a),
+        "job_restart_fixed_s": Sourced(400.0, "FT-HSDP: 10 min synchronous recovery at 98K minus its ~200 s NCCL init", a),
+        "nccl_init_16k_s": Sourced(17.0, "FT-HSDP: NCCL init 17 s at 16K GPUs, ~200 s at 98K (power law between)", a),
+        "reconfigure_s": Sourced(10.0, "guess: new cross-group communicators after a failure, both FT policies", a),
+        "sync_hang_detect_s": Sourced(600.0, "torch's default NCCL collective timeout (10 min)", a),
+        "torchft_hang_detect_s": Sourced(5.0, "torchft lighthouse default heartbeat timeout (5 s)", a),
+        "checkpoint_interval_s": Sourced(1800.0, "guess: a checkpoint every 30 min, every policy", a),
+        "checkpoint_cost_s": Sourced(30.0, "guess: 30 s blocking per save", a),
+    }
+
+
+def inputs(results: Path) -> dict[str, Sourced]:
+    return {**measured(results), **code_settings(), **assumptions()}
+
+
+def nccl_init_s(gpus: int, at_16k: float) -> float:
+    """17 s at 16K GPUs growing to ~200 s at 98K: ``at_16k * (n/16K)^1.36``."""
+    return at_16k * (gpus / 16_384) ** 1.36
+
+
+def replicas_at(gpus: int) -> int:
+    """16 replica groups up to 16K GPUs, then 8K-GPU groups (FT-HSDP: ~98K GPUs as 12 replicas)."""
+    return 16 if gpus <= 16_384 else max(2, round(gpus / 8_192))
+
+
+def scenario(gpus: int, v: dict[str, Sourced], replicas: int | None = None) -> tuple[Cluster, list[Policy]]:
+    """The cluster and the three policies at ``gpus`` from the sourced inputs ``v``."""
+    x = {k: s.value for k, s in v.items()}
+    group = gpus // (replicas or replicas_at(gpus))
+    total = x["failures_per_gpu_hour"]
+    cluster = Cluster(gpus=gpus, gpus_per_replica=group, crash_per_gpu_hour=total * (1 - x["hang_fraction"]),
+                      hang_per_gpu_hour=total * x["hang_fraction"], slow_per_gpu_hour=x["slow_per_gpu_hour"],
+                      slow_speed=x["slow_speed"], slow_duration_s=x["slow_duration_s"],
+                      correlated_fraction=x["correlated_fraction"], step_s=x["step_s"], state_gb=x["state_gb"])
+    ckpt = dict(checkpoint_interval_s=x["checkpoint_interval_s"], checkpoint_cost_s=x["checkpoint_cost_s"])
+    group_restart = x["node_replacement_s"] + x["restart_to_catchup_s"] + nccl_init_s(group, x["nccl_init_16k_s"])
+    sync = Policy("sync + checkpoint restart", "sync", {"crash": 0.0, "hang": x["sync_hang_detect_s"], "slow": INF},
+                  restart_s=x["job_restart_fixed_s"] + nccl_init_s(gpus, x["nccl_init_16k_s"]), **ckpt)
+    torchft = Policy("torchft-like", "torchft",
+                     {"crash": x["torchft_kill_to_commit_s"], "hang": x["torchft_hang_detect_s"], "slow": INF},
+                     restart_s=group_restart, reconfigure_s=x["reconfigure_s"], catchup_gbps=x["catchup_gbps"],
+                     overhead=x["torchft_overhead"], **ckpt)
+    ours = Policy("freescale", "freescale",
+                  {"crash": x["kill_to_commit_s"], "hang": x["heartbeat_timeout_s"], "slow": x["slow_detect_s"]},
+                  restart_s=group_restart, reconfigure_s=x["reconfigure_s"], catchup_gbps=x["catchup_gbps"],
+                  replay_s=x["catchup_end_to_end_s"], catchup_slowdown=x["catchup_slowdown"],
+                  overhead=x["overhead"], **ckpt)
+    return cluster, [sync, torchft, ours]
+
+
+def horizon_for(cluster: Cluster, failures: int) -> float:
+    return failures / sum(cluster.rate_per_s(k) for k in ("crash", "hang"))
+
+
+def compare(cluster: Cluster, policies: list[Policy], failures: int, seed: int, horizon_s: float | None = None,
+            bins: int = 200) -> list[Outcome]:
+    """Every policy on one trace."""
+    horizon = horizon_s or horizon_for(cluster, failures)
+    trace = make_trace(cluster, horizon, seed)
+    return [simulate(cluster, p, trace, horizon, bins) for p in policies]
+
+
+def project(v: dict[str, Sourced], gpu_counts: tuple[int, ...], failures: int, seed: int) -> list[dict[str, Any]]:
+    """One row per (GPU count, policy)."""
+    rows = []
+    for gpus in gpu_counts:
+        cluster, policies = scenario(gpus, v)
+        for policy, out in zip(policies, compare(cluster, policies, failures, seed)):
+            rows.append(summary_row(gpus, cluster, policy, out))
+    return rows
+
+
+def summary_row(gpus: int, cluster: Cluster, policy: Policy, out: Outcome) -> dict[str, Any]:
+    stall = out.stall_stats()
+    lost = sorted(((k, s) for k, s in out.breakdown.items() if k != "useful"), key=lambda kv: -kv[1])
+    return {"gpus": gpus, "replicas": cluster.replicas, "policy": policy.name, "ettr": round(out.ettr, 4),
+            "stall_mean_s": round(stall["mean"], 2), "stall_p50_s": round(stall["p50"], 2),
+            "stall_p90_s": round(stall["p90"], 2), "failures": out.failures,
+            "discarded_per_failure": round(out.steps_discarded / max(out.failures, 1), 2),
+            "mean_contributing": round(out.mean_contributing, 2),
+            "job_mtbf_min": round(60 / (3600 * sum(cluster.rate_per_s(k) for k in ("crash", "hang"))), 1),
+            "top_losses": ", ".join(f"{k} {100 * s:.1f}%" for k, s in lost[:3]),
+            "breakdown": {k: round(s, 5) for k, s in out.breakdown.items()}}
+
+
+def with_overrides(v: dict[str, Sourced], overrides: dict[str, float]) -> dict[str, Sourced]:
+    unknown = sorted(set(overrides) - set(v))
+    if unknown:
+        raise SimError(f"unknown input '{unknown[0]}' (one of: {', '.join(sorted(v))})")
+    return {**v, **{k: replace(v[k], value=val, source="command line", kind="override") for k, val in overrides.items()}}
