@@ -1,9 +1,11 @@
-"""The ``freescale`` command: ``gen-data``, ``train``, ``launch``.
+"""The ``freescale`` command: ``gen-data``, ``train``, ``launch``, ``lighthouse``, ``simulate``, ``report``.
 
     freescale gen-data --out data/demo --rows 40000
     freescale train --config configs/tiny_hstu.toml --data.path data/demo --train.steps 50
     freescale launch --nproc-per-node 2 --config configs/tiny_hstu.toml --data.path data/demo
     freescale launch --replicas 2 --ranks-per-replica 2 --max-restarts 3 --config configs/tiny_hstu.toml
+    freescale simulate --gpus 102400 --project --plot ettr.png
+    freescale report runs/demo
 
 ``train`` runs one rank (under torchrun, or alone); ``launch`` starts N local
 ranks under torch's elastic agent (``freescale.launch``) after checking the
@@ -153,6 +155,47 @@ def print_summary(summary: Any) -> None:
     Console().print(table)
 
 
+# ----- simulate / report -----------------------------------------------------------------
+def _parse_sets(pairs: list[str]) -> dict[str, float]:
+    found = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            found[key] = float(value) if sep else float("nan")
+        except ValueError:
+            raise ConfigError(f"--set {pair}: expected KEY=NUMBER") from None
+        if not sep:
+            raise ConfigError(f"--set {pair}: expected KEY=NUMBER")
+    return found
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from freescale.sim.command import run_simulate
+
+    if args.gpus < 1 or args.failures < 1 or (args.replicas is not None and not 1 <= args.replicas <= args.gpus):
+        raise ConfigError(f"--gpus and --failures must be >= 1 and --replicas in 1..gpus, got --gpus {args.gpus} "
+                          f"--failures {args.failures} --replicas {args.replicas}")
+    doc = run_simulate(Path(args.results), args.gpus, args.replicas, args.failures, args.seed,
+                       _parse_sets(args.set), args.project, Path(args.plot) if args.plot else None, args.quick)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from freescale.report import write_report
+
+    page = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(f"wrote {page}")
+    return 0
+
+
 # ----- launch ----------------------------------------------------------------------------
 def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load_train_config(args.config, overrides, args.resume)
@@ -223,7 +266,7 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     parser = _Parser(
         prog="freescale", description="Train recommendation models on torchrec; keep every rank busy."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{gen-data,train,launch,lighthouse}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{gen-data,train,launch,lighthouse,simulate,report}")
 
     gen = sub.add_parser("gen-data", help="write a synthetic Parquet dataset with a learnable signal")
     gen.add_argument("--out", required=True, help="output directory (dataset.json + Parquet files)")
@@ -247,6 +290,22 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     lh.add_argument("--store-port", type=_int, default=0, help="rendezvous TCPStore port (default: a free one)")
     lh.add_argument("--max-request-bytes", type=_int, default=64 * 1024)
     # The shared token comes from the environment: a command line is visible to every user.
+
+    sim = sub.add_parser("simulate", help="ETTR at scale by simulation: validation gates, then sync vs torchft-like vs freescale")
+    sim.add_argument("--gpus", type=_int, default=16_384, help="GPUs of the simulated job (default 16384)")
+    sim.add_argument("--replicas", type=_int, default=None, help="replica groups (default: 16 up to 16K GPUs, then 8K-GPU groups)")
+    sim.add_argument("--failures", type=_int, default=1_000, help="crash/hang failures to simulate (default 1000)")
+    sim.add_argument("--seed", type=_int, default=0)
+    sim.add_argument("--results", default="benchmarks/results", help="measured FT benchmark JSONs (default benchmarks/results)")
+    sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an input (names in the inputs table)")
+    sim.add_argument("--project", action="store_true", help="also project at 1K, 16K and 100K GPUs")
+    sim.add_argument("--plot", help="write ETTR vs GPU count (1K..100K) to this PNG")
+    sim.add_argument("--json", help="write gates, inputs and results to this JSON file")
+    sim.add_argument("--quick", action="store_true", help="validation gates with fewer simulated failures")
+
+    rep = sub.add_parser("report", help="one HTML page with plots from a run's logs (train_log.jsonl, replica<g>/)")
+    rep.add_argument("run_dir", help="the run's train.output_dir")
+    rep.add_argument("--out", help="the page to write (default RUN_DIR/report.html)")
 
     keys_help = None
     if with_config_keys:  # imports torchrec: only worth it when help is asked for
@@ -278,12 +337,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_gen_data(args)
         if args.command == "lighthouse":
             return cmd_lighthouse(args)
+        if args.command == "simulate":
+            return cmd_simulate(args)
+        if args.command == "report":
+            return cmd_report(args)
         if args.command == "launch" and args.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
         if args.command == "launch" and args.replicas < 1:
             raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
         return cmd_train(args, rest) if args.command == "train" else cmd_launch(args, rest)
     except Exception as exc:  # one line for what the user can fix; tracebacks for our bugs
+        if args.command in ("simulate", "report"):  # light commands: no torch import to report their errors
+            from freescale.report.logs import ReportError
+            from freescale.sim.command import GateFailed
+            from freescale.sim.params import SimError
+
+            if isinstance(exc, (ConfigError, SimError, ReportError)):
+                print(f"freescale: error: {exc}", file=sys.stderr)
+                return 1 if isinstance(exc, GateFailed) else 2
+            raise
         from freescale.checkpoint import CheckpointError
         from freescale.dataloader.schema import DataError
         from freescale.ft.client import LighthouseError

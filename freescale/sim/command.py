@@ -59,8 +59,8 @@ RESULT_COLUMNS = ["gpus", "replicas", "job_mtbf_min", "policy", "ettr", "stall_m
 def run_simulate(results: Path, gpus: int, replicas: int | None, failures: int, seed: int,
                  overrides: dict[str, float], projection: bool, plot: Path | None, quick: bool) -> dict[str, Any]:
     """The whole command; returns what ``--json`` writes."""
+    v = with_overrides(inputs(results), overrides)  # bad input fails before the gates run
     gates = gates_first(quick)
-    v = with_overrides(inputs(results), overrides)
     print_inputs(v)
     cluster, policies = scenario(gpus, v, replicas)
     outs = compare(cluster, policies, failures, seed)

@@ -1,7 +1,7 @@
 """The projection: this project's measured figures and labelled assumptions, at 1K-100K GPUs.
 
 Every input is a ``Sourced`` value: a figure read from a benchmark result of this repository
-(file and field printed beside it), a setting read from the code, or an assumption for what
+(file and field printed beside it), or an assumption for what
 cannot be measured on a 2-core CPU machine (a GPU cluster's failure rates, the restart time of
 an 8K-GPU group), each with where its number comes from.  ``inputs()`` gathers them;
 ``scenario()`` turns them into one ``Cluster`` and the three ``Policy`` objects at a GPU count;
@@ -32,7 +32,7 @@ that is a job MTBF of 18 min, FT-HSDP's figure."""
 class Sourced:
     value: float
     source: str
-    kind: str  # "measured" (a benchmark result here), "code" (a setting), "assumption", "override"
+    kind: str  # "measured" (a benchmark result here), "assumption", "override" (--set)
 
 
 def _field(doc: dict[str, Any], path: str, file: Path) -> float:
@@ -94,14 +94,6 @@ def measured(results: Path) -> dict[str, Sourced]:
     }
 
 
-def code_settings() -> dict[str, Sourced]:
-    """Settings read from the code (imports ``freescale.ft``: torch)."""
-    from freescale.ft.config import FTConfig
-
-    return {"hang_bound_s": Sourced(FTConfig().timeout_s, "ft/config.py: FTConfig.timeout_s (collective timeout: "
-                                    "the longest a hung peer can stall a step)", "code")}
-
-
 def assumptions() -> dict[str, Sourced]:
     """What a CPU machine cannot measure: each from a published figure or a stated guess."""
     a = "assumption"
@@ -130,7 +122,7 @@ def assumptions() -> dict[str, Sourced]:
 
 
 def inputs(results: Path) -> dict[str, Sourced]:
-    return {**measured(results), **code_settings(), **assumptions()}
+    return {**measured(results), **assumptions()}
 
 
 def nccl_init_s(gpus: int, at_16k: float) -> float:

@@ -1,0 +1,115 @@
+"""One self-contained HTML page for a run: summary, what happened (kills, restarts, catch-ups,
+redo attempts, checkpoints) in wall-clock order, and the figures as embedded PNGs."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from pathlib import Path
+from typing import Any
+
+from freescale.report.figures import catchup_phases, fig_quality, fig_steps, fig_timeline, kill_step
+from freescale.report.logs import RunLogs, read_run
+
+STYLE = """body{font-family:system-ui,sans-serif;margin:24px;max-width:1250px;color:#222}
+table{border-collapse:collapse;margin:8px 0 18px}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left}
+th{background:#f2f3f4}h1{font-size:22px}h2{font-size:17px;margin-top:28px}img{max-width:100%;border:1px solid #eee}
+.kill{color:#c0392b;font-weight:600}.note{color:#555;font-size:13px}"""
+
+
+def _png(fig: Any) -> str:
+    from freescale.plotting import pyplot
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    pyplot().close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _table(rows: list[list[Any]], head: list[str]) -> str:
+    cells = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + f"</tr>{cells}</table>"
+
+
+def summary_rows(run: RunLogs) -> list[list[Any]]:
+    rows = []
+    for g in run.groups:
+        starts, summary = g.of("start"), (g.of("summary") or [{}])[-1]
+        commits = g.commits
+        config = starts[0].get("config", {}) if starts else {}
+        rows.append([f"group {g.group}", html.escape(str(config.get("model", {}).get("kind", "?"))),
+                     starts[0].get("world_size", "?") if starts else "?", len(starts), len(commits),
+                     f"{commits[0]['step']}..{commits[-1]['step']}" if commits else "-",
+                     sum(1 for c in commits if not c.get("contributing", True)),
+                     f"{summary.get('samples_per_s', float('nan')):,.0f}", f"{summary.get('train_loss', float('nan')):.4f}",
+                     f"{summary.get('train_auc', float('nan')):.4f}", html.escape(str(summary.get("eval_auc")))])
+    return rows
+
+
+def event_rows(run: RunLogs) -> list[tuple[float, list[Any]]]:
+    """(wall time, row) for every notable event, all groups."""
+    t0, found = run.t0, []
+    for kill in run.kills:
+        step = kill_step(run, kill)
+        after = [c["time"] for g in run.groups if g.group != kill.group for c in g.commits
+                 if c["time"] >= kill.time and kill.group not in _groups_of(c)]
+        stall = f"; the others' next commit without it {after[0] - kill.time:.2f} s later" if after else ""
+        found.append((kill.time, [f"{kill.time - t0:.2f}", kill.group, "<span class=kill>SIGKILL</span>",
+                                  f"rank {kill.rank} killed (FREESCALE_FAULTS) during step {step}{stall}"]))
+    for g in run.groups:
+        for e in g.of("start"):
+            if e.get("incarnation", 0) > 0:
+                found.append((e["time"], [f"{e['time'] - t0:.2f}", g.group, "restart",
+                                          f"incarnation {e['incarnation']} started (pid {e.get('pid')})"]))
+        for caught in g.catch_ups:
+            phases = "; ".join(f"{p} {b - a:.2f} s" for p, a, b in catchup_phases(run, g, caught))
+            rate = caught.get("bytes_per_s", 0) / 1e9
+            found.append((caught.get("started", 0.0), [
+                f"{caught.get('started', 0.0) - t0:.2f}", g.group, "catch-up",
+                f"joined at step {caught.get('joined_step')}, snapshot of step {caught.get('snapshot_step')} from "
+                f"{html.escape(str(caught.get('source')))}: {caught.get('bytes', 0):,} bytes at {rate:.2f} GB/s, "
+                f"replayed {caught.get('replayed')} step(s); {phases}"]))
+        for c in g.commits:
+            if c.get("attempts", 1) > 1:
+                found.append((c["time"], [f"{c['time'] - t0:.2f}", g.group, "redo",
+                                          f"step {c['step']} committed after {c['attempts']} attempts, participants "
+                                          f"{html.escape(', '.join(map(str, c.get('participants', []))))}"]))
+        for e in g.of("checkpoint", "calibrate"):
+            found.append((e["time"], [f"{e['time'] - t0:.2f}", g.group, e["event"], f"step {e.get('step')}"]))
+    return sorted(found, key=lambda item: item[0])
+
+
+def _groups_of(commit: dict[str, Any]) -> set[int]:
+    return {int(p[len("replica"):]) for p in commit.get("participants", []) if str(p)[len("replica"):].isdigit()}
+
+
+def render(run: RunLogs) -> str:
+    figures = [("Per step", fig_steps(run)), ("Quality, capacity and calibration", fig_quality(run))]
+    if run.fault_tolerant:
+        figures.append(("Fault tolerance timeline", fig_timeline(run)))
+    kills, catches = len(run.kills), sum(len(g.catch_ups) for g in run.groups)
+    headline = (f"{len(run.groups)} group(s); {kills} kill(s); {catches} catch-up(s); "
+                f"{sum(len(g.commits) for g in run.groups)} committed step records")
+    parts = [f"<!doctype html><html><head><meta charset=utf-8><title>freescale run report: {html.escape(str(run.root))}"
+             f"</title><style>{STYLE}</style></head><body>",
+             f"<h1>freescale run report</h1><p>{html.escape(str(run.root))}<br>{headline}</p>",
+             "<h2>Groups</h2>" + _table(summary_rows(run), ["group", "model", "ranks", "incarnations", "commits", "steps",
+                                                            "recovering steps", "samples/s", "train loss", "train AUC",
+                                                            "eval AUC"])]
+    events = event_rows(run)
+    parts.append("<h2>What happened</h2>" + (_table([row for _, row in events], ["t (s)", "group", "event", "detail"])
+                                            if events else "<p class=note>no kill, restart, catch-up or redo</p>"))
+    for title, fig in figures:
+        parts.append(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{_png(fig)}'>")
+    parts.append("<p class=note>From the run's logs (freescale/run_log.py) and rank&lt;r&gt;.killed files; "
+                 "written by <code>freescale report</code>.</p></body></html>")
+    return "\n".join(parts)
+
+
+def write_report(root: Path, out: Path | None = None) -> Path:
+    """Read ``root``'s logs and write the page (default ``root/report.html``)."""
+    run = read_run(root)
+    page = out or root / "report.html"
+    page.write_text(render(run))
+    return page
