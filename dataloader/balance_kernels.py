@@ -57,10 +57,12 @@ def _sort_desc(costs: np.ndarray, largest: float) -> tuple[np.ndarray, np.ndarra
     that much per sample, a few millionths of a part: one pass instead of a full sort."""
     n = costs.size
     scale = (_KEYS - 1) / largest if largest > 0.0 else 0.0
+    if not scale < np.inf:
+        scale = 0.0  # a tiny largest cost: one key for all, index order
     keys = np.empty(n, dtype=np.int32)
     starts = np.zeros(_KEYS + 1, dtype=np.int64)
     for i in range(n):
-        key = (_KEYS - 1) - int(costs[i] * scale)  # heaviest first
+        key = (_KEYS - 1) - min(int(costs[i] * scale), _KEYS - 1)  # heaviest first
         keys[i] = key
         starts[key + 1] += 1
     for d in range(_KEYS):
@@ -73,6 +75,13 @@ def _sort_desc(costs: np.ndarray, largest: float) -> tuple[np.ndarray, np.ndarra
         order[j] = i
         ordered[j] = costs[i]
     return order, ordered
+
+
+@numba.njit(**_JIT)
+def _bucket(load: float, base: float, width: float, buckets: int) -> int:
+    """The bucket of ``load``; ``buckets`` (the overflow) when past the last one."""
+    offset = (load - base) / width
+    return int(offset) if offset < buckets else buckets
 
 
 @numba.njit(**_JIT)
@@ -108,7 +117,7 @@ def _lpt_sorted(ordered: np.ndarray, part_of: np.ndarray, start: int, stop: int,
         base = min(base, loads[p])
     for p in range(k):
         if counts[p] < full or (counts[p] == full and extra > 0):
-            _enqueue(head, tail, link, min(int((loads[p] - base) / width), buckets), p)
+            _enqueue(head, tail, link, _bucket(loads[p], base, width, buckets), p)
     for i in range(start, stop):
         while True:
             while current < buckets and head[current] < 0:
@@ -122,7 +131,7 @@ def _lpt_sorted(ordered: np.ndarray, part_of: np.ndarray, start: int, stop: int,
                     r = link[r]
                 while q >= 0:
                     after = link[q]
-                    _enqueue(head, tail, link, min(int((loads[q] - base) / width), buckets), q)
+                    _enqueue(head, tail, link, _bucket(loads[q], base, width, buckets), q)
                     q = after
                 continue
             p = head[current]
@@ -135,7 +144,7 @@ def _lpt_sorted(ordered: np.ndarray, part_of: np.ndarray, start: int, stop: int,
         if counts[p] == full + 1:
             extra -= 1
         if counts[p] < full or (counts[p] == full and extra > 0):
-            _enqueue(head, tail, link, min(int((loads[p] - base) / width), buckets), p)
+            _enqueue(head, tail, link, _bucket(loads[p], base, width, buckets), p)
     return extra
 
 
@@ -369,7 +378,9 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     full, extra = (n // k, n % k) if equal_count else (n + 1, 0)
     part_of = np.empty(n, dtype=np.int64)
     loads, counts = np.zeros(k, dtype=np.float64), np.zeros(k, dtype=np.int64)
-    width = resolution * mean if mean > 0.0 else 1.0
+    width = resolution * mean
+    if not width > 0.0:  # no cost at all, or a mean so small that the width underflows
+        width = mean if mean > 0.0 else 1.0
     head = 0
     while head < n and ordered[head] >= head_share * mean:
         head += 1

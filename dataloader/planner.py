@@ -120,12 +120,19 @@ class StepPlan:
 
 @dataclass
 class _Window:
+    """The global batches of ``window`` steps, planned together.  ``samples`` (row ids, in the
+    epoch's order: the same on every rank) and their ``costs`` are computed once; each step's
+    parts are positions into them, so a re-plan sorts positions (its canonical order), and a
+    window planned afresh (positions 0..n-1) equals one re-planned from its first step."""
+
     epoch: int
     index: int
     first_step: int
     model: CostModel
     initial_ranks: tuple[int, ...]
-    steps: list[tuple[tuple[int, ...], Parts]]  # per step: (live ranks, rows per rank)
+    samples: np.ndarray
+    costs: np.ndarray
+    steps: list[tuple[tuple[int, ...], Parts]]  # per step: (live ranks, positions per rank)
     replans: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
 
@@ -181,14 +188,15 @@ class BatchPlanner:
         win = self._windows.get((epoch, index))
         if win is None:
             win = self._remember(self._new_window(epoch, index, tuple(live_ranks)))
-        ranks, rows = win.steps[step - win.first_step]
+        ranks, positions = win.steps[step - win.first_step]
         if ranks != tuple(live_ranks):
             self._replan(win, step, tuple(live_ranks))
-            ranks, rows = win.steps[step - win.first_step]
+            ranks, positions = win.steps[step - win.first_step]
+        rows, costs = positions.map(win.samples), positions.map(win.costs)
         carried = self._carry.get((epoch, step))
         if carried is not None and carried.size:
             rows = self._add_carry(win.model, rows, carried)
-        costs = Parts(self.costs(win.model, rows.index), rows.offsets)
+            costs = Parts(self.costs(win.model, rows.index), rows.offsets)
         return StepPlan(epoch, step, ranks, rows, costs, win.model, 0 if carried is None else int(carried.size))
 
     def _add_carry(self, model: CostModel, rows: Parts, carried: np.ndarray) -> Parts:
@@ -290,30 +298,30 @@ class BatchPlanner:
         model = model or self._model_for(epoch, first)
         count = min(self.window, self.steps_per_epoch - first)
         g = self.global_batch_size
-        samples = np.sort(self.order(epoch)[first * g : (first + count) * g])
+        samples = self.order(epoch)[first * g : (first + count) * g]
         ranks = tuple(live_ranks)
-        steps = self._split(model, samples, count, len(ranks))
-        return _Window(epoch, index, first, model, ranks, [(ranks, rows) for rows in steps])
+        win = _Window(epoch, index, first, model, ranks, samples, self.costs(model, samples), [])
+        positions = np.arange(samples.size, dtype=np.int64)
+        win.steps = [(ranks, part) for part in self._split(win, positions, count, len(ranks))]
+        return win
 
     def _replan(self, win: _Window, step: int, live_ranks: tuple[int, ...]) -> None:
         """Re-plan the steps from ``step`` to the window's end over ``live_ranks``."""
         k = step - win.first_step
-        remaining = np.concatenate([rows.index for _, rows in win.steps[k:]])
-        count = len(win.steps) - k
-        steps = self._split(win.model, np.sort(remaining), count, len(live_ranks))
-        win.steps[k:] = [(live_ranks, rows) for rows in steps]
+        remaining = np.sort(np.concatenate([part.index for _, part in win.steps[k:]]))
+        steps = self._split(win, remaining, len(win.steps) - k, len(live_ranks))
+        win.steps[k:] = [(live_ranks, part) for part in steps]
         win.replans.append((step, live_ranks))
 
-    def _split(self, model: CostModel, samples: np.ndarray, steps: int, ranks: int) -> list[Parts]:
-        """``samples`` (global row ids, ascending: a canonical order, so that a window
-        planned afresh and one re-planned from its first step agree) -> per step, per
-        rank row ids."""
-        costs, lengths = self.costs(model, samples), self.lengths[samples]
+    def _split(self, win: _Window, positions: np.ndarray, steps: int, ranks: int) -> list[Parts]:
+        """``positions`` into the window's samples (ascending: a canonical order) -> per step,
+        per rank positions."""
+        costs, lengths = win.costs[positions], self.lengths[win.samples[positions]]
         if steps == 1:
-            return [partition(self.partitioner, costs, lengths, ranks, self.equal_count).map(samples)]
+            return [partition(self.partitioner, costs, lengths, ranks, self.equal_count).map(positions)]
         parts = partition(self.partitioner, costs, lengths, steps * ranks)
         by_weight = np.argsort(-parts.maxima(costs), kind="stable")
-        return [parts.select(by_weight[j * ranks : (j + 1) * ranks]).map(samples) for j in range(steps)]
+        return [parts.select(by_weight[j * ranks : (j + 1) * ranks]).map(positions) for j in range(steps)]
 
     # ----- state ------------------------------------------------------------------------------
     def window_state(self, epoch: int, step: int) -> dict[str, object]:
