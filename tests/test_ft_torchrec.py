@@ -210,6 +210,13 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     assert survivor[steps - 1]["participants"] == ["replica0", "replica1"]
     for step, loss in references[model].items():
         assert survivor[step]["loss"] == pytest.approx(loss, rel=1e-5), f"step {step}: loss differs"
+    if (kind, model) == ("plain", "hstu"):  # the run report, from this real kill run (about a second, Agg)
+        from freescale.report import write_report
+
+        page = write_report(tmp_path).read_text()
+        assert "SIGKILL" in page and "rank 1 killed (FREESCALE_FAULTS) during step 6" in page
+        assert "catch-up" in page and f"joined at step {caught['joined_step']}" in page
+        assert "incarnation 1 started" in page and page.count("data:image/png;base64,") == 3
 
 
 def wait_for_lines(path: Path, lines: int, timeout_s: float = 180) -> None:
