@@ -14,6 +14,7 @@ from freescale import cli
 from freescale.report import write_report
 from freescale.sim import command
 from freescale.sim.gates import Gate
+from tests.conftest import REPO
 
 
 def _write(path: Path, events: list[dict[str, Any]]) -> None:
@@ -80,7 +81,7 @@ def test_report_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_simulate_prints_gates_sources_and_results(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out_json = tmp_path / "sim.json"
     assert cli.main(["simulate", "--quick", "--gpus", "16384", "--failures", "100", "--set", "step_s=2",
-                     "--json", str(out_json)]) == 0
+                     "--results", str(REPO / "benchmarks" / "results"), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert out.index("validation gates") < out.index("inputs") < out.index("16,384 GPUs")
     assert "ft_torchrec_cpu.json: params.kill_run.kill_s" in out and "command line" in out
@@ -102,3 +103,13 @@ def test_simulate_bad_input_is_one_line(argv: list[str], capsys: pytest.CaptureF
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("freescale: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_report_without_matplotlib_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli.main(["report", str(fake_run(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "pip install -e '.[report]'" in err and len(err.strip().splitlines()) == 1
