@@ -24,6 +24,7 @@ def test_wheel_imports_outside_the_repo(tmp_path: Path) -> None:
                    check=True, capture_output=True, timeout=120)
     probe = (
         "import freescale, freescale.dataloader, freescale.kernels, freescale.ft, freescale.models, freescale.trainer\n"
+        "import freescale.sim.engine, freescale.report  # noqa: F401  (the simulator and the run report)\n"
         "from freescale import Trainer, TrainerConfig\n"
         "for m in (freescale, freescale.dataloader, freescale.kernels, freescale.ft):\n"
         "    print(m.__file__)\n"
