@@ -193,11 +193,11 @@ def _pop(loads: np.ndarray, parts: np.ndarray, size: int) -> int:
 
 
 @numba.njit(**_JIT)
-def _heap(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """A min-heap of ``(keys[p], p)`` with room for pushes (lazy deletion adds entries)."""
+def _heap(keys: np.ndarray, room: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A min-heap of ``(keys[p], p)`` with ``room`` for pushes (lazy deletion adds entries)."""
     k = keys.size
-    loads = np.empty(9 * k + 64, dtype=np.float64)
-    parts = np.empty(9 * k + 64, dtype=np.int64)
+    loads = np.empty(k + room, dtype=np.float64)
+    parts = np.empty(k + room, dtype=np.int64)
     loads[:k] = keys
     parts[:k] = np.arange(k)
     for i in range(k // 2 - 1, -1, -1):
@@ -283,13 +283,11 @@ def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_part
         loads[p] += ordered[i]
     if n == 0 or loads.sum() <= 0.0:
         return
-    heavy_loads, heavy_parts, heavy = _heap(-loads)
-    light_loads, light_parts, light = _heap(loads.copy())
+    heavy_loads, heavy_parts, heavy = _heap(-loads, 2 * max_steps + 64)
+    light_loads, light_parts, light = _heap(loads.copy(), 2 * max_steps + partners + 64)
     picked = np.empty(partners, dtype=np.int64)
     picked_at = np.full(k, -1, dtype=np.int64)
     for step in range(max_steps):
-        if heavy + 2 > heavy_loads.size or light + 2 + partners > light_loads.size:
-            break  # the lazy heaps are full of stale entries: enough steps
         while -heavy_loads[0] != loads[heavy_parts[0]]:
             heavy = _pop(heavy_loads, heavy_parts, heavy)  # stale entry of a part that changed
         h = heavy_parts[0]
@@ -397,6 +395,25 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
         _refine_sorted(ordered, part_of, n, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance))
     index, offsets = _members(part_of, order, k)
     return index, offsets, -1
+
+
+@numba.njit(**_JIT)
+def refined_owner(costs: np.ndarray, owner: np.ndarray, num_parts: int, allow_moves: bool, partners: int,
+                  max_steps: int) -> np.ndarray:
+    """Any partition (``owner``: part per sample) improved by the local search, aiming at the mean
+    part: with many partners and steps, a reference for what a partition of ``costs`` can reach."""
+    n = costs.size
+    _, total, largest = _scan(costs)
+    order, ordered = _sort_desc(costs, largest)
+    part_of = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        part_of[i] = owner[order[i]]
+    _refine_sorted(ordered, part_of, n, num_parts, allow_moves, min(partners, num_parts), max_steps,
+                   total / num_parts)
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        out[order[i]] = part_of[i]
+    return out
 
 
 def warm_up() -> None:

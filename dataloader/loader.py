@@ -342,9 +342,23 @@ class BalancedLoader:
                         break
                     except queue.Full:
                         continue
+                self._plan_next_window(epoch, step, live)
                 epoch, step = _advance(epoch, step, self.steps_per_epoch)
         except BaseException as exc:  # handed to the consumer, raised there
             out.put(_Failure(exc))
+
+    def _plan_next_window(self, epoch: int, step: int, live: tuple[int, ...]) -> None:
+        """Halfway through a window, plan the next one: a window's plan (``window`` global batches
+        at once) then costs the producer time while the queue is full, never at the window's first
+        step, whose batch the training thread is about to wait for.  (The plan runs without the
+        GIL; live ranks that change before the window starts re-plan it: the same plan as afresh.)"""
+        window = self.planner.window
+        if window == 1 or step % window != window // 2:
+            return
+        first = (step // window + 1) * window
+        nxt = (epoch, first) if first < self.steps_per_epoch else (epoch + 1, 0)
+        if self.epochs is None or nxt[0] < self.epochs:
+            self.planner.plan_window(nxt[0], nxt[1], live)
 
     def _make(self, epoch: int, step: int, live: tuple[int, ...]) -> tuple[dict[str, Any], Batch]:
         plan = self.planner.plan(epoch, step, live)

@@ -199,6 +199,12 @@ class BatchPlanner:
             costs = Parts(self.costs(win.model, rows.index), rows.offsets)
         return StepPlan(epoch, step, ranks, rows, costs, win.model, 0 if carried is None else int(carried.size))
 
+    def plan_window(self, epoch: int, step: int, live_ranks: tuple[int, ...]) -> None:
+        """Plan the window holding ``(epoch, step)`` now, if it is not planned yet (planning ahead)."""
+        index = step // self.window
+        if (epoch, index) not in self._windows:
+            self._remember(self._new_window(epoch, index, tuple(live_ranks)))
+
     def _add_carry(self, model: CostModel, rows: Parts, carried: np.ndarray) -> Parts:
         """``rows`` (one array per live rank) with a share of ``carried`` (ascending)
         added to each, merged in ascending order (the order the source returns).  The
