@@ -1,168 +1,248 @@
-"""Cost balancing in the model: imbalance, modeled bubble fraction and planning time.
+"""Cost balancing at 8 ... 16,384 ranks: imbalance against what is achievable, planning time, GIL hold.
 
-For each case (ranks x samples per rank x length distribution x max_len) and
-each partitioner, draws ``--steps`` global batches of history lengths, costs
-them with the HSTU cost model derived from the dimensions below, partitions
-them, and reports (DESIGN.md "Measures"):
+For each case (ranks x samples per rank x length distribution) and each partitioner, draws
+``--steps`` global batches of history lengths, costs them with the HSTU cost model derived from
+the dimensions below and partitions them.  Reported (DESIGN.md "Measures"):
 
 - imbalance: max_rank(cost) / mean_rank(cost), mean over steps;
-- bound: max(1, max_sample / mean_rank), the best any per-step partition can do;
-- gap: imbalance / bound - 1 (target: <= 1% for every case);
-- gbound, ggap: the same with the granular bound (whole samples cannot be split:
-  among the j*k+1 heaviest some rank holds j+1; see partition.granular_lower_bound),
-  which is what a per-step partition can actually reach when many histories are
-  clipped at max_len;
-- bubble: modeled bubble fraction, 1 - mean_rank / max_rank, mean over steps;
-- bubble_cut: 1 - bubble / bubble(round_robin) (target: >= 90% at max_len <= 1024);
-- plan_ms: median time of one partition call (target: 8192 samples over 256 ranks < 5 ms).
+- gbound: the pigeonhole bound (among the j*k+1 heaviest samples some rank holds j+1;
+  ``partition.granular_lower_bound``): no partition of the batch does better;
+- ref: the best partition found by a long local search (``balance_kernels.refined_owner``, 64
+  partners, 20 steps per rank) started from every partitioner's result: "achievable";
+- gap_ref = imbalance / ref - 1 (target <= 1%), ggap = imbalance / gbound - 1;
+- plan_ms P50/P90: one partition call; ``lpt_plan`` rows time ``BatchPlanner.plan`` (the whole
+  step: window, costs, parts) at 32 samples per rank on ml-20m lengths;
+- gil_ms: the longest the main thread waited for the GIL while the call ran on another thread.
 
-Then, at max_len 4096, the windowed planner (``window`` global batches planned
-together): epoch time is the sum over steps of the slowest rank, ideal is the
-sum of the mean; "excess" = epoch / ideal - 1, and "removed" is the share of
-per-step LPT's excess that the window removes.
+Distributions: ml-1m / ml-20m (lognormal fits), zipf, uniform, bimodal (~3 long histories per
+rank, 80-100% of max_len, the rest 1-60), longtail (median ~500, up to 16,384) and ties (four
+lengths only).  Peers (benchmark only; see ``balance_peers.py`` for how to get them): NVIDIA
+recsys-examples' C++ equal-size KK and verl's Python KK, when ``--recsys-examples DIR`` is given.
 
-    python benchmarks/bench_balance.py [--quick] [--json benchmarks/results/balance.json]
+Then a training run with a planning window of 16 at a simulated 1,024 ranks (rank 0 of 1,024
+reads its rows, a 30 ms step of matmuls): the loader's wait per step, with the next window
+planned halfway through the current one (the loader's default) and at its first step ("burst").
+
+    python benchmarks/bench_balance.py [--quick] [--recsys-examples DIR] [--json benchmarks/results/balance.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+from balance_peers import Peer
+from balance_peers import load as load_peers
+from balance_window import window_rows
 from common import print_table, write_json
 
+from freescale.dataloader import balance_kernels
 from freescale.dataloader.cost import CostModel
-from freescale.dataloader.partition import granular_lower_bound, imbalance, lower_bound, partition
+from freescale.dataloader.partition import KK_MAX_CELLS, Parts, granular_lower_bound, imbalance, partition
 from freescale.dataloader.planner import BatchPlanner, EpochOrder
 from freescale.dataloader.synthetic import sample_lengths
 
 # A mid-sized HSTU layer stack (GR's public MovieLens/Books configs are near this).
 HSTU_DIMS = dict(embedding_dim=256, num_blocks=4, num_heads=4, attention_dim=64, value_dim=64, head_width=512)
-KK_MAX_SAMPLES = 16_384  # KK's pure-Python merge loop is too slow beyond this (reported as skipped)
+VERL_MAX_CELLS = 1 << 19  # verl's KK is pure Python (one k-list per sample): slower than minutes beyond this
+MAX_LEN = {"longtail": 16_384}
 
 
-def case_rows(
-    rng: np.random.Generator, model: CostModel, ranks: int, per_rank: int, dist: str, max_len: int, steps: int
-) -> list[dict[str, object]]:
-    n = ranks * per_rank
-    batches = [sample_lengths(rng, n, dist, max_len, zipf_alpha=1.1) for _ in range(steps)]
-    results: dict[str, dict[str, float]] = {}
-    for name in ("round_robin", "token_kk", "kk", "lpt"):
-        if name in ("kk", "token_kk") and n > KK_MAX_SAMPLES:
-            continue
-        imb, bnd, gbnd, bub, times = [], [], [], [], []
-        for lengths in batches:
-            costs = model(lengths)
-            start = time.perf_counter()
-            parts = partition(name, costs, lengths, ranks)
-            times.append(time.perf_counter() - start)
-            value = imbalance(costs, parts)
-            imb.append(value)
-            bnd.append(lower_bound(costs, ranks))
-            gbnd.append(granular_lower_bound(costs, ranks))
-            bub.append(1.0 - 1.0 / value)
-        results[name] = dict(imbalance=float(np.mean(imb)), bound=float(np.mean(bnd)), gbound=float(np.mean(gbnd)),
-                             bubble=float(np.mean(bub)), plan_ms=1e3 * float(np.median(times)))
-    rr_bubble = results["round_robin"]["bubble"]
-    rows = []
-    for name, r in results.items():
-        rows.append({
-            "dist": dist, "max_len": max_len, "ranks": ranks, "per_rank": per_rank, "partitioner": name,
-            "imbalance": r["imbalance"], "bound": r["bound"], "gbound": r["gbound"],
-            "gap": r["imbalance"] / r["bound"] - 1, "ggap": r["imbalance"] / r["gbound"] - 1,
-            "bubble": r["bubble"], "bubble_cut": 1 - r["bubble"] / rr_bubble if rr_bubble > 0 else 0.0,
-            "plan_ms": r["plan_ms"],
-        })
-    return rows
+def draw(rng: np.random.Generator, n: int, per_rank: int, dist: str) -> np.ndarray:
+    max_len = MAX_LEN.get(dist, 1024)
+    if dist == "bimodal":
+        long = rng.random(n) < min(1.0, 3 / per_rank)
+        return np.where(long, rng.integers(int(0.8 * max_len), max_len + 1, n), rng.integers(1, 61, n))
+    if dist == "longtail":
+        return np.clip(np.rint(rng.lognormal(np.log(500), 1.2, n)), 1, max_len).astype(np.int64)
+    if dist == "ties":
+        return rng.choice(np.array([16, 64, 256, max_len]), size=n, p=[0.55, 0.3, 0.12, 0.03])
+    return sample_lengths(rng, n, dist, max_len, zipf_alpha=1.1)
 
 
-def planning_ms(rng: np.random.Generator, model: CostModel, repeats: int = 30) -> dict[str, float]:
-    """Median and P90 time of one LPT partition of 8192 ml-20m samples (max_len 1024) over 256 ranks."""
-    times = []
-    for _ in range(repeats):
-        lengths = sample_lengths(rng, 8192, "ml-20m", 1024)
-        costs = model(lengths)
+def gil_hold_ms(call: Callable[[], Any]) -> float:
+    """Run ``call`` on a thread; the longest gap the main thread saw between two of its steps."""
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (call(), done.set()))
+    last, worst = time.perf_counter(), 0.0
+    worker.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        worst, last = max(worst, now - last), now
+    worker.join()
+    return 1e3 * worst
+
+
+Run = Callable[[np.ndarray, np.ndarray, int], tuple[Parts, float]]
+
+
+def _timed(name: str, equal_count: bool) -> Run:
+    def run(costs: np.ndarray, lengths: np.ndarray, k: int) -> tuple[Parts, float]:
         start = time.perf_counter()
-        partition("lpt", costs, lengths, 256)
-        times.append(1e3 * (time.perf_counter() - start))
-    return {"p50": float(np.median(times)), "p90": float(np.percentile(times, 90))}
+        parts = partition(name, costs, lengths, k, equal_count)
+        return parts, time.perf_counter() - start
+    return run
 
 
-def window_rows(rng: np.random.Generator, model: CostModel, quick: bool) -> list[dict[str, object]]:
+def partitioners(peers: dict[str, Peer]) -> dict[str, Run]:
+    """Ours (timed around ``partition``: everything a plan pays) and the peers (their call only)."""
+    ours = {name: _timed(name, False) for name in ("round_robin", "token_kk", "kk", "lpt")}
+    ours["lpt_equal"] = _timed("lpt", True)
+    theirs: dict[str, Run] = {name: (lambda c, lengths, k, peer=peer, eq=name == "recsys_kk": peer(c, k, eq))
+                              for name, peer in peers.items()}
+    return {**ours, **theirs}
+
+
+def feasible(name: str, n: int, k: int) -> bool:
+    if name in ("kk", "token_kk"):
+        return n * k <= KK_MAX_CELLS
+    if name == "verl_kk":
+        return n * k <= VERL_MAX_CELLS
+    return True
+
+
+def reference(costs: np.ndarray, k: int, starts: list[Parts]) -> float:
+    """Best imbalance of a long local search from each start (and each start itself)."""
+    best = min(imbalance(costs, p) for p in starts)
+    for parts in starts:
+        owner = np.empty(costs.size, dtype=np.int64)
+        owner[parts.index] = parts.owner()
+        improved = balance_kernels.refined_owner(costs, owner, k, True, 64, 20 * k + 1000)
+        best = min(best, imbalance(costs, Parts.of_owner(improved, k)))
+    return best
+
+
+def case_rows(rng: np.random.Generator, model: CostModel, ranks: int, per_rank: int, dist: str, steps: int,
+              run: dict[str, Run]) -> list[dict[str, Any]]:
+    n = ranks * per_rank
+    stats: dict[str, dict[str, list[float]]] = {name: {"imb": [], "ms": [], "gil": []} for name in run}
+    refs, gbounds = [], []
+    for step in range(steps):
+        lengths = draw(rng, n, per_rank, dist)
+        costs = model(lengths)
+        found = []
+        for name, fn in run.items():
+            if not feasible(name, n, ranks) or (name == "verl_kk" and step > 0):
+                continue
+            parts, seconds = fn(costs, lengths, ranks)
+            stats[name]["ms"].append(1e3 * seconds)
+            stats[name]["imb"].append(imbalance(costs, parts))
+            if step == 0:
+                stats[name]["gil"].append(gil_hold_ms(lambda fn=fn: fn(costs, lengths, ranks)))
+            if name != "round_robin":
+                found.append(parts)
+        gbounds.append(granular_lower_bound(costs, ranks))
+        refs.append(max(gbounds[-1], reference(costs, ranks, found)))
     rows = []
-    cases = [(64, 32, "ml-20m"), (256, 32, "ml-20m"), (64, 32, "ml-1m")] if not quick else [(64, 32, "ml-20m")]
-    for ranks, per_rank, dist in cases:
-        g = ranks * per_rank
-        steps = 32 if quick else 64
-        lengths = sample_lengths(rng, g * steps, dist, 4096)
-        order = EpochOrder(np.full(steps, g), seed=0, shuffle=True, window_row_groups=steps)
-        excess = {}
-        for window in (1, 4, 16):
-            planner = BatchPlanner(lengths, order, cost_model=model, partitioner="lpt", global_batch_size=g,
-                                   window=window)
-            plans = [planner.plan(0, s, tuple(range(ranks))) for s in range(planner.steps_per_epoch)]
-            epoch = sum(p.loads().max() for p in plans)
-            ideal = sum(p.loads().mean() for p in plans)
-            excess[window] = epoch / ideal - 1
-            rows.append({"dist": dist, "ranks": ranks, "per_rank": per_rank, "window": window,
-                         "excess": excess[window], "removed": 1 - excess[window] / excess[1] if excess[1] else 0.0,
-                         "sample_count_min": min(p.global_size for p in plans),
-                         "sample_count_max": max(p.global_size for p in plans)})
+    for name, s in stats.items():
+        if not s["imb"]:
+            rows.append({"dist": dist, "ranks": ranks, "per_rank": per_rank, "partitioner": name, "refused": True})
+            continue
+        used = len(s["imb"])
+        imb, ref, gb = float(np.mean(s["imb"])), float(np.mean(refs[:used])), float(np.mean(gbounds[:used]))
+        rows.append({"dist": dist, "ranks": ranks, "per_rank": per_rank, "partitioner": name, "imbalance": imb,
+                     "gbound": gb, "ref": ref, "gap_ref": imb / ref - 1, "ggap": imb / gb - 1,
+                     "plan_ms_p50": float(np.median(s["ms"])), "plan_ms_p90": float(np.percentile(s["ms"], 90)),
+                     "gil_ms": s["gil"][0] if s["gil"] else None})
     return rows
+
+
+def planner_rows(rng: np.random.Generator, model: CostModel, ranks_list: list[int], steps: int) -> list[dict[str, Any]]:
+    """``BatchPlanner.plan`` per step at 32 samples per rank (ml-20m), P50/P90 over ``steps``."""
+    rows = []
+    for ranks in ranks_list:
+        g = ranks * 32
+        lengths = sample_lengths(rng, g * (steps + 1), "ml-20m", 1024)
+        order = EpochOrder(np.full(steps + 1, g), seed=0, shuffle=True, window_row_groups=steps + 1)
+        planner = BatchPlanner(lengths, order, cost_model=model, partitioner="lpt", global_batch_size=g)
+        live = tuple(range(ranks))
+        planner.plan(0, 0, live)  # the epoch's order is computed once per epoch: not a step's cost
+        times = []
+        for s in range(1, steps + 1):
+            start = time.perf_counter()
+            planner.plan(0, s, live).imbalance()
+            times.append(1e3 * (time.perf_counter() - start))
+        gil = gil_hold_ms(lambda: planner.plan(0, 1, tuple(range(ranks - 1))))  # a fresh re-plan
+        rows.append({"partitioner": "lpt_plan", "ranks": ranks, "samples": g, "plan_ms_p50": float(np.median(times)),
+                     "plan_ms_p90": float(np.percentile(times, 90)), "gil_ms": gil})
+    return rows
+
+
+def targets(rows: list[dict[str, Any]], plans: list[dict[str, Any]]) -> dict[str, Any]:
+    lpt = [r for r in rows if r["partitioner"] == "lpt" and not r.get("refused")]
+    worst = max(lpt, key=lambda r: r["gap_ref"])
+    beaten = []
+    for r in lpt:
+        peers = [p for p in rows if (p["dist"], p["ranks"], p["per_rank"]) == (r["dist"], r["ranks"], r["per_rank"])
+                 and p["partitioner"] not in ("lpt", "lpt_equal") and not p.get("refused")]
+        beaten += [(r["dist"], r["ranks"], p["partitioner"]) for p in peers if p["imbalance"] < r["imbalance"] - 1e-9]
+    by_samples = {p["samples"]: p for p in plans}
+    slower = []
+    for r in lpt:
+        kk = next((p for p in rows if p["partitioner"] == "recsys_kk" and not p.get("refused")
+                   and (p["dist"], p["ranks"], p["per_rank"]) == (r["dist"], r["ranks"], r["per_rank"])), None)
+        if kk is not None and r["plan_ms_p50"] >= kk["plan_ms_p50"]:
+            slower.append((r["dist"], r["ranks"]))
+    return {
+        "lpt_worst_gap_to_reference": worst["gap_ref"],
+        "lpt_worst_case": {k: worst[k] for k in ("dist", "ranks", "per_rank")},
+        "lpt_cases_within_1pct_of_reference": f"{sum(r['gap_ref'] <= 0.01 for r in lpt)}/{len(lpt)}",
+        "lpt_cases_where_a_peer_is_better": beaten,
+        "lpt_cases_slower_than_recsys_kk": slower,
+        **{f"plan_ms_p50_at_{s}": by_samples[s]["plan_ms_p50"] for s in (8192, 131072, 524288) if s in by_samples},
+        "lpt_plan_worst_gil_ms": max(p["gil_ms"] for p in plans),
+        "lpt_worst_gil_ms": max(r["gil_ms"] for r in lpt if r["gil_ms"] is not None),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a subset of cases, 2 steps each (< 60 s)")
-    parser.add_argument("--steps", type=int, default=5, help="global batches per case (default 5)")
+    parser.add_argument("--quick", action="store_true", help="fewer cases and steps (< 60 s)")
+    parser.add_argument("--steps", type=int, default=3, help="global batches per case (default 3)")
+    parser.add_argument("--recsys-examples", help="a clone of NVIDIA/recsys-examples: run its KK and verl's beside ours")
+    parser.add_argument("--data", default="/tmp/freescale_bench_balance", help="where the window run's data is made")
     parser.add_argument("--json", help="write rows, machine and parameters to this path")
     args = parser.parse_args()
     model = CostModel.for_hstu(**HSTU_DIMS)
+    balance_kernels.warm_up()
+    peers, missing = load_peers(args.recsys_examples)
     rng = np.random.default_rng(0)
     if args.quick:
-        grid = [(r, s) for r in (8, 64, 256) for s in (16, 32)]
-        dists, max_lens, steps = ("ml-20m", "zipf"), (200, 1024, 4096), 2
+        grid, dists, steps = [(8, 32), (256, 32), (4096, 32)], ("ml-20m", "bimodal", "longtail", "ties"), 1
+        plan_ranks = [256, 4096, 16384]
     else:
-        grid = [(r, s) for r in (8, 64, 256, 1024) for s in (16, 64, 256)]
-        dists, max_lens, steps = ("ml-1m", "ml-20m", "zipf", "uniform"), (200, 1024, 4096), args.steps
-    rows = []
-    for dist in dists:
-        for max_len in max_lens:
-            for ranks, per_rank in grid:
-                rows += case_rows(rng, model, ranks, per_rank, dist, max_len, steps)
-    columns = ["dist", "max_len", "ranks", "per_rank", "partitioner", "imbalance", "bound", "gbound", "gap",
-               "ggap", "bubble", "bubble_cut", "plan_ms"]
-    print(f"cost model: {model}")
-    print_table(rows, columns)
-
-    lpt = [r for r in rows if r["partitioner"] == "lpt"]
-    worst_gap = max(lpt, key=lambda r: r["gap"])
-    worst_ggap = max(lpt, key=lambda r: r["ggap"])
-    cut = [r["bubble_cut"] for r in lpt if r["max_len"] <= 1024 and r["bubble_cut"] is not None]
-    timing = planning_ms(rng, model)
-    targets = {
-        "lpt_worst_gap_to_bound": worst_gap["gap"], "lpt_worst_gap_case": {k: worst_gap[k] for k in columns[:4]},
-        "lpt_cases_within_1pct_of_bound": f"{sum(r['gap'] <= 0.01 for r in lpt)}/{len(lpt)}",
-        "lpt_worst_gap_to_granular_bound": worst_ggap["ggap"],
-        "lpt_cases_within_1pct_of_granular_bound": f"{sum(r['ggap'] <= 0.01 for r in lpt)}/{len(lpt)}",
-        "lpt_min_bubble_cut_maxlen_le_1024": min(cut) if cut else None,
-        "lpt_mean_bubble_cut_maxlen_le_1024": float(np.mean(cut)) if cut else None,
-        "lpt_plan_ms_8192_over_256_p50": timing["p50"],
-        "lpt_plan_ms_8192_over_256_p90": timing["p90"],
-    }
+        grid = [(r, 32) for r in (8, 64, 256, 1024, 4096, 16384)] + [(256, 8), (256, 128)]
+        dists = ("ml-1m", "ml-20m", "zipf", "uniform", "bimodal", "longtail", "ties")
+        steps, plan_ranks = args.steps, [256, 1024, 4096, 16384]
+    run = partitioners(peers)
+    rows = [row for dist in dists for ranks, per_rank in grid
+            for row in case_rows(rng, model, ranks, per_rank, dist, steps, run)]
+    print(f"cost model: {model}; peers: {sorted(peers) or 'none'} {missing or ''}")
+    print_table([r for r in rows if not r.get("refused")],
+                ["dist", "ranks", "per_rank", "partitioner", "imbalance", "gbound", "ref", "gap_ref", "ggap",
+                 "plan_ms_p50", "plan_ms_p90", "gil_ms"])
+    refused = sorted({(r["partitioner"], r["ranks"] * r["per_rank"]) for r in rows if r.get("refused")})
+    print(f"refused (over a size limit): {refused}")
+    plans = planner_rows(rng, model, plan_ranks, 5 if args.quick else 10)
+    print("\nBatchPlanner.plan per step (lpt, ml-20m, 32 samples per rank):")
+    print_table(plans, ["ranks", "samples", "plan_ms_p50", "plan_ms_p90", "gil_ms"])
+    windows = window_rows(args.data, args.quick)
+    print("\nloader wait per step, window 16 at 1,024 simulated ranks (rank 0), 30 ms steps:")
+    print_table(windows, ["mode", "ranks", "per_rank", "window", "steps", "wait_ms_p50", "wait_ms_p99", "wait_ms_max",
+                          "late_steps", "late_ms_total", "window_plan_ms"])
+    summary = targets(rows, plans)
     print("\ntargets:")
-    for key, value in targets.items():
+    for key, value in summary.items():
         print(f"  {key}: {value}")
-
-    windows = window_rows(rng, model, args.quick)
-    print("\nwindowed planner at max_len 4096 (lpt):")
-    print_table(windows, ["dist", "ranks", "per_rank", "window", "excess", "removed", "sample_count_min",
-                          "sample_count_max"])
     if args.json:
         write_json(args.json, "bench_balance",
-                   {"quick": args.quick, "steps": steps, "hstu_dims": HSTU_DIMS, "cost_model": vars(model)},
-                   rows + [{"targets": targets}] + [{"window": w} for w in windows])
+                   {"quick": args.quick, "steps": steps, "hstu_dims": HSTU_DIMS, "cost_model": vars(model),
+                    "peers": sorted(peers), "peers_missing": missing},
+                   rows + [{"planner": p} for p in plans] + [{"window": w} for w in windows] + [{"targets": summary}])
 
 
 if __name__ == "__main__":

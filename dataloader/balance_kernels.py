@@ -218,7 +218,7 @@ def _closest(vals: np.ndarray, count: int, target: float) -> int:
 
 @numba.njit(**_JIT)
 def _best_exchange(vals: np.ndarray, counts: np.ndarray, h: int, p: int, gap: float,
-                   allow_moves: bool, cap: int) -> tuple[float, int, int]:
+                   allow_moves: bool, swaps: bool, cap: int) -> tuple[float, int, int]:
     """The move (``y == -1``) of member ``x`` of part ``h`` to the lighter part ``p``, or swap
     of ``x`` with member ``y`` of ``p``, whose cost shift ``d`` in ``(0, gap)`` is nearest
     ``gap / 2`` (the pair's new maximum is ``max(H - d, P + d)``).  ``(d, x, y)``; ``d = 0``: none."""
@@ -229,7 +229,7 @@ def _best_exchange(vals: np.ndarray, counts: np.ndarray, h: int, p: int, gap: fl
         x = _closest(vals[h], nh, half)
         if 0.0 < vals[h, x] < gap:
             best_d, best_x, best_miss = vals[h, x], x, abs(vals[h, x] - half)
-    for x in range(nh):
+    for x in range(nh if swaps else 0):
         y = _closest(vals[p], np_, vals[h, x] - half)
         if y >= 0:
             d = vals[h, x] - vals[p, y]
@@ -302,11 +302,15 @@ def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_part
                 picked[found] = p
                 found += 1
         best_max, best_d, best_x, best_y, best_p = loads[h], 0.0, -1, -1, -1
-        for i in range(found):
-            p = picked[i]
-            d, x, y = _best_exchange(vals, counts, h, p, loads[h] - loads[p], allow_moves, cap)
-            if d > 0.0 and max(loads[h] - d, loads[p] + d) < best_max:
-                best_max, best_d, best_x, best_y, best_p = max(loads[h] - d, loads[p] + d), d, x, y, p
+        # Moves first (a binary search in H), swaps only when no move helps (one per member of H).
+        for swaps in (not allow_moves, True):
+            for i in range(found):
+                p = picked[i]
+                d, x, y = _best_exchange(vals, counts, h, p, loads[h] - loads[p], allow_moves, swaps, cap)
+                if d > 0.0 and max(loads[h] - d, loads[p] + d) < best_max:
+                    best_max, best_d, best_x, best_y, best_p = max(loads[h] - d, loads[p] + d), d, x, y, p
+            if best_p >= 0:
+                break
         for i in range(found):
             light = _push(light_loads, light_parts, light, loads[picked[i]], picked[i])
         if best_p < 0:
@@ -392,7 +396,11 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
             counts[part_of[i]] += 1
     _lpt_sorted(ordered, part_of, head, n, loads, counts, full, extra, width)
     if refine_steps > 0 and n > k and loads.max() > mean * (1.0 + tolerance):
-        _refine_sorted(ordered, part_of, n, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance))
+        # The tail's samples are light: moving one to the lightest couple of parts does as well as
+        # trying more (swaps, for equal counts, need the wider choice).  A step costs ~1-3 us here
+        # (heap updates, a search per partner): the tail gets about one per part, the head more.
+        _refine_sorted(ordered, part_of, n, k, allow_moves, min(partners, 2) if allow_moves else partners,
+                       refine_steps if equal_count else min(refine_steps, k + 64), mean * (1.0 + tolerance))
     index, offsets = _members(part_of, order, k)
     return index, offsets, -1
 

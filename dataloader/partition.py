@@ -43,10 +43,10 @@ Partitioner = Callable[[np.ndarray, int, bool], "Parts"]
 KK_MAX_CELLS = 1 << 24
 """``kk`` keeps one k-vector per sample (n x k cells, ~32 bytes each): beyond this it refuses."""
 LPT_REFINE_PARTNERS = 8
-"""Lightest parts the local search tries against the heaviest one at each step."""
+"""Lightest parts the local search tries against the heaviest one at each step (2 once the light samples are placed)."""
 LPT_RESOLUTION = 1e-5
 """LPT's "lightest part" is exact up to this share of a mean part (the bucket queue's width)."""
-LPT_TOLERANCE = 1e-3
+LPT_TOLERANCE = 1e-4
 """The local search stops once the heaviest part is within this share of the mean part."""
 LPT_HEAD_SHARE = 1 / 16
 """Samples of at least this share of a mean part are placed and refined first."""
@@ -130,8 +130,8 @@ class Parts:
 def imbalance(costs: np.ndarray, parts: Parts | list[np.ndarray]) -> float:
     """``max_part(cost) / mean_part(cost)``; 1.0 is perfect (DESIGN.md "imbalance")."""
     loads = (parts if isinstance(parts, Parts) else Parts.of_list(parts)).sums(costs)
-    mean = loads.mean()
-    return float(loads.max() / mean) if mean > 0 else 1.0
+    total = loads.sum()  # max / total * k, not max / mean: a tiny mean would underflow
+    return float(loads.max() / total * loads.size) if total > 0 else 1.0
 
 
 def lower_bound(costs: np.ndarray, num_parts: int) -> float:
@@ -139,7 +139,7 @@ def lower_bound(costs: np.ndarray, num_parts: int) -> float:
     total = costs.sum()
     if total <= 0 or costs.size == 0:
         return 1.0
-    return max(1.0, float(costs.max()) / (total / num_parts))
+    return max(1.0, float(costs.max()) / total * num_parts)
 
 
 def granular_lower_bound(costs: np.ndarray, num_parts: int) -> float:
@@ -157,7 +157,7 @@ def granular_lower_bound(costs: np.ndarray, num_parts: int) -> float:
     csum = np.concatenate([[0.0], np.cumsum(top)])
     j = np.arange(0, (n - 1) // k + 1)
     loads = csum[j * k + 1] - csum[j * k - j]
-    return max(1.0, float(loads.max()) / (total / k))
+    return max(1.0, float(loads.max()) / total * k)
 
 
 def round_robin(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
@@ -247,12 +247,17 @@ PARTITIONERS: dict[str, Partitioner] = {"round_robin": round_robin, "lpt": lpt, 
 """Name -> function.  ``token_kk`` is ``kk`` given token counts instead of costs (see ``weights_for``)."""
 
 
-def weights_for(name: str, costs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """What partitioner ``name`` balances: token counts for ``token_kk``, costs otherwise."""
-    return lengths.astype(np.float64) if name == "token_kk" else costs
+def weights_for(name: str, costs: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
+    """What partitioner ``name`` balances: token counts for ``token_kk`` (``lengths`` needed), costs otherwise."""
+    if name != "token_kk":
+        return costs
+    if lengths is None:
+        raise ValueError("partitioner 'token_kk' balances token counts: pass the samples' lengths")
+    return lengths.astype(np.float64)
 
 
-def partition(name: str, costs: np.ndarray, lengths: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
+def partition(name: str, costs: np.ndarray, lengths: np.ndarray | None, num_parts: int,
+              equal_count: bool = False) -> Parts:
     """Run partitioner ``name``; every part non-empty when there are enough samples."""
     if name not in PARTITIONERS:
         raise ValueError(f"unknown partitioner '{name}' (have: {', '.join(PARTITIONERS)})")

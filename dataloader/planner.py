@@ -105,7 +105,8 @@ class StepPlan:
 
     def imbalance(self) -> float:
         loads = self.loads()
-        return float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0
+        total = loads.sum()
+        return float(loads.max() / total * loads.size) if total > 0 else 1.0
 
     def bound(self) -> float:
         return lower_bound(self.costs.index, len(self.live_ranks))
@@ -156,6 +157,11 @@ class BatchPlanner:
             clipped = np.minimum(clipped, max_seq_len)
         self.lengths = clipped
         self.valid = lengths >= 0  # null histories cost nothing; the source rejects them on read
+        # Costs come from a table per cost model, indexed by length (one gather per plan instead of
+        # evaluating the model): null histories index the table's last entry, 0.0.
+        self._null_index = int(clipped.max(initial=0)) + 1
+        self._table_index = np.where(self.valid, clipped, self._null_index).astype(np.int32)
+        self._tables: dict[tuple[float, float, float], np.ndarray] = {}
         self.cost_model = cost_model
         self._models: list[tuple[tuple[int, int], CostModel]] = [((0, 0), cost_model)]
         self.order = order
@@ -273,7 +279,12 @@ class BatchPlanner:
 
     def costs(self, model: CostModel, rows: np.ndarray) -> np.ndarray:
         """Per-sample cost of ``rows`` under ``model`` (lengths clipped to max_seq_len)."""
-        return np.where(self.valid[rows], model(self.lengths[rows]), 0.0)
+        key = (model.quadratic, model.linear, model.constant)
+        table = self._tables.get(key)
+        if table is None:
+            table = np.append(model(np.arange(self._null_index, dtype=np.int64)), 0.0)
+            self._tables[key] = table
+        return table[self._table_index[rows]]
 
     def set_cost_model(self, model: CostModel, epoch: int, step: int) -> None:
         """Plan with ``model`` from the first window that starts at or after ``(epoch, step)``.
@@ -307,8 +318,7 @@ class BatchPlanner:
         samples = self.order(epoch)[first * g : (first + count) * g]
         ranks = tuple(live_ranks)
         win = _Window(epoch, index, first, model, ranks, samples, self.costs(model, samples), [])
-        positions = np.arange(samples.size, dtype=np.int64)
-        win.steps = [(ranks, part) for part in self._split(win, positions, count, len(ranks))]
+        win.steps = [(ranks, part) for part in self._split(win, None, count, len(ranks))]
         return win
 
     def _replan(self, win: _Window, step: int, live_ranks: tuple[int, ...]) -> None:
@@ -319,15 +329,19 @@ class BatchPlanner:
         win.steps[k:] = [(live_ranks, part) for part in steps]
         win.replans.append((step, live_ranks))
 
-    def _split(self, win: _Window, positions: np.ndarray, steps: int, ranks: int) -> list[Parts]:
-        """``positions`` into the window's samples (ascending: a canonical order) -> per step,
-        per rank positions."""
-        costs, lengths = win.costs[positions], self.lengths[win.samples[positions]]
+    def _split(self, win: _Window, positions: np.ndarray | None, steps: int, ranks: int) -> list[Parts]:
+        """``positions`` into the window's samples (ascending: a canonical order; None: all of
+        them) -> per step, per rank positions."""
+        costs = win.costs if positions is None else win.costs[positions]
+        rows = win.samples if positions is None else win.samples[positions]
+        lengths = self.lengths[rows] if self.partitioner == "token_kk" else None
         if steps == 1:
-            return [partition(self.partitioner, costs, lengths, ranks, self.equal_count).map(positions)]
+            parts = partition(self.partitioner, costs, lengths, ranks, self.equal_count)
+            return [parts if positions is None else parts.map(positions)]
         parts = partition(self.partitioner, costs, lengths, steps * ranks)
         by_weight = np.argsort(-parts.maxima(costs), kind="stable")
-        return [parts.select(by_weight[j * ranks : (j + 1) * ranks]).map(positions) for j in range(steps)]
+        chosen = [parts.select(by_weight[j * ranks : (j + 1) * ranks]) for j in range(steps)]
+        return chosen if positions is None else [part.map(positions) for part in chosen]
 
     # ----- state ------------------------------------------------------------------------------
     def window_state(self, epoch: int, step: int) -> dict[str, object]:
