@@ -41,6 +41,16 @@ def _as_parts(partitions: list[list[int]], num_parts: int) -> Parts:
                          * (num_parts - len(partitions)))
 
 
+def _peer(kk: Callable[[list[int], int, bool], list[list[int]]], always_equal: bool) -> Peer:
+    """``kk(workloads, parts, equal_size)`` as a ``Peer``, timing its call only."""
+    def run(costs: np.ndarray, num_parts: int, equal_count: bool) -> tuple[Parts, float]:
+        workloads = _workloads(costs).tolist()
+        start = time.perf_counter()
+        partitions = kk(workloads, num_parts, always_equal or equal_count)
+        return _as_parts(partitions, num_parts), time.perf_counter() - start
+    return run
+
+
 def load(checkout: str | None) -> tuple[dict[str, Peer], dict[str, str]]:
     """The peers found under ``checkout`` (or ``$RECSYS_EXAMPLES``), and why any is missing."""
     root = Path(checkout or os.environ.get("RECSYS_EXAMPLES", ""))
@@ -54,26 +64,12 @@ def load(checkout: str | None) -> tuple[dict[str, Peer], dict[str, str]]:
 
         module = load_extension(name="kk_cpu_ops", sources=[str(root / CPP)], extra_cflags=["-O3", "-std=c++17"],
                                 verbose=False)
-
-        def recsys_kk(costs: np.ndarray, num_parts: int, equal_count: bool) -> tuple[Parts, float]:
-            workloads = _workloads(costs).tolist()
-            start = time.perf_counter()
-            partitions = module.karmarkar_karp(workloads, num_parts, True)
-            return _as_parts(partitions, num_parts), time.perf_counter() - start
-
-        peers["recsys_kk"] = recsys_kk
+        peers["recsys_kk"] = _peer(module.karmarkar_karp, always_equal=True)  # an equal-size KK
     except Exception as exc:  # a compiler or header missing: report, run the rest
         missing["recsys_kk"] = f"could not build {CPP}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     spec = importlib.util.spec_from_file_location("verl_kk_peer", root / PYTHON_KK)
     assert spec is not None and spec.loader is not None
     python_kk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(python_kk)
-
-    def verl_kk(costs: np.ndarray, num_parts: int, equal_count: bool) -> tuple[Parts, float]:
-        workloads = _workloads(costs).tolist()
-        start = time.perf_counter()
-        partitions = python_kk._karmarkar_karp_python(workloads, num_parts, equal_count)
-        return _as_parts(partitions, num_parts), time.perf_counter() - start
-
-    peers["verl_kk"] = verl_kk
+    peers["verl_kk"] = _peer(python_kk._karmarkar_karp_python, always_equal=False)  # (its nvtx-free path)
     return peers, missing
