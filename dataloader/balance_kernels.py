@@ -34,6 +34,7 @@ import numpy as np
 
 _JIT = dict(nogil=True, cache=True)
 _KEYS = 1 << 16
+_WIDE_PARTNERS = 32  # partners tried before the local search gives up on the heaviest part
 
 
 @numba.njit(**_JIT)
@@ -284,35 +285,41 @@ def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_part
     if n == 0 or loads.sum() <= 0.0:
         return
     heavy_loads, heavy_parts, heavy = _heap(-loads, 2 * max_steps + 64)
-    light_loads, light_parts, light = _heap(loads.copy(), 2 * max_steps + partners + 64)
-    picked = np.empty(partners, dtype=np.int64)
+    wide = max(partners, _WIDE_PARTNERS)
+    light_loads, light_parts, light = _heap(loads.copy(), 2 * max_steps + wide + 64)
+    picked = np.empty(wide, dtype=np.int64)
     picked_at = np.full(k, -1, dtype=np.int64)
-    for step in range(max_steps):
+    stamp = 0
+    for _ in range(max_steps):
         while -heavy_loads[0] != loads[heavy_parts[0]]:
             heavy = _pop(heavy_loads, heavy_parts, heavy)  # stale entry of a part that changed
         h = heavy_parts[0]
         if loads[h] <= target:
             break
-        found = 0
-        while found < partners and light > 0:
-            load, p = light_loads[0], light_parts[0]
-            light = _pop(light_loads, light_parts, light)
-            if load == loads[p] and picked_at[p] != step and p != h:
-                picked_at[p] = step
-                picked[found] = p
-                found += 1
         best_max, best_d, best_x, best_y, best_p = loads[h], 0.0, -1, -1, -1
-        # Moves first (a binary search in H), swaps only when no move helps (one per member of H).
-        for swaps in (not allow_moves, True):
+        for want in (partners, wide):  # the few lightest parts; when stuck, once more with more of them
+            stamp += 1
+            found = 0
+            while found < want and light > 0:
+                load, p = light_loads[0], light_parts[0]
+                light = _pop(light_loads, light_parts, light)
+                if load == loads[p] and picked_at[p] != stamp and p != h:
+                    picked_at[p] = stamp
+                    picked[found] = p
+                    found += 1
+            # Moves first (a binary search in H), swaps only when no move helps (one per member of H).
+            for swaps in (not allow_moves, True):
+                for i in range(found):
+                    p = picked[i]
+                    d, x, y = _best_exchange(vals, counts, h, p, loads[h] - loads[p], allow_moves, swaps, cap)
+                    if d > 0.0 and max(loads[h] - d, loads[p] + d) < best_max:
+                        best_max, best_d, best_x, best_y, best_p = max(loads[h] - d, loads[p] + d), d, x, y, p
+                if best_p >= 0:
+                    break
             for i in range(found):
-                p = picked[i]
-                d, x, y = _best_exchange(vals, counts, h, p, loads[h] - loads[p], allow_moves, swaps, cap)
-                if d > 0.0 and max(loads[h] - d, loads[p] + d) < best_max:
-                    best_max, best_d, best_x, best_y, best_p = max(loads[h] - d, loads[p] + d), d, x, y, p
-            if best_p >= 0:
+                light = _push(light_loads, light_parts, light, loads[picked[i]], picked[i])
+            if best_p >= 0 or want == wide:
                 break
-        for i in range(found):
-            light = _push(light_loads, light_parts, light, loads[picked[i]], picked[i])
         if best_p < 0:
             break  # no single move or swap lowers the heaviest part
         p = best_p
