@@ -45,7 +45,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from freescale.config import require
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.cost import CostModel
-from freescale.dataloader.partition import Parts
+from freescale.dataloader.partition import Parts, check_size
 from freescale.dataloader.planner import BatchPlanner, EpochOrder, StepPlan
 from freescale.dataloader.schema import CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, USER_ID, DataError
 from freescale.dataloader.source import ParquetSource
@@ -448,6 +448,12 @@ def build_loader(
     group_size: int | None = None,
 ) -> BalancedLoader:
     """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order)."""
+    if training:
+        window = max(cfg.window, 1)
+        try:
+            check_size(cfg.partitioner, cfg.batch_size * world_size * window, world_size * window, cfg.equal_count)
+        except ValueError as exc:
+            raise DataError(f"data.partitioner = '{cfg.partitioner}' at {world_size} ranks: {exc}") from None
     columns = sorted({SPARSE_FEATURES[f][0] for f in sparse_features} | {DENSE, LABEL})
     source = ParquetSource(cfg.path, split, columns, on_bad_rows=cfg.on_bad_rows,
                            cache_row_groups=2 * cfg.shuffle_row_groups + 2)

@@ -175,12 +175,19 @@ def lpt(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
     return Parts(index, offsets)
 
 
+def check_size(name: str, samples: int, num_parts: int, equal_count: bool) -> None:
+    """Refuse, in one line, a batch partitioner ``name`` cannot hold (``kk``: one k-vector per sample)."""
+    if name not in ("kk", "token_kk"):
+        return
+    cells = (-(-samples // num_parts) if equal_count else samples) * num_parts
+    if cells > KK_MAX_CELLS:
+        raise ValueError(f"partitioner '{name}' would keep {cells:,} cells ({samples:,} samples x {num_parts:,} "
+                         f"parts) over its limit of {KK_MAX_CELLS:,}: use 'lpt' (as balanced, and fast at any size)")
+
+
 def kk(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
     n, k = costs.size, num_parts
-    cells = (-(-n // k) if equal_count else n) * k
-    if cells > KK_MAX_CELLS:
-        raise ValueError(f"partitioner 'kk' would keep {cells:,} cells ({n:,} samples x {k:,} parts) over its "
-                         f"limit of {KK_MAX_CELLS:,}: use 'lpt', or 'kk' with equal_count = true up to that size")
+    check_size("kk", n, k, equal_count)
     if n == 0:
         return Parts.of_owner(np.zeros(0, dtype=np.int64), k)
     order = np.argsort(-costs, kind="stable")

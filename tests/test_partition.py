@@ -85,6 +85,21 @@ def test_kk_refuses_a_batch_it_cannot_hold_and_lpt_names_a_bad_cost() -> None:
         lpt(costs, 4)
 
 
+def test_a_kk_run_too_large_for_it_is_refused_before_training(tiny_data, tmp_path) -> None:
+    """At start, in one line naming the setting: not in the prefetch thread at the first plan."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cli_env
+
+    proc = subprocess.run([sys.executable, "-m", "freescale.cli", "train", "--config", "configs/tiny_dlrm.toml",
+                           "--data.path", str(tiny_data), "--data.partitioner", "kk", "--data.batch_size", "32",
+                           "--data.window", "1024", "--train.steps", "1", "--train.output_dir", str(tmp_path)],
+                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "data.partitioner = 'kk'" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_lpt_plans_the_same_in_another_process_with_another_hash_seed(tmp_path) -> None:
     """Every rank computes the plan alone: no dependence on hash seed, threads or process."""
     import subprocess
