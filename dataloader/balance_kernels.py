@@ -404,10 +404,10 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     _lpt_sorted(ordered, part_of, head, n, loads, counts, full, extra, width)
     if refine_steps > 0 and n > k and loads.max() > mean * (1.0 + tolerance):
         # The tail's samples are light: moving one to the lightest couple of parts does as well as
-        # trying more (swaps, for equal counts, need the wider choice).  A step costs ~1-3 us here
-        # (heap updates, a search per partner): the tail gets about one per part, the head more.
-        _refine_sorted(ordered, part_of, n, k, allow_moves, min(partners, 2) if allow_moves else partners,
-                       refine_steps if equal_count else min(refine_steps, k + 64), mean * (1.0 + tolerance))
+        # trying more (swaps, for equal counts, want four).  A step costs ~1-3 us here (heap updates,
+        # a search per partner): the tail gets about one step per part, the head more.
+        _refine_sorted(ordered, part_of, n, k, allow_moves, min(partners, 2) if allow_moves else min(partners, 4),
+                       min(refine_steps, k + 64), mean * (1.0 + tolerance))
     index, offsets = _members(part_of, order, k)
     return index, offsets, -1
 
