@@ -1,24 +1,29 @@
-"""What fault tolerance buys at scale: ETTR of three policies at 1K-100K GPUs, by simulation.
+"""What fault tolerance buys at scale: ETTR of four policies at 1K-98K GPUs, by simulation.
 
-``freescale.sim`` simulates one seeded failure trace per GPU count and runs three policies on
+``freescale.sim`` simulates one seeded failure trace per GPU count and runs four policies on
 it: fully synchronous training with checkpoint restart, a torchft-like replica policy (the
-in-flight step discarded on every replica, the heal's source blocking, heartbeat detection)
-and this project (no step discarded, non-blocking catch-up, slow replicas at a reduced share).
+in-flight step discarded on every replica, the heal's source blocking) and this project twice:
+**as built** (no step discarded, non-blocking catch-up; a slow replica sets everyone's pace) and
+**as designed** (also a slow replica kept at a reduced share once detected: not built yet).
 
 1. Validation gates first (``freescale/sim/gates.py``): FT-HSDP's synchronous 44% (and which
-   accounting gives it), FT-HSDP's own 80%, torchft's Crusoe run (82.3% of steps committed),
-   and every policy within 1 point of its closed form.  A failed gate stops the script before
-   any projection.
+   accounting gives it), FT-HSDP's own 80%, torchft's Crusoe run (82.3% of steps committed;
+   its per-step participating groups and efficiency are reported beside it, not gated), and
+   every policy within 1 point of its closed form.  A failed gate stops the script before any
+   projection.
 2. Inputs, each printed with its source: this repository's benchmark results
-   (``ft_torchrec_cpu.json``: kill -> next commit, restart -> catch-up, catch-up rate, the
-   survivors' slowdown during a catch-up, the heartbeat timeout; ``ft_cpu.json``: per-step
-   overhead, torchft's kill -> next commit), the code (``ft/config.py``), and labelled
+   (``ft_torchrec_cpu.json``: kill -> next commit, restart -> catch-up, the catch-up's fixed
+   cost and rate, the survivors' slowdown during a catch-up, the last three CPU-toy figures;
+   ``ft_cpu.json``: per-step overhead, torchft's kill -> next commit), code defaults (the hang
+   bounds: ``ft/config.py`` ``FTConfig.timeout_s``, torchft's ``Manager`` timeout), and labelled
    assumptions for what a 2-core CPU machine cannot measure (failure rates, node replacement,
    NCCL init at scale, checkpoint cadence).
-3. Projection at 1K, 16K and 100K GPUs (ETTR, stall per failure mean/P50/P90, steps discarded
-   per failure, mean contributing replica groups, the largest losses); ETTR against GPU count
-   for the plot (``ettr_vs_gpus.png``), and throughput over 24 h at 100K GPUs on one trace
-   (``ettr_throughput_100k.png``), both beside the JSON.
+3. Projection at 1K, 16K and 98K GPUs (ETTR, lambda*stall with rows past 0.5 marked, stall per
+   failure mean/P50/P90, steps discarded per failure, mean contributing replica groups, the
+   largest losses), freescale vs torchft-like (ties within the overheads' noise); ETTR against
+   GPU count (``ettr_vs_gpus.png``) and throughput over 24 h at 98K GPUs on one trace
+   (``ettr_throughput_98k.png``), both beside the JSON (the plots need matplotlib:
+   ``pip install -e '.[report]'``).
 
     python benchmarks/bench_ettr.py [--quick] [--failures 2000] [--seed 0]
                                     [--json benchmarks/results/ettr.json]
@@ -32,10 +37,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import write_json  # noqa: E402
 
-from freescale.sim.command import RESULT_COLUMNS, GateFailed, gates_first, print_inputs, throughput_run  # noqa: E402
-from freescale.sim.project import CURVE, SCALES, inputs, project  # noqa: E402
+from freescale.config import ConfigError  # noqa: E402
+from freescale.sim.command import (GateFailed, ft_comparison, gates_first, inputs_json, print_comparison,  # noqa: E402
+                                   print_inputs, print_results, throughput_run, writable)
+from freescale.sim.params import SimError  # noqa: E402
+from freescale.sim.project import CURVE, SCALES, check_scenarios, inputs, project  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -46,38 +54,48 @@ def main() -> int:
     parser.add_argument("--failures", type=int, default=0, help="crash/hang failures per GPU count (default 2000; 300 quick)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results", default=str(RESULTS), help="where the measured FT benchmark JSONs are")
-    parser.add_argument("--json", help="write gates, inputs, projection and curve here (PNGs beside it)")
+    parser.add_argument("--json", help="write gates, inputs, projection and curve here (PNGs beside it; needs matplotlib)")
     args = parser.parse_args()
+    try:
+        return run(args)
+    except (GateFailed, SimError, ConfigError) as exc:  # ConfigError: matplotlib missing (install hint)
+        print(f"bench_ettr: {exc}", file=sys.stderr)
+        return 1 if isinstance(exc, GateFailed) else 2
+
+
+def run(args: argparse.Namespace) -> int:
     failures = args.failures or (300 if args.quick else 2_000)
     start = time.perf_counter()
-    try:
-        gates = gates_first(args.quick)
-    except GateFailed as exc:
-        print(f"bench_ettr: {exc}", file=sys.stderr)
-        return 1
-    v = inputs(Path(args.results))
+    v = inputs(Path(args.results))  # a missing result file fails here, in one line, before the gates
+    check_scenarios(v, SCALES[0], None, SCALES + CURVE)
+    out = None
+    if args.json:
+        from freescale.plotting import pyplot
+
+        pyplot()
+        out = writable(Path(args.json))
+    gates = gates_first(args.quick)
     print_inputs(v)
     rows = project(v, SCALES, failures, args.seed)
     print(f"projection ({failures:,} crash/hang failures simulated per GPU count, seed {args.seed}):")
-    print_table(rows, RESULT_COLUMNS)
+    print_results(rows)
+    comparison = ft_comparison(rows, v)
+    print_comparison(comparison)
     curve = project(v, CURVE, failures, args.seed)
-    if args.json:
+    if out is not None:
         from freescale.sim.plot import plot_projection, plot_throughput
 
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
         png = plot_projection(curve, out.with_name("ettr_vs_gpus.png"),
                               f"ETTR by simulation ({failures:,} failures per point): measured parameters of this "
                               f"repository + labelled assumptions ({out.name} lists each)")
-        tp = plot_throughput(throughput_run(v, 102_400, 24.0, args.seed), out.with_name("ettr_throughput_100k.png"),
-                             "throughput over 24 h at 100K GPUs, one failure trace, three policies")
+        tp = plot_throughput(throughput_run(v, SCALES[-1], 24.0, args.seed), out.with_name("ettr_throughput_98k.png"),
+                             f"throughput over 24 h at {SCALES[-1]:,} GPUs, one failure trace, four policies")
         print(f"wrote {png} and {tp}")
         write_json(out, "bench_ettr", {
             "quick": args.quick, "failures_per_point": failures, "seed": args.seed, "scales": list(SCALES),
             "curve_gpus": list(CURVE), "accounting": "queue (failures arrive in wall-clock time; a failure "
-            "during a recovery queues its own)", "gates": [g.row() for g in gates],
-            "inputs": {k: {"value": s.value, "kind": s.kind, "source": s.source} for k, s in v.items()},
-            "curve": curve, "seconds": round(time.perf_counter() - start, 1)}, rows)
+            "during a recovery queues its own)", "gates": [g.row() for g in gates], "inputs": inputs_json(v),
+            "comparison": comparison, "curve": curve, "seconds": round(time.perf_counter() - start, 1)}, rows)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -4,7 +4,7 @@
     freescale train --config configs/tiny_hstu.toml --data.path data/demo --train.steps 50
     freescale launch --nproc-per-node 2 --config configs/tiny_hstu.toml --data.path data/demo
     freescale launch --replicas 2 --ranks-per-replica 2 --max-restarts 3 --config configs/tiny_hstu.toml
-    freescale simulate --gpus 102400 --project --plot ettr.png
+    freescale simulate --gpus 98304 --project --plot ettr.png
     freescale report runs/demo
 
 ``train`` runs one rank (under torchrun, or alone); ``launch`` starts N local
@@ -173,15 +173,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from freescale.sim.command import run_simulate
+    from freescale.sim.command import run_simulate, writable, write_text
 
-    if args.gpus < 1 or args.failures < 1 or (args.replicas is not None and not 1 <= args.replicas <= args.gpus):
-        raise ConfigError(f"--gpus and --failures must be >= 1 and --replicas in 1..gpus, got --gpus {args.gpus} "
-                          f"--failures {args.failures} --replicas {args.replicas}")
-    doc = run_simulate(Path(args.results), args.gpus, args.replicas, args.failures, args.seed,
-                       _parse_sets(args.set), args.project, Path(args.plot) if args.plot else None, args.quick)
+    if args.failures < 1:
+        raise ConfigError(f"--failures must be >= 1, got {args.failures}")
     if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        writable(Path(args.json))  # before the simulations: a bad path fails in a second
+    doc = run_simulate(Path(args.results), args.gpus, args.replicas, args.failures, args.seed,
+                       _parse_sets(args.set), args.project, Path(args.plot) if args.plot else None, args.quick,
+                       fresh_gates=args.fresh_gates)
+    if args.json:
+        write_text(Path(args.json), json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
@@ -293,15 +295,16 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
 
     sim = sub.add_parser("simulate", help="ETTR at scale by simulation: validation gates, then sync vs torchft-like vs freescale")
     sim.add_argument("--gpus", type=_int, default=16_384, help="GPUs of the simulated job (default 16384)")
-    sim.add_argument("--replicas", type=_int, default=None, help="replica groups (default: 16 up to 16K GPUs, then 8K-GPU groups)")
+    sim.add_argument("--replicas", type=_int, default=None, help="replica groups, a divisor of --gpus (default: the divisor nearest 16 up to 16K GPUs, then nearest 8K-GPU groups)")
     sim.add_argument("--failures", type=_int, default=1_000, help="crash/hang failures to simulate (default 1000)")
     sim.add_argument("--seed", type=_int, default=0)
-    sim.add_argument("--results", default="benchmarks/results", help="measured FT benchmark JSONs (default benchmarks/results)")
+    sim.add_argument("--results", default="benchmarks/results", help="measured FT benchmark JSONs (default benchmarks/results: run from the repository root)")
     sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an input (names in the inputs table)")
     sim.add_argument("--project", action="store_true", help="also project at 1K, 16K and 100K GPUs")
     sim.add_argument("--plot", help="write ETTR vs GPU count (1K..100K) to this PNG")
     sim.add_argument("--json", help="write gates, inputs and results to this JSON file")
     sim.add_argument("--quick", action="store_true", help="validation gates with fewer simulated failures")
+    sim.add_argument("--fresh-gates", action="store_true", help="run the gates even if this simulator source's result is cached")
 
     rep = sub.add_parser("report", help="one HTML page with plots from a run's logs (train_log.jsonl, replica<g>/)")
     rep.add_argument("run_dir", help="the run's train.output_dir")

@@ -1,6 +1,6 @@
-"""``freescale report`` and ``freescale simulate`` as commands: pages from logs, one-line errors,
-and no projection from a simulator that fails a gate.  In-process, seconds (the real 2-group
-SIGKILL run's report is checked in ``tests/test_ft_torchrec.py``)."""
+"""``freescale report``: pages from logs, one-line errors.  In-process, seconds (the real 2-group
+SIGKILL run's report is checked in ``tests/test_ft_torchrec.py``; ``freescale simulate`` in
+``tests/test_simulate.py``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ import pytest
 
 from freescale import cli
 from freescale.report import write_report
-from freescale.sim import command
-from freescale.sim.gates import Gate
-from tests.conftest import REPO
 
 
 def _write(path: Path, events: list[dict[str, Any]]) -> None:
@@ -76,33 +73,6 @@ def test_report_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixt
     assert cli.main(["report", str(run)]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-
-
-def test_simulate_prints_gates_sources_and_results(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    out_json = tmp_path / "sim.json"
-    assert cli.main(["simulate", "--quick", "--gpus", "16384", "--failures", "100", "--set", "step_s=2",
-                     "--results", str(REPO / "benchmarks" / "results"), "--json", str(out_json)]) == 0
-    out = capsys.readouterr().out
-    assert out.index("validation gates") < out.index("inputs") < out.index("16,384 GPUs")
-    assert "ft_torchrec_cpu.json: params.kill_run.kill_s" in out and "command line" in out
-    doc = json.loads(out_json.read_text())
-    assert {r["policy"] for r in doc["rows"]} == {"sync + checkpoint restart", "torchft-like", "freescale"}
-
-
-def test_simulate_projects_nothing_when_a_gate_fails(monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(command, "run_gates", lambda quick: [Gate("broken", "test", "queue", 44.0, 1.0, 60.0)])
-    assert cli.main(["simulate", "--quick"]) == 1
-    captured = capsys.readouterr()
-    assert "validation gate failed: broken" in captured.err and "GPUs as" not in captured.out
-
-
-@pytest.mark.parametrize("argv", [["simulate", "--set", "nope=1"], ["simulate", "--set", "step_s"],
-                                  ["simulate", "--results", "/nonexistent"], ["simulate", "--gpus", "0"]])
-def test_simulate_bad_input_is_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("freescale: error:") and len(err.strip().splitlines()) == 1
 
 
 def test_report_without_matplotlib_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -1,19 +1,32 @@
 """``freescale simulate`` and ``benchmarks/bench_ettr.py``: gates first, then the sources, then results.
 
-Order matters: the validation gates run before anything is projected, and a failed gate stops
-the command (``GateFailed``) with the gates table printed, so no projection is ever shown from a
-simulator that does not reproduce the published figures.
+Order matters:
+
+1. every input and every scenario the command will run is validated first (seconds; errors name
+   the ``--set`` key or the flag), and so is matplotlib when a plot is asked for;
+2. the validation gates run before anything is projected, and a failed gate stops the command
+   (``GateFailed``) with the gates table printed, so no projection is ever shown from a
+   simulator that does not reproduce the published figures.  ``freescale simulate`` keeps the
+   gates' result per simulator source (a hash of ``freescale/sim/*.py``) in a cache directory
+   and reuses it (``--fresh-gates`` runs them again); the bench always runs them;
+3. the inputs with their sources, then the results, then notes on how far they can be read:
+   rows past ``lambda*stall`` 0.5 (outside what the gates validate) and the FT policies'
+   comparison (a gap within the measured overheads' noise is a tie; freescale as built vs as
+   designed).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 from freescale.sim.gates import Gate, run_gates
 from freescale.sim.params import SimError
-from freescale.sim.project import (CURVE, SCALES, Sourced, compare, inputs, project, scenario, summary_row,
-                                   with_overrides)
+from freescale.sim.project import (AS_BUILT, AS_DESIGNED, CURVE, SCALES, VALIDATED_X, Sourced, check_scenarios,
+                                   compare, inputs, project, scenario, summary_row, with_overrides)
 
 
 class GateFailed(SimError):
@@ -33,18 +46,63 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
 
 
-def gates_first(quick: bool) -> list[Gate]:
-    gates = run_gates(quick)
-    print("validation gates (published figures; the simulator must pass them before it projects):")
-    table([g.row() for g in gates], ["gate", "accounting", "target", "got", "passed", "source"])
-    failed = [g.name for g in gates if not g.passed]
+# ----- gates -----------------------------------------------------------------------------------
+def sim_source_digest() -> str:
+    """A hash of the simulator's source: a cached gate result is valid for this source only."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def gate_cache(quick: bool) -> Path:
+    root = Path(os.environ.get("FREESCALE_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or
+                                                              Path.home() / ".cache") / "freescale")
+    return root / f"sim-gates-{sim_source_digest()}-{'quick' if quick else 'full'}.json"
+
+
+def _cached(path: Path) -> list[Gate] | None:
+    try:
+        return [Gate.from_row(r) for r in json.loads(path.read_text())]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store(path: Path, gates: list[Gate]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([g.row() for g in gates], indent=1) + "\n")
+    except OSError:
+        pass  # a cache only: a read-only home costs the next call its gates
+
+
+def gates_first(quick: bool, use_cache: bool = False) -> list[Gate]:
+    """Run (or, with ``use_cache``, reuse) the gates, print them; ``GateFailed`` if one fails."""
+    path = gate_cache(quick) if use_cache else None
+    gates = _cached(path) if path is not None else None
+    origin = f"reused from {path} (this simulator source; --fresh-gates runs them again)" if gates else "run now"
+    if gates is None:
+        gates = run_gates(quick)
+        if path is not None and all(g.passed for g in gates if g.blocking):
+            _store(path, gates)
+    print(f"validation gates ({'quick' if quick else 'full'}, {origin}): published figures the simulator must "
+          "reproduce before it projects; 'reported' rows are comparisons that stop nothing:")
+    table([g.row() for g in gates], ["gate", "kind", "accounting", "target", "got", "result", "source"])
+    failed = [g.name for g in gates if g.blocking and not g.passed]
+    blocking = sum(g.blocking for g in gates)
     if failed:
-        raise GateFailed(f"validation gate failed: {failed[0]} ({len(failed)} of {len(gates)}): nothing projected")
-    print(f"all {len(gates)} gates passed; the synchronous figure (44%) is the 'queue' accounting "
-          "(1 - lambda*(stall + lost work)); the renewal accountings would give 64% and 57%.\n")
+        raise GateFailed(f"validation gate failed: {failed[0]} ({len(failed)} of {blocking}): nothing projected")
+    missed = [g for g in gates if not g.blocking and not g.passed]
+    print(f"all {blocking} gates passed; the synchronous figure (44%) is the 'queue' accounting "
+          "(1 - lambda*(stall + lost work)); the renewal accountings would give 64% and 57%.")
+    for g in missed:
+        print(f"MISSED (reported, not a gate): {g.name}: got {g.got:.2f}, published {g.target:g} +- {g.tolerance:g} "
+              "(see freescale/sim/gates.py: the assumed Crusoe restart is not fitted to these figures)")
+    print()
     return gates
 
 
+# ----- inputs and results ----------------------------------------------------------------------
 def print_inputs(v: dict[str, Sourced]) -> None:
     print("inputs (value, kind, source):")
     table([{"input": k, "value": f"{s.value:.6g}", "kind": s.kind, "source": s.source} for k, s in v.items()],
@@ -52,27 +110,98 @@ def print_inputs(v: dict[str, Sourced]) -> None:
     print()
 
 
-RESULT_COLUMNS = ["gpus", "replicas", "job_mtbf_min", "policy", "ettr", "stall_mean_s", "stall_p50_s", "stall_p90_s",
-                  "discarded_per_failure", "mean_contributing", "top_losses"]
+RESULT_COLUMNS = ["gpus", "replicas", "job_mtbf_min", "policy", "ettr", "lambda_stall", "stall_mean_s", "stall_p50_s",
+                  "stall_p90_s", "discarded_per_failure", "mean_contributing", "top_losses"]
+
+
+def print_results(rows: list[dict[str, Any]]) -> None:
+    """The rows, ``lambda_stall`` marked ``*`` past the validated range."""
+    table([{**r, "lambda_stall": f"{r['lambda_stall']:.3f}{'' if r['validated'] else ' *'}"} for r in rows],
+          RESULT_COLUMNS)
+    if not all(r["validated"] for r in rows):
+        print(f"* lambda*stall > {VALIDATED_X}: outside the range the gates validate (the closed forms hold to "
+              f"{VALIDATED_X}); read those rows as indicative only")
+
+
+def ft_comparison(rows: list[dict[str, Any]], v: dict[str, Sourced]) -> list[dict[str, Any]]:
+    """Per GPU count: freescale as built and as designed minus torchft-like, in ETTR points, and
+    whether the gap is a tie: no larger than the gap of the two measured steady-state overheads,
+    single CPU runs within each other's noise (torchft's was measured negative and clipped to 0)."""
+    tie = max(0.5, 100 * abs(v["overhead"].value - v["torchft_overhead"].value))
+    found = []
+    for gpus in sorted({r["gpus"] for r in rows}):
+        at = {r["policy"]: r["ettr"] for r in rows if r["gpus"] == gpus}
+        if not {"torchft-like", AS_BUILT, AS_DESIGNED} <= set(at):
+            continue
+        entry: dict[str, Any] = {"gpus": gpus, "torchft_like": at["torchft-like"], "tie_within_pts": round(tie, 2)}
+        for key, name in (("as_built", AS_BUILT), ("as_designed", AS_DESIGNED)):
+            gap = 100 * (at[name] - at["torchft-like"])
+            entry[key] = at[name]
+            entry[f"{key}_minus_torchft_pts"] = round(gap, 2)
+            entry[f"{key}_verdict"] = "tie" if abs(gap) <= tie else ("ahead" if gap > 0 else "behind")
+        found.append(entry)
+    return found
+
+
+def print_comparison(comparison: list[dict[str, Any]]) -> None:
+    if not comparison:
+        return
+    tie = comparison[0]["tie_within_pts"]
+    print(f"\nfreescale vs torchft-like (ETTR points; within +-{tie:g} is a tie: the measured steady-state overheads, "
+          "one CPU run each, differ by that much):")
+    table([{"gpus": c["gpus"], "torchft-like": c["torchft_like"],
+            "as built": f"{c['as_built_minus_torchft_pts']:+.2f} ({c['as_built_verdict']})",
+            "as designed": f"{c['as_designed_minus_torchft_pts']:+.2f} ({c['as_designed_verdict']})"}
+           for c in comparison], ["gpus", "torchft-like", "as built", "as designed"])
+    print(f"'{AS_DESIGNED}' keeps a slow replica at a reduced share once detected (slow_detect_s): designed, NOT "
+          f"built; '{AS_BUILT}' (slow_detect_s = inf) is what the code does today. A lead that only the as-designed "
+          "row has rests on the unbuilt feature.")
+
+
+def writable(path: Path) -> Path:
+    """``path`` with its parent directories created (one-line ``SimError`` if that fails)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SimError(f"{path}: cannot create its directory ({exc.strerror})") from None
+    return path
+
+
+def write_text(path: Path, text: str) -> None:
+    try:
+        writable(path).write_text(text)
+    except OSError as exc:
+        raise SimError(f"{path}: cannot write ({exc.strerror})") from None
 
 
 def run_simulate(results: Path, gpus: int, replicas: int | None, failures: int, seed: int,
-                 overrides: dict[str, float], projection: bool, plot: Path | None, quick: bool) -> dict[str, Any]:
+                 overrides: dict[str, float], projection: bool, plot: Path | None, quick: bool,
+                 fresh_gates: bool = False) -> dict[str, Any]:
     """The whole command; returns what ``--json`` writes."""
-    v = with_overrides(inputs(results), overrides)  # bad input fails before the gates run
-    gates = gates_first(quick)
+    v = with_overrides(inputs(results), overrides)
+    check_scenarios(v, gpus, replicas, (SCALES if projection else ()) + (CURVE if plot else ()))
+    if plot is not None:
+        from freescale.plotting import pyplot
+
+        pyplot()  # matplotlib missing: one line now, not after the simulations
+        writable(plot)
+    gates = gates_first(quick, use_cache=not fresh_gates)
     print_inputs(v)
     cluster, policies = scenario(gpus, v, replicas)
     outs = compare(cluster, policies, failures, seed)
     rows = [summary_row(gpus, cluster, p, o) for p, o in zip(policies, outs)]
     print(f"{gpus:,} GPUs as {cluster.replicas} replica groups of {cluster.gpus_per_replica:,}, {failures:,} "
           f"crash/hang failures simulated (seed {seed}):")
-    table(rows, RESULT_COLUMNS)
-    doc: dict[str, Any] = {"gates": [g.row() for g in gates], "inputs": _inputs_json(v), "rows": rows}
+    print_results(rows)
+    doc: dict[str, Any] = {"gates": [g.row() for g in gates], "inputs": inputs_json(v), "rows": rows,
+                           "comparison": ft_comparison(rows, v)}
+    print_comparison(doc["comparison"])
     if projection:
-        print("\nprojection at 1K, 16K, 100K GPUs:")
+        print(f"\nprojection at {', '.join(f'{n:,}' for n in SCALES)} GPUs:")
         doc["projection"] = project(v, SCALES, failures, seed)
-        table(doc["projection"], RESULT_COLUMNS)
+        print_results(doc["projection"])
+        doc["projection_comparison"] = ft_comparison(doc["projection"], v)
+        print_comparison(doc["projection_comparison"])
     if plot is not None:
         from freescale.sim.plot import plot_projection
 
@@ -84,11 +213,11 @@ def run_simulate(results: Path, gpus: int, replicas: int | None, failures: int, 
     return doc
 
 
-def _inputs_json(v: dict[str, Sourced]) -> dict[str, Any]:
+def inputs_json(v: dict[str, Sourced]) -> dict[str, Any]:
     return {k: {"value": s.value, "kind": s.kind, "source": s.source} for k, s in v.items()}
 
 
 def throughput_run(v: dict[str, Sourced], gpus: int, hours: float, seed: int) -> list[Any]:
-    """The three policies over ``hours`` of one trace (for the throughput-over-time plot)."""
+    """The four policies over ``hours`` of one trace (for the throughput-over-time plot)."""
     cluster, policies = scenario(gpus, v)
     return compare(cluster, policies, 0, seed, horizon_s=hours * 3600, bins=int(hours * 12))

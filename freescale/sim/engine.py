@@ -33,6 +33,8 @@ from freescale.sim.params import Cluster, Policy
 from freescale.sim.trace import Failure
 
 _EPS = 1e-9
+HEAL = "heal (source blocks)"
+_BULK_CYCLES = 2  # quiet spans of at least this many checkpoint cycles are accounted at once
 
 
 @dataclass
@@ -46,12 +48,18 @@ class Outcome:
     """Crash and hang events (slow episodes are counted in ``slow_episodes``)."""
     slow_episodes: int
     stalls_s: list[float]
-    """Per crash/hang of a contributing replica: how much later the survivors' next committed step
-    comes than it would have without the failure (the discarded part of a step included)."""
+    """Per crash/hang of a contributing replica: the survivors' time lost to it: how much later
+    their next committed step comes than it would have without the failure (the discarded part
+    of a step included), plus, under ``torchft``, the heal that blocks them when the failed group
+    comes back (charged to the failure that took it down)."""
     steps_committed: float
     steps_discarded: int
     mean_contributing: float
-    """Replica groups contributing to committed steps, averaged over the wall time (0 in a global stall)."""
+    """Replica groups contributing, averaged over the wall time (0 in a global stall)."""
+    participating_per_step: float
+    """Replica groups contributing, averaged over the steps attempted (a published run's per-step
+    figure: stalls, in which no step is taken, do not count)."""
+    replicas: int
     breakdown: dict[str, float]
     """Share of GPUs x wall time per bucket (``useful`` included); adds up to 1."""
     series_t_s: list[float] = field(default_factory=list)
@@ -70,6 +78,12 @@ class Outcome:
         total = self.steps_committed + self.steps_discarded
         return self.steps_committed / total if total else 1.0
 
+    @property
+    def step_efficiency(self) -> float:
+        """Per step, as a published run counts it: steps committed over attempted, times the
+        replica groups participating in a step over all groups."""
+        return self.committed_fraction * self.participating_per_step / self.replicas
+
 
 @dataclass
 class _Rates:
@@ -85,7 +99,7 @@ class _Run:
 
     def __init__(self, cluster: Cluster, policy: Policy, horizon_s: float, bins: int) -> None:
         self.c, self.p, self.horizon = cluster, policy, horizon_s
-        self.R = cluster.replicas if policy.kind != "sync" else max(1, cluster.replicas)
+        self.R = cluster.replicas
         self.t = 0.0
         self.stall: deque[list] = deque()  # [reason, seconds left]
         self.down_until = np.full(self.R, -math.inf)
@@ -100,11 +114,14 @@ class _Run:
         self.useful = 0.0
         self.lost: dict[str, float] = defaultdict(float)
         self.contrib_time = 0.0
+        self.contrib_steps = 0.0  # sum over step attempts of the groups contributing to them
+        self.attempted = 0.0
         self.steps = 0.0
         self.discarded = 0
         self.failures = 0
         self.slow_episodes = 0
         self.stalls: list[float] = []
+        self.cause = np.full(self.R, -1)  # the failure (index into stalls) each restarting group is out for
         self.bin_s = horizon_s / bins
         self.series = np.zeros(bins)
 
@@ -159,6 +176,11 @@ class _Run:
         interval, cost = p.checkpoint_interval_s, p.checkpoint_cost_s
         if interval > 0 and self.cycle >= interval + cost - _EPS:
             self._checkpoint_done()
+        if interval > 0 and self.cycle <= _EPS:  # whole checkpoint cycles before t1: all at once
+            cycles = int((t1 - self.t) / (interval + cost))
+            if cycles >= _BULK_CYCLES:
+                self._whole_cycles(cycles, interval, cost)
+                return
         saving = interval > 0 and self.cycle >= interval - _EPS
         boundary = math.inf if interval <= 0 else (interval + cost if saving else interval) - self.cycle
         dt = min(t1 - self.t, max(boundary, 0.0))
@@ -172,6 +194,8 @@ class _Run:
             self.useful += r.useful * dt
             steps = dt / r.step_s if r.contributing else 0.0
             self.steps += steps
+            self.attempted += steps
+            self.contrib_steps += r.contributing * steps
             self.phase += steps
             if interval > 0:  # without checkpoints nothing is ever redone (the published idealisation)
                 self.since_ckpt_work += r.useful * dt
@@ -182,6 +206,32 @@ class _Run:
         self.t += dt
         if interval > 0 and self.cycle >= interval + cost - _EPS:
             self._checkpoint_done()
+
+    def _whole_cycles(self, n: int, interval: float, cost: float) -> None:
+        """``n`` checkpoint cycles (train ``interval``, save ``cost``) at constant rates: what
+        ``n`` passes of ``_train`` would account, in one (long quiet spans cost no time)."""
+        r = self.rates()
+        span = n * (interval + cost)
+        for reason, per_s in r.losses.items():
+            self.lost[reason] += per_s * (n * interval if reason == "steady-state overhead" else span)
+        self.lost["checkpoint saves"] += (r.useful + r.losses["steady-state overhead"]) * n * cost
+        self.useful += r.useful * n * interval
+        steps = n * interval / r.step_s if r.contributing else 0.0
+        self.steps += steps
+        self.attempted += steps
+        self.contrib_steps += r.contributing * steps
+        self.phase += steps
+        self.contrib_time += r.contributing * span
+        # throughput series: training time in each bin, t -> floor(t/C)*I + min(t mod C, I) from the span's start
+        first, size = int(self.t / self.bin_s), self.series.size
+        if first < size:
+            edges = np.clip(np.arange(first, min(int((self.t + span) / self.bin_s), size - 1) + 2) * self.bin_s,
+                            self.t, self.t + span) - self.t
+            cycle = interval + cost
+            trained = np.floor(edges / cycle) * interval + np.minimum(np.mod(edges, cycle), interval)
+            self.series[first:first + edges.size - 1] += r.useful * np.diff(trained)
+        self.t += span
+        self._checkpoint_done()
 
     def _checkpoint_done(self) -> None:
         self.cycle = self.since_ckpt_work = self.since_ckpt_steps = 0.0
@@ -211,11 +261,15 @@ class _Run:
         for j in np.flatnonzero(self.restarting & (self.down_until <= t + _EPS)).tolist():
             self.restarting[j] = False
             if p.kind == "torchft":  # the heal: its source, and so every replica, waits for the transfer
-                if p.catchup_s(self.c) > 0:
-                    self.stall.append(["heal (source blocks)", p.catchup_s(self.c)])
+                heal = p.catchup_s(self.c)
+                if heal > 0:
+                    self.stall.append([HEAL, heal])
+                    if self.cause[j] >= 0:  # the survivors' loss to the failure that took this group down
+                        self.stalls[self.cause[j]] += heal
             elif p.kind == "freescale":
                 self.catching[j] = True
                 self.catch_until[j] = t + p.catchup_s(self.c) + p.replay_s
+            self.cause[j] = -1
         self.catching &= self.catch_until > t + _EPS
         self.slow = [s for s in self.slow if s[3] > t + _EPS]
 
@@ -235,8 +289,8 @@ class _Run:
             self._replica_failure(f, detect)
 
     def _push(self, items: list[list]) -> None:
-        if self.stall and self.p.recovery == "restart":
-            self.stall.clear()
+        if self.stall and self.p.recovery == "restart":  # the recovery in progress starts again; other
+            self.stall = deque(e for e in self.stall if e[0] == HEAL)  # groups' heals are not part of it
         self.stall.extend([list(i) for i in items if i[1] > 0])
 
     def _job_failure(self, detect: float, items: list[list]) -> None:
@@ -250,11 +304,13 @@ class _Run:
             self.phase = 0.0
         self._push(items)
         self.stalls.append(sum(i[1] for i in items))
+        self.cause[self.restarting & (self.cause < 0)] = len(self.stalls) - 1
 
     def _replica_failure(self, f: Failure, detect: float) -> None:
         p, t = self.p, self.t
         before = self.rates()
         contributing = [j for j in f.replicas if before.eff[j] > 0]
+        fresh = [j for j in f.replicas if not self.restarting[j]]
         for j in f.replicas:
             if self.restarting[j] and p.recovery == "queue":
                 self.down_until[j] += p.restart_s  # queued: one more restart after this one
@@ -285,6 +341,8 @@ class _Run:
                 self.stalls.append(stall)
         else:
             self.stalls.append(stall)
+        for j in fresh:  # a group already restarting stays charged to the failure that took it down
+            self.cause[j] = len(self.stalls) - 1
         self._push([["failure stall (detect, rebuild)", stall]])
 
 
@@ -309,6 +367,8 @@ def simulate(cluster: Cluster, policy: Policy, trace: list[Failure], horizon_s: 
     return Outcome(
         policy=policy.name, ettr=float(run.useful / wall), wall_s=wall, failures=run.failures,
         slow_episodes=run.slow_episodes, stalls_s=run.stalls, steps_committed=float(run.steps),
-        steps_discarded=run.discarded, mean_contributing=float(run.contrib_time / wall), breakdown=breakdown,
+        steps_discarded=run.discarded, mean_contributing=float(run.contrib_time / wall),
+        participating_per_step=float(run.contrib_steps / run.attempted) if run.attempted else 0.0, replicas=run.R,
+        breakdown=breakdown,
         series_t_s=[(i + 0.5) * run.bin_s for i in range(run.series.size)],
         series_rate=(run.series / run.bin_s).tolist())

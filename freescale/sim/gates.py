@@ -3,16 +3,27 @@
 1. FT-HSDP's synchronous baseline (arXiv 2602.00277, as quoted in secondary sources): job MTBF
    18 min and a 10 min stall per failure give ETTR 44%.  Only the ``queue`` accounting
    (``1 - lambda*s``) gives 44%; the renewal accountings give 64% (``1/(1+lambda*s)``) and 57%
-   (``exp(-lambda*s)``).  The simulation, run under each accounting, must land on each.
+   (``exp(-lambda*s)``).  The simulation, run under each accounting, must land on each.  (That
+   44% is ``1 - lambda*s`` is arithmetic, not a gate: ``tests/test_simulate.py`` checks it.)
 2. FT-HSDP itself: a 3 min global stall per failure, the failed replica out 10 min in total,
    12 replicas, the same MTBF: 80% (+-3), ``queue`` accounting.
 3. torchft on Crusoe (pytorch.org blog, "Fault Tolerant Llama: training with 2000 synthetic
-   failures..."): 30 replica groups, a failure every 60 s, 10.9 s steps: 82.3% of steps committed
-   (+-2).  Injected failures: a periodic trace.  Not published, so assumed (printed): detection
-   by torchft's default 5 s heartbeat timeout, 1 s quorum rebuild, a 60 s restart, a 3 s heal.
+   failures...", its run with a failure every 60 s): 30 replica groups, 10.9 s steps.  The blog
+   counts per step: 82.3% of steps committed, 29.6 replica groups participating per step, and
+   81.2% training efficiency (= 82.3% x 29.6 / 30).  Injected failures: a periodic trace.  Not
+   published, so assumed (printed): crash detection by torchft's default 5 s heartbeat timeout,
+   1 s quorum rebuild, a 60 s restart, a 3 s heal.  The committed share is a gate (+-2).  The
+   two per-step figures are *reported comparisons*, not gates, and with these assumptions both
+   miss: the model keeps a killed group out longer than the blog's run did (29.0 groups per
+   step, not 29.6; efficiency 78.1%, not 81.2%).  A 15-25 s restart would bring all three
+   within tolerance, but the blog does not publish its restart time, so the 60 s assumption is
+   kept and the miss reported rather than a free input fitted to the figures it is checked on.
 4. Every policy within 1 point of its closed form (``closed_form``) wherever
    ``lambda*stall <= 0.5`` and replicas out rarely overlap, over crash-only and mixed
    (crash, hang, slow, correlated, checkpoints, overhead) cases.
+
+``Gate.blocking``: a failed gate stops ``freescale simulate`` and the bench before any
+projection; a reported comparison that misses is printed as ``MISSED`` and stops nothing.
 """
 
 from __future__ import annotations
@@ -36,15 +47,29 @@ class Gate:
     target: float
     tolerance: float
     got: float
+    blocking: bool = True
+    """False: a reported comparison (printed, stops nothing)."""
 
     @property
     def passed(self) -> bool:
         return abs(self.got - self.target) <= self.tolerance
 
+    @property
+    def result(self) -> str:
+        if self.blocking:
+            return "pass" if self.passed else "FAIL"
+        return "within" if self.passed else "MISSED"
+
     def row(self) -> dict[str, object]:
-        return {"gate": self.name, "source": self.source, "accounting": self.accounting,
-                "target": f"{self.target:.1f} +- {self.tolerance:g}", "got": round(self.got, 2),
-                "passed": self.passed}
+        return {"gate": self.name, "kind": "gate" if self.blocking else "reported", "source": self.source,
+                "accounting": self.accounting, "target": f"{self.target:.1f} +- {self.tolerance:g}",
+                "got": round(self.got, 2), "passed": self.passed, "result": self.result}
+
+    @classmethod
+    def from_row(cls, row: dict[str, object]) -> Gate:
+        target, tolerance = str(row["target"]).split(" +- ")
+        return cls(str(row["gate"]), str(row["source"]), str(row["accounting"]), float(target), float(tolerance),
+                   float(row["got"]), row.get("kind", "gate") == "gate")  # type: ignore[arg-type]
 
 
 def _paper_cluster(replicas: int) -> Cluster:
@@ -61,8 +86,8 @@ def _sim(cluster: Cluster, policy: Policy, failures: int, seed: int) -> float:
 def sync_baseline(failures: int) -> list[Gate]:
     cluster = _paper_cluster(12)
     closed = paper_accounting(PAPER_MTBF_S, 600.0)
-    src = "FT-HSDP: MTBF 18 min, 10 min stall"
-    gates = [Gate("sync baseline, closed form", src, "queue: 1 - lambda*s", 44.0, 1.0, 100 * closed["queue"])]
+    src = "FT-HSDP: MTBF 18 min, 10 min stall (44% = the queue accounting)"
+    gates = []
     for recovery, target in (("queue", closed["queue"]), ("renewal", closed["renewal"]), ("restart", closed["restart"])):
         sync = Policy("sync", "sync", {"crash": 0.0, "hang": 0.0, "slow": INF}, restart_s=600.0, recovery=recovery)
         gates.append(Gate(f"sync baseline, simulated ({recovery})", src, recovery, 100 * target, 1.0,
@@ -76,15 +101,26 @@ def ft_hsdp(failures: int) -> Gate:
                 100 * _sim(_paper_cluster(12), policy, failures, seed=2))
 
 
-def crusoe_torchft(failures: int) -> Gate:
+CRUSOE = "pytorch.org blog (Fault Tolerant Llama, Crusoe): 30 groups, 1 failure/60 s, 10.9 s steps"
+CRUSOE_ASSUMED = "assumed: 5 s heartbeat detection, 1 s rebuild, 60 s restart, 3 s heal"
+
+
+def crusoe_torchft(failures: int, kind: str = "torchft") -> list[Gate]:
+    """The blog's three per-step figures from one run of ``kind`` (``torchft``: the gate;
+    another kind shows the gate telling policies apart)."""
     cluster = Cluster(gpus=30, gpus_per_replica=1, crash_per_gpu_hour=60.0 / 30, step_s=10.9, state_gb=3.0,
                       trace="periodic")
-    policy = Policy("torchft", "torchft", {"crash": 5.0, "hang": 5.0, "slow": INF}, restart_s=60.0,
+    policy = Policy(kind, kind, {"crash": 5.0, "hang": 5.0, "slow": INF}, restart_s=60.0,
                     reconfigure_s=1.0, catchup_gbps=1.0)
     horizon = failures * 60.0
     out = simulate(cluster, policy, make_trace(cluster, horizon, 3), horizon, bins=10)
-    return Gate("torchft on Crusoe: steps committed", "pytorch.org blog: 30 groups, 1 failure/60 s, 10.9 s steps",
-                "steps committed / attempted", 82.3, 2.0, 100 * out.committed_fraction)
+    per_step = "per step attempted (the blog's count)"
+    return [Gate("torchft on Crusoe: steps committed", f"{CRUSOE}; {CRUSOE_ASSUMED}", "steps committed / attempted",
+                 82.3, 2.0, 100 * out.committed_fraction),
+            Gate("torchft on Crusoe: groups participating per step", CRUSOE, per_step, 29.6, 0.3,
+                 out.participating_per_step, blocking=False),
+            Gate("torchft on Crusoe: training efficiency", f"{CRUSOE} (committed x participating / 30)", per_step,
+                 81.2, 2.0, 100 * out.step_efficiency, blocking=False)]
 
 
 def agreement_cases() -> list[tuple[str, Cluster, Policy]]:
@@ -123,4 +159,4 @@ def closed_form_agreement(failures: int) -> list[Gate]:
 def run_gates(quick: bool = False) -> list[Gate]:
     """Every gate; ``quick`` simulates fewer failures (still enough for the tolerances)."""
     n = 2_000 if quick else 5_000
-    return [*sync_baseline(4 * n), ft_hsdp(n), crusoe_torchft(n), *closed_form_agreement(n)]
+    return [*sync_baseline(4 * n), ft_hsdp(n), *crusoe_torchft(n), *closed_form_agreement(n)]

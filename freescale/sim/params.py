@@ -15,10 +15,12 @@ how one way of training reacts.  Three kinds of policy (``Policy.kind``):
                every replica) stalls; a slow replica slows every replica.
 ``freescale``  this project: no step discarded (survivors redo only the exchange, with the
                gradients they hold; the dead group's rows are requeued: only its share of the
-               in-flight step is lost); crash found by failure reports, hang by heartbeat /
-               collective timing; non-blocking catch-up (the others keep stepping, at most
-               ``catchup_slowdown`` slower); a slow replica, once detected, keeps training at
-               a reduced share instead of setting everyone's pace.
+               in-flight step is lost); crash found by failure reports, hang by the FT
+               all-reduce's timeout (heartbeats run on their own thread: a hung trainer keeps
+               beating); non-blocking catch-up (the others keep stepping, at most
+               ``catchup_slowdown`` slower); with a finite ``detect_s["slow"]`` a slow replica,
+               once detected, keeps training at a reduced share instead of setting everyone's
+               pace (designed, not built: ``inf`` is the code as it is).
 
 ``recovery`` says how a failure that arrives during a recovery is counted (the three
 accountings of published figures):
@@ -47,7 +49,7 @@ class Cluster:
 
     gpus: int = 16_384
     gpus_per_replica: int = 1_024
-    """Replica group size: the unit of failure under the replica policies."""
+    """Replica group size: the unit of failure under the replica policies (must divide ``gpus``)."""
     crash_per_gpu_hour: float = 3.4e-5
     hang_per_gpu_hour: float = 0.0
     slow_per_gpu_hour: float = 0.0
@@ -77,6 +79,8 @@ class Cluster:
         _require(self.gpus >= 1, "gpus", f"must be >= 1, got {self.gpus}")
         _require(1 <= self.gpus_per_replica <= self.gpus, "gpus_per_replica",
                  f"must be in 1..gpus ({self.gpus}), got {self.gpus_per_replica}")
+        _require(self.gpus % self.gpus_per_replica == 0, "gpus_per_replica",  # failure rates count every GPU
+                 f"must divide gpus ({self.gpus}), got {self.gpus_per_replica}")
         for name in ("crash_per_gpu_hour", "hang_per_gpu_hour", "slow_per_gpu_hour", "slow_duration_s", "state_gb"):
             _require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         _require(0 < self.slow_speed <= 1, "slow_speed", f"must be in (0, 1], got {self.slow_speed}")

@@ -9,11 +9,14 @@ from typing import Any
 from freescale.plotting import pyplot
 from freescale.sim.engine import Outcome
 
-COLORS = {"sync + checkpoint restart": "#c0392b", "torchft-like": "#e67e22", "freescale": "#2471a3"}
+COLORS = {"sync + checkpoint restart": "#c0392b", "torchft-like": "#e67e22", "freescale (as built)": "#2471a3",
+          "freescale (as designed)": "#85c1e9"}
+STYLES = {"freescale (as designed)": "--"}
+"""The as-designed row (its slow-replica share is not built) is dashed and pale."""
 
 
 def _gpus_label(n: int) -> str:
-    return f"{n // 1024}K" if n >= 1024 else str(n)
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
 
 
 def plot_projection(curve: list[dict[str, Any]], path: Path, title: str) -> Path:
@@ -24,7 +27,10 @@ def plot_projection(curve: list[dict[str, Any]], path: Path, title: str) -> Path
     for policy in policies:
         rows = sorted((r for r in curve if r["policy"] == policy), key=lambda r: r["gpus"])
         ax.plot([r["gpus"] for r in rows], [100 * r["ettr"] for r in rows], marker="o", label=policy,
-                color=COLORS.get(policy))
+                color=COLORS.get(policy), ls=STYLES.get(policy, "-"))
+        outside = [r for r in rows if not r.get("validated", True)]
+        ax.plot([r["gpus"] for r in outside], [100 * r["ettr"] for r in outside], "o", mfc="white",
+                color=COLORS.get(policy), label="lambda*stall > 0.5 (outside the validated range)" if outside else None)
     gpus = sorted({r["gpus"] for r in curve})
     ax.set_xscale("log", base=2)
     ax.set_xticks(gpus, [_gpus_label(g) for g in gpus])
@@ -32,11 +38,13 @@ def plot_projection(curve: list[dict[str, Any]], path: Path, title: str) -> Path
     ax.set_ylabel("ETTR (%)")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
-    for policy in policies:
+    for i, policy in enumerate(policies):
         last = max((r for r in curve if r["policy"] == policy), key=lambda r: r["gpus"])
         ax.annotate(f"{100 * last['ettr']:.1f}%", (last["gpus"], 100 * last["ettr"]), textcoords="offset points",
-                    xytext=(6, -3), fontsize=8, color=COLORS.get(policy))
-    ax.legend(loc="lower left")
+                    xytext=(6, 6 - 8 * (i % 2)), fontsize=8, color=COLORS.get(policy))
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), loc="lower left", fontsize=8)
     ax.set_title("effective training time ratio")
 
     largest = [r for r in curve if r["gpus"] == gpus[-1]]
@@ -69,12 +77,12 @@ def plot_throughput(outcomes: list[Outcome], path: Path, title: str) -> Path:
     for out in outcomes:
         hours = [t / 3600 for t in out.series_t_s]
         ax.plot(hours, [100 * r for r in out.series_rate], label=f"{out.policy} (ETTR {100 * out.ettr:.1f}%)",
-                color=COLORS.get(out.policy), lw=1.2)
+                color=COLORS.get(out.policy), ls=STYLES.get(out.policy, "-"), lw=1.2)
     ax.set_xlabel("hours")
     ax.set_ylabel("throughput (% of the healthy cluster)")
     ax.set_ylim(0, 105)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4, fontsize=8)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

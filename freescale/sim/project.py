@@ -1,15 +1,24 @@
-"""The projection: this project's measured figures and labelled assumptions, at 1K-100K GPUs.
+"""The projection: this project's measured figures and labelled assumptions, at 1K-98K GPUs.
 
 Every input is a ``Sourced`` value: a figure read from a benchmark result of this repository
-(file and field printed beside it), or an assumption for what
-cannot be measured on a 2-core CPU machine (a GPU cluster's failure rates, the restart time of
-an 8K-GPU group), each with where its number comes from.  ``inputs()`` gathers them;
-``scenario()`` turns them into one ``Cluster`` and the three ``Policy`` objects at a GPU count;
-``project()`` simulates the three on one trace per GPU count.
+(file and field printed beside it; ``measured, CPU toy`` where the figure is an artifact of the
+2-core machine rather than of the design), a default read from code (``ft/config.py``,
+torchft's ``Manager``), or an assumption for what cannot be measured on a 2-core CPU machine (a
+GPU cluster's failure rates, the restart time of an 8K-GPU group), each with where its number
+comes from.  ``inputs()`` gathers them, ``check_inputs()`` validates them (errors name the
+``--set`` key); ``scenario()`` turns them into one ``Cluster`` and the four ``Policy`` objects
+at a GPU count; ``project()`` simulates the four on one trace per GPU count.
+
+freescale appears twice: **as built** (a slow replica sets everyone's pace, as under torchft:
+the loader does not plan by speed yet) and **as designed** (a slow replica, once detected, kept
+at a reduced share: DESIGN.md "fail-slow", not built).  Any lead that only the second row has
+rests on the unbuilt feature.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import math
 from dataclasses import dataclass, replace
@@ -21,8 +30,12 @@ from freescale.sim.params import Cluster, Policy, SimError
 from freescale.sim.trace import make_trace
 
 INF = math.inf
-SCALES = (1_024, 16_384, 102_400)
-CURVE = (1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 102_400)
+SCALES = (1_024, 16_384, 98_304)
+CURVE = (1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 98_304)
+"""GPU counts; the largest is FT-HSDP's: ~98K GPUs as 12 replica groups of 8,192."""
+AS_BUILT, AS_DESIGNED = "freescale (as built)", "freescale (as designed)"
+VALIDATED_X = 0.5
+"""The closed forms (and so the gates) hold where lambda * stall <= 0.5: rows past it are marked."""
 RSC1_PER_GPU_HOUR = 6.5 / (1000 * 24 * 8)
 """Meta RSC-1: 6.5 failures per 1,000 node-days, 8 GPUs a node (arXiv 2410.21680); at 98K GPUs
 that is a job MTBF of 18 min, FT-HSDP's figure."""
@@ -32,7 +45,9 @@ that is a job MTBF of 18 min, FT-HSDP's figure."""
 class Sourced:
     value: float
     source: str
-    kind: str  # "measured" (a benchmark result here), "assumption", "override" (--set)
+    kind: str
+    """``measured`` (a benchmark result here), ``measured, CPU toy`` (one, but an artifact of the
+    2-core machine), ``code default``, ``assumption``, ``override`` (--set)."""
 
 
 def _field(doc: dict[str, Any], path: str, file: Path) -> float:
@@ -53,7 +68,8 @@ def _load(file: Path) -> dict[str, Any]:
     try:
         return json.loads(file.read_text())
     except FileNotFoundError:
-        raise SimError(f"{file}: not found (run the benchmark that writes it, or pass --results DIR)") from None
+        raise SimError(f"{file}: not found (run from the repository root, where benchmarks/results holds it, or "
+                       "pass --results DIR)") from None
     except json.JSONDecodeError as exc:
         raise SimError(f"{file}:{exc.lineno}: not valid JSON ({exc.msg})") from None
 
@@ -70,28 +86,52 @@ def measured(results: Path) -> dict[str, Sourced]:
     tr_file, ft_file = results / "ft_torchrec_cpu.json", results / "ft_cpu.json"
     tr, ft = _load(tr_file), _load(ft_file)
 
-    def m(file: Path, doc: dict[str, Any], path: str) -> Sourced:
-        return Sourced(_field(doc, path, file), f"{file.name}: {path}", "measured")
+    def m(file: Path, doc: dict[str, Any], path: str, kind: str = "measured", note: str = "") -> Sourced:
+        return Sourced(_field(doc, path, file), f"{file.name}: {path}{note}", kind)
 
+    toy = "measured, CPU toy"
     over_i, over = _row(ft, ft_file, "per-step overhead vs torch DDP")
     kill_i, _ = _row(ft, ft_file, "kill -> survivors' next committed step (1.3M")
     slow_i, _ = _row(tr, tr_file, "survivor step during catch-up / before")
     ddp = _field(over, "ddp_step_ms", ft_file)
+    kr = "params.kill_run"
+    rate = _field(tr, f"{kr}.rate", tr_file)
+    fixed = (_field(tr, f"{kr}.contributing_s", tr_file) - _field(tr, f"{kr}.kill_to_catch_up_start_s", tr_file)
+             - _field(tr, f"{kr}.catch_up.bytes", tr_file) / rate)
     return {
-        "kill_to_commit_s": m(tr_file, tr, "params.kill_run.kill_s"),
+        "kill_to_commit_s": m(tr_file, tr, f"{kr}.kill_s"),
         "torchft_kill_to_commit_s": m(ft_file, ft, f"rows.{kill_i}.torchft_raw"),
-        "restart_to_catchup_s": m(tr_file, tr, "params.kill_run.kill_to_catch_up_start_s"),
-        "catchup_end_to_end_s": m(tr_file, tr, "params.kill_run.catch_up_s"),
-        "catchup_gbps": Sourced(_field(tr, "params.kill_run.rate", tr_file) / 1e9,
-                                f"{tr_file.name}: params.kill_run.rate / 1e9", "measured"),
-        "catchup_slowdown": m(tr_file, tr, f"rows.{slow_i}.raw"),
-        "heartbeat_timeout_s": m(tr_file, tr, "params.heartbeat_timeout_s"),
+        "restart_to_catchup_s": m(tr_file, tr, f"{kr}.kill_to_catch_up_start_s", toy,
+                                  " (agent restart, imports, sharding of a tiny model on CPU)"),
+        "catchup_fixed_s": Sourced(max(0.0, fixed), f"{tr_file.name}: {kr}.contributing_s - kill_to_catch_up_start_s"
+                                   " - catch_up.bytes / rate (catch-up start to first contributing step, less the "
+                                   "transfer: ranks ready, connect, load, replay; 0.5 MB on loopback)", toy),
+        "catchup_gbps": Sourced(rate / 1e9, f"{tr_file.name}: {kr}.rate / 1e9 (0.5 MB over loopback on 2 cores: "
+                                "not a cluster network's rate)", toy),
+        "catchup_slowdown": m(tr_file, tr, f"rows.{slow_i}.raw", toy,
+                              " (2-core contention: the catching-up rank shares the survivors' cores)"),
         "overhead": Sourced(max(0.0, _field(over, "ftar_step_ms", ft_file) / ddp - 1),
-                            f"{ft_file.name}: rows.{over_i}.ftar_step_ms / ddp_step_ms - 1", "measured"),
+                            f"{ft_file.name}: rows.{over_i}.ftar_step_ms / ddp_step_ms - 1 (one CPU run)", "measured"),
         "torchft_overhead": Sourced(max(0.0, _field(over, "torchft_step_ms", ft_file) / ddp - 1),
-                                    f"{ft_file.name}: rows.{over_i}.torchft_step_ms / ddp_step_ms - 1 (>= 0)",
-                                    "measured"),
+                                    f"{ft_file.name}: rows.{over_i}.torchft_step_ms / ddp_step_ms - 1 (one CPU run; "
+                                    "measured negative, clipped to 0)", "measured"),
     }
+
+
+def _ft_timeout_default() -> float:
+    """``FTConfig.timeout_s``'s default, read from ``ft/config.py`` (installed as
+    ``freescale/ft/config.py``) without importing it (that would import torch)."""
+    spec = importlib.util.find_spec("freescale.ft")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        path = Path(folder) / "config.py"
+        if not path.is_file():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "timeout_s"
+                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, (int, float))):
+                return float(node.value.value)
+    raise SimError("freescale.ft: no ft/config.py with a 'timeout_s' default (the hang bound)")
 
 
 def assumptions() -> dict[str, Sourced]:
@@ -104,8 +144,9 @@ def assumptions() -> dict[str, Sourced]:
         "slow_per_gpu_hour": Sourced(1e-5, "guess (Falcon, arXiv 2410.12588: fail-slow is common, tens of s to hours)", a),
         "slow_speed": Sourced(0.5, "guess: a slow replica at half speed", a),
         "slow_duration_s": Sourced(600.0, "guess: 10 min episodes (Falcon: tens of s to hours)", a),
-        "slow_detect_s": Sourced(30.0, "design, not yet built: a 30-step speed window, then planning by speed "
-                                 "(DESIGN.md 'fail-slow'; the loader does not plan by speed yet)", a),
+        "slow_detect_s": Sourced(30.0, "design, NOT BUILT: a 30-step speed window, then planning by speed "
+                                 "(DESIGN.md 'fail-slow'; the loader does not plan by speed yet); used only by the "
+                                 f"'{AS_DESIGNED}' row ('{AS_BUILT}': never, everyone waits)", a),
         "correlated_fraction": Sourced(0.05, "guess: 1 in 20 failures takes a second group (switch, power)", a),
         "step_s": Sourced(1.0, "guess: a 1 s recommendation-model step", a),
         "state_gb": Sourced(8.0, "guess: 8 GB of parameters + optimizer state per rank", a),
@@ -115,14 +156,53 @@ def assumptions() -> dict[str, Sourced]:
         "nccl_init_16k_s": Sourced(17.0, "FT-HSDP: NCCL init 17 s at 16K GPUs, ~200 s at 98K (power law between)", a),
         "reconfigure_s": Sourced(10.0, "guess: new cross-group communicators after a failure, both FT policies", a),
         "sync_hang_detect_s": Sourced(600.0, "torch's default NCCL collective timeout (10 min)", a),
-        "torchft_hang_detect_s": Sourced(5.0, "torchft lighthouse default heartbeat timeout (5 s)", a),
+        "torchft_hang_detect_s": Sourced(60.0, "torchft Manager(timeout=60 s) default, the collective timeout: its "
+                                         "heartbeats come from the Rust ManagerServer's own thread, so a hung but "
+                                         "live trainer keeps beating (meta-pytorch/torchft torchft/manager.py)",
+                                         "code default"),
         "checkpoint_interval_s": Sourced(1800.0, "guess: a checkpoint every 30 min, every policy", a),
         "checkpoint_cost_s": Sourced(30.0, "guess: 30 s blocking per save", a),
     }
 
 
+def code_defaults() -> dict[str, Sourced]:
+    return {"freescale_hang_detect_s": Sourced(
+        _ft_timeout_default(), "ft/config.py: FTConfig.timeout_s (the FT all-reduce's timeout): heartbeats run on their "
+        "own thread, so a hung but live trainer keeps beating and this timeout is what bounds a hang", "code default")}
+
+
 def inputs(results: Path) -> dict[str, Sourced]:
-    return {**measured(results), **assumptions()}
+    return {**measured(results), **code_defaults(), **assumptions()}
+
+
+_AT_LEAST_0 = ("slow_per_gpu_hour", "slow_duration_s", "slow_detect_s", "state_gb", "node_replacement_s",
+               "job_restart_fixed_s", "nccl_init_16k_s", "reconfigure_s", "sync_hang_detect_s",
+               "torchft_hang_detect_s", "freescale_hang_detect_s", "checkpoint_interval_s", "checkpoint_cost_s",
+               "kill_to_commit_s", "torchft_kill_to_commit_s", "restart_to_catchup_s", "catchup_fixed_s")
+RULES: dict[str, tuple[str, Any]] = {
+    **{k: (">= 0", lambda x: x >= 0) for k in _AT_LEAST_0},
+    "failures_per_gpu_hour": ("> 0 (the simulation runs until --failures failures)", lambda x: x > 0),
+    "hang_fraction": ("in [0, 1]", lambda x: 0 <= x <= 1),
+    "correlated_fraction": ("in [0, 1]", lambda x: 0 <= x <= 1),
+    "slow_speed": ("in (0, 1]", lambda x: 0 < x <= 1),
+    "step_s": ("> 0", lambda x: x > 0),
+    "catchup_gbps": ("> 0", lambda x: x > 0),
+    "catchup_slowdown": (">= 1", lambda x: x >= 1),
+    "overhead": ("in [0, 1)", lambda x: 0 <= x < 1),
+    "torchft_overhead": ("in [0, 1)", lambda x: 0 <= x < 1),
+}
+MAY_BE_INF = {"slow_detect_s"}
+"""``inf``: never detected (``--set slow_detect_s=inf`` turns the as-designed row into the as-built one)."""
+
+
+def check_inputs(v: dict[str, Sourced]) -> None:
+    """Every input within its range; the error names the ``--set`` key (or the result file's field)."""
+    for key, s in v.items():
+        rule, ok = RULES.get(key, (">= 0", lambda x: x >= 0))
+        finite = math.isfinite(s.value) or (key in MAY_BE_INF and s.value == INF)
+        if not finite or not ok(s.value):
+            where = f"--set {key}={s.value:g}" if s.kind == "override" else f"{key} = {s.value:g} ({s.source})"
+            raise SimError(f"{where}: must be {rule}{'' if finite else ' and finite'}")
 
 
 def nccl_init_s(gpus: int, at_16k: float) -> float:
@@ -131,14 +211,30 @@ def nccl_init_s(gpus: int, at_16k: float) -> float:
 
 
 def replicas_at(gpus: int) -> int:
-    """16 replica groups up to 16K GPUs, then 8K-GPU groups (FT-HSDP: ~98K GPUs as 12 replicas)."""
-    return 16 if gpus <= 16_384 else max(2, round(gpus / 8_192))
+    """16 replica groups up to 16K GPUs, then 8K-GPU groups (FT-HSDP: ~98K GPUs as 12 replicas);
+    groups are equal, so the divisor of ``gpus`` nearest that (the smaller on a tie)."""
+    target = 16 if gpus <= 16_384 else gpus / 8_192
+    divisors = [d for d in range(1, int(math.isqrt(gpus)) + 1) if gpus % d == 0]
+    divisors += [gpus // d for d in divisors]
+    return min(divisors, key=lambda d: (abs(d - target), d))
+
+
+def check_grouping(gpus: int, replicas: int | None) -> int:
+    """The replica groups of a ``--gpus``/``--replicas`` pair (equal groups: failure rates count every GPU)."""
+    if gpus < 1:
+        raise SimError(f"--gpus must be >= 1, got {gpus}")
+    if replicas is None:
+        return replicas_at(gpus)
+    if not 1 <= replicas <= gpus or gpus % replicas:
+        raise SimError(f"--replicas {replicas} must divide --gpus {gpus} (equal replica groups; failure rates "
+                       "count every GPU)")
+    return replicas
 
 
 def scenario(gpus: int, v: dict[str, Sourced], replicas: int | None = None) -> tuple[Cluster, list[Policy]]:
-    """The cluster and the three policies at ``gpus`` from the sourced inputs ``v``."""
+    """The cluster and the four policies at ``gpus`` from the sourced inputs ``v``."""
     x = {k: s.value for k, s in v.items()}
-    group = gpus // (replicas or replicas_at(gpus))
+    group = gpus // check_grouping(gpus, replicas)
     total = x["failures_per_gpu_hour"]
     cluster = Cluster(gpus=gpus, gpus_per_replica=group, crash_per_gpu_hour=total * (1 - x["hang_fraction"]),
                       hang_per_gpu_hour=total * x["hang_fraction"], slow_per_gpu_hour=x["slow_per_gpu_hour"],
@@ -152,16 +248,38 @@ def scenario(gpus: int, v: dict[str, Sourced], replicas: int | None = None) -> t
                      {"crash": x["torchft_kill_to_commit_s"], "hang": x["torchft_hang_detect_s"], "slow": INF},
                      restart_s=group_restart, reconfigure_s=x["reconfigure_s"], catchup_gbps=x["catchup_gbps"],
                      overhead=x["torchft_overhead"], **ckpt)
-    ours = Policy("freescale", "freescale",
-                  {"crash": x["kill_to_commit_s"], "hang": x["heartbeat_timeout_s"], "slow": x["slow_detect_s"]},
-                  restart_s=group_restart, reconfigure_s=x["reconfigure_s"], catchup_gbps=x["catchup_gbps"],
-                  replay_s=x["catchup_end_to_end_s"], catchup_slowdown=x["catchup_slowdown"],
-                  overhead=x["overhead"], **ckpt)
-    return cluster, [sync, torchft, ours]
+    designed = Policy(AS_DESIGNED, "freescale",
+                      {"crash": x["kill_to_commit_s"], "hang": x["freescale_hang_detect_s"], "slow": x["slow_detect_s"]},
+                      restart_s=group_restart, reconfigure_s=x["reconfigure_s"], catchup_gbps=x["catchup_gbps"],
+                      replay_s=x["catchup_fixed_s"], catchup_slowdown=x["catchup_slowdown"],
+                      overhead=x["overhead"], **ckpt)
+    built = replace(designed, name=AS_BUILT, detect_s={**designed.detect_s, "slow": INF})
+    return cluster, [sync, torchft, built, designed]
+
+
+def check_scenarios(v: dict[str, Sourced], gpus: int, replicas: int | None, gpu_counts: tuple[int, ...]) -> None:
+    """Build and validate every scenario a command will run, before it runs anything."""
+    check_inputs(v)
+    for n, r in ((gpus, replicas), *((n, None) for n in gpu_counts)):
+        cluster, policies = scenario(n, v, r)
+        try:
+            cluster.validate()
+            for policy in policies:
+                policy.validate()
+        except SimError as exc:  # a bug if check_inputs let it through: still one line, with the scale
+            raise SimError(f"at {n:,} GPUs: {exc}") from None
+
+
+def job_rate(cluster: Cluster) -> float:
+    """Crash and hang arrivals per second over the whole job."""
+    return sum(cluster.rate_per_s(k) for k in ("crash", "hang"))
 
 
 def horizon_for(cluster: Cluster, failures: int) -> float:
-    return failures / sum(cluster.rate_per_s(k) for k in ("crash", "hang"))
+    rate = job_rate(cluster)
+    if rate <= 0:
+        raise SimError("failures_per_gpu_hour: must be > 0 (the simulation runs until --failures failures)")
+    return failures / rate
 
 
 def compare(cluster: Cluster, policies: list[Policy], failures: int, seed: int, horizon_s: float | None = None,
@@ -173,7 +291,7 @@ def compare(cluster: Cluster, policies: list[Policy], failures: int, seed: int, 
 
 
 def project(v: dict[str, Sourced], gpu_counts: tuple[int, ...], failures: int, seed: int) -> list[dict[str, Any]]:
-    """One row per (GPU count, policy)."""
+    """One row per (GPU count, policy), every policy on the same trace at a GPU count."""
     rows = []
     for gpus in gpu_counts:
         cluster, policies = scenario(gpus, v)
@@ -183,14 +301,19 @@ def project(v: dict[str, Sourced], gpu_counts: tuple[int, ...], failures: int, s
 
 
 def summary_row(gpus: int, cluster: Cluster, policy: Policy, out: Outcome) -> dict[str, Any]:
+    """One (GPU count, policy) result.  ``lambda_stall``: job failure rate x mean stall per
+    failure; past ``VALIDATED_X`` the row is outside the range the gates validate (``validated``
+    false, ``*`` in the table)."""
     stall = out.stall_stats()
     lost = sorted(((k, s) for k, s in out.breakdown.items() if k != "useful"), key=lambda kv: -kv[1])
+    x = job_rate(cluster) * stall["mean"]
     return {"gpus": gpus, "replicas": cluster.replicas, "policy": policy.name, "ettr": round(out.ettr, 4),
             "stall_mean_s": round(stall["mean"], 2), "stall_p50_s": round(stall["p50"], 2),
             "stall_p90_s": round(stall["p90"], 2), "failures": out.failures,
             "discarded_per_failure": round(out.steps_discarded / max(out.failures, 1), 2),
             "mean_contributing": round(out.mean_contributing, 2),
-            "job_mtbf_min": round(60 / (3600 * sum(cluster.rate_per_s(k) for k in ("crash", "hang"))), 1),
+            "job_mtbf_min": round(60 / (3600 * job_rate(cluster)), 1),
+            "lambda_stall": round(x, 3), "validated": x <= VALIDATED_X,
             "top_losses": ", ".join(f"{k} {100 * s:.1f}%" for k, s in lost[:3]),
             "breakdown": {k: round(s, 5) for k, s in out.breakdown.items()}}
 
