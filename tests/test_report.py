@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from freescale import cli
-from freescale.report import write_report
+from freescale.report import logs, write_report
+from freescale.report.logs import Kill, read_run
 
 
 def _write(path: Path, events: list[dict[str, Any]]) -> None:
@@ -49,13 +50,58 @@ def test_report_names_the_kill_the_restart_the_catch_up_and_the_redo(tmp_path: P
     page = write_report(fake_run(tmp_path)).read_text()
     assert "SIGKILL" in page and "rank 1 killed (FREESCALE_FAULTS) during step 6" in page
     assert "incarnation 1 started" in page and "joined at step 9" in page
+    assert "download 0.15 s" in page and "load + replay, first contributing step 0.20 s" in page
     assert "step 6 committed after 2 attempts" in page and page.count("data:image/png;base64,") == 3
+    assert "per log window (every train.log_every steps), not per step" in page
 
 
-def test_report_of_a_run_without_replica_groups(tmp_path: Path) -> None:
-    _write(tmp_path / "train_log.jsonl", [_commit(s, 1.0 + s, ["replica0"]) for s in range(5)])
-    page = write_report(tmp_path, tmp_path / "out.html").read_text()
-    assert page.count("data:image/png;base64,") == 3 and "no kill, restart, catch-up or redo" in page
+def test_report_of_a_run_without_fault_tolerance(tmp_path: Path) -> None:
+    """A plain run's commits carry no quorum fields: the per-step figures, no timeline."""
+    commits = [{"event": "commit", "time": 1.0 + s, "step": s, "samples": 64, "seconds": 0.1, "batch_wait_s": 0.001,
+                "busy_s": 0.05} for s in range(5)]
+    _write(tmp_path / "train_log.jsonl", [{"event": "start", "time": 0.5, "world_size": 2, "incarnation": 0,
+                                            "config": {"model": {"kind": "dlrm"}}}, *commits])
+    page = write_report(tmp_path, tmp_path / "new" / "out.html").read_text()  # --out's directory is created
+    assert page.count("data:image/png;base64,") == 2 and "Fault tolerance timeline" not in page
+    assert "no kill, restart, catch-up or redo" in page and "Reading the logs" not in page
+
+
+def test_report_tolerates_killed_writers_a_reused_directory_and_stale_kill_files(tmp_path: Path) -> None:
+    """Group 1's writer died mid-line and the restarted incarnation appended to that line; the
+    directory also holds an earlier run (both logs) and that run's kill file."""
+    root = fake_run(tmp_path)
+    for g in (0, 1):
+        log = root / f"replica{g}" / "train_log.jsonl"
+        earlier = [{"event": "start", "time": 10.0, "world_size": 2, "incarnation": 0},
+                   _commit(0, 10.5, ["replica0", "replica1"])]
+        lines = log.read_text().splitlines(keepends=True)
+        if g == 1:  # the line before incarnation 1's start: cut mid-line, the start glued to it
+            lines[6:8] = [lines[6][:40] + lines[7]]
+        log.write_text("".join(json.dumps(e) + "\n" for e in earlier) + "".join(lines))
+    (root / "replica0" / "rank0.killed").write_text("10.7")
+    run = read_run(root)
+    assert [g.earlier_runs for g in run.groups] == [1, 1] and [len(g.garbled) for g in run.groups] == [0, 1]
+    assert run.kills == [Kill(1, 1, 100.65)] and run.groups[1].of("start")[-1]["incarnation"] == 1
+    assert min(c["time"] for g in run.groups for c in g.commits) > 100
+    page = write_report(root).read_text()
+    assert "holds 2 runs (the output_dir was reused)" in page and "1 truncated line skipped" in page
+    assert "1 kill file older than the reported run left out" in page and "incarnation 1 started" in page
+
+
+def test_long_runs_are_thinned_for_the_figures_keeping_every_notable_commit(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logs, "THIN_ABOVE", 20)
+    both = ["replica0", "replica1"]
+    events = [_commit(s, 1.0 + s, both, attempts=2 if s == 151 else 1) for s in range(300)]
+    events[200:210] = [_commit(s, 1.0 + s, ["replica0"]) for s in range(200, 210)]
+    _write(tmp_path / "train_log.jsonl", events)
+    (tmp_path / "rank3.killed").write_text("199.5")  # beside a log in the run directory itself: group 0
+    run = read_run(tmp_path)
+    group = run.groups[0]
+    assert group.total_commits == 300 and group.stride > 1 and len(group.commits) < 60
+    kept = {c["step"] for c in group.commits}
+    assert {0, 151, 200, 210, 299} <= kept  # first, the redo, the quorum changes, the last
+    assert any("figures show every" in n for n in run.notes) and run.kills == [Kill(0, 3, 199.5)]
 
 
 @pytest.mark.parametrize(("setup", "message"), [
@@ -63,8 +109,18 @@ def test_report_of_a_run_without_replica_groups(tmp_path: Path) -> None:
     (lambda p: p.mkdir(), "no train_log.jsonl"),
     (lambda p: _write(p / "replica0" / "train_log.jsonl", [{"event": "start", "time": 1.0}]), "no committed step"),
     (lambda p: (p / "replica0").mkdir(parents=True) or (p / "replica0" / "train_log.jsonl").write_text(
-        '{"event": "start", "time": 1}\n{"event": "commit", "ti\n'), "train_log.jsonl:2: not a JSON line"),
+        '{"event": "start", "time": 1}\n{"event": "commit", "ti\n'), "no committed step"),  # killed writer: tolerated
+    (lambda p: p.mkdir() or (p / "train_log.jsonl").write_text("step,loss\n1,0.5\n"),
+     "train_log.jsonl:1: not a JSON line (no log event"),
+    (lambda p: p.mkdir() or (p / "train_log.jsonl").write_text('{"event": "start", "time": 1}\nx\ny\nz\n'),
+     "train_log.jsonl:2: not a JSON line (3 garbled lines: more than killed writers leave"),
     (lambda p: _write(p / "train_log.jsonl", [{"time": 1.0}]), "train_log.jsonl:1: not a log event"),
+    (lambda p: _write(p / "train_log.jsonl", [{**_commit(0, 1.0, []), "step": "6"}]),
+     "train_log.jsonl:1: commit event's 'step' is '6', not an integer"),
+    (lambda p: _write(p / "train_log.jsonl", [{"event": "catch_up", "time": 1.0, "catch_up": {"started": "x"}}]),
+     "train_log.jsonl:1: catch_up event's 'catch_up.started' is 'x', not a number"),
+    (lambda p: _write(p / "train_log.jsonl", [{"event": "checkpoint", "time": 1.0}]),
+     "train_log.jsonl:1: checkpoint event has no 'step'"),
 ])
 def test_report_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], setup: Any,
                                       message: str) -> None:

@@ -2,7 +2,9 @@
 
 Each function takes ``RunLogs`` and returns a figure; ``freescale.report.page`` embeds them.
 Steps are the x axis of the per-step figures (every group's commits on one axis); wall time
-since the run's first event is the x axis of the timeline.
+since the run's first event is the x axis of the timeline.  Step time, loader wait and samples
+per step are per committed step (thinned for long runs: ``logs.THIN_ABOVE``); imbalance,
+bubble, loss and AUC are per log window (``step`` events, every ``train.log_every`` steps).
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ def _mark_kills(ax: Any, run: RunLogs, label: bool) -> None:
                             xytext=(3, -10), textcoords="offset points", color="#c0392b", fontsize=8)
 
 
-def gapped(steps: list[int], values: list[float]) -> tuple[list[float], list[float]]:
-    """Break the line where steps are missing (a group that was down): NaN after the last step it had."""
+def gapped(steps: list[int], values: list[float], stride: int = 1) -> tuple[list[float], list[float]]:
+    """Break the line where steps are missing (a group that was down): NaN after the last step it
+    had.  ``stride``: the commits were thinned to every ``stride``-th, so only a longer gap is one."""
     xs: list[float] = []
     ys: list[float] = []
     for i, (x, y) in enumerate(zip(steps, values)):
-        if i and x > steps[i - 1] + 1:
+        if i and x > steps[i - 1] + stride:
             xs.append(steps[i - 1] + 1)
             ys.append(float("nan"))
         xs.append(x)
@@ -60,7 +63,7 @@ def fig_steps(run: RunLogs) -> Any:
     for g in run.groups:
         commits = g.commits
         steps = [c["step"] for c in commits]
-        axes[0].plot(*gapped(steps, [1000 * c.get("seconds", 0.0) for c in commits]), ".-", ms=3, lw=0.8,
+        axes[0].plot(*gapped(steps, [1000 * c.get("seconds", 0.0) for c in commits], g.stride), ".-", ms=3, lw=0.8,
                      color=color(g.group), label=f"group {g.group}")
         x, imb = _windows(g, "imbalance")
         axes[1].plot(x, imb, "o-", color=color(g.group), label=f"imbalance (planned), group {g.group}")
@@ -97,8 +100,8 @@ def fig_quality(run: RunLogs) -> Any:
         for e in evals:
             axes[1].plot([last], [e["auc"]], "*", ms=12, color=color(g.group), label=f"eval AUC, group {g.group}")
         commits = g.commits
-        axes[2].step(*gapped([c["step"] for c in commits], [c.get("weight", c.get("samples", 0)) for c in commits]),
-                     where="post", color=color(g.group), label=f"samples trained by group {g.group}")
+        axes[2].step(*gapped([c["step"] for c in commits], [c.get("weight", c.get("samples", 0)) for c in commits],
+                             g.stride), where="post", color=color(g.group), label=f"samples trained by group {g.group}")
         for e in g.of("calibrate"):
             axes[2].axvline(e["step"], color="#7f8c8d", ls=":", lw=1)
             axes[2].annotate("calibrated", (e["step"], 0.9), xycoords=("data", "axes fraction"), fontsize=7)

@@ -1,5 +1,7 @@
-"""One self-contained HTML page for a run: summary, what happened (kills, restarts, catch-ups,
-redo attempts, checkpoints) in wall-clock order, and the figures as embedded PNGs."""
+"""One self-contained HTML page for a run: summary, what the reader skipped or thinned (truncated
+lines, earlier runs in the directory, stale kill files, thinned commits), what happened (kills,
+restarts, catch-ups, redo attempts, checkpoints) in wall-clock order, and the figures as
+embedded PNGs."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from freescale.report.figures import catchup_phases, fig_quality, fig_steps, fig_timeline, kill_step
-from freescale.report.logs import RunLogs, read_run
+from freescale.report.logs import ReportError, RunLogs, read_run
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:24px;max-width:1250px;color:#222}
 table{border-collapse:collapse;margin:8px 0 18px}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left}
@@ -32,18 +34,22 @@ def _table(rows: list[list[Any]], head: list[str]) -> str:
     return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + f"</tr>{cells}</table>"
 
 
+def _num(value: Any, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
 def summary_rows(run: RunLogs) -> list[list[Any]]:
     rows = []
     for g in run.groups:
         starts, summary = g.of("start"), (g.of("summary") or [{}])[-1]
         commits = g.commits
-        config = starts[0].get("config", {}) if starts else {}
-        rows.append([f"group {g.group}", html.escape(str(config.get("model", {}).get("kind", "?"))),
-                     starts[0].get("world_size", "?") if starts else "?", len(starts), len(commits),
-                     f"{commits[0]['step']}..{commits[-1]['step']}" if commits else "-",
-                     sum(1 for c in commits if not c.get("contributing", True)),
-                     f"{summary.get('samples_per_s', float('nan')):,.0f}", f"{summary.get('train_loss', float('nan')):.4f}",
-                     f"{summary.get('train_auc', float('nan')):.4f}", html.escape(str(summary.get("eval_auc")))])
+        model = (starts[0].get("config") or {}).get("model") if starts else None
+        kind = model.get("kind", "?") if isinstance(model, dict) else "?"
+        rows.append([f"group {g.group}", html.escape(str(kind)),
+                     starts[0].get("world_size", "?") if starts else "?", len(starts), f"{g.total_commits:,}",
+                     f"{commits[0]['step']}..{commits[-1]['step']}" if commits else "-", g.recovering_commits,
+                     _num(summary.get("samples_per_s"), ",.0f"), _num(summary.get("train_loss"), ".4f"),
+                     _num(summary.get("train_auc"), ".4f"), html.escape(str(summary.get("eval_auc")))])
     return rows
 
 
@@ -52,8 +58,8 @@ def event_rows(run: RunLogs) -> list[tuple[float, list[Any]]]:
     t0, found = run.t0, []
     for kill in run.kills:
         step = kill_step(run, kill)
-        after = [c["time"] for g in run.groups if g.group != kill.group for c in g.commits
-                 if c["time"] >= kill.time and kill.group not in _groups_of(c)]
+        after = sorted(c["time"] for g in run.groups if g.group != kill.group for c in g.commits
+                       if c["time"] >= kill.time and kill.group not in _groups_of(c))
         stall = f"; the others' next commit without it {after[0] - kill.time:.2f} s later" if after else ""
         found.append((kill.time, [f"{kill.time - t0:.2f}", kill.group, "<span class=kill>SIGKILL</span>",
                                   f"rank {kill.rank} killed (FREESCALE_FAULTS) during step {step}{stall}"]))
@@ -81,7 +87,15 @@ def event_rows(run: RunLogs) -> list[tuple[float, list[Any]]]:
 
 
 def _groups_of(commit: dict[str, Any]) -> set[int]:
-    return {int(p[len("replica"):]) for p in commit.get("participants", []) if str(p)[len("replica"):].isdigit()}
+    ids = (str(p)[len("replica"):] for p in commit.get("participants", []))
+    return {int(i) for i in ids if i.isdigit()}
+
+
+FIGURE_NOTES = {
+    "Per step": "Step time and loader wait: one point per committed step. Planned imbalance and measured bubble: "
+                "one point per log window (every train.log_every steps), not per step.",
+    "Quality, capacity and calibration": "Loss and AUC: per log window. Samples per step: per committed step.",
+}
 
 
 def render(run: RunLogs) -> str:
@@ -97,11 +111,17 @@ def render(run: RunLogs) -> str:
              "<h2>Groups</h2>" + _table(summary_rows(run), ["group", "model", "ranks", "incarnations", "commits", "steps",
                                                             "recovering steps", "samples/s", "train loss", "train AUC",
                                                             "eval AUC"])]
+    if run.notes:
+        parts.append("<h2>Reading the logs</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in run.notes)
+                     + "</ul>")
     events = event_rows(run)
     parts.append("<h2>What happened</h2>" + (_table([row for _, row in events], ["t (s)", "group", "event", "detail"])
                                             if events else "<p class=note>no kill, restart, catch-up or redo</p>"))
     for title, fig in figures:
-        parts.append(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{_png(fig)}'>")
+        parts.append(f"<h2>{html.escape(title)}</h2>")
+        if title in FIGURE_NOTES:
+            parts.append(f"<p class=note>{FIGURE_NOTES[title]}</p>")
+        parts.append(f"<img alt='{html.escape(title)}' src='data:image/png;base64,{_png(fig)}'>")
     parts.append("<p class=note>From the run's logs (freescale/run_log.py) and rank&lt;r&gt;.killed files; "
                  "written by <code>freescale report</code>.</p></body></html>")
     return "\n".join(parts)
@@ -111,5 +131,9 @@ def write_report(root: Path, out: Path | None = None) -> Path:
     """Read ``root``'s logs and write the page (default ``root/report.html``)."""
     run = read_run(root)
     page = out or root / "report.html"
-    page.write_text(render(run))
+    try:
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(render(run))
+    except OSError as exc:
+        raise ReportError(f"{page}: cannot write ({exc.strerror})") from None
     return page
