@@ -16,7 +16,7 @@ STYLES = {"freescale (as designed)": "--"}
 
 
 def _gpus_label(n: int) -> str:
-    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
+    return f"{n // 1024}K" if n in (1024, 2048, 4096, 8192) else f"{round(n / 1000)}K" if n >= 1000 else str(n)
 
 
 def plot_projection(curve: list[dict[str, Any]], path: Path, title: str) -> Path:
@@ -34,14 +34,18 @@ def plot_projection(curve: list[dict[str, Any]], path: Path, title: str) -> Path
     gpus = sorted({r["gpus"] for r in curve})
     ax.set_xscale("log", base=2)
     ax.set_xticks(gpus, [_gpus_label(g) for g in gpus])
+    ax.set_xlim(gpus[0] / 1.3, gpus[-1] * 1.8)
     ax.set_xlabel("GPUs")
     ax.set_ylabel("ETTR (%)")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
-    for i, policy in enumerate(policies):
-        last = max((r for r in curve if r["policy"] == policy), key=lambda r: r["gpus"])
-        ax.annotate(f"{100 * last['ettr']:.1f}%", (last["gpus"], 100 * last["ettr"]), textcoords="offset points",
-                    xytext=(6, 6 - 8 * (i % 2)), fontsize=8, color=COLORS.get(policy))
+    lasts = sorted((max((r for r in curve if r["policy"] == p), key=lambda r: r["gpus"]) for p in policies),
+                   key=lambda r: r["ettr"])
+    label_y = -10.0
+    for last in lasts:  # the largest scale's values, spaced so close ones stay readable
+        label_y = max(100 * last["ettr"], label_y + 4.5)
+        ax.annotate(f"{100 * last['ettr']:.1f}%", (last["gpus"], 100 * last["ettr"]), xytext=(last["gpus"] * 1.12, label_y),
+                    textcoords="data", fontsize=8, va="center", color=COLORS.get(last["policy"]))
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), loc="lower left", fontsize=8)
