@@ -216,6 +216,7 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
         page = write_report(tmp_path).read_text()
         assert "SIGKILL" in page and "rank 1 killed (FREESCALE_FAULTS) during step 6" in page
         assert "catch-up" in page and f"joined at step {caught['joined_step']}" in page
+        assert "; download " in page and "; load + replay, first contributing step " in page  # the catch-up's phases
         assert "incarnation 1 started" in page and page.count("data:image/png;base64,") == 3
 
 
