@@ -200,6 +200,7 @@ def read_group(group: int, path: Path) -> GroupLog:
     thin = {"commit": _Thin(), "step": _Thin()}
     previous: dict[str, Any] | None = None
     last_commit: dict[str, Any] | None = None
+    last_where = ""
     starts, parsed = 0, 0
     try:
         fh = path.open()
@@ -241,7 +242,7 @@ def read_group(group: int, path: Path) -> GroupLog:
                 notable = (previous is None or event.get("attempts", 1) > 1
                            or event.get("contributing", True) != previous.get("contributing", True)
                            or event.get("participants") != previous.get("participants"))
-                previous = last_commit = event
+                previous, last_commit, last_where = event, event, where
             else:
                 notable = kind != "step"
             if kind in thin:
@@ -260,8 +261,9 @@ def read_group(group: int, path: Path) -> GroupLog:
     if len(log.garbled) > starts + 1:
         raise ReportError(f"{path}:{log.garbled[0]}: not a JSON line ({len(log.garbled)} garbled lines: more than "
                           f"killed writers leave, one per incarnation ({starts}) plus one)")
-    if last_commit is not None and (not events or last_commit is not next(
-            (e for e in reversed(events) if e["event"] == "commit"), None)):
+    if last_commit is not None and last_commit is not next(
+            (e for e in reversed(events) if e["event"] == "commit"), None):  # thinned out: the last is kept too
+        _check(last_commit, "commit", last_where)
         events.append(last_commit)
     log.events, log.stride = events, thin["commit"].stride
     return log

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +64,15 @@ def gate_cache(quick: bool) -> Path:
 
 def _cached(path: Path) -> list[Gate] | None:
     try:
-        return [Gate.from_row(r) for r in json.loads(path.read_text())]
-    except (OSError, ValueError, KeyError, TypeError):
+        return [Gate(**g) for g in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):
         return None
 
 
 def _store(path: Path, gates: list[Gate]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps([g.row() for g in gates], indent=1) + "\n")
+        path.write_text(json.dumps([asdict(g) for g in gates], indent=1) + "\n")
     except OSError:
         pass  # a cache only: a read-only home costs the next call its gates
 

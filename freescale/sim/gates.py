@@ -65,11 +65,6 @@ class Gate:
                 "accounting": self.accounting, "target": f"{self.target:.1f} +- {self.tolerance:g}",
                 "got": round(self.got, 2), "passed": self.passed, "result": self.result}
 
-    @classmethod
-    def from_row(cls, row: dict[str, object]) -> Gate:
-        target, tolerance = str(row["target"]).split(" +- ")
-        return cls(str(row["gate"]), str(row["source"]), str(row["accounting"]), float(target), float(tolerance),
-                   float(row["got"]), row.get("kind", "gate") == "gate")  # type: ignore[arg-type]
 
 
 def _paper_cluster(replicas: int) -> Cluster:
@@ -114,7 +109,7 @@ def crusoe_torchft(failures: int, kind: str = "torchft") -> list[Gate]:
                     reconfigure_s=1.0, catchup_gbps=1.0)
     horizon = failures * 60.0
     out = simulate(cluster, policy, make_trace(cluster, horizon, 3), horizon, bins=10)
-    per_step = "per step attempted (the blog's count)"
+    per_step = "per step (averaged over the steps attempted)"
     return [Gate("torchft on Crusoe: steps committed", f"{CRUSOE}; {CRUSOE_ASSUMED}", "steps committed / attempted",
                  82.3, 2.0, 100 * out.committed_fraction),
             Gate("torchft on Crusoe: groups participating per step", CRUSOE, per_step, 29.6, 0.3,
