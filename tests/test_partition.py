@@ -85,19 +85,17 @@ def test_kk_refuses_a_batch_it_cannot_hold_and_lpt_names_a_bad_cost() -> None:
         lpt(costs, 4)
 
 
-def test_a_kk_run_too_large_for_it_is_refused_before_training(tiny_data, tmp_path) -> None:
-    """At start, in one line naming the setting: not in the prefetch thread at the first plan."""
-    import subprocess
-    import sys
+def test_a_kk_run_too_large_for_it_is_refused_before_training(tiny_data) -> None:
+    """When the loader is built, naming the setting (the CLI prints a DataError as that one line):
+    not in the prefetch thread at the first plan."""
+    from freescale.dataloader.loader import DataConfig, build_loader
+    from freescale.dataloader.schema import DataError
+    from freescale.models import ModelConfig, cost_model_for
 
-    from tests.conftest import REPO, cli_env
-
-    proc = subprocess.run([sys.executable, "-m", "freescale.cli", "train", "--config", "configs/tiny_dlrm.toml",
-                           "--data.path", str(tiny_data), "--data.partitioner", "kk", "--data.batch_size", "32",
-                           "--data.window", "1024", "--train.steps", "1", "--train.output_dir", str(tmp_path)],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "data.partitioner = 'kk'" in proc.stderr and "Traceback" not in proc.stderr
+    cfg = DataConfig(path=str(tiny_data), batch_size=32, partitioner="kk", window=1024)
+    with pytest.raises(DataError, match=r"data.partitioner = 'kk' at 1 ranks: .* over its limit"):
+        build_loader(cfg, "train", rank=0, world_size=1, sparse_features=[],
+                     derived_cost=cost_model_for(ModelConfig(kind="dlrm"), 8), seed=0)
 
 
 def test_lpt_plans_the_same_in_another_process_with_another_hash_seed(tmp_path) -> None:
