@@ -11,7 +11,8 @@
 
 Both take integer workloads: costs are scaled to int64 (``2**40`` for the heaviest sample), so
 their ties and ours agree to ~1e-12.  Each peer becomes ``(costs, parts, equal_count) -> (Parts,
-seconds)``, the seconds of its own call only (not the conversions to and from its list types).
+seconds)``: the seconds of its own call (with pybind11's list <-> vector copies for the C++ one),
+not our conversions to and from its list types.
 """
 
 from __future__ import annotations

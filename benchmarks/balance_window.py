@@ -14,8 +14,10 @@ loader's wait per step (``StepInfo.wait_s``) is measured in three modes:
 Reading is taken out of the measure: every row group rank 0 reads is decoded into the source's
 cache before training (at 1,024 ranks each rank touches every row group of a window for its 32
 rows, and decoding new row groups at a window's start makes steps late whatever the planner
-does: a loader matter, reported apart).  What is left is planning: ``halfway`` should show no
-late step, ``burst`` one per window.
+does: a loader matter, reported apart).  What is left is planning, on the producer thread in
+every mode: a step is late only when a window's plan takes longer than the prefetched steps
+(``prefetch x step``); ``halfway`` moves the plan off the window's first step, it does not make
+it cheaper.
 """
 
 from __future__ import annotations

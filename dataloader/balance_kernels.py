@@ -34,17 +34,18 @@ import numpy as np
 
 _JIT = dict(nogil=True, cache=True)
 _KEYS = 1 << 16
-_WIDE_PARTNERS = 32  # partners tried before the local search gives up on the heaviest part
+_WIDE_PARTNERS = 32
+_REFINE_MAX_CELLS = 1 << 25  # the local search's member table (16 bytes a cell): 512 MiB at most  # partners tried before the local search gives up on the heaviest part
 
 
 @numba.njit(**_JIT)
 def _scan(costs: np.ndarray) -> tuple[int, float, float]:
-    """``(bad, total, largest)``: ``bad`` is the first cost that is negative, NaN or infinite
-    (-1 when none)."""
+    """``(bad, total, largest)``: ``bad`` is the first cost that is negative, NaN or infinite, or
+    whose addition makes the total overflow (-1 when none)."""
     total, largest = 0.0, 0.0
     for i in range(costs.size):
         c = costs[i]
-        if not (0.0 <= c < np.inf):
+        if not (0.0 <= c < np.inf) or not (total + c < np.inf):
             return i, 0.0, 0.0
         total += c
         largest = max(largest, c)
@@ -124,6 +125,8 @@ def _lpt_sorted(ordered: np.ndarray, part_of: np.ndarray, start: int, stop: int,
             while current < buckets and head[current] < 0:
                 current += 1
             if current == buckets:  # re-bucket the overflow from its lightest load
+                if head[buckets] < 0:
+                    raise RuntimeError("LPT: no open part left")  # unreachable with finite costs: no hang
                 q, base, current = head[buckets], np.inf, 0
                 head[buckets] = -1
                 r = q
@@ -273,6 +276,8 @@ def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_part
     for i in range(n):
         counts[part_of[i]] += 1
     cap = counts.max() + (4 if allow_moves else 0)
+    if k * cap > _REFINE_MAX_CELLS:
+        return  # members are kept dense (k x the largest part): too uneven a partition to search here
     ids = np.empty((k, cap), dtype=np.int64)
     vals = np.empty((k, cap), dtype=np.float64)
     loads = np.zeros(k, dtype=np.float64)

@@ -45,6 +45,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from freescale.config import require
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.cost import CostModel
+from freescale.dataloader.balance_kernels import warm_up
 from freescale.dataloader.partition import Parts, check_size
 from freescale.dataloader.planner import BatchPlanner, EpochOrder, StepPlan
 from freescale.dataloader.schema import CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, USER_ID, DataError
@@ -164,9 +165,10 @@ class BalancedLoader:
                 f"({planner.global_batch_size})"
             )
         self.source, self.planner = source, planner
-        # The producer may run ``prefetch`` steps ahead; the window of the consumed
-        # position (and its re-plan history) must still be there when it is saved.
-        planner.windows_kept = max(planner.windows_kept, prefetch // planner.window + 2)
+        # The producer may run ``prefetch`` steps ahead and plan one more window ahead of that; the
+        # window of the consumed position (and its re-plan history) must still be there when it is
+        # saved or re-planned: evicting it would re-plan it afresh on this rank alone.
+        planner.windows_kept = max(planner.windows_kept, prefetch // planner.window + 3)
         self.rank = rank
         self.sparse_features = list(sparse_features)
         self.max_seq_len = max_seq_len
@@ -342,16 +344,19 @@ class BalancedLoader:
                         break
                     except queue.Full:
                         continue
-                self._plan_next_window(epoch, step, live)
+                if not stop.is_set():  # a halt waits for this thread: never for a plan no one needs
+                    self._plan_next_window(epoch, step, live)
                 epoch, step = _advance(epoch, step, self.steps_per_epoch)
         except BaseException as exc:  # handed to the consumer, raised there
             out.put(_Failure(exc))
 
     def _plan_next_window(self, epoch: int, step: int, live: tuple[int, ...]) -> None:
         """Halfway through a window, plan the next one: a window's plan (``window`` global batches
-        at once) then costs the producer time while the queue is full, never at the window's first
-        step, whose batch the training thread is about to wait for.  (The plan runs without the
-        GIL; live ranks that change before the window starts re-plan it: the same plan as afresh.)"""
+        at once) then costs the producer time while the queue is full, not at the window's first
+        step, whose batch the training thread is about to wait for.  It still runs on this thread:
+        a step comes late when the plan takes longer than the prefetched steps.  (The plan runs
+        without the GIL; live ranks that change before the window starts re-plan it: the same
+        plan as afresh.)"""
         window = self.planner.window
         if window == 1 or step % window != window // 2:
             return
@@ -448,6 +453,7 @@ def build_loader(
     group_size: int | None = None,
 ) -> BalancedLoader:
     """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order)."""
+    warm_up()  # the planner's kernels: loaded from numba's cache, or compiled here, not in the prefetch thread
     if training:
         window = max(cfg.window, 1)
         try:

@@ -52,7 +52,7 @@ LPT_HEAD_SHARE = 1 / 16
 """Samples of at least this share of a mean part are placed and refined first."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Parts:
     """Members of each part, CSR: part ``p`` is ``index[offsets[p]:offsets[p + 1]]``.
 
@@ -65,7 +65,10 @@ class Parts:
     @classmethod
     def of_owner(cls, owner: np.ndarray, num_parts: int) -> Parts:
         """From the part of each sample (members ascending)."""
-        index, offsets = balance_kernels.members_of(np.ascontiguousarray(owner, dtype=np.int64), num_parts)
+        owner = np.ascontiguousarray(owner, dtype=np.int64)
+        if owner.size and not (0 <= owner.min() and owner.max() < num_parts):
+            raise ValueError(f"owners must lie in [0, {num_parts}), got {owner.min()}..{owner.max()}")
+        index, offsets = balance_kernels.members_of(owner, num_parts)
         return cls(index, offsets)
 
     @classmethod
@@ -171,7 +174,8 @@ def lpt(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
         costs, num_parts, equal_count, 4 * num_parts + 64, LPT_REFINE_PARTNERS, LPT_RESOLUTION, LPT_TOLERANCE,
         LPT_HEAD_SHARE)
     if bad >= 0:
-        raise ValueError(f"sample {bad} has cost {float(costs[bad])}: costs must be finite and >= 0")
+        raise ValueError(f"sample {bad} has cost {float(costs[bad])}: costs must be finite and >= 0, with a "
+                         f"finite sum")
     return Parts(index, offsets)
 
 

@@ -84,8 +84,8 @@ class StepPlan:
     part per entry of ``live_ranks``, in that order).
 
     ``rows``/``costs`` include the step's carried (requeued) rows; ``carried`` counts
-    them over all ranks.  Within a rank, rows are in the partitioner's order;
-    ``for_rank`` gives them ascending (the order the source reads).
+    them over all ranks.  Within a rank, rows are in the partitioner's order (ascending
+    when the step carries rows); ``for_rank`` gives them ascending (the order the source reads).
     """
 
     epoch: int

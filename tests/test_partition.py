@@ -106,8 +106,9 @@ def test_lpt_plans_the_same_in_another_process_with_another_hash_seed(tmp_path) 
     script = ("import numpy as np, sys; from freescale.dataloader.partition import lpt; "
               "rng = np.random.default_rng(0); c = rng.lognormal(3, 1.5, 50_000); p = lpt(c, 512); "
               "np.save(sys.argv[1], np.concatenate([p.index, p.offsets]))")
-    for seed in ("0", "12345"):
-        env = {"PYTHONHASHSEED": seed, "OMP_NUM_THREADS": seed[:1] or "1", "PATH": "/usr/bin:/bin"}
+    for seed, threads in (("0", "1"), ("12345", "4")):
+        env = {"PYTHONHASHSEED": seed, "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads,
+               "PATH": "/usr/bin:/bin"}
         subprocess.run([sys.executable, "-c", script, str(tmp_path / f"{seed}.npy")], env=env, check=True)
     rng = np.random.default_rng(0)
     here = lpt(rng.lognormal(3, 1.5, 50_000), 512)
