@@ -173,11 +173,10 @@ def planner_rows(rng: np.random.Generator, model: CostModel, ranks_list: list[in
             start = time.perf_counter()
             planner.plan(0, s, live).imbalance()
             times.append(1e3 * (time.perf_counter() - start))
-        def replan() -> None:  # a window planned afresh each time (not found in the planner's cache)
-            planner._windows.clear()
-            planner.plan(0, 1, tuple(range(ranks - 1)))
-
-        gil = gil_hold_ms(replan)
+        # A step planned afresh, on a planner of its own each time (nothing cached, nothing to free).
+        fresh = [BatchPlanner(lengths, order, cost_model=model, partitioner="lpt", global_batch_size=g)
+                 for _ in range(3)]
+        gil = gil_hold_ms(lambda: fresh.pop().plan(0, 1, live))
         rows.append({"partitioner": "lpt_plan", "ranks": ranks, "samples": g, "plan_ms_p50": float(np.median(times)),
                      "plan_ms_p90": float(np.percentile(times, 90)), "gil_ms": gil})
     return rows

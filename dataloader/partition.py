@@ -120,6 +120,8 @@ class Parts:
 
     def map(self, values: np.ndarray) -> Parts:
         """The same parts over ``values[index]`` (e.g. positions -> row ids)."""
+        if values.dtype in (np.float64, np.int64) and values.ndim == 1 and values.flags.c_contiguous:
+            return Parts(balance_kernels.take(values, self.index), self.offsets)  # no GIL held
         return Parts(values[self.index], self.offsets)
 
     def select(self, parts: np.ndarray) -> Parts:

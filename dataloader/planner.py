@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from freescale.dataloader import balance_kernels
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.partition import Parts, lower_bound, partition
 
@@ -284,7 +285,7 @@ class BatchPlanner:
         if table is None:
             table = np.append(model(np.arange(self._null_index, dtype=np.int64)), 0.0)
             self._tables[key] = table
-        return table[self._table_index[rows]]
+        return balance_kernels.lookup(table, self._table_index, np.ascontiguousarray(rows, dtype=np.int64))
 
     def set_cost_model(self, model: CostModel, epoch: int, step: int) -> None:
         """Plan with ``model`` from the first window that starts at or after ``(epoch, step)``.
