@@ -134,8 +134,12 @@ class Parts:
 
 def imbalance(costs: np.ndarray, parts: Parts | list[np.ndarray]) -> float:
     """``max_part(cost) / mean_part(cost)``; 1.0 is perfect (DESIGN.md "imbalance")."""
-    loads = (parts if isinstance(parts, Parts) else Parts.of_list(parts)).sums(costs)
-    total = loads.sum()  # max / total * k, not max / mean: a tiny mean would underflow
+    return load_imbalance((parts if isinstance(parts, Parts) else Parts.of_list(parts)).sums(costs))
+
+
+def load_imbalance(loads: np.ndarray) -> float:
+    """``max(loads) / mean(loads)``, computed as max / total * k: a tiny mean would underflow."""
+    total = loads.sum()
     return float(loads.max() / total * loads.size) if total > 0 else 1.0
 
 

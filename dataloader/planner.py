@@ -45,7 +45,7 @@ import numpy as np
 
 from freescale.dataloader import balance_kernels
 from freescale.dataloader.cost import CostModel
-from freescale.dataloader.partition import Parts, lower_bound, partition
+from freescale.dataloader.partition import Parts, load_imbalance, lower_bound, partition
 
 
 _WINDOWS_KEPT = 8
@@ -105,9 +105,7 @@ class StepPlan:
         return self.costs.totals()
 
     def imbalance(self) -> float:
-        loads = self.loads()
-        total = loads.sum()
-        return float(loads.max() / total * loads.size) if total > 0 else 1.0
+        return load_imbalance(self.loads())
 
     def bound(self) -> float:
         return lower_bound(self.costs.index, len(self.live_ranks))

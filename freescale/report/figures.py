@@ -27,6 +27,17 @@ def kill_step(run: RunLogs, kill: Kill) -> int | None:
     return min(after) if after else None
 
 
+def _finish(fig: Any, axes: Any, run: RunLogs, titles: list[str], legend_at: str) -> Any:
+    """The per-step figures' common dressing: kill marks (labelled once), titles, grid, legends."""
+    for i, (ax, title) in enumerate(zip(axes, titles)):
+        _mark_kills(ax, run, label=i == 0)
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc=legend_at)
+    fig.tight_layout()
+    return fig
+
+
 def _mark_kills(ax: Any, run: RunLogs, label: bool) -> None:
     for kill in run.kills:
         step = kill_step(run, kill)
@@ -78,13 +89,7 @@ def fig_steps(run: RunLogs) -> Any:
     axes[2].set_xlabel("step")
     titles = ["step time (commit to commit, per group)", "planned imbalance (max/mean cost) and measured bubble "
               "per log window", "loader wait (time the step waited for its batch)"]
-    for i, (ax, title) in enumerate(zip(axes, titles)):
-        _mark_kills(ax, run, label=i == 0)
-        ax.set_title(title, fontsize=9, loc="left")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    return fig
+    return _finish(fig, axes, run, titles, legend_at="upper right")
 
 
 def fig_quality(run: RunLogs) -> Any:
@@ -111,13 +116,7 @@ def fig_quality(run: RunLogs) -> Any:
     axes[2].set_xlabel("step")
     titles = ["training loss per log window", "training AUC per log window (stars: eval)",
               "capacity: samples each group trained per step (a lost group's rows move to the others); calibrations"]
-    for i, (ax, title) in enumerate(zip(axes, titles)):
-        _mark_kills(ax, run, label=i == 0)
-        ax.set_title(title, fontsize=9, loc="left")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    return fig
+    return _finish(fig, axes, run, titles, legend_at="best")
 
 
 def catchup_phases(run: RunLogs, g: GroupLog, caught: dict[str, Any]) -> list[tuple[str, float, float]]:
