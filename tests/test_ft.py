@@ -113,7 +113,9 @@ def test_sigkill_one_replica_survivors_commit_every_step(phase: str, tmp_path: P
     # c took part in steps 0..k (k >= 4: it died during step 5, possibly after step 5's vote), then never again.
     assert with_c == list(range(len(with_c))) and len(with_c) in (5, 6)
     assert without_c == list(range(len(with_c), steps))
-    assert [e["step"] for e in read(tmp_path, "c")] == list(range(5))  # c logged steps 0..4, died in 5
+    # c logged steps 0..4 and died in 5; or (the kill comes from a timer, ``reduce:3`` is 3 ms into the
+    # exchange) step 5 committed with c first, and c may have logged it before the signal landed.
+    assert [e["step"] for e in read(tmp_path, "c")] in (list(range(5)), list(range(len(with_c))))
     lh.stop_thread()
 
 
