@@ -13,6 +13,9 @@ benchmarks and demos (the same in every process of a run):
     - ``forward``: after the forward of the first step at or after ``step`` it
       trains, before backward;
     - ``reduce``: ``ms`` milliseconds into step ``step``'s gradient exchange;
+    - ``vote``: after step ``step``'s exchange completed, before this rank votes
+      (the others built the update while waiting for the vote, which fails:
+      they put it back and redo the step with the survivors);
     - ``catchup``: at the first step at or after ``step`` the group sits out
       while catching up (its snapshot download under way);
     - ``serve``: while its snapshot server streams a snapshot of step ``step``
@@ -39,7 +42,7 @@ from pathlib import Path
 
 FAULTS_ENV = "FREESCALE_FAULTS"
 AUDIT_ENV = "FREESCALE_AUDIT"
-POINTS = ("forward", "reduce", "catchup", "serve", "slow")
+POINTS = ("forward", "reduce", "vote", "catchup", "serve", "slow")
 _AT_OR_AFTER = ("forward", "catchup", "slow", "serve")
 
 

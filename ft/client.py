@@ -28,7 +28,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -272,7 +272,44 @@ class LighthouseClient:
 
         A committed reply may carry step + 1's quorum (``quorum`` then answers it without a
         request); ``forget_next`` drops it when this rank does not go on to that step."""
-        body = self._request("POST", "/v1/commit", {"quorum_id": quorum_id, "step": step, "ok": ok})
+        return self.commit_async(quorum_id, step, ok)()
+
+    def commit_async(self, quorum_id: int, step: int, ok: bool) -> Callable[[], bool]:
+        """Send the step's commit vote now; the returned call reads the outcome (``commit``'s).
+
+        The lighthouse answers once every participant voted, so the caller can do work that
+        changes no state (build the committed update) while the other groups vote.  Sent and
+        read on this thread's keep-alive connection, no thread hand-off; if either half fails
+        the vote goes again through the retrying request path (a vote is idempotent: a
+        member's ballot for a quorum and step is recorded once)."""
+        body = {"quorum_id": quorum_id, "step": step, "ok": ok}
+        conn: http.client.HTTPConnection | None = None
+        try:
+            conn = self._connection()
+            conn.timeout = self.request_timeout_s
+            if conn.sock is not None:
+                conn.sock.settimeout(self.request_timeout_s)
+            conn.request("POST", "/v1/commit", json.dumps({**self.identity, **body}),
+                         {**self.headers, "Content-Type": "application/json"})
+        except (OSError, http.client.HTTPException):
+            self._drop_connection()
+            conn = None
+
+        def outcome() -> bool:
+            answer: dict[str, Any] | None = None
+            if conn is not None:
+                try:
+                    response = conn.getresponse()
+                    status, raw = response.status, response.read()
+                    answer = json.loads(raw) if status == 200 else None
+                except (OSError, http.client.HTTPException, ValueError):
+                    self._drop_connection()
+            if not isinstance(answer, dict) or "commit" not in answer:
+                answer = self._request("POST", "/v1/commit", body)  # retries, or a one-line error
+            return self._took_vote(step, answer)
+        return outcome
+
+    def _took_vote(self, step: int, body: dict[str, Any]) -> bool:
         self._next = None
         following = body.get("next")
         if body["commit"] and isinstance(following, dict):

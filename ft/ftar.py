@@ -24,6 +24,12 @@ commits; otherwise ask for the next quorum (the dead group is out) and reduce
 again **with the gradients this replica still holds** (inputs are never
 reduced in place), so the step commits with the survivors: no step is
 discarded.
+
+The vote's round trip overlaps the update's preparation: the vote is sent,
+then the exchange's update is built (``Exchange.prepare``: the union's
+lookup, which changes no row) and the averages are checked for non-finite
+values, and only then is the outcome read.  A failed vote puts the prepared
+update back (``Exchange.discard``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from freescale.ft.catchup import SnapshotFetch, SnapshotServer
 from freescale.ft.client import LighthouseClient, Quorum
 from freescale.ft.replica_group import FTARGroup, ReplicaGroup
 from freescale.grad_buckets import BucketedGrads, BucketLayout, GroupFailure
+from freescale.step_sync import all_finite
+from freescale.testing import StepHooks
 
 
 _HEADER_SPLIT = 1 << 20
@@ -155,6 +163,14 @@ class Exchange(Protocol):
     def __call__(self, group: ReplicaGroup, quorum: Quorum, weights: list[float],
                  headers: list[torch.Tensor]) -> Any: ...
 
+    def prepare(self, exchanged: Any) -> Any:
+        """Local work on what ``__call__`` returned that changes no state the step's update reads
+        (the union's lookup): run while the commit vote is in flight, so the vote's round trip
+        hides behind it.  Its result is handed to the update when the step commits."""
+
+    def discard(self, prepared: Any) -> None:
+        """The vote failed: undo whatever ``prepare`` left behind (the step is redone)."""
+
 
 @dataclass
 class StepResult:
@@ -175,10 +191,18 @@ class StepResult:
     """Participants holding valid state at this step: the next step's data is planned over them."""
     extra: Any = None
     """What the step's ``exchange`` returned (the embedding rows' union)."""
+    prepared: Any = None
+    """What ``exchange.prepare`` made of ``extra`` while the vote was in flight (None when
+    recovering: a recorded step is prepared when it is replayed)."""
+    finite: bool | None = None
+    """The averaged dense gradients are all finite (checked while the vote was in flight)."""
     quorum_wait_s: float = 0.0
     """Time blocked on the step's quorum (zero when it arrived during the forward)."""
     reduce_s: float = 0.0
+    prepare_s: float = 0.0
+    """Building the update while the vote was in flight."""
     vote_s: float = 0.0
+    """Time blocked on the vote after that (the part of its round trip left exposed)."""
 
 
 class _NoValidState(RuntimeError):
@@ -235,8 +259,10 @@ class ReplicaSync:
 
     def __init__(self, client: LighthouseClient, position: int = 0, timeout_s: float = 5.0,
                  snapshot_server: SnapshotServer | None = None, token: str = "", max_attempts: int = 50,
-                 in_group: Any = None, backend: str = "gloo", device: torch.device | None = None) -> None:
+                 in_group: Any = None, backend: str = "gloo", device: torch.device | None = None,
+                 hooks: StepHooks | None = None) -> None:
         self.client = client
+        self.hooks = hooks or StepHooks()
         self.position = position
         self.device = device or torch.device("cpu")
         self.group = FTARGroup(client.replica_id, position, timeout_s, backend, device, client.quorum_lost)
@@ -341,7 +367,7 @@ class ReplicaSync:
         quorum_wait += self._early_quorum_wait
         self._early_quorum_wait = 0.0
         self._resolved = None
-        reduce_s = vote_s = 0.0
+        reduce_s = prepare_s = vote_s = 0.0
         seen_behind = False
         attempts = 0
         last_error = ""
@@ -378,24 +404,43 @@ class ReplicaSync:
                 self.group.drop()
                 self.client.report_failure(quorum.quorum_id)
             t1 = time.perf_counter()
-            committed = self.agree(self.client.commit(quorum.quorum_id, step, reduced is not None))
+            self.hooks.at("vote", step)
+            vote = self.client.commit_async(quorum.quorum_id, step, reduced is not None)
+            prepared, finite = self._prepare(reduced, exchange, extra)
+            t2 = time.perf_counter()
+            committed = self.agree(vote())
             if not committed:
                 self.client.forget_next()  # this step is redone: its quorum is asked again
-            reduce_s, vote_s = reduce_s + t1 - t0, vote_s + time.perf_counter() - t1
+                if prepared is not None and exchange is not None:
+                    exchange.discard(prepared)
+            timings = (reduce_s + t1 - t0, prepare_s + t2 - t1, vote_s + time.perf_counter() - t2)
+            reduce_s, prepare_s, vote_s = timings
             if committed and reduced is not None:
-                return self._committed(step, quorum, reduced, extra, attempts, seen_behind, start,
-                                       quorum_wait, reduce_s, vote_s)
+                result = self._committed(step, quorum, reduced, extra, attempts, seen_behind, start,
+                                         quorum_wait, timings)
+                result.prepared, result.finite = prepared, finite
+                return result
             self.group.drop()
             quorum = self.client.quorum(step)
 
+    def _prepare(self, reduced: Reduced | None, exchange: Exchange | None, extra: Any) -> tuple[Any, bool | None]:
+        """While the vote is in flight: the exchange's update built, the averages checked (a
+        recovering replica applies nothing now: its recorded steps are prepared at replay)."""
+        if reduced is None or self.recovering:
+            return None, None
+        prepared = exchange.prepare(extra) if exchange is not None else None
+        return prepared, all_finite(reduced.tensors)
+
     def _committed(self, step: int, quorum: Quorum, reduced: Reduced, extra: Any, attempts: int,
-                   seen_behind: bool, start: float, quorum_wait: float, reduce_s: float, vote_s: float) -> StepResult:
+                   seen_behind: bool, start: float, quorum_wait: float,
+                   timings: tuple[float, float, float]) -> StepResult:
         self.quorum = quorum
         ids = quorum.replica_ids
+        reduce_s, prepare_s, vote_s = timings
         result = StepResult(
             step, reduced.tensors, quorum, attempts, 0.0, self.recovering, False,
             weights=dict(zip(ids, reduced.weights)), ready=frozenset(r for r, f in zip(ids, reduced.ready) if f),
-            extra=extra, quorum_wait_s=quorum_wait, reduce_s=reduce_s, vote_s=vote_s,
+            extra=extra, quorum_wait_s=quorum_wait, reduce_s=reduce_s, prepare_s=prepare_s, vote_s=vote_s,
         )
         if self.recovering:
             # Kept until the snapshot is in, maybe for many steps: on the host (NCCL: not GPU memory).

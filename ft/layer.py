@@ -142,7 +142,8 @@ class FaultTolerance:
                                        group_size=self.group_size, token=token,
                                        run_id=os.environ.get(RUN_ID_ENV, "")).start()
         self.sync = ReplicaSync(self.client, position=self.rank, timeout_s=cfg.timeout_s, snapshot_server=self.server,
-                                token=token, in_group=self.in_group, backend=cfg.replica_backend, device=self.device)
+                                token=token, in_group=self.in_group, backend=cfg.replica_backend, device=self.device,
+                                hooks=self.hooks)
         self.record: dict[str, Any] = {}
         self.last_commit = Commit(-1, frozenset(), frozenset())
         self.events: list[dict[str, Any]] = []
@@ -259,10 +260,12 @@ class FaultTolerance:
         tables), then the data side's accounting."""
         commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result))
         if sum(result.weights.values()) > 0:  # nobody trained this step: no update at all
-            if not all_finite(result.tensors):
+            if not (result.finite if result.finite is not None else all_finite(result.tensors)):
                 if self.nonfinite == "stop":
                     raise NonFiniteError(nonfinite_message(result.step, self._loss if self._weight else None,
                                                            self.in_group, f" (replica group {self.group_index})"))
+                if self.sparse is not None and result.prepared is not None:
+                    self.sparse.discard(result.prepared)
                 self.events.append({"event": "nonfinite_skipped", "step": result.step})
                 self.record["nonfinite_skipped"] = True
             else:
@@ -273,7 +276,7 @@ class FaultTolerance:
                 for p in self.dense:
                     p.grad = None
                 if self.sparse is not None:
-                    self.sparse.apply(result.extra)
+                    self.sparse.apply(result.extra, result.prepared)
         if self.data is not None:
             self.data.commit(commit)
         return commit
@@ -281,7 +284,8 @@ class FaultTolerance:
     def _record_of(self, result: StepResult, trained: bool) -> dict[str, Any]:
         return {"quorum_id": result.quorum.quorum_id, "participants": list(result.quorum.replica_ids),
                 "attempts": result.attempts, "exchange_s": result.seconds, "contributing": trained, "weight": self._weight or 0.0,
-                "quorum_wait_s": result.quorum_wait_s, "reduce_s": result.reduce_s, "vote_s": result.vote_s,
+                "quorum_wait_s": result.quorum_wait_s, "reduce_s": result.reduce_s,
+                "prepare_s": result.prepare_s, "vote_s": result.vote_s,
                 "ready": sorted(result.ready), "recovering": result.recovering}
 
     def _group_of(self, replica_id: str) -> int:

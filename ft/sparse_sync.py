@@ -19,7 +19,9 @@ gradients, so replicas would drift apart at once.  Here, per step:
 3. **Apply** (only once the step commits): every replica builds the same
    *union* batch, participants in quorum order, each one's gradient rows
    scaled by its share of the step's samples ``w_j / sum w``, and runs the
-   TBE forward and backward on it: the fused optimizer then updates each
+   TBE forward on it while the commit vote is in flight (``prepare``: a
+   lookup, no row changes) and its backward once the vote passed
+   (``apply``): the fused optimizer then updates each
    touched row once, from the gradients of all replicas' samples, exactly as
    one group that had trained on all of them would (row-wise Adagrad sums
    a row's gradients within a batch before its update).  Same inputs, same
@@ -40,6 +42,8 @@ optimizer from a group-local gradient).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,30 +272,85 @@ class UnionSparseUpdate:
             grad = torch.cat([pieces[f] for f in range(t) for pieces in grad_pieces])
         return TBEStep(indices, offsets, grad)
 
-    def apply(self, update: UnionUpdate) -> None:
-        """Run each TBE's forward and fused backward over the union: the one update of the step."""
-        if len(update.tables) != len(self._slots):
-            raise RuntimeError(f"fault tolerance: an update for {len(update.tables)} embedding modules, "
-                               f"this model has {len(self._slots)}")
-        # fbgemm's CUDA backward sums a row's gradients with atomics when it occurs more than
-        # ~1024 times in a batch (the union of all replicas' ids easily does): different
-        # rounding on each replica.  Deterministic mode makes it one ordered sum.
-        deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
-            torch.is_deterministic_algorithms_warn_only_enabled()
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        try:
-            self._apply(update)
-        finally:
-            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-
-    def _apply(self, update: UnionUpdate) -> None:
-        with torch.enable_grad():
-            for slot, step in zip(self._slots, update.tables):
+    def prepare(self, update: UnionUpdate) -> PreparedUnion:
+        """Each TBE's forward over the union, recording its fused backward: the lookup half of
+        the update, which reads the tables and changes no row (run while the commit vote is in
+        flight; ``apply`` runs the backward, the update, once the step commits).  fbgemm's
+        forward does count its calls (``step``, and ``iter`` for row-wise Adagrad, which is
+        checkpointed): ``discard`` puts them back if the step does not commit."""
+        outputs: list[tuple[_Slot, torch.Tensor, torch.Tensor, _Counters]] = []
+        with _deterministic(), torch.enable_grad():
+            for slot, step in zip(self._slots, self._matching(update)):
                 if step.indices.numel() == 0:
                     continue
                 device = slot.tbe.current_device if hasattr(slot.tbe, "current_device") else step.indices.device
+                counters = _Counters.of(slot.tbe)
                 out = slot.run(step.indices.to(device), step.offsets.to(device))
-                out.backward(step.grad.reshape(out.shape).to(device=out.device, dtype=out.dtype))
+                outputs.append((slot, out, step.grad.reshape(out.shape).to(device=out.device, dtype=out.dtype),
+                                counters))
+        return PreparedUnion(outputs)
+
+    def discard(self, prepared: PreparedUnion) -> None:
+        for slot, _, _, counters in prepared.outputs:
+            counters.restore(slot.tbe)
+        prepared.outputs = []
+
+    def apply(self, update: UnionUpdate, prepared: PreparedUnion | None = None) -> None:
+        """The one update of the step: each TBE's fused backward over the union (``prepare``'s
+        forward, run now unless it already ran while the vote was in flight)."""
+        prepared = prepared if prepared is not None else self.prepare(update)
+        # fbgemm's CUDA backward sums a row's gradients with atomics when it occurs more than
+        # ~1024 times in a batch (the union of all replicas' ids easily does): different
+        # rounding on each replica.  Deterministic mode makes it one ordered sum.
+        with _deterministic():
+            for _, out, grad, _ in prepared.outputs:
+                out.backward(grad)
+        prepared.outputs = []
+
+    def _matching(self, update: UnionUpdate) -> list[TBEStep]:
+        if len(update.tables) != len(self._slots):
+            raise RuntimeError(f"fault tolerance: an update for {len(update.tables)} embedding modules, "
+                               f"this model has {len(self._slots)}")
+        return update.tables
+
+
+@dataclass
+class _Counters:
+    """fbgemm TBE call counters a forward advances (``step``; ``iter``/``iter_cpu`` for optimizers
+    that count iterations), to put back after a forward whose backward never runs."""
+
+    step: int
+    iters: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, tbe: nn.Module) -> _Counters:
+        iters = {name: t.clone() for name in ("iter", "iter_cpu")
+                 if isinstance(t := getattr(tbe, name, None), torch.Tensor)}
+        return cls(int(getattr(tbe, "step", 0)), iters)
+
+    def restore(self, tbe: nn.Module) -> None:
+        if hasattr(tbe, "step"):
+            tbe.step = self.step
+        for name, saved in self.iters.items():
+            getattr(tbe, name).copy_(saved)
+
+
+@dataclass
+class PreparedUnion:
+    """A union's forward per TBE: (slot, looked-up output, its gradient, counters before)."""
+
+    outputs: list[tuple[_Slot, torch.Tensor, torch.Tensor, _Counters]]
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def _all_gather(group: ReplicaGroup, tensor: torch.Tensor, size: int) -> list[torch.Tensor]:

@@ -174,13 +174,15 @@ def references(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     ("plain", "hstu", "reduce", 20),
     # DLRM's torchrec steps are ~3x shorter than HSTU's: 20 ms more left the survivor ~1.7 s after
     # the restarted group joined here, and none on a slower CI machine.
-    ("torchrec", "dlrm", "reduce", 70),
+    ("torchrec", "dlrm", "vote", 70),
     ("prioritized", "hstu", "forward", 20)])
 def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(
         kind: str, model: str, phase: str, slow_ms: int, tiny_data: Path, tmp_path: Path,
         references: dict[str, dict[int, float]]) -> None:
-    """Two groups of two ranks, each pipeline: rank 1 of group 1 is SIGKILLed at step 6 (mid-reduce
-    or before backward).  Group 0 commits step 6 without it (no step discarded), trains group 1's
+    """Two groups of two ranks, each pipeline: rank 1 of group 1 is SIGKILLed at step 6 (mid-reduce,
+    before backward, or after the exchange but before its vote: the others' vote then fails once
+    its heartbeat stops, and they put back the update they built while waiting for it and redo
+    the step).  Group 0 commits step 6 without it (no step discarded), trains group 1's
     rows of step 6 in the first step planned after it (step 7; with torchrec's two batches in
     flight, step 9), keeps going; the agent restarts group 1, which joins with weight 0, catches
     up from group 0's snapshot, replays, and contributes again, bit-identical.  Before the kill,
@@ -196,6 +198,8 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     survivor = by_step(runs[(0, 0)])
     assert sorted(survivor) == list(range(steps)), "the survivor skipped or discarded a step"
     assert survivor[6]["participants"] == ["replica0"], "step 6 should commit with the survivor alone"
+    if phase == "vote":
+        assert survivor[6]["attempts"] == 2, "step 6's first vote should have failed"
     # The first step planned after the kill: the whole global batch (4 ranks x 32) on group 0, plus
     # group 1's 64 rows of step 6 (steps already in flight keep their plans: group 0's 64 rows).
     assert survivor[5]["weight"] == 64 and survivor[7 + depth]["weight"] == 128 + 64

@@ -45,6 +45,17 @@ def _tables(dmp: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.local_shards()[0].tensor.clone() for k, v in dmp.state_dict().items() if hasattr(v, "local_shards")}
 
 
+def _state(dmp: torch.nn.Module, sync: UnionSparseUpdate) -> tuple[str, list[tuple[int, list[int]]]]:
+    """Digest of every local tensor (tables and their fused optimizer state) and each TBE's call counters."""
+    tensors = {k: v.local_shards()[0].tensor if hasattr(v, "local_shards") else v for k, v in dmp.state_dict().items()}
+    for key, value in dmp.fused_optimizer.state_dict()["state"].items():
+        for name, t in value.items():
+            tensors[f"optim/{key}/{name}"] = t.local_shards()[0].tensor if hasattr(t, "local_shards") else t
+    counters = [(slot.tbe.step, [int(getattr(slot.tbe, n)[0]) for n in ("iter", "iter_cpu") if hasattr(slot.tbe, n)])
+                for slot in sync._slots]
+    return local_digest(tensors), counters
+
+
 @pytest.mark.parametrize("kind", ["hstu", "dlrm"])
 def test_union_update_equals_one_model_on_all_samples(kind: str, tiny_data: Path) -> None:
     quiet_libraries()
@@ -84,13 +95,20 @@ def test_union_update_equals_one_model_on_all_samples(kind: str, tiny_data: Path
             steps.append(sync.local_step())
         weights = [float(batch_a.size), float(batch_b.size)]
         total = sum(weights)
-        for sync in syncs:
+        for i, sync in enumerate(syncs):
             parts = [[TBEStep(t.indices, t.offsets, t.grad * torch.tensor(w / total)) for t in step.tables]
                      for step, w in zip(steps, weights)]
-            union = [sync._union(slot, [p[k] for p in parts]) for k, slot in enumerate(sync._slots)]
-            sync.apply(UnionUpdate(union))
+            union = UnionUpdate([sync._union(slot, [p[k] for p in parts]) for k, slot in enumerate(sync._slots)])
+            if i == 0:  # A: built while a vote was in flight, the vote failed, put back; then built again and applied
+                before = _state(replica_a, sync)
+                sync.discard(sync.prepare(union))
+                assert _state(replica_a, sync) == before, "a discarded union left a trace (rows or fbgemm counters)"
+                sync.apply(union, sync.prepare(union))
+            else:  # B: built and applied in one go (a recorded step replayed during catch-up)
+                sync.apply(union)
         a, b, ref = _tables(replica_a), _tables(replica_b), _tables(reference)
         assert local_digest(a) == local_digest(b), "replicas applying the same union differ"
+        assert _state(replica_a, syncs[0]) == _state(replica_b, syncs[1]), "optimizer state or counters differ"
         initial = _tables(fresh())
         for name in ref:
             moved = (ref[name] - initial[name]).abs().sum(dim=1) > 0
