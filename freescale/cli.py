@@ -367,8 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, (ConfigError, DataError, CheckpointError, LighthouseError, NonFiniteError)):
             from freescale.launch import report_user_error
 
-            report_user_error(str(exc))
-            return 2
+            return report_user_error(str(exc), restartable=isinstance(exc, LighthouseError))
         raise
 
 

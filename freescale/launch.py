@@ -6,7 +6,13 @@ failure ends in one line instead of the agent's traceback:
 
 - a user error in a rank (bad data, bad checkpoint) is written by that rank to
   ``$FREESCALE_ERROR_DIR/rank<N>.txt`` and printed here once, however many ranks
-  hit it; exit status 2;
+  hit it; exit status 2.  An error every incarnation would meet again (bad
+  config, data or checkpoint; a non-finite loss, reached alike by every rank
+  and, with replica groups, every group: a restarted group would find no one
+  to catch up from) is not restarted: the rank exits 0 after writing it, so
+  the agent ends the group instead of spending ``--max-restarts`` on it, and
+  this returns 2 for it.  A lighthouse that cannot be reached is restarted as
+  a crash is;
 - a crash keeps the rank's own traceback on stderr, and this prints which rank
   died and how; exit status 1.
 
@@ -27,15 +33,26 @@ from pathlib import Path
 ERROR_DIR_ENV = "FREESCALE_ERROR_DIR"
 
 
-def report_user_error(message: str) -> None:
-    """Called by a rank on a user error: hand it to the launcher, or print it."""
+def report_user_error(message: str, restartable: bool = False) -> int:
+    """Called by a rank on a user error: hand it to the launcher, or print it.  Returns the exit
+    status for the rank: 0 for an error no restart can fix under ``launch`` (module docstring: the
+    launcher still fails with 2), else 2 (torchrun, or an error a restart may fix)."""
     rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if error_dir:
         Path(error_dir, f"rank{rank}.txt").write_text(message)
-    else:
-        prefix = f"[rank {rank}] " if world > 1 else ""
-        print(f"freescale: error: {prefix}{message}", file=sys.stderr)
+        return 2 if restartable else 0
+    prefix = f"[rank {rank}] " if world > 1 else ""
+    print(f"freescale: error: {prefix}{message}", file=sys.stderr)
+    return 2
+
+
+def _user_errors(error_dir: str) -> list[str]:
+    """The ranks' user errors, each once, printed."""
+    messages = sorted({p.read_text() for p in Path(error_dir).glob("rank*.txt")})
+    for message in messages:
+        print(f"freescale: error: {message}", file=sys.stderr)
+    return messages
 
 
 def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[str]) -> int:
@@ -55,12 +72,9 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
     )
     try:
         elastic_launch(config, sys.executable)("-m", "freescale.cli", "train", *train_args)
-        return 0
+        return 2 if _user_errors(error_dir) else 0  # ranks that stopped on an error not worth a restart
     except ChildFailedError as failed:
-        messages = sorted({p.read_text() for p in Path(error_dir).glob("rank*.txt")})
-        for message in messages:
-            print(f"freescale: error: {message}", file=sys.stderr)
-        if messages:
+        if _user_errors(error_dir):
             return 2
         rank, failure = failed.get_first_failure()
         how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"

@@ -130,11 +130,13 @@ def test_crash_without_restarts_names_the_rank(tiny_data: Path, tmp_path: Path) 
 def test_nonfinite_loss_stops_at_that_step_naming_the_ranks(tiny_data: Path, tmp_path: Path) -> None:
     """A learning rate that blows the model up: the run stops at the first step whose reduced gradients
     are not finite, in one line naming the step and the ranks whose loss was not finite, before that
-    step's update; the last checkpoint (taken after the previous step) stays the one to resume from."""
+    step's update; the last checkpoint (taken after the previous step) stays the one to resume from.
+    No restart is spent on it (every incarnation would stop there again)."""
     run = tmp_path / "run"
     proc = run_cli(*launch_args("tiny_dlrm.toml", tiny_data, run, "--optim.dense_lr=1e25", "--train.steps=30",
-                                "--checkpoint.every=1", "--train.eval=false"))
+                                "--checkpoint.every=1", "--train.eval=false", "--max-restarts=2"))
     assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(events(read_log(run), "start")) == 1, "the group was restarted after a non-finite loss"
     lines = [line for line in proc.stderr.splitlines() if line.startswith("freescale: error")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     step = int(lines[0].split("step ", 1)[1].split(":", 1)[0])
