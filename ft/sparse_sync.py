@@ -206,14 +206,14 @@ class UnionSparseUpdate:
         return torch.tensor(sizes, dtype=torch.int64).reshape(-1)
 
     def __call__(self, group: ReplicaGroup | dist.ProcessGroup, quorum: Quorum, weights: list[float],
-                 headers: list[torch.Tensor]) -> UnionUpdate:
-        """All-gather every participant's ``local_step`` and build the weighted union (same on all).
+                 headers: list[torch.Tensor]) -> GatheredSteps:
+        """All-gather every participant's ``local_step`` (the same on all participants).
 
         One float32 all-gather: each participant's ids and offsets (int64, bit-cast to
         float32 pairs: no arithmetic touches them) then its gradients, padded to the longest.
-        """
+        The weighted union is built from it by ``union`` (``prepare`` does, while the vote is
+        in flight)."""
         mine = self.local_step()
-        size = len(quorum.participants)
         replica_group = ReplicaGroup.of(group)
         device = replica_group.device
         # Gathered on the replica group's device (gloo: the host; NCCL: the GPU, then one copy of the
@@ -226,15 +226,20 @@ class UnionSparseUpdate:
         float_sizes = [int((h[:, 2] * h[:, 3]).sum()) for h in shapes]
         gathered = [g.cpu() for g in _all_gather_varlen(replica_group, mine_flat,
                                                         [2 * i + f for i, f in zip(int_sizes, float_sizes)])]
-        total = float(sum(weights))
+        return GatheredSteps(gathered, shapes, list(weights))
+
+    def union(self, gathered: GatheredSteps) -> UnionUpdate:
+        """The weighted union of every participant's step (same on all; module docstring, step 3)."""
+        total = float(sum(gathered.weights))
         per_participant: list[list[TBEStep]] = []
-        for p in range(size):
-            all_ints = gathered[p][:2 * int_sizes[p]].contiguous().view(torch.int64)
-            all_floats = gathered[p][2 * int_sizes[p]:]
+        for flat, shape, weight in zip(gathered.flat, gathered.shapes, gathered.weights):
+            n_ints = int(shape[:, :2].sum())
+            all_ints = flat[:2 * n_ints].contiguous().view(torch.int64)
+            all_floats = flat[2 * n_ints:]
             i_off = f_off = 0
             steps = []
-            share = torch.tensor(weights[p] / total if total > 0 else 0.0, dtype=torch.float32)
-            for n_idx, n_off, rows, cols in shapes[p].tolist():
+            share = torch.tensor(weight / total if total > 0 else 0.0, dtype=torch.float32)
+            for n_idx, n_off, rows, cols in shape.tolist():
                 idx = all_ints[i_off:i_off + n_idx]
                 off = all_ints[i_off + n_idx:i_off + n_idx + n_off]
                 grad = all_floats[f_off:f_off + rows * cols].view(rows, cols)
@@ -272,12 +277,13 @@ class UnionSparseUpdate:
             grad = torch.cat([pieces[f] for f in range(t) for pieces in grad_pieces])
         return TBEStep(indices, offsets, grad)
 
-    def prepare(self, update: UnionUpdate) -> PreparedUnion:
-        """Each TBE's forward over the union, recording its fused backward: the lookup half of
-        the update, which reads the tables and changes no row (run while the commit vote is in
-        flight; ``apply`` runs the backward, the update, once the step commits).  fbgemm's
+    def prepare(self, gathered: GatheredSteps | UnionUpdate) -> PreparedUnion:
+        """The union built, and each TBE's forward over it, recording its fused backward: the
+        lookup half of the update, which reads the tables and changes no row (run while the
+        commit vote is in flight; ``apply`` runs the backward, the update, once the step commits).  fbgemm's
         forward does count its calls (``step``, and ``iter`` for row-wise Adagrad, which is
         checkpointed): ``discard`` puts them back if the step does not commit."""
+        update = self.union(gathered) if isinstance(gathered, GatheredSteps) else gathered
         outputs: list[tuple[_Slot, torch.Tensor, torch.Tensor, _Counters]] = []
         with _deterministic(), torch.enable_grad():
             for slot, step in zip(self._slots, self._matching(update)):
@@ -295,7 +301,7 @@ class UnionSparseUpdate:
             counters.restore(slot.tbe)
         prepared.outputs = []
 
-    def apply(self, update: UnionUpdate, prepared: PreparedUnion | None = None) -> None:
+    def apply(self, update: GatheredSteps | UnionUpdate, prepared: PreparedUnion | None = None) -> None:
         """The one update of the step: each TBE's fused backward over the union (``prepare``'s
         forward, run now unless it already ran while the vote was in flight)."""
         prepared = prepared if prepared is not None else self.prepare(update)
@@ -312,6 +318,17 @@ class UnionSparseUpdate:
             raise RuntimeError(f"fault tolerance: an update for {len(update.tables)} embedding modules, "
                                f"this model has {len(self._slots)}")
         return update.tables
+
+
+@dataclass
+class GatheredSteps:
+    """Every participant's step as gathered (``flat``: ids and offsets bit-cast, then gradients),
+    in quorum order, with its per-TBE sizes and its weight: what a committed step's union is built
+    from, and what a recovering replica records to replay."""
+
+    flat: list[torch.Tensor]
+    shapes: list[torch.Tensor]
+    weights: list[float]
 
 
 @dataclass
