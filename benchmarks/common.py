@@ -10,6 +10,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from freescale.tables import print_table  # noqa: F401  (every benchmark's table printer, re-exported)
+
 
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
@@ -31,19 +33,6 @@ def machine() -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - machine facts must never sink a benchmark
         info["gpu"] = None
     return info
-
-
-def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:,.4f}" if abs(v) < 10 else f"{v:,.1f}"
-        return str(v)
-
-    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
-    for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
 def write_json(path: str | Path, benchmark: str, params: dict[str, Any], rows: list[dict[str, Any]]) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from freescale.sim.gates import Gate, run_gates
+from freescale.tables import print_table
 from freescale.sim.params import SimError
 from freescale.sim.project import (AS_BUILT, AS_DESIGNED, CURVE, SCALES, VALIDATED_X, Sourced, check_scenarios,
                                    compare, inputs, project, scenario, summary_row, with_overrides)
@@ -35,16 +36,8 @@ class GateFailed(SimError):
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:,.4f}" if abs(v) < 10 else f"{v:,.1f}"
-        return str(v)
-
-    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+    """The simulator's tables: text columns, left-aligned."""
+    print_table(rows, columns, align="left")
 
 
 # ----- gates -----------------------------------------------------------------------------------
