@@ -109,6 +109,10 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from freescale.launch import restart_is_futile
+
+    if restart_is_futile():
+        return 0  # the error that ended the previous incarnation is reported by ``launch``
     cfg = _load_train_config(args.config, overrides, args.resume)
     from freescale.dataloader.schema import DatasetManifest
     from freescale.trainer import Trainer
@@ -367,7 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, (ConfigError, DataError, CheckpointError, LighthouseError, NonFiniteError)):
             from freescale.launch import report_user_error
 
-            return report_user_error(str(exc), restartable=isinstance(exc, LighthouseError))
+            report_user_error(str(exc), restartable=isinstance(exc, LighthouseError))
+            return 2
         raise
 
 

@@ -8,11 +8,12 @@ failure ends in one line instead of the agent's traceback:
   ``$FREESCALE_ERROR_DIR/rank<N>.txt`` and printed here once, however many ranks
   hit it; exit status 2.  An error every incarnation would meet again (bad
   config, data or checkpoint; a non-finite loss, reached alike by every rank
-  and, with replica groups, every group: a restarted group would find no one
-  to catch up from) is not restarted: the rank exits 0 after writing it, so
-  the agent ends the group instead of spending ``--max-restarts`` on it, and
-  this returns 2 for it.  A lighthouse that cannot be reached is restarted as
-  a crash is;
+  and, with replica groups, every group) is written as ``rank<N>.final.txt``:
+  the rank still exits 2, so the agent stops its peers at once, but the
+  incarnation it restarts ends at start-up (``restart_is_futile``: exit 0
+  before any process group exists) instead of spending ``--max-restarts``
+  on the same error, and this returns 2 for it.  A lighthouse out of reach is
+  restarted as a crash is;
 - a crash keeps the rank's own traceback on stderr, and this prints which rank
   died and how; exit status 1.
 
@@ -31,25 +32,34 @@ from collections.abc import Sequence
 from pathlib import Path
 
 ERROR_DIR_ENV = "FREESCALE_ERROR_DIR"
+FINAL_SUFFIX = ".final"
+"""``rank<N>.final.txt``: an error no restart can fix."""
 
 
-def report_user_error(message: str, restartable: bool = False) -> int:
-    """Called by a rank on a user error: hand it to the launcher, or print it.  Returns the exit
-    status for the rank: 0 for an error no restart can fix under ``launch`` (module docstring: the
-    launcher still fails with 2), else 2 (torchrun, or an error a restart may fix)."""
+def report_user_error(message: str, restartable: bool = False) -> None:
+    """Called by a rank on a user error: hand it to the launcher (``restartable`` False: no restart
+    can fix it, see the module docstring), or print it."""
     rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if error_dir:
-        Path(error_dir, f"rank{rank}.txt").write_text(message)
-        return 2 if restartable else 0
-    prefix = f"[rank {rank}] " if world > 1 else ""
-    print(f"freescale: error: {prefix}{message}", file=sys.stderr)
-    return 2
+        Path(error_dir, f"rank{rank}{'' if restartable else FINAL_SUFFIX}.txt").write_text(message)
+    else:
+        prefix = f"[rank {rank}] " if world > 1 else ""
+        print(f"freescale: error: {prefix}{message}", file=sys.stderr)
 
 
-def _user_errors(error_dir: str) -> list[str]:
-    """The ranks' user errors, each once, printed."""
-    messages = sorted({p.read_text() for p in Path(error_dir).glob("rank*.txt")})
+def restart_is_futile() -> bool:
+    """This is a restarted incarnation under ``launch`` and an earlier one stopped on an error no
+    restart can fix: end now (every rank of the group reads the same files, before any collective)."""
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    return bool(error_dir and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+                and any(Path(error_dir).glob(f"rank*{FINAL_SUFFIX}.txt")))
+
+
+def _user_errors(error_dir: str, final_only: bool = False) -> list[str]:
+    """The ranks' user errors (``final_only``: those no restart can fix), each once, printed."""
+    pattern = f"rank*{FINAL_SUFFIX}.txt" if final_only else "rank*.txt"
+    messages = sorted({p.read_text() for p in Path(error_dir).glob(pattern)})
     for message in messages:
         print(f"freescale: error: {message}", file=sys.stderr)
     return messages
@@ -72,7 +82,8 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
     )
     try:
         elastic_launch(config, sys.executable)("-m", "freescale.cli", "train", *train_args)
-        return 2 if _user_errors(error_dir) else 0  # ranks that stopped on an error not worth a restart
+        # A restarted incarnation that ended at start-up: the error of the one before stands.
+        return 2 if _user_errors(error_dir, final_only=True) else 0
     except ChildFailedError as failed:
         if _user_errors(error_dir):
             return 2

@@ -7,8 +7,9 @@ long forward or a blocked collective never makes a live rank look dead.
 trainer calls it at the start of a step so the round trip overlaps the forward
 and reads the result before the gradient exchange.
 
-Every request (``_request``: one path for all of them) retries on connection
-errors and transient 5xx answers (502, 503, 504: a lighthouse restarting, or a
+Every request (``_request``: one path for all of them; the commit vote first
+tries a send-now-read-later shortcut, ``commit_async``, and falls back to it)
+retries on connection errors and transient 5xx answers (502, 503, 504: a lighthouse restarting, or a
 proxy in front of it) until ``request_timeout_s``, sleeping with exponential
 backoff and full jitter in between (20 ms doubling to a 1 s cap), so the ranks of
 many groups do not reconnect in lockstep.  A lighthouse that is restarted (same
@@ -179,6 +180,10 @@ class LighthouseClient:
             self._local.conn = conn
         return conn
 
+    def drop_connection(self) -> None:
+        """Close this thread's connection (a request on it was left unanswered)."""
+        self._drop_connection()
+
     def _drop_connection(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
@@ -281,8 +286,11 @@ class LighthouseClient:
         changes no state (build the committed update) while the other groups vote.  Sent and
         read on this thread's keep-alive connection, no thread hand-off; if either half fails
         the vote goes again through the retrying request path (a vote is idempotent: a
-        member's ballot for a quorum and step is recorded once)."""
+        member's ballot for a quorum and step is recorded once), within the same
+        ``request_timeout_s``.  Read it on this thread, with no other request of this thread in
+        between (they share its connection); one left unread is dropped with ``drop_connection``."""
         body = {"quorum_id": quorum_id, "step": step, "ok": ok}
+        deadline = time.monotonic() + self.request_timeout_s
         conn: http.client.HTTPConnection | None = None
         try:
             conn = self._connection()
@@ -304,8 +312,8 @@ class LighthouseClient:
                     answer = json.loads(raw) if status == 200 else None
                 except (OSError, http.client.HTTPException, ValueError):
                     self._drop_connection()
-            if not isinstance(answer, dict) or "commit" not in answer:
-                answer = self._request("POST", "/v1/commit", body)  # retries, or a one-line error
+            if not isinstance(answer, dict) or "commit" not in answer:  # retries, or a one-line error
+                answer = self._request("POST", "/v1/commit", body, timeout_s=max(0.1, deadline - time.monotonic()))
             return self._took_vote(step, answer)
         return outcome
 

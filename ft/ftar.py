@@ -14,7 +14,8 @@ group contributing ``w = 0``) this is the exact mean over all the samples of
 the step; torchft's division by the participant count is not.  Gloo's ring
 all-reduce (and NCCL's, whose reduction order depends only on the group's
 ranks and sizes) hands every rank the same reduced bytes and the division is local
-and identical, so replicas stay bit-identical.
+and identical, so replicas stay bit-identical (``freescale.ft.weighted_reduce``
+holds the buffer and its reduction).
 
 ``ReplicaSync.reduce_and_commit`` is one step's exchange: reduce in the
 current quorum; on any collective failure (a peer died: connection reset; or
@@ -26,9 +27,10 @@ reduced in place), so the step commits with the survivors: no step is
 discarded.
 
 The vote's round trip overlaps the update's preparation: the vote is sent,
-then the exchange's update is built (``Exchange.prepare``: the union's
-lookup, which changes no row) and the averages are checked for non-finite
-values, and only then is the outcome read.  A failed vote puts the prepared
+then the exchange's update is built (``Exchange.prepare``: the union and its
+lookup, which changes no row; fbgemm's call counters do move) and the
+averages are checked for non-finite values, and only then is the outcome
+read.  A failed vote (or an error while it is in flight) puts the prepared
 update back (``Exchange.discard``).
 """
 
@@ -46,109 +48,10 @@ import torch.distributed as dist
 from freescale.ft.catchup import SnapshotFetch, SnapshotServer
 from freescale.ft.client import LighthouseClient, Quorum
 from freescale.ft.replica_group import FTARGroup, ReplicaGroup
-from freescale.grad_buckets import BucketedGrads, BucketLayout, GroupFailure
+from freescale.ft.weighted_reduce import FlatReduction, FTARStage, Reduced, weighted_all_reduce
+from freescale.grad_buckets import BucketedGrads, GroupFailure
 from freescale.step_sync import all_finite
 from freescale.testing import StepHooks
-
-
-_HEADER_SPLIT = 1 << 20
-"""Header integers travel in the float32 sum as two parts below 2**20 each: exact up to 2**40."""
-
-
-class FlatReduction:
-    """One participant's buffer for one weighted reduction: ``w * t`` for each tensor at its
-    layout offset, then per participant a weight slot, a *ready* slot and its header
-    (non-negative int64s, the same count on every participant; this one fills its own slots,
-    at ``index`` of ``size``).  ``piece(k)`` is bucket ``k``'s slice (the last one with the
-    meta); once every piece is reduced, ``result`` divides by the summed weights."""
-
-    def __init__(self, layout: BucketLayout, weight: float, index: int, size: int, ready: bool,
-                 header: torch.Tensor | None, device: torch.device | None = None) -> None:
-        head = header.reshape(-1).to(torch.int64).cpu() if header is not None else torch.zeros(0, dtype=torch.int64)
-        if head.numel() and (int(head.min()) < 0 or int(head.max()) >= _HEADER_SPLIT ** 2):
-            raise ValueError(f"weighted all-reduce: header values must be in [0, 2**40), got {head.tolist()[:8]}")
-        self.layout, self.weight, self.size, self.h = layout, float(weight), size, head.numel()
-        # On the replica group's device (the host for gloo: device gradients take one copy each).
-        # Not zero-filled: ``put`` writes every tensor's slice before its bucket is reduced (a pass
-        # over the gradients saved per step); only the meta, where other participants' slots stay 0,
-        # is: built on the host and copied once.
-        self.flat = torch.empty(layout.total + size * (2 + 2 * self.h), dtype=torch.float32,
-                                device=device or torch.device("cpu"))
-        meta = torch.zeros(self.flat.numel() - layout.total, dtype=torch.float32)
-        meta[index] = self.weight
-        meta[size + index] = 1.0 if ready else 0.0
-        if self.h:
-            headers_at = meta[2 * size:].view(size, 2, self.h)
-            headers_at[index, 0] = (head // _HEADER_SPLIT).float()
-            headers_at[index, 1] = (head % _HEADER_SPLIT).float()
-        self.flat[layout.total:].copy_(meta)
-
-    def piece(self, k: int) -> torch.Tensor:
-        lo, hi = self.layout.buckets[k]
-        return self.flat[lo:self.flat.numel() if k == len(self.layout.buckets) - 1 else hi]
-
-    def put(self, lo: int, values: torch.Tensor) -> None:
-        """``w * values`` at flat offset ``lo`` (the same two operations on every path: same bits)."""
-        dst = self.flat[lo:lo + values.numel()]
-        src = values.detach().reshape(-1)
-        if src.device != dst.device:
-            src = src.to(dst.device)  # gloo: one host copy of a device gradient
-        torch.mul(src.float(), self.weight, out=dst)  # one pass: the copy and the scaling
-
-    def result(self, like: Sequence[torch.Tensor]) -> Reduced:
-        layout, size, h = self.layout, self.size, self.h
-        meta = self.flat[layout.total:].cpu()  # a view on the host; one small copy from a device
-        weights = meta[:size].tolist()
-        flags = [f > 0.5 for f in meta[size:2 * size].tolist()]
-        if h:
-            headers_at = meta[2 * size:].view(size, 2, h)
-            headers = [headers_at[i, 0].long() * _HEADER_SPLIT + headers_at[i, 1].long() for i in range(size)]
-        else:
-            headers = [torch.zeros(0, dtype=torch.int64)] * size
-        total = float(sum(weights))
-        if total > 0:  # all weights 0 (no participant trained): the sums are zeros, the caller skips the update
-            self.flat[:layout.total].div_(total)
-        out = []
-        for t, offset in zip(like, layout.offsets):
-            piece = self.flat[offset:offset + t.numel()].view(t.shape)
-            out.append(piece if t.dtype == torch.float32 and t.device == piece.device
-                       else piece.to(device=t.device, dtype=t.dtype))
-        return Reduced(out, weights, flags, headers)
-
-
-@dataclass
-class Reduced:
-    """What every participant receives from one ``weighted_all_reduce``."""
-
-    tensors: list[torch.Tensor]
-    weights: list[float]
-    ready: list[bool]
-    headers: list[torch.Tensor]
-    """Each participant's ``header`` (int64), in quorum order: sizes for a following exchange."""
-
-
-def weighted_all_reduce(group: ReplicaGroup | dist.ProcessGroup, tensors: Sequence[torch.Tensor], weight: float,
-                        index: int = 0, size: int = 1, ready: bool = True,
-                        header: torch.Tensor | None = None, layout: BucketLayout | None = None) -> Reduced:
-    """``sum_r w_r t_r / sum_r w_r`` over the group; inputs are left untouched.
-
-    The tensors are scaled into one flat float32 buffer (``FlatReduction``), reduced bucket
-    by bucket as ``layout`` says (default: one bucket), and the averages are views of it
-    (no copies back unless a dtype or device differs).  Every participant receives the
-    same weights, ready flags (ready: holds valid state, i.e. is not catching up; the
-    trainer plans the next step's data over the ready ones) and headers (so a
-    variable-size exchange that follows needs no round of its own to learn the sizes).
-    """
-    replica_group = ReplicaGroup.of(group)
-    layout = layout or BucketLayout.single([t.numel() for t in tensors])
-    layout.check(tensors)
-    reduction = FlatReduction(layout, weight, index, size, ready, header, replica_group.device)
-    for t, offset in zip(tensors, layout.offsets):
-        reduction.put(offset, t)
-    works = [replica_group.allreduce(reduction.piece(k)) for k in range(len(layout.buckets))]
-    for work in works:
-        replica_group.wait(work)
-    return reduction.result(tensors)
 
 
 class Exchange(Protocol):
@@ -165,8 +68,8 @@ class Exchange(Protocol):
 
     def prepare(self, exchanged: Any) -> Any:
         """Local work on what ``__call__`` returned that changes no state the step's update reads
-        (the union's lookup): run while the commit vote is in flight, so the vote's round trip
-        hides behind it.  Its result is handed to the update when the step commits."""
+        (the union and its lookup): run while the commit vote is in flight, so the vote's round
+        trip hides behind it.  Its result is handed to the update when the step commits."""
 
     def discard(self, prepared: Any) -> None:
         """The vote failed: undo whatever ``prepare`` left behind (the step is redone)."""
@@ -190,12 +93,15 @@ class StepResult:
     ready: frozenset[str] = frozenset()
     """Participants holding valid state at this step: the next step's data is planned over them."""
     extra: Any = None
-    """What the step's ``exchange`` returned (the embedding rows' union)."""
+    """What the step's ``exchange`` returned (every participant's embedding lookups and gradients,
+    as gathered: what the update is built from, and what a recovering replica records)."""
     prepared: Any = None
     """What ``exchange.prepare`` made of ``extra`` while the vote was in flight (None when
     recovering: a recorded step is prepared when it is replayed)."""
     finite: bool | None = None
     """The averaged dense gradients are all finite (checked while the vote was in flight)."""
+    discarded: int = 0
+    """Updates prepared for this step's earlier attempts and put back (their vote failed)."""
     quorum_wait_s: float = 0.0
     """Time blocked on the step's quorum (zero when it arrived during the forward)."""
     reduce_s: float = 0.0
@@ -207,26 +113,6 @@ class StepResult:
 
 class _NoValidState(RuntimeError):
     """Nobody in the quorum can provide the run's state: not a peer failure, not retried."""
-
-
-class FTARStage:
-    """The cross-group stage of one step's dense buckets (``freescale.grad_buckets.CrossStage``):
-    each bucket's group mean, scaled by this replica's weight, into the step's ``FlatReduction``
-    (the mean stays in ``param.grad``: after a failure the step is redone in the next quorum
-    with exactly what this rank holds), then all-reduced in the quorum's group."""
-
-    def __init__(self, reduction: FlatReduction, group: ReplicaGroup, quorum_id: int) -> None:
-        self.reduction, self.group, self.quorum_id = reduction, group, quorum_id
-
-    def start(self, k: int, lo: int, values: torch.Tensor) -> Any:
-        self.reduction.put(lo, values)
-        return self.group.allreduce(self.reduction.piece(k))
-
-    def wait(self, work: Any) -> None:
-        self.group.wait(work)
-
-    def result(self, like: Sequence[torch.Tensor]) -> Reduced:
-        return self.reduction.result(like)
 
 
 @dataclass
@@ -368,6 +254,7 @@ class ReplicaSync:
         self._early_quorum_wait = 0.0
         self._resolved = None
         reduce_s = prepare_s = vote_s = 0.0
+        discarded = 0
         seen_behind = False
         attempts = 0
         last_error = ""
@@ -405,23 +292,39 @@ class ReplicaSync:
                 self.client.report_failure(quorum.quorum_id)
             t1 = time.perf_counter()
             self.hooks.at("vote", step)
-            vote = self.client.commit_async(quorum.quorum_id, step, reduced is not None)
-            prepared, finite = self._prepare(reduced, exchange, extra)
-            t2 = time.perf_counter()
-            committed = self.agree(vote())
-            if not committed:
-                self.client.forget_next()  # this step is redone: its quorum is asked again
-                if prepared is not None and exchange is not None:
-                    exchange.discard(prepared)
+            committed, prepared, finite, t2 = self._vote(quorum, step, reduced, exchange, extra)
+            discarded += prepared is not None and not committed
             timings = (reduce_s + t1 - t0, prepare_s + t2 - t1, vote_s + time.perf_counter() - t2)
             reduce_s, prepare_s, vote_s = timings
             if committed and reduced is not None:
                 result = self._committed(step, quorum, reduced, extra, attempts, seen_behind, start,
                                          quorum_wait, timings)
-                result.prepared, result.finite = prepared, finite
+                result.prepared, result.finite, result.discarded = prepared, finite, discarded
                 return result
             self.group.drop()
             quorum = self.client.quorum(step)
+
+    def _vote(self, quorum: Quorum, step: int, reduced: Reduced | None, exchange: Exchange | None,
+              extra: Any) -> tuple[bool, Any, bool | None, float]:
+        """Send the vote, prepare the update while it is in flight, read the outcome (agreed in the
+        group): (committed, prepared, finite, when the preparation ended).  The prepared update is
+        put back unless the step committed."""
+        vote = self.client.commit_async(quorum.quorum_id, step, reduced is not None)
+        prepared: Any = None
+        committed = read = False
+        try:
+            prepared, finite = self._prepare(reduced, exchange, extra)
+            prepared_at = time.perf_counter()
+            outcome, read = vote(), True
+            committed = self.agree(outcome)
+        finally:
+            if not read:
+                self.client.drop_connection()  # the vote's answer is still on its way on it
+            if not committed:
+                self.client.forget_next()  # this step is redone: its quorum is asked again
+                if prepared is not None and exchange is not None:
+                    exchange.discard(prepared)
+        return committed, prepared, finite, prepared_at
 
     def _prepare(self, reduced: Reduced | None, exchange: Exchange | None, extra: Any) -> tuple[Any, bool | None]:
         """While the vote is in flight: the exchange's update built, the averages checked (a

@@ -277,6 +277,8 @@ class FaultTolerance:
                     p.grad = None
                 if self.sparse is not None:
                     self.sparse.apply(result.extra, result.prepared)
+        elif self.sparse is not None and result.prepared is not None:
+            self.sparse.discard(result.prepared)  # an empty union: put back for form's sake
         if self.data is not None:
             self.data.commit(commit)
         return commit
@@ -285,7 +287,7 @@ class FaultTolerance:
         return {"quorum_id": result.quorum.quorum_id, "participants": list(result.quorum.replica_ids),
                 "attempts": result.attempts, "exchange_s": result.seconds, "contributing": trained, "weight": self._weight or 0.0,
                 "quorum_wait_s": result.quorum_wait_s, "reduce_s": result.reduce_s,
-                "prepare_s": result.prepare_s, "vote_s": result.vote_s,
+                "prepare_s": result.prepare_s, "vote_s": result.vote_s, "discarded": result.discarded,
                 "ready": sorted(result.ready), "recovering": result.recovering}
 
     def _group_of(self, replica_id: str) -> int:

@@ -16,7 +16,7 @@ gradients, so replicas would drift apart at once.  Here, per step:
    dense one): at position ``r`` the replicas all-gather each TBE's
    ``(indices, offsets, output gradient)``.  One all-gather per step,
    whatever the number of tables: the sizes ride in the dense reduction.
-3. **Apply** (only once the step commits): every replica builds the same
+3. **Apply** (the update only once the step commits): every replica builds the same
    *union* batch, participants in quorum order, each one's gradient rows
    scaled by its share of the step's samples ``w_j / sum w``, and runs the
    TBE forward on it while the commit vote is in flight (``prepare``: a
@@ -26,8 +26,8 @@ gradients, so replicas would drift apart at once.  Here, per step:
    one group that had trained on all of them would (row-wise Adagrad sums
    a row's gradients within a batch before its update).  Same inputs, same
    deterministic kernel, so the tables and the optimizer state stay identical
-   bit for bit; a recovering replica records the union of each step it sits
-   out and replays it onto its snapshot.
+   bit for bit; a recovering replica records the gathered lookups of each
+   step it sits out and replays them onto its snapshot.
 
 Costs: one more TBE lookup per step over the union (``R`` times the group's
 ids at position ``r``), and the all-gather of the looked-up ids and their
@@ -105,6 +105,23 @@ class _Slot:
     """The looked-up output's shape (its gradient's): known after the forward."""
 
 
+def _check_optimizer(name: str, tbe: nn.Module) -> None:
+    """Only fused optimizers whose update reads no iteration count and whose forward writes no row:
+    the union's forward also runs for votes that fail, and a group catching up skips the local
+    lookups, so counters may differ between groups (harmless only where nothing reads them)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    kind = getattr(tbe, "optimizer", None)
+    allowed = (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD)
+    counted = getattr(tbe, "_used_rowwise_adagrad_with_counter", False) or \
+        getattr(tbe, "_used_rowwise_adagrad_with_global_weight_decay", False)
+    if kind not in allowed or counted:
+        raise ValueError(f"fault tolerance: embedding '{name}' uses the fused optimizer {kind}"
+                         f"{' with an iteration counter' if counted else ''}; the union update keeps tables "
+                         "identical across replica groups only for exact row-wise Adagrad, Adagrad or SGD "
+                         "without counters or global weight decay")
+
+
 def fused_tbes(dmp: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every fbgemm TBE with a fused optimizer under ``dmp``'s sharded modules, in a fixed order.
 
@@ -139,6 +156,7 @@ class UnionSparseUpdate:
         self._anchor = torch.zeros((), requires_grad=True)
         self._slots: list[_Slot] = []
         for name, tbe in fused_tbes(dmp):
+            _check_optimizer(name, tbe)
             pooled = int(tbe.pooling_mode) != 2  # fbgemm PoolingMode.NONE == 2: one row per id
             slot = _Slot(name, tbe, len(tbe.feature_table_map), pooled, tbe.forward)
             tbe.forward = self._deferring_forward(slot)  # instance attribute: state_dict etc. untouched
@@ -224,8 +242,11 @@ class UnionSparseUpdate:
         shapes = [h.view(-1, 4) for h in headers]
         int_sizes = [int(h[:, :2].sum()) for h in shapes]
         float_sizes = [int((h[:, 2] * h[:, 3]).sum()) for h in shapes]
-        gathered = [g.cpu() for g in _all_gather_varlen(replica_group, mine_flat,
-                                                        [2 * i + f for i, f in zip(int_sizes, float_sizes)])]
+        # Each participant's own bytes (not views of the padded buffers: a recovering replica keeps
+        # them for every step it sits out).
+        gathered = [g.cpu() if g.is_cuda else g.clone()
+                    for g in _all_gather_varlen(replica_group, mine_flat,
+                                                [2 * i + f for i, f in zip(int_sizes, float_sizes)])]
         return GatheredSteps(gathered, shapes, list(weights))
 
     def union(self, gathered: GatheredSteps) -> UnionUpdate:
@@ -280,9 +301,11 @@ class UnionSparseUpdate:
     def prepare(self, gathered: GatheredSteps | UnionUpdate) -> PreparedUnion:
         """The union built, and each TBE's forward over it, recording its fused backward: the
         lookup half of the update, which reads the tables and changes no row (run while the
-        commit vote is in flight; ``apply`` runs the backward, the update, once the step commits).  fbgemm's
-        forward does count its calls (``step``, and ``iter`` for row-wise Adagrad, which is
-        checkpointed): ``discard`` puts them back if the step does not commit."""
+        commit vote is in flight; ``apply`` runs the backward, the update, once the step commits).
+        fbgemm's forward does count its calls (``step``; ``iter``): ``discard`` puts them back if
+        the step does not commit.  Memory: every TBE's union output (and its autograd graph) is
+        held until ``apply``, where running them one at a time held one; the gradients move to
+        the device only in ``apply``."""
         update = self.union(gathered) if isinstance(gathered, GatheredSteps) else gathered
         outputs: list[tuple[_Slot, torch.Tensor, torch.Tensor, _Counters]] = []
         with _deterministic(), torch.enable_grad():
@@ -292,14 +315,12 @@ class UnionSparseUpdate:
                 device = slot.tbe.current_device if hasattr(slot.tbe, "current_device") else step.indices.device
                 counters = _Counters.of(slot.tbe)
                 out = slot.run(step.indices.to(device), step.offsets.to(device))
-                outputs.append((slot, out, step.grad.reshape(out.shape).to(device=out.device, dtype=out.dtype),
-                                counters))
+                outputs.append((slot, out, step.grad, counters))
         return PreparedUnion(outputs)
 
     def discard(self, prepared: PreparedUnion) -> None:
-        for slot, _, _, counters in prepared.outputs:
+        for slot, _, _, counters in reversed(prepared.take()):
             counters.restore(slot.tbe)
-        prepared.outputs = []
 
     def apply(self, update: GatheredSteps | UnionUpdate, prepared: PreparedUnion | None = None) -> None:
         """The one update of the step: each TBE's fused backward over the union (``prepare``'s
@@ -309,9 +330,8 @@ class UnionSparseUpdate:
         # ~1024 times in a batch (the union of all replicas' ids easily does): different
         # rounding on each replica.  Deterministic mode makes it one ordered sum.
         with _deterministic():
-            for _, out, grad, _ in prepared.outputs:
-                out.backward(grad)
-        prepared.outputs = []
+            for _, out, grad, _ in prepared.take():
+                out.backward(grad.reshape(out.shape).to(device=out.device, dtype=out.dtype))
 
     def _matching(self, update: UnionUpdate) -> list[TBEStep]:
         if len(update.tables) != len(self._slots):
@@ -354,9 +374,17 @@ class _Counters:
 
 @dataclass
 class PreparedUnion:
-    """A union's forward per TBE: (slot, looked-up output, its gradient, counters before)."""
+    """A union's forward per TBE: (slot, looked-up output, its gradient, counters before).  Used
+    once: by ``apply`` or by ``discard``."""
 
     outputs: list[tuple[_Slot, torch.Tensor, torch.Tensor, _Counters]]
+    used: bool = False
+
+    def take(self) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, _Counters]]:
+        if self.used:
+            raise RuntimeError("fault tolerance: a prepared union update was applied or discarded twice")
+        self.used, outputs, self.outputs = True, self.outputs, []
+        return outputs
 
 
 @contextlib.contextmanager

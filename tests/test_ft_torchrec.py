@@ -200,6 +200,7 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     assert survivor[6]["participants"] == ["replica0"], "step 6 should commit with the survivor alone"
     if phase == "vote":
         assert survivor[6]["attempts"] == 2, "step 6's first vote should have failed"
+        assert survivor[6]["discarded"] == 1, "the update built during the failed vote was not put back"
     # The first step planned after the kill: the whole global batch (4 ranks x 32) on group 0, plus
     # group 1's 64 rows of step 6 (steps already in flight keep their plans: group 0's 64 rows).
     assert survivor[5]["weight"] == 64 and survivor[7 + depth]["weight"] == 128 + 64

@@ -384,6 +384,19 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_POST(self) -> None:  # noqa: N802
+        """``/v1/commit``: the vote's answer (``{commit: true}`` on 200), after the body was read."""
+        self.rfile.read(int(self.headers["Content-Length"]))
+        server = self.server
+        status = server.script.pop(0) if server.script else 200  # type: ignore[attr-defined]
+        server.answered.append(status)  # type: ignore[attr-defined]
+        body = json.dumps({"commit": True} if status == 200 else {"error": "not now"}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def log_message(self, *args: object) -> None:
         pass
 
@@ -541,6 +554,29 @@ def test_transient_answer_that_persists_and_a_refusal_are_one_line_errors() -> N
         with pytest.raises(LighthouseError, match=r"/v1/status answered 404: busy restarting$"):
             c.status()
         assert server.answered == [404]  # a 4xx is not retried
+        c.close()
+    finally:
+        server.close()
+
+
+def test_commit_vote_is_sent_now_and_read_later_with_the_retrying_path_behind_it() -> None:
+    """``commit_async`` sends the vote on the thread's keep-alive connection and reads it when asked.
+    A connection the server closed while idle, then a 503: the vote goes again through the retrying
+    path and its answer is read; a refusal (409) is one line (the vote was sent twice: it is
+    idempotent at the lighthouse)."""
+    server = _StubServer(script=[200, 503, 200, 409, 409])
+    try:
+        c = LighthouseClient(server.url(), "a", 0, request_timeout_s=5)
+        c._sleep = lambda s: None  # type: ignore[method-assign]
+        outcome = c.commit_async(1, 0, True)
+        assert server.answered == [] or server.answered == [200]  # sent; the answer is not read yet
+        assert outcome() is True and server.answered == [200]
+        c._local.conn.sock.shutdown(socket.SHUT_RDWR)  # the keep-alive closed under it
+        assert c.commit_async(1, 1, True)() is True
+        assert server.answered == [200, 503, 200]
+        with pytest.raises(LighthouseError, match=r"/v1/commit answered 409: not now$"):
+            c.commit_async(1, 2, True)()
+        assert server.answered[-2:] == [409, 409]
         c.close()
     finally:
         server.close()

@@ -48,7 +48,7 @@ def _proc(index: int, in_ports: list[int], cross_ports: list[int], out: str) -> 
 
     import torch.distributed as dist
 
-    from freescale.ft.ftar import FlatReduction, FTARStage, weighted_all_reduce
+    from freescale.ft.weighted_reduce import FlatReduction, FTARStage, weighted_all_reduce
     from freescale.ft.replica_group import ReplicaGroup
     from freescale.grad_buckets import BucketedGrads
 

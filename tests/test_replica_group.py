@@ -52,7 +52,7 @@ def test_backend_choice_and_clear_errors(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_a_bare_gloo_group_reduces_on_the_host() -> None:
-    from freescale.ft.ftar import weighted_all_reduce
+    from freescale.ft.weighted_reduce import weighted_all_reduce
 
     group = ReplicaGroup.create("gloo", dist.HashStore(), 0, 1, 5.0, torch.device("cpu"), "solo")
     assert group.device == torch.device("cpu")
@@ -98,7 +98,7 @@ def test_gloo_wait_gives_up_when_the_quorum_is_lost_without_blocking_on_the_hung
 
 
 def _nccl_proc(rank: int, port: int, out: str, kill: bool) -> None:
-    from freescale.ft.ftar import weighted_all_reduce
+    from freescale.ft.weighted_reduce import weighted_all_reduce
 
     device = torch.device("cuda", rank)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=30))

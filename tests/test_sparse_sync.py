@@ -124,7 +124,7 @@ def test_headers_ride_in_the_reduction_exactly() -> None:
     """Integers up to 2**40 travel through the float32 sum split in two parts, bit-exact."""
     from datetime import timedelta
 
-    from freescale.ft.ftar import weighted_all_reduce
+    from freescale.ft.weighted_reduce import weighted_all_reduce
 
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5))
     header = torch.tensor([0, 1, 2**24 + 1, 2**33 + 12345, 2**40 - 1], dtype=torch.int64)
