@@ -11,8 +11,8 @@ the same idea serves three callers with one layout:
   with a bounded amount of dense bytes;
 - fault tolerance (``freescale.ft``): the same in-group stage, then a
   **cross-group** stage per bucket (``CrossStage``: the weighted FTAR across
-  replica groups, ``freescale.ft.ftar``), started once the in-group stage of
-  that bucket is done and every earlier bucket's cross stage has started;
+  replica groups, ``freescale.ft.weighted_reduce.FTARStage``), started once the
+  in-group stage of that bucket is done and every earlier bucket's cross stage has started;
 - the reduction after backward (a replica that did not train a step): the
   same layout, so its collectives match the others' one for one.
 
@@ -100,7 +100,8 @@ class BucketLayout:
 
 
 class CrossStage(Protocol):
-    """The second stage of a bucket's reduction (across replica groups; ``freescale.ft.ftar``)."""
+    """The second stage of a bucket's reduction (across replica groups:
+    ``freescale.ft.weighted_reduce.FTARStage``)."""
 
     def start(self, k: int, lo: int, values: torch.Tensor) -> Any:
         """Take bucket ``k`` (flat offset ``lo``; the group mean) and start its reduction; a work handle."""

@@ -1,6 +1,6 @@
 """The replica-dimension process group of one quorum: gloo over host buffers, or NCCL over device ones.
 
-FTAR (``freescale.ft.ftar``), its overlapped form (``freescale.ft.overlap``) and
+FTAR (``freescale.ft.weighted_reduce``: during backward and after it) and
 the sparse exchange (``freescale.ft.sparse_sync``) run their cross-group
 collectives through a ``ReplicaGroup``: the process group, the device its
 buffers live on, and a wait that is bounded and turns a dead or hung peer into
