@@ -38,7 +38,9 @@ import numpy as np
 from balance_peers import Peer
 from balance_peers import load as load_peers
 from balance_window import window_rows
-from common import print_table, write_json
+from common import write_json
+
+from freescale.tables import print_table
 
 from freescale.dataloader import balance_kernels
 from freescale.dataloader.cost import CostModel

@@ -30,7 +30,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import print_table, write_json
+from common import write_json
+
+from freescale.tables import print_table
 
 from freescale.dataloader import SyntheticSpec, generate
 

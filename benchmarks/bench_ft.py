@@ -55,7 +55,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import print_table, write_json
+from common import write_json
+
+from freescale.tables import print_table
 
 from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
 from freescale.testing import FAULTS_ENV

@@ -34,7 +34,9 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import print_table, write_json
+from common import write_json
+
+from freescale.tables import print_table
 
 from freescale.dataloader.synthetic import sample_lengths
 from freescale.kernels.hstu_attention import reference_hstu_attention

@@ -28,7 +28,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.dataset as ds
 import torch
-from common import print_table, write_json
+from common import write_json
+
+from freescale.tables import print_table
 from torch.utils.data import DataLoader, Dataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 

@@ -83,7 +83,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import print_table, write_json
+from common import write_json
+
+from freescale.tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("plain", "torchrec", "prioritized")

@@ -33,7 +33,9 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from common import print_table, write_json
+from common import write_json
+
+from freescale.tables import print_table
 
 
 def _sm_copy_kernel():  # type: ignore[no-untyped-def]

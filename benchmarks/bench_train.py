@@ -22,7 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import print_table, write_json
+from common import write_json
+
+from freescale.tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
 

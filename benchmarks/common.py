@@ -10,8 +10,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from freescale.tables import print_table  # noqa: F401  (every benchmark's table printer, re-exported)
-
 
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {

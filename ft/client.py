@@ -164,7 +164,7 @@ class LighthouseClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._beats.ident is not None:  # started (a client used without heartbeats closes too)
             self._beats.join(timeout=2)
-        self._drop_connection()
+        self.drop_connection()
 
     # ------------------------------------------------------------------ requests
     def _connection(self) -> http.client.HTTPConnection:
@@ -181,14 +181,36 @@ class LighthouseClient:
         return conn
 
     def drop_connection(self) -> None:
-        """Close this thread's connection (a request on it was left unanswered)."""
-        self._drop_connection()
-
-    def _drop_connection(self) -> None:
+        """Close this thread's connection (it failed, or a request on it was left unanswered)."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+    def _send(self, method: str, path: str, body: dict[str, Any] | None,
+              timeout_s: float) -> http.client.HTTPConnection:
+        """Write one request (``body`` with this client's identity, or None: GET) on this thread's
+        connection; ``_receive`` reads its answer."""
+        headers = dict(self.headers)
+        payload = None if body is None else json.dumps({**self.identity, **body})
+        if payload is not None:
+            headers["Content-Type"] = "application/json"
+        conn = self._connection()
+        conn.timeout = timeout_s
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout_s)
+        conn.request(method, path, payload, headers)
+        return conn
+
+    @staticmethod
+    def _receive(conn: http.client.HTTPConnection) -> tuple[int, Any]:
+        """(status, parsed JSON answer; a body that is not JSON as ``{"error": its start}``)."""
+        response = conn.getresponse()
+        status, raw = response.status, response.read()
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, {"error": raw[:200].decode(errors="replace")}
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None,
                  timeout_s: float | None = None) -> dict[str, Any]:
@@ -199,38 +221,24 @@ class LighthouseClient:
         answer than 200 (4xx: a refused request), a one-line ``LighthouseError`` naming the URL,
         the path and the lighthouse's message."""
         deadline = time.monotonic() + (timeout_s or self.request_timeout_s)
-        payload = None if body is None else json.dumps({**self.identity, **body})
-        headers = dict(self.headers)
-        if payload is not None:
-            headers["Content-Type"] = "application/json"
         delays = backoff_delays(self._rng)
         reconnected = False
         while True:
-            reused = False
+            open_conn = getattr(self._local, "conn", None)
+            reused = open_conn is not None and open_conn.sock is not None  # a keep-alive from before
             try:
-                conn = self._connection()
-                reused = conn.sock is not None
-                conn.timeout = max(0.1, deadline - time.monotonic())
-                if conn.sock is not None:
-                    conn.sock.settimeout(conn.timeout)
-                conn.request(method, path, payload, headers)
-                response = conn.getresponse()
-                status, raw = response.status, response.read()
+                status, answer = self._receive(self._send(method, path, body, max(0.1, deadline - time.monotonic())))
             except ssl.SSLCertVerificationError as exc:  # not transient: retrying cannot fix it
-                self._drop_connection()
+                self.drop_connection()
                 raise LighthouseError(f"lighthouse {self.url}{path}: TLS certificate not trusted: "
                                       f"{_one_line(exc.verify_message or exc)}") from None
             except (OSError, http.client.HTTPException) as exc:
-                self._drop_connection()  # lighthouse down, restarting, or the keep-alive closed
+                self.drop_connection()  # lighthouse down, restarting, or the keep-alive closed
                 failure = f"lighthouse {self.url} unreachable for {path}: {_one_line(exc) or type(exc).__name__}"
                 if reused and not reconnected and not isinstance(exc, TimeoutError):
                     reconnected = True  # most likely an idle keep-alive the server closed: reconnect at once
                     continue
             else:
-                try:
-                    answer = json.loads(raw)
-                except ValueError:
-                    answer = {"error": raw[:200].decode(errors="replace")}
                 if status == 200:
                     return dict(answer)
                 message = answer.get("error", answer) if isinstance(answer, dict) else answer
@@ -293,25 +301,18 @@ class LighthouseClient:
         deadline = time.monotonic() + self.request_timeout_s
         conn: http.client.HTTPConnection | None = None
         try:
-            conn = self._connection()
-            conn.timeout = self.request_timeout_s
-            if conn.sock is not None:
-                conn.sock.settimeout(self.request_timeout_s)
-            conn.request("POST", "/v1/commit", json.dumps({**self.identity, **body}),
-                         {**self.headers, "Content-Type": "application/json"})
+            conn = self._send("POST", "/v1/commit", body, self.request_timeout_s)
         except (OSError, http.client.HTTPException):
-            self._drop_connection()
-            conn = None
+            self.drop_connection()
 
         def outcome() -> bool:
-            answer: dict[str, Any] | None = None
+            answer: Any = None
             if conn is not None:
                 try:
-                    response = conn.getresponse()
-                    status, raw = response.status, response.read()
-                    answer = json.loads(raw) if status == 200 else None
-                except (OSError, http.client.HTTPException, ValueError):
-                    self._drop_connection()
+                    status, answer = self._receive(conn)
+                    answer = answer if status == 200 else None
+                except (OSError, http.client.HTTPException):
+                    self.drop_connection()
             if not isinstance(answer, dict) or "commit" not in answer:  # retries, or a one-line error
                 answer = self._request("POST", "/v1/commit", body, timeout_s=max(0.1, deadline - time.monotonic()))
             return self._took_vote(step, answer)
@@ -360,4 +361,4 @@ class LighthouseClient:
             except LighthouseError:
                 pass  # lighthouse down or restarting: keep beating, the next one re-registers
             self._stop.wait(self.heartbeat_interval_s)
-        self._drop_connection()
+        self.drop_connection()

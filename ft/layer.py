@@ -259,26 +259,25 @@ class FaultTolerance:
         """The committed step's update (dense optimizer on the averages, union update of the
         tables), then the data side's accounting."""
         commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result))
-        if sum(result.weights.values()) > 0:  # nobody trained this step: no update at all
-            if not (result.finite if result.finite is not None else all_finite(result.tensors)):
-                if self.nonfinite == "stop":
-                    raise NonFiniteError(nonfinite_message(result.step, self._loss if self._weight else None,
-                                                           self.in_group, f" (replica group {self.group_index})"))
-                if self.sparse is not None and result.prepared is not None:
-                    self.sparse.discard(result.prepared)
-                self.events.append({"event": "nonfinite_skipped", "step": result.step})
-                self.record["nonfinite_skipped"] = True
-            else:
-                for p, averaged in zip(self.dense, result.tensors):
-                    p.grad = averaged if averaged.device == p.device else averaged.to(p.device)  # replayed
-                for opt in self._dense_optimizers:
-                    opt.step()
-                for p in self.dense:
-                    p.grad = None
-                if self.sparse is not None:
-                    self.sparse.apply(result.extra, result.prepared)
+        updates = sum(result.weights.values()) > 0  # nobody trained this step: no update at all
+        if updates and not (result.finite if result.finite is not None else all_finite(result.tensors)):
+            if self.nonfinite == "stop":
+                raise NonFiniteError(nonfinite_message(result.step, self._loss if self._weight else None,
+                                                       self.in_group, f" (replica group {self.group_index})"))
+            self.events.append({"event": "nonfinite_skipped", "step": result.step})
+            self.record["nonfinite_skipped"] = True
+            updates = False
+        if updates:
+            for p, averaged in zip(self.dense, result.tensors):
+                p.grad = averaged if averaged.device == p.device else averaged.to(p.device)  # replayed
+            for opt in self._dense_optimizers:
+                opt.step()
+            for p in self.dense:
+                p.grad = None
+            if self.sparse is not None:
+                self.sparse.apply(result.extra, result.prepared)
         elif self.sparse is not None and result.prepared is not None:
-            self.sparse.discard(result.prepared)  # an empty union: put back for form's sake
+            self.sparse.discard(result.prepared)  # no update this step: the lookup built for it goes back
         if self.data is not None:
             self.data.commit(commit)
         return commit
