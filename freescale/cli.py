@@ -97,14 +97,16 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
 
     cfg = LighthouseConfig(
         bind=args.bind, min_replicas=args.min_replicas, join_timeout_s=args.join_timeout,
-        heartbeat_timeout_s=args.heartbeat_timeout, store_port=args.store_port,
+        heartbeat_timeout_s=args.heartbeat_timeout, state_path=args.state, body_timeout_s=args.body_timeout,
+        # Without a state file a start may be a restart: let live groups re-register first.
+        settle_s=0.0 if args.state else args.heartbeat_timeout,
         max_request_bytes=args.max_request_bytes, token=os.environ.get("FREESCALE_LIGHTHOUSE_TOKEN", ""),
     )
     try:
         cfg.validate()
-    except ValueError as exc:
+        run_forever(cfg)
+    except (ValueError, OSError) as exc:  # a bad flag or state file, a port in use: one line
         raise ConfigError(str(exc)) from None
-    run_forever(cfg)
     return 0
 
 
@@ -293,8 +295,10 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     lh.add_argument("--min-replicas", type=_int, default=1, help="smallest quorum (default 1)")
     lh.add_argument("--join-timeout", type=_float, default=1.0, help="seconds to wait for joiners when membership changes")
     lh.add_argument("--heartbeat-timeout", type=_float, default=1.0, help="seconds without a heartbeat before a replica is dead")
-    lh.add_argument("--store-port", type=_int, default=0, help="rendezvous TCPStore port (default: a free one)")
+    lh.add_argument("--state", default="", help="durable state file (run, quorum ids, progress, holders): a restarted "
+                    "lighthouse keeps them, so no step is committed twice and restarted groups catch up (recommended)")
     lh.add_argument("--max-request-bytes", type=_int, default=64 * 1024)
+    lh.add_argument("--body-timeout", type=_float, default=5.0, help="seconds for a request body to arrive (else 408)")
     # The shared token comes from the environment: a command line is visible to every user.
 
     sim = sub.add_parser("simulate", help="ETTR at scale by simulation: validation gates, then sync vs torchft-like vs freescale")
@@ -354,6 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
         return cmd_train(args, rest) if args.command == "train" else cmd_launch(args, rest)
     except Exception as exc:  # one line for what the user can fix; tracebacks for our bugs
+        if args.command == "lighthouse" and isinstance(exc, ConfigError):  # no torch import to say it
+            print(f"freescale: error: lighthouse: {exc}", file=sys.stderr)
+            return 2
         if args.command in ("simulate", "report"):  # light commands: no torch import to report their errors
             from freescale.report.logs import ReportError
             from freescale.sim.command import GateFailed

@@ -29,9 +29,25 @@ if __name__ != "freescale.ft":  # imported by its folder name, the repository ro
     raise ImportError(f"import freescale.ft, not {__name__}: ft/ is the package freescale.ft, and a "
                       "second name would load its modules twice (duplicate registries, classes that differ)")
 
-from freescale.ft.config import FTConfig  # noqa: E402
-from freescale.ft.layer import DataState, FaultTolerance  # noqa: E402
-from freescale.step_feed import Commit  # noqa: E402
-from freescale.step_sync import JobFinished, NonFiniteError  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+if TYPE_CHECKING:
+    from freescale.ft.config import FTConfig
+    from freescale.ft.layer import DataState, FaultTolerance
+    from freescale.step_feed import Commit
+    from freescale.step_sync import JobFinished, NonFiniteError
+
+_LAZY = {"FTConfig": "freescale.ft.config", "DataState": "freescale.ft.layer", "FaultTolerance": "freescale.ft.layer",
+         "Commit": "freescale.step_feed", "JobFinished": "freescale.step_sync", "NonFiniteError": "freescale.step_sync"}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: ``freescale.ft.lighthouse`` (``freescale lighthouse``) must start without importing torch.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'freescale.ft' has no attribute {name!r}")
+
 
 __all__ = ["Commit", "DataState", "FTConfig", "FaultTolerance", "JobFinished", "NonFiniteError"]

@@ -91,8 +91,10 @@ def unpack(header: dict[str, Any], payload: bytes | bytearray | memoryview) -> d
 class SnapshotServer:
     """Serves the latest staged snapshot over HTTP from a daemon thread (aiohttp)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "") -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "", advertise: str = "") -> None:
         self.host, self.port, self.token = host, port, token
+        self.advertise = advertise or host
+        """The name peers reach it by (``host`` may be every interface: ``freescale.ft.serving.advertised_host``)."""
         self.address = ""
         self._staged: _Staged | None = None
         self._lock = threading.Lock()
@@ -136,7 +138,7 @@ class SnapshotServer:
             runner["app"] = web.AppRunner(app, access_log=None)
             await runner["app"].setup()
             await web.TCPSite(runner["app"], self.host, self.port).start()
-            return f"{self.host}:{runner['app'].addresses[0][1]}"
+            return f"{self.advertise}:{runner['app'].addresses[0][1]}"
 
         async def cleanup() -> None:
             await runner["app"].cleanup()

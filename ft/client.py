@@ -86,13 +86,13 @@ class Quorum:
 
     @staticmethod
     def from_json(body: dict[str, Any]) -> Quorum:
-        host, _, port = str(body["store"]).rpartition(":")
+        host, _, port = str(body.get("store") or "").rpartition(":")
         return Quorum(
             quorum_id=int(body["quorum_id"]),
             participants=tuple(Participant(str(p["replica_id"]), int(p["incarnation"]), int(p["step"]),
                                            tuple(str(a) for a in p.get("addresses", ())))
                                for p in body["participants"]),
-            max_step=int(body["max_step"]), store_host=host, store_port=int(port),
+            max_step=int(body["max_step"]), store_host=host, store_port=int(port or 0),
             high_step=int(body.get("high_step", -1)),
         )
 
@@ -142,6 +142,15 @@ class LighthouseClient:
         self.last_quorum_id = 0
         self.address = ""
         """This rank's snapshot server, announced with every quorum request."""
+        self.store = ""
+        """Member 0's rendezvous store (``freescale.ft.replica_group.RendezvousStore``), announced likewise."""
+        self.progress: dict[str, Any] = {}
+        """``{quorum_id, step, ready}`` of this rank's last committed step, sent with every heartbeat
+        (what a lighthouse restarted without its state file rebuilds the run's facts from)."""
+        self.waiting_reason = ""
+        """Why the lighthouse holds this group back (its last ``waiting`` answer), "" when it does not."""
+        self.on_waiting: Callable[[str], None] = lambda why: None
+        """Called once per new ``waiting`` reason (the trainer prints it, in one line)."""
         self._lighthouse_quorum: tuple[int | None, bool] = (None, False)
         """(current quorum id, lost) from the last heartbeat reply."""
         self._next: tuple[int, Quorum] | None = None
@@ -258,8 +267,18 @@ class LighthouseClient:
         known, self._next = self._next, None
         if known is not None and known[0] == step:
             return known[1]
-        return self._accept(self._request("POST", "/v1/quorum", {
-            "step": step, "last_quorum_id": self.last_quorum_id, "address": self.address}))
+        while True:
+            answer = self._request("POST", "/v1/quorum", {
+                "step": step, "last_quorum_id": self.last_quorum_id, "address": self.address, "store": self.store})
+            why = answer.get("waiting")
+            if not isinstance(why, str):
+                self.waiting_reason = ""
+                return self._accept(answer)
+            if why != self.waiting_reason:  # held back so no step is committed twice: say why once, ask again
+                self.waiting_reason = why
+                self.on_waiting(why)
+            if self._stop.wait(0.25):
+                raise LighthouseError(f"lighthouse {self.url}: client closed while waiting ({why})")
 
     def _accept(self, body: dict[str, Any]) -> Quorum:
         if body.get("finished"):
@@ -335,8 +354,11 @@ class LighthouseClient:
         """This group ran its last step: tell late joiners (restarted groups) to stop."""
         self._request("POST", "/v1/finish", {"step": step})
 
-    def report_failure(self, quorum_id: int) -> None:
-        self._request("POST", "/v1/report", {"quorum_id": quorum_id})
+    def report_failure(self, quorum_id: int, peer_gone: bool = False) -> None:
+        """A collective of ``quorum_id`` failed; ``peer_gone``: on a closed connection (the peer's
+        process is gone), which lets the lighthouse settle a two-group quorum without the
+        heartbeat timeout (``freescale.ft.lighthouse``)."""
+        self._request("POST", "/v1/report", {"quorum_id": quorum_id, "peer_gone": peer_gone})
 
     def status(self) -> dict[str, Any]:
         """``GET /v1/status``; retried like every request, a ``LighthouseError`` naming the URL if it stays down."""
@@ -353,7 +375,7 @@ class LighthouseClient:
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                reply = self._request("POST", "/v1/heartbeat", {},
+                reply = self._request("POST", "/v1/heartbeat", self.progress,
                                       timeout_s=max(0.5, 4 * self.heartbeat_interval_s))
                 current = reply.get("quorum_id")
                 self._lighthouse_quorum = (current if isinstance(current, int) else None,

@@ -6,7 +6,9 @@ import os
 from dataclasses import dataclass
 
 from freescale.config import require
-from freescale.ft.replica_group import BACKENDS
+
+BACKENDS = ("auto", "gloo", "nccl")
+"""``[ft] replica_backend`` choices (``freescale.ft.replica_group``)."""
 
 LIGHTHOUSE_ENV = "FREESCALE_LIGHTHOUSE"
 REPLICA_INDEX_ENV = "FREESCALE_REPLICA_INDEX"

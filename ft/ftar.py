@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from freescale.ft.catchup import SnapshotFetch, SnapshotServer
 from freescale.ft.client import LighthouseClient, Quorum
-from freescale.ft.replica_group import FTARGroup, ReplicaGroup
+from freescale.ft.replica_group import FTARGroup, RendezvousStore, ReplicaGroup, peer_gone
 from freescale.ft.weighted_reduce import FlatReduction, FTARStage, Reduced, weighted_all_reduce
 from freescale.grad_buckets import BucketedGrads, GroupFailure
 from freescale.step_sync import all_finite
@@ -146,7 +146,7 @@ class ReplicaSync:
     def __init__(self, client: LighthouseClient, position: int = 0, timeout_s: float = 5.0,
                  snapshot_server: SnapshotServer | None = None, token: str = "", max_attempts: int = 50,
                  in_group: Any = None, backend: str = "gloo", device: torch.device | None = None,
-                 hooks: StepHooks | None = None) -> None:
+                 hooks: StepHooks | None = None, store_host: str = "127.0.0.1") -> None:
         self.client = client
         self.hooks = hooks or StepHooks()
         self.position = position
@@ -155,6 +155,9 @@ class ReplicaSync:
         self.snapshots = snapshot_server
         if snapshot_server is not None:
             client.address = snapshot_server.address
+        self.store = RendezvousStore(store_host) if position == 0 else None
+        if self.store is not None:
+            client.store = self.store.address
         self.token = token
         self.max_attempts = max_attempts
         self.in_group = in_group
@@ -289,7 +292,7 @@ class ReplicaSync:
                 last_error = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
                 reduced = None
                 self.group.drop()
-                self.client.report_failure(quorum.quorum_id)
+                self.client.report_failure(quorum.quorum_id, peer_gone=peer_gone(str(exc)))
             t1 = time.perf_counter()
             self.hooks.at("vote", step)
             committed, prepared, finite, t2 = self._vote(quorum, step, reduced, exchange, extra)
@@ -338,6 +341,7 @@ class ReplicaSync:
                    seen_behind: bool, start: float, quorum_wait: float,
                    timings: tuple[float, float, float]) -> StepResult:
         self.quorum = quorum
+        self.client.progress = {"quorum_id": quorum.quorum_id, "step": step + 1, "ready": not self.recovering}
         ids = quorum.replica_ids
         reduce_s, prepare_s, vote_s = timings
         result = StepResult(

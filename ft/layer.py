@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -50,6 +51,7 @@ from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import JobFinished, LighthouseClient
 from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, replica_index_of
 from freescale.ft.ftar import ReplicaSync, StepResult
+from freescale.ft.serving import advertised_host
 from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
 from freescale.grad_buckets import BucketedGrads
 from freescale.step_feed import Commit
@@ -133,7 +135,8 @@ class FaultTolerance:
                                    chunk_bytes=chunk_bytes, max_inflight=max_inflight)
         self.sparse = UnionSparseUpdate(model) if fused is not None and fused_tbes(model) else None
         token = os.environ.get(TOKEN_ENV, "")
-        self.server = SnapshotServer(token=token) if cfg.snapshots else None
+        bind, advertise = advertised_host(cfg.lighthouse)
+        self.server = SnapshotServer(bind, token=token, advertise=advertise) if cfg.snapshots else None
         if self.server is not None:
             if self.hooks.wants("serve"):
                 self.server.on_stream = lambda step: self.hooks.at("serve", step)
@@ -141,9 +144,12 @@ class FaultTolerance:
         self.client = LighthouseClient(cfg.lighthouse, cfg.replica_id, self.incarnation, member=self.rank,
                                        group_size=self.group_size, token=token,
                                        run_id=os.environ.get(RUN_ID_ENV, "")).start()
+        if self.rank == 0:  # held back so that no step is committed twice: one line, once per reason
+            self.client.on_waiting = lambda why: print(f"freescale: replica group {self.group_index}: {why}",
+                                                       file=sys.stderr, flush=True)
         self.sync = ReplicaSync(self.client, position=self.rank, timeout_s=cfg.timeout_s, snapshot_server=self.server,
                                 token=token, in_group=self.in_group, backend=cfg.replica_backend, device=self.device,
-                                hooks=self.hooks)
+                                hooks=self.hooks, store_host=advertise)
         self.record: dict[str, Any] = {}
         self.last_commit = Commit(-1, frozenset(), frozenset())
         self.events: list[dict[str, Any]] = []
@@ -167,8 +173,15 @@ class FaultTolerance:
 
     def fresh_run(self) -> bool:
         """No group has committed a step of this run yet (a new job may resume from a checkpoint;
-        a group restarted while others train must catch up from them instead).  Agreed in-group."""
-        return self.agree(int(self.client.status().get("high_step", -1)) < 0)
+        a group restarted while others train must catch up from them instead).  Asked once the
+        lighthouse has settled (a restarted one without a state file first hears the live groups
+        re-register: ``freescale.ft.membership``).  Agreed in-group."""
+        deadline = time.monotonic() + self.cfg.wait_for_replicas_s
+        status = self.client.status()
+        while not status.get("settled", True) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            status = self.client.status()
+        return self.agree(int(status.get("high_step", -1)) < 0)
 
     def owns_checkpoint(self, commit: Commit) -> bool:
         """This group writes the checkpoint of ``commit``: the ready group with the lowest index

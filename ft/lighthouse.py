@@ -5,8 +5,10 @@ is known by ``replica_id`` and an ``incarnation`` number that grows each time
 the group restarts.  Every rank of every group talks to the lighthouse over
 HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
 
-``POST /v1/heartbeat``  ``{replica_id, incarnation, member, group_size}``
-    Sent every ~50 ms from a background thread of each rank.  A higher
+``POST /v1/heartbeat``  ``{replica_id, incarnation, member, group_size, quorum_id, step, ready}``
+    Sent every ~50 ms from a background thread of each rank, with the quorum of
+    its last committed step, its next step and whether it holds valid state
+    (what a lighthouse restarted without a state file rebuilds its facts from).  A higher
     incarnation replaces the group's previous one (its pending requests fail);
     a lower one is refused (409): that process belongs to a dead incarnation.
     The reply says ``{quorum_id, quorum_lost}``: the current quorum, and
@@ -16,12 +18,17 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
     the step with the survivors (``freescale.ft.replica_group``): a hung peer
     stalls the others for the heartbeat timeout, not the collective timeout.
 
-``POST /v1/quorum``  ``{replica_id, incarnation, member, group_size, step, last_quorum_id, address}``
+``POST /v1/quorum``  ``{replica_id, incarnation, member, group_size, step, last_quorum_id, address, store}``
     Long-polls until a quorum that includes the caller's group forms, then
     returns ``{quorum_id, participants: [{replica_id, incarnation, step,
     addresses}], max_step, store: "host:port"}`` (``addresses``: each member's
-    snapshot server, for catch-up).  A group has *joined* when all its
-    members have asked.  A quorum forms:
+    snapshot server, for catch-up; ``store``: the rendezvous store of the first
+    participant's member 0, which every participant's process groups meet on).
+    While the only groups that could join cannot form a quorum without
+    committing steps twice (``freescale.ft.membership``: the holders of the
+    run's progress), the answer is ``{waiting: why}`` and the caller asks again;
+    when those holders are gone for good, 409 with why.  A group has *joined*
+    when all its members have asked.  A quorum forms:
 
     - steady state: the caller is in the current quorum, all its
       participants are healthy, nobody waits to join, and the step is the
@@ -53,7 +60,7 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
     moment), so the client does not ask for it; absent otherwise (a group waits
     to join, someone is unhealthy, ...), and the client asks as usual.
 
-``POST /v1/report``  ``{replica_id, quorum_id}``
+``POST /v1/report``  ``{replica_id, quorum_id, peer_gone}``
     A rank saw a collective of ``quorum_id`` fail.  That quorum is broken (the
     next one gets a new id, so nobody reuses its process groups) and every
     other participant becomes *suspect*: healthy again only after a heartbeat
@@ -61,8 +68,12 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
     suspect is within ``suspect_grace_s`` (three heartbeat intervals) of the
     report, so a live group is never left out (which could let two quorums
     commit the same step); a dead group never answers, so the survivors form
-    the next quorum after the grace instead of the heartbeat timeout.
-
+    the next quorum after the grace instead of the heartbeat timeout.  With
+    ``peer_gone`` (the failed collective found its connection closed: the
+    peer's process is gone) a suspect that stays silent through the grace also
+    stops counting for the majority rule, so the survivor of a two-group job
+    goes on then, not after the heartbeat timeout.  A genuine partition leaves
+    both sides heartbeating: neither is dropped, and neither goes on alone.
 ``POST /v1/finish``  ``{replica_id, incarnation, member, step}``
     A group finished the run at ``step``.  From then on every quorum request
     is answered ``{finished: true, finished_step}``: a group restarted after
@@ -70,8 +81,15 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
 
 Every quorum also carries ``high_step``, the highest step any earlier quorum
 reached; a quorum whose ``max_step`` is below it holds none of the groups
-that had that progress (all of them died), and its clients stop with an error
-rather than silently start over.
+that had that progress, and its clients stop with an error rather than
+silently start over (a second guard behind the holders rule).
+
+Restarts: with ``state_path`` (``freescale lighthouse --state FILE``) the
+durable facts (run, quorum id, high step, finish, holders: ``freescale.ft.durable``)
+survive a restart, so the rules above hold across it and a group restarted
+right after it still catches up from its peers (``settled`` in ``/v1/status``).
+The lighthouse imports neither torch nor numpy, so it serves within a fraction
+of a second of its start; the groups' requests retry with backoff until it does.
 
 Runs: every request may carry a ``run_id`` (``freescale launch`` makes one per
 run).  A lighthouse that outlives a run serves the next one once the previous
@@ -79,55 +97,61 @@ finished or all its groups are gone (its state is then forgotten; quorum ids
 keep growing); while the previous run is going, requests of another run are
 refused (409) with a message saying so.
 
-``GET /v1/status``  the membership, for operators and tests.
+``GET /v1/status``  the membership, holders, why joiners wait (``blocked``), for operators and tests.
 
 Health: a group is healthy while every member's last heartbeat (or request) is
 younger than ``heartbeat_timeout_s`` and it is not suspect.  A SIGSTOPped
 group stops heartbeating and is evicted by that timeout.
 
-The lighthouse also hosts the ``TCPStore`` that the groups' fault-tolerant
-all-reduce process groups rendezvous on (one key prefix per quorum id and
-rank position, so a new quorum never reads an old one's keys).
+Requests are bounded: a body not in within ``body_timeout_s`` is answered 408,
+and a client that goes away mid-request is one log line.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
+import json
 import logging
 import time
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
 
+from freescale.ft import durable
 from freescale.ft.membership import BadRequest, LighthouseConfig, Membership, _field, _Group, _Join, _Vote
 from freescale.ft.serving import LoopThread, token_ok
 
 log = logging.getLogger("freescale.ft.lighthouse")
 
 
+class _BodyTimeout(Exception):
+    pass
+
+
 class Lighthouse(Membership):
-    """The lighthouse server: HTTP handlers and the rendezvous store over ``Membership``'s decisions."""
+    """The lighthouse server: HTTP handlers over ``Membership``'s decisions, and the durable state file."""
 
     def __init__(self, cfg: LighthouseConfig) -> None:
-        super().__init__(cfg)
-        self.store: Any = None
-        self.store_address = ""
+        super().__init__(cfg, durable.load(cfg.state_path) if cfg.state_path else None)
+        if cfg.state_path:
+            self.on_durable_change = self._save
+        self._saved_high_step = self.high_step
+        self._saved_at = time.monotonic()
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._background = LoopThread("freescale-lighthouse")
 
+    def _save(self) -> None:
+        """Write the durable facts (``freescale.ft.durable``), synchronously: no answer that
+        depends on them leaves before they are on disk."""
+        durable.save(self.cfg.state_path, self.durable)
+        self._saved_high_step, self._saved_at = self.high_step, time.monotonic()
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
-        """Serve on ``cfg.bind`` (and start the rendezvous store); returns the base URL."""
-        from torch.distributed import TCPStore
-
+        """Serve on ``cfg.bind``; returns the base URL."""
         host, _, port = self.cfg.bind.rpartition(":")
-        self.store = TCPStore(host, self.cfg.store_port, is_master=True, wait_for_workers=False)
-        # Bound to every interface: advertise a name other hosts can reach (the groups connect to it).
-        advertised = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
-        self.store_address = f"{advertised}:{self.store.port}"
         app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._auth])
         app.router.add_post("/v1/heartbeat", self._heartbeat)
         app.router.add_post("/v1/quorum", self._quorum)
@@ -149,7 +173,8 @@ class Lighthouse(Membership):
             self._tick_task.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
-        self.store = None
+        if self.cfg.state_path and self.high_step != self._saved_high_step:
+            self._save()
 
     def start_in_thread(self) -> str:
         """Run in a daemon thread of this process (demo, local launcher, tests); returns the URL."""
@@ -167,11 +192,22 @@ class Lighthouse(Membership):
             return await handler(request)
         except BadRequest as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        except _BodyTimeout as exc:
+            return web.json_response({"error": str(exc)}, status=408, headers={"Connection": "close"})
+        except (ConnectionError, asyncio.IncompleteReadError, ClientPayloadError) as exc:
+            log.warning("lighthouse: %s %s from %s: the client went away mid-request (%s)", request.method,
+                        request.path, request.remote, type(exc).__name__)
+            return web.Response(status=499)
 
-    @staticmethod
-    async def _body(request: web.Request) -> dict[str, Any]:
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object, read within ``body_timeout_s`` (a body that never arrives
+        does not hold a handler: 408)."""
         try:
-            body = await request.json()
+            raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise _BodyTimeout(f"the request body did not arrive within {self.cfg.body_timeout_s:g} s") from None
+        try:
+            body = json.loads(raw)
         except ValueError as exc:
             raise BadRequest(f"body is not JSON: {exc}") from None
         if not isinstance(body, dict):
@@ -192,7 +228,8 @@ class Lighthouse(Membership):
         if not isinstance(run_id, str) or len(run_id) > 100:
             raise BadRequest("field 'run_id' must be a string of at most 100 characters")
         if run_id != self.run_id:
-            if self.run_id is not None and self.finished_step is None and self._healthy(time.monotonic()):
+            now = time.monotonic()
+            if self.run_id is not None and self.finished_step is None and (self._healthy(now) or not self.settled(now)):
                 return None, member, (f"this lighthouse serves run '{self.run_id}', which is still going; "
                                       f"start another lighthouse for run '{run_id}'")
             self._new_run(run_id)
@@ -226,12 +263,16 @@ class Lighthouse(Membership):
         self.quorum = None
         self.high_step = -1
         self.finished_step = None
+        self.holders, self.holders_quorum_id, self.blocked = {}, 0, ""
+        self.on_durable_change()
 
     # ------------------------------------------------------------------ handlers
     async def _heartbeat(self, request: web.Request) -> web.Response:
-        group, _, error = self._member(await self._body(request))
+        body = await self._body(request)
+        group, _, error = self._member(body)
         if group is None:
             return web.json_response({"error": error}, status=409)
+        self.note_progress(group, body)
         q = self.quorum
         return web.json_response({"ok": True, "quorum_id": q["quorum_id"] if q is not None else None,
                                   "quorum_lost": q is not None and self._lost(q, time.monotonic())})
@@ -258,13 +299,21 @@ class Lighthouse(Membership):
         if not isinstance(address, str) or len(address) > 300:
             raise BadRequest("field 'address' must be a string of at most 300 characters")
         join.addresses[member] = address
+        store = body.get("store", "")
+        if not isinstance(store, str) or len(store) > 300:
+            raise BadRequest("field 'store' must be a string of at most 300 characters")
+        if member == 0:
+            join.store = store
         waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         join.waiters.append(waiter)
         self._try_form(time.monotonic())
         try:
-            return web.json_response(await waiter)
+            answer = await waiter
         except web.HTTPConflict as exc:
             return web.json_response({"error": exc.text}, status=409)
+        if "refused" in answer:
+            return web.json_response({"error": answer["refused"]}, status=409)
+        return web.json_response(answer)
 
     async def _commit(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -304,6 +353,7 @@ class Lighthouse(Membership):
         quorum_id = _field(body, "quorum_id", int)
         reporter = _field(body, "replica_id", str)
         now = time.monotonic()
+        peer_gone = body.get("peer_gone") is True
         if self.quorum is not None and self.quorum["quorum_id"] == quorum_id:
             # Its process groups are broken: the next quorum gets a new id even if
             # every participant turns out to be alive.
@@ -312,6 +362,7 @@ class Lighthouse(Membership):
                 group = self.groups.get(p["replica_id"])
                 if group is not None and p["replica_id"] != reporter:
                     group.suspect_since = now
+                    group.gone_reported = peer_gone
         reporter_group = self.groups.get(reporter)
         if reporter_group is not None:
             reporter_group.beats = {m: now for m in reporter_group.beats}
@@ -330,6 +381,7 @@ class Lighthouse(Membership):
         if group is None:
             return web.json_response({"error": error}, status=409)
         self.finished_step = max(step, self.finished_step if self.finished_step is not None else step)
+        self.on_durable_change()
         for join in self.joins.values():
             for waiter in join.waiters:
                 if not waiter.done():
@@ -353,6 +405,11 @@ class Lighthouse(Membership):
                              "since_heartbeat_s": now - g.last_beat()} for rid, g in self.groups.items()},
             "joining": sorted(self.joins),
             "high_step": self.high_step,
+            "holders": self.holders,
+            "blocked": self.blocked,
+            "settled": self.settled(now),
+            "restored": self.restored,
+            "finished_step": self.finished_step,
         })
 
     async def _ticker(self) -> None:
@@ -363,6 +420,8 @@ class Lighthouse(Membership):
                 self._try_form(now)
                 for vote in list(self.votes.values()):
                     self._settle(vote, now)
+                if self.cfg.state_path and self.high_step != self._saved_high_step and now - self._saved_at >= 1.0:
+                    self._save()  # the growing high_step, at most once a second (a lower bound)
             except Exception:  # a bug here must not stop every later decision
                 log.exception("lighthouse: tick failed")
 
@@ -374,8 +433,10 @@ def run_forever(cfg: LighthouseConfig) -> None:
     async def main() -> None:
         lighthouse = Lighthouse(cfg)
         url = await lighthouse.start()
-        print(f"lighthouse: serving {url} (rendezvous store {lighthouse.store_address}), "
-              f"min_replicas={cfg.min_replicas}", flush=True)
+        state = (f"state {cfg.state_path}" + (f" (restored: run '{lighthouse.run_id}', quorum {lighthouse.quorum_id}, "
+                                              f"step {lighthouse.high_step})" if lighthouse.restored else " (new)")
+                 if cfg.state_path else "no state file: a restart forgets the run")
+        print(f"lighthouse: serving {url} (min_replicas={cfg.min_replicas}; {state})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -4,14 +4,41 @@ healthy, when a quorum forms, how a commit vote settles.
 The lighthouse's HTTP handlers feed it requests and hand its answers back; this part decides,
 and holds the state the decisions are made on (groups, joins, the quorum, votes).  The
 protocol itself is described in ``ft/lighthouse.py``.
+
+**A committed step is never committed again** (with another state), whatever fails at once.
+Two rules keep it, and both hold across a restart of the lighthouse, because the facts they
+read are durable (``freescale.ft.durable``: written before anyone is told):
+
+- *holders*: the participants of the last quorum (replica id and incarnation) are the only
+  groups that may hold the job's newest state.  Once any step has been reached, a quorum
+  must include one of them.  While none can join, the others wait (``blocked``, said in one
+  line) as long as one of them may still be alive (hung, stopped, partitioned, or not yet
+  re-registered with a restarted lighthouse); once every one is gone for good (replaced by a
+  newer incarnation of its group), the quorum is refused: the run's progress is lost, and
+  only an operator restarting it from a checkpoint can go on.  A group restored from an
+  older checkpoint therefore never commits steps the holders already committed.
+- *majority*: a new quorum holds more than half of the previous quorum's groups that may
+  still be alive; after a restart the previous quorum is the durable holders, and a holder
+  not heard from yet counts as alive for one heartbeat timeout.
+
+Quorum ids only grow (durable, and callers report the last id they saw).  Without a state
+file the same facts are rebuilt from the groups' heartbeats, which carry each rank's last
+quorum, step and whether it holds valid state: enough after a restart for every group that
+is alive, not for one that is stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from freescale.ft.durable import DurableState
+
+log = logging.getLogger("freescale.ft.lighthouse")
 
 
 @dataclass
@@ -26,12 +53,21 @@ class LighthouseConfig:
     token: str = ""
     """When set, every request must carry ``Authorization: Bearer <token>``."""
     max_request_bytes: int = 64 * 1024
-    store_port: int = 0
-    """Port of the rendezvous TCPStore (0: a free one)."""
+    body_timeout_s: float = 5.0
+    """A request whose body has not fully arrived by then is answered 408 (its handler let go)."""
     tick_s: float = 0.01
     suspect_grace_s: float = 0.15
     """After a failure report, how long a suspect participant has to show it is alive (a
     heartbeat: clients send one every 50 ms) before a quorum forms without it."""
+    state_path: str = ""
+    """The durable state file (``freescale.ft.durable``); empty: none (a restart forgets the run,
+    and the groups' heartbeats rebuild what they can)."""
+    settle_s: float = 0.0
+    """How long after start a lighthouse waits for live groups to re-register before it forms a
+    first quorum or tells a new group that the run is fresh (no step reached).  0 suits a
+    lighthouse that knows it is the run's first (started before any group, as ``freescale
+    launch`` does) or that restores a state file; ``freescale lighthouse`` without ``--state``
+    cannot tell a first start from a restart and waits one heartbeat timeout."""
     quorum_in_vote: bool = True
     """A committed vote's reply carries the next step's quorum when it is the steady-state
     answer, so a participant's next quorum request is not sent at all (one request per step
@@ -45,6 +81,8 @@ class LighthouseConfig:
         host, _, port = self.bind.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"lighthouse: bind must be host:port, got '{self.bind}'")
+        if self.settle_s < 0:
+            raise ValueError(f"lighthouse: settle_s must be >= 0, got {self.settle_s}")
 
 
 class BadRequest(Exception):
@@ -58,6 +96,15 @@ class _Group:
     group_size: int
     beats: dict[int, float] = field(default_factory=dict)
     suspect_since: float | None = None
+    gone_reported: bool = False
+    """A peer's collective with this group failed on a closed connection (its process is gone, as
+    far as that peer can tell): with no sign of life during the suspect grace, it no longer counts
+    as maybe alive for the majority rule (a two-group job goes on without the heartbeat timeout)."""
+
+    def gone(self, now: float, grace: float) -> bool:
+        """Reported gone and silent through the suspect grace since (module docstring)."""
+        return (self.gone_reported and self.suspect_since is not None and self.last_beat() <= self.suspect_since
+                and now - self.suspect_since >= grace)
 
     def last_beat(self) -> float:
         """The *least* recent member's last sign of life (0 while a member has never shown one).
@@ -80,6 +127,8 @@ class _Join:
     since: float
     steps: dict[int, int] = field(default_factory=dict)
     addresses: dict[int, str] = field(default_factory=dict)
+    store: str = ""
+    """Member 0's rendezvous store (``host:port``; ``freescale.ft.replica_group``)."""
     waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
 
 
@@ -103,24 +152,61 @@ def _field(body: dict[str, Any], name: str, kind: type) -> Any:
 
 
 class Membership:
-    """The lighthouse's state and decisions (no I/O: the server calls these and replies)."""
+    """The lighthouse's state and decisions (no I/O: the server calls these and replies; it
+    persists ``durable`` whenever ``on_durable_change`` is called)."""
 
-    def __init__(self, cfg: LighthouseConfig) -> None:
+    def __init__(self, cfg: LighthouseConfig, restored: DurableState | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
         self.groups: dict[str, _Group] = {}
         self.joins: dict[str, _Join] = {}
         self.quorum: dict[str, Any] | None = None
-        self.quorum_id = 0
         self.votes: dict[tuple[int, int], _Vote] = {}
         self.steady_steps: dict[tuple[int, int], bool] = {}
-        self.run_id: str | None = None
+        state = restored or DurableState()
+        self.restored = restored is not None
+        self.run_id: str | None = state.run_id
         """The run being served (``run_id`` of the requests; ``freescale launch`` makes one per run)."""
-        self.high_step = -1
+        self.quorum_id = state.quorum_id
+        self.high_step = state.high_step
         """Highest step any quorum reached: a quorum below it has lost the job's progress."""
-        self.finished_step: int | None = None
+        self.finished_step: int | None = state.finished_step
         """Set when a group finished the run: later quorum requests are told so (a group restarted
         after the others finished must not train alone from step 0)."""
+        self.holders: dict[str, int] = dict(state.holders)
+        self.holders_quorum_id = state.holders_quorum_id
+        self.blocked = ""
+        """Why the groups waiting to join cannot form a quorum now ("" when they can; a holder of
+        the run's progress may be alive: module docstring)."""
+        self.on_durable_change: Callable[[], None] = lambda: None
+        self.started = time.monotonic()
+        self.store_address = ""
+        """A rendezvous store for quorums whose first participant announced none (tests)."""
+
+    @property
+    def durable(self) -> DurableState:
+        return DurableState(self.run_id, self.quorum_id, self.high_step, self.finished_step,
+                            self.holders_quorum_id, dict(self.holders))
+
+    def settled(self, now: float) -> bool:
+        """Long enough up that every live group has re-registered (``LighthouseConfig.settle_s``)."""
+        return now - self.started >= self.cfg.settle_s
+
+    def note_progress(self, group: _Group, body: dict[str, Any]) -> None:
+        """A heartbeat's report of the rank's last committed quorum and next step (when it holds
+        valid state): rebuilds a forgetful lighthouse's facts (module docstring)."""
+        quorum_id, step = body.get("quorum_id"), body.get("step")
+        if not isinstance(quorum_id, int) or isinstance(quorum_id, bool) or not body.get("ready") is True:
+            return
+        if isinstance(step, int) and not isinstance(step, bool):
+            self.high_step = max(self.high_step, step)
+        self.quorum_id = max(self.quorum_id, quorum_id)
+        if quorum_id > self.holders_quorum_id:
+            self.holders_quorum_id, self.holders = quorum_id, {group.replica_id: group.incarnation}
+            self.on_durable_change()
+        elif quorum_id == self.holders_quorum_id and self.holders.get(group.replica_id) != group.incarnation:
+            self.holders[group.replica_id] = group.incarnation
+            self.on_durable_change()
 
     def _lost(self, quorum: dict[str, Any], now: float) -> bool:
         """A collective of ``quorum`` cannot complete: a failure was reported, or a participant is
@@ -184,6 +270,8 @@ class Membership:
     def _try_form(self, now: float) -> None:
         if self._awaiting_suspects(now):
             return  # forming now could leave out a live group that is merely suspect
+        if not self.holders and not self.settled(now):
+            return  # a restarted lighthouse without a state file: let the live groups report first
         healthy = self._healthy(now)
         joined = {
             rid for rid, j in self.joins.items()
@@ -197,6 +285,10 @@ class Membership:
             previous = {(p["replica_id"], p["incarnation"]) for p in self.quorum["participants"]}
         if not self._keeps_majority(joined, now):
             return
+        verdict, why = self._progress_check(joined)
+        if verdict != "ok":
+            self._turn_away(joined, {"waiting" if verdict == "wait" else "refused": why})
+            return
         members = {(rid, self.groups[rid].incarnation) for rid in joined}
         if previous and members == previous:
             self._form(joined, new_id=False)
@@ -208,24 +300,66 @@ class Membership:
                     and 2 * len(joined) > len(healthy)):
                 self._form(joined, new_id=True)
 
+    def _progress_check(self, joined: set[str]) -> tuple[str, str]:
+        """(``ok`` | ``wait`` | ``refuse``, why): may ``joined`` form a quorum without committing again
+        steps that the holders of the run's progress committed (module docstring)?"""
+        if not self.holders or any(self.holders.get(rid) == self.groups[rid].incarnation for rid in joined):
+            return "ok", ""
+        top = max(max(self.joins[rid].steps.values()) for rid in joined)
+        maybe_alive = sorted(rid for rid, inc in self.holders.items()
+                             if (g := self.groups.get(rid)) is None or g.incarnation <= inc)
+        reached = f"step {self.high_step}" if self.high_step >= 0 else "a step"
+        if maybe_alive:
+            return "wait", (f"waiting for replica group(s) {', '.join(maybe_alive)}: they hold the run's newest state "
+                            f"(it reached {reached}) and may be alive (hung, stopped or cut off); a quorum of "
+                            f"{', '.join(sorted(joined))} would start again at step {top} and commit steps twice. "
+                            "If they are gone for good, stop the job and start it again from the latest checkpoint")
+        return "refuse", (f"every replica group that held the run's progress (it reached {reached}) is gone, so no "
+                          f"one can catch up from it; a quorum of {', '.join(sorted(joined))} would start again at "
+                          f"step {top}: restart the run from the latest checkpoint instead")
+
+    def _turn_away(self, joined: set[str], answer: dict[str, Any]) -> None:
+        """Answer the joined groups' pending quorum requests with ``answer`` (they ask again, or stop)."""
+        why = next(iter(answer.values()))
+        if why != self.blocked:
+            log.warning("lighthouse: %s", why)
+        self.blocked = why
+        for rid in joined:
+            join = self.joins[rid] if "waiting" in answer else self.joins.pop(rid)
+            for waiter in join.waiters:
+                if not waiter.done():
+                    waiter.set_result(answer)
+            join.waiters.clear()
+
     def _keeps_majority(self, joined: set[str], now: float) -> bool:
         """A new quorum must hold more than half of the previous quorum's participants that may
-        still be alive (same incarnation, heartbeat within the timeout, suspect or not).
+        still be alive (``_maybe_alive``); after a lighthouse restart the previous quorum is the
+        durable holders.
 
         So a lone group whose peers are merely slow to answer (a starved heartbeat
         thread, a long pause) cannot go on by itself and commit a step that the
-        others then commit differently; a crashed group's share stops counting only
-        when its heartbeat times out.  With three or more groups one crash leaves a
-        majority at once; with two, the survivor waits for the heartbeat timeout.
+        others then commit differently; a crashed group's share stops counting when
+        its heartbeat times out, or sooner when a peer's collective found its
+        connection closed and it showed no sign of life through the suspect grace.
+        With three or more groups one crash leaves a majority at once; with two, the
+        survivor goes on after that grace.
         """
-        if self.quorum is None:
-            return True
-        maybe_alive = {
-            p["replica_id"] for p in self.quorum["participants"]
-            if (g := self.groups.get(p["replica_id"])) is not None and g.incarnation == p["incarnation"]
-            and now - g.last_beat() <= self.cfg.heartbeat_timeout_s
-        }
+        if self.quorum is not None:
+            previous = {p["replica_id"]: p["incarnation"] for p in self.quorum["participants"]}
+        else:
+            previous = self.holders
+        maybe_alive = {rid for rid, inc in previous.items() if self._maybe_alive(rid, inc, now)}
         return not maybe_alive or 2 * len(maybe_alive & joined) > len(maybe_alive)
+
+    def _maybe_alive(self, replica_id: str, incarnation: int, now: float) -> bool:
+        """Same incarnation, not reported gone, and a sign of life within the heartbeat timeout
+        (in a lighthouse's first timeout, not heard from yet counts: it may be re-registering)."""
+        group = self.groups.get(replica_id)
+        if group is not None and (group.incarnation != incarnation or group.gone(now, self.cfg.suspect_grace_s)):
+            return False
+        if now - self.started <= self.cfg.heartbeat_timeout_s:
+            return True
+        return group is not None and now - group.last_beat() <= self.cfg.heartbeat_timeout_s
 
     def _form(self, joined: set[str], new_id: bool) -> None:
         if new_id or self.quorum is None:
@@ -236,12 +370,16 @@ class Membership:
              "addresses": [self.joins[rid].addresses.get(m, "") for m in range(self.groups[rid].group_size)]}
             for rid in sorted(joined)
         ]
+        store = next((self.joins[rid].store for rid in sorted(joined) if self.joins[rid].store), self.store_address)
         self.quorum = {
             "quorum_id": self.quorum_id, "participants": participants,
-            "max_step": max(p["step"] for p in participants), "store": self.store_address,
+            "max_step": max(p["step"] for p in participants), "store": store,
             "high_step": self.high_step,
         }
         self.high_step = max(self.high_step, self.quorum["max_step"])
+        self.holders = {rid: self.groups[rid].incarnation for rid in joined}
+        self.holders_quorum_id, self.blocked = self.quorum_id, ""
+        self.on_durable_change()  # durable before any participant is told
         self.steady_steps.clear()
         for rid in joined:
             join = self.joins.pop(rid)

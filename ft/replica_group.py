@@ -55,8 +55,7 @@ import torch
 import torch.distributed as dist
 
 from freescale.ft.client import Quorum
-
-BACKENDS = ("auto", "gloo", "nccl")
+from freescale.ft.config import BACKENDS
 SHARED_GPUS_ENV = "FREESCALE_GROUPS_SHARE_GPUS"
 """Set to 1 by ``freescale launch`` when replica groups share GPUs (too few for one per rank): NCCL
 refuses two ranks on one GPU, so ``auto`` then means gloo."""
@@ -239,6 +238,30 @@ class ReplicaGroup:
         self.pg, self._pending = None, []
 
 
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+              "socket closed", "end of file")
+
+
+def peer_gone(error: str) -> bool:
+    """A collective's error says the peer's process is gone (its connection closed or reset), not
+    that it is slow: evidence the lighthouse may act on before the heartbeat timeout."""
+    text = error.lower()
+    return any(marker in text for marker in _PEER_GONE)
+
+
+class RendezvousStore:
+    """The ``TCPStore`` that quorums' process groups meet on, hosted by member 0 of each group.
+
+    The lighthouse names the first participant's store in every quorum; every participant's
+    rank at each position connects to it under the prefix ``freescale/ftar/q<id>/p<r>``.  Kept
+    in the groups, not the lighthouse, so the lighthouse needs no torch and restarts in a
+    fraction of a second, and a restart does not move the store of a running quorum."""
+
+    def __init__(self, host: str) -> None:
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.address = f"{host}:{self.store.port}"
+
+
 class FTARGroup:
     """The replica-dimension process group of one rank position for the current quorum."""
 
@@ -264,6 +287,9 @@ class FTARGroup:
             qid = quorum.quorum_id
             if self.quorum_lost(qid):
                 raise RuntimeError(f"quorum {qid}: the lighthouse already reports it lost (a participant failed)")
+            if not quorum.store_host:
+                raise RuntimeError(f"quorum {qid}: no participant announced a rendezvous store (member 0 of each "
+                                   "group hosts one: freescale.ft.replica_group.RendezvousStore)")
             key = (quorum.store_host, quorum.store_port)
             if key not in self._stores:
                 self._stores[key] = dist.TCPStore(quorum.store_host, quorum.store_port, is_master=False,
@@ -297,7 +323,7 @@ class FTARGroup:
         if self._group is not None:
             self._group.retire()
         self._group, self._quorum_id = None, -1
-        self._stores.clear()  # the lighthouse (and its store) may have restarted: connect afresh
+        self._stores.clear()  # the store's host may have died with its group: connect afresh
 
 
 def _run_into(future: Future[Any], fn: Callable[..., Any], *args: Any) -> None:

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
+import socket
 import threading
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+
+
+def advertised_host(lighthouse_url: str) -> tuple[str, str]:
+    """(host to bind, host to advertise) for a rank's snapshot server and rendezvous store: the
+    loopback when the lighthouse is on it (one machine), else every interface and this machine's
+    name (``FREESCALE_ADVERTISE_HOST`` overrides the name)."""
+    host = urllib.parse.urlsplit(lighthouse_url).hostname or ""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1", "127.0.0.1"
+    return "0.0.0.0", os.environ.get("FREESCALE_ADVERTISE_HOST") or socket.getfqdn()
 
 
 def token_ok(request: web.Request, token: str) -> bool:

@@ -50,6 +50,7 @@ def quorums(clients: list[LighthouseClient], step: int) -> list[Quorum]:
 
 def test_quorum_of_all_then_steady_steps_keep_the_id(lighthouse: Lighthouse) -> None:
     a, b = client(lighthouse, "a"), client(lighthouse, "b")
+    b.store, a.store = "b-host:2", "a-host:1"  # each group's member 0 hosts a rendezvous store
     first = quorums([a, b], 0)
     assert first[0] == first[1]
     assert first[0].replica_ids == ("a", "b") and first[0].quorum_id == 1
@@ -59,7 +60,8 @@ def test_quorum_of_all_then_steady_steps_keep_the_id(lighthouse: Lighthouse) -> 
     start = time.monotonic()
     third = a.quorum(2)
     assert third.quorum_id == 1 and third.max_step == 2 and time.monotonic() - start < 0.2
-    assert f"{second[0].store_host}:{second[0].store_port}" == lighthouse.store_address
+    # Every participant meets on the first participant's store.
+    assert (second[0].store_host, second[0].store_port) == ("a-host", 1)
     for c in (a, b):
         c.close()
 
@@ -320,20 +322,29 @@ def test_finished_run_turns_late_joiners_away(lighthouse: Lighthouse) -> None:
         c.close()
 
 
-def test_quorum_below_the_runs_progress_is_refused() -> None:
-    """If every group that reached step N is gone, a quorum of groups at an earlier step cannot
-    catch up from anyone: the client stops with an error instead of silently starting over."""
+def test_group_behind_the_runs_progress_waits_for_its_holders_then_is_refused() -> None:
+    """A group at an earlier step cannot form a quorum by itself once a step was reached: while the
+    group holding that progress may still be alive (silent: hung, stopped, cut off) it waits, told
+    why; once that group is gone for good (a newer incarnation replaced it) it is refused."""
     lh = Lighthouse(LighthouseConfig(min_replicas=1, join_timeout_s=0.1, heartbeat_timeout_s=0.3))
     lh.start_in_thread()
     a = client(lh, "a")
     for step in range(3):
         a.quorum(step)
     a.close()
-    time.sleep(0.4)  # a's heartbeat times out: it is gone
+    time.sleep(0.4)  # a's heartbeat times out: silent, but it may be alive
     b = client(lh, "b")
-    with pytest.raises(LighthouseError, match="every group holding that progress is gone"):
-        b.quorum(0)
-    b.close()
+    pending = b.quorum_async(0)
+    deadline = time.monotonic() + 5
+    while not b.waiting_reason and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "waiting for replica group(s) a" in b.waiting_reason and not pending.done()
+    assert "commit steps twice" in b.status()["blocked"]
+    a_again = client(lh, "a", incarnation=1)  # a restarted: the incarnation that held the progress is gone
+    with pytest.raises(LighthouseError, match="every replica group that held the run's progress"):
+        pending.result(timeout=5)
+    for c in (a_again, b):
+        c.close()
     lh.stop_thread()
 
 
