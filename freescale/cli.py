@@ -120,6 +120,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from freescale.trainer import Trainer
 
     DatasetManifest.read(cfg.data.path)  # fail before the process group exists
+    cfg.ft.resolve_env()
+    from freescale import rank_console
+
+    rank_console.install(cfg.train.output_dir, cfg.ft.replica_id if cfg.ft.enabled else None)
     summary = Trainer(cfg).fit()
     if _is_rank0():
         print_summary(summary)
@@ -380,6 +384,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             report_user_error(str(exc), restartable=isinstance(exc, LighthouseError))
             return 2
+        from freescale.rank_console import report_handled
+
+        if args.command == "train" and report_handled(exc):
+            # A peer failed: one line said it, the traceback is in the rank's log; the agent restarts the
+            # group.  No interpreter teardown: gloo's destructors can abort and print on the way out.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         raise
 
 

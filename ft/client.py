@@ -158,6 +158,8 @@ class LighthouseClient:
         self._local = threading.local()
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat_loop, name="freescale-heartbeat", daemon=True)
+        self._presence = threading.Thread(target=self._presence_loop, name="freescale-presence", daemon=True)
+        self._presence_conn: http.client.HTTPConnection | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-quorum")
 
     @property
@@ -166,6 +168,7 @@ class LighthouseClient:
 
     def start(self) -> LighthouseClient:
         self._beats.start()
+        self._presence.start()
         return self
 
     def close(self) -> None:
@@ -173,6 +176,9 @@ class LighthouseClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._beats.ident is not None:  # started (a client used without heartbeats closes too)
             self._beats.join(timeout=2)
+        conn = self._presence_conn
+        if conn is not None and conn.sock is not None:
+            conn.sock.close()  # ends the held request (its thread is blocked reading it)
         self.drop_connection()
 
     # ------------------------------------------------------------------ requests
@@ -371,6 +377,21 @@ class LighthouseClient:
         reply yet, lighthouse restarting: it has no quorum then)."""
         current, lost = self._lighthouse_quorum
         return current is not None and (current > quorum_id or current == quorum_id and lost)
+
+    def _presence_loop(self) -> None:
+        """Hold ``/v1/presence`` open for this process's lifetime (reopened after a lighthouse restart):
+        when the process dies its kernel closes the connection, and the lighthouse knows at once."""
+        delays = backoff_delays(self._rng)
+        while not self._stop.is_set():
+            try:
+                conn = self._send("POST", "/v1/presence", {}, self.request_timeout_s)
+                conn.sock.settimeout(None)  # type: ignore[union-attr]  # held until this process ends
+                self._presence_conn = conn
+                self._receive(conn)  # returns only when the lighthouse goes away (or refuses: 409)
+            except (OSError, http.client.HTTPException, ValueError):
+                pass
+            self.drop_connection()
+            self._stop.wait(next(delays))
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():

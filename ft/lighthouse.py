@@ -97,6 +97,12 @@ finished or all its groups are gone (its state is then forgotten; quorum ids
 keep growing); while the previous run is going, requests of another run are
 refused (409) with a message saying so.
 
+``POST /v1/presence``  ``{replica_id, incarnation, member, group_size}``
+    Held open by each rank for its lifetime; when its connection closes (the process
+    died), the group is suspect with ``peer_gone`` evidence at once (see
+    ``_presence``): a kill costs the suspect grace, whatever the survivors were doing
+    (a collective, or waiting for the dead group's vote).
+
 ``GET /v1/status``  the membership, holders, why joiners wait (``blocked``), for operators and tests.
 
 Health: a group is healthy while every member's last heartbeat (or request) is
@@ -140,6 +146,8 @@ class Lighthouse(Membership):
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
+        self._held: set[asyncio.Event] = set()
+        """One per open ``/v1/presence`` request."""
         self._background = LoopThread("freescale-lighthouse")
 
     def _save(self) -> None:
@@ -158,8 +166,11 @@ class Lighthouse(Membership):
         app.router.add_post("/v1/commit", self._commit)
         app.router.add_post("/v1/report", self._report)
         app.router.add_post("/v1/finish", self._finish)
+        app.router.add_post("/v1/presence", self._presence)
         app.router.add_get("/v1/status", self._status)
-        self._runner = web.AppRunner(app, access_log=None)
+        # Handlers are cancelled when their client's connection closes: a ``/v1/presence`` request
+        # ending that way is the evidence that a rank's process is gone.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, int(port))
         await site.start()
@@ -169,6 +180,8 @@ class Lighthouse(Membership):
         return self.url
 
     async def stop(self) -> None:
+        for held in list(self._held):
+            held.set()  # presence requests end with an answer, not a closed connection
         if self._tick_task is not None:
             self._tick_task.cancel()
         if self._runner is not None:
@@ -370,6 +383,26 @@ class Lighthouse(Membership):
             self._settle(vote, now)
         self._try_form(now)
         return web.json_response({"ok": True})
+
+    async def _presence(self, request: web.Request) -> web.Response:
+        """Held open for as long as the rank's process lives (the client's presence thread).  Its
+        connection closing (the process died: the kernel closes its sockets) makes the group
+        suspect with ``peer_gone`` evidence at once: an open vote fails and the next quorum forms
+        after the suspect grace, not the heartbeat timeout.  A hung or stopped process keeps it
+        open, a partition does not close it, so neither is mistaken for a death."""
+        group, _, error = self._member(await self._body(request))
+        if group is None:
+            return web.json_response({"error": error}, status=409)
+        incarnation, held = group.incarnation, asyncio.Event()
+        self._held.add(held)
+        try:
+            await held.wait()  # set only when this lighthouse stops
+        except asyncio.CancelledError:
+            self.connection_lost(group.replica_id, incarnation)
+            raise
+        finally:
+            self._held.discard(held)
+        return web.json_response({"ok": True, "stopping": True})
 
     def _finished_answer(self) -> dict[str, Any]:
         return {"finished": True, "finished_step": self.finished_step}

@@ -85,6 +85,12 @@ class LighthouseConfig:
             raise ValueError(f"lighthouse: settle_s must be >= 0, got {self.settle_s}")
 
 
+IN_FLIGHT_S = 0.05
+"""A heartbeat read this soon after a failure report may have been sent before it (by a rank that
+has died since): not a sign of life.  Live ranks beat every 50 ms, so within the suspect grace
+(0.15 s) a live group still shows one that counts."""
+
+
 class BadRequest(Exception):
     pass
 
@@ -96,6 +102,9 @@ class _Group:
     group_size: int
     beats: dict[int, float] = field(default_factory=dict)
     suspect_since: float | None = None
+    """When a peer reported a failed collective with this group; a sign of life counts against it
+    only from ``IN_FLIGHT_S`` later (a beat a dead rank sent just before it died may be read after
+    the report)."""
     gone_reported: bool = False
     """A peer's collective with this group failed on a closed connection (its process is gone, as
     far as that peer can tell): with no sign of life during the suspect grace, it no longer counts
@@ -103,8 +112,11 @@ class _Group:
 
     def gone(self, now: float, grace: float) -> bool:
         """Reported gone and silent through the suspect grace since (module docstring)."""
-        return (self.gone_reported and self.suspect_since is not None and self.last_beat() <= self.suspect_since
-                and now - self.suspect_since >= grace)
+        return self.gone_reported and self.silent_since_report() and now - self.suspect_since >= grace  # type: ignore[operator]
+
+    def silent_since_report(self) -> bool:
+        """Suspect, and no sign of life since the report (beats in flight then not counted)."""
+        return self.suspect_since is not None and self.last_beat() <= self.suspect_since + IN_FLIGHT_S
 
     def last_beat(self) -> float:
         """The *least* recent member's last sign of life (0 while a member has never shown one).
@@ -116,7 +128,7 @@ class _Group:
 
     def healthy(self, now: float, timeout: float) -> bool:
         last = self.last_beat()
-        if self.suspect_since is not None and last <= self.suspect_since:
+        if self.silent_since_report():
             return False
         return now - last <= timeout
 
@@ -208,6 +220,19 @@ class Membership:
             self.holders[group.replica_id] = group.incarnation
             self.on_durable_change()
 
+    def connection_lost(self, replica_id: str, incarnation: int) -> None:
+        """A member's presence connection closed: its process is gone (``/v1/presence``)."""
+        group = self.groups.get(replica_id)
+        if group is None or group.incarnation != incarnation or self.finished_step is not None:
+            return
+        now = time.monotonic()
+        group.suspect_since, group.gone_reported = now, True
+        if self.quorum is not None and any(p["replica_id"] == replica_id for p in self.quorum["participants"]):
+            self.quorum["broken"] = True  # its collectives cannot complete: the next quorum gets a new id
+        for vote in self.votes.values():
+            self._settle(vote, now)
+        self._try_form(now)
+
     def _lost(self, quorum: dict[str, Any], now: float) -> bool:
         """A collective of ``quorum`` cannot complete: a failure was reported, or a participant is
         unhealthy (hung or dead: no heartbeat within the timeout) or was restarted."""
@@ -261,8 +286,7 @@ class Membership:
     def _awaiting_suspects(self, now: float) -> bool:
         """Suspects still inside their grace period: alive ones will heartbeat any moment."""
         return any(
-            g.suspect_since is not None and g.last_beat() <= g.suspect_since
-            and now - g.suspect_since < self.cfg.suspect_grace_s
+            g.silent_since_report() and now - g.suspect_since < self.cfg.suspect_grace_s  # type: ignore[operator]
             and now - g.last_beat() <= self.cfg.heartbeat_timeout_s
             for g in self.groups.values()
         )

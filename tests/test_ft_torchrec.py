@@ -14,6 +14,7 @@ the run every sample of the planned global batches is trained exactly once
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -243,13 +244,20 @@ def catch_ups(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def test_group_killed_twice_in_a_row_the_second_time_mid_catch_up(tiny_data: Path, tmp_path: Path) -> None:
     """Group 1 dies mid-reduce at step 5; its restart dies again while downloading its snapshot;
-    the third incarnation catches up.  Group 0 never stops; all identical; every sample once."""
-    steps = 130
-    proc = launch(tmp_path, tiny_data, 2, 1, steps, "dlrm", fault=f"1:0:5:reduce:0,1:0:0:catchup@1,{SLOW}",
+    the third incarnation catches up.  Group 0 never stops; all identical; every sample once.
+    Two groups: the survivor goes on as soon as the lighthouse has the evidence that its peer's
+    process is gone (its collective found the connection reset, and the peer stays silent through
+    the suspect grace), well before the heartbeat timeout (3 s under ``freescale launch``)."""
+    steps = 200  # 50 ms steps: group 0 is still training when the third incarnation is up (~8 s)
+    proc = launch(tmp_path, tiny_data, 2, 1, steps, "dlrm", fault="1:0:5:reduce:0,1:0:0:catchup@1,*:*:0:slow:50",
                   max_restarts=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
-    assert sorted(by_step(runs[(0, 0)])) == list(range(steps))
+    survivor = by_step(runs[(0, 0)])
+    assert sorted(survivor) == list(range(steps))
+    assert survivor[5]["participants"] == ["replica0"]
+    assert survivor[5]["time"] - survivor[4]["time"] < 1.5, "the survivor waited for the heartbeat timeout"
     assert len(catch_ups(runs[(1, 0)])) == 1, "only the third incarnation finishes a catch-up"
     assert by_step(runs[(1, 0)])[steps - 1]["contributing"]
 
@@ -272,58 +280,82 @@ def test_two_groups_at_once_then_a_source_dies_mid_transfer(tiny_data: Path, tmp
         assert by_step(runs[(group, 0)])[steps - 1]["participants"] == ["replica0", "replica1", "replica2"]
 
 
-def test_lighthouse_killed_and_restarted_while_groups_train(tiny_data: Path, tmp_path: Path) -> None:
-    """The lighthouse process is SIGKILLed mid-run and started again on the same port: the groups
-    retry, re-register, get quorums with larger ids, and finish identical, every sample once.
+def _start_pid(log: Path) -> int:
+    """The pid of the newest incarnation that wrote ``log`` (its latest ``start`` event)."""
+    return [e["pid"] for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "start"][-1]
 
-    The same run checks ``train.nonfinite = skip_step`` (merged here to save a run): a learning
-    rate that blows the model up makes every step after the first non-finite; each is committed
-    with no update at all (dense or embedding: the union update waits for the commit), on every
-    group alike, and the run goes on to the end."""
-    import socket
+
+def test_no_step_is_committed_twice_when_the_lighthouse_forgets_and_the_holders_hang(
+        tiny_data: Path, tmp_path: Path) -> None:
+    """The roll-back scenario (issue 20): three groups of one rank, checkpoints every 10 steps.
+    Mid-run groups 0 and 1 are SIGSTOPped (a hang, or a partition), the lighthouse is SIGKILLed
+    and restarted on its state file, then group 2 is SIGKILLed.  Group 2's new incarnation must
+    not resume from the older checkpoint and train alone (it would commit steps 0 and 1 already
+    committed, with another state): it starts as a catching-up group, the lighthouse holds it
+    back (one line says why) until the holders of the run's progress are back, and it then
+    catches up from them.  Every step has one state across groups, every sample is trained
+    once, quorum ids only grow."""
     import signal
+    import socket
     import time
+
+    import requests
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    url, state = f"http://127.0.0.1:{port}", tmp_path / "lighthouse.json"
 
     def lighthouse() -> subprocess.Popen[str]:
         return subprocess.Popen([sys.executable, "-m", "freescale.cli", "lighthouse", "--bind", f"127.0.0.1:{port}",
-                                 "--heartbeat-timeout", "3"], cwd=REPO, env=cli_env(), text=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                 "--heartbeat-timeout", "1", "--state", str(state)], cwd=REPO, env=cli_env(),
+                                text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-    steps = 40
+    steps = 150
     lh = lighthouse()
-    group_logs = tmp_path / "replica0" / "train_log.jsonl"
-    run = subprocess.Popen(launch_args(tmp_path, tiny_data, 2, 1, steps, "dlrm", 0, "--lighthouse",
-                                       f"http://127.0.0.1:{port}", "--optim.dense_lr", "1e25",
-                                       "--train.nonfinite", "skip_step"),
+    logs_of = [tmp_path / f"replica{g}" / "train_log.jsonl" for g in range(3)]
+    run = subprocess.Popen(launch_args(tmp_path, tiny_data, 3, 1, steps, "dlrm", 1, "--lighthouse", url,
+                                       "--checkpoint.every", "10", "--checkpoint.resume", "true",
+                                       "--ft.wait_for_replicas_s", "3"),
                            cwd=REPO, env=fault_env(SLOW), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stopped: list[int] = []
     try:
-        wait_for_lines(group_logs, 10)
+        wait_for_lines(logs_of[2], 30)
+        stopped = [_start_pid(logs_of[g]) for g in (0, 1)]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
         lh.send_signal(signal.SIGKILL)
         lh.wait()
-        time.sleep(0.5)
         lh = lighthouse()
+        os.kill(_start_pid(logs_of[2]), signal.SIGKILL)
+        deadline, blocked = time.monotonic() + 60, ""
+        while not blocked and time.monotonic() < deadline:
+            time.sleep(0.2)
+            try:
+                blocked = requests.get(f"{url}/v1/status", timeout=2).json()["blocked"]
+            except requests.RequestException:
+                pass
+        assert "waiting for replica group(s) replica0, replica1" in blocked, blocked
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        stopped = []
         _, err = run.communicate(timeout=240)
         assert run.returncode == 0, err[-3000:]
     finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
         for p in (run, lh):
             if p.poll() is None:
                 p.kill()
-    runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
-    ids = [e["quorum_id"] for e in by_step(runs[(0, 0)]).values()]
-    assert ids == sorted(ids) and ids[-1] > ids[0], "quorum ids must keep growing across the restart"
-    # A group may have sat some steps out while the lighthouse was away (and took them from a snapshot;
-    # which one depends on whose vote answer the killed lighthouse sent last): the group that committed
-    # every step itself is the reference, and the steps both committed themselves are compared.
-    survivor, other = sorted((by_step(runs[(g, 0)]) for g in (0, 1)), key=len, reverse=True)
-    assert sorted(survivor) == list(range(steps)), "neither group committed every step itself"
-    skipped = [s for s, e in survivor.items() if e.get("nonfinite_skipped")]
-    assert skipped and skipped == list(range(skipped[0], steps)), skipped
-    assert all(other[s].get("nonfinite_skipped", False) == (s in skipped) for s in other if other[s]["contributing"])
-    assert len({survivor[s]["digest"] for s in skipped}) == 1, "a skipped step changed the state"
+    assert err.count("waiting for replica group(s) replica0, replica1") == 1, err[-3000:]
+    runs = check_run(tmp_path, tiny_data, "dlrm", 3, 1, steps)  # one state per step: nothing committed twice
+    restarted = runs[(2, 0)]
+    assert any(e["event"] == "no_resume" and e["fresh_run"] is False for e in restarted), "resumed from a checkpoint"
+    assert not any(e["event"] == "resume" for e in restarted)
+    assert len(catch_ups(restarted)) == 1, "the restarted group did not catch up from its peers"
+    for g in range(3):
+        ids = [e["quorum_id"] for e in by_step(runs[(g, 0)]).values()]
+        assert ids == sorted(ids), f"group {g}: quorum ids went back"
 
 
 def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tmp_path: Path) -> None:
@@ -331,13 +363,19 @@ def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tm
     group 1 at its heartbeat timeout (3 s) and says group 0's quorum is lost, so group 0 stops
     waiting in the collective (the collective timeout, 30 s here, is never reached) and goes on
     alone while group 1 is still stopped.  After SIGCONT group 1 finds itself behind, catches up
-    without a restart, and trains again."""
+    without a restart, and trains again.
+
+    The same run checks ``train.nonfinite = skip_step`` (merged here to save a run): a learning
+    rate that blows the model up makes every step after the first non-finite; each is committed
+    with no update at all (dense or embedding: the union update waits for the commit), on every
+    group alike, and the run goes on to the end."""
     import os
     import signal
     import time
 
     steps = 200
-    run = subprocess.Popen(launch_args(tmp_path, tiny_data, 2, 1, steps, "dlrm", 0, "--ft.timeout_s", "30"),
+    run = subprocess.Popen(launch_args(tmp_path, tiny_data, 2, 1, steps, "dlrm", 0, "--ft.timeout_s", "30",
+                                       "--optim.dense_lr", "1e25", "--train.nonfinite", "skip_step"),
                            cwd=REPO, env=fault_env(SLOW), text=True, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE)
     victim = tmp_path / "replica1" / "train_log.jsonl"
@@ -361,4 +399,9 @@ def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tm
     assert min(survivor[s]["time"] for s in alone) < resumed, "group 0 waited for the stopped group instead of going on"
     assert len(catch_ups(runs[(1, 0)])) == 1, "the resumed group did not catch up"
     assert by_step(runs[(1, 0)])[steps - 1]["contributing"]
+    skipped = [s for s, e in survivor.items() if e.get("nonfinite_skipped")]
+    assert skipped and skipped == list(range(skipped[0], steps)), skipped
+    other = by_step(runs[(1, 0)])
+    assert all(other[s].get("nonfinite_skipped", False) == (s in skipped) for s in other if other[s]["contributing"])
+    assert len({survivor[s]["digest"] for s in skipped}) == 1, "a skipped step changed the state"
 

@@ -1,0 +1,77 @@
+"""What a rank says on the user's terminal when a fault is handled, and where the detail goes.
+
+Under the elastic agent (``freescale launch``, torchrun) a rank whose peer dies or hangs sees its
+own collectives fail; the agent then stops the group and, with restarts left, starts it again
+(with replica groups it catches up from the others).  That is a handled fault: it gets **one
+line** on stderr (which group, which rank, what happened, what happens next) and the traceback
+goes to the rank's log file, ``<train.output_dir>/[replica<g>/]rank<r>.log``.  An error that is
+not a peer's failure (a bug) keeps its traceback on the terminal.
+
+The same file receives every thread's Python stack when the rank gets ``SIGUSR1``
+(``faulthandler``): ``kill -USR1 <pid>`` on each rank of a stuck job says where each one is, with
+no py-spy needed.  A restarted incarnation says so in one line as it starts.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import IO, Any
+
+_PEER_FAILURE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+                 "timed out", "timeout", "gloo", "nccl", "socket closed", "end of file")
+"""Words of the errors a collective raises when a peer died or hung (gloo, NCCL, the store)."""
+
+_state: dict[str, Any] = {}
+
+
+def _identity() -> str:
+    group = os.environ.get("FREESCALE_REPLICA_INDEX")
+    rank = os.environ.get("RANK", "0")
+    return f"replica group {group} rank {rank}" if group is not None else f"rank {rank}"
+
+
+def install(output_dir: str, replica_id: str | None) -> Path:
+    """The rank's log file (``SIGUSR1`` dumps every thread's stack into it); returns its path.
+    A restarted incarnation's rank 0 says so on stderr."""
+    directory = Path(output_dir) / (replica_id or "")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank{os.environ.get('RANK', '0')}.log"
+    stream: IO[str] = path.open("a", buffering=1)
+    _state.update(path=path, stream=stream)
+    faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts and os.environ.get("RANK", "0") == "0":
+        then = "catches up from the other groups" if replica_id else "resumes from its latest checkpoint"
+        print(f"freescale: {_identity().rsplit(' rank', 1)[0]} restarted (incarnation {restarts}) after a failure; "
+              f"it {then}", file=sys.stderr, flush=True)
+    return path
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """The error is a collective's report that a peer died or hung (not a bug of this rank)."""
+    import torch.distributed as dist
+
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError)
+                                                and any(word in text for word in _PEER_FAILURE))
+
+
+def report_handled(exc: BaseException) -> bool:
+    """A peer's failure under the elastic agent: its traceback to the rank's log, one line to the
+    terminal; True when it was reported so (the caller exits non-zero: the agent restarts the group)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "stream" not in _state or not peer_failure(exc):
+        return False
+    stream: IO[str] = _state["stream"]
+    stream.write("".join(traceback.format_exception(exc)))
+    stream.flush()
+    what = " ".join(str(exc).split())[:160] or type(exc).__name__
+    left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    then = "its group restarts" if left > 0 else "no restart left: the group stops"
+    print(f"freescale: {_identity()}: a peer failed ({what}); {then} (traceback in {_state['path']})",
+          file=sys.stderr, flush=True)
+    return True
