@@ -126,7 +126,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     rank_console.install(cfg.train.output_dir, cfg.ft.replica_id if cfg.ft.enabled else None)
     summary = Trainer(cfg).fit()
     if _is_rank0():
-        print_summary(summary)
+        from freescale.job_summary import SUMMARY_ENV
+
+        if summary.finished_elsewhere:
+            print(f"freescale: replica group {cfg.ft.replica_index}: the run had finished when this group "
+                  "(re)started; nothing left to train", file=sys.stderr)
+        elif not (cfg.ft.enabled and os.environ.get(SUMMARY_ENV)):  # the launcher prints one for the job
+            print_summary(summary, f"replica group {cfg.ft.replica_index}" if cfg.ft.enabled else "")
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # Training ended cleanly (barrier, process groups destroyed, files closed).
         # Interpreter teardown then runs C++ destructors of torchrec/gloo objects,
@@ -138,11 +144,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def print_summary(summary: Any) -> None:
+def print_summary(summary: Any, who: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"freescale: {summary.model} on {summary.world_size} rank(s)")
+    table = Table(title=f"freescale: {summary.model} on {summary.world_size} rank(s)" + (f", {who}" if who else ""))
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
@@ -221,7 +227,9 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ConfigError("data.calibrate_every: not supported with replica groups yet (the fitted cost model "
                               "would have to be agreed across groups to keep their plans identical); set it to 0")
         return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [*train_args, *overrides],
-                               lighthouse_url=args.lighthouse)
+                               lighthouse_url=args.lighthouse, output_dir=cfg.train.output_dir,
+                               title=f"freescale: {cfg.model.kind}, {args.replicas} replica group(s) of "
+                                     f"{args.nproc_per_node} rank(s)")
     return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
 
 

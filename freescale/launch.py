@@ -97,18 +97,21 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
 
 
 def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train_args: Sequence[str],
-                    heartbeat_timeout_s: float = 3.0, lighthouse_url: str = "") -> int:
+                    heartbeat_timeout_s: float = 3.0, lighthouse_url: str = "", output_dir: str = "",
+                    title: str = "freescale job") -> int:
     """Fault-tolerant training on this machine: a lighthouse in this process and ``replicas``
     groups of ``nproc_per_node`` ranks, each its own elastic job (``launch_local`` in a child
     process) that restarts with a new incarnation after a failure and catches up from its peers.
 
     ``lighthouse_url``: use that lighthouse (``freescale lighthouse``, e.g. on another host or
     one that outlives this launcher) instead of starting one here.
-    Returns 0 when every group finished, else the worst group's exit status.
+    Returns 0 when every group finished, else the worst group's exit status.  With ``output_dir``
+    the groups print no summary and this prints one for the job (``freescale.job_summary``).
     """
     import subprocess
 
     from freescale.ft.config import LIGHTHOUSE_ENV, REPLICA_INDEX_ENV, REPLICAS_ENV, RUN_ID_ENV
+    from freescale.job_summary import SUMMARY_ENV
     from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
     from freescale.ft.replica_group import SHARED_GPUS_ENV
 
@@ -122,7 +125,7 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     try:
         for index in range(replicas):
             env = {**os.environ, LIGHTHOUSE_ENV: url, REPLICAS_ENV: str(replicas), REPLICA_INDEX_ENV: str(index),
-                   RUN_ID_ENV: run_id}
+                   RUN_ID_ENV: run_id, **({SUMMARY_ENV: "1"} if output_dir else {})}
             if devices is not None:  # each group its own GPUs (every group numbers its ranks 0..G-1)
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[index * nproc_per_node:(index + 1) * nproc_per_node])
             elif shared_gpus:
@@ -142,7 +145,19 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     for index, code in enumerate(codes):
         if code:
             print(f"freescale: error: replica group {index} exited with status {code}", file=sys.stderr)
+    if output_dir:
+        _print_job_summary(Path(output_dir), title)
     return max(codes, default=0)
+
+
+def _print_job_summary(output_dir: Path, title: str) -> None:
+    from freescale.job_summary import print_job_summary, summarize
+    from freescale.report.logs import ReportError
+
+    try:
+        print_job_summary(summarize(output_dir), title)
+    except (ReportError, OSError, ValueError) as exc:
+        print(f"freescale: no job summary: {exc}", file=sys.stderr)
 
 
 def _gpus_per_group(replicas: int, nproc_per_node: int) -> tuple[list[str] | None, bool]:

@@ -57,8 +57,10 @@ class Progress:
     """Metric windows, balance timings and the progress output of one run."""
 
     def __init__(self, log: RunLog, total: int, initial: int, name: str, show: bool, on_cpu: bool,
-                 global_batch: int) -> None:
+                 global_batch: int, label: str = "") -> None:
         self.log, self.total, self.show, self.on_cpu = log, total, show, on_cpu
+        self.label = label
+        """Printed before each progress line (``group 1  ``: several groups share one terminal)."""
         self.global_batch = global_batch
         self.window, self.run_window, self.timing = MetricWindow(), MetricWindow(), StepTiming()
         self.last = ClickMetrics(float("nan"), float("nan"), float("nan"), 0)
@@ -92,7 +94,7 @@ class Progress:
                        samples_per_s=rate, epoch=epoch, skipped_rows=skipped_rows, **balance)
         self.bar.set_postfix(loss=f"{self.last.loss:.4f}", auc=f"{self.last.auc:.3f}")
         if self.bar.disable and self.show:
-            print(f"step {done}/{self.total}  loss {self.last.loss:.4f}  auc {self.last.auc:.3f}  "
+            print(f"{self.label}step {done}/{self.total}  loss {self.last.loss:.4f}  auc {self.last.auc:.3f}  "
                   f"{rate:,.0f} samples/s  imbalance {balance['imbalance']:.3f}", flush=True)
 
     def close(self) -> float:

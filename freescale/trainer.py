@@ -75,6 +75,8 @@ class TrainSummary:
     skipped_rows: int = 0
     state_digest: str = ""
     """SHA-256 over every rank's parameters and optimizer state after training (``freescale.digest``)."""
+    finished_elsewhere: bool = False
+    """Another replica group finished the run while this one was (re)starting: nothing was left to train."""
 
 
 def quiet_libraries() -> None:
@@ -126,7 +128,7 @@ class Trainer:
         parts.sync.start()
         progress = Progress(log, cfg.train.steps, start_step, cfg.model.kind,
                             ctx.is_main and cfg.train.progress, ctx.device.type == "cpu",
-                            parts.loader.global_batch_size)
+                            parts.loader.global_batch_size, label=f"group {parts.group}  " if parts.groups > 1 else "")
         committed, last_ckpt = self._train(parts, log, progress, start_step)
         seconds = progress.close()
         if parts.tracer is not None:
@@ -141,7 +143,9 @@ class Trainer:
             skipped_rows=parts.loader.skipped_rows,
         )
         summary.state_digest = state_digest(parts.dmp, parts.optimizer)
-        if cfg.train.eval and parts.manifest.rows.get("eval", 0) >= cfg.data.batch_size * ctx.world_size:
+        summary.finished_elsewhere = bool(getattr(parts.sync, "finished_elsewhere", False)) and committed == 0
+        if (cfg.train.eval and not summary.finished_elsewhere
+                and parts.manifest.rows.get("eval", 0) >= cfg.data.batch_size * ctx.world_size):
             result = self._evaluate(parts, parts.pipeline.detach())
             summary.eval_loss, summary.eval_auc, summary.eval_ne = result.loss, result.auc, result.ne
             log.write("eval", loss=result.loss, auc=result.auc, ne=result.ne, samples=result.samples)

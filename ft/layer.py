@@ -155,6 +155,8 @@ class FaultTolerance:
         self.events: list[dict[str, Any]] = []
         """Events for the run log since the caller last took them (catch-up, staging)."""
         self.finished_elsewhere = False
+        self._members: set[str] | None = None
+        """The groups of the last committed quorum (for the console line when they change)."""
         self._step, self._first_step = -1, True
         self._weight: float | None = None
         self._loss: torch.Tensor | None = None
@@ -254,6 +256,7 @@ class FaultTolerance:
             self.events.append({"event": "finished_elsewhere", "step": step, "finished_step": done.step})
             raise
         self.record = self._record_of(result, trained)
+        self._say_membership(result)
         if result.recovering:
             self.hooks.at("catchup", result.step)
             caught_up = self.agree(self.sync.snapshot_arrived)  # the whole group turns ready at one step
@@ -294,6 +297,18 @@ class FaultTolerance:
         if self.data is not None:
             self.data.commit(commit)
         return commit
+
+    def _say_membership(self, result: StepResult) -> None:
+        """One console line (rank 0) when the groups committing with this one change: who left, who joined."""
+        members = set(result.quorum.replica_ids)
+        before, self._members = self._members, members
+        if self.rank != 0 or before is None or members == before:
+            return
+        change = "; ".join(part for part in (
+            f"left: {', '.join(sorted(before - members))}" if before - members else "",
+            f"joined: {', '.join(sorted(members - before))}" if members - before else "") if part)
+        print(f"freescale: replica group {self.group_index}: step {result.step} committed by "
+              f"{', '.join(sorted(members))} ({change})", file=sys.stderr, flush=True)
 
     def _record_of(self, result: StepResult, trained: bool) -> dict[str, Any]:
         return {"quorum_id": result.quorum.quorum_id, "participants": list(result.quorum.replica_ids),
