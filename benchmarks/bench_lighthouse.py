@@ -120,12 +120,17 @@ class Load:
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any], load: Load) -> dict[str, Any]:
-    async with session.post(url, json=body) as answer:
-        load.requests += 1
-        payload: dict[str, Any] = await answer.json()
-        if answer.status != 200:
-            load.errors.append(f"{url.rsplit('/', 1)[1]} {answer.status}: {payload.get('error', '')[:120]}")
-        return payload
+    """One request; an error or a timeout (an overloaded lighthouse) is counted and answers {}."""
+    try:
+        async with session.post(url, json=body) as answer:
+            load.requests += 1
+            payload: dict[str, Any] = await answer.json()
+            if answer.status != 200:
+                load.errors.append(f"{url.rsplit('/', 1)[1]} {answer.status}: {payload.get('error', '')[:120]}")
+            return payload
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        load.errors.append(f"{url.rsplit('/', 1)[1]}: {type(exc).__name__}")
+        return {}
 
 
 async def _beats(session: aiohttp.ClientSession, base: str, who: dict[str, Any], load: Load, stop: asyncio.Event,
@@ -159,16 +164,19 @@ async def _speaker(session: aiohttp.ClientSession, base: str, who: dict[str, Any
 
 
 async def _simulate(base: str, groups: int, group_size: int, steps: int, step_s: float, run_id: str,
-                    interval_s: float) -> Load:
+                    interval_s: float, max_s: float = 120.0) -> Load:
     load, stop, arrived = Load(), asyncio.Event(), []
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as session:
         identities = [{"replica_id": f"replica{g}", "incarnation": 0, "member": m, "group_size": group_size,
                        "run_id": run_id} for g in range(groups) for m in range(group_size)]
         beats = [asyncio.create_task(_beats(session, base, who, load, stop, interval_s)) for who in identities]
         await asyncio.sleep(2 * interval_s)  # every member known before anyone asks
-        await asyncio.gather(*(_speaker(session, base, who, steps, step_s, len(identities), load, arrived)
-                               for who in identities))
+        try:
+            await asyncio.wait_for(asyncio.gather(*(_speaker(session, base, who, steps, step_s, len(identities), load,
+                                                            arrived) for who in identities)), max_s)
+        except asyncio.TimeoutError:
+            load.errors.append(f"the steps did not finish within {max_s:.0f} s")
         stop.set()
         await asyncio.gather(*beats)
         await _post(session, f"{base}/v1/finish", {**identities[0], "step": steps - 1}, load)
@@ -199,10 +207,21 @@ def bench_load(ranks: int, group_size: int, speakers: str, steps: int, step_ms: 
         "decision_p50_ms": float(np.percentile(decision, 50)) if decision.size else float("nan"),
         "decision_p99_ms": float(np.percentile(decision, 99)) if decision.size else float("nan"),
         "lighthouse_cpu": cpu / wall, "errors": len(load.errors), "first_error": load.errors[0] if load.errors else "",
+        "steps_done": len(load.last_ballot),
     }
 
 
+def _more_files() -> None:
+    """Every simulated rank holds two connections (and the lighthouse as many): raise the soft limit
+    on open files to the hard one, for this process and the lighthouse it starts."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main() -> None:
+    _more_files()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI-sized: 64 and 256 ranks, fewer steps (< 60 s)")
     parser.add_argument("--ranks", default="", help="comma-separated rank counts (default 64,256,1024,4096)")

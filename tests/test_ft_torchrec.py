@@ -152,6 +152,10 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
                   max_restarts=1, extra=("--pipeline.kind", kind))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "replica1" / "rank1.killed").exists()
+    # The killed rank's peer in its group saw its collectives fail: one line, no traceback on the terminal.
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "freescale: replica group 1 rank 0: a peer failed" in proc.stderr
+    assert "replica group 1 restarted (incarnation 1)" in proc.stderr
     runs = check_run(tmp_path, tiny_data, model, 2, 2, steps)
     survivor = by_step(runs[(0, 0)])
     assert sorted(survivor) == list(range(steps)), "the survivor skipped or discarded a step"
@@ -313,6 +317,21 @@ def test_no_step_is_committed_twice_when_the_lighthouse_forgets_and_the_holders_
     for g in range(3):
         ids = [e["quorum_id"] for e in by_step(runs[(g, 0)]).values()]
         assert ids == sorted(ids), f"group {g}: quorum ids went back"
+
+
+def test_chaos_short_form_holds_every_invariant(tiny_data: Path, tmp_path: Path) -> None:
+    """``benchmarks/bench_chaos.py --quick``: a SIGKILL, a SIGSTOP and a lighthouse kill at seeded
+    random times in one three-group run: one state per step, every sample once, no step discarded,
+    restarted groups caught up (no checkpoint fallback), no traceback on the terminal."""
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_chaos.py"), "--quick", "--data",
+                           str(tiny_data), "--json", str(out)], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())["rows"][0]
+    assert result["audit_ok"] and result["tracebacks"] == 0 and result["checkpoint_fallbacks"] == 0, result
+    assert sorted(f["kind"] for f in result["faults"]) == ["kill", "lighthouse", "stop"], result["faults"]
+    assert result["caught_up"] >= 1
 
 
 def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tmp_path: Path) -> None:

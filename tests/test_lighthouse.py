@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -365,4 +366,57 @@ def test_lighthouse_serves_one_run_at_a_time_then_the_next() -> None:
     assert q2.quorum_id > q1.quorum_id and q2.replica_ids == ("replica0",)
     for c in (first, second):
         c.close()
+    lh.stop_thread()
+
+
+def test_restarted_lighthouse_restores_its_facts_from_the_state_file(tmp_path: Path) -> None:
+    """With a state file, a restarted lighthouse keeps the run, the quorum id, the step reached and
+    the holders: a group restarted meanwhile (new incarnation, at step 0) joins the holder at its
+    step (and will catch up), in a quorum with a larger id; the file is what ``freescale.ft.durable``
+    writes, and a file that is not is refused in one line naming it."""
+    from freescale.ft import durable
+
+    state = tmp_path / "lh.json"
+    cfg = dict(min_replicas=1, join_timeout_s=0.2, heartbeat_timeout_s=1.0, state_path=str(state))
+    lh = Lighthouse(LighthouseConfig(**cfg))
+    lh.start_in_thread()
+    port = int(lh.url.rsplit(":", 1)[1])
+    a, b = client(lh, "a"), client(lh, "b")
+    for step in range(3):
+        seen = quorums([a, b], step)[0]
+    lh.stop_thread()
+    saved = durable.load(state)
+    assert saved is not None and saved.holders == {"a": 0, "b": 0} and saved.high_step == 2
+    restarted = Lighthouse(LighthouseConfig(**{**cfg, "bind": f"127.0.0.1:{port}"}))
+    restarted.start_in_thread()
+    status = b.status()
+    assert status["restored"] and status["settled"] and status["high_step"] == 2
+    a.close()
+    a2 = client(restarted, "a", incarnation=1)  # restarted: it holds no progress
+    pending = [a2.quorum_async(0), b.quorum_async(3)]
+    q = pending[0].result(timeout=10)
+    assert q == pending[1].result(timeout=10)
+    assert q.quorum_id > seen.quorum_id and q.replica_ids == ("a", "b")
+    assert q.max_step == 3 and {p.replica_id: p.step for p in q.participants} == {"a": 0, "b": 3}
+    for c in (a2, b):
+        c.close()
+    restarted.stop_thread()
+    state.write_text('{"format": "something else"}')
+    with pytest.raises(durable.StateFileError, match=f"{state}: not a lighthouse state file"):
+        Lighthouse(LighthouseConfig(**cfg))
+
+
+def test_a_body_that_never_arrives_is_answered_408_and_the_server_stays_up() -> None:
+    import socket
+
+    lh = Lighthouse(LighthouseConfig(body_timeout_s=0.3))
+    lh.start_in_thread()
+    host, port = lh.url[len("http://"):].split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"rep")
+        start = time.monotonic()
+        answer = sock.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 408") and time.monotonic() - start < 3, answer
+    assert requests.get(f"{lh.url}/v1/status", timeout=5).status_code == 200
     lh.stop_thread()
