@@ -384,13 +384,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         from freescale.checkpoint import CheckpointError
         from freescale.dataloader.schema import DataError
-        from freescale.ft.client import LighthouseError
+        from freescale.ft.client import LighthouseError, ProgressLost
         from freescale.step_sync import NonFiniteError
 
         if isinstance(exc, (ConfigError, DataError, CheckpointError, LighthouseError, NonFiniteError)):
             from freescale.launch import report_user_error
 
-            report_user_error(str(exc), restartable=isinstance(exc, LighthouseError))
+            # A lighthouse out of reach may come back; a run whose progress is lost will not.
+            report_user_error(str(exc), restartable=isinstance(exc, LighthouseError) and not isinstance(exc, ProgressLost))
             return 2
         from freescale.rank_console import report_handled
 

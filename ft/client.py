@@ -25,6 +25,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import socket
 import ssl
 import threading
 import time
@@ -63,6 +64,11 @@ def _one_line(text: object, limit: int = 300) -> str:
 
 class LighthouseError(RuntimeError):
     pass
+
+
+class ProgressLost(LighthouseError):
+    """Every group that held the run's progress is gone: no restart of this group can fix it (the
+    run must start again from a checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +184,10 @@ class LighthouseClient:
             self._beats.join(timeout=2)
         conn = self._presence_conn
         if conn is not None and conn.sock is not None:
-            conn.sock.close()  # ends the held request (its thread is blocked reading it)
+            try:  # wakes the thread blocked reading the held request, and tells the lighthouse now
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self.drop_connection()
 
     # ------------------------------------------------------------------ requests
@@ -274,8 +283,13 @@ class LighthouseClient:
         if known is not None and known[0] == step:
             return known[1]
         while True:
-            answer = self._request("POST", "/v1/quorum", {
-                "step": step, "last_quorum_id": self.last_quorum_id, "address": self.address, "store": self.store})
+            try:
+                answer = self._request("POST", "/v1/quorum", {
+                    "step": step, "last_quorum_id": self.last_quorum_id, "address": self.address, "store": self.store})
+            except LighthouseError as exc:
+                if "held the run's progress" in str(exc):  # the lighthouse's refusal (``membership``)
+                    raise ProgressLost(str(exc)) from None
+                raise
             why = answer.get("waiting")
             if not isinstance(why, str):
                 self.waiting_reason = ""
@@ -291,7 +305,7 @@ class LighthouseClient:
             raise JobFinished(int(body["finished_step"]))
         quorum = Quorum.from_json(body)
         if quorum.max_step < quorum.high_step:
-            raise LighthouseError(
+            raise ProgressLost(
                 f"quorum {quorum.quorum_id} reaches step {quorum.max_step} but the run had reached step "
                 f"{quorum.high_step}: every group holding that progress is gone, so no one can catch up from it; "
                 "restart the run (from a checkpoint) instead")
