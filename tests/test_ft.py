@@ -7,6 +7,7 @@ are bit-identical at every committed step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -102,10 +103,25 @@ def test_weighted_average_is_the_mean_over_samples(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("phase", ["forward", "reduce:0", "reduce:3"])
 def test_sigkill_one_replica_survivors_commit_every_step(phase: str, tmp_path: Path) -> None:
-    lh = lighthouse(min_replicas=1)
-    steps = 12
-    procs = {r: start(lh, r, tmp_path, steps, fault=f"5:{phase}" if r == "c" else "") for r in ("a", "b", "c")}
+    """c dies in step 5; a and b commit every step without it.  With ``forward``, the lighthouse is
+    also stopped just after it hands out the smaller quorum and restarted on its state file: the
+    survivors' next commit comes within the restart + 1 s, and quorum ids keep growing."""
+    restart = phase == "forward"
+    lh = lighthouse(min_replicas=1, **({"state_path": str(tmp_path / "lh.json")} if restart else {}))
+    steps = 40 if restart else 12
+    extra = ("--step-sleep", "0.05") if restart else ()
+    procs = {r: start(lh, r, tmp_path, steps, *extra, fault=f"5:{phase}" if r == "c" else "") for r in ("a", "b", "c")}
     assert procs["c"].wait(timeout=120) == -signal.SIGKILL
+    if restart:
+        deadline = time.monotonic() + 30
+        while (lh.quorum is None or len(lh.quorum["participants"]) != 2) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        handed_out, port = lh.quorum_id, lh.url.rsplit(":", 1)[1]
+        stopped = time.time()
+        lh.stop_thread()
+        lh = Lighthouse(dataclasses.replace(lh.cfg, bind=f"127.0.0.1:{port}"))
+        lh.start_in_thread()
+        restarted = time.time()
     finish(procs, ["a", "b"])
     logs = assert_identical_every_step(tmp_path, ["a", "b"], steps)
     with_c = [e["step"] for e in logs[0] if e["participants"] == ["a", "b", "c"]]
@@ -116,6 +132,10 @@ def test_sigkill_one_replica_survivors_commit_every_step(phase: str, tmp_path: P
     # c logged steps 0..4 and died in 5; or (the kill comes from a timer, ``reduce:3`` is 3 ms into the
     # exchange) step 5 committed with c first, and c may have logged it before the signal landed.
     assert [e["step"] for e in read(tmp_path, "c")] in (list(range(5)), list(range(len(with_c))))
+    if restart:
+        after = [e for e in logs[0] if e["time"] > stopped]
+        assert after and after[0]["time"] - restarted < 1.0, "the survivors' first commit after the restart was late"
+        assert all(e["quorum_id"] >= handed_out for e in after) and after[-1]["quorum_id"] > handed_out
     lh.stop_thread()
 
 
