@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import IO, Any
 
 _PEER_FAILURE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
-                 "timed out", "timeout", "gloo", "nccl", "socket closed", "end of file")
-"""Words of the errors a collective raises when a peer died or hung (gloo, NCCL, the store)."""
+                 "timed out", "socket closed", "replica group:")
+"""Words of the errors a collective raises when a peer died or hung (gloo, NCCL, the store, and
+``freescale.ft.replica_group`` giving up on a lost quorum)."""
 
 _state: dict[str, Any] = {}
 

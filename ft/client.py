@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from freescale.ft.membership import PROGRESS_LOST
 from freescale.step_sync import JobFinished
 
 _BACKOFF_FIRST_S = 0.02
@@ -60,6 +61,18 @@ def backoff_delays(rng: random.Random, first_s: float = _BACKOFF_FIRST_S,
 
 def _one_line(text: object, limit: int = 300) -> str:
     return " ".join(str(text).split())[:limit]
+
+
+def _keep_alive(sock: socket.socket | None) -> None:
+    """No read timeout on the held presence request, but TCP keep-alive probes (after 5 s idle,
+    every 2 s, 3 missed): a lighthouse whose host vanished is given up in ~11 s and reconnected."""
+    if sock is None:
+        return
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class LighthouseError(RuntimeError):
@@ -287,7 +300,7 @@ class LighthouseClient:
                 answer = self._request("POST", "/v1/quorum", {
                     "step": step, "last_quorum_id": self.last_quorum_id, "address": self.address, "store": self.store})
             except LighthouseError as exc:
-                if "held the run's progress" in str(exc):  # the lighthouse's refusal (``membership``)
+                if PROGRESS_LOST in str(exc):  # the lighthouse's refusal (``freescale.ft.membership``)
                     raise ProgressLost(str(exc)) from None
                 raise
             why = answer.get("waiting")
@@ -326,7 +339,7 @@ class LighthouseClient:
         request); ``forget_next`` drops it when this rank does not go on to that step."""
         return self.commit_async(quorum_id, step, ok)()
 
-    def commit_async(self, quorum_id: int, step: int, ok: bool) -> Callable[[], bool]:
+    def commit_async(self, quorum_id: int, step: int, ok: bool, ready: bool = True) -> Callable[[], bool]:
         """Send the step's commit vote now; the returned call reads the outcome (``commit``'s).
 
         The lighthouse answers once every participant voted, so the caller can do work that
@@ -334,9 +347,10 @@ class LighthouseClient:
         read on this thread's keep-alive connection, no thread hand-off; if either half fails
         the vote goes again through the retrying request path (a vote is idempotent: a
         member's ballot for a quorum and step is recorded once), within the same
-        ``request_timeout_s``.  Read it on this thread, with no other request of this thread in
+        ``request_timeout_s``.  ``ready``: this rank holds valid state (it is not catching up): the
+        lighthouse counts the groups that commit ready as the holders of the run's progress.  Read it on this thread, with no other request of this thread in
         between (they share its connection); one left unread is dropped with ``drop_connection``."""
-        body = {"quorum_id": quorum_id, "step": step, "ok": ok}
+        body = {"quorum_id": quorum_id, "step": step, "ok": ok, "ready": ready}
         deadline = time.monotonic() + self.request_timeout_s
         conn: http.client.HTTPConnection | None = None
         try:
@@ -374,11 +388,8 @@ class LighthouseClient:
         """This group ran its last step: tell late joiners (restarted groups) to stop."""
         self._request("POST", "/v1/finish", {"step": step})
 
-    def report_failure(self, quorum_id: int, peer_gone: bool = False) -> None:
-        """A collective of ``quorum_id`` failed; ``peer_gone``: on a closed connection (the peer's
-        process is gone), which lets the lighthouse settle a two-group quorum without the
-        heartbeat timeout (``freescale.ft.lighthouse``)."""
-        self._request("POST", "/v1/report", {"quorum_id": quorum_id, "peer_gone": peer_gone})
+    def report_failure(self, quorum_id: int) -> None:
+        self._request("POST", "/v1/report", {"quorum_id": quorum_id})
 
     def status(self) -> dict[str, Any]:
         """``GET /v1/status``; retried like every request, a ``LighthouseError`` naming the URL if it stays down."""
@@ -399,8 +410,10 @@ class LighthouseClient:
         while not self._stop.is_set():
             try:
                 conn = self._send("POST", "/v1/presence", {}, self.request_timeout_s)
-                conn.sock.settimeout(None)  # type: ignore[union-attr]  # held until this process ends
+                _keep_alive(conn.sock)  # held until this process ends; a dead lighthouse host is found
                 self._presence_conn = conn
+                if self._stop.is_set():  # closed while connecting
+                    break
                 self._receive(conn)  # returns only when the lighthouse goes away (or refuses: 409)
             except (OSError, http.client.HTTPException, ValueError):
                 pass

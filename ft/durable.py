@@ -65,9 +65,9 @@ class DurableState:
         run_id = body.get("run_id")
         if run_id is not None and not isinstance(run_id, str):
             raise StateFileError(f"{where}: field 'run_id' must be a string or null")
-        return DurableState(run_id=run_id, quorum_id=int(number("quorum_id") or 0), high_step=int(number("high_step") or 0),
+        return DurableState(run_id=run_id, quorum_id=int(number("quorum_id")), high_step=int(number("high_step")),
                             finished_step=number("finished_step", optional=True),
-                            holders_quorum_id=int(number("holders_quorum_id") or 0), holders=dict(holders))
+                            holders_quorum_id=int(number("holders_quorum_id")), holders=dict(holders))
 
 
 def load(path: str | os.PathLike[str]) -> DurableState | None:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from freescale.ft.catchup import SnapshotFetch, SnapshotServer
 from freescale.ft.client import LighthouseClient, Quorum
-from freescale.ft.replica_group import FTARGroup, RendezvousStore, ReplicaGroup, peer_gone
+from freescale.ft.replica_group import FTARGroup, RendezvousStore, ReplicaGroup
 from freescale.ft.weighted_reduce import FlatReduction, FTARStage, Reduced, weighted_all_reduce
 from freescale.grad_buckets import BucketedGrads, GroupFailure
 from freescale.step_sync import all_finite
@@ -292,7 +292,7 @@ class ReplicaSync:
                 last_error = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
                 reduced = None
                 self.group.drop()
-                self.client.report_failure(quorum.quorum_id, peer_gone=peer_gone(str(exc)))
+                self.client.report_failure(quorum.quorum_id)
             t1 = time.perf_counter()
             self.hooks.at("vote", step)
             committed, prepared, finite, t2 = self._vote(quorum, step, reduced, exchange, extra)
@@ -312,7 +312,7 @@ class ReplicaSync:
         """Send the vote, prepare the update while it is in flight, read the outcome (agreed in the
         group): (committed, prepared, finite, when the preparation ended).  The prepared update is
         put back unless the step committed."""
-        vote = self.client.commit_async(quorum.quorum_id, step, reduced is not None)
+        vote = self.client.commit_async(quorum.quorum_id, step, reduced is not None, ready=not self.recovering)
         prepared: Any = None
         committed = read = False
         try:
@@ -401,6 +401,7 @@ class ReplicaSync:
                                  source_wait_s=waited, bytes=sum(t.numel() * t.element_size() for t in state.values()),
                                  finished=time.time())
         self.recovering, self._recorded, self._fetch = False, [], None
+        self.client.progress = {**self.client.progress, "ready": True}  # valid once loaded and replayed
         if self.snapshots is not None:
             self.snapshots.can_serve = True
         return CatchUp(snap_step, state, newer)

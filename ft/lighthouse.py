@@ -60,7 +60,7 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
     moment), so the client does not ask for it; absent otherwise (a group waits
     to join, someone is unhealthy, ...), and the client asks as usual.
 
-``POST /v1/report``  ``{replica_id, quorum_id, peer_gone}``
+``POST /v1/report``  ``{replica_id, quorum_id}``
     A rank saw a collective of ``quorum_id`` fail.  That quorum is broken (the
     next one gets a new id, so nobody reuses its process groups) and every
     other participant becomes *suspect*: healthy again only after a heartbeat
@@ -68,12 +68,10 @@ HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
     suspect is within ``suspect_grace_s`` (three heartbeat intervals) of the
     report, so a live group is never left out (which could let two quorums
     commit the same step); a dead group never answers, so the survivors form
-    the next quorum after the grace instead of the heartbeat timeout.  With
-    ``peer_gone`` (the failed collective found its connection closed: the
-    peer's process is gone) a suspect that stays silent through the grace also
-    stops counting for the majority rule, so the survivor of a two-group job
-    goes on then, not after the heartbeat timeout.  A genuine partition leaves
-    both sides heartbeating: neither is dropped, and neither goes on alone.
+    the next quorum after the grace instead of the heartbeat timeout.  Whether
+    a suspect is *gone* (no longer counted by the majority rule) is learned
+    from its own presence connection only (``/v1/presence``): one group's
+    report cannot make another group gone.
 ``POST /v1/finish``  ``{replica_id, incarnation, member, step}``
     A group finished the run at ``step``.  From then on every quorum request
     is answered ``{finished: true, finished_step}``: a group restarted after
@@ -124,7 +122,7 @@ from typing import Any
 from aiohttp import ClientPayloadError, web
 
 from freescale.ft import durable
-from freescale.ft.membership import BadRequest, LighthouseConfig, Membership, _field, _Group, _Join, _Vote
+from freescale.ft.membership import BadRequest, LighthouseConfig, Membership, _field, _Group, _Join, _Vote, resolve
 from freescale.ft.serving import LoopThread, token_ok
 
 log = logging.getLogger("freescale.ft.lighthouse")
@@ -242,7 +240,9 @@ class Lighthouse(Membership):
             raise BadRequest("field 'run_id' must be a string of at most 100 characters")
         if run_id != self.run_id:
             now = time.monotonic()
-            if self.run_id is not None and self.finished_step is None and (self._healthy(now) or not self.settled(now)):
+            restoring = self.restored and now - self.started < self.cfg.heartbeat_timeout_s  # its groups re-register
+            if (self.run_id is not None and self.finished_step is None
+                    and (self._healthy(now) or not self.settled(now) or restoring)):
                 return None, member, (f"this lighthouse serves run '{self.run_id}', which is still going; "
                                       f"start another lighthouse for run '{run_id}'")
             self._new_run(run_id)
@@ -255,9 +255,7 @@ class Lighthouse(Membership):
             self.groups[replica_id] = group
             stale = self.joins.pop(replica_id, None)
             if stale is not None:
-                for waiter in stale.waiters:
-                    if not waiter.done():
-                        waiter.set_exception(web.HTTPConflict(text="a newer incarnation of this replica joined"))
+                resolve(stale.waiters, web.HTTPConflict(text="a newer incarnation of this replica joined"))
         group.beats[member] = time.monotonic()
         return group, member, ""
 
@@ -265,9 +263,7 @@ class Lighthouse(Membership):
         """A new run (another ``freescale launch``) on a lighthouse whose previous run finished or
         died: forget its groups, quorum, votes and progress; quorum ids keep growing."""
         for join in self.joins.values():
-            for waiter in join.waiters:
-                if not waiter.done():
-                    waiter.set_exception(web.HTTPConflict(text=f"a new run '{run_id}' started on this lighthouse"))
+            resolve(join.waiters, web.HTTPConflict(text=f"a new run '{run_id}' started on this lighthouse"))
         self.run_id = run_id
         self.groups.clear()
         self.joins.clear()
@@ -349,6 +345,8 @@ class Lighthouse(Membership):
             if expected is None or expected[0] != group.incarnation:
                 return web.json_response({"commit": False, "reason": "not a participant of this quorum"})
             vote.ballots[(group.replica_id, member)] = ok
+            if body.get("ready", True) is True:
+                vote.ready.add((group.replica_id, member))
             self._settle(vote, time.monotonic())
         if vote.result is None:
             waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -366,16 +364,14 @@ class Lighthouse(Membership):
         quorum_id = _field(body, "quorum_id", int)
         reporter = _field(body, "replica_id", str)
         now = time.monotonic()
-        peer_gone = body.get("peer_gone") is True
         if self.quorum is not None and self.quorum["quorum_id"] == quorum_id:
             # Its process groups are broken: the next quorum gets a new id even if
             # every participant turns out to be alive.
             self.quorum["broken"] = True
             for p in self.quorum["participants"]:
                 group = self.groups.get(p["replica_id"])
-                if group is not None and p["replica_id"] != reporter:
-                    group.suspect_since = now
-                    group.gone_reported = peer_gone
+                if group is not None and p["replica_id"] != reporter and not group.silent_since_report():
+                    group.suspect_since = now  # (one already silent since an earlier report keeps its grace)
         reporter_group = self.groups.get(reporter)
         if reporter_group is not None:
             reporter_group.beats = {m: now for m in reporter_group.beats}
@@ -416,9 +412,7 @@ class Lighthouse(Membership):
         self.finished_step = max(step, self.finished_step if self.finished_step is not None else step)
         self.on_durable_change()
         for join in self.joins.values():
-            for waiter in join.waiters:
-                if not waiter.done():
-                    waiter.set_result(self._finished_answer())
+            resolve(join.waiters, self._finished_answer())
         self.joins.clear()
         for vote in self.votes.values():  # a vote still open cannot complete: its group went home
             if vote.result is None:

@@ -87,8 +87,25 @@ class LighthouseConfig:
 
 IN_FLIGHT_S = 0.05
 """A heartbeat read this soon after a failure report may have been sent before it (by a rank that
-has died since): not a sign of life.  Live ranks beat every 50 ms, so within the suspect grace
-(0.15 s) a live group still shows one that counts."""
+has died since): not a sign of life.  Each member beats every 50 ms, so a live group's slowest
+member has the rest of the suspect grace (0.1 s, two beats) to show one that counts; a loaded
+machine that misses it costs that group a catch-up, never a wrong commit."""
+
+
+def resolve(waiters: list[asyncio.Future[Any]], value: Any) -> None:
+    """Answer every pending request in ``waiters`` with ``value`` (an exception is raised there)."""
+    for waiter in waiters:
+        if not waiter.done():
+            if isinstance(value, BaseException):
+                waiter.set_exception(value)
+            else:
+                waiter.set_result(value)
+    waiters.clear()
+
+
+PROGRESS_LOST = "held the run's progress"
+"""In the refusal of a quorum whose holders are all gone (``_progress_check``): the client turns it
+into a final error (``freescale.ft.client.ProgressLost``)."""
 
 
 class BadRequest(Exception):
@@ -150,6 +167,8 @@ class _Vote:
     participants: dict[str, tuple[int, int]]
     """replica_id -> (incarnation, group_size)."""
     ballots: dict[tuple[str, int], bool] = field(default_factory=dict)
+    ready: set[tuple[str, int]] = field(default_factory=set)
+    """(replica_id, member) that voted holding valid state (not catching up)."""
     waiters: list[asyncio.Future[bool]] = field(default_factory=list)
     result: bool | None = None
 
@@ -226,7 +245,9 @@ class Membership:
         if group is None or group.incarnation != incarnation or self.finished_step is not None:
             return
         now = time.monotonic()
-        group.suspect_since, group.gone_reported = now, True
+        if not group.silent_since_report():  # already silent since an earlier report: keep its grace running
+            group.suspect_since = now
+        group.gone_reported = True
         if self.quorum is not None and any(p["replica_id"] == replica_id for p in self.quorum["participants"]):
             self.quorum["broken"] = True  # its collectives cannot complete: the next quorum gets a new id
         for vote in self.votes.values():
@@ -294,8 +315,8 @@ class Membership:
     def _try_form(self, now: float) -> None:
         if self._awaiting_suspects(now):
             return  # forming now could leave out a live group that is merely suspect
-        if not self.holders and not self.settled(now):
-            return  # a restarted lighthouse without a state file: let the live groups report first
+        if not self.settled(now):
+            return  # a restarted lighthouse without a state file: let every live group report first
         healthy = self._healthy(now)
         joined = {
             rid for rid, j in self.joins.items()
@@ -337,23 +358,22 @@ class Membership:
             return "wait", (f"waiting for replica group(s) {', '.join(maybe_alive)}: they hold the run's newest state "
                             f"(it reached {reached}) and may be alive (hung, stopped or cut off); a quorum of "
                             f"{', '.join(sorted(joined))} would start again at step {top} and commit steps twice. "
-                            "If they are gone for good, stop the job and start it again from the latest checkpoint")
-        return "refuse", (f"every replica group that held the run's progress (it reached {reached}) is gone, so no "
+                            "If they are gone for good, stop the job and start it again from the latest checkpoint "
+                            "as a new run (a new run id, or a lighthouse without this state file)")
+        return "refuse", (f"every replica group that {PROGRESS_LOST} (it reached {reached}) is gone, so no "
                           f"one can catch up from it; a quorum of {', '.join(sorted(joined))} would start again at "
                           f"step {top}: restart the run from the latest checkpoint instead")
 
     def _turn_away(self, joined: set[str], answer: dict[str, Any]) -> None:
-        """Answer the joined groups' pending quorum requests with ``answer`` (they ask again, or stop)."""
+        """Answer the joined groups' pending quorum requests with ``answer`` and forget their joins:
+        a group told to wait joins again when it asks again (a quorum never counts a group that has
+        no request open), a refused one stops."""
         why = next(iter(answer.values()))
         if why != self.blocked:
             log.warning("lighthouse: %s", why)
         self.blocked = why
         for rid in joined:
-            join = self.joins[rid] if "waiting" in answer else self.joins.pop(rid)
-            for waiter in join.waiters:
-                if not waiter.done():
-                    waiter.set_result(answer)
-            join.waiters.clear()
+            resolve(self.joins.pop(rid).waiters, answer)
 
     def _keeps_majority(self, joined: set[str], now: float) -> bool:
         """A new quorum must hold more than half of the previous quorum's participants that may
@@ -374,6 +394,15 @@ class Membership:
             previous = self.holders
         maybe_alive = {rid for rid, inc in previous.items() if self._maybe_alive(rid, inc, now)}
         return not maybe_alive or 2 * len(maybe_alive & joined) > len(maybe_alive)
+
+    def _commit_holders(self, vote: _Vote) -> None:
+        """A step committed: the groups that hold valid state after it (every member voted
+        ``ready``) are the holders now; durable before any voter is told."""
+        ready = {rid: inc for rid, (inc, size) in vote.participants.items()
+                 if sum(1 for (r, _) in vote.ready if r == rid) == size}
+        if ready and (ready != self.holders or self.holders_quorum_id != vote.quorum_id):
+            self.holders, self.holders_quorum_id = ready, vote.quorum_id
+            self.on_durable_change()
 
     def _maybe_alive(self, replica_id: str, incarnation: int, now: float) -> bool:
         """Same incarnation, not reported gone, and a sign of life within the heartbeat timeout
@@ -401,15 +430,11 @@ class Membership:
             "high_step": self.high_step,
         }
         self.high_step = max(self.high_step, self.quorum["max_step"])
-        self.holders = {rid: self.groups[rid].incarnation for rid in joined}
-        self.holders_quorum_id, self.blocked = self.quorum_id, ""
-        self.on_durable_change()  # durable before any participant is told
+        self.blocked = ""
+        self.on_durable_change()  # the quorum id, durable before any participant is told
         self.steady_steps.clear()
         for rid in joined:
-            join = self.joins.pop(rid)
-            for waiter in join.waiters:
-                if not waiter.done():
-                    waiter.set_result(self.quorum)
+            resolve(self.joins.pop(rid).waiters, self.quorum)
 
     def _settle(self, vote: _Vote, now: float) -> None:
         if vote.result is not None:
@@ -428,6 +453,8 @@ class Membership:
                 expected = sum(size for _, size in vote.participants.values())
                 if len(vote.ballots) == expected:
                     vote.result = True
+        if vote.result:
+            self._commit_holders(vote)
         if vote.result is not None:
             if not vote.result and self.quorum is not None and self.quorum["quorum_id"] == vote.quorum_id:
                 # Everyone drops the quorum's process groups: the next one gets a new id (and store

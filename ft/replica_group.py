@@ -238,17 +238,6 @@ class ReplicaGroup:
         self.pg, self._pending = None, []
 
 
-_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
-              "socket closed", "end of file")
-
-
-def peer_gone(error: str) -> bool:
-    """A collective's error says the peer's process is gone (its connection closed or reset), not
-    that it is slow: evidence the lighthouse may act on before the heartbeat timeout."""
-    text = error.lower()
-    return any(marker in text for marker in _PEER_GONE)
-
-
 class RendezvousStore:
     """The ``TCPStore`` that quorums' process groups meet on, hosted by member 0 of each group.
 

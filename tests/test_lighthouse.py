@@ -331,7 +331,7 @@ def test_group_behind_the_runs_progress_waits_for_its_holders_then_is_refused() 
     lh.start_in_thread()
     a = client(lh, "a")
     for step in range(3):
-        a.quorum(step)
+        assert a.commit(a.quorum(step).quorum_id, step, True)  # a commits: it holds the run's progress
     a.close()
     time.sleep(0.4)  # a's heartbeat times out: silent, but it may be alive
     b = client(lh, "b")
@@ -384,15 +384,19 @@ def test_restarted_lighthouse_restores_its_facts_from_the_state_file(tmp_path: P
     a, b = client(lh, "a"), client(lh, "b")
     for step in range(3):
         seen = quorums([a, b], step)[0]
+        with ThreadPoolExecutor(2) as pool:  # both commit: both hold the run's progress
+            assert all(pool.map(lambda c: c.commit(seen.quorum_id, step, True), (a, b)))
     lh.stop_thread()
     saved = durable.load(state)
-    assert saved is not None and saved.holders == {"a": 0, "b": 0} and saved.high_step == 2
+    # The last committed vote's reply carried step 3's steady quorum: the run reached step 3.
+    assert saved is not None and saved.holders == {"a": 0, "b": 0} and saved.high_step == 3
     restarted = Lighthouse(LighthouseConfig(**{**cfg, "bind": f"127.0.0.1:{port}"}))
     restarted.start_in_thread()
     status = b.status()
-    assert status["restored"] and status["settled"] and status["high_step"] == 2
+    assert status["restored"] and status["settled"] and status["high_step"] == 3
     a.close()
     a2 = client(restarted, "a", incarnation=1)  # restarted: it holds no progress
+    b.forget_next()  # the dead lighthouse's answer for step 3 (a vote in it would be told "superseded")
     pending = [a2.quorum_async(0), b.quorum_async(3)]
     q = pending[0].result(timeout=10)
     assert q == pending[1].result(timeout=10)
@@ -419,4 +423,20 @@ def test_a_body_that_never_arrives_is_answered_408_and_the_server_stays_up() -> 
         answer = sock.recv(4096).decode()
         assert answer.startswith("HTTP/1.1 408") and time.monotonic() - start < 3, answer
     assert requests.get(f"{lh.url}/v1/status", timeout=5).status_code == 200
+    lh.stop_thread()
+
+
+def test_a_forgetful_lighthouse_forms_no_quorum_before_it_settles() -> None:
+    """Without a state file a (re)started lighthouse waits ``settle_s`` before its first quorum, even
+    when a heartbeat has already told it of a holder: the other live groups re-register first, and
+    their reports (quorum, next step, ready) rebuild the holders and the step the run reached."""
+    lh = Lighthouse(LighthouseConfig(min_replicas=1, heartbeat_timeout_s=1.0, settle_s=0.6))
+    lh.start_in_thread()
+    a = LighthouseClient(lh.url, "a", 0, request_timeout_s=5)
+    a.progress = {"quorum_id": 7, "step": 40, "ready": True}  # what a rank of a running job reports
+    a.start()
+    q = a.quorum(40)
+    assert time.monotonic() - lh.started >= 0.6, "a quorum formed before the lighthouse settled"
+    assert q.quorum_id > 7 and lh.holders == {"a": 0} and lh.high_step == 40
+    a.close()
     lh.stop_thread()
