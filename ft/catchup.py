@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import struct
 import threading
 import time
@@ -44,6 +45,8 @@ import torch
 from aiohttp import web
 
 from freescale.ft.serving import LoopThread, token_ok
+
+log = logging.getLogger("freescale.ft.catchup")
 
 CHUNK_BYTES = 4 << 20
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -173,15 +176,19 @@ class SnapshotServer:
             await asyncio.sleep(0.005)
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         response.content_length = 8 + len(staged.header) + staged.payload.numel()
-        await response.prepare(request)
-        await response.write(struct.pack("<Q", len(staged.header)) + staged.header)
-        if self.on_stream is not None:
-            self.on_stream(staged.step)
-        view = memoryview(staged.payload.numpy())
-        for lo in range(0, len(view), CHUNK_BYTES):
-            await response.write(view[lo:lo + CHUNK_BYTES])
-            self.bytes_served += min(CHUNK_BYTES, len(view) - lo)
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            await response.write(struct.pack("<Q", len(staged.header)) + staged.header)
+            if self.on_stream is not None:
+                self.on_stream(staged.step)
+            view = memoryview(staged.payload.numpy())
+            for lo in range(0, len(view), CHUNK_BYTES):
+                await response.write(view[lo:lo + CHUNK_BYTES])
+                self.bytes_served += min(CHUNK_BYTES, len(view) - lo)
+            await response.write_eof()
+        except ConnectionError:  # the fetcher died or gave up mid-transfer: it fetches again, or elsewhere
+            log.warning("snapshot server: the fetcher at %s went away mid-transfer of step %d", request.remote,
+                        staged.step)
         return response
 
 
