@@ -116,6 +116,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -151,7 +152,14 @@ class Lighthouse(Membership):
     def _save(self) -> None:
         """Write the durable facts (``freescale.ft.durable``), synchronously: no answer that
         depends on them leaves before they are on disk."""
-        durable.save(self.cfg.state_path, self.durable)
+        try:
+            durable.save(self.cfg.state_path, self.durable)
+        except OSError as exc:
+            # Going on would tell groups what a restart would forget: stop; the groups retry until a
+            # lighthouse (restarted by whoever runs it) serves again from the last state written.
+            log.critical("lighthouse: cannot write its state file %s (%s); stopping", self.cfg.state_path,
+                         exc.strerror or exc)
+            os._exit(3)
         self._saved_high_step, self._saved_at = self.high_step, time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
