@@ -146,6 +146,7 @@ class Lighthouse(Membership):
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._held: set[asyncio.Event] = set()
+        self._lost_cache: tuple[dict[str, Any], bool, float, bool] | None = None
         """One per open ``/v1/presence`` request."""
         self._background = LoopThread("freescale-lighthouse")
 
@@ -292,7 +293,16 @@ class Lighthouse(Membership):
         self.note_progress(group, body)
         q = self.quorum
         return web.json_response({"ok": True, "quorum_id": q["quorum_id"] if q is not None else None,
-                                  "quorum_lost": q is not None and self._lost(q, time.monotonic())})
+                                  "quorum_lost": q is not None and self._quorum_lost(q)})
+
+    def _quorum_lost(self, quorum: dict[str, Any]) -> bool:
+        """``_lost`` for heartbeat replies, computed at most once per tick (it scans every
+        participant's members: once per heartbeat it would cost O(ranks) per request)."""
+        now, cached = time.monotonic(), self._lost_cache
+        broken = bool(quorum.get("broken"))
+        if cached is None or cached[0] is not quorum or cached[1] != broken or now - cached[2] > self.cfg.tick_s:
+            cached = self._lost_cache = (quorum, broken, now, self._lost(quorum, now))
+        return cached[3]
 
     async def _quorum(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -352,10 +362,8 @@ class Lighthouse(Membership):
             expected = vote.participants.get(group.replica_id)
             if expected is None or expected[0] != group.incarnation:
                 return web.json_response({"commit": False, "reason": "not a participant of this quorum"})
-            vote.ballots[(group.replica_id, member)] = ok
-            if body.get("ready", True) is True:
-                vote.ready.add((group.replica_id, member))
-            self._settle(vote, time.monotonic())
+            vote.cast(group.replica_id, member, ok, body.get("ready", True) is True)
+            self._settle(vote, time.monotonic(), scan=False)
         if vote.result is None:
             waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
             vote.waiters.append(waiter)

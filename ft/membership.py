@@ -167,10 +167,25 @@ class _Vote:
     participants: dict[str, tuple[int, int]]
     """replica_id -> (incarnation, group_size)."""
     ballots: dict[tuple[str, int], bool] = field(default_factory=dict)
-    ready: set[tuple[str, int]] = field(default_factory=set)
-    """(replica_id, member) that voted holding valid state (not catching up)."""
+    voted: dict[str, int] = field(default_factory=dict)
+    """Ballots per group (counted as they come: a vote settles in O(1) per ballot)."""
+    ready: dict[str, int] = field(default_factory=dict)
+    """Ballots per group cast holding valid state (not catching up)."""
+    said_no: bool = False
     waiters: list[asyncio.Future[bool]] = field(default_factory=list)
     result: bool | None = None
+
+    def cast(self, replica_id: str, member: int, ok: bool, ready: bool) -> None:
+        if (replica_id, member) in self.ballots:
+            return  # a retried vote: counted once
+        self.ballots[(replica_id, member)] = ok
+        self.voted[replica_id] = self.voted.get(replica_id, 0) + 1
+        self.ready[replica_id] = self.ready.get(replica_id, 0) + int(ready)
+        self.said_no = self.said_no or not ok
+
+    @property
+    def expected(self) -> int:
+        return sum(size for _, size in self.participants.values())
 
 
 def _field(body: dict[str, Any], name: str, kind: type) -> Any:
@@ -313,6 +328,8 @@ class Membership:
         )
 
     def _try_form(self, now: float) -> None:
+        if not self.joins:
+            return  # nobody asks (the steady state): nothing to scan
         if self._awaiting_suspects(now):
             return  # forming now could leave out a live group that is merely suspect
         if not self.settled(now):
@@ -398,8 +415,7 @@ class Membership:
     def _commit_holders(self, vote: _Vote) -> None:
         """A step committed: the groups that hold valid state after it (every member voted
         ``ready``) are the holders now; durable before any voter is told."""
-        ready = {rid: inc for rid, (inc, size) in vote.participants.items()
-                 if sum(1 for (r, _) in vote.ready if r == rid) == size}
+        ready = {rid: inc for rid, (inc, size) in vote.participants.items() if vote.ready.get(rid, 0) == size}
         if ready and (ready != self.holders or self.holders_quorum_id != vote.quorum_id):
             self.holders, self.holders_quorum_id = ready, vote.quorum_id
             self.on_durable_change()
@@ -436,23 +452,23 @@ class Membership:
         for rid in joined:
             resolve(self.joins.pop(rid).waiters, self.quorum)
 
-    def _settle(self, vote: _Vote, now: float) -> None:
+    def _settle(self, vote: _Vote, now: float, scan: bool = True) -> None:
+        """Decide ``vote`` if it can be: no as soon as a ballot says no or a participant that has not
+        voted fully is unhealthy (``scan``: looked for by the ticker and on failure evidence, not on
+        every ballot), yes once every member voted."""
         if vote.result is not None:
             return
-        if not all(vote.ballots.values()):
+        if vote.said_no:
             vote.result = False
-        else:
+        elif len(vote.ballots) == vote.expected:
+            vote.result = True
+        elif scan:
             for rid, (incarnation, group_size) in vote.participants.items():
                 group = self.groups.get(rid)
-                voted = sum(1 for (r, _) in vote.ballots if r == rid)
-                if voted < group_size and (group is None or group.incarnation != incarnation
-                                           or not group.healthy(now, self.cfg.heartbeat_timeout_s)):
+                if vote.voted.get(rid, 0) < group_size and (group is None or group.incarnation != incarnation
+                                                            or not group.healthy(now, self.cfg.heartbeat_timeout_s)):
                     vote.result = False
                     break
-            else:
-                expected = sum(size for _, size in vote.participants.values())
-                if len(vote.ballots) == expected:
-                    vote.result = True
         if vote.result:
             self._commit_holders(vote)
         if vote.result is not None:
