@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,17 +46,11 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json  # noqa: E402
+from common import free_port, write_json  # noqa: E402
 
 from freescale.tables import print_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_lighthouse(port: int, state: Path, heartbeat_timeout: float = 3.0) -> tuple[subprocess.Popen[bytes], float]:

@@ -33,6 +33,15 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def free_port() -> int:
+    """A free TCP port on the loopback (for a server a benchmark starts)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def write_json(path: str | Path, benchmark: str, params: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     out = {"benchmark": benchmark, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
            "params": params, "rows": rows}

@@ -111,9 +111,9 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     import subprocess
 
     from freescale.ft.config import LIGHTHOUSE_ENV, REPLICA_INDEX_ENV, REPLICAS_ENV, RUN_ID_ENV
-    from freescale.job_summary import SUMMARY_ENV
     from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
     from freescale.ft.replica_group import SHARED_GPUS_ENV
+    from freescale.job_summary import SUMMARY_ENV
 
     lighthouse = None if lighthouse_url else Lighthouse(LighthouseConfig(min_replicas=1,
                                                                          heartbeat_timeout_s=heartbeat_timeout_s))

@@ -30,10 +30,9 @@ _PEER_FAILURE = ("connection closed by peer", "connection reset by peer", "broke
 _state: dict[str, Any] = {}
 
 
-def _identity() -> str:
+def _group() -> str:
     group = os.environ.get("FREESCALE_REPLICA_INDEX")
-    rank = os.environ.get("RANK", "0")
-    return f"replica group {group} rank {rank}" if group is not None else f"rank {rank}"
+    return f"replica group {group}" if group is not None else "the group"
 
 
 def install(output_dir: str, replica_id: str | None) -> Path:
@@ -48,7 +47,7 @@ def install(output_dir: str, replica_id: str | None) -> Path:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restarts and os.environ.get("RANK", "0") == "0":
         then = "catches up from the other groups" if replica_id else "resumes from its latest checkpoint"
-        print(f"freescale: {_identity().rsplit(' rank', 1)[0]} restarted (incarnation {restarts}) after a failure; "
+        print(f"freescale: {_group()} restarted (incarnation {restarts}) after a failure; "
               f"it {then}", file=sys.stderr, flush=True)
     return path
 
@@ -73,6 +72,7 @@ def report_handled(exc: BaseException) -> bool:
     what = " ".join(str(exc).split())[:160] or type(exc).__name__
     left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     then = "its group restarts" if left > 0 else "no restart left: the group stops"
-    print(f"freescale: {_identity()}: a peer failed ({what}); {then} (traceback in {_state['path']})",
+    print(f"freescale: {_group()} rank {os.environ.get('RANK', '0')}: a peer failed ({what}); {then} "
+          f"(traceback in {_state['path']})",
           file=sys.stderr, flush=True)
     return True

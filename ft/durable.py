@@ -3,12 +3,13 @@
 What a restarted lighthouse must not forget, or it could let a step be committed twice
 (``freescale.ft.membership``): the run it serves, the highest quorum id it gave out, the
 highest step a quorum reached, whether the run finished, and which groups (in which
-incarnation) made up the last quorum, that is, who may hold the job's newest state.
+incarnation) committed the last step holding valid state, that is, who may hold the job's
+newest state.
 
 Written whole to a temporary file beside the target, fsynced, renamed over it and the
 directory fsynced: a kill at any moment leaves the old file or the new one, never a mix.
-Membership changes (a new quorum, a finish, a new run) are written before any participant is
-told; the growing ``high_step`` is written at most every ``flush_every_s`` (it is a lower
+Membership changes (a new quorum, new holders, a finish, a new run) are written before any
+participant is told; the growing ``high_step`` is written at most once a second (it is a lower
 bound: the rule that prevents a roll-back rests on the holders, not on this number).
 
 The format is plain JSON, read with ``json`` and checked field by field: no pickle, and a
@@ -38,9 +39,9 @@ class DurableState:
     high_step: int = -1
     finished_step: int | None = None
     holders_quorum_id: int = 0
-    """The quorum the holders below formed (or reported, to a lighthouse without a file)."""
+    """The quorum the holders below committed in (or reported, to a lighthouse without a file)."""
     holders: dict[str, int] = field(default_factory=dict)
-    """replica_id -> incarnation: the last quorum's participants (who may hold the newest state)."""
+    """replica_id -> incarnation: the groups that committed the last step holding valid state."""
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, **asdict(self)}

@@ -97,7 +97,7 @@ refused (409) with a message saying so.
 
 ``POST /v1/presence``  ``{replica_id, incarnation, member, group_size}``
     Held open by each rank for its lifetime; when its connection closes (the process
-    died), the group is suspect with ``peer_gone`` evidence at once (see
+    died), the group is suspect and known gone at once (see
     ``_presence``): a kill costs the suspect grace, whatever the survivors were doing
     (a collective, or waiting for the dead group's vote).
 
@@ -146,8 +146,9 @@ class Lighthouse(Membership):
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._held: set[asyncio.Event] = set()
-        self._lost_cache: tuple[dict[str, Any], bool, float, bool] | None = None
         """One per open ``/v1/presence`` request."""
+        self._lost_at_tick: tuple[int, bool] = (-1, False)
+        """(quorum id, ``_lost``) as of the last tick: what heartbeat replies say (module docstring)."""
         self._background = LoopThread("freescale-lighthouse")
 
     def _save(self) -> None:
@@ -293,16 +294,8 @@ class Lighthouse(Membership):
         self.note_progress(group, body)
         q = self.quorum
         return web.json_response({"ok": True, "quorum_id": q["quorum_id"] if q is not None else None,
-                                  "quorum_lost": q is not None and self._quorum_lost(q)})
-
-    def _quorum_lost(self, quorum: dict[str, Any]) -> bool:
-        """``_lost`` for heartbeat replies, computed at most once per tick (it scans every
-        participant's members: once per heartbeat it would cost O(ranks) per request)."""
-        now, cached = time.monotonic(), self._lost_cache
-        broken = bool(quorum.get("broken"))
-        if cached is None or cached[0] is not quorum or cached[1] != broken or now - cached[2] > self.cfg.tick_s:
-            cached = self._lost_cache = (quorum, broken, now, self._lost(quorum, now))
-        return cached[3]
+                                  "quorum_lost": q is not None and (bool(q.get("broken"))
+                                                                    or self._lost_at_tick == (q["quorum_id"], True))})
 
     async def _quorum(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -399,7 +392,7 @@ class Lighthouse(Membership):
     async def _presence(self, request: web.Request) -> web.Response:
         """Held open for as long as the rank's process lives (the client's presence thread).  Its
         connection closing (the process died: the kernel closes its sockets) makes the group
-        suspect with ``peer_gone`` evidence at once: an open vote fails and the next quorum forms
+        suspect and known gone at once: an open vote fails and the next quorum forms
         after the suspect grace, not the heartbeat timeout.  A hung or stopped process keeps it
         open, a partition does not close it, so neither is mistaken for a death."""
         group, _, error = self._member(await self._body(request))
@@ -433,9 +426,7 @@ class Lighthouse(Membership):
         for vote in self.votes.values():  # a vote still open cannot complete: its group went home
             if vote.result is None:
                 vote.result = False
-                for waiter in vote.waiters:
-                    if not waiter.done():
-                        waiter.set_result(False)
+                resolve(vote.waiters, False)
         return web.json_response({"ok": True})
 
     async def _status(self, request: web.Request) -> web.Response:
@@ -460,6 +451,8 @@ class Lighthouse(Membership):
             await asyncio.sleep(self.cfg.tick_s)
             try:
                 now = time.monotonic()
+                if self.quorum is not None:  # scans every participant's members: once a tick, not per heartbeat
+                    self._lost_at_tick = (self.quorum["quorum_id"], self._lost(self.quorum, now))
                 self._try_form(now)
                 for vote in list(self.votes.values()):
                     self._settle(vote, now)

@@ -122,14 +122,14 @@ class _Group:
     """When a peer reported a failed collective with this group; a sign of life counts against it
     only from ``IN_FLIGHT_S`` later (a beat a dead rank sent just before it died may be read after
     the report)."""
-    gone_reported: bool = False
-    """A peer's collective with this group failed on a closed connection (its process is gone, as
-    far as that peer can tell): with no sign of life during the suspect grace, it no longer counts
-    as maybe alive for the majority rule (a two-group job goes on without the heartbeat timeout)."""
+    presence_lost: bool = False
+    """A member's presence connection closed (its process is gone: ``/v1/presence``): with no sign of
+    life during the suspect grace, the group no longer counts as maybe alive for the majority rule
+    (a two-group job goes on without the heartbeat timeout)."""
 
     def gone(self, now: float, grace: float) -> bool:
-        """Reported gone and silent through the suspect grace since (module docstring)."""
-        return self.gone_reported and self.silent_since_report() and now - self.suspect_since >= grace  # type: ignore[operator]
+        """Its presence connection closed and it stayed silent through the suspect grace since."""
+        return self.presence_lost and self.silent_since_report() and now - self.suspect_since >= grace  # type: ignore[operator]
 
     def silent_since_report(self) -> bool:
         """Suspect, and no sign of life since the report (beats in flight then not counted)."""
@@ -226,8 +226,6 @@ class Membership:
         the run's progress may be alive: module docstring)."""
         self.on_durable_change: Callable[[], None] = lambda: None
         self.started = time.monotonic()
-        self.store_address = ""
-        """A rendezvous store for quorums whose first participant announced none (tests)."""
 
     @property
     def durable(self) -> DurableState:
@@ -242,7 +240,7 @@ class Membership:
         """A heartbeat's report of the rank's last committed quorum and next step (when it holds
         valid state): rebuilds a forgetful lighthouse's facts (module docstring)."""
         quorum_id, step = body.get("quorum_id"), body.get("step")
-        if not isinstance(quorum_id, int) or isinstance(quorum_id, bool) or not body.get("ready") is True:
+        if not isinstance(quorum_id, int) or isinstance(quorum_id, bool) or body.get("ready") is not True:
             return
         if isinstance(step, int) and not isinstance(step, bool):
             self.high_step = max(self.high_step, step)
@@ -262,7 +260,7 @@ class Membership:
         now = time.monotonic()
         if not group.silent_since_report():  # already silent since an earlier report: keep its grace running
             group.suspect_since = now
-        group.gone_reported = True
+        group.presence_lost = True
         if self.quorum is not None and any(p["replica_id"] == replica_id for p in self.quorum["participants"]):
             self.quorum["broken"] = True  # its collectives cannot complete: the next quorum gets a new id
         for vote in self.votes.values():
@@ -400,8 +398,8 @@ class Membership:
         So a lone group whose peers are merely slow to answer (a starved heartbeat
         thread, a long pause) cannot go on by itself and commit a step that the
         others then commit differently; a crashed group's share stops counting when
-        its heartbeat times out, or sooner when a peer's collective found its
-        connection closed and it showed no sign of life through the suspect grace.
+        its heartbeat times out, or sooner when its presence connection closed and
+        it showed no sign of life through the suspect grace.
         With three or more groups one crash leaves a majority at once; with two, the
         survivor goes on after that grace.
         """
@@ -439,7 +437,7 @@ class Membership:
              "addresses": [self.joins[rid].addresses.get(m, "") for m in range(self.groups[rid].group_size)]}
             for rid in sorted(joined)
         ]
-        store = next((self.joins[rid].store for rid in sorted(joined) if self.joins[rid].store), self.store_address)
+        store = next((self.joins[rid].store for rid in sorted(joined) if self.joins[rid].store), "")
         self.quorum = {
             "quorum_id": self.quorum_id, "participants": participants,
             "max_step": max(p["step"] for p in participants), "store": store,
@@ -476,6 +474,4 @@ class Membership:
                 # Everyone drops the quorum's process groups: the next one gets a new id (and store
                 # prefix), even with the same members, so no rendezvous reads this one's keys.
                 self.quorum["broken"] = True
-            for waiter in vote.waiters:
-                if not waiter.done():
-                    waiter.set_result(vote.result)
+            resolve(vote.waiters, vote.result)
