@@ -5,19 +5,23 @@ Two measures, one table each:
 1. **start to serving**: ``freescale lighthouse`` started as a user starts it (a new process,
    ``--state`` file), timed from ``Popen`` to the first ``GET /v1/status`` answered 200.
    Target <= 0.5 s.  Fresh starts and restarts on an existing state file alike.
-2. **load**: simulated ranks (asyncio coroutines on loopback, one process) speak the real
-   protocol to a real ``freescale lighthouse`` process: a heartbeat every 50 ms per rank, the
-   step's quorum (all members of every group join, then the steady path: a committed vote's
-   reply carries the next quorum), and every rank's commit vote per step after ``--step-ms`` of
-   "compute".  Per size: requests/s the lighthouse answered, heartbeats answered as a fraction
-   of those sent for (``held``: below 1 the simulator or the lighthouse fell behind), the
-   quorum *formation* latency (last member's join request to its answer), the vote
-   *decision* latency (the step's last ballot sent to each rank's answer), P50/P99, and the
+2. **load**: simulated voices (asyncio coroutines on loopback, one process) speak the real
+   protocol to a real ``freescale lighthouse`` process: heartbeats as often as the lighthouse
+   asks (every 50 ms, slower past ``--max-beats-per-s``), the step's quorum (every group joins,
+   then the steady path: a committed vote's reply carries the next quorum), and each voice's
+   commit ballot per step after ``--step-ms`` of "compute".  Per size: requests/s the
+   lighthouse answered, heartbeats answered as a fraction of those the asked-for rate called
+   for (``held``: below 1 the simulator or the lighthouse fell behind), the beat interval it
+   asked for, the quorum *formation* latency (last join request to its answer), the vote
+   *decision* latency (the step's last ballot sent to each voice's answer), P50/P99, and the
    lighthouse's CPU (utime + stime over the measured window; 100% = one core).
 
-Every rank speaking for itself is what the code does today.  ``--speakers group`` simulates one
-speaker per replica group (heartbeats, quorum and vote sent once per group): the load that
-per-group aggregation would leave, which is *not built yet*; those rows say so.
+   ``--speakers group`` (the code: ``freescale.ft.group_agent``): one voice per replica group
+   of ``--group-size`` ranks, its agent, speaking for every member (member ages in its
+   heartbeat, every member's step in its quorum request, every member's ballot in one).
+   ``rank``: every rank speaks for itself, as groups of one rank do (and every rank did before
+   the agents), for comparison.  The members' side (ranks to their agent, on their own hosts)
+   does not load the lighthouse and is not simulated.
 
 The simulator and the lighthouse share this machine's cores: on a 2-core VM a size whose
 ``held`` falls below 1 is as much the simulator's limit as the lighthouse's; the lighthouse's
@@ -32,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,7 +48,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,12 +58,14 @@ from freescale.tables import print_table  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start_lighthouse(port: int, state: Path, heartbeat_timeout: float = 3.0) -> tuple[subprocess.Popen[bytes], float]:
+def start_lighthouse(port: int, state: Path, heartbeat_timeout: float = 3.0,
+                     max_beats_per_s: float = 2000.0) -> tuple[subprocess.Popen[bytes], float]:
     """A ``freescale lighthouse`` process and the seconds from its start to a 200 on /v1/status."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "freescale.cli", "lighthouse", "--bind", f"127.0.0.1:{port}",
                              "--state", str(state), "--heartbeat-timeout", str(heartbeat_timeout),
-                             "--join-timeout", "5", "--max-request-bytes", "65536"],
+                             "--join-timeout", "5", "--max-request-bytes", "65536",
+                             "--max-beats-per-s", str(max_beats_per_s)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while True:
         try:
@@ -110,96 +117,155 @@ class Load:
     decision_s: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     last_ballot: dict[int, float] = field(default_factory=dict)
+    beat_every_s: float = 0.0
+    """The slowest heartbeat interval the lighthouse asked for."""
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any], load: Load) -> dict[str, Any]:
-    """One request; an error or a timeout (an overloaded lighthouse) is counted and answers {}."""
+class _Http:
+    """One keep-alive HTTP/1.1 connection to the lighthouse, a request at a time, on bare asyncio
+    streams: the simulator's own cost per request must stay well below the lighthouse's, and
+    aiohttp's client costs more than its server (both share this machine's cores)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def connect(self) -> None:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        await self.connect()
+        assert self.reader is not None
+        self.writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body))
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+        payload = await self.reader.readexactly(int(length.group(1)) if length else 0)
+        return int(head[9:12]), payload
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def _post(conn: _Http, path: str, body: dict[str, Any] | bytes, load: Load) -> dict[str, Any]:
+    """One request; an error is counted and answers {} (the whole simulation has one time limit)."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     try:
-        async with session.post(url, json=body) as answer:
-            load.requests += 1
-            payload: dict[str, Any] = await answer.json()
-            if answer.status != 200:
-                load.errors.append(f"{url.rsplit('/', 1)[1]} {answer.status}: {payload.get('error', '')[:120]}")
-            return payload
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        load.errors.append(f"{url.rsplit('/', 1)[1]}: {type(exc).__name__}")
+        status, answer = await conn.post(path, raw)
+    except (OSError, asyncio.IncompleteReadError) as exc:
+        load.errors.append(f"{path}: {type(exc).__name__}")
+        conn.close()
+        conn.writer = None
         return {}
+    load.requests += 1
+    if len(answer) > 4096:  # a whole quorum (tens of KB at 512 groups): its agent on its own host would decode
+        found = re.search(rb'"quorum_id": (\d+)', answer)  # it; this one-core simulator reads the id only
+        return {"quorum_id": int(found.group(1))} if found and status == 200 else {}
+    payload: dict[str, Any] = json.loads(answer)
+    if status != 200:
+        load.errors.append(f"{path} {status}: {str(payload.get('error', ''))[:120]}")
+    return payload
 
 
-async def _beats(session: aiohttp.ClientSession, base: str, who: dict[str, Any], load: Load, stop: asyncio.Event,
-                 interval_s: float) -> None:
-    started = time.perf_counter()
+async def _beats(conn: _Http, who: dict[str, Any], load: Load, stop: asyncio.Event, interval_s: float) -> None:
+    """A voice's heartbeats, as often as the lighthouse asks (``beat_every_s``, at least ``interval_s``);
+    ``beats_sent_for`` counts the beats that the asked-for rate called for."""
+    beat = json.dumps({**who, "member_ages_s": [0.01] * who["group_size"]} if who.get("agent") else who).encode()
+    every = interval_s
     while not stop.is_set():
-        await _post(session, f"{base}/v1/heartbeat", who, load)
+        sent = time.perf_counter()
+        reply = await _post(conn, "/v1/heartbeat", beat, load)
         load.beats_answered += 1
-        await asyncio.sleep(max(0.0, interval_s - (time.perf_counter() - started) % interval_s))
-    load.beats_sent_for += int((time.perf_counter() - started) / interval_s)
+        every = max(interval_s, float(reply.get("beat_every_s", every)))
+        load.beat_every_s = max(load.beat_every_s, every)
+        await asyncio.sleep(max(0.0, every - (time.perf_counter() - sent)))
+        load.beats_sent_for += max(1, int((time.perf_counter() - sent) / every))
+    conn.close()
 
 
-async def _speaker(session: aiohttp.ClientSession, base: str, who: dict[str, Any], steps: int, step_s: float,
-                   speakers: int, load: Load, arrived: list[float]) -> None:
-    """One speaker's steps: join the quorum, then per step compute and vote (the vote's answer
+async def _speaker(conn: _Http, who: dict[str, Any], steps: int, step_s: float, speakers: int, load: Load,
+                   arrived: list[float]) -> None:
+    """One voice's steps: join the quorum, then per step compute and vote (the vote's answer
     carries the next quorum)."""
-    arrived.append(time.perf_counter())
-    quorum = await _post(session, f"{base}/v1/quorum", {**who, "step": 0, "last_quorum_id": 0}, load)
+    size = who["group_size"]
+    agent = bool(who.get("agent"))
+    ballots = {"members": list(range(size)), "ready": True} if agent else {}
+    await conn.connect()
+    arrived.append(time.perf_counter())  # its join request leaves now
+    addresses = [f"10.{index // 250}.{index % 250}.{m}:29{m:03d}" for m in range(size)
+                 for index in [int(who["replica_id"][len("replica"):])]]  # each member's snapshot server
+    asks = {"members": [{"step": 0, "address": a} for a in addresses]} if agent else {"address": addresses[0]}
+    quorum = await _post(conn, "/v1/quorum", {**who, "step": 0, "last_quorum_id": 0, **asks}, load)
     load.formation_s.append(time.perf_counter() - max(arrived) if len(arrived) == speakers else float("nan"))
     for step in range(steps):
         await asyncio.sleep(step_s)
         if "quorum_id" not in quorum:
+            conn.close()
             return
         sent = time.perf_counter()
         load.last_ballot[step] = max(load.last_ballot.get(step, 0.0), sent)
-        vote = await _post(session, f"{base}/v1/commit",
-                           {**who, "quorum_id": quorum["quorum_id"], "step": step, "ok": True}, load)
+        vote = await _post(conn, "/v1/commit",
+                           {**who, "quorum_id": quorum["quorum_id"], "step": step, "ok": True, **ballots}, load)
         load.decision_s.append(time.perf_counter() - load.last_ballot[step])
-        quorum = vote.get("next") or await _post(session, f"{base}/v1/quorum",
-                                                 {**who, "step": step + 1, "last_quorum_id": quorum["quorum_id"]}, load)
+        asks = ({"members": [{"step": step + 1, "address": a} for a in addresses]} if agent
+                else {"address": addresses[0]})
+        quorum = vote.get("next") or await _post(conn, "/v1/quorum", {**who, "step": step + 1,
+                                                                      "last_quorum_id": quorum["quorum_id"], **asks}, load)
+    conn.close()
 
 
-async def _simulate(base: str, groups: int, group_size: int, steps: int, step_s: float, run_id: str,
+async def _simulate(port: int, groups: int, group_size: int, speakers: str, steps: int, step_s: float, run_id: str,
                     interval_s: float, max_s: float = 120.0) -> Load:
     load, stop, arrived = Load(), asyncio.Event(), []
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as session:
+    if speakers == "rank":
         identities = [{"replica_id": f"replica{g}", "incarnation": 0, "member": m, "group_size": group_size,
                        "run_id": run_id} for g in range(groups) for m in range(group_size)]
-        beats = [asyncio.create_task(_beats(session, base, who, load, stop, interval_s)) for who in identities]
-        await asyncio.sleep(2 * interval_s)  # every member known before anyone asks
-        try:
-            await asyncio.wait_for(asyncio.gather(*(_speaker(session, base, who, steps, step_s, len(identities), load,
-                                                            arrived) for who in identities)), max_s)
-        except asyncio.TimeoutError:
-            load.errors.append(f"the steps did not finish within {max_s:.0f} s")
-        stop.set()
-        await asyncio.gather(*beats)
-        await _post(session, f"{base}/v1/finish", {**identities[0], "step": steps - 1}, load)
+    else:  # each group's agent: member 0's identity, speaking for all (``freescale.ft.group_agent``)
+        identities = [{"replica_id": f"replica{g}", "incarnation": 0, "member": 0, "group_size": group_size,
+                       "run_id": run_id, "agent": True} for g in range(groups)]
+    beats = [asyncio.create_task(_beats(_Http("127.0.0.1", port), who, load, stop, interval_s)) for who in identities]
+    await asyncio.sleep(2 * interval_s)  # every voice known before anyone asks
+    try:
+        await asyncio.wait_for(asyncio.gather(*(_speaker(_Http("127.0.0.1", port), who, steps, step_s,
+                                                         len(identities), load, arrived) for who in identities)), max_s)
+    except asyncio.TimeoutError:
+        load.errors.append(f"the steps did not finish within {max_s:.0f} s")
+    stop.set()
+    await asyncio.gather(*beats)
+    finish = _Http("127.0.0.1", port)
+    await _post(finish, "/v1/finish", {**identities[0], "step": steps - 1}, load)
+    finish.close()
     return load
 
 
-def bench_load(ranks: int, group_size: int, speakers: str, steps: int, step_ms: float, interval_s: float) -> dict[str, Any]:
+def bench_load(ranks: int, group_size: int, speakers: str, steps: int, step_ms: float, interval_s: float,
+               max_beats_per_s: float) -> dict[str, Any]:
     groups = ranks // group_size
-    simulated_size = group_size if speakers == "rank" else 1
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        proc, _ = start_lighthouse(port, Path(tmp) / "state.json")
+        proc, _ = start_lighthouse(port, Path(tmp) / "state.json", max_beats_per_s=max_beats_per_s)
         try:
-            cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
-            load = asyncio.run(_simulate(f"http://127.0.0.1:{port}", groups, simulated_size, steps, step_ms / 1e3,
-                                         f"bench-{ranks}-{speakers}", interval_s))
-            wall, cpu = time.perf_counter() - t0, cpu_seconds(proc.pid) - cpu0
+            cpu0, t0, own0 = cpu_seconds(proc.pid), time.perf_counter(), time.process_time()
+            load = asyncio.run(_simulate(port, groups, group_size, speakers, steps,
+                                         step_ms / 1e3, f"bench-{ranks}-{speakers}", interval_s))
+            wall, cpu, own = time.perf_counter() - t0, cpu_seconds(proc.pid) - cpu0, time.process_time() - own0
         finally:
             proc.terminate()
             proc.wait()
     decision = np.array(load.decision_s) * 1e3
     formation = np.array([x for x in load.formation_s if x == x]) * 1e3
     return {
-        "measure": "load", "ranks": ranks, "groups": groups, "speakers": speakers,
-        "built": speakers == "rank", "steps": steps, "step_ms": step_ms, "heartbeat_interval_s": interval_s,
+        "measure": "load", "ranks": ranks, "groups": groups, "speakers": speakers, "steps": steps,
+        "beat_every_s": load.beat_every_s, "max_beats_per_s": max_beats_per_s, "step_ms": step_ms,
+        "heartbeat_interval_s": interval_s,
         "requests_per_s": load.requests / wall, "held": load.beats_answered / max(1, load.beats_sent_for),
         "formation_ms": float(formation.max()) if formation.size else float("nan"),
         "decision_p50_ms": float(np.percentile(decision, 50)) if decision.size else float("nan"),
         "decision_p99_ms": float(np.percentile(decision, 99)) if decision.size else float("nan"),
-        "lighthouse_cpu": cpu / wall, "errors": len(load.errors), "first_error": load.errors[0] if load.errors else "",
+        "lighthouse_cpu": cpu / wall, "simulator_cpu": own / wall, "errors": len(load.errors), "first_error": load.errors[0] if load.errors else "",
         "steps_done": len(load.last_ballot),
     }
 
@@ -222,6 +288,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps per size (default 20; 8 with --quick)")
     parser.add_argument("--step-ms", type=float, default=200.0, help="simulated compute per step (default 200)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.05, help="seconds (the client's default 0.05)")
+    parser.add_argument("--max-beats-per-s", type=float, default=2000.0, help="the lighthouse's (default 2000)")
+    parser.add_argument("--rank-speakers-up-to", type=int, default=1024,
+                        help="also run every-rank-speaks rows up to this many ranks (default 1024: beyond, minutes)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     sizes = [int(x) for x in args.ranks.split(",")] if args.ranks else ([64, 256] if args.quick else [64, 256, 1024, 4096])
@@ -232,22 +301,25 @@ def main() -> None:
                   "met": r["met"]} for r in start_rows], ["kind", "repeats", "P50 s", "max s", "met"])
     load_rows = []
     for ranks in sizes:
-        for speakers in ("rank", "group"):
-            row = bench_load(ranks, args.group_size, speakers, steps, args.step_ms, args.heartbeat_interval)
+        for speakers in ("rank", "group") if ranks <= args.rank_speakers_up_to else ("group",):
+            row = bench_load(ranks, args.group_size, speakers, steps, args.step_ms, args.heartbeat_interval,
+                             args.max_beats_per_s)
             load_rows.append(row)
             print(f"  {ranks} ranks, speakers={speakers}: {row['requests_per_s']:.0f} req/s, held {row['held']:.2f}, "
                   f"decision P99 {row['decision_p99_ms']:.1f} ms", flush=True)
-    columns = ["ranks", "groups", "speakers", "req/s", "held", "formation ms", "decision P50 ms", "P99 ms",
-               "lighthouse CPU", "errors"]
-    print("lighthouse under load (simulated ranks on loopback, real protocol)")
+    columns = ["ranks", "groups", "speakers", "beat s", "req/s", "held", "formation ms", "decision P50 ms", "P99 ms",
+               "lighthouse CPU", "simulator CPU", "errors"]
+    print("lighthouse under load (simulated voices on loopback, real protocol)")
     print_table([dict(zip(columns, [
-        r["ranks"], r["groups"], r["speakers"] + ("" if r["built"] else " (not built)"), f"{r['requests_per_s']:.0f}",
+        r["ranks"], r["groups"], r["speakers"], f"{r['beat_every_s']:.3f}", f"{r['requests_per_s']:.0f}",
         f"{r['held']:.2f}", f"{r['formation_ms']:.1f}", f"{r['decision_p50_ms']:.1f}", f"{r['decision_p99_ms']:.1f}",
-        f"{100 * r['lighthouse_cpu']:.0f}%", r["errors"]])) for r in load_rows], columns)
+        f"{100 * r['lighthouse_cpu']:.0f}%", f"{100 * r['simulator_cpu']:.0f}%", r["errors"]]))
+        for r in load_rows], columns)
     if args.json:
         write_json(args.json, "lighthouse", {"quick": args.quick, "sizes": sizes, "group_size": args.group_size,
                                              "steps": steps, "step_ms": args.step_ms,
-                                             "heartbeat_interval_s": args.heartbeat_interval},
+                                             "heartbeat_interval_s": args.heartbeat_interval,
+                                             "max_beats_per_s": args.max_beats_per_s},
                    start_rows + load_rows)
 
 

@@ -101,6 +101,7 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
         # Without a state file a start may be a restart: let live groups re-register first.
         settle_s=0.0 if args.state else args.heartbeat_timeout,
         max_request_bytes=args.max_request_bytes, token=os.environ.get("FREESCALE_LIGHTHOUSE_TOKEN", ""),
+        max_beats_per_s=args.max_beats_per_s,
     )
     try:
         cfg.validate()
@@ -311,6 +312,8 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
                     "lighthouse keeps them, so no step is committed twice and restarted groups catch up (recommended)")
     lh.add_argument("--max-request-bytes", type=_int, default=64 * 1024)
     lh.add_argument("--body-timeout", type=_float, default=5.0, help="seconds for a request body to arrive (else 408)")
+    lh.add_argument("--max-beats-per-s", type=_float, default=2000.0, help="heartbeats a second to ask for at most: "
+                    "past 100 voices (groups, through their agents) each beats less often than every 50 ms (default 2000)")
     # The shared token comes from the environment: a command line is visible to every user.
 
     sim = sub.add_parser("simulate", help="ETTR at scale by simulation: validation gates, then sync vs torchft-like vs freescale")

@@ -1,8 +1,11 @@
 """A rank's side of the lighthouse: heartbeats on a thread, quorum and commit requests.
 
-Every rank of every replica group runs one ``LighthouseClient``.  Heartbeats go
-out every ``heartbeat_interval_s`` on their own HTTP session and thread, so a
-long forward or a blocked collective never makes a live rank look dead.
+Every rank of every replica group runs one ``LighthouseClient``: in a group of one rank it
+talks to the lighthouse, in a larger group to the group's agent on member 0, which speaks
+for the group (``freescale.ft.group_agent``; same API).  Heartbeats go out every
+``heartbeat_interval_s`` (or as slowly as a loaded lighthouse asks: ``beat_every_s`` in its
+replies) on their own HTTP session and thread, so a long forward or a blocked collective
+never makes a live rank look dead.
 ``quorum_async`` starts the step's quorum request on a worker thread; the
 trainer calls it at the start of a step so the round trip overlaps the forward
 and reads the result before the gradient exchange.
@@ -30,33 +33,18 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from freescale.ft.membership import PROGRESS_LOST
+from freescale.ft.serving import backoff_delays
 from freescale.step_sync import JobFinished
 
-_BACKOFF_FIRST_S = 0.02
-_BACKOFF_CAP_S = 1.0
 _TRANSIENT_STATUSES = frozenset({502, 503, 504})
 """Answers worth retrying: a proxy that cannot reach a restarting lighthouse, or an overloaded one.
 Other 5xx (500: a lighthouse bug) and every 4xx are reported at once."""
-
-
-def backoff_delays(rng: random.Random, first_s: float = _BACKOFF_FIRST_S,
-                   cap_s: float = _BACKOFF_CAP_S) -> Iterator[float]:
-    """Sleeps between retries: exponential backoff with full jitter (uniform in [0, ceiling],
-    the ceiling doubling from ``first_s`` to ``cap_s``).
-
-    A few lines here instead of a library: neither ``tenacity`` nor ``backoff`` is a dependency,
-    and the retry loop (deadline, reconnects, which answers are transient) is ``_request``'s own
-    anyway; only the delay sequence would come from one."""
-    ceiling = first_s
-    while True:
-        yield rng.uniform(0.0, ceiling)
-        ceiling = min(cap_s, ceiling * 2)
 
 
 def _one_line(text: object, limit: int = 300) -> str:
@@ -172,6 +160,8 @@ class LighthouseClient:
         """Called once per new ``waiting`` reason (the trainer prints it, in one line)."""
         self._lighthouse_quorum: tuple[int | None, bool] = (None, False)
         """(current quorum id, lost) from the last heartbeat reply."""
+        self._last_quorum: dict[str, Any] | None = None
+        """The last quorum answer accepted, as sent (what a compact ``next`` refers to)."""
         self._next: tuple[int, Quorum] | None = None
         """(step, quorum) from the last committed vote's reply: that step's quorum, already decided."""
         self._local = threading.local()
@@ -317,6 +307,7 @@ class LighthouseClient:
         if body.get("finished"):
             raise JobFinished(int(body["finished_step"]))
         quorum = Quorum.from_json(body)
+        self._last_quorum = body
         if quorum.max_step < quorum.high_step:
             raise ProgressLost(
                 f"quorum {quorum.quorum_id} reaches step {quorum.max_step} but the run had reached step "
@@ -376,10 +367,23 @@ class LighthouseClient:
         following = body.get("next")
         if body["commit"] and isinstance(following, dict):
             try:
-                self._next = (step + 1, self._accept(following))
+                if following.get("same_participants"):  # the last quorum's, at the next step
+                    following = self._same_participants(following)
+                self._next = None if following is None else (step + 1, self._accept(following))
             except (LighthouseError, KeyError, TypeError, ValueError):
                 self._next = None  # not usable: the next step asks the lighthouse as usual
         return bool(body["commit"])
+
+    def _same_participants(self, compact: dict[str, Any]) -> dict[str, Any] | None:
+        """A committed vote's ``next`` that names no participants (the lighthouse sends them only
+        when they change): the last quorum this client accepted, at ``max_step``; None if that
+        quorum is not the one named."""
+        last = self._last_quorum
+        if last is None or last.get("quorum_id") != compact["quorum_id"]:
+            return None
+        max_step = int(compact["max_step"])
+        return {**last, "max_step": max_step, "high_step": int(compact["high_step"]),
+                "participants": [{**p, "step": max_step} for p in last["participants"]]}
 
     def forget_next(self) -> None:
         self._next = None
@@ -421,6 +425,7 @@ class LighthouseClient:
             self._stop.wait(next(delays))
 
     def _heartbeat_loop(self) -> None:
+        interval = self.heartbeat_interval_s
         while not self._stop.is_set():
             try:
                 reply = self._request("POST", "/v1/heartbeat", self.progress,
@@ -428,7 +433,10 @@ class LighthouseClient:
                 current = reply.get("quorum_id")
                 self._lighthouse_quorum = (current if isinstance(current, int) else None,
                                            bool(reply.get("quorum_lost")))
+                every = reply.get("beat_every_s")
+                if isinstance(every, (int, float)) and 0 < every <= 10:  # a loaded lighthouse asks for fewer
+                    interval = max(self.heartbeat_interval_s, float(every))
             except LighthouseError:
                 pass  # lighthouse down or restarting: keep beating, the next one re-registers
-            self._stop.wait(self.heartbeat_interval_s)
+            self._stop.wait(interval)
         self.drop_connection()

@@ -47,10 +47,12 @@ import torch.distributed as dist
 from torch import nn
 
 from freescale.digest import local_tensors
+from freescale.distributed import collective_device
 from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import JobFinished, LighthouseClient
 from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, replica_index_of
 from freescale.ft.ftar import ReplicaSync, StepResult
+from freescale.ft.group_agent import start_agent
 from freescale.ft.serving import advertised_host
 from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
 from freescale.grad_buckets import BucketedGrads
@@ -136,12 +138,14 @@ class FaultTolerance:
         self.sparse = UnionSparseUpdate(model) if fused is not None and fused_tbes(model) else None
         token = os.environ.get(TOKEN_ENV, "")
         bind, advertise = advertised_host(cfg.lighthouse)
+        self.agent = (start_agent(cfg.lighthouse, cfg.replica_id, self.incarnation, self.group_size, bind, advertise)
+                      if self.group_size > 1 and self.rank == 0 else None)  # its start overlaps the set-up below
         self.server = SnapshotServer(bind, token=token, advertise=advertise) if cfg.snapshots else None
         if self.server is not None:
             if self.hooks.wants("serve"):
                 self.server.on_stream = lambda step: self.hooks.at("serve", step)
             self.server.start()
-        self.client = LighthouseClient(cfg.lighthouse, cfg.replica_id, self.incarnation, member=self.rank,
+        self.client = LighthouseClient(self._group_voice(), cfg.replica_id, self.incarnation, member=self.rank,
                                        group_size=self.group_size, token=token,
                                        run_id=os.environ.get(RUN_ID_ENV, "")).start()
         if self.rank == 0:  # held back so that no step is committed twice: one line, once per reason
@@ -160,6 +164,27 @@ class FaultTolerance:
         self._step, self._first_step = -1, True
         self._weight: float | None = None
         self._loss: torch.Tensor | None = None
+
+    def _group_voice(self) -> str:
+        """Where this rank's lighthouse requests go: the lighthouse itself for a group of one rank,
+        else the group's agent on member 0 (``freescale.ft.group_agent``), whose URL member 0
+        hands to its peers over the group's process group."""
+        if self.agent is None and self.group_size == 1:
+            return self.cfg.lighthouse
+        buffer = torch.zeros(512, dtype=torch.uint8, device=collective_device(self.in_group))
+        failure = ""
+        if self.agent is not None:
+            try:
+                url = self.agent.wait_url().encode()
+                buffer[:len(url)] = torch.tensor(list(url), dtype=torch.uint8)
+            except RuntimeError as exc:
+                failure = str(exc)
+        dist.broadcast(buffer, group_src=0, group=self.in_group)
+        url = bytes(buffer.cpu().tolist()).rstrip(b"\0").decode()
+        if not url:
+            raise RuntimeError(failure or f"replica group {self.group_index}: its agent on member 0 did not start "
+                                          "(member 0's log says why)")
+        return url
 
     # ------------------------------------------------------------------ start and end
     def start(self, wait_for: int | None = None) -> None:
@@ -196,6 +221,8 @@ class FaultTolerance:
 
     def close(self) -> None:
         self.client.close()
+        if self.agent is not None:
+            self.agent.stop()
         if self.server is not None:
             self.server.stop()
 

@@ -128,6 +128,9 @@ from freescale.ft.serving import LoopThread, token_ok
 
 log = logging.getLogger("freescale.ft.lighthouse")
 
+SCAN_EVERY_S = 0.05
+"""How often the ticker scans every group (``Lighthouse._ticker``)."""
+
 
 class _BodyTimeout(Exception):
     pass
@@ -147,6 +150,8 @@ class Lighthouse(Membership):
         self._tick_task: asyncio.Task[None] | None = None
         self._held: set[asyncio.Event] = set()
         """One per open ``/v1/presence`` request."""
+        self._encoded: tuple[tuple[Any, ...] | None, str] = (None, "")
+        """(quorum key, its JSON): ``_quorum_text``'s one-entry cache."""
         self._lost_at_tick: tuple[int, bool] = (-1, False)
         """(quorum id, ``_lost``) as of the last tick: what heartbeat replies say (module docstring)."""
         self._background = LoopThread("freescale-lighthouse")
@@ -223,8 +228,9 @@ class Lighthouse(Membership):
     async def _body(self, request: web.Request) -> dict[str, Any]:
         """The request's JSON object, read within ``body_timeout_s`` (a body that never arrives
         does not hold a handler: 408)."""
-        try:
-            raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+        try:  # a small body has usually arrived with its headers: no timer then
+            raw = await (request.read() if request.content.is_eof() else
+                         asyncio.wait_for(request.read(), self.cfg.body_timeout_s))
         except asyncio.TimeoutError:
             raise _BodyTimeout(f"the request body did not arrive within {self.cfg.body_timeout_s:g} s") from None
         try:
@@ -266,7 +272,10 @@ class Lighthouse(Membership):
             stale = self.joins.pop(replica_id, None)
             if stale is not None:
                 resolve(stale.waiters, web.HTTPConflict(text="a newer incarnation of this replica joined"))
-        group.beats[member] = time.monotonic()
+        if body.get("agent") is True:  # a group agent's beat carries its members' ages instead
+            group.agent = True
+        else:
+            group.beat(member, time.monotonic())
         return group, member, ""
 
     def _new_run(self, run_id: str) -> None:
@@ -291,11 +300,48 @@ class Lighthouse(Membership):
         group, _, error = self._member(body)
         if group is None:
             return web.json_response({"error": error}, status=409)
+        self._agent_beat(group, body)
         self.note_progress(group, body)
         q = self.quorum
         return web.json_response({"ok": True, "quorum_id": q["quorum_id"] if q is not None else None,
                                   "quorum_lost": q is not None and (bool(q.get("broken"))
-                                                                    or self._lost_at_tick == (q["quorum_id"], True))})
+                                                                    or self._lost_at_tick == (q["quorum_id"], True)),
+                                  "beat_every_s": self.beat_interval()})
+
+    def _agent_beat(self, group: _Group, body: dict[str, Any]) -> None:
+        """A group agent's heartbeat (``freescale.ft.group_agent``): each member's age (seconds since
+        it last beat to the agent; null: never) and the members whose presence connection closed."""
+        ages, lost = body.get("member_ages_s"), body.get("members_lost")
+        if ages is not None:
+            if not isinstance(ages, list) or len(ages) != group.group_size or not all(
+                    a is None or isinstance(a, (int, float)) and not isinstance(a, bool) and a >= 0 for a in ages):
+                raise BadRequest(f"field 'member_ages_s' must be {group.group_size} ages in seconds (or null)")
+            now = time.monotonic()
+            for member, age in enumerate(ages):
+                if age is not None:
+                    group.beat(member, now - age)
+        if lost:
+            self._member_indices(body, "members_lost", group)
+            self.connection_lost(group.replica_id, group.incarnation)
+
+    @staticmethod
+    def _member_indices(body: dict[str, Any], name: str, group: _Group) -> list[int]:
+        """A group agent's list of member indices (``members`` of a ballot, ``members_lost``)."""
+        value = body[name]
+        if not isinstance(value, list) or not value or not all(
+                isinstance(m, int) and not isinstance(m, bool) and 0 <= m < group.group_size for m in value):
+            raise BadRequest(f"field '{name}' must list member indices below {group.group_size}")
+        return value
+
+    @staticmethod
+    def _member_asks(body: dict[str, Any], group: _Group) -> list[dict[str, Any]]:
+        """A group agent's quorum request: one ``{step, address}`` per member."""
+        value = body["members"]
+        if not isinstance(value, list) or len(value) != group.group_size or not all(
+                isinstance(e, dict) and isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool)
+                and isinstance(e.get("address", ""), str) and len(e.get("address", "")) <= 300 for e in value):
+            raise BadRequest(f"field 'members' must hold {group.group_size} {{step, address}} objects")
+        return value
 
     async def _quorum(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -309,16 +355,19 @@ class Lighthouse(Membership):
             return web.json_response(self._finished_answer())
         steady = self._steady_answer(group, step)
         if steady is not None:
-            return web.json_response(steady)
+            return self._quorum_response(steady)
         join = self.joins.get(group.replica_id)
         if join is None or join.incarnation != group.incarnation:
             join = _Join(group.incarnation, time.monotonic())
             self.joins[group.replica_id] = join
-        join.steps[member] = step
         address = body.get("address", "")
         if not isinstance(address, str) or len(address) > 300:
             raise BadRequest("field 'address' must be a string of at most 300 characters")
-        join.addresses[member] = address
+        if "members" in body:  # a group agent joins the whole group at once
+            for m, entry in enumerate(self._member_asks(body, group)):
+                join.steps[m], join.addresses[m] = entry["step"], entry.get("address", "")
+        else:
+            join.steps[member], join.addresses[member] = step, address
         store = body.get("store", "")
         if not isinstance(store, str) or len(store) > 300:
             raise BadRequest("field 'store' must be a string of at most 300 characters")
@@ -326,14 +375,15 @@ class Lighthouse(Membership):
             join.store = store
         waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         join.waiters.append(waiter)
-        self._try_form(time.monotonic())
+        if len(self.joins) >= len(self.groups):  # maybe everyone is in: decide now (else the next tick does,
+            self._try_form(time.monotonic())      # not every request: one scan of all groups per request is O(n^2))
         try:
             answer = await waiter
         except web.HTTPConflict as exc:
             return web.json_response({"error": exc.text}, status=409)
         if "refused" in answer:
             return web.json_response({"error": answer["refused"]}, status=409)
-        return web.json_response(answer)
+        return self._quorum_response(answer)
 
     async def _commit(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -355,18 +405,32 @@ class Lighthouse(Membership):
             expected = vote.participants.get(group.replica_id)
             if expected is None or expected[0] != group.incarnation:
                 return web.json_response({"commit": False, "reason": "not a participant of this quorum"})
-            vote.cast(group.replica_id, member, ok, body.get("ready", True) is True)
+            ready = body.get("ready", True) is True
+            for m in self._member_indices(body, "members", group) if "members" in body else [member]:
+                vote.cast(group.replica_id, m, ok, ready)
             self._settle(vote, time.monotonic(), scan=False)
         if vote.result is None:
             waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
             vote.waiters.append(waiter)
             await waiter
-        answer: dict[str, Any] = {"commit": vote.result}
         if vote.result and self.cfg.quorum_in_vote and self.finished_step is None:
             following = self._steady_answer(group, step + 1)
-            if following is not None:
-                answer["next"] = following
-        return web.json_response(answer)
+            if following is not None:  # the same participants: the voter has them (tens of KB at 512 groups)
+                return _json(f'{{"commit": true, "next": {{"quorum_id": {following["quorum_id"]}, '
+                             f'"max_step": {following["max_step"]}, "high_step": {following["high_step"]}, '
+                             '"same_participants": true}}')
+        return _json('{"commit": true}' if vote.result else '{"commit": false}')
+
+    def _quorum_text(self, quorum: dict[str, Any]) -> str:
+        """``quorum`` as JSON, encoded once for all the participants it answers (at 512 groups the
+        quorum is tens of KB: encoding it per answer would cost the lighthouse more than the rest)."""
+        key = (id(quorum), quorum["quorum_id"], quorum["max_step"], quorum["high_step"], bool(quorum.get("broken")))
+        if self._encoded[0] != key:
+            self._encoded = (key, json.dumps(quorum))
+        return self._encoded[1]
+
+    def _quorum_response(self, answer: dict[str, Any]) -> web.Response:
+        return _json(self._quorum_text(answer)) if "participants" in answer else web.json_response(answer)
 
     async def _report(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -383,7 +447,8 @@ class Lighthouse(Membership):
                     group.suspect_since = now  # (one already silent since an earlier report keeps its grace)
         reporter_group = self.groups.get(reporter)
         if reporter_group is not None:
-            reporter_group.beats = {m: now for m in reporter_group.beats}
+            for m in list(reporter_group.beats):
+                reporter_group.beat(m, now)
         for vote in self.votes.values():
             self._settle(vote, now)
         self._try_form(now)
@@ -447,19 +512,33 @@ class Lighthouse(Membership):
         })
 
     async def _ticker(self) -> None:
+        """Every ``tick_s``: form a quorum that can form now.  Every ``SCAN_EVERY_S``: the scans over
+        every group (the quorum's health for heartbeat replies, open votes' unhealthy
+        participants, the voices that set the beat rate): once per scan, not per request, and
+        not every tick (at 512 groups they would cost the lighthouse more than its requests;
+        health moves on the heartbeat timeout's scale, and a death's evidence, a failure report
+        or a closed presence connection, settles votes at once)."""
+        scanned = 0.0
         while True:
             await asyncio.sleep(self.cfg.tick_s)
             try:
                 now = time.monotonic()
-                if self.quorum is not None:  # scans every participant's members: once a tick, not per heartbeat
-                    self._lost_at_tick = (self.quorum["quorum_id"], self._lost(self.quorum, now))
+                if now - scanned >= SCAN_EVERY_S:
+                    scanned = now
+                    self.count_voices()
+                    if self.quorum is not None:
+                        self._lost_at_tick = (self.quorum["quorum_id"], self._lost(self.quorum, now))
+                    for vote in list(self.votes.values()):
+                        self._settle(vote, now)
                 self._try_form(now)
-                for vote in list(self.votes.values()):
-                    self._settle(vote, now)
                 if self.cfg.state_path and self.high_step != self._saved_high_step and now - self._saved_at >= 1.0:
                     self._save()  # the growing high_step, at most once a second (a lower bound)
             except Exception:  # a bug here must not stop every later decision
                 log.exception("lighthouse: tick failed")
+
+
+def _json(text: str) -> web.Response:
+    return web.Response(text=text, content_type="application/json")
 
 
 def run_forever(cfg: LighthouseConfig) -> None:

@@ -59,6 +59,10 @@ class LighthouseConfig:
     suspect_grace_s: float = 0.15
     """After a failure report, how long a suspect participant has to show it is alive (a
     heartbeat: clients send one every 50 ms) before a quorum forms without it."""
+    max_beats_per_s: float = 2000.0
+    """Heartbeats a second the lighthouse asks for at most: each reply says how often to beat
+    (``beat_interval``), every 50 ms up to ``max_beats_per_s / 20`` groups, then more slowly (512
+    groups: every 0.26 s), and the suspect grace grows with it (three intervals)."""
     state_path: str = ""
     """The durable state file (``freescale.ft.durable``); empty: none (a restart forgets the run,
     and the groups' heartbeats rebuild what they can)."""
@@ -83,7 +87,12 @@ class LighthouseConfig:
             raise ValueError(f"lighthouse: bind must be host:port, got '{self.bind}'")
         if self.settle_s < 0:
             raise ValueError(f"lighthouse: settle_s must be >= 0, got {self.settle_s}")
+        if self.max_beats_per_s <= 0:
+            raise ValueError(f"lighthouse: max_beats_per_s must be > 0, got {self.max_beats_per_s}")
 
+
+BEAT_INTERVAL_S = 0.05
+"""How often a group's voice heartbeats while the lighthouse asks for no slower (``beat_interval``)."""
 
 IN_FLIGHT_S = 0.05
 """A heartbeat read this soon after a failure report may have been sent before it (by a rank that
@@ -122,6 +131,9 @@ class _Group:
     """When a peer reported a failed collective with this group; a sign of life counts against it
     only from ``IN_FLIGHT_S`` later (a beat a dead rank sent just before it died may be read after
     the report)."""
+    _stalest: float | None = None
+    agent: bool = False
+    """It speaks through a group agent (``freescale.ft.group_agent``): one voice for all its members."""
     presence_lost: bool = False
     """A member's presence connection closed (its process is gone: ``/v1/presence``): with no sign of
     life during the suspect grace, the group no longer counts as maybe alive for the majority rule
@@ -135,13 +147,22 @@ class _Group:
         """Suspect, and no sign of life since the report (beats in flight then not counted)."""
         return self.suspect_since is not None and self.last_beat() <= self.suspect_since + IN_FLIGHT_S
 
+    def beat(self, member: int, at: float) -> None:
+        """A sign of life of ``member`` at ``at`` (monotonic seconds; an older one changes nothing)."""
+        if at > self.beats.get(member, 0.0):
+            self.beats[member] = at
+            self._stalest = None
+
     def last_beat(self) -> float:
         """The *least* recent member's last sign of life (0 while a member has never shown one).
 
         A group is the unit of failure: one dead or hung rank stops all of it (its peers
         block in the group's own collectives), so the group is as alive as its
-        stalest member, whose heartbeat thread a healthy peer's does not vouch for."""
-        return min((self.beats.get(m, 0.0) for m in range(self.group_size)), default=0.0)
+        stalest member, whose heartbeat thread a healthy peer's does not vouch for.  Kept
+        until a beat changes it (the ticker asks for every group every tick)."""
+        if self._stalest is None:
+            self._stalest = min((self.beats.get(m, 0.0) for m in range(self.group_size)), default=0.0)
+        return self._stalest
 
     def healthy(self, now: float, timeout: float) -> bool:
         last = self.last_beat()
@@ -226,6 +247,10 @@ class Membership:
         the run's progress may be alive: module docstring)."""
         self.on_durable_change: Callable[[], None] = lambda: None
         self.started = time.monotonic()
+        self._members_of: tuple[dict[str, Any] | None, frozenset[tuple[str, int]]] = (None, frozenset())
+        """(quorum, its participants' (replica id, incarnation)): ``_steady_answer``'s cache."""
+        self.voices = 0
+        """Heartbeating clients: one per group with an agent, one per rank otherwise (``beat_interval``)."""
 
     @property
     def durable(self) -> DurableState:
@@ -235,6 +260,21 @@ class Membership:
     def settled(self, now: float) -> bool:
         """Long enough up that every live group has re-registered (``LighthouseConfig.settle_s``)."""
         return now - self.started >= self.cfg.settle_s
+
+    def beat_interval(self) -> float:
+        """How often each voice (a group's agent, or a rank that speaks for itself) should heartbeat,
+        said in every heartbeat reply: 50 ms, or slower once that would exceed ``max_beats_per_s``;
+        at most a quarter of the heartbeat timeout.  Recomputed by the ticker (``count_voices``)."""
+        wanted = self.voices / self.cfg.max_beats_per_s
+        return min(max(BEAT_INTERVAL_S, wanted), self.cfg.heartbeat_timeout_s / 4)
+
+    def count_voices(self) -> None:
+        self.voices = sum(1 if g.agent else g.group_size for g in self.groups.values())
+
+    def suspect_grace(self) -> float:
+        """How long a suspect has to show a sign of life: ``suspect_grace_s``, or three beat intervals
+        when the lighthouse asks for slower beats."""
+        return max(self.cfg.suspect_grace_s, 3 * self.beat_interval())
 
     def note_progress(self, group: _Group, body: dict[str, Any]) -> None:
         """A heartbeat's report of the rank's last committed quorum and next step (when it holds
@@ -290,7 +330,9 @@ class Membership:
         q = self.quorum
         if q is None or q.get("broken"):
             return None
-        if (group.replica_id, group.incarnation) not in {(p["replica_id"], p["incarnation"]) for p in q["participants"]}:
+        if self._members_of[0] is not q:  # (replica id, incarnation) of each participant, once per quorum
+            self._members_of = (q, frozenset((p["replica_id"], p["incarnation"]) for p in q["participants"]))
+        if (group.replica_id, group.incarnation) not in self._members_of[1]:
             return None
         key = (q["quorum_id"], step)
         steady = self.steady_steps.get(key)
@@ -319,8 +361,9 @@ class Membership:
 
     def _awaiting_suspects(self, now: float) -> bool:
         """Suspects still inside their grace period: alive ones will heartbeat any moment."""
+        grace = self.suspect_grace()
         return any(
-            g.silent_since_report() and now - g.suspect_since < self.cfg.suspect_grace_s  # type: ignore[operator]
+            g.silent_since_report() and now - g.suspect_since < grace  # type: ignore[operator]
             and now - g.last_beat() <= self.cfg.heartbeat_timeout_s
             for g in self.groups.values()
         )
@@ -422,7 +465,7 @@ class Membership:
         """Same incarnation, not reported gone, and a sign of life within the heartbeat timeout
         (in a lighthouse's first timeout, not heard from yet counts: it may be re-registering)."""
         group = self.groups.get(replica_id)
-        if group is not None and (group.incarnation != incarnation or group.gone(now, self.cfg.suspect_grace_s)):
+        if group is not None and (group.incarnation != incarnation or group.gone(now, self.suspect_grace())):
             return False
         if now - self.started <= self.cfg.heartbeat_timeout_s:
             return True

@@ -1,14 +1,16 @@
-"""What the lighthouse and the snapshot server share: an asyncio loop on a daemon thread, and the token check."""
+"""What the lighthouse, the group agent, the client and the snapshot server share: an asyncio loop on a
+daemon thread, the token check, the retry delays (no torch: the lighthouse and the agent start in a blink)."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import os
+import random
 import socket
 import threading
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +24,20 @@ def advertised_host(lighthouse_url: str) -> tuple[str, str]:
     if host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1", "127.0.0.1"
     return "0.0.0.0", os.environ.get("FREESCALE_ADVERTISE_HOST") or socket.getfqdn()
+
+
+def backoff_delays(rng: random.Random, first_s: float = 0.02, cap_s: float = 1.0) -> Iterator[float]:
+    """Sleeps between retries: exponential backoff with full jitter (uniform in [0, ceiling],
+    the ceiling doubling from ``first_s`` to ``cap_s``).
+
+    A few lines here instead of a library: neither ``tenacity`` nor ``backoff`` is a dependency,
+    and the retry loops (deadline, reconnects, which answers are transient) are the callers' own
+    (``LighthouseClient._request``, the group agent's upstream loops); only the delay sequence
+    would come from one."""
+    ceiling = first_s
+    while True:
+        yield rng.uniform(0.0, ceiling)
+        ceiling = min(cap_s, ceiling * 2)
 
 
 def token_ok(request: web.Request, token: str) -> bool:

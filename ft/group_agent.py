@@ -1,0 +1,440 @@
+"""A replica group's one voice to the lighthouse, so that its load grows with groups, not ranks.
+
+Without it every rank of every group sends its own heartbeats (20 a second), quorum
+requests and commit ballots to one lighthouse: about 20,000 requests a second at 1,024
+ranks.  With it, member 0 of a group of more than one rank starts this agent (a small
+process: ``python -m freescale.ft.group_agent``, no torch, serving in a fraction of a
+second), and every member of the group talks to the agent instead of the lighthouse, over
+the very same HTTP API (``freescale.ft.lighthouse``; the members' ``LighthouseClient`` is
+unchanged, only its URL differs).  The agent speaks for the group upstream:
+
+- **heartbeats**: one upstream every ``heartbeat_interval_s``, carrying each member's age
+  (seconds since its last heartbeat to the agent) and the group's progress (the least
+  advanced member's).  The lighthouse keeps judging the group by its stalest member, so a
+  hung (SIGSTOPped) member still makes the group unhealthy: its age grows.  The upstream
+  reply (current quorum, lost or not) answers the members' heartbeats.
+- **quorum**: the members' requests are held until every member has asked, then sent as
+  one request listing each member's step and snapshot address (the lighthouse's *join* of
+  the group), and the one answer goes to all of them.
+- **commit vote**: the members' ballots are held until all are in (or one says no: sent at
+  once, the vote fails anyway), then sent as one ballot for the listed members; the answer
+  (and the next step's quorum it may carry) goes to all.
+- **presence**: the agent holds one ``/v1/presence`` upstream for the group, and each
+  member holds one to the agent: a member whose process dies closes it, the agent tells the
+  lighthouse at once (``members_lost`` in an immediate heartbeat), and the agent's own death
+  (or member 0's: the agent exits when its parent does) closes the upstream one.
+- **report, finish, status**: passed through as they are (rare).
+
+Why a process and not a thread of member 0: a thread would share member 0's GIL with the
+training loop, so every member's vote would wait for member 0's Python work; and a process
+that keeps running while member 0 is stopped still reports member 0's growing age.
+
+An upstream failure is answered 503, which the members' clients retry with their own
+backoff (``LighthouseClient._request``): one retry policy, in the client.  Requests to the
+agent need the lighthouse's token, when one is set.  Groups of one rank need no agent (the
+rank is its group's voice already).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from freescale.ft.membership import BadRequest, _field
+from freescale.ft.serving import backoff_delays, token_ok
+
+log = logging.getLogger("freescale.ft.group_agent")
+
+Answer = tuple[int, bytes]
+"""(HTTP status, JSON body) of an upstream answer, handed to each member it answers."""
+
+
+@dataclass
+class _QuorumAsk:
+    step: int
+    address: str
+    store: str
+    last_quorum_id: int
+    waiters: list[asyncio.Future[Answer]] = field(default_factory=list)
+
+    def live(self) -> bool:
+        """A member whose request is still open (a closed connection cancels its waiter)."""
+        self.waiters = [w for w in self.waiters if not w.done()]
+        return bool(self.waiters)
+
+
+@dataclass
+class _Ballots:
+    votes: dict[int, tuple[bool, bool]] = field(default_factory=dict)
+    """member -> (ok, ready)."""
+    waiters: list[asyncio.Future[Answer]] = field(default_factory=list)
+    sending: bool = False
+    answer: Answer | None = None
+
+
+class GroupAgent:
+    """The agent's server and upstream loops (module docstring)."""
+
+    def __init__(self, upstream: str, replica_id: str, incarnation: int, group_size: int, *, token: str = "",
+                 run_id: str = "", bind: str = "127.0.0.1:0", advertise: str = "",
+                 heartbeat_interval_s: float = 0.05, request_timeout_s: float = 60.0) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.identity: dict[str, Any] = {"replica_id": replica_id, "incarnation": incarnation, "member": 0,
+                                         "group_size": group_size, "run_id": run_id}
+        self.token, self.bind, self.advertise = token, bind, advertise
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.heartbeat_interval_s, self.request_timeout_s = heartbeat_interval_s, request_timeout_s
+        self.url = ""
+        self._beats: dict[int, float] = {}
+        self._progress: dict[int, dict[str, Any]] = {}
+        self._lost: set[int] = set()
+        """Members whose presence connection closed, until the lighthouse acknowledged it."""
+        self._beat_reply: Answer = (200, b'{"ok": true, "quorum_id": null, "quorum_lost": false}')
+        self._wake = asyncio.Event()
+        self._asks: dict[int, _QuorumAsk] = {}
+        self._asking: dict[int, _QuorumAsk] | None = None
+        """The members' requests behind the upstream quorum request in flight."""
+        self._ballots: dict[tuple[int, int], _Ballots] = {}
+        self._held: set[asyncio.Event] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def group_size(self) -> int:
+        return int(self.identity["group_size"])
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> str:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        app = web.Application(client_max_size=64 * 1024, middlewares=[self._auth])
+        app.router.add_post("/v1/heartbeat", self._heartbeat)
+        app.router.add_post("/v1/quorum", self._quorum)
+        app.router.add_post("/v1/commit", self._commit)
+        app.router.add_post("/v1/presence", self._presence)
+        app.router.add_post("/v1/report", self._pass_through)
+        app.router.add_post("/v1/finish", self._pass_through)
+        app.router.add_get("/v1/status", self._pass_through)
+        # A member's closed connection cancels its handler: how its death is seen (``_presence``).
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        host, _, port = self.bind.rpartition(":")
+        await web.TCPSite(self._runner, host, int(port)).start()
+        self.url = f"http://{self.advertise or host}:{self._runner.addresses[0][1]}"
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._beat_loop()), loop.create_task(self._presence_loop())]
+        return self.url
+
+    async def stop(self) -> None:
+        for held in list(self._held):
+            held.set()
+        for task in self._tasks:
+            task.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # ------------------------------------------------------------------ upstream
+    async def _upstream(self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float) -> Answer:
+        """One attempt, answered as the lighthouse's bytes (relayed to members untouched: a quorum
+        at 512 groups is tens of KB, not decoded and encoded again per member); a failure is
+        answered 503, which the member's client retries with backoff."""
+        assert self._session is not None
+        try:
+            async with self._session.request(method, self.upstream + path, json=body, headers=self.headers,
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as answer:
+                return answer.status, await answer.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            why = " ".join(str(exc).split())[:200] or type(exc).__name__
+            return 503, json.dumps({"error": f"group agent of '{self.identity['replica_id']}': lighthouse "
+                                             f"{self.upstream} unreachable for {path}: {why}"}).encode()
+
+    def _speaking(self, body: dict[str, Any]) -> dict[str, Any]:
+        """An upstream body for the whole group (``agent``: its requests are no member's sign of life)."""
+        return {**self.identity, "agent": True, **body}
+
+    async def _beat_loop(self) -> None:
+        interval = self.heartbeat_interval_s
+        while True:
+            now = time.monotonic()
+            lost = sorted(self._lost)
+            body = {"member_ages_s": [round(now - self._beats[m], 4) if m in self._beats else None
+                                      for m in range(self.group_size)], **self._group_progress()}
+            if lost:
+                body["members_lost"] = lost
+            status, raw = await self._upstream("POST", "/v1/heartbeat", self._speaking(body), max(0.5, 4 * interval))
+            if status != 503:  # a lighthouse that is down keeps the last word, as a member's client does
+                reply = _decoded(raw)
+                every = reply.pop("beat_every_s", None)  # for the group's voice; members beat the agent as usual
+                if isinstance(every, (int, float)) and 0 < every <= 10:
+                    interval = max(self.heartbeat_interval_s, float(every))
+                self._beat_reply = (status, json.dumps(reply).encode())
+            if status == 200:
+                self._lost.difference_update(lost)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+    def _group_progress(self) -> dict[str, Any]:
+        """The least advanced member's last commit (``LighthouseClient.progress``), once every member told it."""
+        if len(self._progress) < self.group_size:
+            return {}
+        least = min(self._progress.values(), key=lambda p: (p["quorum_id"], p["step"]))
+        return {**least, "ready": all(p["ready"] for p in self._progress.values())}
+
+    async def _presence_loop(self) -> None:
+        """Hold the group's ``/v1/presence`` upstream (reopened after a lighthouse restart)."""
+        assert self._session is not None
+        rng = random.Random()
+        delays = backoff_delays(rng)
+        while True:
+            opened = time.monotonic()
+            try:
+                async with self._session.post(self.upstream + "/v1/presence", json=self._speaking({}),
+                                              headers=self.headers) as answer:
+                    await answer.read()  # returns when the lighthouse stops (or refuses)
+            except (aiohttp.ClientError, OSError):
+                pass
+            if time.monotonic() - opened > 1.0:
+                delays = backoff_delays(rng)  # it was up: come back quickly
+            await asyncio.sleep(next(delays))
+
+    # ------------------------------------------------------------------ member side
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if not token_ok(request, self.token):
+            return web.json_response({"error": "missing or wrong token"}, status=401)
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        except (ConnectionError, asyncio.IncompleteReadError, aiohttp.ClientPayloadError):
+            return web.Response(status=499)
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await asyncio.wait_for(request.read(), 5.0))
+        except asyncio.TimeoutError:
+            raise BadRequest("the request body did not arrive within 5 s") from None
+        except ValueError as exc:
+            raise BadRequest(f"body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("body must be a JSON object")
+        return body
+
+    def _member(self, body: dict[str, Any]) -> int:
+        """The calling member's index (a sign of life); a caller from another group is refused."""
+        mine = (self.identity["replica_id"], self.identity["incarnation"], self.group_size)
+        theirs = (_field(body, "replica_id", str), _field(body, "incarnation", int), _field(body, "group_size", int))
+        member = _field(body, "member", int)
+        if theirs != mine or not 0 <= member < self.group_size:
+            raise BadRequest(f"this is the group agent of replica '{mine[0]}' incarnation {mine[1]} "
+                             f"({mine[2]} members), not of {theirs[0]!r} incarnation {theirs[1]} member {member}")
+        self._beats[member] = time.monotonic()
+        return member
+
+    async def _heartbeat(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        member = self._member(body)
+        quorum_id, step = body.get("quorum_id"), body.get("step")
+        if isinstance(quorum_id, int) and isinstance(step, int):
+            self._progress[member] = {"quorum_id": quorum_id, "step": step, "ready": body.get("ready") is True}
+        return _relay(self._beat_reply)
+
+    async def _quorum(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        member = self._member(body)
+        ask = _QuorumAsk(_field(body, "step", int), str(body.get("address", ""))[:300],
+                         str(body.get("store", ""))[:300], int(body.get("last_quorum_id", 0) or 0))
+        waiter: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        if self._asking is not None and member in self._asking:
+            self._asking[member].waiters.append(waiter)  # a retry of a request already on its way
+        else:
+            if member in self._asks and self._asks[member].live():
+                ask.waiters = self._asks[member].waiters
+            ask.waiters.append(waiter)
+            self._asks[member] = ask
+            self._send_quorum_when_all_asked()
+        return _relay(await waiter)
+
+    def _send_quorum_when_all_asked(self) -> None:
+        if self._asking is not None or len(self._asks) < self.group_size:
+            return
+        if not all(ask.live() for ask in self._asks.values()):
+            self._asks = {m: a for m, a in self._asks.items() if a.waiters}
+            return
+        self._asking, self._asks = self._asks, {}
+        asyncio.get_running_loop().create_task(self._ask_quorum(self._asking))
+
+    async def _ask_quorum(self, asks: dict[int, _QuorumAsk]) -> None:
+        ordered = [asks[m] for m in range(self.group_size)]
+        body = {"step": max(a.step for a in ordered), "last_quorum_id": max(a.last_quorum_id for a in ordered),
+                "address": ordered[0].address, "store": ordered[0].store,
+                "members": [{"step": a.step, "address": a.address} for a in ordered]}
+        answer = await self._upstream("POST", "/v1/quorum", self._speaking(body), self.request_timeout_s)
+        for ask in ordered:
+            for waiter in ask.waiters:
+                if not waiter.done():
+                    waiter.set_result(answer)
+        self._asking = None
+        self._send_quorum_when_all_asked()  # requests that arrived meanwhile
+
+    async def _commit(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        member = self._member(body)
+        key = (_field(body, "quorum_id", int), _field(body, "step", int))
+        ballots = self._ballots.setdefault(key, _Ballots())
+        if ballots.answer is not None:
+            return _relay(ballots.answer)
+        ballots.votes.setdefault(member, (_field(body, "ok", bool), body.get("ready", True) is True))
+        waiter: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        ballots.waiters.append(waiter)
+        said_no = not all(ok for ok, _ in ballots.votes.values())
+        if not ballots.sending and (said_no or len(ballots.votes) == self.group_size):
+            ballots.sending = True
+            asyncio.get_running_loop().create_task(self._vote(key, ballots))
+        for old in [k for k in self._ballots if k[1] < key[1] - 8]:
+            del self._ballots[old]
+        return _relay(await waiter)
+
+    async def _vote(self, key: tuple[int, int], ballots: _Ballots) -> None:
+        members = sorted(ballots.votes)
+        body = {"quorum_id": key[0], "step": key[1], "members": members,
+                "ok": all(ballots.votes[m][0] for m in members), "ready": all(ballots.votes[m][1] for m in members)}
+        answer = await self._upstream("POST", "/v1/commit", self._speaking(body), self.request_timeout_s)
+        if answer[0] == 200:
+            ballots.answer = answer  # members that vote later are answered at once
+        ballots.sending = False  # else: the members retry, and the next ballot sends again
+        waiters, ballots.waiters = ballots.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(answer)
+
+    async def _presence(self, request: web.Request) -> web.Response:
+        member = self._member(await self._body(request))
+        held = asyncio.Event()
+        self._held.add(held)
+        try:
+            await held.wait()  # set only when the agent stops
+        except asyncio.CancelledError:
+            self._lost.add(member)  # the member's process is gone: tell the lighthouse now
+            self._wake.set()
+            raise
+        finally:
+            self._held.discard(held)
+        return web.json_response({"ok": True, "stopping": True})
+
+    async def _pass_through(self, request: web.Request) -> web.Response:
+        body = await self._body(request) if request.method == "POST" else None
+        if body is not None:
+            self._member(body)
+        return _relay(await self._upstream(request.method, request.path, body, self.request_timeout_s))
+
+
+def _relay(answer: Answer) -> web.Response:
+    return web.Response(body=answer[1], status=answer[0], content_type="application/json")
+
+
+def _decoded(raw: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {"error": raw[:200].decode(errors="replace")}
+    return value if isinstance(value, dict) else {"error": str(value)[:200]}
+
+
+# ---------------------------------------------------------------------------- the process
+class AgentProcess:
+    """Member 0's handle on its group's agent process (``start_agent``)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.url = ""
+
+    def wait_url(self, timeout_s: float = 30.0) -> str:
+        """The agent's URL, once it serves (it prints it); a one-line error if it does not."""
+        assert self.proc.stdout is not None
+        if not self.url:
+            readable, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+            line = self.proc.stdout.readline().decode(errors="replace") if readable else ""
+            try:
+                self.url = str(json.loads(line)["url"])
+            except (ValueError, KeyError, TypeError):
+                self.stop()
+                raise RuntimeError(f"the replica group's agent did not start (exit status {self.proc.poll()}); "
+                                   "its error is above") from None
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_agent(upstream: str, replica_id: str, incarnation: int, group_size: int, bind_host: str,
+                advertise: str, heartbeat_interval_s: float = 0.05) -> AgentProcess:
+    """Start the group's agent process (member 0 calls this; ``wait_url`` when its URL is needed, so
+    the start overlaps the caller's own set-up).  The token and run id travel in the environment
+    (``FREESCALE_LIGHTHOUSE_TOKEN``, ``FREESCALE_RUN_ID``), not on a command line others can read."""
+    command = [sys.executable, "-m", "freescale.ft.group_agent", "--upstream", upstream, "--replica-id", replica_id,
+               "--incarnation", str(incarnation), "--group-size", str(group_size), "--bind", f"{bind_host}:0",
+               "--advertise", advertise, "--heartbeat-interval", str(heartbeat_interval_s)]
+    return AgentProcess(subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL))
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import signal
+
+    agent = GroupAgent(args.upstream, args.replica_id, args.incarnation, args.group_size,
+                       token=os.environ.get("FREESCALE_LIGHTHOUSE_TOKEN", ""),
+                       run_id=os.environ.get("FREESCALE_RUN_ID", ""), bind=args.bind, advertise=args.advertise,
+                       heartbeat_interval_s=args.heartbeat_interval)
+    url = await agent.start()
+    print(json.dumps({"url": url}), flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    parent = os.getppid()
+    while not stop.is_set() and os.getppid() == parent:  # member 0 died (even by SIGKILL): go too
+        try:
+            await asyncio.wait_for(stop.wait(), 0.1)
+        except asyncio.TimeoutError:
+            pass
+    await agent.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m freescale.ft.group_agent", description=__doc__.split("\n")[0])
+    parser.add_argument("--upstream", required=True, help="the lighthouse URL")
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--incarnation", type=int, required=True)
+    parser.add_argument("--group-size", type=int, required=True)
+    parser.add_argument("--bind", default="127.0.0.1:0")
+    parser.add_argument("--advertise", default="")
+    parser.add_argument("--heartbeat-interval", type=float, default=0.05)
+    asyncio.run(_serve(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

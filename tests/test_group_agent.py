@@ -1,0 +1,149 @@
+"""The group agent (``freescale.ft.group_agent``) between a group's members and a real lighthouse,
+over real HTTP on 127.0.0.1: one voice per group, nothing about a member lost on the way."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from freescale.ft.client import LighthouseClient
+from freescale.ft.group_agent import GroupAgent
+from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
+from freescale.ft.serving import LoopThread
+
+
+class _Counted(Lighthouse):
+    """A lighthouse that records who sends it ballots."""
+
+    def __init__(self, cfg: LighthouseConfig) -> None:
+        super().__init__(cfg)
+        self.callers: list[tuple[str, int, bool]] = []
+
+    def _member(self, body):  # type: ignore[no-untyped-def]
+        if "ok" in body:  # a commit ballot
+            self.callers.append((str(body.get("replica_id")), int(body.get("member", -1)), body.get("agent") is True))
+        return super()._member(body)
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[_Counted]:
+    lh = _Counted(LighthouseConfig(min_replicas=2, join_timeout_s=5, heartbeat_timeout_s=0.4))
+    lh.start_in_thread()
+    yield lh
+    lh.stop_thread()
+
+
+def agent_for(lh: Lighthouse, rid: str, size: int) -> tuple[GroupAgent, LoopThread]:
+    agent, thread = GroupAgent(lh.url, rid, 0, size), LoopThread(f"agent-{rid}")
+    thread.run(agent.start, agent.stop)
+    return agent, thread
+
+
+def members(url: str, rid: str, size: int) -> list[LighthouseClient]:
+    return [LighthouseClient(url, rid, 0, member=m, group_size=size, request_timeout_s=5).start() for m in range(size)]
+
+
+def wait_for(condition, what: str, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_one_voice_per_group_for_quorum_and_vote(lighthouse: _Counted) -> None:
+    agent, thread = agent_for(lighthouse, "g0", 3)
+    group = members(agent.url, "g0", 3)
+    lone = LighthouseClient(lighthouse.url, "g1", 0, request_timeout_s=5).start()
+    wait_for(lambda: {"g0", "g1"} <= set(lighthouse._healthy(time.monotonic())), "both groups healthy")
+    for c, address in zip(group, ("a0", "a1", "a2")):
+        c.address = address
+    asked = [group[0].quorum_async(0), lone.quorum_async(0), group[1].quorum_async(0)]
+    time.sleep(0.3)  # two of g0's three members asked: the group has not joined
+    assert not any(f.done() for f in asked)
+    asked.append(group[2].quorum_async(0))
+    quorums = [f.result(timeout=5) for f in asked]
+    assert len({q.quorum_id for q in quorums}) == 1 and quorums[0].replica_ids == ("g0", "g1")
+    assert quorums[0].participants[0].addresses == ("a0", "a1", "a2")  # every member's snapshot server
+    q = quorums[0]
+    lighthouse.callers.clear()
+    votes = [c.commit_async(q.quorum_id, 0, True) for c in [*group, lone]]
+    assert all(v() for v in votes)
+    g0_ballots = [c for c in lighthouse.callers if c[0] == "g0"]
+    assert g0_ballots == [("g0", 0, True)], "g0's three ballots reached the lighthouse as one"
+    # A no from one member fails the step at once, for every member.
+    q1 = group[0].quorum(1)
+    no = group[1].commit_async(q1.quorum_id, 1, False)
+    assert no() is False
+    assert group[0].commit(q1.quorum_id, 1, True) is False and lone.commit(q1.quorum_id, 1, True) is False
+    for c in [*group, lone]:
+        c.close()
+    thread.stop()
+
+
+def test_a_silent_member_makes_its_group_unhealthy_and_a_lost_one_is_told_at_once(lighthouse: _Counted) -> None:
+    agent, thread = agent_for(lighthouse, "g0", 2)
+    first = LighthouseClient(agent.url, "g0", 0, member=0, group_size=2, request_timeout_s=5).start()
+    second = LighthouseClient(agent.url, "g0", 0, member=1, group_size=2, request_timeout_s=5)
+    assert second._request("POST", "/v1/heartbeat", {})["ok"]  # one beat, then silence (a hung member)
+    wait_for(lambda: "g0" in lighthouse._healthy(time.monotonic()), "g0 healthy")
+    wait_for(lambda: "g0" not in lighthouse._healthy(time.monotonic()), "g0 unhealthy once member 1 is silent")
+    assert first._lighthouse_quorum is not None
+    # A member whose process ends closes its presence connection: the lighthouse hears it within a beat.
+    third = LighthouseClient(agent.url, "g0", 0, member=1, group_size=2, request_timeout_s=5).start()
+    wait_for(lambda: "g0" in lighthouse._healthy(time.monotonic()), "g0 healthy again")
+    assert not lighthouse.groups["g0"].presence_lost
+    third.close()
+    wait_for(lambda: lighthouse.groups["g0"].presence_lost, "the lost member reported", timeout_s=1.0)
+    first.close()
+    thread.stop()
+
+
+def test_members_of_another_group_are_refused_in_one_line(lighthouse: _Counted) -> None:
+    agent, thread = agent_for(lighthouse, "g0", 2)
+    stranger = LighthouseClient(agent.url, "g7", 0, member=0, group_size=2, request_timeout_s=2)
+    with pytest.raises(Exception, match="group agent of replica 'g0'.*not of 'g7'"):
+        stranger.quorum(0)
+    thread.stop()
+
+
+def test_the_agent_process_serves_and_exits_when_member_0_is_killed(lighthouse: _Counted) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from freescale.ft.group_agent import start_agent\n"
+        f"a = start_agent({lighthouse.url!r}, 'g0', 0, 2, '127.0.0.1', '127.0.0.1')\n"
+        "print(a.wait_url(), a.proc.pid, flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    url, pid = parent.stdout.readline().split()
+    status = LighthouseClient(url, "g0", 0, member=1, group_size=2, request_timeout_s=5).status()
+    assert "groups" in status  # passed through to the lighthouse
+    wait_for(lambda: "g0" in lighthouse.groups, "the agent's heartbeats")
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(int(pid)), "the agent's exit", timeout_s=3.0)
+    wait_for(lambda: lighthouse.groups["g0"].presence_lost, "its presence connection closed", timeout_s=2.0)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_bad_agent_fields_are_refused_with_the_field_named(lighthouse: _Counted) -> None:
+    import requests
+
+    who = {"replica_id": "g0", "incarnation": 0, "member": 0, "group_size": 2, "agent": True}
+    for body, field in (({"member_ages_s": [0.1]}, "member_ages_s"), ({"members_lost": [5]}, "members_lost")):
+        answer = requests.post(f"{lighthouse.url}/v1/heartbeat", data=json.dumps({**who, **body}), timeout=5)
+        assert answer.status_code == 400 and field in answer.json()["error"]
+    answer = requests.post(f"{lighthouse.url}/v1/status", timeout=5)
+    assert answer.status_code == 405
