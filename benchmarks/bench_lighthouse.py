@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -150,7 +151,50 @@ class _Http:
             self.writer.close()
 
 
-async def _post(conn: _Http, path: str, body: dict[str, Any] | bytes, load: Load) -> dict[str, Any]:
+class _Link:
+    """A group agent's link (``/v1/agent``, a WebSocket): the hello, then one operation at a time per
+    caller, answered by id (``freescale.ft.group_agent``'s protocol, without its member side)."""
+
+    OPS = {"/v1/heartbeat": "heartbeat", "/v1/quorum": "quorum", "/v1/commit": "commit"}
+
+    def __init__(self, session: aiohttp.ClientSession, port: int, identity: dict[str, Any]) -> None:
+        self.session, self.port, self.identity = session, port, identity
+        self.link: aiohttp.ClientWebSocketResponse | None = None
+        self.calls: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self.made = 0
+        self.reader: asyncio.Task[None] | None = None
+
+    async def connect(self) -> None:
+        if self.link is None:
+            self.link = await self.session.ws_connect(f"http://127.0.0.1:{self.port}/v1/agent", max_msg_size=0)
+            await self.link.send_str(json.dumps({"id": 0, "op": "hello", "body": self.identity}))
+            await self.link.receive()
+            self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.link is not None
+        async for message in self.link:
+            header, _, answer = message.data.partition("\n")
+            head = json.loads(header)
+            self.calls.pop(head["id"]).set_result((head["status"], answer.encode()))
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        await self.connect()
+        assert self.link is not None
+        self.made += 1
+        answer: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self.calls[self.made] = answer
+        await self.link.send_str('{"id": %d, "op": "%s", "body": %s}' % (self.made, self.OPS[path], body.decode()))
+        return await answer
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+        if self.link is not None:
+            asyncio.get_running_loop().create_task(self.link.close())
+
+
+async def _post(conn: _Http | _Link, path: str, body: dict[str, Any] | bytes, load: Load) -> dict[str, Any]:
     """One request; an error is counted and answers {} (the whole simulation has one time limit)."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     try:
@@ -158,7 +202,8 @@ async def _post(conn: _Http, path: str, body: dict[str, Any] | bytes, load: Load
     except (OSError, asyncio.IncompleteReadError) as exc:
         load.errors.append(f"{path}: {type(exc).__name__}")
         conn.close()
-        conn.writer = None
+        if isinstance(conn, _Http):
+            conn.writer = None
         return {}
     load.requests += 1
     if len(answer) > 4096:  # a whole quorum (tens of KB at 512 groups): its agent on its own host would decode
@@ -170,10 +215,10 @@ async def _post(conn: _Http, path: str, body: dict[str, Any] | bytes, load: Load
     return payload
 
 
-async def _beats(conn: _Http, who: dict[str, Any], load: Load, stop: asyncio.Event, interval_s: float) -> None:
+async def _beats(conn: _Http | _Link, who: dict[str, Any], load: Load, stop: asyncio.Event, interval_s: float) -> None:
     """A voice's heartbeats, as often as the lighthouse asks (``beat_every_s``, at least ``interval_s``);
     ``beats_sent_for`` counts the beats that the asked-for rate called for."""
-    beat = json.dumps({**who, "member_ages_s": [0.01] * who["group_size"]} if who.get("agent") else who).encode()
+    beat = json.dumps({"member_ages_s": [0.01] * who["group_size"]} if who.get("agent") else who).encode()
     every = interval_s
     while not stop.is_set():
         sent = time.perf_counter()
@@ -183,27 +228,26 @@ async def _beats(conn: _Http, who: dict[str, Any], load: Load, stop: asyncio.Eve
         load.beat_every_s = max(load.beat_every_s, every)
         await asyncio.sleep(max(0.0, every - (time.perf_counter() - sent)))
         load.beats_sent_for += max(1, int((time.perf_counter() - sent) / every))
-    conn.close()
 
 
-async def _speaker(conn: _Http, who: dict[str, Any], steps: int, step_s: float, speakers: int, load: Load,
+async def _speaker(conn: _Http | _Link, who: dict[str, Any], steps: int, step_s: float, speakers: int, load: Load,
                    arrived: list[float]) -> None:
     """One voice's steps: join the quorum, then per step compute and vote (the vote's answer
-    carries the next quorum)."""
+    carries the next quorum).  An agent's link carries no identity after its hello."""
     size = who["group_size"]
     agent = bool(who.get("agent"))
+    who = {} if agent else who
     ballots = {"members": list(range(size)), "ready": True} if agent else {}
     await conn.connect()
     arrived.append(time.perf_counter())  # its join request leaves now
     addresses = [f"10.{index // 250}.{index % 250}.{m}:29{m:03d}" for m in range(size)
-                 for index in [int(who["replica_id"][len("replica"):])]]  # each member's snapshot server
+                 for index in [speakers_index(conn, who)]]  # each member's snapshot server
     asks = {"members": [{"step": 0, "address": a} for a in addresses]} if agent else {"address": addresses[0]}
     quorum = await _post(conn, "/v1/quorum", {**who, "step": 0, "last_quorum_id": 0, **asks}, load)
     load.formation_s.append(time.perf_counter() - max(arrived) if len(arrived) == speakers else float("nan"))
     for step in range(steps):
         await asyncio.sleep(step_s)
         if "quorum_id" not in quorum:
-            conn.close()
             return
         sent = time.perf_counter()
         load.last_ballot[step] = max(load.last_ballot.get(step, 0.0), sent)
@@ -214,7 +258,6 @@ async def _speaker(conn: _Http, who: dict[str, Any], steps: int, step_s: float, 
                 else {"address": addresses[0]})
         quorum = vote.get("next") or await _post(conn, "/v1/quorum", {**who, "step": step + 1,
                                                                       "last_quorum_id": quorum["quorum_id"], **asks}, load)
-    conn.close()
 
 
 async def _simulate(port: int, groups: int, group_size: int, speakers: str, steps: int, step_s: float, run_id: str,
@@ -226,19 +269,34 @@ async def _simulate(port: int, groups: int, group_size: int, speakers: str, step
     else:  # each group's agent: member 0's identity, speaking for all (``freescale.ft.group_agent``)
         identities = [{"replica_id": f"replica{g}", "incarnation": 0, "member": 0, "group_size": group_size,
                        "run_id": run_id, "agent": True} for g in range(groups)]
-    beats = [asyncio.create_task(_beats(_Http("127.0.0.1", port), who, load, stop, interval_s)) for who in identities]
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    links: list[tuple[_Http | _Link, _Http | _Link]] = [
+        (_Link(session, port, who),) * 2 if speakers == "group" else (_Http("127.0.0.1", port), _Http("127.0.0.1", port))
+        for who in identities]  # (beats, steps): an agent's link carries both
+    await asyncio.gather(*(pair[0].connect() for pair in links if isinstance(pair[0], _Link)))
+    beats = [asyncio.create_task(_beats(link[0], who, load, stop, interval_s)) for link, who in zip(links, identities)]
     await asyncio.sleep(2 * interval_s)  # every voice known before anyone asks
     try:
-        await asyncio.wait_for(asyncio.gather(*(_speaker(_Http("127.0.0.1", port), who, steps, step_s,
-                                                         len(identities), load, arrived) for who in identities)), max_s)
+        await asyncio.wait_for(asyncio.gather(*(_speaker(link[1], who, steps, step_s, len(identities), load, arrived)
+                                                for link, who in zip(links, identities))), max_s)
     except asyncio.TimeoutError:
         load.errors.append(f"the steps did not finish within {max_s:.0f} s")
     stop.set()
     await asyncio.gather(*beats)
+    for pair in links:
+        for conn in set(pair):
+            conn.close()
+    await asyncio.sleep(0.1)
+    await session.close()
     finish = _Http("127.0.0.1", port)
     await _post(finish, "/v1/finish", {**identities[0], "step": steps - 1}, load)
     finish.close()
     return load
+
+
+def speakers_index(conn: _Http | _Link, who: dict[str, Any]) -> int:
+    identity = conn.identity if isinstance(conn, _Link) else who
+    return int(identity["replica_id"][len("replica"):])
 
 
 def bench_load(ranks: int, group_size: int, speakers: str, steps: int, step_ms: float, interval_s: float,

@@ -6,31 +6,34 @@ ranks.  With it, member 0 of a group of more than one rank starts this agent (a 
 process: ``python -m freescale.ft.group_agent``, no torch, serving in a fraction of a
 second), and every member of the group talks to the agent instead of the lighthouse, over
 the very same HTTP API (``freescale.ft.lighthouse``; the members' ``LighthouseClient`` is
-unchanged, only its URL differs).  The agent speaks for the group upstream:
+unchanged, only its URL differs).  The agent speaks for the group upstream, over one
+WebSocket to the lighthouse (``/v1/agent``: a message costs the lighthouse less than half
+an HTTP request, and the link's life is the group's presence):
 
-- **heartbeats**: one upstream every ``heartbeat_interval_s``, carrying each member's age
-  (seconds since its last heartbeat to the agent) and the group's progress (the least
-  advanced member's).  The lighthouse keeps judging the group by its stalest member, so a
-  hung (SIGSTOPped) member still makes the group unhealthy: its age grows.  The upstream
-  reply (current quorum, lost or not) answers the members' heartbeats.
+- **heartbeats**: one every ``heartbeat_interval_s`` (or as slowly as the lighthouse asks),
+  carrying each member's age (seconds since its last heartbeat to the agent) and the group's
+  progress (the least advanced member's).  The lighthouse keeps judging the group by its
+  stalest member, so a hung (SIGSTOPped) member still makes the group unhealthy: its age
+  grows.  The reply (current quorum, lost or not) answers the members' heartbeats.
 - **quorum**: the members' requests are held until every member has asked, then sent as
   one request listing each member's step and snapshot address (the lighthouse's *join* of
   the group), and the one answer goes to all of them.
 - **commit vote**: the members' ballots are held until all are in (or one says no: sent at
   once, the vote fails anyway), then sent as one ballot for the listed members; the answer
   (and the next step's quorum it may carry) goes to all.
-- **presence**: the agent holds one ``/v1/presence`` upstream for the group, and each
-  member holds one to the agent: a member whose process dies closes it, the agent tells the
-  lighthouse at once (``members_lost`` in an immediate heartbeat), and the agent's own death
-  (or member 0's: the agent exits when its parent does) closes the upstream one.
-- **report, finish, status**: passed through as they are (rare).
+- **presence**: each member holds ``/v1/presence`` open to the agent: a member whose
+  process dies closes it, and the agent tells the lighthouse at once (``members_lost`` in an
+  immediate heartbeat).  The agent's own death (or member 0's: the agent exits when its
+  parent does) closes the link, which the lighthouse takes as the group's presence ending.
+- **report, finish, status**: passed through as HTTP requests (rare).
 
 Why a process and not a thread of member 0: a thread would share member 0's GIL with the
 training loop, so every member's vote would wait for member 0's Python work; and a process
 that keeps running while member 0 is stopped still reports member 0's growing age.
 
-An upstream failure is answered 503, which the members' clients retry with their own
-backoff (``LighthouseClient._request``): one retry policy, in the client.  Requests to the
+An upstream failure (no link, no answer in time) is answered 503, which the members'
+clients retry with their own backoff (``LighthouseClient._request``): one retry policy, in
+the client; the link itself is reopened with backoff.  Requests to the
 agent need the lighthouse's token, when one is set.  Groups of one rank need no agent (the
 rank is its group's voice already).
 """
@@ -111,6 +114,10 @@ class GroupAgent:
         self._held: set[asyncio.Event] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
+        self._link: aiohttp.ClientWebSocketResponse | None = None
+        """The link to the lighthouse (``/v1/agent``) while it is open."""
+        self._calls: dict[int, asyncio.Future[Answer]] = {}
+        self._calls_made = 0
         self._runner: web.AppRunner | None = None
 
     @property
@@ -136,7 +143,7 @@ class GroupAgent:
         await web.TCPSite(self._runner, host, int(port)).start()
         self.url = f"http://{self.advertise or host}:{self._runner.addresses[0][1]}"
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._beat_loop()), loop.create_task(self._presence_loop())]
+        self._tasks = [loop.create_task(self._beat_loop()), loop.create_task(self._link_loop())]
         return self.url
 
     async def stop(self) -> None:
@@ -164,9 +171,66 @@ class GroupAgent:
             return 503, json.dumps({"error": f"group agent of '{self.identity['replica_id']}': lighthouse "
                                              f"{self.upstream} unreachable for {path}: {why}"}).encode()
 
-    def _speaking(self, body: dict[str, Any]) -> dict[str, Any]:
-        """An upstream body for the whole group (``agent``: its requests are no member's sign of life)."""
-        return {**self.identity, "agent": True, **body}
+    async def _call(self, op: str, body: dict[str, Any], timeout_s: float) -> Answer:
+        """One operation on the link (``/v1/agent``), answered by id; 503 while the link is down or
+        when no answer came in time (the member's client retries it)."""
+        link = self._link
+        if link is None or link.closed:
+            return self._unreachable(op, "no link to it")
+        self._calls_made += 1
+        number = self._calls_made
+        answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._calls[number] = answer
+        try:
+            await link.send_str(json.dumps({"id": number, "op": op, "body": body}))
+            return await asyncio.wait_for(answer, timeout_s)
+        except (ConnectionError, RuntimeError, asyncio.TimeoutError) as exc:
+            return self._unreachable(op, str(exc) or type(exc).__name__)
+        finally:
+            self._calls.pop(number, None)
+
+    def _unreachable(self, what: str, why: str) -> Answer:
+        return 503, json.dumps({"error": f"group agent of '{self.identity['replica_id']}': lighthouse "
+                                         f"{self.upstream} unreachable for {what}: {' '.join(why.split())[:200]}"}
+                               ).encode()
+
+    async def _link_loop(self) -> None:
+        """Keep the link to the lighthouse open (reopened with backoff after a lighthouse restart):
+        a hello, then every answer handed to its caller.  The link is the group's presence."""
+        assert self._session is not None
+        rng = random.Random()
+        delays = backoff_delays(rng)
+        while True:
+            opened = time.monotonic()
+            try:
+                async with self._session.ws_connect(self.upstream + "/v1/agent", headers=self.headers,
+                                                    max_msg_size=0) as link:
+                    await link.send_str(json.dumps({"id": 0, "op": "hello", "body": self.identity}))
+                    hello = await link.receive(timeout=self.request_timeout_s)
+                    status, raw = _framed(hello.data) if hello.type == aiohttp.WSMsgType.TEXT else (0, b"")
+                    if status != 200:
+                        log.warning("group agent of '%s': the lighthouse refused its link (%s): %s",
+                                    self.identity["replica_id"], status, raw[:300].decode(errors="replace"))
+                    else:
+                        self._link = link
+                        self._wake.set()  # a heartbeat now: the group is known at once
+                        async for message in link:
+                            if message.type != aiohttp.WSMsgType.TEXT:
+                                break
+                            number = int(json.loads(message.data.partition("\n")[0])["id"])
+                            waiting = self._calls.get(number)
+                            if waiting is not None and not waiting.done():
+                                waiting.set_result(_framed(message.data))
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, KeyError):
+                pass
+            finally:
+                self._link = None
+                for waiting in self._calls.values():
+                    if not waiting.done():
+                        waiting.set_result(self._unreachable("a request", "its link closed"))
+            if time.monotonic() - opened > 1.0:
+                delays = backoff_delays(rng)  # it was up: come back quickly
+            await asyncio.sleep(next(delays))
 
     async def _beat_loop(self) -> None:
         interval = self.heartbeat_interval_s
@@ -177,7 +241,7 @@ class GroupAgent:
                                       for m in range(self.group_size)], **self._group_progress()}
             if lost:
                 body["members_lost"] = lost
-            status, raw = await self._upstream("POST", "/v1/heartbeat", self._speaking(body), max(0.5, 4 * interval))
+            status, raw = await self._call("heartbeat", body, max(0.5, 4 * interval))
             if status != 503:  # a lighthouse that is down keeps the last word, as a member's client does
                 reply = _decoded(raw)
                 every = reply.pop("beat_every_s", None)  # for the group's voice; members beat the agent as usual
@@ -198,23 +262,6 @@ class GroupAgent:
             return {}
         least = min(self._progress.values(), key=lambda p: (p["quorum_id"], p["step"]))
         return {**least, "ready": all(p["ready"] for p in self._progress.values())}
-
-    async def _presence_loop(self) -> None:
-        """Hold the group's ``/v1/presence`` upstream (reopened after a lighthouse restart)."""
-        assert self._session is not None
-        rng = random.Random()
-        delays = backoff_delays(rng)
-        while True:
-            opened = time.monotonic()
-            try:
-                async with self._session.post(self.upstream + "/v1/presence", json=self._speaking({}),
-                                              headers=self.headers) as answer:
-                    await answer.read()  # returns when the lighthouse stops (or refuses)
-            except (aiohttp.ClientError, OSError):
-                pass
-            if time.monotonic() - opened > 1.0:
-                delays = backoff_delays(rng)  # it was up: come back quickly
-            await asyncio.sleep(next(delays))
 
     # ------------------------------------------------------------------ member side
     @web.middleware
@@ -288,7 +335,7 @@ class GroupAgent:
         body = {"step": max(a.step for a in ordered), "last_quorum_id": max(a.last_quorum_id for a in ordered),
                 "address": ordered[0].address, "store": ordered[0].store,
                 "members": [{"step": a.step, "address": a.address} for a in ordered]}
-        answer = await self._upstream("POST", "/v1/quorum", self._speaking(body), self.request_timeout_s)
+        answer = await self._call("quorum", body, self.request_timeout_s)
         for ask in ordered:
             for waiter in ask.waiters:
                 if not waiter.done():
@@ -318,7 +365,7 @@ class GroupAgent:
         members = sorted(ballots.votes)
         body = {"quorum_id": key[0], "step": key[1], "members": members,
                 "ok": all(ballots.votes[m][0] for m in members), "ready": all(ballots.votes[m][1] for m in members)}
-        answer = await self._upstream("POST", "/v1/commit", self._speaking(body), self.request_timeout_s)
+        answer = await self._call("commit", body, self.request_timeout_s)
         if answer[0] == 200:
             ballots.answer = answer  # members that vote later are answered at once
         ballots.sending = False  # else: the members retry, and the next ballot sends again
@@ -336,10 +383,23 @@ class GroupAgent:
         except asyncio.CancelledError:
             self._lost.add(member)  # the member's process is gone: tell the lighthouse now
             self._wake.set()
+            self._fail_pending(member)
             raise
         finally:
             self._held.discard(held)
         return web.json_response({"ok": True, "stopping": True})
+
+    def _fail_pending(self, member: int) -> None:
+        """A member is gone: the group is too (the unit of failure), so the others' quorum requests
+        and ballots held for it are answered at once, in words the rank reports as a peer's
+        failure in one line (``freescale.rank_console``), rather than left to their timeout."""
+        gone = (409, json.dumps({"error": f"replica group: member {member} of '{self.identity['replica_id']}' is "
+                                          "gone (its process ended); the group stops"}).encode())
+        waiters = [w for ask in self._asks.values() for w in ask.waiters]
+        waiters += [w for ballots in self._ballots.values() if ballots.answer is None for w in ballots.waiters]
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(gone)
 
     async def _pass_through(self, request: web.Request) -> web.Response:
         body = await self._body(request) if request.method == "POST" else None
@@ -350,6 +410,12 @@ class GroupAgent:
 
 def _relay(answer: Answer) -> web.Response:
     return web.Response(body=answer[1], status=answer[0], content_type="application/json")
+
+
+def _framed(text: str) -> Answer:
+    """An answer on the link: ``{"id", "status"}``, a newline, the answer's JSON (relayed as it is)."""
+    header, _, answer = text.partition("\n")
+    return int(json.loads(header)["status"]), answer.encode()
 
 
 def _decoded(raw: bytes) -> dict[str, Any]:
@@ -411,7 +477,11 @@ async def _serve(args: argparse.Namespace) -> None:
                        run_id=os.environ.get("FREESCALE_RUN_ID", ""), bind=args.bind, advertise=args.advertise,
                        heartbeat_interval_s=args.heartbeat_interval)
     url = await agent.start()
-    print(json.dumps({"url": url}), flush=True)
+    try:
+        print(json.dumps({"url": url}), flush=True)
+    except BrokenPipeError:  # member 0 is gone already (a group stopped while it started): go quietly
+        await agent.stop()
+        return
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -433,7 +503,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bind", default="127.0.0.1:0")
     parser.add_argument("--advertise", default="")
     parser.add_argument("--heartbeat-interval", type=float, default=0.05)
-    asyncio.run(_serve(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(_serve(args))
+    except KeyboardInterrupt:  # stopped before its signal handlers were in place
+        pass
+    except Exception as exc:  # a bug or a port it cannot bind: one line on the group's terminal
+        print(f"freescale: group agent of {args.replica_id}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

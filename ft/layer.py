@@ -145,7 +145,13 @@ class FaultTolerance:
             if self.hooks.wants("serve"):
                 self.server.on_stream = lambda step: self.hooks.at("serve", step)
             self.server.start()
-        self.client = LighthouseClient(self._group_voice(), cfg.replica_id, self.incarnation, member=self.rank,
+        try:
+            voice = self._group_voice()
+        except BaseException:
+            if self.agent is not None:
+                self.agent.stop()
+            raise
+        self.client = LighthouseClient(voice, cfg.replica_id, self.incarnation, member=self.rank,
                                        group_size=self.group_size, token=token,
                                        run_id=os.environ.get(RUN_ID_ENV, "")).start()
         if self.rank == 0:  # held back so that no step is committed twice: one line, once per reason

@@ -2,8 +2,11 @@
 
 A replica group (one torchrun job of ``group_size`` ranks, the unit of failure)
 is known by ``replica_id`` and an ``incarnation`` number that grows each time
-the group restarts.  Every rank of every group talks to the lighthouse over
-HTTP (aiohttp server, JSON bodies of bounded size, optional shared token):
+the group restarts.  Each group has one *voice* to the lighthouse: its agent
+(``freescale.ft.group_agent``, on member 0, speaking for every member) over one
+WebSocket, ``/v1/agent`` below; a group of one rank speaks for itself over the
+HTTP routes (aiohttp server, JSON bodies of bounded size, optional shared token),
+which the agents serve to their members unchanged:
 
 ``POST /v1/heartbeat``  ``{replica_id, incarnation, member, group_size, quorum_id, step, ready}``
     Sent every ~50 ms from a background thread of each rank, with the quorum of
@@ -103,13 +106,30 @@ refused (409) with a message saying so.
 
 ``GET /v1/status``  the membership, holders, why joiners wait (``blocked``), for operators and tests.
 
+``GET /v1/agent``  (WebSocket) a group agent's link.  Its first message is
+    ``{"id": 0, "op": "hello", "body": {replica_id, incarnation, member: 0,
+    group_size, run_id}}``; then ``{"id", "op": "heartbeat" | "quorum" |
+    "commit", "body"}``, each the route's body for the whole group, without
+    the identity: a heartbeat carries ``member_ages_s`` (each member's seconds
+    since it last beat to the agent: the group stays as alive as its stalest
+    member) and ``members_lost`` (members whose connection to the agent
+    closed), a quorum request ``members`` (each member's ``{step,
+    address}``), a ballot ``members`` (the members it is cast for).  Each
+    answer is ``{"id", "status"}``, a newline, then the route's answer.  The
+    link is the group's presence: when it closes, as for ``/v1/presence``.
+    A message costs the lighthouse less than half a request, and the load
+    grows with groups, not ranks.
+
 Health: a group is healthy while every member's last heartbeat (or request) is
 younger than ``heartbeat_timeout_s`` and it is not suspect.  A SIGSTOPped
-group stops heartbeating and is evicted by that timeout.
+group stops heartbeating and is evicted by that timeout.  Each heartbeat reply
+says how often to beat (``beat_every_s``): every 50 ms up to
+``max_beats_per_s / 20`` voices, then slower, and the suspect grace grows with it.
 
 Requests are bounded: a body not in within ``body_timeout_s`` is answered 408,
 and a client that goes away mid-request is one log line.
 """
+
 
 from __future__ import annotations
 
@@ -120,10 +140,11 @@ import os
 import time
 from typing import Any
 
-from aiohttp import ClientPayloadError, web
+from aiohttp import ClientPayloadError, WSMsgType, web
 
 from freescale.ft import durable
-from freescale.ft.membership import BadRequest, LighthouseConfig, Membership, _field, _Group, _Join, _Vote, resolve
+from freescale.ft.lighthouse_ops import LighthouseOps, Reply, error
+from freescale.ft.membership import BadRequest, LighthouseConfig
 from freescale.ft.serving import LoopThread, token_ok
 
 log = logging.getLogger("freescale.ft.lighthouse")
@@ -136,8 +157,13 @@ class _BodyTimeout(Exception):
     pass
 
 
-class Lighthouse(Membership):
-    """The lighthouse server: HTTP handlers over ``Membership``'s decisions, and the durable state file."""
+def _response(reply: Reply) -> web.Response:
+    return web.Response(text=reply[1], status=reply[0], content_type="application/json")
+
+
+class Lighthouse(LighthouseOps):
+    """The lighthouse server: HTTP routes and agent links over ``LighthouseOps``, the ticker, and the
+    durable state file."""
 
     def __init__(self, cfg: LighthouseConfig) -> None:
         super().__init__(cfg, durable.load(cfg.state_path) if cfg.state_path else None)
@@ -150,10 +176,8 @@ class Lighthouse(Membership):
         self._tick_task: asyncio.Task[None] | None = None
         self._held: set[asyncio.Event] = set()
         """One per open ``/v1/presence`` request."""
-        self._encoded: tuple[tuple[Any, ...] | None, str] = (None, "")
-        """(quorum key, its JSON): ``_quorum_text``'s one-entry cache."""
-        self._lost_at_tick: tuple[int, bool] = (-1, False)
-        """(quorum id, ``_lost``) as of the last tick: what heartbeat replies say (module docstring)."""
+        self._links: set[web.WebSocketResponse] = set()
+        """The group agents' open links (``/v1/agent``)."""
         self._background = LoopThread("freescale-lighthouse")
 
     def _save(self) -> None:
@@ -174,15 +198,15 @@ class Lighthouse(Membership):
         """Serve on ``cfg.bind``; returns the base URL."""
         host, _, port = self.cfg.bind.rpartition(":")
         app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._auth])
-        app.router.add_post("/v1/heartbeat", self._heartbeat)
-        app.router.add_post("/v1/quorum", self._quorum)
-        app.router.add_post("/v1/commit", self._commit)
-        app.router.add_post("/v1/report", self._report)
-        app.router.add_post("/v1/finish", self._finish)
+        for path, operation in (("/v1/heartbeat", self.heartbeat), ("/v1/quorum", self.ask_quorum),
+                                ("/v1/commit", self.commit), ("/v1/report", self.report),
+                                ("/v1/finish", self.finish)):
+            app.router.add_post(path, self._route(operation))
         app.router.add_post("/v1/presence", self._presence)
         app.router.add_get("/v1/status", self._status)
+        app.router.add_get("/v1/agent", self._agent_link)
         # Handlers are cancelled when their client's connection closes: a ``/v1/presence`` request
-        # ending that way is the evidence that a rank's process is gone.
+        # (or an agent's link) ending that way is the evidence that a rank's process is gone.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, int(port))
@@ -195,6 +219,8 @@ class Lighthouse(Membership):
     async def stop(self) -> None:
         for held in list(self._held):
             held.set()  # presence requests end with an answer, not a closed connection
+        for link in list(self._links):
+            await link.close(code=1001, message=b"lighthouse stopping")
         if self._tick_task is not None:
             self._tick_task.cancel()
         if self._runner is not None:
@@ -233,226 +259,16 @@ class Lighthouse(Membership):
                          asyncio.wait_for(request.read(), self.cfg.body_timeout_s))
         except asyncio.TimeoutError:
             raise _BodyTimeout(f"the request body did not arrive within {self.cfg.body_timeout_s:g} s") from None
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise BadRequest(f"body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("body must be a JSON object")
-        return body
+        return _json_object(raw)
 
-    def _member(self, body: dict[str, Any]) -> tuple[_Group | None, int, str]:
-        """Record a sign of life from (replica, incarnation, member); returns (group, member, error)."""
-        replica_id = _field(body, "replica_id", str)
-        incarnation = _field(body, "incarnation", int)
-        member = _field(body, "member", int)
-        group_size = _field(body, "group_size", int)
-        if not replica_id or len(replica_id) > 200:
-            raise BadRequest("field 'replica_id' must be 1-200 characters")
-        if group_size < 1 or not 0 <= member < group_size:
-            raise BadRequest(f"member {member} is outside a group of {group_size}")
-        run_id = body.get("run_id", "")
-        if not isinstance(run_id, str) or len(run_id) > 100:
-            raise BadRequest("field 'run_id' must be a string of at most 100 characters")
-        if run_id != self.run_id:
-            now = time.monotonic()
-            restoring = self.restored and now - self.started < self.cfg.heartbeat_timeout_s  # its groups re-register
-            if (self.run_id is not None and self.finished_step is None
-                    and (self._healthy(now) or not self.settled(now) or restoring)):
-                return None, member, (f"this lighthouse serves run '{self.run_id}', which is still going; "
-                                      f"start another lighthouse for run '{run_id}'")
-            self._new_run(run_id)
-        group = self.groups.get(replica_id)
-        if group is not None and incarnation < group.incarnation:
-            return None, member, (f"replica '{replica_id}' incarnation {incarnation} is stale "
-                                  f"(current: {group.incarnation})")
-        if group is None or incarnation > group.incarnation:
-            group = _Group(replica_id, incarnation, group_size)
-            self.groups[replica_id] = group
-            stale = self.joins.pop(replica_id, None)
-            if stale is not None:
-                resolve(stale.waiters, web.HTTPConflict(text="a newer incarnation of this replica joined"))
-        if body.get("agent") is True:  # a group agent's beat carries its members' ages instead
-            group.agent = True
-        else:
-            group.beat(member, time.monotonic())
-        return group, member, ""
+    def _route(self, operation: Any) -> Any:
+        async def handle(request: web.Request) -> web.Response:
+            reply = operation(await self._body(request))
+            return _response(await reply if asyncio.iscoroutine(reply) else reply)
+        return handle
 
-    def _new_run(self, run_id: str) -> None:
-        """A new run (another ``freescale launch``) on a lighthouse whose previous run finished or
-        died: forget its groups, quorum, votes and progress; quorum ids keep growing."""
-        for join in self.joins.values():
-            resolve(join.waiters, web.HTTPConflict(text=f"a new run '{run_id}' started on this lighthouse"))
-        self.run_id = run_id
-        self.groups.clear()
-        self.joins.clear()
-        self.votes.clear()
-        self.steady_steps.clear()
-        self.quorum = None
-        self.high_step = -1
-        self.finished_step = None
-        self.holders, self.holders_quorum_id, self.blocked = {}, 0, ""
-        self.on_durable_change()
-
-    # ------------------------------------------------------------------ handlers
-    async def _heartbeat(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        group, _, error = self._member(body)
-        if group is None:
-            return web.json_response({"error": error}, status=409)
-        self._agent_beat(group, body)
-        self.note_progress(group, body)
-        q = self.quorum
-        return web.json_response({"ok": True, "quorum_id": q["quorum_id"] if q is not None else None,
-                                  "quorum_lost": q is not None and (bool(q.get("broken"))
-                                                                    or self._lost_at_tick == (q["quorum_id"], True)),
-                                  "beat_every_s": self.beat_interval()})
-
-    def _agent_beat(self, group: _Group, body: dict[str, Any]) -> None:
-        """A group agent's heartbeat (``freescale.ft.group_agent``): each member's age (seconds since
-        it last beat to the agent; null: never) and the members whose presence connection closed."""
-        ages, lost = body.get("member_ages_s"), body.get("members_lost")
-        if ages is not None:
-            if not isinstance(ages, list) or len(ages) != group.group_size or not all(
-                    a is None or isinstance(a, (int, float)) and not isinstance(a, bool) and a >= 0 for a in ages):
-                raise BadRequest(f"field 'member_ages_s' must be {group.group_size} ages in seconds (or null)")
-            now = time.monotonic()
-            for member, age in enumerate(ages):
-                if age is not None:
-                    group.beat(member, now - age)
-        if lost:
-            self._member_indices(body, "members_lost", group)
-            self.connection_lost(group.replica_id, group.incarnation)
-
-    @staticmethod
-    def _member_indices(body: dict[str, Any], name: str, group: _Group) -> list[int]:
-        """A group agent's list of member indices (``members`` of a ballot, ``members_lost``)."""
-        value = body[name]
-        if not isinstance(value, list) or not value or not all(
-                isinstance(m, int) and not isinstance(m, bool) and 0 <= m < group.group_size for m in value):
-            raise BadRequest(f"field '{name}' must list member indices below {group.group_size}")
-        return value
-
-    @staticmethod
-    def _member_asks(body: dict[str, Any], group: _Group) -> list[dict[str, Any]]:
-        """A group agent's quorum request: one ``{step, address}`` per member."""
-        value = body["members"]
-        if not isinstance(value, list) or len(value) != group.group_size or not all(
-                isinstance(e, dict) and isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool)
-                and isinstance(e.get("address", ""), str) and len(e.get("address", "")) <= 300 for e in value):
-            raise BadRequest(f"field 'members' must hold {group.group_size} {{step, address}} objects")
-        return value
-
-    async def _quorum(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        step = _field(body, "step", int)
-        last_seen = int(body.get("last_quorum_id", 0) or 0)
-        group, member, error = self._member(body)
-        if group is None:
-            return web.json_response({"error": error}, status=409)
-        self.quorum_id = max(self.quorum_id, last_seen)
-        if self.finished_step is not None:
-            return web.json_response(self._finished_answer())
-        steady = self._steady_answer(group, step)
-        if steady is not None:
-            return self._quorum_response(steady)
-        join = self.joins.get(group.replica_id)
-        if join is None or join.incarnation != group.incarnation:
-            join = _Join(group.incarnation, time.monotonic())
-            self.joins[group.replica_id] = join
-        address = body.get("address", "")
-        if not isinstance(address, str) or len(address) > 300:
-            raise BadRequest("field 'address' must be a string of at most 300 characters")
-        if "members" in body:  # a group agent joins the whole group at once
-            for m, entry in enumerate(self._member_asks(body, group)):
-                join.steps[m], join.addresses[m] = entry["step"], entry.get("address", "")
-        else:
-            join.steps[member], join.addresses[member] = step, address
-        store = body.get("store", "")
-        if not isinstance(store, str) or len(store) > 300:
-            raise BadRequest("field 'store' must be a string of at most 300 characters")
-        if member == 0:
-            join.store = store
-        waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        join.waiters.append(waiter)
-        if len(self.joins) >= len(self.groups):  # maybe everyone is in: decide now (else the next tick does,
-            self._try_form(time.monotonic())      # not every request: one scan of all groups per request is O(n^2))
-        try:
-            answer = await waiter
-        except web.HTTPConflict as exc:
-            return web.json_response({"error": exc.text}, status=409)
-        if "refused" in answer:
-            return web.json_response({"error": answer["refused"]}, status=409)
-        return self._quorum_response(answer)
-
-    async def _commit(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        quorum_id, step = _field(body, "quorum_id", int), _field(body, "step", int)
-        ok = _field(body, "ok", bool)
-        group, member, error = self._member(body)
-        if group is None:
-            return web.json_response({"error": error}, status=409)
-        vote = self.votes.get((quorum_id, step))
-        if vote is None:
-            if self.quorum is None or self.quorum["quorum_id"] != quorum_id:
-                return web.json_response({"commit": False, "reason": "quorum superseded"})
-            vote = _Vote(quorum_id, {p["replica_id"]: (p["incarnation"], self.groups[p["replica_id"]].group_size)
-                          for p in self.quorum["participants"] if p["replica_id"] in self.groups})
-            self.votes[(quorum_id, step)] = vote
-            for key in [k for k in self.votes if k[1] < step - 8]:  # keep the table small
-                del self.votes[key]
-        if vote.result is None:
-            expected = vote.participants.get(group.replica_id)
-            if expected is None or expected[0] != group.incarnation:
-                return web.json_response({"commit": False, "reason": "not a participant of this quorum"})
-            ready = body.get("ready", True) is True
-            for m in self._member_indices(body, "members", group) if "members" in body else [member]:
-                vote.cast(group.replica_id, m, ok, ready)
-            self._settle(vote, time.monotonic(), scan=False)
-        if vote.result is None:
-            waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            vote.waiters.append(waiter)
-            await waiter
-        if vote.result and self.cfg.quorum_in_vote and self.finished_step is None:
-            following = self._steady_answer(group, step + 1)
-            if following is not None:  # the same participants: the voter has them (tens of KB at 512 groups)
-                return _json(f'{{"commit": true, "next": {{"quorum_id": {following["quorum_id"]}, '
-                             f'"max_step": {following["max_step"]}, "high_step": {following["high_step"]}, '
-                             '"same_participants": true}}')
-        return _json('{"commit": true}' if vote.result else '{"commit": false}')
-
-    def _quorum_text(self, quorum: dict[str, Any]) -> str:
-        """``quorum`` as JSON, encoded once for all the participants it answers (at 512 groups the
-        quorum is tens of KB: encoding it per answer would cost the lighthouse more than the rest)."""
-        key = (id(quorum), quorum["quorum_id"], quorum["max_step"], quorum["high_step"], bool(quorum.get("broken")))
-        if self._encoded[0] != key:
-            self._encoded = (key, json.dumps(quorum))
-        return self._encoded[1]
-
-    def _quorum_response(self, answer: dict[str, Any]) -> web.Response:
-        return _json(self._quorum_text(answer)) if "participants" in answer else web.json_response(answer)
-
-    async def _report(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        quorum_id = _field(body, "quorum_id", int)
-        reporter = _field(body, "replica_id", str)
-        now = time.monotonic()
-        if self.quorum is not None and self.quorum["quorum_id"] == quorum_id:
-            # Its process groups are broken: the next quorum gets a new id even if
-            # every participant turns out to be alive.
-            self.quorum["broken"] = True
-            for p in self.quorum["participants"]:
-                group = self.groups.get(p["replica_id"])
-                if group is not None and p["replica_id"] != reporter and not group.silent_since_report():
-                    group.suspect_since = now  # (one already silent since an earlier report keeps its grace)
-        reporter_group = self.groups.get(reporter)
-        if reporter_group is not None:
-            for m in list(reporter_group.beats):
-                reporter_group.beat(m, now)
-        for vote in self.votes.values():
-            self._settle(vote, now)
-        self._try_form(now)
-        return web.json_response({"ok": True})
+    async def _status(self, request: web.Request) -> web.Response:
+        return _response(self.status())
 
     async def _presence(self, request: web.Request) -> web.Response:
         """Held open for as long as the rank's process lives (the client's presence thread).  Its
@@ -460,9 +276,9 @@ class Lighthouse(Membership):
         suspect and known gone at once: an open vote fails and the next quorum forms
         after the suspect grace, not the heartbeat timeout.  A hung or stopped process keeps it
         open, a partition does not close it, so neither is mistaken for a death."""
-        group, _, error = self._member(await self._body(request))
+        group, _, why = self.member(await self._body(request))
         if group is None:
-            return web.json_response({"error": error}, status=409)
+            return _response(error(409, why))
         incarnation, held = group.incarnation, asyncio.Event()
         self._held.add(held)
         try:
@@ -474,50 +290,73 @@ class Lighthouse(Membership):
             self._held.discard(held)
         return web.json_response({"ok": True, "stopping": True})
 
-    def _finished_answer(self) -> dict[str, Any]:
-        return {"finished": True, "finished_step": self.finished_step}
+    # ------------------------------------------------------------------ group agents
+    async def _agent_link(self, request: web.Request) -> web.WebSocketResponse:
+        """A group agent's link (module docstring): a hello, then operations answered by id, each
+        quorum request and ballot on a task of its own (they wait for the others); the link's
+        end is the group's presence ending."""
+        link = web.WebSocketResponse(max_msg_size=self.cfg.max_request_bytes)
+        await link.prepare(request)
+        self._links.add(link)
+        identity: dict[str, Any] | None = None
+        speaking: tuple[str, int] | None = None
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            async for message in link:
+                if message.type != WSMsgType.TEXT:
+                    break
+                try:
+                    call = _json_object(message.data)
+                    number, op, body = int(call.get("id", -1)), call.get("op"), call.get("body")
+                    if not isinstance(body, dict):
+                        raise BadRequest("each message needs a JSON object 'body'")
+                    if identity is None:
+                        if op != "hello":
+                            raise BadRequest("the first message must be the agent's hello")
+                        group, _, why = self.member({**body, "agent": True})
+                        if group is None:
+                            await _answer(link, number, error(409, why))
+                            break
+                        identity, speaking = {**body, "agent": True}, (group.replica_id, group.incarnation)
+                        await _answer(link, number, (200, '{"ok": true}'))
+                        continue
+                    body = {**body, **identity}
+                    if op == "heartbeat":
+                        await _answer(link, number, self.heartbeat(body, speaking))
+                    elif op in ("quorum", "commit"):
+                        task = asyncio.get_running_loop().create_task(
+                            self._answer_later(link, number, op, body, speaking))
+                        pending.add(task)
+                        task.add_done_callback(pending.discard)
+                    else:
+                        raise BadRequest(f"unknown op {op!r} (heartbeat, quorum, commit)")
+                except BadRequest as exc:
+                    await _answer(link, int(call.get("id", -1)) if isinstance(call, dict) else -1,
+                                  error(400, str(exc)))
+        finally:
+            self._links.discard(link)
+            for task in pending:
+                task.cancel()
+            if speaking is not None:
+                self.connection_lost(*speaking)
+        return link
 
-    async def _finish(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        step = _field(body, "step", int)
-        group, _, error = self._member(body)
-        if group is None:
-            return web.json_response({"error": error}, status=409)
-        self.finished_step = max(step, self.finished_step if self.finished_step is not None else step)
-        self.on_durable_change()
-        for join in self.joins.values():
-            resolve(join.waiters, self._finished_answer())
-        self.joins.clear()
-        for vote in self.votes.values():  # a vote still open cannot complete: its group went home
-            if vote.result is None:
-                vote.result = False
-                resolve(vote.waiters, False)
-        return web.json_response({"ok": True})
+    async def _answer_later(self, link: web.WebSocketResponse, number: int, op: str, body: dict[str, Any],
+                            speaking: tuple[str, int] | None) -> None:
+        try:
+            reply = await (self.ask_quorum(body, speaking) if op == "quorum" else self.commit(body, speaking))
+        except BadRequest as exc:
+            reply = error(400, str(exc))
+        if not link.closed:
+            await _answer(link, number, reply)
 
-    async def _status(self, request: web.Request) -> web.Response:
-        now = time.monotonic()
-        return web.json_response({
-            "quorum_id": self.quorum_id,
-            "quorum": self.quorum,
-            "groups": {rid: {"incarnation": g.incarnation, "group_size": g.group_size,
-                             "healthy": g.healthy(now, self.cfg.heartbeat_timeout_s),
-                             "since_heartbeat_s": now - g.last_beat()} for rid, g in self.groups.items()},
-            "joining": sorted(self.joins),
-            "high_step": self.high_step,
-            "holders": self.holders,
-            "blocked": self.blocked,
-            "settled": self.settled(now),
-            "restored": self.restored,
-            "finished_step": self.finished_step,
-        })
-
+    # ------------------------------------------------------------------ time
     async def _ticker(self) -> None:
         """Every ``tick_s``: form a quorum that can form now.  Every ``SCAN_EVERY_S``: the scans over
-        every group (the quorum's health for heartbeat replies, open votes' unhealthy
-        participants, the voices that set the beat rate): once per scan, not per request, and
-        not every tick (at 512 groups they would cost the lighthouse more than its requests;
-        health moves on the heartbeat timeout's scale, and a death's evidence, a failure report
-        or a closed presence connection, settles votes at once)."""
+        every group (``LighthouseOps.scan``): once per scan, not per request, and not every tick (at
+        512 groups they would cost the lighthouse more than its requests; health moves on the
+        heartbeat timeout's scale, and a death's evidence, a failure report or a closed presence
+        connection, settles votes at once)."""
         scanned = 0.0
         while True:
             await asyncio.sleep(self.cfg.tick_s)
@@ -525,11 +364,7 @@ class Lighthouse(Membership):
                 now = time.monotonic()
                 if now - scanned >= SCAN_EVERY_S:
                     scanned = now
-                    self.count_voices()
-                    if self.quorum is not None:
-                        self._lost_at_tick = (self.quorum["quorum_id"], self._lost(self.quorum, now))
-                    for vote in list(self.votes.values()):
-                        self._settle(vote, now)
+                    self.scan(now)
                 self._try_form(now)
                 if self.cfg.state_path and self.high_step != self._saved_high_step and now - self._saved_at >= 1.0:
                     self._save()  # the growing high_step, at most once a second (a lower bound)
@@ -537,8 +372,22 @@ class Lighthouse(Membership):
                 log.exception("lighthouse: tick failed")
 
 
-def _json(text: str) -> web.Response:
-    return web.Response(text=text, content_type="application/json")
+def _json_object(raw: bytes | str) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
+
+
+async def _answer(link: web.WebSocketResponse, number: int, reply: Reply) -> None:
+    """One answer on an agent's link: ``{"id", "status"}``, a newline, the answer's JSON."""
+    try:
+        await link.send_str(f'{{"id": {number}, "status": {reply[0]}}}\n{reply[1]}')
+    except ConnectionError:
+        pass  # the agent went away: its link's end says so
 
 
 def run_forever(cfg: LighthouseConfig) -> None:

@@ -204,9 +204,11 @@ class _Vote:
         self.ready[replica_id] = self.ready.get(replica_id, 0) + int(ready)
         self.said_no = self.said_no or not ok
 
-    @property
-    def expected(self) -> int:
-        return sum(size for _, size in self.participants.values())
+    expected: int = 0
+    """Ballots that make it unanimous (every member of every participant), counted once."""
+
+    def __post_init__(self) -> None:
+        self.expected = sum(size for _, size in self.participants.values())
 
 
 def _field(body: dict[str, Any], name: str, kind: type) -> Any:
