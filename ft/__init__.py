@@ -6,8 +6,13 @@
   torchrec loop (``examples/user_loop_ft.py``) alike.
 - ``lighthouse``: membership, per-step quorums (fast path, join timeout,
   split-brain guard, growing ids, incarnations), commit votes, failure
-  reports, finish, the rendezvous store; an aiohttp server (``freescale
-  lighthouse`` or ``Lighthouse.start_in_thread()``).
+  reports, finish; an aiohttp server (``freescale lighthouse`` or
+  ``Lighthouse.start_in_thread()``).
+- ``lighthouse_ops``: each request's operation over the membership rules
+  (``membership``) and the durable facts (``durable``), whatever carries it.
+- ``group_agent``: a group's one voice to the lighthouse (a process member 0
+  starts): its members speak the lighthouse's HTTP API to it, it speaks for
+  them over one WebSocket, so the lighthouse's load grows with groups.
 - ``client``: a rank's heartbeats (own thread; the replies say when the
   current quorum is lost) and quorum / commit requests (the committed vote
   brings the next steady quorum); one request path with backoff, http(s).

@@ -335,12 +335,29 @@ def test_chaos_short_form_holds_every_invariant(tiny_data: Path, tmp_path: Path)
     assert result["caught_up"] >= 1
 
 
+def _rank_pid(run_dir: Path, group: int, rank: int) -> int:
+    """The pid of ``rank`` of replica group ``group`` in the run writing to ``run_dir`` (from /proc:
+    its environment and command line)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+            command = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if ({f"RANK={rank}".encode(), f"FREESCALE_REPLICA_INDEX={group}".encode()} <= environ
+                and str(run_dir).encode() in command and b"train" in command):
+            return int(proc.name)
+    raise AssertionError(f"no rank {rank} of group {group} running for {run_dir}")
+
+
 def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tmp_path: Path) -> None:
-    """Group 1's rank is SIGSTOPped mid-run for 5 s (a hang, not a crash): the lighthouse evicts
-    group 1 at its heartbeat timeout (3 s) and says group 0's quorum is lost, so group 0 stops
-    waiting in the collective (the collective timeout, 30 s here, is never reached) and goes on
-    alone while group 1 is still stopped.  After SIGCONT group 1 finds itself behind, catches up
-    without a restart, and trains again.
+    """Two groups of two ranks; rank 1 of group 1 is SIGSTOPped mid-run for 5 s (a hang, not a
+    crash).  It speaks to the lighthouse through its group's agent (``freescale.ft.group_agent``),
+    which keeps running and reports that member's age growing: the lighthouse evicts group 1 at
+    its heartbeat timeout (3 s) and says group 0's quorum is lost, so group 0 stops waiting in the
+    collective (the collective timeout, 30 s here, is never reached) and goes on alone while
+    group 1 is still stopped.  After SIGCONT group 1 finds itself behind, catches up without a
+    restart, and trains again.
 
     The same run checks ``train.nonfinite = skip_step`` (merged here to save a run): a learning
     rate that blows the model up makes every step after the first non-finite; each is committed
@@ -350,15 +367,15 @@ def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tm
     import signal
     import time
 
-    steps = 200
-    run = subprocess.Popen(launch_args(tmp_path, tiny_data, 2, 1, steps, "dlrm", 0, "--ft.timeout_s", "30",
+    steps = 120
+    run = subprocess.Popen(launch_args(tmp_path, tiny_data, 2, 2, steps, "dlrm", 0, "--ft.timeout_s", "30",
                                        "--optim.dense_lr", "1e25", "--train.nonfinite", "skip_step"),
                            cwd=REPO, env=fault_env(SLOW), text=True, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE)
     victim = tmp_path / "replica1" / "train_log.jsonl"
     try:
         wait_for_lines(victim, 12)
-        pid = next(e["pid"] for e in map(json.loads, victim.read_text().splitlines()) if e["event"] == "start")
+        pid = _rank_pid(tmp_path, 1, 1)
         os.kill(pid, signal.SIGSTOP)
         stopped = time.time()
         time.sleep(5)
@@ -369,7 +386,7 @@ def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tm
     finally:
         if run.poll() is None:
             run.kill()
-    runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
+    runs = check_run(tmp_path, tiny_data, "dlrm", 2, 2, steps)
     survivor = by_step(runs[(0, 0)])
     alone = [s for s, e in survivor.items() if e["participants"] == ["replica0"] and e["time"] > stopped]
     assert alone, "group 0 never went on without the stopped group"
