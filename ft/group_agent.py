@@ -57,7 +57,7 @@ import aiohttp
 from aiohttp import web
 
 from freescale.ft.membership import BadRequest, _field
-from freescale.ft.serving import backoff_delays, token_ok
+from freescale.ft.serving import LINK_PING_S, backoff_delays, token_ok
 
 log = logging.getLogger("freescale.ft.group_agent")
 
@@ -204,7 +204,7 @@ class GroupAgent:
             opened = time.monotonic()
             try:
                 async with self._session.ws_connect(self.upstream + "/v1/agent", headers=self.headers,
-                                                    max_msg_size=0) as link:
+                                                    max_msg_size=0, heartbeat=LINK_PING_S) as link:
                     await link.send_str(json.dumps({"id": 0, "op": "hello", "body": self.identity}))
                     hello = await link.receive(timeout=self.request_timeout_s)
                     status, raw = _framed(hello.data) if hello.type == aiohttp.WSMsgType.TEXT else (0, b"")

@@ -145,7 +145,7 @@ from aiohttp import ClientPayloadError, WSMsgType, web
 from freescale.ft import durable
 from freescale.ft.lighthouse_ops import LighthouseOps, Reply, error
 from freescale.ft.membership import BadRequest, LighthouseConfig
-from freescale.ft.serving import LoopThread, token_ok
+from freescale.ft.serving import LINK_PING_S, LoopThread, token_ok
 
 log = logging.getLogger("freescale.ft.lighthouse")
 
@@ -295,7 +295,7 @@ class Lighthouse(LighthouseOps):
         """A group agent's link (module docstring): a hello, then operations answered by id, each
         quorum request and ballot on a task of its own (they wait for the others); the link's
         end is the group's presence ending."""
-        link = web.WebSocketResponse(max_msg_size=self.cfg.max_request_bytes)
+        link = web.WebSocketResponse(max_msg_size=self.cfg.max_request_bytes, heartbeat=LINK_PING_S)
         await link.prepare(request)
         self._links.add(link)
         identity: dict[str, Any] | None = None

@@ -15,6 +15,11 @@ from typing import Any
 
 from aiohttp import web
 
+LINK_PING_S = 5.0
+"""Both ends of a group agent's link (``/v1/agent``) ping every 5 s: a silent idle link is not
+dropped by a proxy or a NAT, and a peer whose host vanished (no FIN) is given up after a missed
+pong (the agent reconnects; the lighthouse takes the link's end as the group's presence ending)."""
+
 
 def advertised_host(lighthouse_url: str) -> tuple[str, str]:
     """(host to bind, host to advertise) for a rank's snapshot server and rendezvous store: the
