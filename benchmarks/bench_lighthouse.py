@@ -23,7 +23,10 @@ Two measures, one table each:
    the agents), for comparison.  The members' side (ranks to their agent, on their own hosts)
    does not load the lighthouse and is not simulated.
 
-The simulator and the lighthouse share this machine's cores: on a 2-core VM a size whose
+Both the lighthouse and the simulator run on uvloop (``freescale.ft.serving.run_loop``), and the
+simulator's voices use bare asyncio streams (ranks) or aiohttp's WebSocket client (agents): its
+own cost per message is part of every latency it measures.  The simulator and the lighthouse
+share this machine's cores: on a 2-core VM a size whose
 ``held`` falls below 1 is as much the simulator's limit as the lighthouse's; the lighthouse's
 CPU column tells which.  Targets (issue 20): P99 quorum decision <= 50 ms at 4,096 ranks;
 serving within 0.5 s of start.
@@ -54,6 +57,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_port, write_json  # noqa: E402
 
+from freescale.ft.serving import run_loop  # noqa: E402
 from freescale.tables import print_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -307,7 +311,7 @@ def bench_load(ranks: int, group_size: int, speakers: str, steps: int, step_ms: 
         proc, _ = start_lighthouse(port, Path(tmp) / "state.json", max_beats_per_s=max_beats_per_s)
         try:
             cpu0, t0, own0 = cpu_seconds(proc.pid), time.perf_counter(), time.process_time()
-            load = asyncio.run(_simulate(port, groups, group_size, speakers, steps,
+            load = run_loop(_simulate(port, groups, group_size, speakers, steps,
                                          step_ms / 1e3, f"bench-{ranks}-{speakers}", interval_s))
             wall, cpu, own = time.perf_counter() - t0, cpu_seconds(proc.pid) - cpu0, time.process_time() - own0
         finally:

@@ -57,7 +57,7 @@ import aiohttp
 from aiohttp import web
 
 from freescale.ft.membership import BadRequest, _field
-from freescale.ft.serving import LINK_PING_S, backoff_delays, token_ok
+from freescale.ft.serving import LINK_PING_S, backoff_delays, run_loop, token_ok
 
 log = logging.getLogger("freescale.ft.group_agent")
 
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heartbeat-interval", type=float, default=0.05)
     args = parser.parse_args(argv)
     try:
-        asyncio.run(_serve(args))
+        run_loop(_serve(args))
     except KeyboardInterrupt:  # stopped before its signal handlers were in place
         pass
     except Exception as exc:  # a bug or a port it cannot bind: one line on the group's terminal

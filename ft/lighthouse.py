@@ -145,7 +145,7 @@ from aiohttp import ClientPayloadError, WSMsgType, web
 from freescale.ft import durable
 from freescale.ft.lighthouse_ops import LighthouseOps, Reply, error
 from freescale.ft.membership import BadRequest, LighthouseConfig
-from freescale.ft.serving import LINK_PING_S, LoopThread, token_ok
+from freescale.ft.serving import LINK_PING_S, LoopThread, run_loop, token_ok
 
 log = logging.getLogger("freescale.ft.lighthouse")
 
@@ -408,7 +408,7 @@ def run_forever(cfg: LighthouseConfig) -> None:
         await stop.wait()
         await lighthouse.stop()
 
-    asyncio.run(main())
+    run_loop(main())
 
 
 __all__ = ["Lighthouse", "LighthouseConfig", "run_forever"]

@@ -21,6 +21,16 @@ dropped by a proxy or a NAT, and a peer whose host vanished (no FIN) is given up
 pong (the agent reconnects; the lighthouse takes the link's end as the group's presence ending)."""
 
 
+def run_loop(main: Awaitable[Any]) -> Any:
+    """``asyncio.run(main)`` on uvloop where it is installed (a dependency but Windows): the
+    lighthouse's and the agents' cost per message is mostly the event loop's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)  # type: ignore[arg-type]
+    return uvloop.run(main)  # type: ignore[arg-type]
+
+
 def advertised_host(lighthouse_url: str) -> tuple[str, str]:
     """(host to bind, host to advertise) for a rank's snapshot server and rendezvous store: the
     loopback when the lighthouse is on it (one machine), else every interface and this machine's
