@@ -217,12 +217,17 @@ def main() -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--data", help="an existing dataset (default: 20k synthetic rows made here)")
+    parser.add_argument("--keep", help="run in this directory and keep it (default: a temporary one)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     if args.quick:
         args.gap = min(args.gap, 4.5)
-    with tempfile.TemporaryDirectory(prefix="freescale-chaos-") as tmp:
-        result = run(args, Path(tmp))
+    if args.keep:  # the run's logs stay for a look (a failed invariant names a step)
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        result = run(args, Path(args.keep))
+    else:
+        with tempfile.TemporaryDirectory(prefix="freescale-chaos-") as tmp:
+            result = run(args, Path(tmp))
     rows = []
     for kind in KINDS:
         stalls = [f["stall_s"] for f in result["faults"] if f["kind"] == kind and f["stall_s"] == f["stall_s"]]

@@ -177,10 +177,12 @@ class StepFeed:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able: the loader's position (= the next step to plan) and the plans in flight."""
+        """JSON-able: the loader's position (= the next step to plan), the plans in flight, and the
+        rows the last committed step trained (every group's: the same in every group)."""
         return {"loader": self.loader.state_dict(), "next": self._next, "ready": sorted(self.ready),
                 "plans": [{"step": p.step, "live_ranks": list(p.live_ranks),
-                           "rows": [r.tolist() for r in p.plan_rows]} for p in self._plans]}
+                           "rows": [r.tolist() for r in p.plan_rows]} for p in self._plans],
+                "last_rows": self.last_rows.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a peer's (or a checkpoint's) data position.  Batches of in-flight steps are not read:
@@ -192,5 +194,9 @@ class StepFeed:
         self._plans = deque(PlannedStep(int(p["step"]), tuple(p["live_ranks"]),
                                         Parts.of_list([np.asarray(r, dtype=np.int64) for r in p["rows"]]))
                             for p in state["plans"])
+        # A group that catches up to the very step of the snapshot replays nothing: that step's record
+        # (the rows it trained) comes from here.  This group sat it out: no samples of its own.
+        self.last_rows = np.asarray(state.get("last_rows", []), dtype=np.int64)
+        self.last_samples = 0
         self._batches.clear()
         self._iter = self._pull()

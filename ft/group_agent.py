@@ -118,6 +118,8 @@ class GroupAgent:
         """The link to the lighthouse (``/v1/agent``) while it is open."""
         self._calls: dict[int, asyncio.Future[Answer]] = {}
         self._calls_made = 0
+        self._refused = ""
+        """Why the lighthouse last refused the link ("" if it never did)."""
         self._runner: web.AppRunner | None = None
 
     @property
@@ -209,8 +211,11 @@ class GroupAgent:
                     hello = await link.receive(timeout=self.request_timeout_s)
                     status, raw = _framed(hello.data) if hello.type == aiohttp.WSMsgType.TEXT else (0, b"")
                     if status != 200:
-                        log.warning("group agent of '%s': the lighthouse refused its link (%s): %s",
-                                    self.identity["replica_id"], status, raw[:300].decode(errors="replace"))
+                        why = raw[:300].decode(errors="replace")
+                        if why != self._refused:  # once per reason, not once per retry
+                            log.warning("group agent of '%s': the lighthouse refused its link (%s): %s",
+                                        self.identity["replica_id"], status, why)
+                        self._refused = why
                     else:
                         self._link = link
                         self._wake.set()  # a heartbeat now: the group is known at once
@@ -235,6 +240,7 @@ class GroupAgent:
     async def _beat_loop(self) -> None:
         interval = self.heartbeat_interval_s
         while True:
+            self._wake.clear()  # (before the beat: a member lost while it is on its way wakes the next at once)
             now = time.monotonic()
             lost = sorted(self._lost)
             body = {"member_ages_s": [round(now - self._beats[m], 4) if m in self._beats else None
@@ -250,7 +256,6 @@ class GroupAgent:
                 self._beat_reply = (status, json.dumps(reply).encode())
             if status == 200:
                 self._lost.difference_update(lost)
-            self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), interval)
             except asyncio.TimeoutError:

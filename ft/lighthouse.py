@@ -9,12 +9,13 @@ HTTP routes (aiohttp server, JSON bodies of bounded size, optional shared token)
 which the agents serve to their members unchanged:
 
 ``POST /v1/heartbeat``  ``{replica_id, incarnation, member, group_size, quorum_id, step, ready}``
-    Sent every ~50 ms from a background thread of each rank, with the quorum of
-    its last committed step, its next step and whether it holds valid state
-    (what a lighthouse restarted without a state file rebuilds its facts from).  A higher
+    Sent every ~50 ms (slower when the reply's ``beat_every_s`` asks) from a
+    background thread of each voice, with the quorum of its last committed
+    step, its next step and whether it holds valid state (what a lighthouse
+    restarted without a state file rebuilds its facts from).  A higher
     incarnation replaces the group's previous one (its pending requests fail);
     a lower one is refused (409): that process belongs to a dead incarnation.
-    The reply says ``{quorum_id, quorum_lost}``: the current quorum, and
+    The reply says ``{quorum_id, quorum_lost, beat_every_s}``: the current quorum, and
     whether a collective of it can no longer complete (a failure was reported,
     or a participant is unhealthy or restarted).  A rank blocked in a
     collective of that quorum (or of an older one) stops waiting and redoes
@@ -61,7 +62,10 @@ which the agents serve to their members unchanged:
     carries ``next``: the quorum of ``step + 1`` when it is the steady-state
     answer (decided then, as if the first participant had asked for it at that
     moment), so the client does not ask for it; absent otherwise (a group waits
-    to join, someone is unhealthy, ...), and the client asks as usual.
+    to join, someone is unhealthy, ...), and the client asks as usual.  Its
+    participants are those of the quorum voted in, so ``next`` names only
+    ``{quorum_id, max_step, high_step, same_participants: true}`` (a quorum of
+    512 groups is tens of KB: sent once per membership change, not per step).
 
 ``POST /v1/report``  ``{replica_id, quorum_id}``
     A rank saw a collective of ``quorum_id`` fail.  That quorum is broken (the

@@ -257,3 +257,24 @@ def test_requeue_drops_batches_prefetched_without_the_carry(tiny_data: Path) -> 
         tiny_data, prefetch=0, window=4).planner.plan(0, 2, (0, 1)).rows])))
     assert set(nxt.rows.tolist()) & set(lost.tolist())  # this rank's share is in its batch
     loader.close()
+
+
+def test_a_feed_restored_from_a_peers_state_knows_the_rows_its_last_step_trained(tiny_data: Path) -> None:
+    """A group that catches up to the very step of its peer's snapshot replays nothing, so that
+    step's record (the rows it trained, every group's) must come with the data state: without
+    it the record held the rows of the last step this group applied itself (a chaos run's audit
+    saw every sample trained once, but one step's rows recorded twice and another's never)."""
+    from freescale.step_feed import Commit, StepFeed
+
+    feeds = [StepFeed(make(tiny_data, rank=g), g, 1, 2, 0, lambda step: 10) for g in range(2)]
+    for step in range(3):
+        for feed in feeds:
+            feed.head(step)
+            feed.commit(Commit(step, frozenset({0, 1}), frozenset({0, 1})))
+    state = json.loads(json.dumps(feeds[0].state_dict()))  # as it travels in a snapshot
+    behind = StepFeed(make(tiny_data, rank=1), 1, 1, 2, 0, lambda step: 10)
+    behind.load_state_dict(state)
+    assert behind.last_rows.tolist() == feeds[0].last_rows.tolist() == feeds[1].last_rows.tolist()
+    assert behind.last_rows.size > 0 and behind.last_samples == 0  # it sat that step out
+    for feed in [*feeds, behind]:
+        feed.loader.close()
