@@ -61,6 +61,9 @@ from freescale.ft.serving import LINK_PING_S, backoff_delays, run_loop, token_ok
 
 log = logging.getLogger("freescale.ft.group_agent")
 
+DRAIN_S = 10.0
+"""How long a stopping agent serves members that have not closed their clients yet."""
+
 Answer = tuple[int, bytes]
 """(HTTP status, JSON body) of an upstream answer, handed to each member it answers."""
 
@@ -112,6 +115,8 @@ class GroupAgent:
         """The members' requests behind the upstream quorum request in flight."""
         self._ballots: dict[tuple[int, int], _Ballots] = {}
         self._held: set[asyncio.Event] = set()
+        self._present: dict[int, int] = {}
+        """Members with a presence connection open (their client is running): member -> connections."""
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._link: aiohttp.ClientWebSocketResponse | None = None
@@ -147,6 +152,14 @@ class GroupAgent:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._beat_loop()), loop.create_task(self._link_loop())]
         return self.url
+
+    async def drain(self, timeout_s: float) -> None:
+        """Until every member has closed its client (their last requests, ``finish`` among them,
+        go through this agent), at most ``timeout_s``: member 0 stops the agent when *it* is done,
+        which can be before the others are."""
+        deadline = time.monotonic() + timeout_s
+        while self._present and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
         for held in list(self._held):
@@ -383,6 +396,7 @@ class GroupAgent:
         member = self._member(await self._body(request))
         held = asyncio.Event()
         self._held.add(held)
+        self._present[member] = self._present.get(member, 0) + 1
         try:
             await held.wait()  # set only when the agent stops
         except asyncio.CancelledError:
@@ -392,6 +406,9 @@ class GroupAgent:
             raise
         finally:
             self._held.discard(held)
+            self._present[member] -= 1
+            if not self._present[member]:
+                del self._present[member]
         return web.json_response({"ok": True, "stopping": True})
 
     def _fail_pending(self, member: int) -> None:
@@ -454,10 +471,11 @@ class AgentProcess:
         return self.url
 
     def stop(self) -> None:
+        """Ask the agent to stop once the other members closed their clients (``GroupAgent.drain``)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=5)
+                self.proc.wait(timeout=DRAIN_S + 5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -496,6 +514,8 @@ async def _serve(args: argparse.Namespace) -> None:
             await asyncio.wait_for(stop.wait(), 0.1)
         except asyncio.TimeoutError:
             pass
+    if stop.is_set():  # member 0 is done: serve the others until they are too
+        await agent.drain(DRAIN_S)
     await agent.stop()
 
 

@@ -151,3 +151,27 @@ def test_bad_agent_fields_are_refused_with_the_field_named(lighthouse: _Counted)
         assert answer.status_code == 400 and field in answer.json()["error"]
     answer = requests.post(f"{lighthouse.url}/v1/status", timeout=5)
     assert answer.status_code == 405
+
+
+def test_a_stopping_agent_serves_the_other_members_until_they_close(lighthouse: _Counted) -> None:
+    """Member 0 is done first and stops its group's agent: the agent keeps serving the members
+    still finishing (their ``finish`` goes through it) until they close their clients."""
+    import threading
+
+    from freescale.ft.group_agent import start_agent
+
+    agent = start_agent(lighthouse.url, "g0", 0, 2, "127.0.0.1", "127.0.0.1")
+    first, second = members(agent.wait_url(), "g0", 2)
+    wait_for(lambda: "g0" in lighthouse._healthy(time.monotonic()), "g0 healthy")
+    first.close()
+    stopping = threading.Thread(target=agent.stop)
+    stopping.start()
+    time.sleep(0.3)
+    assert stopping.is_alive(), "the agent stopped while member 1 was still using it"
+    second.finish(7)  # served: the run is marked finished at the lighthouse
+    assert lighthouse.finished_step == 7
+    closed = time.monotonic()
+    second.close()
+    stopping.join(timeout=5)
+    assert not stopping.is_alive() and time.monotonic() - closed < 2.0
+    assert agent.proc.poll() is not None
