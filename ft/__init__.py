@@ -12,7 +12,10 @@
   (``membership``) and the durable facts (``durable``), whatever carries it.
 - ``group_agent``: a group's one voice to the lighthouse (a process member 0
   starts): its members speak the lighthouse's HTTP API to it, it speaks for
-  them over one WebSocket, so the lighthouse's load grows with groups.
+  them over one WebSocket, so the lighthouse's load grows with groups;
+  ``agent_process``: the agent as a process (started, drained, stopped).
+- ``membership`` / ``membership_records``: the lighthouse's rules, and the
+  records of groups, joins and votes they read.
 - ``client``: a rank's heartbeats (own thread; the replies say when the
   current quorum is lost) and quorum / commit requests (the committed vote
   brings the next steady quorum); one request path with backoff, http(s).

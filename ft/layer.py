@@ -52,7 +52,7 @@ from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import JobFinished, LighthouseClient
 from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, replica_index_of
 from freescale.ft.ftar import ReplicaSync, StepResult
-from freescale.ft.group_agent import start_agent
+from freescale.ft.agent_process import start_agent
 from freescale.ft.serving import advertised_host
 from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
 from freescale.grad_buckets import BucketedGrads

@@ -148,7 +148,8 @@ from aiohttp import ClientPayloadError, WSMsgType, web
 
 from freescale.ft import durable
 from freescale.ft.lighthouse_ops import LighthouseOps, Reply, error
-from freescale.ft.membership import BadRequest, LighthouseConfig
+from freescale.ft.membership import LighthouseConfig
+from freescale.ft.membership_records import BadRequest
 from freescale.ft.serving import LINK_PING_S, LoopThread, run_loop, token_ok
 
 log = logging.getLogger("freescale.ft.lighthouse")

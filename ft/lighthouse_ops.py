@@ -13,8 +13,9 @@ import json
 import time
 from typing import Any
 
-from freescale.ft.membership import BadRequest, LighthouseConfig, Membership, _field, _Group, _Join, _Vote, resolve
 from freescale.ft.durable import DurableState
+from freescale.ft.membership import LighthouseConfig, Membership
+from freescale.ft.membership_records import BadRequest, _field, _Group, _Join, _Vote, resolve
 
 Reply = tuple[int, str]
 """(HTTP status, JSON text) of one answer."""

@@ -29,14 +29,14 @@ is alive, not for one that is stopped.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from freescale.ft.durable import DurableState
+from freescale.ft.membership_records import _Group, _Join, _Vote, resolve
 
 log = logging.getLogger("freescale.ft.lighthouse")
 
@@ -94,130 +94,10 @@ class LighthouseConfig:
 BEAT_INTERVAL_S = 0.05
 """How often a group's voice heartbeats while the lighthouse asks for no slower (``beat_interval``)."""
 
-IN_FLIGHT_S = 0.05
-"""A heartbeat read this soon after a failure report may have been sent before it (by a rank that
-has died since): not a sign of life.  Each member beats every 50 ms, so a live group's slowest
-member has the rest of the suspect grace (0.1 s, two beats) to show one that counts; a loaded
-machine that misses it costs that group a catch-up, never a wrong commit."""
-
-
-def resolve(waiters: list[asyncio.Future[Any]], value: Any) -> None:
-    """Answer every pending request in ``waiters`` with ``value`` (an exception is raised there)."""
-    for waiter in waiters:
-        if not waiter.done():
-            if isinstance(value, BaseException):
-                waiter.set_exception(value)
-            else:
-                waiter.set_result(value)
-    waiters.clear()
-
-
 PROGRESS_LOST = "held the run's progress"
 """In the refusal of a quorum whose holders are all gone (``_progress_check``): the client turns it
 into a final error (``freescale.ft.client.ProgressLost``)."""
 
-
-class BadRequest(Exception):
-    pass
-
-
-@dataclass
-class _Group:
-    replica_id: str
-    incarnation: int
-    group_size: int
-    beats: dict[int, float] = field(default_factory=dict)
-    suspect_since: float | None = None
-    """When a peer reported a failed collective with this group; a sign of life counts against it
-    only from ``IN_FLIGHT_S`` later (a beat a dead rank sent just before it died may be read after
-    the report)."""
-    _stalest: float | None = None
-    agent: bool = False
-    """It speaks through a group agent (``freescale.ft.group_agent``): one voice for all its members."""
-    presence_lost: bool = False
-    """A member's presence connection closed (its process is gone: ``/v1/presence``): with no sign of
-    life during the suspect grace, the group no longer counts as maybe alive for the majority rule
-    (a two-group job goes on without the heartbeat timeout)."""
-
-    def gone(self, now: float, grace: float) -> bool:
-        """Its presence connection closed and it stayed silent through the suspect grace since."""
-        return self.presence_lost and self.silent_since_report() and now - self.suspect_since >= grace  # type: ignore[operator]
-
-    def silent_since_report(self) -> bool:
-        """Suspect, and no sign of life since the report (beats in flight then not counted)."""
-        return self.suspect_since is not None and self.last_beat() <= self.suspect_since + IN_FLIGHT_S
-
-    def beat(self, member: int, at: float) -> None:
-        """A sign of life of ``member`` at ``at`` (monotonic seconds; an older one changes nothing)."""
-        if at > self.beats.get(member, 0.0):
-            self.beats[member] = at
-            self._stalest = None
-
-    def last_beat(self) -> float:
-        """The *least* recent member's last sign of life (0 while a member has never shown one).
-
-        A group is the unit of failure: one dead or hung rank stops all of it (its peers
-        block in the group's own collectives), so the group is as alive as its
-        stalest member, whose heartbeat thread a healthy peer's does not vouch for.  Kept
-        until a beat changes it (the ticker asks for every group every tick)."""
-        if self._stalest is None:
-            self._stalest = min((self.beats.get(m, 0.0) for m in range(self.group_size)), default=0.0)
-        return self._stalest
-
-    def healthy(self, now: float, timeout: float) -> bool:
-        last = self.last_beat()
-        if self.silent_since_report():
-            return False
-        return now - last <= timeout
-
-
-@dataclass
-class _Join:
-    incarnation: int
-    since: float
-    steps: dict[int, int] = field(default_factory=dict)
-    addresses: dict[int, str] = field(default_factory=dict)
-    store: str = ""
-    """Member 0's rendezvous store (``host:port``; ``freescale.ft.replica_group``)."""
-    waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
-
-
-@dataclass
-class _Vote:
-    quorum_id: int
-    participants: dict[str, tuple[int, int]]
-    """replica_id -> (incarnation, group_size)."""
-    ballots: dict[tuple[str, int], bool] = field(default_factory=dict)
-    voted: dict[str, int] = field(default_factory=dict)
-    """Ballots per group (counted as they come: a vote settles in O(1) per ballot)."""
-    ready: dict[str, int] = field(default_factory=dict)
-    """Ballots per group cast holding valid state (not catching up)."""
-    said_no: bool = False
-    waiters: list[asyncio.Future[bool]] = field(default_factory=list)
-    result: bool | None = None
-
-    def cast(self, replica_id: str, member: int, ok: bool, ready: bool) -> None:
-        if (replica_id, member) in self.ballots:
-            return  # a retried vote: counted once
-        self.ballots[(replica_id, member)] = ok
-        self.voted[replica_id] = self.voted.get(replica_id, 0) + 1
-        self.ready[replica_id] = self.ready.get(replica_id, 0) + int(ready)
-        self.said_no = self.said_no or not ok
-
-    expected: int = 0
-    """Ballots that make it unanimous (every member of every participant), counted once."""
-
-    def __post_init__(self) -> None:
-        self.expected = sum(size for _, size in self.participants.values())
-
-
-def _field(body: dict[str, Any], name: str, kind: type) -> Any:
-    if name not in body:
-        raise BadRequest(f"missing field '{name}'")
-    value = body[name]
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        raise BadRequest(f"field '{name}' must be {kind.__name__}, got {type(value).__name__}")
-    return value
 
 
 class Membership:

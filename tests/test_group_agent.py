@@ -120,7 +120,7 @@ def test_members_of_another_group_are_refused_in_one_line(lighthouse: _Counted) 
 
 def test_the_agent_process_serves_and_exits_when_member_0_is_killed(lighthouse: _Counted) -> None:
     parent = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from freescale.ft.group_agent import start_agent\n"
+        "import sys, time; from freescale.ft.agent_process import start_agent\n"
         f"a = start_agent({lighthouse.url!r}, 'g0', 0, 2, '127.0.0.1', '127.0.0.1')\n"
         "print(a.wait_url(), a.proc.pid, flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
@@ -158,7 +158,7 @@ def test_a_stopping_agent_serves_the_other_members_until_they_close(lighthouse: 
     still finishing (their ``finish`` goes through it) until they close their clients."""
     import threading
 
-    from freescale.ft.group_agent import start_agent
+    from freescale.ft.agent_process import start_agent
 
     agent = start_agent(lighthouse.url, "g0", 0, 2, "127.0.0.1", "127.0.0.1")
     first, second = members(agent.wait_url(), "g0", 2)
