@@ -240,12 +240,12 @@ async def _speaker(conn: _Http | _Link, who: dict[str, Any], steps: int, step_s:
     carries the next quorum).  An agent's link carries no identity after its hello."""
     size = who["group_size"]
     agent = bool(who.get("agent"))
+    index = int(who["replica_id"][len("replica"):])
     who = {} if agent else who
     ballots = {"members": list(range(size)), "ready": True} if agent else {}
     await conn.connect()
     arrived.append(time.perf_counter())  # its join request leaves now
-    addresses = [f"10.{index // 250}.{index % 250}.{m}:29{m:03d}" for m in range(size)
-                 for index in [speakers_index(conn, who)]]  # each member's snapshot server
+    addresses = [f"10.{index // 250}.{index % 250}.{m}:29{m:03d}" for m in range(size)]  # its members' snapshot servers
     asks = {"members": [{"step": 0, "address": a} for a in addresses]} if agent else {"address": addresses[0]}
     quorum = await _post(conn, "/v1/quorum", {**who, "step": 0, "last_quorum_id": 0, **asks}, load)
     load.formation_s.append(time.perf_counter() - max(arrived) if len(arrived) == speakers else float("nan"))
@@ -296,11 +296,6 @@ async def _simulate(port: int, groups: int, group_size: int, speakers: str, step
     await _post(finish, "/v1/finish", {**identities[0], "step": steps - 1}, load)
     finish.close()
     return load
-
-
-def speakers_index(conn: _Http | _Link, who: dict[str, Any]) -> int:
-    identity = conn.identity if isinstance(conn, _Link) else who
-    return int(identity["replica_id"][len("replica"):])
 
 
 def bench_load(ranks: int, group_size: int, speakers: str, steps: int, step_ms: float, interval_s: float,

@@ -174,9 +174,7 @@ class GroupAgent:
                                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as answer:
                 return answer.status, await answer.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            why = " ".join(str(exc).split())[:200] or type(exc).__name__
-            return 503, json.dumps({"error": f"group agent of '{self.identity['replica_id']}': lighthouse "
-                                             f"{self.upstream} unreachable for {path}: {why}"}).encode()
+            return self._unreachable(path, str(exc) or type(exc).__name__)
 
     async def _call(self, op: str, body: dict[str, Any], timeout_s: float) -> Answer:
         """One operation on the link (``/v1/agent``), answered by id; 503 while the link is down or
