@@ -13,8 +13,9 @@ user has them) and offers two things:
   so each row group is decoded about once per epoch per rank.
 
 Rows are checked when their row group is first decoded, against the manifest's
-table sizes: nulls, ids out of range, empty histories, list lengths that
-disagree, labels that are not 0/1.  ``on_bad_rows="error"`` raises a
+table sizes (``row_checks.py``): nulls (also inside lists), ids out of range,
+empty histories, list lengths that disagree, timestamps that go back in time,
+labels that are not 0/1, dense features that are NaN or infinite.  ``on_bad_rows="error"`` raises a
 ``DataError`` naming file, row group, row and column; ``"skip"`` drops such rows
 from every batch and counts them per reason (``skipped``).  Nothing is clamped.
 
@@ -35,6 +36,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
+from freescale.dataloader import row_checks as rc
+from freescale.dataloader.row_checks import list_lengths
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
     DENSE,
@@ -187,36 +190,22 @@ _CHECK_COLUMNS = {USER_ID, HISTORY_ITEMS, HISTORY_TIMESTAMPS, CANDIDATE_ITEM, DE
 
 def _row_checks(table: pa.Table, manifest: DatasetManifest) -> list[tuple[str, str, np.ndarray]]:
     """(column, reason, bad-row mask) for every check, in reporting order."""
-    checks: list[tuple[str, str, np.ndarray]] = []
-    for name in table.column_names:
-        column = table.column(name)
-        if column.null_count:
-            checks.append((name, "null value", pc.is_null(column).to_numpy(zero_copy_only=False)))
-    history = table.column(HISTORY_ITEMS).combine_chunks()
-    lengths = pc.fill_null(pc.list_value_length(history), 0).to_numpy().astype(np.int64)
-    checks.append((HISTORY_ITEMS, "empty history", (lengths == 0) & history.is_valid().to_numpy(zero_copy_only=False)))
-    owner = np.repeat(np.arange(table.num_rows), lengths)
-    id_columns = (
-        (HISTORY_ITEMS, pc.fill_null(history.flatten(), 0).to_numpy(), manifest.num_items, "num_items"),
-        (CANDIDATE_ITEM, pc.fill_null(table.column(CANDIDATE_ITEM), 0).to_numpy(), manifest.num_items, "num_items"),
-        (USER_ID, pc.fill_null(table.column(USER_ID), 0).to_numpy(), manifest.num_users, "num_users"),
-    )
-    for column, ids, limit, vocab in id_columns:
-        for bad, reason in (
-            (ids < 0, lambda v: f"negative id {v}"),
-            (ids >= limit, lambda v: f"id {v} is >= the table size {vocab}={limit} (dataset.json)"),
-        ):
-            if bad.any():
-                # History ids are per value: a row is bad when any of its values is.
-                rows = np.bincount(owner, weights=bad, minlength=table.num_rows) > 0 if column == HISTORY_ITEMS else bad
-                checks.append((column, reason(int(ids[bad][0])), rows))
-    stamps = pc.fill_null(pc.list_value_length(table.column(HISTORY_TIMESTAMPS)), 0).to_numpy()
-    checks.append((HISTORY_TIMESTAMPS, "length differs from history_item_ids", stamps != lengths))
+    history = table.column(HISTORY_ITEMS)
+    lengths = list_lengths(history)
+    problems = rc.null_values(table)
+    for name in (HISTORY_ITEMS, HISTORY_TIMESTAMPS, DENSE):
+        problems += rc.null_elements(table, name)
+    empty = (lengths == 0) & history.is_valid().to_numpy(zero_copy_only=False)
+    problems += [rc.Problem(HISTORY_ITEMS, "empty history", empty)] if empty.any() else []
+    problems += rc.ids_in_range(table, HISTORY_ITEMS, manifest.num_items, "num_items")
+    problems += rc.ids_in_range(table, CANDIDATE_ITEM, manifest.num_items, "num_items")
+    problems += rc.ids_in_range(table, USER_ID, manifest.num_users, "num_users")
+    problems += rc.equal_lengths(table, HISTORY_TIMESTAMPS, lengths, HISTORY_ITEMS)
+    problems += rc.decreasing(table, HISTORY_TIMESTAMPS)
     if HISTORY_LENGTH in table.column_names:
         declared = pc.fill_null(table.column(HISTORY_LENGTH), 0).to_numpy()
-        checks.append((HISTORY_LENGTH, "differs from the length of history_item_ids", declared != lengths))
-    labels = pc.fill_null(table.column(LABEL), 0.0).to_numpy()
-    not_binary = ~np.isin(labels, (0.0, 1.0))
-    if not_binary.any():
-        checks.append((LABEL, f"is {float(labels[not_binary][0])}; labels must be 0 or 1", not_binary))
-    return checks
+        if (declared != lengths).any():
+            problems.append(rc.Problem(HISTORY_LENGTH, f"differs from the length of {HISTORY_ITEMS}", declared != lengths))
+    problems += rc.binary_labels(table, LABEL)
+    problems += rc.non_finite(table, DENSE)
+    return [(p.column, p.reason, p.rows) for p in problems]

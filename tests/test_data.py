@@ -112,6 +112,14 @@ BAD_ROWS = [
     ({"label": pa.array([0.0, 2.0, 1.0, 0.0], pa.float32())}, "row 1: column 'label': is 2.0; labels must be 0 or 1"),
     ({"history_timestamps": pa.array([[1], [3], [7], [4, 5, 6]], pa.list_(pa.int64()))}, "row 0: column 'history_timestamps': length differs"),
     ({"history_length": pa.array([2, 1, 9, 3], pa.int32())}, "row 2: column 'history_length': differs from the length"),
+    ({"history_item_ids": pa.array([[1], [2], [3], [4, None, 6]], pa.list_(pa.int64()))},
+     "row 3: column 'history_item_ids': null element (at position 1 of the list)"),
+    ({"history_timestamps": pa.array([[1, 2], [3], [7], [6, 5, 6]], pa.list_(pa.int64()))},
+     "row 3: column 'history_timestamps': timestamps go back in time (6 then 5); they must be oldest first"),
+    ({"dense_features": pa.FixedSizeListArray.from_arrays(pa.array([0.5, 0.5, 0.5, float("inf"), 0, 0, 0, 0], pa.float32()), 2)},
+     "row 1: column 'dense_features': is inf (not finite)"),
+    ({"dense_features": pa.FixedSizeListArray.from_arrays(pa.array([0.5, 0.5, 0.5, 0.5, float("nan"), 0, 0, 0], pa.float32()), 2)},
+     "row 2: column 'dense_features': is nan (not finite)"),
 ]
 
 

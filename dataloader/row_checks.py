@@ -1,0 +1,135 @@
+"""Vectorized per-row checks of decoded Arrow columns, shared by both dataset layouts.
+
+Each check returns a boolean mask over the table's rows (``True`` = the row is
+bad) and the value that makes the first bad row bad, so a reader can say
+exactly what is wrong with it (``source.py`` for one row per sample,
+``sequence_source.py`` for one row per user).  A list column's row is bad when
+any of its elements is; nothing here loops over rows in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Rows of one column that fail one check; ``reason`` describes the first of them."""
+
+    column: str
+    reason: str
+    rows: np.ndarray  # bool per row
+
+
+def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Elements per row of a list column, int64 (0 for a null list)."""
+    return pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _flat(column: pa.ChunkedArray | pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """A list column's elements (nested fixed-size lists flattened to scalars) and the row of each."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    owner = np.repeat(np.arange(len(array)), list_lengths(array))
+    values = array.flatten()
+    while pa.types.is_fixed_size_list(values.type) or pa.types.is_list(values.type):
+        width = values.type.list_size if pa.types.is_fixed_size_list(values.type) else None
+        if width is None:
+            owner = np.repeat(owner, list_lengths(values))
+        else:
+            owner = np.repeat(owner, width)
+        values = values.flatten()
+    return values, owner
+
+
+def _rows_of(owner: np.ndarray, bad_values: np.ndarray, num_rows: int) -> np.ndarray:
+    return np.bincount(owner[bad_values], minlength=num_rows) > 0
+
+
+def null_values(table: pa.Table) -> list[Problem]:
+    """Rows whose value is null, per column."""
+    return [
+        Problem(name, "null value", pc.is_null(table.column(name)).to_numpy(zero_copy_only=False))
+        for name in table.column_names
+        if table.column(name).null_count
+    ]
+
+
+def null_elements(table: pa.Table, name: str) -> list[Problem]:
+    """Rows of list column ``name`` holding a null element (at any nesting depth)."""
+    values, owner = _flat(table.column(name))
+    if not values.null_count:
+        return []
+    bad = pc.is_null(values).to_numpy(zero_copy_only=False)
+    position = int(np.flatnonzero(bad)[0]) - int(np.flatnonzero(owner == owner[bad][0])[0])
+    return [Problem(name, f"null element (at position {position} of the list)", _rows_of(owner, bad, table.num_rows))]
+
+
+def non_finite(table: pa.Table, name: str) -> list[Problem]:
+    """Rows of float column ``name`` (plain or list) holding NaN or +-inf."""
+    column = table.column(name)
+    nested = pa.types.is_list(column.type) or pa.types.is_fixed_size_list(column.type)
+    if nested:
+        values, owner = _flat(column)
+    else:
+        values, owner = column.combine_chunks(), np.arange(table.num_rows)
+    data = pc.fill_null(values, 0.0).to_numpy(zero_copy_only=False)
+    bad = ~np.isfinite(data)
+    if not bad.any():
+        return []
+    return [Problem(name, f"is {float(data[bad][0])} (not finite)", _rows_of(owner, bad, table.num_rows))]
+
+
+def decreasing(table: pa.Table, name: str, *, what: str = "timestamps") -> list[Problem]:
+    """Rows of list column ``name`` whose elements are not in non-decreasing order."""
+    values, owner = _flat(table.column(name))
+    data = pc.fill_null(values, 0).to_numpy(zero_copy_only=False)
+    if data.size < 2:
+        return []
+    drop = (np.diff(data) < 0) & (owner[1:] == owner[:-1])
+    if not drop.any():
+        return []
+    i = int(np.flatnonzero(drop)[0])
+    reason = f"{what} go back in time ({int(data[i])} then {int(data[i + 1])}); they must be oldest first"
+    return [Problem(name, reason, _rows_of(owner[1:], drop, table.num_rows))]
+
+
+def ids_in_range(table: pa.Table, name: str, limit: int, vocab: str) -> list[Problem]:
+    """Rows of id column ``name`` (plain or list) with an id < 0 or >= ``limit``."""
+    column = table.column(name)
+    if pa.types.is_list(column.type):
+        values, owner = _flat(column)
+    else:
+        values, owner = column.combine_chunks(), np.arange(table.num_rows)
+    ids = pc.fill_null(values, 0).to_numpy(zero_copy_only=False)
+    problems = []
+    for bad, reason in (
+        (ids < 0, lambda v: f"negative id {v}"),
+        (ids >= limit, lambda v: f"id {v} is >= the table size {vocab}={limit} (dataset.json)"),
+    ):
+        if bad.any():
+            problems.append(Problem(name, reason(int(ids[bad][0])), _rows_of(owner, bad, table.num_rows)))
+    return problems
+
+
+def binary_labels(table: pa.Table, name: str) -> list[Problem]:
+    """Rows of label column ``name`` (plain or list) holding a value other than 0 or 1."""
+    column = table.column(name)
+    if pa.types.is_list(column.type):
+        values, owner = _flat(column)
+    else:
+        values, owner = column.combine_chunks(), np.arange(table.num_rows)
+    labels = pc.fill_null(values, 0.0).to_numpy(zero_copy_only=False)
+    bad = ~np.isin(labels, (0.0, 1.0))
+    if not bad.any():
+        return []
+    return [Problem(name, f"is {float(labels[bad][0])}; labels must be 0 or 1", _rows_of(owner, bad, table.num_rows))]
+
+
+def equal_lengths(table: pa.Table, name: str, expected: np.ndarray, against: str) -> list[Problem]:
+    """Rows of list column ``name`` whose length differs from ``expected`` (named ``against``)."""
+    bad = list_lengths(table.column(name)) != expected
+    return [Problem(name, f"length differs from {against}", bad)] if bad.any() else []
