@@ -48,7 +48,10 @@ from freescale.dataloader.cost import CostModel
 from freescale.dataloader.balance_kernels import warm_up
 from freescale.dataloader.partition import Parts, check_size
 from freescale.dataloader.planner import BatchPlanner, EpochOrder, StepPlan
-from freescale.dataloader.schema import CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, USER_ID, DataError
+from freescale.dataloader.schema import (
+    CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, SEQUENCE_FORMAT_VERSION, USER_ID, DataError, DatasetManifest,
+)
+from freescale.dataloader.sequence_source import SequenceSource
 from freescale.dataloader.source import ParquetSource
 
 # Sparse feature name -> (column, is a list column).
@@ -144,7 +147,7 @@ _END = object()
 class BalancedLoader:
     def __init__(
         self,
-        source: ParquetSource,
+        source: ParquetSource | SequenceSource,
         planner: BatchPlanner,
         *,
         rank: int,
@@ -439,6 +442,15 @@ def truncate_recent(values: np.ndarray, lengths: np.ndarray, max_len: int) -> tu
     return values[np.repeat(src_start, kept) + within], kept
 
 
+def open_source(cfg: DataConfig, split: str, columns: list[str]) -> ParquetSource | SequenceSource:
+    """The reader of ``cfg.path``'s layout: one row per sample (format 1) or per user (format 2)."""
+    cache = 2 * cfg.shuffle_row_groups + 2
+    if DatasetManifest.read(cfg.path).format_version == SEQUENCE_FORMAT_VERSION:
+        return SequenceSource(cfg.path, split, columns, max_seq_len=cfg.max_seq_len, on_bad_rows=cfg.on_bad_rows,
+                              cache_row_groups=cache)
+    return ParquetSource(cfg.path, split, columns, on_bad_rows=cfg.on_bad_rows, cache_row_groups=cache)
+
+
 def build_loader(
     cfg: DataConfig,
     split: str,
@@ -461,8 +473,7 @@ def build_loader(
         except ValueError as exc:
             raise DataError(f"data.partitioner = '{cfg.partitioner}' at {world_size} ranks: {exc}") from None
     columns = sorted({SPARSE_FEATURES[f][0] for f in sparse_features} | {DENSE, LABEL})
-    source = ParquetSource(cfg.path, split, columns, on_bad_rows=cfg.on_bad_rows,
-                           cache_row_groups=2 * cfg.shuffle_row_groups + 2)
+    source = open_source(cfg, split, columns)
     order = EpochOrder(source.rg_rows, seed=seed, shuffle=cfg.shuffle and training,
                        window_row_groups=cfg.shuffle_row_groups)
     planner = BatchPlanner(

@@ -1,12 +1,15 @@
-"""The Arrow schema of a sequence-recommendation sample, and the dataset manifest.
+"""The two dataset layouts (Arrow schemas) and the dataset manifest.
 
 A dataset is a directory::
 
-    dataset.json             manifest: vocabulary sizes, dense width, files per split
-    train-00000.parquet      one row per sample (schema below)
+    dataset.json             manifest: vocabulary sizes, dense width, files per split, format_version
+    train-00000.parquet      format 1: one row per sample (``freescale gen-data``)
     eval-00000.parquet
+    users-00000.parquet      format 2: one row per user, the whole time-ordered sequence
+    vocab/item_id.parquet    format 2: dense id -> the log's own id, with counts (``freescale prepare``)
+    vocab/user_id.parquet
 
-One row is one (user history, candidate item) pair:
+**Format 1** (per sample).  One row is one (user history, candidate item) pair:
 
 | column               | Arrow type                | meaning                                      |
 |----------------------|---------------------------|----------------------------------------------|
@@ -20,6 +23,28 @@ One row is one (user history, candidate item) pair:
 |                      |                           | 4 bytes per row instead of the whole list    |
 
 Other columns are ignored.  ``freescale gen-data`` writes all of the above.
+
+**Format 2** (per user, ``freescale prepare``).  One row is one user's whole
+interaction sequence, oldest first, and every split's samples are cut out of it
+at read time (``sequence_source.py``): the sample ``(user, p)`` has the
+interaction at position ``p`` as its candidate and label, and positions
+``p - max_seq_len .. p - 1`` as its history.  A user with N interactions costs
+O(N) bytes instead of the O(N x L) of format 1.
+
+| column          | Arrow type                             | meaning                                   |
+|-----------------|----------------------------------------|-------------------------------------------|
+| user_id         | int64                                  | in [0, num_users)                         |
+| item_ids        | list<int64>                            | in [0, num_items), oldest first           |
+| timestamps      | list<int64>                            | seconds, non-decreasing                   |
+| labels          | list<float32>                          | 0 or 1 per interaction                    |
+| dense_features  | list<fixed_size_list<float32>>         | ``dense_dim`` floats per interaction      |
+|                 | (only when dense_dim > 0)              | (context of the interaction)              |
+| length          | int32                                  | interactions of the user                  |
+| train_end       | int32                                  | positions [1, train_end) are training     |
+|                 |                                        | samples, [max(1, train_end), length) eval |
+
+The planner reads only ``length`` and ``train_end`` (8 bytes a user); each
+sample's history length is its position, clipped to ``max_seq_len``.
 """
 
 from __future__ import annotations
@@ -33,6 +58,8 @@ import pyarrow.fs as pafs
 
 MANIFEST_NAME = "dataset.json"
 FORMAT_VERSION = 1
+SEQUENCE_FORMAT_VERSION = 2
+SUPPORTED_FORMATS = (FORMAT_VERSION, SEQUENCE_FORMAT_VERSION)
 
 USER_ID = "user_id"
 HISTORY_ITEMS = "history_item_ids"
@@ -41,6 +68,13 @@ CANDIDATE_ITEM = "candidate_item_id"
 DENSE = "dense_features"
 LABEL = "label"
 HISTORY_LENGTH = "history_length"
+
+# Format 2 (one row per user).
+ITEM_IDS = "item_ids"
+TIMESTAMPS = "timestamps"
+LABELS = "labels"
+LENGTH = "length"
+TRAIN_END = "train_end"
 
 
 class DataError(ValueError):
@@ -75,6 +109,31 @@ def check_schema(schema: pa.Schema, dense_dim: int, where: str) -> None:
             raise DataError(f"{where}: column '{want.name}' has type {got}, expected {want.type}")
 
 
+def sequence_schema(dense_dim: int) -> pa.Schema:
+    """Format 2: one row per user (see the module docstring)."""
+    fields = [
+        pa.field(USER_ID, pa.int64(), nullable=False),
+        pa.field(ITEM_IDS, pa.list_(pa.int64()), nullable=False),
+        pa.field(TIMESTAMPS, pa.list_(pa.int64()), nullable=False),
+        pa.field(LABELS, pa.list_(pa.float32()), nullable=False),
+    ]
+    if dense_dim > 0:
+        fields.append(pa.field(DENSE, pa.list_(pa.list_(pa.float32(), dense_dim)), nullable=False))
+    fields += [pa.field(LENGTH, pa.int32(), nullable=False), pa.field(TRAIN_END, pa.int32(), nullable=False)]
+    return pa.schema(fields)
+
+
+def check_sequence_schema(schema: pa.Schema, dense_dim: int, where: str) -> None:
+    """Raise DataError naming ``where`` and the column if a format-2 file lacks or mistypes one."""
+    for want in sequence_schema(dense_dim):
+        idx = schema.get_field_index(want.name)
+        if idx < 0:
+            raise DataError(f"{where}: missing column '{want.name}' (expected {want.type})")
+        got = schema.field(idx).type
+        if not got.equals(want.type):
+            raise DataError(f"{where}: column '{want.name}' has type {got}, expected {want.type}")
+
+
 @dataclass
 class DatasetManifest:
     """What a reader and a model need to know about a dataset before reading rows."""
@@ -87,12 +146,23 @@ class DatasetManifest:
     rows: dict[str, int] = field(default_factory=dict)
     generator: dict[str, object] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    samples: dict[str, int] = field(default_factory=dict)
+    """Format 2: samples per split (``rows`` then counts users per split's files)."""
+    vocab: dict[str, str] = field(default_factory=dict)
+    """Format 2: feature -> its id mapping file (dense id, the log's own id, count)."""
+    preparation: dict[str, object] = field(default_factory=dict)
+    """Format 2: how ``freescale prepare`` made it: input, columns, filters, split, counts."""
 
     def write(self, directory: Path) -> None:
-        path = directory / MANIFEST_NAME
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
+        self.write_to(pafs.LocalFileSystem(), str(directory))
+
+    def write_to(self, fs: pafs.FileSystem, base: str) -> None:
+        """Write ``dataset.json`` under ``base`` on ``fs`` (a temporary name, then a move: readers never
+        see half a manifest; on object stores the move is a copy, still after the data files)."""
+        tmp, path = f"{base}/{MANIFEST_NAME}.tmp", f"{base}/{MANIFEST_NAME}"
+        with fs.open_output_stream(tmp) as fh:
+            fh.write((json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode())
+        fs.move(tmp, path)
 
     @classmethod
     def read(cls, uri: str | Path) -> DatasetManifest:
@@ -122,8 +192,11 @@ class DatasetManifest:
             if not isinstance(raw[key], int) or raw[key] < 0:
                 raise DataError(f"{path}: key '{key}' must be a non-negative integer, got {raw[key]!r}")
         version = raw.get("format_version", FORMAT_VERSION)
-        if version != FORMAT_VERSION:
-            raise DataError(f"{path}: format_version {version} is not supported (expected {FORMAT_VERSION})")
+        if version not in SUPPORTED_FORMATS:
+            raise DataError(
+                f"{path}: format_version {version} is not supported by this freescale (it reads "
+                f"{' and '.join(map(str, SUPPORTED_FORMATS))}); upgrade freescale or re-run `freescale prepare`"
+            )
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in raw.items() if k in known})
 

@@ -70,63 +70,137 @@ class _RowGroup:
     bad: np.ndarray | None  # bool per row when on_bad_rows == "skip"
 
 
-class ParquetSource:
-    def __init__(
-        self, uri: str, split: str, columns: list[str], *, on_bad_rows: BadRows = "error", cache_row_groups: int = 32
-    ) -> None:
+class RowGroupFiles:
+    """One split's Parquet files, row group by row group: what both layouts' sources share.
+
+    Opens the manifest and every file of the split (``check_schema(schema, where)`` per file),
+    numbers the row groups globally (``rg_file``, ``rg_id``; ``stored_rows``/``stored_start``: the
+    Parquet rows of each, which are samples in format 1 and users in format 2), and
+    decodes a row group at most once while it stays in a small LRU cache, checked by
+    ``row_problems(table)`` on the way in (error: raise; skip: a bad-row mask, counted).
+    """
+
+    def __init__(self, uri: str, split: str, *, on_bad_rows: BadRows, cache_row_groups: int) -> None:
         self.uri = uri.rstrip("/")
         self.fs, base = resolve(self.uri)
         self.manifest = DatasetManifest.read_from(self.fs, base, self.uri)
         self.on_bad_rows = on_bad_rows
-        self.columns = list(columns)
         names = self.manifest.split_files(split, self.uri)
-        paths = [f"{base}/{name}" for name in names]
         self.file_names = [f"{self.uri}/{name}" for name in names]
         self.fragments: list[ds.ParquetFileFragment] = []
-        rg_file, rg_id, rg_rows = [], [], []
-        has_length_column = True
-        for file_index, (path, shown) in enumerate(zip(paths, self.file_names)):
+        rg_file, rg_id, stored = [], [], []
+        for file_index, (name, shown) in enumerate(zip(names, self.file_names)):
+            path = f"{base}/{name}"
             try:
-                info = self.fs.get_file_info(path)
-                if info.type != pafs.FileType.File:
+                if self.fs.get_file_info(path).type != pafs.FileType.File:
                     raise DataError(f"{shown}: listed in dataset.json split '{split}' but missing")
                 fragment = ds.ParquetFileFormat().make_fragment(path, filesystem=self.fs)
                 fragment.ensure_complete_metadata()
                 schema = fragment.physical_schema
             except (pa.ArrowInvalid, OSError) as exc:
                 raise DataError(f"{shown}: not a readable Parquet file ({exc})") from None
-            check_schema(schema, self.manifest.dense_dim, shown)
-            has_length_column = has_length_column and schema.get_field_index(HISTORY_LENGTH) >= 0
+            self.check_schema(schema, shown)
             self.fragments.append(fragment)
             for rg in fragment.row_groups:
                 rg_file.append(file_index)
                 rg_id.append(rg.id)
-                rg_rows.append(rg.num_rows)
+                stored.append(rg.num_rows)
         self.rg_file = np.array(rg_file, dtype=np.int64)
         self.rg_id = np.array(rg_id, dtype=np.int64)
-        self.rg_rows = np.array(rg_rows, dtype=np.int64)
-        self.rg_start = np.concatenate([[0], np.cumsum(self.rg_rows)]).astype(np.int64)
-        self.num_rows = int(self.rg_start[-1])
-        self.has_length_column = has_length_column
-        self.lengths = self._read_lengths(has_length_column)
+        self.stored_rows = np.array(stored, dtype=np.int64)
+        self.stored_start = np.concatenate([[0], np.cumsum(self.stored_rows)]).astype(np.int64)
         self.skipped: Counter[str] = Counter()
         self._cache: OrderedDict[int, _RowGroup] = OrderedDict()
         self._cache_size = max(1, cache_row_groups)
 
-    # ----- lengths (for planning) ---------------------------------------------------------
-    def _read_lengths(self, has_length_column: bool) -> np.ndarray:
-        """int64 per row; -1 where the history is null (planned at cost 0, rejected on read)."""
-        parts = []
+    def check_schema(self, schema: pa.Schema, where: str) -> None:
+        raise NotImplementedError
+
+    def row_problems(self, table: pa.Table) -> list[rc.Problem]:
+        raise NotImplementedError
+
+    def read_column_per_file(self, columns: list[str]) -> list[pa.Table]:
+        """Small columns of every file (lengths for the planner), each file's in one table."""
+        tables = []
         for fragment, shown in zip(self.fragments, self.file_names):
             try:
-                if has_length_column:
-                    column = fragment.to_table(columns=[HISTORY_LENGTH]).column(HISTORY_LENGTH)
-                    lengths = pc.fill_null(column, -1)
-                else:
-                    column = fragment.to_table(columns=[HISTORY_ITEMS]).column(HISTORY_ITEMS)
-                    lengths = pc.fill_null(pc.list_value_length(column), -1)
+                tables.append(fragment.to_table(columns=columns))
             except (pa.ArrowInvalid, OSError) as exc:
                 raise DataError(f"{shown}: corrupt or truncated Parquet data ({exc})") from None
+        return tables
+
+    decode_columns: list[str]
+    """What a row group's decode reads (the subclass's columns and what its checks need)."""
+    keep_columns: list[str]
+    """What the cache keeps of it."""
+
+    def _row_group(self, rg: int) -> _RowGroup:
+        """Row group ``rg`` (global index), decoded, checked and cached."""
+        entry = self._cache.get(rg)
+        if entry is not None:
+            self._cache.move_to_end(rg)
+            return entry
+        file_index, rg_id = int(self.rg_file[rg]), int(self.rg_id[rg])
+        shown = self.file_names[file_index]
+        try:
+            table = self.fragments[file_index].subset(row_group_ids=[rg_id]).to_table(columns=self.decode_columns)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"{shown}: row group {rg_id}: corrupt or truncated Parquet data ({exc})") from None
+        bad = self._validate(table, f"{shown}: row group {rg_id}")
+        entry = _RowGroup(table=table.select(self.keep_columns), bad=bad)
+        self._cache[rg] = entry
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return entry
+
+    def _validate(self, table: pa.Table, where: str) -> np.ndarray | None:
+        """Per-row problems; raise on the first (error mode) or return the bad-row mask (skip)."""
+        bad_any = np.zeros(table.num_rows, dtype=bool)
+        for problem in self.row_problems(table):
+            if not problem.rows.any():
+                continue
+            if self.on_bad_rows == "error":
+                row = int(np.flatnonzero(problem.rows)[0])
+                raise DataError(f"{where}: row {row}: column '{problem.column}': {problem.reason}")
+            self.skipped[f"{problem.column}: {problem.reason.split(' (')[0]}"] += int((problem.rows & ~bad_any).sum())
+            bad_any |= problem.rows
+        return bad_any if self.on_bad_rows == "skip" else None
+
+
+class ParquetSource(RowGroupFiles):
+    """Format 1: one row per sample; a sample id is a global row id.
+
+    What the planner and loader use of a source (``SequenceSource`` offers the same):
+    ``num_rows`` (samples), ``lengths`` (history length per sample), ``rg_rows`` and
+    ``rg_start`` (samples per row group: the shuffle's unit of locality), ``read(samples)``,
+    ``skipped``, ``manifest``, ``uri``.
+    """
+
+    def __init__(
+        self, uri: str, split: str, columns: list[str], *, on_bad_rows: BadRows = "error", cache_row_groups: int = 32
+    ) -> None:
+        super().__init__(uri, split, on_bad_rows=on_bad_rows, cache_row_groups=cache_row_groups)
+        self.columns = self.keep_columns = list(columns)
+        self.has_length_column = all(f.physical_schema.get_field_index(HISTORY_LENGTH) >= 0 for f in self.fragments)
+        self.decode_columns = sorted(set(columns) | _CHECK_COLUMNS | ({HISTORY_LENGTH} if self.has_length_column else set()))
+        self.rg_rows, self.rg_start = self.stored_rows, self.stored_start
+        self.num_rows = int(self.rg_start[-1])
+        self.lengths = self._read_lengths()
+
+    def check_schema(self, schema: pa.Schema, where: str) -> None:
+        check_schema(schema, self.manifest.dense_dim, where)
+
+    def row_problems(self, table: pa.Table) -> list[rc.Problem]:
+        return _row_checks(table, self.manifest)
+
+    # ----- lengths (for planning) ---------------------------------------------------------
+    def _read_lengths(self) -> np.ndarray:
+        """int64 per row; -1 where the history is null (planned at cost 0, rejected on read)."""
+        column = HISTORY_LENGTH if self.has_length_column else HISTORY_ITEMS
+        parts = []
+        for table in self.read_column_per_file([column]):
+            values = table.column(column)
+            lengths = pc.fill_null(values if self.has_length_column else pc.list_value_length(values), -1)
             parts.append(lengths.to_numpy().astype(np.int64))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
@@ -152,44 +226,12 @@ class ParquetSource:
         schema = self.fragments[0].physical_schema
         return pa.table({c: pa.array([], type=schema.field(c).type) for c in self.columns})
 
-    def _row_group(self, rg: int) -> _RowGroup:
-        entry = self._cache.get(rg)
-        if entry is not None:
-            self._cache.move_to_end(rg)
-            return entry
-        file_index, rg_id = int(self.rg_file[rg]), int(self.rg_id[rg])
-        shown = self.file_names[file_index]
-        columns = sorted(set(self.columns) | _CHECK_COLUMNS | ({HISTORY_LENGTH} if self.has_length_column else set()))
-        try:
-            table = self.fragments[file_index].subset(row_group_ids=[rg_id]).to_table(columns=columns)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"{shown}: row group {rg_id}: corrupt or truncated Parquet data ({exc})") from None
-        bad = self._validate(table, f"{shown}: row group {rg_id}")
-        entry = _RowGroup(table=table.select(self.columns), bad=bad)
-        self._cache[rg] = entry
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return entry
-
-    def _validate(self, table: pa.Table, where: str) -> np.ndarray | None:
-        """Per-row problems; raise on the first (error mode) or return the bad-row mask (skip)."""
-        bad_any = np.zeros(table.num_rows, dtype=bool)
-        for column, reason, mask in _row_checks(table, self.manifest):
-            if not mask.any():
-                continue
-            if self.on_bad_rows == "error":
-                row = int(np.flatnonzero(mask)[0])
-                raise DataError(f"{where}: row {row}: column '{column}': {reason}")
-            self.skipped[f"{column}: {reason.split(' (')[0]}"] += int((mask & ~bad_any).sum())
-            bad_any |= mask
-        return bad_any if self.on_bad_rows == "skip" else None
-
 
 _CHECK_COLUMNS = {USER_ID, HISTORY_ITEMS, HISTORY_TIMESTAMPS, CANDIDATE_ITEM, DENSE, LABEL}
 
 
-def _row_checks(table: pa.Table, manifest: DatasetManifest) -> list[tuple[str, str, np.ndarray]]:
-    """(column, reason, bad-row mask) for every check, in reporting order."""
+def _row_checks(table: pa.Table, manifest: DatasetManifest) -> list[rc.Problem]:
+    """Every check of a format-1 row group, in reporting order."""
     history = table.column(HISTORY_ITEMS)
     lengths = list_lengths(history)
     problems = rc.null_values(table)
@@ -208,4 +250,4 @@ def _row_checks(table: pa.Table, manifest: DatasetManifest) -> list[tuple[str, s
             problems.append(rc.Problem(HISTORY_LENGTH, f"differs from the length of {HISTORY_ITEMS}", declared != lengths))
     problems += rc.binary_labels(table, LABEL)
     problems += rc.non_finite(table, DENSE)
-    return [(p.column, p.reason, p.rows) for p in problems]
+    return problems

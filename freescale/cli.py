@@ -1,5 +1,7 @@
-"""The ``freescale`` command: ``gen-data``, ``train``, ``launch``, ``lighthouse``, ``simulate``, ``report``.
+"""The ``freescale`` command: ``prepare``, ``gen-log``, ``gen-data``, ``train``, ``launch``, ``lighthouse``, ``simulate``, ``report``.
 
+    freescale gen-log --out data/ratings.csv && freescale prepare data/ratings.csv --out data/ml \
+        --user userId --item movieId --time timestamp --label rating --rating-threshold 4   (cli_prepare.py)
     freescale gen-data --out data/demo --rows 40000
     freescale train --config configs/tiny_hstu.toml --data.path data/demo --train.steps 50
     freescale launch --nproc-per-node 2 --config configs/tiny_hstu.toml --data.path data/demo
@@ -287,7 +289,10 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     parser = _Parser(
         prog="freescale", description="Train recommendation models on torchrec; keep every rank busy."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{gen-data,train,launch,lighthouse,simulate,report}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{prepare,gen-log,gen-data,train,launch,lighthouse,simulate,report}")
+    from freescale.cli_prepare import add_parsers
+
+    add_parsers(sub, _int, _float)
 
     gen = sub.add_parser("gen-data", help="write a synthetic Parquet dataset with a learnable signal")
     gen.add_argument("--out", required=True, help="output directory (dataset.json + Parquet files)")
@@ -359,6 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         _reject_unknown_options(parser.commands[args.command], rest, overrides=args.command in ("train", "launch"))
+        if args.command in ("prepare", "gen-log"):
+            from freescale.cli_prepare import cmd_gen_log, cmd_prepare
+
+            return cmd_prepare(args) if args.command == "prepare" else cmd_gen_log(args)
         if args.command == "gen-data":
             return cmd_gen_data(args)
         if args.command == "lighthouse":
@@ -376,12 +385,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "lighthouse" and isinstance(exc, ConfigError):  # no torch import to say it
             print(f"freescale: error: lighthouse: {exc}", file=sys.stderr)
             return 2
-        if args.command in ("simulate", "report"):  # light commands: no torch import to report their errors
+        if args.command in ("simulate", "report", "prepare", "gen-log"):  # light: no torch import to report errors
+            from freescale.dataloader.schema import DataError
             from freescale.report.logs import ReportError
             from freescale.sim.command import GateFailed
             from freescale.sim.params import SimError
 
-            if isinstance(exc, (ConfigError, SimError, ReportError)):
+            if isinstance(exc, (ConfigError, SimError, ReportError, DataError)):
                 print(f"freescale: error: {exc}", file=sys.stderr)
                 return 1 if isinstance(exc, GateFailed) else 2
             raise

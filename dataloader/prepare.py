@@ -1,0 +1,269 @@
+"""``freescale prepare``: an interaction log in, a format-2 freescale dataset out.
+
+    log files ──(log_input: find, check, normalize; one file at a time)──► DuckDB table ``log``
+      ──(prepare_sql: item/user filters, vocabularies, sorted stream)──► sequence_writer
+      ──► users-*.parquet, vocab/{user_id,item_id}.parquet, dataset.json (written last)
+
+The engine is DuckDB, in process: it holds the log in its own columnar file in
+``work_dir`` and spills joins, aggregates and the final sort there when they
+outgrow ``memory`` (its buffer bound; the writer adds about one row group and
+one batch).  Nothing here is a hand-written external sort.  Reading is the only
+phase whose progress we can count row by row (the engine runs the rest as one
+query), so the progress bar shows rows read per second, then interactions
+written.  Every user-fixable problem is a ``DataError`` of one line.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from freescale.dataloader import prepare_sql as sql
+from freescale.dataloader.log_input import InteractionLog, LogColumns, normalized_schema
+from freescale.dataloader.schema import MANIFEST_NAME, SEQUENCE_FORMAT_VERSION, DataError, DatasetManifest
+from freescale.dataloader.sequence_writer import SequenceWriter, SplitRule, WriteResult
+from freescale.dataloader.source import resolve
+
+FETCH_ROWS = 1 << 18
+
+
+@dataclass
+class PrepareSpec:
+    """Everything ``freescale prepare`` takes (its flags, one for one)."""
+
+    input: str
+    out: str
+    columns: LogColumns
+    format: str = "auto"
+    split: str = "leave-last-out"
+    """``leave-last-out`` | ``time:<ISO date or epoch seconds>`` | ``time-quantile:<q in (0, 1)>``."""
+    min_user_count: int = 5
+    min_item_count: int = 1
+    memory: str = "4GB"
+    threads: int = 0
+    """Engine threads (0: every core)."""
+    work_dir: str = ""
+    """Where the engine keeps the log and spills (default: a new directory under the system temp)."""
+    seed: int = 0
+    row_group_interactions: int = 32_768
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        if self.min_user_count < 1 or self.min_item_count < 1:
+            raise DataError("--min-user-count and --min-item-count must be >= 1")
+        if self.row_group_interactions < 1:
+            raise DataError("--row-group-interactions must be >= 1")
+        parse_split(self.split)
+
+
+@dataclass
+class PrepareReport:
+    """What a preparation read, dropped and wrote (the summary table, and the manifest's ``preparation``)."""
+
+    interactions_read: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    users: int = 0
+    items: int = 0
+    interactions_kept: int = 0
+    samples: dict[str, int] = field(default_factory=dict)
+    bytes_written: int = 0
+    wall_s: float = 0.0
+    time_cut: int | None = None
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = [{"what": "interactions read", "count": self.interactions_read}]
+        out += [{"what": f"dropped: {reason}", "count": n} for reason, n in self.dropped.items()]
+        out += [{"what": "users", "count": self.users}, {"what": "items", "count": self.items}]
+        out += [{"what": f"samples: {split}", "count": n} for split, n in self.samples.items()]
+        out += [{"what": "bytes written", "count": self.bytes_written},
+                {"what": "wall time (s)", "count": round(self.wall_s, 2)}]
+        return out
+
+
+def parse_split(text: str) -> tuple[str, str]:
+    kind, _, value = text.partition(":")
+    if kind == "leave-last-out" and not value:
+        return kind, ""
+    if kind in ("time", "time-quantile") and value:
+        if kind == "time-quantile":
+            try:
+                q = float(value)
+            except ValueError:
+                q = -1.0
+            if not 0.0 < q < 1.0:
+                raise DataError(f"--split time-quantile:Q needs 0 < Q < 1, got {value!r}")
+        return kind, value
+    raise DataError(f"--split must be leave-last-out, time:<ISO date or epoch seconds> or time-quantile:<Q>, got {text!r}")
+
+
+def prepare(spec: PrepareSpec, progress: Callable[[str, int, int | None], None] | None = None) -> PrepareReport:
+    """Run the whole preparation; ``progress(phase, rows_done_delta, total)`` is called as it goes."""
+    import duckdb
+
+    spec.validate()
+    start = time.perf_counter()
+    report_progress = progress or (lambda phase, n, total: None)
+    log = InteractionLog.open(spec.input, spec.columns, spec.format)
+    out_fs, out_base = _output_dir(spec)
+    work = Path(spec.work_dir or tempfile.mkdtemp(prefix="freescale-prepare-"))
+    work.mkdir(parents=True, exist_ok=True)
+    con = duckdb.connect(str(work / "prepare.duckdb"))
+    try:
+        _run(con, f"SET memory_limit = '{_memory(spec.memory)}'")
+        _run(con, f"SET temp_directory = '{work / 'spill'}'")
+        _run(con, "SET preserve_insertion_order = false")
+        if spec.threads:
+            _run(con, f"SET threads = {int(spec.threads)}")
+        _load(con, log, lambda n: report_progress("read", n, log.total_rows))
+        report = _filter_and_count(con, spec, log)
+        rule = _split_rule(con, spec, report)
+        result = _write(con, spec, out_fs, out_base, rule, report, report_progress)
+        _write_vocab(con, out_fs, out_base)
+    except duckdb.Error as exc:
+        raise DataError(f"prepare: the engine failed: {str(exc).splitlines()[0]}") from None
+    finally:
+        con.close()
+        if not spec.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    report.samples = {"train": result.train_samples, "eval": result.eval_samples}
+    report.bytes_written = result.bytes_written
+    report.wall_s = time.perf_counter() - start
+    _write_manifest(out_fs, out_base, spec, log, report, result)
+    return report
+
+
+def _run(con: Any, statement: str) -> None:
+    """A statement with no rows to read (DuckDB wants every result finished before the next)."""
+    con.execute(statement).fetchall()
+
+
+def _memory(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*", text, flags=re.IGNORECASE):
+        raise DataError(f"--memory must be a size such as 512MB or 4GB, got {text!r}")
+    return text.strip()
+
+
+def _output_dir(spec: PrepareSpec) -> tuple[pafs.FileSystem, str]:
+    fs, base = resolve(spec.out)
+    base = base.rstrip("/") or "/"
+    if fs.get_file_info(f"{base}/{MANIFEST_NAME}").type == pafs.FileType.File and not spec.overwrite:
+        raise DataError(f"{spec.out}: already holds a dataset ({MANIFEST_NAME}); choose another --out or pass --overwrite")
+    fs.create_dir(f"{base}/vocab", recursive=True)
+    return fs, base
+
+
+def _load(con: Any, log: InteractionLog, on_rows: Callable[[int], None]) -> None:
+    """Stream the log's checked batches into the engine's table ``log``.  A DataError raised inside the
+    stream reaches us wrapped by the engine: keep it, and raise it as it was."""
+    failure: list[DataError] = []
+
+    def batches() -> Any:
+        try:
+            yield from log.batches(on_rows)
+        except DataError as exc:
+            failure.append(exc)
+            raise
+
+    user_type, item_type = log.id_types()
+    reader = pa.RecordBatchReader.from_batches(
+        normalized_schema(len(log.columns.dense), user_type, item_type), batches()
+    )
+    con.register("normalized_log", reader)
+    try:
+        _run(con, "CREATE TABLE log AS SELECT * FROM normalized_log")
+    except Exception:
+        if failure:
+            raise failure[0] from None
+        raise
+    finally:
+        con.unregister("normalized_log")
+
+
+def _filter_and_count(con: Any, spec: PrepareSpec, log: InteractionLog) -> PrepareReport:
+    filters = sql.Filters(spec.min_item_count, spec.min_user_count, spec.seed)
+    for statement in sql.vocabulary_statements(filters):
+        _run(con, statement)
+    names = ["interactions", "items_seen", "rows_rare_items", "rare_items", "rows_rare_users", "rare_users",
+             "kept", "users", "items", "positives"]
+    counts = dict(zip(names, (int(v or 0) for v in con.execute(sql.counts_query(filters)).fetchall()[0])))
+    if counts["interactions"] == 0:
+        raise DataError(f"{spec.input}: the log has no rows")
+    c = spec.columns
+    if c.rating_threshold is not None and counts["positives"] == 0:
+        raise DataError(f"{spec.input}: --rating-threshold {c.rating_threshold:g} matches no row of column '{c.label}'")
+    if counts["users"] == 0:
+        raise DataError(
+            f"{spec.input}: no user is left after the filters ({counts['rare_users']:,} users have fewer than "
+            f"--min-user-count {spec.min_user_count} interactions)"
+        )
+    return PrepareReport(
+        interactions_read=counts["interactions"],
+        dropped={
+            f"item seen < {spec.min_item_count} times ({counts['rare_items']:,} items)": counts["rows_rare_items"],
+            f"user with < {spec.min_user_count} interactions ({counts['rare_users']:,} users)": counts["rows_rare_users"],
+            "first interaction of each user (history only, never a target)": counts["users"],
+        },
+        users=counts["users"], items=counts["items"], interactions_kept=counts["kept"],
+    )
+
+
+def _split_rule(con: Any, spec: PrepareSpec, report: PrepareReport) -> SplitRule:
+    kind, value = parse_split(spec.split)
+    if kind == "leave-last-out":
+        return SplitRule("leave-last-out")
+    if kind == "time-quantile":
+        cut = int(con.execute(sql.time_quantile_query(float(value))).fetchall()[0][0])
+    elif value.lstrip("-").isdigit():
+        cut = int(value)
+    else:
+        try:
+            cut = int(con.execute("SELECT epoch(CAST(? AS TIMESTAMP))", [value]).fetchall()[0][0])
+        except Exception:
+            raise DataError(f"--split time:{value}: not an ISO date/time or epoch seconds") from None
+    report.time_cut = cut
+    return SplitRule("time", cut)
+
+
+def _write(con: Any, spec: PrepareSpec, fs: pafs.FileSystem, base: str, rule: SplitRule, report: PrepareReport,
+           progress: Callable[[str, int, int | None], None]) -> WriteResult:
+    writer = SequenceWriter(fs, base, dense_dim=len(spec.columns.dense), rule=rule,
+                            row_group_interactions=spec.row_group_interactions)
+    stream = con.sql(sql.sequences_query(len(spec.columns.dense))).to_arrow_reader(FETCH_ROWS)
+    for batch in stream:
+        writer.add(batch)
+        progress("write", batch.num_rows, report.interactions_kept)
+    return writer.close()
+
+
+def _write_vocab(con: Any, fs: pafs.FileSystem, base: str) -> None:
+    for feature in ("user_id", "item_id"):
+        table = con.sql(sql.vocab_query(feature)).to_arrow_table()
+        pq.write_table(table, f"{base}/vocab/{feature}.parquet", filesystem=fs)
+
+
+def _write_manifest(fs: pafs.FileSystem, base: str, spec: PrepareSpec, log: InteractionLog,
+                    report: PrepareReport, result: WriteResult) -> None:
+    params = {k: v for k, v in asdict(spec).items() if k not in ("columns", "overwrite", "work_dir", "threads")}
+    params["columns"] = {k: v for k, v in asdict(spec.columns).items() if v not in (None, ())}
+    params["label_rule"] = spec.columns.label_rule
+    params["files_read"] = len(log.files)
+    report_fields = asdict(report)
+    manifest = DatasetManifest(
+        num_items=report.items, num_users=report.users, dense_dim=len(spec.columns.dense),
+        max_len=result.max_length, splits={"train": list(result.files), "eval": list(result.files)},
+        rows={"train": result.users, "eval": result.users}, format_version=SEQUENCE_FORMAT_VERSION,
+        samples=dict(report.samples), vocab={"user_id": "vocab/user_id.parquet", "item_id": "vocab/item_id.parquet"},
+        preparation={"tool": "freescale prepare", **params, "report": report_fields},
+    )
+    manifest.write_to(fs, base)

@@ -1,0 +1,157 @@
+"""Format 2 reads: samples ``(user, position)`` cut out of per-user sequences at read time.
+
+A split's samples are numbered user by user in storage order: user ``u``
+contributes positions ``first[u] .. first[u] + count[u] - 1`` (training:
+``[1, train_end)``, evaluation: ``[max(1, train_end), length)``), so sample ids
+are contiguous per user and per row group, and the planner sees the same
+things as for format 1: ``lengths`` (each sample's history length, its position,
+clipped to ``max_seq_len``), ``rg_rows`` (samples per row group), ``num_rows``.
+Opening reads only the ``length`` and ``train_end`` columns (8 bytes a user).
+
+``read(samples)`` decodes each row group its samples live in once (LRU cache,
+checked on the way in: ``row_checks.py``), then, per sample, takes the
+``max_seq_len`` interactions before its position as the history and the one
+at its position as the candidate, label and dense features: numpy gathers over
+the row group's flat value buffers, no per-sample Python.  The result has the
+columns and types of a format-1 table, so the loader turns it into a batch the
+same way.  A bad user row (``on_bad_rows = "skip"``) drops all of its samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from freescale.dataloader import row_checks as rc
+from freescale.dataloader.schema import (
+    CANDIDATE_ITEM,
+    DENSE,
+    HISTORY_ITEMS,
+    HISTORY_TIMESTAMPS,
+    ITEM_IDS,
+    LABEL,
+    LABELS,
+    LENGTH,
+    TIMESTAMPS,
+    TRAIN_END,
+    USER_ID,
+    DataError,
+    check_sequence_schema,
+    sample_schema,
+)
+from freescale.dataloader.source import BadRows, RowGroupFiles
+
+
+class SequenceSource(RowGroupFiles):
+    def __init__(
+        self, uri: str, split: str, columns: list[str], *, max_seq_len: int, on_bad_rows: BadRows = "error",
+        cache_row_groups: int = 32,
+    ) -> None:
+        super().__init__(uri, split, on_bad_rows=on_bad_rows, cache_row_groups=cache_row_groups)
+        if split not in ("train", "eval"):
+            raise DataError(f"{self.uri}: format 2 has the splits train and eval, not '{split}'")
+        self.columns = list(columns)
+        self.max_seq_len = max_seq_len
+        dense = [DENSE] if self.manifest.dense_dim else []
+        self.decode_columns = self.keep_columns = [USER_ID, ITEM_IDS, TIMESTAMPS, LABELS, *dense, LENGTH, TRAIN_END]
+        length, train_end = self._read_lengths()
+        if split == "train":
+            self.first = np.ones_like(length)
+            self.count = np.maximum(train_end - 1, 0)
+        else:
+            self.first = np.maximum(train_end, 1)
+            self.count = np.maximum(length - self.first, 0)
+        self.user_start = np.concatenate([[0], np.cumsum(self.count)]).astype(np.int64)
+        self.num_rows = int(self.user_start[-1])
+        self.rg_start = self.user_start[self.stored_start]
+        self.rg_rows = np.diff(self.rg_start)
+        owner = np.repeat(np.arange(self.count.size), self.count)
+        self.lengths = (np.arange(self.num_rows, dtype=np.int64) - self.user_start[owner] + self.first[owner])
+        self._output_schema = sample_schema(self.manifest.dense_dim)
+
+    def check_schema(self, schema: pa.Schema, where: str) -> None:
+        check_sequence_schema(schema, self.manifest.dense_dim, where)
+
+    def _read_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        lengths, ends = [], []
+        for table, shown in zip(self.read_column_per_file([LENGTH, TRAIN_END]), self.file_names):
+            length = pc.fill_null(table.column(LENGTH), 0).to_numpy().astype(np.int64)
+            end = pc.fill_null(table.column(TRAIN_END), 0).to_numpy().astype(np.int64)
+            bad = (length < 0) | (end < 0) | (end > length)
+            if bad.any():
+                row = int(np.flatnonzero(bad)[0])
+                raise DataError(f"{shown}: row {row}: column '{TRAIN_END}': {end[row]} is outside [0, length={length[row]}]")
+            lengths.append(length)
+            ends.append(end)
+        if not lengths:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.concatenate(lengths), np.concatenate(ends)
+
+    def row_problems(self, table: pa.Table) -> list[rc.Problem]:
+        m = self.manifest
+        lengths = rc.list_lengths(table.column(ITEM_IDS))
+        lists = [ITEM_IDS, TIMESTAMPS, LABELS, *([DENSE] if m.dense_dim else [])]
+        problems = rc.null_values(table)
+        for name in lists:
+            problems += rc.null_elements(table, name)
+        problems += rc.ids_in_range(table, USER_ID, m.num_users, "num_users")
+        problems += rc.ids_in_range(table, ITEM_IDS, m.num_items, "num_items")
+        for name in lists[1:]:
+            problems += rc.equal_lengths(table, name, lengths, ITEM_IDS)
+        declared = pc.fill_null(table.column(LENGTH), 0).to_numpy().astype(np.int64)
+        if (declared != lengths).any():
+            problems.append(rc.Problem(LENGTH, f"differs from the length of {ITEM_IDS}", declared != lengths))
+        problems += rc.decreasing(table, TIMESTAMPS)
+        problems += rc.binary_labels(table, LABELS)
+        if m.dense_dim:
+            problems += rc.non_finite(table, DENSE)
+        return problems
+
+    def read(self, samples: np.ndarray) -> tuple[pa.Table, np.ndarray]:
+        """The format-1 columns of ``samples`` (ids, any order) in ascending id order, and the ids
+        actually returned (``skip`` mode drops the samples of bad users)."""
+        samples = np.sort(np.asarray(samples, dtype=np.int64))
+        user = np.searchsorted(self.user_start, samples, side="right") - 1
+        position = samples - self.user_start[user] + self.first[user]
+        group = np.searchsorted(self.stored_start, user, side="right") - 1
+        pieces, kept = [], []
+        for rg in np.unique(group):
+            mine = group == rg
+            entry = self._row_group(int(rg))
+            local = user[mine] - self.stored_start[rg]
+            ok = np.ones(local.size, dtype=bool) if entry.bad is None else ~entry.bad[local]
+            pieces.append(self._cut(entry.table, local[ok], position[mine][ok]))
+            kept.append(samples[mine][ok])
+        if not pieces:
+            return self._output_schema.empty_table().select(self.columns), samples[:0]
+        return pa.concat_tables(pieces).select(self.columns), np.concatenate(kept)
+
+    def _cut(self, table: pa.Table, users: np.ndarray, positions: np.ndarray) -> pa.Table:
+        """Samples ``(users[i], positions[i])`` of one decoded row group, as format-1 rows."""
+        items = table.column(ITEM_IDS).combine_chunks()
+        offsets = items.offsets.to_numpy().astype(np.int64)
+        target = offsets[users] + positions  # flat index of each sample's own interaction
+        history = np.minimum(positions, self.max_seq_len)
+        out_offsets = np.concatenate([[0], np.cumsum(history)]).astype(np.int64)
+        flat = np.repeat(target - history - out_offsets[:-1], history) + np.arange(out_offsets[-1])
+        item_values = items.values.to_numpy()
+        stamps = table.column(TIMESTAMPS).combine_chunks().values.to_numpy()
+        labels = table.column(LABELS).combine_chunks().values.to_numpy()
+        list_offsets = pa.array(out_offsets.astype(np.int32))
+        dense_dim = self.manifest.dense_dim
+        if dense_dim:
+            per_interaction = table.column(DENSE).combine_chunks().values.values.to_numpy()
+            dense = pa.FixedSizeListArray.from_arrays(pa.array(per_interaction.reshape(-1, dense_dim)[target].ravel()),
+                                                      dense_dim)
+        else:
+            dense = pa.array([[]] * users.size, pa.list_(pa.float32(), 0))
+        arrays = {
+            USER_ID: pa.array(table.column(USER_ID).to_numpy()[users]),
+            HISTORY_ITEMS: pa.ListArray.from_arrays(list_offsets, pa.array(item_values[flat])),
+            HISTORY_TIMESTAMPS: pa.ListArray.from_arrays(list_offsets, pa.array(stamps[flat])),
+            CANDIDATE_ITEM: pa.array(item_values[target]),
+            DENSE: dense,
+            LABEL: pa.array(labels[target]),
+        }
+        return pa.table({c: arrays[c] for c in self.columns})

@@ -1,0 +1,136 @@
+"""Sorted interactions in, format-2 Parquet out: one row per user, row groups of bounded size.
+
+``SequenceWriter.add`` takes record batches ``(user_id, item_id, ts, label,
+d0, ...)`` sorted by user (``prepare_sql.sequences_query``), in any batch
+sizes; a user may span batches.  Complete users accumulate until a row group
+holds ``row_group_interactions`` interactions, which is then written (one
+``write_table`` call = one row group) and forgotten: memory stays at about one
+row group plus one input batch, whatever the log's size.  Files roll over every
+``file_interactions``.  All of it is numpy on whole arrays; no per-user Python.
+
+The split is decided per user here (``SplitRule``): ``train_end`` is
+``length - 1`` for leave-last-out, or the count of interactions before the time
+cut.  Training samples are positions ``[1, train_end)``, evaluation samples
+``[max(1, train_end), length)``; position 0 has no history and is never a target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from freescale.dataloader.schema import sequence_schema
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """``leave-last-out`` or a global time cut (seconds: training is ``ts < cut``)."""
+
+    kind: str
+    cut: int | None = None
+
+    def train_end(self, lengths: np.ndarray, starts: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        if self.kind == "leave-last-out":
+            return lengths - 1
+        before = (ts < self.cut).astype(np.int64)
+        return np.add.reduceat(before, starts) if starts.size else np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class WriteResult:
+    files: list[str] = field(default_factory=list)
+    users: int = 0
+    interactions: int = 0
+    max_length: int = 0
+    train_samples: int = 0
+    eval_samples: int = 0
+    bytes_written: int = 0
+    row_groups: int = 0
+
+
+class SequenceWriter:
+    def __init__(
+        self, fs: pafs.FileSystem, base: str, *, dense_dim: int, rule: SplitRule,
+        row_group_interactions: int = 32_768, file_interactions: int = 16_777_216,
+    ) -> None:
+        self.fs, self.base, self.dense_dim, self.rule = fs, base.rstrip("/"), dense_dim, rule
+        self.row_group_interactions = row_group_interactions
+        self.file_interactions = file_interactions
+        self.schema = sequence_schema(dense_dim)
+        self.result = WriteResult()
+        self._pending: list[np.ndarray] | None = None  # columns of complete + the last (open) user
+        self._writer: pq.ParquetWriter | None = None
+        self._in_file = 0
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        cols = [batch.column(i).to_numpy(zero_copy_only=False) for i in range(batch.num_columns)]
+        if self._pending is not None:
+            cols = [np.concatenate([p, c]) for p, c in zip(self._pending, cols)]
+        self._pending = cols
+        while self._pending[0].size >= self.row_group_interactions:
+            cut = self._cut_point(self._pending[0])
+            if cut == 0:
+                break  # one user larger than a row group, still open: wait for its end
+            self._emit([c[:cut] for c in self._pending])
+            self._pending = [c[cut:] for c in self._pending]
+
+    def close(self) -> WriteResult:
+        if self._pending is not None and self._pending[0].size:
+            self._emit(self._pending)
+        self._pending = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        for name in self.result.files:
+            self.result.bytes_written += self.fs.get_file_info(f"{self.base}/{name}").size or 0
+        return self.result
+
+    def _cut_point(self, users: np.ndarray) -> int:
+        """The last user boundary at or before ``row_group_interactions`` (or the first one after
+        it, for a user longer than a row group); 0 when no user is complete yet."""
+        starts = np.flatnonzero(np.diff(users)) + 1
+        if starts.size == 0:
+            return 0
+        fit = starts[starts <= self.row_group_interactions]
+        return int(fit[-1]) if fit.size else int(starts[0])
+
+    def _emit(self, cols: list[np.ndarray]) -> None:
+        user, item, ts, label = cols[:4]
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(user)) + 1]).astype(np.int64)
+        lengths = np.diff(np.append(starts, user.size)).astype(np.int64)
+        train_end = self.rule.train_end(lengths, starts, ts)
+        offsets = pa.array(np.append(starts, user.size).astype(np.int32))
+        arrays = [
+            pa.array(user[starts]),
+            pa.ListArray.from_arrays(offsets, pa.array(item, pa.int64())),
+            pa.ListArray.from_arrays(offsets, pa.array(ts, pa.int64())),
+            pa.ListArray.from_arrays(offsets, pa.array(label, pa.float32())),
+        ]
+        if self.dense_dim:
+            dense = np.stack(cols[4:4 + self.dense_dim], axis=1).astype(np.float32).reshape(-1)
+            per_row = pa.FixedSizeListArray.from_arrays(pa.array(dense), self.dense_dim)
+            arrays.append(pa.ListArray.from_arrays(offsets, per_row))
+        arrays += [pa.array(lengths.astype(np.int32)), pa.array(train_end.astype(np.int32))]
+        self._write(pa.Table.from_arrays(arrays, schema=self.schema))
+        r = self.result
+        r.users += int(lengths.size)
+        r.interactions += int(user.size)
+        r.max_length = max(r.max_length, int(lengths.max(initial=0)))
+        r.train_samples += int(np.maximum(train_end - 1, 0).sum())
+        r.eval_samples += int((lengths - np.maximum(train_end, 1)).clip(min=0).sum())
+
+    def _write(self, table: pa.Table) -> None:
+        if self._writer is None or self._in_file >= self.file_interactions:
+            if self._writer is not None:
+                self._writer.close()
+            name = f"users-{len(self.result.files):05d}.parquet"
+            self.result.files.append(name)
+            self._writer = pq.ParquetWriter(f"{self.base}/{name}", self.schema, filesystem=self.fs)
+            self._in_file = 0
+        self._writer.write_table(table, row_group_size=table.num_rows)
+        self._in_file += int(table.column("length").to_numpy().sum())
+        self.result.row_groups += 1
