@@ -128,6 +128,9 @@ def prepare(spec: PrepareSpec, progress: Callable[[str, int, int | None], None] 
         rule = _split_rule(con, spec, report)
         result = _write(con, spec, out_fs, out_base, rule, report, report_progress)
         _write_vocab(con, out_fs, out_base)
+    except duckdb.OutOfMemoryException as exc:
+        raise DataError(f"prepare: --memory {spec.memory} is too small for the engine ({str(exc).splitlines()[0]}); "
+                        "give it more") from None
     except duckdb.Error as exc:
         raise DataError(f"prepare: the engine failed: {str(exc).splitlines()[0]}") from None
     finally:

@@ -135,13 +135,13 @@ class SequenceSource(RowGroupFiles):
         history = np.minimum(positions, self.max_seq_len)
         out_offsets = np.concatenate([[0], np.cumsum(history)]).astype(np.int64)
         flat = np.repeat(target - history - out_offsets[:-1], history) + np.arange(out_offsets[-1])
-        item_values = items.values.to_numpy()
-        stamps = table.column(TIMESTAMPS).combine_chunks().values.to_numpy()
-        labels = table.column(LABELS).combine_chunks().values.to_numpy()
+        item_values = _values(items.values)
+        stamps = _values(table.column(TIMESTAMPS).combine_chunks().values)
+        labels = _values(table.column(LABELS).combine_chunks().values)
         list_offsets = pa.array(out_offsets.astype(np.int32))
         dense_dim = self.manifest.dense_dim
         if dense_dim:
-            per_interaction = table.column(DENSE).combine_chunks().values.values.to_numpy()
+            per_interaction = _values(table.column(DENSE).combine_chunks().values.values)
             dense = pa.FixedSizeListArray.from_arrays(pa.array(per_interaction.reshape(-1, dense_dim)[target].ravel()),
                                                       dense_dim)
         else:
@@ -155,3 +155,8 @@ class SequenceSource(RowGroupFiles):
             LABEL: pa.array(labels[target]),
         }
         return pa.table({c: arrays[c] for c in self.columns})
+
+
+def _values(values: pa.Array) -> np.ndarray:
+    """A list column's flat values as numpy; nulls (only in rows ``skip`` mode drops) as 0."""
+    return (pc.fill_null(values, 0) if values.null_count else values).to_numpy()

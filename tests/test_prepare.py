@@ -1,0 +1,264 @@
+"""``freescale prepare`` and format 2: round trips, splits, the memory bound, bad input, same batches as format 1."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from freescale.cli import main
+from freescale.dataloader.cost import CostModel
+from freescale.dataloader.log_input import LogColumns
+from freescale.dataloader.loader import DataConfig, build_loader
+from freescale.dataloader.prepare import PrepareSpec, prepare
+from freescale.dataloader.schema import HISTORY_ITEMS, HISTORY_LENGTH, DataError, DatasetManifest, sample_schema
+from freescale.dataloader.sequence_source import SequenceSource
+
+FEATURES = ["history_item_ids", "candidate_item_id", "user_id"]
+COLUMNS = LogColumns(user="who", item="what", time="when", label="stars", rating_threshold=4.0, dense=("price",))
+
+
+def make_log(n: int = 3_000, seed: int = 0) -> pa.Table:
+    """Users with 1..40 interactions, string user ids, repeated timestamps, a few rare items."""
+    rng = np.random.default_rng(seed)
+    users = np.where(rng.random(n) < 0.98, rng.integers(0, 120, n), 500 + rng.integers(0, 200, n))
+    items = np.where(rng.random(n) < 0.97, rng.integers(0, 60, n), 1_000 + rng.integers(0, 400, n))
+    return pa.table({
+        "who": pa.array([f"u{u}" for u in users]),
+        "what": pa.array(items),
+        "when": pa.array(rng.integers(0, 40, n) * 1_000 + 1_500_000_000),
+        "stars": pa.array(rng.integers(1, 6, n).astype(np.float64)),
+        "price": pa.array(rng.random(n)),
+    })
+
+
+def run(tmp: Path, log: pa.Table, name: str = "out", **spec: object) -> tuple[Path, object]:
+    src = tmp / f"{name}.csv"
+    pacsv.write_csv(log, src)
+    out = tmp / name
+    options = {"min_user_count": 3, "min_item_count": 2, "row_group_interactions": 256, **spec}
+    report = prepare(PrepareSpec(input=str(src), out=str(out), columns=COLUMNS, **options))  # type: ignore[arg-type]
+    return out, report
+
+
+def users_table(out: Path) -> pa.Table:
+    manifest = DatasetManifest.read(out)
+    return pa.concat_tables(pq.read_table(out / f) for f in manifest.splits["train"])
+
+
+def vocab(out: Path, feature: str) -> np.ndarray:
+    return pq.read_table(out / "vocab" / f"{feature}.parquet").column("raw").to_numpy(zero_copy_only=False)
+
+
+def test_every_interaction_lands_in_one_sample_or_is_dropped_with_its_reason(tmp_path: Path) -> None:
+    log = make_log()
+    out, report = run(tmp_path, log)
+    users, items = vocab(out, "user_id"), vocab(out, "item_id")
+    table = users_table(out)
+    rows = table.to_pylist()
+    seen: Counter[tuple[object, ...]] = Counter()
+    targets = {"train": 0, "eval": 0}
+    for row in rows:
+        assert row["timestamps"] == sorted(row["timestamps"]) and row["length"] == len(row["item_ids"])
+        assert row["train_end"] == row["length"] - 1  # leave-last-out: exactly the last one held out
+        for p, (item, ts, label, dense) in enumerate(zip(row["item_ids"], row["timestamps"], row["labels"], row["dense_features"])):
+            seen[(users[row["user_id"]], int(items[item]), ts, label, float(np.float32(dense[0])))] += 1
+            if p:
+                targets["train" if p < row["train_end"] else "eval"] += 1
+    counts = Counter(log.column("what").to_pylist())
+    per_user = Counter(u for u, i in zip(log.column("who").to_pylist(), log.column("what").to_pylist()) if counts[i] >= 2)
+    expected: Counter[tuple[object, ...]] = Counter()
+    rare_items = rare_users = 0
+    for u, i, t, s, d in zip(*(log.column(c).to_pylist() for c in ("who", "what", "when", "stars", "price"))):
+        if counts[i] < 2:
+            rare_items += 1
+        elif per_user[u] < 3:
+            rare_users += 1
+        else:
+            expected[(u, i, t, float(s >= 4), float(np.float32(d)))] += 1
+    assert seen == expected
+    assert rare_items > 0 and rare_users > 0
+    dropped = list(report.dropped.values())  # type: ignore[attr-defined]
+    assert dropped == [rare_items, rare_users, len(rows)]
+    assert report.samples == targets and targets["eval"] == len(rows)  # type: ignore[attr-defined]
+    assert report.interactions_read == log.num_rows  # type: ignore[attr-defined]
+    assert sum(dropped) + targets["train"] + targets["eval"] == log.num_rows
+    manifest = DatasetManifest.read(out)
+    assert manifest.format_version == 2 and manifest.samples == targets
+    assert manifest.num_users == len(users) and manifest.num_items == len(items)
+    assert manifest.preparation["report"]["interactions_read"] == log.num_rows
+    # Items in frequency order; the mapping inverts (dense id -> the log's id -> the same dense id).
+    item_counts = pq.read_table(out / "vocab" / "item_id.parquet").column("count").to_numpy()
+    assert (np.diff(item_counts) <= 0).all()
+    assert {raw: i for i, raw in enumerate(items)}[items[5]] == 5 and len(set(users)) == len(users)
+
+
+def test_a_time_cut_leaks_nothing_from_after_it_into_training(tmp_path: Path) -> None:
+    out, report = run(tmp_path, make_log(seed=1), split="time-quantile:0.7")
+    cut = report.time_cut  # type: ignore[attr-defined]
+    assert cut is not None
+    for row in users_table(out).to_pylist():
+        ts, end = row["timestamps"], row["train_end"]
+        assert all(t < cut for t in ts[:end]) and all(t >= cut for t in ts[end:])
+    source = SequenceSource(str(out), "train", ["history_timestamps", "candidate_item_id"], max_seq_len=8)
+    table, _ = source.read(np.arange(source.num_rows))
+    assert max(max(h) for h in table.column("history_timestamps").to_pylist()) < cut
+    evaluation = SequenceSource(str(out), "eval", ["history_timestamps"], max_seq_len=8)
+    assert evaluation.num_rows == report.samples["eval"] > 0  # type: ignore[attr-defined]
+
+
+def test_a_log_larger_than_the_memory_bound_gives_the_same_dataset(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    n = 2_000_000  # 64 MB of columns, twice the bound below
+    log = pa.table({"u": rng.integers(0, 20_000, n), "i": rng.integers(0, 50_000, n), "t": rng.integers(0, 10**6, n),
+                    "c": rng.integers(0, 2, n)})
+    pq.write_table(log, tmp_path / "log.parquet")
+    cols = LogColumns(user="u", item="i", time="t", label="c")
+    outs = []
+    for memory in ("32MB", "2GB"):
+        out = tmp_path / memory
+        prepare(PrepareSpec(input=str(tmp_path / "log.parquet"), out=str(out), columns=cols, memory=memory, threads=1,
+                            min_user_count=2))
+        outs.append(out)
+    assert users_table(outs[0]).equals(users_table(outs[1]))
+    assert pq.read_table(outs[0] / "vocab" / "item_id.parquet").equals(pq.read_table(outs[1] / "vocab" / "item_id.parquet"))
+
+
+def _write_v1_twin(source: SequenceSource, out: Path) -> None:
+    """The same samples in format 1, row group for row group (so the epoch order is the same)."""
+    out.mkdir()
+    columns = ["user_id", "history_item_ids", "history_timestamps", "candidate_item_id", "dense_features", "label"]
+    table, _ = source.read(np.arange(source.num_rows))
+    table = table.select(columns)
+    lengths = pa.compute.list_value_length(table.column(HISTORY_ITEMS)).cast(pa.int32())
+    table = table.append_column(HISTORY_LENGTH, lengths)
+    schema = sample_schema(source.manifest.dense_dim).append(pa.field(HISTORY_LENGTH, pa.int32(), nullable=False))
+    with pq.ParquetWriter(out / "train-00000.parquet", schema) as writer:
+        for start, rows in zip(source.rg_start[:-1], source.rg_rows):
+            writer.write_table(table.slice(int(start), int(rows)).cast(schema), row_group_size=max(int(rows), 1))
+    m = source.manifest
+    DatasetManifest(num_items=m.num_items, num_users=m.num_users, dense_dim=m.dense_dim, max_len=m.max_len,
+                    splits={"train": ["train-00000.parquet"]}, rows={"train": source.num_rows}).write(out)
+
+
+def test_per_user_storage_trains_like_the_same_samples_stored_one_per_row(tmp_path: Path) -> None:
+    import torch
+
+    from freescale.models.hstu import HSTUConfig, HSTUModel
+
+    out, _ = run(tmp_path, make_log(n=6_000, seed=2))
+    sequences = SequenceSource(str(out), "train", FEATURES + ["history_timestamps", "dense_features", "label"],
+                               max_seq_len=8)
+    _write_v1_twin(sequences, tmp_path / "v1")
+    m = sequences.manifest
+    losses = []
+    for path in (out, tmp_path / "v1"):
+        torch.manual_seed(0)
+        model = HSTUModel(HSTUConfig(embedding_dim=8, num_blocks=1, num_heads=1, attention_dim=4, value_dim=4,
+                                     head_layers=[8]), num_items=m.num_items, num_users=m.num_users,
+                          dense_dim=m.dense_dim, max_seq_len=8, embedding_device=torch.device("cpu"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        cfg = DataConfig(path=str(path), batch_size=32, max_seq_len=8, window=4, shuffle_row_groups=2, prefetch=1)
+        loaders = [build_loader(cfg, "train", rank=r, world_size=2, sparse_features=FEATURES,
+                                derived_cost=CostModel(1.0, 2.0, 8.0), seed=5) for r in (0, 1)]
+        run_losses = []
+        for _ in range(12):
+            for loader in loaders:  # both ranks' batches through one model: the same update either way
+                loss, _ = model(loader.next_batch())
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                run_losses.append(float(loss))
+        losses.append(run_losses)
+        for loader in loaders:
+            loader.close()
+    assert losses[0] == losses[1]
+
+
+def write_v2(directory: Path, **changes: pa.Array) -> Path:
+    """Four users in format 2 (one row group each); ``changes`` replace columns."""
+    items = [[1, 2, 3], [3, 4], [5, 6, 7, 8], [2, 9]]
+    columns = {
+        "user_id": pa.array([0, 1, 2, 3], pa.int64()),
+        "item_ids": pa.array(items, pa.list_(pa.int64())),
+        "timestamps": pa.array([[10 * j for j in range(len(i))] for i in items], pa.list_(pa.int64())),
+        "labels": pa.array([[1.0] * len(i) for i in items], pa.list_(pa.float32())),
+        "length": pa.array([len(i) for i in items], pa.int32()),
+        "train_end": pa.array([len(i) for i in items], pa.int32()),  # every position a training sample
+        **changes,
+    }
+    directory.mkdir()
+    pq.write_table(pa.table(columns), directory / "users-00000.parquet", row_group_size=1)
+    DatasetManifest(num_items=10, num_users=4, dense_dim=0, max_len=4, format_version=2,
+                    splits={"train": ["users-00000.parquet"], "eval": ["users-00000.parquet"]}).write(directory)
+    return directory
+
+
+@pytest.mark.parametrize(("changes", "needle"), [
+    ({"item_ids": pa.array([[1, 2, 3], [3, 4], [5, None, 7, 8], [2, 9]], pa.list_(pa.int64()))},
+     "row group 2: row 0: column 'item_ids': null element (at position 1 of the list)"),
+    ({"timestamps": pa.array([[0, 1, 2], [0, 1], [0, 5, 4, 6], [0, 1]], pa.list_(pa.int64()))},
+     "row group 2: row 0: column 'timestamps': timestamps go back in time (5 then 4); they must be oldest first"),
+    ({"labels": pa.array([[1, 1, 1], [1, 1], [1, 0.5, 1, 1], [1, 1]], pa.list_(pa.float32()))},
+     "row group 2: row 0: column 'labels': is 0.5; labels must be 0 or 1"),
+    ({"item_ids": pa.array([[1, 2, 3], [3, 4], [5, 6, 7, 10], [2, 9]], pa.list_(pa.int64()))},
+     "row group 2: row 0: column 'item_ids': id 10 is >= the table size num_items=10 (dataset.json)"),
+])
+def test_bad_user_rows_are_named_or_skipped(tmp_path: Path, changes: dict[str, pa.Array], needle: str) -> None:
+    data = write_v2(tmp_path / "bad", **changes)
+    cfg = DataConfig(path=str(data), batch_size=7, prefetch=2, shuffle=False, partitioner="round_robin")
+    loader = build_loader(cfg, "train", rank=0, world_size=1, sparse_features=FEATURES,
+                          derived_cost=CostModel(1.0, 1.0, 1.0), seed=0)
+    with pytest.raises(DataError) as info:  # raised by the prefetch thread, re-raised here as it was
+        loader.next_batch()
+    assert str(info.value) == f"{data}/users-00000.parquet: {needle}"
+    loader.close()
+    cfg.on_bad_rows = "skip"
+    skipping = build_loader(cfg, "train", rank=0, world_size=1, sparse_features=FEATURES,
+                            derived_cost=CostModel(1.0, 1.0, 1.0), seed=0)
+    assert skipping.next_batch().size == 7 - 3 and sum(skipping.source.skipped.values()) == 1  # user 2's 3 dropped
+    skipping.close()
+
+
+@pytest.mark.parametrize(("log", "flags", "message"), [
+    ({"who": [1, 2], "what": [1, 1], "when": [1, 2]}, ["--label", "stars"], "no column 'stars' (it has: who, what, when)"),
+    ({"who": [1, 2], "what": [1, 1], "when": ["2020-01-01", "soon"]}, [],
+     "row 1: column 'when': unparseable timestamp as ISO 8601; give --time-format ('soon')"),
+    ({"who": [1, None], "what": [1, 1], "when": [1, 2]}, [], "row 1: column 'who': null id (null)"),
+    ({"who": [1, 2], "what": [1, 1], "when": [1, 2], "stars": [1, 3]}, ["--label", "stars", "--rating-threshold", "4"],
+     "--rating-threshold 4 matches no row of column 'stars'"),
+    ({"who": [1, 2], "what": [1, 1], "when": [1, 2], "stars": ["a", "b"]}, ["--label", "stars"],
+     "column 'stars' has type string; a label column must be numeric (non-numeric values)"),
+    ({"who": [1, 2], "what": [1, 1], "when": [1, 2], "stars": [1, 5]}, ["--label", "stars"],
+     "row 1: column 'stars': a label must be 0 or 1; for ratings give --rating-threshold (5)"),
+    ({"who": pa.array([], pa.int64()), "what": pa.array([], pa.int64()), "when": pa.array([], pa.int64())}, [],
+     "the log has no rows"),
+])
+def test_bad_logs_are_one_line_with_exit_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  log: dict[str, list[object]], flags: list[str], message: str) -> None:
+    pq.write_table(pa.table(log), tmp_path / "log.parquet")
+    code = main(["prepare", str(tmp_path / "log.parquet"), "--out", str(tmp_path / "out"), "--user", "who",
+                 "--item", "what", "--time", "when", "--min-user-count", "1", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert message in err, err
+    assert not (tmp_path / "out" / "dataset.json").exists()
+
+
+def test_cli_prepares_a_generated_log_and_prints_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gen-log", "--out", str(tmp_path / "ratings.csv"), "--users", "200", "--items", "300"]) == 0
+    argv = ["prepare", str(tmp_path / "ratings.csv"), "--out", str(tmp_path / "ml"), "--user", "userId", "--item",
+            "movieId", "--time", "timestamp", "--label", "rating", "--rating-threshold", "4"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for line in ("interactions read", "dropped: first interaction of each user", "samples: train", "bytes written"):
+        assert line in printed
+    manifest = json.loads((tmp_path / "ml" / "dataset.json").read_text())
+    assert manifest["samples"]["eval"] == manifest["num_users"] == 200
+    assert main(argv) == 2 and "already holds a dataset" in capsys.readouterr().err
