@@ -1,9 +1,10 @@
 """Sequence-sample data: schema, synthetic generator, and the cost-balanced loader.
 
-Reading order: ``schema`` (columns, manifest, errors) -> ``synthetic`` (gen-data)
+Reading order: ``schema`` (both layouts, manifest, errors) -> ``prepare`` (a log in:
+``log_input``, ``prepare_sql``, ``sequence_writer``) -> ``synthetic`` (gen-data)
 -> ``cost`` (per-sample cost model) -> ``partition`` (split a batch by cost)
 -> ``planner`` (which rows each live rank takes at each step) -> ``source``
-(row-group Parquet reads, validation) -> ``loader`` (``BalancedLoader``,
+(row-group Parquet reads; ``sequence_source`` for format 2; ``row_checks``) -> ``loader`` (``BalancedLoader``,
 prefetch, state) -> ``batch``.
 """
 
