@@ -78,6 +78,10 @@ class DataConfig:
     """Global batches planned together; > 1 groups the heaviest samples into the same steps."""
     shuffle_row_groups: int = 8
     """Row groups whose rows are shuffled together (the reads of a step stay within them)."""
+    locality: bool = False
+    """Plan for reads: each rank's share of a window is one contiguous run of storage cut at equal
+    cost, then split into the window's steps, so a rank decodes about the bytes it trains on
+    instead of most of the window's row groups (use with window > 1 at many ranks; planner.py)."""
     prefetch: int = 2
     """Batches prepared ahead on a background thread; 0 prepares them inline."""
     on_bad_rows: Literal["error", "skip"] = "error"
@@ -99,6 +103,7 @@ class DataConfig:
             "window", "> 1 needs a cost-balancing partitioner (lpt, kk, token_kk) and equal_count = false",
         )
         require(self.shuffle_row_groups >= 1, "shuffle_row_groups", "must be >= 1")
+        require(not (self.locality and self.equal_count), "locality", "cuts shares by cost: set equal_count = false")
         require(self.prefetch >= 0, "prefetch", f"must be >= 0, got {self.prefetch}")
         require(self.calibrate_every >= 0, "calibrate_every", f"must be >= 0, got {self.calibrate_every}")
 
@@ -480,7 +485,7 @@ def build_loader(
         source.lengths, order, cost_model=cfg.cost_model(derived_cost),
         partitioner=cfg.partitioner if training else "round_robin",
         global_batch_size=cfg.batch_size * world_size, window=cfg.window if training else 1,
-        equal_count=cfg.equal_count and training, max_seq_len=cfg.max_seq_len,
+        equal_count=cfg.equal_count and training, max_seq_len=cfg.max_seq_len, locality=cfg.locality and training,
     )
     return BalancedLoader(
         source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,

@@ -19,6 +19,16 @@ balance inside one step (heavier than a rank's share) land in the same steps,
 one per rank, instead of each stretching a different step; steps then hold
 different numbers of samples, and the loss is normalised by each step's count.
 
+Read locality (``locality=True``): the partition above spreads every rank's samples over
+all the window's row groups, so at R ranks each rank decodes about R times the bytes it
+trains on.  With locality each rank's share of a window is one contiguous run of the
+window's samples in storage order (sample ids ascending), cut at equal cost, so it lies
+in one or two row groups; LPT then splits the run into the window's steps and the
+rank's steps are ordered by their heaviest sample (``balance_kernels.local_window_owner``).
+Rank totals are equal to within a sample's cost, so each step is balanced once the
+window holds enough samples per rank (window > 1); a rank's step draws on a few users
+(format 2) while the global batch still mixes the whole window.
+
 Live ranks may change between steps (fault tolerance shrinks or grows the
 set): the unconsumed samples of the current window are re-planned over the new
 set, so every sample of an epoch is still trained on exactly once.  The history
@@ -148,9 +158,13 @@ class BatchPlanner:
         window: int = 1,
         equal_count: bool = False,
         max_seq_len: int | None = None,
+        locality: bool = False,
     ) -> None:
         if window > 1 and (equal_count or partitioner == "round_robin"):
             raise ValueError("window > 1 needs a cost-balancing partitioner and equal_count = false")
+        if locality and equal_count:
+            raise ValueError("locality cuts each rank's share by cost: it cannot also give equal counts")
+        self.locality = locality
         clipped = np.maximum(lengths, 0)
         if max_seq_len is not None:
             clipped = np.minimum(clipped, max_seq_len)
@@ -333,6 +347,13 @@ class BatchPlanner:
         them) -> per step, per rank positions."""
         costs = win.costs if positions is None else win.costs[positions]
         rows = win.samples if positions is None else win.samples[positions]
+        if self.locality:
+            owner = balance_kernels.local_window_owner(
+                np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(costs, dtype=np.float64), ranks, steps
+            )
+            parts = Parts.of_owner(owner, steps * ranks)
+            chosen = [parts.select(np.arange(j * ranks, (j + 1) * ranks)) for j in range(steps)]
+            return chosen if positions is None else [part.map(positions) for part in chosen]
         lengths = self.lengths[rows] if self.partitioner == "token_kk" else None
         if steps == 1:
             parts = partition(self.partitioner, costs, lengths, ranks, self.equal_count)

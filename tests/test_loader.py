@@ -37,14 +37,14 @@ def consume(loader: BalancedLoader, steps: int) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("prefetch", [0, 3])
-@pytest.mark.parametrize("window", [1, 4])
-def test_resume_mid_epoch_equals_uninterrupted(tiny_data: Path, prefetch: int, window: int) -> None:
-    straight = consume(make(tiny_data, prefetch=prefetch, window=window), 14)
-    first = make(tiny_data, prefetch=prefetch, window=window)
+@pytest.mark.parametrize(("window", "locality"), [(1, False), (4, False), (4, True)])
+def test_resume_mid_epoch_equals_uninterrupted(tiny_data: Path, prefetch: int, window: int, locality: bool) -> None:
+    straight = consume(make(tiny_data, prefetch=prefetch, window=window, locality=locality), 14)
+    first = make(tiny_data, prefetch=prefetch, window=window, locality=locality)
     consume(first, 9)
     state = first.state_dict()
     first.close()
-    resumed = make(tiny_data, prefetch=prefetch, window=window)
+    resumed = make(tiny_data, prefetch=prefetch, window=window, locality=locality)
     resumed.load_state_dict(state)
     assert all(np.array_equal(a, b) for a, b in zip(consume(resumed, 5), straight[9:]))
     resumed.close()
@@ -138,12 +138,13 @@ def test_cost_model_change_keeps_ranks_in_agreement_and_resumes(tiny_data: Path)
 
 def _train_with_failures(
     path: Path, *, window: int, dies: dict[int, list[int]], returns: dict[int, list[int]], epochs: int = 2,
+    locality: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, dict[int, BalancedLoader]]:
     """Three simulated ranks over ``epochs`` epochs.  ``dies[t]``: ranks that fail during global
     step t (after taking their batch): the survivors commit t without them, requeue their planned
     rows and go on without them.  ``returns[t]``: ranks that rejoin before step t, restored from a
     survivor's ``state_dict``.  Returns (committed rows, every row of the epochs' full batches)."""
-    loaders = {r: make(path, rank=r, world_size=3, window=window, batch_size=128, prefetch=p)
+    loaders = {r: make(path, rank=r, world_size=3, window=window, batch_size=128, prefetch=p, locality=locality)
                for r, p in zip(range(3), (2, 0, 3))}
     steps = loaders[0].steps_per_epoch
     live = [0, 1, 2]
@@ -179,14 +180,16 @@ def _train_with_failures(
     return np.concatenate(committed), expected, {r: loaders[r] for r in live}
 
 
-@pytest.mark.parametrize("window", [1, 4])
-def test_requeue_after_failures_trains_every_row_exactly_once(tiny_data: Path, window: int) -> None:
+@pytest.mark.parametrize(("window", "locality"), [(1, False), (4, False), (4, True)])
+def test_requeue_after_failures_trains_every_row_exactly_once(tiny_data: Path, window: int, locality: bool) -> None:
     """Rank 2 dies mid-epoch and comes back; ranks 1 then 0 die on the steps after (carry of carry);
-    rank 0 dies on the epoch's last step (carry into the next epoch's step 0)."""
+    rank 0 dies on the epoch's last step (carry into the next epoch's step 0).  With read locality
+    too: its windows are re-planned over the survivors the same way."""
     steps = make(tiny_data, world_size=3, batch_size=128).steps_per_epoch
     dies = {5: [2], 11: [1], 12: [0], steps - 1: [0]}
     returns = {9: [2], 15: [0, 1], steps + 2: [0]}
-    got, expected, loaders = _train_with_failures(tiny_data, window=window, dies=dies, returns=returns)
+    got, expected, loaders = _train_with_failures(tiny_data, window=window, dies=dies, returns=returns,
+                                                  locality=locality)
     assert np.array_equal(np.sort(got), np.sort(expected))
     for loader in loaders.values():
         assert loader.planner.carry_state(0, 0) == []  # spent carry is forgotten

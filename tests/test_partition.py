@@ -147,10 +147,32 @@ def test_calibrate_recovers_coefficients() -> None:
     assert no_quadratic.quadratic == pytest.approx(0.0, abs=1e-12) and no_quadratic.linear == pytest.approx(1e-3)
 
 
-def make_planner(lengths: np.ndarray, window: int, seed: int = 0) -> BatchPlanner:
+def make_planner(lengths: np.ndarray, window: int, seed: int = 0, locality: bool = False,
+                 batch: int = 64) -> BatchPlanner:
     order = EpochOrder(np.full(lengths.size // 100, 100), seed=seed, shuffle=True, window_row_groups=3)
     return BatchPlanner(lengths, order, cost_model=CostModel(1e-3, 1.0, 1.0), partitioner="lpt",
-                        global_batch_size=64, window=window)
+                        global_batch_size=batch, window=window, locality=locality)
+
+
+def test_a_read_local_window_gives_each_rank_one_run_of_storage_at_balanced_cost() -> None:
+    rng = np.random.default_rng(4)
+    lengths = np.clip(np.rint(19.1 + 43.2 * rng.lognormal(0, 1.608, 64 * 160)), 1, 256).astype(np.int64)
+    ranks, window = 8, 16
+    planner = make_planner(lengths, window, locality=True, batch=512)
+    plans = [planner.plan(0, s, tuple(range(ranks))) for s in range(window)]
+    window_rows = np.sort(np.concatenate([np.concatenate(p.rows) for p in plans]))
+    assert window_rows.size == len(set(window_rows.tolist())) == window * 512
+    costs = planner.costs(planner.cost_model, window_rows)
+    per_rank = [np.sort(np.concatenate([p.rows[r] for p in plans])) for r in range(ranks)]
+    for rows in per_rank:  # one contiguous run of the window's samples in storage order
+        lo, hi = np.searchsorted(window_rows, [rows[0], rows[-1]])
+        assert np.array_equal(window_rows[lo:hi + 1], rows)
+    totals = np.array([planner.costs(planner.cost_model, rows).sum() for rows in per_rank])
+    assert totals.max() - totals.min() <= costs.max()
+    assert max(p.imbalance() for p in plans) < 1.06  # each rank's run split into steps by LPT
+    locality_off = make_planner(lengths, window, batch=512)
+    spread = [np.concatenate([locality_off.plan(0, s, tuple(range(ranks))).rows[0] for s in range(window)])]
+    assert np.ptp(spread[0]) > 4 * np.ptp(per_rank[0])  # without it, rank 0 draws on the whole window
 
 
 @pytest.mark.parametrize("window", [1, 4])
