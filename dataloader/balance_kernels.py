@@ -460,15 +460,27 @@ def _equal_cost_cuts(ordered_costs: np.ndarray, num_parts: int) -> np.ndarray:
 
 
 @numba.njit(**_JIT)
-def local_window_owner(rows: np.ndarray, costs: np.ndarray, num_ranks: int, num_steps: int) -> np.ndarray:
+def local_window_owner(rows: np.ndarray, costs: np.ndarray, row_group_starts: np.ndarray, num_ranks: int,
+                       num_steps: int) -> np.ndarray:
     """Read-local plan of one window: the part (``step * num_ranks + rank``) of each sample.
 
-    Each rank's share of the window is one contiguous run of the samples in storage order
-    (``rows`` ascending), cut at equal cost, so it lies in one or two row groups; then LPT splits
-    the run into ``num_steps`` steps of equal cost, and the rank's steps are ordered by their
+    Each rank's share of the window is one contiguous run of the samples in row-group order (a
+    counting sort by the row group each row lies in, ``row_group_starts``; the window's own order
+    kept within a row group), cut at equal cost, so it lies in one or two row groups; then LPT
+    splits the run into ``num_steps`` steps of equal cost, and the rank's steps are ordered by their
     heaviest sample (every rank's heaviest samples land in the same early steps)."""
     n = rows.size
-    order = np.argsort(rows, kind="mergesort")
+    groups = row_group_starts.size - 1
+    first = np.zeros(groups + 1, dtype=np.int64)
+    group_of = np.searchsorted(row_group_starts, rows, side="right") - 1
+    for i in range(n):
+        first[group_of[i] + 1] += 1
+    for g in range(groups):
+        first[g + 1] += first[g]
+    order = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        order[first[group_of[i]]] = i
+        first[group_of[i]] += 1
     ordered = np.empty(n, dtype=np.float64)
     for i in range(n):
         ordered[i] = costs[order[i]]
@@ -530,4 +542,4 @@ def warm_up() -> None:
     take(costs, index)
     take(index, index)
     lookup(costs, np.array([0, 1], dtype=np.int32), index)
-    local_window_owner(np.arange(6, dtype=np.int64), costs, 2, 2)
+    local_window_owner(np.arange(6, dtype=np.int64), costs, np.array([0, 3, 6], dtype=np.int64), 2, 2)

@@ -22,8 +22,8 @@ different numbers of samples, and the loss is normalised by each step's count.
 Read locality (``locality=True``): the partition above spreads every rank's samples over
 all the window's row groups, so at R ranks each rank decodes about R times the bytes it
 trains on.  With locality each rank's share of a window is one contiguous run of the
-window's samples in storage order (sample ids ascending), cut at equal cost, so it lies
-in one or two row groups; LPT then splits the run into the window's steps and the
+window's samples in row-group order, cut at equal cost, so it lies in one or two row
+groups; LPT then splits the run into the window's steps and the
 rank's steps are ordered by their heaviest sample (``balance_kernels.local_window_owner``).
 Rank totals are equal to within a sample's cost, so each step is balanced once the
 window holds enough samples per rank (window > 1); a rank's step draws on a few users
@@ -349,7 +349,8 @@ class BatchPlanner:
         rows = win.samples if positions is None else win.samples[positions]
         if self.locality:
             owner = balance_kernels.local_window_owner(
-                np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(costs, dtype=np.float64), ranks, steps
+                np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(costs, dtype=np.float64),
+                self.order.starts, ranks, steps,
             )
             parts = Parts.of_owner(owner, steps * ranks)
             chosen = [parts.select(np.arange(j * ranks, (j + 1) * ranks)) for j in range(steps)]

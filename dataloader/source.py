@@ -110,6 +110,8 @@ class RowGroupFiles:
         self.stored_rows = np.array(stored, dtype=np.int64)
         self.stored_start = np.concatenate([[0], np.cumsum(self.stored_rows)]).astype(np.int64)
         self.skipped: Counter[str] = Counter()
+        self.decoded_bytes = 0
+        """Arrow bytes of every row group decoded so far (cache misses only): the read's real cost."""
         self._cache: OrderedDict[int, _RowGroup] = OrderedDict()
         self._cache_size = max(1, cache_row_groups)
 
@@ -146,6 +148,7 @@ class RowGroupFiles:
             table = self.fragments[file_index].subset(row_group_ids=[rg_id]).to_table(columns=self.decode_columns)
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{shown}: row group {rg_id}: corrupt or truncated Parquet data ({exc})") from None
+        self.decoded_bytes += table.nbytes
         bad = self._validate(table, f"{shown}: row group {rg_id}")
         entry = _RowGroup(table=table.select(self.keep_columns), bad=bad)
         self._cache[rg] = entry
