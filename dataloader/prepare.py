@@ -54,7 +54,9 @@ class PrepareSpec:
     work_dir: str = ""
     """Where the engine keeps the log and spills (default: a new directory under the system temp)."""
     seed: int = 0
-    row_group_interactions: int = 32_768
+    row_group_interactions: int = 4_096
+    """Interactions per Parquet row group: about 80 KB, so a rank's share of a planning window at 1,024
+    ranks decodes little more than it trains on (benchmarks/bench_reads.py)."""
     overwrite: bool = False
 
     def validate(self) -> None:

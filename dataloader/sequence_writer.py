@@ -55,7 +55,7 @@ class WriteResult:
 class SequenceWriter:
     def __init__(
         self, fs: pafs.FileSystem, base: str, *, dense_dim: int, rule: SplitRule,
-        row_group_interactions: int = 32_768, file_interactions: int = 16_777_216,
+        row_group_interactions: int = 4_096, file_interactions: int = 16_777_216,
     ) -> None:
         self.fs, self.base, self.dense_dim, self.rule = fs, base.rstrip("/"), dense_dim, rule
         self.row_group_interactions = row_group_interactions

@@ -37,7 +37,7 @@ def add_parsers(sub: Any, as_int: Any, as_float: Any) -> None:
     prep.add_argument("--format", default="auto", choices=["auto", "parquet", "csv"], help="input format (default: by suffix)")
     prep.add_argument("--time-unit", default="s", choices=["s", "ms", "us", "ns"], help="unit of a numeric time column (default s)")
     prep.add_argument("--time-format", default=None, help="strptime format of a text time column (default: ISO 8601)")
-    prep.add_argument("--row-group-interactions", type=as_int, default=32_768, help="interactions per Parquet row group")
+    prep.add_argument("--row-group-interactions", type=as_int, default=4_096, help="interactions per Parquet row group (default 4096)")
     prep.add_argument("--seed", type=as_int, default=0, help="storage order of users (a seeded hash)")
     prep.add_argument("--overwrite", action="store_true", help="replace a dataset already at --out")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when stderr is not a terminal)")
