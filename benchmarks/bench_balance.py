@@ -184,6 +184,33 @@ def planner_rows(rng: np.random.Generator, model: CostModel, ranks_list: list[in
     return rows
 
 
+def real_cost_rows(rng: np.random.Generator, dists: tuple[str, ...], steps: int) -> list[dict[str, Any]]:
+    """``BatchPlanner.plan`` at 16,384 ranks x 32 with the tiny HSTU's own cost model (``configs/tiny_hstu.toml``'s
+    dimensions, quadratic term included), every distribution: the planner's cost where a user trains."""
+    from freescale.models import ModelConfig, cost_model_for
+
+    model = cost_model_for(ModelConfig(kind="hstu"), 8)
+    ranks, rows = 16_384, []
+    g = ranks * 32
+    for dist in dists:
+        lengths = draw(rng, g * (steps + 1), 32, dist)
+        order = EpochOrder(np.full(steps + 1, g), seed=0, shuffle=True, window_row_groups=steps + 1)
+        planner = BatchPlanner(lengths, order, cost_model=model, partitioner="lpt", global_batch_size=g)
+        live = tuple(range(ranks))
+        planner.plan(0, 0, live)
+        times, imbalances, counts = [], [], []
+        for s in range(1, steps + 1):
+            start = time.perf_counter()
+            plan = planner.plan(0, s, live)
+            times.append(1e3 * (time.perf_counter() - start))
+            imbalances.append(plan.imbalance())
+            counts.append(int(plan.rows.sizes.max()))
+        rows.append({"dist": dist, "ranks": ranks, "samples": g, "plan_ms_p50": float(np.median(times)),
+                     "plan_ms_p90": float(np.percentile(times, 90)), "imbalance": float(np.mean(imbalances)),
+                     "max_rank_samples": max(counts)})
+    return rows
+
+
 def targets(rows: list[dict[str, Any]], plans: list[dict[str, Any]]) -> dict[str, Any]:
     lpt = [r for r in rows if r["partitioner"] == "lpt" and not r.get("refused")]
     worst = max(lpt, key=lambda r: r["gap_ref"])
@@ -247,6 +274,9 @@ def main() -> None:
     plans = planner_rows(rng, model, plan_ranks, 5 if args.quick else 10)
     print("\nBatchPlanner.plan per step (lpt, ml-20m, 32 samples per rank):")
     print_table(plans, ["ranks", "samples", "plan_ms_p50", "plan_ms_p90", "gil_ms"])
+    real = real_cost_rows(rng, dists, 3 if args.quick else 10)
+    print("\nBatchPlanner.plan per step with the tiny HSTU's own cost model (16,384 ranks x 32; target <= 40 ms):")
+    print_table(real, ["dist", "ranks", "samples", "plan_ms_p50", "plan_ms_p90", "imbalance", "max_rank_samples"])
     windows = window_rows(args.data, args.quick)
     print("\nloader wait per step, window 16 at 1,024 simulated ranks (rank 0), 30 ms steps:")
     print_table(windows, ["mode", "ranks", "per_rank", "window", "steps", "wait_ms_p50", "wait_ms_p99", "wait_ms_max",
@@ -259,7 +289,8 @@ def main() -> None:
         write_json(args.json, "bench_balance",
                    {"quick": args.quick, "steps": steps, "hstu_dims": HSTU_DIMS, "cost_model": vars(model),
                     "peers": sorted(peers), "peers_missing": missing},
-                   rows + [{"planner": p} for p in plans] + [{"window": w} for w in windows] + [{"targets": summary}])
+                   rows + [{"planner": p} for p in plans] + [{"real_cost_planner": r} for r in real]
+                   + [{"window": w} for w in windows] + [{"targets": summary}])
 
 
 if __name__ == "__main__":

@@ -263,14 +263,15 @@ def _remove(ids: np.ndarray, vals: np.ndarray, count: int, j: int) -> int:
 
 @numba.njit(**_JIT)
 def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_parts: int, allow_moves: bool,
-                   partners: int, max_steps: int, target: float) -> None:
+                   partners: int, max_steps: int, target: float, max_count: int) -> None:
     """Lower the heaviest part by local search, in place on ``part_of[:stop]`` (positions of
     ``ordered``).
 
     Each step takes the heaviest part H and, among the ``partners`` lightest parts, the one
     move of a sample of H (``allow_moves``; off for equal counts) or swap of one pair that
-    lowers ``max(H, P)`` the most.  Stops when H is at most ``target``, when no such step
-    lowers H (a local optimum), or after ``max_steps``."""
+    lowers ``max(H, P)`` the most; a move never fills a part past ``max_count`` samples.  Stops
+    when H is at most ``target``, when no such step lowers H (a local optimum), or after
+    ``max_steps``."""
     k, n = num_parts, stop
     counts = np.zeros(k, dtype=np.int64)
     for i in range(n):
@@ -316,7 +317,8 @@ def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_part
             for swaps in (not allow_moves, True):
                 for i in range(found):
                     p = picked[i]
-                    d, x, y = _best_exchange(vals, counts, h, p, loads[h] - loads[p], allow_moves, swaps, cap)
+                    d, x, y = _best_exchange(vals, counts, h, p, loads[h] - loads[p], allow_moves, swaps,
+                                                   min(cap, max_count))
                     if d > 0.0 and max(loads[h] - d, loads[p] + d) < best_max:
                         best_max, best_d, best_x, best_y, best_p = max(loads[h] - d, loads[p] + d), d, x, y, p
                 if best_p >= 0:
@@ -372,7 +374,8 @@ def members_of(owner: np.ndarray, num_parts: int) -> tuple[np.ndarray, np.ndarra
 
 @numba.njit(**_JIT)
 def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_steps: int, partners: int,
-                resolution: float, tolerance: float, head_share: float) -> tuple[np.ndarray, np.ndarray, int]:
+                resolution: float, tolerance: float, head_share: float,
+                tail_tolerance: float, max_count: int) -> tuple[np.ndarray, np.ndarray, int]:
     """LPT with local search over ``costs``: ``(index, offsets, bad)``, the parts as CSR (each
     part's samples heaviest first); ``bad``
     is the first sample whose cost is negative or not finite (then nothing is planned), else -1.
@@ -382,14 +385,17 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     lengths (the parts that must hold one long sample more get LPT's larger ones), and later
     the light samples fill every part to the brim, leaving no room to swap.  Then the tail is
     placed by LPT on top, and the whole refined once more, until the heaviest part is within
-    ``tolerance`` of the mean."""
+    ``tail_tolerance`` of the mean (the tail's samples are light: LPT alone leaves the parts within
+    about one light sample of each other, and chasing the last few 1e-4 there is what costs time).
+    Without ``equal_count`` no part takes more than ``max_count`` samples (at least ``ceil(n / k)``):
+    samples of (near) zero cost would otherwise all go to whichever part is lightest."""
     n, k = costs.size, num_parts
     bad, total, largest = _scan(costs)
     if bad >= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(k + 1, dtype=np.int64), bad
     order, ordered = _sort_desc(costs, largest)
     mean = total / k
-    full, extra = (n // k, n % k) if equal_count else (n + 1, 0)
+    full, extra = (n // k, n % k) if equal_count else (max(max_count, -(-n // k)), 0)
     part_of = np.empty(n, dtype=np.int64)
     loads, counts = np.zeros(k, dtype=np.float64), np.zeros(k, dtype=np.int64)
     width = resolution * mean
@@ -401,18 +407,18 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     extra = _lpt_sorted(ordered, part_of, 0, head, loads, counts, full, extra, width)
     allow_moves = not equal_count
     if refine_steps > 0 and head > k and loads.max() > mean * (1.0 + tolerance):
-        _refine_sorted(ordered, part_of, head, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance))
+        _refine_sorted(ordered, part_of, head, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance), full)
         loads[:], counts[:] = 0.0, 0
         for i in range(head):
             loads[part_of[i]] += ordered[i]
             counts[part_of[i]] += 1
     _lpt_sorted(ordered, part_of, head, n, loads, counts, full, extra, width)
-    if refine_steps > 0 and n > k and loads.max() > mean * (1.0 + tolerance):
+    if refine_steps > 0 and n > k and loads.max() > mean * (1.0 + tail_tolerance):
         # The tail's samples are light: moving one to the lightest couple of parts does as well as
         # trying more (swaps, for equal counts, want four).  A step costs ~1-3 us here (heap updates,
         # a search per partner): the tail gets about one step per part, the head more.
         _refine_sorted(ordered, part_of, n, k, allow_moves, min(partners, 2) if allow_moves else min(partners, 4),
-                       min(refine_steps, k + 64), mean * (1.0 + tolerance))
+                       min(refine_steps, k + 64), mean * (1.0 + tail_tolerance), full)
     index, offsets = _members(part_of, order, k)
     return index, offsets, -1
 
@@ -429,7 +435,7 @@ def refined_owner(costs: np.ndarray, owner: np.ndarray, num_parts: int, allow_mo
     for i in range(n):
         part_of[i] = owner[order[i]]
     _refine_sorted(ordered, part_of, n, num_parts, allow_moves, min(partners, num_parts), max_steps,
-                   total / num_parts)
+                   total / num_parts, n)
     out = np.empty(n, dtype=np.int64)
     for i in range(n):
         out[order[i]] = part_of[i]
@@ -536,7 +542,7 @@ def warm_up() -> None:
     training's prefetch thread waits seconds for the compiler."""
     costs = np.array([3.0, 1.0, 2.0, 2.0, 5.0, 0.5])
     for equal_count in (False, True):
-        lpt_refined(costs, 2, equal_count, 8, 2, 1e-5, 1e-3, 0.25)
+        lpt_refined(costs, 2, equal_count, 8, 2, 1e-5, 1e-3, 0.25, 1e-3, 6)
     members_of(np.array([1, 0, 1], dtype=np.int64), 2)
     index = np.array([1, 0], dtype=np.int64)
     take(costs, index)

@@ -50,6 +50,14 @@ LPT_TOLERANCE = 1e-4
 """The local search stops once the heaviest part is within this share of the mean part."""
 LPT_HEAD_SHARE = 1 / 16
 """Samples of at least this share of a mean part are placed and refined first."""
+LPT_MAX_COUNT_SHARE = 8
+"""No part takes more than this many times the mean samples per part: a bound on a rank's batch (memory,
+padding) when samples cost (near) nothing, e.g. under a calibrated cost model whose constant is 0.  LPT
+alone never came near it on the benchmark's distributions (at most 3x the mean, bimodal lengths)."""
+LPT_TAIL_TOLERANCE = 3e-4
+"""Where the search stops once the light samples are placed: within 3e-4 of the mean part.  Going on to
+1e-4 there cost 20 ms more per plan at 16,384 ranks with the tiny HSTU's cost model (whose constant term
+makes the light samples many and alike) for 2e-4 of balance (``bench_balance.py``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,7 +186,7 @@ def lpt(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
     costs = np.ascontiguousarray(costs, dtype=np.float64)
     index, offsets, bad = balance_kernels.lpt_refined(
         costs, num_parts, equal_count, 4 * num_parts + 64, LPT_REFINE_PARTNERS, LPT_RESOLUTION, LPT_TOLERANCE,
-        LPT_HEAD_SHARE)
+        LPT_HEAD_SHARE, LPT_TAIL_TOLERANCE, -(-LPT_MAX_COUNT_SHARE * costs.size // max(num_parts, 1)))
     if bad >= 0:
         raise ValueError(f"sample {bad} has cost {float(costs[bad])}: costs must be finite and >= 0, with a "
                          f"finite sum")

@@ -237,3 +237,15 @@ def test_trainer_calibration_accepts_a_clearly_better_fit_only() -> None:
     fitted = quadratic_world.fit_and_share(linear)
     assert fitted is not None and fitted.quadratic > 0 and fitted.linear < 1e-9
     assert noise_world.fit_and_share(linear) is None  # the current model already explains it
+
+
+def test_samples_that_cost_nothing_do_not_pile_onto_one_rank() -> None:
+    """A calibrated model with no constant makes empty histories free: LPT gave one rank 2,404
+    samples and another 1.  Now no part takes more than 8x the mean count, and the balance holds."""
+    rng = np.random.default_rng(0)
+    lengths = np.where(rng.random(64 * 32) < 0.5, 0, rng.integers(1, 64, 64 * 32))
+    costs = CostModel(1.0, 10.0, 0.0)(lengths)
+    parts = partition("lpt", costs, None, 64)
+    assert parts.sizes.max() <= 8 * 32 and np.array_equal(np.sort(parts.index), np.arange(costs.size))
+    loads = parts.sums(costs)
+    assert loads.max() / loads.mean() < 1.001
