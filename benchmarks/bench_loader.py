@@ -1,17 +1,20 @@
-"""Loader throughput: Parquet -> Batch, per core, against a row-by-row torch DataLoader.
+"""Loader throughput against the physical limit and against the loader a user would write.
 
-Both read the same Parquet files.  Ours: ``BalancedLoader`` for one rank with
-prefetch off (everything on the calling thread: planning, row-group reads,
-vectorized Arrow -> KJT).  Baseline: a ``torch.utils.data.Dataset`` over the
-same table (already in memory, to its advantage) whose ``__getitem__`` returns
-one row as Python values, batched by ``DataLoader`` (num_workers=0) with a
-collate function that builds the same KJT, dense and label tensors.
+One synthetic MovieLens-shaped log (ml-20m-like users) is prepared (format 2, one row per user),
+and the same training samples are written one per row (format 1, histories cut at 200).  Single
+thread, samples per second:
 
-Then a short 2-rank CPU training run reports, from its log, the time a step
-waited for its batch beside the step time (target: loading never on the
-critical path).
+- ``bare decode``: pyarrow reading and decoding every row group of the columns the loader reads,
+  to numpy, nothing else: the ceiling on this machine for that layout;
+- ``freescale``: ``BalancedLoader`` for one rank, prefetch off (planning, row-group reads, the
+  per-sample cut for format 2, Arrow -> KJT), target >= 70% of the bare decode of its layout;
+- ``torch DataLoader, batched``: what a user would write: an ``IterableDataset`` over pyarrow row
+  groups (shuffled), rows permuted inside each, batches built from Arrow offsets (format 1);
+- ``torch DataLoader, row by row``: ``__getitem__`` per row and a Python collate (for reference).
 
-    python benchmarks/bench_loader.py [--quick] [--json benchmarks/results/loader.json]
+Then bytes on disk of each layout, and a short 2-rank training run's wait for data per step.
+
+    python benchmarks/bench_loader.py [--quick] [--json benchmarks/results/loader_cpu.json]
 """
 
 from __future__ import annotations
@@ -23,48 +26,51 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import torch
+from bench_data import format1_twin, prepared
 from common import write_json
-
-from freescale.tables import print_table
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from freescale.dataloader import SyntheticSpec, generate
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.loader import DataConfig, build_loader
-from freescale.dataloader.schema import CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL
+from freescale.dataloader.schema import CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, DatasetManifest
+from freescale.tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
 FEATURES = [HISTORY_ITEMS, CANDIDATE_ITEM]
+FORMAT1_COLUMNS = [HISTORY_ITEMS, CANDIDATE_ITEM, DENSE, LABEL]
+FORMAT2_COLUMNS = ["user_id", "item_ids", "timestamps", "labels", "length", "train_end"]
 
 
-class RowDataset(Dataset):  # type: ignore[type-arg]
-    def __init__(self, path: Path, max_len: int) -> None:
-        files = sorted(str(p) for p in path.glob("train-*.parquet"))
-        self.table = ds.dataset(files, format="parquet").to_table(columns=[HISTORY_ITEMS, CANDIDATE_ITEM, DENSE, LABEL])
-        self.max_len = max_len
-
-    def __len__(self) -> int:
-        return self.table.num_rows
-
-    def __getitem__(self, i: int) -> dict[str, object]:
-        return self.table.slice(i, 1).to_pylist()[0]
+def files(path: Path) -> list[Path]:
+    manifest = DatasetManifest.read(path)
+    return [path / name for name in manifest.splits["train"]]
 
 
-def collate(rows: list[dict[str, object]], max_len: int = 200) -> tuple[KeyedJaggedTensor, torch.Tensor, torch.Tensor]:
-    histories = [r[HISTORY_ITEMS][-max_len:] for r in rows]  # type: ignore[index]
-    values = [v for h in histories for v in h] + [r[CANDIDATE_ITEM] for r in rows]
-    lengths = [len(h) for h in histories] + [1] * len(rows)
-    kjt = KeyedJaggedTensor(keys=FEATURES, values=torch.tensor(values), lengths=torch.tensor(lengths))
-    return kjt, torch.tensor([r[DENSE] for r in rows]), torch.tensor([r[LABEL] for r in rows])
+def bare_decode(path: Path, columns: list[str], samples: int) -> float:
+    """Every row group of ``columns`` read and decoded to numpy buffers; samples served per second."""
+    start = time.perf_counter()
+    for f in files(path):
+        pf = pq.ParquetFile(f)
+        for rg in range(pf.num_row_groups):
+            table = pf.read_row_group(rg, columns=columns)
+            for column in table.columns:
+                array = column.combine_chunks()
+                while hasattr(array, "values"):
+                    array = array.values
+                array.to_numpy()
+    return samples / (time.perf_counter() - start)
 
 
-def time_ours(path: Path, batch: int, steps: int, max_len: int) -> float:
+def ours(path: Path, batch: int, steps: int, max_len: int) -> float:
     cfg = DataConfig(path=str(path), batch_size=batch, max_seq_len=max_len, prefetch=0, partitioner="lpt")
     loader = build_loader(cfg, "train", rank=0, world_size=1, sparse_features=FEATURES,
                           derived_cost=CostModel(1e-3, 1.0, 1.0), seed=0)
@@ -74,9 +80,58 @@ def time_ours(path: Path, batch: int, steps: int, max_len: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def time_baseline(path: Path, batch: int, steps: int, max_len: int) -> float:
-    dataset = RowDataset(path, max_len)
-    it = iter(DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=0, collate_fn=collate))
+class RowGroupBatches(IterableDataset):  # type: ignore[type-arg]
+    """A user's batched reader: row groups in a shuffled order, rows permuted inside each, batches from offsets."""
+
+    def __init__(self, path: Path, batch: int, max_len: int) -> None:
+        self.pf = pq.ParquetFile(files(path)[0])
+        self.batch, self.max_len = batch, max_len
+
+    def __iter__(self) -> Iterator[tuple[KeyedJaggedTensor, torch.Tensor, torch.Tensor]]:
+        rng = np.random.default_rng(0)
+        for rg in rng.permutation(self.pf.num_row_groups):
+            table = self.pf.read_row_group(int(rg), columns=FORMAT1_COLUMNS)
+            table = table.take(rng.permutation(table.num_rows))
+            for start in range(0, table.num_rows - self.batch + 1, self.batch):
+                part = table.slice(start, self.batch)
+                history = part.column(HISTORY_ITEMS).combine_chunks()
+                lengths = np.minimum(pc.list_value_length(history).to_numpy(), self.max_len)
+                values = np.concatenate([history.flatten().to_numpy(), part.column(CANDIDATE_ITEM).to_numpy()])
+                kjt = KeyedJaggedTensor(keys=FEATURES, values=torch.from_numpy(values),
+                                        lengths=torch.from_numpy(np.concatenate([lengths, np.ones(self.batch, np.int64)])))
+                dense = part.column(DENSE).combine_chunks().flatten().to_numpy().reshape(self.batch, -1)
+                yield kjt, torch.from_numpy(dense.copy()), torch.from_numpy(part.column(LABEL).to_numpy())
+
+
+def torch_batched(path: Path, batch: int, steps: int, max_len: int) -> float:
+    it = iter(DataLoader(RowGroupBatches(path, batch, max_len), batch_size=None, num_workers=0))
+    next(it)
+    start = time.perf_counter()
+    n = sum(next(it)[2].numel() for _ in range(steps))
+    return n / (time.perf_counter() - start)
+
+
+class RowDataset(Dataset):  # type: ignore[type-arg]
+    def __init__(self, path: Path) -> None:
+        self.table = ds.dataset([str(f) for f in files(path)], format="parquet").to_table(columns=FORMAT1_COLUMNS)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        return self.table.slice(i, 1).to_pylist()[0]
+
+
+def collate(rows: list[dict[str, object]]) -> tuple[KeyedJaggedTensor, torch.Tensor, torch.Tensor]:
+    histories = [r[HISTORY_ITEMS] for r in rows]
+    values = [v for h in histories for v in h] + [r[CANDIDATE_ITEM] for r in rows]  # type: ignore[attr-defined]
+    lengths = [len(h) for h in histories] + [1] * len(rows)  # type: ignore[arg-type]
+    kjt = KeyedJaggedTensor(keys=FEATURES, values=torch.tensor(values), lengths=torch.tensor(lengths))
+    return kjt, torch.tensor([r[DENSE] for r in rows]), torch.tensor([r[LABEL] for r in rows])
+
+
+def torch_rows(path: Path, batch: int, steps: int) -> float:
+    it = iter(DataLoader(RowDataset(path), batch_size=batch, shuffle=True, num_workers=0, collate_fn=collate))
     next(it)
     start = time.perf_counter()
     n = sum(next(it)[2].numel() for _ in range(steps))
@@ -100,25 +155,38 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
-    rows_n, steps, batch, max_len = (40_000, 30, 256, 200) if args.quick else (200_000, 150, 256, 200)
+    samples, steps, batch, max_len = (40_000, 30, 256, 200) if args.quick else (300_000, 300, 256, 200)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        generate(data, SyntheticSpec(rows=rows_n, eval_rows=0, max_len=max_len, lengths="ml-20m", seed=0))
-        ours = time_ours(data, batch, steps, max_len)
-        base = time_baseline(data, batch, max(5, steps // 10), max_len)
+        format2 = prepared(Path(tmp), samples)
+        format1 = format1_twin(format2, Path(tmp) / "format1", max_len)
+        n = DatasetManifest.read(format2).samples["train"]
+        bare1 = bare_decode(format1, FORMAT1_COLUMNS + ["history_length"], n)
+        bare2 = bare_decode(format2, FORMAT2_COLUMNS, n)
         rows = [
-            {"loader": "freescale BalancedLoader (lpt, 1 thread)", "samples_per_s": ours, "ratio": ours / base},
-            {"loader": "torch Dataset + DataLoader, row by row", "samples_per_s": base, "ratio": 1.0},
+            {"layout": "format 1 (per sample)", "loader": "bare pyarrow decode", "samples_per_s": bare1},
+            {"layout": "format 1 (per sample)", "loader": "freescale BalancedLoader", "samples_per_s": ours(format1, batch, steps, max_len)},
+            {"layout": "format 1 (per sample)", "loader": "torch DataLoader, batched over pyarrow",
+             "samples_per_s": torch_batched(format1, batch, steps, max_len)},
+            {"layout": "format 1 (per sample)", "loader": "torch DataLoader, row by row",
+             "samples_per_s": torch_rows(format1, batch, max(5, steps // 30))},
+            {"layout": "format 2 (per user)", "loader": "bare pyarrow decode", "samples_per_s": bare2},
+            {"layout": "format 2 (per user)", "loader": "freescale BalancedLoader", "samples_per_s": ours(format2, batch, steps, max_len)},
         ]
-        print_table(rows, ["loader", "samples_per_s", "ratio"])
-        demo = Path(tmp) / "demo"
-        generate(demo, SyntheticSpec(rows=20_000, eval_rows=0, seed=0))
-        wait = training_wait(demo, Path(tmp) / "run", 40 if args.quick else 100)
-        print(f"\n2-rank tiny HSTU training: step {wait['step_ms']:.1f} ms, waited for data "
+        for row in rows:
+            bare = bare1 if row["layout"].startswith("format 1") else bare2
+            row["vs_bare_decode"] = row["samples_per_s"] / bare
+        disk = {"format 1 (per sample)": sum(f.stat().st_size for f in files(format1)),
+                "format 2 (per user)": sum(f.stat().st_size for f in files(format2))}
+        for row in rows:
+            row["bytes_on_disk"] = disk[row["layout"]]
+        print(f"{n:,} training samples, histories up to {max_len}")
+        print_table(rows, ["layout", "loader", "samples_per_s", "vs_bare_decode", "bytes_on_disk"])
+        wait = training_wait(format2, Path(tmp) / "run", 40 if args.quick else 100)
+        print(f"\n2-rank tiny HSTU training on format 2: step {wait['step_ms']:.1f} ms, waited for data "
               f"{wait['loader_wait_ms']:.3f} ms per step ({100 * wait['wait_share']:.2f}% of the step)")
     if args.json:
-        write_json(args.json, "bench_loader", {"quick": args.quick, "rows": rows_n, "batch": batch,
+        write_json(args.json, "bench_loader", {"quick": args.quick, "samples": n, "batch": batch,
                                                "max_len": max_len, "lengths": "ml-20m"},
                    rows + [{"training": wait}])
 

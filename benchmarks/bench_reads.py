@@ -28,57 +28,18 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json  # noqa: E402
+from bench_data import format1_twin, prepared  # noqa: E402
 
 from freescale.dataloader.loader import DataConfig, build_loader  # noqa: E402
-from freescale.dataloader.schema import HISTORY_ITEMS, HISTORY_LENGTH, DatasetManifest, sample_schema  # noqa: E402
 from freescale.models import ModelConfig, cost_model_for  # noqa: E402
 from freescale.tables import print_table  # noqa: E402
 
 RANKS, WINDOW, STEP_S, MAX_LEN = 1024, 16, 0.030, 16
 FEATURES = ["history_item_ids", "candidate_item_id", "user_id"]
-
-
-def prepared(root: Path, samples: int, row_group: int) -> Path:
-    from freescale.dataloader.log_input import LogColumns
-    from freescale.dataloader.prepare import PrepareSpec, prepare
-    from freescale.dataloader.synthetic_log import LogSpec, interactions
-
-    log = root / "log.parquet"
-    users = samples // 150 + 1
-    pq.write_table(interactions(LogSpec(users=users, items=20_000, lengths="ml-20m", min_per_user=2)), log)
-    out = root / "format2"
-    prepare(PrepareSpec(input=str(log), out=str(out), columns=LogColumns(user="userId", item="movieId",
-            time="timestamp", label="rating", rating_threshold=4.0), min_user_count=2,
-            row_group_interactions=row_group))
-    return out
-
-
-def format1_twin(format2: Path, out: Path) -> Path:
-    """The same training samples, one row per sample (histories cut at MAX_LEN), 8,192 per row group;
-    one dense feature of 0.0 (Parquet does not round-trip a zero-width fixed-size list)."""
-    from freescale.dataloader.sequence_source import SequenceSource
-
-    columns = ["user_id", "history_item_ids", "history_timestamps", "candidate_item_id", "dense_features", "label"]
-    source = SequenceSource(str(format2), "train", columns, max_seq_len=MAX_LEN)
-    schema = sample_schema(1).append(pa.field(HISTORY_LENGTH, pa.int32(), nullable=False))
-    out.mkdir()
-    with pq.ParquetWriter(out / "train-00000.parquet", schema) as writer:
-        for start in range(0, source.num_rows, 262_144):
-            table, _ = source.read(np.arange(start, min(start + 262_144, source.num_rows)))
-            lengths = pa.compute.list_value_length(table.column(HISTORY_ITEMS)).cast(pa.int32())
-            zeros = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(table.num_rows, dtype=np.float32)), 1)
-            table = table.set_column(table.schema.get_field_index("dense_features"), "dense_features", zeros)
-            writer.write_table(table.select(columns).append_column(HISTORY_LENGTH, lengths).cast(schema),
-                               row_group_size=8_192)
-    m = source.manifest
-    DatasetManifest(num_items=m.num_items, num_users=m.num_users, dense_dim=1, max_len=MAX_LEN,
-                    splits={"train": ["train-00000.parquet"]}, rows={"train": source.num_rows}).write(out)
-    return out
 
 
 def run(path: Path, per_rank: int, steps: int, locality: bool) -> dict[str, Any]:
@@ -127,7 +88,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-reads-") as tmp:
         format2 = prepared(Path(tmp), RANKS * per_rank * (steps + WINDOW + 2), args.row_group_interactions)
-        format1 = format1_twin(format2, Path(tmp) / "format1")
+        format1 = format1_twin(format2, Path(tmp) / "format1", MAX_LEN)
         for name, path, locality in (("format1", format1, False), ("format1+locality", format1, True),
                                      ("format2", format2, False), ("format2+locality", format2, True)):
             rows.append({"variant": name, "ranks": RANKS, "per_rank": per_rank, "window": WINDOW, "steps": steps,

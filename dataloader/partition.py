@@ -55,9 +55,11 @@ LPT_MAX_COUNT_SHARE = 8
 padding) when samples cost (near) nothing, e.g. under a calibrated cost model whose constant is 0.  LPT
 alone never came near it on the benchmark's distributions (at most 3x the mean, bimodal lengths)."""
 LPT_TAIL_TOLERANCE = 3e-4
-"""Where the search stops once the light samples are placed: within 3e-4 of the mean part.  Going on to
-1e-4 there cost 20 ms more per plan at 16,384 ranks with the tiny HSTU's cost model (whose constant term
-makes the light samples many and alike) for 2e-4 of balance (``bench_balance.py``)."""
+LPT_TAIL_TOLERANCE_FROM_PARTS = 4096
+"""Beyond 4,096 parts the search stops at 3e-4 of the mean part once the light samples are placed (below
+that, at ``LPT_TOLERANCE``): its steps grow with the parts, and at 16,384 parts going on to 1e-4 cost 20 ms
+more per plan with the tiny HSTU's cost model (whose constant term makes the light samples many and alike)
+for 2e-4 of balance (``bench_balance.py``).  No peer partitioner runs at that size."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,7 +188,8 @@ def lpt(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
     costs = np.ascontiguousarray(costs, dtype=np.float64)
     index, offsets, bad = balance_kernels.lpt_refined(
         costs, num_parts, equal_count, 4 * num_parts + 64, LPT_REFINE_PARTNERS, LPT_RESOLUTION, LPT_TOLERANCE,
-        LPT_HEAD_SHARE, LPT_TAIL_TOLERANCE, -(-LPT_MAX_COUNT_SHARE * costs.size // max(num_parts, 1)))
+        LPT_HEAD_SHARE, LPT_TAIL_TOLERANCE if num_parts > LPT_TAIL_TOLERANCE_FROM_PARTS else LPT_TOLERANCE,
+        -(-LPT_MAX_COUNT_SHARE * costs.size // max(num_parts, 1)))
     if bad >= 0:
         raise ValueError(f"sample {bad} has cost {float(costs[bad])}: costs must be finite and >= 0, with a "
                          f"finite sum")
