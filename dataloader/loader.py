@@ -37,8 +37,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -376,8 +374,8 @@ class BalancedLoader:
     def _make(self, epoch: int, step: int, live: tuple[int, ...]) -> tuple[dict[str, Any], Batch]:
         plan = self.planner.plan(epoch, step, live)
         rows, costs = plan.for_rank(self.rank)
-        table, kept = self.source.read(rows)
-        batch = self._to_batch(table, self.planner.costs(plan.model, kept), plan)
+        arrays, kept = self.source.read_arrays(rows)
+        batch = self._to_batch(arrays, kept.size, self.planner.costs(plan.model, kept), plan)
         if self.pin_memory:
             batch = batch.pin_memory()
         plan_rows = Parts(_read_only(plan.rows.index), plan.rows.offsets)
@@ -387,19 +385,18 @@ class BalancedLoader:
                     row_lengths=self.planner.lengths[kept])
         return info, batch
 
-    def _to_batch(self, rows: pa.Table, costs: np.ndarray, plan: StepPlan) -> Batch:
+    def _to_batch(self, arrays: dict[str, np.ndarray], n: int, costs: np.ndarray, plan: StepPlan) -> Batch:
+        """The source's numpy columns (``read_arrays``) -> KJT, dense and labels, no per-sample loop."""
         lengths: list[np.ndarray] = []
         values: list[np.ndarray] = []
         for feature in self.sparse_features:
             column, is_list = SPARSE_FEATURES[feature]
-            array = rows.column(column).combine_chunks()
-            if is_list:
-                flat, lens = truncate_recent(
-                    array.flatten().to_numpy(), pc.list_value_length(array).to_numpy().astype(np.int64),
-                    self.max_seq_len,
-                )
+            if n == 0:
+                flat, lens = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+            elif is_list:
+                flat, lens = truncate_recent(arrays[column], arrays[column + "@"].astype(np.int64), self.max_seq_len)
             else:
-                flat, lens = array.to_numpy(), np.ones(len(array), dtype=np.int64)
+                flat, lens = arrays[column], np.ones(n, dtype=np.int64)
             values.append(flat.astype(np.int64, copy=False))
             lengths.append(lens)
         sparse = KeyedJaggedTensor(
@@ -407,11 +404,12 @@ class BalancedLoader:
             values=torch.from_numpy(np.concatenate(values)),
             lengths=torch.from_numpy(np.concatenate(lengths)),
         )
-        dense_flat = rows.column(DENSE).combine_chunks().flatten().to_numpy()
+        dense = arrays[DENSE].reshape(n, self.dense_dim) if n else np.zeros((0, self.dense_dim), dtype=np.float32)
+        labels = arrays[LABEL] if n else np.zeros(0, dtype=np.float32)
         return Batch(
             sparse=sparse,
-            dense=torch.from_numpy(dense_flat.reshape(rows.num_rows, self.dense_dim).copy()),
-            labels=torch.from_numpy(rows.column(LABEL).to_numpy().copy()),
+            dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
+            labels=torch.from_numpy(np.array(labels, dtype=np.float32)),
             costs=torch.from_numpy(costs.astype(np.float32)),
             loss_scale=self._loss_scale(plan),
         )

@@ -30,19 +30,30 @@ def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _flat(column: pa.ChunkedArray | pa.Array) -> tuple[pa.Array, np.ndarray]:
-    """A list column's elements (nested fixed-size lists flattened to scalars) and the row of each."""
+def _flat(column: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """A list column's elements, nested fixed-size lists flattened to scalars."""
+    values = (column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column).flatten()
+    while pa.types.is_fixed_size_list(values.type) or pa.types.is_list(values.type):
+        values = values.flatten()
+    return values
+
+
+def _owner(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """The row of each element of ``_flat(column)``: computed only once a check has found a bad element."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     owner = np.repeat(np.arange(len(array)), list_lengths(array))
     values = array.flatten()
     while pa.types.is_fixed_size_list(values.type) or pa.types.is_list(values.type):
-        width = values.type.list_size if pa.types.is_fixed_size_list(values.type) else None
-        if width is None:
-            owner = np.repeat(owner, list_lengths(values))
+        if pa.types.is_fixed_size_list(values.type):
+            owner = np.repeat(owner, values.type.list_size)
         else:
-            owner = np.repeat(owner, width)
+            owner = np.repeat(owner, list_lengths(values))
         values = values.flatten()
-    return values, owner
+    return owner
+
+
+def _numpy(values: pa.Array, fill: float | int) -> np.ndarray:
+    return (pc.fill_null(values, fill) if values.null_count else values).to_numpy(zero_copy_only=False)
 
 
 def _rows_of(owner: np.ndarray, bad_values: np.ndarray, num_rows: int) -> np.ndarray:
@@ -60,10 +71,11 @@ def null_values(table: pa.Table) -> list[Problem]:
 
 def null_elements(table: pa.Table, name: str) -> list[Problem]:
     """Rows of list column ``name`` holding a null element (at any nesting depth)."""
-    values, owner = _flat(table.column(name))
+    values = _flat(table.column(name))
     if not values.null_count:
         return []
     bad = pc.is_null(values).to_numpy(zero_copy_only=False)
+    owner = _owner(table.column(name))
     position = int(np.flatnonzero(bad)[0]) - int(np.flatnonzero(owner == owner[bad][0])[0])
     return [Problem(name, f"null element (at position {position} of the list)", _rows_of(owner, bad, table.num_rows))]
 
@@ -72,26 +84,27 @@ def non_finite(table: pa.Table, name: str) -> list[Problem]:
     """Rows of float column ``name`` (plain or list) holding NaN or +-inf."""
     column = table.column(name)
     nested = pa.types.is_list(column.type) or pa.types.is_fixed_size_list(column.type)
-    if nested:
-        values, owner = _flat(column)
-    else:
-        values, owner = column.combine_chunks(), np.arange(table.num_rows)
-    data = pc.fill_null(values, 0.0).to_numpy(zero_copy_only=False)
+    values = _flat(column) if nested else column.combine_chunks()
+    data = _numpy(values, 0.0)
     bad = ~np.isfinite(data)
     if not bad.any():
         return []
+    owner = _owner(column) if nested else np.arange(table.num_rows)
     return [Problem(name, f"is {float(data[bad][0])} (not finite)", _rows_of(owner, bad, table.num_rows))]
 
 
 def decreasing(table: pa.Table, name: str, *, what: str = "timestamps") -> list[Problem]:
     """Rows of list column ``name`` whose elements are not in non-decreasing order."""
-    values, owner = _flat(table.column(name))
-    data = pc.fill_null(values, 0).to_numpy(zero_copy_only=False)
+    column = table.column(name).combine_chunks()
+    data = _numpy(_flat(column), 0)
     if data.size < 2:
         return []
-    drop = (np.diff(data) < 0) & (owner[1:] == owner[:-1])
+    drop = np.diff(data) < 0
+    starts = np.cumsum(list_lengths(column))[:-1]  # where each next row's elements begin
+    drop[starts[(starts > 0) & (starts < data.size)] - 1] = False  # a drop across two rows is no problem
     if not drop.any():
         return []
+    owner = _owner(column)
     i = int(np.flatnonzero(drop)[0])
     reason = f"{what} go back in time ({int(data[i])} then {int(data[i + 1])}); they must be oldest first"
     return [Problem(name, reason, _rows_of(owner[1:], drop, table.num_rows))]
@@ -100,11 +113,11 @@ def decreasing(table: pa.Table, name: str, *, what: str = "timestamps") -> list[
 def ids_in_range(table: pa.Table, name: str, limit: int, vocab: str) -> list[Problem]:
     """Rows of id column ``name`` (plain or list) with an id < 0 or >= ``limit``."""
     column = table.column(name)
-    if pa.types.is_list(column.type):
-        values, owner = _flat(column)
-    else:
-        values, owner = column.combine_chunks(), np.arange(table.num_rows)
-    ids = pc.fill_null(values, 0).to_numpy(zero_copy_only=False)
+    nested = pa.types.is_list(column.type)
+    ids = _numpy(_flat(column) if nested else column.combine_chunks(), 0)
+    if ids.size == 0 or (ids.min() >= 0 and ids.max() < limit):
+        return []
+    owner = _owner(column) if nested else np.arange(table.num_rows)
     problems = []
     for bad, reason in (
         (ids < 0, lambda v: f"negative id {v}"),
@@ -118,14 +131,12 @@ def ids_in_range(table: pa.Table, name: str, limit: int, vocab: str) -> list[Pro
 def binary_labels(table: pa.Table, name: str) -> list[Problem]:
     """Rows of label column ``name`` (plain or list) holding a value other than 0 or 1."""
     column = table.column(name)
-    if pa.types.is_list(column.type):
-        values, owner = _flat(column)
-    else:
-        values, owner = column.combine_chunks(), np.arange(table.num_rows)
-    labels = pc.fill_null(values, 0.0).to_numpy(zero_copy_only=False)
-    bad = ~np.isin(labels, (0.0, 1.0))
+    nested = pa.types.is_list(column.type)
+    labels = _numpy(_flat(column) if nested else column.combine_chunks(), 0.0)
+    bad = (labels != 0.0) & (labels != 1.0)
     if not bad.any():
         return []
+    owner = _owner(column) if nested else np.arange(table.num_rows)
     return [Problem(name, f"is {float(labels[bad][0])}; labels must be 0 or 1", _rows_of(owner, bad, table.num_rows))]
 
 

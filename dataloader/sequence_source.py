@@ -40,7 +40,7 @@ from freescale.dataloader.schema import (
     check_sequence_schema,
     sample_schema,
 )
-from freescale.dataloader.source import BadRows, RowGroupFiles
+from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column, concat_pieces
 
 
 class SequenceSource(RowGroupFiles):
@@ -108,53 +108,70 @@ class SequenceSource(RowGroupFiles):
             problems += rc.non_finite(table, DENSE)
         return problems
 
+    def arrays_of(self, table: pa.Table) -> dict[str, np.ndarray]:
+        """The row group's flat buffers, once: every read of it gathers from these."""
+        items = table.column(ITEM_IDS).combine_chunks()
+        arrays = {
+            "offsets": items.offsets.to_numpy().astype(np.int64),
+            USER_ID: table.column(USER_ID).to_numpy(),
+            ITEM_IDS: _values(items.values),
+            TIMESTAMPS: _values(table.column(TIMESTAMPS).combine_chunks().values),
+            LABELS: _values(table.column(LABELS).combine_chunks().values),
+        }
+        if self.manifest.dense_dim:
+            flat = _values(table.column(DENSE).combine_chunks().values.values)
+            arrays[DENSE] = flat.reshape(-1, self.manifest.dense_dim)
+        return arrays
+
     def read(self, samples: np.ndarray) -> tuple[pa.Table, np.ndarray]:
         """The format-1 columns of ``samples`` (ids, any order) in ascending id order, and the ids
         actually returned (``skip`` mode drops the samples of bad users)."""
+        arrays, kept = self.read_arrays(samples)
+        if not kept.size:
+            return self._output_schema.empty_table().select(self.columns), kept
+        return pa.table({c: arrow_column(arrays, c, self._output_schema.field(c).type) for c in self.columns}), kept
+
+    def read_arrays(self, samples: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """What ``read`` returns, as numpy (the loader's path; keys as ``ParquetSource.read_arrays``)."""
         samples = np.sort(np.asarray(samples, dtype=np.int64))
         user = np.searchsorted(self.user_start, samples, side="right") - 1
         position = samples - self.user_start[user] + self.first[user]
         group = np.searchsorted(self.stored_start, user, side="right") - 1
-        pieces, kept = [], []
-        for rg in np.unique(group):
-            mine = group == rg
-            entry = self._row_group(int(rg))
-            local = user[mine] - self.stored_start[rg]
-            ok = np.ones(local.size, dtype=bool) if entry.bad is None else ~entry.bad[local]
-            pieces.append(self._cut(entry.table, local[ok], position[mine][ok]))
-            kept.append(samples[mine][ok])
-        if not pieces:
-            return self._output_schema.empty_table().select(self.columns), samples[:0]
-        return pa.concat_tables(pieces).select(self.columns), np.concatenate(kept)
+        bounds = np.flatnonzero(np.diff(group)) + 1  # samples are sorted: each row group's are one run
+        starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [samples.size]])
+        pieces: list[dict[str, np.ndarray]] = []
+        kept = []
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            if a == b:
+                continue
+            rg = int(group[a])
+            entry = self._row_group(rg)
+            local, where = user[a:b] - self.stored_start[rg], position[a:b]
+            mine = samples[a:b]
+            if entry.bad is not None:
+                ok = ~entry.bad[local]
+                local, where, mine = local[ok], where[ok], mine[ok]
+            pieces.append(self._gather(entry.arrays, local, where))  # type: ignore[arg-type]
+            kept.append(mine)
+        return concat_pieces(pieces), (np.concatenate(kept) if kept else samples[:0])
 
-    def _cut(self, table: pa.Table, users: np.ndarray, positions: np.ndarray) -> pa.Table:
-        """Samples ``(users[i], positions[i])`` of one decoded row group, as format-1 rows."""
-        items = table.column(ITEM_IDS).combine_chunks()
-        offsets = items.offsets.to_numpy().astype(np.int64)
-        target = offsets[users] + positions  # flat index of each sample's own interaction
+    def _gather(self, arrays: dict[str, np.ndarray], users: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """Samples ``(users[i], positions[i])`` of one row group: the flat index of each sample's own
+        interaction, and of its history (the ``max_seq_len`` interactions before it)."""
+        target = arrays["offsets"][users] + positions
         history = np.minimum(positions, self.max_seq_len)
-        out_offsets = np.concatenate([[0], np.cumsum(history)]).astype(np.int64)
-        flat = np.repeat(target - history - out_offsets[:-1], history) + np.arange(out_offsets[-1])
-        item_values = _values(items.values)
-        stamps = _values(table.column(TIMESTAMPS).combine_chunks().values)
-        labels = _values(table.column(LABELS).combine_chunks().values)
-        list_offsets = pa.array(out_offsets.astype(np.int32))
-        dense_dim = self.manifest.dense_dim
-        if dense_dim:
-            per_interaction = _values(table.column(DENSE).combine_chunks().values.values)
-            dense = pa.FixedSizeListArray.from_arrays(pa.array(per_interaction.reshape(-1, dense_dim)[target].ravel()),
-                                                      dense_dim)
-        else:
-            dense = pa.array([[]] * users.size, pa.list_(pa.float32(), 0))
-        arrays = {
-            USER_ID: pa.array(table.column(USER_ID).to_numpy()[users]),
-            HISTORY_ITEMS: pa.ListArray.from_arrays(list_offsets, pa.array(item_values[flat])),
-            HISTORY_TIMESTAMPS: pa.ListArray.from_arrays(list_offsets, pa.array(stamps[flat])),
-            CANDIDATE_ITEM: pa.array(item_values[target]),
-            DENSE: dense,
-            LABEL: pa.array(labels[target]),
+        ends = np.cumsum(history)
+        flat = np.repeat(target - ends, history) + np.arange(int(ends[-1]) if ends.size else 0)
+        out = {
+            USER_ID: arrays[USER_ID][users], HISTORY_ITEMS: arrays[ITEM_IDS][flat], HISTORY_ITEMS + "@": history,
+            CANDIDATE_ITEM: arrays[ITEM_IDS][target], LABEL: arrays[LABELS][target],
         }
-        return pa.table({c: arrays[c] for c in self.columns})
+        if HISTORY_TIMESTAMPS in self.columns:
+            out[HISTORY_TIMESTAMPS], out[HISTORY_TIMESTAMPS + "@"] = arrays[TIMESTAMPS][flat], history
+        if DENSE in self.columns:
+            dense = arrays.get(DENSE)
+            out[DENSE] = dense[target] if dense is not None else np.zeros((users.size, 0), dtype=np.float32)
+        return out
 
 
 def _values(values: pa.Array) -> np.ndarray:

@@ -68,6 +68,7 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
 class _RowGroup:
     table: pa.Table
     bad: np.ndarray | None  # bool per row when on_bad_rows == "skip"
+    arrays: dict[str, np.ndarray] | None = None  # what a source keeps as numpy (``RowGroupFiles.arrays_of``)
 
 
 class RowGroupFiles:
@@ -121,6 +122,10 @@ class RowGroupFiles:
     def row_problems(self, table: pa.Table) -> list[rc.Problem]:
         raise NotImplementedError
 
+    def arrays_of(self, table: pa.Table) -> dict[str, np.ndarray] | None:
+        """Numpy views a source wants cached with a decoded row group (none by default)."""
+        return None
+
     def read_column_per_file(self, columns: list[str]) -> list[pa.Table]:
         """Small columns of every file (lengths for the planner), each file's in one table."""
         tables = []
@@ -150,7 +155,8 @@ class RowGroupFiles:
             raise DataError(f"{shown}: row group {rg_id}: corrupt or truncated Parquet data ({exc})") from None
         self.decoded_bytes += table.nbytes
         bad = self._validate(table, f"{shown}: row group {rg_id}")
-        entry = _RowGroup(table=table.select(self.keep_columns), bad=bad)
+        kept = table.select(self.keep_columns)
+        entry = _RowGroup(table=kept, bad=bad, arrays=self.arrays_of(kept))
         self._cache[rg] = entry
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -208,26 +214,95 @@ class ParquetSource(RowGroupFiles):
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     # ----- rows ---------------------------------------------------------------------------------
+    def arrays_of(self, table: pa.Table) -> dict[str, np.ndarray]:
+        """Each kept column's flat numpy buffer (lists: ``name`` values and ``name@`` offsets)."""
+        arrays: dict[str, np.ndarray] = {}
+        for name in self.columns:
+            column = table.column(name).combine_chunks()
+            if pa.types.is_list(column.type):
+                arrays[name + "@"] = column.offsets.to_numpy().astype(np.int64)
+                arrays[name] = _flat_values(column.values)
+            elif pa.types.is_fixed_size_list(column.type):
+                arrays[name] = _flat_values(column.values).reshape(len(column), column.type.list_size)
+            else:
+                arrays[name] = _flat_values(column)
+        return arrays
+
     def read(self, rows: np.ndarray) -> tuple[pa.Table, np.ndarray]:
         """The projected columns of ``rows`` (global row ids, any order) in ascending row
         order, and the row ids actually returned (in ``skip`` mode bad rows are dropped)."""
+        arrays, kept = self.read_arrays(rows)
+        return (self._table(arrays) if kept.size else self._empty()), kept
+
+    def read_arrays(self, rows: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """What ``read`` returns, as numpy (the loader's path: no Arrow table in between): per
+        column its values (a fixed-size list as a 2-D array), and for a list column ``name@``
+        its lengths.  Gathered from each row group's cached buffers."""
         rows = np.sort(rows)
         groups = np.searchsorted(self.rg_start, rows, side="right") - 1
-        pieces, kept = [], []
-        for rg in np.unique(groups):
-            local = rows[groups == rg] - self.rg_start[rg]
-            entry = self._row_group(int(rg))
+        bounds = np.flatnonzero(np.diff(groups)) + 1  # sorted rows: each row group's are one run
+        pieces: list[dict[str, np.ndarray]] = []
+        kept = []
+        for a, b in zip(np.concatenate([[0], bounds]).tolist(), np.concatenate([bounds, [rows.size]]).tolist()):
+            if a == b:
+                continue
+            rg = int(groups[a])
+            entry = self._row_group(rg)
+            local = rows[a:b] - self.rg_start[rg]
             if entry.bad is not None:
                 local = local[~entry.bad[local]]
-            pieces.append(entry.table.take(pa.array(local)))
+            pieces.append(_gather_rows(entry.arrays, self.columns, local))  # type: ignore[arg-type]
             kept.append(local + self.rg_start[rg])
-        if not pieces:
-            return self._empty(), rows[:0]
-        return pa.concat_tables(pieces), np.concatenate(kept)
+        return concat_pieces(pieces), (np.concatenate(kept) if kept else rows[:0])
+
+    def _table(self, arrays: dict[str, np.ndarray]) -> pa.Table:
+        schema = self.fragments[0].physical_schema
+        return pa.table({name: arrow_column(arrays, name, schema.field(name).type) for name in self.columns})
 
     def _empty(self) -> pa.Table:
         schema = self.fragments[0].physical_schema
         return pa.table({c: pa.array([], type=schema.field(c).type) for c in self.columns})
+
+
+def _flat_values(values: pa.Array) -> np.ndarray:
+    """Numpy of a flat Arrow array; nulls (only in rows ``skip`` mode drops) as 0."""
+    return (pc.fill_null(values, 0) if values.null_count else values).to_numpy(zero_copy_only=False)
+
+
+def concat_pieces(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One dict of arrays from the per-row-group pieces of a read (key by key)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if not pieces:
+        return {}
+    return {key: np.concatenate([p[key] for p in pieces]) for key in pieces[0]}
+
+
+def arrow_column(arrays: dict[str, np.ndarray], name: str, kind: pa.DataType) -> pa.Array:
+    """Column ``name`` of a read's arrays as Arrow of type ``kind``."""
+    if pa.types.is_list(kind):
+        offsets = pa.array(np.concatenate([[0], np.cumsum(arrays[name + "@"])]).astype(np.int32))
+        return pa.ListArray.from_arrays(offsets, pa.array(arrays[name], kind.value_type))
+    if pa.types.is_fixed_size_list(kind):
+        if kind.list_size == 0:
+            return pa.array([[]] * len(arrays[name]), kind)
+        return pa.FixedSizeListArray.from_arrays(pa.array(arrays[name].ravel(), kind.value_type), kind.list_size)
+    return pa.array(arrays[name], kind)
+
+
+def _gather_rows(arrays: dict[str, np.ndarray], columns: list[str], local: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows ``local`` of one row group's buffers; for a list column its lengths (``name@``) and values."""
+    out: dict[str, np.ndarray] = {}
+    for name in columns:
+        offsets = arrays.get(name + "@")
+        if offsets is None:
+            out[name] = arrays[name][local]
+            continue
+        starts, lengths = offsets[local], offsets[local + 1] - offsets[local]
+        ends = np.cumsum(lengths)
+        out[name + "@"] = lengths
+        out[name] = arrays[name][np.repeat(starts - ends + lengths, lengths) + np.arange(int(ends[-1]) if ends.size else 0)]
+    return out
 
 
 _CHECK_COLUMNS = {USER_ID, HISTORY_ITEMS, HISTORY_TIMESTAMPS, CANDIDATE_ITEM, DENSE, LABEL}
