@@ -11,8 +11,8 @@ samples (ml-20m-like per-user sequences, histories clipped to 16):
   storage, cut at equal cost (``planner.py``).
 
 Reported: the loader's wait per step (P50, P99, max; the target is P99 <= 1 ms), the bytes
-rank 0 decoded (Arrow bytes of the row groups it decoded) over the bytes of the batches it trained
-on (target <= 2x), and the plan's imbalance (max/mean rank cost, mean over steps).
+rank 0 decoded (Arrow bytes of the row groups it decoded) over the bytes of the samples it trained
+on (the arrays its source handed the loader: histories, candidates, labels, ...; target <= 2x), and the plan's imbalance (max/mean rank cost, mean over steps).
 
     python benchmarks/bench_reads.py [--quick] [--json benchmarks/results/reads_cpu.json]
 """
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,14 +48,14 @@ def run(path: Path, per_rank: int, steps: int, locality: bool) -> dict[str, Any]
                           derived_cost=cost_model_for(ModelConfig(kind="hstu"), 0), seed=0)
     source = loader.source
     trained = [0]
-    read = source.read
+    read_arrays = source.read_arrays
 
-    def counting_read(rows: np.ndarray) -> tuple[pa.Table, np.ndarray]:
-        table, kept = read(rows)
-        trained[0] += table.nbytes
-        return table, kept
+    def counting_read(rows: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        arrays, kept = read_arrays(rows)
+        trained[0] += sum(a.nbytes for a in arrays.values())
+        return arrays, kept
 
-    source.read = counting_read  # type: ignore[method-assign]
+    source.read_arrays = counting_read  # type: ignore[method-assign]
     x = torch.randn(256, 256)
     waits, imbalance = [], []
     loader.next_batch()  # the first window is planned and its first batch read before training starts

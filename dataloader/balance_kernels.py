@@ -443,9 +443,10 @@ def refined_owner(costs: np.ndarray, owner: np.ndarray, num_parts: int, allow_mo
 
 
 @numba.njit(**_JIT)
-def _equal_cost_cuts(ordered_costs: np.ndarray, num_parts: int) -> np.ndarray:
+def _equal_cost_cuts(ordered_costs: np.ndarray, num_parts: int, max_count: int) -> np.ndarray:
     """Boundaries that cut a sequence into ``num_parts`` contiguous runs of nearly equal cost: each
-    cut is the one whose running sum is nearest its share (off by at most half a sample)."""
+    cut is the one whose running sum is nearest its share (off by at most half a sample), and no
+    run longer than ``max_count`` (samples that cost nothing must not all fall to one run)."""
     n = ordered_costs.size
     total = 0.0
     for i in range(n):
@@ -455,10 +456,11 @@ def _equal_cost_cuts(ordered_costs: np.ndarray, num_parts: int) -> np.ndarray:
     acc, i = 0.0, 0
     for r in range(1, num_parts):
         target = total * r / num_parts
-        while i < n and acc + ordered_costs[i] <= target:
+        limit = min(n, bounds[r - 1] + max_count)
+        while i < limit and acc + ordered_costs[i] <= target:
             acc += ordered_costs[i]
             i += 1
-        if i < n and acc + ordered_costs[i] - target < target - acc:
+        if i < limit and acc + ordered_costs[i] - target < target - acc:
             acc += ordered_costs[i]
             i += 1
         bounds[r] = i
@@ -490,9 +492,10 @@ def local_window_owner(rows: np.ndarray, costs: np.ndarray, row_group_starts: np
     ordered = np.empty(n, dtype=np.float64)
     for i in range(n):
         ordered[i] = costs[order[i]]
-    bounds = _equal_cost_cuts(ordered, num_ranks)
+    bounds = _equal_cost_cuts(ordered, num_ranks, 8 * (n // num_ranks + 1))
     part_of = np.empty(n, dtype=np.int64)
     loads = np.empty(num_steps, dtype=np.float64)
+    counts = np.empty(num_steps, dtype=np.int64)
     heaviest = np.empty(num_steps, dtype=np.float64)
     slot = np.empty(num_steps, dtype=np.int64)
     for r in range(num_ranks):
@@ -500,14 +503,16 @@ def local_window_owner(rows: np.ndarray, costs: np.ndarray, row_group_starts: np
         by_cost = np.argsort(-ordered[a:b], kind="mergesort")
         step_of = np.empty(b - a, dtype=np.int64)
         loads[:] = 0.0
+        counts[:] = 0
         heaviest[:] = -1.0
         for k in range(b - a):
-            j = 0
+            j = 0  # the lightest step; of equally light ones, the one with fewest samples
             for s in range(1, num_steps):
-                if loads[s] < loads[j]:
+                if loads[s] < loads[j] or (loads[s] == loads[j] and counts[s] < counts[j]):
                     j = s
             c = ordered[a + by_cost[k]]
             step_of[by_cost[k]] = j
+            counts[j] += 1
             loads[j] += c
             if c > heaviest[j]:
                 heaviest[j] = c

@@ -3,8 +3,9 @@
 Per step, on every rank, with no exchange of samples::
 
     planner.plan(epoch, step, live_ranks)   same answer on every rank (planner.py)
-    source.read(my rows)                    row-group reads of just these rows (source.py)
-    to_batch(...)                           Arrow offsets/values -> KJT, no per-sample loop
+    source.read_arrays(my rows)             row-group reads of just these rows, as numpy (source.py,
+                                            sequence_source.py: histories cut at read time)
+    to_batch(...)                           numpy lengths/values -> KJT, no per-sample loop
 
 A background thread runs those three for the next ``prefetch`` steps, so the
 training loop only waits when reading is slower than a step (``wait_s`` in
@@ -102,6 +103,8 @@ class DataConfig:
         )
         require(self.shuffle_row_groups >= 1, "shuffle_row_groups", "must be >= 1")
         require(not (self.locality and self.equal_count), "locality", "cuts shares by cost: set equal_count = false")
+        require(not self.locality or self.partitioner == "lpt", "locality",
+                f"plans with its own cut and LPT: set partitioner = 'lpt' (got '{self.partitioner}')")
         require(self.prefetch >= 0, "prefetch", f"must be >= 0, got {self.prefetch}")
         require(self.calibrate_every >= 0, "calibrate_every", f"must be >= 0, got {self.calibrate_every}")
 

@@ -9,6 +9,8 @@ file at a time, normalized and checked batch by batch:
     user, item   the log's own ids (integers or strings), never null
     ts           int64 seconds (integers in ``time_unit``, timestamps, dates,
                  or strings parsed as ISO 8601 or with ``time_format``)
+    ts_fine      the same time at its own resolution (nanoseconds, or the raw
+                 integer): only to order a user's interactions within a second
     label        float32 0/1 (a 0/1 or boolean column, ``rating >= threshold``,
                  or 1 for every row of an implicit-feedback log)
     d0, d1, ...  float32 dense features of the interaction, finite
@@ -21,6 +23,7 @@ the column.  The checks are vectorized pyarrow compute on batches of up to
 from __future__ import annotations
 
 import fnmatch
+import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -68,7 +71,8 @@ class LogColumns:
 def normalized_schema(dense_dim: int, user_type: pa.DataType, item_type: pa.DataType) -> pa.Schema:
     """The batches ``InteractionLog.batches`` yields."""
     return pa.schema(
-        [("user", user_type), ("item", item_type), ("ts", pa.int64()), ("label", pa.float32())]
+        [("user", user_type), ("item", item_type), ("ts", pa.int64()), ("ts_fine", pa.int64()),
+         ("label", pa.float32())]
         + [(f"d{i}", pa.float32()) for i in range(dense_dim)]
     )
 
@@ -158,21 +162,28 @@ class InteractionLog:
 def _discover(fs: pafs.FileSystem, path: str, shown: str) -> list[str]:
     """The files a path names: itself, every log file under a directory, or a glob's matches."""
     if any(ch in path for ch in "*?["):
-        parent = path[: min(path.find(ch) for ch in "*?[" if ch in path)].rsplit("/", 1)[0] or "/"
+        prefix = path[: min(path.find(ch) for ch in "*?[" if ch in path)]
+        parent = posixpath.dirname(prefix) or "."
         try:
             infos = fs.get_file_info(pafs.FileSelector(parent, recursive=True))
-        except (FileNotFoundError, OSError) as exc:
+        except OSError as exc:
             raise DataError(f"{shown}: cannot list {parent} ({exc})") from None
-        found = sorted(i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path))
+        # The selector names files under "." as "./name"; ``*`` stays within one directory level, as in a shell.
+        pattern = f"./{path}" if parent == "." and not path.startswith("./") else path
+        found = sorted(i.path for i in infos if i.type == pafs.FileType.File
+                       and i.path.count("/") == pattern.count("/") and fnmatch.fnmatch(i.path, pattern))
         if not found:
             raise DataError(f"{shown}: no file matches this pattern")
         return found
-    info = fs.get_file_info(path)
-    if info.type == pafs.FileType.NotFound:
-        raise DataError(f"{shown}: no such file or directory")
-    if info.type == pafs.FileType.File:
-        return [path]
-    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    try:
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise DataError(f"{shown}: no such file or directory")
+        if info.type == pafs.FileType.File:
+            return [path]
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    except OSError as exc:
+        raise DataError(f"{shown}: cannot list it ({exc})") from None
     found = sorted(
         i.path for i in infos
         if i.type == pafs.FileType.File and i.path.lower().endswith(PARQUET_SUFFIXES + CSV_SUFFIXES)
@@ -252,11 +263,11 @@ def _normalize(batch: pa.RecordBatch, cols: LogColumns, schema: pa.Schema, shown
         if column.null_count:
             raise fail(name, pc.is_null(column).to_numpy(zero_copy_only=False), column, "null id")
         out.append(column.cast(target))
-    out.append(_seconds(batch.column(cols.time), cols, fail))
+    out.extend(_seconds(batch.column(cols.time), cols, fail))
     out.append(_labels(batch, cols, fail))
     for name in cols.dense:
         column = batch.column(name)
-        values = pc.cast(column, pa.float32()).to_numpy(zero_copy_only=False) if not column.null_count else None
+        values = pc.cast(column, pa.float32(), safe=False).to_numpy(zero_copy_only=False) if not column.null_count else None
         if values is None or not np.isfinite(values).all():
             mask = pc.is_null(column).to_numpy(zero_copy_only=False) if values is None else ~np.isfinite(values)
             raise fail(name, mask, column, "not a finite number")
@@ -264,38 +275,52 @@ def _normalize(batch: pa.RecordBatch, cols: LogColumns, schema: pa.Schema, shown
     return pa.RecordBatch.from_arrays(out, schema=schema)
 
 
-def _seconds(column: pa.Array, cols: LogColumns, fail: Callable[..., DataError]) -> pa.Array:
-    """int64 seconds since the epoch."""
+NS_PER = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
+
+
+def _seconds(column: pa.Array, cols: LogColumns, fail: Callable[..., DataError]) -> tuple[pa.Array, pa.Array]:
+    """int64 seconds since the epoch, and the time at its own resolution (to order ties within a second)."""
     name = cols.time
     if column.null_count:
         raise fail(name, pc.is_null(column).to_numpy(zero_copy_only=False), column, "null timestamp")
     t = column.type
-    if pa.types.is_timestamp(t) or pa.types.is_date(t):
-        return pc.cast(pc.cast(column, pa.timestamp("s")), pa.int64())
+    if pa.types.is_date(t):
+        column = pc.cast(column, pa.timestamp("s"))
+        t = column.type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
-        if cols.time_format:
-            parsed = pc.strptime(column, format=cols.time_format, unit="s", error_is_null=True)
-        else:
-            parsed = _parse_iso(column)
-        if parsed.null_count:
-            hint = f"with --time-format {cols.time_format!r}" if cols.time_format else "as ISO 8601; give --time-format"
-            raise fail(name, pc.is_null(parsed).to_numpy(zero_copy_only=False), column, f"unparseable timestamp {hint}")
-        return pc.cast(parsed, pa.int64())
+        column = _parse_text(column, cols, fail)
+        t = column.type
+    if pa.types.is_timestamp(t):
+        ns = pc.cast(column, pa.int64()).to_numpy(zero_copy_only=False) * NS_PER[t.unit]
+        return pa.array(np.floor_divide(ns, NS_PER["s"])), pa.array(ns)
+    if pa.types.is_integer(t):
+        raw = pc.cast(column, pa.int64()).to_numpy(zero_copy_only=False)
+        return pa.array(np.floor_divide(raw, TIME_UNITS[cols.time_unit])), pa.array(raw)
     values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
     if not np.isfinite(values).all():
         raise fail(name, ~np.isfinite(values), column, "not a finite number")
-    return pa.array(np.floor(values / TIME_UNITS[cols.time_unit]).astype(np.int64))
+    seconds = values / TIME_UNITS[cols.time_unit]
+    return pa.array(np.floor(seconds).astype(np.int64)), pa.array(np.rint(seconds * 1e9).astype(np.int64))
 
 
-def _parse_iso(column: pa.Array) -> pa.Array:
-    """ISO 8601 text (date, or date and time) -> timestamp[s]; null where it does not parse."""
-    try:
-        return pc.cast(column, pa.timestamp("s"))
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        pass
-    attempts = [pc.strptime(column, format=f, unit="s", error_is_null=True)
-                for f in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%d")]
-    return pc.coalesce(*attempts)
+def _parse_text(column: pa.Array, cols: LogColumns, fail: Callable[..., DataError]) -> pa.Array:
+    """Text -> timestamp[ns]: ``time_format``, or ISO 8601 (date; date and time, with fractions of a
+    second, with or without a zone: zoned times are taken in UTC)."""
+    if cols.time_format:
+        parsed = pc.strptime(column, format=cols.time_format, unit="ns", error_is_null=True)
+    else:
+        for kind in (pa.timestamp("ns"), pa.timestamp("ns", tz="UTC")):
+            try:
+                return pc.cast(pc.cast(column, kind), pa.timestamp("ns"))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                pass
+        attempts = [pc.strptime(column, format=f, unit="ns", error_is_null=True)
+                    for f in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%d")]
+        parsed = pc.coalesce(*attempts)
+    if parsed.null_count:
+        hint = f"with --time-format {cols.time_format!r}" if cols.time_format else "as ISO 8601; give --time-format"
+        raise fail(cols.time, pc.is_null(parsed).to_numpy(zero_copy_only=False), column, f"unparseable timestamp {hint}")
+    return parsed
 
 
 def _labels(batch: pa.RecordBatch, cols: LogColumns, fail: Callable[..., DataError]) -> pa.Array:

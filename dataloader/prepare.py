@@ -7,7 +7,8 @@
 The engine is DuckDB, in process: it holds the log in its own columnar file in
 ``work_dir`` and spills joins, aggregates and the final sort there when they
 outgrow ``memory`` (its buffer bound; the writer adds about one row group and
-one batch).  Nothing here is a hand-written external sort.  Reading is the only
+one batch, and the vocabularies are fetched whole at the end: 16 bytes an id
+plus the log's own ids).  Nothing here is a hand-written external sort.  Reading is the only
 phase whose progress we can count row by row (the engine runs the rest as one
 query), so the progress bar shows rows read per second, then interactions
 written.  Every user-fixable problem is a ``DataError`` of one line.
@@ -84,7 +85,8 @@ class PrepareReport:
     def rows(self) -> list[dict[str, Any]]:
         out = [{"what": "interactions read", "count": self.interactions_read}]
         out += [{"what": f"dropped: {reason}", "count": n} for reason, n in self.dropped.items()]
-        out += [{"what": "users", "count": self.users}, {"what": "items", "count": self.items}]
+        out += [{"what": "users", "count": self.users}, {"what": "items", "count": self.items},
+                {"what": "history only (each user's first interaction: never a target)", "count": self.users}]
         out += [{"what": f"samples: {split}", "count": n} for split, n in self.samples.items()]
         out += [{"what": "bytes written", "count": self.bytes_written},
                 {"what": "wall time (s)", "count": round(self.wall_s, 2)}]
@@ -103,8 +105,27 @@ def parse_split(text: str) -> tuple[str, str]:
                 q = -1.0
             if not 0.0 < q < 1.0:
                 raise DataError(f"--split time-quantile:Q needs 0 < Q < 1, got {value!r}")
+        else:
+            time_cut(value)
         return kind, value
     raise DataError(f"--split must be leave-last-out, time:<ISO date or epoch seconds> or time-quantile:<Q>, got {text!r}")
+
+
+def time_cut(value: str) -> int:
+    """``--split time:VALUE`` as epoch seconds: an integer, or an ISO date/time (UTC unless it says)."""
+    import datetime as dt
+
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        moment = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise DataError(f"--split time:{value}: not an ISO date/time or epoch seconds") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.timezone.utc)
+    return int(moment.timestamp())
 
 
 def prepare(spec: PrepareSpec, progress: Callable[[str, int, int | None], None] | None = None) -> PrepareReport:
@@ -116,10 +137,12 @@ def prepare(spec: PrepareSpec, progress: Callable[[str, int, int | None], None] 
     report_progress = progress or (lambda phase, n, total: None)
     log = InteractionLog.open(spec.input, spec.columns, spec.format)
     out_fs, out_base = _output_dir(spec)
-    work = Path(spec.work_dir or tempfile.mkdtemp(prefix="freescale-prepare-"))
-    work.mkdir(parents=True, exist_ok=True)
-    con = duckdb.connect(str(work / "prepare.duckdb"))
+    if spec.work_dir:
+        Path(spec.work_dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="freescale-prepare-", dir=spec.work_dir or None))
+    con = None
     try:
+        con = duckdb.connect(str(work / "prepare.duckdb"))
         _run(con, f"SET memory_limit = '{_memory(spec.memory)}'")
         _run(con, f"SET temp_directory = '{work / 'spill'}'")
         _run(con, "SET preserve_insertion_order = false")
@@ -135,10 +158,12 @@ def prepare(spec: PrepareSpec, progress: Callable[[str, int, int | None], None] 
                         "give it more") from None
     except duckdb.Error as exc:
         raise DataError(f"prepare: the engine failed: {str(exc).splitlines()[0]}") from None
+    except OSError as exc:
+        raise DataError(f"{spec.out}: cannot write the dataset ({exc})") from None
     finally:
-        con.close()
-        if not spec.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
+        if con is not None:
+            con.close()
+        shutil.rmtree(work, ignore_errors=True)
     report.samples = {"train": result.train_samples, "eval": result.eval_samples}
     report.bytes_written = result.bytes_written
     report.wall_s = time.perf_counter() - start
@@ -160,11 +185,27 @@ def _memory(text: str) -> str:
 
 
 def _output_dir(spec: PrepareSpec) -> tuple[pafs.FileSystem, str]:
+    """The output directory, made; with ``overwrite`` an old dataset's manifest goes first (so a run that
+    fails midway never leaves it pointing at half-new files), then the files it listed."""
     fs, base = resolve(spec.out)
     base = base.rstrip("/") or "/"
-    if fs.get_file_info(f"{base}/{MANIFEST_NAME}").type == pafs.FileType.File and not spec.overwrite:
-        raise DataError(f"{spec.out}: already holds a dataset ({MANIFEST_NAME}); choose another --out or pass --overwrite")
-    fs.create_dir(f"{base}/vocab", recursive=True)
+    try:
+        old_files: list[str] = []
+        if fs.get_file_info(f"{base}/{MANIFEST_NAME}").type == pafs.FileType.File:
+            if not spec.overwrite:
+                raise DataError(f"{spec.out}: already holds a dataset ({MANIFEST_NAME}); choose another --out or "
+                                "pass --overwrite")
+            old = DatasetManifest.read_from(fs, base, spec.out)
+            old_files = sorted({f for names in old.splits.values() for f in names} | set(old.vocab.values()))
+            fs.delete_file(f"{base}/{MANIFEST_NAME}")
+        if fs.get_file_info(base).type == pafs.FileType.File:
+            raise DataError(f"{spec.out}: is a file; --out names a directory")
+        for name in old_files:  # only what the old manifest listed: never a file of the user's
+            if fs.get_file_info(f"{base}/{name}").type == pafs.FileType.File:
+                fs.delete_file(f"{base}/{name}")
+        fs.create_dir(f"{base}/vocab", recursive=True)
+    except OSError as exc:
+        raise DataError(f"{spec.out}: cannot prepare the output directory ({exc})") from None
     return fs, base
 
 
@@ -199,7 +240,7 @@ def _filter_and_count(con: Any, spec: PrepareSpec, log: InteractionLog) -> Prepa
     filters = sql.Filters(spec.min_item_count, spec.min_user_count, spec.seed)
     for statement in sql.vocabulary_statements(filters):
         _run(con, statement)
-    names = ["interactions", "items_seen", "rows_rare_items", "rare_items", "rows_rare_users", "rare_users",
+    names = ["interactions", "rows_rare_items", "rare_items", "rows_rare_users", "rare_users",
              "kept", "users", "items", "positives"]
     counts = dict(zip(names, (int(v or 0) for v in con.execute(sql.counts_query(filters)).fetchall()[0])))
     if counts["interactions"] == 0:
@@ -217,7 +258,6 @@ def _filter_and_count(con: Any, spec: PrepareSpec, log: InteractionLog) -> Prepa
         dropped={
             f"item seen < {spec.min_item_count} times ({counts['rare_items']:,} items)": counts["rows_rare_items"],
             f"user with < {spec.min_user_count} interactions ({counts['rare_users']:,} users)": counts["rows_rare_users"],
-            "first interaction of each user (history only, never a target)": counts["users"],
         },
         users=counts["users"], items=counts["items"], interactions_kept=counts["kept"],
     )
@@ -229,13 +269,8 @@ def _split_rule(con: Any, spec: PrepareSpec, report: PrepareReport) -> SplitRule
         return SplitRule("leave-last-out")
     if kind == "time-quantile":
         cut = int(con.execute(sql.time_quantile_query(float(value))).fetchall()[0][0])
-    elif value.lstrip("-").isdigit():
-        cut = int(value)
     else:
-        try:
-            cut = int(con.execute("SELECT epoch(CAST(? AS TIMESTAMP))", [value]).fetchall()[0][0])
-        except Exception:
-            raise DataError(f"--split time:{value}: not an ISO date/time or epoch seconds") from None
+        cut = time_cut(value)
     report.time_cut = cut
     return SplitRule("time", cut)
 
@@ -245,10 +280,14 @@ def _write(con: Any, spec: PrepareSpec, fs: pafs.FileSystem, base: str, rule: Sp
     writer = SequenceWriter(fs, base, dense_dim=len(spec.columns.dense), rule=rule,
                             row_group_interactions=spec.row_group_interactions)
     stream = con.sql(sql.sequences_query(len(spec.columns.dense))).to_arrow_reader(FETCH_ROWS)
-    for batch in stream:
-        writer.add(batch)
-        progress("write", batch.num_rows, report.interactions_kept)
-    return writer.close()
+    try:
+        for batch in stream:
+            writer.add(batch)
+            progress("write", batch.num_rows, report.interactions_kept)
+        return writer.close()
+    except BaseException:
+        writer.discard()
+        raise
 
 
 def _write_vocab(con: Any, fs: pafs.FileSystem, base: str) -> None:

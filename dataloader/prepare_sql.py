@@ -9,7 +9,9 @@ The statements are plain SQL on purpose: DuckDB runs them in process within a
 memory bound (it spills joins, aggregates and the sort to ``temp_directory``),
 and the same text runs on Spark SQL for a log that outgrows one machine
 (``hash(x, seed)``, ``row_number() OVER``, ``count(*)`` and ``ORDER BY`` mean
-the same there; see the README's cluster recipe).  Two filters, in this
+the same there, with two differences the README's cluster recipe names: Spark's
+``hash`` is another function (users are stored in another order) and its quantile
+is ``percentile``).  Two filters, in this
 order, each counted: items seen fewer than ``min_item_count`` times, then users
 left with fewer than ``min_user_count`` interactions (one pass each, not an
 iterated k-core).  Item ids are dense in frequency order (id 0 is the most
@@ -52,7 +54,6 @@ def counts_query(f: Filters) -> str:
     return f"""
         SELECT
             (SELECT sum(n) FROM item_counts) AS interactions,
-            (SELECT count(*) FROM item_counts) AS items_seen,
             (SELECT coalesce(sum(n), 0) FROM item_counts WHERE n < {f.min_item_count}) AS rows_rare_items,
             (SELECT count(*) FROM item_counts WHERE n < {f.min_item_count}) AS rare_items,
             (SELECT coalesce(sum(n), 0) FROM user_counts WHERE n < {f.min_user_count}) AS rows_rare_users,
@@ -66,7 +67,7 @@ def counts_query(f: Filters) -> str:
 
 def _kept(dense_dim: int) -> str:
     dense = "".join(f", l.d{i}" for i in range(dense_dim))
-    return f"""SELECT u.user_id, v.item_id, l.ts, l.label{dense}
+    return f"""SELECT u.user_id, v.item_id, l.ts, l.ts_fine, l.label{dense}
                FROM log l JOIN user_vocab u ON l.user = u.user JOIN item_vocab v ON l.item = v.item"""
 
 
@@ -76,10 +77,12 @@ def time_quantile_query(q: float) -> str:
 
 
 def sequences_query(dense_dim: int) -> str:
-    """The kept interactions, each user's contiguous and oldest first; ties broken by every column,
-    so the output does not depend on the input's file or row order."""
+    """The kept interactions ``(user_id, item_id, ts, label, d0, ...)``, each user's contiguous and
+    oldest first (by the time at its own resolution, ``ts_fine``: the order within a second is
+    kept); ties broken by every column, so the output does not depend on the input's file or row order."""
     dense = "".join(f", d{i}" for i in range(dense_dim))
-    return f"SELECT * FROM ({_kept(dense_dim)}) ORDER BY user_id, ts, item_id, label{dense}"
+    return (f"SELECT user_id, item_id, ts, label{dense} FROM ({_kept(dense_dim)}) "
+            f"ORDER BY user_id, ts_fine, item_id, label{dense}")
 
 
 def vocab_query(feature: str) -> str:

@@ -30,25 +30,36 @@ def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _flat(column: pa.ChunkedArray | pa.Array) -> pa.Array:
-    """A list column's elements, nested fixed-size lists flattened to scalars."""
-    values = (column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column).flatten()
-    while pa.types.is_fixed_size_list(values.type) or pa.types.is_list(values.type):
-        values = values.flatten()
-    return values
-
-
-def _owner(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """The row of each element of ``_flat(column)``: computed only once a check has found a bad element."""
+def _levels(column: pa.ChunkedArray | pa.Array) -> list[tuple[pa.Array, np.ndarray | int]]:
+    """Each nesting level below the rows of a list column, outermost first, with how many elements
+    each entry of the level above holds (an int for a fixed-size list: its width).  A fixed-size
+    list's null entries keep their slots (``values``, not ``flatten``), so every level stays aligned."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    owner = np.repeat(np.arange(len(array)), list_lengths(array))
-    values = array.flatten()
-    while pa.types.is_fixed_size_list(values.type) or pa.types.is_list(values.type):
-        if pa.types.is_fixed_size_list(values.type):
-            owner = np.repeat(owner, values.type.list_size)
+    levels: list[tuple[pa.Array, np.ndarray | int]] = []
+    while pa.types.is_fixed_size_list(array.type) or pa.types.is_list(array.type):
+        if pa.types.is_fixed_size_list(array.type):
+            width = array.type.list_size
+            child, counts = array.values.slice(array.offset * width, len(array) * width), width
         else:
-            owner = np.repeat(owner, list_lengths(values))
-        values = values.flatten()
+            child, counts = array.flatten(), list_lengths(array)
+        levels.append((child, counts))
+        array = child
+    return levels
+
+
+def _flat(column: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """A list column's elements, nested lists flattened to scalars."""
+    return _levels(column)[-1][0]
+
+
+def _owner(column: pa.ChunkedArray | pa.Array, depth: int = -1) -> np.ndarray:
+    """The row of each element of level ``depth`` (default: the scalars): computed only once a check
+    has found a bad element."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    owner = np.arange(len(array))
+    levels = _levels(array)
+    for _, counts in levels[: len(levels) if depth == -1 else depth + 1]:
+        owner = np.repeat(owner, counts)
     return owner
 
 
@@ -70,14 +81,15 @@ def null_values(table: pa.Table) -> list[Problem]:
 
 
 def null_elements(table: pa.Table, name: str) -> list[Problem]:
-    """Rows of list column ``name`` holding a null element (at any nesting depth)."""
-    values = _flat(table.column(name))
-    if not values.null_count:
-        return []
-    bad = pc.is_null(values).to_numpy(zero_copy_only=False)
-    owner = _owner(table.column(name))
-    position = int(np.flatnonzero(bad)[0]) - int(np.flatnonzero(owner == owner[bad][0])[0])
-    return [Problem(name, f"null element (at position {position} of the list)", _rows_of(owner, bad, table.num_rows))]
+    """Rows of list column ``name`` holding a null element at any nesting depth (a null inner list too)."""
+    for depth, (level, _) in enumerate(_levels(table.column(name))):
+        if not level.null_count:
+            continue
+        bad = pc.is_null(level).to_numpy(zero_copy_only=False)
+        owner = _owner(table.column(name), depth)
+        position = int(np.flatnonzero(bad)[0]) - int(np.flatnonzero(owner == owner[bad][0])[0])
+        return [Problem(name, f"null element (at position {position} of the list)", _rows_of(owner, bad, table.num_rows))]
+    return []
 
 
 def non_finite(table: pa.Table, name: str) -> list[Problem]:
@@ -93,7 +105,7 @@ def non_finite(table: pa.Table, name: str) -> list[Problem]:
     return [Problem(name, f"is {float(data[bad][0])} (not finite)", _rows_of(owner, bad, table.num_rows))]
 
 
-def decreasing(table: pa.Table, name: str, *, what: str = "timestamps") -> list[Problem]:
+def decreasing(table: pa.Table, name: str) -> list[Problem]:
     """Rows of list column ``name`` whose elements are not in non-decreasing order."""
     column = table.column(name).combine_chunks()
     data = _numpy(_flat(column), 0)
@@ -106,7 +118,7 @@ def decreasing(table: pa.Table, name: str, *, what: str = "timestamps") -> list[
         return []
     owner = _owner(column)
     i = int(np.flatnonzero(drop)[0])
-    reason = f"{what} go back in time ({int(data[i])} then {int(data[i + 1])}); they must be oldest first"
+    reason = f"timestamps go back in time ({int(data[i])} then {int(data[i + 1])}); they must be oldest first"
     return [Problem(name, reason, _rows_of(owner[1:], drop, table.num_rows))]
 
 

@@ -4,8 +4,8 @@ A split's samples are numbered user by user in storage order: user ``u``
 contributes positions ``first[u] .. first[u] + count[u] - 1`` (training:
 ``[1, train_end)``, evaluation: ``[max(1, train_end), length)``), so sample ids
 are contiguous per user and per row group, and the planner sees the same
-things as for format 1: ``lengths`` (each sample's history length, its position,
-clipped to ``max_seq_len``), ``rg_rows`` (samples per row group), ``num_rows``.
+things as for format 1: ``lengths`` (each sample's history length: its position; the
+planner clips it to ``max_seq_len``), ``rg_rows`` (samples per row group), ``num_rows``.
 Opening reads only the ``length`` and ``train_end`` columns (8 bytes a user).
 
 ``read(samples)`` decodes each row group its samples live in once (LRU cache,
@@ -14,7 +14,8 @@ checked on the way in: ``row_checks.py``), then, per sample, takes the
 at its position as the candidate, label and dense features: numpy gathers over
 the row group's flat value buffers, no per-sample Python.  The result has the
 columns and types of a format-1 table, so the loader turns it into a batch the
-same way.  A bad user row (``on_bad_rows = "skip"``) drops all of its samples.
+same way.  A bad user row (``on_bad_rows = "skip"``) drops all of its samples (``skipped``
+counts users); a ``train_end`` outside ``[0, length]`` is an error at open in either mode.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class SequenceSource(RowGroupFiles):
         self.columns = list(columns)
         self.max_seq_len = max_seq_len
         dense = [DENSE] if self.manifest.dense_dim else []
-        self.decode_columns = self.keep_columns = [USER_ID, ITEM_IDS, TIMESTAMPS, LABELS, *dense, LENGTH, TRAIN_END]
+        self.decode_columns = [USER_ID, ITEM_IDS, TIMESTAMPS, LABELS, *dense, LENGTH]
+        self.keep_columns = [USER_ID, ITEM_IDS, TIMESTAMPS, LABELS, *dense]
         length, train_end = self._read_lengths()
         if split == "train":
             self.first = np.ones_like(length)
@@ -109,18 +111,18 @@ class SequenceSource(RowGroupFiles):
         return problems
 
     def arrays_of(self, table: pa.Table) -> dict[str, np.ndarray]:
-        """The row group's flat buffers, once: every read of it gathers from these."""
-        items = table.column(ITEM_IDS).combine_chunks()
-        arrays = {
-            "offsets": items.offsets.to_numpy().astype(np.int64),
-            USER_ID: table.column(USER_ID).to_numpy(),
-            ITEM_IDS: _values(items.values),
-            TIMESTAMPS: _values(table.column(TIMESTAMPS).combine_chunks().values),
-            LABELS: _values(table.column(LABELS).combine_chunks().values),
-        }
-        if self.manifest.dense_dim:
-            flat = _values(table.column(DENSE).combine_chunks().values.values)
-            arrays[DENSE] = flat.reshape(-1, self.manifest.dense_dim)
+        """The row group's flat buffers, once: every read of it gathers from these.  Each list keeps
+        its own offsets (``name@``): a bad row masked in ``skip`` mode may have lists of other
+        lengths, and must not shift where the good rows after it are read."""
+        arrays = {USER_ID: _values(table.column(USER_ID).combine_chunks())}
+        for name in (ITEM_IDS, TIMESTAMPS, LABELS, *([DENSE] if self.manifest.dense_dim else [])):
+            column = table.column(name).combine_chunks()
+            arrays[name + "@"] = column.offsets.to_numpy().astype(np.int64)
+            if name == DENSE:
+                width = self.manifest.dense_dim
+                arrays[name] = _values(column.values.values).reshape(-1, width)
+            else:
+                arrays[name] = _values(column.values)
         return arrays
 
     def read(self, samples: np.ndarray) -> tuple[pa.Table, np.ndarray]:
@@ -151,26 +153,33 @@ class SequenceSource(RowGroupFiles):
             if entry.bad is not None:
                 ok = ~entry.bad[local]
                 local, where, mine = local[ok], where[ok], mine[ok]
-            pieces.append(self._gather(entry.arrays, local, where))  # type: ignore[arg-type]
+            pieces.append(self._gather(entry.arrays, local, where))
             kept.append(mine)
         return concat_pieces(pieces), (np.concatenate(kept) if kept else samples[:0])
 
     def _gather(self, arrays: dict[str, np.ndarray], users: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
-        """Samples ``(users[i], positions[i])`` of one row group: the flat index of each sample's own
-        interaction, and of its history (the ``max_seq_len`` interactions before it)."""
-        target = arrays["offsets"][users] + positions
+        """Samples ``(users[i], positions[i])`` of one row group: in each list, the flat index of each
+        sample's own interaction (``target``), and of its history (the ``max_seq_len`` before it)."""
         history = np.minimum(positions, self.max_seq_len)
         ends = np.cumsum(history)
-        flat = np.repeat(target - ends, history) + np.arange(int(ends[-1]) if ends.size else 0)
+        within = np.arange(int(ends[-1]) if ends.size else 0)
+
+        def target(name: str) -> np.ndarray:
+            return arrays[name + "@"][users] + positions
+
+        def window(name: str) -> np.ndarray:
+            return np.repeat(target(name) - ends, history) + within
+
+        items = arrays[ITEM_IDS]
         out = {
-            USER_ID: arrays[USER_ID][users], HISTORY_ITEMS: arrays[ITEM_IDS][flat], HISTORY_ITEMS + "@": history,
-            CANDIDATE_ITEM: arrays[ITEM_IDS][target], LABEL: arrays[LABELS][target],
+            USER_ID: arrays[USER_ID][users], HISTORY_ITEMS: items[window(ITEM_IDS)], HISTORY_ITEMS + "@": history,
+            CANDIDATE_ITEM: items[target(ITEM_IDS)], LABEL: arrays[LABELS][target(LABELS)],
         }
         if HISTORY_TIMESTAMPS in self.columns:
-            out[HISTORY_TIMESTAMPS], out[HISTORY_TIMESTAMPS + "@"] = arrays[TIMESTAMPS][flat], history
+            out[HISTORY_TIMESTAMPS], out[HISTORY_TIMESTAMPS + "@"] = arrays[TIMESTAMPS][window(TIMESTAMPS)], history
         if DENSE in self.columns:
             dense = arrays.get(DENSE)
-            out[DENSE] = dense[target] if dense is not None else np.zeros((users.size, 0), dtype=np.float32)
+            out[DENSE] = dense[target(DENSE)] if dense is not None else np.zeros((users.size, 0), dtype=np.float32)
         return out
 
 

@@ -89,6 +89,13 @@ class SequenceWriter:
             self.result.bytes_written += self.fs.get_file_info(f"{self.base}/{name}").size or 0
         return self.result
 
+    def discard(self) -> None:
+        """Close the open file after a failure (its rows are not a dataset: no manifest lists them)."""
+        self._pending = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
     def _cut_point(self, users: np.ndarray) -> int:
         """The last user boundary at or before ``row_group_interactions`` (or the first one after
         it, for a user longer than a row group); 0 when no user is complete yet."""

@@ -66,9 +66,8 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
 
 @dataclass
 class _RowGroup:
-    table: pa.Table
+    arrays: dict[str, np.ndarray]  # the kept columns' numpy buffers (``RowGroupFiles.arrays_of``)
     bad: np.ndarray | None  # bool per row when on_bad_rows == "skip"
-    arrays: dict[str, np.ndarray] | None = None  # what a source keeps as numpy (``RowGroupFiles.arrays_of``)
 
 
 class RowGroupFiles:
@@ -122,9 +121,9 @@ class RowGroupFiles:
     def row_problems(self, table: pa.Table) -> list[rc.Problem]:
         raise NotImplementedError
 
-    def arrays_of(self, table: pa.Table) -> dict[str, np.ndarray] | None:
-        """Numpy views a source wants cached with a decoded row group (none by default)."""
-        return None
+    def arrays_of(self, table: pa.Table) -> dict[str, np.ndarray]:
+        """The numpy buffers a source reads from, kept with the decoded row group (not the table)."""
+        raise NotImplementedError
 
     def read_column_per_file(self, columns: list[str]) -> list[pa.Table]:
         """Small columns of every file (lengths for the planner), each file's in one table."""
@@ -155,8 +154,7 @@ class RowGroupFiles:
             raise DataError(f"{shown}: row group {rg_id}: corrupt or truncated Parquet data ({exc})") from None
         self.decoded_bytes += table.nbytes
         bad = self._validate(table, f"{shown}: row group {rg_id}")
-        kept = table.select(self.keep_columns)
-        entry = _RowGroup(table=kept, bad=bad, arrays=self.arrays_of(kept))
+        entry = _RowGroup(arrays=self.arrays_of(table.select(self.keep_columns)), bad=bad)
         self._cache[rg] = entry
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -251,7 +249,7 @@ class ParquetSource(RowGroupFiles):
             local = rows[a:b] - self.rg_start[rg]
             if entry.bad is not None:
                 local = local[~entry.bad[local]]
-            pieces.append(_gather_rows(entry.arrays, self.columns, local))  # type: ignore[arg-type]
+            pieces.append(_gather_rows(entry.arrays, self.columns, local))
             kept.append(local + self.rg_start[rg])
         return concat_pieces(pieces), (np.concatenate(kept) if kept else rows[:0])
 

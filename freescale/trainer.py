@@ -145,7 +145,8 @@ class Trainer:
         summary.state_digest = state_digest(parts.dmp, parts.optimizer)
         summary.finished_elsewhere = bool(getattr(parts.sync, "finished_elsewhere", False)) and committed == 0
         if (cfg.train.eval and not summary.finished_elsewhere
-                and parts.manifest.rows.get("eval", 0) >= cfg.data.batch_size * ctx.world_size):
+                and parts.manifest.samples.get("eval", parts.manifest.rows.get("eval", 0))
+                >= cfg.data.batch_size * ctx.world_size):
             result = self._evaluate(parts, parts.pipeline.detach())
             summary.eval_loss, summary.eval_auc, summary.eval_ne = result.loss, result.auc, result.ne
             log.write("eval", loss=result.loss, auc=result.auc, ne=result.ne, samples=result.samples)

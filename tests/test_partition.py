@@ -172,7 +172,7 @@ def test_a_read_local_window_gives_each_rank_one_run_of_storage_at_balanced_cost
         if r:
             assert groups[r - 1][-1] <= mine[0]
     totals = np.array([planner.costs(planner.cost_model, rows).sum() for rows in per_rank])
-    assert totals.max() - totals.min() <= costs.max()
+    assert totals.max() - totals.min() <= 2 * costs.max()  # each cut within half a sample of its share
     assert max(p.imbalance() for p in plans) < 1.06  # each rank's run split into steps by LPT
     locality_off = make_planner(lengths, window, batch=512)
     spread = [np.concatenate([locality_off.plan(0, s, tuple(range(ranks))).rows[0] for s in range(window)])]

@@ -85,10 +85,10 @@ def test_every_interaction_lands_in_one_sample_or_is_dropped_with_its_reason(tmp
     assert seen == expected
     assert rare_items > 0 and rare_users > 0
     dropped = list(report.dropped.values())  # type: ignore[attr-defined]
-    assert dropped == [rare_items, rare_users, len(rows)]
+    assert dropped == [rare_items, rare_users]
     assert report.samples == targets and targets["eval"] == len(rows)  # type: ignore[attr-defined]
     assert report.interactions_read == log.num_rows  # type: ignore[attr-defined]
-    assert sum(dropped) + targets["train"] + targets["eval"] == log.num_rows
+    assert sum(dropped) + len(rows) + targets["train"] + targets["eval"] == log.num_rows  # + history only
     manifest = DatasetManifest.read(out)
     assert manifest.format_version == 2 and manifest.samples == targets
     assert manifest.num_users == len(users) and manifest.num_items == len(items)
@@ -168,7 +168,7 @@ def test_per_user_storage_trains_like_the_same_samples_stored_one_per_row(tmp_pa
         loaders = [build_loader(cfg, "train", rank=r, world_size=2, sparse_features=FEATURES,
                                 derived_cost=CostModel(1.0, 2.0, 8.0), seed=5) for r in (0, 1)]
         run_losses = []
-        for _ in range(12):
+        for _ in range(6):
             for loader in loaders:  # both ranks' batches through one model: the same update either way
                 loss, _ = model(loader.next_batch())
                 optimizer.zero_grad()
@@ -257,8 +257,57 @@ def test_cli_prepares_a_generated_log_and_prints_the_summary(tmp_path: Path, cap
             "movieId", "--time", "timestamp", "--label", "rating", "--rating-threshold", "4"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    for line in ("interactions read", "dropped: first interaction of each user", "samples: train", "bytes written"):
+    for line in ("interactions read", "history only (each user's first interaction", "samples: train", "bytes written"):
         assert line in printed
     manifest = json.loads((tmp_path / "ml" / "dataset.json").read_text())
     assert manifest["samples"]["eval"] == manifest["num_users"] == 200
     assert main(argv) == 2 and "already holds a dataset" in capsys.readouterr().err
+
+
+def test_a_skipped_user_with_lists_of_other_lengths_shifts_no_other_users_values(tmp_path: Path) -> None:
+    bad_labels = pa.array([[1, 0, 1], [1], [0, 1, 0, 1], [1, 0]], pa.list_(pa.float32()))  # user 1's is short
+    data = write_v2(tmp_path / "d", labels=bad_labels)
+    pq.write_table(pq.read_table(data / "users-00000.parquet"), data / "users-00000.parquet", row_group_size=4)
+    source = SequenceSource(str(data), "train", ["user_id", "candidate_item_id", "label"], max_seq_len=4,
+                            on_bad_rows="skip")
+    table, _ = source.read(np.arange(source.num_rows))
+    got = list(zip(table.column("user_id").to_pylist(), table.column("candidate_item_id").to_pylist(),
+                   table.column("label").to_pylist()))
+    # Users 0, 2, 3 at positions 1.. (train_end = length); user 1 is dropped whole.
+    assert got == [(0, 2, 0.0), (0, 3, 1.0), (2, 6, 1.0), (2, 7, 0.0), (2, 8, 1.0), (3, 9, 0.0)]
+
+
+def test_times_in_any_unit_and_iso_text_keep_their_order_within_a_second(tmp_path: Path) -> None:
+    ns = 1_700_000_000_000_000_000
+    log = pa.table({"who": [1, 1, 1, 2, 2], "what": [5, 4, 3, 1, 2],
+                    "when": pa.array([ns + 900_000_000, ns + 100_000_000, ns + 500_000_000, ns, ns + 1], pa.int64()),
+                    "big": pa.array([2**40, 3, 4, 5, 6], pa.int64())})
+    pq.write_table(log, tmp_path / "ns.parquet")
+    cols = LogColumns(user="who", item="what", time="when", dense=("big",), time_unit="ns")
+    prepare(PrepareSpec(input=str(tmp_path / "ns.parquet"), out=str(tmp_path / "a"), columns=cols, min_user_count=1,
+                        work_dir=str(tmp_path / "work")))
+    first = users_table(tmp_path / "a").to_pylist()
+    items = vocab(tmp_path / "a", "item_id")
+    by_user = {vocab(tmp_path / "a", "user_id")[r["user_id"]]: [int(items[i]) for i in r["item_ids"]] for r in first}
+    assert by_user == {1: [4, 3, 5], 2: [1, 2]}  # 0.1 s, 0.5 s, 0.9 s: the order within the second is kept
+    assert {t for r in first for t in r["timestamps"]} == {ns // 10**9}
+    text = pa.table({"who": [1, 1, 1], "what": [7, 8, 9],
+                     "when": ["2024-05-01T10:00:00.700Z", "2024-05-01T10:00:00.200Z", "2024-05-01T11:00:00+01:00"]})
+    pacsv.write_csv(text, tmp_path / "text.csv")
+    prepare(PrepareSpec(input=str(tmp_path / "text.csv"), out=str(tmp_path / "b"), min_user_count=1,
+                        columns=LogColumns(user="who", item="what", time="when"), work_dir=str(tmp_path / "work")))
+    row, = users_table(tmp_path / "b").to_pylist()
+    assert [int(vocab(tmp_path / "b", "item_id")[i]) for i in row["item_ids"]] == [9, 8, 7]  # 10:00 UTC, .2, .7
+
+
+def test_a_glob_stays_in_its_directory_and_the_split_is_checked_before_reading(tmp_path: Path) -> None:
+    (tmp_path / "logs" / "old").mkdir(parents=True)
+    part = pa.table({"who": [1, 1, 2, 2], "what": [1, 2, 1, 2], "when": [1, 2, 3, 4]})
+    pq.write_table(part, tmp_path / "logs" / "a.parquet")
+    pq.write_table(part, tmp_path / "logs" / "old" / "b.parquet")  # not matched by logs/*.parquet
+    cols = LogColumns(user="who", item="what", time="when")
+    report = prepare(PrepareSpec(input=str(tmp_path / "logs" / "*.parquet"), out=str(tmp_path / "o"), columns=cols,
+                                 min_user_count=1))
+    assert report.interactions_read == 4
+    with pytest.raises(DataError, match=r"^--split time:--5: not an ISO date/time or epoch seconds$"):
+        prepare(PrepareSpec(input=str(tmp_path / "nowhere"), out=str(tmp_path / "p"), columns=cols, split="time:--5"))
