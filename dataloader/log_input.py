@@ -37,7 +37,10 @@ import pyarrow.fs as pafs
 from freescale.dataloader.schema import DataError
 from freescale.dataloader.source import resolve
 
-BATCH_ROWS = 1 << 20
+BATCH_ROWS = 1 << 17
+"""Rows per checked batch: the engine reads several ahead, so this bounds what the read holds in memory
+(at 30M interactions under a 256 MB engine bound the load's peak was 1.66 GB with 1M-row batches, 1.08 GB
+with 128K-row ones, at the same speed)."""
 PARQUET_SUFFIXES = (".parquet", ".pq")
 CSV_SUFFIXES = (".csv", ".tsv", ".csv.gz", ".tsv.gz", ".csv.bz2", ".tsv.bz2", ".csv.zst", ".tsv.zst")
 TIME_UNITS = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
