@@ -115,16 +115,16 @@ def test_a_time_cut_leaks_nothing_from_after_it_into_training(tmp_path: Path) ->
 
 def test_a_log_larger_than_the_memory_bound_gives_the_same_dataset(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
-    n = 2_000_000  # 64 MB of columns, twice the bound below
+    n = 1_250_000  # 40 MB of columns, twice the bound below
     log = pa.table({"u": rng.integers(0, 20_000, n), "i": rng.integers(0, 50_000, n), "t": rng.integers(0, 10**6, n),
                     "c": rng.integers(0, 2, n)})
     pq.write_table(log, tmp_path / "log.parquet")
     cols = LogColumns(user="u", item="i", time="t", label="c")
     outs = []
-    for memory in ("32MB", "2GB"):
+    for memory, threads in (("20MB", 1), ("2GB", 0)):
         out = tmp_path / memory
-        prepare(PrepareSpec(input=str(tmp_path / "log.parquet"), out=str(out), columns=cols, memory=memory, threads=1,
-                            min_user_count=2))
+        prepare(PrepareSpec(input=str(tmp_path / "log.parquet"), out=str(out), columns=cols, memory=memory,
+                            threads=threads, min_user_count=2))
         outs.append(out)
     assert users_table(outs[0]).equals(users_table(outs[1]))
     assert pq.read_table(outs[0] / "vocab" / "item_id.parquet").equals(pq.read_table(outs[1] / "vocab" / "item_id.parquet"))
