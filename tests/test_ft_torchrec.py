@@ -227,10 +227,12 @@ def test_group_killed_twice_in_a_row_the_second_time_mid_catch_up(tiny_data: Pat
 def test_two_groups_at_once_then_a_source_dies_mid_transfer(tiny_data: Path, tmp_path: Path) -> None:
     """Three groups: 1 and 2 die in the same step (group 0 goes on alone once their heartbeats
     time out: the split-brain guard); both restart and catch up from group 0.  Group 2 dies a
-    second time (step >= 150); when it asks for a snapshot, its first source (group 0) dies
-    mid-transfer, so it takes the snapshot from group 1; group 0 restarts and catches up too."""
-    steps = 380  # enough for group 0 to restart (~5-6 s on 2 cores) and catch up before the others finish
-    fault = f"1:0:5:reduce:0,2:0:5:reduce:0,2:0:150:forward@1,0:0:150:serve,{SLOW}"
+    second time (step >= 250); when it asks for a snapshot, its first source (group 0) dies
+    mid-transfer, so it takes the snapshot from group 1; group 0 restarts and catches up too.
+    The second death comes well after groups 1 and 2 are back (on a slow CI machine they rejoined at
+    step 160: a death at 150 then hit the very step group 1 rejoined, before it held the newest state)."""
+    steps = 480  # enough for group 0 to restart (~5-6 s on 2 cores) and catch up before the others finish
+    fault = f"1:0:5:reduce:0,2:0:5:reduce:0,2:0:250:forward@1,0:0:250:serve,{SLOW}"
     proc = launch(tmp_path, tiny_data, 3, 1, steps, "dlrm", fault=fault, max_restarts=2, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = check_run(tmp_path, tiny_data, "dlrm", 3, 1, steps)
