@@ -24,7 +24,7 @@ all the window's row groups, so at R ranks each rank decodes about R times the b
 trains on.  With locality each rank's share of a window is one contiguous run of the
 window's samples in row-group order, cut at equal cost, so it lies in one or two row
 groups; LPT then splits the run into the window's steps and the
-rank's steps are ordered by their heaviest sample (``balance_kernels.local_window_owner``).
+rank's steps are ordered by their heaviest sample (``local_plan.local_window_owner``).
 Rank totals are equal to within a sample's cost, so each step is balanced once the
 window holds enough samples per rank (window > 1); a rank's step draws on a few users
 (format 2) while the global batch still mixes the whole window.
@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from freescale.dataloader import balance_kernels
+from freescale.dataloader.local_plan import local_window_owner
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.partition import Parts, load_imbalance, lower_bound, partition
 
@@ -348,7 +349,7 @@ class BatchPlanner:
         costs = win.costs if positions is None else win.costs[positions]
         rows = win.samples if positions is None else win.samples[positions]
         if self.locality:
-            owner = balance_kernels.local_window_owner(
+            owner = local_window_owner(
                 np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(costs, dtype=np.float64),
                 self.order.starts, ranks, steps,
             )

@@ -100,6 +100,11 @@ def check_schema(schema: pa.Schema, dense_dim: int, where: str) -> None:
     idx = schema.get_field_index(HISTORY_LENGTH)
     if idx >= 0 and not schema.field(idx).type.equals(pa.int32()):
         raise DataError(f"{where}: column '{HISTORY_LENGTH}' has type {schema.field(idx).type}, expected int32")
+    _check_columns(schema, expected, where)
+
+
+def _check_columns(schema: pa.Schema, expected: pa.Schema, where: str) -> None:
+    """Raise DataError naming ``where`` and the first column of ``expected`` that ``schema`` lacks or mistypes."""
     for want in expected:
         idx = schema.get_field_index(want.name)
         if idx < 0:
@@ -125,13 +130,7 @@ def sequence_schema(dense_dim: int) -> pa.Schema:
 
 def check_sequence_schema(schema: pa.Schema, dense_dim: int, where: str) -> None:
     """Raise DataError naming ``where`` and the column if a format-2 file lacks or mistypes one."""
-    for want in sequence_schema(dense_dim):
-        idx = schema.get_field_index(want.name)
-        if idx < 0:
-            raise DataError(f"{where}: missing column '{want.name}' (expected {want.type})")
-        got = schema.field(idx).type
-        if not got.equals(want.type):
-            raise DataError(f"{where}: column '{want.name}' has type {got}, expected {want.type}")
+    _check_columns(schema, sequence_schema(dense_dim), where)
 
 
 @dataclass

@@ -71,12 +71,15 @@ class SequenceWriter:
         if self._pending is not None:
             cols = [np.concatenate([p, c]) for p, c in zip(self._pending, cols)]
         self._pending = cols
-        while self._pending[0].size >= self.row_group_interactions:
-            cut = self._cut_point(self._pending[0])
-            if cut == 0:
+        starts = np.flatnonzero(np.diff(cols[0])) + 1  # where each user begins: once per batch
+        begin = 0
+        while cols[0].size - begin >= self.row_group_interactions:
+            cut = self._cut_point(starts, begin)
+            if cut == begin:
                 break  # one user larger than a row group, still open: wait for its end
-            self._emit([c[:cut] for c in self._pending])
-            self._pending = [c[cut:] for c in self._pending]
+            self._emit([c[begin:cut] for c in cols])
+            begin = cut
+        self._pending = [c[begin:] for c in cols]
 
     def close(self) -> WriteResult:
         if self._pending is not None and self._pending[0].size:
@@ -96,14 +99,14 @@ class SequenceWriter:
             self._writer.close()
             self._writer = None
 
-    def _cut_point(self, users: np.ndarray) -> int:
-        """The last user boundary at or before ``row_group_interactions`` (or the first one after
-        it, for a user longer than a row group); 0 when no user is complete yet."""
-        starts = np.flatnonzero(np.diff(users)) + 1
-        if starts.size == 0:
-            return 0
-        fit = starts[starts <= self.row_group_interactions]
-        return int(fit[-1]) if fit.size else int(starts[0])
+    def _cut_point(self, starts: np.ndarray, begin: int) -> int:
+        """The last user boundary at most ``row_group_interactions`` after ``begin`` (or the first one
+        after it, for a user longer than a row group); ``begin`` when no user is complete yet."""
+        last = int(np.searchsorted(starts, begin + self.row_group_interactions, side="right"))
+        first = int(np.searchsorted(starts, begin, side="right"))
+        if last > first:
+            return int(starts[last - 1])
+        return int(starts[first]) if first < starts.size else begin
 
     def _emit(self, cols: list[np.ndarray]) -> None:
         user, item, ts, label = cols[:4]

@@ -26,6 +26,7 @@ shuffle window, so decoding (not network) grows with the number of ranks.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Literal
@@ -70,7 +71,7 @@ class _RowGroup:
     bad: np.ndarray | None  # bool per row when on_bad_rows == "skip"
 
 
-class RowGroupFiles:
+class RowGroupFiles(ABC):
     """One split's Parquet files, row group by row group: what both layouts' sources share.
 
     Opens the manifest and every file of the split (``check_schema(schema, where)`` per file),
@@ -115,15 +116,17 @@ class RowGroupFiles:
         self._cache: OrderedDict[int, _RowGroup] = OrderedDict()
         self._cache_size = max(1, cache_row_groups)
 
+    @abstractmethod
     def check_schema(self, schema: pa.Schema, where: str) -> None:
-        raise NotImplementedError
+        """Raise DataError naming ``where`` and the column if a file's schema is not this layout's."""
 
+    @abstractmethod
     def row_problems(self, table: pa.Table) -> list[rc.Problem]:
-        raise NotImplementedError
+        """Every check of a decoded row group, in reporting order."""
 
+    @abstractmethod
     def arrays_of(self, table: pa.Table) -> dict[str, np.ndarray]:
         """The numpy buffers a source reads from, kept with the decoded row group (not the table)."""
-        raise NotImplementedError
 
     def read_column_per_file(self, columns: list[str]) -> list[pa.Table]:
         """Small columns of every file (lengths for the planner), each file's in one table."""
