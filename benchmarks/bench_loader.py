@@ -6,15 +6,16 @@ thread, samples per second:
 
 - ``bare decode``: pyarrow reading and decoding every row group of the columns the loader decodes
   (the model's and what its row checks read), to numpy, nothing else: the ceiling on this machine;
-- ``freescale``: ``BalancedLoader`` for one rank over one epoch, prefetch off (planning, row-group
-  reads, the per-sample cut for format 2, Arrow -> KJT), target >= 70% of the bare decode of its
-  layout (for format 2 the bare decode does not cut histories, which the loader must: its bytes
-  are the samples' own);
+- ``decode + history cut``: the bare decode plus the one copy any loader of the layout makes, each
+  sample's most recent ``max_len`` history items, with the loader's kernel: the floor of the work
+  (format 2's bare decode builds no history at all, so it is no ceiling for a loader);
+- ``freescale``: ``BalancedLoader`` for one rank over one epoch, prefetch off (planning, row checks,
+  row-group reads, the history cut, numpy -> KJT), target >= 70% of the bare decode of its layout;
 - ``torch DataLoader, batched``: what a user would write: an ``IterableDataset`` over pyarrow row
   groups (shuffled), rows permuted inside each, batches built from Arrow offsets (format 1);
 - ``torch DataLoader, row by row``: ``__getitem__`` per row and a Python collate (for reference).
 
-Then bytes on disk of each layout, and a short 2-rank training run's wait for data per step.
+Each is run ``--repeats`` times, interleaved, and the median kept.  Then bytes on disk of each layout, and a short 2-rank training run's wait for data per step.
 
     python benchmarks/bench_loader.py [--quick] [--json benchmarks/results/loader_cpu.json]
 """
@@ -32,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -42,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from freescale.dataloader.cost import CostModel
+from freescale.dataloader.gather import gather_tails
 from freescale.dataloader.loader import DataConfig, build_loader
 from freescale.dataloader.schema import CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, DatasetManifest
 from freescale.tables import print_table
@@ -72,6 +75,36 @@ def bare_decode(path: Path, columns: list[str], samples: int) -> float:
                 while hasattr(array, "values"):
                     array = array.values
                 array.to_numpy()
+    return samples / (time.perf_counter() - start)
+
+
+def decode_and_cut(path: Path, columns: list[str], samples: int, max_len: int, per_user: bool) -> float:
+    """``bare_decode`` plus the one copy every loader of this layout must make: each training sample's
+    history, its ``max_len`` most recent items, cut out with the loader's own kernel (``gather_tails``),
+    in storage order, nothing else (no plan, no checks, no batches): the floor of a loader's work."""
+    start = time.perf_counter()
+    for f in files(path):
+        pf = pq.ParquetFile(f)
+        for rg in range(pf.num_row_groups):
+            table = pf.read_row_group(rg, columns=columns)
+            arrays = {}
+            for name in table.column_names:
+                array = table.column(name).combine_chunks()
+                if pa.types.is_list(array.type):
+                    arrays[name + "@"] = array.offsets.to_numpy().astype(np.int64)
+                while hasattr(array, "values"):
+                    array = array.values
+                arrays[name] = array.to_numpy()
+            if per_user:  # training samples: positions [1, train_end) of each user
+                offsets, train_end = arrays["item_ids@"], arrays["train_end"].astype(np.int64)
+                count = np.maximum(train_end - 1, 0)
+                first = np.repeat(np.cumsum(count) - count, count)
+                position = np.arange(int(count.sum())) - first + 1
+                ends = np.repeat(offsets[:-1], count) + position
+                gather_tails([(arrays["item_ids"], ends, np.minimum(position, max_len))])
+            else:
+                offsets = arrays[HISTORY_ITEMS + "@"]
+                gather_tails([(arrays[HISTORY_ITEMS], offsets[1:], np.minimum(np.diff(offsets), max_len))])
     return samples / (time.perf_counter() - start)
 
 
@@ -159,40 +192,49 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--repeats", type=int, default=0, help="interleaved rounds, median taken (default 1 quick, 3)")
     args = parser.parse_args()
+    args.repeats = args.repeats or (1 if args.quick else 3)
     samples, steps, batch, max_len = (40_000, 30, 256, 200) if args.quick else (300_000, 300, 256, 200)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         format2 = prepared(Path(tmp), samples)
         format1 = format1_twin(format2, Path(tmp) / "format1", max_len)
         n = DatasetManifest.read(format2).samples["train"]
-        bare1 = bare_decode(format1, FORMAT1_DECODED, n)
-        bare2 = bare_decode(format2, FORMAT2_COLUMNS, n)
-        rows = [
-            {"layout": "format 1 (per sample)", "loader": "bare pyarrow decode", "samples_per_s": bare1},
-            {"layout": "format 1 (per sample)", "loader": "freescale BalancedLoader", "samples_per_s": ours(format1, batch, max_len)},
-            {"layout": "format 1 (per sample)", "loader": "torch DataLoader, batched over pyarrow",
-             "samples_per_s": torch_batched(format1, batch, max_len)},
-            {"layout": "format 1 (per sample)", "loader": "torch DataLoader, row by row",
-             "samples_per_s": torch_rows(format1, batch, max(5, steps // 30))},
-            {"layout": "format 2 (per user)", "loader": "bare pyarrow decode", "samples_per_s": bare2},
-            {"layout": "format 2 (per user)", "loader": "freescale BalancedLoader", "samples_per_s": ours(format2, batch, max_len)},
+        f1, f2 = "format 1 (per sample)", "format 2 (per user)"
+        measures = [
+            (f1, "bare pyarrow decode", lambda: bare_decode(format1, FORMAT1_DECODED, n)),
+            (f1, "decode + history cut", lambda: decode_and_cut(format1, FORMAT1_DECODED, n, max_len, False)),
+            (f1, "freescale BalancedLoader", lambda: ours(format1, batch, max_len)),
+            (f1, "torch DataLoader, batched over pyarrow", lambda: torch_batched(format1, batch, max_len)),
+            (f1, "torch DataLoader, row by row", lambda: torch_rows(format1, batch, max(5, steps // 30))),
+            (f2, "bare pyarrow decode", lambda: bare_decode(format2, FORMAT2_COLUMNS, n)),
+            (f2, "decode + history cut", lambda: decode_and_cut(format2, FORMAT2_COLUMNS, n, max_len, True)),
+            (f2, "freescale BalancedLoader", lambda: ours(format2, batch, max_len)),
         ]
+        runs: list[list[float]] = [[] for _ in measures]
+        for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every variant alike
+            for i, (_, _, measure) in enumerate(measures):
+                runs[i].append(measure())
+        rows = [{"layout": layout, "loader": name, "samples_per_s": float(np.median(r)), "runs": r}
+                for (layout, name, _), r in zip(measures, runs)]
+        by = {(row["layout"], row["loader"]): row["samples_per_s"] for row in rows}
         for row in rows:
-            bare = bare1 if row["layout"].startswith("format 1") else bare2
-            row["vs_bare_decode"] = row["samples_per_s"] / bare
+            row["vs_bare_decode"] = row["samples_per_s"] / by[(row["layout"], "bare pyarrow decode")]
+            row["vs_decode_and_cut"] = row["samples_per_s"] / by[(row["layout"], "decode + history cut")]
         disk = {"format 1 (per sample)": sum(f.stat().st_size for f in files(format1)),
                 "format 2 (per user)": sum(f.stat().st_size for f in files(format2))}
         for row in rows:
             row["bytes_on_disk"] = disk[row["layout"]]
         print(f"{n:,} training samples, histories up to {max_len}")
-        print_table(rows, ["layout", "loader", "samples_per_s", "vs_bare_decode", "bytes_on_disk"])
+        print_table(rows, ["layout", "loader", "samples_per_s", "vs_bare_decode", "vs_decode_and_cut", "bytes_on_disk"])
         wait = training_wait(format2, Path(tmp) / "run", 40 if args.quick else 100)
         print(f"\n2-rank tiny HSTU training on format 2: step {wait['step_ms']:.1f} ms, waited for data "
               f"{wait['loader_wait_ms']:.3f} ms per step ({100 * wait['wait_share']:.2f}% of the step)")
     if args.json:
         write_json(args.json, "bench_loader", {"quick": args.quick, "samples": n, "batch": batch,
-                                               "max_len": max_len, "lengths": "ml-20m"},
+                                               "max_len": max_len, "lengths": "ml-20m",
+                                               "repeats": args.repeats},
                    rows + [{"training": wait}])
 
 

@@ -42,6 +42,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from freescale.config import require
+from freescale.dataloader import gather
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.balance_kernels import warm_up
@@ -454,7 +455,8 @@ def open_source(cfg: DataConfig, split: str, columns: list[str]) -> ParquetSourc
     if DatasetManifest.read(cfg.path).format_version == SEQUENCE_FORMAT_VERSION:
         return SequenceSource(cfg.path, split, columns, max_seq_len=cfg.max_seq_len, on_bad_rows=cfg.on_bad_rows,
                               cache_row_groups=cache)
-    return ParquetSource(cfg.path, split, columns, on_bad_rows=cfg.on_bad_rows, cache_row_groups=cache)
+    return ParquetSource(cfg.path, split, columns, on_bad_rows=cfg.on_bad_rows, cache_row_groups=cache,
+                         max_seq_len=cfg.max_seq_len)
 
 
 def build_loader(
@@ -471,7 +473,8 @@ def build_loader(
     group_size: int | None = None,
 ) -> BalancedLoader:
     """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order)."""
-    warm_up()  # the planner's kernels: loaded from numba's cache, or compiled here, not in the prefetch thread
+    warm_up()  # the planner's and the reads' kernels: loaded from numba's cache, or compiled here, not in the
+    gather.warm_up()  # prefetch thread
     if training:
         window = max(cfg.window, 1)
         try:

@@ -41,7 +41,8 @@ from freescale.dataloader.schema import (
     check_sequence_schema,
     sample_schema,
 )
-from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column, concat_pieces
+from freescale.dataloader.gather import gather_tails
+from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column, row_group_runs
 
 
 class SequenceSource(RowGroupFiles):
@@ -139,13 +140,9 @@ class SequenceSource(RowGroupFiles):
         user = np.searchsorted(self.user_start, samples, side="right") - 1
         position = samples - self.user_start[user] + self.first[user]
         group = np.searchsorted(self.stored_start, user, side="right") - 1
-        bounds = np.flatnonzero(np.diff(group)) + 1  # samples are sorted: each row group's are one run
-        starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [samples.size]])
-        pieces: list[dict[str, np.ndarray]] = []
+        pieces: list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]] = []
         kept = []
-        for a, b in zip(starts.tolist(), ends.tolist()):
-            if a == b:
-                continue
+        for a, b in row_group_runs(group):  # samples are sorted: each row group's are one run
             rg = int(group[a])
             entry = self._row_group(rg)
             local, where = user[a:b] - self.stored_start[rg], position[a:b]
@@ -153,33 +150,37 @@ class SequenceSource(RowGroupFiles):
             if entry.bad is not None:
                 ok = ~entry.bad[local]
                 local, where, mine = local[ok], where[ok], mine[ok]
-            pieces.append(self._gather(entry.arrays, local, where))
+            pieces.append((entry.arrays, local, where))
             kept.append(mine)
-        return concat_pieces(pieces), (np.concatenate(kept) if kept else samples[:0])
+        if not pieces:
+            return {}, samples[:0]
+        return self._gather(pieces), np.concatenate(kept)
 
-    def _gather(self, arrays: dict[str, np.ndarray], users: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
-        """Samples ``(users[i], positions[i])`` of one row group: in each list, the flat index of each
-        sample's own interaction (``target``), and of its history (the ``max_seq_len`` before it)."""
-        history = np.minimum(positions, self.max_seq_len)
-        ends = np.cumsum(history)
-        within = np.arange(int(ends[-1]) if ends.size else 0)
+    def _gather(self, pieces: list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Samples ``(users[i], positions[i])`` of each piece's row group: in each list, the sample's own
+        interaction (at ``target``) and its history (the ``max_seq_len`` before it, ``gather_tails``)."""
+        history = [np.minimum(positions, self.max_seq_len) for _, _, positions in pieces]
 
-        def target(name: str) -> np.ndarray:
-            return arrays[name + "@"][users] + positions
+        def target(name: str) -> list[np.ndarray]:
+            return [arrays[name + "@"][users] + positions for arrays, users, positions in pieces]
+
+        def at_target(name: str) -> np.ndarray:
+            return np.concatenate([arrays[name][t] for (arrays, _, _), t in zip(pieces, target(name))])
 
         def window(name: str) -> np.ndarray:
-            return np.repeat(target(name) - ends, history) + within
+            return gather_tails([(arrays[name], t, h) for (arrays, _, _), t, h in zip(pieces, target(name), history)])
 
-        items = arrays[ITEM_IDS]
+        lengths = np.concatenate(history)
         out = {
-            USER_ID: arrays[USER_ID][users], HISTORY_ITEMS: items[window(ITEM_IDS)], HISTORY_ITEMS + "@": history,
-            CANDIDATE_ITEM: items[target(ITEM_IDS)], LABEL: arrays[LABELS][target(LABELS)],
+            USER_ID: np.concatenate([arrays[USER_ID][users] for arrays, users, _ in pieces]),
+            HISTORY_ITEMS: window(ITEM_IDS), HISTORY_ITEMS + "@": lengths,
+            CANDIDATE_ITEM: at_target(ITEM_IDS), LABEL: at_target(LABELS),
         }
         if HISTORY_TIMESTAMPS in self.columns:
-            out[HISTORY_TIMESTAMPS], out[HISTORY_TIMESTAMPS + "@"] = arrays[TIMESTAMPS][window(TIMESTAMPS)], history
+            out[HISTORY_TIMESTAMPS], out[HISTORY_TIMESTAMPS + "@"] = window(TIMESTAMPS), lengths
         if DENSE in self.columns:
-            dense = arrays.get(DENSE)
-            out[DENSE] = dense[target(DENSE)] if dense is not None else np.zeros((users.size, 0), dtype=np.float32)
+            out[DENSE] = (at_target(DENSE) if self.manifest.dense_dim
+                          else np.zeros((lengths.size, 0), dtype=np.float32))
         return out
 
 

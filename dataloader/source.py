@@ -38,6 +38,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
 from freescale.dataloader import row_checks as rc
+from freescale.dataloader.gather import gather_tails
 from freescale.dataloader.row_checks import list_lengths
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
@@ -187,10 +188,13 @@ class ParquetSource(RowGroupFiles):
     """
 
     def __init__(
-        self, uri: str, split: str, columns: list[str], *, on_bad_rows: BadRows = "error", cache_row_groups: int = 32
+        self, uri: str, split: str, columns: list[str], *, on_bad_rows: BadRows = "error", cache_row_groups: int = 32,
+        max_seq_len: int | None = None,
     ) -> None:
         super().__init__(uri, split, on_bad_rows=on_bad_rows, cache_row_groups=cache_row_groups)
         self.columns = self.keep_columns = list(columns)
+        self.max_seq_len = max_seq_len
+        """Values kept of each list column, the most recent (None: all)."""
         self.has_length_column = all(f.physical_schema.get_field_index(HISTORY_LENGTH) >= 0 for f in self.fragments)
         self.decode_columns = sorted(set(columns) | _CHECK_COLUMNS | ({HISTORY_LENGTH} if self.has_length_column else set()))
         self.rg_rows, self.rg_start = self.stored_rows, self.stored_start
@@ -238,23 +242,40 @@ class ParquetSource(RowGroupFiles):
     def read_arrays(self, rows: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """What ``read`` returns, as numpy (the loader's path: no Arrow table in between): per
         column its values (a fixed-size list as a 2-D array), and for a list column ``name@``
-        its lengths.  Gathered from each row group's cached buffers."""
+        its lengths, each list cut to its ``max_seq_len`` most recent values when the source has
+        one.  Gathered from each row group's cached buffers."""
         rows = np.sort(rows)
         groups = np.searchsorted(self.rg_start, rows, side="right") - 1
-        bounds = np.flatnonzero(np.diff(groups)) + 1  # sorted rows: each row group's are one run
-        pieces: list[dict[str, np.ndarray]] = []
+        pieces: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
         kept = []
-        for a, b in zip(np.concatenate([[0], bounds]).tolist(), np.concatenate([bounds, [rows.size]]).tolist()):
-            if a == b:
-                continue
+        for a, b in row_group_runs(groups):
             rg = int(groups[a])
             entry = self._row_group(rg)
             local = rows[a:b] - self.rg_start[rg]
             if entry.bad is not None:
                 local = local[~entry.bad[local]]
-            pieces.append(_gather_rows(entry.arrays, self.columns, local))
+            pieces.append((entry.arrays, local))
             kept.append(local + self.rg_start[rg])
-        return concat_pieces(pieces), (np.concatenate(kept) if kept else rows[:0])
+        if not pieces:
+            return {}, rows[:0]
+        return self._gather(pieces), np.concatenate(kept)
+
+    def _gather(self, pieces: list[tuple[dict[str, np.ndarray], np.ndarray]]) -> dict[str, np.ndarray]:
+        """Rows ``local`` of each piece's row group, column by column, into one array per column."""
+        out: dict[str, np.ndarray] = {}
+        cap = self.max_seq_len if self.max_seq_len is not None else np.iinfo(np.int64).max
+        for name in self.columns:
+            if name + "@" not in pieces[0][0]:
+                out[name] = np.concatenate([arrays[name][local] for arrays, local in pieces])
+                continue
+            runs = []
+            for arrays, local in pieces:
+                offsets = arrays[name + "@"]
+                ends = offsets[local + 1]
+                runs.append((arrays[name], ends, np.minimum(ends - offsets[local], cap)))
+            out[name + "@"] = np.concatenate([lengths for _, _, lengths in runs])
+            out[name] = gather_tails(runs)
+        return out
 
     def _table(self, arrays: dict[str, np.ndarray]) -> pa.Table:
         schema = self.fragments[0].physical_schema
@@ -270,15 +291,6 @@ def _flat_values(values: pa.Array) -> np.ndarray:
     return (pc.fill_null(values, 0) if values.null_count else values).to_numpy(zero_copy_only=False)
 
 
-def concat_pieces(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """One dict of arrays from the per-row-group pieces of a read (key by key)."""
-    if len(pieces) == 1:
-        return pieces[0]
-    if not pieces:
-        return {}
-    return {key: np.concatenate([p[key] for p in pieces]) for key in pieces[0]}
-
-
 def arrow_column(arrays: dict[str, np.ndarray], name: str, kind: pa.DataType) -> pa.Array:
     """Column ``name`` of a read's arrays as Arrow of type ``kind``."""
     if pa.types.is_list(kind):
@@ -291,19 +303,12 @@ def arrow_column(arrays: dict[str, np.ndarray], name: str, kind: pa.DataType) ->
     return pa.array(arrays[name], kind)
 
 
-def _gather_rows(arrays: dict[str, np.ndarray], columns: list[str], local: np.ndarray) -> dict[str, np.ndarray]:
-    """Rows ``local`` of one row group's buffers; for a list column its lengths (``name@``) and values."""
-    out: dict[str, np.ndarray] = {}
-    for name in columns:
-        offsets = arrays.get(name + "@")
-        if offsets is None:
-            out[name] = arrays[name][local]
-            continue
-        starts, lengths = offsets[local], offsets[local + 1] - offsets[local]
-        ends = np.cumsum(lengths)
-        out[name + "@"] = lengths
-        out[name] = arrays[name][np.repeat(starts - ends + lengths, lengths) + np.arange(int(ends[-1]) if ends.size else 0)]
-    return out
+def row_group_runs(groups: np.ndarray) -> list[tuple[int, int]]:
+    """``[a, b)`` of each run of equal values in ``groups`` (a sorted read's row group per row)."""
+    if not groups.size:
+        return []
+    bounds = (np.flatnonzero(np.diff(groups)) + 1).tolist()
+    return list(zip([0, *bounds], [*bounds, int(groups.size)]))
 
 
 _CHECK_COLUMNS = {USER_ID, HISTORY_ITEMS, HISTORY_TIMESTAMPS, CANDIDATE_ITEM, DENSE, LABEL}

@@ -14,6 +14,7 @@ import pytest
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.loader import BalancedLoader, DataConfig, StepInfo, build_loader
 from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS, DataError
+from freescale.dataloader.source import ParquetSource
 from tests.test_data import table_with, write_dataset
 
 FEATURES = [HISTORY_ITEMS, CANDIDATE_ITEM]
@@ -57,6 +58,24 @@ def test_batch_fields_and_loss_scale(tiny_data: Path) -> None:
     assert info is not None and batch.costs is not None and batch.costs.shape == (batch.size,)
     assert batch.loss_scale == pytest.approx(2 / info.global_size)
     assert info.global_size == 64 and 1.0 <= info.bound <= info.imbalance + 1e-9
+
+
+def test_histories_are_each_rows_most_recent_items(tiny_data: Path) -> None:
+    """The batch's histories, cut at read time (``gather.gather_tails``), are the last ``max_seq_len``
+    items of each row's stored history, in the order of ``last.rows``; the candidates follow them."""
+    loader = make(tiny_data, prefetch=0, max_seq_len=5)
+    stored = ParquetSource(str(tiny_data), "train", [HISTORY_ITEMS, CANDIDATE_ITEM])  # no cut
+    for _ in range(3):
+        batch = loader.next_batch()
+        assert loader.last is not None
+        table, rows = stored.read(loader.last.rows)
+        assert np.array_equal(rows, loader.last.rows)
+        history = batch.sparse[HISTORY_ITEMS]
+        expected = [h[-5:] for h in table.column(HISTORY_ITEMS).to_pylist()]
+        assert history.lengths().tolist() == [len(h) for h in expected]
+        assert history.values().tolist() == [v for h in expected for v in h]
+        assert batch.sparse[CANDIDATE_ITEM].values().tolist() == table.column(CANDIDATE_ITEM).to_pylist()
+    assert any(len(h) > 5 for h in table.column(HISTORY_ITEMS).to_pylist())  # the cut did cut
 
 
 def test_live_rank_change_between_steps_keeps_exactly_once(tiny_data: Path) -> None:
