@@ -131,8 +131,8 @@ class InteractionLog:
                 if idx < 0:
                     has = ", ".join(schema.names[:12]) + (" ..." if len(schema.names) > 12 else "")
                     raise DataError(f"{f.shown}: no column '{name}' (it has: {has})")
-                kind = _kind(schema.field(idx).type)
-                _check_kind(name, kind, schema.field(idx).type, self.columns, f.shown)
+                kind = kind_of(schema.field(idx).type)
+                check_column_kind(name, kind, schema.field(idx).type, self.columns, f.shown)
                 if name in first and first[name][0] != kind:
                     raise DataError(
                         f"{f.shown}: column '{name}' holds {kind} values, {first[name][1]} holds {first[name][0]}"
@@ -143,7 +143,7 @@ class InteractionLog:
         """Arrow types of the user and item ids (int64 or string) as batches carry them."""
         schema = self.files[0].fragment.physical_schema
         return tuple(  # type: ignore[return-value]
-            pa.int64() if _kind(schema.field(schema.get_field_index(c)).type) == "integer" else pa.string()
+            pa.int64() if kind_of(schema.field(schema.get_field_index(c)).type) == "integer" else pa.string()
             for c in (self.columns.user, self.columns.item)
         )
 
@@ -158,7 +158,7 @@ class InteractionLog:
                                                 batch_readahead=READ_AHEAD_BATCHES, **_streaming(f.fragment))
                 for batch in scanner:
                     if batch.num_rows:
-                        yield _normalize(batch, self.columns, schema, f"{f.shown}", done)
+                        yield normalize_batch(batch, self.columns, schema, f"{f.shown}", done)
                     done += batch.num_rows
                     on_rows(batch.num_rows)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as exc:
@@ -233,7 +233,7 @@ def _open_file(fs: pafs.FileSystem, path: str, shown: str, fmt: str) -> _File:
         raise DataError(f"{shown}: not a readable {fmt} file ({first_line})") from None
 
 
-def _kind(t: pa.DataType) -> str:
+def kind_of(t: pa.DataType) -> str:
     if pa.types.is_integer(t):
         return "integer"
     if pa.types.is_floating(t) or pa.types.is_decimal(t):
@@ -247,7 +247,7 @@ def _kind(t: pa.DataType) -> str:
     return str(t)
 
 
-def _check_kind(name: str, kind: str, t: pa.DataType, cols: LogColumns, where: str) -> None:
+def check_column_kind(name: str, kind: str, t: pa.DataType, cols: LogColumns, where: str) -> None:
     if name in (cols.user, cols.item):
         if kind not in ("integer", "string"):
             raise DataError(f"{where}: column '{name}' has type {t}; ids must be integers or strings")
@@ -265,7 +265,7 @@ def _first_bad(mask: np.ndarray, column: pa.Array) -> tuple[int, str]:
     return i, "null" if value is None else repr(value)
 
 
-def _normalize(batch: pa.RecordBatch, cols: LogColumns, schema: pa.Schema, shown: str, offset: int) -> pa.RecordBatch:
+def normalize_batch(batch: pa.RecordBatch, cols: LogColumns, schema: pa.Schema, shown: str, offset: int) -> pa.RecordBatch:
     """The batch in the normalized schema, or a DataError naming file, row and column."""
 
     def fail(name: str, mask: np.ndarray, column: pa.Array, what: str) -> DataError:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -35,6 +35,31 @@ from freescale.dataloader.sequence_writer import SequenceWriter, SplitRule, Writ
 from freescale.dataloader.source import resolve
 
 FETCH_ROWS = 1 << 18
+
+
+class Engine(Protocol):
+    """Where the SQL of ``prepare_sql`` runs: DuckDB in this process (``DuckEngine``), or Spark
+    (``prepare_spark.SparkEngine``); the steps around it are the same for both."""
+
+    def run(self, statement: str) -> None: ...
+
+    def rows(self, query: str) -> list[tuple[Any, ...]]: ...
+
+    def arrow(self, query: str) -> pa.Table: ...
+
+
+@dataclass
+class DuckEngine:
+    con: Any
+
+    def run(self, statement: str) -> None:
+        self.con.execute(statement).fetchall()  # DuckDB wants every result finished before the next
+
+    def rows(self, query: str) -> list[tuple[Any, ...]]:
+        return list(self.con.execute(query).fetchall())
+
+    def arrow(self, query: str) -> pa.Table:
+        return self.con.sql(query).to_arrow_table()
 
 
 @dataclass
@@ -136,23 +161,24 @@ def prepare(spec: PrepareSpec, progress: Callable[[str, int, int | None], None] 
     start = time.perf_counter()
     report_progress = progress or (lambda phase, n, total: None)
     log = InteractionLog.open(spec.input, spec.columns, spec.format)
-    out_fs, out_base = _output_dir(spec)
+    out_fs, out_base = output_dir(spec)
     if spec.work_dir:
         Path(spec.work_dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="freescale-prepare-", dir=spec.work_dir or None))
     con = None
     try:
         con = duckdb.connect(str(work / "prepare.duckdb"))
-        _run(con, f"SET memory_limit = '{_memory(spec.memory)}'")
-        _run(con, f"SET temp_directory = '{work / 'spill'}'")
-        _run(con, "SET preserve_insertion_order = false")
+        engine = DuckEngine(con)
+        engine.run(f"SET memory_limit = '{_memory(spec.memory)}'")
+        engine.run(f"SET temp_directory = '{work / 'spill'}'")
+        engine.run("SET preserve_insertion_order = false")
         if spec.threads:
-            _run(con, f"SET threads = {int(spec.threads)}")
+            engine.run(f"SET threads = {int(spec.threads)}")
         _load(con, log, lambda n: report_progress("read", n, log.total_rows))
-        report = _filter_and_count(con, spec, log)
-        rule = _split_rule(con, spec, report)
+        report = filter_and_count(engine, spec)
+        rule = split_rule(engine, spec, report)
         result = _write(con, spec, out_fs, out_base, rule, report, report_progress)
-        _write_vocab(con, out_fs, out_base)
+        write_vocab(engine, out_fs, out_base)
     except duckdb.OutOfMemoryException as exc:
         raise DataError(f"prepare: --memory {spec.memory} is too small for the engine ({str(exc).splitlines()[0]}); "
                         "give it more") from None
@@ -164,16 +190,8 @@ def prepare(spec: PrepareSpec, progress: Callable[[str, int, int | None], None] 
         if con is not None:
             con.close()
         shutil.rmtree(work, ignore_errors=True)
-    report.samples = {"train": result.train_samples, "eval": result.eval_samples}
-    report.bytes_written = result.bytes_written
-    report.wall_s = time.perf_counter() - start
-    _write_manifest(out_fs, out_base, spec, log, report, result)
+    finish(out_fs, out_base, spec, len(log.files), report, result, start)
     return report
-
-
-def _run(con: Any, statement: str) -> None:
-    """A statement with no rows to read (DuckDB wants every result finished before the next)."""
-    con.execute(statement).fetchall()
 
 
 def _memory(text: str) -> str:
@@ -184,7 +202,7 @@ def _memory(text: str) -> str:
     return text.strip()
 
 
-def _output_dir(spec: PrepareSpec) -> tuple[pafs.FileSystem, str]:
+def output_dir(spec: PrepareSpec) -> tuple[pafs.FileSystem, str]:
     """The output directory, made; with ``overwrite`` an old dataset's manifest goes first (so a run that
     fails midway never leaves it pointing at half-new files), then the files it listed."""
     fs, base = resolve(spec.out)
@@ -233,7 +251,7 @@ def _load(con: Any, log: InteractionLog, on_rows: Callable[[int], None]) -> None
     )
     con.register("normalized_log", reader)
     try:
-        _run(con, "CREATE TABLE log AS SELECT * FROM normalized_log")
+        DuckEngine(con).run("CREATE TABLE log AS SELECT * FROM normalized_log")
     except Exception:
         if failure:
             raise failure[0] from None
@@ -243,13 +261,14 @@ def _load(con: Any, log: InteractionLog, on_rows: Callable[[int], None]) -> None
         pool.release_unused()  # from this thread too: it reaches pages the engine's threads freed
 
 
-def _filter_and_count(con: Any, spec: PrepareSpec, log: InteractionLog) -> PrepareReport:
+def filter_and_count(engine: Engine, spec: PrepareSpec) -> PrepareReport:
+    """The filters and vocabularies (tables in the engine), counted; a log that keeps nothing is an error."""
     filters = sql.Filters(spec.min_item_count, spec.min_user_count, spec.seed)
     for statement in sql.vocabulary_statements(filters):
-        _run(con, statement)
+        engine.run(statement)
     names = ["interactions", "rows_rare_items", "rare_items", "rows_rare_users", "rare_users",
              "kept", "users", "items", "positives"]
-    counts = dict(zip(names, (int(v or 0) for v in con.execute(sql.counts_query(filters)).fetchall()[0])))
+    counts = dict(zip(names, (int(v or 0) for v in engine.rows(sql.counts_query(filters))[0])))
     if counts["interactions"] == 0:
         raise DataError(f"{spec.input}: the log has no rows")
     c = spec.columns
@@ -270,12 +289,12 @@ def _filter_and_count(con: Any, spec: PrepareSpec, log: InteractionLog) -> Prepa
     )
 
 
-def _split_rule(con: Any, spec: PrepareSpec, report: PrepareReport) -> SplitRule:
+def split_rule(engine: Engine, spec: PrepareSpec, report: PrepareReport) -> SplitRule:
     kind, value = parse_split(spec.split)
     if kind == "leave-last-out":
         return SplitRule("leave-last-out")
     if kind == "time-quantile":
-        cut = int(con.execute(sql.time_quantile_query(float(value))).fetchall()[0][0])
+        cut = int(engine.rows(sql.time_quantile_query(float(value)))[0][0])
     else:
         cut = time_cut(value)
     report.time_cut = cut
@@ -298,18 +317,23 @@ def _write(con: Any, spec: PrepareSpec, fs: pafs.FileSystem, base: str, rule: Sp
         raise
 
 
-def _write_vocab(con: Any, fs: pafs.FileSystem, base: str) -> None:
+def write_vocab(engine: Engine, fs: pafs.FileSystem, base: str) -> None:
     for feature in ("user_id", "item_id"):
-        table = con.sql(sql.vocab_query(feature)).to_arrow_table()
-        pq.write_table(table, f"{base}/vocab/{feature}.parquet", filesystem=fs)
+        pq.write_table(engine.arrow(sql.vocab_query(feature)), f"{base}/vocab/{feature}.parquet", filesystem=fs)
 
 
-def _write_manifest(fs: pafs.FileSystem, base: str, spec: PrepareSpec, log: InteractionLog,
-                    report: PrepareReport, result: WriteResult) -> None:
+def finish(fs: pafs.FileSystem, base: str, spec: PrepareSpec, files_read: int | None, report: PrepareReport,
+           result: WriteResult, start: float, engine: str = "duckdb") -> None:
+    """The report completed from what was written, then the manifest (last: it makes the dataset)."""
+    report.samples = {"train": result.train_samples, "eval": result.eval_samples}
+    report.bytes_written = result.bytes_written
+    report.wall_s = time.perf_counter() - start
     params = {k: v for k, v in asdict(spec).items() if k not in ("columns", "overwrite", "work_dir", "threads")}
     params["columns"] = {k: v for k, v in asdict(spec.columns).items() if v not in (None, ())}
     params["label_rule"] = spec.columns.label_rule
-    params["files_read"] = len(log.files)
+    params["engine"] = engine
+    if files_read is not None:
+        params["files_read"] = files_read
     report_fields = asdict(report)
     manifest = DatasetManifest(
         num_items=report.items, num_users=report.users, dense_dim=len(spec.columns.dense),

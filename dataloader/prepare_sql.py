@@ -9,9 +9,8 @@ The statements are plain SQL on purpose: DuckDB runs them in process within a
 memory bound (it spills joins, aggregates and the sort to ``temp_directory``),
 and the same text runs on Spark SQL for a log that outgrows one machine
 (``hash(x, seed)``, ``row_number() OVER``, ``count(*)`` and ``ORDER BY`` mean
-the same there, with two differences the README's cluster recipe names: Spark's
-``hash`` is another function (users are stored in another order) and its quantile
-is ``percentile``).  Two filters, in this
+the same there, but Spark's ``hash`` is another function, so users are stored in
+another order; ``prepare_spark.py`` runs them there).  Two filters, in this
 order, each counted: items seen fewer than ``min_item_count`` times, then users
 left with fewer than ``min_user_count`` interactions (one pass each, not an
 iterated k-core).  Item ids are dense in frequency order (id 0 is the most
@@ -65,6 +64,23 @@ def counts_query(f: Filters) -> str:
     """
 
 
+def kept_query(dense_dim: int) -> str:
+    """Every kept interaction with its dense ids, in no order."""
+    return _kept(dense_dim)
+
+
+def sequence_order(dense_dim: int) -> list[str]:
+    """The output's sort key: by user, oldest first at the time's own resolution (``ts_fine``, so the
+    order within a second is kept); ties broken by every column, so the output does not depend on the
+    input's file or row order."""
+    return ["user_id", "ts_fine", "item_id", "label", *(f"d{i}" for i in range(dense_dim))]
+
+
+def sequence_columns(dense_dim: int) -> list[str]:
+    """What the sequence writer takes, in its order."""
+    return ["user_id", "item_id", "ts", "label", *(f"d{i}" for i in range(dense_dim))]
+
+
 def _kept(dense_dim: int) -> str:
     dense = "".join(f", l.d{i}" for i in range(dense_dim))
     return f"""SELECT u.user_id, v.item_id, l.ts, l.ts_fine, l.label{dense}
@@ -73,16 +89,13 @@ def _kept(dense_dim: int) -> str:
 
 def time_quantile_query(q: float) -> str:
     """The ``q`` quantile of the kept interactions' timestamps (a cut that keeps ``q`` for training)."""
-    return f"SELECT quantile_disc(ts, {q}) FROM ({_kept(0)})"
+    return f"SELECT percentile_disc({q}) WITHIN GROUP (ORDER BY ts) FROM ({_kept(0)})"
 
 
 def sequences_query(dense_dim: int) -> str:
-    """The kept interactions ``(user_id, item_id, ts, label, d0, ...)``, each user's contiguous and
-    oldest first (by the time at its own resolution, ``ts_fine``: the order within a second is
-    kept); ties broken by every column, so the output does not depend on the input's file or row order."""
-    dense = "".join(f", d{i}" for i in range(dense_dim))
-    return (f"SELECT user_id, item_id, ts, label{dense} FROM ({_kept(dense_dim)}) "
-            f"ORDER BY user_id, ts_fine, item_id, label{dense}")
+    """The kept interactions (``sequence_columns``) in ``sequence_order``: each user's contiguous."""
+    return (f"SELECT {', '.join(sequence_columns(dense_dim))} FROM ({_kept(dense_dim)}) "
+            f"ORDER BY {', '.join(sequence_order(dense_dim))}")
 
 
 def vocab_query(feature: str) -> str:

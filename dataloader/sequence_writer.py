@@ -55,8 +55,10 @@ class WriteResult:
 class SequenceWriter:
     def __init__(
         self, fs: pafs.FileSystem, base: str, *, dense_dim: int, rule: SplitRule,
-        row_group_interactions: int = 4_096, file_interactions: int = 16_777_216,
+        row_group_interactions: int = 4_096, file_interactions: int = 16_777_216, file_prefix: str = "users",
     ) -> None:
+        self.file_prefix = file_prefix
+        """Files are ``{file_prefix}-{n:05d}.parquet`` (writers of one dataset in parallel: one prefix each)."""
         self.fs, self.base, self.dense_dim, self.rule = fs, base.rstrip("/"), dense_dim, rule
         self.row_group_interactions = row_group_interactions
         self.file_interactions = file_interactions
@@ -137,7 +139,7 @@ class SequenceWriter:
         if self._writer is None or self._in_file >= self.file_interactions:
             if self._writer is not None:
                 self._writer.close()
-            name = f"users-{len(self.result.files):05d}.parquet"
+            name = f"{self.file_prefix}-{len(self.result.files):05d}.parquet"
             self.result.files.append(name)
             self._writer = pq.ParquetWriter(f"{self.base}/{name}", self.schema, filesystem=self.fs)
             self._in_file = 0

@@ -40,6 +40,11 @@ def add_parsers(sub: Any, as_int: Any, as_float: Any) -> None:
     prep.add_argument("--row-group-interactions", type=as_int, default=4_096, help="interactions per Parquet row group (default 4096)")
     prep.add_argument("--seed", type=as_int, default=0, help="storage order of users (a seeded hash)")
     prep.add_argument("--overwrite", action="store_true", help="replace a dataset already at --out")
+    prep.add_argument("--engine", default="duckdb", choices=["duckdb", "spark"],
+                      help="duckdb (default: in this process, within --memory) or spark (the SparkSession of "
+                           "spark-submit or a local one; --out must be reachable by every executor)")
+    prep.add_argument("--partitions", type=as_int, default=0,
+                      help="with --engine spark: parallel writers (default: Spark's default parallelism)")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when stderr is not a terminal)")
 
     gen = sub.add_parser("gen-log", help="write a MovieLens-shaped interaction log with a learnable signal")
@@ -80,12 +85,28 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         threads=args.threads, work_dir=args.work_dir, seed=args.seed,
         row_group_interactions=args.row_group_interactions, overwrite=args.overwrite,
     )
-    with _Progress(enabled=not args.no_progress and sys.stderr.isatty()) as progress:
-        report = prepare(spec, progress.advance)
+    if args.engine == "spark":
+        report = _prepare_on_spark(spec, args.partitions)
+    else:
+        with _Progress(enabled=not args.no_progress and sys.stderr.isatty()) as progress:
+            report = prepare(spec, progress.advance)
     print(f"prepared {args.input} -> {args.out} (format 2: one row per user; label {columns.label_rule}; "
           f"split {args.split}{'' if report.time_cut is None else f', cut at {report.time_cut} s'})")
     print_table(report.rows(), ["what", "count"], align="left")
     return 0
+
+
+def _prepare_on_spark(spec: Any, partitions: int) -> Any:
+    from freescale.dataloader.schema import DataError
+
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise DataError("--engine spark needs pyspark: pip install 'freescale[spark]'") from None
+    from freescale.dataloader.prepare_spark import prepare_on_spark
+
+    spark = SparkSession.builder.appName("freescale prepare").getOrCreate()
+    return prepare_on_spark(spark, spec, partitions=partitions)
 
 
 class _Progress:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -262,6 +263,17 @@ def test_cli_prepares_a_generated_log_and_prints_the_summary(tmp_path: Path, cap
     manifest = json.loads((tmp_path / "ml" / "dataset.json").read_text())
     assert manifest["samples"]["eval"] == manifest["num_users"] == 200
     assert main(argv) == 2 and "already holds a dataset" in capsys.readouterr().err
+
+
+def test_engine_spark_without_pyspark_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pyspark", None)  # as where it is not installed (CI)
+    monkeypatch.setitem(sys.modules, "pyspark.sql", None)
+    code = main(["prepare", "x.csv", "--out", str(tmp_path / "o"), "--user", "u", "--item", "i", "--time", "t",
+                 "--engine", "spark"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "freescale: error: --engine spark needs pyspark: pip install 'freescale[spark]'"]
 
 
 def test_a_skipped_user_with_lists_of_other_lengths_shifts_no_other_users_values(tmp_path: Path) -> None:
