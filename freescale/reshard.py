@@ -1,0 +1,292 @@
+"""Checkpoint state whose every tensor means the same thing under any sharding plan.
+
+torchrec's state is almost plan-independent already: a table's weight is a
+``ShardedTensor`` of its logical shape ``[rows, dim]`` whatever the plan (table-,
+row-, column- or table-row-wise), and DCP reshards it on load.  The exception is
+the fused optimizer's *row-wise* state (row-wise Adagrad's ``momentum1``): fbgemm
+keeps one value per row *per column shard*, and torchrec lays a column-sharded
+table's values end to end, a tensor of ``rows x shards``, whose meaning depends on
+the plan (a checkpoint with 2 column shards does not load into 1).
+
+So a checkpoint stores each row-wise state as its *fragments*: a ``[rows, S]``
+tensor, column ``j`` the values of the ``j``-th column range of the plan that saved
+it (``S = 1`` unless the table was split by columns), with the ranges in the
+checkpoint's metadata (``RowwiseLayout``).  Saving costs no communication (each
+rank writes its shards as they are); loading reads, for each local shard of the new
+plan, the rows it holds of every saved column range, and combines them:
+
+- **exact** when each saved range that overlaps the new shard's columns lies inside
+  it: row-wise Adagrad adds, each step, the mean over the shard's columns of the
+  squared gradient, so the value of a union of column ranges is the width-weighted
+  mean of their values (same plan, merging column shards, any change of rows);
+- **approximate** when the new plan splits a saved range: the per-column values are
+  gone, and each part takes the range's value (the width-weighted mean of the
+  overlaps in general), as if its squared gradients were spread evenly over its
+  columns.  ``load`` returns a note for each table where this happened.
+
+Everything else (weights, pointwise optimizer state, dense parameters and AdamW
+moments) goes through DCP untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed._shard.sharded_tensor import init_from_local_shards
+
+ROWWISE = "rowwise"
+"""The app-state key of the row-wise optimizer state's fragments."""
+
+
+class LayoutError(ValueError):
+    """A table's state cannot be mapped between plans (names the table)."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """A shard's logical rows ``[r0, r1)`` and columns ``[c0, c1)`` of its table."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+
+
+@dataclass(frozen=True)
+class RowwiseLayout:
+    """How one table's row-wise state was cut: its rows, width and the column ranges' cut points."""
+
+    rows: int
+    dim: int
+    cuts: tuple[int, ...]
+    """``0 = cuts[0] < ... < cuts[S] = dim``: column range ``j`` is ``[cuts[j], cuts[j+1])``."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rows": self.rows, "dim": self.dim, "cuts": list(self.cuts)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RowwiseLayout:
+        return cls(int(data["rows"]), int(data["dim"]), tuple(int(c) for c in data["cuts"]))
+
+
+def _spans_of_weight(weight: ShardedTensor, name: str) -> tuple[list[Span], bool]:
+    """Every shard of a table weight (global metadata order) and whether the table is split by columns."""
+    spans = [Span(m.shard_offsets[0], m.shard_offsets[0] + m.shard_sizes[0],
+                  m.shard_offsets[1], m.shard_offsets[1] + m.shard_sizes[1]) for m in weight.metadata().shards_metadata]
+    rows, dim = weight.size()
+    by_columns = any(s.c0 != 0 or s.c1 != dim for s in spans)
+    if by_columns and any(s.r0 != 0 or s.r1 != rows for s in spans):
+        raise LayoutError(f"table '{name}': split by rows and by columns at once (grid sharding): its row-wise "
+                          "optimizer state has no plan-independent form here yet; constrain its sharding type")
+    return spans, by_columns
+
+
+def _optimizer_spans(weight: ShardedTensor, name: str) -> dict[int, Span]:
+    """torchrec's row-wise state layout: the offset of each weight shard's values in the 1-D state tensor
+    (rows end to end in column order for a column-split table, the shard's row offset otherwise)."""
+    spans, by_columns = _spans_of_weight(weight, name)
+    if not by_columns:
+        return {s.r0: s for s in spans}
+    ordered = sorted(spans, key=lambda s: s.c0)
+    return {i * (s.r1 - s.r0): s for i, s in enumerate(ordered)}
+
+
+def layout_of(weight: ShardedTensor, name: str) -> RowwiseLayout:
+    spans, _ = _spans_of_weight(weight, name)
+    rows, dim = weight.size()
+    return RowwiseLayout(int(rows), int(dim), tuple(sorted({s.c0 for s in spans} | {int(dim)})))
+
+
+def is_rowwise_state(state: Any, weight: Any) -> bool:
+    """A fused optimizer's row-wise state of a sharded table (1-D, a multiple of the table's rows)."""
+    return (isinstance(state, ShardedTensor) and isinstance(weight, ShardedTensor) and state.dim() == 1
+            and weight.dim() == 2 and state.size(0) % weight.size(0) == 0)
+
+
+def fragments(state: ShardedTensor, weight: ShardedTensor, name: str,
+              group: Any = None) -> tuple[ShardedTensor, RowwiseLayout]:
+    """Collective over ``group`` (default: the default group): ``state`` (torchrec's row-wise layout) as the logical
+    ``[rows, S]`` fragments tensor, each local shard a view of the live state (nothing copied)."""
+    layout = layout_of(weight, name)
+    where = _optimizer_spans(weight, name)
+    local = []
+    for shard in state.local_shards():
+        span = where.get(int(shard.metadata.shard_offsets[0]))
+        if span is None:
+            raise LayoutError(f"table '{name}': a row-wise state shard at offset {shard.metadata.shard_offsets[0]} "
+                              "matches no shard of the table")
+        column = layout.cuts.index(span.c0)
+        local.append(Shard(shard.tensor.view(-1, 1), ShardMetadata(
+            shard_offsets=[span.r0, column], shard_sizes=[span.r1 - span.r0, 1], placement=shard.metadata.placement)))
+    return init_from_local_shards(local, layout.rows, len(layout.cuts) - 1, process_group=group), layout
+
+
+def destination(state: ShardedTensor, weight: ShardedTensor, saved: RowwiseLayout, name: str) -> ShardedTensor:
+    """Where DCP reads the saved fragments to: on this rank, the rows of each local shard of ``state`` (the
+    new plan's), every saved column range.  Ranks may want the same rows (every column shard of a table
+    needs all of them), which a ShardedTensor built collectively forbids, so it is built from this rank's
+    metadata alone (as torchrec builds its own): the rows this rank does not want are declared on another
+    rank, and DCP, which reads each rank's local shards on their own, never reads them."""
+    where = _optimizer_spans(weight, name)
+    rows, dim = weight.size()
+    if (saved.rows, saved.dim) != (rows, dim):
+        raise LayoutError(f"table '{name}': the checkpoint's is {saved.rows} x {saved.dim}, this model's {rows} x {dim}")
+    ranges = sorted({(where[int(s.metadata.shard_offsets[0])].r0, where[int(s.metadata.shard_offsets[0])].r1)
+                     for s in state.local_shards()})
+    width = len(saved.cuts) - 1
+    mine = state.local_shards()[0].metadata.placement
+    elsewhere = f"rank:{(dist.get_rank() + 1) % dist.get_world_size()}/{mine.device()}" if dist.is_initialized() else None
+    local, declared, row = [], [], 0
+    for r0, r1 in ranges:
+        if r0 > row:
+            declared.append(ShardMetadata(shard_offsets=[row, 0], shard_sizes=[r0 - row, width], placement=elsewhere))
+        meta = ShardMetadata(shard_offsets=[r0, 0], shard_sizes=[r1 - r0, width], placement=mine)
+        local.append(Shard(torch.zeros(r1 - r0, width, dtype=state.dtype), meta))
+        declared.append(meta)
+        row = r1
+    if row < rows:
+        declared.append(ShardMetadata(shard_offsets=[row, 0], shard_sizes=[rows - row, width], placement=elsewhere))
+    global_meta = ShardedTensorMetadata(
+        shards_metadata=declared, size=torch.Size([rows, width]),
+        tensor_properties=TensorProperties(dtype=state.dtype, layout=torch.strided, requires_grad=False))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_meta)
+
+
+def fill(state: ShardedTensor, weight: ShardedTensor, read: ShardedTensor, saved: RowwiseLayout, name: str) -> None:
+    """Write the new plan's local row-wise values from the saved fragments ``read`` (``destination``, loaded)."""
+    where = _optimizer_spans(weight, name)
+    rows_of = {int(s.metadata.shard_offsets[0]): s.tensor for s in read.local_shards()}
+    for shard in state.local_shards():
+        span = where[int(shard.metadata.shard_offsets[0])]
+        weights, _ = column_weights(saved.cuts, span.c0, span.c1)
+        values = rows_of[span.r0].to(torch.float64) @ torch.from_numpy(weights)
+        shard.tensor.view(-1).copy_(values.to(shard.tensor.dtype))
+
+
+def approximation(weight: ShardedTensor, saved: RowwiseLayout, name: str) -> str | None:
+    """A note when this plan splits one of the saved column ranges of the table (the same on every rank:
+    from the plan's global metadata), else None."""
+    spans, _ = _spans_of_weight(weight, name)
+    if all(column_weights(saved.cuts, s.c0, s.c1)[1] for s in spans):
+        return None
+    now = sorted({s.c0 for s in spans} | {saved.dim})
+    return (f"table '{name}': columns cut at {now}, the checkpoint's at {list(saved.cuts)}: each new column "
+            "shard's row-wise optimizer state is the width-weighted mean of the saved ranges it overlaps "
+            "(approximate where a saved range is split)")
+
+
+def column_weights(cuts: tuple[int, ...], c0: int, c1: int) -> tuple[np.ndarray, bool]:
+    """Weights over the saved column ranges giving the value of columns ``[c0, c1)``: each range's
+    overlap over the width; exact when every overlapping range lies inside ``[c0, c1)``."""
+    lo, hi = np.asarray(cuts[:-1]), np.asarray(cuts[1:])
+    overlap = np.clip(np.minimum(hi, c1) - np.maximum(lo, c0), 0, None).astype(np.float64)
+    exact = bool(np.all((overlap == 0) | ((lo >= c0) & (hi <= c1))))
+    return overlap / (c1 - c0), exact
+
+
+def _table_name(param_key: str) -> str:
+    """``...embedding_bags.<table>.weight`` -> ``<table>``."""
+    parts = param_key.split(".")
+    return parts[-2] if len(parts) >= 2 else param_key
+
+
+def to_logical(model: dict[str, Any], optim: dict[str, Any],
+               group: Any = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Collective over ``group`` (default: the default group).  The app state DCP writes (``model``;
+    ``optim`` without its row-wise states, which move to ``ROWWISE`` as fragments) and each row-wise
+    state's layout (for the checkpoint's metadata).  ``optim`` is changed in place.  A rank holding no
+    shard of a table has no optimizer state for it, so the ranks first agree on the list."""
+    states = optim.get("state", {})
+    mine = sorted((p, k) for p, entries in states.items() for k, v in entries.items() if is_rowwise_state(v, model.get(p)))
+    everyone: list[Any] = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, mine, group=group)
+    else:
+        everyone = [mine]
+    pieces: dict[str, ShardedTensor] = {}
+    layouts: dict[str, dict[str, Any]] = {}
+    for param_key, state_key in sorted({tuple(k) for keys in everyone for k in keys}):
+        weight, name = model[param_key], _table_name(param_key)
+        state = states.get(param_key, {}).pop(state_key, None)
+        key = f"{param_key}/{state_key}"
+        if state is None:
+            pieces[key], layout = _no_fragments(weight, name, group)
+        else:
+            pieces[key], layout = fragments(state, weight, name, group)
+        layouts[key] = layout.to_json()
+    return _app_state(model, _without_empty(optim), pieces), layouts
+
+
+def _app_state(model: dict[str, Any], optim: dict[str, Any], rowwise: dict[str, Any]) -> dict[str, Any]:
+    """What DCP saves or loads; an empty part left out (DCP saves nothing for it, then asks for it on load)."""
+    parts = {"model": model, "optim": optim, ROWWISE: rowwise}
+    return {k: v for k, v in parts.items() if v}
+
+
+def _without_empty(tree: Any) -> Any:
+    """``tree`` without the containers the row-wise states left empty (DCP refuses an empty one), sharing
+    every leaf."""
+    if isinstance(tree, dict):
+        kept = {k: _without_empty(v) for k, v in tree.items()}
+        return {k: v for k, v in kept.items() if not (isinstance(v, (dict, list)) and not v)}
+    if isinstance(tree, list):
+        return [_without_empty(v) for v in tree]
+    return tree
+
+
+def _merge_back(tree: Any, loaded: Any) -> None:
+    """Copy ``loaded``'s leaves into ``tree`` where ``_without_empty(tree)`` put them."""
+    keys = loaded.keys() if isinstance(loaded, dict) else range(len(loaded))
+    for k in keys:
+        if isinstance(loaded[k], (dict, list)):
+            _merge_back(tree[k], loaded[k])
+        else:
+            tree[k] = loaded[k]
+
+
+def _no_fragments(weight: ShardedTensor, name: str, group: Any) -> tuple[ShardedTensor, RowwiseLayout]:
+    """This rank's part of ``fragments`` for a table it holds no shard of."""
+    layout = layout_of(weight, name)
+    return init_from_local_shards([], layout.rows, len(layout.cuts) - 1, process_group=group), layout
+
+
+def load_logical(load: Any, model: dict[str, Any], optim: dict[str, Any],
+                 layouts: dict[str, dict[str, Any]]) -> list[str]:
+    """Fill ``model`` and ``optim`` (this plan's state dicts) from a checkpoint saved by ``to_logical``
+    under any plan: ``load(app_state)`` is DCP's load of that checkpoint.  The notes name every table
+    whose row-wise state was approximated (module docstring)."""
+    pending = []
+    reads: dict[str, ShardedTensor] = {}
+    for param_key, states in optim.get("state", {}).items():
+        weight = model.get(param_key)
+        for state_key in [k for k, v in states.items() if is_rowwise_state(v, weight)]:
+            key, name = f"{param_key}/{state_key}", _table_name(param_key)
+            if key not in layouts:
+                raise LayoutError(f"table '{name}': the checkpoint holds no row-wise optimizer state for it")
+            saved = RowwiseLayout.from_json(layouts[key])
+            state = states.pop(state_key)
+            pending.append((states, state_key, state, weight, key, saved, name))
+            if state.local_shards():  # DCP reads only what a rank asks for: ranks without the table ask nothing
+                reads[key] = destination(state, weight, saved, name)
+    pruned = _without_empty(optim)
+    load(_app_state(model, pruned, reads))
+    _merge_back(optim, pruned)  # DCP replaces non-tensor values (steps, learning rates) in the dict it is given
+    notes = []
+    for states, state_key, state, weight, key, saved, name in pending:
+        if key in reads:
+            fill(state, weight, reads[key], saved, name)
+        note = approximation(weight, saved, name)
+        if note:
+            notes.append(note)
+        states[state_key] = state
+    return notes
+
+
+__all__ = ["ROWWISE", "LayoutError", "RowwiseLayout", "column_weights", "load_logical", "to_logical"]
