@@ -21,12 +21,14 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ModuleSharder, ShardedModule, ShardingEnv
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
-from freescale.config import require
+from freescale.config import ConfigError, require
 from freescale.distributed import DistContext
+
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
 
 _SPARSE_OPTIMIZERS = {
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -41,8 +43,26 @@ class OptimConfig:
     sparse_optimizer: Literal["rowwise_adagrad", "sgd"] = "rowwise_adagrad"
     sparse_lr: float = 0.05
     sparse_eps: float = 1e-8
+    sharding: str = ""
+    """torchrec sharding types: empty lets torchrec's planner choose; one type for every table
+    (``table_wise``, ``row_wise``, ``column_wise``, ``table_row_wise``, ``table_column_wise``), or
+    ``item_table=column_wise,user_table=table_wise``.  A checkpoint resumes under any of them (reshard.py)."""
+    column_shard_min_dim: int = 0
+    """Narrowest column shard torchrec may cut (``min_partition``); 0: torchrec's default."""
+
+    def sharding_types(self) -> dict[str, str]:
+        """``{table or "*": type}`` from ``sharding``."""
+        found: dict[str, str] = {}
+        for item in (part.strip() for part in self.sharding.split(",") if part.strip()):
+            table, _, kind = item.rpartition("=")
+            found[table.strip() or "*"] = kind.strip()
+        return found
 
     def validate(self) -> None:
+        for table, kind in self.sharding_types().items():
+            require(kind in SHARDING_TYPES, "sharding", f"'{kind}' for {table if table != '*' else 'every table'} "
+                    f"is not one of {', '.join(SHARDING_TYPES)}")
+        require(self.column_shard_min_dim >= 0, "column_shard_min_dim", "must be >= 0")
         require(self.dense_lr > 0, "dense_lr", f"must be positive, got {self.dense_lr}")
         require(self.sparse_lr > 0, "sparse_lr", f"must be positive, got {self.sparse_lr}")
         require(self.dense_weight_decay >= 0, "dense_weight_decay", "must be >= 0")
@@ -75,12 +95,27 @@ def shard_model(
     topology = Topology(
         world_size=ctx.world_size, compute_device=ctx.device.type, local_world_size=ctx.local_world_size
     )
-    planner = EmbeddingShardingPlanner(topology=topology)
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=_constraints(model, cfg))
     plan = planner.collective_plan(model, module_sharders, dist.GroupMember.WORLD)
     wrapper = None if data_parallel else NoDataParallel()
     return DistributedModelParallel(
         model, device=ctx.device, plan=plan, sharders=module_sharders, data_parallel_wrapper=wrapper
     )
+
+
+def _constraints(model: nn.Module, cfg: OptimConfig) -> dict[str, ParameterConstraints] | None:
+    """``optim.sharding`` as torchrec planner constraints (fused kernels: the fused optimizer holds the state)."""
+    kinds = cfg.sharding_types()
+    if not kinds and not cfg.column_shard_min_dim:
+        return None
+    tables = [t.name for m in model.modules() if hasattr(m, "embedding_bag_configs") or hasattr(m, "embedding_configs")
+              for t in (m.embedding_bag_configs() if hasattr(m, "embedding_bag_configs") else m.embedding_configs())]
+    unknown = sorted(set(kinds) - set(tables) - {"*"})
+    if unknown:
+        raise ConfigError(f"optim.sharding: no table named {unknown[0]!r} (the model has {', '.join(sorted(tables))})")
+    extra = {"min_partition": cfg.column_shard_min_dim} if cfg.column_shard_min_dim else {}
+    return {t: ParameterConstraints(sharding_types=[kinds[t]] if t in kinds else [kinds["*"]] if "*" in kinds else None,
+                                    compute_kernels=["fused"], **extra) for t in tables}
 
 
 def dense_named_parameters(dmp: DistributedModelParallel) -> dict[str, nn.Parameter]:

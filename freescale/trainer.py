@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from freescale import checkpoint
+from freescale import checkpoint, reshard
 from freescale.components import Components, TrainConfig, TrainerConfig, build, prepare
 from freescale.config import to_dict
 from freescale.dataloader.loader import build_loader
@@ -247,9 +247,9 @@ class Trainer:
             return None
         start = time.perf_counter()
         done = commit.step + 1
-        state = {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
+        state, layouts = reshard.to_logical(parts.dmp.state_dict(), parts.optimizer.state_dict())
         meta = {"data": parts.feed.state_dict(), "world_size": parts.ctx.world_size, "config": to_dict(self.cfg),
-                "ft": {"replicas": parts.groups}}
+                "ft": {"replicas": parts.groups}, "layouts": layouts}
         path = checkpoint.save(self._checkpoint_root, done, state, meta, keep=self.cfg.checkpoint.keep)
         log.write("checkpoint", step=done, path=str(path), seconds=time.perf_counter() - start)
         return path
@@ -269,21 +269,37 @@ class Trainer:
             return 0
         materialize_optimizer_state(parts.optimizer)
         state = {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
-        meta = checkpoint.load(path, state)
+        meta = checkpoint.read_meta(path)
         saved = (meta.get("ft") or {}).get("replicas", 1)
         if saved != parts.groups or meta.get("world_size") != parts.ctx.world_size:
             raise checkpoint.CheckpointError(
                 f"{path}: saved by {saved} replica group(s) of {meta.get('world_size')} rank(s); this run has "
                 f"{parts.groups} of {parts.ctx.world_size} (the data plan would differ)")
+        notes = self._load_state(path, meta, state)
         parts.dmp.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optim"])
         step = int(meta["step"])
         data = meta["data"]
         parts.feed.load_state_dict(data if "loader" in data else {"loader": data, "next": step, "ready": [0],
                                                                   "plans": []})
-        log.write("resume", step=step, path=str(path))
+        log.write("resume", step=step, path=str(path), conversions=notes)
         self._say(parts.ctx, f"resumed from {path} at step {step}")
+        for note in notes:
+            self._say(parts.ctx, f"  {note}")
         return step
+
+    @staticmethod
+    def _load_state(path: Path, meta: dict[str, Any], state: dict[str, Any]) -> list[str]:
+        """Fill ``state`` (this plan's model and optimizer state dicts) from the checkpoint, whatever plan
+        wrote it (``reshard``); the notes name each table whose optimizer state was approximated."""
+        if "layouts" not in meta:  # written before logical checkpoints: loads into the same plan only
+            checkpoint.load(path, state)
+            return []
+        try:
+            return reshard.load_logical(lambda app: checkpoint.load(path, app), state["model"], state["optim"],
+                                        meta["layouts"])
+        except reshard.LayoutError as exc:
+            raise checkpoint.CheckpointError(f"{path}: {exc}") from None
 
     def _agreed_latest(self, parts: Components) -> Path | None:
         """The latest complete checkpoint, the same on every rank of the group (an in-group all-reduce:

@@ -78,9 +78,12 @@ def test_single_process_train_without_torchrun(tiny_data: Path, tmp_path: Path) 
     again = run_cli(
         "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
         f"--train.output_dir={tmp_path}", "--train.steps=8", "--train.log_every=4", "--resume",
+        "--optim.sharding=column_wise", "--optim.column_shard_min_dim=8",  # another plan: tables cut in two
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "3 (from step 5)" in again.stdout
+    # The table-wise checkpoint's row-wise Adagrad state split into column shards: said, not hidden.
+    assert "table 'item_table': columns cut at [0, 8, 16]" in again.stdout, again.stdout
 
 
 def test_unknown_flag_is_named_wherever_it_sits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
