@@ -48,6 +48,7 @@ from freescale.dataloader.cost import CostModel
 from freescale.dataloader.balance_kernels import warm_up
 from freescale.dataloader.partition import Parts, check_size
 from freescale.dataloader.planner import BatchPlanner, EpochOrder, StepPlan
+from freescale.dataloader.reshape import SHAPE_KEYS, remainder, shape_of
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, SEQUENCE_FORMAT_VERSION, USER_ID, DataError, DatasetManifest,
 )
@@ -191,6 +192,8 @@ class BalancedLoader:
         self.dense_dim = source.manifest.dense_dim
         self._live = self._check_ranks(live_ranks)
         self.epoch, self.step = 0, 0
+        self._reshaped_from: tuple[int, dict[str, Any]] | None = None
+        """(epoch, the state of another shape whose remainder that epoch trains)."""
         self.last: StepInfo | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -236,7 +239,7 @@ class BalancedLoader:
                 raise item.exc
         plan_info, batch = item
         self.last = StepInfo(**plan_info, wait_s=time.perf_counter() - start)
-        self.epoch, self.step = _advance(self.epoch, self.step, self.steps_per_epoch)
+        self.epoch, self.step = self._advance(self.epoch, self.step)
         # Carry of consumed steps is spent; the producer only reads the carry.
         self.planner.forget_carry_before(self.epoch, self.step)
         return batch
@@ -276,7 +279,7 @@ class BalancedLoader:
         self._halt()
         live = tuple(sorted(set(live_ranks)))
         plan = self.planner.plan(self.epoch, self.step, live)
-        self.epoch, self.step = _advance(self.epoch, self.step, self.steps_per_epoch)
+        self.epoch, self.step = self._advance(self.epoch, self.step)
         self.planner.forget_carry_before(self.epoch, self.step)
         return plan
 
@@ -295,27 +298,53 @@ class BalancedLoader:
 
     # ----- position ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "epoch": self.epoch, "step": self.step, "global_batch_size": self.global_batch_size,
             "window": self._window_state_for_position(), "skipped": dict(self.source.skipped),
             "cost_model": [self.planner.cost_model.quadratic, self.planner.cost_model.linear,
                            self.planner.cost_model.constant],
             "carry": self.planner.carry_state(self.epoch, self.step),
+            "shape": shape_of(self.planner, self.max_seq_len),
         }
+        if self._reshaped_from is not None and self._reshaped_from[0] == self.epoch:
+            state["reshaped_from"] = self._reshaped_from[1]  # this epoch is still the remainder it defined
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state["global_batch_size"]) != self.global_batch_size:
-            raise DataError(
-                f"{self.source.uri}: the checkpoint's global batch is {state['global_batch_size']}, this run's is "
-                f"{self.global_batch_size}; resuming would skip or repeat samples"
-            )
+        """Resume at ``state``'s position.  Saved by a loader of another shape (global batch, ranks'
+        window, partitioner ...: ``reshape.py``), the rest of its epoch is trained as this epoch's
+        remainder, every sample once."""
         self._halt()
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
         if "cost_model" in state:
             self.planner.set_cost_model(CostModel(*state["cost_model"]), 0, 0)
+        self.source.skipped.update(state.get("skipped", {}))
+        mine = shape_of(self.planner, self.max_seq_len)
+        if "shape" in state and any(state["shape"].get(k) != mine[k] for k in SHAPE_KEYS):
+            self._resume_reshaped(state)
+            return
+        if int(state["global_batch_size"]) != self.global_batch_size:  # a state from before shapes were saved
+            raise DataError(
+                f"{self.source.uri}: the checkpoint's global batch is {state['global_batch_size']}, this run's is "
+                f"{self.global_batch_size}, and it does not say how it planned (saved by an older freescale)"
+            )
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        if state.get("reshaped_from"):
+            self._reshaped_from = (self.epoch, state["reshaped_from"])
+            self.planner.set_remainder(*remainder(state["reshaped_from"], self.source.lengths, self.source.rg_rows))
         self.planner.load_window_state(state.get("window") or {})
         self.planner.load_carry_state(state.get("carry") or [])
-        self.source.skipped.update(state.get("skipped", {}))
+
+    def _resume_reshaped(self, state: dict[str, Any]) -> None:
+        epoch, rows = remainder(state, self.source.lengths, self.source.rg_rows)
+        self.planner.set_remainder(epoch, rows)
+        self.planner.load_window_state({})
+        self.planner.load_carry_state([])
+        steps = self.planner.steps_in(epoch)
+        self.epoch, self.step = (epoch, 0) if steps else (epoch + 1, 0)
+        leftover = rows[steps * self.global_batch_size:]
+        if leftover.size:  # fewer than a global batch: trained on top of the epoch's last step
+            self.planner.requeue(*((epoch, steps - 1) if steps else (epoch + 1, 0)), leftover)
+        self._reshaped_from = (epoch, state)
 
     def _window_state_for_position(self) -> dict[str, Any]:
         self._halt()  # the producer thread plans too; stop it before reading the planner
@@ -323,6 +352,10 @@ class BalancedLoader:
 
     def close(self) -> None:
         self._halt()
+
+    def _advance(self, epoch: int, step: int) -> tuple[int, int]:
+        """The position after ``(epoch, step)`` (an epoch resumed from a remainder is shorter)."""
+        return _next_position(epoch, step, self.planner.steps_in(epoch))
 
     # ----- producing ---------------------------------------------------------------------------
     def _start(self) -> None:
@@ -356,7 +389,7 @@ class BalancedLoader:
                         continue
                 if not stop.is_set():  # a halt waits for this thread: never for a plan no one needs
                     self._plan_next_window(epoch, step, live)
-                epoch, step = _advance(epoch, step, self.steps_per_epoch)
+                epoch, step = self._advance(epoch, step)
         except BaseException as exc:  # handed to the consumer, raised there
             out.put(_Failure(exc))
 
@@ -371,7 +404,7 @@ class BalancedLoader:
         if window == 1 or step % window != window // 2:
             return
         first = (step // window + 1) * window
-        nxt = (epoch, first) if first < self.steps_per_epoch else (epoch + 1, 0)
+        nxt = (epoch, first) if first < self.planner.steps_in(epoch) else (epoch + 1, 0)
         if self.epochs is None or nxt[0] < self.epochs:
             self.planner.plan_window(nxt[0], nxt[1], live)
 
@@ -433,9 +466,9 @@ def _read_only(rows: np.ndarray) -> np.ndarray:
     return view
 
 
-def _advance(epoch: int, step: int, steps_per_epoch: int) -> tuple[int, int]:
+def _next_position(epoch: int, step: int, steps_in_epoch: int) -> tuple[int, int]:
     step += 1
-    return (epoch + 1, 0) if step == steps_per_epoch else (epoch, step)
+    return (epoch + 1, 0) if step >= steps_in_epoch else (epoch, step)
 
 
 def truncate_recent(values: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -193,6 +193,27 @@ class BatchPlanner:
         # Mutated only by the consumer (the loader halts its producer first, or the
         # producer merely reads it), so a prefetching thread needs no lock.
         self._carry: dict[tuple[int, int], np.ndarray] = {}
+        self._remainder: tuple[int, np.ndarray] | None = None
+
+    def set_remainder(self, epoch: int, rows: np.ndarray) -> None:
+        """Epoch ``epoch`` trains ``rows``, in this order, instead of its own order: what was left of it
+        when a run of another shape saved its position (``reshape.py``).  Its last ``len(rows) % G``
+        rows are not planned: the caller carries them."""
+        self._remainder = (int(epoch), np.asarray(rows, dtype=np.int64))
+        for key in [k for k in self._windows if k[0] == epoch]:
+            del self._windows[key]
+
+    def steps_in(self, epoch: int) -> int:
+        """Steps of ``epoch``: ``steps_per_epoch``, or fewer for an epoch resumed from a remainder."""
+        if self._remainder is not None and self._remainder[0] == epoch:
+            return int(self._remainder[1].size) // self.global_batch_size
+        return self.steps_per_epoch
+
+    def epoch_rows(self, epoch: int) -> np.ndarray:
+        """The rows of ``epoch`` in planning order (global batch ``s`` is ``[s*G, (s+1)*G)`` of them)."""
+        if self._remainder is not None and self._remainder[0] == epoch:
+            return self._remainder[1]
+        return self.order(epoch)
 
     def _remember(self, win: _Window) -> _Window:
         self._windows[(win.epoch, win.index)] = win
@@ -202,8 +223,8 @@ class BatchPlanner:
 
     # ----- planning -------------------------------------------------------------------------
     def plan(self, epoch: int, step: int, live_ranks: tuple[int, ...]) -> StepPlan:
-        if not 0 <= step < self.steps_per_epoch:
-            raise IndexError(f"step {step} outside the epoch's {self.steps_per_epoch} steps")
+        if not 0 <= step < self.steps_in(epoch):
+            raise IndexError(f"step {step} outside the epoch's {self.steps_in(epoch)} steps")
         index = step // self.window
         win = self._windows.get((epoch, index))
         if win is None:
@@ -256,8 +277,8 @@ class BatchPlanner:
         live ranks.  Adds to rows already carried onto that step.  Every rank that
         plans the step must requeue the same rows onto it (the loader's callers do).
         """
-        if not 0 <= step < self.steps_per_epoch:
-            raise IndexError(f"step {step} outside the epoch's {self.steps_per_epoch} steps")
+        if not 0 <= step < self.steps_in(epoch):
+            raise IndexError(f"step {step} outside the epoch's {self.steps_in(epoch)} steps")
         if epoch < 0:
             raise IndexError(f"epoch {epoch} is negative")
         new = np.asarray(rows, dtype=np.int64).ravel()
@@ -309,7 +330,7 @@ class BatchPlanner:
         prefetched.
         """
         index = -(-step // self.window)
-        boundary = (epoch, index * self.window) if index * self.window < self.steps_per_epoch else (epoch + 1, 0)
+        boundary = (epoch, index * self.window) if index * self.window < self.steps_in(epoch) else (epoch + 1, 0)
         self._models.append((boundary, model))
         self.cost_model = model
         for key in [k for k in self._windows if (k[0], k[1] * self.window) >= boundary]:
@@ -327,9 +348,9 @@ class BatchPlanner:
     ) -> _Window:
         first = index * self.window
         model = model or self._model_for(epoch, first)
-        count = min(self.window, self.steps_per_epoch - first)
+        count = min(self.window, self.steps_in(epoch) - first)
         g = self.global_batch_size
-        samples = self.order(epoch)[first * g : (first + count) * g]
+        samples = self.epoch_rows(epoch)[first * g : (first + count) * g]
         ranks = tuple(live_ranks)
         win = _Window(epoch, index, first, model, ranks, samples, self.costs(model, samples), [])
         win.steps = [(ranks, part) for part in self._split(win, None, count, len(ranks))]
@@ -364,6 +385,17 @@ class BatchPlanner:
         by_weight = np.argsort(-parts.maxima(costs), kind="stable")
         chosen = [parts.select(by_weight[j * ranks : (j + 1) * ranks]) for j in range(steps)]
         return chosen if positions is None else [part.map(positions) for part in chosen]
+
+    def planned_before(self, epoch: int, step: int) -> tuple[int, np.ndarray]:
+        """The first step of the window holding ``(epoch, step)``, and the rows its steps before ``step``
+        were planned (carry aside).  A window not planned yet has had no step consumed: ``(step, [])``."""
+        win = self._windows.get((epoch, step // self.window))
+        if win is None:
+            if step % self.window:
+                raise ValueError(f"epoch {epoch}, step {step}: the window of a step past its first was never planned")
+            return step, np.zeros(0, dtype=np.int64)
+        done = [part.index for _, part in win.steps[: step - win.first_step]]
+        return win.first_step, win.samples[np.concatenate(done)] if done else np.zeros(0, dtype=np.int64)
 
     # ----- state ------------------------------------------------------------------------------
     def window_state(self, epoch: int, step: int) -> dict[str, object]:

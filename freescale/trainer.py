@@ -270,23 +270,32 @@ class Trainer:
         materialize_optimizer_state(parts.optimizer)
         state = {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
         meta = checkpoint.read_meta(path)
-        saved = (meta.get("ft") or {}).get("replicas", 1)
-        if saved != parts.groups or meta.get("world_size") != parts.ctx.world_size:
-            raise checkpoint.CheckpointError(
-                f"{path}: saved by {saved} replica group(s) of {meta.get('world_size')} rank(s); this run has "
-                f"{parts.groups} of {parts.ctx.world_size} (the data plan would differ)")
         notes = self._load_state(path, meta, state)
         parts.dmp.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optim"])
         step = int(meta["step"])
-        data = meta["data"]
-        parts.feed.load_state_dict(data if "loader" in data else {"loader": data, "next": step, "ready": [0],
-                                                                  "plans": []})
+        parts.feed.load_state_dict(self._data_state(path, meta, parts))
         log.write("resume", step=step, path=str(path), conversions=notes)
         self._say(parts.ctx, f"resumed from {path} at step {step}")
         for note in notes:
             self._say(parts.ctx, f"  {note}")
         return step
+
+    @staticmethod
+    def _data_state(path: Path, meta: dict[str, Any], parts: Components) -> dict[str, Any]:
+        """The checkpoint's data position for this run.  Saved by another shape (replica groups, ranks per
+        group): every group of this run starts ready, and the loader trains the rest of the epoch
+        (``dataloader/reshape.py``); nothing is in flight at a checkpoint."""
+        data = meta["data"]
+        if "loader" not in data:  # written before the step feed kept its own state
+            return {"loader": data, "next": int(meta["step"]), "ready": [0], "plans": []}
+        groups, world = (meta.get("ft") or {}).get("replicas", 1), meta.get("world_size")
+        if (groups, world) == (parts.groups, parts.ctx.world_size):
+            return data
+        if data.get("plans"):
+            raise checkpoint.CheckpointError(f"{path}: saved with steps in flight; it resumes only as "
+                                             f"{groups} replica group(s) of {world} rank(s)")
+        return {**data, "ready": list(range(parts.groups)), "plans": [], "last_rows": []}
 
     @staticmethod
     def _load_state(path: Path, meta: dict[str, Any], state: dict[str, Any]) -> list[str]:

@@ -66,7 +66,10 @@ def test_missing_data_path_is_named(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
-def test_single_process_train_without_torchrun(tiny_data: Path, tmp_path: Path) -> None:
+def test_single_process_train_without_torchrun(tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """5 steps, saved; resumed to 8 under another sharding plan and another global batch: the state converts
+    (a note where it is approximate), and the resumed steps train samples the first 5 did not."""
+    monkeypatch.setenv("FREESCALE_AUDIT", "1")  # each commit record holds the rows it trained
     proc = run_cli(
         "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
         f"--train.output_dir={tmp_path}", "--train.steps=5", "--train.log_every=5",
@@ -79,11 +82,16 @@ def test_single_process_train_without_torchrun(tiny_data: Path, tmp_path: Path) 
         "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
         f"--train.output_dir={tmp_path}", "--train.steps=8", "--train.log_every=4", "--resume",
         "--optim.sharding=column_wise", "--optim.column_shard_min_dim=8",  # another plan: tables cut in two
+        "--data.batch_size=96",  # and another global batch (it was 128)
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "3 (from step 5)" in again.stdout
     # The table-wise checkpoint's row-wise Adagrad state split into column shards: said, not hidden.
     assert "table 'item_table': columns cut at [0, 8, 16]" in again.stdout, again.stdout
+    commits = [e for e in read_log(tmp_path) if e["event"] == "commit"]
+    assert [e["step"] for e in commits] == list(range(8)) and [len(e["rows"]) for e in commits] == [128] * 5 + [96] * 3
+    rows = [r for e in commits for r in e["rows"]]
+    assert len(rows) == len(set(rows))  # none twice across the change of shape
 
 
 def test_unknown_flag_is_named_wherever_it_sits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -226,6 +226,46 @@ def test_requeue_on_the_last_step_carries_into_the_next_epoch(tiny_data: Path) -
         loader.close()
 
 
+def _run_shape(path: Path, world: int, steps: int | None, state: dict | None, **cfg: object) -> tuple[list, dict, int]:
+    """``world`` simulated ranks of one shape: from ``state`` (or the start) for ``steps`` global steps (or to
+    the end of the epoch).  Returns (rows each rank trained, per step), the state after, and the epoch."""
+    loaders = [make(path, rank=r, world_size=world, prefetch=0, **cfg) for r in range(world)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    trained, start_epoch = [], loaders[0].epoch
+    while (steps is None and loaders[0].epoch == start_epoch) or (steps is not None and len(trained) < steps):
+        trained.extend(loader.next_batch() and loader.last.rows for loader in loaders)  # type: ignore[union-attr]
+    after = loaders[0].state_dict()
+    for loader in loaders:
+        loader.close()
+    return trained, after, start_epoch
+
+
+def test_resume_under_another_shape_trains_the_rest_of_the_epoch_exactly_once(tiny_data: Path) -> None:
+    """2 ranks x 32 (window 4, a rank's rows lost and requeued) -> 3 ranks x 20 (window 2) -> 1 rank x 48
+    (window 1, KK): the epoch's samples, each trained once, the carry and the last partial batch included."""
+    first = [make(tiny_data, rank=r, world_size=2, prefetch=0, window=4) for r in range(2)]
+    trained = []
+    for _ in range(6):
+        trained.extend(loader.next_batch() and loader.last.rows for loader in first)  # type: ignore[union-attr]
+    lost = first[0].last.plan_rows[1]  # type: ignore[union-attr]  rank 1 died in step 5: its rows are carried
+    trained = trained[:-1]
+    for loader in first:
+        loader.requeue(lost)
+    state = first[0].state_dict()
+    expected = first[0].planner.order(0)[: first[0].steps_per_epoch * 64]
+    for loader in first:
+        loader.close()
+    assert state["carry"] and state["step"] == 6
+    more, state, epoch = _run_shape(tiny_data, 3, 5, state, batch_size=20, window=2)
+    assert epoch == 0 and state["reshaped_from"]["step"] == 6
+    rest, after, _ = _run_shape(tiny_data, 1, None, state, batch_size=48, partitioner="kk")
+    got = np.concatenate(trained + more + rest)
+    assert np.array_equal(np.sort(got), np.sort(expected))  # none skipped, none twice
+    assert (after["epoch"], after["step"]) == (1, 0) and "reshaped_from" not in after
+
+
 def _batches(loader: BalancedLoader, steps: int) -> list[tuple[np.ndarray, ...]]:
     out = []
     for _ in range(steps):
