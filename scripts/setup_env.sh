@@ -39,7 +39,9 @@ fi
 pip_install() {
   # pip's resolver reports that torchrec's metadata wants `fbgemm-gpu`: expected,
   # since the matching fbgemm build was installed under its own name above.
-  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2> >(
+  # --no-compile: pip would byte-compile every file of every wheel (12 of torch's 18 s of install on
+  # 2 cores); Python compiles what is imported, once, on first use.
+  "$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile -q "$@" 2> >(
     grep -vE "dependency resolver does not currently take into account|torchrec .* requires fbgemm-gpu" >&2)
 }
 
@@ -56,8 +58,9 @@ pip_install -r requirements/test.txt
 "$VENV/bin/python" - <<'PY'
 import torch, torchrec, fbgemm_gpu  # noqa: F401  fail here, not in the first test
 import freescale, freescale.dataloader, freescale.kernels, freescale.ft  # noqa: F401
-from freescale.dataloader.balance_kernels import warm_up
-warm_up()  # compile the planner's kernels once into their cache, not in the first training's ranks
+from freescale.dataloader import balance_kernels, gather
+balance_kernels.warm_up()  # compile the planner's and the reads' kernels once into their cache,
+gather.warm_up()  # not in the first training's ranks
 print(f"setup_env: torch {torch.__version__}, torchrec ok, cuda={torch.cuda.is_available()}")
 PY
 echo "$want" > "$stamp"

@@ -105,6 +105,24 @@ def test_replicas_stay_identical_and_every_group_lost_resumes_from_checkpoint(ti
         for step, e in after.items():
             if step in first[0]:
                 assert e["digest"] == first[0][step]["digest"], f"group {group}, step {step}: differs after the resume"
+    # The job changes shape: 3 groups resume from the step-12 checkpoint the 2 groups wrote (merged here to
+    # save a run).  The state converts, the groups hold one state per step, and the rest of the epoch is
+    # planned over 3 ranks: no sample of steps 0..11 again, none twice.
+    grown = subprocess.run(launch_args(out, tiny_data, 3, 1, 16, "dlrm", 0, "--checkpoint.every", "0",
+                                       "--checkpoint.save_final", "false", "--checkpoint.resume", "true"),
+                           cwd=REPO, env=fault_env(""), capture_output=True, text=True, timeout=240)
+    assert grown.returncode == 0, grown.stderr[-3000:]
+    groups = {group: events for (group, _), events in logs(out).items()}
+    assert sorted(groups) == [0, 1, 2]
+    later = [by_step(events[[i for i, e in enumerate(events) if e.get("event") == "resume"][-1]:])
+             for events in groups.values()]
+    assert all(sorted(c) == list(range(12, 16)) for c in later)
+    for step in range(12, 16):
+        assert len({c[step]["digest"] for c in later}) == 1, f"step {step}: the 3 groups differ"
+        assert len(later[0][step]["rows"]) == 3 * 32
+    before = [r for step, e in by_step(groups[0]).items() if step < 12 for r in e["rows"]]
+    rows = before + [r for step in range(12, 16) for r in later[0][step]["rows"]]
+    assert len(before) == 12 * 64 and len(rows) == len(set(rows))
 
 
 REFERENCE_STEPS = 6
