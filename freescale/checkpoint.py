@@ -50,6 +50,9 @@ class CheckpointConfig:
     resume: bool = False
     """Start from the latest complete checkpoint in ``dir`` (fresh start if none)."""
     save_final: bool = True
+    async_save: bool = True
+    """Stage the state to host memory at the step, write it on a background thread while training goes
+    on, and commit (``freescale.json``, rename) once every rank's files are written (``CheckpointWriter``)."""
 
     def validate(self) -> None:
         require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
@@ -109,15 +112,34 @@ def _discard(path: Path) -> None:
 def save(root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str, Any], keep: int = 2) -> Path:
     """Collective: every rank calls it with its own ``app_state``; returns the final path."""
     root = Path(root)
-    final, partial = step_dir(root, step), Path(str(step_dir(root, step)) + PARTIAL_SUFFIX)
-    is_main = not dist.is_initialized() or dist.get_rank() == 0
-    if is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-    _barrier()
+    partial = _begin(root, step)
     dcp.save(app_state, checkpoint_id=str(partial))
     _barrier()  # every rank's files are written before rank 0 commits
-    if is_main:
+    final = _commit(root, step, meta, keep)
+    _barrier()
+    return final
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _begin(root: Path, step: int, group: Any = None) -> Path:
+    """Collective: an empty ``step_N.partial`` for every rank to write into."""
+    partial = Path(str(step_dir(root, step)) + PARTIAL_SUFFIX)
+    if _is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier(group=group)
+    return partial
+
+
+def _commit(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
+    """Rank 0, once every rank's files of ``step`` are written: the metadata, then the atomic rename,
+    then old checkpoints pruned."""
+    final, partial = step_dir(root, step), Path(str(step_dir(root, step)) + PARTIAL_SUFFIX)
+    if _is_main():
         meta_path = partial / META_NAME
         with meta_path.open("w") as fh:
             json.dump({**meta, "step": step}, fh, indent=2, sort_keys=True)
@@ -130,8 +152,104 @@ def save(root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str,
         _fsync_dir(root)
         for _, old in complete_checkpoints(root)[:-keep]:
             _discard(old)
-    _barrier()
     return final
+
+
+class HostCopy:
+    """DCP's ``AsyncStager``: the state copied to host memory on the caller's thread, the only part of a
+    save the training loop waits for.  Written here because DCP's default stager refuses torchrec's
+    ShardedTensors; each local shard is cloned under its metadata, every other leaf copied."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return _host_copy(state_dict)
+
+    def synchronize_staging(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _host_copy(obj: Any) -> Any:
+    import copy
+
+    import torch
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    if isinstance(obj, ShardedTensor):
+        shards = [Shard(s.tensor.detach().to("cpu", copy=True), s.metadata) for s in obj.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, obj.metadata())
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class CheckpointWriter:
+    """Saves that cost the training loop only the copy of its state to host memory.
+
+    ``start`` (collective) stages ``app_state`` and hands it to DCP's ``async_save``, which writes it
+    on a background thread over ``group`` (a gloo group of its own: the training's collectives go on
+    at the same time on theirs); ``poll`` at each step commits a finished save (rank 0: metadata,
+    rename, pruning, exactly as ``save``), ``wait`` blocks for it.  DCP's writers finish with a
+    gather to the coordinator, so rank 0's save completes only after every rank's files are
+    written.  One save in flight: ``start`` waits for the previous one first.  A kill at any moment
+    leaves the previous checkpoint complete and this one ``.partial``.  With ``asynchronous=False``
+    it is ``save``.
+    """
+
+    def __init__(self, asynchronous: bool = True, group: Any = None) -> None:
+        self.asynchronous, self.group = asynchronous, group
+        self._pending: tuple[Any, Path, int, dict[str, Any], int, float] | None = None
+
+    def start(self, root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str, Any],
+              keep: int = 2) -> Path | None:
+        """Collective.  The final path when the save completed here (synchronous), else None."""
+        import time
+
+        self.wait()
+        root = Path(root)
+        if not self.asynchronous:
+            return save(root, step, app_state, meta, keep)
+        partial = _begin(root, step, self.group)
+        future = dcp.async_save(app_state, checkpoint_id=str(partial), process_group=self.group,
+                                async_stager=HostCopy())
+        self._pending = (future, root, step, meta, keep, time.perf_counter())
+        return None
+
+    def poll(self) -> tuple[Path, float] | None:
+        """Commit the save in flight if its files are written: ``(path, seconds since start)``."""
+        if self._pending is None or not self._pending[0].done():
+            return None
+        return self._finish()
+
+    def wait(self) -> tuple[Path, float] | None:
+        """Block until the save in flight is written, and commit it."""
+        if self._pending is None:
+            return None
+        return self._finish()
+
+    def _finish(self) -> tuple[Path, float]:
+        import time
+
+        assert self._pending is not None
+        future, root, step, meta, keep, started = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"{step_dir(root, step)}: the background save failed: {first}") from exc
+        return _commit(root, step, meta, keep), time.perf_counter() - started
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import typing
@@ -218,6 +219,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 # ----- launch ----------------------------------------------------------------------------
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from freescale.checkpoint_inspect import inspect, print_inspection
+
+    found = inspect(args.path)
+    if args.json:
+        print(json.dumps(found, indent=2))
+    else:
+        print_inspection(found)
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load_train_config(args.config, overrides, args.resume)
     from freescale.dataloader.schema import DatasetManifest
@@ -289,7 +301,7 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     parser = _Parser(
         prog="freescale", description="Train recommendation models on torchrec; keep every rank busy."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{prepare,gen-log,gen-data,train,launch,lighthouse,simulate,report}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{prepare,gen-log,gen-data,train,launch,lighthouse,simulate,report,checkpoint}")
     from freescale.cli_prepare import add_parsers
 
     add_parsers(sub, _int, _float)
@@ -338,6 +350,12 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     rep.add_argument("run_dir", help="the run's train.output_dir")
     rep.add_argument("--out", help="the page to write (default RUN_DIR/report.html)")
 
+    ck = sub.add_parser("checkpoint", help="look into checkpoints (no model, no process group)")
+    ck_sub = ck.add_subparsers(dest="action", required=True, metavar="{inspect}")
+    ins = ck_sub.add_parser("inspect", help="step, shape, plan per table, sizes, config digest; checks the files")
+    ins.add_argument("path", help="a checkpoint (step_N) or a checkpoint directory (its latest)")
+    ins.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
     keys_help = None
     if with_config_keys:  # imports torchrec: only worth it when help is asked for
         keys_help = "config keys (override any as --section.key VALUE):\n" + "\n".join(
@@ -376,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_simulate(args)
         if args.command == "report":
             return cmd_report(args)
+        if args.command == "checkpoint":
+            return cmd_checkpoint(args)
         if args.command == "launch" and args.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
         if args.command == "launch" and args.replicas < 1:
@@ -385,6 +405,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "lighthouse" and isinstance(exc, ConfigError):  # no torch import to say it
             print(f"freescale: error: lighthouse: {exc}", file=sys.stderr)
             return 2
+        if args.command == "checkpoint":
+            from freescale.checkpoint import CheckpointError
+
+            if isinstance(exc, CheckpointError):
+                print(f"freescale: error: {exc}", file=sys.stderr)
+                return 2
+            raise
         if args.command in ("simulate", "report", "prepare", "gen-log"):  # light: no torch import to report errors
             from freescale.dataloader.schema import DataError
             from freescale.report.logs import ReportError

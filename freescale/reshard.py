@@ -191,6 +191,21 @@ def column_weights(cuts: tuple[int, ...], c0: int, c1: int) -> tuple[np.ndarray,
     return overlap / (c1 - c0), exact
 
 
+def plan_summary(dmp: Any) -> dict[str, dict[str, Any]]:
+    """Each table's sharding under ``dmp``'s plan: type, kernel, ranks and each shard's rows and columns
+    (the checkpoint's metadata: ``freescale checkpoint inspect`` shows it, a resume names what changed)."""
+    found: dict[str, dict[str, Any]] = {}
+    for module_plan in getattr(getattr(dmp, "plan", None), "plan", {}).values():
+        for table, sharding in module_plan.items():
+            spec = getattr(sharding.sharding_spec, "shards", None) or []
+            found[table] = {
+                "type": sharding.sharding_type, "kernel": sharding.compute_kernel, "ranks": list(sharding.ranks or []),
+                "shards": [{"rank": getattr(m.placement, "rank", lambda: None)(), "offsets": list(m.shard_offsets),
+                            "sizes": list(m.shard_sizes)} for m in spec],
+            }
+    return found
+
+
 def _table_name(param_key: str) -> str:
     """``...embedding_bags.<table>.weight`` -> ``<table>``."""
     parts = param_key.split(".")
@@ -289,4 +304,4 @@ def load_logical(load: Any, model: dict[str, Any], optim: dict[str, Any],
     return notes
 
 
-__all__ = ["ROWWISE", "LayoutError", "RowwiseLayout", "column_weights", "load_logical", "to_logical"]
+__all__ = ["plan_summary", "ROWWISE", "LayoutError", "RowwiseLayout", "column_weights", "load_logical", "to_logical"]

@@ -159,6 +159,7 @@ class Trainer:
         cfg, steps = self.cfg, self.cfg.train.steps
         calibration = Calibration() if cfg.data.calibrate_every else None
         step, committed, first, last_ckpt = start_step, 0, True, None
+        self._writer = checkpoint.CheckpointWriter(cfg.checkpoint.async_save, _checkpoint_group(parts.ctx))
         while step < steps:
             try:
                 commit, output, info, busy, wall = self._step(parts, step)
@@ -188,6 +189,8 @@ class Trainer:
                 self._calibrate(parts, log, calibration, done)
             if self._checkpoint_due(done):
                 last_ckpt = self._save(parts, log, commit) or last_ckpt
+            last_ckpt = self._committed(log, self._writer.poll()) or last_ckpt
+        last_ckpt = self._committed(log, self._writer.wait()) or last_ckpt
         parts.sync.check_finite()
         parts.sync.finish(steps - 1)
         return committed, last_ckpt
@@ -249,9 +252,21 @@ class Trainer:
         done = commit.step + 1
         state, layouts = reshard.to_logical(parts.dmp.state_dict(), parts.optimizer.state_dict())
         meta = {"data": parts.feed.state_dict(), "world_size": parts.ctx.world_size, "config": to_dict(self.cfg),
-                "ft": {"replicas": parts.groups}, "layouts": layouts}
-        path = checkpoint.save(self._checkpoint_root, done, state, meta, keep=self.cfg.checkpoint.keep)
-        log.write("checkpoint", step=done, path=str(path), seconds=time.perf_counter() - start)
+                "ft": {"replicas": parts.groups}, "layouts": layouts, "plan": reshard.plan_summary(parts.dmp)}
+        path = self._writer.start(self._checkpoint_root, done, state, meta, keep=self.cfg.checkpoint.keep)
+        if path is not None:  # written in this call (checkpoint.async_save = false)
+            log.write("checkpoint", step=done, path=str(path), seconds=time.perf_counter() - start)
+        else:  # staged; written in the background, committed at a later step's poll
+            log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start)
+        return path
+
+    @staticmethod
+    def _committed(log: RunLog, finished: tuple[Path, float] | None) -> Path | None:
+        """Log a background save that just committed; its path."""
+        if finished is None:
+            return None
+        path, seconds = finished
+        log.write("checkpoint", step=int(path.name.rsplit("_", 1)[1]), path=str(path), seconds=seconds)
         return path
 
     def _resume(self, parts: Components, log: RunLog) -> int:
@@ -270,7 +285,7 @@ class Trainer:
         materialize_optimizer_state(parts.optimizer)
         state = {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
         meta = checkpoint.read_meta(path)
-        notes = self._load_state(path, meta, state)
+        notes = self._load_state(path, meta, state, parts)
         parts.dmp.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optim"])
         step = int(meta["step"])
@@ -297,10 +312,19 @@ class Trainer:
                                              f"{groups} replica group(s) of {world} rank(s)")
         return {**data, "ready": list(range(parts.groups)), "plans": [], "last_rows": []}
 
-    @staticmethod
-    def _load_state(path: Path, meta: dict[str, Any], state: dict[str, Any]) -> list[str]:
+    def _load_state(self, path: Path, meta: dict[str, Any], state: dict[str, Any], parts: Components) -> list[str]:
         """Fill ``state`` (this plan's model and optimizer state dicts) from the checkpoint, whatever plan
         wrote it (``reshard``); the notes name each table whose optimizer state was approximated."""
+        saved_kind = ((meta.get("config") or {}).get("model") or {}).get("kind")
+        kind = self.cfg.model.kind
+        if saved_kind and saved_kind != kind:
+            raise checkpoint.CheckpointError(f"{path}: written by a {saved_kind} model; this run trains {kind}")
+        saved_tables, tables = set(meta.get("plan") or {}), set(reshard.plan_summary(parts.dmp))
+        if saved_tables and saved_tables != tables:
+            missing = sorted(tables - saved_tables) or sorted(saved_tables - tables)
+            where = "the checkpoint has no" if tables - saved_tables else "this model has no"
+            raise checkpoint.CheckpointError(f"{path}: {where} table '{missing[0]}' (checkpoint: "
+                                             f"{', '.join(sorted(saved_tables))}; model: {', '.join(sorted(tables))})")
         if "layouts" not in meta:  # written before logical checkpoints: loads into the same plan only
             checkpoint.load(path, state)
             return []
@@ -362,6 +386,13 @@ class Trainer:
     def _say(ctx: DistContext, message: str) -> None:
         if ctx.is_main:
             print(message, flush=True)
+
+
+def _checkpoint_group(ctx: DistContext) -> Any:
+    """A gloo group for background saves: their collectives run beside the training's, never on its group."""
+    if dist.is_initialized() and ctx.world_size > 1:
+        return dist.new_group(backend="gloo")
+    return None
 
 
 class _Finished(Exception):

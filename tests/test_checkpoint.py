@@ -21,11 +21,18 @@ WRITER = textwrap.dedent(
     import sys, warnings
     warnings.simplefilter("ignore")
     import torch
+    import torch.distributed as dist
     from freescale import checkpoint
-    root = sys.argv[1]
+    root, mode = sys.argv[1], sys.argv[2]
+    if mode == "async":  # DCP's background save runs its collectives on a process group
+        dist.init_process_group("gloo", init_method=f"file://{root}.store", rank=0, world_size=1)
+    writer = checkpoint.CheckpointWriter(asynchronous=mode == "async")
+    weight = torch.zeros(2_000_000)
     for step in range(1, 10_000):
-        state = {"weight": torch.full((2_000_000,), float(step)), "bias": torch.full((7,), float(step))}
-        checkpoint.save(root, step, state, {"data": {"step_in_epoch": step}}, keep=3)
+        weight.fill_(float(step))  # the live state moves on while the previous save may still be written
+        state = {"weight": weight, "bias": torch.full((7,), float(step))}
+        writer.start(root, step, state, {"data": {"step_in_epoch": step}}, keep=3)
+        writer.poll()
     """
 )
 
@@ -56,7 +63,8 @@ def test_sigkill_during_saves_never_leaves_a_bad_checkpoint(tmp_path: Path) -> N
     rng = random.Random(1234)
     for attempt in range(4):
         root = tmp_path / f"attempt{attempt}"
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root)])
+        mode = "async" if attempt % 2 else "sync"  # a kill mid background write, too
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root), mode])
         try:
             assert wait_for(lambda: checkpoint.latest(root) is not None, timeout=60)
             # Kill somewhere inside the following saves (each takes tens of ms).

@@ -94,6 +94,43 @@ def test_single_process_train_without_torchrun(tiny_data: Path, tmp_path: Path, 
     assert len(rows) == len(set(rows))  # none twice across the change of shape
 
 
+def test_checkpoint_inspect_and_its_one_line_errors(tiny_data: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint written by the test above's kind of run (here: 2 steps, in-process), inspected; then
+    made partial and corrupt, each one line."""
+    import shutil
+
+    code, _, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"),
+                            f"--data.path={tiny_data}", f"--train.output_dir={tmp_path}", "--train.steps=2",
+                            "--train.eval=false", "--optim.sharding=item_table=column_wise",
+                            "--optim.column_shard_min_dim=8")
+    assert code == 0, err
+    root = tmp_path / "checkpoints"
+    code, out, _ = run_main(capsys, "checkpoint", "inspect", str(root))
+    assert code == 0 and "step 2, written by 1 replica group(s) of 1 rank(s); model dlrm" in out, out
+    assert "item_table" in out and "column_wise" in out and "user_table" in out
+    code, out, _ = run_main(capsys, "checkpoint", "inspect", str(root / "step_000000002"), "--json")
+    found = json.loads(out)
+    assert {t["table"]: t["row-wise ranges"] for t in found["tables"]} == {"item_table": 2, "user_table": 1}
+    assert found["position"]["step"] == 2 and found["bytes"]["model"] > 0
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "step_000000002", broken)
+    victim = next(f for f in broken.iterdir() if f.suffix == ".distcp")
+    victim.write_bytes(victim.read_bytes()[:10])
+    for path, line in ((broken, f"{broken}: corrupt or partial: {victim.name} holds 10 bytes"),
+                       (tmp_path / "step_000000009.partial", "a save in progress, or one killed mid-way"),
+                       (tmp_path / "nothing", "no such checkpoint or directory")):
+        (tmp_path / "step_000000009.partial").mkdir(exist_ok=True)
+        code, _, err = run_main(capsys, "checkpoint", "inspect", str(path))
+        assert code == 2 and len(err.strip().splitlines()) == 1 and line in err, err
+    code, _, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"),
+                            f"--data.path={tiny_data}", f"--train.output_dir={tmp_path}", "--resume")
+    assert code == 2 and "written by a dlrm model; this run trains hstu" in err, err
+    (broken / ".metadata").write_bytes(b"not a pickle")
+    code, _, err = run_main(capsys, "checkpoint", "inspect", str(broken))
+    assert code == 2 and "unreadable checkpoint metadata" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_unknown_flag_is_named_wherever_it_sits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Parsed as an override, an unknown flag took the next flag as its value, and the error named 'DIR'.
     data = str(tmp_path / "d")
