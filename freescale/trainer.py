@@ -53,7 +53,7 @@ from freescale.parallelize import materialize_optimizer_state
 from freescale.run_log import Progress, RunLog
 from freescale.step_feed import Commit
 from freescale.step_stats import Calibration
-from freescale.step_sync import JobFinished
+from freescale.step_sync import JobFinished, NonFiniteError
 
 
 @dataclass
@@ -155,11 +155,26 @@ class Trainer:
         return summary
 
     def _train(self, parts: Components, log: RunLog, progress: Progress, start_step: int) -> tuple[int, Path | None]:
-        """Steps ``start_step .. train.steps - 1``; (steps committed with valid state, last checkpoint)."""
+        """Steps ``start_step .. train.steps - 1``; (steps committed with valid state, last checkpoint).
+        A save still being written at the end (or at a stop on a non-finite loss, which every rank makes
+        together) is waited for: the checkpoint of the last good step is complete."""
+        steps = self.cfg.train.steps
+        self._writer = checkpoint.CheckpointWriter(self.cfg.checkpoint.async_save, _checkpoint_group(parts.ctx))
+        self._last_ckpt: Path | None = None
+        try:
+            committed = self._train_steps(parts, log, progress, start_step)
+        except NonFiniteError:
+            self._committed(log, self._writer.wait())
+            raise
+        self._committed(log, self._writer.wait())
+        parts.sync.check_finite()
+        parts.sync.finish(steps - 1)
+        return committed, self._last_ckpt
+
+    def _train_steps(self, parts: Components, log: RunLog, progress: Progress, start_step: int) -> int:
         cfg, steps = self.cfg, self.cfg.train.steps
         calibration = Calibration() if cfg.data.calibrate_every else None
-        step, committed, first, last_ckpt = start_step, 0, True, None
-        self._writer = checkpoint.CheckpointWriter(cfg.checkpoint.async_save, _checkpoint_group(parts.ctx))
+        step, committed, first = start_step, 0, True
         while step < steps:
             try:
                 commit, output, info, busy, wall = self._step(parts, step)
@@ -188,12 +203,9 @@ class Trainer:
             if calibration is not None and done % cfg.data.calibrate_every == 0 and done != steps:
                 self._calibrate(parts, log, calibration, done)
             if self._checkpoint_due(done):
-                last_ckpt = self._save(parts, log, commit) or last_ckpt
-            last_ckpt = self._committed(log, self._writer.poll()) or last_ckpt
-        last_ckpt = self._committed(log, self._writer.wait()) or last_ckpt
-        parts.sync.check_finite()
-        parts.sync.finish(steps - 1)
-        return committed, last_ckpt
+                self._save(parts, log, commit)
+            self._committed(log, self._writer.poll())
+        return committed
 
     def _step(self, parts: Components, step: int) -> tuple[Commit, Any, Any, float, float]:
         """One step (module docstring): (commit, (loss, logits, labels) or None, StepInfo or None,
@@ -255,19 +267,17 @@ class Trainer:
                 "ft": {"replicas": parts.groups}, "layouts": layouts, "plan": reshard.plan_summary(parts.dmp)}
         path = self._writer.start(self._checkpoint_root, done, state, meta, keep=self.cfg.checkpoint.keep)
         if path is not None:  # written in this call (checkpoint.async_save = false)
-            log.write("checkpoint", step=done, path=str(path), seconds=time.perf_counter() - start)
+            self._committed(log, (path, time.perf_counter() - start))
         else:  # staged; written in the background, committed at a later step's poll
             log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start)
         return path
 
-    @staticmethod
-    def _committed(log: RunLog, finished: tuple[Path, float] | None) -> Path | None:
-        """Log a background save that just committed; its path."""
-        if finished is None:
-            return None
-        path, seconds = finished
-        log.write("checkpoint", step=int(path.name.rsplit("_", 1)[1]), path=str(path), seconds=seconds)
-        return path
+    def _committed(self, log: RunLog, finished: tuple[Path, float] | None) -> None:
+        """Log a save that just committed, and remember it as the last checkpoint."""
+        if finished is not None:
+            path, seconds = finished
+            log.write("checkpoint", step=int(path.name.rsplit("_", 1)[1]), path=str(path), seconds=seconds)
+            self._last_ckpt = path
 
     def _resume(self, parts: Components, log: RunLog) -> int:
         """With ``checkpoint.resume``: load the latest complete checkpoint; the step to start at.  With
