@@ -92,14 +92,21 @@ def slowest(seconds: float) -> float:
     return float(t)
 
 
-def timed(fn: Any) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return slowest(time.perf_counter() - start)
+def timed(fn: Any, repeats: int = 2) -> float:
+    """The best of ``repeats`` runs (the first pays one-off costs: thread pools, file creation)."""
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        best = min(best, slowest(time.perf_counter() - start))
+    return best
 
 
 def worker(rank: int, port: int, rows: int, root: str, out: str) -> None:
+    import warnings
+
+    warnings.simplefilter("ignore")  # ShardedTensor's deprecation warnings, once per call
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
@@ -120,13 +127,16 @@ def worker(rank: int, port: int, rows: int, root: str, out: str) -> None:
     total = torch.tensor([float(state_bytes)])
     dist.all_reduce(total)
     results["state_gb"] = float(total) / 1e9
-    results["plain DCP save"] = timed(lambda: dcp.save(native(), checkpoint_id=str(plain)))
-    def save_ours() -> None:
+    fresh = iter(range(100))  # each save into a new directory, as freescale's (a new step_N each time)
+    results["plain DCP save"] = timed(lambda: dcp.save(native(), checkpoint_id=str(plain / str(next(fresh)))))
+    saves = iter(range(1, 100))
+
+    def save_ours() -> None:  # a new step each time (as in training): no replacing of an old one timed
         app, layouts = reshard.to_logical(dmp.state_dict(), optimizer.state_dict())
-        checkpoint.save(ours, 1, app, {"layouts": layouts})
+        checkpoint.save(ours, next(saves), app, {"layouts": layouts}, keep=3)
 
     results["freescale save"] = timed(save_ours)
-    results["plain DCP load"] = timed(lambda: dcp.load(native(), checkpoint_id=str(plain)))
+    results["plain DCP load"] = timed(lambda: dcp.load(native(), checkpoint_id=str(plain / "0")))
     meta = checkpoint.read_meta(checkpoint.latest(ours))  # type: ignore[arg-type]
 
     def load_ours(target: Any, opt: Any) -> None:
