@@ -48,7 +48,7 @@ from freescale.dataloader.cost import CostModel
 from freescale.dataloader.balance_kernels import warm_up
 from freescale.dataloader.partition import Parts, check_size
 from freescale.dataloader.planner import BatchPlanner, EpochOrder, StepPlan
-from freescale.dataloader.reshape import SHAPE_KEYS, remainder, shape_of
+from freescale.dataloader.reshape import SHAPE_KEYS, remainder, shape_of, start_remainder
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, SEQUENCE_FORMAT_VERSION, USER_ID, DataError, DatasetManifest,
 )
@@ -175,6 +175,8 @@ class BalancedLoader:
                 f"{source.uri}: the split has {source.num_rows} rows, fewer than one global batch "
                 f"({planner.global_batch_size})"
             )
+        if source.max_seq_len != max_seq_len:
+            raise ValueError(f"the source cuts histories at {source.max_seq_len}, the loader was asked for {max_seq_len}")
         self.source, self.planner = source, planner
         # The producer may run ``prefetch`` steps ahead and plan one more window ahead of that; the
         # window of the consumed position (and its re-plan history) must still be there when it is
@@ -320,7 +322,8 @@ class BalancedLoader:
         self.source.skipped.update(state.get("skipped", {}))
         mine = shape_of(self.planner, self.max_seq_len)
         if "shape" in state and any(state["shape"].get(k) != mine[k] for k in SHAPE_KEYS):
-            self._resume_reshaped(state)
+            self.epoch, self.step = start_remainder(self.planner, state, self.source.lengths, self.source.rg_rows)
+            self._reshaped_from = (int(state["epoch"]), state)
             return
         if int(state["global_batch_size"]) != self.global_batch_size:  # a state from before shapes were saved
             raise DataError(
@@ -333,18 +336,6 @@ class BalancedLoader:
             self.planner.set_remainder(*remainder(state["reshaped_from"], self.source.lengths, self.source.rg_rows))
         self.planner.load_window_state(state.get("window") or {})
         self.planner.load_carry_state(state.get("carry") or [])
-
-    def _resume_reshaped(self, state: dict[str, Any]) -> None:
-        epoch, rows = remainder(state, self.source.lengths, self.source.rg_rows)
-        self.planner.set_remainder(epoch, rows)
-        self.planner.load_window_state({})
-        self.planner.load_carry_state([])
-        steps = self.planner.steps_in(epoch)
-        self.epoch, self.step = (epoch, 0) if steps else (epoch + 1, 0)
-        leftover = rows[steps * self.global_batch_size:]
-        if leftover.size:  # fewer than a global batch: trained on top of the epoch's last step
-            self.planner.requeue(*((epoch, steps - 1) if steps else (epoch + 1, 0)), leftover)
-        self._reshaped_from = (epoch, state)
 
     def _window_state_for_position(self) -> dict[str, Any]:
         self._halt()  # the producer thread plans too; stop it before reading the planner
@@ -430,8 +421,8 @@ class BalancedLoader:
             column, is_list = SPARSE_FEATURES[feature]
             if n == 0:
                 flat, lens = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-            elif is_list:
-                flat, lens = truncate_recent(arrays[column], arrays[column + "@"].astype(np.int64), self.max_seq_len)
+            elif is_list:  # the source cut it to the most recent max_seq_len (gather.py)
+                flat, lens = arrays[column], arrays[column + "@"].astype(np.int64, copy=False)
             else:
                 flat, lens = arrays[column], np.ones(n, dtype=np.int64)
             values.append(flat.astype(np.int64, copy=False))
@@ -469,17 +460,6 @@ def _read_only(rows: np.ndarray) -> np.ndarray:
 def _next_position(epoch: int, step: int, steps_in_epoch: int) -> tuple[int, int]:
     step += 1
     return (epoch + 1, 0) if step >= steps_in_epoch else (epoch, step)
-
-
-def truncate_recent(values: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keep the last ``max_len`` values of each jagged row (vectorized)."""
-    if lengths.size == 0 or lengths.max(initial=0) <= max_len:
-        return values, lengths
-    kept = np.minimum(lengths, max_len)
-    src_start = np.cumsum(lengths) - kept
-    dst_offsets = np.concatenate([[0], np.cumsum(kept)])
-    within = np.arange(dst_offsets[-1]) - np.repeat(dst_offsets[:-1], kept)
-    return values[np.repeat(src_start, kept) + within], kept
 
 
 def open_source(cfg: DataConfig, split: str, columns: list[str]) -> ParquetSource | SequenceSource:
@@ -531,4 +511,4 @@ def build_loader(
     )
 
 
-__all__ = ["BalancedLoader", "DataConfig", "StepInfo", "build_loader", "truncate_recent"]
+__all__ = ["BalancedLoader", "DataConfig", "StepInfo", "build_loader"]

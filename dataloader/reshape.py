@@ -69,4 +69,20 @@ def remainder(state: dict[str, Any], lengths: np.ndarray, row_group_rows: np.nda
     return epoch, np.concatenate([left, *carried]) if carried else left
 
 
-__all__ = ["SHAPE_KEYS", "remainder", "saved_planner", "shape_of"]
+def start_remainder(planner: BatchPlanner, state: dict[str, Any], lengths: np.ndarray,
+                    row_group_rows: np.ndarray) -> tuple[int, int]:
+    """Set ``planner`` (another shape's) to train what ``state`` left of its epoch; the position to resume
+    at.  The last rows short of a global batch are carried onto the remainder's last step (onto the next
+    epoch's first when the remainder is shorter than one batch)."""
+    epoch, rows = remainder(state, lengths, row_group_rows)
+    planner.set_remainder(epoch, rows)
+    planner.load_window_state({})
+    planner.load_carry_state([])
+    steps = planner.steps_in(epoch)
+    leftover = rows[steps * planner.global_batch_size:]
+    if leftover.size:
+        planner.requeue(*((epoch, steps - 1) if steps else (epoch + 1, 0)), leftover)
+    return (epoch, 0) if steps else (epoch + 1, 0)
+
+
+__all__ = ["SHAPE_KEYS", "remainder", "saved_planner", "shape_of", "start_remainder"]
