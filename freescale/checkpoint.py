@@ -14,7 +14,14 @@ so a kill at any moment leaves either the previous complete checkpoints or a
 removes.  Old checkpoints are renamed to ``step_N.deleting`` before they are
 deleted, so a kill during pruning cannot leave a half-deleted one on offer.
 Model and optimizer state go through DCP, which stores torchrec's
-sharded tables shard by shard and reshards dense weights on load.
+sharded tables shard by shard and reshards dense weights on load; the trainer
+hands it plan-independent state (``reshard.py``), so a checkpoint loads under
+any sharding plan and world size.
+
+``CheckpointWriter`` does the same save in the background: the state is copied
+to host memory at the step (``HostCopy``), DCP writes it on a thread of its own
+over a gloo group of its own, and rank 0 commits it (the same metadata and
+rename) at a later step once every rank's files are written.
 """
 
 from __future__ import annotations
