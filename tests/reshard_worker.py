@@ -1,7 +1,7 @@
 """One process of ``test_reshard``: a table of each kind, trained, saved under one plan, loaded under others.
 
-Four processes; each phase runs on the first ``world`` of them (a subgroup), so one spawn covers
-saving at 2 ranks and loading at 1, 3 and 4, each with another sharding type per table.
+``ranks`` processes; each phase runs on the first ``world`` of them (a subgroup), so one spawn covers
+saving at 2 ranks and loading at other world sizes, each with another sharding type per table.
 """
 
 from __future__ import annotations
@@ -96,9 +96,9 @@ def logical(dmp: Any, group: Any) -> tuple[dict[str, torch.Tensor], dict[str, to
     return out_w, out_m, {k.split("/")[0].split(".")[-2]: v for k, v in layouts.items()}
 
 
-def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]]) -> None:
+def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]], ranks: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=4)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
     torch.manual_seed(0)
     groups = {n: dist.new_group(list(range(n))) for n in sorted({p["world"] for p in phases})}
     ckpt = str(Path(tmp) / "ckpt")

@@ -66,66 +66,57 @@ def test_missing_data_path_is_named(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
-def test_single_process_train_without_torchrun(tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """5 steps, saved; resumed to 8 under another sharding plan and another global batch: the state converts
-    (a note where it is approximate), and the resumed steps train samples the first 5 did not."""
+def test_single_process_train_without_torchrun_resumes_under_another_shape_and_inspects(
+        tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``freescale train`` in this process: 5 steps, saved; resumed to 8 under another sharding plan and
+    another global batch: the state converts (a note where it is approximate), and the resumed steps train
+    samples the first 5 did not.  Then ``freescale checkpoint inspect`` on it, and each of its one-line
+    errors (a partial, truncated or unreadable checkpoint; another model's)."""
+    import shutil
+
     monkeypatch.setenv("FREESCALE_AUDIT", "1")  # each commit record holds the rows it trained
-    proc = run_cli(
-        "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
-        f"--train.output_dir={tmp_path}", "--train.steps=5", "--train.log_every=5",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "freescale: dlrm on 1 rank(s)" in proc.stdout
+    train = ["train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
+             f"--train.output_dir={tmp_path}", "--train.eval=false"]
+    code, out, err = run_main(capsys, *train, "--train.steps=5", "--train.log_every=5")
+    assert code == 0, err[-3000:]
+    assert "freescale: dlrm on 1 rank(s)" in out
     summary = [e for e in read_log(tmp_path) if e["event"] == "summary"][0]
     assert summary["world_size"] == 1 and summary["steps"] == 5
-    again = run_cli(
-        "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
-        f"--train.output_dir={tmp_path}", "--train.steps=8", "--train.log_every=4", "--resume",
-        "--optim.sharding=column_wise", "--optim.column_shard_min_dim=8",  # another plan: tables cut in two
-        "--data.batch_size=96",  # and another global batch (it was 128)
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stdout and "3 (from step 5)" in again.stdout
+    code, out, err = run_main(capsys, *train, "--train.steps=8", "--train.log_every=4", "--resume",
+                              "--optim.sharding=column_wise", "--optim.column_shard_min_dim=8",  # tables cut in two
+                              "--data.batch_size=96")  # and another global batch (it was 128)
+    assert code == 0, err[-3000:]
+    assert "resumed from" in out and "3 (from step 5)" in out
     # The table-wise checkpoint's row-wise Adagrad state split into column shards: said, not hidden.
-    assert "table 'item_table': columns cut at [0, 8, 16]" in again.stdout, again.stdout
+    assert "table 'item_table': columns cut at [0, 8, 16]" in out, out
     commits = [e for e in read_log(tmp_path) if e["event"] == "commit"]
     assert [e["step"] for e in commits] == list(range(8)) and [len(e["rows"]) for e in commits] == [128] * 5 + [96] * 3
     rows = [r for e in commits for r in e["rows"]]
     assert len(rows) == len(set(rows))  # none twice across the change of shape
 
-
-def test_checkpoint_inspect_and_its_one_line_errors(tiny_data: Path, tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """A checkpoint written by the test above's kind of run (here: 2 steps, in-process), inspected; then
-    made partial and corrupt, each one line."""
-    import shutil
-
-    code, _, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"),
-                            f"--data.path={tiny_data}", f"--train.output_dir={tmp_path}", "--train.steps=2",
-                            "--train.eval=false", "--optim.sharding=item_table=column_wise",
-                            "--optim.column_shard_min_dim=8")
-    assert code == 0, err
     root = tmp_path / "checkpoints"
     code, out, _ = run_main(capsys, "checkpoint", "inspect", str(root))
-    assert code == 0 and "step 2, written by 1 replica group(s) of 1 rank(s); model dlrm" in out, out
+    assert code == 0 and "step 8, written by 1 replica group(s) of 1 rank(s); model dlrm" in out, out
     assert "item_table" in out and "column_wise" in out and "user_table" in out
-    code, out, _ = run_main(capsys, "checkpoint", "inspect", str(root / "step_000000002"), "--json")
+    code, out, _ = run_main(capsys, "checkpoint", "inspect", str(root / "step_000000008"), "--json")
     found = json.loads(out)
-    assert {t["table"]: t["row-wise ranges"] for t in found["tables"]} == {"item_table": 2, "user_table": 1}
-    assert found["position"]["step"] == 2 and found["bytes"]["model"] > 0
-    broken = tmp_path / "broken"
-    shutil.copytree(root / "step_000000002", broken)
-    victim = next(f for f in broken.iterdir() if f.suffix == ".distcp")
-    victim.write_bytes(victim.read_bytes()[:10])
-    for path, line in ((broken, f"{broken}: corrupt or partial: {victim.name} holds 10 bytes"),
-                       (tmp_path / "step_000000009.partial", "a save in progress, or one killed mid-way"),
-                       (tmp_path / "nothing", "no such checkpoint or directory")):
-        (tmp_path / "step_000000009.partial").mkdir(exist_ok=True)
-        code, _, err = run_main(capsys, "checkpoint", "inspect", str(path))
-        assert code == 2 and len(err.strip().splitlines()) == 1 and line in err, err
+    assert {t["table"]: t["row-wise ranges"] for t in found["tables"]} == {"item_table": 2, "user_table": 2}
+    assert found["step"] == 8 and found["bytes"]["model"] > 0 and found["global_batch_size"] == 96
+    # the loader's position: 3 steps into what was left of the epoch when the shape changed
+    assert found["position"]["step"] == 3 and found["position"]["resumed_from_another_shape"]
     code, _, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"),
                             f"--data.path={tiny_data}", f"--train.output_dir={tmp_path}", "--resume")
     assert code == 2 and "written by a dlrm model; this run trains hstu" in err, err
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "step_000000008", broken)
+    victim = next(f for f in broken.iterdir() if f.suffix == ".distcp")
+    victim.write_bytes(victim.read_bytes()[:10])
+    (tmp_path / "step_000000009.partial").mkdir()
+    for path, line in ((broken, f"{broken}: corrupt or partial: {victim.name} holds 10 bytes"),
+                       (tmp_path / "step_000000009.partial", "a save in progress, or one killed mid-way"),
+                       (tmp_path / "nothing", "no such checkpoint or directory")):
+        code, _, err = run_main(capsys, "checkpoint", "inspect", str(path))
+        assert code == 2 and len(err.strip().splitlines()) == 1 and line in err, err
     (broken / ".metadata").write_bytes(b"not a pickle")
     code, _, err = run_main(capsys, "checkpoint", "inspect", str(broken))
     assert code == 2 and "unreadable checkpoint metadata" in err and len(err.strip().splitlines()) == 1, err
