@@ -317,10 +317,17 @@ class BalancedLoader:
         window, partitioner ...: ``reshape.py``), the rest of its epoch is trained as this epoch's
         remainder, every sample once."""
         self._halt()
+        mine = shape_of(self.planner, self.max_seq_len)
+        saved = state.get("shape") or {}
+        for key in ("num_rows", "row_groups"):
+            if key in saved and saved[key] != mine[key]:
+                raise DataError(f"{self.source.uri}: the checkpoint's split had {saved[key]:,} {key.replace('_', ' ')}, "
+                                f"this one has {mine[key]:,}: another dataset (its position means nothing here)")
+        self._reshaped_from = None
+        self.planner.clear_remainder()
         if "cost_model" in state:
             self.planner.set_cost_model(CostModel(*state["cost_model"]), 0, 0)
         self.source.skipped.update(state.get("skipped", {}))
-        mine = shape_of(self.planner, self.max_seq_len)
         if "shape" in state and any(state["shape"].get(k) != mine[k] for k in SHAPE_KEYS):
             self.epoch, self.step = start_remainder(self.planner, state, self.source.lengths, self.source.rg_rows)
             self._reshaped_from = (int(state["epoch"]), state)

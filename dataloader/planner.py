@@ -203,6 +203,11 @@ class BatchPlanner:
         for key in [k for k in self._windows if k[0] == epoch]:
             del self._windows[key]
 
+    def clear_remainder(self) -> None:
+        if self._remainder is not None:
+            self.set_remainder(self._remainder[0], self.order(self._remainder[0]))
+            self._remainder = None
+
     def steps_in(self, epoch: int) -> int:
         """Steps of ``epoch``: ``steps_per_epoch``, or fewer for an epoch resumed from a remainder."""
         if self._remainder is not None and self._remainder[0] == epoch:

@@ -36,7 +36,8 @@ def shape_of(planner: BatchPlanner, max_seq_len: int | None) -> dict[str, Any]:
     return {"global_batch_size": planner.global_batch_size, "window": planner.window,
             "partitioner": planner.partitioner, "equal_count": planner.equal_count, "locality": planner.locality,
             "max_seq_len": max_seq_len, "seed": order.seed, "shuffle": order.shuffle,
-            "shuffle_row_groups": order.window}
+            "shuffle_row_groups": order.window, "num_rows": order.num_rows,
+            "row_groups": int(order.row_group_rows.size)}
 
 
 def saved_planner(state: dict[str, Any], lengths: np.ndarray, row_group_rows: np.ndarray) -> BatchPlanner:

@@ -190,8 +190,8 @@ def _host_copy(obj: Any) -> Any:
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
     if isinstance(obj, ShardedTensor):
-        shards = [Shard(s.tensor.detach().to("cpu", copy=True), s.metadata) for s in obj.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, obj.metadata())
+        shards = [Shard(s.tensor.detach().to("cpu", copy=True), _on_host(s.metadata)) for s in obj.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, _host_metadata(obj.metadata()))
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -199,6 +199,26 @@ def _host_copy(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_host_copy(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+def _on_host(meta: Any) -> Any:
+    """A shard's metadata with its placement moved to the CPU of the same rank (a GPU shard's copy)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+
+    return ShardMetadata(shard_offsets=list(meta.shard_offsets), shard_sizes=list(meta.shard_sizes),
+                         placement=f"rank:{meta.placement.rank()}/cpu")
+
+
+def _host_metadata(meta: Any) -> Any:
+    """A ShardedTensor's global metadata for its host copy: every placement on CPU, no grad."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    props = meta.tensor_properties
+    return ShardedTensorMetadata(
+        shards_metadata=[_on_host(m) for m in meta.shards_metadata], size=meta.size,
+        tensor_properties=TensorProperties(dtype=props.dtype, layout=props.layout, requires_grad=False,
+                                           memory_format=props.memory_format, pin_memory=False))
 
 
 class CheckpointWriter:

@@ -148,7 +148,8 @@ def destination(state: ShardedTensor, weight: ShardedTensor, saved: RowwiseLayou
         if r0 > row:
             declared.append(ShardMetadata(shard_offsets=[row, 0], shard_sizes=[r0 - row, width], placement=elsewhere))
         meta = ShardMetadata(shard_offsets=[r0, 0], shard_sizes=[r1 - r0, width], placement=mine)
-        local.append(Shard(torch.zeros(r1 - r0, width, dtype=state.dtype), meta))
+        local.append(Shard(torch.zeros(r1 - r0, width, dtype=state.dtype, device=state.local_shards()[0].tensor.device),
+                           meta))
         declared.append(meta)
         row = r1
     if row < rows:
@@ -166,7 +167,8 @@ def fill(state: ShardedTensor, weight: ShardedTensor, read: ShardedTensor, saved
     for shard in state.local_shards():
         span = where[int(shard.metadata.shard_offsets[0])]
         weights, _ = column_weights(saved.cuts, span.c0, span.c1)
-        values = rows_of[span.r0].to(torch.float64) @ torch.from_numpy(weights)
+        rows = rows_of[span.r0]
+        values = rows.to(torch.float64) @ torch.from_numpy(weights).to(rows.device)
         shard.tensor.view(-1).copy_(values.to(shard.tensor.dtype))
 
 
@@ -239,6 +241,29 @@ def to_logical(model: dict[str, Any], optim: dict[str, Any],
     return _app_state(model, _without_empty(optim), pieces), layouts
 
 
+def _layout_problem(model: dict[str, Any], key: str, saved: RowwiseLayout) -> str | None:
+    """What keeps a saved row-wise state from this model's table (None: it fits)."""
+    param_key = key.split("/")[0]
+    weight, name = model.get(param_key), _table_name(param_key)
+    if not isinstance(weight, ShardedTensor):
+        return f"table '{name}': in the checkpoint, not in this model"
+    rows, dim = weight.size()
+    if (saved.rows, saved.dim) != (rows, dim):
+        return f"table '{name}': the checkpoint's is {saved.rows} x {saved.dim}, this model's {rows} x {dim}"
+    return None
+
+
+def _raise_on_every_rank(problems: list[str], group: Any = None) -> None:
+    """Raise the first problem any rank of ``group`` found, on every one of them (one small all-gather)."""
+    found: list[Any] = [problems]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        found = [None] * dist.get_world_size(group)
+        dist.all_gather_object(found, problems, group=group)
+    first = next((p for ranks in found for p in ranks), None)
+    if first is not None:
+        raise LayoutError(first)
+
+
 def _app_state(model: dict[str, Any], optim: dict[str, Any], rowwise: dict[str, Any]) -> dict[str, Any]:
     """What DCP saves or loads; an empty part left out (DCP saves nothing for it, then asks for it on load)."""
     parts = {"model": model, "optim": optim, ROWWISE: rowwise}
@@ -273,10 +298,12 @@ def _no_fragments(weight: ShardedTensor, name: str, group: Any) -> tuple[Sharded
 
 
 def load_logical(load: Any, model: dict[str, Any], optim: dict[str, Any],
-                 layouts: dict[str, dict[str, Any]]) -> list[str]:
+                 layouts: dict[str, dict[str, Any]], group: Any = None) -> list[str]:
     """Fill ``model`` and ``optim`` (this plan's state dicts) from a checkpoint saved by ``to_logical``
     under any plan: ``load(app_state)`` is DCP's load of that checkpoint.  The notes name every table
-    whose row-wise state was approximated (module docstring)."""
+    whose row-wise state was approximated (module docstring).  Collective over ``group`` (default: the
+    default group): the ranks agree on any problem before DCP's load."""
+    problems = [_layout_problem(model, key, RowwiseLayout.from_json(data)) for key, data in sorted(layouts.items())]
     pending = []
     reads: dict[str, ShardedTensor] = {}
     for param_key, states in optim.get("state", {}).items():
@@ -284,23 +311,25 @@ def load_logical(load: Any, model: dict[str, Any], optim: dict[str, Any],
         for state_key in [k for k, v in states.items() if is_rowwise_state(v, weight)]:
             key, name = f"{param_key}/{state_key}", _table_name(param_key)
             if key not in layouts:
-                raise LayoutError(f"table '{name}': the checkpoint holds no row-wise optimizer state for it")
+                problems.append(f"table '{name}': the checkpoint holds no row-wise optimizer state for it")
+                continue
             saved = RowwiseLayout.from_json(layouts[key])
-            state = states.pop(state_key)
-            pending.append((states, state_key, state, weight, key, saved, name))
-            if state.local_shards():  # DCP reads only what a rank asks for: ranks without the table ask nothing
-                reads[key] = destination(state, weight, saved, name)
+            pending.append((states, state_key, states.pop(state_key), weight, key, saved, name))
+    _raise_on_every_rank([p for p in problems if p], group)  # before DCP's collectives: no rank left waiting
+    for _, _, state, weight, key, saved, name in pending:
+        if state.local_shards():  # DCP reads only what a rank asks for: ranks without the table ask nothing
+            reads[key] = destination(state, weight, saved, name)
     pruned = _without_empty(optim)
     load(_app_state(model, pruned, reads))
     _merge_back(optim, pruned)  # DCP replaces non-tensor values (steps, learning rates) in the dict it is given
-    notes = []
     for states, state_key, state, weight, key, saved, name in pending:
         if key in reads:
             fill(state, weight, reads[key], saved, name)
-        note = approximation(weight, saved, name)
-        if note:
-            notes.append(note)
         states[state_key] = state
+    # From the layouts and every rank's global metadata: the same notes on every rank, for every table.
+    notes = [approximation(model[key.split("/")[0]], RowwiseLayout.from_json(data), _table_name(key.split("/")[0]))
+             for key, data in sorted(layouts.items()) if isinstance(model.get(key.split("/")[0]), ShardedTensor)]
+    notes = [n for n in notes if n]
     return notes
 
 

@@ -164,7 +164,10 @@ class Trainer:
         try:
             committed = self._train_steps(parts, log, progress, start_step)
         except NonFiniteError:
-            self._committed(log, self._writer.wait())
+            try:
+                self._committed(log, self._writer.wait())
+            except checkpoint.CheckpointError as exc:  # the stop's reason stays the one reported
+                log.write("checkpoint_failed", error=str(exc))
             raise
         self._committed(log, self._writer.wait())
         parts.sync.check_finite()
@@ -399,8 +402,9 @@ class Trainer:
 
 
 def _checkpoint_group(ctx: DistContext) -> Any:
-    """A gloo group for background saves: their collectives run beside the training's, never on its group."""
-    if dist.is_initialized() and ctx.world_size > 1:
+    """A gloo group for background saves: their collectives run beside the training's, never on its group
+    (and DCP's background save needs a CPU backend, which an NCCL-only default group lacks)."""
+    if dist.is_initialized():
         return dist.new_group(backend="gloo")
     return None
 

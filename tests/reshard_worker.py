@@ -119,7 +119,7 @@ def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]], ranks: in
                 model, optim = dmp.state_dict(), dmp.fused_optimizer.state_dict()
                 layouts = json.loads((Path(tmp) / "layouts.json").read_text())
                 notes = load_logical(lambda s: dcp.load(s, checkpoint_id=ckpt, process_group=group),
-                                     model, optim, layouts)
+                                     model, optim, layouts, group)
                 dmp.load_state_dict(model)
                 dmp.fused_optimizer.load_state_dict(optim)
                 result["notes"] = notes
