@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from freescale.dataloader import SyntheticSpec, generate
-from freescale.dataloader.loader import BalancedLoader, DataConfig, build_loader
+from freescale.dataloader.build import DataConfig, build_loader
+from freescale.dataloader.loader import BalancedLoader
 from freescale.models import ModelConfig, cost_model_for
 
 RANKS, WINDOW, STEP_S = 1024, 16, 0.030

@@ -45,7 +45,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.gather import gather_tails
-from freescale.dataloader.loader import DataConfig, build_loader
+from freescale.dataloader.build import DataConfig, build_loader
 from freescale.dataloader.schema import CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, DatasetManifest
 from freescale.tables import print_table
 

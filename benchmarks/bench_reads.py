@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json  # noqa: E402
 from bench_data import format1_twin, prepared  # noqa: E402
 
-from freescale.dataloader.loader import DataConfig, build_loader  # noqa: E402
+from freescale.dataloader.build import DataConfig, build_loader  # noqa: E402
 from freescale.models import ModelConfig, cost_model_for  # noqa: E402
 from freescale.tables import print_table  # noqa: E402
 

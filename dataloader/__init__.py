@@ -5,7 +5,7 @@ Reading order: ``schema`` (both layouts, manifest, errors) -> ``prepare`` (a log
 -> ``cost`` (per-sample cost model) -> ``partition`` (split a batch by cost)
 -> ``planner`` (which rows each live rank takes at each step) -> ``source``
 (row-group Parquet reads; ``sequence_source`` for format 2; ``row_checks``) -> ``loader`` (``BalancedLoader``,
-prefetch, state) -> ``batch``.
+prefetch, state; ``build`` makes it from ``[data]``) -> ``batch``.
 """
 
 if __name__ != "freescale.dataloader":  # imported by its folder name, the repository root on sys.path

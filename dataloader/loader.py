@@ -35,22 +35,19 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from freescale.config import require
-from freescale.dataloader import gather
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.cost import CostModel
-from freescale.dataloader.balance_kernels import warm_up
-from freescale.dataloader.partition import Parts, check_size
-from freescale.dataloader.planner import BatchPlanner, EpochOrder, StepPlan
+from freescale.dataloader.partition import Parts
+from freescale.dataloader.planner import BatchPlanner, StepPlan
 from freescale.dataloader.reshape import SHAPE_KEYS, remainder, shape_of, start_remainder
 from freescale.dataloader.schema import (
-    CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, SEQUENCE_FORMAT_VERSION, USER_ID, DataError, DatasetManifest,
+    CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, USER_ID, DataError,
 )
 from freescale.dataloader.sequence_source import SequenceSource
 from freescale.dataloader.source import ParquetSource
@@ -61,62 +58,6 @@ SPARSE_FEATURES: dict[str, tuple[str, bool]] = {
     CANDIDATE_ITEM: (CANDIDATE_ITEM, False),
     USER_ID: (USER_ID, False),
 }
-
-
-@dataclass
-class DataConfig:
-    path: str = "data/demo"
-    """Dataset directory: a local path or a pyarrow filesystem URI (s3://, gs://, hdfs://)."""
-    batch_size: int = 64
-    """Samples per rank per step on average; the global batch is batch_size x ranks at start."""
-    max_seq_len: int = 64
-    """History items kept per sample (the most recent); longer histories are truncated."""
-    shuffle: bool = True
-    partitioner: Literal["round_robin", "token_kk", "lpt", "kk"] = "lpt"
-    equal_count: bool = False
-    """Give every rank the same number of samples (balancing cost within that constraint)."""
-    window: int = 1
-    """Global batches planned together; > 1 groups the heaviest samples into the same steps."""
-    shuffle_row_groups: int = 8
-    """Row groups whose rows are shuffled together (the reads of a step stay within them)."""
-    locality: bool = False
-    """Plan for reads: each rank's share of a window is one contiguous run of storage cut at equal
-    cost, then split into the window's steps, so a rank decodes about the bytes it trains on
-    instead of most of the window's row groups (use with window > 1 at many ranks; planner.py)."""
-    prefetch: int = 2
-    """Batches prepared ahead on a background thread; 0 prepares them inline."""
-    on_bad_rows: Literal["error", "skip"] = "error"
-    cost_quadratic: float = -1.0
-    """Cost model ``a*L^2 + b*L + c0``; negative values mean: derive from the model's dimensions."""
-    cost_linear: float = -1.0
-    cost_constant: float = -1.0
-    calibrate_every: int = 0
-    """Every this many steps, refit the cost model to the ranks' measured compute times
-    (``cost.calibrate``) and plan with it from the next window on; 0 = never."""
-
-    def validate(self) -> None:
-        require(bool(self.path), "path", "must name a dataset directory")
-        require(self.batch_size > 0, "batch_size", f"must be positive, got {self.batch_size}")
-        require(self.max_seq_len > 0, "max_seq_len", f"must be positive, got {self.max_seq_len}")
-        require(self.window >= 1, "window", f"must be >= 1, got {self.window}")
-        require(
-            self.window == 1 or (self.partitioner != "round_robin" and not self.equal_count),
-            "window", "> 1 needs a cost-balancing partitioner (lpt, kk, token_kk) and equal_count = false",
-        )
-        require(self.shuffle_row_groups >= 1, "shuffle_row_groups", "must be >= 1")
-        require(not (self.locality and self.equal_count), "locality", "cuts shares by cost: set equal_count = false")
-        require(not self.locality or self.partitioner == "lpt", "locality",
-                f"plans with its own cut and LPT: set partitioner = 'lpt' (got '{self.partitioner}')")
-        require(self.prefetch >= 0, "prefetch", f"must be >= 0, got {self.prefetch}")
-        require(self.calibrate_every >= 0, "calibrate_every", f"must be >= 0, got {self.calibrate_every}")
-
-    def cost_model(self, derived: CostModel) -> CostModel:
-        """The configured coefficients, each falling back to ``derived`` when negative."""
-        return CostModel(
-            quadratic=self.cost_quadratic if self.cost_quadratic >= 0 else derived.quadratic,
-            linear=self.cost_linear if self.cost_linear >= 0 else derived.linear,
-            constant=self.cost_constant if self.cost_constant >= 0 else derived.constant,
-        )
 
 
 @dataclass
@@ -469,53 +410,4 @@ def _next_position(epoch: int, step: int, steps_in_epoch: int) -> tuple[int, int
     return (epoch + 1, 0) if step >= steps_in_epoch else (epoch, step)
 
 
-def open_source(cfg: DataConfig, split: str, columns: list[str]) -> ParquetSource | SequenceSource:
-    """The reader of ``cfg.path``'s layout: one row per sample (format 1) or per user (format 2)."""
-    cache = 2 * cfg.shuffle_row_groups + 2
-    if DatasetManifest.read(cfg.path).format_version == SEQUENCE_FORMAT_VERSION:
-        return SequenceSource(cfg.path, split, columns, max_seq_len=cfg.max_seq_len, on_bad_rows=cfg.on_bad_rows,
-                              cache_row_groups=cache)
-    return ParquetSource(cfg.path, split, columns, on_bad_rows=cfg.on_bad_rows, cache_row_groups=cache,
-                         max_seq_len=cfg.max_seq_len)
-
-
-def build_loader(
-    cfg: DataConfig,
-    split: str,
-    *,
-    rank: int,
-    world_size: int,
-    sparse_features: list[str],
-    derived_cost: CostModel,
-    seed: int,
-    training: bool = True,
-    pin_memory: bool = False,
-    group_size: int | None = None,
-) -> BalancedLoader:
-    """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order)."""
-    warm_up()  # the planner's and the reads' kernels: loaded from numba's cache, or compiled here, not in the
-    gather.warm_up()  # prefetch thread
-    if training:
-        window = max(cfg.window, 1)
-        try:
-            check_size(cfg.partitioner, cfg.batch_size * world_size * window, world_size * window, cfg.equal_count)
-        except ValueError as exc:
-            raise DataError(f"data.partitioner = '{cfg.partitioner}' at {world_size} ranks: {exc}") from None
-    columns = sorted({SPARSE_FEATURES[f][0] for f in sparse_features} | {DENSE, LABEL})
-    source = open_source(cfg, split, columns)
-    order = EpochOrder(source.rg_rows, seed=seed, shuffle=cfg.shuffle and training,
-                       window_row_groups=cfg.shuffle_row_groups)
-    planner = BatchPlanner(
-        source.lengths, order, cost_model=cfg.cost_model(derived_cost),
-        partitioner=cfg.partitioner if training else "round_robin",
-        global_batch_size=cfg.batch_size * world_size, window=cfg.window if training else 1,
-        equal_count=cfg.equal_count and training, max_seq_len=cfg.max_seq_len, locality=cfg.locality and training,
-    )
-    return BalancedLoader(
-        source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,
-        max_seq_len=cfg.max_seq_len, prefetch=cfg.prefetch, epochs=None if training else 1, pin_memory=pin_memory,
-        group_size=group_size,
-    )
-
-
-__all__ = ["BalancedLoader", "DataConfig", "StepInfo", "build_loader"]
+__all__ = ["BalancedLoader", "StepInfo"]

@@ -44,7 +44,7 @@ def commits_by_step(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 def planned_rows(data: Path, model: str, replicas: int, ranks: int, steps: int, batch_size: int = 32) -> np.ndarray:
     """Rows of global batches 0 .. steps-1, sorted (what the run must train: each row once per epoch)."""
-    from freescale.dataloader.loader import DataConfig, build_loader
+    from freescale.dataloader.build import DataConfig, build_loader
     from freescale.models import ModelConfig, cost_model_for
 
     cfg = DataConfig(path=str(data), batch_size=batch_size)

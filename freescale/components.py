@@ -21,7 +21,8 @@ from torchrec.optim.keyed import CombinedOptimizer
 from freescale.checkpoint import CheckpointConfig
 from freescale.comm_trace import CommTracer
 from freescale.config import ConfigError, require
-from freescale.dataloader.loader import BalancedLoader, DataConfig, build_loader
+from freescale.dataloader.build import DataConfig, build_loader
+from freescale.dataloader.loader import BalancedLoader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.distributed import DistConfig, DistContext
 from freescale.ft.config import FTConfig

@@ -135,9 +135,7 @@ def destination(state: ShardedTensor, weight: ShardedTensor, saved: RowwiseLayou
     metadata alone (as torchrec builds its own): the rows this rank does not want are declared on another
     rank, and DCP, which reads each rank's local shards on their own, never reads them."""
     where = _optimizer_spans(weight, name)
-    rows, dim = weight.size()
-    if (saved.rows, saved.dim) != (rows, dim):
-        raise LayoutError(f"table '{name}': the checkpoint's is {saved.rows} x {saved.dim}, this model's {rows} x {dim}")
+    rows = weight.size(0)  # the saved layout's rows and width match (``_layout_problem``, checked first)
     ranges = sorted({(where[int(s.metadata.shard_offsets[0])].r0, where[int(s.metadata.shard_offsets[0])].r1)
                      for s in state.local_shards()})
     width = len(saved.cuts) - 1

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from freescale import checkpoint, reshard
 from freescale.components import Components, TrainConfig, TrainerConfig, build, prepare
 from freescale.config import to_dict
-from freescale.dataloader.loader import build_loader
+from freescale.dataloader.build import build_loader
 from freescale.digest import state_digest
 from freescale.distributed import DistContext, init_distributed, shutdown
 from freescale.metrics import ClickMetrics, MetricWindow

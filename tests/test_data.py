@@ -10,7 +10,8 @@ import pytest
 
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader import DataError, DatasetManifest, SyntheticSpec, generate, sample_schema
-from freescale.dataloader.loader import BalancedLoader, DataConfig, build_loader
+from freescale.dataloader.build import DataConfig, build_loader
+from freescale.dataloader.loader import BalancedLoader
 from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS, HISTORY_LENGTH, LABEL, USER_ID
 
 ALL_FEATURES = [HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID]

@@ -12,7 +12,8 @@ import pyarrow as pa
 import pytest
 
 from freescale.dataloader.cost import CostModel
-from freescale.dataloader.loader import BalancedLoader, DataConfig, StepInfo, build_loader
+from freescale.dataloader.build import DataConfig, build_loader
+from freescale.dataloader.loader import BalancedLoader, StepInfo
 from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS, DataError
 from freescale.dataloader.source import ParquetSource
 from tests.test_data import table_with, write_dataset

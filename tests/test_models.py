@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from freescale.dataloader.cost import CostModel
-from freescale.dataloader.loader import DataConfig, build_loader
+from freescale.dataloader.build import DataConfig, build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.models import ModelConfig, build_model
 

@@ -88,7 +88,7 @@ def test_kk_refuses_a_batch_it_cannot_hold_and_lpt_names_a_bad_cost() -> None:
 def test_a_kk_run_too_large_for_it_is_refused_before_training(tiny_data) -> None:
     """When the loader is built, naming the setting (the CLI prints a DataError as that one line):
     not in the prefetch thread at the first plan."""
-    from freescale.dataloader.loader import DataConfig, build_loader
+    from freescale.dataloader.build import DataConfig, build_loader
     from freescale.dataloader.schema import DataError
     from freescale.models import ModelConfig, cost_model_for
 

@@ -16,7 +16,7 @@ import pytest
 from freescale.cli import main
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.log_input import LogColumns
-from freescale.dataloader.loader import DataConfig, build_loader
+from freescale.dataloader.build import DataConfig, build_loader
 from freescale.dataloader.prepare import PrepareSpec, prepare
 from freescale.dataloader.schema import HISTORY_ITEMS, HISTORY_LENGTH, DataError, DatasetManifest, sample_schema
 from freescale.dataloader.sequence_source import SequenceSource

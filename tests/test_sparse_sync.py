@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from freescale.dataloader.batch import Batch
-from freescale.dataloader.loader import build_loader
+from freescale.dataloader.build import build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.digest import local_digest
 from freescale.distributed import init_distributed
