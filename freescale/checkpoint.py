@@ -19,7 +19,9 @@ hands it plan-independent state (``reshard.py``), so a checkpoint loads under
 any sharding plan and world size.
 
 ``CheckpointWriter`` does the same save in the background: the state is copied
-to host memory at the step (``HostCopy``), DCP writes it on a thread of its own
+to host memory (``host_copy`` at the step, or the tables over the steps after it:
+``staging.py``),
+DCP writes it on a thread of its own
 over a gloo group of its own, and rank 0 commits it (the same metadata and
 rename) at a later step once every rank's files are written.
 """
@@ -32,7 +34,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -60,10 +62,15 @@ class CheckpointConfig:
     async_save: bool = True
     """Stage the state to host memory at the step, write it on a background thread while training goes
     on, and commit (``freescale.json``, rename) once every rank's files are written (``CheckpointWriter``)."""
+    stage_budget: float = 0.05
+    """With ``async_save`` and ``every``: the share of each step's time spent copying the embedding tables to
+    host memory after a save step (copy-on-write: ``staging.py``), so the save step copies only the dense
+    state.  0 copies everything at the save step."""
 
     def validate(self) -> None:
         require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
         require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
+        require(0 <= self.stage_budget < 1, "stage_budget", f"must be in [0, 1), got {self.stage_budget}")
 
 
 class CheckpointError(RuntimeError):
@@ -162,10 +169,10 @@ def _commit(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
     return final
 
 
-class HostCopy:
-    """DCP's ``AsyncStager``: the state copied to host memory on the caller's thread, the only part of a
-    save the training loop waits for.  Written here because DCP's default stager refuses torchrec's
-    ShardedTensors; each local shard is cloned under its metadata, every other leaf copied."""
+class Staged:
+    """DCP's ``AsyncStager`` for a state already copied to host memory (``host_copy``, or
+    ``staging.LazySnapshot``): nothing left to stage.  DCP's default stager would copy again, and it refuses
+    torchrec's ShardedTensors."""
 
     _synchronize_after_execute = False
 
@@ -174,7 +181,7 @@ class HostCopy:
         return False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return _host_copy(state_dict)
+        return state_dict
 
     def synchronize_staging(self) -> None:
         return None
@@ -183,21 +190,33 @@ class HostCopy:
         return None
 
 
-def _host_copy(obj: Any) -> Any:
+Provided = Callable[[str, "torch.Tensor"], "torch.Tensor | None"]
+"""The host tensor to use for the tensor at a state path (filled by the caller: ``staging``), or None."""
+
+
+def host_copy(obj: Any, provided: Provided | None = None, path: str = "") -> Any:
+    """``obj`` (a state dict) with every tensor copied to host memory: a ShardedTensor's local shards cloned
+    under its metadata (placed on the CPU of the same rank), every other leaf copied, except where
+    ``provided`` gives the host tensor for a path (``path#i`` for local shard ``i``): ``staging`` fills
+    those itself."""
     import copy
 
     import torch
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
+    def fresh(p: str, tensor: torch.Tensor) -> torch.Tensor:
+        found = provided(p, tensor) if provided is not None else None
+        return found if found is not None else tensor.detach().to("cpu", copy=True)
+
     if isinstance(obj, ShardedTensor):
-        shards = [Shard(s.tensor.detach().to("cpu", copy=True), _on_host(s.metadata)) for s in obj.local_shards()]
+        shards = [Shard(fresh(f"{path}#{i}", s.tensor), _on_host(s.metadata)) for i, s in enumerate(obj.local_shards())]
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, _host_metadata(obj.metadata()))
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return fresh(path, obj)
     if isinstance(obj, dict):
-        return {k: _host_copy(v) for k, v in obj.items()}
+        return {k: host_copy(v, provided, f"{path}/{k}") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_host_copy(v) for v in obj)
+        return type(obj)(host_copy(v, provided, f"{path}/{i}") for i, v in enumerate(obj))
     return copy.deepcopy(obj)
 
 
@@ -239,8 +258,9 @@ class CheckpointWriter:
         self._pending: tuple[Any, Path, int, dict[str, Any], int, float] | None = None
 
     def start(self, root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str, Any],
-              keep: int = 2) -> Path | None:
-        """Collective.  The final path when the save completed here (synchronous), else None."""
+              keep: int = 2, staged: bool = False) -> Path | None:
+        """Collective.  The final path when the save completed here (synchronous), else None.  ``staged``:
+        ``app_state`` is a host copy already (``host_copy``), which DCP may keep until it is written."""
         import time
 
         self.wait()
@@ -248,8 +268,8 @@ class CheckpointWriter:
         if not self.asynchronous:
             return save(root, step, app_state, meta, keep)
         partial = _begin(root, step, self.group)
-        future = dcp.async_save(app_state, checkpoint_id=str(partial), process_group=self.group,
-                                async_stager=HostCopy())
+        future = dcp.async_save(app_state if staged else host_copy(app_state), checkpoint_id=str(partial),
+                                process_group=self.group, async_stager=Staged())
         self._pending = (future, root, step, meta, keep, time.perf_counter())
         return None
 

@@ -30,6 +30,7 @@ from freescale.grad_buckets import BucketedGrads
 from freescale.models import ModelConfig, build_model, cost_model_for
 from freescale.parallelize import OptimConfig, build_optimizer, dense_named_parameters, shard_model
 from freescale.pipeline import PipelineConfig, StepPipeline, build_pipeline
+from freescale.staging import LazySaves, RowTracker
 from freescale.step_feed import StepFeed
 from freescale.step_sync import NONFINITE, LocalSync, StepSync
 from freescale.testing import StepHooks, hooks_from_env
@@ -103,6 +104,8 @@ class Components:
     """Replica groups of the run (1 without fault tolerance)."""
     log_dir: Path
     """Where this group's log goes: ``output_dir``, or ``output_dir/replica<g>``."""
+    staging: LazySaves | None = None
+    """Copies the tables to host memory over the steps after each save (``checkpoint.stage_budget``)."""
 
     @property
     def features(self) -> list[str]:
@@ -130,6 +133,9 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
     torch.manual_seed(cfg.train.seed)  # every rank (and every group) builds the same initial model
     model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"))
     dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp(ft_on))
+    c = cfg.checkpoint
+    # Before fault tolerance wraps the tables' lookups: its union update must go through the tracker.
+    staging = LazySaves(RowTracker(dmp), c.stage_budget) if c.async_save and c.every and c.stage_budget else None
     optimizer = build_optimizer(dmp, cfg.optim)
     loader = build_loader(
         cfg.data, "train", rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size,
@@ -164,7 +170,7 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
         sync = LocalSync(optimizer, list(dense_named_parameters(dmp).values()), feed, grads)
     pipeline = build_pipeline(cfg.pipeline, dmp, sync, ctx.device)
     return Components(ctx, manifest, dmp, optimizer, loader, feed, sync, pipeline, hooks, tracer, group, groups,
-                      log_dir)
+                      log_dir, staging)
 
 
 def _tracer(dmp: nn.Module) -> CommTracer:

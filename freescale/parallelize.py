@@ -134,6 +134,28 @@ def dense_named_parameters(dmp: DistributedModelParallel) -> dict[str, nn.Parame
     }
 
 
+def embedding_kernels(dmp: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """``(name, kernel, fused)`` for every embedding kernel of ``dmp``'s sharded modules, in a fixed order:
+    torchrec keeps a sharded module's lookups in a plain list (not registered submodules), so they are
+    walked explicitly.  A fused kernel's ``emb_module`` is fbgemm's table-batched embedding (TBE), which
+    updates its rows with the fused optimizer inside backward."""
+    from torchrec.distributed.batched_embedding_kernel import (
+        BatchedDenseEmbedding, BatchedDenseEmbeddingBag, BatchedFusedEmbedding, BatchedFusedEmbeddingBag,
+    )
+
+    found: list[tuple[str, nn.Module, bool]] = []
+    for name, module in dmp.named_modules():
+        if not isinstance(module, ShardedModule):
+            continue
+        for i, lookup in enumerate(getattr(module, "_lookups", [])):
+            for sub_name, sub in lookup.named_modules():
+                if isinstance(sub, (BatchedDenseEmbedding, BatchedDenseEmbeddingBag, BatchedFusedEmbedding,
+                                    BatchedFusedEmbeddingBag)):
+                    fused = isinstance(sub, (BatchedFusedEmbedding, BatchedFusedEmbeddingBag))
+                    found.append((f"{name}.lookup{i}.{sub_name}", sub, fused))
+    return found
+
+
 def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> CombinedOptimizer:
     """Fused embedding optimizer (already inside ``dmp``) + AdamW over the dense parameters."""
     dense_params = dense_named_parameters(dmp)

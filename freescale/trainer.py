@@ -160,15 +160,20 @@ class Trainer:
         together) is waited for: the checkpoint of the last good step is complete."""
         steps = self.cfg.train.steps
         self._writer = checkpoint.CheckpointWriter(self.cfg.checkpoint.async_save, _checkpoint_group(parts.ctx))
+        self._staging = parts.staging
+        self._lazy: tuple[int, dict[str, Any], dict[str, Any]] = (-1, {}, {})
+        """The save whose tables are being copied: (step, host state, metadata)."""
         self._last_ckpt: Path | None = None
         try:
             committed = self._train_steps(parts, log, progress, start_step)
         except NonFiniteError:
             try:
+                self._write_lazy(log)
                 self._committed(log, self._writer.wait())
             except checkpoint.CheckpointError as exc:  # the stop's reason stays the one reported
                 log.write("checkpoint_failed", error=str(exc))
             raise
+        self._write_lazy(log)
         self._committed(log, self._writer.wait())
         parts.sync.check_finite()
         parts.sync.finish(steps - 1)
@@ -187,6 +192,8 @@ class Trainer:
             step = commit.step + 1
             if not commit.applied or commit.restored:
                 first = True  # catching up: the next step this process trains is its first again
+            if commit.restored:
+                self._discard_lazy(log)
             if not commit.applied:
                 continue
             done = commit.step + 1
@@ -207,6 +214,8 @@ class Trainer:
                 self._calibrate(parts, log, calibration, done)
             if self._checkpoint_due(done):
                 self._save(parts, log, commit)
+            if parts.staging is not None and parts.staging.boundary(done, wall):
+                self._write_lazy(log)
             self._committed(log, self._writer.poll())
         return committed
 
@@ -259,21 +268,49 @@ class Trainer:
         return bool((c.every and done % c.every == 0) or (c.save_final and done == steps))
 
     def _save(self, parts: Components, log: RunLog, commit: Commit) -> Path | None:
-        """Collective over the group.  With fault tolerance one group writes (all hold the same state)."""
+        """Collective over the group.  With fault tolerance one group writes (all hold the same state).  A
+        background save hands DCP a host copy: of the tables, made over the next steps (``staging.py``)
+        unless this is the last step; of everything else, made here."""
         parts.sync.check_finite()  # never a checkpoint after a non-finite step
         if not parts.sync.owns_checkpoint(commit):
             return None
-        start = time.perf_counter()
-        done = commit.step + 1
-        state, layouts = reshard.to_logical(parts.dmp.state_dict(), parts.optimizer.state_dict())
+        start, done, writer = time.perf_counter(), commit.step + 1, self._writer
+        live, later = _raw_state(parts), None
+        if writer.asynchronous and parts.staging is not None and done < self.cfg.train.steps:
+            later = parts.staging.begin(live, done, lambda steps: _agreed_max(parts.ctx, steps))
+        state = later.state if later is not None else checkpoint.host_copy(live) if writer.asynchronous else live
+        state, layouts = reshard.to_logical(state["model"], state["optim"])
         meta = {"data": parts.feed.state_dict(), "world_size": parts.ctx.world_size, "config": to_dict(self.cfg),
                 "ft": {"replicas": parts.groups}, "layouts": layouts, "plan": reshard.plan_summary(parts.dmp)}
-        path = self._writer.start(self._checkpoint_root, done, state, meta, keep=self.cfg.checkpoint.keep)
+        if later is not None:  # the tables' copy goes on over the next steps; written once it is done
+            self._lazy = (done, state, meta)
+            log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start, tables_due=parts.staging.due)
+            return None
+        path = writer.start(self._checkpoint_root, done, state, meta, keep=self.cfg.checkpoint.keep,
+                            staged=writer.asynchronous)
         if path is not None:  # written in this call (checkpoint.async_save = false)
             self._committed(log, (path, time.perf_counter() - start))
         else:  # staged; written in the background, committed at a later step's poll
             log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start)
         return path
+
+    def _write_lazy(self, log: RunLog) -> None:
+        """Collective (at the step every rank agreed on, or at the end): the tables' copy of the save in
+        progress is completed, and DCP writes it in the background."""
+        snapshot = self._staging.take() if self._staging is not None else None
+        if snapshot is None:
+            return
+        step, state, meta = self._lazy
+        taken = snapshot.finish()
+        self._writer.start(self._checkpoint_root, step, state, meta, keep=self.cfg.checkpoint.keep, staged=True)
+        log.write("checkpoint_tables_copied", step=step, **taken)
+
+    def _discard_lazy(self, log: RunLog) -> None:
+        """The whole state was replaced (caught up from a peer): a copy in progress would mix two states."""
+        snapshot = self._staging.take() if self._staging is not None else None
+        if snapshot is not None:
+            snapshot.discard()
+            log.write("checkpoint_discarded", step=self._lazy[0], reason="state restored from a peer")
 
     def _committed(self, log: RunLog, finished: tuple[Path, float] | None) -> None:
         """Log a save that just committed, and remember it as the last checkpoint."""
@@ -399,6 +436,20 @@ class Trainer:
     def _say(ctx: DistContext, message: str) -> None:
         if ctx.is_main:
             print(message, flush=True)
+
+
+def _raw_state(parts: Components) -> dict[str, Any]:
+    """The model's and optimizer's state dicts: views of the live tensors (torchrec's tables included)."""
+    return {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
+
+
+def _agreed_max(ctx: DistContext, value: int) -> int:
+    """The largest ``value`` of the group's ranks."""
+    if ctx.world_size == 1:
+        return value
+    found = torch.tensor([value], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return int(found)
 
 
 def _checkpoint_group(ctx: DistContext) -> Any:

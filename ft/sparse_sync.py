@@ -53,6 +53,7 @@ from torch import nn
 
 from freescale.ft.client import Quorum
 from freescale.ft.replica_group import ReplicaGroup
+from freescale.parallelize import embedding_kernels
 
 
 @dataclass
@@ -123,29 +124,16 @@ def _check_optimizer(name: str, tbe: nn.Module) -> None:
 
 
 def fused_tbes(dmp: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every fbgemm TBE with a fused optimizer under ``dmp``'s sharded modules, in a fixed order.
-
-    torchrec keeps a sharded module's lookups in a plain list (not registered
-    submodules), so they are walked explicitly.
-    """
-    from torchrec.distributed.batched_embedding_kernel import (
-        BatchedDenseEmbedding, BatchedDenseEmbeddingBag, BatchedFusedEmbedding, BatchedFusedEmbeddingBag,
-    )
-    from torchrec.distributed.types import ShardedModule
-
+    """Every fbgemm TBE with a fused optimizer under ``dmp``'s sharded modules, in a fixed order; a table
+    planned with a dense (non-fused) kernel is refused."""
     found: list[tuple[str, nn.Module]] = []
-    for name, module in dmp.named_modules():
-        if not isinstance(module, ShardedModule):
-            continue
-        for i, lookup in enumerate(getattr(module, "_lookups", [])):
-            for sub_name, sub in lookup.named_modules():
-                if isinstance(sub, (BatchedDenseEmbedding, BatchedDenseEmbeddingBag)):
-                    raise ValueError(
-                        f"fault tolerance: the embeddings of '{name}' were planned with a dense (non-fused) kernel; "
-                        "their updates could not be kept identical across replica groups. Give the planner fused "
-                        "kernels only (the default sharders in freescale.parallelize do)")
-                if isinstance(sub, (BatchedFusedEmbedding, BatchedFusedEmbeddingBag)):
-                    found.append((f"{name}.lookup{i}.{sub_name}", sub.emb_module))
+    for name, kernel, fused in embedding_kernels(dmp):
+        if not fused:
+            raise ValueError(
+                f"fault tolerance: the embeddings of '{name.split('.lookup')[0]}' were planned with a dense "
+                "(non-fused) kernel; their updates could not be kept identical across replica groups. Give the "
+                "planner fused kernels only (the default sharders in freescale.parallelize do)")
+        found.append((name, kernel.emb_module))
     return found
 
 

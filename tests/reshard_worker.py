@@ -96,6 +96,39 @@ def logical(dmp: Any, group: Any) -> tuple[dict[str, torch.Tensor], dict[str, to
     return out_w, out_m, {k.split("/")[0].split(".")[-2]: v for k, v in layouts.items()}
 
 
+def leaves(state: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a state dict by path (a ShardedTensor's local shards as ``path#i``)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(state, ShardedTensor):
+        return [(f"{path}#{i}", shard.tensor) for i, shard in enumerate(state.local_shards())]
+    if isinstance(state, torch.Tensor):
+        return [(path, state)]
+    if isinstance(state, dict):
+        return [leaf for key, value in state.items() for leaf in leaves(value, f"{path}/{key}")]
+    return []
+
+
+def lazy_copy(dmp: Any, tracker: Any, rank: int) -> dict[str, Any]:
+    """A ``LazySnapshot`` of this rank's state, its tables copied a few rows per step over 4 more training
+    steps, against a host copy made at once: equal tensors?  And how many rows a lookup kept first."""
+    from freescale.checkpoint import host_copy
+    from freescale.staging import LazySnapshot
+
+    live = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+    at_once = host_copy(live)
+    snapshot = LazySnapshot(tracker, live)
+    for _ in range(4):
+        train(dmp, 1, rank + 7)
+        snapshot.advance(3 * 32 * 4)  # three rows of a table (or a row of each of three)
+    ahead = snapshot.copied
+    taken = snapshot.finish()
+    lazily = dict(leaves(snapshot.state))
+    same = [torch.equal(lazily[path], tensor) for path, tensor in leaves(at_once)]
+    return {"equal": all(same) and len(same) == len(lazily), "rows_kept": taken["rows_kept"], "ahead": ahead,
+            "tables": len(tracker.tables)}
+
+
 def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]], ranks: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
@@ -103,6 +136,7 @@ def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]], ranks: in
     groups = {n: dist.new_group(list(range(n))) for n in sorted({p["world"] for p in phases})}
     ckpt = str(Path(tmp) / "ckpt")
     from freescale.reshard import load_logical, to_logical
+    from freescale.staging import RowTracker
 
     for i, phase in enumerate(phases):
         world, group = phase["world"], groups[phase["world"]]
@@ -110,6 +144,7 @@ def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]], ranks: in
             dmp = build(phase["plan"], group, world)
             result: dict[str, Any] = {"plan": phase["plan"]}
             if phase["kind"] == "save":
+                tracker = RowTracker(dmp)
                 train(dmp, 3, rank)
                 state, layouts = to_logical(dmp.state_dict(), dmp.fused_optimizer.state_dict(), group)
                 dcp.save(state, checkpoint_id=ckpt, process_group=group)
@@ -124,6 +159,8 @@ def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]], ranks: in
                 dmp.fused_optimizer.load_state_dict(optim)
                 result["notes"] = notes
             weights, momentum, layout = logical(dmp, group)
+            if phase["kind"] == "save":  # after the gather: the checks of the save above see the saved state
+                result["lazy"] = lazy_copy(dmp, tracker, rank)
             if rank == 0:
                 torch.save({"weights": weights, "momentum": momentum, "layouts": layout, **result},
                            Path(tmp) / f"phase{i}.pt")

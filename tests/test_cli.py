@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from freescale.cli import main
 from tests.conftest import REPO, read_log, run_cli
@@ -120,6 +121,60 @@ def test_single_process_train_without_torchrun_resumes_under_another_shape_and_i
     (broken / ".metadata").write_bytes(b"not a pickle")
     code, _, err = run_main(capsys, "checkpoint", "inspect", str(broken))
     assert code == 2 and "unreadable checkpoint metadata" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_hstu_resumed_under_another_plan_steps_as_if_never_stopped(
+        tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The sequence model, in this process: 6 steps with its tables cut in two by columns, against 4 steps
+    so, saved, and 2 more resumed table-wise.  The state converts exactly (merging column ranges: row-wise
+    Adagrad's value of a union is the width-weighted mean, no note), so the resumed run's first step has
+    the uninterrupted run's loss, and both train the same rows.  The steps after it differ: the plan is
+    part of the optimizer (row-wise Adagrad keeps one adaptive rate per column shard: a whole row now
+    takes one).  The first run's step-4 checkpoint copied its tables to host memory during step 5 (each
+    row step 5 looked up kept first); the second's was copied at the step: the same state, bit for bit."""
+    monkeypatch.setenv("FREESCALE_AUDIT", "1")
+    train = ["train", "--config", str(REPO / "configs" / "tiny_hstu.toml"), f"--data.path={tiny_data}",
+             "--train.eval=false", "--data.batch_size=32", "--optim.column_shard_min_dim=16", "--checkpoint.every=4"]
+    split = ["--optim.sharding=column_wise"]
+    runs = {"through": tmp_path / "through", "stopped": tmp_path / "stopped"}
+    for name, steps, extra in (("through", 6, [*split, "--checkpoint.stage_budget=0.5"]),
+                               ("stopped", 4, [*split, "--checkpoint.stage_budget=0"]),
+                               ("stopped", 6, ["--optim.sharding=table_wise", "--resume"])):
+        code, out, err = run_main(capsys, *train, f"--train.output_dir={runs[name]}", f"--train.steps={steps}", *extra)
+        assert code == 0, err[-3000:]
+    assert "resumed from" in out and "columns cut" not in out  # merging: nothing approximated
+    commits = {name: {e["step"]: e for e in read_log(path) if e["event"] == "commit"} for name, path in runs.items()}
+    assert sorted(commits["stopped"]) == list(range(6))
+    for step in range(6):
+        through, stopped = commits["through"][step], commits["stopped"][step]
+        assert through["rows"] == stopped["rows"], f"step {step}: other samples"
+        if step <= 4:
+            assert stopped["loss"] == pytest.approx(through["loss"], rel=1e-6), f"step {step}"
+    resumed = [e for e in read_log(runs["stopped"]) if e["event"] == "resume"]
+    assert resumed[0]["step"] == 4 and resumed[0]["conversions"] == []
+    copied = [e for e in read_log(runs["through"]) if e["event"] == "checkpoint_tables_copied"]
+    assert [e["step"] for e in copied] == [4] and copied[0]["table_bytes"] > 0 and copied[0]["rows_kept"] > 0, copied
+    ahead, at_step = (checkpoint_tensors(path / "checkpoints" / "step_000000004") for path in runs.values())
+    assert sorted(ahead) == sorted(at_step) and any("rowwise" in key for key in ahead)
+    for key, tensor in at_step.items():
+        assert torch.equal(ahead[key], tensor), key
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, by flattened key (read without a process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, path.with_suffix(".pt"))
+    found: dict[str, torch.Tensor] = {}
+
+    def walk(obj: object, key: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            found[key] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{key}/{k}")
+    walk(torch.load(path.with_suffix(".pt"), weights_only=False), "")
+    return found
 
 
 def test_unknown_flag_is_named_wherever_it_sits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
