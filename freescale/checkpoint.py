@@ -20,8 +20,7 @@ any sharding plan and world size.
 
 ``CheckpointWriter`` does the same save in the background: the state is copied
 to host memory (``host_copy`` at the step, or the tables over the steps after it:
-``staging.py``),
-DCP writes it on a thread of its own
+``staging.py``), DCP writes it on a thread of its own
 over a gloo group of its own, and rank 0 commits it (the same metadata and
 rename) at a later step once every rank's files are written.
 """
@@ -169,27 +168,6 @@ def _commit(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
     return final
 
 
-class Staged:
-    """DCP's ``AsyncStager`` for a state already copied to host memory (``host_copy``, or
-    ``staging.LazySnapshot``): nothing left to stage.  DCP's default stager would copy again, and it refuses
-    torchrec's ShardedTensors."""
-
-    _synchronize_after_execute = False
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
-
-
 Provided = Callable[[str, "torch.Tensor"], "torch.Tensor | None"]
 """The host tensor to use for the tensor at a state path (filled by the caller: ``staging``), or None."""
 
@@ -240,38 +218,72 @@ def _host_metadata(meta: Any) -> Any:
                                            memory_format=props.memory_format, pin_memory=False))
 
 
+Convert = Callable[[dict[str, Any], Any], tuple[dict[str, Any], dict[str, Any]]]
+"""``(host state, process group) -> (the state DCP writes, entries for the checkpoint's metadata)``."""
+
+
 class CheckpointWriter:
     """Saves that cost the training loop only the copy of its state to host memory.
 
-    ``start`` (collective) stages ``app_state`` and hands it to DCP's ``async_save``, which writes it
-    on a background thread over ``group`` (a gloo group of its own: the training's collectives go on
-    at the same time on theirs); ``poll`` at each step commits a finished save (rank 0: metadata,
-    rename, pruning, exactly as ``save``), ``wait`` blocks for it.  DCP's writers finish with a
-    gather to the coordinator, so rank 0's save completes only after every rank's files are
-    written.  One save in flight: ``start`` waits for the previous one first.  A kill at any moment
-    leaves the previous checkpoint complete and this one ``.partial``.  With ``asynchronous=False``
-    it is ``save``.
+    ``start`` (collective) takes the host copy (``host_copy``, or ``staging.LazySnapshot``'s) and
+    returns: a thread of the writer's own converts it (``convert``: the plan-independent form,
+    ``reshard.to_logical``), has DCP write it and waits for every rank's files, all over ``group`` (a
+    gloo group of its own: the training's collectives go on at the same time on theirs, and none of
+    DCP's planning round trips lands on a training step).  ``poll`` at each step commits a finished
+    save (rank 0: metadata, rename, pruning, exactly as ``save``), ``wait`` blocks for it.  One save
+    in flight: ``start`` waits for the previous one first.  A kill at any moment leaves the previous
+    checkpoint complete and this one ``.partial``.  With ``asynchronous=False`` it is ``save``.
     """
 
     def __init__(self, asynchronous: bool = True, group: Any = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         self.asynchronous, self.group = asynchronous, group
         self._pending: tuple[Any, Path, int, dict[str, Any], int, float] | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-checkpoint")
 
-    def start(self, root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str, Any],
-              keep: int = 2, staged: bool = False) -> Path | None:
-        """Collective.  The final path when the save completed here (synchronous), else None.  ``staged``:
-        ``app_state`` is a host copy already (``host_copy``), which DCP may keep until it is written."""
+    def start(self, root: str | Path, step: int, app_state: dict[str, Any] | Callable[[], dict[str, Any]],
+              meta: dict[str, Any], keep: int = 2, convert: Convert | None = None,
+              copied: bool = False) -> Path | None:
+        """Collective.  The final path when the save completed here (synchronous), else None.  Asynchronous:
+        ``app_state`` is copied to host memory here unless it is a host copy already (``copied``; or a
+        function giving one, called on the writer's thread), which the writer keeps until it is written."""
         import time
 
         self.wait()
         root = Path(root)
         if not self.asynchronous:
+            if callable(app_state):
+                app_state = app_state()
+            if convert is not None:
+                app_state, extra = convert(app_state, None)
+                meta = {**meta, **extra}
             return save(root, step, app_state, meta, keep)
-        partial = _begin(root, step, self.group)
-        future = dcp.async_save(app_state if staged else host_copy(app_state), checkpoint_id=str(partial),
-                                process_group=self.group, async_stager=Staged())
+        entries: dict[str, Any] = {}
+        state = app_state if copied or callable(app_state) else host_copy(app_state)
+        future = self._thread.submit(self._write, root, step, state, convert, entries)
         self._pending = (future, root, step, meta, keep, time.perf_counter())
+        self._entries = entries
         return None
+
+    def _write(self, root: Path, step: int, state: dict[str, Any] | Callable[[], dict[str, Any]],
+               convert: Convert | None, entries: dict[str, Any]) -> None:
+        """On the writer's thread: convert, write every rank's files (DCP ends with a gather to rank 0).  The
+        thread runs at the lowest CPU priority (Linux: per thread) so that it takes the cores the training
+        leaves idle rather than time from its steps."""
+        _lowest_priority()
+        if callable(state):
+            state = state()
+        if convert is not None:
+            state, extra = convert(state, self.group)
+            entries.update(extra)
+        partial = _begin(root, step, self.group)
+        dcp.save(state, checkpoint_id=str(partial), process_group=self.group)
+
+    @property
+    def writing(self) -> bool:
+        """A save is in flight on this rank and its files are not all written yet."""
+        return self._pending is not None and not self._pending[0].done()
 
     def poll(self) -> tuple[Path, float] | None:
         """Commit the save in flight if its files are written: ``(path, seconds since start)``."""
@@ -293,10 +305,20 @@ class CheckpointWriter:
         self._pending = None
         try:
             future.result()
+            meta = {**meta, **self._entries}
         except (Exception, CheckpointException) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"{step_dir(root, step)}: the background save failed: {first}") from exc
         return _commit(root, step, meta, keep), time.perf_counter() - started
+
+
+def _lowest_priority() -> None:
+    import threading
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the write just competes evenly
+        pass
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

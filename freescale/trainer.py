@@ -161,8 +161,10 @@ class Trainer:
         steps = self.cfg.train.steps
         self._writer = checkpoint.CheckpointWriter(self.cfg.checkpoint.async_save, _checkpoint_group(parts.ctx))
         self._staging = parts.staging
-        self._lazy: tuple[int, dict[str, Any], dict[str, Any]] = (-1, {}, {})
-        """The save whose tables are being copied: (step, host state, metadata)."""
+        if parts.staging is not None:  # the host copy of the tables the saves reuse, made and touched now
+            log.write("checkpoint_buffers", seconds=parts.staging.prepare(_raw_state(parts)))
+        self._lazy: tuple[int, Any, dict[str, Any]] = (-1, None, {})
+        """The save whose tables are being copied: (step, its ``LazySnapshot``, metadata)."""
         self._last_ckpt: Path | None = None
         try:
             committed = self._train_steps(parts, log, progress, start_step)
@@ -269,40 +271,38 @@ class Trainer:
 
     def _save(self, parts: Components, log: RunLog, commit: Commit) -> Path | None:
         """Collective over the group.  With fault tolerance one group writes (all hold the same state).  A
-        background save hands DCP a host copy: of the tables, made over the next steps (``staging.py``)
-        unless this is the last step; of everything else, made here."""
+        background save takes a host copy: of the tables, made over the next steps (``staging.py``) unless
+        this is the last step; of everything else, made here.  The writer's thread does the rest."""
         parts.sync.check_finite()  # never a checkpoint after a non-finite step
         if not parts.sync.owns_checkpoint(commit):
             return None
         start, done, writer = time.perf_counter(), commit.step + 1, self._writer
-        live, later = _raw_state(parts), None
-        if writer.asynchronous and parts.staging is not None and done < self.cfg.train.steps:
-            later = parts.staging.begin(live, done, lambda steps: _agreed_max(parts.ctx, steps))
-        state = later.state if later is not None else checkpoint.host_copy(live) if writer.asynchronous else live
-        state, layouts = reshard.to_logical(state["model"], state["optim"])
         meta = {"data": parts.feed.state_dict(), "world_size": parts.ctx.world_size, "config": to_dict(self.cfg),
-                "ft": {"replicas": parts.groups}, "layouts": layouts, "plan": reshard.plan_summary(parts.dmp)}
-        if later is not None:  # the tables' copy goes on over the next steps; written once it is done
-            self._lazy = (done, state, meta)
+                "ft": {"replicas": parts.groups}, "plan": reshard.plan_summary(parts.dmp)}
+        live = _raw_state(parts)
+        if writer.asynchronous and parts.staging is not None and done < self.cfg.train.steps:
+            snapshot = parts.staging.begin(live, done, lambda steps: _agreed_max(parts.ctx, steps),
+                                           reuse=not writer.writing)
+            self._lazy = (done, snapshot, meta)  # written once the tables' copy is done
             log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start, tables_due=parts.staging.due)
             return None
-        path = writer.start(self._checkpoint_root, done, state, meta, keep=self.cfg.checkpoint.keep,
-                            staged=writer.asynchronous)
+        path = writer.start(self._checkpoint_root, done, live, meta, keep=self.cfg.checkpoint.keep, convert=_logical)
         if path is not None:  # written in this call (checkpoint.async_save = false)
             self._committed(log, (path, time.perf_counter() - start))
-        else:  # staged; written in the background, committed at a later step's poll
+        else:  # copied; written in the background, committed at a later step's poll
             log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start)
         return path
 
     def _write_lazy(self, log: RunLog) -> None:
         """Collective (at the step every rank agreed on, or at the end): the tables' copy of the save in
-        progress is completed, and DCP writes it in the background."""
+        progress is completed, and the writer's thread writes it."""
         snapshot = self._staging.take() if self._staging is not None else None
         if snapshot is None:
             return
-        step, state, meta = self._lazy
+        step, _, meta = self._lazy
         taken = snapshot.finish()
-        self._writer.start(self._checkpoint_root, step, state, meta, keep=self.cfg.checkpoint.keep, staged=True)
+        self._writer.start(self._checkpoint_root, step, snapshot.assemble, meta, keep=self.cfg.checkpoint.keep,
+                           convert=_logical)
         log.write("checkpoint_tables_copied", step=step, **taken)
 
     def _discard_lazy(self, log: RunLog) -> None:
@@ -441,6 +441,12 @@ class Trainer:
 def _raw_state(parts: Components) -> dict[str, Any]:
     """The model's and optimizer's state dicts: views of the live tensors (torchrec's tables included)."""
     return {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
+
+
+def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The state a checkpoint holds (``reshard.to_logical``: collective over ``group``) and its layouts."""
+    app, layouts = reshard.to_logical(state["model"], state["optim"], group)
+    return app, {"layouts": layouts}
 
 
 def _agreed_max(ctx: DistContext, value: int) -> int:

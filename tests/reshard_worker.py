@@ -123,7 +123,7 @@ def lazy_copy(dmp: Any, tracker: Any, rank: int) -> dict[str, Any]:
         snapshot.advance(3 * 32 * 4)  # three rows of a table (or a row of each of three)
     ahead = snapshot.copied
     taken = snapshot.finish()
-    lazily = dict(leaves(snapshot.state))
+    lazily = dict(leaves(snapshot.assemble()))
     same = [torch.equal(lazily[path], tensor) for path, tensor in leaves(at_once)]
     return {"equal": all(same) and len(same) == len(lazily), "rows_kept": taken["rows_kept"], "ahead": ahead,
             "tables": len(tracker.tables)}

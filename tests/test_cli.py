@@ -35,8 +35,9 @@ def test_help_for_each_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_gen_data_writes_a_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    proc = run_cli("gen-data", "--out", str(tmp_path / "d"), "--rows", "1000", "--eval-rows", "100", "--max-len", "16")
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = run_main(capsys, "gen-data", "--out", str(tmp_path / "d"), "--rows", "1000", "--eval-rows", "100",
+                            "--max-len", "16")
+    assert code == 0, err
     manifest = json.loads((tmp_path / "d" / "dataset.json").read_text())
     assert manifest["rows"] == {"train": 1000, "eval": 100} and manifest["max_len"] == 16
     code, _, err = run_main(capsys, "gen-data", "--out", str(tmp_path / "e"), "--lengths", "pareto")
@@ -46,12 +47,7 @@ def test_gen_data_writes_a_dataset(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_bad_key_is_one_line_for_train_and_launch(tiny_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    proc = run_cli("launch", "--config", str(REPO / "configs" / "tiny_hstu.toml"), "--train.stpes", "5")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "freescale: error: unknown config key 'train.stpes' (did you mean 'train.steps'?)"
-    ]
-    for command in ("train",):
+    for command in ("launch", "train"):
         code, _, err = run_main(capsys, command, "--config", str(REPO / "configs" / "tiny_hstu.toml"),
                                 "--train.stpes", "5")
         assert code == 2
@@ -60,11 +56,9 @@ def test_bad_key_is_one_line_for_train_and_launch(tiny_data: Path, capsys: pytes
         ]
 
 
-def test_missing_data_path_is_named(tmp_path: Path) -> None:
-    proc = run_cli("launch", "--data.path", str(tmp_path / "missing"))
-    assert proc.returncode == 2
-    assert f"data path not found: {tmp_path / 'missing'}" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_missing_data_path_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(capsys, "launch", "--data.path", str(tmp_path / "missing"))
+    assert code == 2 and f"data path not found: {tmp_path / 'missing'}" in err and "Traceback" not in err
 
 
 def test_single_process_train_without_torchrun_resumes_under_another_shape_and_inspects(
@@ -180,10 +174,7 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
 def test_unknown_flag_is_named_wherever_it_sits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Parsed as an override, an unknown flag took the next flag as its value, and the error named 'DIR'.
     data = str(tmp_path / "d")
-    proc = run_cli("launch", "--bogus-flag", "--data.path", data)  # one real process: nothing else is printed
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().splitlines() == ["freescale: error: unknown option '--bogus-flag'"]
-    for args in (["--data.path", data, "--bogus-flag"], ["--nproc-per-node", "1", "--bogus-flag=3", "--data.path", data]):
+    for args in (["--bogus-flag", "--data.path", data], ["--data.path", data, "--bogus-flag"], ["--nproc-per-node", "1", "--bogus-flag=3", "--data.path", data]):
         code, _, err = run_main(capsys, "launch", *args)
         assert code == 2, err
         assert err.strip().splitlines() == ["freescale: error: unknown option '--bogus-flag'"], args

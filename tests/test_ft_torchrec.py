@@ -129,20 +129,78 @@ REFERENCE_STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def references(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, float]]:
-    """Rank 0's loss at steps 0..5 of one group of 4 ranks without fault tolerance, per model (the
-    three pipelines are bit-identical without it: ``test_pipeline``): the same global batches and
-    the same rank-0 share as group 0 of 2 groups x 2 ranks."""
-    found: dict[str, dict[int, float]] = {}
+def reference_runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Steps 0..5 of one group of 4 ranks without fault tolerance, per model (the three pipelines are
+    bit-identical without it: ``test_pipeline``): the same global batches and the same rank-0 share as
+    group 0 of 2 groups x 2 ranks.  Each ends with a checkpoint (``<model>/checkpoints/step_000000006``)."""
     tmp = tmp_path_factory.mktemp("references")
     run_trainings([(str(REPO / "configs" / f"tiny_{model}.toml"), [
         "--data.path", str(tiny_data), "--data.batch_size", "32", "--train.steps", str(REFERENCE_STEPS),
         "--train.output_dir", str(tmp / model), "--train.eval", "false", "--train.progress", "false"])
         for model in ("hstu", "dlrm")], 4, tmp, env={AUDIT_ENV: "1"})
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def references(reference_runs: Path) -> dict[str, dict[int, float]]:
+    """Rank 0's loss at each step of the reference runs, per model."""
+    found: dict[str, dict[int, float]] = {}
     for model in ("hstu", "dlrm"):
-        lines = [json.loads(line) for line in (tmp / model / "train_log.jsonl").read_text().splitlines()]
+        lines = [json.loads(line) for line in (reference_runs / model / "train_log.jsonl").read_text().splitlines()]
         found[model] = {e["step"]: e["loss"] for e in lines if e["event"] == "commit"}
     return found
+
+
+def test_the_job_changes_shape_plain_to_groups_and_back(tiny_data: Path, tmp_path: Path, reference_runs: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sequence model's checkpoint moves through four shapes: saved at step 6 by one plain group of
+    4 ranks (the reference run), resumed as 2 fault-tolerant groups of 2 ranks to step 10, as 1 group of
+    2 ranks to step 14 (the global batch halves), and as one plain rank (in this process) to step 16.
+    Each resumes where the last stopped, both groups of the 2x2 run hold one state per step, and no
+    sample of the epoch is trained twice or skipped: every step trains a full global batch of new rows."""
+    import shutil
+    import signal
+    import socket
+
+    from freescale.cli import main
+
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(reference_runs / "hstu" / "checkpoints", ckpt)
+    resume = ("--checkpoint.dir", str(ckpt), "--checkpoint.resume", "true", "--checkpoint.every", "0")
+    proc = launch(tmp_path / "ft2x2", tiny_data, 2, 2, 10, "hstu", extra=resume)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # One group stays fault tolerant when it joins a lighthouse (more may join it later).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    lighthouse = subprocess.Popen([sys.executable, "-m", "freescale.cli", "lighthouse", "--bind", f"127.0.0.1:{port}"],
+                                  cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc = launch(tmp_path / "ft1x2", tiny_data, 1, 2, 14, "hstu",
+                      extra=(*resume, "--lighthouse", f"http://127.0.0.1:{port}"))
+    finally:
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setenv(AUDIT_ENV, "1")
+    assert main(["train", "--config", str(REPO / "configs" / "tiny_hstu.toml"), f"--data.path={tiny_data}",
+                 "--data.batch_size=32", "--train.steps=16", f"--train.output_dir={tmp_path / 'plain'}",
+                 "--train.eval=false", "--train.progress=false", *resume]) == 0
+    phases = [({0: [json.loads(line) for line in (reference_runs / "hstu" / "train_log.jsonl").open()]}, 0, 4),
+              (group_logs(tmp_path / "ft2x2"), 6, 4), (group_logs(tmp_path / "ft1x2"), 10, 2),
+              ({0: [json.loads(line) for line in (tmp_path / "plain" / "train_log.jsonl").open()]}, 14, 1)]
+    rows: list[int] = []
+    for groups, start, world in phases:
+        commits = [by_step(events) for events in groups.values()]
+        if start:
+            assert [e["step"] for e in groups[0] if e["event"] == "resume"] == [start]
+        end = start + (6 if start == 0 else 4 if start < 14 else 2)
+        assert all(sorted(c) == list(range(start, end)) for c in commits), (start, [sorted(c) for c in commits])
+        for step in range(start, end):
+            assert len({c[step]["digest"] for c in commits}) == 1, f"step {step}: the groups differ"
+            assert len(commits[0][step]["rows"]) == 32 * world, f"step {step}: not a full global batch"
+            rows += commits[0][step]["rows"]
+    assert len(rows) == len(set(rows)) == (6 + 4) * 128 + 4 * 64 + 2 * 32
 
 
 @pytest.mark.parametrize(("kind", "model", "phase", "slow_ms"), [
