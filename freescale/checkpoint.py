@@ -240,6 +240,9 @@ class CheckpointWriter:
 
         self.asynchronous, self.group = asynchronous, group
         self._pending: tuple[Any, Path, int, dict[str, Any], int, float] | None = None
+        self.committed: list[tuple[Path, float]] = []
+        """Every save committed since the caller last emptied it: ``(path, seconds since start)``, whichever
+        call committed it (``start`` waits for the save before it)."""
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-checkpoint")
 
     def start(self, root: str | Path, step: int, app_state: dict[str, Any] | Callable[[], dict[str, Any]],
@@ -269,9 +272,11 @@ class CheckpointWriter:
     def _write(self, root: Path, step: int, state: dict[str, Any] | Callable[[], dict[str, Any]],
                convert: Convert | None, entries: dict[str, Any]) -> None:
         """On the writer's thread: convert, write every rank's files (DCP ends with a gather to rank 0).  The
-        thread runs at the lowest CPU priority (Linux: per thread) so that it takes the cores the training
-        leaves idle rather than time from its steps."""
-        _lowest_priority()
+        thread runs at a lower CPU priority (nice 10, Linux: per thread): where the training keeps every
+        core busy it takes a tenth of a core's time from a step's threads rather than an even share, and
+        it still finishes (at nice 19 a busy 2-core host starved it for seconds).  The next save waits
+        for it, so checkpoints never fall more than one behind."""
+        _lower_priority()
         if callable(state):
             state = state()
         if convert is not None:
@@ -309,14 +314,15 @@ class CheckpointWriter:
         except (Exception, CheckpointException) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"{step_dir(root, step)}: the background save failed: {first}") from exc
-        return _commit(root, step, meta, keep), time.perf_counter() - started
+        self.committed.append((_commit(root, step, meta, keep), time.perf_counter() - started))
+        return self.committed[-1]
 
 
-def _lowest_priority() -> None:
+def _lower_priority() -> None:
     import threading
 
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # not Linux, or not allowed: the write just competes evenly
         pass
 

@@ -171,12 +171,14 @@ class Trainer:
         except NonFiniteError:
             try:
                 self._write_lazy(log)
-                self._committed(log, self._writer.wait())
+                self._writer.wait()
+                self._committed(log)
             except checkpoint.CheckpointError as exc:  # the stop's reason stays the one reported
                 log.write("checkpoint_failed", error=str(exc))
             raise
         self._write_lazy(log)
-        self._committed(log, self._writer.wait())
+        self._writer.wait()
+        self._committed(log)
         parts.sync.check_finite()
         parts.sync.finish(steps - 1)
         return committed, self._last_ckpt
@@ -218,7 +220,8 @@ class Trainer:
                 self._save(parts, log, commit)
             if parts.staging is not None and parts.staging.boundary(done, wall):
                 self._write_lazy(log)
-            self._committed(log, self._writer.poll())
+            self._writer.poll()
+            self._committed(log)
         return committed
 
     def _step(self, parts: Components, step: int) -> tuple[Commit, Any, Any, float, float]:
@@ -276,6 +279,7 @@ class Trainer:
         parts.sync.check_finite()  # never a checkpoint after a non-finite step
         if not parts.sync.owns_checkpoint(commit):
             return None
+        self._write_lazy(log)  # a save whose tables are still being copied goes first (checkpoints in order)
         start, done, writer = time.perf_counter(), commit.step + 1, self._writer
         meta = {"data": parts.feed.state_dict(), "world_size": parts.ctx.world_size, "config": to_dict(self.cfg),
                 "ft": {"replicas": parts.groups}, "plan": reshard.plan_summary(parts.dmp)}
@@ -287,6 +291,7 @@ class Trainer:
             log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start, tables_due=parts.staging.due)
             return None
         path = writer.start(self._checkpoint_root, done, live, meta, keep=self.cfg.checkpoint.keep, convert=_logical)
+        self._committed(log)
         if path is not None:  # written in this call (checkpoint.async_save = false)
             self._committed(log, (path, time.perf_counter() - start))
         else:  # copied; written in the background, committed at a later step's poll
@@ -303,6 +308,7 @@ class Trainer:
         taken = snapshot.finish()
         self._writer.start(self._checkpoint_root, step, snapshot.assemble, meta, keep=self.cfg.checkpoint.keep,
                            convert=_logical)
+        self._committed(log)  # the save before it, if its write had to be waited for
         log.write("checkpoint_tables_copied", step=step, **taken)
 
     def _discard_lazy(self, log: RunLog) -> None:
@@ -312,10 +318,12 @@ class Trainer:
             snapshot.discard()
             log.write("checkpoint_discarded", step=self._lazy[0], reason="state restored from a peer")
 
-    def _committed(self, log: RunLog, finished: tuple[Path, float] | None) -> None:
-        """Log a save that just committed, and remember it as the last checkpoint."""
-        if finished is not None:
-            path, seconds = finished
+    def _committed(self, log: RunLog, finished: tuple[Path, float] | None = None) -> None:
+        """Log each save that committed (``finished``, or the writer's), and remember the last."""
+        done = [finished] if finished is not None else []
+        done += self._writer.committed
+        self._writer.committed.clear()
+        for path, seconds in done:
             log.write("checkpoint", step=int(path.name.rsplit("_", 1)[1]), path=str(path), seconds=seconds)
             self._last_ckpt = path
 

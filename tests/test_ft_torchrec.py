@@ -79,9 +79,10 @@ def test_replicas_stay_identical_and_every_group_lost_resumes_from_checkpoint(ti
     """Two groups of one rank, DLRM, no fault at first: the union update keeps the tables identical
     (the same state hash on both groups at every step).  Then every group is lost at once: both are
     SIGKILLed at step 11 (no restarts: the job fails); a second job with ``checkpoint.resume``
-    starts both groups from the step-6 checkpoint group 0 wrote, and each later step's whole state
-    equals the first job's."""
-    out, every = tmp_path / "lost", ["--checkpoint.every", "6", "--checkpoint.save_final", "false"]
+    starts both groups from the latest checkpoint group 0 committed (saves every 3 steps, written in
+    the background: the one of step 9 may still be in flight at the kill), and each later step's whole
+    state equals the first job's."""
+    out, every = tmp_path / "lost", ["--checkpoint.every", "3", "--checkpoint.save_final", "false"]
     killed = subprocess.run(launch_args(out, tiny_data, 2, 1, 12, "dlrm", 0, *every), cwd=REPO,
                             env=fault_env("*:0:11:forward"), capture_output=True, text=True, timeout=240)
     assert killed.returncode != 0 and (out / "replica0" / "rank0.killed").exists()
@@ -90,18 +91,20 @@ def test_replicas_stay_identical_and_every_group_lost_resumes_from_checkpoint(ti
     for step, e in first[0].items():
         assert e["contributing"] and first[1][step]["contributing"]
         assert e["digest"] == first[1][step]["digest"], f"step {step}: the groups differ"
+    saved = [e["step"] for e in logs(out)[(0, 0)] if e.get("event") == "checkpoint"]
+    assert saved and set(saved) <= {3, 6, 9}, saved
     resumed = subprocess.run(launch_args(out, tiny_data, 2, 1, 12, "dlrm", 0, *every, "--checkpoint.resume", "true"),
                              cwd=REPO, env=fault_env(""), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     runs = check_run(out, tiny_data, "dlrm", 2, 1, 12)  # every sample of the 12 steps trained exactly once
     for (group, _), events in runs.items():
         saves = [e["step"] for e in events if e.get("event") == "checkpoint"]
-        # Step 6 by the killed job, 12 by the resumed one; only the lowest ready group writes.
-        assert saves == ([6, 12] if group == 0 else []), f"group {group} saved at {saves}"
+        # Only the lowest ready group writes; the resumed job saves each multiple of 3 after its start.
+        assert saves == (saved + list(range(saved[-1] + 3, 13, 3)) if group == 0 else []), f"group {group}: {saves}"
         starts = [i for i, e in enumerate(events) if e.get("event") == "resume"]
-        assert len(starts) == 1 and events[starts[0]]["step"] == 6
+        assert len(starts) == 1 and events[starts[0]]["step"] == saved[-1]
         after = by_step(events[starts[0]:])
-        assert sorted(after) == list(range(6, 12))
+        assert sorted(after) == list(range(saved[-1], 12))
         for step, e in after.items():
             if step in first[0]:
                 assert e["digest"] == first[0][step]["digest"], f"group {group}, step {step}: differs after the resume"
