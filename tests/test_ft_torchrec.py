@@ -67,12 +67,15 @@ def check_run(out: Path, data: Path, model: str, replicas: int, ranks: int, step
     return logs(out)
 
 
-def test_launch_refuses_what_replica_groups_cannot_run_yet(tiny_data: Path, tmp_path: Path) -> None:
-    """Cost-model calibration would give each group its own plans: refused in one line, not ignored."""
-    proc = subprocess.run(launch_args(tmp_path, tiny_data, 2, 1, 5, "dlrm", 0, "--data.calibrate_every", "5"),
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "data.calibrate_every" in proc.stderr and "Traceback" not in proc.stderr
+def test_launch_refuses_what_replica_groups_cannot_run_yet(tiny_data: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Cost-model calibration would give each group its own plans: refused in one line, not ignored
+    (before any process starts: checked in this one)."""
+    from freescale.cli import main
+
+    assert main(launch_args(tmp_path, tiny_data, 2, 1, 5, "dlrm", 0, "--data.calibrate_every", "5")[3:]) == 2
+    err = capsys.readouterr().err
+    assert "data.calibrate_every" in err and "Traceback" not in err
 
 
 def test_replicas_stay_identical_and_every_group_lost_resumes_from_checkpoint(tiny_data: Path, tmp_path: Path) -> None:
@@ -108,24 +111,6 @@ def test_replicas_stay_identical_and_every_group_lost_resumes_from_checkpoint(ti
         for step, e in after.items():
             if step in first[0]:
                 assert e["digest"] == first[0][step]["digest"], f"group {group}, step {step}: differs after the resume"
-    # The job changes shape: 3 groups resume from the step-12 checkpoint the 2 groups wrote (merged here to
-    # save a run).  The state converts, the groups hold one state per step, and the rest of the epoch is
-    # planned over 3 ranks: no sample of steps 0..11 again, none twice.
-    grown = subprocess.run(launch_args(out, tiny_data, 3, 1, 16, "dlrm", 0, "--checkpoint.every", "0",
-                                       "--checkpoint.save_final", "false", "--checkpoint.resume", "true"),
-                           cwd=REPO, env=fault_env(""), capture_output=True, text=True, timeout=240)
-    assert grown.returncode == 0, grown.stderr[-3000:]
-    groups = {group: events for (group, _), events in logs(out).items()}
-    assert sorted(groups) == [0, 1, 2]
-    later = [by_step(events[[i for i, e in enumerate(events) if e.get("event") == "resume"][-1]:])
-             for events in groups.values()]
-    assert all(sorted(c) == list(range(12, 16)) for c in later)
-    for step in range(12, 16):
-        assert len({c[step]["digest"] for c in later}) == 1, f"step {step}: the 3 groups differ"
-        assert len(later[0][step]["rows"]) == 3 * 32
-    before = [r for step, e in by_step(groups[0]).items() if step < 12 for r in e["rows"]]
-    rows = before + [r for step in range(12, 16) for r in later[0][step]["rows"]]
-    assert len(before) == 12 * 64 and len(rows) == len(set(rows))
 
 
 REFERENCE_STEPS = 6
@@ -206,15 +191,16 @@ def test_the_job_changes_shape_plain_to_groups_and_back(tiny_data: Path, tmp_pat
     assert len(rows) == len(set(rows)) == (6 + 4) * 128 + 4 * 64 + 2 * 32
 
 
-@pytest.mark.parametrize(("kind", "model", "phase", "slow_ms"), [
+@pytest.mark.parametrize(("kind", "model", "phase", "slow_ms", "steps"), [
     # The survivor goes on ~0.3 s after the kill (not the 3 s heartbeat timeout): 50 ms more per step
-    # keeps it training for the ~6 s the killed group takes to restart.  DLRM's torchrec steps are
-    # ~3x shorter than HSTU's: 70 ms there.
-    ("plain", "hstu", "reduce", 50),
-    ("torchrec", "dlrm", "vote", 70),
-    ("prioritized", "hstu", "forward", 50)])
+    # keeps it training for the ~6 s the killed group takes to restart (12 s on a loaded 2-core
+    # machine: the prioritized pipeline, whose group can contribute only 3 steps after it catches up,
+    # gets 20 more).  DLRM's torchrec steps are ~3x shorter than HSTU's: 70 ms there.
+    ("plain", "hstu", "reduce", 50, 80),
+    ("torchrec", "dlrm", "vote", 70, 80),
+    ("prioritized", "hstu", "forward", 50, 100)])
 def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(
-        kind: str, model: str, phase: str, slow_ms: int, tiny_data: Path, tmp_path: Path,
+        kind: str, model: str, phase: str, slow_ms: int, steps: int, tiny_data: Path, tmp_path: Path,
         references: dict[str, dict[int, float]]) -> None:
     """Two groups of two ranks, each pipeline: rank 1 of group 1 is SIGKILLed at step 6 (mid-reduce,
     before backward, or after the exchange but before its vote: the others' vote then fails as soon
@@ -225,7 +211,6 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     up from group 0's snapshot, replays, and contributes again, bit-identical.  Before the kill,
     the losses equal those of one 4-rank group without fault tolerance (the same global batches;
     equal up to float32 summation order: the exchange averages in-group, then across groups)."""
-    steps = 80
     depth = 0 if kind == "plain" else 2
     proc = launch(tmp_path, tiny_data, 2, 2, steps, model, fault=f"1:1:6:{phase},*:*:0:slow:{slow_ms}",
                   max_restarts=1, extra=("--pipeline.kind", kind))
