@@ -237,7 +237,7 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
 
     DatasetManifest.read(cfg.data.path)  # fail here, once, before any rank starts
     train_args = ([f"--config={args.config}"] if args.config else []) + (["--resume"] if args.resume else [])
-    if args.replicas > 1 or args.lighthouse:  # one group joining a lighthouse: others may join it later
+    if args.replicas > 1:
         if cfg.data.calibrate_every:
             raise ConfigError("data.calibrate_every: not supported with replica groups yet (the fitted cost model "
                               "would have to be agreed across groups to keep their plans identical); set it to 0")
@@ -369,8 +369,8 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
         if name == "launch":
             p.add_argument("--nproc-per-node", "--ranks-per-replica", dest="nproc_per_node", type=_int, default=2,
                            help="local ranks (of each replica group with --replicas; default 2)")
-            p.add_argument("--lighthouse", default="", help="use this lighthouse URL (a `freescale lighthouse` process) instead of one in the launcher; with it even one replica group is fault tolerant (others may join later)")
-            p.add_argument("--replicas", type=_int, default=1, help="fault-tolerant replica groups of --nproc-per-node ranks each, with a lighthouse in this process (freescale.ft; default 1: no fault tolerance unless --lighthouse)")
+            p.add_argument("--lighthouse", default="", help="with --replicas: use this lighthouse URL (a `freescale lighthouse` process) instead of one in the launcher")
+            p.add_argument("--replicas", type=_int, default=1, help="fault-tolerant replica groups of --nproc-per-node ranks each, with a lighthouse in this process (freescale.ft; default 1: no fault tolerance)")
             p.add_argument("--max-restarts", type=_int, default=0, help="restart the group this often when a rank fails; it resumes from its latest checkpoint (default 0)")
     parser.commands = sub.choices
     return parser

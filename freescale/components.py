@@ -28,7 +28,7 @@ from freescale.distributed import DistConfig, DistContext
 from freescale.ft.config import FTConfig
 from freescale.grad_buckets import BucketedGrads
 from freescale.models import ModelConfig, build_model, cost_model_for
-from freescale.parallelize import OptimConfig, build_optimizer, dense_named_parameters, shard_model
+from freescale.parallelize import OptimConfig, build_optimizer, dense_named_parameters, dense_update, shard_model
 from freescale.pipeline import PipelineConfig, StepPipeline, build_pipeline
 from freescale.staging import LazySaves, RowTracker
 from freescale.step_feed import StepFeed
@@ -137,6 +137,7 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
     # Before fault tolerance wraps the tables' lookups: its union update must go through the tracker.
     staging = LazySaves(RowTracker(dmp), c.stage_budget) if c.async_save and c.every and c.stage_budget else None
     optimizer = build_optimizer(dmp, cfg.optim)
+    update = dense_update(dmp, optimizer, cfg.optim, cfg.train.steps)
     loader = build_loader(
         cfg.data, "train", rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size,
         sparse_features=list(model.sparse_feature_names), derived_cost=cost_model_for(cfg.model, manifest.dense_dim),
@@ -155,7 +156,7 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
         from freescale.ft.layer import FaultTolerance
 
         ft = FaultTolerance(dmp, optimizer, cfg.ft, data=feed, hooks=hooks, chunk_bytes=chunk,
-                            max_inflight=inflight, nonfinite=cfg.train.nonfinite, device=ctx.device)
+                            max_inflight=inflight, nonfinite=cfg.train.nonfinite, device=ctx.device, update=update)
         if tracer is not None and ft.in_group is not None:
             tracer.label(ft.in_group, "dense")
         sync = ft
@@ -167,7 +168,7 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
                 tracer.label(dense_group, "dense")
             grads = BucketedGrads(list(dense_named_parameters(dmp).values()), dense_group, chunk or 1, chunk or 1,
                                   chunk_bytes=chunk, max_inflight=inflight)
-        sync = LocalSync(optimizer, list(dense_named_parameters(dmp).values()), feed, grads)
+        sync = LocalSync(optimizer, list(dense_named_parameters(dmp).values()), feed, update, grads)
     pipeline = build_pipeline(cfg.pipeline, dmp, sync, ctx.device)
     return Components(ctx, manifest, dmp, optimizer, loader, feed, sync, pipeline, hooks, tracer, group, groups,
                       log_dir, staging)

@@ -26,6 +26,7 @@ from torchrec.distributed.types import ModuleSharder, ShardedModule, ShardingEnv
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from freescale.config import ConfigError, require
+from freescale.dense_update import SCHEDULES, DenseUpdate, LRSchedule
 from freescale.distributed import DistContext
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
@@ -49,6 +50,14 @@ class OptimConfig:
     ``item_table=column_wise,user_table=table_wise``.  A checkpoint resumes under any of them (reshard.py)."""
     column_shard_min_dim: int = 0
     """Narrowest column shard torchrec may cut (``min_partition``); 0: torchrec's default."""
+    lr_schedule: str = "constant"
+    """``constant``, ``warmup_cosine`` or ``warmup_linear`` (decay to ``min_lr_ratio`` at ``train.steps``):
+    a factor of the committed step on ``dense_lr`` and ``sparse_lr`` (``freescale/dense_update.py``)."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from ``1/warmup_steps`` of the rate (with any schedule)."""
+    min_lr_ratio: float = 0.0
+    clip_grad_norm: float = 0.0
+    """Clip the dense gradients' global 2-norm to this (0: off); the same norm on every rank and group."""
 
     def sharding_types(self) -> dict[str, str]:
         """``{table or "*": type}`` from ``sharding``."""
@@ -66,6 +75,11 @@ class OptimConfig:
         require(self.dense_lr > 0, "dense_lr", f"must be positive, got {self.dense_lr}")
         require(self.sparse_lr > 0, "sparse_lr", f"must be positive, got {self.sparse_lr}")
         require(self.dense_weight_decay >= 0, "dense_weight_decay", "must be >= 0")
+        require(self.lr_schedule in SCHEDULES, "lr_schedule",
+                f"must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
+        require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        require(self.clip_grad_norm >= 0, "clip_grad_norm", f"must be >= 0 (0: off), got {self.clip_grad_norm}")
 
 
 def sharders(cfg: OptimConfig) -> list[ModuleSharder[nn.Module]]:
@@ -164,6 +178,16 @@ def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> Combined
         lambda params: torch.optim.AdamW(params, lr=cfg.dense_lr, weight_decay=cfg.dense_weight_decay),
     )
     return CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def dense_update(dmp: DistributedModelParallel, optimizer: CombinedOptimizer, cfg: OptimConfig,
+                 total_steps: int) -> DenseUpdate:
+    """The committed step's update (``dense_update.py``): AdamW over the dense parameters, the schedule's rate
+    on it and on every fused table."""
+    dense = [opt for _, opt in optimizer.optimizers if opt is not dmp.fused_optimizer]
+    tables = [kernel.emb_module for _, kernel, fused in embedding_kernels(dmp) if fused]
+    schedule = LRSchedule(cfg.lr_schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    return DenseUpdate(dense, list(dense_named_parameters(dmp).values()), schedule, cfg.clip_grad_norm, tables)
 
 
 def materialize_optimizer_state(optimizer: CombinedOptimizer) -> None:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from freescale.dense_update import DenseUpdate
 from freescale.distributed import collective_device
 from freescale.grad_buckets import BucketedGrads
 from freescale.step_feed import Commit, StepFeed
@@ -149,8 +150,8 @@ class LocalSync:
     warms_up = False
 
     def __init__(self, optimizer: torch.optim.Optimizer, dense: Sequence[nn.Parameter], feed: StepFeed,
-                 grads: BucketedGrads | None = None) -> None:
-        self.optimizer, self.dense, self.feed, self.grads = optimizer, list(dense), feed, grads
+                 update: DenseUpdate, grads: BucketedGrads | None = None) -> None:
+        self.optimizer, self.dense, self.feed, self.grads, self.update = optimizer, list(dense), feed, grads, update
         self.record: dict[str, Any] = {}
         self.events: list[dict[str, Any]] = []
         self.last_commit = Commit(-1, frozenset(), frozenset())
@@ -176,6 +177,7 @@ class LocalSync:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.update.before_tables(self._step)  # the fused tables update inside this step's backward
 
     def backward(self, loss: torch.Tensor, weight: float | None = None) -> None:
         self._loss = loss.detach()
@@ -189,9 +191,9 @@ class LocalSync:
     def step(self) -> Commit:
         step = self._step
         self._note_finite(step)
-        self.optimizer.step()
+        self.update.apply(step)
         commit = Commit(step, frozenset({0}), frozenset({0}))
-        self.record = {"weight": self.feed.weight(step)}
+        self.record = {"weight": self.feed.weight(step), **self.update.record}
         self.feed.commit(commit)
         self.last_commit = commit
         return commit

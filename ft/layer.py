@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from freescale.dense_update import DenseUpdate, LRSchedule
 from freescale.digest import local_tensors
 from freescale.distributed import collective_device
 from freescale.ft.catchup import SnapshotServer
@@ -117,7 +118,8 @@ class FaultTolerance:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: FTConfig, *,
                  data: DataState | None = None, hooks: StepHooks | None = None,
                  chunk_bytes: int | None = None, max_inflight: int | None = None,
-                 nonfinite: str = "stop", device: torch.device | None = None) -> None:
+                 nonfinite: str = "stop", device: torch.device | None = None,
+                 update: DenseUpdate | None = None) -> None:
         cfg.validate()
         self.cfg, self.model, self.optimizer, self.data = cfg, model, optimizer, data
         self.hooks = hooks or StepHooks()
@@ -130,8 +132,10 @@ class FaultTolerance:
         self.incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.dense = _dense_parameters(model)
         fused = getattr(model, "fused_optimizer", None)
-        self._dense_optimizers = [opt for _, opt in getattr(optimizer, "optimizers", [("", optimizer)])
-                                  if opt is not fused]
+        dense_optimizers = [opt for _, opt in getattr(optimizer, "optimizers", [("", optimizer)]) if opt is not fused]
+        self.update = update if update is not None else DenseUpdate(dense_optimizers, self.dense, LRSchedule())
+        """The committed step's dense update (clip, step, schedule: ``freescale/dense_update.py``), the same
+        code and inputs in every group."""
         self.in_group = dist.new_group() if self.group_size > 1 else None
         self.grads = BucketedGrads(self.dense, self.in_group, cfg.first_bucket_kb * 1024, cfg.bucket_kb * 1024,
                                    chunk_bytes=chunk_bytes, max_inflight=max_inflight)
@@ -239,6 +243,7 @@ class FaultTolerance:
 
     def begin_step(self, step: int) -> None:
         self._step, self._weight, self._loss = step, None, None
+        self.update.before_tables(step)  # fbgemm takes the rate at the union's lookup, built during the vote
         self.sync.start_step(step)
         if self.sparse is not None:
             self.sparse.reset()
@@ -299,6 +304,7 @@ class FaultTolerance:
                                       applied=caught_up, restored=caught_up)
             return self.last_commit
         commit = self.last_commit = self._apply(result)
+        self.record.update(self.update.record)
         if result.stage_snapshot:
             self.events.append({"event": "stage", "step": result.step,
                                 "stage_s": self.sync.stage(result.step, self.snapshot())})
@@ -319,14 +325,16 @@ class FaultTolerance:
         if updates:
             for p, averaged in zip(self.dense, result.tensors):
                 p.grad = averaged if averaged.device == p.device else averaged.to(p.device)  # replayed
-            for opt in self._dense_optimizers:
-                opt.step()
+            self.update.apply(result.step)
             for p in self.dense:
                 p.grad = None
             if self.sparse is not None:
+                self.update.before_tables(result.step)  # a replayed step's lookup is built in apply
                 self.sparse.apply(result.extra, result.prepared)
-        elif self.sparse is not None and result.prepared is not None:
-            self.sparse.discard(result.prepared)  # no update this step: the lookup built for it goes back
+        else:
+            self.update.record = {}
+            if self.sparse is not None and result.prepared is not None:
+                self.sparse.discard(result.prepared)  # no update this step: the lookup built for it goes back
         if self.data is not None:
             self.data.commit(commit)
         return commit
