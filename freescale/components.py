@@ -8,10 +8,12 @@ with or without fault tolerance (only the ``StepSync`` differs).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,17 @@ from freescale.step_sync import NONFINITE, LocalSync, StepSync
 from freescale.testing import StepHooks, hooks_from_env
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
+def precision_context(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    """What the step's forward and backward run in: bf16 autocast on CUDA, else nothing.  The bf16 path
+    has not yet run on a GPU (none was available)."""
+    if precision == "bf16" and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 @dataclass
 class TrainConfig:
     steps: int = 300
@@ -53,12 +66,18 @@ class TrainConfig:
     """A step whose reduced dense gradients are not finite (NaN or inf loss): ``stop`` (one line naming
     the step and rank; the last good checkpoint stays the one to resume from) or ``skip_step`` (no
     update, training goes on; needs fault tolerance, whose embedding update is deferred to the commit)."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``: the step's forward autocast to bfloat16 on CUDA (matmuls and attention in bf16,
+    losses and reductions in fp32 as autocast chooses; weights, gradients, optimizer state and checkpoints
+    stay fp32; the fused tables keep their own dtype).  Refused on CPU: this project's CPU runs have no
+    fast bf16 matmul (autocast on CPU ran slower than fp32 here), so fp32 is the only CPU precision."""
 
     def validate(self) -> None:
         require(self.steps > 0, "steps", f"must be positive, got {self.steps}")
         require(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
         require(bool(self.output_dir), "output_dir", "must not be empty")
         require(self.nonfinite in NONFINITE, "nonfinite", f"must be one of {list(NONFINITE)}, got '{self.nonfinite}'")
+        require(self.precision in PRECISIONS, "precision", f"must be one of {list(PRECISIONS)}, got '{self.precision}'")
 
 
 @dataclass
@@ -81,6 +100,9 @@ def prepare(cfg: TrainerConfig) -> None:
     if cfg.ft.enabled and cfg.data.calibrate_every:
         raise ConfigError("data.calibrate_every: not supported with replica groups yet (the fitted cost model "
                           "would have to be agreed across groups to keep their plans identical); set it to 0")
+    if cfg.train.precision == "bf16" and (cfg.dist.backend == "gloo" or not torch.cuda.is_available()):
+        raise ConfigError("train.precision: 'bf16' autocasts the step on CUDA, and this run is on CPU "
+                          f"({'dist.backend = gloo' if cfg.dist.backend == 'gloo' else 'no GPU'}); use 'fp32'")
     if not cfg.ft.enabled and cfg.train.nonfinite == "skip_step":
         raise ConfigError("train.nonfinite: 'skip_step' needs fault tolerance (--replicas), whose embedding update "
                           "waits for the commit; without it the fused update already ran inside backward")

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from freescale import checkpoint, reshard
-from freescale.components import Components, TrainConfig, TrainerConfig, build, prepare
+from freescale.components import Components, TrainConfig, TrainerConfig, build, precision_context, prepare
 from freescale.config import to_dict
 from freescale.dataloader.build import build_loader
 from freescale.digest import state_digest
@@ -235,7 +235,8 @@ class Trainer:
         trains = sync.can_train(step) and feed.trains(step)
         info = feed.head(step).info if trains else None
         try:
-            output = parts.pipeline.progress(feed.batches()) if trains else None
+            with precision_context(parts.ctx.device, self.cfg.train.precision):
+                output = parts.pipeline.progress(feed.batches()) if trains else None
             commit = sync.last_commit if trains else sync.step()
         except JobFinished as finished:
             raise _Finished() from finished

@@ -82,3 +82,22 @@ def test_bad_settings_are_named(field: str, value: object, message: str) -> None
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
                        .replace("]", r"\]")):
         OptimConfig(**{field: value}).validate()  # type: ignore[arg-type]
+
+
+def test_bf16_is_cuda_autocast_and_refused_on_cpu(tiny_data: object, capsys: pytest.CaptureFixture[str]) -> None:
+    """``train.precision``: bf16 autocasts the step on CUDA (weights stay fp32); on a CPU run it is one line."""
+    from freescale.cli import main
+    from freescale.components import precision_context
+
+    context = precision_context(torch.device("cuda", 0), "bf16")
+    assert isinstance(context, torch.autocast) and context.fast_dtype == torch.bfloat16 and context.device == "cuda"
+    assert not isinstance(precision_context(torch.device("cpu"), "bf16"), torch.autocast)
+    assert not isinstance(precision_context(torch.device("cuda", 0), "fp32"), torch.autocast)
+    code = main(["train", "--config", "configs/tiny_dlrm.toml", f"--data.path={tiny_data}", "--train.precision=bf16",
+                 "--dist.backend=gloo"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["freescale: error: train.precision: 'bf16' autocasts the step on CUDA, and this run "
+                                 "is on CPU (dist.backend = gloo); use 'fp32'"], err
+    assert main(["train", "--config", "configs/tiny_dlrm.toml", f"--data.path={tiny_data}",
+                 "--train.precision=fp16"]) == 2
+    assert "train.precision: must be one of ['fp32', 'bf16'], got 'fp16'" in capsys.readouterr().err
