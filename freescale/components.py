@@ -9,6 +9,7 @@ with or without fault tolerance (only the ``StepSync`` differs).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,6 +82,15 @@ class TrainConfig:
 
 
 @dataclass
+class LogConfig:
+    tensorboard: bool = False
+    """Also write the run log's numbers as TensorBoard scalars (``freescale/tensorboard_log.py``; needs the
+    ``tensorboard`` extra).  The JSONL log is written either way."""
+    tensorboard_dir: str = ""
+    """Empty: ``<train.output_dir>/tensorboard`` (with replica groups, under each group's log directory)."""
+
+
+@dataclass
 class TrainerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -90,6 +100,7 @@ class TrainerConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     ft: FTConfig = field(default_factory=FTConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 def prepare(cfg: TrainerConfig) -> None:
@@ -103,6 +114,8 @@ def prepare(cfg: TrainerConfig) -> None:
     if cfg.train.precision == "bf16" and (cfg.dist.backend == "gloo" or not torch.cuda.is_available()):
         raise ConfigError("train.precision: 'bf16' autocasts the step on CUDA, and this run is on CPU "
                           f"({'dist.backend = gloo' if cfg.dist.backend == 'gloo' else 'no GPU'}); use 'fp32'")
+    if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("log.tensorboard: needs the tensorboard package (pip install 'freescale[tensorboard]')")
     if not cfg.ft.enabled and cfg.train.nonfinite == "skip_step":
         raise ConfigError("train.nonfinite: 'skip_step' needs fault tolerance (--replicas), whose embedding update "
                           "waits for the commit; without it the fused update already ran inside backward")

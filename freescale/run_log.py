@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,10 +36,12 @@ from freescale.step_stats import StepTiming
 
 
 class RunLog:
-    """JSONL events (one object per line, flushed) on the group's rank 0; a no-op elsewhere."""
+    """JSONL events (one object per line, flushed) on the group's rank 0; a no-op elsewhere.  ``sinks``
+    get every event too (``tensorboard_log.TensorBoardSink``)."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, sinks: Sequence[Any] = ()) -> None:
         self._fh: TextIO | None = None
+        self.sinks = list(sinks) if path is not None else []
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = path.open("a")
@@ -47,10 +50,14 @@ class RunLog:
         if self._fh is not None:
             self._fh.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
             self._fh.flush()
+        for sink in self.sinks:
+            sink(event, fields)
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 class Progress:

@@ -102,7 +102,7 @@ class Trainer:
         ctx = init_distributed(cfg.dist)
         try:
             parts = build(cfg, ctx)
-            log = RunLog(parts.log_dir / "train_log.jsonl" if ctx.is_main else None)
+            log = RunLog(parts.log_dir / "train_log.jsonl" if ctx.is_main else None, self._sinks(parts))
             try:
                 summary = self._run(parts, log)
             finally:
@@ -116,6 +116,16 @@ class Trainer:
         return summary
 
     # ------------------------------------------------------------------------------
+    def _sinks(self, parts: Components) -> list[Any]:
+        """Where the run log's events go besides the JSONL file (the group's rank 0 only)."""
+        if not (self.cfg.log.tensorboard and parts.ctx.is_main):
+            return []
+        from freescale.tensorboard_log import TensorBoardSink
+
+        where = self.cfg.log.tensorboard_dir
+        return [TensorBoardSink(Path(where) / parts.log_dir.name if where and self.cfg.ft.enabled
+                                else Path(where) if where else parts.log_dir / "tensorboard")]
+
     def _run(self, parts: Components, log: RunLog) -> TrainSummary:
         cfg, ctx = self.cfg, parts.ctx
         start_step = self._resume(parts, log)

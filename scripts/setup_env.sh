@@ -54,7 +54,7 @@ done
 pip_install --no-deps "torchrec==1.8.0"
 # The project itself (its dependencies are index-safe: torch is already pinned),
 # then the test tools.
-pip_install --no-build-isolation -e ".[report]"  # matplotlib: `freescale report`, the ETTR plot
+pip_install --no-build-isolation -e ".[report,tensorboard]"  # matplotlib: `freescale report`, the ETTR plot; TensorBoard scalars
 pip_install -r requirements/test.txt
 "$VENV/bin/python" - <<'PY'
 import torch, torchrec, fbgemm_gpu  # noqa: F401  fail here, not in the first test

@@ -72,11 +72,32 @@ def test_single_process_train_without_torchrun_resumes_under_another_shape_and_i
     monkeypatch.setenv("FREESCALE_AUDIT", "1")  # each commit record holds the rows it trained
     train = ["train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
              f"--train.output_dir={tmp_path}", "--train.eval=false"]
-    code, out, err = run_main(capsys, *train, "--train.steps=5", "--train.log_every=5")
+    code, out, err = run_main(capsys, *train, "--train.steps=5", "--train.log_every=5", "--log.tensorboard=true")
     assert code == 0, err[-3000:]
     assert "freescale: dlrm on 1 rank(s)" in out
+    # The run log's numbers as TensorBoard scalars too, at their steps (the JSONL log is unchanged).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {"step/loss", "step/auc", "step/imbalance", "commit/seconds", "commit/batch_wait_s"} <= tags, tags
+    assert [e.step for e in board.Scalars("commit/seconds")] == list(range(5))
+    assert [e.step for e in board.Scalars("step/loss")] == [5]
     summary = [e for e in read_log(tmp_path) if e["event"] == "summary"][0]
     assert summary["world_size"] == 1 and summary["steps"] == 5
+    code, _, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"),
+                            f"--data.path={tiny_data}", "--log.tensorboard=maybe", "--train.steps=1",
+                            f"--train.output_dir={tmp_path / 'refused'}")
+    assert code == 2 and "log.tensorboard" in err and len(err.strip().splitlines()) == 1, err
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+    code, _, err = run_main(capsys, *train, "--train.steps=1", "--log.tensorboard=true")
+    assert code == 2 and err.strip().splitlines() == [
+        "freescale: error: log.tensorboard: needs the tensorboard package (pip install 'freescale[tensorboard]')"], err
+    monkeypatch.undo()
+    monkeypatch.setenv("FREESCALE_AUDIT", "1")
     code, out, err = run_main(capsys, *train, "--train.steps=8", "--train.log_every=4", "--resume",
                               "--optim.sharding=column_wise", "--optim.column_shard_min_dim=8",  # tables cut in two
                               "--data.batch_size=96")  # and another global batch (it was 128)
