@@ -179,9 +179,9 @@ def test_the_job_changes_shape_plain_to_groups_and_back(tiny_data: Path, tmp_pat
     # The survivor goes on ~0.3 s after the kill (not the 3 s heartbeat timeout): 50 ms more per step
     # keeps it training for the ~6 s the killed group takes to restart (12 s on a loaded 2-core
     # machine: the prioritized pipeline, whose group can contribute only 3 steps after it catches up,
-    # gets 20 more).  DLRM's torchrec steps are ~3x shorter than HSTU's: 70 ms there.
+    # and the torchrec pipeline get 20 more).  DLRM's torchrec steps are ~3x shorter than HSTU's: 70 ms there.
     ("plain", "hstu", "reduce", 50, 80),
-    ("torchrec", "dlrm", "vote", 70, 80),
+    ("torchrec", "dlrm", "vote", 70, 100),
     ("prioritized", "hstu", "forward", 50, 100)])
 def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(
         kind: str, model: str, phase: str, slow_ms: int, steps: int, tiny_data: Path, tmp_path: Path,
