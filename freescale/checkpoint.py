@@ -240,6 +240,8 @@ class CheckpointWriter:
 
         self.asynchronous, self.group = asynchronous, group
         self._pending: tuple[Any, Path, int, dict[str, Any], int, float] | None = None
+        self._entries: dict[str, Any] = {}
+        """What the save in flight's conversion adds to its metadata (filled on the writer's thread)."""
         self.committed: list[tuple[Path, float]] = []
         """Every save committed since the caller last emptied it: ``(path, seconds since start)``, whichever
         call committed it (``start`` waits for the save before it)."""

@@ -58,8 +58,6 @@ class RowTracker:
         self.listener: Callable[[int, torch.Tensor], None] | None = None
         self.tables: dict[int, tuple[int, int, int]] = {}
         """Storage address of a table's weight or per-row optimizer state -> (TBE, its first flat row, rows)."""
-        self.nbytes = 0
-        """Bytes of those tensors."""
         self._tbes: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
         for _, kernel, fused in embedding_kernels(dmp):
@@ -77,7 +75,6 @@ class RowTracker:
             for tensor in [weight, *states[t]]:
                 if tensor.numel() and tensor.size(0) == weight.size(0):
                     self.tables[tensor.data_ptr()] = (index, starts[t], int(weight.size(0)))
-                    self.nbytes += tensor.numel() * tensor.element_size()
         device = weights[0].device if weights else torch.device("cpu")
         table_of_feature = torch.tensor(list(tbe.feature_table_map), dtype=torch.int64, device=device)
         self._tbes.append((table_of_feature, torch.tensor(starts, dtype=torch.int64, device=device), starts[-1]))
@@ -185,6 +182,7 @@ class LazySnapshot:
         tables: dict[tuple[int, int], _Table] = {}
         self._host: dict[str, torch.Tensor] = {}
         """Every tensor's host copy by path: the dense ones made now, the tables' filling in."""
+        self._table_paths: list[str] = []
         pin = torch.cuda.is_available()
         for path, tensor in _leaves(live):
             found = tracker.tables.get(tensor.data_ptr()) if tensor.numel() else None
@@ -200,6 +198,7 @@ class LazySnapshot:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin and tensor.is_cuda)
             table.host.append(host)
             self._host[path] = host
+            self._table_paths.append(path)
         self._tables = list(tables.values())
         self._by_tbe: dict[int, list[_Table]] = {}
         for table in self._tables:
@@ -212,8 +211,7 @@ class LazySnapshot:
     @property
     def table_buffers(self) -> dict[str, torch.Tensor]:
         """The host buffers of the tables, by path (for the next snapshot, once this one is written)."""
-        return {path: self._host[path] for path, tensor in _leaves(self._live)
-                if tensor.numel() and tensor.data_ptr() in self.tracker.tables}
+        return {path: self._host[path] for path in self._table_paths}
 
     def assemble(self) -> dict[str, Any]:
         """The host state, in the live state's structure (ShardedTensors rebuilt over the host shards): once

@@ -173,8 +173,8 @@ class Trainer:
         self._staging = parts.staging
         if parts.staging is not None:  # the host copy of the tables the saves reuse, made and touched now
             log.write("checkpoint_buffers", seconds=parts.staging.prepare(_raw_state(parts)))
-        self._lazy: tuple[int, Any, dict[str, Any]] = (-1, None, {})
-        """The save whose tables are being copied: (step, its ``LazySnapshot``, metadata)."""
+        self._lazy: tuple[int, dict[str, Any]] = (-1, {})
+        """The save whose tables are being copied (its ``LazySnapshot`` is the staging's): step, metadata."""
         self._last_ckpt: Path | None = None
         try:
             committed = self._train_steps(parts, log, progress, start_step)
@@ -296,9 +296,9 @@ class Trainer:
                 "ft": {"replicas": parts.groups}, "plan": reshard.plan_summary(parts.dmp)}
         live = _raw_state(parts)
         if writer.asynchronous and parts.staging is not None and done < self.cfg.train.steps:
-            snapshot = parts.staging.begin(live, done, lambda steps: _agreed_max(parts.ctx, steps),
-                                           reuse=not writer.writing)
-            self._lazy = (done, snapshot, meta)  # written once the tables' copy is done
+            parts.staging.begin(live, done, lambda steps: _agreed_max(parts.ctx, steps),
+                                 reuse=not writer.writing)
+            self._lazy = (done, meta)  # written once the tables' copy is done
             log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start, tables_due=parts.staging.due)
             return None
         path = writer.start(self._checkpoint_root, done, live, meta, keep=self.cfg.checkpoint.keep, convert=_logical)
@@ -315,7 +315,7 @@ class Trainer:
         snapshot = self._staging.take() if self._staging is not None else None
         if snapshot is None:
             return
-        step, _, meta = self._lazy
+        step, meta = self._lazy
         taken = snapshot.finish()
         self._writer.start(self._checkpoint_root, step, snapshot.assemble, meta, keep=self.cfg.checkpoint.keep,
                            convert=_logical)
