@@ -22,7 +22,12 @@ benchmarks and demos (the same in every process of a run):
       or later to a recovering peer (the source dies mid-transfer);
     - ``slow`` is no fault: from ``step`` on, every incarnation sleeps ``ms``
       after backward (longer "compute": survivors are still training when a
-      restarted group is back).
+      restarted group is back);
+    - ``away`` is no fault either: from ``step`` on, while the last committed step
+      had fewer ready replica groups than the run has, every incarnation sleeps
+      ``ms`` after backward.  Survivors train slowly only while a group restarts
+      and catches up, then at full speed: a test's remaining steps outlast a
+      restart however loaded the machine, without slowing the steps around it.
 
     ``*`` as group or rank matches every one.  Before dying, the rank writes
     ``<dir>/rank<R>.killed`` (the time), ``dir`` being its group's log directory.
@@ -42,8 +47,9 @@ from pathlib import Path
 
 FAULTS_ENV = "FREESCALE_FAULTS"
 AUDIT_ENV = "FREESCALE_AUDIT"
-POINTS = ("forward", "reduce", "vote", "catchup", "serve", "slow")
-_AT_OR_AFTER = ("forward", "catchup", "slow", "serve")
+POINTS = ("forward", "reduce", "vote", "catchup", "serve", "slow", "away")
+_AT_OR_AFTER = ("forward", "catchup", "slow", "serve", "away")
+_EVERY_INCARNATION = ("slow", "away")
 
 
 class StepHooks:
@@ -73,7 +79,7 @@ class FaultHooks(StepHooks):
                                  f"with <point> one of {', '.join(POINTS)}")
             g = group if parts[0] == "*" else int(parts[0])
             r = rank if parts[1] == "*" else int(parts[1])
-            inc = incarnation if parts[3] == "slow" and not wanted_incarnation else int(wanted_incarnation or 0)
+            inc = incarnation if parts[3] in _EVERY_INCARNATION and not wanted_incarnation else int(wanted_incarnation or 0)
             if (g, r, inc) == (group, rank, incarnation):
                 self.faults.append((int(parts[2]), parts[3], float(parts[4]) / 1000 if len(parts) > 4 else 0.0))
 
@@ -84,7 +90,7 @@ class FaultHooks(StepHooks):
         for at, kind, delay in self.faults:
             if kind != point or not (step == at or (point in _AT_OR_AFTER and step >= at)):
                 continue
-            if point == "slow":
+            if point in _EVERY_INCARNATION:
                 time.sleep(delay)
             elif point == "reduce":
                 threading.Timer(delay, self.die).start()

@@ -166,6 +166,7 @@ class FaultTolerance:
                                 hooks=self.hooks, store_host=advertise)
         self.record: dict[str, Any] = {}
         self.last_commit = Commit(-1, frozenset(), frozenset())
+        self._ready_replicas = self.cfg.replicas  # how many held valid state after the last step
         self.events: list[dict[str, Any]] = []
         """Events for the run log since the caller last took them (catch-up, staging)."""
         self.finished_elsewhere = False
@@ -277,6 +278,8 @@ class FaultTolerance:
             self.sync.attach(step, self.grads, self._weight, header)
         loss.backward()
         self.hooks.at("slow", step)
+        if self._ready_replicas < self.cfg.replicas:
+            self.hooks.at("away", step)
 
     def step(self) -> Commit:
         """The rest of the step's exchange, the vote and, once committed, the update (module
@@ -294,6 +297,7 @@ class FaultTolerance:
             self.events.append({"event": "finished_elsewhere", "step": step, "finished_step": done.step})
             raise
         self.record = self._record_of(result, trained)
+        self._ready_replicas = len(result.ready)
         self._say_membership(result)
         if result.recovering:
             self.hooks.at("catchup", result.step)

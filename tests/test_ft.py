@@ -30,12 +30,14 @@ WORKER = REPO / "benchmarks" / "mlp_replica.py"
 
 
 def start(lh: Lighthouse, replica: str, out: Path, steps: int, *extra: str, group: int = 3,
-          fault: str = "") -> subprocess.Popen[str]:
+          fault: str = "", away_ms: int = 0) -> subprocess.Popen[str]:
     """A replica process that starts training once ``group`` replicas are up; ``fault``:
-    ``<step>:<point>[:<ms>]`` of ``FREESCALE_FAULTS`` for this replica."""
+    ``<step>:<point>[:<ms>]`` of ``FREESCALE_FAULTS`` for this replica; ``away_ms``: its steps
+    last that much longer while a replica is away (``away`` of ``FREESCALE_FAULTS``)."""
     env = cli_env()
-    if fault:
-        env[FAULTS_ENV] = f"{group_of(replica)}:0:{fault}"
+    faults = [f"{group_of(replica)}:0:{fault}"] * bool(fault) + [f"*:*:0:away:{away_ms}"] * bool(away_ms)
+    if faults:
+        env[FAULTS_ENV] = ",".join(faults)
     return subprocess.Popen(
         [sys.executable, str(WORKER), "--lighthouse", lh.url, "--replica-id", replica, "--steps", str(steps),
          "--out", str(out), "--wait-for", str(group), *extra],
@@ -162,15 +164,16 @@ def test_killed_replica_restarts_and_catches_up_without_stalling_the_others(tmp_
     with weight 0, copies a peer's snapshot while a and b keep committing, replays the steps it
     missed, and from then on all three are bit-identical at every step."""
     lh = lighthouse(min_replicas=1)
-    steps = 200  # a loaded 2-core CI machine restarted c after the others had finished 150
+    steps = 100  # a and b slow down to 300 ms steps while c is away: ~30 s for its restart
     # A 64 KiB first bucket: several buckets, so a replica sitting a step out (zeros, weight 0) must
     # reduce in the others' bucket layout, or the collectives mismatch.
     common = ["--snapshots", "--step-sleep", "0.02", "--hidden", "256", "--first-bucket-kb", "64"]
-    procs = {r: start(lh, r, tmp_path, steps, *common, fault="5:reduce:0" if r == "c" else "") for r in ("a", "b", "c")}
+    procs = {r: start(lh, r, tmp_path, steps, *common, fault="5:reduce:0" if r == "c" else "", away_ms=300)
+             for r in ("a", "b", "c")}
     assert procs["c"].wait(timeout=120) == -signal.SIGKILL
     first_life = read(tmp_path, "c")
     (tmp_path / "c.jsonl").rename(tmp_path / "c_first_life.jsonl")
-    procs["c"] = start(lh, "c", tmp_path, steps, *common, "--incarnation", "1", group=1)
+    procs["c"] = start(lh, "c", tmp_path, steps, *common, "--incarnation", "1", group=1, away_ms=300)
     finish(procs, ["a", "b", "c"])
     logs = assert_identical_every_step(tmp_path, ["a", "b"], steps)
     a_by_step = {e["step"]: e for e in logs[0]}
