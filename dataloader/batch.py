@@ -7,6 +7,8 @@ Shapes (legend: B samples on this rank, D dense width, T jagged values):
     dense   float32 [B, D]
     labels  float32 [B]
     costs   float32 [B], the planner's cost of each sample (for logs and calibration)
+    history_timestamps  int64 [T] seconds, aligned with ``history_item_ids``' values, and
+    candidate_timestamps  int64 [B]: only for a model that reads them (``reads_timestamps``)
     loss_scale  the factor on the *sum* of per-sample losses that makes DDP's mean over
             ranks equal the mean over the step's samples: live ranks / samples in the step
             (ranks may hold different numbers of samples)
@@ -31,6 +33,8 @@ class Batch(Pipelineable):
     labels: torch.Tensor
     costs: torch.Tensor | None = None
     loss_scale: float | None = None
+    history_timestamps: torch.Tensor | None = None
+    candidate_timestamps: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -43,15 +47,26 @@ class Batch(Pipelineable):
             labels=self.labels.to(device=device, non_blocking=non_blocking),
             costs=self.costs,
             loss_scale=self.loss_scale,
+            history_timestamps=_to(self.history_timestamps, device, non_blocking),
+            candidate_timestamps=_to(self.candidate_timestamps, device, non_blocking),
         )
 
     def record_stream(self, stream: torch.Stream) -> None:  # type: ignore[override]
         self.sparse.record_stream(stream)
         self.dense.record_stream(stream)
         self.labels.record_stream(stream)
+        for t in (self.history_timestamps, self.candidate_timestamps):
+            if t is not None:
+                t.record_stream(stream)
 
     def pin_memory(self) -> Batch:
         return Batch(
             sparse=self.sparse.pin_memory(), dense=self.dense.pin_memory(), labels=self.labels.pin_memory(),
             costs=self.costs, loss_scale=self.loss_scale,
+            history_timestamps=None if self.history_timestamps is None else self.history_timestamps.pin_memory(),
+            candidate_timestamps=None if self.candidate_timestamps is None else self.candidate_timestamps.pin_memory(),
         )
+
+
+def _to(t: torch.Tensor | None, device: torch.device, non_blocking: bool) -> torch.Tensor | None:
+    return None if t is None else t.to(device=device, non_blocking=non_blocking)

@@ -13,7 +13,9 @@ from freescale.dataloader.cost import CostModel
 from freescale.dataloader.loader import SPARSE_FEATURES, BalancedLoader
 from freescale.dataloader.partition import check_size
 from freescale.dataloader.planner import BatchPlanner, EpochOrder
-from freescale.dataloader.schema import DENSE, LABEL, SEQUENCE_FORMAT_VERSION, DataError, DatasetManifest
+from freescale.dataloader.schema import (
+    CANDIDATE_TIMESTAMP, DENSE, HISTORY_TIMESTAMPS, LABEL, SEQUENCE_FORMAT_VERSION, DataError, DatasetManifest,
+)
 from freescale.dataloader.sequence_source import SequenceSource
 from freescale.dataloader.source import ParquetSource
 
@@ -96,8 +98,10 @@ def build_loader(
     training: bool = True,
     pin_memory: bool = False,
     group_size: int | None = None,
+    timestamps: bool = False,
 ) -> BalancedLoader:
-    """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order)."""
+    """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order);
+    ``timestamps``: its batches carry the history's and the candidates' timestamps."""
     warm_up()  # the planner's and the reads' kernels: loaded from numba's cache, or compiled here, not in the
     gather.warm_up()  # prefetch thread
     if training:
@@ -106,8 +110,11 @@ def build_loader(
             check_size(cfg.partitioner, cfg.batch_size * world_size * window, world_size * window, cfg.equal_count)
         except ValueError as exc:
             raise DataError(f"data.partitioner = '{cfg.partitioner}' at {world_size} ranks: {exc}") from None
-    columns = sorted({SPARSE_FEATURES[f][0] for f in sparse_features} | {DENSE, LABEL})
-    source = open_source(cfg, split, columns)
+    columns = {SPARSE_FEATURES[f][0] for f in sparse_features} | {DENSE, LABEL}
+    if timestamps:
+        per_user = DatasetManifest.read(cfg.path).format_version == SEQUENCE_FORMAT_VERSION
+        columns |= {HISTORY_TIMESTAMPS, *([CANDIDATE_TIMESTAMP] if per_user else [])}
+    source = open_source(cfg, split, sorted(columns))
     order = EpochOrder(source.rg_rows, seed=seed, shuffle=cfg.shuffle and training,
                        window_row_groups=cfg.shuffle_row_groups)
     planner = BatchPlanner(
@@ -119,7 +126,7 @@ def build_loader(
     return BalancedLoader(
         source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,
         max_seq_len=cfg.max_seq_len, prefetch=cfg.prefetch, epochs=None if training else 1, pin_memory=pin_memory,
-        group_size=group_size,
+        group_size=group_size, timestamps=timestamps,
     )
 
 

@@ -47,7 +47,7 @@ from freescale.dataloader.partition import Parts
 from freescale.dataloader.planner import BatchPlanner, StepPlan
 from freescale.dataloader.reshape import SHAPE_KEYS, remainder, shape_of, start_remainder
 from freescale.dataloader.schema import (
-    CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, USER_ID, DataError,
+    CANDIDATE_ITEM, CANDIDATE_TIMESTAMP, DENSE, HISTORY_ITEMS, HISTORY_TIMESTAMPS, LABEL, USER_ID, DataError,
 )
 from freescale.dataloader.sequence_source import SequenceSource
 from freescale.dataloader.source import ParquetSource
@@ -107,6 +107,7 @@ class BalancedLoader:
         epochs: int | None = None,
         pin_memory: bool = False,
         group_size: int | None = None,
+        timestamps: bool = False,
     ) -> None:
         unknown = [f for f in sparse_features if f not in SPARSE_FEATURES]
         if unknown:
@@ -129,6 +130,8 @@ class BalancedLoader:
         self.prefetch = prefetch
         self.epochs = epochs
         self.pin_memory = pin_memory
+        self.timestamps = timestamps
+        """Batches carry the history's and the candidate's timestamps (the source reads them)."""
         self.group_size = group_size or max(live_ranks) + 1
         """Ranks whose gradients are averaged together first (one replica group; without fault
         tolerance every rank): ``loss_scale`` makes that average the mean over their samples."""
@@ -382,12 +385,14 @@ class BalancedLoader:
         )
         dense = arrays[DENSE].reshape(n, self.dense_dim) if n else np.zeros((0, self.dense_dim), dtype=np.float32)
         labels = arrays[LABEL] if n else np.zeros(0, dtype=np.float32)
+        history_ts, candidate_ts = _timestamps(arrays, n) if self.timestamps else (None, None)
         return Batch(
             sparse=sparse,
             dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
             labels=torch.from_numpy(np.array(labels, dtype=np.float32)),
             costs=torch.from_numpy(costs.astype(np.float32)),
             loss_scale=self._loss_scale(plan),
+            history_timestamps=history_ts, candidate_timestamps=candidate_ts,
         )
 
     def _loss_scale(self, plan: StepPlan) -> float:
@@ -411,3 +416,18 @@ def _next_position(epoch: int, step: int, steps_in_epoch: int) -> tuple[int, int
 
 
 __all__ = ["BalancedLoader", "StepInfo"]
+
+
+def _timestamps(arrays: dict[str, np.ndarray], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The history's timestamps (cut like its items) and each candidate's: the source's own where it
+    has one (format 2), else the newest history timestamp (0 for an empty history)."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    history = arrays[HISTORY_TIMESTAMPS].astype(np.int64, copy=False)
+    if CANDIDATE_TIMESTAMP in arrays:
+        candidate = arrays[CANDIDATE_TIMESTAMP].astype(np.int64, copy=False)
+    else:
+        lengths = arrays[HISTORY_TIMESTAMPS + "@"]
+        last = np.cumsum(lengths) - 1
+        candidate = np.where(lengths > 0, history[np.clip(last, 0, None)] if history.size else 0, 0)
+    return torch.from_numpy(np.ascontiguousarray(history)), torch.from_numpy(np.array(candidate, dtype=np.int64))

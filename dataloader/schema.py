@@ -68,6 +68,9 @@ CANDIDATE_ITEM = "candidate_item_id"
 DENSE = "dense_features"
 LABEL = "label"
 HISTORY_LENGTH = "history_length"
+CANDIDATE_TIMESTAMP = "candidate_timestamp"
+"""Not a stored column: format 2 reads it at the sample's own position (the time of the interaction
+it predicts); format 1 has no such time, and a model that asks gets the newest history timestamp."""
 
 # Format 2 (one row per user).
 ITEM_IDS = "item_ids"

@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 from freescale.dataloader import row_checks as rc
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
+    CANDIDATE_TIMESTAMP,
     DENSE,
     HISTORY_ITEMS,
     HISTORY_TIMESTAMPS,
@@ -71,7 +72,7 @@ class SequenceSource(RowGroupFiles):
         self.rg_rows = np.diff(self.rg_start)
         owner = np.repeat(np.arange(self.count.size), self.count)
         self.lengths = (np.arange(self.num_rows, dtype=np.int64) - self.user_start[owner] + self.first[owner])
-        self._output_schema = sample_schema(self.manifest.dense_dim)
+        self._output_schema = sample_schema(self.manifest.dense_dim).append(pa.field(CANDIDATE_TIMESTAMP, pa.int64()))
 
     def check_schema(self, schema: pa.Schema, where: str) -> None:
         check_sequence_schema(schema, self.manifest.dense_dim, where)
@@ -178,6 +179,8 @@ class SequenceSource(RowGroupFiles):
         }
         if HISTORY_TIMESTAMPS in self.columns:
             out[HISTORY_TIMESTAMPS], out[HISTORY_TIMESTAMPS + "@"] = window(TIMESTAMPS), lengths
+        if CANDIDATE_TIMESTAMP in self.columns:
+            out[CANDIDATE_TIMESTAMP] = at_target(TIMESTAMPS)
         if DENSE in self.columns:
             out[DENSE] = (at_target(DENSE) if self.manifest.dense_dim
                           else np.zeros((lengths.size, 0), dtype=np.float32))

@@ -146,6 +146,10 @@ class Components:
     def features(self) -> list[str]:
         return list(self.dmp.module.sparse_feature_names)  # type: ignore[union-attr]
 
+    @property
+    def reads_timestamps(self) -> bool:
+        return bool(getattr(self.dmp.module, "reads_timestamps", False))
+
     def close(self) -> None:
         self.loader.close()
         if self.tracer is not None:
@@ -177,6 +181,7 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
         cfg.data, "train", rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size,
         sparse_features=list(model.sparse_feature_names), derived_cost=cost_model_for(cfg.model, manifest.dense_dim),
         seed=cfg.train.seed, training=True, pin_memory=ctx.device.type == "cuda", group_size=ctx.world_size,
+        timestamps=bool(getattr(model, "reads_timestamps", False)),
     )
     feed = StepFeed(loader, group, ctx.world_size, groups, cfg.pipeline.read_ahead,
                     segment_end_of(cfg.checkpoint.every, cfg.train.steps))

@@ -440,7 +440,8 @@ class Trainer:
         cfg, ctx = self.cfg, parts.ctx
         loader = build_loader(cfg.data, "eval", rank=ctx.rank, world_size=ctx.world_size, sparse_features=parts.features,
                               derived_cost=cost_model_for(cfg.model, parts.manifest.dense_dim), seed=cfg.train.seed,
-                              training=False, pin_memory=ctx.device.type == "cuda")
+                              training=False, pin_memory=ctx.device.type == "cuda",
+                              timestamps=parts.reads_timestamps)
         window = MetricWindow()
         model.eval()
         with torch.no_grad():

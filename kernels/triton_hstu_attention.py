@@ -17,6 +17,12 @@ Work decomposition (one program per (block of rows, sequence x head)):
   ``_bwd_dq`` (program per query block) walks key blocks and accumulates dQ.
   Both recompute the scores instead of storing the T x T weights.
 
+A :class:`~freescale.kernels.hstu_attention.RelativeBias` adds its position and
+time-bucket terms to every score tile (recomputed in backward like the scores);
+its tables' gradients are scattered from ``_bwd_dq`` with atomic adds into fp32
+buffers (the tables are small and shared by every head and sequence; the
+autotuner zeroes them between its trial runs).
+
 With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (tests do this
 at small sizes).  On CUDA the block sizes are autotuned per (N bucket, A, V);
 forward configs go up to 128 x 128 tiles (8 warps, 3 stages), backward ones
@@ -33,6 +39,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from freescale.kernels.hstu_attention import TIME_BUCKET_SUB_BITS, RelativeBias
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tests set this so that any element a kernel fails to write is NaN, not stale memory.
@@ -51,6 +59,25 @@ def _mask(m, n, length, history, max_attn_len):
     target_ok = (n < history) | (n == m)
     window_ok = (max_attn_len == 0) | (m - n <= max_attn_len)
     return causal & target_ok & window_ok
+
+
+@triton.jit
+def _bias(PosW, TimeW, QTime, KTime, start, m, n, length, num_pos, num_buckets,
+          HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, SUB_BITS: tl.constexpr):
+    """The score bias for query tokens m and key tokens n (index grids as for ``_mask``), with the
+    table indices it read (backward scatters into them): ``hstu_attention.time_bucket`` bit for bit."""
+    distance = tl.minimum(tl.maximum(m - n, 0), num_pos - 1)
+    bucket = distance * 0
+    bias = tl.zeros(distance.shape, dtype=tl.float32)
+    if HAS_POS:
+        bias += tl.load(PosW + distance).to(tl.float32)
+    if HAS_TIME:
+        query = tl.load(QTime + start + m, mask=m < length, other=0)
+        key = tl.load(KTime + start + n, mask=n < length, other=0)
+        bits = (tl.maximum(query - key, 0) + 1).to(tl.float32).to(tl.int32, bitcast=True)
+        bucket = tl.minimum(tl.maximum((bits >> (23 - SUB_BITS)) - (127 << SUB_BITS), 0), num_buckets - 1)
+        bias += tl.load(TimeW + bucket).to(tl.float32)
+    return bias, distance, bucket
 
 
 @triton.jit
@@ -78,20 +105,21 @@ def _store_rows(ptr, value, start, offs_t, stride_t, head_offset, offs_d, dim, l
 
 
 @triton.jit
-def _score_grad(s, dw, keep, alpha, inv_n):
-    """Weights w = silu(s) * mask / N of scores s = alpha q.k, and the loss gradient
-    w.r.t. q.k: dS = dW * silu'(s) * alpha * mask / N, where dW = dO . v."""
+def _score_grad(s, dw, keep, inv_n):
+    """Weights w = silu(s) * mask / N of scores s = alpha q.k + bias, and the loss gradient
+    w.r.t. s: dS = dW * silu'(s) * mask / N, where dW = dO . v (q.k's is alpha dS, the bias's dS)."""
     sig = tl.sigmoid(s)
     w = tl.where(keep, s * sig * inv_n, 0.0)
-    ds = tl.where(keep, dw * sig * (1.0 + s * (1.0 - sig)) * (alpha * inv_n), 0.0)
+    ds = tl.where(keep, dw * sig * (1.0 + s * (1.0 - sig)) * inv_n, 0.0)
     return w, ds
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, seq_offsets, num_targets,
+    Q, K, V, Out, seq_offsets, num_targets, PosW, TimeW, QTime, KTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    alpha, inv_n, max_attn_len, H, A, Vd,
+    alpha, inv_n, max_attn_len, H, A, Vd, num_pos, num_buckets,
+    HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, SUB_BITS: tl.constexpr,
     HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -116,6 +144,10 @@ def _fwd_kernel(
         offs_n = first_n + tl.arange(0, BLOCK_N)
         k = _rows(K, start, offs_n, stride_kt, h * stride_kh, offs_a, A, length)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
+        if HAS_POS or HAS_TIME:
+            bias, _, _ = _bias(PosW, TimeW, QTime, KTime, start, offs_m[:, None], offs_n[None, :], length, num_pos,
+                               num_buckets, HAS_POS, HAS_TIME, SUB_BITS)
+            s += bias
         w = s * tl.sigmoid(s) * inv_n
         w = tl.where(_mask(offs_m[:, None], offs_n[None, :], length, history, max_attn_len), w, 0.0)
         v = _rows(V, start, offs_n, stride_vt, h * stride_vh, offs_v, Vd, length)
@@ -125,9 +157,10 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, dO, dK, dV, seq_offsets, num_targets,
+    Q, K, V, dO, dK, dV, seq_offsets, num_targets, PosW, TimeW, QTime, KTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    alpha, inv_n, max_attn_len, H, A, Vd,
+    alpha, inv_n, max_attn_len, H, A, Vd, num_pos, num_buckets,
+    HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, SUB_BITS: tl.constexpr,
     HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -156,20 +189,25 @@ def _bwd_dkdv_kernel(
         do = _rows(dO, start, offs_m, stride_dot, h * stride_doh, offs_v, Vd, length)
         # Transposed [N, M] tiles straight from the dots (no register transposes).
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * alpha
+        if HAS_POS or HAS_TIME:
+            bias_t, _, _ = _bias(PosW, TimeW, QTime, KTime, start, offs_m[None, :], offs_n[:, None], length, num_pos,
+                                 num_buckets, HAS_POS, HAS_TIME, SUB_BITS)
+            s_t += bias_t
         dw_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         keep_t = _mask(offs_m[None, :], offs_n[:, None], length, history, max_attn_len)
-        w_t, ds_t = _score_grad(s_t, dw_t, keep_t, alpha, inv_n)
+        w_t, ds_t = _score_grad(s_t, dw_t, keep_t, inv_n)
         dv += tl.dot(w_t.to(do.dtype), do, input_precision=PRECISION)
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+        dk += tl.dot((ds_t * alpha).to(q.dtype), q, input_precision=PRECISION)
     _store_rows(dK, dk, start, offs_n, stride_kt, h * stride_kh, offs_a, A, length)
     _store_rows(dV, dv, start, offs_n, stride_vt, h * stride_vh, offs_v, Vd, length)
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, dO, dQ, seq_offsets, num_targets,
+    Q, K, V, dO, dQ, seq_offsets, num_targets, PosW, TimeW, QTime, KTime, dPosW, dTimeW,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    alpha, inv_n, max_attn_len, H, A, Vd,
+    alpha, inv_n, max_attn_len, H, A, Vd, num_pos, num_buckets,
+    HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, SUB_BITS: tl.constexpr,
     HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -196,10 +234,18 @@ def _bwd_dq_kernel(
         k = _rows(K, start, offs_n, stride_kt, h * stride_kh, offs_a, A, length)
         v = _rows(V, start, offs_n, stride_vt, h * stride_vh, offs_v, Vd, length)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
+        if HAS_POS or HAS_TIME:
+            bias, distance, bucket = _bias(PosW, TimeW, QTime, KTime, start, offs_m[:, None], offs_n[None, :], length,
+                                           num_pos, num_buckets, HAS_POS, HAS_TIME, SUB_BITS)
+            s += bias
         dw = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         keep = _mask(offs_m[:, None], offs_n[None, :], length, history, max_attn_len)
-        _, ds = _score_grad(s, dw, keep, alpha, inv_n)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        _, ds = _score_grad(s, dw, keep, inv_n)
+        dq += tl.dot((ds * alpha).to(k.dtype), k, input_precision=PRECISION)
+        if HAS_POS:
+            tl.atomic_add(dPosW + distance, ds, mask=keep)
+        if HAS_TIME:
+            tl.atomic_add(dTimeW + bucket, ds, mask=keep)
     _store_rows(dQ, dq, start, offs_m, stride_qt, h * stride_qh, offs_a, A, length)
 
 
@@ -231,17 +277,17 @@ def _prune_for_head_dim(configs, named_args, **kwargs):  # type: ignore[no-untyp
 _KEY = ["N_BUCKET", "BLOCK_A", "BLOCK_V"]
 
 
-def _tuned(kernel, configs):  # type: ignore[no-untyped-def]
+def _tuned(kernel, configs, reset_to_zero=None):  # type: ignore[no-untyped-def]
+    """``reset_to_zero``: buffers the kernel accumulates into (atomics), zeroed before each trial run."""
     if _INTERPRET:
         return kernel
-    return triton.autotune(configs=configs, key=_KEY, prune_configs_by={"early_config_prune": _prune_for_head_dim})(
-        kernel
-    )
+    return triton.autotune(configs=configs, key=_KEY, reset_to_zero=reset_to_zero,
+                           prune_configs_by={"early_config_prune": _prune_for_head_dim})(kernel)
 
 
 _FWD = _tuned(_fwd_kernel, _forward_configs())
 _DKDV = _tuned(_bwd_dkdv_kernel, _backward_configs())
-_DQ = _tuned(_bwd_dq_kernel, _backward_configs())
+_DQ = _tuned(_bwd_dq_kernel, _backward_configs(), reset_to_zero=["dPosW", "dTimeW"])
 _INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
@@ -263,49 +309,66 @@ def _dims(q: torch.Tensor, v: torch.Tensor) -> dict[str, int]:
     return {"BLOCK_A": max(16, triton.next_power_of_2(q.shape[2])), "BLOCK_V": max(16, triton.next_power_of_2(v.shape[2]))}
 
 
+def _bias_args(seq_offsets: torch.Tensor, pos_w: torch.Tensor | None, time_w: torch.Tensor | None,
+               query_time: torch.Tensor | None, key_time: torch.Tensor | None) -> tuple[list, list, dict]:  # type: ignore[type-arg]
+    """The kernels' bias pointers (``seq_offsets`` stands in for an absent one), sizes and flags."""
+    tensors = [t if t is not None else seq_offsets for t in (pos_w, time_w, query_time, key_time)]
+    sizes = [pos_w.numel() if pos_w is not None else 1, time_w.numel() if time_w is not None else 1]
+    flags = {"HAS_POS": pos_w is not None, "HAS_TIME": time_w is not None, "SUB_BITS": TIME_BUCKET_SUB_BITS}
+    return tensors, sizes, flags
+
+
 class _HSTUAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, max_attn_len):  # type: ignore[no-untyped-def, override]
+    def forward(ctx, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, max_attn_len,  # type: ignore[no-untyped-def, override]
+                pos_w, time_w, query_time, key_time):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         total, heads, _ = q.shape
         out = _output_like(v)
         batch = seq_offsets.numel() - 1
         if total and batch:
             targets = num_targets if num_targets is not None else seq_offsets
+            bias, sizes, flags = _bias_args(seq_offsets, pos_w, time_w, query_time, key_time)
             _launch(
                 _FWD, "BLOCK_M", max_seq_len, batch * heads,
-                q, k, v, out, seq_offsets, targets,
+                q, k, v, out, seq_offsets, targets, *bias,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-                float(alpha), 1.0 / max_seq_len, int(max_attn_len), heads, q.shape[2], v.shape[2],
+                float(alpha), 1.0 / max_seq_len, int(max_attn_len), heads, q.shape[2], v.shape[2], *sizes, **flags,
                 HAS_TARGETS=num_targets is not None, N_BUCKET=triton.next_power_of_2(max_seq_len), **_dims(q, v),
                 PRECISION=_precision(q),
             )
-        ctx.save_for_backward(q, k, v, seq_offsets, num_targets)
+        ctx.save_for_backward(q, k, v, seq_offsets, num_targets, pos_w, time_w, query_time, key_time)
         ctx.args = (max_seq_len, alpha, max_attn_len)
         return out
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[no-untyped-def, override]
-        q, k, v, seq_offsets, num_targets = ctx.saved_tensors
+        q, k, v, seq_offsets, num_targets, pos_w, time_w, query_time, key_time = ctx.saved_tensors
         max_seq_len, alpha, max_attn_len = ctx.args
         d_out = d_out.contiguous()
         dq, dk, dv = _output_like(q), _output_like(k), _output_like(v)  # every token row is written
+        d_pos = torch.zeros(pos_w.shape, dtype=torch.float32, device=q.device) if pos_w is not None else None
+        d_time = torch.zeros(time_w.shape, dtype=torch.float32, device=q.device) if time_w is not None else None
         total, heads, _ = q.shape
         batch = seq_offsets.numel() - 1
         if total and batch:
             targets = num_targets if num_targets is not None else seq_offsets
+            bias, sizes, flags = _bias_args(seq_offsets, pos_w, time_w, query_time, key_time)
             common = (
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 d_out.stride(0), d_out.stride(1), float(alpha), 1.0 / max_seq_len, int(max_attn_len),
-                heads, q.shape[2], v.shape[2],
+                heads, q.shape[2], v.shape[2], *sizes,
             )
             meta = dict(HAS_TARGETS=num_targets is not None, N_BUCKET=triton.next_power_of_2(max_seq_len),
-                        PRECISION=_precision(q), **_dims(q, v))
+                        PRECISION=_precision(q), **_dims(q, v), **flags)
             _launch(_DKDV, "BLOCK_N", max_seq_len, batch * heads, q, k, v, d_out, dk, dv, seq_offsets, targets,
-                    *common, **meta)
+                    *bias, *common, **meta)
+            grads = [d if d is not None else seq_offsets for d in (d_pos, d_time)]
             _launch(_DQ, "BLOCK_M", max_seq_len, batch * heads, q, k, v, d_out, dq, seq_offsets, targets,
-                    *common, **meta)
-        return dq, dk, dv, None, None, None, None, None
+                    *bias, *grads, *common, **meta)
+        d_pos = d_pos.to(pos_w.dtype) if d_pos is not None else None
+        d_time = d_time.to(time_w.dtype) if d_time is not None else None
+        return dq, dk, dv, None, None, None, None, None, d_pos, d_time, None, None
 
 
 def triton_hstu_attention(
@@ -317,10 +380,13 @@ def triton_hstu_attention(
     alpha: float,
     num_targets_B: torch.Tensor | None = None,
     max_attn_len: int = 0,
+    bias: RelativeBias | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention with Triton kernels; sequences must not exceed ``max_seq_len``."""
     if not (q_THA.is_cuda or _INTERPRET):
         raise RuntimeError("the triton HSTU attention needs CUDA tensors (or TRITON_INTERPRET=1 for tests)")
+    bias = bias or RelativeBias()
     return _HSTUAttention.apply(
-        q_THA, k_THA, v_THV, seq_offsets_B1, max_seq_len, alpha, num_targets_B, max_attn_len
+        q_THA, k_THA, v_THV, seq_offsets_B1, max_seq_len, alpha, num_targets_B, max_attn_len,
+        bias.pos_weight_P, bias.time_weight_K, bias.query_time_T, bias.key_time_T,
     )

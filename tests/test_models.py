@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -9,16 +10,16 @@ import torch
 
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.build import DataConfig, build_loader
-from freescale.dataloader.schema import DatasetManifest
+from freescale.dataloader.schema import HISTORY_ITEMS, DatasetManifest
 from freescale.models import ModelConfig, build_model
 
 
-def first_batch(path: Path, batch_size: int, features: list[str]):  # type: ignore[no-untyped-def]
+def first_batch(path: Path, batch_size: int, features: list[str], timestamps: bool = False):  # type: ignore[no-untyped-def]
     """The first ``batch_size`` rows of the split, in file order."""
     cfg = DataConfig(path=str(path), batch_size=batch_size, max_seq_len=32, shuffle=False,
                      partitioner="round_robin", prefetch=0)
     return build_loader(cfg, "train", rank=0, world_size=1, sparse_features=features,
-                        derived_cost=CostModel(1, 1, 1), seed=0).next_batch()
+                        derived_cost=CostModel(1, 1, 1), seed=0, timestamps=timestamps).next_batch()
 
 
 @pytest.mark.parametrize("kind", ["hstu", "dlrm"])
@@ -49,16 +50,51 @@ def test_hstu_scores_each_sample_independently_of_its_batch(tiny_data: Path) -> 
     torch.testing.assert_close(logits_big[:2], logits_small, rtol=1e-5, atol=1e-6)
 
 
-def test_hstu_with_triton_kernels_matches_the_reference_model(tiny_data: Path) -> None:
+def relative_bias_model(tiny_data: Path, relative_bias: str, backend: str = "reference"):  # type: ignore[no-untyped-def]
+    """The tiny HSTU with ``relative_bias``, its tables set to random values (they start at zero)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(kind="hstu")
+    cfg.hstu.attention_backend = cfg.hstu.norm_backend = backend
+    cfg.hstu.relative_bias = relative_bias
+    model = build_model(cfg, DatasetManifest.read(tiny_data), max_seq_len=32, embedding_device=torch.device("cpu"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("position_bias", "time_bias")):
+                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def test_relative_bias_reads_the_batch_timestamps_and_learns(tiny_data: Path) -> None:
+    """``position_time``: the loader hands the history's timestamps (and, format 1 having no candidate time,
+    the newest history one as the candidate's) to the model; both tables of every block get gradients,
+    and the time table changes the output (another batch's timestamps change the logits)."""
+    model = relative_bias_model(tiny_data, "position_time")
+    assert model.reads_timestamps
+    batch = first_batch(tiny_data, 8, model.sparse_feature_names, timestamps=True)
+    lengths = batch.sparse[HISTORY_ITEMS].lengths()
+    assert batch.history_timestamps.shape == batch.sparse[HISTORY_ITEMS].values().shape
+    newest = batch.history_timestamps[torch.cumsum(lengths, 0)[lengths > 0] - 1]
+    assert torch.equal(batch.candidate_timestamps[lengths > 0], newest)
+    loss, (_, logits, _) = model(batch)
+    loss.backward()
+    tables = {n: p.grad for n, p in model.named_parameters() if n.endswith(("position_bias", "time_bias"))}
+    assert len(tables) == 4 and all(g is not None and g.abs().sum() > 0 for g in tables.values()), tables
+    shifted = copy.copy(batch)
+    shifted.history_timestamps = batch.history_timestamps - 10_000 * torch.arange(batch.history_timestamps.numel())
+    with torch.no_grad():
+        _, (_, moved, _) = model(shifted)
+    assert not torch.allclose(moved, logits.detach())
+    with pytest.raises(ValueError, match="the batch carries no timestamps"):
+        model(first_batch(tiny_data, 8, model.sparse_feature_names))
+
+
+@pytest.mark.parametrize("relative_bias", ["none", "position_time"])
+def test_hstu_with_triton_kernels_matches_the_reference_model(tiny_data: Path, relative_bias: str) -> None:
     """The whole model, Triton attention and fused norm (interpreted on CPU) vs the torch references."""
-    manifest = DatasetManifest.read(tiny_data)
     outputs = {}
     for backend in ("reference", "triton"):
-        torch.manual_seed(0)
-        cfg = ModelConfig(kind="hstu")
-        cfg.hstu.attention_backend = cfg.hstu.norm_backend = backend
-        model = build_model(cfg, manifest, max_seq_len=32, embedding_device=torch.device("cpu"))
-        loss, _ = model(first_batch(tiny_data, 4, model.sparse_feature_names))
+        model = relative_bias_model(tiny_data, relative_bias, backend)
+        loss, _ = model(first_batch(tiny_data, 4, model.sparse_feature_names, timestamps=model.reads_timestamps))
         loss.backward()
         outputs[backend] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     (ref_loss, ref_grads), (tri_loss, tri_grads) = outputs["reference"], outputs["triton"]

@@ -26,7 +26,8 @@ def losses_and_digest(out: Path) -> tuple[dict[int, float], str]:
 def pipeline_runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     """Every (model, pipeline) for 12 steps on 2 ranks, in one pair of rank processes
     (``tests.trainings``).  The pipelined runs checkpoint every 5 steps, so they also drain and
-    refill their read-ahead twice."""
+    refill their read-ahead twice.  The sequence model runs with its relative attention bias (position
+    and time): the batches' timestamps travel through every pipeline."""
     tmp = tmp_path_factory.mktemp("pipelines")
     runs, items = {}, []
     for model in ("hstu", "dlrm"):
@@ -36,7 +37,8 @@ def pipeline_runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             items.append((str(REPO / "configs" / f"tiny_{model}.toml"), [
                 f"--data.path={tiny_data}", f"--train.output_dir={out}", "--train.steps=12", "--train.log_every=1",
                 "--train.eval=false", "--train.progress=false", f"--pipeline.kind={kind}",
-                "--checkpoint.every=0" if kind == "plain" else "--checkpoint.every=5"]))
+                "--checkpoint.every=0" if kind == "plain" else "--checkpoint.every=5",
+                *(["--model.hstu.relative_bias=position_time"] if model == "hstu" else [])]))
     out = runs[("hstu", "traced")] = tmp / "hstu-prioritized-traced"  # for the priority-order test
     items.append((str(REPO / "configs" / "tiny_hstu.toml"), [
         f"--data.path={tiny_data}", f"--train.output_dir={out}", "--train.steps=12", "--train.eval=false",

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from freescale.cli import main
 from freescale.dataloader.cost import CostModel
@@ -107,9 +108,19 @@ def test_a_time_cut_leaks_nothing_from_after_it_into_training(tmp_path: Path) ->
     for row in users_table(out).to_pylist():
         ts, end = row["timestamps"], row["train_end"]
         assert all(t < cut for t in ts[:end]) and all(t >= cut for t in ts[end:])
-    source = SequenceSource(str(out), "train", ["history_timestamps", "candidate_item_id"], max_seq_len=8)
+    source = SequenceSource(str(out), "train", ["candidate_item_id", "candidate_timestamp", "history_timestamps"],
+                            max_seq_len=8)
     table, _ = source.read(np.arange(source.num_rows))
     assert max(max(h) for h in table.column("history_timestamps").to_pylist()) < cut
+    # Each sample's own time (what a time-aware model asks for): after its history, before the cut.
+    for history, own in zip(table.column("history_timestamps").to_pylist(), table.column("candidate_timestamp").to_pylist()):
+        assert max(history, default=own) <= own < cut
+    cfg = DataConfig(path=str(out), batch_size=64, max_seq_len=8, prefetch=0)
+    batch = build_loader(cfg, "train", rank=0, world_size=1, sparse_features=FEATURES, derived_cost=CostModel(1, 1, 1),
+                         seed=0, timestamps=True).next_batch()
+    lengths = batch.sparse[HISTORY_ITEMS].lengths()
+    newest = batch.history_timestamps[torch.cumsum(lengths, 0)[lengths > 0] - 1]
+    assert bool((batch.candidate_timestamps[lengths > 0] >= newest).all()) and int(batch.candidate_timestamps.max()) < cut
     evaluation = SequenceSource(str(out), "eval", ["history_timestamps"], max_seq_len=8)
     assert evaluation.num_rows == report.samples["eval"] > 0  # type: ignore[attr-defined]
 
@@ -149,8 +160,6 @@ def _write_v1_twin(source: SequenceSource, out: Path) -> None:
 
 
 def test_per_user_storage_trains_like_the_same_samples_stored_one_per_row(tmp_path: Path) -> None:
-    import torch
-
     from freescale.models.hstu import HSTUConfig, HSTUModel
 
     out, _ = run(tmp_path, make_log(n=6_000, seed=2))

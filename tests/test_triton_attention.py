@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freescale.kernels import available_backends, jagged_hstu_attention
-from freescale.kernels.hstu_attention import reference_hstu_attention, select_backend
+from freescale.kernels.hstu_attention import RelativeBias, reference_hstu_attention, select_backend
 from freescale.kernels.triton_hstu_attention import triton_hstu_attention
+from tests.test_attention import random_bias
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # float32 kernels (fp32 accumulation) against float64: this is float32's band at these sizes.
@@ -29,18 +30,35 @@ def inputs(lengths: list[int], heads: int, attn: int, value: int, dtype: torch.d
 
 
 def check(lengths: list[int], heads: int, attn: int, value: int, targets: bool, window: int, seed: int,
-          dtype: torch.dtype = torch.float32, max_seq_len: int = 40) -> None:
+          dtype: torch.dtype = torch.float32, max_seq_len: int = 40, bias: str = "") -> None:
+    """Forward and every gradient against the float64 reference; ``bias``: "", "position", "time" or
+    "position_time" (a ``RelativeBias`` with float32 tables; its gradients checked too)."""
     q, k, v, offsets = inputs(lengths, heads, attn, value, dtype, seed)
     num_targets = torch.tensor([min(2, n) for n in lengths], device=DEVICE) if targets else None
+    tables = random_bias(offsets.cpu(), 7, 50, seed, bias) if bias else None
+
+    def relative(dtype_: torch.dtype) -> tuple[object, list[torch.Tensor]]:
+        if tables is None:
+            return None, []
+        leaves = [t.to(DEVICE, dtype_).requires_grad_() if t is not None else None
+                  for t in (tables.pos_weight_P, tables.time_weight_K)]
+        times = [t.to(DEVICE) for t in (tables.query_time_T, tables.key_time_T)]  # type: ignore[union-attr]
+        return RelativeBias(leaves[0], leaves[1], *times), [t for t in leaves if t is not None]
+
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-    out = triton_hstu_attention(qq, kk, vv, offsets, max_seq_len, 0.4, num_targets, window)
+    fast_bias, fast_tables = relative(torch.float32)
+    out = triton_hstu_attention(qq, kk, vv, offsets, max_seq_len, 0.4, num_targets, window, fast_bias)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
     out.backward(grad)
     rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
-    ref = reference_hstu_attention(rq, rk, rv, offsets, max_seq_len, 0.4, num_targets, window)
+    ref_bias, ref_tables = relative(torch.float64)
+    ref = reference_hstu_attention(rq, rk, rv, offsets, max_seq_len, 0.4, num_targets, window, ref_bias)
     ref.backward(grad.double())
     rtol, atol = TOL[dtype]
-    for got, want in ((out, ref), (qq.grad, rq.grad), (kk.grad, rk.grad), (vv.grad, rv.grad)):
+    pairs = [(out, ref), (qq.grad, rq.grad), (kk.grad, rk.grad), (vv.grad, rv.grad)]
+    # A table's gradient sums every (query, key) pair of every head: float32's band grows with the sum.
+    pairs += [(f.grad, r.grad) for f, r in zip(fast_tables, ref_tables)]
+    for got, want in pairs:
         if got is None or want is None:  # no tokens at all: autograd may skip the backward
             assert q.shape[0] == 0
             continue
@@ -63,6 +81,14 @@ def test_forward_and_gradients_match_reference(lengths: list[int], heads: int, t
 @pytest.mark.parametrize("lengths", [[0], [1], [1, 0, 1], [16], [17, 33]])
 def test_edge_lengths(lengths: list[int]) -> None:
     check(lengths, heads=2, attn=16, value=16, targets=False, window=0, seed=0)
+
+
+@pytest.mark.parametrize(("lengths", "bias", "targets", "window"), [
+    ([0], "position_time", False, 0), ([1, 0, 1], "position_time", True, 0), ([17, 33], "position", False, 5),
+    ([20, 3], "time", True, 0), ([40, 9, 1], "position_time", True, 17)])
+def test_relative_bias_forward_and_gradients_match_reference(lengths: list[int], bias: str, targets: bool,
+                                                             window: int) -> None:
+    check(lengths, heads=2, attn=8, value=12, targets=targets, window=window, seed=len(lengths), bias=bias)
 
 
 @pytest.mark.gpu

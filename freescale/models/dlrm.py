@@ -47,6 +47,7 @@ class DLRMModel(nn.Module):
     """``forward(batch) -> (loss, (loss, logits, labels))``."""
 
     sparse_feature_names = [HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID]
+    reads_timestamps = False
 
     def __init__(
         self, cfg: DLRMConfig, *, num_items: int, num_users: int, dense_dim: int, embedding_device: torch.device

@@ -11,6 +11,10 @@ Forward, per batch::
     x_TD += position embedding of recency (0 = the candidate, 1 = newest history item, ...)
     N x HSTUBlock:  u, v, q, k = silu(Linear(LayerNorm(x)))
                     x = x + Linear(LayerNorm(attention(q, k, v)) * u)    (norm x gate fused)
+                    (``relative_bias``: the attention scores get each block's learned bias of the
+                    distance between tokens and of the log-bucketed time gap, HSTU's relative
+                    attention bias: query token i's time is when the token after it happened, the
+                    candidate's its own; keys use their own time)
     read the candidate token of each sample -> LayerNorm -> concat (user embedding, dense) -> MLP -> logit
 
 Two embedding modules, called in priority order: ``item_embeddings`` (history
@@ -40,7 +44,11 @@ from freescale.config import require
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS, USER_ID
 from freescale.kernels import available_backends, jagged_hstu_attention, layer_norm_mul, layer_norm_mul_backends
+from freescale.kernels.hstu_attention import RelativeBias
 from freescale.models.common import ModelOutput, bce_output, mlp
+
+
+RELATIVE_BIASES = ("none", "position", "time", "position_time")
 
 
 @dataclass
@@ -61,6 +69,12 @@ class HSTUConfig:
     """``auto`` (Triton on CUDA, torch reference on CPU), ``triton`` or ``reference``."""
     norm_backend: str = "auto"
     """Same choice for the fused ``LayerNorm(attention) * u`` of each block."""
+    relative_bias: str = "none"
+    """``none``, ``position``, ``time`` or ``position_time``: learned attention-score bias per block by
+    token distance and/or log-spaced time gap (``kernels.hstu_attention.RelativeBias``); tables start
+    at zero, so a run starts from the model without them.  ``time`` reads the data's timestamps."""
+    time_buckets: int = 128
+    """Time-gap buckets (four per doubling of the gap in seconds; 128 reach past 100 years)."""
 
     def validate(self) -> None:
         for key in ("embedding_dim", "num_heads", "attention_dim", "value_dim"):
@@ -68,6 +82,9 @@ class HSTUConfig:
         require(self.num_blocks >= 0, "num_blocks", f"must be >= 0, got {self.num_blocks}")
         require(self.alpha >= 0, "alpha", f"must be >= 0, got {self.alpha}")
         require(self.max_attn_len >= 0, "max_attn_len", f"must be >= 0, got {self.max_attn_len}")
+        require(self.relative_bias in RELATIVE_BIASES, "relative_bias",
+                f"must be one of {list(RELATIVE_BIASES)}, got '{self.relative_bias}'")
+        require(self.time_buckets > 0, "time_buckets", f"must be positive, got {self.time_buckets}")
         require(all(w > 0 for w in self.head_layers), "head_layers", f"widths must be positive, got {self.head_layers}")
         for key, names in (("attention_backend", available_backends()), ("norm_backend", layer_norm_mul_backends())):
             choices = ["auto", *names]
@@ -90,9 +107,12 @@ class HSTUBlock(nn.Module):
         self.uvqk = nn.Linear(d, cfg.num_heads * (2 * cfg.value_dim + 2 * cfg.attention_dim))
         self.attn_norm = nn.LayerNorm(cfg.num_heads * cfg.value_dim)
         self.output = nn.Linear(cfg.num_heads * cfg.value_dim, d)
+        self.position_bias = nn.Parameter(torch.zeros(max_seq_len)) if "position" in cfg.relative_bias else None
+        self.time_bias = nn.Parameter(torch.zeros(cfg.time_buckets)) if "time" in cfg.relative_bias else None
 
     def forward(
-        self, x_TD: torch.Tensor, seq_offsets_B1: torch.Tensor, num_targets_B: torch.Tensor | None
+        self, x_TD: torch.Tensor, seq_offsets_B1: torch.Tensor, num_targets_B: torch.Tensor | None,
+        query_time_T: torch.Tensor | None = None, key_time_T: torch.Tensor | None = None,
     ) -> torch.Tensor:
         total = x_TD.shape[0]
         hv, ha = self.heads * self.value_dim, self.heads * self.attn_dim
@@ -107,10 +127,19 @@ class HSTUBlock(nn.Module):
             num_targets_B=num_targets_B,
             max_attn_len=self.max_attn_len,
             backend=self.backend,
+            bias=self._bias(query_time_T, key_time_T),
         )
         norm = self.attn_norm
         gated_TX = layer_norm_mul(attn_THV.reshape(total, hv), u_TX, norm.weight, norm.bias, norm.eps, self.norm_backend)
         return x_TD + self.output(gated_TX)
+
+    def _bias(self, query_time_T: torch.Tensor | None, key_time_T: torch.Tensor | None) -> RelativeBias | None:
+        if self.position_bias is None and self.time_bias is None:
+            return None
+        if self.time_bias is not None and (query_time_T is None or key_time_T is None):
+            raise ValueError("relative_bias with time: the batch carries no timestamps (the loader reads them "
+                             "when the model's reads_timestamps is set)")
+        return RelativeBias(self.position_bias, self.time_bias, query_time_T, key_time_T)
 
 
 class HSTUSequence(nn.Module):
@@ -130,7 +159,8 @@ class HSTUSequence(nn.Module):
         self.blocks = nn.ModuleList(HSTUBlock(cfg, max_tokens) for _ in range(cfg.num_blocks))
         self.final_norm = nn.LayerNorm(d)
 
-    def forward(self, history: JaggedTensor, candidate: JaggedTensor) -> torch.Tensor:
+    def forward(self, history: JaggedTensor, candidate: JaggedTensor, history_time_T: torch.Tensor | None = None,
+                candidate_time_B: torch.Tensor | None = None) -> torch.Tensor:
         history_TD, candidate_BD = history.values(), candidate.values()
         num_history = history_TD.shape[0]
         seq_lengths_B = history.lengths() + 1
@@ -149,9 +179,15 @@ class HSTUSequence(nn.Module):
         recency_T = (last_T - token_T).clamp(max=self.max_tokens - 1)
         x_TD = x_TD + self.recency_embedding(recency_T)
 
+        query_time_T = key_time_T = None
+        if history_time_T is not None and candidate_time_B is not None:
+            key_time_T = torch.cat([history_time_T, candidate_time_B])[source_T]
+            # A token's query is asked when the next one happens; the candidate's, at its own time.
+            query_time_T = key_time_T[torch.where(token_T == last_T, token_T, token_T + 1)]
+
         num_targets_B = torch.ones_like(seq_lengths_B)
         for block in self.blocks:
-            x_TD = block(x_TD, seq_offsets_B1, num_targets_B)
+            x_TD = block(x_TD, seq_offsets_B1, num_targets_B, query_time_T, key_time_T)
         return self.final_norm(x_TD[seq_offsets_B1[1:] - 1])
 
 
@@ -190,10 +226,13 @@ class HSTUModel(nn.Module):
         )
         self.sequence = HSTUSequence(cfg, self.max_tokens)
         self.head = mlp(2 * d + dense_dim, [*cfg.head_layers, 1])
+        self.reads_timestamps = "time" in cfg.relative_bias
+        """Batches must carry timestamps (``Batch.history_timestamps``, ``candidate_timestamps``)."""
 
     def forward(self, batch: Batch) -> ModelOutput:
         embeddings = self.item_embeddings(batch.sparse)  # first: the attention stack needs these
         user = self.user_embeddings(batch.sparse)  # issued now, awaited at the head
-        candidate_out_BD = self.sequence(embeddings[HISTORY_ITEMS], embeddings[CANDIDATE_ITEM])
+        candidate_out_BD = self.sequence(embeddings[HISTORY_ITEMS], embeddings[CANDIDATE_ITEM],
+                                         batch.history_timestamps, batch.candidate_timestamps)
         logits_B = self.head(torch.cat([candidate_out_BD, user[USER_ID], batch.dense], dim=-1)).squeeze(-1)
         return bce_output(logits_B, batch.labels, batch.loss_scale)
