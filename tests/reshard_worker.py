@@ -129,6 +129,30 @@ def lazy_copy(dmp: Any, tracker: Any, rank: int) -> dict[str, Any]:
             "tables": len(tracker.tables)}
 
 
+def rank_counts(dmp: Any, group: Any, rank: int) -> dict[str, Any]:
+    """``retrieval.RankCounter`` on each table as this plan shards it: random queries of each rank
+    (different counts per rank), their targets' counts; gathered to every rank."""
+    from freescale.retrieval import RankCounter
+
+    out: dict[str, Any] = {}
+    state = dmp.state_dict()
+    for key, weight in sorted(state.items()):
+        if not key.endswith(".weight") or "_table" not in key:
+            continue
+        name = key.split(".")[-2]
+        g = torch.Generator().manual_seed(100 + rank)
+        queries = torch.randn(3 + rank, weight.size()[1], generator=g)
+        targets = torch.randint(0, ROWS, (3 + rank,), generator=g)
+        counter = RankCounter.of_sharded(weight, group)
+        counter.chunk_bytes = 2 * 4 * ROWS  # two queries a chunk: several chunks, each with its collectives
+        greater, ties = counter.count(queries, targets)
+        mine = [queries, targets, greater, ties, counter.column_split]
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        out[name] = every
+    return out
+
+
 def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]], ranks: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
@@ -158,6 +182,7 @@ def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]], ranks: in
                 dmp.load_state_dict(model)
                 dmp.fused_optimizer.load_state_dict(optim)
                 result["notes"] = notes
+            result["ranks"] = rank_counts(dmp, group, rank)
             weights, momentum, layout = logical(dmp, group)
             if phase["kind"] == "save":  # after the gather: the checks of the save above see the saved state
                 result["lazy"] = lazy_copy(dmp, tracker, rank)

@@ -80,3 +80,21 @@ def test_loads_under_another_plan_and_world_size(phases: list[dict[str, Any]], i
     assert named == sorted(set(split)), loaded["notes"]
     if index == 1:  # a table-wise table split by columns (approximate); column shards merged (exact)
         assert named == ["a_table"], loaded["notes"]
+
+
+@pytest.mark.parametrize("index", range(1 + len(LOADS)))
+def test_items_outscoring_a_target_are_counted_on_the_shards_as_a_full_sort_would(phases: list[dict[str, Any]],
+                                                                                  index: int) -> None:
+    """``retrieval.RankCounter`` over each table as each phase's plan shards it (table-, row-, column- and
+    table-column-wise, at 1, 2 and 3 ranks): per query, the items scoring above its target and tied with it
+    equal those of scoring the whole gathered table at once, and at least one table was split by columns."""
+    phase = phases[index]
+    column_split = []
+    for table, per_rank in phase["ranks"].items():
+        for queries, targets, greater, ties, split in per_rank:
+            scores = queries @ phase["weights"][table].T
+            target = scores.gather(1, targets.view(-1, 1))
+            assert torch.equal(greater, (scores > target).sum(1)), (table, phase["plan"][table])
+            assert torch.equal(ties, (scores == target).sum(1) - 1), (table, phase["plan"][table])
+            column_split.append(split)
+    assert len(phase["ranks"]) == len(SAVE) and (index == 1 or any(column_split)), phase["plan"]
