@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from freescale.config import require
 from freescale.dataloader import gather
 from freescale.dataloader.balance_kernels import warm_up
@@ -14,7 +16,8 @@ from freescale.dataloader.loader import SPARSE_FEATURES, BalancedLoader
 from freescale.dataloader.partition import check_size
 from freescale.dataloader.planner import BatchPlanner, EpochOrder
 from freescale.dataloader.schema import (
-    CANDIDATE_TIMESTAMP, DENSE, HISTORY_TIMESTAMPS, LABEL, SEQUENCE_FORMAT_VERSION, DataError, DatasetManifest,
+    CANDIDATE_ITEM, CANDIDATE_TIMESTAMP, DENSE, HISTORY_TIMESTAMPS, ITEM_IDS, LABEL, SEQUENCE_FORMAT_VERSION, TRAIN_END,
+    DataError, DatasetManifest,
 )
 from freescale.dataloader.sequence_source import SequenceSource
 from freescale.dataloader.source import ParquetSource
@@ -99,9 +102,11 @@ def build_loader(
     pin_memory: bool = False,
     group_size: int | None = None,
     timestamps: bool = False,
+    sampled_items: int = 0,
 ) -> BalancedLoader:
     """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order);
-    ``timestamps``: its batches carry the history's and the candidates' timestamps."""
+    ``timestamps``: its batches carry the history's and the candidates' timestamps; ``sampled_items``:
+    that many uniform item ids a step as the feature ``sampled_item_ids`` (a retrieval model's negatives)."""
     warm_up()  # the planner's and the reads' kernels: loaded from numba's cache, or compiled here, not in the
     gather.warm_up()  # prefetch thread
     if training:
@@ -110,7 +115,7 @@ def build_loader(
             check_size(cfg.partitioner, cfg.batch_size * world_size * window, world_size * window, cfg.equal_count)
         except ValueError as exc:
             raise DataError(f"data.partitioner = '{cfg.partitioner}' at {world_size} ranks: {exc}") from None
-    columns = {SPARSE_FEATURES[f][0] for f in sparse_features} | {DENSE, LABEL}
+    columns = {SPARSE_FEATURES[f][0] for f in sparse_features if SPARSE_FEATURES[f][0]} | {DENSE, LABEL}
     if timestamps:
         per_user = DatasetManifest.read(cfg.path).format_version == SEQUENCE_FORMAT_VERSION
         columns |= {HISTORY_TIMESTAMPS, *([CANDIDATE_TIMESTAMP] if per_user else [])}
@@ -126,8 +131,28 @@ def build_loader(
     return BalancedLoader(
         source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,
         max_seq_len=cfg.max_seq_len, prefetch=cfg.prefetch, epochs=None if training else 1, pin_memory=pin_memory,
-        group_size=group_size, timestamps=timestamps,
+        group_size=group_size, timestamps=timestamps, sampled_items=sampled_items, seed=seed,
     )
 
 
-__all__ = ["DataConfig", "build_loader", "open_source"]
+def item_counts(cfg: DataConfig) -> np.ndarray:
+    """How often each item is a training target (int64 ``[num_items]``): format 1 counts the train
+    split's candidates; format 2 the interactions at training positions ``1 .. train_end - 1`` (the
+    held-out ones excluded).  Reads one or two small columns of every file."""
+    manifest = DatasetManifest.read(cfg.path)
+    source = open_source(cfg, "train", [CANDIDATE_ITEM])
+    ids = []
+    if manifest.format_version == SEQUENCE_FORMAT_VERSION:
+        for table in source.read_column_per_file([ITEM_IDS, TRAIN_END]):
+            lists = table.column(ITEM_IDS).combine_chunks()
+            offsets = lists.offsets.to_numpy().astype(np.int64)
+            position = np.arange(offsets[-1] - offsets[0]) - np.repeat(offsets[:-1] - offsets[0], np.diff(offsets))
+            end = np.repeat(table.column(TRAIN_END).to_numpy(), np.diff(offsets))
+            ids.append(lists.values.to_numpy()[(position >= 1) & (position < end)])
+    else:
+        ids = [t.column(CANDIDATE_ITEM).to_numpy() for t in source.read_column_per_file([CANDIDATE_ITEM])]
+    found = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    return np.bincount(found, minlength=manifest.num_items)[:manifest.num_items].astype(np.int64)
+
+
+__all__ = ["DataConfig", "build_loader", "item_counts", "open_source"]

@@ -47,16 +47,18 @@ from freescale.dataloader.partition import Parts
 from freescale.dataloader.planner import BatchPlanner, StepPlan
 from freescale.dataloader.reshape import SHAPE_KEYS, remainder, shape_of, start_remainder
 from freescale.dataloader.schema import (
-    CANDIDATE_ITEM, CANDIDATE_TIMESTAMP, DENSE, HISTORY_ITEMS, HISTORY_TIMESTAMPS, LABEL, USER_ID, DataError,
+    CANDIDATE_ITEM, CANDIDATE_TIMESTAMP, DENSE, HISTORY_ITEMS, HISTORY_TIMESTAMPS, LABEL, SAMPLED_ITEMS, USER_ID,
+    DataError,
 )
 from freescale.dataloader.sequence_source import SequenceSource
 from freescale.dataloader.source import ParquetSource
 
-# Sparse feature name -> (column, is a list column).
+# Sparse feature name -> (column, is a list column); no column: the loader makes it.
 SPARSE_FEATURES: dict[str, tuple[str, bool]] = {
     HISTORY_ITEMS: (HISTORY_ITEMS, True),
     CANDIDATE_ITEM: (CANDIDATE_ITEM, False),
     USER_ID: (USER_ID, False),
+    SAMPLED_ITEMS: ("", True),
 }
 
 
@@ -108,6 +110,8 @@ class BalancedLoader:
         pin_memory: bool = False,
         group_size: int | None = None,
         timestamps: bool = False,
+        sampled_items: int = 0,
+        seed: int = 0,
     ) -> None:
         unknown = [f for f in sparse_features if f not in SPARSE_FEATURES]
         if unknown:
@@ -132,6 +136,9 @@ class BalancedLoader:
         self.pin_memory = pin_memory
         self.timestamps = timestamps
         """Batches carry the history's and the candidate's timestamps (the source reads them)."""
+        self.sampled_items, self.seed = sampled_items, seed
+        """``sampled_item_ids``: this many ids a step, uniform over the items, drawn from (seed, epoch, step,
+        rank): the same on a re-read of the step (a resume, a replay), another on every rank."""
         self.group_size = group_size or max(live_ranks) + 1
         """Ranks whose gradients are averaged together first (one replica group; without fault
         tolerance every rank): ``loss_scale`` makes that average the mean over their samples."""
@@ -354,7 +361,7 @@ class BalancedLoader:
         plan = self.planner.plan(epoch, step, live)
         rows, costs = plan.for_rank(self.rank)
         arrays, kept = self.source.read_arrays(rows)
-        batch = self._to_batch(arrays, kept.size, self.planner.costs(plan.model, kept), plan)
+        batch = self._to_batch(arrays, kept.size, self.planner.costs(plan.model, kept), plan, (epoch, step))
         if self.pin_memory:
             batch = batch.pin_memory()
         plan_rows = Parts(_read_only(plan.rows.index), plan.rows.offsets)
@@ -364,7 +371,8 @@ class BalancedLoader:
                     row_lengths=self.planner.lengths[kept])
         return info, batch
 
-    def _to_batch(self, arrays: dict[str, np.ndarray], n: int, costs: np.ndarray, plan: StepPlan) -> Batch:
+    def _to_batch(self, arrays: dict[str, np.ndarray], n: int, costs: np.ndarray, plan: StepPlan,
+                  when: tuple[int, int]) -> Batch:
         """The source's numpy columns (``read_arrays``) -> KJT, dense and labels, no per-sample loop."""
         lengths: list[np.ndarray] = []
         values: list[np.ndarray] = []
@@ -372,6 +380,11 @@ class BalancedLoader:
             column, is_list = SPARSE_FEATURES[feature]
             if n == 0:
                 flat, lens = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+            elif feature == SAMPLED_ITEMS:  # all of them under the rank's first sample
+                rng = np.random.default_rng([self.seed, *when, self.rank])
+                flat = rng.integers(0, self.source.manifest.num_items, self.sampled_items, dtype=np.int64)
+                lens = np.zeros(n, dtype=np.int64)
+                lens[0] = flat.size
             elif is_list:  # the source cut it to the most recent max_seq_len (gather.py)
                 flat, lens = arrays[column], arrays[column + "@"].astype(np.int64, copy=False)
             else:

@@ -68,6 +68,8 @@ CANDIDATE_ITEM = "candidate_item_id"
 DENSE = "dense_features"
 LABEL = "label"
 HISTORY_LENGTH = "history_length"
+SAMPLED_ITEMS = "sampled_item_ids"
+"""Not a column either: item ids the loader draws uniformly for a retrieval model's sampled softmax."""
 CANDIDATE_TIMESTAMP = "candidate_timestamp"
 """Not a stored column: format 2 reads it at the sample's own position (the time of the interaction
 it predicts); format 1 has no such time, and a model that asks gets the newest history timestamp."""

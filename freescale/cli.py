@@ -160,14 +160,11 @@ def print_summary(summary: Any, who: str = "") -> None:
         ("samples", f"{summary.samples:,}"),
         ("samples/s", f"{summary.samples_per_s:,.0f}"),
         ("train loss", f"{summary.train_loss:.4f}"),
-        ("train AUC", f"{summary.train_auc:.4f}"),
     ]
-    if summary.eval_auc is not None:
-        rows += [
-            ("eval loss", f"{summary.eval_loss:.4f}"),
-            ("eval AUC", f"{summary.eval_auc:.4f}"),
-            ("eval NE", f"{summary.eval_ne:.4f}"),
-        ]
+    if summary.train_auc is not None:
+        rows.append(("train AUC", f"{summary.train_auc:.4f}"))
+    names = {"auc": "AUC", "ne": "NE", "mrr": "MRR"}
+    rows += [(f"eval {names.get(k, k.upper() if '@' in k else k)}", f"{v:.4f}") for k, v in summary.eval_metrics.items()]
     if summary.checkpoint:
         rows.append(("checkpoint", summary.checkpoint))
     for name, value in rows:

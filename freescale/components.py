@@ -24,7 +24,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 from freescale.checkpoint import CheckpointConfig
 from freescale.comm_trace import CommTracer
 from freescale.config import ConfigError, require
-from freescale.dataloader.build import DataConfig, build_loader
+from freescale.dataloader.build import DataConfig, build_loader, item_counts
 from freescale.dataloader.loader import BalancedLoader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.distributed import DistConfig, DistContext
@@ -36,6 +36,7 @@ from freescale.pipeline import PipelineConfig, StepPipeline, build_pipeline
 from freescale.staging import LazySaves, RowTracker
 from freescale.step_feed import StepFeed
 from freescale.step_sync import NONFINITE, LocalSync, StepSync
+from freescale.tasks import Task, task_of
 from freescale.testing import StepHooks, hooks_from_env
 
 
@@ -147,6 +148,14 @@ class Components:
         return list(self.dmp.module.sparse_feature_names)  # type: ignore[union-attr]
 
     @property
+    def task(self) -> Task:
+        return task_of(self.dmp)
+
+    @property
+    def sampled_items(self) -> int:
+        return int(getattr(self.dmp.module, "sampled_items", 0))
+
+    @property
     def reads_timestamps(self) -> bool:
         return bool(getattr(self.dmp.module, "reads_timestamps", False))
 
@@ -170,7 +179,9 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
     log_dir = Path(cfg.train.output_dir) / (cfg.ft.replica_id if ft_on else "")
     manifest = DatasetManifest.read(cfg.data.path)
     torch.manual_seed(cfg.train.seed)  # every rank (and every group) builds the same initial model
-    model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"))
+    counts = torch.from_numpy(item_counts(cfg.data)) if cfg.model.task == "retrieval" else None
+    model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"),
+                        item_counts=counts)
     dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp(ft_on))
     c = cfg.checkpoint
     # Before fault tolerance wraps the tables' lookups: its union update must go through the tracker.
@@ -181,7 +192,7 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
         cfg.data, "train", rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size,
         sparse_features=list(model.sparse_feature_names), derived_cost=cost_model_for(cfg.model, manifest.dense_dim),
         seed=cfg.train.seed, training=True, pin_memory=ctx.device.type == "cuda", group_size=ctx.world_size,
-        timestamps=bool(getattr(model, "reads_timestamps", False)),
+        timestamps=bool(getattr(model, "reads_timestamps", False)), sampled_items=getattr(model, "sampled_items", 0),
     )
     feed = StepFeed(loader, group, ctx.world_size, groups, cfg.pipeline.read_ahead,
                     segment_end_of(cfg.checkpoint.every, cfg.train.steps))

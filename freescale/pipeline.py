@@ -62,8 +62,8 @@ from freescale.step_sync import StepSync, SyncedOptimizer
 PIPELINES = ("plain", "torchrec", "prioritized")
 COMMS = ("nccl", "copy_engine")
 
-StepOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""(loss, logits, labels) of the batch the step trained."""
+StepOutput = tuple[torch.Tensor, ...]
+"""(loss, *outputs) of the batch the step trained: the model's output (``freescale.tasks``)."""
 
 
 @dataclass
@@ -123,11 +123,11 @@ class PlainPipeline(StepPipeline):
         batch = next(batches).to(self.device, non_blocking=True)
         self.sync.zero_grad()
         with phase("forward"):
-            loss, (_, logits, labels) = self.model(batch)
+            loss, output = self.model(batch)
         with phase("backward"):
             self.sync.backward(loss)
         self.sync.step()
-        return loss.detach(), logits, labels
+        return tuple(output)
 
     def detach(self) -> nn.Module:
         return self.model
@@ -159,8 +159,7 @@ class TorchrecPipeline(StepPipeline):
         self.pipeline = _SyncedSparseDist(model, sync, device)
 
     def progress(self, batches: Iterator[Batch]) -> StepOutput:
-        loss, logits, labels = self.pipeline.progress(batches)
-        return loss, logits, labels
+        return tuple(self.pipeline.progress(batches))
 
     def reset(self) -> None:
         self.pipeline.reset()

@@ -26,6 +26,7 @@ a random order would: the held-out item is equally likely at each tied position.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -140,10 +141,12 @@ class RankCounter:
         shards are views of the table, nothing is copied) or, unsharded, a plain tensor."""
         if isinstance(weight, torch.Tensor) and not hasattr(weight, "local_shards"):
             return cls([ItemShard(0, 0, weight.detach())], weight.shape[0], False, group, replicated=True)
-        rows, width = weight.size()  # type: ignore[attr-defined]
-        shards = [ItemShard(int(s.metadata.shard_offsets[0]), int(s.metadata.shard_offsets[1]), s.tensor.detach())
-                  for s in weight.local_shards()]  # type: ignore[attr-defined]
-        split = any(m.shard_sizes[1] != width for m in weight.metadata().shards_metadata)  # type: ignore[attr-defined]
+        with warnings.catch_warnings():  # torchrec 1.8's state dict is ShardedTensors, which warn of their future
+            warnings.simplefilter("ignore", FutureWarning)
+            rows, width = weight.size()  # type: ignore[attr-defined]
+            shards = [ItemShard(int(s.metadata.shard_offsets[0]), int(s.metadata.shard_offsets[1]), s.tensor.detach())
+                      for s in weight.local_shards()]  # type: ignore[attr-defined]
+            split = any(m.shard_sizes[1] != width for m in weight.metadata().shards_metadata)  # type: ignore[attr-defined]
         return cls(shards, int(rows), split, group)
 
     def count(self, query_ND: torch.Tensor, target_ids_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

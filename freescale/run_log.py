@@ -31,8 +31,8 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
-from freescale.metrics import ClickMetrics, MetricWindow
 from freescale.step_stats import StepTiming
+from freescale.tasks import Ranking, Task
 
 
 class RunLog:
@@ -64,13 +64,14 @@ class Progress:
     """Metric windows, balance timings and the progress output of one run."""
 
     def __init__(self, log: RunLog, total: int, initial: int, name: str, show: bool, on_cpu: bool,
-                 global_batch: int, label: str = "") -> None:
+                 global_batch: int, label: str = "", task: Task | None = None) -> None:
         self.log, self.total, self.show, self.on_cpu = log, total, show, on_cpu
         self.label = label
         """Printed before each progress line (``group 1  ``: several groups share one terminal)."""
         self.global_batch = global_batch
-        self.window, self.run_window, self.timing = MetricWindow(), MetricWindow(), StepTiming()
-        self.last = ClickMetrics(float("nan"), float("nan"), float("nan"), 0)
+        self.task = task or Ranking()
+        self.window, self.run_window, self.timing = self.task.window(), self.task.window(), StepTiming()
+        self.last: dict[str, float] = {"loss": float("nan"), "samples": 0}
         self.bar = tqdm(total=total, initial=initial, desc=f"train {name}", unit="step",
                         disable=not (show and sys.stderr.isatty()), dynamic_ncols=True)
         self._window_start = time.perf_counter()
@@ -78,10 +79,10 @@ class Progress:
         self.timed_steps = 0
         self.samples = 0
 
-    def add(self, logits: torch.Tensor | None, labels: torch.Tensor | None) -> None:
-        if logits is not None and labels is not None:
-            self.window.add(logits, labels)
-            self.run_window.add(logits, labels)
+    def add(self, outputs: Sequence[torch.Tensor]) -> None:
+        """A committed step's outputs (the task's: ``tasks`` module docstring)."""
+        self.window.add(outputs)
+        self.run_window.add(outputs)
 
     def timed(self, first_of_process: bool) -> None:
         """After each committed step; the first step of a process pays for lazy set-up: not timed."""
@@ -94,15 +95,19 @@ class Progress:
         """Every ``log_every`` steps (collective over the group: metrics and bubble are reduced)."""
         self.last = self.window.compute()
         now = time.perf_counter()
-        rate = self.last.samples / max(now - self._window_start, 1e-9)
+        rate = self.last["samples"] / max(now - self._window_start, 1e-9)
         self._window_start = now
         balance = self.timing.compute(self.on_cpu)
-        self.log.write("step", step=done, loss=self.last.loss, auc=self.last.auc, ne=self.last.ne,
-                       samples_per_s=rate, epoch=epoch, skipped_rows=skipped_rows, **balance)
-        self.bar.set_postfix(loss=f"{self.last.loss:.4f}", auc=f"{self.last.auc:.3f}")
+        metrics = {k: v for k, v in self.last.items() if k != "samples"}
+        self.log.write("step", step=done, **metrics, samples_per_s=rate, epoch=epoch, skipped_rows=skipped_rows,
+                       **balance)
+        shown = {"loss": f"{self.last['loss']:.4f}"}
+        if self.task.headline is not None:
+            shown[self.task.headline] = f"{self.last[self.task.headline]:.3f}"
+        self.bar.set_postfix(**shown)
         if self.bar.disable and self.show:
-            print(f"{self.label}step {done}/{self.total}  loss {self.last.loss:.4f}  auc {self.last.auc:.3f}  "
-                  f"{rate:,.0f} samples/s  imbalance {balance['imbalance']:.3f}", flush=True)
+            print(f"{self.label}step {done}/{self.total}  " + "  ".join(f"{k} {v}" for k, v in shown.items())
+                  + f"  {rate:,.0f} samples/s  imbalance {balance['imbalance']:.3f}", flush=True)
 
     def close(self) -> float:
         """Seconds since timing began."""

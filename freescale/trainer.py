@@ -34,7 +34,7 @@ import os
 import platform
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,6 @@ from freescale.config import to_dict
 from freescale.dataloader.build import build_loader
 from freescale.digest import state_digest
 from freescale.distributed import DistContext, init_distributed, shutdown
-from freescale.metrics import ClickMetrics, MetricWindow
 from freescale.models import cost_model_for
 from freescale.parallelize import materialize_optimizer_state
 from freescale.run_log import Progress, RunLog
@@ -67,10 +66,13 @@ class TrainSummary:
     seconds: float
     samples_per_s: float
     train_loss: float
-    train_auc: float
+    train_auc: float | None = None
     eval_loss: float | None = None
     eval_auc: float | None = None
     eval_ne: float | None = None
+    task: str = "ranking"
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    """Every evaluation metric of the task (ranking: loss, auc, ne; retrieval: hr@K, ndcg@K, mrr)."""
     checkpoint: str | None = None
     skipped_rows: int = 0
     state_digest: str = ""
@@ -138,7 +140,8 @@ class Trainer:
         parts.sync.start()
         progress = Progress(log, cfg.train.steps, start_step, cfg.model.kind,
                             ctx.is_main and cfg.train.progress, ctx.device.type == "cpu",
-                            parts.loader.global_batch_size, label=f"group {parts.group}  " if parts.groups > 1 else "")
+                            parts.loader.global_batch_size, label=f"group {parts.group}  " if parts.groups > 1 else "",
+                            task=parts.task)
         committed, last_ckpt = self._train(parts, log, progress, start_step)
         seconds = progress.close()
         if parts.tracer is not None:
@@ -148,9 +151,9 @@ class Trainer:
         run = progress.run_window.compute() if committed else progress.last
         summary = TrainSummary(
             model=cfg.model.kind, world_size=ctx.world_size, start_step=start_step, steps=committed,
-            samples=run.samples, seconds=seconds, samples_per_s=progress.samples_per_s,
-            train_loss=run.loss, train_auc=run.auc, checkpoint=str(last_ckpt) if last_ckpt else None,
-            skipped_rows=parts.loader.skipped_rows,
+            samples=int(run["samples"]), seconds=seconds, samples_per_s=progress.samples_per_s,
+            train_loss=run["loss"], train_auc=run.get("auc"), checkpoint=str(last_ckpt) if last_ckpt else None,
+            skipped_rows=parts.loader.skipped_rows, task=parts.task.name,
         )
         summary.state_digest = state_digest(parts.dmp, parts.optimizer)
         summary.finished_elsewhere = bool(getattr(parts.sync, "finished_elsewhere", False)) and committed == 0
@@ -158,8 +161,9 @@ class Trainer:
                 and parts.manifest.samples.get("eval", parts.manifest.rows.get("eval", 0))
                 >= cfg.data.batch_size * ctx.world_size):
             result = self._evaluate(parts, parts.pipeline.detach())
-            summary.eval_loss, summary.eval_auc, summary.eval_ne = result.loss, result.auc, result.ne
-            log.write("eval", loss=result.loss, auc=result.auc, ne=result.ne, samples=result.samples)
+            summary.eval_metrics = {k: v for k, v in result.items() if k != "samples"}
+            summary.eval_loss, summary.eval_auc, summary.eval_ne = (result.get(k) for k in ("loss", "auc", "ne"))
+            log.write("eval", **result)
         log.write("summary", **asdict(summary), skipped=dict(parts.loader.source.skipped),
                   pending_rows=parts.loader.state_dict().get("carry", []))
         return summary
@@ -214,7 +218,7 @@ class Trainer:
             committed += 1
             self._log_commit(parts, log, commit, output, info, busy, wall)
             if output is not None:
-                progress.add(output[1], output[2])
+                progress.add(output[1:])
             progress.timing.add(info, busy=busy, wall=wall)
             progress.timed(first)
             if calibration is not None and info is not None and not first:
@@ -436,18 +440,18 @@ class Trainer:
             log.write("calibrate", step=done, quadratic=model.quadratic, linear=model.linear,
                       constant=model.constant)
 
-    def _evaluate(self, parts: Components, model: torch.nn.Module) -> ClickMetrics:
+    def _evaluate(self, parts: Components, model: torch.nn.Module) -> dict[str, float]:
         cfg, ctx = self.cfg, parts.ctx
         loader = build_loader(cfg.data, "eval", rank=ctx.rank, world_size=ctx.world_size, sparse_features=parts.features,
                               derived_cost=cost_model_for(cfg.model, parts.manifest.dense_dim), seed=cfg.train.seed,
                               training=False, pin_memory=ctx.device.type == "cuda",
-                              timestamps=parts.reads_timestamps)
-        window = MetricWindow()
+                              timestamps=parts.reads_timestamps, sampled_items=parts.sampled_items)
+        window = parts.task.evaluator(model)
         model.eval()
         with torch.no_grad():
             for batch in loader:
-                _, (_, logits, labels) = model(batch.to(ctx.device, non_blocking=True))
-                window.add(logits, labels)
+                _, output = model(batch.to(ctx.device, non_blocking=True))
+                window.add(output[1:])
         model.train()
         loader.close()
         return window.compute()

@@ -175,6 +175,36 @@ def test_hstu_resumed_under_another_plan_steps_as_if_never_stopped(
         assert torch.equal(ahead[key], tensor), key
 
 
+def test_next_item_retrieval_on_a_prepared_log_trains_and_ranks_held_out_items(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``freescale gen-log`` -> ``prepare`` (leave-last-out) -> ``train --model.task=retrieval`` with the time
+    bias, in this process: the sampled softmax falls, and the evaluation ranks each user's held-out last
+    item among all items (HR@K, NDCG@K, MRR in the log, the summary and the table).  DLRM is refused."""
+    log, data, run = tmp_path / "ratings.csv", tmp_path / "ml", tmp_path / "run"
+    assert run_main(capsys, "gen-log", "--out", str(log), "--users", "400", "--items", "300", "--seed", "1")[0] == 0
+    assert run_main(capsys, "prepare", str(log), "--out", str(data), "--user", "userId", "--item", "movieId",
+                    "--time", "timestamp", "--label", "rating", "--rating-threshold", "4")[0] == 0
+    code, out, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"),
+                              f"--data.path={data}", f"--train.output_dir={run}", "--data.max_seq_len=32",
+                              "--data.batch_size=64", "--train.steps=30", "--train.log_every=10",
+                              "--model.task=retrieval", "--model.hstu.relative_bias=position_time",
+                              "--model.retrieval.uniform_negatives=32", "--model.retrieval.positions=last")
+    assert code == 0, err[-3000:]
+    log_events = read_log(run)
+    losses = [e["loss"] for e in log_events if e["event"] == "step"]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    (evaluation,) = [e for e in log_events if e["event"] == "eval"]
+    assert evaluation["samples"] > 0 and set(evaluation) >= {"hr@1", "hr@10", "hr@50", "ndcg@10", "ndcg@50", "mrr"}
+    assert 0 <= evaluation["hr@1"] <= evaluation["hr@10"] <= evaluation["hr@50"] <= 1 and evaluation["mrr"] > 0
+    (summary,) = [e for e in log_events if e["event"] == "summary"]
+    assert summary["task"] == "retrieval" and summary["eval_metrics"]["hr@10"] == evaluation["hr@10"]
+    assert "eval HR@10" in out and "train AUC" not in out
+    code, _, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={data}",
+                            "--model.task=retrieval", f"--train.output_dir={tmp_path / 'dlrm'}")
+    assert code == 2 and err.strip().splitlines() == [
+        "freescale: error: model.task: 'retrieval' needs kind = 'hstu' (dlrm scores a candidate: ranking only)"], err
+
+
 def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint, by flattened key (read without a process group)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

@@ -9,17 +9,19 @@ import pytest
 import torch
 
 from freescale.dataloader.cost import CostModel
-from freescale.dataloader.build import DataConfig, build_loader
+from freescale.dataloader.build import DataConfig, build_loader, item_counts
 from freescale.dataloader.schema import HISTORY_ITEMS, DatasetManifest
 from freescale.models import ModelConfig, build_model
+from freescale.models.hstu_retrieval import next_item_index
 
 
-def first_batch(path: Path, batch_size: int, features: list[str], timestamps: bool = False):  # type: ignore[no-untyped-def]
+def first_batch(path: Path, batch_size: int, features: list[str], timestamps: bool = False,  # type: ignore[no-untyped-def]
+                sampled_items: int = 0):
     """The first ``batch_size`` rows of the split, in file order."""
     cfg = DataConfig(path=str(path), batch_size=batch_size, max_seq_len=32, shuffle=False,
                      partitioner="round_robin", prefetch=0)
-    return build_loader(cfg, "train", rank=0, world_size=1, sparse_features=features,
-                        derived_cost=CostModel(1, 1, 1), seed=0, timestamps=timestamps).next_batch()
+    return build_loader(cfg, "train", rank=0, world_size=1, sparse_features=features, derived_cost=CostModel(1, 1, 1),
+                        seed=0, timestamps=timestamps, sampled_items=sampled_items).next_batch()
 
 
 @pytest.mark.parametrize("kind", ["hstu", "dlrm"])
@@ -102,3 +104,43 @@ def test_hstu_with_triton_kernels_matches_the_reference_model(tiny_data: Path, r
     assert tri_grads.keys() == ref_grads.keys()
     for name in ref_grads:
         torch.testing.assert_close(tri_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_each_history_position_targets_the_next_item_and_the_last_the_candidate() -> None:
+    index, last = next_item_index(torch.tensor([3, 0, 1, 2]))
+    # History tokens 0-2 (sample 0), 3 (sample 2), 4-5 (sample 3); candidates at 6 + sample.
+    assert index.tolist() == [1, 2, 6, 8, 5, 9] and last.tolist() == [False, False, True, True, False, True]
+
+
+@pytest.mark.parametrize("positions", ["all", "last"])
+def test_retrieval_model_learns_next_items_and_hands_queries_to_evaluation(tiny_data: Path, positions: str) -> None:
+    """The sampled softmax (in-batch and 16 uniform negatives, logQ from the data's target counts) over every
+    history position, or the last: it falls on a fixed batch as the model trains; evaluation gets one unit-norm
+    query per sample with a history, and that sample's candidate."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(kind="hstu", task="retrieval")
+    cfg.retrieval.uniform_negatives, cfg.retrieval.positions = 16, positions
+    counts = torch.from_numpy(item_counts(DataConfig(path=str(tiny_data), max_seq_len=32)))
+    model = build_model(cfg, DatasetManifest.read(tiny_data), max_seq_len=32, embedding_device=torch.device("cpu"),
+                        item_counts=counts)
+    batch = first_batch(tiny_data, 16, model.sparse_feature_names, sampled_items=16)
+    lengths = batch.sparse[HISTORY_ITEMS].lengths()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(15):
+        loss, (_, total, supervised, samples) = model(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    want = int(lengths.sum()) if positions == "all" else int((lengths > 0).sum())
+    assert int(supervised) == want and int(samples) == 16
+    assert float(total) * batch.loss_scale == pytest.approx(losses[-1], rel=1e-5)  # a sum over positions, per sample
+    assert losses[-1] < 0.7 * losses[0], losses
+    model.eval()
+    with torch.no_grad():
+        _, (_, query, target) = model(batch)
+    has = lengths > 0
+    assert query.shape == (int(has.sum()), cfg.hstu.embedding_dim)
+    assert torch.allclose(query.norm(dim=1), torch.ones(query.shape[0]))
+    assert torch.equal(target, batch.sparse["candidate_item_id"].values()[has])

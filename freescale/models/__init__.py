@@ -1,8 +1,9 @@
 """Models: ``hstu`` (sequence model over item histories) and ``dlrm``.
 
-``build_model`` picks one from ``ModelConfig.kind`` and sizes its tables from the
-dataset manifest.  Every model exposes ``sparse_feature_names`` (the KJT keys it
-reads) and returns ``(loss, (loss, logits, labels))``.
+``build_model`` picks one from ``ModelConfig.kind`` and ``task`` and sizes its tables from the
+dataset manifest.  Every model exposes ``sparse_feature_names`` (the KJT keys it reads) and
+returns ``(loss, (loss, *outputs))``, the outputs of its task (``freescale.tasks``: a ranker's
+``(logits, labels)``; ``hstu_retrieval`` for next-item retrieval).
 """
 
 from __future__ import annotations
@@ -15,21 +16,37 @@ from torch import nn
 
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.schema import DatasetManifest
+from freescale.config import require
 from freescale.models.dlrm import DLRMConfig, DLRMModel
 from freescale.models.hstu import HSTUConfig, HSTUModel
+from freescale.models.hstu_retrieval import HSTURetrievalModel, RetrievalConfig
+from freescale.tasks import TASKS
 
 
 @dataclass
 class ModelConfig:
     kind: Literal["hstu", "dlrm"] = "hstu"
+    task: str = "ranking"
+    """``ranking`` (click logits; both models) or ``retrieval`` (next item over the vocabulary; hstu)."""
     hstu: HSTUConfig = field(default_factory=HSTUConfig)
     dlrm: DLRMConfig = field(default_factory=DLRMConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+
+    def validate(self) -> None:
+        require(self.task in TASKS, "task", f"must be one of {list(TASKS)}, got '{self.task}'")
+        require(self.task == "ranking" or self.kind == "hstu", "task",
+                f"'{self.task}' needs kind = 'hstu' (dlrm scores a candidate: ranking only)")
 
 
 def build_model(
-    cfg: ModelConfig, manifest: DatasetManifest, *, max_seq_len: int, embedding_device: torch.device
+    cfg: ModelConfig, manifest: DatasetManifest, *, max_seq_len: int, embedding_device: torch.device,
+    item_counts: torch.Tensor | None = None,
 ) -> nn.Module:
-    """Build the configured model; embedding tables go on ``embedding_device`` ("meta" before DMP)."""
+    """Build the configured model; embedding tables go on ``embedding_device`` ("meta" before DMP).
+    ``item_counts``: how often each item is a training target (retrieval's logQ correction)."""
+    if cfg.task == "retrieval":
+        return HSTURetrievalModel(cfg.hstu, cfg.retrieval, num_items=manifest.num_items, max_seq_len=max_seq_len,
+                                  embedding_device=embedding_device, item_counts=item_counts)
     if cfg.kind == "hstu":
         return HSTUModel(
             cfg.hstu, num_items=manifest.num_items, num_users=manifest.num_users, dense_dim=manifest.dense_dim,
@@ -59,4 +76,5 @@ def cost_model_for(cfg: ModelConfig, dense_dim: int) -> CostModel:
     return CostModel.for_pooled(embedding_dim=d.embedding_dim, dense_flops=bottom + top)
 
 
-__all__ = ["cost_model_for", "DLRMConfig", "DLRMModel", "HSTUConfig", "HSTUModel", "ModelConfig", "build_model"]
+__all__ = ["cost_model_for", "DLRMConfig", "DLRMModel", "HSTUConfig", "HSTUModel", "HSTURetrievalModel", "ModelConfig",
+           "RetrievalConfig", "build_model"]

@@ -142,13 +142,9 @@ class HSTUBlock(nn.Module):
         return RelativeBias(self.position_bias, self.time_bias, query_time_T, key_time_T)
 
 
-class HSTUSequence(nn.Module):
-    """Jagged history + candidate embeddings -> the candidate token's output, ``[B, D]``.
-
-    One module (not a loop in ``HSTUModel.forward``) so that torchrec's
-    pipelines, which FX-trace the model to find the sharded modules' inputs,
-    treat the whole attention stack as one opaque call.
-    """
+class HSTUStack(nn.Module):
+    """Recency embedding, the blocks and the final norm over jagged token sequences: what the ranking
+    (``HSTUSequence``) and the retrieval (``hstu_retrieval.HSTUNextItem``) stacks share."""
 
     def __init__(self, cfg: HSTUConfig, max_tokens: int) -> None:
         super().__init__()
@@ -158,6 +154,23 @@ class HSTUSequence(nn.Module):
         nn.init.normal_(self.recency_embedding.weight, std=0.02)
         self.blocks = nn.ModuleList(HSTUBlock(cfg, max_tokens) for _ in range(cfg.num_blocks))
         self.final_norm = nn.LayerNorm(d)
+
+    def encode(self, x_TD: torch.Tensor, seq_offsets_B1: torch.Tensor, recency_T: torch.Tensor,
+               num_targets_B: torch.Tensor | None, query_time_T: torch.Tensor | None,
+               key_time_T: torch.Tensor | None) -> torch.Tensor:
+        """Every token's output ``[T, D]``, normalized (``recency_T``: tokens from the sequence's end)."""
+        x_TD = x_TD + self.recency_embedding(recency_T.clamp(max=self.max_tokens - 1))
+        for block in self.blocks:
+            x_TD = block(x_TD, seq_offsets_B1, num_targets_B, query_time_T, key_time_T)
+        return self.final_norm(x_TD)
+
+
+class HSTUSequence(HSTUStack):
+    """Jagged history + candidate embeddings -> the candidate token's output, ``[B, D]``.
+
+    One module (not a loop in ``HSTUModel.forward``) so that torchrec's pipelines, which FX-trace the
+    model to find the sharded modules' inputs, see the attention stack as one call.
+    """
 
     def forward(self, history: JaggedTensor, candidate: JaggedTensor, history_time_T: torch.Tensor | None = None,
                 candidate_time_B: torch.Tensor | None = None) -> torch.Tensor:
@@ -176,19 +189,15 @@ class HSTUSequence(nn.Module):
         last_T = seq_offsets_B1[1:][sample_T] - 1
         source_T = torch.where(token_T == last_T, num_history + sample_T, token_T - sample_T)
         x_TD = torch.cat([history_TD, candidate_BD])[source_T]
-        recency_T = (last_T - token_T).clamp(max=self.max_tokens - 1)
-        x_TD = x_TD + self.recency_embedding(recency_T)
 
         query_time_T = key_time_T = None
         if history_time_T is not None and candidate_time_B is not None:
             key_time_T = torch.cat([history_time_T, candidate_time_B])[source_T]
             # A token's query is asked when the next one happens; the candidate's, at its own time.
             query_time_T = key_time_T[torch.where(token_T == last_T, token_T, token_T + 1)]
-
-        num_targets_B = torch.ones_like(seq_lengths_B)
-        for block in self.blocks:
-            x_TD = block(x_TD, seq_offsets_B1, num_targets_B, query_time_T, key_time_T)
-        return self.final_norm(x_TD[seq_offsets_B1[1:] - 1])
+        out_TD = self.encode(x_TD, seq_offsets_B1, last_T - token_T, torch.ones_like(seq_lengths_B),
+                             query_time_T, key_time_T)
+        return out_TD[seq_offsets_B1[1:] - 1]
 
 
 class HSTUModel(nn.Module):
