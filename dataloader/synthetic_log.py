@@ -9,6 +9,13 @@ one item category and most of their interactions come from it; an interaction
 with the preferred category is rated 4 or 5 most of the time, any other 1 to 3.
 A ranking model that reads the history (which category the user keeps
 choosing) and the candidate therefore learns ``rating >= 4``.
+
+``successor > 0`` adds order and time (what next-item retrieval and a time-aware
+model can learn): interactions come in sessions (minutes apart; a new session
+starts with probability ``new_session``, days later), and within a session the
+next item is, with probability ``successor``, the fixed successor of the last
+one (the next item of its category), else a fresh draw as above.  After a long
+gap the last item says little; after a short one, a lot.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class LogSpec:
     max_per_user: int = 2_000
     on_topic: float = 0.7
     item_zipf_alpha: float = 1.05
+    successor: float = 0.0
+    new_session: float = 0.2
     seed: int = 0
 
     def validate(self) -> None:
@@ -43,6 +52,8 @@ class LogSpec:
         require(self.lengths in LOGNORMAL_LENGTHS, "lengths", f"must be one of {', '.join(LOGNORMAL_LENGTHS)}")
         require(1 <= self.min_per_user <= self.max_per_user, "min_per_user", "must be in [1, max_per_user]")
         require(0.0 <= self.on_topic <= 1.0, "on_topic", "must be in [0, 1]")
+        require(0.0 <= self.successor <= 1.0, "successor", "must be in [0, 1]")
+        require(0.0 < self.new_session <= 1.0, "new_session", "must be in (0, 1]")
 
 
 def interactions(spec: LogSpec) -> pa.Table:
@@ -61,6 +72,8 @@ def interactions(spec: LogSpec) -> pa.Table:
     weights = np.arange(1, per_category + 1, dtype=np.float64) ** (-spec.item_zipf_alpha)
     rank = np.minimum(np.searchsorted(np.cumsum(weights / weights.sum()), rng.random(total)), per_category - 1)
     item = category + k * rank
+    if spec.successor > 0:
+        return _in_sessions(spec, rng, counts, owner, preferred, item)
     liked = category == preferred[owner]
     high = rng.random(total) < np.where(liked, 0.8, 0.2)
     rating = np.where(high, rng.integers(4, 6, total), rng.integers(1, 4, total)).astype(np.float64)
@@ -69,6 +82,36 @@ def interactions(spec: LogSpec) -> pa.Table:
     first = np.concatenate([[0], np.cumsum(counts)[:-1]])
     clock = np.cumsum(gaps)
     timestamp = start[owner] + clock - (clock[first] - gaps[first])[owner]
+    order = rng.permutation(total)
+    return pa.table({
+        "userId": pa.array(owner[order] + 1), "movieId": pa.array(item[order] + 1),
+        "rating": pa.array(rating[order]), "timestamp": pa.array(timestamp[order]),
+    })
+
+
+def _in_sessions(spec: LogSpec, rng: np.random.Generator, counts: np.ndarray, owner: np.ndarray,
+                 preferred: np.ndarray, fresh: np.ndarray) -> pa.Table:
+    """``successor > 0`` (module docstring): each user's interactions in order, position by position
+    over all users at once; ``fresh`` holds the independent draws a non-successor interaction takes."""
+    k, total = spec.categories, owner.size
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    item = fresh.copy()
+    new_session = rng.random(total) < spec.new_session
+    new_session[first] = True
+    follow = ~new_session & (rng.random(total) < spec.successor)
+    per_category = spec.items // k
+    for t in range(1, int(counts.max())):
+        at = first[counts > t] + t  # position t of every user that has one
+        chained = at[follow[at]]
+        previous = item[chained - 1]
+        item[chained] = previous % k + k * ((previous // k + 1) % per_category)
+    gaps = np.where(new_session, rng.exponential(172_800.0, total), rng.exponential(120.0, total)).astype(np.int64) + 1
+    start = rng.integers(956_703_932, 1_046_454_590, spec.users)
+    clock = np.cumsum(gaps)
+    timestamp = start[owner] + clock - (clock[first] - gaps[first])[owner]
+    liked = item % k == preferred[owner]
+    high = rng.random(total) < np.where(liked, 0.8, 0.2)
+    rating = np.where(high, rng.integers(4, 6, total), rng.integers(1, 4, total)).astype(np.float64)
     order = rng.permutation(total)
     return pa.table({
         "userId": pa.array(owner[order] + 1), "movieId": pa.array(item[order] + 1),

@@ -52,6 +52,11 @@ def add_parsers(sub: Any, as_int: Any, as_float: Any) -> None:
     gen.add_argument("--users", type=as_int, default=6_040, help="users (default 6040, as MovieLens 1M)")
     gen.add_argument("--items", type=as_int, default=3_706, help="items (default 3706, as MovieLens 1M)")
     gen.add_argument("--lengths", default="ml-1m", help="interactions per user: ml-1m or ml-20m fits (default ml-1m)")
+    gen.add_argument("--successor", type=as_float, default=0.0,
+                     help="within a session, the chance the next item is the last one's fixed successor (default 0: "
+                          "no order, no sessions)")
+    gen.add_argument("--new-session", type=as_float, default=0.2,
+                     help="with --successor: the chance an interaction starts a new session, days later (default 0.2)")
     gen.add_argument("--seed", type=as_int, default=0)
 
 
@@ -59,7 +64,8 @@ def cmd_gen_log(args: argparse.Namespace) -> int:
     from freescale.dataloader.synthetic_log import LogSpec, write_log
 
     start = time.perf_counter()
-    path, rows = write_log(args.out, LogSpec(users=args.users, items=args.items, lengths=args.lengths, seed=args.seed))
+    path, rows = write_log(args.out, LogSpec(users=args.users, items=args.items, lengths=args.lengths, seed=args.seed,
+                                                 successor=args.successor, new_session=args.new_session))
     print(f"wrote {rows:,} interactions of {args.users:,} users to {path} in {time.perf_counter() - start:.1f}s "
           "(columns userId, movieId, rating, timestamp)")
     return 0

@@ -176,20 +176,36 @@ def test_hstu_resumed_under_another_plan_steps_as_if_never_stopped(
 
 
 def test_next_item_retrieval_on_a_prepared_log_trains_and_ranks_held_out_items(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """``freescale gen-log`` -> ``prepare`` (leave-last-out) -> ``train --model.task=retrieval`` with the time
-    bias, in this process: the sampled softmax falls, and the evaluation ranks each user's held-out last
-    item among all items (HR@K, NDCG@K, MRR in the log, the summary and the table).  DLRM is refused."""
+    bias, a warm-up (then constant: a decay spans train.steps, which the stopped run changes) and clipping,
+    in this process: the sampled softmax falls, and the
+    evaluation ranks each user's held-out last item among all items (HR@K, NDCG@K, MRR in the log, the
+    summary and the table).  Stopped at step 20 and resumed, the last 10 steps' losses are the
+    uninterrupted run's (the negatives the loader draws, the schedule and the model state all resume).
+    DLRM is refused."""
+    monkeypatch.setenv("FREESCALE_AUDIT", "1")  # commit records carry their loss
     log, data, run = tmp_path / "ratings.csv", tmp_path / "ml", tmp_path / "run"
     assert run_main(capsys, "gen-log", "--out", str(log), "--users", "400", "--items", "300", "--seed", "1")[0] == 0
     assert run_main(capsys, "prepare", str(log), "--out", str(data), "--user", "userId", "--item", "movieId",
                     "--time", "timestamp", "--label", "rating", "--rating-threshold", "4")[0] == 0
-    code, out, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"),
-                              f"--data.path={data}", f"--train.output_dir={run}", "--data.max_seq_len=32",
-                              "--data.batch_size=64", "--train.steps=30", "--train.log_every=10",
-                              "--model.task=retrieval", "--model.hstu.relative_bias=position_time",
-                              "--model.retrieval.uniform_negatives=32", "--model.retrieval.positions=last")
-    assert code == 0, err[-3000:]
+    train = ["train", "--config", str(REPO / "configs" / "tiny_hstu.toml"), f"--data.path={data}",
+             "--data.max_seq_len=32", "--data.batch_size=64", "--train.log_every=10", "--model.task=retrieval",
+             "--model.hstu.relative_bias=position_time", "--model.retrieval.uniform_negatives=32",
+             "--model.retrieval.positions=last", "--optim.lr_schedule=constant", "--optim.warmup_steps=5",
+             "--optim.clip_grad_norm=1.0", "--checkpoint.every=20"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two intra-op threads sum some gradients in either order: last bits differ by run
+    try:
+        code, out, err = run_main(capsys, *train, f"--train.output_dir={run}", "--train.steps=30")
+        assert code == 0, err[-3000:]
+        stopped = tmp_path / "stopped"
+        for extra in (["--train.steps=20", "--train.eval=false"], ["--train.steps=30", "--train.eval=false", "--resume"]):
+            assert run_main(capsys, *train, f"--train.output_dir={stopped}", *extra)[0] == 0
+    finally:
+        torch.set_num_threads(threads)
+    through, resumed = ({e["step"]: e["loss"] for e in read_log(path) if e["event"] == "commit"} for path in (run, stopped))
+    assert [resumed[s] for s in range(20, 30)] == [through[s] for s in range(20, 30)]
     log_events = read_log(run)
     losses = [e["loss"] for e in log_events if e["event"] == "step"]
     assert len(losses) == 3 and losses[-1] < losses[0], losses
@@ -199,6 +215,9 @@ def test_next_item_retrieval_on_a_prepared_log_trains_and_ranks_held_out_items(
     (summary,) = [e for e in log_events if e["event"] == "summary"]
     assert summary["task"] == "retrieval" and summary["eval_metrics"]["hr@10"] == evaluation["hr@10"]
     assert "eval HR@10" in out and "train AUC" not in out
+    from freescale.report import write_report
+
+    assert f"HR@10 {evaluation['hr@10']:.4f}" in write_report(run).read_text()  # the run report's headline
     code, _, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={data}",
                             "--model.task=retrieval", f"--train.output_dir={tmp_path / 'dlrm'}")
     assert code == 2 and err.strip().splitlines() == [

@@ -93,17 +93,20 @@ def fig_steps(run: RunLogs) -> Any:
 
 
 def fig_quality(run: RunLogs) -> Any:
-    """Loss and AUC per log window; samples each group trained per step (capacity) and calibrations."""
+    """Loss and AUC (a retrieval run: eval HR@10) per log window; samples each group trained per step
+    (capacity) and calibrations."""
     plt = pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(12, 7.5), sharex=True)
+    retrieval = any("hr@10" in e for g in run.groups for e in g.of("eval"))
+    quality, shown = ("hr@10", "HR@10") if retrieval else ("auc", "AUC")
     for g in run.groups:
-        for ax, key in ((axes[0], "loss"), (axes[1], "auc")):
+        for ax, key in ((axes[0], "loss"), (axes[1], quality)):
             x, y = _windows(g, key)
             ax.plot(x, y, "o-", color=color(g.group), label=f"train {key}, group {g.group}")
-        evals = [e for e in g.of("eval") if isinstance(e.get("auc"), (int, float))]
+        evals = [e for e in g.of("eval") if isinstance(e.get(quality), (int, float))]
         last = g.commits[-1]["step"] if g.commits else 0
         for e in evals:
-            axes[1].plot([last], [e["auc"]], "*", ms=12, color=color(g.group), label=f"eval AUC, group {g.group}")
+            axes[1].plot([last], [e[quality]], "*", ms=12, color=color(g.group), label=f"eval {shown}, group {g.group}")
         commits = g.commits
         axes[2].step(*gapped([c["step"] for c in commits], [c.get("weight", c.get("samples", 0)) for c in commits],
                              g.stride), where="post", color=color(g.group), label=f"samples trained by group {g.group}")
@@ -111,10 +114,11 @@ def fig_quality(run: RunLogs) -> Any:
             axes[2].axvline(e["step"], color="#7f8c8d", ls=":", lw=1)
             axes[2].annotate("calibrated", (e["step"], 0.9), xycoords=("data", "axes fraction"), fontsize=7)
     axes[0].set_ylabel("loss")
-    axes[1].set_ylabel("AUC")
+    axes[1].set_ylabel(shown)
     axes[2].set_ylabel("samples / step")
     axes[2].set_xlabel("step")
-    titles = ["training loss per log window", "training AUC per log window (stars: eval)",
+    titles = ["training loss per log window", f"training {shown} per log window (stars: eval)" if not retrieval
+              else "eval HR@10 (star; training reports the sampled loss only)",
               "capacity: samples each group trained per step (a lost group's rows move to the others); calibrations"]
     return _finish(fig, axes, run, titles, legend_at="best")
 

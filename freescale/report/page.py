@@ -49,8 +49,18 @@ def summary_rows(run: RunLogs) -> list[list[Any]]:
                      starts[0].get("world_size", "?") if starts else "?", len(starts), f"{g.total_commits:,}",
                      f"{commits[0]['step']}..{commits[-1]['step']}" if commits else "-", g.recovering_commits,
                      _num(summary.get("samples_per_s"), ",.0f"), _num(summary.get("train_loss"), ".4f"),
-                     _num(summary.get("train_auc"), ".4f"), html.escape(str(summary.get("eval_auc")))])
+                     _num(summary.get("train_auc"), ".4f"), html.escape(_eval_quality(summary))])
     return rows
+
+
+def _eval_quality(summary: dict[str, Any]) -> str:
+    """The evaluation's headline: AUC of a ranker, HR@10 of a retrieval run."""
+    metrics = summary.get("eval_metrics") if isinstance(summary.get("eval_metrics"), dict) else {}
+    for key, shown in (("auc", "AUC"), ("hr@10", "HR@10")):
+        value = metrics.get(key, summary.get("eval_auc") if key == "auc" else None)
+        if isinstance(value, (int, float)):
+            return f"{shown} {value:.4f}"
+    return "-"
 
 
 def event_rows(run: RunLogs) -> list[tuple[float, list[Any]]]:
@@ -110,7 +120,7 @@ def render(run: RunLogs) -> str:
              f"<h1>freescale run report</h1><p>{html.escape(str(run.root))}<br>{headline}</p>",
              "<h2>Groups</h2>" + _table(summary_rows(run), ["group", "model", "ranks", "incarnations", "commits", "steps",
                                                             "recovering steps", "samples/s", "train loss", "train AUC",
-                                                            "eval AUC"])]
+                                                            "eval"])]
     if run.notes:
         parts.append("<h2>Reading the logs</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in run.notes)
                      + "</ul>")

@@ -1,0 +1,171 @@
+"""Model quality on a log whose structure is known: next-item retrieval and click ranking vs baselines.
+
+The log (``freescale gen-log --successor``): users prefer a category; interactions come in sessions,
+minutes apart (a new one days later), and within a session the next item is, with probability
+``--successor``, the fixed successor of the last one.  So the last item predicts the next after a
+short gap, the user's category and popularity after a long one.  ``freescale prepare`` holds out
+each user's last interaction (leave-last-out).
+
+Retrieval (HR@10, NDCG@10, MRR of the held-out item among all items, ties in random order):
+  most popular         items by their count as training targets
+  last-item co-occ.    items by how often they followed the user's last item in training (then popularity)
+  HSTU                 ``model.task = retrieval``, relative position bias
+  HSTU + time          the same with the time-bucket bias (``relative_bias = position_time``)
+Ranking (AUC of ``rating >= 4`` on the held-out interactions):
+  user + item rate     the user's training like-rate plus the item's (add-one smoothed)
+  HSTU                 ``model.task = ranking``
+and the time per training step of retrieval vs ranking (median over the steps after the first).
+
+    python benchmarks/bench_quality.py [--quick] [--seeds 3] [--json benchmarks/results/quality_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.dataset as pads
+import torch
+from common import write_json
+
+from freescale.metrics import click_metrics
+from freescale.retrieval import rank_metrics
+from freescale.tables import print_table
+
+REPO = Path(__file__).resolve().parents[1]
+SHOWN = ("hr@10", "ndcg@10", "mrr")
+
+
+def make_dataset(root: Path, seed: int, users: int, items: int, successor: float) -> Path:
+    log, data = root / f"log{seed}.parquet", root / f"data{seed}"
+    cli = [sys.executable, "-m", "freescale.cli"]
+    for args in (["gen-log", "--out", str(log), "--users", str(users), "--items", str(items), "--successor",
+                  str(successor), "--seed", str(seed)],
+                 ["prepare", str(log), "--out", str(data), "--user", "userId", "--item", "movieId", "--time",
+                  "timestamp", "--label", "rating", "--rating-threshold", "4", "--no-progress"]):
+        subprocess.run(cli + args, check=True, capture_output=True, cwd=REPO)
+    return data
+
+
+def users_of(data: Path) -> dict[str, Any]:
+    """Every user's sequence: flat item ids and labels, offsets, and where training ends."""
+    table = pads.dataset(sorted(str(p) for p in data.glob("users-*.parquet")), format="parquet").to_table(
+        columns=["item_ids", "labels", "length", "train_end"])
+    items, labels = table.column("item_ids").combine_chunks(), table.column("labels").combine_chunks()
+    offsets = items.offsets.to_numpy().astype(np.int64)
+    return {"items": items.values.to_numpy(), "labels": labels.values.to_numpy(), "start": offsets[:-1],
+            "length": table.column("length").to_numpy().astype(np.int64),
+            "train_end": table.column("train_end").to_numpy().astype(np.int64)}
+
+
+def held_out(u: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Flat positions of the evaluation samples (each user's held-out interactions) and of training targets."""
+    positions = np.arange(u["items"].size) - np.repeat(u["start"], u["length"])
+    end = np.repeat(u["train_end"], u["length"])
+    return np.nonzero(positions >= np.maximum(end, 1))[0], np.nonzero((positions >= 1) & (positions < end))[0]
+
+
+def ranked(scores: np.ndarray, target: np.ndarray) -> dict[str, float]:
+    """HR/NDCG/MRR of ``target`` under per-query item ``scores`` [queries, items] (ties in random order)."""
+    s = torch.from_numpy(scores)
+    at = s.gather(1, torch.from_numpy(target).view(-1, 1))
+    metrics = rank_metrics((s > at).sum(1), (s == at).sum(1) - 1)
+    return {k: float(v.mean()) for k, v in metrics.items()}
+
+
+def baselines(data: Path, num_items: int) -> dict[str, dict[str, float]]:
+    u = users_of(data)
+    evaluate, train = held_out(u)
+    items = u["items"]
+    popularity = np.bincount(items[train], minlength=num_items).astype(np.float64)
+    target = items[evaluate]
+    out = {"most popular": ranked(np.tile(popularity, (target.size, 1)), target)}
+    pairs = np.bincount(items[train - 1] * num_items + items[train], minlength=num_items * num_items)
+    follows = pairs.reshape(num_items, num_items).astype(np.float64)
+    out["last-item co-occurrence"] = ranked(follows[items[evaluate - 1]] + popularity / (popularity.max() + 1), target)
+    labels = u["labels"]
+    owner = np.repeat(np.arange(u["length"].size), u["length"])
+    user_rate = ((np.bincount(owner[train], labels[train], minlength=owner.max() + 1) + 1)
+                 / (np.bincount(owner[train], minlength=owner.max() + 1) + 2))
+    item_rate = (np.bincount(items[train], labels[train], minlength=num_items) + 1) / (popularity + 2)
+    score = torch.from_numpy(user_rate[owner[evaluate]] + item_rate[items[evaluate]])
+    out["user + item rate"] = {"auc": click_metrics(score, torch.from_numpy(labels[evaluate])).auc}
+    return out
+
+
+def train(data: Path, out: Path, steps: int, seed: int, *extra: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "freescale.cli", "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"),
+           f"--data.path={data}", f"--train.output_dir={out}", f"--train.steps={steps}", "--data.max_seq_len=50",
+           "--data.batch_size=128", "--train.progress=false", "--checkpoint.every=0",
+           "--checkpoint.save_final=false", f"--train.seed={seed}", f"--train.log_every={steps}", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_quality: training failed:\n{proc.stderr[-3000:]}")
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    (evaluation,) = [e for e in log if e["event"] == "eval"]
+    seconds = [e["seconds"] for e in log if e["event"] == "commit"][1:]
+    return {**evaluation, "step_ms": 1e3 * statistics.median(seconds)}
+
+
+def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    data = make_dataset(root, seed, args.users, args.items, args.successor)
+    num_items = json.loads((data / "dataset.json").read_text())["num_items"]
+    rows = [{"seed": seed, "task": "retrieval" if "auc" not in m else "ranking", "model": name, **m}
+            for name, m in baselines(data, num_items).items()]
+    retrieval = ["--model.task=retrieval", "--model.retrieval.positions=last", "--optim.lr_schedule=warmup_cosine",
+                 "--optim.warmup_steps=20"]
+    for name, bias in (("HSTU", "position"), ("HSTU + time", "position_time")):
+        result = train(data, root / f"{seed}-{bias}", args.steps, seed, *retrieval, f"--model.hstu.relative_bias={bias}")
+        rows.append({"seed": seed, "task": "retrieval", "model": name, **{k: result[k] for k in SHOWN},
+                     "step_ms": result["step_ms"]})
+    result = train(data, root / f"{seed}-ranking", args.steps, seed, "--model.hstu.relative_bias=position_time")
+    rows.append({"seed": seed, "task": "ranking", "model": "HSTU + time", "auc": result["auc"],
+                 "step_ms": result["step_ms"]})
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (task, model): the mean over seeds and the spread (min..max) of each metric."""
+    table = []
+    for key in dict.fromkeys((r["task"], r["model"]) for r in rows):
+        mine = [r for r in rows if (r["task"], r["model"]) == key]
+        entry: dict[str, Any] = {"task": key[0], "model": key[1], "seeds": len(mine)}
+        for metric in (*SHOWN, "auc", "step_ms"):
+            values = [r[metric] for r in mine if metric in r]
+            if values:
+                entry[metric] = f"{statistics.mean(values):.4f}" + (
+                    f" ({min(values):.4f}..{max(values):.4f})" if len(values) > 1 else "")
+        table.append(entry)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one seed, a small log, few steps (under a minute)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--users", type=int, default=4000)
+    parser.add_argument("--items", type=int, default=2000)
+    parser.add_argument("--successor", type=float, default=0.5)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    if args.quick:
+        args.seeds, args.users, args.items, args.steps = 1, 1000, 600, 120
+    with tempfile.TemporaryDirectory(prefix="freescale-quality-") as tmp:
+        rows = [row for seed in range(args.seeds) for row in run_seed(Path(tmp), seed, args)]
+    table = summarize(rows)
+    print_table(table, ["task", "model", "seeds", *SHOWN, "auc", "step_ms"])
+    if args.json:
+        write_json(args.json, "quality", vars(args), rows)
+
+
+if __name__ == "__main__":
+    main()
