@@ -120,7 +120,7 @@ def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, 
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
     rows = [{"seed": seed, "task": "retrieval" if "auc" not in m else "ranking", "model": name, **m}
             for name, m in baselines(data, num_items).items()]
-    retrieval = ["--model.task=retrieval", "--model.retrieval.positions=last", "--optim.lr_schedule=warmup_cosine",
+    retrieval = ["--model.task=retrieval", f"--model.retrieval.positions={args.positions}", "--optim.lr_schedule=warmup_cosine",
                  "--optim.warmup_steps=20"]
     for name, bias in (("HSTU", "position"), ("HSTU + time", "position_time")):
         result = train(data, root / f"{seed}-{bias}", args.steps, seed, *retrieval, f"--model.hstu.relative_bias={bias}")
@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=2000)
     parser.add_argument("--successor", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--positions", default="all", choices=["all", "last"],
+                        help="retrieval positions supervised (all: each sample's whole history, the most signal a step)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.quick:

@@ -274,6 +274,23 @@ def test_cli_prepares_a_generated_log_and_prints_the_summary(tmp_path: Path, cap
     assert main(argv) == 2 and "already holds a dataset" in capsys.readouterr().err
 
 
+def test_a_generated_log_with_sessions_chains_successors_within_them() -> None:
+    """``gen-log --successor``: within a session (minutes apart) the next item is often the last one's fixed
+    successor (the next of its category); never across a new session's long gap."""
+    from freescale.dataloader.synthetic_log import LogSpec, interactions
+
+    spec = LogSpec(users=300, items=180, categories=6, successor=0.6, new_session=0.25, seed=3)
+    log = interactions(spec).sort_by([("userId", "ascending"), ("timestamp", "ascending")])
+    user, item, time = (log.column(c).to_numpy() for c in ("userId", "movieId", "timestamp"))
+    same_user = user[1:] == user[:-1]
+    previous, nxt, gap = item[:-1] - 1, item[1:] - 1, np.diff(time)
+    successor = previous % 6 + 6 * ((previous // 6 + 1) % 30) == nxt
+    short = gap < 3_600
+    assert abs(successor[same_user & short].mean() - 0.6) < 0.05  # a chance draw is the successor < 1 in 30
+    assert successor[same_user & (gap > 6 * 3_600)].mean() < 0.1
+    assert 0.2 < (~short[same_user]).mean() < 0.3
+
+
 def test_engine_spark_without_pyspark_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pyspark", None)  # as where it is not installed (CI)
