@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+import pyarrow.compute as pc
 
 from freescale.config import require
 from freescale.dataloader import gather
@@ -141,18 +142,19 @@ def item_counts(cfg: DataConfig) -> np.ndarray:
     held-out ones excluded).  Reads one or two small columns of every file."""
     manifest = DatasetManifest.read(cfg.path)
     source = open_source(cfg, "train", [CANDIDATE_ITEM])
-    ids = []
-    if manifest.format_version == SEQUENCE_FORMAT_VERSION:
-        for table in source.read_column_per_file([ITEM_IDS, TRAIN_END]):
+    counts = np.zeros(manifest.num_items, dtype=np.int64)
+    per_user = manifest.format_version == SEQUENCE_FORMAT_VERSION
+    for table in source.read_column_per_file([ITEM_IDS, TRAIN_END] if per_user else [CANDIDATE_ITEM]):  # file by file
+        if per_user:
             lists = table.column(ITEM_IDS).combine_chunks()
-            offsets = lists.offsets.to_numpy().astype(np.int64)
-            position = np.arange(offsets[-1] - offsets[0]) - np.repeat(offsets[:-1] - offsets[0], np.diff(offsets))
-            end = np.repeat(table.column(TRAIN_END).to_numpy(), np.diff(offsets))
-            ids.append(lists.values.to_numpy()[(position >= 1) & (position < end)])
-    else:
-        ids = [t.column(CANDIDATE_ITEM).to_numpy() for t in source.read_column_per_file([CANDIDATE_ITEM])]
-    found = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
-    return np.bincount(found, minlength=manifest.num_items)[:manifest.num_items].astype(np.int64)
+            lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
+            position = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            end = np.repeat(table.column(TRAIN_END).to_numpy(), lengths)
+            ids = lists.flatten().to_numpy()[(position >= 1) & (position < end)]
+        else:
+            ids = table.column(CANDIDATE_ITEM).to_numpy()
+        counts += np.bincount(ids, minlength=manifest.num_items)[:manifest.num_items]
+    return counts
 
 
 __all__ = ["DataConfig", "build_loader", "item_counts", "open_source"]

@@ -15,8 +15,9 @@ softmax's cross-entropy exactly (the tests check it).
 Evaluation (``RankCounter``, ``RetrievalWindow``).  One held-out item per query (leave-one-out):
 its rank among all items is all HR@K, NDCG@K and MRR need, so no top-k list is ever formed.
 The item table stays sharded as torchrec placed it: every rank scores every query against the
-rows it holds and counts the items scoring above the held-out one (and tied with it), and one
-all-reduce of two integers per query adds the counts up.  Queries travel (an all-gather of
+rows it holds and counts the items scoring above the held-out one (and tied with it): an
+all-reduce of the held-out items' scores (one float per query: its owner's) and one of two
+integers per query add it up.  Queries travel (an all-gather of
 ``[n, D]`` per rank), the table never does.  A table split by columns (column-wise sharding)
 holds partial scores: those are summed with an all-reduce of ``[queries, items]`` in chunks
 before counting (exact, more traffic; a row-wise or table-wise plan needs none).  Ties count as
@@ -33,17 +34,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from freescale.distributed import collective_device
+
 HIT_KS = (1, 10, 50)
 NDCG_KS = (10, 50)
 
 
 # ----------------------------------------------------------------------------------------- training
-def expected_log_count(item_probs_V: torch.Tensor, in_batch: int, uniform: int) -> torch.Tensor:
-    """``log(in_batch * p(item) + uniform / V)`` per item: the log of its expected count among
-    ``in_batch`` negatives drawn by popularity (``item_probs_V``, summing to 1) and ``uniform``
-    drawn uniformly."""
-    vocab = item_probs_V.numel()
-    return torch.log(in_batch * item_probs_V.double() + uniform / vocab).float()
+def expected_log_count(item_probs: torch.Tensor, in_batch: int | torch.Tensor, uniform: int,
+                       vocab: int) -> torch.Tensor:
+    """``log(in_batch * p(item) + uniform / V)``: the log of an item's expected count among ``in_batch``
+    negatives drawn by popularity (``item_probs``: p of the items asked about; p sums to 1 over the
+    vocabulary of ``vocab`` items) and ``uniform`` drawn uniformly."""
+    return torch.log(in_batch * item_probs.double() + uniform / vocab).float()
 
 
 def sampled_softmax_loss(
@@ -107,6 +110,7 @@ class RetrievalWindow:
         names = [f"hr@{k}" for k in HIT_KS] + [f"ndcg@{k}" for k in NDCG_KS] + ["mrr"]
         sums = torch.tensor([self._sums.get(n, 0.0) for n in names] + [float(self._count)], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
+            sums = sums.to(collective_device(self._group))
             dist.all_reduce(sums, group=self._group)
         count = int(sums[-1])
         return RetrievalMetrics({n: float(s) / count if count else math.nan for n, s in zip(names, sums.tolist())},
@@ -151,7 +155,7 @@ class RankCounter:
 
     def count(self, query_ND: torch.Tensor, target_ids_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(items scoring above each query's target, other items scoring equal), for this rank's queries."""
-        queries, targets, mine = self._gather(query_ND.detach().float(), target_ids_N)
+        queries, targets, mine = self._gather(query_ND.detach().float(), target_ids_N.to(query_ND.device))
         greater = torch.zeros(queries.shape[0], dtype=torch.int64, device=queries.device)
         ties = torch.zeros_like(greater)
         step = max(1, self.chunk_bytes // (4 * max(self.num_items, 1)))  # the same chunks on every rank
@@ -201,21 +205,22 @@ class RankCounter:
         if not self._distributed:
             return query, target.long(), slice(0, query.shape[0])
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([query.shape[0]]), group=self.group)
+        device = collective_device(self.group)  # the CPU under gloo, this process's GPU under NCCL
+        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([query.shape[0]], device=device), group=self.group)
         counts = [int(s) for s in sizes]
         longest = max(counts)
-        padded_q = query.new_zeros(longest, query.shape[1])
+        padded_q = torch.zeros(longest, query.shape[1], dtype=query.dtype, device=device)
         padded_q[:query.shape[0]] = query
-        padded_t = torch.zeros(longest, dtype=torch.int64)
+        padded_t = torch.zeros(longest, dtype=torch.int64, device=device)
         padded_t[:query.shape[0]] = target
         qs = [torch.empty_like(padded_q) for _ in range(world)]
         ts = [torch.empty_like(padded_t) for _ in range(world)]
         dist.all_gather(qs, padded_q, group=self.group)
         dist.all_gather(ts, padded_t, group=self.group)
-        start = sum(counts[:rank])
-        return (torch.cat([q[:n] for q, n in zip(qs, counts)]), torch.cat([t[:n] for t, n in zip(ts, counts)]),
-                slice(start, start + counts[rank]))
+        start, home = sum(counts[:rank]), query.device  # scored where the shards are
+        return (torch.cat([q[:n] for q, n in zip(qs, counts)]).to(home),
+                torch.cat([t[:n] for t, n in zip(ts, counts)]).to(home), slice(start, start + counts[rank]))
 
     @property
     def _distributed(self) -> bool:
@@ -223,5 +228,10 @@ class RankCounter:
                 and dist.get_world_size(self.group) > 1)
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
+        """In place; through the collective device when the tensor lives elsewhere."""
         if self._distributed:
-            dist.all_reduce(tensor, group=self.group)
+            device = collective_device(self.group)
+            moved = tensor.to(device)
+            dist.all_reduce(moved, group=self.group)
+            if moved is not tensor:
+                tensor.copy_(moved)

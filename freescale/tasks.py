@@ -11,8 +11,9 @@ Models return ``(loss, (loss.detach(), *outputs))`` (the shape torchrec's train 
   position and its held-out item, ranked against the whole item table where torchrec sharded it:
   HR@1/10/50, NDCG@10/50, MRR.
 
-Windows are collective at ``compute`` (every rank of the group calls it at the same point) and
-return plain floats, ``samples`` among them.  The trainer, the progress output and the run log go
+Windows are collective at ``compute`` (every rank of the group calls it at the same point; the
+retrieval evaluator at every ``add`` too: it ranks against the sharded table) and return plain
+floats, ``samples`` among them.  The trainer, the progress output and the run log go
 through this module only: nothing else names a task's outputs.
 """
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from freescale.distributed import collective_device
 from freescale.metrics import MetricWindow
 from freescale.retrieval import RankCounter, RetrievalWindow
 
@@ -73,18 +75,22 @@ class Ranking:
 
 
 class SampledLossWindow:
-    """The sampled softmax's mean loss per supervised position, over every rank."""
+    """The sampled softmax's mean loss per supervised position, over every rank.  ``add`` stays on the
+    outputs' device (no host synchronisation); ``compute`` reduces on the group's collective device."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self._group = group
-        self._sums = torch.zeros(3, dtype=torch.float64)
+        self._sums: torch.Tensor | None = None
 
     def add(self, outputs: Sequence[torch.Tensor]) -> None:
-        self._sums += torch.stack([t.detach().double().cpu().reshape(()) for t in outputs[:3]])
+        step = torch.stack([t.detach().double().reshape(()) for t in outputs[:3]])
+        self._sums = step if self._sums is None else self._sums + step.to(self._sums.device)
 
     def compute(self) -> dict[str, float]:
-        sums, self._sums = self._sums, torch.zeros(3, dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
+        sums = self._sums if self._sums is not None else torch.zeros(3, dtype=torch.float64)
+        self._sums = None
+        if _distributed(self._group):
+            sums = sums.to(collective_device(self._group))
             dist.all_reduce(sums, group=self._group)
         loss, positions, samples = sums.tolist()
         return {"loss": loss / positions if positions else float("nan"), "positions": int(positions),
@@ -123,6 +129,10 @@ class Retrieval:
         if len(weights) != 1:
             raise ValueError(f"retrieval evaluation: the model has {len(weights)} tables named '{self.item_table}'")
         return RankWindow(RankCounter.of_sharded(weights[0], group), group)
+
+
+def _distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def task_of(model: nn.Module) -> Task:

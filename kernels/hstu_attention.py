@@ -166,8 +166,9 @@ def reference_hstu_attention(
     """
     total = q_THA.shape[0]
     lengths_B = seq_offsets_B1[1:] - seq_offsets_B1[:-1]
-    if total == 0 or lengths_B.numel() == 0:
-        return v_THV * 0.0  # empty, but still part of the autograd graph
+    if total == 0 or lengths_B.numel() == 0:  # empty, but still in the autograd graph (DDP expects every table)
+        tables = [] if bias is None else [t for t in (bias.pos_weight_P, bias.time_weight_K) if t is not None]
+        return v_THV * 0.0 + sum((0.0 * t.sum() for t in tables), v_THV.new_zeros(()))
     bucket_B = torch.ceil(torch.log2(lengths_B.clamp(min=1).double())).long()
     if bool((bucket_B == bucket_B[0]).all()):
         return _padded_attention(q_THA, k_THA, v_THV, seq_offsets_B1, max_seq_len, alpha, num_targets_B, max_attn_len,

@@ -21,7 +21,10 @@ A :class:`~freescale.kernels.hstu_attention.RelativeBias` adds its position and
 time-bucket terms to every score tile (recomputed in backward like the scores);
 its tables' gradients are scattered from ``_bwd_dq`` with atomic adds into fp32
 buffers (the tables are small and shared by every head and sequence; the
-autotuner zeroes them between its trial runs).
+autotuner zeroes them between its trial runs).  On a GPU the atomics' order
+varies, so those two gradients (and what follows from them) are not bit-identical
+from run to run; every element contends for a few hundred addresses (not yet run
+or timed on a GPU: a per-tile reduction first is the known remedy).
 
 With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (tests do this
 at small sizes).  On CUDA the block sizes are autotuned per (N bucket, A, V);
@@ -312,7 +315,7 @@ def _dims(q: torch.Tensor, v: torch.Tensor) -> dict[str, int]:
 def _bias_args(seq_offsets: torch.Tensor, pos_w: torch.Tensor | None, time_w: torch.Tensor | None,
                query_time: torch.Tensor | None, key_time: torch.Tensor | None) -> tuple[list, list, dict]:  # type: ignore[type-arg]
     """The kernels' bias pointers (``seq_offsets`` stands in for an absent one), sizes and flags."""
-    tensors = [t if t is not None else seq_offsets for t in (pos_w, time_w, query_time, key_time)]
+    tensors = [t.contiguous() if t is not None else seq_offsets for t in (pos_w, time_w, query_time, key_time)]
     sizes = [pos_w.numel() if pos_w is not None else 1, time_w.numel() if time_w is not None else 1]
     flags = {"HAS_POS": pos_w is not None, "HAS_TIME": time_w is not None, "SUB_BITS": TIME_BUCKET_SUB_BITS}
     return tensors, sizes, flags
@@ -363,7 +366,8 @@ class _HSTUAttention(torch.autograd.Function):
                         PRECISION=_precision(q), **_dims(q, v), **flags)
             _launch(_DKDV, "BLOCK_N", max_seq_len, batch * heads, q, k, v, d_out, dk, dv, seq_offsets, targets,
                     *bias, *common, **meta)
-            grads = [d if d is not None else seq_offsets for d in (d_pos, d_time)]
+            # An absent table's gradient gets scratch, never an input: the autotuner zeroes these buffers.
+            grads = [d if d is not None else torch.zeros(1, dtype=torch.float32, device=q.device) for d in (d_pos, d_time)]
             _launch(_DQ, "BLOCK_M", max_seq_len, batch * heads, q, k, v, d_out, dq, seq_offsets, targets,
                     *bias, *grads, *common, **meta)
         d_pos = d_pos.to(pos_w.dtype) if d_pos is not None else None

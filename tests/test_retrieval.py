@@ -28,7 +28,7 @@ def test_with_the_whole_vocabulary_as_negatives_the_sampled_softmax_is_the_full_
     full = F.cross_entropy(query @ table.T / 0.1, positive, reduction="none")
     everything = torch.arange(50)
     plain = sampled_softmax_loss(query, table[positive], positive, table, everything, temperature=0.1)
-    uniform = expected_log_count(torch.full((50,), 1 / 50, dtype=torch.float64), 0, 50)
+    uniform = expected_log_count(torch.full((50,), 1 / 50, dtype=torch.float64), 0, 50, 50)
     corrected = sampled_softmax_loss(query, table[positive], positive, table, everything, temperature=0.1,
                                      log_count_N=uniform[positive].double(), log_count_M=uniform.double())
     torch.testing.assert_close(plain, full, rtol=1e-12, atol=1e-12)
@@ -46,7 +46,7 @@ def test_logq_correction_and_accidental_hits() -> None:
     logits0 = torch.stack([query[0] @ table[1], query[0] @ table[0], query[0] @ table[2]])
     assert torch.isclose(loss[0], -torch.log_softmax(logits0, 0)[0])
     probs = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05])
-    counts = expected_log_count(probs, in_batch=8, uniform=4)
+    counts = expected_log_count(probs, in_batch=8, uniform=4, vocab=6)
     assert torch.allclose(counts.exp(), 8 * probs + 4 / 6)
     corrected = sampled_softmax_loss(query, table[positive], positive, table[negatives], negatives, temperature=1.0,
                                      log_count_N=counts[positive], log_count_M=counts[negatives])

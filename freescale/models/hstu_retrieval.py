@@ -19,7 +19,10 @@ Forward, per batch::
                 (``tasks.Retrieval`` ranks it among all items where the table is sharded)
 
 Scores are ``query . item / temperature`` with the query normalized and the item table raw; the
-evaluation ranks by the same dot product.  A sample with an empty history has no query.
+evaluation ranks by the same dot product.  A sample with an empty history has no query.  A
+sample's loss is the sum over its supervised positions (the loader's ``loss_scale`` then makes
+the step's loss the mean of that over the step's samples: a sample with a longer history weighs
+more, as it holds more predictions); without a ``loss_scale``, the mean per position.
 """
 
 from __future__ import annotations
@@ -113,8 +116,10 @@ class HSTURetrievalModel(nn.Module):
             device=embedding_device,
         )
         self.sequence = HSTUNextItem(cfg, max_seq_len)
-        counts = item_counts if item_counts is not None else torch.ones(num_items)
-        self.register_buffer("item_probs", counts.double() / counts.double().sum().clamp(min=1), persistent=False)
+        # Add-one: an item never counted (seen only in histories, say) still has a finite log count.
+        counts = (item_counts.double() if item_counts is not None else torch.zeros(num_items, dtype=torch.float64)) + 1
+        self.register_buffer("item_probs", (counts / counts.sum()).float(), persistent=False)
+        self.num_items = num_items
 
     def forward(self, batch: Batch) -> ModelOutput:
         embeddings = self.item_embeddings(batch.sparse)
@@ -155,7 +160,10 @@ class HSTURetrievalModel(nn.Module):
             negative_ids.append(batch.sparse[SAMPLED_ITEMS].values())
         negative_MD, negative_ids_M = torch.cat(negatives), torch.cat(negative_ids)
         in_batch = negative_ids[0].numel() if self.retrieval.in_batch_negatives else 0
-        log_count_V = expected_log_count(self.item_probs, in_batch, self.retrieval.uniform_negatives)
+
+        def log_count(ids: torch.Tensor) -> torch.Tensor:
+            return expected_log_count(self.item_probs[ids], in_batch, self.retrieval.uniform_negatives, self.num_items)
+
         return sampled_softmax_loss(query_ND, target_ND, target_ids_N, negative_MD, negative_ids_M,
-                                    temperature=self.retrieval.temperature, log_count_N=log_count_V[target_ids_N],
-                                    log_count_M=log_count_V[negative_ids_M])
+                                    temperature=self.retrieval.temperature, log_count_N=log_count(target_ids_N),
+                                    log_count_M=log_count(negative_ids_M))
