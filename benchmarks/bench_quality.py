@@ -151,10 +151,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one seed, a small log, few steps (under a minute)")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--users", type=int, default=4000)
-    parser.add_argument("--items", type=int, default=2000)
+    parser.add_argument("--users", type=int, default=2000)
+    parser.add_argument("--items", type=int, default=1000)
     parser.add_argument("--successor", type=float, default=0.5)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=900)
     parser.add_argument("--positions", default="all", choices=["all", "last"],
                         help="retrieval positions supervised (all: each sample's whole history, the most signal a step)")
     parser.add_argument("--json", help="write the rows here")
