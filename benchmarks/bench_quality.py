@@ -11,7 +11,7 @@ Retrieval (HR@10, NDCG@10, MRR of the held-out item among all items, ties in ran
   last-item co-occ.    items by how often they followed the user's last item in training (then popularity)
   HSTU                 ``model.task = retrieval``, relative position bias
   HSTU + time          the same with the time-bucket bias (``relative_bias = position_time``)
-Ranking (AUC of ``rating >= 4`` on the held-out interactions):
+Ranking (AUC of ``rating >= 4`` on the held-out interactions; every HSTU at ``--embedding-dim``, 64 by default):
   user + item rate     the user's training like-rate plus the item's (add-one smoothed)
   HSTU                 ``model.task = ranking``
 and the time per training step of retrieval vs ranking (median over the steps after the first).
@@ -101,9 +101,11 @@ def baselines(data: Path, num_items: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def train(data: Path, out: Path, steps: int, seed: int, *extra: str) -> dict[str, Any]:
+def train(data: Path, out: Path, args: argparse.Namespace, seed: int, *extra: str) -> dict[str, Any]:
+    steps = args.steps
     cmd = [sys.executable, "-m", "freescale.cli", "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"),
            f"--data.path={data}", f"--train.output_dir={out}", f"--train.steps={steps}", "--data.max_seq_len=50",
+           f"--model.hstu.embedding_dim={args.embedding_dim}",
            "--data.batch_size=128", "--train.progress=false", "--checkpoint.every=0",
            "--checkpoint.save_final=false", f"--train.seed={seed}", f"--train.log_every={steps}", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "2"})
@@ -120,13 +122,13 @@ def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, 
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
     rows = [{"seed": seed, "task": "retrieval" if "auc" not in m else "ranking", "model": name, **m}
             for name, m in baselines(data, num_items).items()]
-    retrieval = ["--model.task=retrieval", f"--model.retrieval.positions={args.positions}", "--optim.lr_schedule=warmup_cosine",
-                 "--optim.warmup_steps=20"]
+    retrieval = ["--model.task=retrieval", f"--model.retrieval.positions={args.positions}",
+                 "--optim.lr_schedule=warmup_cosine", "--optim.warmup_steps=20"]
     for name, bias in (("HSTU", "position"), ("HSTU + time", "position_time")):
-        result = train(data, root / f"{seed}-{bias}", args.steps, seed, *retrieval, f"--model.hstu.relative_bias={bias}")
+        result = train(data, root / f"{seed}-{bias}", args, seed, *retrieval, f"--model.hstu.relative_bias={bias}")
         rows.append({"seed": seed, "task": "retrieval", "model": name, **{k: result[k] for k in SHOWN},
                      "step_ms": result["step_ms"]})
-    result = train(data, root / f"{seed}-ranking", args.steps, seed, "--model.hstu.relative_bias=position_time")
+    result = train(data, root / f"{seed}-ranking", args, seed, "--model.hstu.relative_bias=position_time")
     rows.append({"seed": seed, "task": "ranking", "model": "HSTU + time", "auc": result["auc"],
                  "step_ms": result["step_ms"]})
     return rows
@@ -154,9 +156,10 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=2000)
     parser.add_argument("--items", type=int, default=1000)
     parser.add_argument("--successor", type=float, default=0.5)
-    parser.add_argument("--steps", type=int, default=900)
+    parser.add_argument("--steps", type=int, default=1800)
+    parser.add_argument("--embedding-dim", type=int, default=64, help="the HSTU's width (the tiny config's is 32)")
     parser.add_argument("--positions", default="all", choices=["all", "last"],
-                        help="retrieval positions supervised (all: each sample's whole history, the most signal a step)")
+                        help="retrieval positions supervised (all: each sample's whole history, most signal a step)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.quick:

@@ -164,7 +164,8 @@ def print_summary(summary: Any, who: str = "") -> None:
     if summary.train_auc is not None:
         rows.append(("train AUC", f"{summary.train_auc:.4f}"))
     names = {"auc": "AUC", "ne": "NE", "mrr": "MRR"}
-    rows += [(f"eval {names.get(k, k.upper() if '@' in k else k)}", f"{v:.4f}") for k, v in summary.eval_metrics.items()]
+    rows += [(f"eval {names.get(k, k.upper() if '@' in k else k)}", f"{v:.4f}")
+             for k, v in summary.eval_metrics.items()]
     if summary.checkpoint:
         rows.append(("checkpoint", summary.checkpoint))
     for name, value in rows:
