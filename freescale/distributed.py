@@ -109,6 +109,11 @@ def shutdown(ctx: DistContext, clean: bool = True) -> None:
         dist.destroy_process_group()
 
 
+def spans_ranks(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (default: the world) has more than this process: collectives are needed."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device whose tensors ``group``'s collectives take: this process's current CUDA
     device when the group's backend includes NCCL, else the CPU (gloo)."""

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from freescale.distributed import collective_device
+from freescale.distributed import collective_device, spans_ranks
 
 HIT_KS = (1, 10, 50)
 NDCG_KS = (10, 50)
@@ -109,7 +109,7 @@ class RetrievalWindow:
         """Collective over the group (one all-reduce of 7 float64)."""
         names = [f"hr@{k}" for k in HIT_KS] + [f"ndcg@{k}" for k in NDCG_KS] + ["mrr"]
         sums = torch.tensor([self._sums.get(n, 0.0) for n in names] + [float(self._count)], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
+        if spans_ranks(self._group):
             sums = sums.to(collective_device(self._group))
             dist.all_reduce(sums, group=self._group)
         count = int(sums[-1])
@@ -224,8 +224,7 @@ class RankCounter:
 
     @property
     def _distributed(self) -> bool:
-        return (not self.replicated and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size(self.group) > 1)
+        return not self.replicated and spans_ranks(self.group)
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         """In place; through the collective device when the tensor lives elsewhere."""

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from freescale.distributed import collective_device
+from freescale.distributed import collective_device, spans_ranks
 from freescale.metrics import MetricWindow
 from freescale.retrieval import RankCounter, RetrievalWindow
 
@@ -89,7 +89,7 @@ class SampledLossWindow:
     def compute(self) -> dict[str, float]:
         sums = self._sums if self._sums is not None else torch.zeros(3, dtype=torch.float64)
         self._sums = None
-        if _distributed(self._group):
+        if spans_ranks(self._group):
             sums = sums.to(collective_device(self._group))
             dist.all_reduce(sums, group=self._group)
         loss, positions, samples = sums.tolist()
@@ -129,10 +129,6 @@ class Retrieval:
         if len(weights) != 1:
             raise ValueError(f"retrieval evaluation: the model has {len(weights)} tables named '{self.item_table}'")
         return RankWindow(RankCounter.of_sharded(weights[0], group), group)
-
-
-def _distributed(group: dist.ProcessGroup | None) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def task_of(model: nn.Module) -> Task:
