@@ -158,11 +158,12 @@ class HSTUStack(nn.Module):
     def encode(self, x_TD: torch.Tensor, seq_offsets_B1: torch.Tensor, recency_T: torch.Tensor,
                num_targets_B: torch.Tensor | None, query_time_T: torch.Tensor | None,
                key_time_T: torch.Tensor | None) -> torch.Tensor:
-        """Every token's output ``[T, D]``, normalized (``recency_T``: tokens from the sequence's end)."""
+        """Every token's output ``[T, D]`` before ``final_norm`` (``recency_T``: tokens from the sequence's
+        end); callers normalize the rows they read (ranking: one per sample)."""
         x_TD = x_TD + self.recency_embedding(recency_T.clamp(max=self.max_tokens - 1))
         for block in self.blocks:
             x_TD = block(x_TD, seq_offsets_B1, num_targets_B, query_time_T, key_time_T)
-        return self.final_norm(x_TD)
+        return x_TD
 
 
 class HSTUSequence(HSTUStack):
@@ -197,7 +198,7 @@ class HSTUSequence(HSTUStack):
             query_time_T = key_time_T[torch.where(token_T == last_T, token_T, token_T + 1)]
         out_TD = self.encode(x_TD, seq_offsets_B1, last_T - token_T, torch.ones_like(seq_lengths_B),
                              query_time_T, key_time_T)
-        return out_TD[seq_offsets_B1[1:] - 1]
+        return self.final_norm(out_TD[seq_offsets_B1[1:] - 1])
 
 
 class HSTUModel(nn.Module):

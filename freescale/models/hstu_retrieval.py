@@ -94,7 +94,7 @@ class HSTUNextItem(HSTUStack):
             # Position i is asked for the next item when it happens: item i+1's time, the candidate's last.
             ahead_T = torch.cat([history_time_T, history_time_T[:1]])[token_T + 1]
             query_time_T = torch.where(token_T == last_T, candidate_time_B[sample_T], ahead_T)
-        return self.encode(x_TD, offsets_B1, last_T - token_T, None, query_time_T, key_time_T)
+        return self.final_norm(self.encode(x_TD, offsets_B1, last_T - token_T, None, query_time_T, key_time_T))
 
 
 class HSTURetrievalModel(nn.Module):
