@@ -44,14 +44,14 @@ REPO = Path(__file__).resolve().parents[1]
 SHOWN = ("hr@10", "ndcg@10", "mrr")
 
 
-def make_dataset(root: Path, seed: int, users: int, items: int, successor: float) -> Path:
+def make_dataset(root: Path, seed: int, args: argparse.Namespace) -> Path:
     log, data = root / f"log{seed}.parquet", root / f"data{seed}"
     cli = [sys.executable, "-m", "freescale.cli"]
-    for args in (["gen-log", "--out", str(log), "--users", str(users), "--items", str(items), "--successor",
-                  str(successor), "--seed", str(seed)],
-                 ["prepare", str(log), "--out", str(data), "--user", "userId", "--item", "movieId", "--time",
-                  "timestamp", "--label", "rating", "--rating-threshold", "4", "--no-progress"]):
-        subprocess.run(cli + args, check=True, capture_output=True, cwd=REPO)
+    for command in (["gen-log", "--out", str(log), "--users", str(args.users), "--items", str(args.items),
+                     "--successor", str(args.successor), "--tastes", str(args.tastes), "--seed", str(seed)],
+                    ["prepare", str(log), "--out", str(data), "--user", "userId", "--item", "movieId", "--time",
+                     "timestamp", "--label", "rating", "--rating-threshold", "4", "--no-progress"]):
+        subprocess.run(cli + command, check=True, capture_output=True, cwd=REPO)
     return data
 
 
@@ -91,6 +91,7 @@ def baselines(data: Path, num_items: int) -> dict[str, dict[str, float]]:
     pairs = np.bincount(items[train - 1] * num_items + items[train], minlength=num_items * num_items)
     follows = pairs.reshape(num_items, num_items).astype(np.float64)
     out["last-item co-occurrence"] = ranked(follows[items[evaluate - 1]] + popularity / (popularity.max() + 1), target)
+    out["transitions + history kNN"] = ranked(history_knn(u, evaluate, follows, popularity), target)
     labels = u["labels"]
     owner = np.repeat(np.arange(u["length"].size), u["length"])
     user_rate = ((np.bincount(owner[train], labels[train], minlength=owner.max() + 1) + 1)
@@ -99,6 +100,22 @@ def baselines(data: Path, num_items: int) -> dict[str, dict[str, float]]:
     score = torch.from_numpy(user_rate[owner[evaluate]] + item_rate[items[evaluate]])
     out["user + item rate"] = {"auc": click_metrics(score, torch.from_numpy(labels[evaluate])).auc}
     return out
+
+
+def history_knn(u: dict[str, Any], evaluate: np.ndarray, follows: np.ndarray, popularity: np.ndarray) -> np.ndarray:
+    """A strong non-neural reference: the last item's transition probabilities plus item-kNN over the user's
+    whole history (items that neighbour, in training transitions either way, the items the user had),
+    weights fixed beforehand (1 : 1).  It reads every earlier item, where the HSTU reads the last 50."""
+    transitions = follows / np.maximum(follows.sum(1, keepdims=True), 1)
+    neighbours = follows + follows.T
+    neighbours = neighbours / np.maximum(neighbours.sum(1, keepdims=True), 1)
+    owner = np.repeat(np.arange(u["length"].size), u["length"])
+    scores = np.empty((evaluate.size, follows.shape[0]))
+    for row, at in enumerate(evaluate):
+        history = u["items"][u["start"][owner[at]]:at]
+        profile = np.bincount(history, minlength=follows.shape[0]) / max(history.size, 1)
+        scores[row] = transitions[u["items"][at - 1]] + profile @ neighbours
+    return scores + 1e-9 * popularity / (popularity.max() + 1)
 
 
 def train(data: Path, out: Path, args: argparse.Namespace, seed: int, *extra: str) -> dict[str, Any]:
@@ -118,7 +135,7 @@ def train(data: Path, out: Path, args: argparse.Namespace, seed: int, *extra: st
 
 
 def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    data = make_dataset(root, seed, args.users, args.items, args.successor)
+    data = make_dataset(root, seed, args)
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
     rows = [{"seed": seed, "task": "retrieval" if "auc" not in m else "ranking", "model": name, **m}
             for name, m in baselines(data, num_items).items()]
@@ -156,6 +173,8 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=2000)
     parser.add_argument("--items", type=int, default=1000)
     parser.add_argument("--successor", type=float, default=0.5)
+    parser.add_argument("--tastes", type=int, default=3,
+                        help="categories each user prefers (gen-log --tastes): the last item names one, the history all")
     parser.add_argument("--steps", type=int, default=1800)
     parser.add_argument("--embedding-dim", type=int, default=64, help="the HSTU's width (the tiny config's is 32)")
     parser.add_argument("--positions", default="all", choices=["all", "last"],

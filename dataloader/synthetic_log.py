@@ -5,8 +5,9 @@ no download: a ratings table ``userId, movieId, rating, timestamp`` (the
 column names of MovieLens 20M's ``ratings.csv``), one row per interaction, in
 no particular order.  Per-user counts follow the lognormal fit of MovieLens
 (``--lengths ml-1m`` or ``ml-20m``, at least ``min_per_user``); every user prefers
-one item category and most of their interactions come from it; an interaction
-with the preferred category is rated 4 or 5 most of the time, any other 1 to 3.
+``tastes`` item categories (one by default) and most of their interactions come
+from them (each time one of them at random); an interaction with a preferred
+category is rated 4 or 5 most of the time, any other 1 to 3.
 A ranking model that reads the history (which category the user keeps
 choosing) and the candidate therefore learns ``rating >= 4``.
 
@@ -41,6 +42,7 @@ class LogSpec:
     min_per_user: int = 20
     max_per_user: int = 2_000
     on_topic: float = 0.7
+    tastes: int = 1
     item_zipf_alpha: float = 1.05
     successor: float = 0.0
     new_session: float = 0.2
@@ -52,6 +54,8 @@ class LogSpec:
         require(self.lengths in LOGNORMAL_LENGTHS, "lengths", f"must be one of {', '.join(LOGNORMAL_LENGTHS)}")
         require(1 <= self.min_per_user <= self.max_per_user, "min_per_user", "must be in [1, max_per_user]")
         require(0.0 <= self.on_topic <= 1.0, "on_topic", "must be in [0, 1]")
+        require(1 <= self.tastes <= self.categories, "tastes",
+                f"must be in [1, categories = {self.categories}], got {self.tastes}")
         require(0.0 <= self.successor <= 1.0, "successor", "must be in [0, 1]")
         require(0.0 < self.new_session <= 1.0, "new_session", "must be in (0, 1]")
 
@@ -65,16 +69,21 @@ def interactions(spec: LogSpec) -> pa.Table:
     total = int(counts.sum())
     owner = np.repeat(np.arange(spec.users), counts)
     k = spec.categories
-    preferred = rng.integers(0, k, spec.users)
+    preferred = rng.integers(0, k, spec.users)[:, None]  # [users, tastes]: the categories each user prefers
     on_topic = rng.random(total) < spec.on_topic
-    category = np.where(on_topic, preferred[owner], rng.integers(0, k, total))
+    taste = preferred[owner, 0]
+    if spec.tastes > 1:  # a generator of its own: a log of one taste is the same as before tastes existed
+        extra = np.random.default_rng([spec.seed, 44])
+        preferred = np.argsort(extra.random((spec.users, k)), axis=1)[:, :spec.tastes]
+        taste = preferred[owner, extra.integers(0, spec.tastes, total)]
+    category = np.where(on_topic, taste, rng.integers(0, k, total))
     per_category = spec.items // k
     weights = np.arange(1, per_category + 1, dtype=np.float64) ** (-spec.item_zipf_alpha)
     rank = np.minimum(np.searchsorted(np.cumsum(weights / weights.sum()), rng.random(total)), per_category - 1)
     item = category + k * rank
     if spec.successor > 0:
         return _in_sessions(spec, rng, counts, owner, preferred, item)
-    liked = category == preferred[owner]
+    liked = (category[:, None] == preferred[owner]).any(axis=1)
     high = rng.random(total) < np.where(liked, 0.8, 0.2)
     rating = np.where(high, rng.integers(4, 6, total), rng.integers(1, 4, total)).astype(np.float64)
     start = rng.integers(956_703_932, 1_046_454_590, spec.users)  # MovieLens 1M's span of time
@@ -109,7 +118,7 @@ def _in_sessions(spec: LogSpec, rng: np.random.Generator, counts: np.ndarray, ow
     start = rng.integers(956_703_932, 1_046_454_590, spec.users)
     clock = np.cumsum(gaps)
     timestamp = start[owner] + clock - (clock[first] - gaps[first])[owner]
-    liked = item % k == preferred[owner]
+    liked = ((item % k)[:, None] == preferred[owner]).any(axis=1)
     high = rng.random(total) < np.where(liked, 0.8, 0.2)
     rating = np.where(high, rng.integers(4, 6, total), rng.integers(1, 4, total)).astype(np.float64)
     order = rng.permutation(total)

@@ -1,10 +1,13 @@
-"""Make your own torchrec training loop fault tolerant with ``freescale.ft.FaultTolerance``.
+"""Make your own torchrec training loop fault tolerant with the explicit form, ``freescale.ft.FaultTolerance``.
 
 Your model, your optimizer, your data, your loop; freescale adds the quorum,
 the sample-weighted all-reduce of dense gradients across replica groups, the
 deferred union update of the fused embedding tables, the commit vote, the
-requeue of a dead group's samples, and catch-up of a restarted group from a
-live one, at four points of the loop (``train`` below).
+requeue of a dead group's samples (``ft.StepSamples``), and catch-up of a
+restarted group from a live one, at four points of the loop (``train`` below).
+``examples/deepfm_ft.py`` does the same with the wrapper form (``ft.wrap``) and
+``freescale launch``; this one keeps the four calls visible and brings its own
+launcher (a lighthouse and one ``torchrun`` per group).
 
     python examples/user_loop_ft.py --replicas 2 --ranks-per-replica 2 --steps 60 --out runs/user_loop
 
@@ -42,14 +45,11 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+import freescale.ft as ft
 from freescale.digest import state_digest
-from freescale.distributed import DistConfig, init_distributed
-from freescale.ft import Commit, FaultTolerance, FTConfig, JobFinished
-from freescale.parallelize import NoDataParallel, dense_named_parameters
 from freescale.testing import hooks_from_env
 
 USERS, ITEMS, DIM = 1000, 500, 16
@@ -80,97 +80,49 @@ def features(ids: torch.Tensor) -> tuple[KeyedJaggedTensor, torch.Tensor]:
     return kjt, labels
 
 
-class SampleQueue:
-    """Your data side, as ``FaultTolerance`` sees it (``freescale.ft.DataState``): which samples
-    each group trains at each step, and the samples of groups that did not train a step requeued
-    into the next one.  Every group plans a step the same way after the previous one committed."""
-
-    def __init__(self, group: int, groups: int, ranks: int, rank: int, batch: int) -> None:
-        self.group, self.ranks, self.rank, self.batch = group, ranks, rank, batch
-        self.global_batch = batch * ranks * groups
-        self.ready, self.carry = list(range(groups)), []  # type: ignore[var-annotated]
-        self._plans: dict[int, dict[int, list[int]]] = {}
-        self.last_trained: list[int] = []
-
-    def plan(self, step: int) -> dict[int, list[int]]:
-        """Group -> its samples of ``step`` (the step's own samples and the carried ones)."""
-        if step not in self._plans:
-            ids = self.carry + list(range(step * self.global_batch, (step + 1) * self.global_batch))
-            self.carry = []
-            self._plans[step] = {g: ids[i::len(self.ready)] for i, g in enumerate(self.ready)}
-        return self._plans[step]
-
-    def mine(self, step: int) -> torch.Tensor:
-        """This rank's share of its group's samples."""
-        return torch.tensor(self.plan(step).get(self.group, [])[self.rank::self.ranks], dtype=torch.int64)
-
-    def weight(self, step: int) -> float:
-        return float(len(self.plan(step).get(self.group, [])))
-
-    def commit(self, commit: Commit) -> None:
-        plan = self.plan(commit.step)
-        del self._plans[commit.step]
-        self.last_trained = sorted(i for g, ids in plan.items() if g in commit.trained for i in ids)
-        self.carry = sorted(i for g, ids in plan.items() if g not in commit.trained for i in ids)
-        self.ready = sorted(commit.ready)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"ready": self.ready, "carry": self.carry}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ready, self.carry, self._plans = list(state["ready"]), list(state["carry"]), {}
-
-
 def train(args: argparse.Namespace) -> None:
     """One rank of one replica group (run by torchrun)."""
-    # Like dist.init_process_group, plus a store prefix per torchrun restart: a restarted group's ranks
-    # would otherwise read the dead attempt's addresses from the agent's store (torchrun reuses it).
-    ctx = init_distributed(DistConfig(backend="gloo"))
-    rank, ranks = ctx.rank, ctx.world_size
-    cfg = FTConfig()
-    cfg.resolve_env()  # lighthouse URL, replica count and this group's index, from the launcher
+    ft.init_process_group("gloo")  # dist.init_process_group, safe across torchrun's restarts (its store is reused)
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    cfg = ft.FTConfig.from_env()  # lighthouse URL, replica count and this group's index, from the launcher
     torch.manual_seed(0)  # every group starts from the same weights
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-                                                          "learning_rate": 0.05})
-    # No DDP around the dense part: FaultTolerance reduces the dense gradients, in the group and across.
-    dmp = DistributedModelParallel(TwoTower(), device=torch.device("cpu"), sharders=[sharder],  # type: ignore[list-item]
-                                   data_parallel_wrapper=NoDataParallel())
-    dense = KeyedOptimizerWrapper(dense_named_parameters(dmp), lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    dmp = ft.shard(TwoTower(), torch.device("cpu"), fused_params={  # fused tables, no DDP: the layer reduces
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda ps: torch.optim.Adam(ps, lr=1e-2))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
-    data = SampleQueue(cfg.replica_index, cfg.replicas, ranks, rank, args.batch)
+    data = ft.StepSamples(per_step=args.batch * ranks * cfg.replicas)  # a dead group's share requeued
     out = Path(args.out)
     hooks = hooks_from_env(cfg.replica_index, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                            out / cfg.replica_id)
-    ft = FaultTolerance(dmp, optimizer, cfg, data=data, hooks=hooks)
+    layer = ft.FaultTolerance(dmp, optimizer, cfg, data=data, hooks=hooks)
     log = (out / f"{cfg.replica_id}.jsonl").open("a") if rank == 0 else None
-    ft.start()
+    layer.start()
     step = 0
     while step < args.steps:
-        ft.begin_step(step)                                   # 1. the quorum request
-        if ft.can_train(step) and data.weight(step) > 0:
+        layer.begin_step(step)                                # 1. the quorum request
+        if layer.can_train(step):                             # not catching up (and planned in)
             kjt, labels = features(data.mine(step))
             logits = dmp(kjt)
-            # sum over this rank's samples x ranks / group's samples: the in-group mean is the group's mean
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
-            ft.backward(loss * ranks / data.weight(step), weight=data.weight(step))   # 2. backward + exchange
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)  # the mean over my samples
+            layer.backward(loss)                              # 2. backward + exchange (weight, scale: from data)
         try:
-            commit = ft.step()                                # 3. vote, commit, update (or redo, or catch up)
-        except JobFinished:                                   # the others finished the run meanwhile
+            commit = layer.step()                             # 3. vote, commit, update (or redo, or catch up)
+        except ft.JobFinished:                                # the others finished the run meanwhile
             break
         if commit.applied:                                    # 4. valid state: log it
             digest = state_digest(dmp, optimizer)
             if log is not None:
-                log.write(json.dumps({"step": commit.step, "participants": ft.record["participants"],
+                log.write(json.dumps({"step": commit.step, "participants": layer.record["participants"],
                                       "trained": data.last_trained, "digest": digest,
                                       "caught_up": commit.restored}) + "\n")
                 log.flush()
-        ft.events.clear()  # catch-up, staging, skipped steps: events for a log (this example keeps none)
         step = commit.step + 1
-    ft.finish(args.steps - 1)
+    layer.finish(args.steps - 1)
     if log is not None:
         log.write(json.dumps({"pending": data.carry}) + "\n")
         log.close()
-    ft.close()
+    layer.close()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -228,7 +228,9 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
+def cmd_launch(args: argparse.Namespace, overrides: list[str], command: list[str]) -> int:
+    if command:
+        return _launch_command(args, overrides, command)
     cfg = _load_train_config(args.config, overrides, args.resume)
     from freescale.dataloader.schema import DatasetManifest
     from freescale.launch import launch_local, launch_replicas
@@ -244,6 +246,19 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
                                title=f"freescale: {cfg.model.kind}, {args.replicas} replica group(s) of "
                                      f"{args.nproc_per_node} rank(s)")
     return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
+
+
+def _launch_command(args: argparse.Namespace, overrides: list[str], command: list[str]) -> int:
+    """``freescale launch [--replicas R] ... -- python my_loop.py ...``: a user's own loop under the launcher."""
+    from freescale.launch import launch_local, launch_replicas
+
+    if args.config or args.resume or overrides:
+        raise ConfigError(f"launch -- {command[0]} ...: --config, --resume and config keys are for `freescale train`; "
+                          "pass your script's own options after --")
+    if args.replicas > 1:
+        return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [], lighthouse_url=args.lighthouse,
+                               command=command)
+    return launch_local(args.nproc_per_node, args.max_restarts, [], command)
 
 
 # ----- entry -----------------------------------------------------------------------------
@@ -360,7 +375,7 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
             _config_keys(_trainer_config_cls())
         )
     for name, helptext in (("train", "train on this process (one rank; run under torchrun for more)"),
-                           ("launch", "start N local ranks of `train` (torchrun's elastic agent)")):
+                           ("launch", "start N local ranks of `train`, or of your own loop after -- (torchrun's elastic agent)")):
         p = sub.add_parser(name, help=helptext, epilog=keys_help, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", help="TOML config file (e.g. configs/tiny_hstu.toml)")
         p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
@@ -376,6 +391,13 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if argv[:1] == ["launch"] and "--" in argv:  # launch ... -- python my_loop.py ...: a user's own command
+        argv, command = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+        if not command:
+            print("freescale: error: launch: nothing after --; give the command to run, e.g. -- python my_loop.py",
+                  file=sys.stderr)
+            return 2
     parser = build_parser(with_config_keys="-h" in argv or "--help" in argv)
     args, rest = parser.parse_known_args(argv)
     try:
@@ -398,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
         if args.command == "launch" and args.replicas < 1:
             raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
-        return cmd_train(args, rest) if args.command == "train" else cmd_launch(args, rest)
+        return cmd_train(args, rest) if args.command == "train" else cmd_launch(args, rest, command)
     except Exception as exc:  # one line for what the user can fix; tracebacks for our bugs
         if args.command == "lighthouse" and isinstance(exc, ConfigError):  # no torch import to say it
             print(f"freescale: error: lighthouse: {exc}", file=sys.stderr)

@@ -57,6 +57,9 @@ def add_parsers(sub: Any, as_int: Any, as_float: Any) -> None:
                           "no order, no sessions)")
     gen.add_argument("--new-session", type=as_float, default=0.2,
                      help="with --successor: the chance an interaction starts a new session, days later (default 0.2)")
+    gen.add_argument("--tastes", type=as_int, default=1,
+                     help="item categories each user prefers (default 1; more: the last item's category is one of "
+                          "them, only the history names them all)")
     gen.add_argument("--seed", type=as_int, default=0)
 
 
@@ -65,7 +68,8 @@ def cmd_gen_log(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     path, rows = write_log(args.out, LogSpec(users=args.users, items=args.items, lengths=args.lengths, seed=args.seed,
-                                                 successor=args.successor, new_session=args.new_session))
+                                                 successor=args.successor, new_session=args.new_session,
+                                                 tastes=args.tastes))
     print(f"wrote {rows:,} interactions of {args.users:,} users to {path} in {time.perf_counter() - start:.1f}s "
           "(columns userId, movieId, rating, timestamp)")
     return 0

@@ -66,9 +66,13 @@ class DenseUpdate:
     rate through ``tables`` (fbgemm TBEs).  ``record`` holds the last step's rate and gradient norm."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], params: Sequence[nn.Parameter],
-                 schedule: LRSchedule, clip_norm: float = 0.0, tables: Sequence[Any] = ()) -> None:
+                 schedule: LRSchedule, clip_norm: float = 0.0, tables: Sequence[Any] = (),
+                 scheduler: Any | None = None) -> None:
         self.optimizers, self.params, self.schedule, self.clip_norm = list(optimizers), list(params), schedule, clip_norm
         self.tables = list(tables)
+        self.scheduler = scheduler
+        """A user's own ``torch.optim.lr_scheduler`` (the fault-tolerant wrapper form): stepped after every
+        committed update here, so a recovering group's replayed steps step it too."""
         self._base = [[group["lr"] for group in opt.param_groups] for opt in self.optimizers]
         self._table_base = [tbe.get_learning_rate() for tbe in self.tables]
         self.record: dict[str, float] = {}
@@ -98,3 +102,5 @@ class DenseUpdate:
                 self.record["grad_norm"] = float(norm)  # a host sync, only when clipping
         for opt in self.optimizers:
             opt.step()
+        if self.scheduler is not None:
+            self.scheduler.step()

@@ -80,6 +80,16 @@ def init_distributed(cfg: DistConfig) -> DistContext:
     )
 
 
+def init_process_group(backend: Literal["auto", "gloo", "nccl"] = "auto", timeout_s: float = 300.0) -> DistContext:
+    """``dist.init_process_group`` for a rank under torchrun or ``freescale launch`` (``freescale.ft.init_process_group``),
+    safe across the agent's restarts under either (a store prefix per incarnation), and this rank's device.
+    Plain ``dist.init_process_group`` also works under ``freescale launch``, which gives every incarnation a
+    fresh store; under bare torchrun it does not."""
+    cfg = DistConfig(backend=backend, timeout_s=timeout_s)
+    cfg.validate()
+    return init_distributed(cfg)
+
+
 def _attempt_store(timeout: timedelta) -> dist.Store:
     """The rendezvous store for this (re)start of the group.
 

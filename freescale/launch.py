@@ -1,4 +1,4 @@
-"""``freescale launch``: N local ranks of ``freescale train`` under torch's elastic agent.
+"""``freescale launch``: N local ranks of ``freescale train`` (or of a user's own loop) under torch's elastic agent.
 
 The same agent ``torchrun --standalone`` runs (c10d rendezvous on a free local
 port, ``--max-restarts`` restarts of the whole group), but in this process, so a
@@ -65,8 +65,14 @@ def _user_errors(error_dir: str, final_only: bool = False) -> list[str]:
     return messages
 
 
-def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[str]) -> int:
-    """Run ``freescale train TRAIN_ARGS`` on ``nproc_per_node`` local ranks; return an exit status."""
+def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[str],
+                 command: Sequence[str] = ()) -> int:
+    """Run ``freescale train TRAIN_ARGS`` (or a user's ``command``, e.g. ``python my_loop.py ...``) on
+    ``nproc_per_node`` local ranks; return an exit status.
+
+    A user's command gets a fresh rendezvous store per restart (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``:
+    the agent would otherwise hand every incarnation its one shared store, where a plain
+    ``dist.init_process_group`` reads the dead incarnation's gloo addresses and fails to connect)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -81,7 +87,11 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.1,
     )
     try:
-        elastic_launch(config, sys.executable)("-m", "freescale.cli", "train", *train_args)
+        if command:
+            os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            elastic_launch(config, command[0])(*command[1:])
+        else:
+            elastic_launch(config, sys.executable)("-m", "freescale.cli", "train", *train_args)
         # A restarted incarnation that ended at start-up: the error of the one before stands.
         return 2 if _user_errors(error_dir, final_only=True) else 0
     except ChildFailedError as failed:
@@ -98,13 +108,15 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
 
 def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train_args: Sequence[str],
                     heartbeat_timeout_s: float = 3.0, lighthouse_url: str = "", output_dir: str = "",
-                    title: str = "freescale job") -> int:
+                    title: str = "freescale job", command: Sequence[str] = ()) -> int:
     """Fault-tolerant training on this machine: a lighthouse in this process and ``replicas``
     groups of ``nproc_per_node`` ranks, each its own elastic job (``launch_local`` in a child
     process) that restarts with a new incarnation after a failure and catches up from its peers.
 
     ``lighthouse_url``: use that lighthouse (``freescale lighthouse``, e.g. on another host or
-    one that outlives this launcher) instead of starting one here.
+    one that outlives this launcher) instead of starting one here.  ``command``: each group's ranks run
+    a user's own loop (``freescale.ft.wrap``) instead of ``freescale train TRAIN_ARGS``; its environment
+    holds what ``FTConfig.from_env`` reads (``freescale.ft.config.ENVIRONMENT``).
     Returns 0 when every group finished, else the worst group's exit status.  With ``output_dir``
     the groups print no summary and this prints one for the job (``freescale.job_summary``).
     """
@@ -133,7 +145,8 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
             # The group's own agent (``python -m freescale.launch``): the config was checked here, once,
             # so the group's launcher does not import torchrec to load it again.
             groups.append(subprocess.Popen(
-                [sys.executable, "-m", "freescale.launch", str(nproc_per_node), str(max_restarts), *train_args],
+                [sys.executable, "-m", "freescale.launch", str(nproc_per_node), str(max_restarts), *train_args,
+                 *(["--", *command] if command else [])],
                 env=env))
         codes = [group.wait() for group in groups]
     finally:
@@ -178,10 +191,11 @@ def _gpus_per_group(replicas: int, nproc_per_node: int) -> tuple[list[str] | Non
 
 
 def main(argv: Sequence[str]) -> int:
-    """``python -m freescale.launch NPROC MAX_RESTARTS TRAIN_ARGS...``: one replica group's agent
-    (``launch_replicas`` starts one per group)."""
-    nproc, restarts, *train_args = argv
-    return launch_local(int(nproc), int(restarts), train_args)
+    """``python -m freescale.launch NPROC MAX_RESTARTS TRAIN_ARGS... [-- COMMAND...]``: one replica
+    group's agent (``launch_replicas`` starts one per group)."""
+    nproc, restarts, *rest = argv
+    cut = rest.index("--") if "--" in rest else len(rest)
+    return launch_local(int(nproc), int(restarts), rest[:cut], rest[cut + 1:])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ state dict holds both (sharded tensors for the tables).
 
 from __future__ import annotations
 
+import copy
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -117,13 +119,72 @@ def shard_model(
     )
 
 
+def shard_fused(model: nn.Module, device: torch.device | None = None, *,
+                fused_params: dict[str, object] | None = None,
+                constraints: dict[str, ParameterConstraints] | None = None,
+                sharders: list[ModuleSharder[nn.Module]] | None = None) -> DistributedModelParallel:
+    """``DistributedModelParallel(model)`` over the default group as fault tolerance needs it
+    (``freescale.ft.shard``): torchrec's planner with every table on a fused kernel and never
+    ``data_parallel`` (the planner's default for a small table: a dense kernel whose updates the union
+    could not keep identical across groups), and no DDP around the dense part (the layer reduces it).
+
+    ``fused_params``: the tables' fused optimizer (default exact row-wise Adagrad, rate 0.05).
+    ``constraints``: per table, as torchrec's; a table's own placement wishes are kept, a dense
+    kernel or ``data_parallel`` is refused in one line.  ``sharders``: default torchrec's
+    ``EmbeddingBagCollection`` and ``EmbeddingCollection`` sharders with ``fused_params``.
+    """
+    from freescale.rank_console import quiet_libraries
+
+    quiet_libraries()  # the planner's warnings about estimates and topology say nothing to this use
+    device = device or torch.device("cpu")
+    fused = dict(fused_params or {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
+    module_sharders = sharders or [EmbeddingCollectionSharder(fused_params=fused),
+                                   EmbeddingBagCollectionSharder(fused_params=fused)]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device=device.type, local_world_size=local),
+        constraints=fused_constraints(model, constraints or {}))
+    plan = planner.collective_plan(model, module_sharders, dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=device, plan=plan, sharders=module_sharders,  # type: ignore[arg-type]
+                                    data_parallel_wrapper=NoDataParallel())
+
+
+def fused_constraints(model: nn.Module, given: dict[str, ParameterConstraints]) -> dict[str, ParameterConstraints]:
+    """Every table of ``model`` constrained to fused kernels and a model-parallel sharding type (``shard_fused``)."""
+    allowed = list(SHARDING_TYPES)
+    out: dict[str, ParameterConstraints] = {}
+    tables = _table_names(model)
+    unknown = sorted(set(given) - set(tables))
+    if unknown:
+        raise ValueError(f"freescale.ft.shard: constraints name table {unknown[0]!r}, which the model does not have "
+                         f"(it has {', '.join(sorted(tables))})")
+    for table in tables:
+        mine = copy.copy(given.get(table, ParameterConstraints()))
+        kinds = [str(k) for k in mine.sharding_types] if mine.sharding_types else allowed
+        if not set(kinds) & set(allowed):
+            raise ValueError(f"freescale.ft.shard: table {table!r} is constrained to {', '.join(kinds)}; fault "
+                             f"tolerance needs one of {', '.join(allowed)} (data_parallel tables have dense kernels)")
+        if mine.compute_kernels and "fused" not in mine.compute_kernels:
+            raise ValueError(f"freescale.ft.shard: table {table!r} is constrained to the kernels "
+                             f"{', '.join(mine.compute_kernels)}; fault tolerance needs 'fused'")
+        mine.sharding_types = [k for k in kinds if k in allowed]
+        mine.compute_kernels = ["fused"]
+        out[table] = mine
+    return out
+
+
+def _table_names(model: nn.Module) -> list[str]:
+    return [t.name for m in model.modules() if hasattr(m, "embedding_bag_configs") or hasattr(m, "embedding_configs")
+            for t in (m.embedding_bag_configs() if hasattr(m, "embedding_bag_configs") else m.embedding_configs())]
+
+
 def _constraints(model: nn.Module, cfg: OptimConfig) -> dict[str, ParameterConstraints] | None:
     """``optim.sharding`` as torchrec planner constraints (fused kernels: the fused optimizer holds the state)."""
     kinds = cfg.sharding_types()
     if not kinds and not cfg.column_shard_min_dim:
         return None
-    tables = [t.name for m in model.modules() if hasattr(m, "embedding_bag_configs") or hasattr(m, "embedding_configs")
-              for t in (m.embedding_bag_configs() if hasattr(m, "embedding_bag_configs") else m.embedding_configs())]
+    tables = _table_names(model)
     unknown = sorted(set(kinds) - set(tables) - {"*"})
     if unknown:
         raise ConfigError(f"optim.sharding: no table named {unknown[0]!r} (the model has {', '.join(sorted(tables))})")

@@ -15,10 +15,12 @@ no py-spy needed.  A restarted incarnation says so in one line as it starts.
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import signal
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import IO, Any
 
@@ -76,3 +78,33 @@ def report_handled(exc: BaseException) -> bool:
           f"(traceback in {_state['path']})",
           file=sys.stderr, flush=True)
     return True
+
+
+def install_excepthook(output_dir: str | None = None, replica_id: str | None = None) -> None:
+    """For a user's own loop (``freescale.ft.wrap``): an uncaught peer failure under the elastic agent ends
+    the rank with one line, as in freescale's trainer (``report_handled``); anything else keeps Python's
+    traceback.  The rank's log file goes to ``output_dir`` (default: a folder of the job under the
+    system's temporary directory)."""
+    import tempfile
+
+    if "stream" not in _state:
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+        replica = replica_id or (f"replica{os.environ['FREESCALE_REPLICA_INDEX']}"
+                                 if "FREESCALE_REPLICA_INDEX" in os.environ else None)
+        install(output_dir or str(Path(tempfile.gettempdir()) / f"freescale-{run}"), replica)
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if not report_handled(exc):
+            previous(kind, exc, tb)
+
+    sys.excepthook = hook
+
+
+def quiet_libraries() -> None:
+    """Silence torchrec/fbgemm chatter that says nothing to a user of freescale (its trainer, ``freescale.ft.shard``)."""
+    for name in ("torchrec", "fbgemm_gpu", "torch.fx._symbolic_trace", "torch.distributed.checkpoint"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for module in ("torchrec", "fbgemm_gpu", "torch.distributed", "torch.fx", "torch.autograd", "torch.nn"):
+        warnings.filterwarnings("ignore", module=module)
+

@@ -28,6 +28,7 @@ same decision with no extra collective.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -153,7 +154,7 @@ class LocalSync:
                  update: DenseUpdate, grads: BucketedGrads | None = None) -> None:
         self.optimizer, self.dense, self.feed, self.grads, self.update = optimizer, list(dense), feed, grads, update
         self.record: dict[str, Any] = {}
-        self.events: list[dict[str, Any]] = []
+        self.events: deque[dict[str, Any]] = deque()
         self.last_commit = Commit(-1, frozenset(), frozenset())
         self._step = -1
         self._loss: torch.Tensor | None = None

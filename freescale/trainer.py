@@ -29,11 +29,9 @@ is the same code with or without ``--replicas``.
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from freescale.digest import state_digest
 from freescale.distributed import DistContext, init_distributed, shutdown
 from freescale.models import cost_model_for
 from freescale.parallelize import materialize_optimizer_state
+from freescale.rank_console import quiet_libraries
 from freescale.run_log import Progress, RunLog
 from freescale.step_feed import Commit
 from freescale.step_stats import Calibration
@@ -79,14 +78,6 @@ class TrainSummary:
     """SHA-256 over every rank's parameters and optimizer state after training (``freescale.digest``)."""
     finished_elsewhere: bool = False
     """Another replica group finished the run while this one was (re)starting: nothing was left to train."""
-
-
-def quiet_libraries() -> None:
-    """Silence torchrec/fbgemm chatter that says nothing to a user of this trainer."""
-    for name in ("torchrec", "fbgemm_gpu", "torch.fx._symbolic_trace", "torch.distributed.checkpoint"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    for module in ("torchrec", "fbgemm_gpu", "torch.distributed", "torch.fx", "torch.autograd", "torch.nn"):
-        warnings.filterwarnings("ignore", module=module)
 
 
 __all__ = ["TrainConfig", "Trainer", "TrainerConfig", "TrainSummary"]
@@ -274,7 +265,7 @@ class Trainer:
     def _log_events(parts: Components, log: RunLog) -> None:
         events = parts.sync.events
         while events:
-            fields = events.pop(0)
+            fields = events.popleft()
             log.write(fields.pop("event"), **fields)
 
     # ------------------------------------------------------------------------------ checkpoints

@@ -1,9 +1,19 @@
 """Fault tolerance across replica groups (FT-HSDP), as a layer over any training loop.
 
+The surface a user's own loop needs (README "Your own loop"): ``shard`` (torchrec's planner with
+fused, model-parallel tables, no DDP), ``StepSamples`` (which samples each group and rank trains),
+``wrap`` (the optimizer, fault tolerant: ``steps``, ``zero_grad``, ``step``), ``FTConfig.from_env``
+and ``ENVIRONMENT`` (what ``freescale launch`` sets), ``init_process_group`` (restart-safe under bare
+torchrun), ``Commit``, ``JobFinished``, ``DataState`` (the protocol of a data side of one's own).
+
+- ``wrapper``: ``wrap`` / ``FaultTolerantOptimizer``, the wrapper form over ``FaultTolerance``
+  (``examples/deepfm_ft.py``).
+- ``samples``: ``StepSamples``, the data side for a stream of sample ids.
 - ``layer``: ``FaultTolerance``, the object a loop calls at four points
   (``begin_step``, ``can_train``, ``backward``, ``step``): freescale's own
-  step engine (``freescale.trainer``, every pipeline) and a user's own
-  torchrec loop (``examples/user_loop_ft.py``) alike.
+  step engine (``freescale.trainer``, every pipeline), the wrapper, and a
+  loop written that way (``examples/user_loop_ft.py``) alike.
+- ``snapshot_state``: what a snapshot carries beyond the model and optimizers.
 - ``lighthouse``: membership, per-step quorums (fast path, join timeout,
   split-brain guard, growing ids, incarnations), commit votes, failure
   reports, finish; an aiohttp server (``freescale lighthouse`` or
@@ -40,13 +50,21 @@ if __name__ != "freescale.ft":  # imported by its folder name, the repository ro
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:
-    from freescale.ft.config import FTConfig
+    from freescale.distributed import init_process_group
+    from freescale.ft.config import ENVIRONMENT, FTConfig
     from freescale.ft.layer import DataState, FaultTolerance
+    from freescale.ft.samples import StepSamples
+    from freescale.ft.wrapper import FaultTolerantOptimizer, wrap
+    from freescale.parallelize import shard_fused as shard
     from freescale.step_feed import Commit
     from freescale.step_sync import JobFinished, NonFiniteError
 
 _LAZY = {"FTConfig": "freescale.ft.config", "DataState": "freescale.ft.layer", "FaultTolerance": "freescale.ft.layer",
-         "Commit": "freescale.step_feed", "JobFinished": "freescale.step_sync", "NonFiniteError": "freescale.step_sync"}
+         "Commit": "freescale.step_feed", "JobFinished": "freescale.step_sync", "NonFiniteError": "freescale.step_sync",
+         "StepSamples": "freescale.ft.samples", "wrap": "freescale.ft.wrapper",
+         "FaultTolerantOptimizer": "freescale.ft.wrapper", "shard": "freescale.parallelize",
+         "init_process_group": "freescale.distributed", "ENVIRONMENT": "freescale.ft.config"}
+_RENAMED = {"shard": "shard_fused"}
 
 
 def __getattr__(name: str) -> Any:
@@ -54,8 +72,9 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(importlib.import_module(_LAZY[name]), _RENAMED.get(name, name))
     raise AttributeError(f"module 'freescale.ft' has no attribute {name!r}")
 
 
-__all__ = ["Commit", "DataState", "FTConfig", "FaultTolerance", "JobFinished", "NonFiniteError"]
+__all__ = ["ENVIRONMENT", "Commit", "DataState", "FTConfig", "FaultTolerance", "FaultTolerantOptimizer", "JobFinished",
+           "NonFiniteError", "StepSamples", "init_process_group", "shard", "wrap"]

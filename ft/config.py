@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from freescale.config import require
+from freescale.config import ConfigError, require
 
 BACKENDS = ("auto", "gloo", "nccl")
 """``[ft] replica_backend`` choices (``freescale.ft.replica_group``)."""
@@ -15,6 +15,15 @@ REPLICA_INDEX_ENV = "FREESCALE_REPLICA_INDEX"
 REPLICAS_ENV = "FREESCALE_REPLICAS"
 TOKEN_ENV = "FREESCALE_LIGHTHOUSE_TOKEN"
 RUN_ID_ENV = "FREESCALE_RUN_ID"
+
+ENVIRONMENT = {
+    LIGHTHOUSE_ENV: "the lighthouse's URL, http(s)://host:port (empty or unset: no fault tolerance)",
+    REPLICAS_ENV: "replica groups the run plans over at step 0",
+    REPLICA_INDEX_ENV: "this group's index, 0 .. replicas - 1 (its replica id is replica<index>)",
+    RUN_ID_ENV: "the job's id: the lighthouse refuses a group of another run (optional; launch sets one)",
+    TOKEN_ENV: "shared secret the lighthouse and snapshot servers ask for (optional)",
+}
+"""What ``freescale launch --replicas`` sets in each group's environment, and a launcher of one's own must."""
 
 
 @dataclass
@@ -51,10 +60,29 @@ class FTConfig:
     buffers), ``nccl`` (GPU buffers, bounded waits, abort on failure; needs a GPU per rank) or
     ``auto``: ``nccl`` on CUDA ranks, ``gloo`` otherwise."""
 
+    @classmethod
+    def from_env(cls, **overrides: object) -> FTConfig:
+        """The defaults, then what ``freescale launch --replicas`` put in the environment (``ENVIRONMENT``),
+        then ``overrides`` (any field by name)."""
+        cfg = cls()
+        cfg.resolve_env()
+        for name, value in overrides.items():
+            if not hasattr(cfg, name):
+                raise ValueError(f"FTConfig.from_env: no field {name!r}")
+            setattr(cfg, name, value)
+        return cfg
+
     def resolve_env(self) -> None:
+        """Read ``FREESCALE_LIGHTHOUSE``, ``FREESCALE_REPLICAS`` and ``FREESCALE_REPLICA_INDEX`` where set
+        (a malformed number is refused naming its variable)."""
         self.lighthouse = os.environ.get(LIGHTHOUSE_ENV, self.lighthouse)
-        self.replicas = int(os.environ.get(REPLICAS_ENV, self.replicas))
-        self.replica_index = int(os.environ.get(REPLICA_INDEX_ENV, self.replica_index))
+        for name, field in ((REPLICAS_ENV, "replicas"), (REPLICA_INDEX_ENV, "replica_index")):
+            text = os.environ.get(name)
+            if text is not None:
+                try:
+                    setattr(self, field, int(text))
+                except ValueError:
+                    raise ConfigError(f"{name}={text!r}: not an integer") from None
 
     @property
     def enabled(self) -> bool:

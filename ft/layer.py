@@ -39,7 +39,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -47,7 +48,6 @@ import torch.distributed as dist
 from torch import nn
 
 from freescale.dense_update import DenseUpdate, LRSchedule
-from freescale.digest import local_tensors
 from freescale.distributed import collective_device
 from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import JobFinished, LighthouseClient
@@ -55,6 +55,8 @@ from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, replica_index_o
 from freescale.ft.ftar import ReplicaSync, StepResult
 from freescale.ft.agent_process import start_agent
 from freescale.ft.serving import advertised_host
+from freescale.ft.snapshot_state import (from_json, load_torch_optimizer, named_tensors, rng_state, set_rng_state,
+                                         to_json)
 from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
 from freescale.grad_buckets import BucketedGrads
 from freescale.step_feed import Commit
@@ -65,26 +67,32 @@ __all__ = ["DataState", "FaultTolerance", "JobFinished"]
 
 
 class DataState(Protocol):
-    """The data side of a loop (``freescale.step_feed.StepFeed`` is one)."""
+    """The data side of a loop: which samples each group trains, and what happens to a dead group's.
+
+    ``freescale.ft.StepSamples`` is the ready one for a stream of sample ids; the engine's
+    ``freescale.step_feed.StepFeed`` is another.  ``FaultTolerance`` calls, on every rank:
+
+    - ``commit(commit)``: once per committed step, in step order, after the update (a recovering group:
+      for each step it replays after loading a snapshot).  ``commit.step`` the step; ``commit.trained``
+      the group indices whose gradients the update holds (plan their samples as done);
+      ``commit.ready`` the groups holding valid state after it (plan the next step over these:
+      every group computes the same plan from the same commits); ``commit.applied`` False while this
+      group is catching up (the step is recorded, not applied: ``commit`` is not called then);
+      ``commit.restored`` this rank's state was just replaced from a peer's snapshot.
+    - ``state_dict()``: when a snapshot is staged for a recovering peer (JSON-able values and tensors);
+      ``load_state_dict(state)``: when this rank loads a peer's snapshot, before the replayed commits.
+
+    Optional (the wrapper form, and ``backward`` without ``weight=``, read them after ``begin_step``):
+    ``weight(step)`` the samples this group trains at ``step``; ``rank_samples(step)`` this rank's share
+    (the layer scales a per-rank mean loss by it); ``bind(group, replicas, rank, ranks)`` called once
+    at construction with this rank's place.
+    """
 
     def commit(self, commit: Commit) -> Any: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def _named_tensors(value: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
-    """Every tensor in a (nested) state dict, by path; sharded tensors as their local shards."""
-    if isinstance(value, dict):
-        for key in sorted(value, key=str):
-            yield from _named_tensors(value[key], f"{prefix}/{key}")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _named_tensors(item, f"{prefix}/{i}")
-    elif isinstance(value, torch.Tensor):
-        for i, t in enumerate(local_tensors(value)):
-            yield f"{prefix}#{i}", t
 
 
 def _dense_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -100,16 +108,6 @@ def _dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _load_torch_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
-    """A plain torch optimizer's per-parameter state from snapshot names ``/optim/state/<i>/<key>#0``."""
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        if name.startswith("/optim/state/"):
-            index, key = name[len("/optim/state/"):].rsplit("#", 1)[0].split("/", 1)
-            state.setdefault(int(index), {})[key] = t.clone()
-    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
-
-
 class FaultTolerance:
     """One rank's fault tolerance across replica groups (module docstring)."""
 
@@ -119,56 +117,60 @@ class FaultTolerance:
                  data: DataState | None = None, hooks: StepHooks | None = None,
                  chunk_bytes: int | None = None, max_inflight: int | None = None,
                  nonfinite: str = "stop", device: torch.device | None = None,
-                 update: DenseUpdate | None = None) -> None:
+                 update: DenseUpdate | None = None, scheduler: Any | None = None) -> None:
         cfg.validate()
-        self.cfg, self.model, self.optimizer, self.data = cfg, model, optimizer, data
-        self.hooks = hooks or StepHooks()
-        self.nonfinite = nonfinite
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.group_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.group_index = cfg.replica_index
-        self.device = device or next(iter(p.device for p in model.parameters() if p.device.type != "meta"),
+        self._cfg, self._model, self._optimizer, self._data = cfg, model, optimizer, data
+        self._hooks = hooks or StepHooks()
+        self._nonfinite = nonfinite
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._group_size = dist.get_world_size() if dist.is_initialized() else 1
+        self._group_index = cfg.replica_index
+        self._device = device or next(iter(p.device for p in model.parameters() if p.device.type != "meta"),
                                      torch.device("cpu"))
-        self.incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.dense = _dense_parameters(model)
+        self._incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._dense = _dense_parameters(model)
         fused = getattr(model, "fused_optimizer", None)
         dense_optimizers = [opt for _, opt in getattr(optimizer, "optimizers", [("", optimizer)]) if opt is not fused]
-        self.update = update if update is not None else DenseUpdate(dense_optimizers, self.dense, LRSchedule())
+        self._update = update if update is not None else DenseUpdate(dense_optimizers, self._dense, LRSchedule(),
+                                                                    scheduler=scheduler)
         """The committed step's dense update (clip, step, schedule: ``freescale/dense_update.py``), the same
         code and inputs in every group."""
-        self.in_group = dist.new_group() if self.group_size > 1 else None
-        self.grads = BucketedGrads(self.dense, self.in_group, cfg.first_bucket_kb * 1024, cfg.bucket_kb * 1024,
+        if hasattr(data, "bind"):
+            data.bind(self._group_index, cfg.replicas, self._rank, self._group_size)  # type: ignore[union-attr]
+        self._user_states: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self.in_group = dist.new_group() if self._group_size > 1 else None
+        self._grads = BucketedGrads(self._dense, self.in_group, cfg.first_bucket_kb * 1024, cfg.bucket_kb * 1024,
                                    chunk_bytes=chunk_bytes, max_inflight=max_inflight)
-        self.sparse = UnionSparseUpdate(model) if fused is not None and fused_tbes(model) else None
+        self._sparse = UnionSparseUpdate(model) if fused is not None and fused_tbes(model) else None
         token = os.environ.get(TOKEN_ENV, "")
         bind, advertise = advertised_host(cfg.lighthouse)
-        self.agent = (start_agent(cfg.lighthouse, cfg.replica_id, self.incarnation, self.group_size, bind, advertise)
-                      if self.group_size > 1 and self.rank == 0 else None)  # its start overlaps the set-up below
-        self.server = SnapshotServer(bind, token=token, advertise=advertise) if cfg.snapshots else None
-        if self.server is not None:
-            if self.hooks.wants("serve"):
-                self.server.on_stream = lambda step: self.hooks.at("serve", step)
-            self.server.start()
+        self._agent = (start_agent(cfg.lighthouse, cfg.replica_id, self._incarnation, self._group_size, bind, advertise)
+                      if self._group_size > 1 and self._rank == 0 else None)  # its start overlaps the set-up below
+        self._server = SnapshotServer(bind, token=token, advertise=advertise) if cfg.snapshots else None
+        if self._server is not None:
+            if self._hooks.wants("serve"):
+                self._server.on_stream = lambda step: self._hooks.at("serve", step)
+            self._server.start()
         try:
             voice = self._group_voice()
         except BaseException:
-            if self.agent is not None:
-                self.agent.stop()
+            if self._agent is not None:
+                self._agent.stop()
             raise
-        self.client = LighthouseClient(voice, cfg.replica_id, self.incarnation, member=self.rank,
-                                       group_size=self.group_size, token=token,
+        self._client = LighthouseClient(voice, cfg.replica_id, self._incarnation, member=self._rank,
+                                       group_size=self._group_size, token=token,
                                        run_id=os.environ.get(RUN_ID_ENV, "")).start()
-        if self.rank == 0:  # held back so that no step is committed twice: one line, once per reason
-            self.client.on_waiting = lambda why: print(f"freescale: replica group {self.group_index}: {why}",
+        if self._rank == 0:  # held back so that no step is committed twice: one line, once per reason
+            self._client.on_waiting = lambda why: print(f"freescale: replica group {self._group_index}: {why}",
                                                        file=sys.stderr, flush=True)
-        self.sync = ReplicaSync(self.client, position=self.rank, timeout_s=cfg.timeout_s, snapshot_server=self.server,
-                                token=token, in_group=self.in_group, backend=cfg.replica_backend, device=self.device,
-                                hooks=self.hooks, store_host=advertise)
+        self._sync = ReplicaSync(self._client, position=self._rank, timeout_s=cfg.timeout_s, snapshot_server=self._server,
+                                token=token, in_group=self.in_group, backend=cfg.replica_backend, device=self._device,
+                                hooks=self._hooks, store_host=advertise)
         self.record: dict[str, Any] = {}
         self.last_commit = Commit(-1, frozenset(), frozenset())
-        self._ready_replicas = self.cfg.replicas  # how many held valid state after the last step
-        self.events: list[dict[str, Any]] = []
-        """Events for the run log since the caller last took them (catch-up, staging)."""
+        self._ready_replicas = self._cfg.replicas  # how many held valid state after the last step
+        self.events: deque[dict[str, Any]] = deque(maxlen=1024)
+        """Events for the run log since the caller last took them (catch-up, staging): the newest 1024."""
         self.finished_elsewhere = False
         self._members: set[str] | None = None
         """The groups of the last committed quorum (for the console line when they change)."""
@@ -180,20 +182,20 @@ class FaultTolerance:
         """Where this rank's lighthouse requests go: the lighthouse itself for a group of one rank,
         else the group's agent on member 0 (``freescale.ft.group_agent``), whose URL member 0
         hands to its peers over the group's process group."""
-        if self.agent is None and self.group_size == 1:
-            return self.cfg.lighthouse
+        if self._agent is None and self._group_size == 1:
+            return self._cfg.lighthouse
         buffer = torch.zeros(512, dtype=torch.uint8, device=collective_device(self.in_group))
         failure = ""
-        if self.agent is not None:
+        if self._agent is not None:
             try:
-                url = self.agent.wait_url().encode()
+                url = self._agent.wait_url().encode()
                 buffer[:len(url)] = torch.tensor(list(url), dtype=torch.uint8)
             except RuntimeError as exc:
                 failure = str(exc)
         dist.broadcast(buffer, group_src=0, group=self.in_group)
         url = bytes(buffer.cpu().tolist()).rstrip(b"\0").decode()
         if not url:
-            raise RuntimeError(failure or f"replica group {self.group_index}: its agent on member 0 did not start "
+            raise RuntimeError(failure or f"replica group {self._group_index}: its agent on member 0 did not start "
                                           "(member 0's log says why)")
         return url
 
@@ -201,10 +203,10 @@ class FaultTolerance:
     def start(self, wait_for: int | None = None) -> None:
         """Wait (``wait_for_replicas_s`` at most) until ``wait_for`` (default ``replicas``) groups are
         up: a late group would have to catch up from the first step."""
-        deadline = time.monotonic() + self.cfg.wait_for_replicas_s
-        wanted = self.cfg.replicas if wait_for is None else wait_for
+        deadline = time.monotonic() + self._cfg.wait_for_replicas_s
+        wanted = self._cfg.replicas if wait_for is None else wait_for
         while time.monotonic() < deadline:
-            groups = self.client.status()["groups"]
+            groups = self._client.status()["groups"]
             if sum(1 for g in groups.values() if g["healthy"]) >= wanted:
                 return
             time.sleep(0.05)
@@ -214,84 +216,110 @@ class FaultTolerance:
         a group restarted while others train must catch up from them instead).  Asked once the
         lighthouse has settled (a restarted one without a state file first hears the live groups
         re-register: ``freescale.ft.membership``).  Agreed in-group."""
-        deadline = time.monotonic() + self.cfg.wait_for_replicas_s
-        status = self.client.status()
+        deadline = time.monotonic() + self._cfg.wait_for_replicas_s
+        status = self._client.status()
         while not status.get("settled", True) and time.monotonic() < deadline:
             time.sleep(0.05)
-            status = self.client.status()
+            status = self._client.status()
         return self.agree(int(status.get("high_step", -1)) < 0)
 
     def owns_checkpoint(self, commit: Commit) -> bool:
         """This group writes the checkpoint of ``commit``: the ready group with the lowest index
         (all hold the same state; every group computes the same choice).  Agreed in-group."""
-        return self.agree(bool(commit.ready) and min(commit.ready) == self.group_index)
+        return self.agree(bool(commit.ready) and min(commit.ready) == self._group_index)
 
     def finish(self, last_step: int) -> None:
         if not self.finished_elsewhere:
-            self.client.finish(last_step)
+            self._client.finish(last_step)
 
     def close(self) -> None:
-        self.client.close()
-        if self.agent is not None:
-            self.agent.stop()
-        if self.server is not None:
-            self.server.stop()
+        self._client.close()
+        if self._agent is not None:
+            self._agent.stop()
+        if self._server is not None:
+            self._server.stop()
 
     # ------------------------------------------------------------------ one step
     @property
     def recovering(self) -> bool:
-        return self.sync.recovering
+        return self._sync.recovering
 
     def begin_step(self, step: int) -> None:
         self._step, self._weight, self._loss = step, None, None
-        self.update.before_tables(step)  # fbgemm takes the rate at the union's lookup, built during the vote
-        self.sync.start_step(step)
-        if self.sparse is not None:
-            self.sparse.reset()
+        self._update.before_tables(step)  # fbgemm takes the rate at the union's lookup, built during the vote
+        self._sync.start_step(step)
+        if self._sparse is not None:
+            self._sparse.reset()
 
     def can_train(self, step: int) -> bool:
         """Not catching up; on a process's first step, not behind the quorum (a restarted group
         would train a stale step while the others wait for it to join their group: every rank of
-        the group decides alike).  Call it once per step, after ``begin_step``."""
+        the group decides alike); and, with ``data`` that reports ``weight``, planned in (a group
+        that just caught up has no share until the next plan).  Call it once per step, after
+        ``begin_step``."""
         first, self._first_step = self._first_step, False
-        if first and not self.agree(not self.sync.behind(step)):
+        if first and not self.agree(not self._sync.behind(step)):
             return False
-        return not self.sync.recovering
+        if self._sync.recovering:
+            return False
+        return not hasattr(self._data, "weight") or self._data.weight(step) > 0  # type: ignore[union-attr]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.dense:
+        for p in self._dense:
             p.grad = None
 
     def backward(self, loss: torch.Tensor, weight: float | None = None) -> None:
         """``loss.backward()`` with the dense buckets reduced in the group and across groups while
-        it runs.  ``weight``: the samples this group's gradients average over (default: ``data``'s)."""
-        step = self._step
+        it runs.  ``weight``: the samples this group's gradients average over, with ``loss`` already
+        scaled so that the in-group average of the ranks' gradients is the group's (the engine's form).
+        Without it, ``data`` reports both (``weight``, ``rank_samples``) and ``loss`` is the mean over
+        this rank's samples: the layer scales it."""
+        scale = self._arm(weight)
+        self._loss = loss.detach()
+        (loss * scale if scale != 1.0 else loss).backward()
+        self._after_backward()
+
+    def _data_weight(self, step: int) -> tuple[float, float]:
+        """(This group's samples at ``step``, the factor turning a per-rank mean loss into the engine's form.)"""
+        if not hasattr(self._data, "weight"):
+            raise ValueError("FaultTolerance.backward: pass weight= (the samples of this group's step), or "
+                             "data= that reports weight(step) and rank_samples(step) (freescale.ft.StepSamples)")
+        weight = float(self._data.weight(self._step))  # type: ignore[union-attr]
+        mine = self._data.rank_samples(self._step) if hasattr(self._data, "rank_samples") else None  # type: ignore[union-attr]
+        if mine is None or weight <= 0:
+            return weight, 1.0
+        return weight, mine * self._group_size / weight
+
+    def _arm(self, weight: float | None) -> float:
+        """Before this step's backward: the buckets and the cross-group stage are set to run during it.
+        Returns the loss scale (1 with ``weight``; else ``data``'s, as in ``backward``)."""
+        scale = 1.0
         if weight is None:
-            weight = self.data.weight(step) if hasattr(self.data, "weight") else None  # type: ignore[union-attr]
-            if weight is None:
-                raise ValueError("FaultTolerance.backward: pass weight= (the samples of this group's step)")
-        self._weight, self._loss = float(weight), loss.detach()
-        self.grads.begin()
-        self.hooks.at("forward", step)
-        if self.cfg.overlap_backward:
-            header = self.sparse.header() if self.sparse is not None else None
-            self.sync.attach(step, self.grads, self._weight, header)
-        loss.backward()
-        self.hooks.at("slow", step)
-        if self._ready_replicas < self.cfg.replicas:
-            self.hooks.at("away", step)
+            weight, scale = self._data_weight(self._step)
+        self._weight = float(weight)
+        self._grads.begin()
+        self._hooks.at("forward", self._step)
+        if self._cfg.overlap_backward:
+            header = self._sparse.header() if self._sparse is not None else None
+            self._sync.attach(self._step, self._grads, self._weight, header)
+        return scale
+
+    def _after_backward(self) -> None:
+        self._hooks.at("slow", self._step)
+        if self._ready_replicas < self._cfg.replicas:
+            self._hooks.at("away", self._step)
 
     def step(self) -> Commit:
         """The rest of the step's exchange, the vote and, once committed, the update (module
         docstring).  Without a ``backward`` this step, the replica contributes zeros with weight 0."""
         step, trained = self._step, self._weight is not None
-        tensors = self.grads.views() if trained else [torch.zeros_like(p) for p in self.dense]
-        self.hooks.at("reduce", step)
+        tensors = self._grads.views() if trained else [torch.zeros_like(p) for p in self._dense]
+        self._hooks.at("reduce", step)
         try:
             # ``grads`` even when this replica did not train: its layout is the buckets every participant
             # reduces in (a zero contribution must issue the same collectives as the others).
-            result = self.sync.reduce_and_commit(step, tensors, self._weight or 0.0, exchange=self.sparse,
-                                                 grads=self.grads)
+            result = self._sync.reduce_and_commit(step, tensors, self._weight or 0.0, exchange=self._sparse,
+                                                 grads=self._grads)
         except JobFinished as done:
             self.finished_elsewhere = True
             self.events.append({"event": "finished_elsewhere", "step": step, "finished_step": done.step})
@@ -300,18 +328,18 @@ class FaultTolerance:
         self._ready_replicas = len(result.ready)
         self._say_membership(result)
         if result.recovering:
-            self.hooks.at("catchup", result.step)
-            caught_up = self.agree(self.sync.snapshot_arrived)  # the whole group turns ready at one step
+            self._hooks.at("catchup", result.step)
+            caught_up = self.agree(self._sync.snapshot_arrived)  # the whole group turns ready at one step
             if caught_up:
                 self._catch_up()  # the snapshot and every recorded step up to this one: valid state now
             self.last_commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result),
                                       applied=caught_up, restored=caught_up)
             return self.last_commit
         commit = self.last_commit = self._apply(result)
-        self.record.update(self.update.record)
+        self.record.update(self._update.record)
         if result.stage_snapshot:
             self.events.append({"event": "stage", "step": result.step,
-                                "stage_s": self.sync.stage(result.step, self.snapshot())})
+                                "stage_s": self._sync.stage(result.step, self.snapshot())})
         return commit
 
     def _apply(self, result: StepResult) -> Commit:
@@ -320,39 +348,39 @@ class FaultTolerance:
         commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result))
         updates = sum(result.weights.values()) > 0  # nobody trained this step: no update at all
         if updates and not (result.finite if result.finite is not None else all_finite(result.tensors)):
-            if self.nonfinite == "stop":
+            if self._nonfinite == "stop":
                 raise NonFiniteError(nonfinite_message(result.step, self._loss if self._weight else None,
-                                                       self.in_group, f" (replica group {self.group_index})"))
+                                                       self.in_group, f" (replica group {self._group_index})"))
             self.events.append({"event": "nonfinite_skipped", "step": result.step})
             self.record["nonfinite_skipped"] = True
             updates = False
         if updates:
-            for p, averaged in zip(self.dense, result.tensors):
+            for p, averaged in zip(self._dense, result.tensors):
                 p.grad = averaged if averaged.device == p.device else averaged.to(p.device)  # replayed
-            self.update.apply(result.step)
-            for p in self.dense:
+            self._update.apply(result.step)
+            for p in self._dense:
                 p.grad = None
-            if self.sparse is not None:
-                self.update.before_tables(result.step)  # a replayed step's lookup is built in apply
-                self.sparse.apply(result.extra, result.prepared)
+            if self._sparse is not None:
+                self._update.before_tables(result.step)  # a replayed step's lookup is built in apply
+                self._sparse.apply(result.extra, result.prepared)
         else:
-            self.update.record = {}
-            if self.sparse is not None and result.prepared is not None:
-                self.sparse.discard(result.prepared)  # no update this step: the lookup built for it goes back
-        if self.data is not None:
-            self.data.commit(commit)
+            self._update.record = {}
+            if self._sparse is not None and result.prepared is not None:
+                self._sparse.discard(result.prepared)  # no update this step: the lookup built for it goes back
+        if self._data is not None:
+            self._data.commit(commit)
         return commit
 
     def _say_membership(self, result: StepResult) -> None:
         """One console line (rank 0) when the groups committing with this one change: who left, who joined."""
         members = set(result.quorum.replica_ids)
         before, self._members = self._members, members
-        if self.rank != 0 or before is None or members == before:
+        if self._rank != 0 or before is None or members == before:
             return
         change = "; ".join(part for part in (
             f"left: {', '.join(sorted(before - members))}" if before - members else "",
             f"joined: {', '.join(sorted(members - before))}" if members - before else "") if part)
-        print(f"freescale: replica group {self.group_index}: step {result.step} committed by "
+        print(f"freescale: replica group {self._group_index}: step {result.step} committed by "
               f"{', '.join(sorted(members))} ({change})", file=sys.stderr, flush=True)
 
     def _record_of(self, result: StepResult, trained: bool) -> dict[str, Any]:
@@ -363,12 +391,12 @@ class FaultTolerance:
                 "ready": sorted(result.ready), "recovering": result.recovering}
 
     def _group_of(self, replica_id: str) -> int:
-        if replica_id == self.cfg.replica_id:
-            return self.group_index
+        if replica_id == self._cfg.replica_id:
+            return self._group_index
         try:
             return replica_index_of(replica_id)
         except ValueError:
-            if self.data is not None:
+            if self._data is not None:
                 raise
             return -1  # custom replica ids and no data accounting: group indices are not used
 
@@ -379,24 +407,40 @@ class FaultTolerance:
         return frozenset(self._group_of(rid) for rid in result.ready)
 
     # ------------------------------------------------------------------ catch-up
+    def register_state(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
+        """Carry more state in the snapshot a recovering group loads (counters, an EMA, a sampler):
+        ``state_dict()`` is called when a snapshot is staged, ``load_state_dict(state)`` when one is loaded,
+        before the replayed steps.  Values: tensors and JSON-able values (dict keys become strings).
+        Every group must register the same names."""
+        if name in self._user_states:
+            raise ValueError(f"FaultTolerance.register_state: '{name}' is registered already")
+        self._user_states[name] = (state_dict, load_state_dict)
+
     def _state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+        return {"model": self._model.state_dict(), "optim": self._optimizer.state_dict()}
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """This rank's whole state as named tensors (what a recovering peer at this position loads)."""
-        tensors = dict(_named_tensors(self._state(), ""))
-        meta = json.dumps({"data": self.data.state_dict() if self.data is not None else None}).encode()
-        tensors["meta.json"] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        """This rank's whole state as named tensors (what a recovering peer at this position loads):
+        the model, the optimizers, and in ``meta.json`` (tensors beside it) the data side, the LR
+        scheduler, the registered states and the RNGs."""
+        tensors = dict(named_tensors(self._state(), ""))
+        scheduler = self._update.scheduler
+        meta = {"data": to_json(self._data.state_dict(), "/data", tensors) if self._data is not None else None,
+                "scheduler": to_json(scheduler.state_dict(), "/scheduler", tensors) if scheduler is not None else None,
+                "user": {name: to_json(get(), f"/user/{name}", tensors) for name, (get, _) in self._user_states.items()},
+                "rng": rng_state(tensors)}
+        encoded = json.dumps(meta).encode()
+        tensors["meta.json"] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
         return tensors
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         from freescale.parallelize import materialize_optimizer_state
 
-        if hasattr(self.optimizer, "optimizers"):
-            materialize_optimizer_state(self.optimizer)  # type: ignore[arg-type]
+        if hasattr(self._optimizer, "optimizers"):
+            materialize_optimizer_state(self._optimizer)  # type: ignore[arg-type]
         else:
-            _load_torch_optimizer(self.optimizer, tensors)  # its state may not exist yet: rebuilt
-        mine = dict(_named_tensors(self._state(), ""))
+            load_torch_optimizer(self._optimizer, tensors)  # its state may not exist yet: rebuilt
+        mine = dict(named_tensors(self._state(), ""))
         missing = sorted(set(mine) - set(tensors))
         if missing:
             raise RuntimeError(f"catch-up: the snapshot lacks {missing[:3]} (a different model or sharding plan?)")
@@ -407,30 +451,47 @@ class FaultTolerance:
                                        f"{tuple(t.shape)} here")
                 t.copy_(tensors[name])
         meta = json.loads(bytes(tensors["meta.json"].numpy()).decode())
-        if self.data is not None and meta.get("data") is not None:
-            self.data.load_state_dict(meta["data"])
+        if self._data is not None and meta.get("data") is not None:
+            self._data.load_state_dict(from_json(meta["data"], tensors))
+        self._load_extras(meta, tensors)
+
+    def _load_extras(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """The scheduler (and the rates it set), the registered states and the RNGs of a snapshot."""
+        scheduler = self._update.scheduler
+        if scheduler is not None and meta.get("scheduler") is not None:
+            scheduler.load_state_dict(from_json(meta["scheduler"], tensors))
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr  # the rate the source's next update uses
+        user = meta.get("user") or {}
+        for name, (_, load) in self._user_states.items():
+            if name not in user:
+                raise RuntimeError(f"catch-up: the snapshot has no state '{name}' (registered here, not on the "
+                                   "group it came from)")
+            load(from_json(user[name], tensors))
+        if meta.get("rng") is not None:
+            set_rng_state(meta["rng"], tensors)
 
     def _catch_up(self) -> None:
         """Load the snapshot and replay every recorded step after it (the group agreed it is in)."""
-        caught = self.sync.take_catch_up()
+        caught = self._sync.take_catch_up()
         self.load(caught.state)
         for result in caught.replay:
             self._apply(result)
         self.events.append({"event": "catch_up", "step": caught.replay[-1].step if caught.replay
-                            else caught.snapshot_step, "catch_up": dict(self.sync.catch_up_log)})
+                            else caught.snapshot_step, "catch_up": dict(self._sync.catch_up_log)})
 
     def agree(self, ok: bool) -> bool:
         """True only if every rank of this group got True (an in-group all-reduce, MIN)."""
-        return self.sync.agree(ok)
+        return self._sync.agree(ok)
 
     def warm_up(self, loss: torch.Tensor) -> None:
         """Backward of a forward whose result is thrown away (before the first quorum: torchrec's
         lazy set-up and the first kernels are paid here, not in a step the other groups wait for)."""
         (loss * 0.0).backward()
-        for p in self.dense:
+        for p in self._dense:
             p.grad = None
-        if self.sparse is not None:
-            self.sparse.reset()
+        if self._sparse is not None:
+            self._sparse.reset()
 
     def check_finite(self) -> None:
         """Non-finite steps are found when they commit (``train.nonfinite``): nothing left to check."""

@@ -131,8 +131,9 @@ def fused_tbes(dmp: nn.Module) -> list[tuple[str, nn.Module]]:
         if not fused:
             raise ValueError(
                 f"fault tolerance: the embeddings of '{name.split('.lookup')[0]}' were planned with a dense "
-                "(non-fused) kernel; their updates could not be kept identical across replica groups. Give the "
-                "planner fused kernels only (the default sharders in freescale.parallelize do)")
+                "(non-fused) kernel (torchrec's planner picks data_parallel for a small table); their updates could "
+                "not be kept identical across replica groups. Shard the model with freescale.ft.shard (fused kernels, "
+                "model-parallel tables only)")
         found.append((name, kernel.emb_module))
     return found
 

@@ -1,11 +1,12 @@
-"""``examples/user_loop_ft.py``: a user's own torchrec loop made fault tolerant, with a real SIGKILL.
+"""The examples of a user's own torchrec loop made fault tolerant, each with a real SIGKILL.
 
-Two replica groups of two ranks train a two-tower model that is not one of
-freescale's.  Rank 1 of group 1 SIGKILLs itself as step 8's gradient exchange
-begins (``FREESCALE_FAULTS``); torchrun restarts the group, which catches up
-from group 0 while group 0 keeps training.  Checked: the groups' whole states
-hash the same at every step both committed, the restarted group caught up and
-trained again, and every sample was trained exactly once.
+``examples/user_loop_ft.py`` (the explicit form, its own launcher) and ``examples/deepfm_ft.py``
+(the wrapper form under ``freescale launch -- python ...``, plain ``dist.init_process_group``, torchrec's
+planner through ``ft.shard``, an LR scheduler).  Two replica groups of two ranks; rank 1 of group 1
+SIGKILLs itself as step 8's gradient exchange begins (``FREESCALE_FAULTS``); its group restarts and
+catches up from group 0 while group 0 keeps training.  Checked: the groups' whole states hash the same
+at every step both committed (and the schedulers agree), the restarted group caught up and trained
+again, and every sample was trained exactly once.
 """
 
 from __future__ import annotations
@@ -47,3 +48,34 @@ def test_user_loop_survives_a_sigkill_and_catches_up(tmp_path: Path) -> None:
     trained = [i for e in steps_of[0].values() for i in e["trained"]]
     pending = [i for e in logs[0] if "pending" in e for i in e["pending"]]
     assert sorted(trained + pending) == list(range(steps * batch * 4)), "a sample was lost or trained twice"
+
+
+def test_deepfm_wrapper_form_under_freescale_launch_survives_a_sigkill(tmp_path: Path) -> None:
+    steps, per_step = 80, 16 * 2 * 2
+    env = {**cli_env(), FAULTS_ENV: "1:1:8:reduce:0,*:*:0:away:300", "FREESCALE_FAULTS_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "freescale.cli", "launch", "--replicas", "2", "--ranks-per-replica",
+                           "2", "--max-restarts", "1", "--", sys.executable, "examples/deepfm_ft.py", "--steps",
+                           str(steps), "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "replica1" / "rank1.killed").exists(), "the fault never fired"
+    # the dead rank's peer says so in one line, if it sees the failure before its agent stops it
+    peer_lines = [line for line in proc.stderr.splitlines() if "a peer failed" in line]
+    assert all(line.startswith("freescale: replica group 1 rank") for line in peer_lines)
+    assert "Traceback" not in proc.stderr, "a handled fault printed a traceback"
+    logs = {g: [json.loads(line) for line in (tmp_path / f"replica{g}.jsonl").read_text().splitlines()]
+            for g in (0, 1)}
+    steps_of = {g: {e["step"]: e for e in log if "step" in e} for g, log in logs.items()}
+    assert sorted(steps_of[0]) == list(range(steps)), "the survivor skipped a step"
+    rejoined = sorted(s for s in steps_of[1] if s > 9)
+    assert rejoined and rejoined[-1] == steps - 1, "group 1 did not train again after its restart"
+    for step in rejoined:
+        mine, theirs = steps_of[1][step], steps_of[0][step]
+        assert mine["participants"] == ["replica0", "replica1"]
+        assert (mine["digest"], mine["scheduler"], mine["lr"]) == (theirs["digest"], theirs["scheduler"], theirs["lr"]), \
+            f"step {step}: the groups differ"
+    assert steps_of[0][steps - 1]["scheduler"] == steps, "the scheduler missed a committed step"
+    trained = [i for e in steps_of[0].values() for i in e["trained"]]
+    pending = [i for e in logs[0] if "pending" in e for i in e["pending"]]
+    assert sorted(trained + pending) == list(range(steps * per_step)), "a sample was lost or trained twice"
+

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from freescale.cli import main
+from freescale.config import ConfigError
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.log_input import LogColumns
 from freescale.dataloader.build import DataConfig, build_loader
@@ -289,6 +290,27 @@ def test_a_generated_log_with_sessions_chains_successors_within_them() -> None:
     assert abs(successor[same_user & short].mean() - 0.6) < 0.05  # a chance draw is the successor < 1 in 30
     assert successor[same_user & (gap > 6 * 3_600)].mean() < 0.1
     assert 0.2 < (~short[same_user]).mean() < 0.3
+
+
+def test_with_several_tastes_a_user_draws_from_each_of_their_categories() -> None:
+    """``gen-log --tastes 3``: each user's interactions come mostly from three categories of their own,
+    about equally, and are liked there (so the last item's category names one taste, the history all)."""
+    from freescale.dataloader.synthetic_log import LogSpec, interactions
+
+    spec = LogSpec(users=200, items=600, categories=12, tastes=3, seed=5)
+    log = interactions(spec)
+    user, category = log.column("userId").to_numpy(), (log.column("movieId").to_numpy() - 1) % 12
+    liked = log.column("rating").to_numpy() >= 4
+    top3, stand_out = [], []
+    for u in np.unique(user):
+        counts = np.sort(np.bincount(category[user == u], minlength=12))[::-1]
+        top3.append(counts[:3].sum() / counts.sum())
+        stand_out.append(counts[2] > 2 * counts[3])  # expected 26% of a user's interactions vs 2.5%
+    assert 0.7 < np.mean(top3) < 0.85  # on_topic 0.7 plus the off-topic draws that land in a taste
+    assert np.mean(stand_out) > 0.8  # (users with 20 interactions are noisy)
+    assert 0.6 < liked.mean() < 0.75
+    with pytest.raises(ConfigError, match="tastes"):
+        LogSpec(categories=6, tastes=7).validate()
 
 
 def test_engine_spark_without_pyspark_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],

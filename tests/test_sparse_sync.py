@@ -24,7 +24,8 @@ from freescale.distributed import init_distributed
 from freescale.ft.sparse_sync import TBEStep, UnionSparseUpdate, UnionUpdate
 from freescale.models import build_model, cost_model_for
 from freescale.parallelize import shard_model
-from freescale.trainer import TrainerConfig, quiet_libraries
+from freescale.rank_console import quiet_libraries
+from freescale.trainer import TrainerConfig
 
 
 def _concat(a: Batch, b: Batch) -> Batch:

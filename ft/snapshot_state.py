@@ -1,0 +1,89 @@
+"""What a snapshot holds beyond the model and the optimizers, and how tensors travel in it.
+
+A snapshot (``FaultTolerance.snapshot``, streamed by ``freescale.ft.catchup``) is a flat dict of named
+tensors, raw bytes on the wire (no pickle): the model's and the optimizers' state by path
+(``named_tensors``; sharded tensors as this rank's local shards), and ``meta.json``, a JSON document of
+the rest: the data side's state, a user's LR scheduler, the states a loop registered, and the RNGs.
+Tensors inside those (a sampler's permutation, torch's RNG state) are moved out beside it by path
+(``to_json``) and put back on load (``from_json``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from freescale.digest import local_tensors
+
+
+def named_tensors(value: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor in a (nested) state dict, by path; sharded tensors as their local shards."""
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            yield from named_tensors(value[key], f"{prefix}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from named_tensors(item, f"{prefix}/{i}")
+    elif isinstance(value, torch.Tensor):
+        for i, t in enumerate(local_tensors(value)):
+            yield f"{prefix}#{i}", t
+
+
+def to_json(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """``value`` with every tensor moved into ``tensors`` (by path) and a ``{"tensor": path}`` left in its place."""
+    if isinstance(value, torch.Tensor):
+        tensors[prefix] = value.detach().cpu().contiguous()
+        return {"tensor": prefix}
+    if isinstance(value, dict):
+        return {str(k): to_json(v, f"{prefix}/{k}", tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v, f"{prefix}/{i}", tensors) for i, v in enumerate(value)]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def from_json(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"tensor"} and isinstance(value["tensor"], str) and value["tensor"] in tensors:
+            return tensors[value["tensor"]].clone()
+        return {k: from_json(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v, tensors) for v in value]
+    return value
+
+
+def rng_state(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Python's, numpy's and torch's (CPU, and CUDA when in use) random states: torch's as tensors."""
+    tensors["/rng/torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["/rng/cuda"] = torch.cuda.get_rng_state()
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    return {"python": [version, list(internal), gauss], "numpy": [kind, keys.tolist(), pos, has_gauss, cached]}
+
+
+def set_rng_state(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["/rng/torch"])
+    if "/rng/cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["/rng/cuda"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def load_torch_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    """A plain torch optimizer's per-parameter state from snapshot names ``/optim/state/<i>/<key>#0``."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if name.startswith("/optim/state/"):
+            index, key = name[len("/optim/state/"):].rsplit("#", 1)[0].split("/", 1)
+            state.setdefault(int(index), {})[key] = t.clone()
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})

@@ -1,0 +1,192 @@
+"""The wrapper form: a plain torch or torchrec loop made fault tolerant by wrapping its optimizer.
+
+In the spirit of torchft's optimizer wrapper, the loop keeps its shape::
+
+    samples = ft.StepSamples(per_step=4096)                  # which samples each group and rank trains
+    optimizer = ft.wrap(model, optimizer, data=samples, scheduler=scheduler)
+    for step in optimizer.steps(total_steps):                # only the steps this group trains
+        batch = my_batch(samples.mine(step))                 # this rank's share of the step
+        optimizer.zero_grad()
+        loss = loss_fn(model(batch), batch.labels)           # the mean over this rank's samples
+        loss.backward()                                      # dense buckets reduced in the group and across
+        optimizer.step()                                     # exchange, vote, update; the scheduler steps
+
+What happens where, and what overlaps with what:
+
+- ``steps`` sends the step's quorum request before it yields the step, so its round trip overlaps the
+  loop's data loading and forward (as ``begin_step`` does in the explicit form), and arms the
+  gradient buckets, so a plain ``loss.backward()`` reduces each bucket in the group and across groups
+  while the rest of backward runs.  Steps this group cannot train (it is catching up from a peer, or
+  has no samples planned) are run here without yielding: the loop body only sees real work.
+- The sample weight and the loss scale come from ``data`` (``weight``, ``rank_samples``): a forward
+  hook on ``model`` scales the gradient flowing out of its outputs so that a per-rank mean loss
+  becomes the group's sample mean (``loss_reduction="sum"`` for a summed loss).  Nobody scales by hand.
+- ``step()`` is the rest of the exchange, the vote and, once committed, the update: the dense
+  optimizer on the sample-weighted average of every group's gradients, the fused embedding tables'
+  union update, then ``scheduler.step()``.  The scheduler is stepped by the layer, also for steps a
+  recovering group replays, and travels in the snapshot: do not step it in the loop.
+- A job that finished elsewhere (the other groups completed the run while this one restarted) ends the
+  iteration; ``steps`` calls ``finish`` and ``close`` when it is exhausted.
+
+The explicit 4-call form (``FaultTolerance``: ``begin_step``, ``can_train``, ``backward``, ``step``) is
+what freescale's own pipelines use; the wrapper is a thin layer over it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from freescale.ft.client import JobFinished
+from freescale.ft.config import FTConfig
+from freescale.ft.layer import DataState, FaultTolerance
+from freescale.step_feed import Commit
+
+FAULTS_DIR_ENV = "FREESCALE_FAULTS_DIR"
+"""Where fault injection (``FREESCALE_FAULTS``, tests) leaves its marker files in the wrapper form."""
+
+
+def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, data: DataState, scheduler: Any | None = None,
+         cfg: FTConfig | None = None, loss_reduction: str = "mean") -> FaultTolerantOptimizer:
+    """``optimizer`` wrapped for fault tolerance across replica groups (module docstring).
+
+    ``model``: a torchrec ``DistributedModelParallel`` sharded by ``freescale.ft.shard`` (fused kernels,
+    no DDP), or a module with dense parameters only.  ``optimizer``: over the dense parameters (with
+    the fused one in a ``CombinedOptimizer`` for torchrec).  ``data``: ``StepSamples`` or any
+    ``DataState`` that reports ``weight`` and ``rank_samples``.  ``scheduler``: a torch LR scheduler
+    over the dense optimizer.  ``cfg``: default ``FTConfig.from_env()`` (what ``freescale launch`` sets).
+    """
+    from freescale.launch import report_user_error, restart_is_futile
+    from freescale.rank_console import install_excepthook
+    from freescale.testing import hooks_from_env
+
+    if restart_is_futile():  # an earlier incarnation met an error no restart fixes: end before any collective
+        raise SystemExit(0)
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"freescale.ft.wrap: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if not (hasattr(data, "weight") and hasattr(data, "rank_samples")):
+        raise ValueError("freescale.ft.wrap: data must report weight(step) and rank_samples(step) "
+                         "(freescale.ft.StepSamples does)")
+    cfg = cfg or FTConfig.from_env()
+    incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    hooks = hooks_from_env(cfg.replica_index, rank, incarnation,
+                           Path(os.environ.get(FAULTS_DIR_ENV, ".")) / cfg.replica_id)
+    install_excepthook()
+    try:
+        layer = FaultTolerance(model, optimizer, cfg, data=data, hooks=hooks, scheduler=scheduler)
+    except ValueError as exc:  # the model or optimizer is one the layer cannot keep identical: no restart helps
+        report_user_error(str(exc))
+        raise SystemExit(2) from None
+    return FaultTolerantOptimizer(layer, model, optimizer, data, loss_reduction)
+
+
+class FaultTolerantOptimizer:
+    """The user's optimizer, fault tolerant (module docstring): ``steps``, ``zero_grad``, ``step``;
+    ``register_state`` for more state in the snapshot; ``commit`` and ``record`` describe the last step."""
+
+    def __init__(self, layer: FaultTolerance, model: nn.Module, optimizer: torch.optim.Optimizer, data: DataState,
+                 loss_reduction: str) -> None:
+        self._layer, self._optimizer, self._data, self._reduction = layer, optimizer, data, loss_reduction
+        self._scale: float | None = None
+        self._stepped = True
+        self.commit: Commit | None = None
+        """The last committed step's outcome (``step``, ``trained``, ``ready``, ``applied``, ``restored``)."""
+        model.register_forward_hook(self._scale_outputs)
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The last step's record: participants, attempts, timings, the rate (for a log)."""
+        return self._layer.record
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+    def register_state(self, name: str, state_dict: Any, load_state_dict: Any) -> None:
+        """More state in the snapshot a recovering group loads (``FaultTolerance.register_state``)."""
+        self._layer.register_state(name, state_dict, load_state_dict)
+
+    def steps(self, total: int) -> Iterator[int]:
+        """The steps ``0 .. total - 1`` this group trains, each after its quorum request is on its way."""
+        layer = self._layer
+        layer.start()
+        step, finished = 0, False
+        try:
+            while step < total and not finished:
+                layer.begin_step(step)
+                if layer.can_train(step):
+                    self._arm(step)
+                    yield step
+                    if not self._stepped:
+                        raise RuntimeError(f"freescale.ft: step {step} ended without optimizer.step()")
+                else:
+                    self.commit = self._commit()
+                finished = self.commit is None
+                step = self.commit.step + 1 if self.commit is not None else step
+            if not finished:
+                layer.finish(total - 1)
+        finally:
+            layer.close()
+
+    def _arm(self, step: int) -> None:
+        mine = self._data.rank_samples(step)  # type: ignore[attr-defined]
+        scale = self._layer._arm(None)  # the weight from data; the mean-loss scale: n_rank * ranks / n_group
+        self._scale = scale if self._reduction == "mean" else scale / max(mine, 1)
+        self._stepped = False
+
+    def _scale_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook: the gradient flowing back into the model's outputs is scaled (module docstring)."""
+        if self._scale is None or not torch.is_grad_enabled():
+            return
+        scale, found = self._scale, 0
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(lambda grad: grad * scale)
+                found += 1
+        if not found:
+            raise ValueError("freescale.ft: the model's output holds no tensor that requires grad (return a "
+                             "tensor, or a tuple, list or dict of them)")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: ``steps`` armed the step, the dense gradients are views of the reduction
+        buckets, cleared then (setting them to None here would detach them), and the fused tables
+        have no gradients.  Kept so the loop reads as any torch loop."""
+
+    def step(self, closure: Any = None) -> Commit | None:
+        """The step's exchange, vote and update (module docstring); the commit, or None once the job
+        finished elsewhere (``steps`` then ends)."""
+        if closure is not None:
+            raise ValueError("freescale.ft: optimizer.step(closure) is not supported")
+        self._layer._after_backward()
+        self._scale, self._stepped = None, True
+        self.commit = self._commit()
+        return self.commit
+
+    def _commit(self) -> Commit | None:
+        try:
+            return self._layer.step()
+        except JobFinished:
+            return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)

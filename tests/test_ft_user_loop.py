@@ -1,0 +1,128 @@
+"""The pieces a user's own loop uses (``freescale.ft``): ``StepSamples``, the snapshot's extra state,
+``FTConfig.from_env``, ``ft.shard``'s constraints, and ``freescale launch -- COMMAND``'s refusals.
+
+The whole wrapper form runs with a real SIGKILL in ``tests/test_examples.py`` (``examples/deepfm_ft.py``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from freescale.cli import main
+from freescale.config import ConfigError
+from freescale.ft import FTConfig, StepSamples
+from freescale.ft.snapshot_state import from_json, rng_state, set_rng_state, to_json
+from freescale.step_feed import Commit
+
+
+def _group(samples_of_group: dict[int, StepSamples]) -> None:
+    for group, samples in samples_of_group.items():
+        samples.bind(group, len(samples_of_group), rank=0, ranks=1)
+
+
+def test_step_samples_split_over_ready_groups_and_requeue_a_dead_groups_share() -> None:
+    groups = {g: StepSamples(per_step=12) for g in range(3)}
+    _group(groups)
+    plans = [s.plan(0) for s in groups.values()]
+    assert plans[0] == plans[1] == plans[2]
+    assert sorted(i for ids in plans[0].values() for i in ids) == list(range(12))
+    assert [len(groups[g].mine(0)) for g in range(3)] == [4, 4, 4]
+    # step 0 commits without group 2's gradients (it died), group 2 not ready any more
+    for s in groups.values():
+        s.commit(Commit(0, frozenset({0, 1}), frozenset({0, 1})))
+    carried = plans[0][2]
+    assert groups[0].carry == carried and sorted(groups[0].last_trained) == sorted(plans[0][0] + plans[0][1])
+    step1 = groups[0].plan(1)
+    assert set(step1) == {0, 1} and groups[1].plan(1) == step1
+    assert sorted(i for ids in step1.values() for i in ids) == sorted(carried + list(range(12, 24)))
+    assert groups[0].weight(1) == 8 and groups[2].weight(1) == 0 and len(groups[2].mine(1)) == 0
+    # a recovering group loads the state from a peer's snapshot and plans alike
+    late = StepSamples(per_step=12)
+    late.bind(2, 3, rank=0, ranks=1)
+    late.load_state_dict(groups[0].state_dict())
+    assert late.plan(1) == step1
+
+
+def test_step_samples_split_a_groups_share_over_its_ranks_and_scale_the_mean() -> None:
+    ranks = [StepSamples(per_step=10) for _ in range(2)]
+    for r, s in enumerate(ranks):
+        s.bind(0, 1, rank=r, ranks=2)
+    assert sorted(ranks[0].mine(0).tolist() + ranks[1].mine(0).tolist()) == list(range(10))
+    assert ranks[0].weight(0) == 10 and ranks[0].rank_samples(0) + ranks[1].rank_samples(0) == 10
+    with pytest.raises(ValueError, match="per_step=3 is fewer than the 2 x 2 ranks"):
+        StepSamples(per_step=3).bind(0, 2, 0, 2)
+
+
+def test_step_samples_map_ids_onto_a_dataset_once_per_epoch() -> None:
+    samples = StepSamples(per_step=4, dataset_size=10, seed=3)
+    epoch0 = samples.indices(torch.arange(10))
+    epoch1 = samples.indices(torch.arange(10, 20))
+    assert sorted(epoch0.tolist()) == sorted(epoch1.tolist()) == list(range(10))
+    assert epoch0.tolist() != epoch1.tolist()
+    with pytest.raises(ValueError, match="dataset_size"):
+        StepSamples(per_step=4).indices(torch.arange(3))
+
+
+def test_snapshot_extras_travel_as_json_and_tensors() -> None:
+    state = {"step": 7, "ema": torch.arange(4.0), "nested": {"ids": [1, 2], "t": [torch.ones(2, 2)]},
+             "np": np.int64(5)}
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = to_json(state, "/user/x", tensors)
+    assert set(tensors) == {"/user/x/ema", "/user/x/nested/t/0"}
+    back = from_json(encoded, tensors)
+    assert back["step"] == 7 and back["np"] == 5 and back["nested"]["ids"] == [1, 2]
+    assert torch.equal(back["ema"], state["ema"]) and torch.equal(back["nested"]["t"][0], torch.ones(2, 2))
+
+
+def test_snapshot_rng_state_restores_every_generator() -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    saved = rng_state(tensors)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    set_rng_state(saved, tensors)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected
+
+
+def test_ft_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FREESCALE_LIGHTHOUSE", "http://127.0.0.1:1")
+    monkeypatch.setenv("FREESCALE_REPLICAS", "3")
+    monkeypatch.setenv("FREESCALE_REPLICA_INDEX", "2")
+    cfg = FTConfig.from_env(timeout_s=5.0)
+    assert (cfg.lighthouse, cfg.replicas, cfg.replica_index, cfg.replica_id, cfg.timeout_s) == (
+        "http://127.0.0.1:1", 3, 2, "replica2", 5.0)
+    monkeypatch.setenv("FREESCALE_REPLICAS", "two")
+    with pytest.raises(ConfigError, match="FREESCALE_REPLICAS='two': not an integer"):
+        FTConfig.from_env()
+    monkeypatch.delenv("FREESCALE_REPLICAS")
+    with pytest.raises(ValueError, match="no field 'timeout'"):
+        FTConfig.from_env(timeout=1)
+
+
+def test_shard_constraints_force_fused_kernels_and_refuse_data_parallel() -> None:
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.planner import ParameterConstraints
+
+    from freescale.parallelize import fused_constraints
+
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"{n}_table", embedding_dim=4, num_embeddings=10, feature_names=[n])
+        for n in ("a", "b")], device=torch.device("meta"))
+    found = fused_constraints(ebc, {"a_table": ParameterConstraints(sharding_types=["row_wise", "data_parallel"])})
+    assert found["a_table"].sharding_types == ["row_wise"] and found["a_table"].compute_kernels == ["fused"]
+    assert "data_parallel" not in (found["b_table"].sharding_types or []) and found["b_table"].compute_kernels == ["fused"]
+    with pytest.raises(ValueError, match="table 'a_table' is constrained to data_parallel"):
+        fused_constraints(ebc, {"a_table": ParameterConstraints(sharding_types=["data_parallel"])})
+    with pytest.raises(ValueError, match="kernels dense; fault tolerance needs 'fused'"):
+        fused_constraints(ebc, {"b_table": ParameterConstraints(compute_kernels=["dense"])})
+    with pytest.raises(ValueError, match="table 'c_table', which the model does not have"):
+        fused_constraints(ebc, {"c_table": ParameterConstraints()})
+
+
+def test_launch_a_command_refuses_train_options_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--config", "x.toml", "--", "python", "loop.py"]) == 2
+    assert "--config, --resume and config keys are for `freescale train`" in capsys.readouterr().err
+    assert main(["launch", "--"]) == 2
+    assert "nothing after --" in capsys.readouterr().err
