@@ -1,20 +1,25 @@
 """Model quality on a log whose structure is known: next-item retrieval and click ranking vs baselines.
 
-The log (``freescale gen-log --successor``): users prefer a category; interactions come in sessions,
-minutes apart (a new one days later), and within a session the next item is, with probability
-``--successor``, the fixed successor of the last one.  So the last item predicts the next after a
-short gap, the user's category and popularity after a long one.  ``freescale prepare`` holds out
-each user's last interaction (leave-last-out).
+The log (``freescale gen-log --successor --tastes``): each user prefers ``--tastes`` item categories
+(3 by default for retrieval); interactions come in sessions, minutes apart (a new one days later),
+and within a session the next item is, with probability ``--successor``, the fixed successor of the
+last one, else a fresh draw from one of the user's categories (mostly) by popularity.  So the last item
+names the next one half the time, and only the history names all of the user's categories.
+``freescale prepare`` holds out each user's last interaction (leave-last-out).
 
 Retrieval (HR@10, NDCG@10, MRR of the held-out item among all items, ties in random order):
   most popular         items by their count as training targets
   last-item co-occ.    items by how often they followed the user's last item in training (then popularity)
-  HSTU                 ``model.task = retrieval``, relative position bias
+  transitions + kNN    a strong non-neural reference: the last item's transition probabilities plus
+                       item-kNN over the user's whole history (``history_knn``)
+  HSTU                 ``model.task = retrieval``, relative position bias, ``--steps``
   HSTU + time          the same with the time-bucket bias (``relative_bias = position_time``)
-Ranking (AUC of ``rating >= 4`` on the held-out interactions; every HSTU at ``--embedding-dim``, 64 by default):
+Ranking (AUC of ``rating >= 4`` on the held-out interactions, on a log of ``--ranking-tastes`` (1):
+the HSTU ranker has not learned the three-taste log yet, see the README):
   user + item rate     the user's training like-rate plus the item's (add-one smoothed)
-  HSTU                 ``model.task = ranking``
-and the time per training step of retrieval vs ranking (median over the steps after the first).
+  HSTU + time          ``model.task = ranking``, ``--ranking-steps``
+Every HSTU at ``--embedding-dim`` (64), the last 50 items of history; and the time per training step
+of retrieval vs ranking (median over the steps after the first).
 
     python benchmarks/bench_quality.py [--quick] [--seeds 3] [--json benchmarks/results/quality_cpu.json]
 """
@@ -44,11 +49,13 @@ REPO = Path(__file__).resolve().parents[1]
 SHOWN = ("hr@10", "ndcg@10", "mrr")
 
 
-def make_dataset(root: Path, seed: int, args: argparse.Namespace) -> Path:
-    log, data = root / f"log{seed}.parquet", root / f"data{seed}"
+def make_dataset(root: Path, seed: int, args: argparse.Namespace, tastes: int) -> Path:
+    log, data = root / f"log{seed}-{tastes}.parquet", root / f"data{seed}-{tastes}"
+    if data.exists():
+        return data
     cli = [sys.executable, "-m", "freescale.cli"]
     for command in (["gen-log", "--out", str(log), "--users", str(args.users), "--items", str(args.items),
-                     "--successor", str(args.successor), "--tastes", str(args.tastes), "--seed", str(seed)],
+                     "--successor", str(args.successor), "--tastes", str(tastes), "--seed", str(seed)],
                     ["prepare", str(log), "--out", str(data), "--user", "userId", "--item", "movieId", "--time",
                      "timestamp", "--label", "rating", "--rating-threshold", "4", "--no-progress"]):
         subprocess.run(cli + command, check=True, capture_output=True, cwd=REPO)
@@ -81,7 +88,7 @@ def ranked(scores: np.ndarray, target: np.ndarray) -> dict[str, float]:
     return {k: float(v.mean()) for k, v in metrics.items()}
 
 
-def baselines(data: Path, num_items: int) -> dict[str, dict[str, float]]:
+def retrieval_baselines(data: Path, num_items: int) -> dict[str, dict[str, float]]:
     u = users_of(data)
     evaluate, train = held_out(u)
     items = u["items"]
@@ -92,14 +99,21 @@ def baselines(data: Path, num_items: int) -> dict[str, dict[str, float]]:
     follows = pairs.reshape(num_items, num_items).astype(np.float64)
     out["last-item co-occurrence"] = ranked(follows[items[evaluate - 1]] + popularity / (popularity.max() + 1), target)
     out["transitions + history kNN"] = ranked(history_knn(u, evaluate, follows, popularity), target)
-    labels = u["labels"]
+    return out
+
+
+def ranking_baseline(data: Path, num_items: int) -> float:
+    """AUC of the user's training like-rate plus the item's (add-one smoothed) on the held-out interactions."""
+    u = users_of(data)
+    evaluate, train = held_out(u)
+    items, labels = u["items"], u["labels"]
+    popularity = np.bincount(items[train], minlength=num_items).astype(np.float64)
     owner = np.repeat(np.arange(u["length"].size), u["length"])
     user_rate = ((np.bincount(owner[train], labels[train], minlength=owner.max() + 1) + 1)
                  / (np.bincount(owner[train], minlength=owner.max() + 1) + 2))
     item_rate = (np.bincount(items[train], labels[train], minlength=num_items) + 1) / (popularity + 2)
     score = torch.from_numpy(user_rate[owner[evaluate]] + item_rate[items[evaluate]])
-    out["user + item rate"] = {"auc": click_metrics(score, torch.from_numpy(labels[evaluate])).auc}
-    return out
+    return click_metrics(score, torch.from_numpy(labels[evaluate])).auc
 
 
 def history_knn(u: dict[str, Any], evaluate: np.ndarray, follows: np.ndarray, popularity: np.ndarray) -> np.ndarray:
@@ -118,8 +132,7 @@ def history_knn(u: dict[str, Any], evaluate: np.ndarray, follows: np.ndarray, po
     return scores + 1e-9 * popularity / (popularity.max() + 1)
 
 
-def train(data: Path, out: Path, args: argparse.Namespace, seed: int, *extra: str) -> dict[str, Any]:
-    steps = args.steps
+def train(data: Path, out: Path, args: argparse.Namespace, seed: int, steps: int, *extra: str) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "freescale.cli", "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"),
            f"--data.path={data}", f"--train.output_dir={out}", f"--train.steps={steps}", "--data.max_seq_len=50",
            f"--model.hstu.embedding_dim={args.embedding_dim}",
@@ -135,17 +148,22 @@ def train(data: Path, out: Path, args: argparse.Namespace, seed: int, *extra: st
 
 
 def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    data = make_dataset(root, seed, args)
+    data = make_dataset(root, seed, args, args.tastes)
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
-    rows = [{"seed": seed, "task": "retrieval" if "auc" not in m else "ranking", "model": name, **m}
-            for name, m in baselines(data, num_items).items()]
+    rows = [{"seed": seed, "task": "retrieval", "model": name, **m}
+            for name, m in retrieval_baselines(data, num_items).items()]
     retrieval = ["--model.task=retrieval", f"--model.retrieval.positions={args.positions}",
                  "--optim.lr_schedule=warmup_cosine", "--optim.warmup_steps=20"]
     for name, bias in (("HSTU", "position"), ("HSTU + time", "position_time")):
-        result = train(data, root / f"{seed}-{bias}", args, seed, *retrieval, f"--model.hstu.relative_bias={bias}")
+        result = train(data, root / f"{seed}-{bias}", args, seed, args.steps, *retrieval,
+                       f"--model.hstu.relative_bias={bias}")
         rows.append({"seed": seed, "task": "retrieval", "model": name, **{k: result[k] for k in SHOWN},
                      "step_ms": result["step_ms"]})
-    result = train(data, root / f"{seed}-ranking", args, seed, "--model.hstu.relative_bias=position_time")
+    data = make_dataset(root, seed, args, args.ranking_tastes)
+    num_items = json.loads((data / "dataset.json").read_text())["num_items"]
+    rows.append({"seed": seed, "task": "ranking", "model": "user + item rate", "auc": ranking_baseline(data, num_items)})
+    result = train(data, root / f"{seed}-ranking", args, seed, args.ranking_steps,
+                   "--model.hstu.relative_bias=position_time")
     rows.append({"seed": seed, "task": "ranking", "model": "HSTU + time", "auc": result["auc"],
                  "step_ms": result["step_ms"]})
     return rows
@@ -175,14 +193,17 @@ def main() -> None:
     parser.add_argument("--successor", type=float, default=0.5)
     parser.add_argument("--tastes", type=int, default=3,
                         help="categories each user prefers (gen-log --tastes): the last item names one, the history all")
-    parser.add_argument("--steps", type=int, default=1800)
+    parser.add_argument("--ranking-tastes", type=int, default=1,
+                        help="the ranking log's tastes (one: the HSTU ranker has not learned a three-taste log yet)")
+    parser.add_argument("--steps", type=int, default=3600, help="retrieval training steps")
+    parser.add_argument("--ranking-steps", type=int, default=1800)
     parser.add_argument("--embedding-dim", type=int, default=64, help="the HSTU's width (the tiny config's is 32)")
     parser.add_argument("--positions", default="all", choices=["all", "last"],
                         help="retrieval positions supervised (all: each sample's whole history, most signal a step)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.quick:
-        args.seeds, args.users, args.items, args.steps = 1, 1000, 600, 120
+        args.seeds, args.users, args.items, args.steps, args.ranking_steps = 1, 1000, 600, 120, 120
     with tempfile.TemporaryDirectory(prefix="freescale-quality-") as tmp:
         rows = [row for seed in range(args.seeds) for row in run_seed(Path(tmp), seed, args)]
     table = summarize(rows)
