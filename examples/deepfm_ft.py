@@ -1,10 +1,10 @@
-"""A DeepFM written from scratch, made fault tolerant with the wrapper form: five lines of freescale.
+"""A DeepFM written from scratch, made fault tolerant with the wrapper form: six lines of freescale.
 
 The loop is a plain torchrec loop: an ``EmbeddingBagCollection`` of four tables
 (one multi-hot feature), torchrec's own sharding planner, fused row-wise Adagrad
 for the tables and Adam for the rest through ``CombinedOptimizer``, a warm-up LR
 scheduler, plain ``dist.init_process_group``.  The lines that make it fault
-tolerant across replica groups are marked ``# ft`` (5 of them):
+tolerant across replica groups are marked ``# ft`` (6 of them):
 
 1. ``import freescale.ft as ft``
 2. ``ft.shard(...)`` instead of ``DistributedModelParallel(...)``: torchrec's planner
@@ -13,7 +13,10 @@ tolerant across replica groups are marked ``# ft`` (5 of them):
 3. ``ft.StepSamples(...)``: which sample ids each group and rank trains each step,
    a dead group's share requeued (the loop maps ids to samples, ``features``);
 4. ``ft.wrap(...)``: the optimizer, fault tolerant; it steps the scheduler;
-5. ``optimizer.steps(...)`` instead of ``range(...)``: the steps this group trains
+5. ``optimizer.register_state(...)``: a counter of the loop's own travels in the
+   snapshot a recovering group loads (as the scheduler, the RNGs and ``samples`` do),
+   and advances with each committed step, also those a recovering group replays;
+6. ``optimizer.steps(...)`` instead of ``range(...)``: the steps this group trains
    (catch-up, the finish, a job finished elsewhere happen inside).
 
 Run it under the launcher (a lighthouse, one elastic agent per group, restarts)::
@@ -96,6 +99,12 @@ def train(args: argparse.Namespace) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(dense, lambda step: min(1.0, (step + 1) / 20))
     samples = ft.StepSamples(per_step=args.batch * dist.get_world_size() * args.replicas)  # ft
     optimizer = ft.wrap(model, optimizer, data=samples, scheduler=scheduler)  # ft
+    seen = {"samples": 0}  # a counter of the loop's own: samples trained by every group, per committed step
+
+    def count(commit: ft.Commit) -> None:
+        seen["samples"] += len(samples.last_trained)
+
+    optimizer.register_state("seen", lambda: dict(seen), seen.update, on_commit=count)  # ft
     log = _log(args.out) if dist.get_rank() == 0 else None
     for step in optimizer.steps(args.steps):  # ft
         kjt, labels = features(samples.mine(step))
@@ -107,7 +116,8 @@ def train(args: argparse.Namespace) -> None:
         if log is not None and commit is not None:
             log.write(json.dumps({"step": commit.step, "participants": optimizer.record["participants"],
                                   "trained": samples.last_trained, "lr": scheduler.get_last_lr()[0],
-                                  "scheduler": scheduler.state_dict()["last_epoch"], "digest": digest}) + "\n")
+                                  "scheduler": scheduler.state_dict()["last_epoch"], "seen": seen["samples"],
+                                  "digest": digest}) + "\n")
             log.flush()
     if log is not None:
         log.write(json.dumps({"pending": samples.carry}) + "\n")

@@ -101,9 +101,9 @@ def _dense_parameters(model: nn.Module) -> list[nn.Parameter]:
 
         ddp = getattr(model, "_dmp_wrapped_module", None)
         if isinstance(ddp, nn.parallel.DistributedDataParallel):
-            raise ValueError("fault tolerance: the model is wrapped in DDP; shard it with "
-                             "data_parallel_wrapper=freescale.parallelize.NoDataParallel() (this layer reduces the "
-                             "dense gradients itself, in the group and across groups)")
+            raise ValueError("fault tolerance: the model is wrapped in DDP; shard it with freescale.ft.shard (or "
+                             "DistributedModelParallel(..., data_parallel_wrapper=freescale.parallelize.NoDataParallel())"
+                             "): this layer reduces the dense gradients itself, in the group and across groups")
         return list(dense_named_parameters(model).values())  # type: ignore[arg-type]
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -137,7 +137,7 @@ class FaultTolerance:
         code and inputs in every group."""
         if hasattr(data, "bind"):
             data.bind(self._group_index, cfg.replicas, self._rank, self._group_size)  # type: ignore[union-attr]
-        self._user_states: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._user_states: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Callable[[Commit], Any] | None]] = {}
         self.in_group = dist.new_group() if self._group_size > 1 else None
         self._grads = BucketedGrads(self._dense, self.in_group, cfg.first_bucket_kb * 1024, cfg.bucket_kb * 1024,
                                    chunk_bytes=chunk_bytes, max_inflight=max_inflight)
@@ -369,6 +369,9 @@ class FaultTolerance:
                 self._sparse.discard(result.prepared)  # no update this step: the lookup built for it goes back
         if self._data is not None:
             self._data.commit(commit)
+        for _, _, on_commit in self._user_states.values():
+            if on_commit is not None:
+                on_commit(commit)
         return commit
 
     def _say_membership(self, result: StepResult) -> None:
@@ -407,14 +410,18 @@ class FaultTolerance:
         return frozenset(self._group_of(rid) for rid in result.ready)
 
     # ------------------------------------------------------------------ catch-up
-    def register_state(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
+    def register_state(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
+                       on_commit: Callable[[Commit], Any] | None = None) -> None:
         """Carry more state in the snapshot a recovering group loads (counters, an EMA, a sampler):
-        ``state_dict()`` is called when a snapshot is staged, ``load_state_dict(state)`` when one is loaded,
-        before the replayed steps.  Values: tensors and JSON-able values (dict keys become strings).
-        Every group must register the same names."""
+        ``state_dict()`` is called when a snapshot is staged, ``load_state_dict(state)`` when one is loaded.
+        A snapshot is a committed step's state, and the recovering group then replays the steps committed
+        since without the loop seeing them: state that advances with every step must advance in
+        ``on_commit(commit)``, called after each applied commit (replayed ones included, after ``data``'s),
+        not in the loop body.  Values: tensors and JSON-able values (dict keys become strings).  Every
+        group must register the same names."""
         if name in self._user_states:
             raise ValueError(f"FaultTolerance.register_state: '{name}' is registered already")
-        self._user_states[name] = (state_dict, load_state_dict)
+        self._user_states[name] = (state_dict, load_state_dict, on_commit)
 
     def _state(self) -> dict[str, Any]:
         return {"model": self._model.state_dict(), "optim": self._optimizer.state_dict()}
@@ -427,7 +434,7 @@ class FaultTolerance:
         scheduler = self._update.scheduler
         meta = {"data": to_json(self._data.state_dict(), "/data", tensors) if self._data is not None else None,
                 "scheduler": to_json(scheduler.state_dict(), "/scheduler", tensors) if scheduler is not None else None,
-                "user": {name: to_json(get(), f"/user/{name}", tensors) for name, (get, _) in self._user_states.items()},
+                "user": {name: to_json(get(), f"/user/{name}", tensors) for name, (get, _, _) in self._user_states.items()},
                 "rng": rng_state(tensors)}
         encoded = json.dumps(meta).encode()
         tensors["meta.json"] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
@@ -463,7 +470,7 @@ class FaultTolerance:
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
                 group["lr"] = lr  # the rate the source's next update uses
         user = meta.get("user") or {}
-        for name, (_, load) in self._user_states.items():
+        for name, (_, load, _) in self._user_states.items():
             if name not in user:
                 raise RuntimeError(f"catch-up: the snapshot has no state '{name}' (registered here, not on the "
                                    "group it came from)")

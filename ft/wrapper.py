@@ -73,6 +73,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, data: DataState,
         raise ValueError("freescale.ft.wrap: data must report weight(step) and rank_samples(step) "
                          "(freescale.ft.StepSamples does)")
     cfg = cfg or FTConfig.from_env()
+    if not cfg.enabled:
+        report_user_error("freescale.ft.wrap: no lighthouse (FREESCALE_LIGHTHOUSE is not set): run the loop under "
+                          "`freescale launch --replicas R --ranks-per-replica G -- python ...`, or pass cfg=")
+        raise SystemExit(2)
     incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     hooks = hooks_from_env(cfg.replica_index, rank, incarnation,
@@ -108,9 +112,10 @@ class FaultTolerantOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         return self._optimizer.param_groups
 
-    def register_state(self, name: str, state_dict: Any, load_state_dict: Any) -> None:
-        """More state in the snapshot a recovering group loads (``FaultTolerance.register_state``)."""
-        self._layer.register_state(name, state_dict, load_state_dict)
+    def register_state(self, name: str, state_dict: Any, load_state_dict: Any, on_commit: Any = None) -> None:
+        """More state in the snapshot a recovering group loads; what advances per step advances in
+        ``on_commit(commit)`` (``FaultTolerance.register_state``)."""
+        self._layer.register_state(name, state_dict, load_state_dict, on_commit)
 
     def steps(self, total: int) -> Iterator[int]:
         """The steps ``0 .. total - 1`` this group trains, each after its quorum request is on its way."""

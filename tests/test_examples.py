@@ -72,9 +72,10 @@ def test_deepfm_wrapper_form_under_freescale_launch_survives_a_sigkill(tmp_path:
     for step in rejoined:
         mine, theirs = steps_of[1][step], steps_of[0][step]
         assert mine["participants"] == ["replica0", "replica1"]
-        assert (mine["digest"], mine["scheduler"], mine["lr"]) == (theirs["digest"], theirs["scheduler"], theirs["lr"]), \
-            f"step {step}: the groups differ"
+        assert [mine[k] for k in ("digest", "scheduler", "lr", "seen")] == [
+            theirs[k] for k in ("digest", "scheduler", "lr", "seen")], f"step {step}: the groups differ"
     assert steps_of[0][steps - 1]["scheduler"] == steps, "the scheduler missed a committed step"
+    assert steps_of[0][steps - 1]["seen"] == steps * per_step - len(logs[0][-1]["pending"])
     trained = [i for e in steps_of[0].values() for i in e["trained"]]
     pending = [i for e in logs[0] if "pending" in e for i in e["pending"]]
     assert sorted(trained + pending) == list(range(steps * per_step)), "a sample was lost or trained twice"

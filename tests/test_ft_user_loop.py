@@ -126,3 +126,50 @@ def test_launch_a_command_refuses_train_options_in_one_line(capsys: pytest.Captu
     assert "--config, --resume and config keys are for `freescale train`" in capsys.readouterr().err
     assert main(["launch", "--"]) == 2
     assert "nothing after --" in capsys.readouterr().err
+
+
+_REFUSED = """
+import sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+import freescale.ft as ft
+from freescale.parallelize import NoDataParallel
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+            name="small_table", embedding_dim=4, num_embeddings=10, feature_names=["f"])], device=torch.device("meta"))
+        self.linear = nn.Linear(4, 1)
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+kwargs = {}
+if sys.argv[1] == "data_parallel":  # the planner's choice for a small table, without DDP around the dense part
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"),
+                                       constraints={"small_table": ParameterConstraints(sharding_types=["data_parallel"])})
+    sharders = [EmbeddingBagCollectionSharder()]
+    kwargs = {"plan": planner.plan(Model(), sharders), "sharders": sharders, "data_parallel_wrapper": NoDataParallel()}
+dmp = DistributedModelParallel(Model(), device=torch.device("cpu"), **kwargs)
+ft.wrap(dmp, torch.optim.SGD(dmp.parameters(), lr=0.1), data=ft.StepSamples(per_step=4))
+"""
+
+
+@pytest.mark.parametrize(("built", "says"), [("ddp", "wrapped in DDP"), ("data_parallel", "freescale.ft.shard"),
+                                             ("no lighthouse", "FREESCALE_LIGHTHOUSE")])
+def test_a_model_the_layer_cannot_keep_identical_is_refused_in_one_line(built: str, says: str) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cli_env
+
+    env = {**cli_env(), "FREESCALE_LIGHTHOUSE": "" if built == "no lighthouse" else "http://127.0.0.1:9"}
+    proc = subprocess.run([sys.executable, "-c", _REFUSED, built], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("freescale: error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and says in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
