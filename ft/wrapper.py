@@ -14,10 +14,13 @@ In the spirit of torchft's optimizer wrapper, the loop keeps its shape::
 What happens where, and what overlaps with what:
 
 - ``steps`` sends the step's quorum request before it yields the step, so its round trip overlaps the
-  loop's data loading and forward (as ``begin_step`` does in the explicit form), and arms the
-  gradient buckets, so a plain ``loss.backward()`` reduces each bucket in the group and across groups
-  while the rest of backward runs.  Steps this group cannot train (it is catching up from a peer, or
-  has no samples planned) are run here without yielding: the loop body only sees real work.
+  loop's data loading and forward (as ``begin_step`` does in the explicit form).  A forward hook on
+  ``model`` arms the gradient buckets once the forward is done (its embedding lookups go into the
+  exchange's header, as ``backward`` does it in the explicit form: armed before the forward, the
+  header was empty and steps ran 10x slower, measured by ``benchmarks/bench_ft_wrapper.py``), so a plain ``loss.backward()`` reduces
+  each bucket in the group and across groups while the rest of backward runs.  Steps this group
+  cannot train (it is catching up from a peer, or has no samples planned) are run here without
+  yielding: the loop body only sees real work.
 - The sample weight and the loss scale come from ``data`` (``weight``, ``rank_samples``): a forward
   hook on ``model`` scales the gradient flowing out of its outputs so that a per-rank mean loss
   becomes the group's sample mean (``loss_reduction="sum"`` for a summed loss).  Nobody scales by hand.
@@ -97,7 +100,9 @@ class FaultTolerantOptimizer:
     def __init__(self, layer: FaultTolerance, model: nn.Module, optimizer: torch.optim.Optimizer, data: DataState,
                  loss_reduction: str) -> None:
         self._layer, self._optimizer, self._data, self._reduction = layer, optimizer, data, loss_reduction
-        self._scale: float | None = None
+        self._to_arm: int | None = None
+        """The step whose buckets the model's next forward arms (after it: the lookups it made are in the
+        exchange's header, as in the explicit form where ``backward`` arms them)."""
         self._stepped = True
         self.commit: Commit | None = None
         """The last committed step's outcome (``step``, ``trained``, ``ready``, ``applied``, ``restored``)."""
@@ -126,7 +131,7 @@ class FaultTolerantOptimizer:
             while step < total and not finished:
                 layer.begin_step(step)
                 if layer.can_train(step):
-                    self._arm(step)
+                    self._to_arm, self._stepped = step, False
                     yield step
                     if not self._stepped:
                         raise RuntimeError(f"freescale.ft: step {step} ended without optimizer.step()")
@@ -139,17 +144,16 @@ class FaultTolerantOptimizer:
         finally:
             layer.close()
 
-    def _arm(self, step: int) -> None:
-        mine = self._data.rank_samples(step)  # type: ignore[attr-defined]
-        scale = self._layer._arm(None)  # the weight from data; the mean-loss scale: n_rank * ranks / n_group
-        self._scale = scale if self._reduction == "mean" else scale / max(mine, 1)
-        self._stepped = False
-
     def _scale_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Forward hook: the gradient flowing back into the model's outputs is scaled (module docstring)."""
-        if self._scale is None or not torch.is_grad_enabled():
+        """Forward hook: the step's buckets are armed (once the forward made its lookups) and the gradient
+        flowing back into the model's outputs is scaled (module docstring)."""
+        if self._to_arm is None or not torch.is_grad_enabled():
             return
-        scale, found = self._scale, 0
+        step, self._to_arm = self._to_arm, None
+        scale = self._layer._arm(None)  # the weight from data; the mean-loss scale: n_rank * ranks / n_group
+        if self._reduction == "sum":
+            scale /= max(self._data.rank_samples(step), 1)  # type: ignore[attr-defined]
+        found = 0
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(lambda grad: grad * scale)
@@ -168,8 +172,10 @@ class FaultTolerantOptimizer:
         finished elsewhere (``steps`` then ends)."""
         if closure is not None:
             raise ValueError("freescale.ft: optimizer.step(closure) is not supported")
+        if self._to_arm is not None:
+            raise RuntimeError("freescale.ft: optimizer.step() before the model's forward in this step")
         self._layer._after_backward()
-        self._scale, self._stepped = None, True
+        self._stepped = True
         self.commit = self._commit()
         return self.commit
 
