@@ -113,7 +113,7 @@ def train(args: argparse.Namespace) -> None:
         loss.backward()
         commit = optimizer.step()
         digest = state_digest(model, optimizer)  # the test's check, not fault tolerance: a collective
-        if log is not None and commit is not None:
+        if log is not None and commit is not None and commit.applied:  # (not applied: left behind, catching up)
             log.write(json.dumps({"step": commit.step, "participants": optimizer.record["participants"],
                                   "trained": samples.last_trained, "lr": scheduler.get_last_lr()[0],
                                   "scheduler": scheduler.state_dict()["last_epoch"], "seen": seen["samples"],

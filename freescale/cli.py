@@ -250,15 +250,14 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str], command: list[str
 
 def _launch_command(args: argparse.Namespace, overrides: list[str], command: list[str]) -> int:
     """``freescale launch [--replicas R] ... -- python my_loop.py ...``: a user's own loop under the launcher."""
-    from freescale.launch import launch_local, launch_replicas
+    from freescale.launch import launch_replicas
 
     if args.config or args.resume or overrides:
         raise ConfigError(f"launch -- {command[0]} ...: --config, --resume and config keys are for `freescale train`; "
                           "pass your script's own options after --")
-    if args.replicas > 1:
-        return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [], lighthouse_url=args.lighthouse,
-                               command=command)
-    return launch_local(args.nproc_per_node, args.max_restarts, [], command)
+    # Always replica groups (one is fine): the command's loop asks the lighthouse for every step.
+    return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [], lighthouse_url=args.lighthouse,
+                           command=command)
 
 
 # ----- entry -----------------------------------------------------------------------------

@@ -133,9 +133,10 @@ def shard_fused(model: nn.Module, device: torch.device | None = None, *,
     kernel or ``data_parallel`` is refused in one line.  ``sharders``: default torchrec's
     ``EmbeddingBagCollection`` and ``EmbeddingCollection`` sharders with ``fused_params``.
     """
-    from freescale.rank_console import quiet_libraries
+    from freescale.rank_console import install_excepthook, quiet_libraries
 
     quiet_libraries()  # the planner's warnings about estimates and topology say nothing to this use
+    install_excepthook()  # a refusal below, or a peer's failure later: one line (as in ft.wrap)
     device = device or torch.device("cpu")
     fused = dict(fused_params or {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
     module_sharders = sharders or [EmbeddingCollectionSharder(fused_params=fused),

@@ -31,6 +31,9 @@ _PEER_FAILURE = ("connection closed by peer", "connection reset by peer", "broke
 
 _state: dict[str, Any] = {}
 
+_REFUSALS = ("fault tolerance:", "freescale.ft")
+"""How the layer's refusals of a model or a loop begin (``ft/sparse_sync.py``, ``ft/layer.py``, ``ft.shard``)."""
+
 
 def _group() -> str:
     group = os.environ.get("FREESCALE_REPLICA_INDEX")
@@ -92,11 +95,26 @@ def install_excepthook(output_dir: str | None = None, replica_id: str | None = N
         replica = replica_id or (f"replica{os.environ['FREESCALE_REPLICA_INDEX']}"
                                  if "FREESCALE_REPLICA_INDEX" in os.environ else None)
         install(output_dir or str(Path(tempfile.gettempdir()) / f"freescale-{run}"), replica)
+    if _state.get("hooked"):
+        return
+    _state["hooked"] = True
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-        if not report_handled(exc):
-            previous(kind, exc, tb)
+        from freescale.ft.client import LighthouseError, ProgressLost
+        from freescale.launch import report_user_error
+        from freescale.step_sync import NonFiniteError
+
+        if isinstance(exc, (ValueError, RuntimeError)) and str(exc).startswith(_REFUSALS):
+            report_user_error(str(exc))  # a model or loop the layer refuses: no restart can fix it
+            _leave(2)
+        if isinstance(exc, (LighthouseError, NonFiniteError)):  # one line, as freescale's own trainer says it
+            # A lighthouse out of reach may come back (a restart may help); a non-finite step or lost progress not.
+            report_user_error(str(exc), restartable=isinstance(exc, LighthouseError) and not isinstance(exc, ProgressLost))
+            _leave(2)
+        if report_handled(exc):
+            _leave(1)  # the agent restarts the group
+        previous(kind, exc, tb)
 
     sys.excepthook = hook
 
@@ -107,4 +125,11 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for module in ("torchrec", "fbgemm_gpu", "torch.distributed", "torch.fx", "torch.autograd", "torch.nn"):
         warnings.filterwarnings("ignore", module=module)
+
+
+def _leave(code: int) -> None:
+    """Exit without the interpreter's teardown: gloo's destructors can abort and print on the way out."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 

@@ -426,6 +426,23 @@ class FaultTolerance:
     def _state(self) -> dict[str, Any]:
         return {"model": self._model.state_dict(), "optim": self._optimizer.state_dict()}
 
+    def check_snapshot(self) -> None:
+        """Encode what the snapshot carries beside the model and optimizers now (data side, scheduler, registered
+        states): a value that cannot travel (a set, a path, a function) is refused here in one line, naming
+        it, instead of when a recovering peer asks for a snapshot."""
+        scheduler = self._update.scheduler
+        parts = {"data": (lambda: self._data.state_dict()) if self._data is not None else None,
+                 "scheduler": scheduler.state_dict if scheduler is not None else None,
+                 **{f"registered state '{name}'": get for name, (get, _, _) in self._user_states.items()}}
+        for what, get in parts.items():
+            if get is None:
+                continue
+            try:
+                json.dumps(to_json(get(), "/check", {}))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"fault tolerance: the {what} cannot travel in a snapshot ({exc}); give it tensors "
+                                 "and JSON values (numbers, strings, lists, dicts)") from None
+
     def snapshot(self) -> dict[str, torch.Tensor]:
         """This rank's whole state as named tensors (what a recovering peer at this position loads):
         the model, the optimizers, and in ``meta.json`` (tensors beside it) the data side, the LR

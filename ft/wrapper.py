@@ -78,7 +78,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, data: DataState,
     cfg = cfg or FTConfig.from_env()
     if not cfg.enabled:
         report_user_error("freescale.ft.wrap: no lighthouse (FREESCALE_LIGHTHOUSE is not set): run the loop under "
-                          "`freescale launch --replicas R --ranks-per-replica G -- python ...`, or pass cfg=")
+                          "`freescale launch --replicas R --ranks-per-replica G -- python ...`, or pass cfg= with "
+                          "the lighthouse's URL")
         raise SystemExit(2)
     incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -88,6 +89,11 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, data: DataState,
     try:
         layer = FaultTolerance(model, optimizer, cfg, data=data, hooks=hooks, scheduler=scheduler)
     except ValueError as exc:  # the model or optimizer is one the layer cannot keep identical: no restart helps
+        report_user_error(str(exc))
+        raise SystemExit(2) from None
+    try:
+        layer.check_snapshot()  # a state that cannot travel fails here, not when a peer needs it
+    except ValueError as exc:
         report_user_error(str(exc))
         raise SystemExit(2) from None
     return FaultTolerantOptimizer(layer, model, optimizer, data, loss_reduction)
@@ -119,8 +125,9 @@ class FaultTolerantOptimizer:
 
     def register_state(self, name: str, state_dict: Any, load_state_dict: Any, on_commit: Any = None) -> None:
         """More state in the snapshot a recovering group loads; what advances per step advances in
-        ``on_commit(commit)`` (``FaultTolerance.register_state``)."""
+        ``on_commit(commit)`` (``FaultTolerance.register_state``; refused at once if it cannot travel)."""
         self._layer.register_state(name, state_dict, load_state_dict, on_commit)
+        self._layer.check_snapshot()
 
     def steps(self, total: int) -> Iterator[int]:
         """The steps ``0 .. total - 1`` this group trains, each after its quorum request is on its way."""
@@ -144,7 +151,7 @@ class FaultTolerantOptimizer:
         finally:
             layer.close()
 
-    def _scale_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _scale_outputs(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Forward hook: the step's buckets are armed (once the forward made its lookups) and the gradient
         flowing back into the model's outputs is scaled (module docstring)."""
         if self._to_arm is None or not torch.is_grad_enabled():
@@ -153,14 +160,12 @@ class FaultTolerantOptimizer:
         scale = self._layer._arm(None)  # the weight from data; the mean-loss scale: n_rank * ranks / n_group
         if self._reduction == "sum":
             scale /= max(self._data.rank_samples(step), 1)  # type: ignore[attr-defined]
-        found = 0
-        for t in _tensors(output):
-            if t.requires_grad:
-                t.register_hook(lambda grad: grad * scale)
-                found += 1
-        if not found:
+        found = [0]
+        scaled = _map_tensors(output, lambda t: _scaled(t, scale, found))
+        if not found[0]:
             raise ValueError("freescale.ft: the model's output holds no tensor that requires grad (return a "
                              "tensor, or a tuple, list or dict of them)")
+        return scaled
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: ``steps`` armed the step, the dense gradients are views of the reduction
@@ -192,12 +197,35 @@ class FaultTolerantOptimizer:
         self._optimizer.load_state_dict(state)
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient flowing back through it is multiplied by ``scale``.  Applied to copies
+    of the outputs the loop sees, so a path from one output into another inside the model is scaled once."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _scaled(t: torch.Tensor, scale: float, found: list[int]) -> torch.Tensor:
+    if not t.requires_grad:
+        return t
+    found[0] += 1
+    return _ScaleGrad.apply(t, scale)  # type: ignore[no-any-return]
+
+
+def _map_tensors(value: Any, fn: Any) -> Any:
+    """``value`` with every tensor replaced by ``fn(tensor)`` (tuples, lists, dicts; other values as they are)."""
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
+        return fn(value)
+    if isinstance(value, dict):
+        return type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_map_tensors(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value

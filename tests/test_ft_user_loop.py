@@ -173,3 +173,36 @@ def test_a_model_the_layer_cannot_keep_identical_is_refused_in_one_line(built: s
     errors = [line for line in proc.stderr.splitlines() if line.startswith("freescale: error:")]
     assert proc.returncode == 2 and len(errors) == 1 and says in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_the_layers_loss_scale_makes_the_in_group_average_the_groups_sample_mean() -> None:
+    """Uneven shares (10 samples over 3 ranks): each rank's mean loss times the layer's scale, averaged over
+    the ranks as the in-group reduction does, is the mean over the group's samples."""
+    from types import SimpleNamespace
+
+    from freescale.ft.layer import FaultTolerance
+
+    values = torch.arange(10, dtype=torch.float64) ** 2  # a per-sample loss
+    averaged = 0.0
+    for rank in range(3):
+        samples = StepSamples(per_step=10)
+        samples.bind(0, 1, rank=rank, ranks=3)
+        weight, scale = FaultTolerance._data_weight(SimpleNamespace(_data=samples, _step=0, _group_size=3), 0)
+        assert weight == 10
+        averaged += scale * float(values[samples.mine(0)].mean()) / 3
+    assert averaged == pytest.approx(float(values.mean()))
+
+
+def test_output_scaling_scales_every_path_once() -> None:
+    """The wrapper scales copies of the outputs: a model returning ``(total, logits)`` where ``total`` is made
+    from ``logits`` inside it gets every gradient path scaled once (a hook on each output would scale twice)."""
+    from freescale.ft.wrapper import _map_tensors, _scaled
+
+    w = torch.ones(3, requires_grad=True)
+    logits = 2 * w
+    total = logits.sum()
+    found = [0]
+    out = _map_tensors({"total": total, "parts": (logits, "label")}, lambda t: _scaled(t, 0.5, found))
+    assert found[0] == 2 and out["parts"][1] == "label"
+    (out["total"] + out["parts"][0].sum()).backward()
+    assert torch.equal(w.grad, torch.full((3,), 2.0))  # unscaled: 4 per element
