@@ -6,6 +6,7 @@
     freescale train --config configs/tiny_hstu.toml --data.path data/demo --train.steps 50
     freescale launch --nproc-per-node 2 --config configs/tiny_hstu.toml --data.path data/demo
     freescale launch --replicas 2 --ranks-per-replica 2 --max-restarts 3 --config configs/tiny_hstu.toml
+    freescale launch --replicas 2 --ranks-per-replica 2 --max-restarts 3 -- python my_loop.py   # your own loop (freescale.ft.wrap)
     freescale simulate --gpus 98304 --project --plot ettr.png
     freescale report runs/demo
 
