@@ -52,14 +52,15 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 if TYPE_CHECKING:
     from freescale.distributed import init_process_group
     from freescale.ft.config import ENVIRONMENT, FTConfig
-    from freescale.ft.layer import DataState, FaultTolerance
+    from freescale.ft.layer import FaultTolerance
+    from freescale.ft.samples import DataState
     from freescale.ft.samples import StepSamples
     from freescale.ft.wrapper import FaultTolerantOptimizer, wrap
     from freescale.parallelize import shard_fused as shard
     from freescale.step_feed import Commit
     from freescale.step_sync import JobFinished, NonFiniteError
 
-_LAZY = {"FTConfig": "freescale.ft.config", "DataState": "freescale.ft.layer", "FaultTolerance": "freescale.ft.layer",
+_LAZY = {"FTConfig": "freescale.ft.config", "DataState": "freescale.ft.samples", "FaultTolerance": "freescale.ft.layer",
          "Commit": "freescale.step_feed", "JobFinished": "freescale.step_sync", "NonFiniteError": "freescale.step_sync",
          "StepSamples": "freescale.ft.samples", "wrap": "freescale.ft.wrapper",
          "FaultTolerantOptimizer": "freescale.ft.wrapper", "shard": "freescale.parallelize",

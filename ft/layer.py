@@ -41,7 +41,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from freescale.ft.client import JobFinished, LighthouseClient
 from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, replica_index_of
 from freescale.ft.ftar import ReplicaSync, StepResult
 from freescale.ft.agent_process import start_agent
+from freescale.ft.samples import DataState
 from freescale.ft.serving import advertised_host
 from freescale.ft.snapshot_state import (from_json, load_torch_optimizer, named_tensors, rng_state, set_rng_state,
                                          to_json)
@@ -64,35 +65,6 @@ from freescale.step_sync import NonFiniteError, all_finite, nonfinite_message
 from freescale.testing import StepHooks
 
 __all__ = ["DataState", "FaultTolerance", "JobFinished"]
-
-
-class DataState(Protocol):
-    """The data side of a loop: which samples each group trains, and what happens to a dead group's.
-
-    ``freescale.ft.StepSamples`` is the ready one for a stream of sample ids; the engine's
-    ``freescale.step_feed.StepFeed`` is another.  ``FaultTolerance`` calls, on every rank:
-
-    - ``commit(commit)``: once per committed step, in step order, after the update (a recovering group:
-      for each step it replays after loading a snapshot).  ``commit.step`` the step; ``commit.trained``
-      the group indices whose gradients the update holds (plan their samples as done);
-      ``commit.ready`` the groups holding valid state after it (plan the next step over these:
-      every group computes the same plan from the same commits); ``commit.applied`` False while this
-      group is catching up (the step is recorded, not applied: ``commit`` is not called then);
-      ``commit.restored`` this rank's state was just replaced from a peer's snapshot.
-    - ``state_dict()``: when a snapshot is staged for a recovering peer (JSON-able values and tensors);
-      ``load_state_dict(state)``: when this rank loads a peer's snapshot, before the replayed commits.
-
-    Optional (the wrapper form, and ``backward`` without ``weight=``, read them after ``begin_step``):
-    ``weight(step)`` the samples this group trains at ``step``; ``rank_samples(step)`` this rank's share
-    (the layer scales a per-rank mean loss by it); ``bind(group, replicas, rank, ranks)`` called once
-    at construction with this rank's place.
-    """
-
-    def commit(self, commit: Commit) -> Any: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def _dense_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -20,17 +20,46 @@ It is a ``freescale.ft.DataState``, and ``FaultTolerance`` drives it:
   snapshot a recovering group loads (JSON: ids and group indices).
 
 A loop with another need (a streaming reader, weighted samples) implements the
-same methods (``freescale.ft.layer.DataState`` documents each one).
+same methods (``DataState`` below documents each one).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from freescale.step_feed import Commit
+
+
+class DataState(Protocol):
+    """The data side of a loop: which samples each group trains, and what happens to a dead group's.
+
+    ``freescale.ft.StepSamples`` is the ready one for a stream of sample ids; the engine's
+    ``freescale.step_feed.StepFeed`` is another.  ``FaultTolerance`` calls, on every rank:
+
+    - ``commit(commit)``: once per committed step, in step order, after the update (a recovering group:
+      for each step it replays after loading a snapshot).  ``commit.step`` the step; ``commit.trained``
+      the group indices whose gradients the update holds (plan their samples as done);
+      ``commit.ready`` the groups holding valid state after it (plan the next step over these:
+      every group computes the same plan from the same commits); ``commit.applied`` False while this
+      group is catching up (the step is recorded, not applied: ``commit`` is not called then);
+      ``commit.restored`` this rank's state was just replaced from a peer's snapshot.
+    - ``state_dict()``: when a snapshot is staged for a recovering peer (JSON-able values and tensors);
+      ``load_state_dict(state)``: when this rank loads a peer's snapshot, before the replayed commits.
+
+    Optional (the wrapper form, and ``backward`` without ``weight=``, read them after ``begin_step``):
+    ``weight(step)`` the samples this group trains at ``step``; ``rank_samples(step)`` this rank's share
+    (the layer scales a per-rank mean loss by it); ``bind(group, replicas, rank, ranks)`` called once
+    at construction with this rank's place.
+    """
+
+    def commit(self, commit: Commit) -> Any: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class StepSamples:

@@ -47,7 +47,8 @@ from torch import nn
 
 from freescale.ft.client import JobFinished
 from freescale.ft.config import FTConfig
-from freescale.ft.layer import DataState, FaultTolerance
+from freescale.ft.layer import FaultTolerance
+from freescale.ft.samples import DataState
 from freescale.step_feed import Commit
 
 FAULTS_DIR_ENV = "FREESCALE_FAULTS_DIR"
