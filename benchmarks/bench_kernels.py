@@ -1,6 +1,7 @@
 """Jagged HSTU attention on the GPU: Triton kernel vs torch reference vs padded SDPA.
 
-For lengths drawn from the ml-20m fit clipped to max_len in {1024, 4096, 8192},
+For lengths drawn from the ml-20m fit clipped to max_len in {512, 2048, 4096, 8192} (``--tokens``
+jagged tokens per batch, fewer where the padded batch would pass 2M tokens),
 bf16, heads x dim in {4x64, 8x128}, times forward and forward+backward of:
 
 - triton:    ``triton_hstu_attention`` (jagged, causal, pointwise SiLU);
@@ -42,6 +43,11 @@ from freescale.dataloader.synthetic import sample_lengths
 from freescale.kernels.hstu_attention import reference_hstu_attention
 
 
+PADDED_BUDGET = 1 << 21
+"""Most padded tokens per batch: 2M x 8 heads x 128 dims is 4 GiB per bf16 tensor, and SDPA's
+forward+backward keeps eight of them (q, k, v, out and their gradients) on an 80 GB card."""
+
+
 def bench(fn, warmup: int = 3, iters: int = 10) -> float:  # type: ignore[no-untyped-def]
     """Median milliseconds of ``fn()`` with CUDA events."""
     for _ in range(warmup):
@@ -69,7 +75,8 @@ def case(max_len: int, heads: int, dim: int, tokens: int, with_reference: bool) 
 
     rng = np.random.default_rng(max_len)
     lengths: list[int] = []
-    while sum(lengths) < tokens:
+    # Stop at `tokens` jagged tokens, or before the padded batch (what SDPA pays) passes PADDED_BUDGET.
+    while sum(lengths) < tokens and (len(lengths) + 1) * max(lengths + [0]) <= PADDED_BUDGET:
         lengths.append(int(sample_lengths(rng, 1, "ml-20m", max_len)[0]))
     lens = torch.tensor(lengths, device="cuda")
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64, device="cuda")
@@ -147,25 +154,41 @@ def main() -> None:
         print("bench_kernels: needs a CUDA GPU (the Triton kernels are only interpreted on CPU, in tests)",
               file=sys.stderr)
         sys.exit(2)
+    rows, peak = measure(args.quick, args.tokens)
+    chosen = autotuned()
+    print(f"autotuner's choices: {chosen}")
+    if args.json:
+        write_json(args.json, "bench_kernels", {"quick": args.quick, "tokens": args.tokens, "dtype": "bf16",
+                                                "matmul_tflops": peak, "autotuned": chosen}, rows)
+
+
+def autotuned() -> dict[str, dict[str, str]]:
+    """Per attention kernel, the config the autotuner picked for each key (N bucket, head dims, dtypes)."""
+    import importlib
+
+    module = importlib.import_module("freescale.kernels.triton_hstu_attention")
+    return {name: {str(key): str(config) for key, config in getattr(kernel, "cache", {}).items()}
+            for name, kernel in (("forward", module._FWD), ("backward_dkdv", module._DKDV), ("backward_dq", module._DQ))}
+
+
+def measure(quick: bool, tokens: int) -> tuple[list[dict[str, object]], float]:
+    """Both tables, printed; returns their rows (``op`` names the table) and the matmul rate."""
     peak = matmul_tflops()
-    shapes = [(4, 64)] if args.quick else [(4, 64), (8, 128)]
-    lens = (1024, 4096) if args.quick else (1024, 4096, 8192)
-    rows = [case(m, h, d, args.tokens, with_reference=m <= 4096) for m in lens for h, d in shapes]
+    shapes = [(4, 64)] if quick else [(4, 64), (8, 128)]
+    lens = (512, 4096) if quick else (512, 2048, 4096, 8192)
+    rows = [case(m, h, d, tokens, with_reference=m <= 2048) for m in lens for h, d in shapes]
     for r in rows:
         r["fraction_of_matmul_rate"] = r["triton_fwdbwd_tflops"] / peak  # type: ignore[operator]
+        r["op"] = "hstu_attention"
     print(f"bf16 matmul 8192^3: {peak:.1f} TFLOP/s on {torch.cuda.get_device_name(0)}")
     print_table(rows, ["max_len", "heads", "dim", "tokens", "padded_tokens", "triton_fwd_ms", "triton_fwdbwd_ms",
                        "sdpa_fwdbwd_ms", "speedup_vs_sdpa_fwdbwd", "triton_fwdbwd_tflops", "fraction_of_matmul_rate"])
-    norm_rows = [norm_case(args.tokens, width) for width in (256, 1024)]
+    norm_rows = [norm_case(tokens, width) for width in (256, 1024)]
+    for r in norm_rows:
+        r["op"] = "layer_norm_mul"
     print_table(norm_rows, ["tokens", "width", "fused_fwd_ms", "torch_fwd_ms", "fused_fwdbwd_ms", "torch_fwdbwd_ms",
                             "speedup_fwdbwd", "fused_fwdbwd_GBps"])
-    if args.json:
-        for r in rows:
-            r["op"] = "hstu_attention"
-        for r in norm_rows:
-            r["op"] = "layer_norm_mul"
-        write_json(args.json, "bench_kernels", {"quick": args.quick, "tokens": args.tokens, "dtype": "bf16",
-                                                "matmul_tflops": peak}, rows + norm_rows)
+    return rows + norm_rows, peak
 
 
 if __name__ == "__main__":

@@ -112,9 +112,17 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_sm_free: needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
-    iters = 5 if args.quick else 20
+    rows, iters = measure(args.quick)
+    if args.json:
+        write_json(args.json, "bench_sm_free", {"quick": args.quick, "iters": iters,
+                                                "gpus": torch.cuda.device_count()}, rows)
+
+
+def measure(quick: bool) -> tuple[list[dict[str, object]], int]:
+    """Every (victim, transfer) pair, printed; returns the rows and the iterations per median."""
+    iters = 5 if quick else 20
     compute, side = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=0)
-    vs, ts = victims(args.quick), transfers(args.quick)
+    vs, ts = victims(quick), transfers(quick)
     for fn in list(vs.values()) + [f for f, _ in ts.values()]:  # warm-up, compile the Triton copy
         fn()
     torch.cuda.synchronize()
@@ -157,9 +165,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name(0)}")
     print_table(rows, ["victim", "transfer", "victim_alone_ms", "victim_beside_ms", "slowdown",
                        "transfer_GBps_alone", "transfer_GBps_overlapped", "overlap_efficiency"])
-    if args.json:
-        write_json(args.json, "bench_sm_free", {"quick": args.quick, "iters": iters,
-                                                "gpus": torch.cuda.device_count()}, rows)
+    return rows, iters
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def _fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     alpha, inv_n, max_attn_len, H, A, Vd, num_pos, num_buckets,
     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, SUB_BITS: tl.constexpr,
-    HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_TARGETS: tl.constexpr, N_BUCKET, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)  # batch x heads on axis 0: axis 1 is capped at 65535 on CUDA
@@ -164,7 +164,7 @@ def _bwd_dkdv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     alpha, inv_n, max_attn_len, H, A, Vd, num_pos, num_buckets,
     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, SUB_BITS: tl.constexpr,
-    HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_TARGETS: tl.constexpr, N_BUCKET, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -211,7 +211,7 @@ def _bwd_dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     alpha, inv_n, max_attn_len, H, A, Vd, num_pos, num_buckets,
     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, SUB_BITS: tl.constexpr,
-    HAS_TARGETS: tl.constexpr, N_BUCKET: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_TARGETS: tl.constexpr, N_BUCKET, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)  # batch x heads on axis 0: axis 1 is capped at 65535 on CUDA
@@ -276,7 +276,8 @@ def _prune_for_head_dim(configs, named_args, **kwargs):  # type: ignore[no-untyp
     return small if widest >= 256 and small else configs
 
 
-# N_BUCKET (next power of two of max_seq_len) exists only as an autotuning key.
+# N_BUCKET (next power of two of max_seq_len) exists only as an autotuning key: a plain int, not a
+# constexpr, so a new bucket re-tunes among already compiled kernels instead of compiling five more.
 _KEY = ["N_BUCKET", "BLOCK_A", "BLOCK_V"]
 
 
