@@ -29,12 +29,14 @@ reductions), and every order is stable.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 
 from freescale.dataloader.local_plan import local_window_owner
 
-_JIT = dict(nogil=True, cache=True)
+_JIT: dict[str, Any] = {"nogil": True, "cache": True}
 _KEYS = 1 << 16
 _WIDE_PARTNERS = 32
 _REFINE_MAX_CELLS = 1 << 25  # the local search's member table (16 bytes a cell): 512 MiB at most  # partners tried before the local search gives up on the heaviest part
@@ -214,7 +216,7 @@ def _heap(keys: np.ndarray, room: int) -> tuple[np.ndarray, np.ndarray, int]:
 @numba.njit(**_JIT)
 def _closest(vals: np.ndarray, count: int, target: float) -> int:
     """Position in the ascending ``vals[:count]`` of the value nearest ``target`` (-1 if empty)."""
-    j = np.searchsorted(vals[:count], target)
+    j = int(np.searchsorted(vals[:count], target))
     if j >= count:
         return count - 1
     if j > 0 and target - vals[j - 1] <= vals[j] - target:
@@ -304,7 +306,7 @@ def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_part
         h = heavy_parts[0]
         if loads[h] <= target:
             break
-        best_max, best_d, best_x, best_y, best_p = loads[h], 0.0, -1, -1, -1
+        best_max, best_x, best_y, best_p = loads[h], -1, -1, -1
         for want in (partners, wide):  # the few lightest parts; when stuck, once more with more of them
             stamp += 1
             found = 0
@@ -322,7 +324,7 @@ def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_part
                     d, x, y = _best_exchange(vals, counts, h, p, loads[h] - loads[p], allow_moves, swaps,
                                                    min(cap, max_count))
                     if d > 0.0 and max(loads[h] - d, loads[p] + d) < best_max:
-                        best_max, best_d, best_x, best_y, best_p = max(loads[h] - d, loads[p] + d), d, x, y, p
+                        best_max, best_x, best_y, best_p = max(loads[h] - d, loads[p] + d), x, y, p
                 if best_p >= 0:
                     break
             for i in range(found):

@@ -51,7 +51,7 @@ class Batch(Pipelineable):
             candidate_timestamps=_to(self.candidate_timestamps, device, non_blocking),
         )
 
-    def record_stream(self, stream: torch.Stream) -> None:  # type: ignore[override]
+    def record_stream(self, stream: torch.Stream) -> None:
         self.sparse.record_stream(stream)
         self.dense.record_stream(stream)
         self.labels.record_stream(stream)

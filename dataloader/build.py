@@ -17,8 +17,16 @@ from freescale.dataloader.loader import SPARSE_FEATURES, BalancedLoader
 from freescale.dataloader.partition import check_size
 from freescale.dataloader.planner import BatchPlanner, EpochOrder
 from freescale.dataloader.schema import (
-    CANDIDATE_ITEM, CANDIDATE_TIMESTAMP, DENSE, HISTORY_TIMESTAMPS, ITEM_IDS, LABEL, SEQUENCE_FORMAT_VERSION, TRAIN_END,
-    DataError, DatasetManifest,
+    CANDIDATE_ITEM,
+    CANDIDATE_TIMESTAMP,
+    DENSE,
+    HISTORY_TIMESTAMPS,
+    ITEM_IDS,
+    LABEL,
+    SEQUENCE_FORMAT_VERSION,
+    TRAIN_END,
+    DataError,
+    DatasetManifest,
 )
 from freescale.dataloader.sequence_source import SequenceSource
 from freescale.dataloader.source import ParquetSource

@@ -47,7 +47,14 @@ from freescale.dataloader.partition import Parts
 from freescale.dataloader.planner import BatchPlanner, StepPlan
 from freescale.dataloader.reshape import SHAPE_KEYS, remainder, shape_of, start_remainder
 from freescale.dataloader.schema import (
-    CANDIDATE_ITEM, CANDIDATE_TIMESTAMP, DENSE, HISTORY_ITEMS, HISTORY_TIMESTAMPS, LABEL, SAMPLED_ITEMS, USER_ID,
+    CANDIDATE_ITEM,
+    CANDIDATE_TIMESTAMP,
+    DENSE,
+    HISTORY_ITEMS,
+    HISTORY_TIMESTAMPS,
+    LABEL,
+    SAMPLED_ITEMS,
+    USER_ID,
     DataError,
 )
 from freescale.dataloader.sequence_source import SequenceSource

@@ -9,10 +9,12 @@ Deterministic like ``balance_kernels``: the same inputs give the same plan on ev
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 
-_JIT = dict(nogil=True, cache=True)
+_JIT: dict[str, Any] = {"nogil": True, "cache": True}
 
 
 @numba.njit(**_JIT)

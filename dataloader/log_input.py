@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import fnmatch
 import posixpath
-from typing import Any
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -142,7 +142,7 @@ class InteractionLog:
     def id_types(self) -> tuple[pa.DataType, pa.DataType]:
         """Arrow types of the user and item ids (int64 or string) as batches carry them."""
         schema = self.files[0].fragment.physical_schema
-        return tuple(  # type: ignore[return-value]
+        return tuple(
             pa.int64() if kind_of(schema.field(schema.get_field_index(c)).type) == "integer" else pa.string()
             for c in (self.columns.user, self.columns.item)
         )

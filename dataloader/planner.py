@@ -54,10 +54,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from freescale.dataloader import balance_kernels
-from freescale.dataloader.local_plan import local_window_owner
 from freescale.dataloader.cost import CostModel
+from freescale.dataloader.local_plan import local_window_owner
 from freescale.dataloader.partition import Parts, load_imbalance, lower_bound, partition
-
 
 _WINDOWS_KEPT = 8
 

@@ -149,7 +149,7 @@ def time_cut(value: str) -> int:
     except ValueError:
         raise DataError(f"--split time:{value}: not an ISO date/time or epoch seconds") from None
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=dt.timezone.utc)
+        moment = moment.replace(tzinfo=dt.UTC)
     return int(moment.timestamp())
 
 

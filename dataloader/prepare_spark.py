@@ -34,9 +34,22 @@ import pyarrow as pa
 
 from freescale.dataloader import prepare_sql as sql
 from freescale.dataloader.log_input import (
-    CSV_SUFFIXES, LogColumns, check_column_kind, kind_of, normalize_batch, normalized_schema,
+    CSV_SUFFIXES,
+    LogColumns,
+    check_column_kind,
+    kind_of,
+    normalize_batch,
+    normalized_schema,
 )
-from freescale.dataloader.prepare import PrepareReport, PrepareSpec, filter_and_count, finish, output_dir, split_rule, write_vocab
+from freescale.dataloader.prepare import (
+    PrepareReport,
+    PrepareSpec,
+    filter_and_count,
+    finish,
+    output_dir,
+    split_rule,
+    write_vocab,
+)
 from freescale.dataloader.schema import DataError
 from freescale.dataloader.sequence_writer import SequenceWriter, SplitRule, WriteResult
 from freescale.dataloader.source import resolve

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from freescale.dataloader import row_checks as rc
+from freescale.dataloader.gather import gather_tails
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
     CANDIDATE_TIMESTAMP,
@@ -42,7 +43,6 @@ from freescale.dataloader.schema import (
     check_sequence_schema,
     sample_schema,
 )
-from freescale.dataloader.gather import gather_tails
 from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column, row_group_runs
 
 

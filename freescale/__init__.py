@@ -34,4 +34,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'freescale' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "Trainer", "TrainSummary", "TrainerConfig", "__version__", "load_config"]
+__all__ = ["ConfigError", "TrainSummary", "Trainer", "TrainerConfig", "__version__", "load_config"]

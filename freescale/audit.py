@@ -49,7 +49,8 @@ def planned_rows(data: Path, model: str, replicas: int, ranks: int, steps: int, 
 
     cfg = DataConfig(path=str(data), batch_size=batch_size)
     loader = build_loader(cfg, "train", rank=0, world_size=replicas * ranks, sparse_features=[],
-                          derived_cost=cost_model_for(ModelConfig(kind=model), 8), seed=0, training=True)
+                          derived_cost=cost_model_for(ModelConfig(kind=model), 8),  # type: ignore[arg-type]  # the CLI's choices
+                          seed=0, training=True)
     loader.close()
     size, per_epoch = loader.global_batch_size, loader.steps_per_epoch
     return np.sort(np.concatenate([loader.planner.order(s // per_epoch)[(s % per_epoch) * size:][:size]
@@ -90,7 +91,7 @@ def audit_run(out: Path, data: Path, model: str, replicas: int, ranks: int, step
     if differ:
         audit.problems.append(f"{len(differ)} step(s) with more than one state across groups, first {differ[:5]}")
     trained_by_step: dict[int, list[int]] = {}
-    for group, events in runs.items():
+    for events in runs.values():
         for step, e in commits_by_step(events).items():
             if "rows" in e and trained_by_step.setdefault(step, sorted(e["rows"])) != sorted(e["rows"]):
                 audit.problems.append(f"step {step}: groups disagree on the rows it trained")

@@ -38,7 +38,7 @@ def _config_keys(cls: type, prefix: str = "") -> list[str]:
     instance = cls()
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             lines += _config_keys(tp, f"{prefix}{f.name}.")
         else:
             lines.append(f"  --{prefix}{f.name:<24} {type_name(tp)}, default {getattr(instance, f.name)!r}")
@@ -51,7 +51,8 @@ def _config_key_names(cls: type, prefix: str = "") -> list[str]:
     names: list[str] = []
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        names += _config_key_names(tp, f"{prefix}{f.name}.") if dataclasses.is_dataclass(tp) else [prefix + f.name]
+        nested = isinstance(tp, type) and dataclasses.is_dataclass(tp)
+        names += _config_key_names(tp, f"{prefix}{f.name}.") if nested else [prefix + f.name]
     return names
 
 
@@ -62,7 +63,7 @@ def _trainer_config_cls() -> type:
 
 
 def _load_train_config(config: str | None, overrides: list[str], resume: bool) -> Any:
-    cfg = load_config(_trainer_config_cls(), config, overrides)
+    cfg: Any = load_config(_trainer_config_cls(), config, overrides)
     # torchrun --max-restarts: a restarted group continues from its latest checkpoint.
     if resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         cfg.checkpoint.resume = True

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from dataclasses import fields
+from pathlib import Path
 
 from freescale.comm_trace import CommEvent
 

@@ -388,7 +388,7 @@ class CommTracer:
         original_all_reduce = self._real_all_reduce
         rounds: list[_DdpRound] = [_DdpRound()]
 
-        def hook(state, bucket):  # no annotations: DDP rejects a hook whose annotations are strings
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects a hook whose annotations are strings
             tensor = bucket.buffer()
             tensor.div_(size)
             if not self._active:
@@ -412,7 +412,7 @@ class CommTracer:
                 # hook returns: ours runs just before it and queues one that runs just after it.
                 self._ddp_rounds.append(current)
                 rounds[0] = _DdpRound()
-                engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+                engine = torch.autograd.Variable._execution_engine
 
                 def before() -> None:
                     current.wait_from = time.perf_counter()

@@ -39,7 +39,6 @@ from freescale.step_sync import NONFINITE, LocalSync, StepSync
 from freescale.tasks import Task, task_of
 from freescale.testing import StepHooks, hooks_from_env
 
-
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -145,7 +144,8 @@ class Components:
 
     @property
     def features(self) -> list[str]:
-        return list(self.dmp.module.sparse_feature_names)  # type: ignore[union-attr]
+        names: list[str] = self.dmp.module.sparse_feature_names  # type: ignore[union-attr, assignment]
+        return list(names)
 
     @property
     def task(self) -> Task:
@@ -188,9 +188,10 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
     staging = LazySaves(RowTracker(dmp), c.stage_budget) if c.async_save and c.every and c.stage_budget else None
     optimizer = build_optimizer(dmp, cfg.optim)
     update = dense_update(dmp, optimizer, cfg.optim, cfg.train.steps)
+    features: list[str] = list(model.sparse_feature_names)  # type: ignore[arg-type]  # every model declares them
     loader = build_loader(
         cfg.data, "train", rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size,
-        sparse_features=list(model.sparse_feature_names), derived_cost=cost_model_for(cfg.model, manifest.dense_dim),
+        sparse_features=features, derived_cost=cost_model_for(cfg.model, manifest.dense_dim),
         seed=cfg.train.seed, training=True, pin_memory=ctx.device.type == "cuda", group_size=ctx.world_size,
         timestamps=bool(getattr(model, "reads_timestamps", False)), sampled_items=getattr(model, "sampled_items", 0),
     )

@@ -129,7 +129,7 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
 
     lighthouse = None if lighthouse_url else Lighthouse(LighthouseConfig(min_replicas=1,
                                                                          heartbeat_timeout_s=heartbeat_timeout_s))
-    url = lighthouse_url or lighthouse.start_in_thread()
+    url = lighthouse_url or lighthouse.start_in_thread()  # type: ignore[union-attr]  # no url: one was built
     print(f"freescale: lighthouse at {url}; {replicas} replica group(s) of {nproc_per_node} rank(s)", flush=True)
     groups = []
     devices, shared_gpus = _gpus_per_group(replicas, nproc_per_node)

@@ -13,16 +13,16 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ModuleSharder, ShardedModule, ShardingEnv
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -147,7 +147,7 @@ def shard_fused(model: nn.Module, device: torch.device | None = None, *,
         topology=Topology(world_size=world, compute_device=device.type, local_world_size=local),
         constraints=fused_constraints(model, constraints or {}))
     plan = planner.collective_plan(model, module_sharders, dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=device, plan=plan, sharders=module_sharders,  # type: ignore[arg-type]
+    return DistributedModelParallel(model, device=device, plan=plan, sharders=module_sharders,
                                     data_parallel_wrapper=NoDataParallel())
 
 
@@ -176,8 +176,11 @@ def fused_constraints(model: nn.Module, given: dict[str, ParameterConstraints]) 
 
 
 def _table_names(model: nn.Module) -> list[str]:
-    return [t.name for m in model.modules() if hasattr(m, "embedding_bag_configs") or hasattr(m, "embedding_configs")
-            for t in (m.embedding_bag_configs() if hasattr(m, "embedding_bag_configs") else m.embedding_configs())]
+    names: list[str] = []
+    for m in model.modules():
+        configs: Any = getattr(m, "embedding_bag_configs", None) or getattr(m, "embedding_configs", None)
+        names += [t.name for t in configs()] if callable(configs) else []
+    return names
 
 
 def _constraints(model: nn.Module, cfg: OptimConfig) -> dict[str, ParameterConstraints] | None:
@@ -210,16 +213,19 @@ def dense_named_parameters(dmp: DistributedModelParallel) -> dict[str, nn.Parame
     }
 
 
-def embedding_kernels(dmp: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+def embedding_kernels(dmp: nn.Module) -> list[tuple[str, Any, bool]]:
     """``(name, kernel, fused)`` for every embedding kernel of ``dmp``'s sharded modules, in a fixed order:
     torchrec keeps a sharded module's lookups in a plain list (not registered submodules), so they are
     walked explicitly.  A fused kernel's ``emb_module`` is fbgemm's table-batched embedding (TBE), which
     updates its rows with the fused optimizer inside backward."""
     from torchrec.distributed.batched_embedding_kernel import (
-        BatchedDenseEmbedding, BatchedDenseEmbeddingBag, BatchedFusedEmbedding, BatchedFusedEmbeddingBag,
+        BatchedDenseEmbedding,
+        BatchedDenseEmbeddingBag,
+        BatchedFusedEmbedding,
+        BatchedFusedEmbeddingBag,
     )
 
-    found: list[tuple[str, nn.Module, bool]] = []
+    found: list[tuple[str, Any, bool]] = []  # torchrec's kernels; their emb_module is fbgemm's (untyped) TBE
     for name, module in dmp.named_modules():
         if not isinstance(module, ShardedModule):
             continue

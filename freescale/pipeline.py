@@ -45,7 +45,6 @@ threads, and every wait is on an async work handle.
 from __future__ import annotations
 
 import abc
-
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +107,7 @@ class StepPipeline(abc.ABC):
     @abc.abstractmethod
     def progress(self, batches: Iterator[Batch]) -> StepOutput: ...
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027 - optional hook: a pipeline without batches in flight has none to forget
         """Forget batches in flight."""
 
     @abc.abstractmethod
@@ -141,7 +140,7 @@ class _SyncedSparseDist(TrainPipelineSparseDist[Batch, Any]):
             with phase("forward"):
                 return model(batch)
 
-        super().__init__(model, SyncedOptimizer(sync), device, custom_model_fwd=forward)  # type: ignore[arg-type]
+        super().__init__(model, SyncedOptimizer(sync), device, custom_model_fwd=forward)
         self.sync = sync
 
     def _backward(self, losses: torch.Tensor) -> None:

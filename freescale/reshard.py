@@ -37,9 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, init_from_local_shards
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-from torch.distributed._shard.sharded_tensor import init_from_local_shards
 
 ROWWISE = "rowwise"
 """The app-state key of the row-wise optimizer state's fragments."""
@@ -140,6 +139,7 @@ def destination(state: ShardedTensor, weight: ShardedTensor, saved: RowwiseLayou
                      for s in state.local_shards()})
     width = len(saved.cuts) - 1
     mine = state.local_shards()[0].metadata.placement
+    assert mine is not None, f"table '{name}': a local shard without a placement"
     elsewhere = f"rank:{(dist.get_rank() + 1) % dist.get_world_size()}/{mine.device()}" if dist.is_initialized() else None
     local, declared, row = [], [], 0
     for r0, r1 in ranges:
@@ -302,7 +302,7 @@ def load_logical(load: Any, model: dict[str, Any], optim: dict[str, Any],
     whose row-wise state was approximated (module docstring).  Collective over ``group`` (default: the
     default group): the ranks agree on any problem before DCP's load."""
     problems = [_layout_problem(model, key, RowwiseLayout.from_json(data)) for key, data in sorted(layouts.items())]
-    pending = []
+    pending: list[tuple[dict[str, Any], str, ShardedTensor, ShardedTensor, str, RowwiseLayout, str]] = []
     reads: dict[str, ShardedTensor] = {}
     for param_key, states in optim.get("state", {}).items():
         weight = model.get(param_key)
@@ -312,6 +312,7 @@ def load_logical(load: Any, model: dict[str, Any], optim: dict[str, Any],
                 problems.append(f"table '{name}': the checkpoint holds no row-wise optimizer state for it")
                 continue
             saved = RowwiseLayout.from_json(layouts[key])
+            assert isinstance(weight, ShardedTensor), f"table '{name}': row-wise state beside a weight that is not sharded"
             pending.append((states, state_key, states.pop(state_key), weight, key, saved, name))
     _raise_on_every_rank([p for p in problems if p], group)  # before DCP's collectives: no rank left waiting
     for _, _, state, weight, key, saved, name in pending:
@@ -327,8 +328,7 @@ def load_logical(load: Any, model: dict[str, Any], optim: dict[str, Any],
     # From the layouts and every rank's global metadata: the same notes on every rank, for every table.
     notes = [approximation(model[key.split("/")[0]], RowwiseLayout.from_json(data), _table_name(key.split("/")[0]))
              for key, data in sorted(layouts.items()) if isinstance(model.get(key.split("/")[0]), ShardedTensor)]
-    notes = [n for n in notes if n]
-    return notes
+    return [n for n in notes if n]
 
 
-__all__ = ["plan_summary", "ROWWISE", "LayoutError", "RowwiseLayout", "column_weights", "load_logical", "to_logical"]
+__all__ = ["ROWWISE", "LayoutError", "RowwiseLayout", "column_weights", "load_logical", "plan_summary", "to_logical"]

@@ -64,7 +64,7 @@ class RowTracker:
             if fused:
                 self._add(kernel.emb_module)
 
-    def _add(self, tbe: nn.Module) -> None:
+    def _add(self, tbe: Any) -> None:  # fbgemm's TBE (untyped)
         weights = tbe.split_embedding_weights()
         states = tbe.split_optimizer_states() if hasattr(tbe, "split_optimizer_states") else [[] for _ in weights]
         starts = [0]

@@ -63,8 +63,8 @@ class StepSync(Protocol):
     record: dict[str, Any]
     """Fields of the last step for the step's log record (quorum, weights, timings)."""
     last_commit: Commit
-    events: list[dict[str, Any]]
-    """Events for the run log since the engine last took them (catch-up, staging, skipped steps)."""
+    events: deque[dict[str, Any]]
+    """Events for the run log since the engine last took them (catch-up, staging, skipped steps); bounded."""
     warms_up: bool
     """Wants one forward/backward before the first step (``warm_up``): peers would wait for its lazy set-up."""
 

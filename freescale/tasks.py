@@ -65,7 +65,8 @@ class RankingWindow:
 
 
 class Ranking:
-    name, headline = "ranking", "auc"
+    name: str = "ranking"
+    headline: str | None = "auc"
 
     def window(self, group: dist.ProcessGroup | None = None) -> StepWindow:
         return RankingWindow(group)
@@ -114,7 +115,8 @@ class RankWindow:
 
 
 class Retrieval:
-    name, headline = "retrieval", None
+    name: str = "retrieval"
+    headline: str | None = None
 
     def __init__(self, item_table: str) -> None:
         self.item_table = item_table
@@ -135,4 +137,5 @@ def task_of(model: nn.Module) -> Task:
     """The task a model names (``task`` attribute, through ``DistributedModelParallel``'s ``module``);
     a model that names none is a click ranker."""
     inner = getattr(model, "module", model)
-    return getattr(inner, "task", None) or getattr(model, "task", None) or Ranking()
+    found: Task | None = getattr(inner, "task", None) or getattr(model, "task", None)
+    return found or Ranking()

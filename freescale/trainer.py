@@ -80,7 +80,7 @@ class TrainSummary:
     """Another replica group finished the run while this one was (re)starting: nothing was left to train."""
 
 
-__all__ = ["TrainConfig", "Trainer", "TrainerConfig", "TrainSummary"]
+__all__ = ["TrainConfig", "TrainSummary", "Trainer", "TrainerConfig"]
 
 
 class Trainer:

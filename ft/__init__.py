@@ -47,14 +47,13 @@ if __name__ != "freescale.ft":  # imported by its folder name, the repository ro
     raise ImportError(f"import freescale.ft, not {__name__}: ft/ is the package freescale.ft, and a "
                       "second name would load its modules twice (duplicate registries, classes that differ)")
 
-from typing import TYPE_CHECKING, Any  # noqa: E402
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from freescale.distributed import init_process_group
     from freescale.ft.config import ENVIRONMENT, FTConfig
     from freescale.ft.layer import FaultTolerance
-    from freescale.ft.samples import DataState
-    from freescale.ft.samples import StepSamples
+    from freescale.ft.samples import DataState, StepSamples
     from freescale.ft.wrapper import FaultTolerantOptimizer, wrap
     from freescale.parallelize import shard_fused as shard
     from freescale.step_feed import Commit

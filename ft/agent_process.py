@@ -88,7 +88,7 @@ async def _serve(args: argparse.Namespace) -> None:
     while not stop.is_set() and os.getppid() == parent:  # member 0 died (even by SIGKILL): go too
         try:
             await asyncio.wait_for(stop.wait(), 0.1)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
     if stop.is_set():  # member 0 is done: serve the others until they are too
         await agent.drain(DRAIN_S)

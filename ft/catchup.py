@@ -37,8 +37,8 @@ import struct
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,7 +62,8 @@ class _Staged:
 
 def pack(step: int, tensors: dict[str, torch.Tensor]) -> _Staged:
     """Copy ``tensors`` into one flat host buffer (the only work the source does on its training thread)."""
-    entries, offset = [], 0
+    entries: list[dict[str, Any]] = []
+    offset = 0
     for name, t in tensors.items():
         if str(t.dtype) not in _DTYPES:
             raise ValueError(f"snapshot: tensor '{name}' has unsupported dtype {t.dtype}")
@@ -181,7 +182,7 @@ class SnapshotServer:
             await response.write(struct.pack("<Q", len(staged.header)) + staged.header)
             if self.on_stream is not None:
                 self.on_stream(staged.step)
-            view = memoryview(staged.payload.numpy())
+            view = memoryview(staged.payload.numpy())  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
             for lo in range(0, len(view), CHUNK_BYTES):
                 await response.write(view[lo:lo + CHUNK_BYTES])
                 self.bytes_served += min(CHUNK_BYTES, len(view) - lo)
@@ -272,7 +273,7 @@ class SnapshotFetch:
                     except (ConnectionError, ValueError) as exc:
                         errors.append(f"{address}: {exc}")
             self._error = RuntimeError(f"catch-up: every source failed: {'; '.join(errors[-len(self.sources):])}")
-        except BaseException as exc:  # noqa: BLE001 - raised on the training thread by ``result``
+        except BaseException as exc:
             self._error = exc
         finally:
             self._done.set()

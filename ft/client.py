@@ -405,7 +405,7 @@ class LighthouseClient:
         formed without this rank's help (its peers left it).  False while nothing is known (no
         reply yet, lighthouse restarting: it has no quorum then)."""
         current, lost = self._lighthouse_quorum
-        return current is not None and (current > quorum_id or current == quorum_id and lost)
+        return current is not None and (current > quorum_id or (current == quorum_id and lost))
 
     def _presence_loop(self) -> None:
         """Hold ``/v1/presence`` open for this process's lifetime (reopened after a lighthouse restart):

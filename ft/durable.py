@@ -51,10 +51,8 @@ class DurableState:
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise StateFileError(f"{where}: not a lighthouse state file (expected format '{FORMAT}')")
 
-        def number(name: str, optional: bool = False) -> int | None:
+        def number(name: str) -> int:
             value = body.get(name)
-            if value is None and optional:
-                return None
             if isinstance(value, bool) or not isinstance(value, int):
                 raise StateFileError(f"{where}: field '{name}' must be an integer, got {value!r}")
             return value
@@ -66,9 +64,10 @@ class DurableState:
         run_id = body.get("run_id")
         if run_id is not None and not isinstance(run_id, str):
             raise StateFileError(f"{where}: field 'run_id' must be a string or null")
-        return DurableState(run_id=run_id, quorum_id=int(number("quorum_id")), high_step=int(number("high_step")),
-                            finished_step=number("finished_step", optional=True),
-                            holders_quorum_id=int(number("holders_quorum_id")), holders=dict(holders))
+        finished_step = None if body.get("finished_step") is None else number("finished_step")
+        return DurableState(run_id=run_id, quorum_id=number("quorum_id"), high_step=number("high_step"),
+                            finished_step=finished_step, holders_quorum_id=number("holders_quorum_id"),
+                            holders=dict(holders))
 
 
 def load(path: str | os.PathLike[str]) -> DurableState | None:

@@ -196,7 +196,7 @@ class ReplicaSync:
         a restarted group would otherwise train a stale step 0 while the others wait for it."""
         try:
             quorum, waited = self._quorum_of(step)
-        except Exception:  # noqa: BLE001 - raised again where the caller handles it (reduce_and_commit)
+        except Exception:
             return False
         self._early_quorum_wait += waited
         return quorum.max_step > step
@@ -208,7 +208,7 @@ class ReplicaSync:
         reduces after backward, in the same layout."""
         try:
             quorum, waited = self._quorum_of(step)
-        except Exception:  # noqa: BLE001 - the same future raises again in ``reduce_and_commit``
+        except Exception:
             return False
         self._early_quorum_wait += waited
         if self.recovering or quorum.max_step > step or not grads.active:

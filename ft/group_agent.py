@@ -111,7 +111,7 @@ class GroupAgent:
         """Members with a presence connection open (their client is running): member -> connections."""
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
-        self._link: aiohttp.ClientWebSocketResponse | None = None
+        self._link: aiohttp.ClientWebSocketResponse[bool] | None = None
         """The link to the lighthouse (``/v1/agent``) while it is open."""
         self._calls: dict[int, asyncio.Future[Answer]] = {}
         self._calls_made = 0
@@ -173,7 +173,7 @@ class GroupAgent:
             async with self._session.request(method, self.upstream + path, json=body, headers=self.headers,
                                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as answer:
                 return answer.status, await answer.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return self._unreachable(path, str(exc) or type(exc).__name__)
 
     async def _call(self, op: str, body: dict[str, Any], timeout_s: float) -> Answer:
@@ -189,7 +189,7 @@ class GroupAgent:
         try:
             await link.send_str(json.dumps({"id": number, "op": op, "body": body}))
             return await asyncio.wait_for(answer, timeout_s)
-        except (ConnectionError, RuntimeError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ConnectionError, RuntimeError) as exc:
             return self._unreachable(op, str(exc) or type(exc).__name__)
         finally:
             self._calls.pop(number, None)
@@ -229,7 +229,7 @@ class GroupAgent:
                             waiting = self._calls.get(number)
                             if waiting is not None and not waiting.done():
                                 waiting.set_result(_framed(message.data))
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, KeyError):
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError):
                 pass
             finally:
                 self._link = None
@@ -261,7 +261,7 @@ class GroupAgent:
                 self._lost.difference_update(lost)
             try:
                 await asyncio.wait_for(self._wake.wait(), interval)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _group_progress(self) -> dict[str, Any]:
@@ -286,7 +286,7 @@ class GroupAgent:
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
             body = json.loads(await asyncio.wait_for(request.read(), 5.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise BadRequest("the request body did not arrive within 5 s") from None
         except ValueError as exc:
             raise BadRequest(f"body is not JSON: {exc}") from None

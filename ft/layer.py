@@ -49,15 +49,21 @@ from torch import nn
 
 from freescale.dense_update import DenseUpdate, LRSchedule
 from freescale.distributed import collective_device
+from freescale.ft.agent_process import start_agent
 from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import JobFinished, LighthouseClient
 from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, replica_index_of
 from freescale.ft.ftar import ReplicaSync, StepResult
-from freescale.ft.agent_process import start_agent
 from freescale.ft.samples import DataState
 from freescale.ft.serving import advertised_host
-from freescale.ft.snapshot_state import (from_json, load_torch_optimizer, named_tensors, rng_state, set_rng_state,
-                                         to_json)
+from freescale.ft.snapshot_state import (
+    from_json,
+    load_torch_optimizer,
+    named_tensors,
+    rng_state,
+    set_rng_state,
+    to_json,
+)
 from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
 from freescale.grad_buckets import BucketedGrads
 from freescale.step_feed import Commit
@@ -76,7 +82,7 @@ def _dense_parameters(model: nn.Module) -> list[nn.Parameter]:
             raise ValueError("fault tolerance: the model is wrapped in DDP; shard it with freescale.ft.shard (or "
                              "DistributedModelParallel(..., data_parallel_wrapper=freescale.parallelize.NoDataParallel())"
                              "): this layer reduces the dense gradients itself, in the group and across groups")
-        return list(dense_named_parameters(model).values())  # type: ignore[arg-type]
+        return list(dense_named_parameters(model).values())
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -160,8 +166,8 @@ class FaultTolerance:
         failure = ""
         if self._agent is not None:
             try:
-                url = self._agent.wait_url().encode()
-                buffer[:len(url)] = torch.tensor(list(url), dtype=torch.uint8)
+                encoded = self._agent.wait_url().encode()
+                buffer[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
             except RuntimeError as exc:
                 failure = str(exc)
         dist.broadcast(buffer, group_src=0, group=self.in_group)
@@ -403,7 +409,8 @@ class FaultTolerance:
         states): a value that cannot travel (a set, a path, a function) is refused here in one line, naming
         it, instead of when a recovering peer asks for a snapshot."""
         scheduler = self._update.scheduler
-        parts = {"data": (lambda: self._data.state_dict()) if self._data is not None else None,
+        data = self._data
+        parts = {"data": data.state_dict if data is not None else None,
                  "scheduler": scheduler.state_dict if scheduler is not None else None,
                  **{f"registered state '{name}'": get for name, (get, _, _) in self._user_states.items()}}
         for what, get in parts.items():
@@ -433,7 +440,7 @@ class FaultTolerance:
         from freescale.parallelize import materialize_optimizer_state
 
         if hasattr(self._optimizer, "optimizers"):
-            materialize_optimizer_state(self._optimizer)  # type: ignore[arg-type]
+            materialize_optimizer_state(self._optimizer)
         else:
             load_torch_optimizer(self._optimizer, tensors)  # its state may not exist yet: rebuilt
         mine = dict(named_tensors(self._state(), ""))

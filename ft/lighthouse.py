@@ -262,7 +262,7 @@ class Lighthouse(LighthouseOps):
         try:  # a small body has usually arrived with its headers: no timer then
             raw = await (request.read() if request.content.is_eof() else
                          asyncio.wait_for(request.read(), self.cfg.body_timeout_s))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _BodyTimeout(f"the request body did not arrive within {self.cfg.body_timeout_s:g} s") from None
         return _json_object(raw)
 

@@ -144,7 +144,7 @@ class LighthouseOps(Membership):
         ages, lost = body.get("member_ages_s"), body.get("members_lost")
         if ages is not None:
             if not isinstance(ages, list) or len(ages) != group.group_size or not all(
-                    a is None or isinstance(a, (int, float)) and not isinstance(a, bool) and a >= 0 for a in ages):
+                    a is None or (isinstance(a, (int, float)) and not isinstance(a, bool) and a >= 0) for a in ages):
                 raise BadRequest(f"field 'member_ages_s' must be {group.group_size} ages in seconds (or null)")
             now = time.monotonic()
             for member, age in enumerate(ages):

@@ -356,7 +356,7 @@ class Membership:
     def _form(self, joined: set[str], new_id: bool) -> None:
         if new_id or self.quorum is None:
             self.quorum_id += 1
-        participants = [
+        participants: list[dict[str, Any]] = [
             {"replica_id": rid, "incarnation": self.groups[rid].incarnation,
              "step": max(self.joins[rid].steps.values()),
              "addresses": [self.joins[rid].addresses.get(m, "") for m in range(self.groups[rid].group_size)]}

@@ -129,6 +129,6 @@ def _field(body: dict[str, Any], name: str, kind: type) -> Any:
     if name not in body:
         raise BadRequest(f"missing field '{name}'")
     value = body[name]
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
         raise BadRequest(f"field '{name}' must be {kind.__name__}, got {type(value).__name__}")
     return value

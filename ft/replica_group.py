@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from freescale.ft.client import Quorum
 from freescale.ft.config import BACKENDS
+
 SHARED_GPUS_ENV = "FREESCALE_GROUPS_SHARE_GPUS"
 """Set to 1 by ``freescale launch`` when replica groups share GPUs (too few for one per rank): NCCL
 refuses two ranks on one GPU, so ``auto`` then means gloo."""
@@ -147,11 +148,11 @@ class ReplicaGroup:
         opts = dist.ProcessGroupNCCL.Options()
         opts.config.blocking = 0
         opts._timeout = timedelta(seconds=4 * timeout_s + 60)  # the watchdog must never fire before ``wait``
-        opts.group_name = name
+        opts.group_name = name  # type: ignore[assignment]  # torch's stub says GroupName, a str
         with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="0"):
-            pg = dist.ProcessGroupNCCL(store, rank, size, opts)
-        pg.eager_connect_single_device(device)
-        group = ReplicaGroup(pg, "nccl", device, timeout_s, lost)
+            nccl = dist.ProcessGroupNCCL(store, rank, size, opts)
+        nccl.eager_connect_single_device(device)
+        group = ReplicaGroup(nccl, "nccl", device, timeout_s, lost)
         # A non-blocking communicator may still be connecting in the background: one tiny all-reduce,
         # waited for here (bounded, and given up when the quorum is lost), so that the first gradient
         # bucket's collective, started inside backward, finds it ready.
@@ -318,7 +319,7 @@ class FTARGroup:
 def _run_into(future: Future[Any], fn: Callable[..., Any], *args: Any) -> None:
     try:
         future.set_result(fn(*args))
-    except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+    except BaseException as exc:
         future.set_exception(exc)
 
 

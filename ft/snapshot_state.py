@@ -65,7 +65,8 @@ def rng_state(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["/rng/cuda"] = torch.cuda.get_rng_state()
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)
     return {"python": [version, list(internal), gauss], "numpy": [kind, keys.tolist(), pos, has_gauss, cached]}
 
 

@@ -94,7 +94,7 @@ class _CatchGradient(torch.autograd.Function):
 @dataclass
 class _Slot:
     name: str
-    tbe: nn.Module
+    tbe: Any  # fbgemm's TBE (untyped module)
     features: int
     pooled: bool
     run: Any  # the TBE's own forward (bound method), with its fused backward
@@ -123,10 +123,10 @@ def _check_optimizer(name: str, tbe: nn.Module) -> None:
                          "without counters or global weight decay")
 
 
-def fused_tbes(dmp: nn.Module) -> list[tuple[str, nn.Module]]:
+def fused_tbes(dmp: nn.Module) -> list[tuple[str, Any]]:
     """Every fbgemm TBE with a fused optimizer under ``dmp``'s sharded modules, in a fixed order; a table
     planned with a dense (non-fused) kernel is refused."""
-    found: list[tuple[str, nn.Module]] = []
+    found: list[tuple[str, Any]] = []  # fbgemm's TBEs: untyped modules whose attributes are read directly
     for name, kernel, fused in embedding_kernels(dmp):
         if not fused:
             raise ValueError(
@@ -265,7 +265,7 @@ class UnionSparseUpdate:
         lengths, idx_pieces, grad_pieces = [], [], []
         width = max((p.grad.shape[1] for p in parts), default=0)
         for p in parts:
-            if p.offsets.numel() == 0 or p.indices.numel() == 0 and p.grad.numel() == 0:
+            if p.offsets.numel() == 0 or (p.indices.numel() == 0 and p.grad.numel() == 0):
                 continue
             if int(p.offsets[0]) != 0 or int(p.offsets[-1]) != p.indices.numel():
                 raise RuntimeError(f"fault tolerance: embedding '{slot.name}': offsets do not cover the ids")
@@ -282,7 +282,7 @@ class UnionSparseUpdate:
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(union_lengths, 0)])
         indices = torch.cat([pieces[f] for f in range(t) for pieces in idx_pieces])
         if slot.pooled:
-            grad = torch.cat(grad_pieces, dim=0)
+            grad = torch.cat(grad_pieces, dim=0)  # type: ignore[arg-type]  # pooled: whole tensors
         else:
             grad = torch.cat([pieces[f] for f in range(t) for pieces in grad_pieces])
         return TBEStep(indices, offsets, grad)
@@ -349,12 +349,12 @@ class _Counters:
     iters: dict[str, torch.Tensor]
 
     @classmethod
-    def of(cls, tbe: nn.Module) -> _Counters:
+    def of(cls, tbe: Any) -> _Counters:
         iters = {name: t.clone() for name in ("iter", "iter_cpu")
                  if isinstance(t := getattr(tbe, name, None), torch.Tensor)}
         return cls(int(getattr(tbe, "step", 0)), iters)
 
-    def restore(self, tbe: nn.Module) -> None:
+    def restore(self, tbe: Any) -> None:
         if hasattr(tbe, "step"):
             tbe.step = self.step
         for name, saved in self.iters.items():

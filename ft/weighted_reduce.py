@@ -22,7 +22,6 @@ import torch.distributed as dist
 from freescale.ft.replica_group import ReplicaGroup
 from freescale.grad_buckets import BucketLayout
 
-
 _HEADER_SPLIT = 1 << 20
 """Header integers travel in the float32 sum as two parts below 2**20 each: exact up to 2**40."""
 

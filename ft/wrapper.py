@@ -216,7 +216,7 @@ def _scaled(t: torch.Tensor, scale: float, found: list[int]) -> torch.Tensor:
     if not t.requires_grad:
         return t
     found[0] += 1
-    return _ScaleGrad.apply(t, scale)  # type: ignore[no-any-return]
+    return _ScaleGrad.apply(t, scale)
 
 
 def _map_tensors(value: Any, fn: Any) -> Any:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,14 +51,16 @@ class Transfer:
 class CopyEngineAllToAll:
     def __init__(self, group: dist.ProcessGroup | None = None, slot_bytes: int = 64 << 20,
                  chunk_bytes: int = 4 << 20) -> None:
-        self.group = group or dist.group.WORLD
+        world = dist.group.WORLD
+        assert group is not None or world is not None, "copy-engine all-to-all: no process group"
+        self.group: dist.ProcessGroup = group or world  # type: ignore[assignment]
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.slot_bytes, self.chunk_bytes = slot_bytes, chunk_bytes
         self._queue: list[Transfer] = []
         self._sequence = 0
-        self._handle = None
+        self._handle: Any = None  # torch's _SymmetricMemory handle (a private type)
         self._buffer: torch.Tensor | None = None
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         self.uses_copy_engines = torch.cuda.is_available() and dist.get_backend(self.group) == "nccl" and (
             self.world <= torch.cuda.device_count()
         )

@@ -44,7 +44,6 @@ import torch.nn.functional as F
 
 from freescale.kernels.registry import KernelRegistry
 
-
 TIME_BUCKET_SUB_BITS = 2
 """log2 of the time buckets per doubling of the gap (4: each bucket spans a factor 2^(1/4))."""
 

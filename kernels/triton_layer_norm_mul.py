@@ -112,7 +112,7 @@ def _configs() -> list[triton.Config]:
 _MAX_TILE = 16384  # elements of one [BLOCK_T, BLOCK_D] tile; more spills registers
 
 
-def _prune_tiles(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
+def _prune_tiles(configs, named_args, **kwargs):
     """Keep tiles of at most _MAX_TILE elements (always one row per program, at least);
     16 warps only for rows of 4096 and wider."""
     width = int(kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 1)))
@@ -124,7 +124,7 @@ def _prune_tiles(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
     return kept or configs[:1]
 
 
-def _tuned(kernel):  # type: ignore[no-untyped-def]
+def _tuned(kernel):
     if _INTERPRET:
         return kernel
     return triton.autotune(configs=_configs(), key=["BLOCK_D"], prune_configs_by={"early_config_prune": _prune_tiles})(
@@ -151,7 +151,7 @@ def _backward_programs(rows: int, device: torch.device) -> int:
 
 class _LayerNormMul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, u, weight, bias, eps):  # type: ignore[no-untyped-def, override]
+    def forward(ctx, x, u, weight, bias, eps):
         x, u = x.contiguous(), u.contiguous()
         rows, width = x.shape
         block_d = triton.next_power_of_2(max(width, 1))
@@ -167,7 +167,7 @@ class _LayerNormMul(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy):  # type: ignore[no-untyped-def, override]
+    def backward(ctx, dy):
         x, u, weight, bias, mean, rstd = ctx.saved_tensors
         dy = dy.contiguous()
         rows, width = x.shape

@@ -79,8 +79,8 @@ def test_selector_and_shape_errors() -> None:
     assert {"reference", "triton"} <= set(layer_norm_mul_backends())
     assert select_layer_norm_mul_backend("auto", torch.device("cpu")) == "reference"
     assert select_layer_norm_mul_backend("auto", torch.device("cuda")) == "triton"
-    x = torch.randn(6, 4)
-    w, b = torch.ones(4), torch.zeros(4)
+    x = torch.randn(6, 4, device=DEVICE)  # the triton backend takes CUDA tensors (or interpreted CPU ones)
+    w, b = torch.ones(4, device=DEVICE), torch.zeros(4, device=DEVICE)
     torch.testing.assert_close(
         layer_norm_mul(x, x, w, b, backend="triton"), layer_norm_mul(x, x, w, b, backend="reference")
     )

@@ -8,15 +8,16 @@ returns ``(loss, (loss, *outputs))``, the outputs of its task (``freescale.tasks
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import nn
 
+from freescale.config import require
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.schema import DatasetManifest
-from freescale.config import require
 from freescale.models.dlrm import DLRMConfig, DLRMModel
 from freescale.models.hstu import HSTUConfig, HSTUModel
 from freescale.models.hstu_retrieval import HSTURetrievalModel, RetrievalConfig
@@ -69,12 +70,21 @@ def cost_model_for(cfg: ModelConfig, dense_dim: int) -> CostModel:
         )
     d = cfg.dlrm
     widths = [dense_dim, *d.bottom_layers]
-    bottom = sum(2 * a * b for a, b in zip(widths, widths[1:]))
+    bottom = sum(2 * a * b for a, b in itertools.pairwise(widths))
     interactions = 4 * 3 // 2 + d.embedding_dim
     tops = [interactions, *d.top_layers, 1]
-    top = sum(2 * a * b for a, b in zip(tops, tops[1:]))
+    top = sum(2 * a * b for a, b in itertools.pairwise(tops))
     return CostModel.for_pooled(embedding_dim=d.embedding_dim, dense_flops=bottom + top)
 
 
-__all__ = ["cost_model_for", "DLRMConfig", "DLRMModel", "HSTUConfig", "HSTUModel", "HSTURetrievalModel", "ModelConfig",
-           "RetrievalConfig", "build_model"]
+__all__ = [
+    "DLRMConfig",
+    "DLRMModel",
+    "HSTUConfig",
+    "HSTUModel",
+    "HSTURetrievalModel",
+    "ModelConfig",
+    "RetrievalConfig",
+    "build_model",
+    "cost_model_for",
+]

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ModelOutput = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+ModelOutput = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
+"""``(loss, outputs)``: the outputs are what the model's task reads (``freescale.tasks``): a ranker's
+``(loss, logits, labels)``, a retrieval model's training sums or evaluation queries."""
 
 
 def mlp(in_features: int, widths: list[int]) -> nn.Sequential:

@@ -12,6 +12,7 @@ from the dataset manifest and speaks the ``(loss, output)`` convention.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ class DLRMConfig:
 class DLRMModel(nn.Module):
     """``forward(batch) -> (loss, (loss, logits, labels))``."""
 
-    sparse_feature_names = [HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID]
+    sparse_feature_names: ClassVar[list[str]] = [HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID]
     reads_timestamps = False
 
     def __init__(

@@ -33,6 +33,7 @@ whole path stays jagged: no sample is padded to the batch's longest history.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,6 @@ from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS, USER_ID
 from freescale.kernels import available_backends, jagged_hstu_attention, layer_norm_mul, layer_norm_mul_backends
 from freescale.kernels.hstu_attention import RelativeBias
 from freescale.models.common import ModelOutput, bce_output, mlp
-
 
 RELATIVE_BIASES = ("none", "position", "time", "position_time")
 
@@ -204,7 +204,7 @@ class HSTUSequence(HSTUStack):
 class HSTUModel(nn.Module):
     """Item-history sequence model; ``forward(batch) -> (loss, (loss, logits, labels))``."""
 
-    sparse_feature_names = [HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID]
+    sparse_feature_names: ClassVar[list[str]] = [HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID]
 
     def __init__(
         self, cfg: HSTUConfig, *, num_items: int, num_users: int, dense_dim: int, max_seq_len: int,

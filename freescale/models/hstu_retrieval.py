@@ -101,6 +101,8 @@ class HSTURetrievalModel(nn.Module):
     """``forward(batch) -> (loss, (loss, loss_sum, positions, samples))`` in training, ``(0, (0, query_ND,
     target_ids_N))`` in evaluation (module docstring; ``freescale.tasks`` reads the outputs)."""
 
+    item_probs: torch.Tensor
+
     def __init__(self, cfg: HSTUConfig, retrieval: RetrievalConfig, *, num_items: int, max_seq_len: int,
                  embedding_device: torch.device, item_counts: torch.Tensor | None = None) -> None:
         super().__init__()

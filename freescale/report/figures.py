@@ -126,7 +126,7 @@ def fig_quality(run: RunLogs) -> Any:
 def catchup_phases(run: RunLogs, g: GroupLog, caught: dict[str, Any]) -> list[tuple[str, float, float]]:
     """(phase, start, end) in wall time: waiting for the group's ranks, download, load + replay."""
     started, ready, finished = (caught.get(k) for k in ("started", "group_ready", "finished"))
-    if not all(isinstance(x, (int, float)) for x in (started, ready, finished)):
+    if not (isinstance(started, (int, float)) and isinstance(ready, (int, float)) and isinstance(finished, (int, float))):
         return []
     first = [c["time"] for c in g.commits if c["time"] >= finished and c.get("contributing")]
     phases = [("ranks ready", started, ready), ("download", ready, finished)]

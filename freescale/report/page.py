@@ -55,7 +55,8 @@ def summary_rows(run: RunLogs) -> list[list[Any]]:
 
 def _eval_quality(summary: dict[str, Any]) -> str:
     """The evaluation's headline: AUC of a ranker, HR@10 of a retrieval run."""
-    metrics = summary.get("eval_metrics") if isinstance(summary.get("eval_metrics"), dict) else {}
+    found = summary.get("eval_metrics")
+    metrics: dict[str, Any] = found if isinstance(found, dict) else {}
     for key, shown in (("auc", "AUC"), ("hr@10", "HR@10")):
         value = metrics.get(key, summary.get("eval_auc") if key == "auc" else None)
         if isinstance(value, (int, float)):

@@ -25,10 +25,23 @@ from pathlib import Path
 from typing import Any
 
 from freescale.sim.gates import Gate, run_gates
-from freescale.tables import print_table
 from freescale.sim.params import SimError
-from freescale.sim.project import (AS_BUILT, AS_DESIGNED, CURVE, SCALES, VALIDATED_X, Sourced, check_scenarios,
-                                   compare, inputs, project, scenario, summary_row, with_overrides)
+from freescale.sim.project import (
+    AS_BUILT,
+    AS_DESIGNED,
+    CURVE,
+    SCALES,
+    VALIDATED_X,
+    Sourced,
+    check_scenarios,
+    compare,
+    inputs,
+    project,
+    scenario,
+    summary_row,
+    with_overrides,
+)
+from freescale.tables import print_table
 
 
 class GateFailed(SimError):

@@ -214,7 +214,7 @@ def replicas_at(gpus: int) -> int:
     """16 replica groups up to 16K GPUs, then 8K-GPU groups (FT-HSDP: ~98K GPUs as 12 replicas);
     groups are equal, so the divisor of ``gpus`` nearest that (the smaller on a tie)."""
     target = 16 if gpus <= 16_384 else gpus / 8_192
-    divisors = [d for d in range(1, int(math.isqrt(gpus)) + 1) if gpus % d == 0]
+    divisors = [d for d in range(1, math.isqrt(gpus) + 1) if gpus % d == 0]
     divisors += [gpus // d for d in divisors]
     return min(divisors, key=lambda d: (abs(d - target), d))
 
@@ -240,7 +240,7 @@ def scenario(gpus: int, v: dict[str, Sourced], replicas: int | None = None) -> t
                       hang_per_gpu_hour=total * x["hang_fraction"], slow_per_gpu_hour=x["slow_per_gpu_hour"],
                       slow_speed=x["slow_speed"], slow_duration_s=x["slow_duration_s"],
                       correlated_fraction=x["correlated_fraction"], step_s=x["step_s"], state_gb=x["state_gb"])
-    ckpt = dict(checkpoint_interval_s=x["checkpoint_interval_s"], checkpoint_cost_s=x["checkpoint_cost_s"])
+    ckpt: dict[str, Any] = {"checkpoint_interval_s": x["checkpoint_interval_s"], "checkpoint_cost_s": x["checkpoint_cost_s"]}
     group_restart = x["node_replacement_s"] + x["restart_to_catchup_s"] + nccl_init_s(group, x["nccl_init_16k_s"])
     sync = Policy("sync + checkpoint restart", "sync", {"crash": 0.0, "hang": x["sync_hang_detect_s"], "slow": INF},
                   restart_s=x["job_restart_fixed_s"] + nccl_init_s(gpus, x["nccl_init_16k_s"]), **ckpt)
