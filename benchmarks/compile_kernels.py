@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
-import inspect
 import itertools
 import json
 import os
@@ -64,8 +63,9 @@ _ATTENTION_KERNELS = {"attention.forward": ("_fwd_kernel", "_forward_configs"),
 _NORM_KERNELS = {"norm.forward": "_fwd_kernel", "norm.backward": "_bwd_kernel"}
 
 
-def _kept(module: Any, configs: list[Any], meta: dict[str, int], prune_name: str) -> list[Any]:
-    return list(getattr(module, prune_name)(configs, meta))
+def _kept(module: Any, name: str, configs: list[Any], meta: dict[str, Any]) -> list[Any]:
+    """What the kernel module's own early pruning keeps (its rules and the kept-configs table)."""
+    return list(module.prune_configs(name, configs, meta))
 
 
 def cases(quick: bool) -> list[Case]:
@@ -75,13 +75,14 @@ def cases(quick: bool) -> list[Case]:
     dtypes, dims, biases = (["bf16"], [128], [False]) if quick else (list(DTYPES), [32, 64, 128], [False, True])
     for target, name, dtype, dim, bias in itertools.product(targets, _ATTENTION_KERNELS, dtypes, dims, biases):
         configs = getattr(attention, _ATTENTION_KERNELS[name][1])()
-        kept = _kept(attention, configs, {"BLOCK_A": dim, "BLOCK_V": dim}, "_prune_for_head_dim")
+        meta = {"BLOCK_A": dim, "BLOCK_V": dim, "Q": _empty(dtype), "HAS_POS": bias, "TARGET": target}
+        kept = _kept(attention, name, configs, meta)
         out += [Case(name, target, dtype, dim, bias, dict(c.kwargs), c.num_warps, c.num_stages, c in kept)
                 for c in configs]
     widths = [1024] if quick else [256, 1024, 4096]
     for target, name, dtype, width in itertools.product(targets, _NORM_KERNELS, ["fp32", "bf16"], widths):
         configs = norm._configs()
-        kept = _kept(norm, configs, {"BLOCK_D": width}, "_prune_tiles")
+        kept = _kept(norm, name, configs, {"BLOCK_D": width, "X": _empty(dtype), "TARGET": target})
         out += [Case(name, target, dtype, width, False, dict(c.kwargs), c.num_warps, c.num_stages, c in kept)
                 for c in configs]
     return out
@@ -171,7 +172,7 @@ def compile_case(case: Case) -> dict[str, Any]:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    row: dict[str, Any] = {**asdict(case), "config": "x".join(str(v) for v in case.config.values())}
+    row = _identity(case)
     source = _attention_source(case) if case.kernel.startswith("attention") else _norm_source(case)
     started = time.perf_counter()
     try:
@@ -188,18 +189,34 @@ def compile_case(case: Case) -> dict[str, Any]:
             "seconds": time.perf_counter() - started}
 
 
+def _jit_sources(module_name: str) -> str:
+    """The source of every ``@triton.jit`` function in a module: what a compile depends on (config
+    lists, wrappers and docstrings around them do not)."""
+    import triton
+
+    module = importlib.import_module(module_name)
+    return "".join(v.src for _, v in sorted(vars(module).items()) if isinstance(v, triton.runtime.JITFunction))
+
+
 def _cache_key(case: Case) -> str:
     import triton
 
-    sources = "".join(inspect.getsource(importlib.import_module(m)) for m in (_ATTENTION, _NORM))
-    text = json.dumps([triton.__version__, sources, asdict(case)], sort_keys=True, default=str)
+    sources = "".join(_jit_sources(m) for m in (_ATTENTION, _NORM))
+    compiled = {k: v for k, v in asdict(case).items() if k != "kept"}
+    text = json.dumps([triton.__version__, sources, compiled], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _identity(case: Case) -> dict[str, Any]:
+    """The case's fields as a row: the compile's outcome does not depend on whether pruning keeps it."""
+    tile = "x".join(str(v) for v in case.config.values())
+    return {**asdict(case), "config": tile, "config_id": f"{tile}/{case.num_warps}w/{case.num_stages}s"}
 
 
 def _cached_compile(case: Case) -> dict[str, Any]:
     path = CACHE / f"{_cache_key(case)}.json"
     if path.exists():
-        return {**json.loads(path.read_text()), "cached": True}
+        return {**json.loads(path.read_text()), **_identity(case), "cached": True}
     row = compile_case(case)
     CACHE.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row))
@@ -232,12 +249,35 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def kept_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """kernel -> target -> "dtype/width/bias|plain" -> the configs that compile without spilling and fit
+    (every candidate, kept or not, is judged); where none does, the one that spills least, marked."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        key = (r["kernel"], r["target"], f"{r['dtype']}/{r['dim']}/{'bias' if r['bias'] else 'plain'}")
+        groups.setdefault(key, []).append(r)
+    table: dict[str, Any] = {}
+    for (kernel, target, key), members in sorted(groups.items()):
+        ok = [m["config_id"] for m in members if m["verdict"] == "ok"]
+        entry: dict[str, Any] = {"configs": sorted(ok)}
+        if not ok:
+            fits = [m for m in members if m["verdict"] == "spills"]
+            least = min(fits, key=lambda m: m["spill_stores"]) if fits else None
+            entry = {"configs": [least["config_id"]] if least else [],
+                     "exception": f"every candidate spills; kept the least ({least['spill_stores']} B/thread)"
+                     if least else "no candidate compiles and fits"}
+        table.setdefault(kernel, {}).setdefault(target, {})[key] = entry
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--write-kept", metavar="PATH",
+                        help="write the kept-configs table (kernels/kept_configs.json) from this run")
     args = parser.parse_args()
     from common import write_json
 
@@ -251,6 +291,9 @@ def main() -> None:
     bad = [r for r in rows if r["kept"] and r["verdict"] != "ok"]
     print(f"{len(rows)} compiles ({sum(r.get('cached', False) for r in rows)} cached) in "
           f"{time.perf_counter() - started:.0f} s; kept configs that spill, cannot fit or fail: {len(bad)}")
+    if args.write_kept:
+        Path(args.write_kept).write_text(json.dumps(kept_table(rows), indent=1, sort_keys=True) + "\n")
+        print(f"wrote {args.write_kept}")
     if args.json:
         import triton
 

@@ -37,10 +37,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CHECK_SHARDS = 9
+SECTIONS = ["kernel_tests", "kernel_checks", "kernels", "sm_free", "copy_engine", "training"]
 KERNEL_TESTS = ["tests/test_triton_attention.py", "tests/test_layer_norm_mul.py", "tests/test_attention.py"]
 
 
-def _tail(text: str, lines: int = 40) -> str:
+def _tail(text: str, lines: int = 120) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
@@ -91,7 +92,9 @@ def _device_facts() -> dict[str, Any]:
 def _pytest_argv() -> list[str]:
     import importlib.util
 
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=240", *KERNEL_TESTS]
+    # Failures first in the output's tail: no durations table, short tracebacks.
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout=240",
+            "--tb=short", "-rfE", *KERNEL_TESTS]
     if importlib.util.find_spec("xdist") is not None:
         argv += ["-n", "4"]
     return argv
@@ -103,11 +106,13 @@ def run_sections(args: argparse.Namespace, work: Path, write: Callable[[list[dic
     py = sys.executable
     results: list[dict[str, Any]] = []
 
+    wanted = set(args.sections)
     # 1. compile-bound checks, side by side
-    first = [Run("kernel_tests", _pytest_argv(), None, share(0.4))]
-    first += [Run(f"kernel_checks_{i}", [py, str(HERE / "gpu_checks.py"), "--shard", f"{i}/{CHECK_SHARDS}",
-                                         "--json", str(work / f"checks_{i}.json")], work / f"checks_{i}.json", share(0.4))
-              for i in range(CHECK_SHARDS)]
+    first = [Run("kernel_tests", _pytest_argv(), None, share(0.4))] if "kernel_tests" in wanted else []
+    if "kernel_checks" in wanted:
+        first += [Run(f"kernel_checks_{i}", [py, str(HERE / "gpu_checks.py"), "--shard", f"{i}/{CHECK_SHARDS}",
+                                             "--json", str(work / f"checks_{i}.json")], work / f"checks_{i}.json",
+                      share(0.4)) for i in range(CHECK_SHARDS)]
     results += [r.wait() for r in first]
     write(results)
     timed_sections = [
@@ -116,7 +121,7 @@ def run_sections(args: argparse.Namespace, work: Path, write: Callable[[list[dic
         ("copy_engine", [py, str(Path(__file__)), "--section", "copy_engine"], 0.95),
         ("training", [py, str(Path(__file__)), "--section", "training"], 1.0),
     ]
-    for name, argv, fraction in timed_sections:  # 2.-5. one at a time: timings need the GPU alone
+    for name, argv, fraction in [s for s in timed_sections if s[0] in wanted]:  # 2.-5. alone on the GPU
         out = work / f"{name}.json"
         results.append(Run(name, [*argv, "--json", str(out)], out, share(fraction)).wait())
         write(results)
@@ -201,6 +206,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the benchmarks' --quick sizes")
     parser.add_argument("--budget-s", type=float, default=540.0, help="all sections together (default 540)")
     parser.add_argument("--json", help="one JSON with every section's status, output tail and rows")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS, help="default: all")
     parser.add_argument("--section", choices=["copy_engine", "training"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.section:

@@ -37,12 +37,14 @@ dot: about fp32's accuracy, within the tests' fp32 band against float64), not pl
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from freescale.kernels import tile_table
 from freescale.kernels.hstu_attention import TIME_BUCKET_SUB_BITS, RelativeBias
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -252,10 +254,17 @@ def _bwd_dq_kernel(
     _store_rows(dQ, dq, start, offs_m, stride_qt, h * stride_qh, offs_a, A, length)
 
 
+# Small tiles on 8 warps (fewer registers per thread) are there for fp32 inputs, whose tf32x3 dots
+# hold twice the operand registers; kernels/tile_table.py keeps, per dtype and head dim, only the
+# configs that compile without spilling (benchmarks/compile_kernels.py).
+_FP32_FRIENDLY = [(32, 32, 8, 2), (16, 32, 4, 2), (64, 32, 8, 2)]
+
+
 def _forward_configs() -> list[triton.Config]:
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-        for m, n, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)]
+        for m, n, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2),
+                            *_FP32_FRIENDLY]
     ]
 
 
@@ -264,16 +273,21 @@ def _backward_configs() -> list[triton.Config]:
     accumulators live, and 128 x 128 tiles overflow Hopper's 227 KB of shared memory."""
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-        for m, n, w, st in [(64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (128, 32, 8, 2)]
+        for m, n, w, st in [(64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (128, 32, 8, 2),
+                            *_FP32_FRIENDLY]
     ]
 
 
-def _prune_for_head_dim(configs, named_args, **kwargs):
-    """Head dims of 256 leave no room for 128-row tiles: drop them before compiling."""
-    widest = max(int(kwargs.get("BLOCK_A", named_args.get("BLOCK_A", 0))),
-                 int(kwargs.get("BLOCK_V", named_args.get("BLOCK_V", 0))))
+def prune_configs(kernel: str, configs, named_args, **kwargs):
+    """Head dims of 256 leave no room for 128-row tiles (dropped before compiling); then only the
+    configs ``tile_table`` keeps for this kernel, dtype, head dim and bias on this GPU."""
+    meta = {**named_args, **kwargs}
+    widest = max(int(meta.get("BLOCK_A", 0)), int(meta.get("BLOCK_V", 0)))
     small = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) < 128]
-    return small if widest >= 256 and small else configs
+    configs = small if widest >= 256 and small else configs
+    dtype = tile_table.dtype_name(meta.get("Q"))
+    bias = bool(meta.get("HAS_POS") or meta.get("HAS_TIME"))
+    return tile_table.kept(kernel, configs, dtype, widest, bias, meta.get("TARGET"))
 
 
 # N_BUCKET (next power of two of max_seq_len) exists only as an autotuning key: a plain int, not a
@@ -281,17 +295,18 @@ def _prune_for_head_dim(configs, named_args, **kwargs):
 _KEY = ["N_BUCKET", "BLOCK_A", "BLOCK_V"]
 
 
-def _tuned(kernel, configs, reset_to_zero=None):
+def _tuned(kernel, name, configs, reset_to_zero=None):
     """``reset_to_zero``: buffers the kernel accumulates into (atomics), zeroed before each trial run."""
     if _INTERPRET:
         return kernel
+    prune = functools.partial(prune_configs, name)
     return triton.autotune(configs=configs, key=_KEY, reset_to_zero=reset_to_zero,
-                           prune_configs_by={"early_config_prune": _prune_for_head_dim})(kernel)
+                           prune_configs_by={"early_config_prune": prune})(kernel)
 
 
-_FWD = _tuned(_fwd_kernel, _forward_configs())
-_DKDV = _tuned(_bwd_dkdv_kernel, _backward_configs())
-_DQ = _tuned(_bwd_dq_kernel, _backward_configs(), reset_to_zero=["dPosW", "dTimeW"])
+_FWD = _tuned(_fwd_kernel, "attention.forward", _forward_configs())
+_DKDV = _tuned(_bwd_dkdv_kernel, "attention.backward_dkdv", _backward_configs())
+_DQ = _tuned(_bwd_dq_kernel, "attention.backward_dq", _backward_configs(), reset_to_zero=["dPosW", "dTimeW"])
 _INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 

@@ -23,11 +23,14 @@ spill registers), 16 warps only for rows of 4096 and wider.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from freescale.kernels import tile_table
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _POISON = os.environ.get("FREESCALE_POISON_KERNEL_OUTPUTS") == "1"
@@ -112,27 +115,29 @@ def _configs() -> list[triton.Config]:
 _MAX_TILE = 16384  # elements of one [BLOCK_T, BLOCK_D] tile; more spills registers
 
 
-def _prune_tiles(configs, named_args, **kwargs):
-    """Keep tiles of at most _MAX_TILE elements (always one row per program, at least);
-    16 warps only for rows of 4096 and wider."""
-    width = int(kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 1)))
+def prune_configs(kernel: str, configs, named_args, **kwargs):
+    """Keep tiles of at most _MAX_TILE elements (always one row per program, at least), 16 warps
+    only for rows of 4096 and wider; then only what ``tile_table`` keeps for this kernel, dtype
+    and width on this GPU (configs that compile without spilling)."""
+    meta = {**named_args, **kwargs}
+    width = int(meta.get("BLOCK_D", 1))
     kept = [
         c for c in configs
         if (c.kwargs["BLOCK_T"] == 1 or c.kwargs["BLOCK_T"] * width <= _MAX_TILE)
         and (c.num_warps < 16 or width >= 4096)
-    ]
-    return kept or configs[:1]
+    ] or configs[:1]
+    dtype = tile_table.dtype_name(meta.get("X"))
+    return tile_table.kept(kernel, kept, dtype, width, False, meta.get("TARGET"))
 
 
-def _tuned(kernel):
+def _tuned(kernel, name):
     if _INTERPRET:
         return kernel
-    return triton.autotune(configs=_configs(), key=["BLOCK_D"], prune_configs_by={"early_config_prune": _prune_tiles})(
-        kernel
-    )
+    prune = functools.partial(prune_configs, name)
+    return triton.autotune(configs=_configs(), key=["BLOCK_D"], prune_configs_by={"early_config_prune": prune})(kernel)
 
 
-_FWD, _BWD = _tuned(_fwd_kernel), _tuned(_bwd_kernel)
+_FWD, _BWD = _tuned(_fwd_kernel, "norm.forward"), _tuned(_bwd_kernel, "norm.backward")
 _INTERPRET_ROWS = 4
 _INTERPRET_PROGRAMS = 3  # fewer programs than row blocks, so the tests cover the striding
 
