@@ -96,7 +96,7 @@ def _pytest_argv() -> list[str]:
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout=240",
             "--tb=short", "-rfE", *KERNEL_TESTS]
     if importlib.util.find_spec("xdist") is not None:
-        argv += ["-n", "4"]
+        argv += ["-n", "8"]
     return argv
 
 
@@ -108,7 +108,7 @@ def run_sections(args: argparse.Namespace, work: Path, write: Callable[[list[dic
 
     wanted = set(args.sections)
     # 1. compile-bound checks, side by side
-    first = [Run("kernel_tests", _pytest_argv(), None, share(0.4))] if "kernel_tests" in wanted else []
+    first = [Run("kernel_tests", _pytest_argv(), None, share(0.55))] if "kernel_tests" in wanted else []
     if "kernel_checks" in wanted:
         first += [Run(f"kernel_checks_{i}", [py, str(HERE / "gpu_checks.py"), "--shard", f"{i}/{CHECK_SHARDS}",
                                              "--json", str(work / f"checks_{i}.json")], work / f"checks_{i}.json",

@@ -1,4 +1,5 @@
-"""The Triton kernels compile for Hopper without a GPU, and no config the autotuner keeps spills.
+"""The Triton kernels compile for Hopper without a GPU, and no config the autotuner keeps spills more
+than a few registers (``compile_kernels.SMALL_SPILL_BYTES``, measured on an H100: see its docstring).
 
 A subset of ``benchmarks/compile_kernels.py`` (the full report is committed under
 benchmarks/results/): the attention kernels at bf16 and head dim 128, the fused norm's at
@@ -34,13 +35,14 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
     return [r for r in json.loads(out.read_text())["rows"] if r["kept"]]
 
 
-def test_every_kernel_has_kept_configs_and_each_compiles_without_spilling(report: list[dict[str, object]]) -> None:
+def test_every_kernel_has_kept_configs_and_none_spills_more_than_a_little(report: list[dict[str, object]]) -> None:
     kernels = {r["kernel"] for r in report}
     assert kernels == {"attention.forward", "attention.backward_dkdv", "attention.backward_dq",
                        "norm.forward", "norm.backward"}
     bad = [f"{r['kernel']} {r['dtype']} {r['config']}/{r['num_warps']}w: {r['verdict']} "
            f"({r.get('regs')} regs, {r.get('spill_stores')} B spilled, {r.get('smem_bytes')} B smem, {r.get('error', '')})"
-           for r in report if r["verdict"] != "ok"]
+           for r in report if not (r["verdict"] == "ok" or (r["verdict"] == "spills" and
+                                                                int(r["spill_stores"]) <= compile_kernels.SMALL_SPILL_BYTES))]
     assert not bad, "\n".join(bad)
 
 
