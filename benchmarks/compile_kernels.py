@@ -132,7 +132,7 @@ def _attention_source(case: Case) -> Any:
 def _norm_source(case: Case) -> Any:
     fn = getattr(importlib.import_module(_NORM), _NORM_KERNELS[case.kernel])
     data = "*" + DTYPES[case.dtype]
-    scalars = {"T": "i32", "D": "i32", "eps": "fp32"}
+    scalars = {"T": "i32", "D": "i32", "eps": "fp32", "inv_d": "fp32"}
     types = {n: scalars.get(n) or ("i32" if n.startswith("stride_") else
                                   "*fp32" if n in ("Mean", "Rstd", "DW_partial", "DB_partial") else data)
              for n in fn.arg_names}
@@ -201,7 +201,7 @@ def _jit_sources(module_name: str) -> str:
 def _cache_key(case: Case) -> str:
     import triton
 
-    sources = "".join(_jit_sources(m) for m in (_ATTENTION, _NORM))
+    sources = _jit_sources(_ATTENTION if case.kernel.startswith("attention") else _NORM)
     compiled = {k: v for k, v in asdict(case).items() if k != "kept"}
     text = json.dumps([triton.__version__, sources, compiled], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -27,11 +27,12 @@ from run to run; every element contends for a few hundred addresses (not yet run
 or timed on a GPU: a per-tile reduction first is the known remedy).
 
 With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (tests do this
-at small sizes).  On CUDA the block sizes are autotuned per (N bucket, A, V);
-forward configs go up to 128 x 128 tiles (8 warps, 3 stages), backward ones
-stay at or below 64 x 64 or 128 x 32 (their live tiles overflow Hopper's shared
-memory at 128 x 128), and head dims of 256 drop the 128-row tiles before any
-compile.  fp32 inputs use ``input_precision="tf32x3"`` (three TF32 tensor-core products per
+at small sizes).  On CUDA the block sizes are autotuned per (N bucket, A, V, dtypes)
+among candidates up to 128 x 128 tiles forward and 64 x 64 / 128 x 32 backward, pruned
+before any compile to those ``tile_table`` keeps for the GPU's target, dtype, head dim
+and bias: the configs that compiled there without spilling more than 32 B per thread
+(``benchmarks/compile_kernels.py``; head dims of 256, not in the table, drop the 128-row
+tiles).  fp32 inputs use ``input_precision="tf32x3"`` (three TF32 tensor-core products per
 dot: about fp32's accuracy, within the tests' fp32 band against float64), not plain TF32.
 """
 

@@ -46,7 +46,7 @@ def _row_stat(rows: int, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _fwd_kernel(X, U, W, B, Y, Mean, Rstd, T, D, stride_x, stride_u, stride_y, eps,
+def _fwd_kernel(X, U, W, B, Y, Mean, Rstd, T, D, inv_d, stride_x, stride_u, stride_y, eps,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
@@ -56,9 +56,9 @@ def _fwd_kernel(X, U, W, B, Y, Mean, Rstd, T, D, stride_x, stride_u, stride_y, e
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_x + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows64[:, None] * stride_u + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / D
+    mean = tl.sum(x, axis=1) * inv_d  # not / D: a GPU's fp32 division is approximate (2 ulp)
     centered = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / D + eps)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) * inv_d + eps)
     w = tl.load(W + offs_d, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(B + offs_d, mask=col_ok, other=0.0).to(tl.float32)
     y = (centered * rstd[:, None] * w[None, :] + b[None, :]) * u
@@ -68,7 +68,7 @@ def _fwd_kernel(X, U, W, B, Y, Mean, Rstd, T, D, stride_x, stride_u, stride_y, e
 
 
 @triton.jit
-def _bwd_kernel(X, U, W, B, DY, DX, DU, DW_partial, DB_partial, Mean, Rstd, T, D,
+def _bwd_kernel(X, U, W, B, DY, DX, DU, DW_partial, DB_partial, Mean, Rstd, T, D, inv_d,
                 stride_x, stride_u, stride_dy, stride_dx, stride_du,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
@@ -94,8 +94,8 @@ def _bwd_kernel(X, U, W, B, DY, DX, DU, DW_partial, DB_partial, Mean, Rstd, T, D
         du = dy * normed
         dn = dy * u  # gradient reaching the layer norm's output
         g = dn * w[None, :]
-        g_mean = tl.sum(g, axis=1) / D
-        gx_mean = tl.sum(g * xhat, axis=1) / D
+        g_mean = tl.sum(g, axis=1) * inv_d
+        gx_mean = tl.sum(g * xhat, axis=1) * inv_d
         dx = rstd[:, None] * (g - g_mean[:, None] - xhat * gx_mean[:, None])
         tl.store(DX + rows64[:, None] * stride_dx + offs_d[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         tl.store(DU + rows64[:, None] * stride_du + offs_d[None, :], du.to(DU.dtype.element_ty), mask=mask)
@@ -163,7 +163,8 @@ class _LayerNormMul(torch.autograd.Function):
         y = _output_like(x)
         mean, rstd = _row_stat(rows, x.device), _row_stat(rows, x.device)
         if rows and width:
-            args = (x, u, weight, bias, y, mean, rstd, rows, width, x.stride(0), u.stride(0), y.stride(0), float(eps))
+            args = (x, u, weight, bias, y, mean, rstd, rows, width, 1.0 / width, x.stride(0), u.stride(0), y.stride(0),
+                    float(eps))
             if _INTERPRET:
                 _FWD[(triton.cdiv(rows, _INTERPRET_ROWS),)](*args, BLOCK_T=_INTERPRET_ROWS, BLOCK_D=block_d)
             else:
@@ -183,7 +184,7 @@ class _LayerNormMul(torch.autograd.Function):
         programs = _backward_programs(rows, x.device)
         dw_partial = x.new_empty((programs, block_d), dtype=torch.float32)
         db_partial = x.new_empty((programs, block_d), dtype=torch.float32)
-        args = (x, u, weight, bias, dy, dx, du, dw_partial, db_partial, mean, rstd, rows, width,
+        args = (x, u, weight, bias, dy, dx, du, dw_partial, db_partial, mean, rstd, rows, width, 1.0 / width,
                 x.stride(0), u.stride(0), dy.stride(0), dx.stride(0), du.stride(0))
         if _INTERPRET:
             _BWD[(programs,)](*args, BLOCK_T=_INTERPRET_ROWS, BLOCK_D=block_d)
