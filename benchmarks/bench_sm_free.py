@@ -43,7 +43,7 @@ def _sm_copy_kernel():  # type: ignore[no-untyped-def]
     import triton.language as tl
 
     @triton.jit
-    def copy(src, dst, n, BLOCK: tl.constexpr):
+    def copy(src, dst, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton's types
         pid, programs = tl.program_id(0), tl.num_programs(0)
         for start in range(pid * BLOCK, n, programs * BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -53,7 +53,7 @@ def _sm_copy_kernel():  # type: ignore[no-untyped-def]
     return copy
 
 
-def timed(stream: torch.cuda.Stream, fn: Callable[[], None], iters: int) -> float:
+def timed(stream: torch.cuda.Stream, fn: Callable[[], object], iters: int) -> float:
     """Median milliseconds of ``fn`` on ``stream`` (CUDA events)."""
     times = []
     for _ in range(iters):
@@ -67,7 +67,7 @@ def timed(stream: torch.cuda.Stream, fn: Callable[[], None], iters: int) -> floa
     return float(np.median(times))
 
 
-def victims(quick: bool) -> dict[str, Callable[[], None]]:
+def victims(quick: bool) -> dict[str, Callable[[], object]]:
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
     n = 4096 if quick else 8192
@@ -88,7 +88,7 @@ def victims(quick: bool) -> dict[str, Callable[[], None]]:
     }
 
 
-def transfers(quick: bool) -> dict[str, tuple[Callable[[], None], int]]:
+def transfers(quick: bool) -> dict[str, tuple[Callable[[], object], int]]:
     """name -> (launch one transfer, bytes moved)."""
     size = (256 if quick else 1024) << 20
     src = torch.empty(size, dtype=torch.uint8, device="cuda")
@@ -96,9 +96,12 @@ def transfers(quick: bool) -> dict[str, tuple[Callable[[], None], int]]:
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     peer = torch.empty(size, dtype=torch.uint8, device="cuda:1") if torch.cuda.device_count() > 1 else dst
     copy = _sm_copy_kernel()
-    out: dict[str, tuple[Callable[[], None], int]] = {}
+    out: dict[str, tuple[Callable[[], object], int]] = {}
+    def sm_copy(ctas: int) -> Callable[[], object]:
+        return lambda: copy[(ctas,)](src, dst, size, BLOCK=4096)
+
     for ctas in (8, 16, 32, 64):
-        out[f"sm_copy_{ctas}cta"] = (lambda c=ctas: copy[(c,)](src, dst, size, BLOCK=4096), size)
+        out[f"sm_copy_{ctas}cta"] = (sm_copy(ctas), size)
     out["ce_h2d"] = (lambda: dst.copy_(host, non_blocking=True), size)
     out["ce_d2d" + ("_peer" if peer is not dst else "")] = (lambda: peer.copy_(src, non_blocking=True), size)
     return out

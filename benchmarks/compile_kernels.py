@@ -264,7 +264,7 @@ def kept_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
         key = (r["kernel"], r["target"], f"{r['dtype']}/{r['dim']}/{'bias' if r['bias'] else 'plain'}")
         groups.setdefault(key, []).append(r)
     table: dict[str, Any] = {}
-    for (kernel, target, key), members in sorted(groups.items()):
+    for (kernel, target, shape), members in sorted(groups.items()):
         small = [m["config_id"] for m in members
                  if m["verdict"] == "spills" and m["spill_stores"] <= SMALL_SPILL_BYTES]
         ok = [m["config_id"] for m in members if m["verdict"] == "ok"] + small
@@ -275,7 +275,7 @@ def kept_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
             entry = {"configs": [least["config_id"]] if least else [],
                      "exception": f"every candidate spills; kept the least ({least['spill_stores']} B/thread)"
                      if least else "no candidate compiles and fits"}
-        table.setdefault(kernel, {}).setdefault(target, {})[key] = entry
+        table.setdefault(kernel, {}).setdefault(target, {})[shape] = entry
     return table
 
 

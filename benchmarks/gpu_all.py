@@ -150,9 +150,14 @@ def copy_engine_section(json_path: str) -> None:
             torch.cuda.synchronize()
             exact = bool(torch.equal(low, src) and torch.equal(high, src * 2))
             times = {}
-            for name, fn in (("copy_engine", lambda: (engine.submit(low, src, [src.shape[0]], [src.shape[0]], 0),
-                                                      engine.flush())),
-                             ("nccl", lambda: dist.all_to_all_single(low, src, [src.shape[0]], [src.shape[0]]))):
+            def through_copy_engines(out: torch.Tensor = low, data: torch.Tensor = src) -> None:
+                engine.submit(out, data, [data.shape[0]], [data.shape[0]], 0)
+                engine.flush()
+
+            def through_nccl(out: torch.Tensor = low, data: torch.Tensor = src) -> None:
+                dist.all_to_all_single(out, data, [data.shape[0]], [data.shape[0]])
+
+            for name, fn in (("copy_engine", through_copy_engines), ("nccl", through_nccl)):
                 fn()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()

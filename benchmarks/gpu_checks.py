@@ -23,6 +23,7 @@ import itertools
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("FREESCALE_POISON_KERNEL_OUTPUTS", "1")  # before the kernels import
@@ -93,15 +94,16 @@ def check_attention(case: dict[str, Any], seed: int = 0) -> dict[str, Any]:
 
     x = _attention_inputs(case, seed)
     results: dict[str, list[torch.Tensor | None]] = {}
-    for name, upcast, fn in (("triton", lambda t: t, triton_hstu_attention),
-                             ("reference", lambda t: t.double(), reference_hstu_attention)):
+    impls: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor]]] = [
+        ("triton", lambda t: t, triton_hstu_attention), ("reference", lambda t: t.double(), reference_hstu_attention)]
+    for name, upcast, fn in impls:
         leaves = [upcast(x[n]).clone().requires_grad_() for n in ("q", "k", "v")]
         tables = [t.clone().double().requires_grad_() if name == "reference" else t.clone().requires_grad_()
                   for t in x["tables"]]
         bias = x["bias_type"](*tables, *x["times"]) if tables else None
         out = fn(*leaves, x["offsets"], x["max_len"], 0.3, x["targets"], x["window"], bias)
         out.backward(upcast(x["grad"]))
-        results[name] = [out.detach()] + [t.grad for t in leaves + tables]
+        results[name] = [out.detach(), *(t.grad for t in leaves + tables)]
     names = ["out", "dq", "dk", "dv"] + (["d_pos", "d_time"] if x["tables"] else [])
     return {n: _relative_error(got, want) for n, got, want in zip(names, results["triton"], results["reference"])}
 
@@ -114,13 +116,14 @@ def check_norm(case: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     dtype, width, rows = DTYPES[case["dtype"]], case["dim"], NORM_ROWS
     x, u, dy = (torch.randn(rows, width, device=DEVICE, generator=g).to(dtype) for _ in range(3))
     w, b = (1 + 0.1 * torch.randn(width, device=DEVICE, generator=g)).to(dtype), torch.randn(width, device=DEVICE).to(dtype)
-    results = {}
-    for name, upcast, fn in (("triton", lambda t: t, triton_layer_norm_mul),
-                             ("reference", lambda t: t.double(), reference_layer_norm_mul)):
+    results: dict[str, list[torch.Tensor | None]] = {}
+    impls: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor]]] = [
+        ("triton", lambda t: t, triton_layer_norm_mul), ("reference", lambda t: t.double(), reference_layer_norm_mul)]
+    for name, upcast, fn in impls:
         leaves = [upcast(t).clone().requires_grad_() for t in (x, u, w, b)]
         out = fn(*leaves, 1e-5)
         out.backward(upcast(dy))
-        results[name] = [out.detach()] + [t.grad for t in leaves]
+        results[name] = [out.detach(), *(t.grad for t in leaves)]
     names = ["out", "dx", "du", "dw", "db"]
     return {n: _relative_error(got, want) for n, got, want in zip(names, results["triton"], results["reference"])}
 
