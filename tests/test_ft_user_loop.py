@@ -128,6 +128,38 @@ def test_launch_a_command_refuses_train_options_in_one_line(capsys: pytest.Captu
     assert "nothing after --" in capsys.readouterr().err
 
 
+def test_replica_groups_share_the_cores_between_all_their_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each group's agent sees only its own ranks, and torchrun leaves a one-rank group at every core:
+    the launcher sets each rank's torch threads from every local rank of every group (a user's own
+    OMP_NUM_THREADS wins).  Oversubscribed, two one-rank groups stepped 3x slower on 2 cores."""
+    import subprocess
+
+    from freescale.launch import launch_replicas, threads_per_rank
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert [threads_per_rank(n) for n in (1, 2, 3, 8, 16)] == ["8", "4", "2", "1", "1"]
+    envs: list[dict[str, str]] = []
+
+    class Group:  # the group agents' processes: only their environment matters here
+        def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+            envs.append(env)
+
+        def wait(self) -> int:
+            return 0
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Group)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch_replicas(2, 1, 0, [], lighthouse_url="http://127.0.0.1:9") == 0
+    assert [e["OMP_NUM_THREADS"] for e in envs] == ["4", "4"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    envs.clear()
+    assert launch_replicas(2, 2, 0, [], lighthouse_url="http://127.0.0.1:9") == 0
+    assert [e["OMP_NUM_THREADS"] for e in envs] == ["3", "3"]
+
+
 _REFUSED = """
 import sys
 import torch
