@@ -164,6 +164,7 @@ def run_ftar(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.
             log.write(json.dumps({
                 "step": commit.step, "time": time.time(), "committed": committed,
                 "quorum_id": record["quorum_id"], "participants": record["participants"],
+                "contributing": bool(record.get("contributing", True)),
                 "attempts": record["attempts"], "seconds": record["exchange_s"],
                 "quorum_wait_s": record["quorum_wait_s"], "reduce_s": record["reduce_s"],
                 "prepare_s": record["prepare_s"], "vote_s": record["vote_s"],
