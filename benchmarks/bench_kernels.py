@@ -75,9 +75,12 @@ def case(max_len: int, heads: int, dim: int, tokens: int, with_reference: bool) 
 
     rng = np.random.default_rng(max_len)
     lengths: list[int] = []
-    # Stop at `tokens` jagged tokens, or before the padded batch (what SDPA pays) passes PADDED_BUDGET.
-    while sum(lengths) < tokens and (len(lengths) + 1) * max(lengths + [0]) <= PADDED_BUDGET:
-        lengths.append(int(sample_lengths(rng, 1, "ml-20m", max_len)[0]))
+    # Stop at `tokens` jagged tokens, or before the padded batch (what SDPA pays) would pass PADDED_BUDGET.
+    while sum(lengths) < tokens:
+        drawn = int(sample_lengths(rng, 1, "ml-20m", max_len)[0])
+        if (len(lengths) + 1) * max(lengths + [drawn]) > PADDED_BUDGET:
+            break
+        lengths.append(drawn)
     lens = torch.tensor(lengths, device="cuda")
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64, device="cuda")
     offsets[1:] = torch.cumsum(lens, 0)

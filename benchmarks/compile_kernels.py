@@ -22,8 +22,10 @@ module's own pruning keeps it (``kept``).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib
+import inspect
 import itertools
 import json
 import os
@@ -108,6 +110,8 @@ def _empty(dtype: str) -> Any:
 
 
 def _attention_source(case: Case) -> Any:
+    from freescale.kernels.hstu_attention import TIME_BUCKET_SUB_BITS
+
     module = importlib.import_module(_ATTENTION)
     fn = getattr(module, _ATTENTION_KERNELS[case.kernel][0])
     data = "*" + DTYPES[case.dtype]
@@ -123,7 +127,7 @@ def _attention_source(case: Case) -> Any:
             types[n] = "fp32"
         else:
             types[n] = "i32"
-    constexprs = {"HAS_POS": case.bias, "HAS_TIME": case.bias, "SUB_BITS": 2, "HAS_TARGETS": False,
+    constexprs = {"HAS_POS": case.bias, "HAS_TIME": case.bias, "SUB_BITS": TIME_BUCKET_SUB_BITS, "HAS_TARGETS": False,
                   "BLOCK_A": case.dim, "BLOCK_V": case.dim, "PRECISION": module._precision(_empty(case.dtype)),
                   **case.config}
     aligned = {n for n in fn.arg_names if n.startswith("stride_")} | {"A", "Vd"}
@@ -152,6 +156,8 @@ def _ptxas_report(ptx: str, target: str) -> dict[str, int]:
         done = subprocess.run([ptxas, "-v", f"--gpu-name={target}", str(path), "-o", str(Path(tmp) / "k.cubin")],
                               capture_output=True, text=True)
     text = done.stderr + done.stdout
+    if done.returncode or "Used " not in text:
+        raise RuntimeError(f"ptxas failed ({done.returncode}): {text.strip().splitlines()[-1:] or 'no output'}")
 
     def number(pattern: str) -> int:
         found = re.search(pattern, text)
@@ -182,7 +188,10 @@ def compile_case(case: Case) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - the compiler's refusal is the finding
         return {**row, "verdict": "error", "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}",
                 "seconds": time.perf_counter() - started}
-    report = _ptxas_report(compiled.asm["ptx"], case.target)
+    try:
+        report = _ptxas_report(compiled.asm["ptx"], case.target)
+    except RuntimeError as exc:
+        return {**row, "verdict": "error", "error": str(exc)[:300], "seconds": time.perf_counter() - started}
     smem = int(compiled.metadata.shared)
     blocks, occ = occupancy(report["regs"], smem, case.num_warps)
     verdict = "no_fit" if smem > SMEM_PER_BLOCK else "spills" if report["spill_stores"] else "ok"
@@ -199,19 +208,33 @@ def _jit_sources(module_name: str) -> str:
     return "".join(v.src for _, v in sorted(vars(module).items()) if isinstance(v, triton.runtime.JITFunction))
 
 
-def _cache_key(case: Case) -> str:
+@functools.cache
+def _toolchain() -> str:
+    """What else a compile's outcome depends on: Triton, both ptxas builds, the attention wrapper's
+    dot precision, and this script's own signature building and judging."""
     import triton
+    from triton.backends.nvidia.compiler import get_ptxas
 
+    ptxas = [subprocess.run([get_ptxas(arch).path, "--version"], capture_output=True, text=True).stdout
+             for arch in TARGETS.values()]
+    attention = importlib.import_module(_ATTENTION)
+    ours = [inspect.getsource(f) for f in (_signature, _attention_source, _norm_source, _ptxas_report, compile_case)]
+    return json.dumps([triton.__version__, ptxas, inspect.getsource(attention._precision), ours])
+
+
+def _cache_key(case: Case) -> str:
     sources = _jit_sources(_ATTENTION if case.kernel.startswith("attention") else _NORM)
     compiled = {k: v for k, v in asdict(case).items() if k != "kept"}
-    text = json.dumps([triton.__version__, sources, compiled], sort_keys=True, default=str)
+    text = json.dumps([_toolchain(), sources, compiled], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def _identity(case: Case) -> dict[str, Any]:
     """The case's fields as a row: the compile's outcome does not depend on whether pruning keeps it."""
-    tile = "x".join(str(v) for v in case.config.values())
-    return {**asdict(case), "config": tile, "config_id": f"{tile}/{case.num_warps}w/{case.num_stages}s"}
+    from freescale.kernels import tile_table
+
+    return {**asdict(case), "config": "x".join(str(v) for v in case.config.values()),
+            "config_id": tile_table.config_name(list(case.config.values()), case.num_warps, case.num_stages)}
 
 
 def _cached_compile(case: Case) -> dict[str, Any]:
@@ -260,11 +283,15 @@ def kept_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """kernel -> target -> "dtype/width/bias|plain" -> the configs that fit and compile without spilling
     more than ``SMALL_SPILL_BYTES`` (every candidate, kept or not, is judged; those that spill a little
     are listed under ``small_spill``); where none does, the one that spills least, marked."""
+    import triton
+
+    from freescale.kernels import tile_table
+
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        key = (r["kernel"], r["target"], f"{r['dtype']}/{r['dim']}/{'bias' if r['bias'] else 'plain'}")
+        key = (r["kernel"], r["target"], tile_table.entry_key(r["dtype"], r["dim"], r["bias"]))
         groups.setdefault(key, []).append(r)
-    table: dict[str, Any] = {}
+    table: dict[str, Any] = {"_meta": {"triton": triton.__version__, "small_spill_bytes": SMALL_SPILL_BYTES}}
     for (kernel, target, shape), members in sorted(groups.items()):
         small = [m["config_id"] for m in members
                  if m["verdict"] == "spills" and m["spill_stores"] <= SMALL_SPILL_BYTES]

@@ -8,7 +8,7 @@ in the batch, with and without the relative position + time bias, targets and an
 
 Per case: ``|got - ref| / |ref|`` (Frobenius) for the output and every gradient, against the
 float64 torch reference on upcast copies of the same inputs; a NaN (an output element never
-written: outputs are poisoned) fails.  Bands: fp32 (exact "ieee" dots) 1e-5, bf16 / fp16 2e-2.
+written: outputs are poisoned) fails.  Bands: fp32 (tf32x3 dots) 1e-5, bf16 / fp16 2e-2; a missing gradient fails.
 
     python benchmarks/gpu_checks.py [--shard I/N] [--json PATH]
 
@@ -115,7 +115,7 @@ def check_norm(case: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     dtype, width, rows = DTYPES[case["dtype"]], case["dim"], NORM_ROWS
     x, u, dy = (torch.randn(rows, width, device=DEVICE, generator=g).to(dtype) for _ in range(3))
-    w, b = (1 + 0.1 * torch.randn(width, device=DEVICE, generator=g)).to(dtype), torch.randn(width, device=DEVICE).to(dtype)
+    w, b = (1 + 0.1 * torch.randn(width, device=DEVICE, generator=g)).to(dtype), torch.randn(width, device=DEVICE, generator=g).to(dtype)
     results: dict[str, list[torch.Tensor | None]] = {}
     impls: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor]]] = [
         ("triton", lambda t: t, triton_layer_norm_mul), ("reference", lambda t: t.double(), reference_layer_norm_mul)]
@@ -135,9 +135,9 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a compiler's refusal is a finding, reported per case
         return {**case, "ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
                 "seconds": time.perf_counter() - started}
-    worst = max(errors.values())
+    worst = max(errors.values(), key=lambda v: float("inf") if v != v else v)  # NaN: a gradient never came
     return {**case, **{f"err_{k}": v for k, v in errors.items()}, "worst_error": worst,
-            "band": BANDS[DTYPES[case["dtype"]]], "ok": worst <= BANDS[DTYPES[case["dtype"]]],
+            "band": BANDS[DTYPES[case["dtype"]]], "ok": all(v <= BANDS[DTYPES[case["dtype"]]] for v in errors.values()),
             "seconds": time.perf_counter() - started}
 
 

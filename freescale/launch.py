@@ -69,9 +69,10 @@ def threads_per_rank(local_ranks: int) -> str:
     """torch's intra-op threads for each of ``local_ranks`` rank processes sharing this machine's cores
     (``OMP_NUM_THREADS``).  Every replica group's ranks count: a group's own agent sees only its ranks,
     and torchrun leaves a one-rank group at torch's default (every core), so R one-rank groups ran R
-    times as many compute threads as cores, and each step of the tiny DLRM took 45 ms instead of 13
-    (2 groups, 2 cores)."""
-    return str(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
+    times as many compute threads as cores: two one-rank groups of the tiny DLRM stepped at 37-56 ms
+    against 11-12 ms for one 2-rank job on 2 cores (``benchmarks/bench_ft_threads.py``)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return str(max(1, cores // max(1, local_ranks)))  # the cores this process may use (affinity, cpusets)
 
 
 def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[str],

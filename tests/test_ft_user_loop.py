@@ -136,7 +136,7 @@ def test_replica_groups_share_the_cores_between_all_their_ranks(monkeypatch: pyt
 
     from freescale.launch import launch_replicas, threads_per_rank
 
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     assert [threads_per_rank(n) for n in (1, 2, 3, 8, 16)] == ["8", "4", "2", "1", "1"]
     envs: list[dict[str, str]] = []
 
