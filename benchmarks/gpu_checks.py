@@ -31,6 +31,7 @@ os.environ.setdefault("FREESCALE_POISON_KERNEL_OUTPUTS", "1")  # before the kern
 import torch
 from common import write_json
 
+from freescale.kernels import tile_table
 from freescale.tables import print_table
 
 DEVICE = "cuda"
@@ -39,7 +40,7 @@ LENGTHS = [0, 1, 2, 17, 300, 1024, 64, 511]
 NORM_ROWS = 4099
 """Not a multiple of any row block."""
 BANDS = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = tile_table.DTYPES
 
 
 def attention_cases() -> list[dict[str, Any]]:

@@ -25,6 +25,8 @@ import torch
 
 TABLE = Path(__file__).with_name("kept_configs.json")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+"""The table's dtype names (also Triton's pointer element types) -> torch dtypes."""
 
 
 def dtype_name(tensor: Any) -> str:
