@@ -38,6 +38,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,15 +54,19 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torc
                                 torch.int32, torch.int8, torch.uint8, torch.bool)}
 
 
+ALIGN = 64
+"""Every tensor starts at a multiple of 64 bytes in the payload: any dtype can be viewed in place."""
+
+
 @dataclass
 class _Staged:
     step: int
     header: bytes
-    payload: torch.Tensor  # flat uint8, host memory
+    payload: torch.Tensor  # flat uint8, host memory (pinned when the state is on a GPU)
 
 
-def pack(step: int, tensors: dict[str, torch.Tensor]) -> _Staged:
-    """Copy ``tensors`` into one flat host buffer (the only work the source does on its training thread)."""
+def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], int]:
+    """The header's entries (name, dtype, shape, offset, nbytes) and the payload's size."""
     entries: list[dict[str, Any]] = []
     offset = 0
     for name, t in tensors.items():
@@ -70,26 +75,16 @@ def pack(step: int, tensors: dict[str, torch.Tensor]) -> _Staged:
         nbytes = t.numel() * t.element_size()
         entries.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset,
                         "nbytes": nbytes})
-        offset += nbytes
-    payload = torch.empty(offset, dtype=torch.uint8)
-    for entry, t in zip(entries, tensors.values()):
-        flat = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
-        payload[entry["offset"]:entry["offset"] + entry["nbytes"]].copy_(flat)
-    header = json.dumps({"step": step, "tensors": entries}).encode()
-    return _Staged(step, header, payload)
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return entries, offset
 
 
-def unpack(header: dict[str, Any], payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
-    out = {}
-    owned = payload if isinstance(payload, bytearray) else bytearray(payload)
-    buffer = torch.frombuffer(owned, dtype=torch.uint8) if len(owned) else torch.empty(0, dtype=torch.uint8)
-    for e in header["tensors"]:
-        dtype = _DTYPES.get(e["dtype"])
-        if dtype is None:
-            raise ValueError(f"snapshot: unknown dtype {e['dtype']!r} for '{e['name']}'")
-        raw = buffer[e["offset"]:e["offset"] + e["nbytes"]]
-        out[e["name"]] = raw.view(dtype).reshape(e["shape"]).clone()
-    return out
+def copy_into(payload: torch.Tensor, entries: list[dict[str, Any]], tensors: list[torch.Tensor]) -> None:
+    """Each tensor's bytes into its place in ``payload`` (blocking; GPU tensors through the current stream)."""
+    for entry, t in zip(entries, tensors):
+        if entry["nbytes"]:
+            lo = entry["offset"]
+            payload[lo:lo + entry["nbytes"]].view(t.dtype).copy_(t.detach().reshape(-1))
 
 
 class SnapshotServer:
@@ -112,14 +107,69 @@ class SnapshotServer:
         self.wanted_step: int | None = None
         """Smallest step a waiting fetcher asked for and that is not staged yet: the trainer
         stages at its next committed step >= this (on-demand staging)."""
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-stage")
+        self._copying: Future[float] | None = None
+        self._buffers: list[torch.Tensor] = []
+        """At most two staging buffers: the one served now and a spare for the next staging."""
+        self._streams: dict[int, int] = {}
+        """Transfers in flight per buffer (its data pointer): a buffer being streamed is not reused."""
+        self.last_copy_s = 0.0
 
     def stage(self, step: int, tensors: dict[str, torch.Tensor]) -> float:
-        """Copy the state of committed ``step`` for serving; returns the seconds the copy took."""
+        """Start copying the state of committed ``step`` for serving, on the staging thread; returns
+        the seconds this (the training) thread spent.  The copy overlaps the caller's next forward and
+        backward, which only read the state: the caller calls ``wait_staged`` before it next changes
+        a tensor of ``tensors`` (its next update, a load)."""
         start = time.perf_counter()
-        staged = pack(step, tensors)
-        with self._lock:
-            self._staged = staged
+        self.wait_staged()
+        entries, total = layout(tensors)
+        header = json.dumps({"step": step, "payload_bytes": total, "tensors": entries}).encode()
+        sources = list(tensors.values())
+        on_gpu = any(t.is_cuda for t in sources)
+        after = torch.cuda.Event() if on_gpu else None
+        if after is not None:
+            after.record()  # the committed update, queued on the training thread's stream
+        payload = self._buffer_for(total, pinned=on_gpu)
+
+        def copy() -> float:
+            began = time.perf_counter()
+            if after is None:
+                copy_into(payload, entries, sources)
+            else:
+                stream = torch.cuda.Stream(device=sources[0].device)
+                with torch.cuda.stream(stream):
+                    stream.wait_event(after)
+                    copy_into(payload, entries, sources)
+                stream.synchronize()
+            with self._lock:
+                self._staged = _Staged(step, header, payload)
+            return time.perf_counter() - began
+
+        self._copying = self._stager.submit(copy)
         return time.perf_counter() - start
+
+    def wait_staged(self) -> float:
+        """Block until the staging copy started by ``stage`` is done (the fence before the state
+        changes); returns its duration (0.0 when none was in flight)."""
+        copying, self._copying = self._copying, None
+        if copying is None:
+            return 0.0
+        self.last_copy_s = copying.result()
+        return self.last_copy_s
+
+    def _buffer_for(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """A staging buffer of ``nbytes``: the one not staged now, when no fetcher still streams it
+        (so a recovery's staging rarely pays for fresh pages), else a new one."""
+        with self._lock:
+            staged = self._staged.payload if self._staged is not None else None
+            for buffer in self._buffers:
+                if (buffer.numel() == nbytes and buffer is not staged and buffer.is_pinned() == pinned
+                        and not self._streams.get(buffer.data_ptr())):
+                    return buffer
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            served = [b for b in self._buffers if b is staged]
+            self._buffers = [*served[-1:], buffer]
+            return buffer
 
     def wants(self, step: int) -> bool:
         """Should the state of committed ``step`` be staged for a waiting fetcher?"""
@@ -170,6 +220,8 @@ class SnapshotServer:
                 if staged is not None and staged.step >= min_step:
                     if self.wanted_step is not None and self.wanted_step <= staged.step:
                         self.wanted_step = None
+                    ptr = staged.payload.data_ptr()
+                    self._streams[ptr] = self._streams.get(ptr, 0) + 1  # not reused while streamed
                     break
                 self.wanted_step = min_step if self.wanted_step is None else min(self.wanted_step, min_step)
             if time.monotonic() >= deadline:
@@ -190,19 +242,85 @@ class SnapshotServer:
         except ConnectionError:  # the fetcher died or gave up mid-transfer: it fetches again, or elsewhere
             log.warning("snapshot server: the fetcher at %s went away mid-transfer of step %d", request.remote,
                         staged.step)
+        finally:
+            with self._lock:
+                self._streams[ptr] -= 1
         return response
 
 
-def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: float = 60.0
-                   ) -> tuple[int, dict[str, torch.Tensor], float, float]:
+def _landing(entry: dict[str, Any], own: dict[str, torch.Tensor]) -> torch.Tensor:
+    dtype = _DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ValueError(f"snapshot: unknown dtype {entry['dtype']!r} for '{entry['name']}'")
+    shape = [int(n) for n in entry["shape"]]
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if nbytes != entry["nbytes"] or entry["offset"] % ALIGN:
+        raise ValueError(f"snapshot: '{entry['name']}' has {entry['nbytes']} bytes at offset {entry['offset']} "
+                         f"for shape {shape} of {entry['dtype']}")
+    t = own.get(entry["name"])
+    if t is not None and t.dtype == dtype and list(t.shape) == shape and t.is_contiguous() and t.device.type == "cpu":
+        return t.detach()
+    return torch.empty(shape, dtype=dtype)
+
+
+def _receive(response: http.client.HTTPResponse, entries: list[dict[str, Any]], total: int,
+             own: dict[str, torch.Tensor], address: str, cancelled: threading.Event | None) -> dict[str, torch.Tensor]:
+    """Read the payload tensor by tensor straight into its landing place (``readinto``)."""
+    tensors: dict[str, torch.Tensor] = {}
+    got = 0
+    for entry in sorted(entries, key=lambda e: e["offset"]):
+        if entry["offset"] < got or entry["offset"] + entry["nbytes"] > total:
+            raise ValueError(f"snapshot source {address} sent overlapping or out-of-range tensors")
+        _read_exactly(response, entry["offset"] - got, address)  # the alignment padding
+        target = tensors[entry["name"]] = _landing(entry, own)
+        view = memoryview(target.reshape(-1).view(torch.uint8).numpy()) if entry["nbytes"] else memoryview(b"")  # type: ignore[arg-type]
+        done = 0
+        while done < entry["nbytes"]:
+            if cancelled is not None and cancelled.is_set():
+                raise ConnectionError(f"snapshot source {address}: download abandoned (a newer catch-up started)")
+            n = response.readinto(view[done:done + CHUNK_BYTES])
+            if not n:
+                raise ConnectionError(f"snapshot source {address} closed the stream at {got + done} of {total} bytes")
+            done += n
+        got = entry["offset"] + entry["nbytes"]
+    _read_exactly(response, total - got, address)
+    return tensors
+
+
+@dataclass
+class Fetched:
+    """A downloaded snapshot: its step, its tensors (in place where ``own`` allowed) and timings."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    waited_s: float
+    """From the request to the header: the source reaching a step boundary and staging there."""
+    transfer_s: float
+    """From the header to the last byte, landed."""
+    arrived: float
+    """Wall time (``time.time``) of the last byte."""
+    in_place: int = 0
+    """Bytes written straight into the recovering rank's own tensors."""
+
+    @property
+    def rate(self) -> float:
+        """Payload bytes per second of the transfer alone (a sub-figure: catch-up time is end to end)."""
+        return self.nbytes / max(self.transfer_s, 1e-9)
+
+
+def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: float = 60.0,
+                   own: dict[str, torch.Tensor] | None = None, cancelled: threading.Event | None = None) -> Fetched:
     """Download a snapshot of step >= ``min_step`` from ``address``.
 
-    Returns (step, tensors, bytes/s of the transfer, seconds waited for the source): the
-    rate is timed from the header's arrival to the last byte; the wait before it is the
-    source reaching its next step boundary and staging the snapshot there.  Read with
-    ``http.client`` straight into one preallocated buffer (``readinto``: no copy per chunk;
-    ``requests``/``urllib3`` copied every chunk once more: 1.7-1.9 vs 2.7-3.2 GB/s for 16 MB
-    on an idle 2-core machine).
+    ``own``: where its tensors may land, the recovering rank's own state by snapshot name.  A
+    tensor of the same dtype and shape, contiguous and in host memory, is written in place (no
+    buffer, no load copy); the caller must not touch those until the download ended.  Any other
+    (on a GPU, not built yet) gets a tensor of its own.
+
+    Read with ``http.client`` straight into the landing tensors (``readinto``: no copy per chunk,
+    no intermediate buffer; ``requests``/``urllib3`` copied every chunk once more: 1.7-1.9 vs
+    2.7-3.2 GB/s for 16 MB on an idle 2-core machine).
     """
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     host, _, port = address.rpartition(":")
@@ -219,26 +337,23 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
         if size > 64 << 20:
             raise ConnectionError(f"snapshot source {address} sent a {size}-byte header: refusing")
         header = json.loads(_read_exactly(response, size, address))
+        total = header.get("payload_bytes") if isinstance(header, dict) else None
         if not isinstance(header, dict) or not isinstance(header.get("step"), int) or not isinstance(
-                header.get("tensors"), list):
+                header.get("tensors"), list) or not (isinstance(total, int) and 0 <= total == response.length):
             raise ValueError(f"snapshot source {address} sent a malformed header")
         waited = time.perf_counter() - start
-        total = sum(e["nbytes"] for e in header["tensors"])
-        payload = bytearray(total)
-        view, got = memoryview(payload), 0
-        while got < total:
-            n = response.readinto(view[got:got + CHUNK_BYTES])
-            if not n:
-                raise ConnectionError(f"snapshot source {address} closed the stream at {got} of {total} bytes")
-            got += n
-    except (http.client.HTTPException, OSError, struct.error) as exc:
+        own = own or {}
+        tensors = _receive(response, header["tensors"], total, own, address, cancelled)
+    except (http.client.HTTPException, OSError, struct.error, KeyError, TypeError) as exc:
         if isinstance(exc, ConnectionError) and str(exc).startswith("snapshot source"):
             raise
         raise ConnectionError(f"snapshot source {address}: transfer broken: {exc}") from None
     finally:
         conn.close()
-    seconds = time.perf_counter() - start - waited
-    return int(header["step"]), unpack(header, payload), total / max(seconds, 1e-9), waited
+    transfer_s = time.perf_counter() - start - waited
+    in_place = sum(t.numel() * t.element_size() for name, t in tensors.items()
+                   if own and name in own and t.data_ptr() == own[name].data_ptr())
+    return Fetched(int(header["step"]), tensors, total, waited, transfer_s, time.time(), in_place)
 
 
 def _read_exactly(response: http.client.HTTPResponse, n: int, address: str) -> bytes:
@@ -254,12 +369,22 @@ class SnapshotFetch:
 
     ``log`` collects what the catch-up record reports (sources, the one used, failures)."""
 
-    def __init__(self, sources: list[str], min_step: int, token: str, log: dict[str, Any]) -> None:
+    def __init__(self, sources: list[str], min_step: int, token: str, log: dict[str, Any],
+                 own: dict[str, torch.Tensor] | None = None) -> None:
         self.sources, self.min_step, self.token, self.log = sources, min_step, token, log
-        self._result: tuple[int, dict[str, torch.Tensor], float, float] | None = None
+        self.own = own
+        self._result: Fetched | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        threading.Thread(target=self._run, name="freescale-catchup", daemon=True).start()
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="freescale-catchup", daemon=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Abandon the download and wait until it stopped writing (it may land in the rank's own tensors,
+        which the next download writes)."""
+        self._cancelled.set()
+        self._thread.join()
 
     def _run(self) -> None:
         errors: list[str] = []
@@ -267,11 +392,14 @@ class SnapshotFetch:
             for _ in range(3):
                 for address in self.sources:
                     try:
-                        self._result = fetch_snapshot(address, self.min_step, self.token)
+                        self._result = fetch_snapshot(address, self.min_step, self.token,
+                                                      own=self.own, cancelled=self._cancelled)
                         self.log.update(source=address, failed_sources=errors)
                         return
                     except (ConnectionError, ValueError) as exc:
                         errors.append(f"{address}: {exc}")
+                        if self._cancelled.is_set():
+                            raise
             self._error = RuntimeError(f"catch-up: every source failed: {'; '.join(errors[-len(self.sources):])}")
         except BaseException as exc:
             self._error = exc
@@ -282,8 +410,8 @@ class SnapshotFetch:
     def arrived(self) -> bool:
         return self._done.is_set()
 
-    def result(self) -> tuple[int, dict[str, torch.Tensor], float, float]:
-        """(step, tensors, bytes/s, seconds waited for the source); blocks until the download ends."""
+    def result(self) -> Fetched:
+        """The downloaded snapshot; blocks until the download ends."""
         self._done.wait()
         if self._error is not None:
             raise self._error

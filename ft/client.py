@@ -163,6 +163,8 @@ class LighthouseClient:
         self._last_quorum: dict[str, Any] | None = None
         """The last quorum answer accepted, as sent (what a compact ``next`` refers to)."""
         self._next: tuple[int, Quorum] | None = None
+        self.joiner_waiting = False
+        """The last committed vote's answer said a group waits to join, behind that step: stage it."""
         """(step, quorum) from the last committed vote's reply: that step's quorum, already decided."""
         self._local = threading.local()
         self._stop = threading.Event()
@@ -364,6 +366,7 @@ class LighthouseClient:
 
     def _took_vote(self, step: int, body: dict[str, Any]) -> bool:
         self._next = None
+        self.joiner_waiting = bool(body["commit"]) and body.get("stage") is True
         following = body.get("next")
         if body["commit"] and isinstance(following, dict):
             try:

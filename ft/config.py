@@ -50,6 +50,9 @@ class FTConfig:
     overlap_backward: bool = True
     """Reduce each dense gradient bucket across groups while backward runs; false: after backward
     (the in-group reduction still overlaps backward).  The same collectives either way."""
+    overlap_staging: bool = True
+    """A snapshot for a recovering group is copied to host memory by a staging thread while this group's next
+    forward and backward run (fenced before its next update); false: on the training thread, at once."""
     first_bucket_kb: int = 1024
     """Dense gradients are reduced across groups in buckets during backward: the first (the last
     layers' gradients, ready first) holds at most this many KiB, so a reduction starts early."""

@@ -37,7 +37,7 @@ update back (``Exchange.discard``).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -171,6 +171,10 @@ class ReplicaSync:
         self.quorum: Quorum | None = None
         self.recovering = False
         self._recorded: list[StepResult] = []
+        self._recorded_at: list[float] = []
+        self.landing: Callable[[], dict[str, torch.Tensor]] | None = None
+        """This rank's own state by snapshot name, ready for a snapshot to land in place (set by the
+        layer; called on the training thread as a catch-up starts)."""
         self._fetch: SnapshotFetch | None = None
         self.catch_up_log: dict[str, Any] = {}
 
@@ -353,23 +357,42 @@ class ReplicaSync:
             # Kept until the snapshot is in, maybe for many steps: on the host (NCCL: not GPU memory).
             result.tensors = [t.cpu() for t in result.tensors]
             self._recorded.append(result)
-        catching_up = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
-        asked = self.snapshots is not None and self.snapshots.wants(step)
-        result.stage_snapshot = (catching_up or asked) and not self.recovering and self.snapshots is not None
+            self._recorded_at.append(time.time())
+        result.stage_snapshot = not self.recovering and self._should_stage(step, quorum, seen_behind)
         result.seconds = time.perf_counter() - start
         return result
 
     # ------------------------------------------------------------------ catch-up
+    def _should_stage(self, step: int, quorum: Quorum, seen_behind: bool) -> bool:
+        """Stage committed ``step`` for a recovering peer?  When the lighthouse said, with this
+        step's vote, that a group is waiting to join (it will ask for this very step, the one before
+        its first quorum's: no wait for a step boundary); when a fetcher waits for a step not staged
+        yet; or when a participant of this quorum is behind and nothing it can use is staged."""
+        if self.snapshots is None:
+            return False
+        if self.client.joiner_waiting or self.snapshots.wants(step):
+            return True
+        behind = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
+        staged = self.snapshots.staged_step
+        return behind and (staged is None or staged < quorum.max_step - 1)
+
     def stage(self, step: int, state: dict[str, torch.Tensor]) -> float:
-        """Source side: copy committed ``step``'s state for a recovering peer; returns seconds spent."""
+        """Source side: start copying committed ``step``'s state for a recovering peer (off this
+        thread; ``wait_staged`` before the state changes); returns the seconds this thread spent."""
         assert self.snapshots is not None
         return self.snapshots.stage(step, state)
+
+    def wait_staged(self) -> float:
+        """The fence after ``stage``: the staging copy is done (0.0 when none was in flight)."""
+        return self.snapshots.wait_staged() if self.snapshots is not None else 0.0
 
     def _start_recovery(self, quorum: Quorum, step: int) -> None:
         """Start catching up to ``quorum.max_step``; again from scratch when already catching up
         (the quorum moved past steps this replica has not recorded: its replay would miss them)."""
         self.recovering = True
-        self._recorded = []
+        self._recorded, self._recorded_at = [], []
+        if self._fetch is not None:
+            self._fetch.cancel()  # it may be writing this rank's own tensors
         if self.snapshots is not None:
             self.snapshots.can_serve = False
         sources = [p.addresses[self.position] for p in quorum.participants
@@ -380,8 +403,11 @@ class ReplicaSync:
                                "participant runs a snapshot server")
         self.catch_up_log = {"joined_step": quorum.max_step, "own_step": step, "sources": sources,
                              "started": time.time()}
+        # Every committed step from this quorum's on is recorded: the state of the step before it is
+        # enough (the sources stage it when the lighthouse tells them, with its vote, that we wait).
         # A fresh download each time: one of an abandoned catch-up may still be waiting on its source.
-        self._fetch = SnapshotFetch(sources, quorum.max_step, self.token, self.catch_up_log)
+        self._fetch = SnapshotFetch(sources, max(quorum.max_step - 1, 0), self.token, self.catch_up_log,
+                                    self.landing() if self.landing is not None else None)
 
     @property
     def snapshot_arrived(self) -> bool:
@@ -392,16 +418,21 @@ class ReplicaSync:
         """Recovering: the snapshot (blocks until it is in) and the recorded steps newer than it.
         The caller loads and replays them; the replica is then ready again."""
         assert self.recovering and self._fetch is not None, "take_catch_up() while not recovering"
-        snap_step, state, rate, waited = self._fetch.result()
+        fetched = self._fetch.result()
+        snap_step = fetched.step
         newer = [r for r in self._recorded if r.step > snap_step]
         if [r.step for r in newer] != list(range(snap_step + 1, snap_step + 1 + len(newer))):
             raise RuntimeError(f"catch-up: recorded steps {[r.step for r in newer][:5]}.. do not follow "
                                f"snapshot step {snap_step}")
-        self.catch_up_log.update(snapshot_step=snap_step, replayed=len(newer), bytes_per_s=rate,
-                                 source_wait_s=waited, bytes=sum(t.numel() * t.element_size() for t in state.values()),
+        # Steps committed before the last byte came that the snapshot does not hold: the state is the
+        # run's latest only once they are replayed (none, usually: the sources stage the step before ours).
+        stale = sum(1 for r, at in zip(self._recorded, self._recorded_at) if r.step > snap_step and at <= fetched.arrived)
+        self.catch_up_log.update(snapshot_step=snap_step, replayed=len(newer), bytes_per_s=fetched.rate,
+                                 source_wait_s=fetched.waited_s, transfer_s=fetched.transfer_s, bytes=fetched.nbytes,
+                                 in_place_bytes=fetched.in_place, arrived=fetched.arrived, stale_at_arrival=stale,
                                  finished=time.time())
-        self.recovering, self._recorded, self._fetch = False, [], None
+        self.recovering, self._recorded, self._recorded_at, self._fetch = False, [], [], None
         self.client.progress = {**self.client.progress, "ready": True}  # valid once loaded and replayed
         if self.snapshots is not None:
             self.snapshots.can_serve = True
-        return CatchUp(snap_step, state, newer)
+        return CatchUp(snap_step, fetched.tensors, newer)

@@ -144,6 +144,7 @@ class FaultTolerance:
         self._sync = ReplicaSync(self._client, position=self._rank, timeout_s=cfg.timeout_s, snapshot_server=self._server,
                                 token=token, in_group=self.in_group, backend=cfg.replica_backend, device=self._device,
                                 hooks=self._hooks, store_host=advertise)
+        self._sync.landing = self._landing
         self.record: dict[str, Any] = {}
         self.last_commit = Commit(-1, frozenset(), frozenset())
         self._ready_replicas = self._cfg.replicas  # how many held valid state after the last step
@@ -318,11 +319,14 @@ class FaultTolerance:
         if result.stage_snapshot:
             self.events.append({"event": "stage", "step": result.step,
                                 "stage_s": self._sync.stage(result.step, self.snapshot())})
+            if not self._cfg.overlap_staging:
+                self.events[-1]["copy_s"] = self._sync.wait_staged()
         return commit
 
     def _apply(self, result: StepResult) -> Commit:
         """The committed step's update (dense optimizer on the averages, union update of the
         tables), then the data side's accounting."""
+        self._fence_staging()
         commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result))
         updates = sum(result.weights.values()) > 0  # nobody trained this step: no update at all
         if updates and not (result.finite if result.finite is not None else all_finite(result.tensors)):
@@ -427,6 +431,13 @@ class FaultTolerance:
         the model, the optimizers, and in ``meta.json`` (tensors beside it) the data side, the LR
         scheduler, the registered states and the RNGs."""
         tensors = dict(named_tensors(self._state(), ""))
+        # Staged off this thread (``SnapshotServer.stage``), fenced before the next update: parameters and
+        # optimizer state change only there.  Anything else a forward may change (a norm's running
+        # statistics, a user's buffer) is copied now.
+        updated = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
+        for name, t in tensors.items():
+            if name.startswith("/model/") and t.untyped_storage().data_ptr() not in updated:
+                tensors[name] = t.detach().clone()
         scheduler = self._update.scheduler
         meta = {"data": to_json(self._data.state_dict(), "/data", tensors) if self._data is not None else None,
                 "scheduler": to_json(scheduler.state_dict(), "/scheduler", tensors) if scheduler is not None else None,
@@ -436,13 +447,32 @@ class FaultTolerance:
         tensors["meta.json"] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
         return tensors
 
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _fence_staging(self) -> None:
+        """Before the state changes: the snapshot copy started at the last staging is done (the time this
+        thread waited for it goes to the record as ``stage_wait_s``: 0 when the copy ran in the shadow of
+        the step's forward and backward)."""
+        start = time.perf_counter()
+        copy_s = self._sync.wait_staged()
+        if copy_s:
+            self.events.append({"event": "staged", "copy_s": copy_s, "stage_wait_s": time.perf_counter() - start})
+
+    def _landing(self) -> dict[str, torch.Tensor]:
+        """This rank's state by snapshot name, for a snapshot to land in place (a catch-up starts: the
+        state is invalid until it is loaded).  A lazily built dense optimizer state is built now, not
+        after the snapshot landed (building it takes a step, which would change what landed)."""
         from freescale.parallelize import materialize_optimizer_state
 
+        self._fence_staging()
         if hasattr(self._optimizer, "optimizers"):
             materialize_optimizer_state(self._optimizer)
-        else:
-            load_torch_optimizer(self._optimizer, tensors)  # its state may not exist yet: rebuilt
+        return dict(named_tensors(self._state(), ""))
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load a fetched snapshot (its tensors landed in place where ``_landing`` allowed: not copied again)."""
+        self._fence_staging()
+        loaded: set[str] = set()
+        if not hasattr(self._optimizer, "optimizers"):
+            loaded = load_torch_optimizer(self._optimizer, tensors)  # its state may not exist yet: rebuilt
         mine = dict(named_tensors(self._state(), ""))
         missing = sorted(set(mine) - set(tensors))
         if missing:
@@ -452,7 +482,8 @@ class FaultTolerance:
                 if t.shape != tensors[name].shape:
                     raise RuntimeError(f"catch-up: '{name}' is {tuple(tensors[name].shape)} in the snapshot, "
                                        f"{tuple(t.shape)} here")
-                t.copy_(tensors[name])
+                if name not in loaded and t.data_ptr() != tensors[name].data_ptr():  # (not landed in place)
+                    t.copy_(tensors[name])
         meta = json.loads(bytes(tensors["meta.json"].numpy()).decode())
         if self._data is not None and meta.get("data") is not None:
             self._data.load_state_dict(from_json(meta["data"], tensors))
@@ -477,11 +508,19 @@ class FaultTolerance:
     def _catch_up(self) -> None:
         """Load the snapshot and replay every recorded step after it (the group agreed it is in)."""
         caught = self._sync.take_catch_up()
+        start = time.perf_counter()
         self.load(caught.state)
+        loaded = time.perf_counter()
         for result in caught.replay:
             self._apply(result)
+        log = self._sync.catch_up_log
+        ready = time.time()
+        # Caught up: holding the run's latest committed state.  At the last byte when nothing committed
+        # meanwhile needed a replay (the tensors landed in place); else once replayed.
+        log.update(load_s=loaded - start, replay_s=time.perf_counter() - loaded, ready=ready,
+                   caught_up=log["arrived"] if not log.get("stale_at_arrival") else ready)
         self.events.append({"event": "catch_up", "step": caught.replay[-1].step if caught.replay
-                            else caught.snapshot_step, "catch_up": dict(self._sync.catch_up_log)})
+                            else caught.snapshot_step, "catch_up": dict(log)})
 
     def agree(self, ok: bool) -> bool:
         """True only if every rank of this group got True (an in-group all-reduce, MIN)."""

@@ -225,13 +225,17 @@ class LighthouseOps(Membership):
             waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
             vote.waiters.append(waiter)
             await waiter
-        if vote.result and self.cfg.quorum_in_vote and self.finished_step is None:
+        if not vote.result:
+            return 200, '{"commit": false}'
+        if self.joiner_waiting(step):  # the sources stage this step now: the joiner asks for it at once
+            return 200, '{"commit": true, "stage": true}'
+        if self.cfg.quorum_in_vote and self.finished_step is None:
             following = self._steady_answer(group, step + 1)
             if following is not None:  # the same participants: the voter has them (tens of KB at 512 groups)
                 return 200, (f'{{"commit": true, "next": {{"quorum_id": {following["quorum_id"]}, '
                              f'"max_step": {following["max_step"]}, "high_step": {following["high_step"]}, '
                              '"same_participants": true}}')
-        return 200, '{"commit": true}' if vote.result else '{"commit": false}'
+        return 200, '{"commit": true}'
 
     def _quorum_text(self, quorum: dict[str, Any]) -> str:
         """``quorum`` as JSON, encoded once for all the participants it answers (at 512 groups the

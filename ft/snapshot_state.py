@@ -35,8 +35,8 @@ def named_tensors(value: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]
 
 def to_json(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """``value`` with every tensor moved into ``tensors`` (by path) and a ``{"tensor": path}`` left in its place."""
-    if isinstance(value, torch.Tensor):
-        tensors[prefix] = value.detach().cpu().contiguous()
+    if isinstance(value, torch.Tensor):  # a copy: the snapshot is copied out after the caller goes on
+        tensors[prefix] = value.detach().to("cpu", copy=True).contiguous()
         return {"tensor": prefix}
     if isinstance(value, dict):
         return {str(k): to_json(v, f"{prefix}/{k}", tensors) for k, v in value.items()}
@@ -80,11 +80,16 @@ def set_rng_state(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> No
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def load_torch_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
-    """A plain torch optimizer's per-parameter state from snapshot names ``/optim/state/<i>/<key>#0``."""
+def load_torch_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> set[str]:
+    """A plain torch optimizer's per-parameter state from snapshot names ``/optim/state/<i>/<key>#0``;
+    the tensors are adopted, not copied (a fetched snapshot's tensors are each its own, or already
+    this optimizer's own: landed in place).  Returns the names it loaded."""
     state: dict[int, dict[str, torch.Tensor]] = {}
+    names = set()
     for name, t in tensors.items():
         if name.startswith("/optim/state/"):
             index, key = name[len("/optim/state/"):].rsplit("#", 1)[0].split("/", 1)
-            state.setdefault(int(index), {})[key] = t.clone()
+            state.setdefault(int(index), {})[key] = t
+            names.add(name)
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+    return names

@@ -220,7 +220,7 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     restarted = [e for e in runs[(1, 0)] if "catch_up" in e]
     assert len(restarted) == 1, "group 1 did not catch up"
     caught = restarted[0]["catch_up"]
-    assert caught["snapshot_step"] >= caught["joined_step"] > 6
+    assert caught["snapshot_step"] >= caught["joined_step"] - 1 >= 6
     recovered = by_step(runs[(1, 0)])
     assert any(e["contributing"] for s, e in recovered.items() if s > caught["joined_step"]), \
         "group 1 never contributed again"

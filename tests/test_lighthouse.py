@@ -180,17 +180,21 @@ def test_committed_vote_carries_the_next_quorum_unless_a_group_waits_to_join() -
     a, b = client(lh, "a"), client(lh, "b")
     q = quorums([a, b], 0)[0]
     assert commit_all([a, b], q.quorum_id, 0) == [True, True]
-    # A third group asks to join during step 1: step 1's vote must not hand out a steady step 2.
+    assert not a.joiner_waiting and not b.joiner_waiting
+    # A third group asks to join during step 1: step 1's vote must not hand out a steady step 2, and it
+    # tells the participants to stage step 1 (what the joiner will fetch: no wait for a step boundary).
     c = client(lh, "c")
     joining = c.quorum_async(0)
     time.sleep(0.1)
     q1 = quorums([a, b], 1)[0]
     assert q1.quorum_id == q.quorum_id and q1.max_step == 1
     assert commit_all([a, b], q1.quorum_id, 1) == [True, True]
+    assert a.joiner_waiting and b.joiner_waiting
     q2 = quorums([a, b], 2)
     assert q2[0] == q2[1] == joining.result(timeout=5) and q2[0].replica_ids == ("a", "b", "c")
     assert q2[0].quorum_id > q.quorum_id and q2[0].max_step == 2
     assert commit_all([a, b, c], q2[0].quorum_id, 2) == [True, True, True]
+    assert not a.joiner_waiting  # the joiner is in: nobody waits
     # Steady again: step 3's quorum came with the vote; no request is sent (the lighthouse is gone).
     lh.stop_thread()
     q3 = [cl.quorum(3) for cl in (a, b, c)]

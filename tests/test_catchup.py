@@ -1,0 +1,81 @@
+"""The snapshot path in one process: staging off the training thread, the fence, the transfer landing in place."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from freescale.ft.catchup import SnapshotServer, fetch_snapshot
+
+
+def state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"/model/w#0": torch.randn(300, 7, generator=g), "/model/b#0": torch.randn(3, generator=g),
+            "/optim/state/0/step#0": torch.tensor(5.0), "/flags#0": torch.tensor([True, False, True]),
+            "/half#0": torch.randn(5, generator=g).to(torch.bfloat16), "/empty#0": torch.zeros(0, 4),
+            "meta.json": torch.frombuffer(bytearray(b'{"data": null}'), dtype=torch.uint8)}
+
+
+def test_staged_copy_runs_off_the_caller_and_lands_in_place_where_it_fits() -> None:
+    source = state()
+    server = SnapshotServer()
+    address = server.start()
+    try:
+        assert server.stage(3, source) < 0.5  # returns at once: the copy runs on the staging thread
+        assert server.wait_staged() > 0.0  # the fence: the copy is done
+        expected = {k: v.clone() for k, v in source.items()}
+        for t in source.values():  # the caller's next update: the staged bytes must not move
+            t.zero_() if t.dtype != torch.bool else t.fill_(False)
+        own = {"/model/w#0": torch.empty(300, 7), "/model/b#0": torch.empty(4),  # b: wrong shape
+               "/half#0": torch.empty(5, dtype=torch.float32)}  # wrong dtype
+        fetched = fetch_snapshot(address, 2, own=own)
+        assert fetched.step == 3
+        for name, t in expected.items():
+            assert torch.equal(fetched.tensors[name], t), name
+        assert fetched.tensors["/model/w#0"].data_ptr() == own["/model/w#0"].data_ptr()  # landed in place
+        assert fetched.tensors["/model/b#0"].data_ptr() != own["/model/b#0"].data_ptr()
+        assert fetched.tensors["/half#0"].dtype == torch.bfloat16
+        assert fetched.in_place == 300 * 7 * 4
+        assert fetched.waited_s < 5 and fetched.arrived <= time.time()
+    finally:
+        server.stop()
+
+
+def test_a_fetcher_waits_for_a_newer_step_and_the_next_staging_reuses_the_spare_buffer() -> None:
+    server = SnapshotServer()
+    address = server.start()
+    try:
+        server.stage(1, state())
+        server.wait_staged()
+        first = server._staged.payload  # noqa: SLF001 - which buffer is served
+        result: dict[str, object] = {}
+        waiter = threading.Thread(target=lambda: result.update(f=fetch_snapshot(address, 2)))
+        waiter.start()
+        deadline = time.monotonic() + 5
+        while not server.wants(2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.wants(2) and not server.wants(1)
+        server.stage(2, state())
+        server.wait_staged()
+        waiter.join(timeout=10)
+        assert result["f"].step == 2  # type: ignore[attr-defined]
+        second = server._staged.payload  # noqa: SLF001
+        assert second.data_ptr() != first.data_ptr()  # never the buffer being served
+        server.stage(3, state())
+        server.wait_staged()
+        assert server._staged.payload.data_ptr() == first.data_ptr()  # noqa: SLF001 - the spare, reused
+    finally:
+        server.stop()
+
+
+def test_a_snapshot_that_does_not_come_in_time_is_a_one_line_error() -> None:
+    server = SnapshotServer()
+    address = server.start()
+    try:
+        with pytest.raises(ConnectionError, match=r"answered 503: .*no snapshot at step >= 4"):
+            fetch_snapshot(address, 4, timeout_s=0.2)
+    finally:
+        server.stop()
