@@ -257,7 +257,10 @@ def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: st
         before_ms, before_window = steady_before(a, joined)
         res.update(before_ms=before_ms, before_window=before_window,
                    during_ms=step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0),
-                   rate=info["bytes_per_s"], caught_up_s=info["finished"] - restart)
+                   rate=info["bytes_per_s"], caught_up_s=info["finished"] - restart,
+                   catch_up_s=info["caught_up"] - info["started"], bytes=info["bytes"],
+                   phases={k: info.get(k) for k in ("source_wait_s", "transfer_s", "load_s", "replay_s",
+                                                    "stale_at_arrival", "in_place_bytes")})
         # torchft's endpoint, for both: the restarted replica's first committed step that carries its gradient.
         first = next((e["committed"] for e in c if e.get("contributing") and e["step"] > info["joined_step"]), None)
         if first is not None:
@@ -265,13 +268,15 @@ def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: st
     return res
 
 
-def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str) -> dict[str, Any]:
-    """The same kill and restart with torchft replicas under torchft's lighthouse."""
-    out = tmp / f"torchft-kill-{label}"
+def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str, sync: bool = False) -> dict[str, Any]:
+    """The same kill and restart with torchft replicas under torchft's lighthouse (``sync``: the quorum
+    and the heal before the forward, ``use_async_quorum=False``)."""
+    out = tmp / f"torchft-kill-{label}{'-sync' if sync else ''}"
     out.mkdir()
     lh, addr = tft_lighthouse()
     try:
-        common = ["--lighthouse", addr, "--hidden", str(hidden), "--layers", str(layers), "--step-sleep", "0.02"]
+        common = ["--lighthouse", addr, "--hidden", str(hidden), "--layers", str(layers), "--step-sleep", "0.02",
+                  *(["--sync-quorum"] if sync else [])]
         procs = {n: tft_replica(out, n, steps, *common, "--wait-for", "3",
                                 kill=n == "c") for n in "abc"}
         procs["c"].wait(timeout=300)
@@ -301,37 +306,48 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str)
         res.update(before_ms=before_ms, before_window=before_window,
                    during_ms=step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0),
                    contributing_s=contributing[0]["committed"] - restart,
-                   rate=healed["heal_bytes"] / healed["heal_fetch_s"] if healed else float("nan"))
+                   rate=healed["heal_bytes"] / healed["heal_fetch_s"] if healed else float("nan"),
+                   heals=sum(1 for e in c if "heal_fetch_s" in e))
+        if healed:  # torchft's source serves its live state in the quorum (no wait): fetch + load
+            res.update(catch_up_s=healed["heal_fetch_s"] + (healed.get("heal_load_s") or 0.0),
+                       bytes=healed["heal_bytes"], phases={"transfer_s": healed["heal_fetch_s"],
+                                                            "load_s": healed.get("heal_load_s")})
     return res
 
 
-def failure_rows(label: str, fs: dict[str, Any], tf: dict[str, Any] | None, skip: str) -> list[dict[str, Any]]:
-    def both(key: str, fmt: Any) -> dict[str, Any]:
-        cell = {"freescale": fmt(fs) if key in fs else "never caught up"}
-        cell["torchft"] = skip if tf is None else fmt(tf) if key in tf else "never caught up"
-        return cell
+def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[dict[str, Any]]:
+    """One row per measure; a column's cell is its figure, or why it has none (a string)."""
+    def cells(key: str, fmt: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, res in columns.items():
+            out[name] = res if isinstance(res, str) else fmt(res) if key in res else "never caught up"
+            out[f"{name}_raw"] = None if isinstance(res, str) else res.get(key)
+        return out
+
+    def catch_up(r: dict[str, Any]) -> str:
+        return f"{r['catch_up_s']:.2f} s = {r['bytes'] / r['catch_up_s'] / 1e9:.2f} GB/s"
 
     rows = [
         {"measure": f"kill -> survivors' next committed step ({label})",
-         **both("kill_s", lambda r: f"{r['kill_s']:.3f} s"), "target": "<= 0.3 s"},
-        {"measure": f"steps discarded per failure ({label})", **both("discarded", lambda r: str(r["discarded"])),
+         **cells("kill_s", lambda r: f"{r['kill_s']:.3f} s"), "target": "<= 0.3 s"},
+        {"measure": f"steps discarded per failure ({label})", **cells("discarded", lambda r: str(r["discarded"])),
          "target": "0"},
         {"measure": f"survivor step during catch-up / before ({label})",
-         **both("during_ms", lambda r: f"{r['during_ms'] / r['before_ms']:.2f} ({r['during_ms']:.1f} vs "
-                                       f"{r['before_ms']:.1f} ms)"), "target": "<= 1.05"},
+         **cells("during_ms", lambda r: f"{r['during_ms'] / r['before_ms']:.2f} ({r['during_ms']:.1f} vs "
+                                        f"{r['before_ms']:.1f} ms)"), "target": "<= 1.05"},
+        {"measure": f"catch-up end to end: first request -> holds the latest state ({label})",
+         **cells("catch_up_s", catch_up), "target": ">= 1 GB/s, <= torchft"},
         {"measure": f"restart -> first contributing commit ({label})",
-         **both("contributing_s", lambda r: f"{r['contributing_s']:.2f} s"), "target": "<= torchft"},
-        {"measure": f"catch-up transfer rate ({label})", **both("rate", lambda r: f"{r['rate'] / 1e9:.3f} GB/s"),
-         "target": ">= 1 GB/s"},
+         **cells("contributing_s", lambda r: f"{r['contributing_s']:.2f} s"), "target": "<= torchft"},
+        {"measure": f"  sub-figure: payload transfer rate ({label})",
+         **cells("rate", lambda r: f"{r['rate'] / 1e9:.3f} GB/s"), "target": "-"},
     ]
-    for row, key in zip(rows, ["kill_s", "discarded", "during_ms", "contributing_s", "rate"]):
-        row["freescale_raw"] = fs.get(key)
-        if tf is not None:
-            row["torchft_raw"] = tf.get(key)
-    rows[2]["freescale_before_window"] = fs.get("before_window")
-    rows[3]["freescale_caught_up_s"] = fs.get("caught_up_s")  # restart -> catch-up finished (before it contributes)
-    if tf is not None:
-        rows[2]["torchft_before_window"] = tf.get("before_window")
+    for name, res in columns.items():
+        if not isinstance(res, str):
+            rows[2][f"{name}_before_window"] = res.get("before_window")
+            rows[3][f"{name}_phases"] = res.get("phases")
+            rows[4][f"{name}_caught_up_s"] = res.get("caught_up_s")  # restart -> catch-up finished
+            rows[4][f"{name}_heals"] = res.get("heals")
     return rows
 
 
@@ -340,6 +356,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps, one repeat, no big-model catch-up")
     parser.add_argument("--big-hidden", type=int, default=4096, help="width of the big-model catch-up run")
     parser.add_argument("--no-torchft", action="store_true", help="skip the torchft runs")
+    parser.add_argument("--failures-only", action="store_true", help="skip the overhead repeats")
+    parser.add_argument("--big-steps", type=int, default=60,
+                        help="steps of the big-model failure run (~2 s each on 2 cores; the kill is at step 20)")
     parser.add_argument("--json")
     args = parser.parse_args()
     steps, repeats = (60, 1) if args.quick else (300, 3)
@@ -351,40 +370,53 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     tmp = Path(tempfile.mkdtemp(prefix="bench_ft"))
     try:
-        rows.append({"torchft": skip, **overhead(tmp, steps, repeats, 1024, tft)})
+        if not args.failures_only:
+            rows.append({"torchft": skip, **overhead(tmp, steps, repeats, 1024, tft)})
         # Quick: 200 steps, so that the restarted replica (~3-4 s to start on 2 cores) joins before the end.
         runs = [(200 if args.quick else 300, 1024, 2, "1.3M params")]
         if not args.quick:
-            runs.append((200, args.big_hidden, 4, f"{args.big_hidden}x4 MLP"))
+            runs.append((args.big_steps, args.big_hidden, 4, f"{args.big_hidden}x4 MLP"))
         for n, hidden, layers, label in runs:
-            fs = freescale_failure(tmp, n, hidden, layers, label)
-            tf, why_not = None, skip
-            if tft:
-                try:
-                    tf = torchft_failure(tmp, n, hidden, layers, label)
-                except (Exception, SystemExit) as e:  # noqa: BLE001 - report it in the torchft column
-                    why_not = torchft_failed(e, f"failure run ({label})")
-            rows += failure_rows(label, fs, tf, why_not)
+            columns: dict[str, dict[str, Any] | str] = {"freescale": freescale_failure(tmp, n, hidden, layers, label)}
+            for name, sync in (("torchft", False), ("torchft_sync", True)):
+                columns[name] = skip
+                if tft:
+                    try:
+                        columns[name] = torchft_failure(tmp, n, hidden, layers, label, sync=sync)
+                    except (Exception, SystemExit) as e:  # noqa: BLE001 - report it in the torchft column
+                        columns[name] = torchft_failed(e, f"failure run ({label}, {name})")
+            rows += failure_rows(label, columns)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print_table(rows, ["measure", "freescale", "torchft", "target"])
+    print_table(rows, ["measure", "freescale", "torchft", "torchft_sync", "target"])
+    print("torchft: use_async_quorum=True (its default: heals during the step, contributes from the next); "
+          "torchft_sync: use_async_quorum=False (heals before the forward, contributes in the healing step)")
+    if args.failures_only:
+        rows.append({"measure": "(overhead repeats skipped: --failures-only)"})
+        _finish(args, rows, tft_version, why)
+        return
     o = rows[0]
     print(f"step ms (medians): torch DDP {o['ddp_step_ms']:.2f}, flat all-reduce after backward "
           f"{o['allreduce_step_ms']:.2f}, freescale FTAR {o['ftar_step_ms']:.2f} ({o['vs_allreduce']} vs the flat "
           f"all-reduce)" + (f", torchft {o['torchft_step_ms']:.2f}" if "torchft_step_ms" in o else ""))
+    _finish(args, rows, tft_version, why)
+
+
+def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], tft_version: str | None, why: str) -> None:
+    tft = tft_version is not None
     ran = f"torchft-nightly {tft_version}, run here" if tft else f"not run: {why}"
     if not tft and not args.no_torchft:
         ran += f"\n  install it (not a freescale dependency) with: {TORCHFT_INSTALL}"
     print(f"torchft: {ran}")  # only figures measured in this run: none quoted from elsewhere
     if args.json:
         write_json(args.json, "bench_ft", {
-            "quick": args.quick, "replicas": "2 (overhead), 3 (failure)",
+            "quick": args.quick, "replicas": "2 (overhead), 3 (failure)", "big_hidden": args.big_hidden,
+            "big_steps": args.big_steps, "failures_only": args.failures_only,
             "model": "MLP 256->1024->1024->1 (1.31M params), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,
             "join_timeout_s": 0.5, "torchft": tft_version, "torchft_skipped": why or None,
-            "torchft_setup": "torchft.Manager (use_async_quorum, min_replica_size=1), torchft.ProcessGroupGloo, "
-                             "HTTPTransport healing, Rust LighthouseServer (heartbeat 1000 ms, join 500 ms, "
-                             "tick 100 ms), flat manager.allreduce per step"}, rows)
-
+            "torchft_setup": "torchft.Manager (min_replica_size=1; torchft: use_async_quorum=True, torchft_sync: "
+                             "False), torchft.ProcessGroupGloo, HTTPTransport healing, Rust LighthouseServer "
+                             "(heartbeat 1000 ms, join 500 ms, tick 100 ms), flat manager.allreduce per step"}, rows)
 
 if __name__ == "__main__":
     main()

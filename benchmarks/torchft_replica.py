@@ -18,12 +18,12 @@ are averaged with one flat ``manager.allreduce`` per step, like mlp_replica's
 loader would in torchft's training loops, so a step that torchft discards
 (``should_commit`` false) leaves a hole in the committed steps.  One JSON line
 per attempt in ``<out>/<replica>.jsonl``: ``step``, ``time``, ``committed``
-(time of the commit decision), ``should_commit`` (whether the step was
+(time the commit decision's update was applied), ``should_commit`` (whether the step was
 committed), ``manager_step`` (torchft's count of committed steps),
 ``participating`` (false while healing: a zero gradient), ``healed`` (this
 attempt loaded a checkpoint from a peer), ``quorum_id``, ``participants``,
 ``digest``, ``loss``; on the healing attempt also ``heal_fetch_s`` (the
-checkpoint fetch time torchft logs) and ``heal_bytes`` (model + optimizer
+checkpoint fetch time torchft logs), ``heal_load_s`` (its ``load_state_dict``) and ``heal_bytes`` (model + optimizer
 state fetched).  ``FREESCALE_FAULTS=<group>:0:20:reduce:0`` (``freescale.testing``; replica
 ``a`` is group 0, ``b`` 1, ...) SIGKILLs the process from a timer started just before step 20's
 all-reduce (the time goes to ``<out>/<replica>/rank0.killed``); ``...:20:forward`` kills it
@@ -86,6 +86,9 @@ def main() -> None:
                         help="start step 0 only once this many replicas have their torchft manager up (ready files in "
                              "--out), so that the first quorum holds them all")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
+    parser.add_argument("--sync-quorum", action="store_true",
+                        help="use_async_quorum=False: the quorum (and a heal) before the forward, so a healed replica "
+                             "contributes in the healing step itself (what torchft's LocalSGD/DiLoCo require)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -104,16 +107,20 @@ def main() -> None:
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
+    load_times: list[float] = []
+
     def load_state_dict(sd: dict[str, Any]) -> None:
+        start = time.perf_counter()
         model.load_state_dict(sd["model"])
         optimizer.load_state_dict(sd["optim"])
+        load_times.append(time.perf_counter() - start)
 
     timeout = timedelta(seconds=args.timeout)
     # The replica group's own store (one rank per group): the Manager publishes its server address there.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
-        min_replica_size=1, use_async_quorum=True, replica_id=args.replica_id, lighthouse_addr=args.lighthouse,
+        min_replica_size=1, use_async_quorum=not args.sync_quorum, replica_id=args.replica_id, lighthouse_addr=args.lighthouse,
         store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1, hostname="127.0.0.1",
         timeout=timeout, quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=30),
         init_sync=False,  # every replica builds the same weights (build_model seeds them)
@@ -132,6 +139,7 @@ def main() -> None:
     step = 0
     while manager.current_step() < args.steps:
         started = time.time()
+        fetched_before = len(fetch_times.seconds)
         manager.start_quorum()  # async: the lighthouse round trip overlaps the forward
         optimizer.zero_grad()
         x, y = batch(step, args.replica_id, args.batch)
@@ -143,19 +151,21 @@ def main() -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         hooks.at("reduce", step)
         manager.allreduce(flat).wait()  # averaged over the participants; errors are recorded, not raised
-        healing = manager._healing  # noqa: SLF001 - set by this step's quorum when we fetch a peer's checkpoint
+        # A checkpoint fetched in this step's quorum (async: during the forward; sync: before it, where the
+        # manager's healing flag is already cleared when the step goes on).
+        healing = manager._healing or len(fetch_times.seconds) > fetched_before  # noqa: SLF001
         participating = manager.is_participating()
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         should_commit = manager.should_commit()  # loads the fetched checkpoint first when healing
-        committed = time.time()
         if should_commit:
             optimizer.step()
+        committed = time.time()  # the step's update applied (freescale's replicas time the same point)
         heal: dict[str, Any] = {}
         if healing and fetch_times.seconds:
-            heal = {"heal_fetch_s": fetch_times.seconds[-1],
+            heal = {"heal_fetch_s": fetch_times.seconds[-1], "heal_load_s": load_times[-1] if load_times else None,
                     "heal_bytes": sum(t.numel() * t.element_size() for t in _tensors(state_dict()))}
         log.write(json.dumps({
             "step": step, "time": time.time(), "committed": committed, "started": started,

@@ -32,13 +32,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from freescale.dataloader.batch import Batch
-from freescale.dataloader.loader import BalancedLoader, StepInfo
-from freescale.dataloader.partition import Parts
+if TYPE_CHECKING:  # the fault-tolerance layer imports Commit from here: a user loop need not load torchrec
+    from freescale.dataloader.batch import Batch
+    from freescale.dataloader.loader import BalancedLoader, StepInfo
+    from freescale.dataloader.partition import Parts
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,8 @@ class StepFeed:
         """Take a peer's (or a checkpoint's) data position.  Batches of in-flight steps are not read:
         this rank sits those steps out (weight 0; ``trains`` is False for them), and every group
         requeues whatever share of them a non-training group had, at their commits."""
+        from freescale.dataloader.partition import Parts
+
         self.loader.load_state_dict(state["loader"])
         self._next = int(state["next"])
         self.ready = frozenset(int(g) for g in state["ready"])

@@ -203,7 +203,10 @@ class ReplicaSync:
         except Exception:
             return False
         self._early_quorum_wait += waited
-        return quorum.max_step > step
+        if quorum.max_step > step:
+            self._start_recovery(quorum, step)  # now, before this step's zero contribution joins the new group
+            return True
+        return False
 
     def attach(self, step: int, grads: BucketedGrads, weight: float, header: torch.Tensor | None) -> bool:
         """Before backward, after ``grads.begin()``: reduce each bucket across groups as backward
@@ -273,7 +276,8 @@ class ReplicaSync:
                     f"replica '{self.client.replica_id}': step {step} failed in {self.max_attempts} quorums in a row "
                     f"(last quorum {quorum.quorum_id}: {last_error or 'the vote did not pass'}); giving up")
             if quorum.max_step > step:
-                self._start_recovery(quorum, step)
+                if not self._recovering_to(quorum.max_step):
+                    self._start_recovery(quorum, step)
                 step = quorum.max_step
             # A quorum retried after a failure may no longer show who was behind: remember it.
             seen_behind = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
@@ -386,6 +390,10 @@ class ReplicaSync:
         """The fence after ``stage``: the staging copy is done (0.0 when none was in flight)."""
         return self.snapshots.wait_staged() if self.snapshots is not None else 0.0
 
+    def _recovering_to(self, step: int) -> bool:
+        """Already catching up to ``step`` and nothing recorded yet (``behind`` started it this very step)."""
+        return self.recovering and not self._recorded and self.catch_up_log.get("joined_step") == step
+
     def _start_recovery(self, quorum: Quorum, step: int) -> None:
         """Start catching up to ``quorum.max_step``; again from scratch when already catching up
         (the quorum moved past steps this replica has not recorded: its replay would miss them)."""
@@ -406,8 +414,9 @@ class ReplicaSync:
         # Every committed step from this quorum's on is recorded: the state of the step before it is
         # enough (the sources stage it when the lighthouse tells them, with its vote, that we wait).
         # A fresh download each time: one of an abandoned catch-up may still be waiting on its source.
-        self._fetch = SnapshotFetch(sources, max(quorum.max_step - 1, 0), self.token, self.catch_up_log,
-                                    self.landing() if self.landing is not None else None)
+        own = self.landing() if self.landing is not None else None
+        self.catch_up_log["landing_ready"] = time.time()
+        self._fetch = SnapshotFetch(sources, max(quorum.max_step - 1, 0), self.token, self.catch_up_log, own)
 
     @property
     def snapshot_arrived(self) -> bool:

@@ -460,10 +460,10 @@ class FaultTolerance:
         """This rank's state by snapshot name, for a snapshot to land in place (a catch-up starts: the
         state is invalid until it is loaded).  A lazily built dense optimizer state is built now, not
         after the snapshot landed (building it takes a step, which would change what landed)."""
-        from freescale.parallelize import materialize_optimizer_state
-
         self._fence_staging()
-        if hasattr(self._optimizer, "optimizers"):
+        if hasattr(self._optimizer, "optimizers"):  # torchrec's (the import is torchrec's: only then)
+            from freescale.parallelize import materialize_optimizer_state
+
             materialize_optimizer_state(self._optimizer)
         return dict(named_tensors(self._state(), ""))
 

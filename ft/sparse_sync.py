@@ -43,6 +43,7 @@ optimizer from a group-local gradient).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,6 @@ from torch import nn
 
 from freescale.ft.client import Quorum
 from freescale.ft.replica_group import ReplicaGroup
-from freescale.parallelize import embedding_kernels
 
 
 @dataclass
@@ -126,6 +126,10 @@ def _check_optimizer(name: str, tbe: nn.Module) -> None:
 def fused_tbes(dmp: nn.Module) -> list[tuple[str, Any]]:
     """Every fbgemm TBE with a fused optimizer under ``dmp``'s sharded modules, in a fixed order; a table
     planned with a dense (non-fused) kernel is refused."""
+    if "torchrec" not in sys.modules:  # no torchrec module can be in the model: a user loop without it starts faster
+        return []
+    from freescale.parallelize import embedding_kernels
+
     found: list[tuple[str, Any]] = []  # fbgemm's TBEs: untyped modules whose attributes are read directly
     for name, kernel, fused in embedding_kernels(dmp):
         if not fused:
