@@ -228,19 +228,28 @@ def steady_before(survivor: list[dict[str, Any]], joined: int) -> tuple[float, s
     return step_ms([e for e in survivor if 5 <= e["step"] < 20], skip=0), "steps 5..19, before the kill (3 replicas)"
 
 
-def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str) -> dict[str, Any]:
-    out = tmp / f"kill-{label}"
+def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
+                      standby: bool = False) -> dict[str, Any]:
+    """Kill replica c at step 20 and restart it (``standby``: a warm standby started beside it takes over;
+    its restart is then the kill)."""
+    out = tmp / f"kill-{label}{'-standby' if standby else ''}"
     out.mkdir()
     lh = lighthouse()
     common = ["--lighthouse", lh.url, "--snapshots", "--hidden", str(hidden), "--layers", str(layers),
               "--step-sleep", "0.02"]
-    procs = {n: replica(out, n, steps, *common, "--wait-for", "3", kill=n == "c")
-             for n in "abc"}
+    lock = ["--standby-lock", str(out / "c.lock")] if standby else []
+    procs = {n: replica(out, n, steps, *common, "--wait-for", "3", *(lock if n == "c" else []),
+                        *(["--log-name", "c_first"] if n == "c" else []), kill=n == "c") for n in "abc"}
+    spare = None
+    if standby:  # started once the active c holds the lock (it opens its log right after taking it)
+        deadline = time.monotonic() + 120
+        while not (out / "c_first.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        spare = replica(out, "c", steps, *common, *lock, "--incarnation", "1")
     procs["c"].wait(timeout=300)
     killed = killed_at(out, "c")
-    (out / "c.jsonl").rename(out / "c_first.jsonl")
-    restart = time.time()
-    procs["c"] = replica(out, "c", steps, *common, "--incarnation", "1")
+    restart = killed if standby else time.time()
+    procs["c"] = spare or replica(out, "c", steps, *common, "--incarnation", "1")
     wait_all(list(procs.values()))
     logs = {n: read(out, n) for n in "ab"}
     c = read(out, "c")
@@ -259,6 +268,7 @@ def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: st
                    during_ms=step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0),
                    rate=info["bytes_per_s"], caught_up_s=info["finished"] - restart,
                    catch_up_s=info["caught_up"] - info["started"], bytes=info["bytes"],
+                   behind_seen_s=info["started"] - restart,  # start-up, imports, model, first quorum
                    phases={k: info.get(k) for k in ("source_wait_s", "transfer_s", "load_s", "replay_s",
                                                     "stale_at_arrival", "in_place_bytes")})
         # torchft's endpoint, for both: the restarted replica's first committed step that carries its gradient.
@@ -357,6 +367,8 @@ def main() -> None:
     parser.add_argument("--big-hidden", type=int, default=4096, help="width of the big-model catch-up run")
     parser.add_argument("--no-torchft", action="store_true", help="skip the torchft runs")
     parser.add_argument("--failures-only", action="store_true", help="skip the overhead repeats")
+    parser.add_argument("--standby", action="store_true",
+                        help="also restart through a warm standby (ft/standby.py): a column of its own")
     parser.add_argument("--big-steps", type=int, default=60,
                         help="steps of the big-model failure run (~2 s each on 2 cores; the kill is at step 20)")
     parser.add_argument("--json")
@@ -378,6 +390,8 @@ def main() -> None:
             runs.append((args.big_steps, args.big_hidden, 4, f"{args.big_hidden}x4 MLP"))
         for n, hidden, layers, label in runs:
             columns: dict[str, dict[str, Any] | str] = {"freescale": freescale_failure(tmp, n, hidden, layers, label)}
+            if args.standby:
+                columns["freescale_standby"] = freescale_failure(tmp, n, hidden, layers, label, standby=True)
             for name, sync in (("torchft", False), ("torchft_sync", True)):
                 columns[name] = skip
                 if tft:
@@ -388,7 +402,8 @@ def main() -> None:
             rows += failure_rows(label, columns)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print_table(rows, ["measure", "freescale", "torchft", "torchft_sync", "target"])
+    print_table(rows, ["measure", "freescale", *(["freescale_standby"] if args.standby else []), "torchft",
+                       "torchft_sync", "target"])
     print("torchft: use_async_quorum=True (its default: heals during the step, contributes from the next); "
           "torchft_sync: use_async_quorum=False (heals before the forward, contributes in the healing step)")
     if args.failures_only:
@@ -411,7 +426,7 @@ def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], tft_version: s
     if args.json:
         write_json(args.json, "bench_ft", {
             "quick": args.quick, "replicas": "2 (overhead), 3 (failure)", "big_hidden": args.big_hidden,
-            "big_steps": args.big_steps, "failures_only": args.failures_only,
+            "big_steps": args.big_steps, "failures_only": args.failures_only, "standby": args.standby,
             "model": "MLP 256->1024->1024->1 (1.31M params), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,
             "join_timeout_s": 0.5, "torchft": tft_version, "torchft_skipped": why or None,
             "torchft_setup": "torchft.Manager (min_replica_size=1; torchft: use_async_quorum=True, torchft_sync: "

@@ -125,25 +125,32 @@ def main() -> None:
     parser.add_argument("--first-bucket-kb", type=int, default=1024,
                         help="cap of the first gradient bucket reduced during backward (the others: 25 MiB)")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
+    parser.add_argument("--log-name", default="", help="the log's file name (default: the replica id)")
+    parser.add_argument("--standby-lock", default="",
+                        help="hold this lock while active; a second process with the same lock and --incarnation 1 is "
+                             "a warm standby that takes over when the first dies (ft/standby.py)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = build_model(args.hidden, args.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    log = open(Path(args.out) / f"{args.replica_id}.jsonl", "a")
     if args.mode in ("ddp", "allreduce"):
-        run_ddp(args, model, optimizer, log)
+        run_ddp(args, model, optimizer, open(Path(args.out) / f"{args.replica_id}.jsonl", "a"))
         return
-    run_ftar(args, model, optimizer, log)
+    run_ftar(args, model, optimizer)
 
 
-def run_ftar(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer, log: Any) -> None:
+def run_ftar(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(args.incarnation)  # what torchrun would tell a restarted group
     group = group_of(args.replica_id)
     cfg = FTConfig(lighthouse=args.lighthouse, replicas=max(args.wait_for, group + 1), replica_index=group,
                    name=args.replica_id, timeout_s=args.timeout, snapshots=args.snapshots,
-                   first_bucket_kb=args.first_bucket_kb, wait_for_replicas_s=60.0 if args.wait_for else 0.0)
+                   first_bucket_kb=args.first_bucket_kb, wait_for_replicas_s=60.0 if args.wait_for else 0.0,
+                   standby_lock=args.standby_lock)
     hooks = hooks_from_env(group, 0, args.incarnation, Path(args.out) / args.replica_id)
-    ft = FaultTolerance(model, optimizer, cfg, hooks=hooks)
+    ft = FaultTolerance(model, optimizer, cfg, hooks=hooks)  # a standby waits in here for the active one to die
+    if args.standby_lock:
+        (Path(args.out) / f"{args.replica_id}.took_over").write_text(str(time.time()))
+    log = open(Path(args.out) / f"{args.log_name or args.replica_id}.jsonl", "a")
     ft.start(wait_for=args.wait_for)
     step = 0
     while step < args.steps:

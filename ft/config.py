@@ -50,6 +50,10 @@ class FTConfig:
     overlap_backward: bool = True
     """Reduce each dense gradient bucket across groups while backward runs; false: after backward
     (the in-group reduction still overlaps backward).  The same collectives either way."""
+    standby_lock: str = ""
+    """A lock file per rank (``{rank}`` filled in; else ``FREESCALE_STANDBY_LOCK``): the active process holds
+    it, a warm standby started beside it waits for it in ``FaultTolerance(...)`` and takes over when the active
+    one dies (``ft/standby.py``; one-rank groups)."""
     overlap_staging: bool = True
     """A snapshot for a recovering group is copied to host memory by a staging thread while this group's next
     forward and backward run (fenced before its next update); false: on the training thread, at once."""

@@ -160,20 +160,26 @@ def test_sigstopped_replica_is_evicted_by_timeout(tmp_path: Path) -> None:
 
 
 def test_killed_replica_restarts_and_catches_up_without_stalling_the_others(tmp_path: Path) -> None:
-    """c is SIGKILLed mid-reduce at step 5 and restarted (incarnation 1) from scratch: it joins
-    with weight 0, copies a peer's snapshot while a and b keep committing, replays the steps it
-    missed, and from then on all three are bit-identical at every step."""
+    """c is SIGKILLed mid-reduce at step 5 and its warm standby (a second process, model built, waiting
+    on c's lock: ``ft/standby.py``) takes over as incarnation 1: it joins with weight 0, copies a peer's
+    snapshot while a and b keep committing, replays the steps it missed, and from then on all three
+    are bit-identical at every step.  (A cold restart: the examples' and the torchrec groups' tests.)"""
     lh = lighthouse(min_replicas=1)
-    steps = 100  # a and b slow down to 300 ms steps while c is away: ~30 s for its restart
+    steps = 40
     # A 64 KiB first bucket: several buckets, so a replica sitting a step out (zeros, weight 0) must
     # reduce in the others' bucket layout, or the collectives mismatch.
     common = ["--snapshots", "--step-sleep", "0.02", "--hidden", "256", "--first-bucket-kb", "64"]
-    procs = {r: start(lh, r, tmp_path, steps, *common, fault="5:reduce:0" if r == "c" else "", away_ms=300)
-             for r in ("a", "b", "c")}
+    lock = ["--standby-lock", str(tmp_path / "c.lock")]
+    procs = {r: start(lh, r, tmp_path, steps, *common, *(lock + ["--log-name", "c_first_life"]) * (r == "c"),
+                      fault="5:reduce:0" if r == "c" else "", away_ms=300) for r in ("a", "b", "c")}
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "c_first_life.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)  # c holds its lock: the standby may start
+    standby = start(lh, "c", tmp_path, steps, *common, *lock, "--incarnation", "1", group=1, away_ms=300)
     assert procs["c"].wait(timeout=120) == -signal.SIGKILL
-    first_life = read(tmp_path, "c")
-    (tmp_path / "c.jsonl").rename(tmp_path / "c_first_life.jsonl")
-    procs["c"] = start(lh, "c", tmp_path, steps, *common, "--incarnation", "1", group=1, away_ms=300)
+    first_life = [json.loads(line) for line in (tmp_path / "c_first_life.jsonl").read_text().splitlines()]
+    assert float((tmp_path / "c.took_over").read_text()) - float((tmp_path / "c" / "rank0.killed").read_text()) < 5
+    procs["c"] = standby
     finish(procs, ["a", "b", "c"])
     logs = assert_identical_every_step(tmp_path, ["a", "b"], steps)
     a_by_step = {e["step"]: e for e in logs[0]}

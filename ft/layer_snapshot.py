@@ -1,0 +1,180 @@
+"""The snapshot side of ``FaultTolerance``: what a snapshot holds, how it is staged for a recovering
+peer and how a recovering rank loads it and replays the steps it sat out (``freescale.ft.catchup``
+moves the bytes).
+
+Staging overlaps the source's next forward and backward (``SnapshotServer.stage`` copies on its own
+thread), fenced before the next update changes the state (``_fence_staging``, called by the update).
+A recovering rank's download lands in its own tensors (``_landing``: the state is invalid until it is
+loaded, so nothing reads it meanwhile); ``load`` then copies only what did not fit, and adopts the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from freescale.dense_update import DenseUpdate
+from freescale.ft.ftar import ReplicaSync, StepResult
+from freescale.ft.samples import DataState
+from freescale.ft.snapshot_state import (
+    from_json,
+    load_torch_optimizer,
+    named_tensors,
+    rng_state,
+    set_rng_state,
+    to_json,
+)
+from freescale.step_feed import Commit
+
+UserState = tuple[Callable[[], Any], Callable[[Any], None], Callable[[Commit], Any] | None]
+
+
+class SnapshotSide:
+    """Mixed into ``FaultTolerance`` (``freescale/ft/layer.py``), which sets these attributes."""
+
+    _model: nn.Module
+    _optimizer: torch.optim.Optimizer
+    _update: DenseUpdate
+    _data: DataState | None
+    _user_states: dict[str, UserState]
+    _sync: ReplicaSync
+    events: deque[dict[str, Any]]
+
+    def _apply(self, result: StepResult) -> Commit:
+        raise NotImplementedError  # FaultTolerance's committed update (a replayed step goes through it too)
+
+    def register_state(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
+                       on_commit: Callable[[Commit], Any] | None = None) -> None:
+        """Carry more state in the snapshot a recovering group loads (counters, an EMA, a sampler):
+        ``state_dict()`` is called when a snapshot is staged, ``load_state_dict(state)`` when one is loaded.
+        A snapshot is a committed step's state, and the recovering group then replays the steps committed
+        since without the loop seeing them: state that advances with every step must advance in
+        ``on_commit(commit)``, called after each applied commit (replayed ones included, after ``data``'s),
+        not in the loop body.  Values: tensors and JSON-able values (dict keys become strings).  Every
+        group must register the same names."""
+        if name in self._user_states:
+            raise ValueError(f"FaultTolerance.register_state: '{name}' is registered already")
+        self._user_states[name] = (state_dict, load_state_dict, on_commit)
+
+    def _state(self) -> dict[str, Any]:
+        return {"model": self._model.state_dict(), "optim": self._optimizer.state_dict()}
+
+    def check_snapshot(self) -> None:
+        """Encode what the snapshot carries beside the model and optimizers now (data side, scheduler, registered
+        states): a value that cannot travel (a set, a path, a function) is refused here in one line, naming
+        it, instead of when a recovering peer asks for a snapshot."""
+        scheduler = self._update.scheduler
+        data = self._data
+        parts = {"data": data.state_dict if data is not None else None,
+                 "scheduler": scheduler.state_dict if scheduler is not None else None,
+                 **{f"registered state '{name}'": get for name, (get, _, _) in self._user_states.items()}}
+        for what, get in parts.items():
+            if get is None:
+                continue
+            try:
+                json.dumps(to_json(get(), "/check", {}))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"fault tolerance: the {what} cannot travel in a snapshot ({exc}); give it tensors "
+                                 "and JSON values (numbers, strings, lists, dicts)") from None
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """This rank's whole state as named tensors (what a recovering peer at this position loads):
+        the model, the optimizers, and in ``meta.json`` (tensors beside it) the data side, the LR
+        scheduler, the registered states and the RNGs."""
+        tensors = dict(named_tensors(self._state(), ""))
+        # Staged off this thread (``SnapshotServer.stage``), fenced before the next update: parameters and
+        # optimizer state change only there.  Anything else a forward may change (a norm's running
+        # statistics, a user's buffer) is copied now.
+        updated = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
+        for name, t in tensors.items():
+            if name.startswith("/model/") and t.untyped_storage().data_ptr() not in updated:
+                tensors[name] = t.detach().clone()
+        scheduler = self._update.scheduler
+        meta = {"data": to_json(self._data.state_dict(), "/data", tensors) if self._data is not None else None,
+                "scheduler": to_json(scheduler.state_dict(), "/scheduler", tensors) if scheduler is not None else None,
+                "user": {name: to_json(get(), f"/user/{name}", tensors) for name, (get, _, _) in self._user_states.items()},
+                "rng": rng_state(tensors)}
+        encoded = json.dumps(meta).encode()
+        tensors["meta.json"] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        return tensors
+
+    def _fence_staging(self) -> None:
+        """Before the state changes: the snapshot copy started at the last staging is done (the time this
+        thread waited for it goes to the record as ``stage_wait_s``: 0 when the copy ran in the shadow of
+        the step's forward and backward)."""
+        start = time.perf_counter()
+        copy_s = self._sync.wait_staged()
+        if copy_s:
+            self.events.append({"event": "staged", "copy_s": copy_s, "stage_wait_s": time.perf_counter() - start})
+
+    def _landing(self) -> dict[str, torch.Tensor]:
+        """This rank's state by snapshot name, for a snapshot to land in place (a catch-up starts: the
+        state is invalid until it is loaded).  A lazily built dense optimizer state is built now, not
+        after the snapshot landed (building it takes a step, which would change what landed)."""
+        self._fence_staging()
+        if hasattr(self._optimizer, "optimizers"):  # torchrec's (the import is torchrec's: only then)
+            from freescale.parallelize import materialize_optimizer_state
+
+            materialize_optimizer_state(self._optimizer)
+        return dict(named_tensors(self._state(), ""))
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load a fetched snapshot (its tensors landed in place where ``_landing`` allowed: not copied again)."""
+        self._fence_staging()
+        loaded: set[str] = set()
+        if not hasattr(self._optimizer, "optimizers"):
+            loaded = load_torch_optimizer(self._optimizer, tensors)  # its state may not exist yet: rebuilt
+        mine = dict(named_tensors(self._state(), ""))
+        missing = sorted(set(mine) - set(tensors))
+        if missing:
+            raise RuntimeError(f"catch-up: the snapshot lacks {missing[:3]} (a different model or sharding plan?)")
+        with torch.no_grad():
+            for name, t in mine.items():
+                if t.shape != tensors[name].shape:
+                    raise RuntimeError(f"catch-up: '{name}' is {tuple(tensors[name].shape)} in the snapshot, "
+                                       f"{tuple(t.shape)} here")
+                if name not in loaded and t.data_ptr() != tensors[name].data_ptr():  # (not landed in place)
+                    t.copy_(tensors[name])
+        meta = json.loads(bytes(tensors["meta.json"].numpy()).decode())
+        if self._data is not None and meta.get("data") is not None:
+            self._data.load_state_dict(from_json(meta["data"], tensors))
+        self._load_extras(meta, tensors)
+
+    def _load_extras(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """The scheduler (and the rates it set), the registered states and the RNGs of a snapshot."""
+        scheduler = self._update.scheduler
+        if scheduler is not None and meta.get("scheduler") is not None:
+            scheduler.load_state_dict(from_json(meta["scheduler"], tensors))
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr  # the rate the source's next update uses
+        user = meta.get("user") or {}
+        for name, (_, load, _) in self._user_states.items():
+            if name not in user:
+                raise RuntimeError(f"catch-up: the snapshot has no state '{name}' (registered here, not on the "
+                                   "group it came from)")
+            load(from_json(user[name], tensors))
+        if meta.get("rng") is not None:
+            set_rng_state(meta["rng"], tensors)
+
+    def _catch_up(self) -> None:
+        """Load the snapshot and replay every recorded step after it (the group agreed it is in)."""
+        caught = self._sync.take_catch_up()
+        start = time.perf_counter()
+        self.load(caught.state)
+        loaded = time.perf_counter()
+        for result in caught.replay:
+            self._apply(result)
+        log = self._sync.catch_up_log
+        ready = time.time()
+        # Caught up: holding the run's latest committed state.  At the last byte when nothing committed
+        # meanwhile needed a replay (the tensors landed in place); else once replayed.
+        log.update(load_s=loaded - start, replay_s=time.perf_counter() - loaded, ready=ready,
+                   caught_up=log["arrived"] if not log.get("stale_at_arrival") else ready)
+        self.events.append({"event": "catch_up", "step": caught.replay[-1].step if caught.replay
+                            else caught.snapshot_step, "catch_up": dict(log)})
