@@ -258,8 +258,10 @@ def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: st
     discarded = len(set(range(steps)) - {e["step"] for log in logs.values() for e in log})
     # The survivor that never had to catch up itself (the one with a complete log) times the others' steps.
     a = max(logs.values(), key=len)
-    res: dict[str, Any] = {"kill_s": min(e["committed"] for e in a if e["committed"] > killed) - killed,
-                           "discarded": discarded}
+    after = min((e for e in a if e["committed"] > killed), key=lambda e: e["committed"])
+    res: dict[str, Any] = {"kill_s": after["committed"] - killed, "discarded": discarded}
+    if after.get("failed_at"):  # the kill's two parts: the survivor finds the attempt failed, then redoes it
+        res.update(detect_s=after["failed_at"] - killed, redo_s=after["committed"] - after["failed_at"])
     if c:
         info = c[0]["catch_up"]
         joined, done = info["joined_step"], c[0]["step"]
@@ -339,7 +341,9 @@ def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[d
 
     rows = [
         {"measure": f"kill -> survivors' next committed step ({label})",
-         **cells("kill_s", lambda r: f"{r['kill_s']:.3f} s"), "target": "<= 0.3 s"},
+         **cells("kill_s", lambda r: f"{r['kill_s']:.3f} s" + (
+             f" (found {r['detect_s']:.3f} + redo {r['redo_s']:.3f})" if "detect_s" in r else "")),
+         "target": "<= 0.3 s"},
         {"measure": f"steps discarded per failure ({label})", **cells("discarded", lambda r: str(r["discarded"])),
          "target": "0"},
         {"measure": f"survivor step during catch-up / before ({label})",

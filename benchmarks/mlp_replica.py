@@ -174,7 +174,7 @@ def run_ftar(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.
                 "contributing": bool(record.get("contributing", True)),
                 "attempts": record["attempts"], "seconds": record["exchange_s"],
                 "quorum_wait_s": record["quorum_wait_s"], "reduce_s": record["reduce_s"],
-                "prepare_s": record["prepare_s"], "vote_s": record["vote_s"],
+                "prepare_s": record["prepare_s"], "vote_s": record["vote_s"], "failed_at": record["failed_at"],
                 "digest": digest(model), "loss": float(loss.detach()) if loss is not None else float("nan"),
                 "stage_s": events["stage"]["stage_s"] if "stage" in events else 0.0,
                 **({"catch_up": events["catch_up"]["catch_up"]} if "catch_up" in events else {}),

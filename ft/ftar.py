@@ -109,6 +109,9 @@ class StepResult:
     """Building the update while the vote was in flight."""
     vote_s: float = 0.0
     """Time blocked on the vote after that (the part of its round trip left exposed)."""
+    failed_at: float | None = None
+    """Wall time this rank found an earlier attempt failed (a peer's death: detection), None if none did;
+    from then to the commit is the redo."""
 
 
 class _NoValidState(RuntimeError):
@@ -268,6 +271,7 @@ class ReplicaSync:
         seen_behind = False
         attempts = 0
         last_error = ""
+        failed_at: float | None = None  # wall time this rank found the step's first attempt failed
         header = exchange.header() if exchange is not None else None  # local: its errors are not a peer's
         while True:
             attempts += 1
@@ -298,6 +302,7 @@ class ReplicaSync:
                 if grads is not None:
                     grads.settle()  # the redo reduces the group means with the survivors
                 last_error = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+                failed_at = failed_at or time.time()
                 reduced = None
                 self.group.drop()
                 self.client.report_failure(quorum.quorum_id)
@@ -311,7 +316,9 @@ class ReplicaSync:
                 result = self._committed(step, quorum, reduced, extra, attempts, seen_behind, start,
                                          quorum_wait, timings)
                 result.prepared, result.finite, result.discarded = prepared, finite, discarded
+                result.failed_at = failed_at
                 return result
+            failed_at = failed_at or time.time()
             self.group.drop()
             quorum = self.client.quorum(step)
 

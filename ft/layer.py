@@ -371,7 +371,7 @@ class FaultTolerance(SnapshotSide):
                 "attempts": result.attempts, "exchange_s": result.seconds, "contributing": trained, "weight": self._weight or 0.0,
                 "quorum_wait_s": result.quorum_wait_s, "reduce_s": result.reduce_s,
                 "prepare_s": result.prepare_s, "vote_s": result.vote_s, "discarded": result.discarded,
-                "ready": sorted(result.ready), "recovering": result.recovering}
+                "ready": sorted(result.ready), "recovering": result.recovering, "failed_at": result.failed_at}
 
     def _group_of(self, replica_id: str) -> int:
         if replica_id == self._cfg.replica_id:
