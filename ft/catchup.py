@@ -5,21 +5,23 @@ making the healthy groups stop and send it a checkpoint (torchft's healing
 blocks the source until the transfer ends):
 
 1. **Stage (source, at a step boundary)**: every up-to-date participant that
-   sees a recovering one in its quorum, or whose snapshot server has a fetcher
-   waiting for a newer step than it holds, copies its state (parameters, optimizer
-   state, anything the caller includes) into a host staging buffer right after
-   the step commits: one memcpy, then it goes on training.  ``SnapshotServer``
-   streams that buffer to whoever asks, in chunks, from its own thread.
+   the lighthouse's commit answer tells that a group waits to join (``"stage"``),
+   that sees a recovering one in its quorum with nothing usable staged, or whose
+   snapshot server has a fetcher waiting for a newer step than it holds, starts
+   copying its state (parameters, optimizer state, anything the caller includes)
+   into a reused host buffer right after the step commits, on a staging thread:
+   the copy overlaps its next forward and backward and is fenced before its next
+   update (``wait_staged``).  ``SnapshotServer`` hands that buffer to whoever asks.
 2. **Join with weight 0 (recovering)**: from its first quorum on, the
    recovering replica takes part in every FTAR with zero gradients and weight
    0, so the others' averages are unchanged, and records each committed
    step's averaged gradients.
-3. **Fetch, load, replay**: on a side thread it downloads the snapshot (step
-   ``k``) from a source, trying the next source if one dies mid-transfer;
-   then loads it and re-applies the recorded averaged gradients of steps
-   ``k+1 ..`` with the same optimizer.  Optimizer steps are deterministic, so
-   its state is then bit-identical to the others', and it contributes from the
-   next step on.
+3. **Fetch, load, replay**: on a side thread, from its first quorum on, it downloads the
+   snapshot (step ``k``, the step before that quorum's) from a source, trying the next source
+   if one dies mid-transfer, straight into its own tensors where they fit; then loads the rest
+   and re-applies the recorded averaged gradients of steps ``k+1 ..`` with the same optimizer.
+   Optimizer steps are deterministic, so its state is then bit-identical to the others', and it
+   contributes from the next step on.
 
 Wire format: ``GET /v1/snapshot?min_step=k`` answers, once a snapshot of step >= ``k`` is staged,
 a JSON header ``{step, payload_bytes, tensors: [{name, dtype, shape, offset, nbytes}], stream,
@@ -31,9 +33,11 @@ token, when set, is required as ``Authorization: Bearer``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import logging
+import socket
 import threading
 import time
 import urllib.parse
@@ -103,17 +107,17 @@ class SnapshotServer:
         """False while this replica is catching up itself: fetchers are told at once to try
         another source instead of waiting for a snapshot that will not come."""
         self.on_stream: Callable[[int], None] | None = None
-        """Fault injection (tests): called with the snapshot's step once its header has been sent."""
+        """Fault injection (tests): called with the snapshot's step as its bytes start to go out."""
         self.wanted_step: int | None = None
         """Smallest step a waiting fetcher asked for and that is not staged yet: the trainer
         stages at its next committed step >= this (on-demand staging)."""
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-stage")
         self._copying: Future[float] | None = None
         self._buffers: list[torch.Tensor] = []
-        """At most two staging buffers: the one served now and a spare for the next staging."""
+        """Staging buffers kept for reuse: the one staged now and a spare (one still being sent is
+        dropped from here and freed when its send ends)."""
         self._streams: dict[int, int] = {}
         """Transfers in flight per buffer (its data pointer): a buffer being streamed is not reused."""
-        self.last_copy_s = 0.0
 
     def stage(self, step: int, tensors: dict[str, torch.Tensor]) -> float:
         """Start copying the state of committed ``step`` for serving, on the staging thread; returns
@@ -122,6 +126,8 @@ class SnapshotServer:
         a tensor of ``tensors`` (its next update, a load)."""
         start = time.perf_counter()
         self.wait_staged()
+        if self._streamer is not None:
+            self._streamer.sweep()  # buffers of tickets nobody used become reusable
         entries, total = layout(tensors)
         header = json.dumps({"step": step, "payload_bytes": total, "tensors": entries}).encode()
         sources = list(tensors.values())
@@ -136,7 +142,7 @@ class SnapshotServer:
             if after is None:
                 copy_into(payload, entries, sources)
             else:
-                stream = torch.cuda.Stream(device=sources[0].device)
+                stream = torch.cuda.Stream(device=next(t.device for t in sources if t.is_cuda))
                 with torch.cuda.stream(stream):
                     stream.wait_event(after)
                     copy_into(payload, entries, sources)
@@ -154,22 +160,21 @@ class SnapshotServer:
         copying, self._copying = self._copying, None
         if copying is None:
             return 0.0
-        self.last_copy_s = copying.result()
-        return self.last_copy_s
+        return copying.result()
 
     def _buffer_for(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        """A staging buffer of ``nbytes``: the one not staged now, when no fetcher still streams it
-        (so a recovery's staging rarely pays for fresh pages), else a new one."""
+        """A staging buffer of ``nbytes``: a view of a kept one that is large enough, not staged now and
+        not being sent (so a recovery's staging rarely pays for fresh pages), else a new one."""
         with self._lock:
-            staged = self._staged.payload if self._staged is not None else None
+            staged = self._staged.payload.data_ptr() if self._staged is not None else None
             for buffer in self._buffers:
-                if (buffer.numel() == nbytes and buffer is not staged and buffer.is_pinned() == pinned
+                if (buffer.numel() >= nbytes and buffer.data_ptr() != staged and buffer.is_pinned() == pinned
                         and not self._streams.get(buffer.data_ptr())):
-                    return buffer
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-            served = [b for b in self._buffers if b is staged]
+                    return buffer[:nbytes]
+            buffer = torch.empty(nbytes + nbytes // 16, dtype=torch.uint8, pin_memory=pinned)  # room to grow
+            served = [b for b in self._buffers if b.data_ptr() == staged]
             self._buffers = [*served[-1:], buffer]
-            return buffer
+            return buffer[:nbytes]
 
     def wants(self, step: int) -> bool:
         """Should the state of committed ``step`` be staged for a waiting fetcher?"""
@@ -247,6 +252,8 @@ class SnapshotServer:
     def _stream_done(self, ptr: int) -> None:
         with self._lock:
             self._streams[ptr] -= 1
+            if not self._streams[ptr]:
+                del self._streams[ptr]
 
 
 @dataclass
@@ -272,14 +279,16 @@ class Fetched:
 
 
 def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: float = 60.0,
-                   own: dict[str, torch.Tensor] | None = None, cancelled: threading.Event | None = None) -> Fetched:
+                   own: dict[str, torch.Tensor] | None = None, cancelled: threading.Event | None = None,
+                   sockets: list[socket.socket] | None = None) -> Fetched:
     """Download a snapshot of step >= ``min_step`` from ``address``: the header over HTTP, the bytes
     over the source's stream (``freescale.ft.snapshot_stream``).
 
     ``own``: where its tensors may land, the recovering rank's own state by snapshot name.  A
     tensor of the same dtype and shape, contiguous and in host memory, is written in place (no
     buffer, no load copy); the caller must not touch those until the download ended.  Any other
-    (on a GPU, not built yet) gets a tensor of its own.
+    (on a GPU, not built yet) gets a tensor of its own.  ``sockets`` collects the connections it
+    opens (``SnapshotFetch.cancel`` shuts them down: a blocked read returns at once).
     """
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     host, _, port = address.rpartition(":")
@@ -288,6 +297,9 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s + 5)
     own = own or {}
     try:
+        conn.connect()
+        if sockets is not None and conn.sock is not None:
+            sockets.append(conn.sock)
         conn.request("GET", f"/v1/snapshot?{query}", headers=headers)
         response = conn.getresponse()
         body = response.read(64 << 20)
@@ -302,8 +314,9 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
             raise ValueError(f"snapshot source {address} sent a malformed header")
         waited = time.perf_counter() - start
         tensors = receive_payload(header["stream"], header["ticket"], header["tensors"], total,
-                                  lambda entry: landing(entry, own, _DTYPES, ALIGN), timeout_s, cancelled)
-    except (http.client.HTTPException, OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
+                                  lambda entry: landing(entry, own, _DTYPES, ALIGN), timeout_s, cancelled, sockets)
+    except (http.client.HTTPException, OSError, KeyError, TypeError, json.JSONDecodeError, RuntimeError,
+            MemoryError) as exc:  # RuntimeError, MemoryError: a header whose shapes torch cannot allocate
         if isinstance(exc, ConnectionError) and str(exc).startswith("snapshot source"):
             raise
         raise ConnectionError(f"snapshot source {address}: transfer broken: {exc}") from None
@@ -329,14 +342,21 @@ class SnapshotFetch:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._cancelled = threading.Event()
+        self._sockets: list[socket.socket] = []
         self._thread = threading.Thread(target=self._run, name="freescale-catchup", daemon=True)
         self._thread.start()
 
     def cancel(self) -> None:
         """Abandon the download and wait until it stopped writing (it may land in the rank's own tensors,
-        which the next download writes)."""
+        which the next download writes): its connections are shut down, so a read blocked on a silent
+        source returns at once."""
         self._cancelled.set()
-        self._thread.join()
+        for sock in list(self._sockets):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            raise RuntimeError("catch-up: an abandoned snapshot download did not stop within 30 s")
 
     def _run(self) -> None:
         errors: list[str] = []
@@ -346,7 +366,7 @@ class SnapshotFetch:
                     self.log.setdefault("requested", time.time())  # the first request
                     try:
                         self._result = fetch_snapshot(address, self.min_step, self.token,
-                                                      own=self.own, cancelled=self._cancelled)
+                                                      own=self.own, cancelled=self._cancelled, sockets=self._sockets)
                         self.log.update(source=address, failed_sources=errors)
                         return
                     except (ConnectionError, ValueError) as exc:

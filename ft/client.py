@@ -163,9 +163,9 @@ class LighthouseClient:
         self._last_quorum: dict[str, Any] | None = None
         """The last quorum answer accepted, as sent (what a compact ``next`` refers to)."""
         self._next: tuple[int, Quorum] | None = None
+        """(step, quorum) from the last committed vote's reply: that step's quorum, already decided."""
         self.joiner_waiting = False
         """The last committed vote's answer said a group waits to join, behind that step: stage it."""
-        """(step, quorum) from the last committed vote's reply: that step's quorum, already decided."""
         self._local = threading.local()
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat_loop, name="freescale-heartbeat", daemon=True)

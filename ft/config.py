@@ -51,7 +51,8 @@ class FTConfig:
     """Reduce each dense gradient bucket across groups while backward runs; false: after backward
     (the in-group reduction still overlaps backward).  The same collectives either way."""
     standby_lock: str = ""
-    """A lock file per rank (``{rank}`` filled in; else ``FREESCALE_STANDBY_LOCK``): the active process holds
+    """A lock file per group (``{replica}``, the replica id, filled in; else ``FREESCALE_STANDBY_LOCK``), on a local
+    file system: the active process holds
     it, a warm standby started beside it waits for it in ``FaultTolerance(...)`` and takes over when the active
     one dies (``ft/standby.py``; one-rank groups)."""
     overlap_staging: bool = True

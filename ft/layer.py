@@ -100,10 +100,11 @@ class FaultTolerance(SnapshotSide):
                                      torch.device("cpu"))
         self._incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         standby = cfg.standby_lock or os.environ.get(STANDBY_ENV, "")
+        self._standby_fd: int | None = None
         if standby:  # a warm standby waits here, its model built, until the active process dies
             if self._group_size > 1:
                 raise ValueError("fault tolerance: a warm standby (standby_lock) needs a one-rank replica group")
-            self._standby_fd, self._incarnation = take_over(standby.format(rank=self._rank), self._incarnation)
+            self._standby_fd, self._incarnation = take_over(standby.format(replica=cfg.replica_id), self._incarnation)
         self._dense = _dense_parameters(model)
         fused = getattr(model, "fused_optimizer", None)
         dense_optimizers = [opt for _, opt in getattr(optimizer, "optimizers", [("", optimizer)]) if opt is not fused]
@@ -215,6 +216,9 @@ class FaultTolerance(SnapshotSide):
             self._agent.stop()
         if self._server is not None:
             self._server.stop()
+        if self._standby_fd is not None:
+            os.close(self._standby_fd)  # a standby waiting on it takes over (and finds the run finished)
+            self._standby_fd = None
 
     # ------------------------------------------------------------------ one step
     @property

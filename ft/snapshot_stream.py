@@ -15,6 +15,7 @@ of the GIL per 64 MB, no buffer, no load copy.  Timeouts are the kernel's (``SO_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import socket
@@ -31,7 +32,11 @@ log = logging.getLogger("freescale.ft.catchup")
 PIECE_BYTES = 64 << 20
 """A tensor is read in pieces of at most 64 MB: a cancelled download stops within one piece."""
 TICKET_TTL_S = 60.0
+"""A ticket not used within this long is released (its buffer may be reused) and refused."""
 TICKET_BYTES = 32
+TICKET_WAIT_S = 2.0
+"""A connection must send its ticket within this long."""
+MAX_THREADS = 256
 
 
 def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
@@ -59,19 +64,31 @@ class PayloadStreamer:
 
     def offer(self, payload: torch.Tensor, step: int, done: Callable[[], None]) -> str:
         """A one-time ticket for ``payload`` (``done`` is called once it was sent, failed or expired)."""
+        self.sweep()
         ticket = secrets.token_hex(TICKET_BYTES // 2)
+        with self._lock:
+            self._tickets[ticket] = (payload, step, time.monotonic(), done)
+        return ticket
+
+    def sweep(self) -> None:
+        """Release the tickets nobody used in time (a fetcher that died before connecting)."""
         now = time.monotonic()
         with self._lock:
             expired = [t for t, (_, _, at, _) in self._tickets.items() if now - at > TICKET_TTL_S]
             gone = [self._tickets.pop(t)[3] for t in expired]
-            self._tickets[ticket] = (payload, step, now, done)
         for release in gone:
             release()
-        return ticket
 
     def close(self) -> None:
+        """Stop listening (the accept loop wakes up and ends) and release every ticket not used."""
         self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        with self._lock:
+            unused, self._tickets = list(self._tickets.values()), {}
+        for _, _, _, done in unused:
+            done()
 
     def _accept(self) -> None:
         while not self._closed:
@@ -79,11 +96,17 @@ class PayloadStreamer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._send, args=(conn,), name="freescale-snapshot-send", daemon=True).start()
+            if threading.active_count() > MAX_THREADS:  # a flood of connections: refuse, stay up
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._send, args=(conn,), name="freescale-snapshot-send", daemon=True).start()
+            except RuntimeError:  # no thread to be had: drop this one, keep accepting
+                conn.close()
 
     def _send(self, conn: socket.socket) -> None:
         with conn:
-            _kernel_timeout(conn, self.timeout_s)
+            _kernel_timeout(conn, TICKET_WAIT_S)  # a connection that says nothing is dropped soon
             try:
                 ticket = _recv_exactly(conn, TICKET_BYTES, "fetcher").decode("ascii", errors="replace")
             except (ConnectionError, OSError):
@@ -92,7 +115,11 @@ class PayloadStreamer:
                 entry = self._tickets.pop(ticket, None)
             if entry is None:
                 return  # unknown or used: close without a byte
-            payload, step, _, done = entry
+            payload, step, offered, done = entry
+            if time.monotonic() - offered > TICKET_TTL_S:
+                done()
+                return
+            _kernel_timeout(conn, self.timeout_s)
             try:
                 if self.on_stream is not None:
                     self.on_stream(step)
@@ -112,7 +139,8 @@ def landing(entry: dict[str, Any], own: dict[str, torch.Tensor], dtypes: dict[st
     if dtype is None:
         raise ValueError(f"snapshot: unknown dtype {entry['dtype']!r} for '{entry['name']}'")
     shape = [int(n) for n in entry["shape"]]
-    if torch.Size(shape).numel() * dtype.itemsize != entry["nbytes"] or entry["offset"] % align:
+    if min(shape, default=0) < 0 or torch.Size(shape).numel() * dtype.itemsize != entry["nbytes"] or (
+            entry["offset"] % align or entry["offset"] < 0):
         raise ValueError(f"snapshot: '{entry['name']}' has {entry['nbytes']} bytes at offset {entry['offset']} "
                          f"for shape {shape} of {entry['dtype']}")
     t = own.get(entry["name"])
@@ -123,11 +151,15 @@ def landing(entry: dict[str, Any], own: dict[str, torch.Tensor], dtypes: dict[st
 
 def receive_payload(address: str, ticket: str, entries: list[dict[str, Any]], total: int,
                     land: Callable[[dict[str, Any]], torch.Tensor], timeout_s: float,
-                    cancelled: threading.Event | None) -> dict[str, torch.Tensor]:
-    """Connect to a source's stream, hand in the ticket and read each tensor into ``land(entry)``."""
+                    cancelled: threading.Event | None, sockets: list[socket.socket] | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """Connect to a source's stream, hand in the ticket and read each tensor into ``land(entry)``
+    (``sockets`` gets the connection, for a canceller to shut it down)."""
     host, _, port = address.rpartition(":")
     tensors: dict[str, torch.Tensor] = {}
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        if sockets is not None:
+            sockets.append(sock)
         _kernel_timeout(sock, timeout_s)
         sock.sendall(ticket.encode("ascii"))
         got = 0

@@ -10,7 +10,9 @@ from a kill to the first contributing commit at 51M parameters on a busy 2-core 
 ``benchmarks/bench_ft.py --standby``).
 
 Not for groups of several ranks yet: a rank's process group must be set up before its model is sharded,
-and a standby cannot join the active group's.
+and a standby cannot join the active group's.  An active process that ends normally hands the lock
+over too: the standby then joins a finished run, and the lighthouse tells it so (it ends at its first
+quorum).  Start the standby once the active process holds the lock.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import fcntl
 import os
 
 STANDBY_ENV = "FREESCALE_STANDBY_LOCK"
-"""A path (``{rank}`` is filled in): hold this lock while active; wait for it as a standby."""
+"""A path (``{replica}``, the group's replica id, is filled in) on a local file system (``flock`` is not
+reliable over NFS): hold this lock while active; wait for it as a standby."""
 
 
 def take_over(path: str, incarnation: int) -> tuple[int, int]:
@@ -31,6 +34,6 @@ def take_over(path: str, incarnation: int) -> tuple[int, int]:
     previous = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip()
     if previous.isdigit():
         incarnation = max(incarnation, int(previous) + 1)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(incarnation).encode("ascii"), 0)
+    os.pwrite(fd, f"{incarnation:<20d}".encode("ascii"), 0)  # one fixed-width write: never a torn or empty file
+    os.fsync(fd)
     return fd, incarnation

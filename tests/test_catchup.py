@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 import pytest
 import torch
 
-from freescale.ft.catchup import SnapshotServer, fetch_snapshot
+from freescale.ft.catchup import SnapshotFetch, SnapshotServer, fetch_snapshot
+from freescale.ft.snapshot_stream import PayloadStreamer
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -79,3 +81,46 @@ def test_a_snapshot_that_does_not_come_in_time_is_a_one_line_error() -> None:
             fetch_snapshot(address, 4, timeout_s=0.2)
     finally:
         server.stop()
+
+
+def test_cancelling_a_download_from_a_silent_source_returns_at_once() -> None:
+    """A source that accepted the request and went silent (its host vanished, no FIN): a newer catch-up
+    must not wait out the read timeout before it may write the same tensors."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True).start()
+    log: dict[str, object] = {}
+    fetch = SnapshotFetch([f"127.0.0.1:{silent.getsockname()[1]}"], 0, "", log)
+    deadline = time.monotonic() + 5
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    fetch.cancel()
+    assert time.monotonic() - started < 5
+    assert fetch.arrived
+    with pytest.raises(ConnectionError, match="127.0.0.1"):
+        fetch.result()
+    silent.close()
+
+
+def test_the_stream_refuses_a_wrong_ticket_and_releases_unused_ones_when_closed() -> None:
+    released: list[int] = []
+    streamer = PayloadStreamer("127.0.0.1", "127.0.0.1")
+    ticket = streamer.offer(torch.arange(64, dtype=torch.uint8), 1, lambda: released.append(1))
+    host, _, port = streamer.address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"0" * 32)  # not the ticket: closed without a byte
+        assert sock.recv(1) == b""
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(ticket.encode())
+        got = b""
+        while len(got) < 64:
+            chunk = sock.recv(64)
+            assert chunk
+            got += chunk
+    assert got == bytes(range(64)) and released == [1]
+    streamer.offer(torch.zeros(8, dtype=torch.uint8), 2, lambda: released.append(2))
+    streamer.close()  # the unused ticket is released, and the port no longer answers
+    assert released == [1, 2]
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=1).recv(1)
