@@ -136,8 +136,8 @@ class ReplicaSync:
         sync.start_step(step)                         # quorum request overlaps the forward
         grads.begin(); sync.attach(step, grads, w, header); loss.backward()   # buckets reduced in backward
         r = sync.reduce_and_commit(step, grads, weight=w, exchange=...)
-        if not r.recovering: apply r.tensors and r.extra
-        if r.stage_snapshot: sync.stage(r.step, state)
+        if not r.recovering: sync.wait_staged(); apply r.tensors and r.extra   # the fence, then the update
+        if r.stage_snapshot: sync.stage(r.step, state)  # copied on the staging thread
         catch_up = sync.take_catch_up()               # recovering: snapshot in -> load + replay
 
     A replica that finds the quorum ahead of its step (a restarted group) adopts
@@ -349,6 +349,8 @@ class ReplicaSync:
         recovering replica applies nothing now: its recorded steps are prepared at replay)."""
         if reduced is None or self.recovering:
             return None, None
+        if exchange is not None:
+            self.wait_staged()  # the union's forward moves fbgemm's step counters: not under a staging copy
         prepared = exchange.prepare(extra) if exchange is not None else None
         return prepared, all_finite(reduced.tensors)
 
