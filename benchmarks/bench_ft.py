@@ -327,6 +327,20 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
     return res
 
 
+def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeats of one failure run as one: each figure's median, its (min, max) as ``<key>_range``."""
+    out: dict[str, Any] = dict(runs[0])
+    for key in runs[0]:
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        if values and len(values) == len(runs) and not isinstance(runs[0][key], bool):
+            out[key] = float(np.median(values))
+            if len(values) > 1:
+                out[f"{key}_range"] = (min(values), max(values))
+    out["repeats"] = len(runs)
+    out["runs"] = runs
+    return out
+
+
 def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[dict[str, Any]]:
     """One row per measure; a column's cell is its figure, or why it has none (a string)."""
     def cells(key: str, fmt: Any) -> dict[str, Any]:
@@ -334,6 +348,10 @@ def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[d
         for name, res in columns.items():
             out[name] = res if isinstance(res, str) else fmt(res) if key in res else "never caught up"
             out[f"{name}_raw"] = None if isinstance(res, str) else res.get(key)
+            if not isinstance(res, str) and f"{key}_range" in res:  # medians, with the spread over the repeats
+                lo, hi = res[f"{key}_range"]
+                out[name] += f" [{lo:.3g}..{hi:.3g}]"
+                out[f"{name}_range"] = [lo, hi]
         return out
 
     def catch_up(r: dict[str, Any]) -> str:
@@ -371,6 +389,9 @@ def main() -> None:
     parser.add_argument("--big-hidden", type=int, default=4096, help="width of the big-model catch-up run")
     parser.add_argument("--no-torchft", action="store_true", help="skip the torchft runs")
     parser.add_argument("--failures-only", action="store_true", help="skip the overhead repeats")
+    parser.add_argument("--failure-repeats", type=int, default=1,
+                        help="interleaved repeats of every failure run (medians, [min..max] beside)")
+    parser.add_argument("--small-only", action="store_true", help="no big-model failure run")
     parser.add_argument("--standby", action="store_true",
                         help="also restart through a warm standby (ft/standby.py): a column of its own")
     parser.add_argument("--big-steps", type=int, default=60,
@@ -390,19 +411,29 @@ def main() -> None:
             rows.append({"torchft": skip, **overhead(tmp, steps, repeats, 1024, tft)})
         # Quick: 200 steps, so that the restarted replica (~3-4 s to start on 2 cores) joins before the end.
         runs = [(200 if args.quick else 300, 1024, 2, "1.3M params")]
-        if not args.quick:
+        if not args.quick and not args.small_only:
             runs.append((args.big_steps, args.big_hidden, 4, f"{args.big_hidden}x4 MLP"))
         for n, hidden, layers, label in runs:
-            columns: dict[str, dict[str, Any] | str] = {"freescale": freescale_failure(tmp, n, hidden, layers, label)}
-            if args.standby:
-                columns["freescale_standby"] = freescale_failure(tmp, n, hidden, layers, label, standby=True)
-            for name, sync in (("torchft", False), ("torchft_sync", True)):
-                columns[name] = skip
-                if tft:
+            repeats_of: dict[str, list[dict[str, Any]]] = {}
+            failed: dict[str, str] = {}
+            for r in range(args.failure_repeats):  # interleaved: every system once per round
+                where = tmp / f"round{r}"
+                where.mkdir(exist_ok=True)
+                repeats_of.setdefault("freescale", []).append(freescale_failure(where, n, hidden, layers, label))
+                if args.standby:
+                    repeats_of.setdefault("freescale_standby", []).append(
+                        freescale_failure(where, n, hidden, layers, label, standby=True))
+                for name, sync in (("torchft", False), ("torchft_sync", True)):
+                    if not tft or name in failed:
+                        continue
                     try:
-                        columns[name] = torchft_failure(tmp, n, hidden, layers, label, sync=sync)
+                        repeats_of.setdefault(name, []).append(torchft_failure(where, n, hidden, layers, label, sync=sync))
                     except (Exception, SystemExit) as e:  # noqa: BLE001 - report it in the torchft column
-                        columns[name] = torchft_failed(e, f"failure run ({label}, {name})")
+                        failed[name] = torchft_failed(e, f"failure run ({label}, {name})")
+            columns: dict[str, dict[str, Any] | str] = {name: repeated(runs_) for name, runs_ in repeats_of.items()}
+            for name in ("torchft", "torchft_sync"):
+                if name not in columns or name in failed:
+                    columns[name] = failed.get(name, skip)
             rows += failure_rows(label, columns)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -431,6 +462,7 @@ def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], tft_version: s
         write_json(args.json, "bench_ft", {
             "quick": args.quick, "replicas": "2 (overhead), 3 (failure)", "big_hidden": args.big_hidden,
             "big_steps": args.big_steps, "failures_only": args.failures_only, "standby": args.standby,
+            "failure_repeats": args.failure_repeats, "small_only": args.small_only,
             "model": "MLP 256->1024->1024->1 (1.31M params), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,
             "join_timeout_s": 0.5, "torchft": tft_version, "torchft_skipped": why or None,
             "torchft_setup": "torchft.Manager (min_replica_size=1; torchft: use_async_quorum=True, torchft_sync: "
