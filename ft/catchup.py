@@ -50,16 +50,9 @@ import torch
 from aiohttp import web
 
 from freescale.ft.serving import LoopThread, token_ok
-from freescale.ft.snapshot_stream import PayloadStreamer, landing, receive_payload
+from freescale.ft.snapshot_stream import ALIGN, DTYPES, PayloadStreamer, landing, receive_payload
 
 log = logging.getLogger("freescale.ft.catchup")
-
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                                torch.int32, torch.int8, torch.uint8, torch.bool)}
-
-
-ALIGN = 64
-"""Every tensor starts at a multiple of 64 bytes in the payload: any dtype can be viewed in place."""
 
 
 @dataclass
@@ -74,7 +67,7 @@ def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], int]
     entries: list[dict[str, Any]] = []
     offset = 0
     for name, t in tensors.items():
-        if str(t.dtype) not in _DTYPES:
+        if str(t.dtype) not in DTYPES:
             raise ValueError(f"snapshot: tensor '{name}' has unsupported dtype {t.dtype}")
         nbytes = t.numel() * t.element_size()
         entries.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset,
@@ -314,7 +307,7 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
             raise ValueError(f"snapshot source {address} sent a malformed header")
         waited = time.perf_counter() - start
         tensors = receive_payload(header["stream"], header["ticket"], header["tensors"], total,
-                                  lambda entry: landing(entry, own, _DTYPES, ALIGN), timeout_s, cancelled, sockets)
+                                  lambda entry: landing(entry, own), timeout_s, cancelled, sockets)
     except (http.client.HTTPException, OSError, KeyError, TypeError, json.JSONDecodeError, RuntimeError,
             MemoryError) as exc:  # RuntimeError, MemoryError: a header whose shapes torch cannot allocate
         if isinstance(exc, ConnectionError) and str(exc).startswith("snapshot source"):

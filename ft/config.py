@@ -55,9 +55,6 @@ class FTConfig:
     file system: the active process holds
     it, a warm standby started beside it waits for it in ``FaultTolerance(...)`` and takes over when the active
     one dies (``ft/standby.py``; one-rank groups)."""
-    overlap_staging: bool = True
-    """A snapshot for a recovering group is copied to host memory by a staging thread while this group's next
-    forward and backward run (fenced before its next update); false: on the training thread, at once."""
     first_bucket_kb: int = 1024
     """Dense gradients are reduced across groups in buckets during backward: the first (the last
     layers' gradients, ready first) holds at most this many KiB, so a reduction starts early."""

@@ -321,8 +321,6 @@ class FaultTolerance(SnapshotSide):
         if result.stage_snapshot:
             self.events.append({"event": "stage", "step": result.step,
                                 "stage_s": self._sync.stage(result.step, self.snapshot())})
-            if not self._cfg.overlap_staging:
-                self.events[-1]["copy_s"] = self._sync.wait_staged()
         return commit
 
     def _apply(self, result: StepResult) -> Commit:

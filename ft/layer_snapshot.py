@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ from freescale.step_feed import Commit
 UserState = tuple[Callable[[], Any], Callable[[Any], None], Callable[[Commit], Any] | None]
 
 
-class SnapshotSide:
+class SnapshotSide(ABC):
     """Mixed into ``FaultTolerance`` (``freescale/ft/layer.py``), which sets these attributes."""
 
     _model: nn.Module
@@ -46,8 +47,9 @@ class SnapshotSide:
     _sync: ReplicaSync
     events: deque[dict[str, Any]]
 
+    @abstractmethod
     def _apply(self, result: StepResult) -> Commit:
-        raise NotImplementedError  # FaultTolerance's committed update (a replayed step goes through it too)
+        """FaultTolerance's committed update (a replayed step goes through it too)."""
 
     def register_state(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
                        on_commit: Callable[[Commit], Any] | None = None) -> None:

@@ -29,6 +29,11 @@ import torch
 
 log = logging.getLogger("freescale.ft.catchup")
 
+DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                               torch.int32, torch.int8, torch.uint8, torch.bool)}
+"""The dtypes a snapshot carries, by name in its header."""
+ALIGN = 64
+"""Every tensor starts at a multiple of 64 bytes in the payload: any dtype can be viewed in place."""
 PIECE_BYTES = 64 << 20
 """A tensor is read in pieces of at most 64 MB: a cancelled download stops within one piece."""
 TICKET_TTL_S = 60.0
@@ -131,16 +136,15 @@ class PayloadStreamer:
                 done()
 
 
-def landing(entry: dict[str, Any], own: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype],
-            align: int) -> torch.Tensor:
+def landing(entry: dict[str, Any], own: dict[str, torch.Tensor]) -> torch.Tensor:
     """Where a snapshot tensor goes: the rank's own tensor when it has the same dtype and shape and is
     contiguous in host memory (written in place), else a new tensor."""
-    dtype = dtypes.get(entry["dtype"])
+    dtype = DTYPES.get(entry["dtype"])
     if dtype is None:
         raise ValueError(f"snapshot: unknown dtype {entry['dtype']!r} for '{entry['name']}'")
     shape = [int(n) for n in entry["shape"]]
     if min(shape, default=0) < 0 or torch.Size(shape).numel() * dtype.itemsize != entry["nbytes"] or (
-            entry["offset"] % align or entry["offset"] < 0):
+            entry["offset"] % ALIGN or entry["offset"] < 0):
         raise ValueError(f"snapshot: '{entry['name']}' has {entry['nbytes']} bytes at offset {entry['offset']} "
                          f"for shape {shape} of {entry['dtype']}")
     t = own.get(entry["name"])

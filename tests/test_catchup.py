@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,66 +22,62 @@ def state() -> dict[str, torch.Tensor]:
             "meta.json": torch.frombuffer(bytearray(b'{"data": null}'), dtype=torch.uint8)}
 
 
-def test_staged_copy_runs_off_the_caller_and_lands_in_place_where_it_fits() -> None:
+@pytest.fixture
+def server() -> Iterator[SnapshotServer]:
+    serving = SnapshotServer()
+    serving.start()
+    yield serving
+    serving.stop()
+
+
+def test_staged_copy_runs_off_the_caller_and_lands_in_place_where_it_fits(server: SnapshotServer) -> None:
     source = state()
-    server = SnapshotServer()
-    address = server.start()
-    try:
-        assert server.stage(3, source) < 0.5  # returns at once: the copy runs on the staging thread
-        assert server.wait_staged() > 0.0  # the fence: the copy is done
-        expected = {k: v.clone() for k, v in source.items()}
-        for t in source.values():  # the caller's next update: the staged bytes must not move
-            t.zero_() if t.dtype != torch.bool else t.fill_(False)
-        own = {"/model/w#0": torch.empty(300, 7), "/model/b#0": torch.empty(4),  # b: wrong shape
-               "/half#0": torch.empty(5, dtype=torch.float32)}  # wrong dtype
-        fetched = fetch_snapshot(address, 2, own=own)
-        assert fetched.step == 3
-        for name, t in expected.items():
-            assert torch.equal(fetched.tensors[name], t), name
-        assert fetched.tensors["/model/w#0"].data_ptr() == own["/model/w#0"].data_ptr()  # landed in place
-        assert fetched.tensors["/model/b#0"].data_ptr() != own["/model/b#0"].data_ptr()
-        assert fetched.tensors["/half#0"].dtype == torch.bfloat16
-        assert fetched.in_place == 300 * 7 * 4
-        assert fetched.waited_s < 5 and fetched.arrived <= time.time()
-    finally:
-        server.stop()
+    address = server.address
+    assert server.stage(3, source) < 0.5  # returns at once: the copy runs on the staging thread
+    assert server.wait_staged() > 0.0  # the fence: the copy is done
+    expected = {k: v.clone() for k, v in source.items()}
+    for t in source.values():  # the caller's next update: the staged bytes must not move
+        t.zero_() if t.dtype != torch.bool else t.fill_(False)
+    own = {"/model/w#0": torch.empty(300, 7), "/model/b#0": torch.empty(4),  # b: wrong shape
+           "/half#0": torch.empty(5, dtype=torch.float32)}  # wrong dtype
+    fetched = fetch_snapshot(address, 2, own=own)
+    assert fetched.step == 3
+    for name, t in expected.items():
+        assert torch.equal(fetched.tensors[name], t), name
+    assert fetched.tensors["/model/w#0"].data_ptr() == own["/model/w#0"].data_ptr()  # landed in place
+    assert fetched.tensors["/model/b#0"].data_ptr() != own["/model/b#0"].data_ptr()
+    assert fetched.tensors["/half#0"].dtype == torch.bfloat16
+    assert fetched.in_place == 300 * 7 * 4
+    assert fetched.waited_s < 5 and fetched.arrived <= time.time()
 
 
-def test_a_fetcher_waits_for_a_newer_step_and_the_next_staging_reuses_the_spare_buffer() -> None:
-    server = SnapshotServer()
-    address = server.start()
-    try:
-        server.stage(1, state())
-        server.wait_staged()
-        first = server._staged.payload  # noqa: SLF001 - which buffer is served
-        result: dict[str, object] = {}
-        waiter = threading.Thread(target=lambda: result.update(f=fetch_snapshot(address, 2)))
-        waiter.start()
-        deadline = time.monotonic() + 5
-        while not server.wants(2) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert server.wants(2) and not server.wants(1)
-        server.stage(2, state())
-        server.wait_staged()
-        waiter.join(timeout=10)
-        assert result["f"].step == 2  # type: ignore[attr-defined]
-        second = server._staged.payload  # noqa: SLF001
-        assert second.data_ptr() != first.data_ptr()  # never the buffer being served
-        server.stage(3, state())
-        server.wait_staged()
-        assert server._staged.payload.data_ptr() == first.data_ptr()  # noqa: SLF001 - the spare, reused
-    finally:
-        server.stop()
+def test_a_fetcher_waits_for_a_newer_step_and_the_next_staging_reuses_the_spare_buffer(server: SnapshotServer) -> None:
+    address = server.address
+    server.stage(1, state())
+    server.wait_staged()
+    first = server._staged.payload  # noqa: SLF001 - which buffer is served
+    result: dict[str, object] = {}
+    waiter = threading.Thread(target=lambda: result.update(f=fetch_snapshot(address, 2)))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while not server.wants(2) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.wants(2) and not server.wants(1)
+    server.stage(2, state())
+    server.wait_staged()
+    waiter.join(timeout=10)
+    assert result["f"].step == 2  # type: ignore[attr-defined]
+    second = server._staged.payload  # noqa: SLF001
+    assert second.data_ptr() != first.data_ptr()  # never the buffer being served
+    server.stage(3, state())
+    server.wait_staged()
+    assert server._staged.payload.data_ptr() == first.data_ptr()  # noqa: SLF001 - the spare, reused
 
 
-def test_a_snapshot_that_does_not_come_in_time_is_a_one_line_error() -> None:
-    server = SnapshotServer()
-    address = server.start()
-    try:
-        with pytest.raises(ConnectionError, match=r"answered 503: .*no snapshot at step >= 4"):
-            fetch_snapshot(address, 4, timeout_s=0.2)
-    finally:
-        server.stop()
+def test_a_snapshot_that_does_not_come_in_time_is_a_one_line_error(server: SnapshotServer) -> None:
+    address = server.address
+    with pytest.raises(ConnectionError, match=r"answered 503: .*no snapshot at step >= 4"):
+        fetch_snapshot(address, 4, timeout_s=0.2)
 
 
 def test_cancelling_a_download_from_a_silent_source_returns_at_once() -> None:
