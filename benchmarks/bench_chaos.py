@@ -26,7 +26,6 @@ is what CI runs (``tests/test_ft_torchrec.py``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -41,31 +40,26 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, write_json  # noqa: E402
+from common import free_port, write_json
 
-from freescale.audit import audit_run, group_logs  # noqa: E402
-from freescale.tables import print_table  # noqa: E402
+from freescale.audit import audit_run, group_logs
+from freescale.tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("kill", "stop", "lighthouse")
 
 
 def rank_pids(out: Path) -> dict[tuple[int, int], int]:
-    """(group, rank) -> pid of the live ``freescale train`` processes of the run writing to ``out``."""
+    """(group, rank) -> pid of the live ``freescale train`` ranks of the run writing to ``out`` (their pid
+    files: ``freescale.rank_console``)."""
+    from freescale.rank_console import rank_pid
+
     found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"train" not in cmdline or str(out).encode() not in b" ".join(cmdline):
-                continue
-            env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if b"FREESCALE_REPLICA_INDEX" in env and b"RANK" in env and state != "Z":
-            found[(int(env[b"FREESCALE_REPLICA_INDEX"]), int(env[b"RANK"]))] = int(proc.name)
+    for path in out.glob("replica*/rank*.pid"):
+        group, rank = int(path.parent.name.removeprefix("replica")), int(path.stem.removeprefix("rank"))
+        pid = rank_pid(out, path.parent.name, rank)
+        if pid is not None:
+            found[(group, rank)] = pid
     return found
 
 

@@ -233,6 +233,13 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace, overrides: list[str], command: list[str]) -> int:
     if command:
         return _launch_command(args, overrides, command)
+    from freescale import forkserver
+
+    with forkserver.started():  # the ranks' warm server, importing while this checks the config
+        return _launch_train(args, overrides)
+
+
+def _launch_train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load_train_config(args.config, overrides, args.resume)
     from freescale.dataloader.schema import DatasetManifest
     from freescale.launch import launch_local, launch_replicas

@@ -31,6 +31,8 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from freescale import forkserver
+
 ERROR_DIR_ENV = "FREESCALE_ERROR_DIR"
 FINAL_SUFFIX = ".final"
 """``rank<N>.final.txt``: an error no restart can fix."""
@@ -82,15 +84,22 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
 
     A user's command gets a fresh rendezvous store per restart (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``:
     the agent would otherwise hand every incarnation its one shared store, where a plain
-    ``dist.init_process_group`` reads the dead incarnation's gloo addresses and fails to connect)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
+    ``dist.init_process_group`` reads the dead incarnation's gloo addresses and fails to connect).
+    ``freescale train``'s ranks are forked from this node's warm server when ``freescale launch`` started
+    one (``freescale.forkserver``)."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", threads_per_rank(nproc_per_node))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     error_dir = tempfile.mkdtemp(prefix="freescale-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir
+    return _run_agent(nproc_per_node, max_restarts, train_args, command, error_dir)
+
+
+def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str], command: Sequence[str],
+               error_dir: str) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.1,
@@ -99,8 +108,9 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
         if command:
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             elastic_launch(config, command[0])(*command[1:])
-        else:
-            elastic_launch(config, sys.executable)("-m", "freescale.cli", "train", *train_args)
+        else:  # each rank forked from the node's warm server (``freescale.forkserver``) unless it is off
+            entry = "freescale.forkserver" if forkserver.running() else "freescale.cli"
+            elastic_launch(config, sys.executable)("-m", entry, "train", *train_args)
         # A restarted incarnation that ended at start-up: the error of the one before stands.
         return 2 if _user_errors(error_dir, final_only=True) else 0
     except ChildFailedError as failed:

@@ -9,7 +9,9 @@ not a peer's failure (a bug) keeps its traceback on the terminal.
 
 The same file receives every thread's Python stack when the rank gets ``SIGUSR1``
 (``faulthandler``): ``kill -USR1 <pid>`` on each rank of a stuck job says where each one is, with
-no py-spy needed.  A restarted incarnation says so in one line as it starts.
+no py-spy needed.  The rank's pid is in ``rank<r>.pid`` beside its log (under ``freescale launch`` the
+process the agent started is a client of the fork server, ``freescale.forkserver``, which passes
+signals on; this is the rank itself).  A restarted incarnation says so in one line as it starts.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def install(output_dir: str, replica_id: str | None) -> Path:
     directory = Path(output_dir) / (replica_id or "")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"rank{os.environ.get('RANK', '0')}.log"
+    (directory / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
     stream: IO[str] = path.open("a", buffering=1)
     _state.update(path=path, stream=stream)
     faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
@@ -55,6 +58,17 @@ def install(output_dir: str, replica_id: str | None) -> Path:
         print(f"freescale: {_group()} restarted (incarnation {restarts}) after a failure; "
               f"it {then}", file=sys.stderr, flush=True)
     return path
+
+
+def rank_pid(output_dir: str | Path, replica_id: str | None, rank: int) -> int | None:
+    """The pid of ``rank`` (of replica group ``replica_id``) of the run writing to ``output_dir``, while
+    that process runs (not a dead incarnation's, not a zombie), else None."""
+    try:
+        pid = int((Path(output_dir) / (replica_id or "") / f"rank{rank}.pid").read_text())
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if state in ("Z", "X") else pid
 
 
 def peer_failure(exc: BaseException) -> bool:

@@ -115,6 +115,9 @@ def test_the_stream_refuses_a_wrong_ticket_and_releases_unused_ones_when_closed(
             chunk = sock.recv(64)
             assert chunk
             got += chunk
+    deadline = time.monotonic() + 5  # released by the sender once its sendall returns: maybe after our last read
+    while not released and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert got == bytes(range(64)) and released == [1]
     streamer.offer(torch.zeros(8, dtype=torch.uint8), 2, lambda: released.append(2))
     streamer.close()  # the unused ticket is released, and the port no longer answers

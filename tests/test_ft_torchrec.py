@@ -397,18 +397,12 @@ def test_chaos_short_form_holds_every_invariant(tiny_data: Path, tmp_path: Path)
 
 
 def _rank_pid(run_dir: Path, group: int, rank: int) -> int:
-    """The pid of ``rank`` of replica group ``group`` in the run writing to ``run_dir`` (from /proc:
-    its environment and command line)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            environ = set((proc / "environ").read_bytes().split(b"\0"))
-            command = (proc / "cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue
-        if ({f"RANK={rank}".encode(), f"FREESCALE_REPLICA_INDEX={group}".encode()} <= environ
-                and str(run_dir).encode() in command and b"train" in command):
-            return int(proc.name)
-    raise AssertionError(f"no rank {rank} of group {group} running for {run_dir}")
+    """The pid of ``rank`` of replica group ``group`` in the run writing to ``run_dir`` (its pid file)."""
+    from freescale.rank_console import rank_pid
+
+    pid = rank_pid(run_dir, f"replica{group}", rank)
+    assert pid is not None, f"no rank {rank} of group {group} running for {run_dir}"
+    return pid
 
 
 def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tmp_path: Path) -> None:

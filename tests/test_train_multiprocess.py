@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from freescale import checkpoint
+from freescale.rank_console import rank_pid
 from freescale.testing import FAULTS_ENV
 from tests.conftest import REPO, cli_env, events, read_log, run_cli
 from tests.procs import cmdline, descendants, kill_tree, wait_for
@@ -86,9 +87,9 @@ def test_rank_killed_restarts_by_itself_then_the_killed_job_resumes_equal_to_uni
 
     try:
         assert wait_for(lambda: checkpoint.latest(tmp_path / "checkpoints") is not None, timeout=180)
-        ranks = [p for p in descendants(proc.pid) if "freescale.cli train" in cmdline(p)]
-        assert len(ranks) == 2, [cmdline(p) for p in descendants(proc.pid)]
-        kill_tree(ranks[1], signal.SIGKILL)  # one rank: the group restarts and resumes by itself
+        ranks = [rank_pid(tmp_path, None, rank) for rank in (0, 1)]
+        assert None not in ranks, [cmdline(p) for p in descendants(proc.pid)]
+        kill_tree(ranks[1], signal.SIGKILL)  # type: ignore[arg-type]  # checked above  # one rank: the group restarts and resumes by itself
         assert wait_for(resumed_and_saved_since, timeout=180)
     finally:
         kill_tree(proc.pid, signal.SIGKILL)  # the launcher, torchrun and both ranks, mid-training
@@ -118,8 +119,9 @@ def test_crash_without_restarts_names_the_rank(tiny_data: Path, tmp_path: Path) 
     try:
         assert wait_for(lambda: (tmp_path / "train_log.jsonl").exists() and
                         '"step"' in (tmp_path / "train_log.jsonl").read_text(), timeout=180)
-        ranks = [p for p in descendants(proc.pid) if "freescale.cli train" in cmdline(p)]
-        kill_tree(ranks[0], signal.SIGKILL)
+        rank0 = rank_pid(tmp_path, None, 0)
+        assert rank0 is not None, [cmdline(p) for p in descendants(proc.pid)]
+        kill_tree(rank0, signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:
         kill_tree(proc.pid)

@@ -1,0 +1,96 @@
+"""Ranks forked from the warm server (``freescale.forkserver``): real server and client processes.
+
+The server here imports nothing heavy (its module list is a parameter); its ranks run light
+``freescale`` commands: ``lighthouse`` (runs until signalled) and ``gen-data`` with a bad flag (exits
+2 with one line).  ``freescale launch`` runs every other multi-rank test through the real server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from freescale.forkserver import FORKSERVER_ENV, SERVER_PID_ENV, ForkServer
+from tests.conftest import REPO, cli_env
+from tests.procs import wait_for
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ForkServer]:
+    with ForkServer(modules=("freescale.cli",)) as started:
+        assert wait_for(lambda: Path(started.path).exists(), timeout=30), "the server never listened"
+        yield started
+
+
+def client(server: ForkServer, *argv: str, **kwargs: object) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "freescale.forkserver", *argv], cwd=REPO,
+                            env={**cli_env(), **server.env}, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **kwargs)  # type: ignore[call-overload]
+
+
+def forked(server: ForkServer) -> list[int]:
+    """The server's live children (its ranks)."""
+    task = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children")
+    return [int(p) for p in task.read_text().split()]
+
+
+def test_exit_status_and_output_pass_through(server: ForkServer) -> None:
+    proc = client(server, "gen-data", "--rows", "many")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "--rows" in err and "Traceback" not in err, err
+
+
+def test_signals_pass_on_and_a_killed_client_takes_its_rank_with_it(server: ForkServer) -> None:
+    """``SIGTERM`` to the client reaches the rank (the lighthouse stops on it and exits 0, and so does
+    the client: what torch's agent sees); a ``SIGKILL``ed client (the agent gave up on it) leaves no
+    orphan training on."""
+    before = set(forked(server))
+    terminated = client(server, "lighthouse", "--bind", "127.0.0.1:0")
+    assert "serving" in terminated.stdout.readline()  # type: ignore[union-attr]  # its handlers are installed
+    (rank,) = set(forked(server)) - before
+    terminated.send_signal(signal.SIGTERM)
+    assert terminated.wait(timeout=20) == 0
+    assert wait_for(lambda: rank not in forked(server), timeout=10)
+
+    killed = client(server, "lighthouse", "--bind", "127.0.0.1:0")
+    assert wait_for(lambda: set(forked(server)) - before, timeout=20)
+    (rank,) = set(forked(server)) - before
+    killed.kill()
+    killed.wait(timeout=10)
+    assert wait_for(lambda: rank not in forked(server), timeout=10), "the rank outlived its client"
+
+
+def test_a_rank_killed_by_a_signal_ends_its_client_by_that_signal(server: ForkServer) -> None:
+    before = set(forked(server))
+    proc = client(server, "lighthouse", "--bind", "127.0.0.1:0")
+    assert wait_for(lambda: set(forked(server)) - before, timeout=20)
+    (rank,) = set(forked(server)) - before
+    os.kill(rank, signal.SIGKILL)
+    assert proc.wait(timeout=20) == -signal.SIGKILL
+
+
+def test_a_bad_request_is_refused_and_the_server_stays_up(server: ForkServer) -> None:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(server.path)
+        sock.sendall(b"\x00\x00\x00\x05hello")  # no descriptors, not JSON
+        assert sock.recv(1) == b""  # closed without an answer
+    test_exit_status_and_output_pass_through(server)
+
+
+def test_without_a_server_the_rank_starts_plain_and_says_why(tmp_path: Path) -> None:
+    env = {**cli_env(), FORKSERVER_ENV: str(tmp_path / "none.sock"), SERVER_PID_ENV: "999999999"}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "freescale.forkserver", "gen-data", "--rows", "many"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--rows" in proc.stderr
+    assert "rank starts without the fork server: the server (pid 999999999) is gone" in proc.stderr
+    assert time.monotonic() - start < 30
