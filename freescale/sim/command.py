@@ -160,9 +160,12 @@ def print_comparison(comparison: list[dict[str, Any]]) -> None:
             "as built": f"{c['as_built_minus_torchft_pts']:+.2f} ({c['as_built_verdict']})",
             "as designed": f"{c['as_designed_minus_torchft_pts']:+.2f} ({c['as_designed_verdict']})"}
            for c in comparison], ["gpus", "torchft-like", "as built", "as designed"])
-    print(f"'{AS_DESIGNED}' keeps a slow replica at a reduced share once detected (slow_detect_s): designed, NOT "
-          f"built; '{AS_BUILT}' (slow_detect_s = inf) is what the code does today. A lead that only the as-designed "
-          "row has rests on the unbuilt feature.")
+    print(f"'{AS_DESIGNED}' keeps a slow replica at a reduced share once detected (slow_detect_s) and updates each "
+          "embedding row on its owner only (per-rank work independent of the groups): both designed, NOT built; "
+          f"'{AS_BUILT}' (slow_detect_s = inf; every group applies every group's embedding update, its step growing "
+          "with the groups: sparse_update_share x union_extra_per_group per group beyond two) is what the code does "
+          "today. A lead that only the as-designed row has rests on the unbuilt features. torchft-like carries no "
+          "embedding cost: torchft has no sharded-embedding sync (its figure is a dense model's).")
 
 
 def writable(path: Path) -> Path:

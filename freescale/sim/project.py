@@ -10,9 +10,11 @@ comes from.  ``inputs()`` gathers them, ``check_inputs()`` validates them (error
 at a GPU count; ``project()`` simulates the four on one trace per GPU count.
 
 freescale appears twice: **as built** (a slow replica sets everyone's pace, as under torchft:
-the loader does not plan by speed yet) and **as designed** (a slow replica, once detected, kept
-at a reduced share: DESIGN.md "fail-slow", not built).  Any lead that only the second row has
-rests on the unbuilt feature.
+the loader does not plan by speed yet; every group applies every group's embedding update, the
+union update, so its step grows with the replica groups: ``union_overhead``) and **as designed**
+(a slow replica, once detected, kept at a reduced share: DESIGN.md "fail-slow"; and the
+owner-sharded embedding update, whose per-rank work does not grow with the groups: README; neither
+built).  Any lead that only the second row has rests on the unbuilt features.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def measured(results: Path) -> dict[str, Sourced]:
     fixed = (_field(tr, f"{kr}.contributing_s", tr_file) - _field(tr, f"{kr}.kill_to_catch_up_start_s", tr_file)
              - _field(tr, f"{kr}.catch_up.bytes", tr_file) / rate)
     return {
+        "union_extra_per_group": union_extra_per_group(results / "union_update_cpu.json"),
         "kill_to_commit_s": m(tr_file, tr, f"{kr}.kill_s"),
         "torchft_kill_to_commit_s": m(ft_file, ft, f"rows.{kill_i}.torchft_raw"),
         "restart_to_catchup_s": m(tr_file, tr, f"{kr}.kill_to_catch_up_start_s", toy,
@@ -116,6 +119,31 @@ def measured(results: Path) -> dict[str, Sourced]:
                                     f"{ft_file.name}: rows.{over_i}.torchft_step_ms / ddp_step_ms - 1 (one CPU run; "
                                     "measured negative, clipped to 0)", "measured"),
     }
+
+
+def union_extra_per_group(file: Path) -> Sourced:
+    """The union update's added work per replica group beyond two, as a fraction of a group's own
+    embedding update: the slope of ``extra_ms`` against ``R - 1`` over the measured rows of
+    ``bench_union_update.py`` (least squares through the origin), over the one-group ``own_ms``."""
+    doc = _load(file)
+    rows = [r for r in doc.get("rows", []) if r.get("kind") == "measured"]
+    fit = [(r["groups"] - 1, r["extra_ms"]) for r in rows if r.get("groups", 0) > 1 and "extra_ms" in r]
+    own = [r["own_ms"] for r in rows if r.get("groups") == 1 and r.get("own_ms")]
+    if not fit or not own:
+        raise SimError(f"{file}: needs measured rows for 1 group (own_ms) and for more (extra_ms); re-run "
+                       "benchmarks/bench_union_update.py")
+    slope = sum(x * y for x, y in fit) / sum(x * x for x, _ in fit)
+    return Sourced(slope / own[0], f"{file.name}: slope of extra_ms on groups - 1 ({slope:.1f} ms, R = "
+                   f"{', '.join(str(x + 1) for x, _ in fit)}) / own_ms ({own[0]:g} ms); one fbgemm TBE on CPU: "
+                   "the ratio, not the milliseconds, is what scales", "measured")
+
+
+def union_overhead(base: float, share: float, per_group: float, replicas: int) -> float:
+    """The throughput the union update costs at ``replicas`` groups: the measured FT overhead ``base`` (a
+    two-group run: it holds one other group's union work already), and each group beyond two adds
+    ``per_group`` of the group's own embedding update, ``share`` of its step: the step takes
+    ``1 + share * per_group * (R - 2)`` times as long."""
+    return 1.0 - (1.0 - base) / (1.0 + share * per_group * max(0, replicas - 2))
 
 
 def _ft_timeout_default() -> float:
@@ -149,6 +177,8 @@ def assumptions() -> dict[str, Sourced]:
                                  f"'{AS_DESIGNED}' row ('{AS_BUILT}': never, everyone waits)", a),
         "correlated_fraction": Sourced(0.05, "guess: 1 in 20 failures takes a second group (switch, power)", a),
         "step_s": Sourced(1.0, "guess: a 1 s recommendation-model step", a),
+        "sparse_update_share": Sourced(0.1, "guess: a group's own fused embedding update (TBE backward and row-wise "
+                                       "Adagrad) is 10% of its step; what the union update multiplies", a),
         "state_gb": Sourced(8.0, "guess: 8 GB of parameters + optimizer state per rank", a),
         "node_replacement_s": Sourced(390.0, "FT-HSDP: failed replica out 10 min, 3 of them the global stall: "
                                       "~7 min to replace and restart a group (scheduler, node swap, start)", a),
@@ -190,6 +220,7 @@ RULES: dict[str, tuple[str, Any]] = {
     "catchup_slowdown": (">= 1", lambda x: x >= 1),
     "overhead": ("in [0, 1)", lambda x: 0 <= x < 1),
     "torchft_overhead": ("in [0, 1)", lambda x: 0 <= x < 1),
+    "sparse_update_share": ("in [0, 1]", lambda x: 0 <= x <= 1),
 }
 MAY_BE_INF = {"slow_detect_s"}
 """``inf``: never detected (``--set slow_detect_s=inf`` turns the as-designed row into the as-built one)."""
@@ -234,7 +265,8 @@ def check_grouping(gpus: int, replicas: int | None) -> int:
 def scenario(gpus: int, v: dict[str, Sourced], replicas: int | None = None) -> tuple[Cluster, list[Policy]]:
     """The cluster and the four policies at ``gpus`` from the sourced inputs ``v``."""
     x = {k: s.value for k, s in v.items()}
-    group = gpus // check_grouping(gpus, replicas)
+    groups = check_grouping(gpus, replicas)
+    group = gpus // groups
     total = x["failures_per_gpu_hour"]
     cluster = Cluster(gpus=gpus, gpus_per_replica=group, crash_per_gpu_hour=total * (1 - x["hang_fraction"]),
                       hang_per_gpu_hour=total * x["hang_fraction"], slow_per_gpu_hour=x["slow_per_gpu_hour"],
@@ -252,8 +284,9 @@ def scenario(gpus: int, v: dict[str, Sourced], replicas: int | None = None) -> t
                       {"crash": x["kill_to_commit_s"], "hang": x["freescale_hang_detect_s"], "slow": x["slow_detect_s"]},
                       restart_s=group_restart, reconfigure_s=x["reconfigure_s"], catchup_gbps=x["catchup_gbps"],
                       replay_s=x["catchup_fixed_s"], catchup_slowdown=x["catchup_slowdown"],
-                      overhead=x["overhead"], **ckpt)
-    built = replace(designed, name=AS_BUILT, detect_s={**designed.detect_s, "slow": INF})
+                      overhead=x["overhead"], **ckpt)  # owner-sharded update (not built): the overhead of 2 groups
+    built = replace(designed, name=AS_BUILT, detect_s={**designed.detect_s, "slow": INF},
+                    overhead=union_overhead(x["overhead"], x["sparse_update_share"], x["union_extra_per_group"], groups))
     return cluster, [sync, torchft, built, designed]
 
 
