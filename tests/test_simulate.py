@@ -18,8 +18,17 @@ from freescale.sim.closed_form import paper_accounting
 from freescale.sim.engine import simulate
 from freescale.sim.gates import Gate, crusoe_torchft, run_gates
 from freescale.sim.params import Cluster, Policy, SimError
-from freescale.sim.project import (AS_BUILT, AS_DESIGNED, check_grouping, check_inputs, inputs, project,
-                                   replicas_at, scenario, with_overrides)
+from freescale.sim.project import (
+    AS_BUILT,
+    AS_DESIGNED,
+    check_grouping,
+    check_inputs,
+    inputs,
+    project,
+    replicas_at,
+    scenario,
+    with_overrides,
+)
 from freescale.sim.trace import Failure, make_trace
 from tests.conftest import REPO
 
@@ -268,3 +277,20 @@ def test_simulate_plot_without_matplotlib_says_so_before_simulating(monkeypatch:
     assert cli.main(["simulate", "--fresh-gates", "--plot", "x.png"]) == 2
     err = capsys.readouterr().err
     assert "pip install -e '.[report]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_union_update_costs_freescale_as_built_more_with_every_group() -> None:
+    """As built, each group beyond two adds ``union_extra_per_group`` of the group's own embedding update
+    (measured: bench_union_update's slope) at ``sparse_update_share`` of a step; as designed (owner-sharded
+    update) the two-group overhead stays whatever the groups."""
+    from freescale.sim.project import union_overhead
+
+    v = inputs(RESULTS)
+    assert v["union_extra_per_group"].kind == "measured" and 0.3 < v["union_extra_per_group"].value < 2
+    assert union_overhead(0.02, 0.1, 0.7, 2) == pytest.approx(0.02)
+    assert union_overhead(0.02, 0.1, 0.7, 12) == pytest.approx(1 - 0.98 / 1.7)
+    built = [{p.name: p.overhead for p in scenario(gpus, v, replicas)[1]} for gpus, replicas in ((64, 2), (64, 4),
+                                                                                                (64, 16))]
+    assert built[0][AS_BUILT] == built[0][AS_DESIGNED] == pytest.approx(v["overhead"].value)
+    assert built[0][AS_BUILT] < built[1][AS_BUILT] < built[2][AS_BUILT]
+    assert built[2][AS_DESIGNED] == pytest.approx(v["overhead"].value)
