@@ -56,12 +56,11 @@ from typing import Any
 
 import numpy as np
 from common import write_json
-
-from freescale.tables import print_table
+from mlp_replica import group_of
 
 from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
+from freescale.tables import print_table
 from freescale.testing import FAULTS_ENV
-from mlp_replica import group_of
 
 TORCHFT_INSTALL = ("pip download torchft-nightly --no-deps -d /tmp/tft && pip install --no-deps /tmp/tft/*.whl, "
                    "then its pure-python imports, also --no-deps: opentelemetry-api opentelemetry-sdk "
@@ -80,7 +79,7 @@ def torchft_version() -> tuple[str | None, str]:
     try:
         import torchft  # noqa: F401
         from torchft.coordination import LighthouseServer  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any failure (missing, extension not loading) means: skip it
+    except Exception as e:
         return None, f"{type(e).__name__}: {e}"
     for dist in ("torchft-nightly", "torchft"):
         try:
@@ -109,10 +108,16 @@ def killed_at(out: Path, name: str) -> float:
     return float((out / name / "rank0.killed").read_text())
 
 
-def replica(out: Path, name: str, steps: int, *extra: str, kill: bool = False) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(MLP_REPLICA), "--replica-id", name,
-                             "--steps", str(steps), "--out", str(out), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=fault_env(name, kill))
+def replica(out: Path, name: str, steps: int, *extra: str, kill: bool = False,
+            server: Any = None) -> subprocess.Popen[str]:
+    """A replica process; with ``server`` (a ``freescale.forkserver.ForkServer``) forked from it, as ``freescale
+    launch -- python mlp_replica.py`` starts each rank."""
+    command = [str(MLP_REPLICA), "--replica-id", name, "--steps", str(steps), "--out", str(out), *extra]
+    env = fault_env(name, kill)
+    if server is not None:
+        command, env = ["-m", "freescale.forkserver", "--script", *command], {**env, **server.env}
+    return subprocess.Popen([sys.executable, *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
 
 
 def tft_replica(out: Path, name: str, steps: int, *extra: str, kill: bool = False) -> subprocess.Popen[str]:
@@ -203,7 +208,7 @@ def overhead(tmp: Path, steps: int, repeats: int, hidden: int, tft: bool) -> dic
                                      "--layers", "2")
                           for n in "ab"], timeout=300, out=out)
                 tf.append(step_ms(committed(read(out, "a"))))
-            except (Exception, SystemExit) as e:  # noqa: BLE001 - torchft's trouble must not sink freescale's rows
+            except (Exception, SystemExit) as e:
                 failed = torchft_failed(e, "overhead run")
             tlh.shutdown()
     d, a, f = float(np.median(ddp)), float(np.median(flat)), float(np.median(ftar))
@@ -229,11 +234,24 @@ def steady_before(survivor: list[dict[str, Any]], joined: int) -> tuple[float, s
 
 
 def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
-                      standby: bool = False) -> dict[str, Any]:
+                      standby: bool = False, forked: bool = False) -> dict[str, Any]:
     """Kill replica c at step 20 and restart it (``standby``: a warm standby started beside it takes over;
-    its restart is then the kill)."""
-    out = tmp / f"kill-{label}{'-standby' if standby else ''}"
+    its restart is then the kill; ``forked``: the restart is forked from a warm server that imported torch,
+    torchrec and the layer when the job started, ``freescale.forkserver``, as under ``freescale launch``)."""
+    out = tmp / f"kill-{label}{'-standby' if standby else ''}{'-forked' if forked else ''}"
     out.mkdir()
+    if forked:
+        from freescale.forkserver import LOOP_MODULES, ForkServer
+
+        with ForkServer(LOOP_MODULES) as server:
+            deadline = time.monotonic() + 120
+            while not Path(server.path).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)  # as in a job: the server has long finished importing when a group dies
+            return _failure(out, steps, hidden, layers, False, server)
+    return _failure(out, steps, hidden, layers, standby, None)
+
+
+def _failure(out: Path, steps: int, hidden: int, layers: int, standby: bool, server: Any) -> dict[str, Any]:
     lh = lighthouse()
     common = ["--lighthouse", lh.url, "--snapshots", "--hidden", str(hidden), "--layers", str(layers),
               "--step-sleep", "0.02"]
@@ -249,7 +267,7 @@ def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: st
     procs["c"].wait(timeout=300)
     killed = killed_at(out, "c")
     restart = killed if standby else time.time()
-    procs["c"] = spare or replica(out, "c", steps, *common, "--incarnation", "1")
+    procs["c"] = spare or replica(out, "c", steps, *common, "--incarnation", "1", server=server)
     wait_all(list(procs.values()))
     logs = {n: read(out, n) for n in "ab"}
     c = read(out, "c")
@@ -394,6 +412,9 @@ def main() -> None:
     parser.add_argument("--small-only", action="store_true", help="no big-model failure run")
     parser.add_argument("--standby", action="store_true",
                         help="also restart through a warm standby (ft/standby.py): a column of its own")
+    parser.add_argument("--forked", action="store_true",
+                        help="also restart forked from a warm server (freescale.forkserver, what freescale launch "
+                             "does): a column of its own")
     parser.add_argument("--big-steps", type=int, default=60,
                         help="steps of the big-model failure run (~2 s each on 2 cores; the kill is at step 20)")
     parser.add_argument("--json")
@@ -423,12 +444,15 @@ def main() -> None:
                 if args.standby:
                     repeats_of.setdefault("freescale_standby", []).append(
                         freescale_failure(where, n, hidden, layers, label, standby=True))
+                if args.forked:
+                    repeats_of.setdefault("freescale_forked", []).append(
+                        freescale_failure(where, n, hidden, layers, label, forked=True))
                 for name, sync in (("torchft", False), ("torchft_sync", True)):
                     if not tft or name in failed:
                         continue
                     try:
                         repeats_of.setdefault(name, []).append(torchft_failure(where, n, hidden, layers, label, sync=sync))
-                    except (Exception, SystemExit) as e:  # noqa: BLE001 - report it in the torchft column
+                    except (Exception, SystemExit) as e:
                         failed[name] = torchft_failed(e, f"failure run ({label}, {name})")
             columns: dict[str, dict[str, Any] | str] = {name: repeated(runs_) for name, runs_ in repeats_of.items()}
             for name in ("torchft", "torchft_sync"):
@@ -437,8 +461,8 @@ def main() -> None:
             rows += failure_rows(label, columns)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print_table(rows, ["measure", "freescale", *(["freescale_standby"] if args.standby else []), "torchft",
-                       "torchft_sync", "target"])
+    print_table(rows, ["measure", "freescale", *(["freescale_standby"] if args.standby else []),
+                       *(["freescale_forked"] if args.forked else []), "torchft", "torchft_sync", "target"])
     print("torchft: use_async_quorum=True (its default: heals during the step, contributes from the next); "
           "torchft_sync: use_async_quorum=False (heals before the forward, contributes in the healing step)")
     if args.failures_only:
@@ -462,6 +486,7 @@ def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], tft_version: s
         write_json(args.json, "bench_ft", {
             "quick": args.quick, "replicas": "2 (overhead), 3 (failure)", "big_hidden": args.big_hidden,
             "big_steps": args.big_steps, "failures_only": args.failures_only, "standby": args.standby,
+            "forked": args.forked,
             "failure_repeats": args.failure_repeats, "small_only": args.small_only,
             "model": "MLP 256->1024->1024->1 (1.31M params), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,
             "join_timeout_s": 0.5, "torchft": tft_version, "torchft_skipped": why or None,

@@ -90,7 +90,8 @@ PIPELINES = ("plain", "torchrec", "prioritized")
 
 # ---------------------------------------------------------------------------- runs
 def launch(out: Path, data: Path, model: str, batch: int, steps: int, nproc: int, replicas: int = 1,
-           max_restarts: int = 0, fault: str = "", timeout: float = 900, pipeline: str = "plain") -> float:
+           max_restarts: int = 0, fault: str = "", timeout: float = 900, pipeline: str = "plain",
+           forkserver: bool = True) -> float:
     """``freescale launch`` to completion (output in ``<out>.log``); returns its wall time."""
     cmd = [sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node", str(nproc),
            *(["--replicas", str(replicas)] if replicas > 1 else []), "--max-restarts", str(max_restarts),
@@ -100,6 +101,8 @@ def launch(out: Path, data: Path, model: str, batch: int, steps: int, nproc: int
            "--checkpoint.every", "0", "--checkpoint.save_final", "false", "--pipeline.kind", pipeline]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop(FAULT_ENV, None)
+    if not forkserver:
+        env["FREESCALE_FORKSERVER"] = "off"  # every rank its own interpreter (imports included)
     if fault:
         env[FAULT_ENV] = fault
     log_path = out.with_name(out.name + ".log")
@@ -190,12 +193,12 @@ def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeat
 
 
 # ---------------------------------------------------------------------------- 2./3. kill and catch-up
-def kill_run(tmp: Path, data: Path, args: argparse.Namespace, steps: int) -> dict[str, Any]:
+def kill_run(tmp: Path, data: Path, args: argparse.Namespace, steps: int, forkserver: bool = True) -> dict[str, Any]:
     k = args.kill_step
     fault = f"2:0:{k}:reduce:0"
-    out = tmp / "kill"
+    out = tmp / ("kill" if forkserver else "kill-plain-start")
     wall = launch(out, data, args.model, args.batch, steps, nproc=1, replicas=3, max_restarts=1, fault=fault,
-                  pipeline=args.kill_pipeline)
+                  pipeline=args.kill_pipeline, forkserver=forkserver)
     return analyse_kill(out, steps, k, fault, wall)
 
 
@@ -276,7 +279,7 @@ def snapshot_bytes(model: str, data: Path) -> int | None:
         rows = sum(p.shape[0] for p in tables.values())
         buffers = sum(b.numel() * b.element_size() for b in net.buffers())
         return 4 * (emb + rows + 3 * dense) + buffers
-    except Exception as e:  # noqa: BLE001 - an estimate must never sink the benchmark
+    except Exception as e:
         print(f"bench_ft_torchrec: snapshot size estimate failed: {e}", file=sys.stderr)
         return None
 
@@ -376,6 +379,8 @@ def main() -> None:
     parser.add_argument("--kill-steps", type=int,
                         help="steps of the kill run; enough for the restarted group to rejoin and contribute "
                              "(default 1500, quick 600)")
+    parser.add_argument("--plain-start", action="store_true",
+                        help="run the kill once more with FREESCALE_FORKSERVER=off (every rank imports for itself)")
     parser.add_argument("--json", help="write rows, machine and parameters to this path")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories (logs) and print where")
     args = parser.parse_args()
@@ -401,6 +406,7 @@ def main() -> None:
                                          row_group_size=4_096, seed=0))
         ov = overhead(tmp, data, args, steps, repeats)
         kr = kill_run(tmp, data, args, kill_steps)
+        plain_starts = [kill_run(tmp, data, args, kill_steps, forkserver=False)] if args.plain_start else []
         size = snapshot_bytes(args.model, data)
     finally:
         if args.keep:
@@ -409,6 +415,12 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     hb = heartbeat_timeout_s()
     rows = rows_for(ov, kr, size, hb)
+    for kp in plain_starts:  # the same kill with every rank started as its own interpreter
+        rows.insert(next(i for i, r in enumerate(rows) if r["measure"].startswith("restart -> contributing")) + 1, {
+            "measure": "restart -> contributing, ranks not forked (FREESCALE_FORKSERVER=off)",
+            "value": f"{kp['contributing_s']:.2f} s (to catch-up start {kp['kill_to_catch_up_start_s']:.2f} s)"
+            if kp.get("contributing_s") is not None else "never contributed", "target": "-",
+            "raw": kp.get("contributing_s")})
     print_table(rows, ["measure", "value", "target"])
     print(f"bench_ft_torchrec: {time.perf_counter() - start:.0f} s in all; kill run {kr['wall_s']:.0f} s "
           f"({kr['steps']} steps), {kr.get('contributing_steps', 0)} of them with the restarted group contributing")
@@ -430,7 +442,7 @@ def main() -> None:
             "ft": "launch --replicas 2 --nproc-per-node 1", "kill": "launch --replicas 3 --nproc-per-node 1 "
             "--max-restarts 1", "fault": kr["fault"], "slow": None, "kill_steps": kill_steps,
             "heartbeat_timeout_s": hb, **lighthouse_defaults(), "snapshot_bytes_estimate": size,
-            "overhead": ov, "kill_run": kr}, rows)
+            "overhead": ov, "kill_run": kr, "kill_run_plain_start": plain_starts[0] if plain_starts else None}, rows)
 
 
 if __name__ == "__main__":

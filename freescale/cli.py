@@ -264,9 +264,12 @@ def _launch_command(args: argparse.Namespace, overrides: list[str], command: lis
     if args.config or args.resume or overrides:
         raise ConfigError(f"launch -- {command[0]} ...: --config, --resume and config keys are for `freescale train`; "
                           "pass your script's own options after --")
+    from freescale import forkserver
+
     # Always replica groups (one is fine): the command's loop asks the lighthouse for every step.
-    return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [], lighthouse_url=args.lighthouse,
-                           command=command)
+    with forkserver.started(forkserver.LOOP_MODULES):  # `python my_loop.py` ranks forked warm
+        return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [],
+                               lighthouse_url=args.lighthouse, command=command)
 
 
 # ----- entry -----------------------------------------------------------------------------

@@ -15,14 +15,20 @@ it watches the client's end of the connection.
 
 Overlaps: the server imports while the groups' agents start; a client waits for the socket (bound
 only once the imports are done).  The server forks from a single-threaded ``selectors`` loop (no
-thread of it holds a lock at the fork) and reaps its ranks there (``SIGCHLD`` wakes the loop), so it
+Python thread of it holds a lock at the fork; the one native thread an import starts, jemalloc's
+background thread, has its own fork handlers) and reaps its ranks there (``SIGCHLD`` wakes the loop), so it
 can tell each client how its rank ended.  The pid the agent sees is the client's: the rank's own pid
 is in its group's folder (``rank_console``'s ``rank<R>.pid``) and in the log's ``start`` event.
 
-Plain start instead (the client ``exec``s ``python -m freescale.cli``, keeping its pid; one line
-says why): ``FREESCALE_FORKSERVER`` unset or ``off``, the server gone, or CUDA initialized in the
-server while importing (a forked child could not use it).  Not for a user's own command
-(``launch -- python my_loop.py``): that one is the user's process and starts as such.
+A user's own loop (``launch -- python my_loop.py ARGS`` or ``-- python -m pkg.loop ARGS``, with this
+very interpreter) is forked the same way from a server that imported ``LOOP_MODULES``: the rank runs
+the script as ``__main__`` (``runpy``) with its argv and its folder first on ``sys.path``, as
+``python my_loop.py`` would.  Any other command (another interpreter, interpreter flags, not Python)
+starts as given.
+
+Plain start instead (the client ``exec``s the interpreter command, keeping its pid; one line says
+why): ``FREESCALE_FORKSERVER=off``, the server gone, or CUDA initialized in the server while
+importing (a forked child could not use it).
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ WARM_MODULES = ("torch", "torch.distributed", "torchrec", "torchrec.distributed.
                 "freescale.pipeline", "freescale.models.dlrm", "freescale.models.hstu", "freescale.checkpoint",
                 "freescale.ft.layer", "freescale.ft.sparse_sync", "freescale.ft.catchup")
 """What ``freescale train`` imports on every start (the rest it imports when first used, as before)."""
+LOOP_MODULES = ("torch", "torch.distributed", "torchrec", "torchrec.distributed.model_parallel", "fbgemm_gpu",
+                "freescale.ft", "freescale.ft.layer", "freescale.ft.sparse_sync", "freescale.ft.catchup",
+                "freescale.ft.wrapper")
+"""What a user's own loop under ``launch -- python my_loop.py`` likely imports (torch, torchrec, the layer)."""
 CONNECT_WAIT_S = 600.0
 """How long a client waits for a live server's socket (the server is still importing)."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
@@ -65,11 +75,14 @@ class ForkServer:
         import subprocess
         import tempfile
 
-        self.directory = tempfile.mkdtemp(prefix="freescale-fork-")
-        self.path = str(Path(self.directory) / "forkserver.sock")
+        # A short path: a Unix socket's is at most 107 bytes, and TMPDIR may be long.
+        self.directory = tempfile.mkdtemp(prefix="fs-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        self.path = str(Path(self.directory) / "s")
+        # Its own session: a terminal's ^C or hang-up reaches the launcher and the agents, which stop the
+        # ranks through their clients, not the server or its ranks directly.
         self.proc = subprocess.Popen([sys.executable, "-m", "freescale.forkserver", "--serve", self.path,
-                                      ",".join(modules)],
-                                     stdin=subprocess.PIPE, env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
+                                      ",".join(modules)], stdin=subprocess.PIPE, start_new_session=True,
+                                     env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONUNBUFFERED": "1"})
 
     @property
     def env(self) -> dict[str, str]:
@@ -95,15 +108,19 @@ class ForkServer:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def started() -> contextlib.AbstractContextManager[ForkServer | None]:
+def started(modules: tuple[str, ...] = WARM_MODULES) -> contextlib.AbstractContextManager[ForkServer | None]:
     """A ``ForkServer`` for ``freescale launch`` (started first: it imports while the launcher checks the
     config and the agents start), or none under ``FREESCALE_FORKSERVER=off``."""
-    return contextlib.nullcontext() if os.environ.get(FORKSERVER_ENV) == "off" else ForkServer()
+    return contextlib.nullcontext() if _off() else ForkServer(modules)
 
 
 def running() -> bool:
     """A server was started for this process's ranks (its address is in the environment)."""
-    return os.environ.get(FORKSERVER_ENV, "off") != "off"
+    return bool(os.environ.get(FORKSERVER_ENV)) and not _off()
+
+
+def _off() -> bool:
+    return os.environ.get(FORKSERVER_ENV, "").strip().lower() in ("off", "0", "false", "no")
 
 
 # ---------------------------------------------------------------------------- the server
@@ -124,6 +141,8 @@ def serve(path: str, modules: tuple[str, ...] = WARM_MODULES) -> int:
     listener.bind(path + ".tmp")
     listener.listen(64)
     os.replace(path + ".tmp", path)  # clients connect only once everything is imported
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # it ends when its stdin does (the launcher is done or dead)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -149,10 +168,17 @@ def serve(path: str, modules: tuple[str, ...] = WARM_MODULES) -> int:
 
 
 def _fork_rank(listener: socket.socket, ranks: dict[int, socket.socket], closing: tuple[Any, int, int]) -> None:
-    conn, _ = listener.accept()
+    try:
+        conn, _ = listener.accept()
+    except OSError:
+        return  # the client gave up between connect and accept
     try:
         conn.settimeout(10)
         request, fds = _receive_request(conn)
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            raise ValueError("a request comes with the three standard streams")
         conn.settimeout(None)
     except (OSError, ValueError) as exc:  # a client that died or sent garbage: it gets nothing, the server stays
         print(f"freescale: fork server: a bad request ({exc}); refused", file=sys.stderr)
@@ -173,7 +199,10 @@ def _fork_rank(listener: socket.socket, ranks: dict[int, socket.socket], closing
     for fd in fds:
         os.close(fd)
     ranks[pid] = conn
-    _send(conn, {"pid": pid})
+    try:
+        _send(conn, {"pid": pid})
+    except OSError:
+        pass  # the client died already: the rank sees its end closed and kills itself; reaped as any other
 
 
 def _reap(ranks: dict[int, socket.socket]) -> None:
@@ -198,6 +227,7 @@ def _run_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -> N
     """In the forked child: become the rank the client asked for, run ``freescale train``, exit."""
     code = 1
     try:
+        os.setsid()  # its own process group, as torch's agent starts a rank: signalled with its children
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
@@ -208,25 +238,103 @@ def _run_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -> N
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = ["freescale", *request["argv"]]
+        _fresh_streams()
         _fresh_process_state()
         _watch_client(conn)
-        from freescale.cli import main
-
-        code = int(main(request["argv"]) or 0)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = _run_target(request["argv"])
+    except SystemExit as exc:  # as the interpreter: None is 0, an int is the code, anything else is printed
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = -signal.SIGINT  # as the interpreter: it ends by SIGINT itself
     except BaseException:  # what the interpreter would print for an uncaught error
         import traceback
 
         traceback.print_exc()
     finally:
-        import atexit
+        _exit_as_interpreter(code)
 
+
+def _exit_as_interpreter(code: int) -> None:
+    """What the interpreter does at exit: join non-daemon threads (a checkpoint writer, an executor's
+    pending work), run the ``atexit`` functions, flush the streams; then end (``-SIG``: by that signal)."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own exit step
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+    finally:
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
+
+
+def _run_target(argv: list[str]) -> int:
+    """What the rank runs, as its interpreter would have: ``freescale ARGV``, or a user's script
+    (``--script PATH ARGS``: ``python PATH ARGS``) or module (``--module NAME ARGS``: ``python -m NAME ARGS``)
+    as ``__main__``."""
+    import runpy
+
+    if argv[:1] == ["--script"]:
+        sys.argv = argv[1:]
+        sys.path[0] = str(Path(argv[1]).resolve().parent)  # what `python PATH` puts first
+        runpy.run_path(argv[1], run_name="__main__")
+        return 0
+    if argv[:1] == ["--module"]:
+        sys.argv = [argv[1], *argv[2:]]  # runpy replaces argv[0] with the module's file
+        sys.path[0] = os.getcwd()  # what `python -m` puts first
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return 0
+    from freescale.cli import main
+
+    sys.argv = ["freescale", *argv]
+    return int(main(argv) or 0)
+
+
+def plain_command(argv: list[str]) -> list[str]:
+    """The interpreter command that runs what ``argv`` asks the server for (a start without it)."""
+    if argv[:1] == ["--script"]:
+        return [sys.executable, *argv[1:]]
+    if argv[:1] == ["--module"]:
+        return [sys.executable, "-m", *argv[1:]]
+    return [sys.executable, "-m", "freescale.cli", *argv]
+
+
+def client_command(command: list[str]) -> list[str] | None:
+    """``freescale.forkserver``'s arguments for a user's rank command, or None when the server cannot run
+    it: only ``python SCRIPT ...`` and ``python -m MODULE ...`` with this very interpreter (the server's)."""
+    import shutil
+
+    found = shutil.which(command[0]) if command else None
+    # The same interpreter: a python in the launcher's own bin folder (resolving links would equate every
+    # virtual environment with its base interpreter, each with other packages).
+    same = found is not None and os.path.dirname(os.path.abspath(found)) == os.path.dirname(
+        os.path.abspath(sys.executable)) and os.path.basename(found).startswith("python")
+    if not same or len(command) < 2:
+        return None
+    if command[1] == "-m" and len(command) > 2:
+        return ["--module", *command[2:]]
+    return ["--script", *command[1:]] if not command[1].startswith("-") else None
+
+
+def _fresh_streams() -> None:
+    """``sys.stdout`` and ``sys.stderr`` as this rank's interpreter would have opened them on its descriptors:
+    unbuffered under ``PYTHONUNBUFFERED`` (what a rank prints must survive its SIGKILL), else buffered by
+    line on a terminal or for stderr, by block otherwise (the server's streams were opened for its own)."""
+    import io
+
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "w", closefd=False)
+        setattr(sys, name, io.TextIOWrapper(
+            raw if unbuffered else io.BufferedWriter(raw), encoding=old.encoding, errors=old.errors,
+            line_buffering=not unbuffered and (name == "stderr" or os.isatty(fd)), write_through=unbuffered))
 
 
 def _fresh_process_state() -> None:
@@ -253,23 +361,24 @@ def _watch_client(conn: socket.socket) -> None:
                 pass
         except OSError:
             pass
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.killpg(os.getpgid(0), signal.SIGKILL)  # the rank and anything it started
 
     threading.Thread(target=watch, name="freescale-forkserver-client", daemon=True).start()
 
 
 # ---------------------------------------------------------------------------- the client (each rank as the agent sees it)
 def run_client(argv: list[str]) -> int:
-    """Ask the server for a rank running ``freescale ARGV``; return (or die) as it ended.  Falls back to
-    a plain start (``exec``, same pid) when there is no server to ask."""
+    """Ask the server for a rank running ``freescale ARGV`` (or a user's script or module: ``_run_target``);
+    return (or die) as it ended.  Falls back to a plain start (``exec``, same pid) when there is no server
+    to ask."""
     path, why = os.environ.get(FORKSERVER_ENV, ""), ""
     conn = None
-    if path and path != "off":
+    if running():
         conn, why = _connect(path, int(os.environ.get(SERVER_PID_ENV, "0") or 0))
     if conn is None:
         if why:
             print(f"freescale: rank starts without the fork server: {why}", file=sys.stderr, flush=True)
-        os.execv(sys.executable, [sys.executable, "-m", "freescale.cli", *argv])
+        os.execv(sys.executable, plain_command(argv))
     request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     socket.send_fds(conn, [struct.pack("!I", len(request))], [0, 1, 2])
     conn.sendall(request)
@@ -277,13 +386,18 @@ def run_client(argv: list[str]) -> int:
     first = reader.readline()
     if not first:  # refused (or the server died): nothing started yet
         print("freescale: rank starts without the fork server: it refused the request", file=sys.stderr, flush=True)
-        os.execv(sys.executable, [sys.executable, "-m", "freescale.cli", *argv])
+        os.execv(sys.executable, plain_command(argv))
     pid = json.loads(first)["pid"]
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # it may have ended already
+            os.killpg(pid, signum)  # the rank's group (it is its session's leader): its children too
+
     for sig in FORWARDED:
-        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+        signal.signal(sig, forward)
     line = reader.readline()
     if not line:  # the server died first: wait for the rank itself, its status is lost with the server
-        while Path(f"/proc/{pid}").exists():
+        while _alive(pid):
             time.sleep(0.1)
         print(f"freescale: the fork server ended before rank pid {pid}; its exit status is unknown",
               file=sys.stderr)
@@ -291,8 +405,8 @@ def run_client(argv: list[str]) -> int:
     status = json.loads(line)["status"]
     if os.WIFSIGNALED(status):
         ended = os.WTERMSIG(status)
-        if ended in FORWARDED:
-            signal.signal(ended, signal.SIG_DFL)  # ours passed it on; now it ends this process too
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
+            signal.signal(ended, signal.SIG_DFL)  # forwarded or ignored until now: it ends this process too
         os.kill(os.getpid(), ended)  # the agent sees the rank's own signal (a SIGKILL stays a SIGKILL)
     return os.waitstatus_to_exitcode(status)
 
@@ -306,10 +420,18 @@ def _connect(path: str, server_pid: int) -> tuple[socket.socket | None, str]:
             return conn, ""
         except (FileNotFoundError, ConnectionRefusedError):
             conn.close()
-            if server_pid and not Path(f"/proc/{server_pid}").exists():
+            if server_pid and not _alive(server_pid):
                 return None, f"the server (pid {server_pid}) is gone"
             time.sleep(0.02)
     return None, f"no server at {path} after {CONNECT_WAIT_S:.0f} s"
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _send(conn: socket.socket, message: dict[str, Any]) -> None:
@@ -318,6 +440,15 @@ def _send(conn: socket.socket, message: dict[str, Any]) -> None:
 
 def _receive_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+    try:
+        return _request_body(conn, head), list(fds)
+    except BaseException:
+        for fd in fds:  # a bad request keeps none of the client's descriptors open here
+            os.close(fd)
+        raise
+
+
+def _request_body(conn: socket.socket, head: bytes) -> dict[str, Any]:
     while len(head) < 4:
         more = conn.recv(4 - len(head))
         if not more:
@@ -329,12 +460,10 @@ def _receive_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         if not chunk:
             raise ValueError("the client closed mid-request")
         body += chunk
-    request = json.loads(body)
-    if len(fds) != 3 or not isinstance(request, dict) or {"argv", "env", "cwd"} - set(request):
-        for fd in fds:
-            os.close(fd)
-        raise ValueError("a request needs argv, env, cwd and the three standard streams")
-    return request, list(fds)
+    request = json.loads(body)  # a ValueError if it is not JSON
+    if not isinstance(request, dict) or {"argv", "env", "cwd"} - set(request):
+        raise ValueError("a request needs argv, env and cwd")
+    return request
 
 
 def main(argv: list[str]) -> int:

@@ -107,7 +107,11 @@ def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str]
     try:
         if command:
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-            elastic_launch(config, command[0])(*command[1:])
+            forked = forkserver.client_command(list(command)) if forkserver.running() else None
+            if forked is not None:  # python my_loop.py ...: forked from the warm server too
+                elastic_launch(config, sys.executable)("-m", "freescale.forkserver", *forked)
+            else:
+                elastic_launch(config, command[0])(*command[1:])
         else:  # each rank forked from the node's warm server (``freescale.forkserver``) unless it is off
             entry = "freescale.forkserver" if forkserver.running() else "freescale.cli"
             elastic_launch(config, sys.executable)("-m", entry, "train", *train_args)

@@ -53,6 +53,9 @@ def test_signals_pass_on_and_a_killed_client_takes_its_rank_with_it(server: Fork
     orphan training on."""
     before = set(forked(server))
     terminated = client(server, "lighthouse", "--bind", "127.0.0.1:0")
+    import select
+
+    assert select.select([terminated.stdout], [], [], 30)[0], "the lighthouse never said it serves"
     assert "serving" in terminated.stdout.readline()  # type: ignore[union-attr]  # its handlers are installed
     (rank,) = set(forked(server)) - before
     terminated.send_signal(signal.SIGTERM)
@@ -87,10 +90,50 @@ def test_a_bad_request_is_refused_and_the_server_stays_up(server: ForkServer) ->
 
 
 def test_without_a_server_the_rank_starts_plain_and_says_why(tmp_path: Path) -> None:
-    env = {**cli_env(), FORKSERVER_ENV: str(tmp_path / "none.sock"), SERVER_PID_ENV: "999999999"}
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])  # a zombie until reaped: gone all the same
+    assert wait_for(lambda: Path(f"/proc/{dead.pid}/stat").read_text().split(") ")[1][0] == "Z", timeout=10)
+    env = {**cli_env(), FORKSERVER_ENV: str(tmp_path / "none.sock"), SERVER_PID_ENV: str(dead.pid)}
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "freescale.forkserver", "gen-data", "--rows", "many"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--rows" in proc.stderr
-    assert "rank starts without the fork server: the server (pid 999999999) is gone" in proc.stderr
+    assert f"rank starts without the fork server: the server (pid {dead.pid}) is gone" in proc.stderr
     assert time.monotonic() - start < 30
+    dead.wait()
+
+
+def test_a_users_script_and_module_run_as_main_with_their_arguments(server: ForkServer, tmp_path: Path) -> None:
+    """``launch -- python my_loop.py ARGS`` (or ``python -m pkg.loop ARGS``): the rank runs the script as
+    ``__main__``, with its argv and its folder first on ``sys.path``, as the interpreter would; its exit
+    code comes back."""
+    from freescale.forkserver import client_command
+
+    (tmp_path / "helper_mod.py").write_text("VALUE = 7\n")
+    script = tmp_path / "loop.py"
+    script.write_text("import sys, helper_mod\nprint(__name__, sys.argv[1:], helper_mod.VALUE)\nsys.exit(3)\n")
+    args = client_command([sys.executable, str(script), "--lr", "0.1"])
+    assert args == ["--script", str(script), "--lr", "0.1"]
+    proc = client(server, *args)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3 and out.strip() == "__main__ ['--lr', '0.1'] 7", (out, err)
+    assert client_command([sys.executable, "-u", str(script)]) is None  # interpreter flags: started plain
+    assert client_command(["/bin/sh", str(script)]) is None  # not this interpreter
+    module = client(server, *client_command([sys.executable, "-m", "json.tool", "--help"]) or [])
+    out, _ = module.communicate(timeout=30)
+    assert module.returncode == 0 and "json.tool" in out
+
+
+def test_sys_exit_codes_are_the_interpreters(server: ForkServer, tmp_path: Path) -> None:
+    """``sys.exit()`` is 0, ``sys.exit("why")`` prints why and is 1; what a rank prints under
+    ``PYTHONUNBUFFERED`` is out before it is SIGKILLed."""
+    cases = {"import sys; sys.exit()": (0, ""), "import sys; sys.exit('no data')": (1, "no data"),
+             "import os, signal; print('said', flush=False); os.kill(os.getpid(), signal.SIGKILL)":
+                 (-signal.SIGKILL, "")}
+    for i, (code, (rc, err_text)) in enumerate(cases.items()):
+        script = tmp_path / f"case{i}.py"
+        script.write_text(code + "\n")
+        proc = client(server, "--script", str(script))
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == rc and err_text in err, (code, proc.returncode, err)
+        if rc == -signal.SIGKILL:
+            assert out.strip() == "said"
