@@ -13,6 +13,15 @@ tables; int64 ids, fp32 gradients), from which ``--link-gbps`` gives the time on
 Medians of ``--repeats`` interleaved repeats.  The model beside it: ``extra(R) = slope x (R - 1)``
 fitted to the measured R > 1 (the work scales with the union's ids), printed for R up to 64.
 
+Beside it, the owner-sharded update (README: designed, **not built**), its steps timed on this one process
+for the rank at quorum position 0, the exchanges counted in bytes: ``convert`` its own step to unique
+rows with row-summed gradients; ``merge`` the rows it owns (``id % R == 0``) as every group sends them;
+``update`` them with fbgemm's own row-wise Adagrad (one single-id bag per row); ``copy_in`` every row any
+group touched (weights and accumulator, what keeps the replicas identical) into its own table.
+``owner_vs_own``: 1 + their sum over the group's own forward + backward.  The copy-in grows with the
+rows the step touched over all groups (sublinear in R for Zipf ids, not constant): the bytes column says
+what a rank receives.
+
     python benchmarks/bench_union_update.py [--quick] [--groups 1,2,3,4,8,12] [--json PATH]
 """
 
@@ -56,6 +65,64 @@ def fwd_bwd(tbe: Any, ids: torch.Tensor, offsets: torch.Tensor, dim: int) -> flo
     return time.perf_counter() - start
 
 
+def row_summed(ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's step as (unique row ids, each row's summed gradient): sum pooling's per-id gradient is
+    its bag's, and fbgemm's update sums a row's gradients within a batch anyway."""
+    bag_of_id = torch.repeat_interleave(torch.arange(offsets.numel() - 1), offsets.diff())
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    summed = torch.zeros(unique.numel(), grad.shape[1]).index_add_(0, inverse, grad[bag_of_id])
+    return unique, summed
+
+
+def owner_sharded(tbe: Any, groups: int, bags: int, per_bag: int, rows: int, dim: int, seed: int) -> dict[str, float]:
+    """The owner-sharded update's work on the rank at quorum position 0 (its compute, on one process; the
+    exchanges as bytes): ``convert`` its own step to row-summed unique rows; ``merge`` the rows it owns
+    (``id % R == 0``) as every group sends them (their row-summed gradients, summed); ``update`` them with
+    fbgemm's own row-wise Adagrad (one single-id bag per row); ``copy_in`` every updated row of the step,
+    the weights and the accumulator, into its own table (what keeps the replicas identical).  Returns
+    milliseconds per phase and the bytes the rank receives."""
+    ids, offsets = lookups(groups, bags, per_bag, rows, seed)
+    per_group = bags * per_bag
+    grad = torch.ones(groups * bags, dim) * 1e-3
+    parts = [row_summed(ids[g * per_group:(g + 1) * per_group],
+                        offsets[g * bags:(g + 1) * bags + 1] - g * per_group, grad[g * bags:(g + 1) * bags])
+             for g in range(groups)]
+    start = time.perf_counter()
+    row_summed(ids[:per_group], offsets[:bags + 1], grad[:bags])
+    convert = time.perf_counter() - start
+    start = time.perf_counter()
+    mine = [(u[u % groups == 0], gsum[u % groups == 0]) for u, gsum in parts]
+    owned, inverse = torch.unique(torch.cat([u for u, _ in mine]), return_inverse=True)
+    merged = torch.zeros(owned.numel(), dim).index_add_(0, inverse, torch.cat([gsum for _, gsum in mine]))
+    merge = time.perf_counter() - start
+    start = time.perf_counter()
+    out = tbe(owned, torch.arange(owned.numel() + 1, dtype=torch.int64))
+    out.backward(merged)
+    update = time.perf_counter() - start
+    touched = torch.unique(torch.cat([u for u, _ in parts]))
+    new_rows, new_state = torch.randn(touched.numel(), dim), torch.rand(touched.numel())
+    weights, (state,) = tbe.split_embedding_weights()[0], tbe.split_optimizer_states()[0]
+    start = time.perf_counter()
+    weights.index_copy_(0, touched, new_rows)
+    state.index_copy_(0, touched, new_state)
+    copy_in = time.perf_counter() - start
+    received = (touched.numel() - owned.numel()) * (8 + 4 * (dim + 1)) + sum(
+        u.numel() for u, _ in mine[1:]) * (8 + 4 * dim)
+    return {"convert_ms": convert * 1e3, "merge_ms": merge * 1e3, "update_ms": update * 1e3,
+            "copy_in_ms": copy_in * 1e3, "touched_rows": float(touched.numel()), "received_bytes": float(received)}
+
+
+def owner_row(runs: list[dict[str, float]], own: float, link_gbps: float) -> dict[str, Any]:
+    """The owner-sharded design's medians beside the union's: its added work per step (all four phases:
+    none of it is work a job without fault tolerance does) over the group's own update."""
+    med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+    added = med["convert_ms"] + med["merge_ms"] + med["update_ms"] + med["copy_in_ms"]
+    return {"owner_ms": round(added, 2), "owner_vs_own": round(1 + added / (own * 1e3), 2),
+            **{f"owner_{k}": round(v, 2) for k, v in med.items() if k.endswith("_ms")},
+            "owner_rows_touched": int(med["touched_rows"]), "owner_received_MB": round(med["received_bytes"] / 1e6, 2),
+            "owner_link_ms": round(med["received_bytes"] / (link_gbps * 1e9) * 1e3, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", default="1,2,3,4,8,12")
@@ -78,6 +145,10 @@ def main() -> None:
     for r in range(args.repeats):
         for g in groups:  # interleaved: the machine's drift lands on every R alike
             times[g].append(fwd_bwd(tbe, *lookups(g, args.bags, args.per_bag, args.rows, 100 * r + g), args.dim))
+    designs: dict[int, list[dict[str, float]]] = {g: [] for g in groups}
+    for r in range(args.repeats):
+        for g in groups:
+            designs[g].append(owner_sharded(tbe, g, args.bags, args.per_bag, args.rows, args.dim, 100 * r + g))
     own = float(np.median(times[1])) if 1 in times else float(np.median(
         [fwd_bwd(tbe, *lookups(1, args.bags, args.per_bag, args.rows, 7), args.dim) for _ in range(args.repeats)]))
     per_group_bytes = args.bags * args.per_bag * 8 + args.bags * args.dim * 4
@@ -89,7 +160,8 @@ def main() -> None:
                      "spread_ms": f"{min(times[g]) * 1e3:.1f}..{max(times[g]) * 1e3:.1f}",
                      "extra_ms": round((union - own) * 1e3, 2), "union_vs_own": round(union / own, 2),
                      "received_MB": round(received / 1e6, 2),
-                     "link_ms": round(received / (args.link_gbps * 1e9) * 1e3, 3), "kind": "measured"})
+                     "link_ms": round(received / (args.link_gbps * 1e9) * 1e3, 3), "kind": "measured",
+                     **owner_row(designs[g], own, args.link_gbps)})
     fit = [(row["groups"] - 1, row["extra_ms"]) for row in rows if row["groups"] > 1]
     if fit:  # least squares through the origin: extra(R) = slope x (R - 1)
         per_extra = sum(x * y for x, y in fit) / sum(x * x for x, _ in fit)
@@ -102,6 +174,11 @@ def main() -> None:
                          "kind": f"modeled: (R-1) x {per_extra:.2f} ms"})
     print_table(rows, ["groups", "kind", "own_ms", "union_ms", "spread_ms", "extra_ms", "union_vs_own",
                        "received_MB", "link_ms"])
+    print("owner-sharded update (designed, not built: its steps' compute on this process, its bytes counted):")
+    print_table([r for r in rows if "owner_ms" in r], ["groups", "owner_convert_ms", "owner_merge_ms",
+                                                      "owner_update_ms", "owner_copy_in_ms", "owner_ms",
+                                                      "owner_vs_own", "owner_rows_touched", "owner_received_MB",
+                                                      "owner_link_ms"])
     print(f"one TBE: {args.rows:,} rows x {args.dim}, row-wise Adagrad, CPU, 1 thread; {args.bags:,} bags x "
           f"{args.per_bag} Zipf ids per group; link {args.link_gbps} GB/s for the all-gather's bytes")
     if args.json:

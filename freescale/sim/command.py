@@ -161,7 +161,8 @@ def print_comparison(comparison: list[dict[str, Any]]) -> None:
             "as designed": f"{c['as_designed_minus_torchft_pts']:+.2f} ({c['as_designed_verdict']})"}
            for c in comparison], ["gpus", "torchft-like", "as built", "as designed"])
     print(f"'{AS_DESIGNED}' keeps a slow replica at a reduced share once detected (slow_detect_s) and updates each "
-          "embedding row on its owner only (per-rank work independent of the groups): both designed, NOT built; "
+          "embedding row on its owner only (owner_extra_*: its steps measured on one CPU process): both designed, "
+          "NOT built; "
           f"'{AS_BUILT}' (slow_detect_s = inf; every group applies every group's embedding update, its step growing "
           "with the groups: sparse_update_share x union_extra_per_group per group beyond two) is what the code does "
           "today. A lead that only the as-designed row has rests on the unbuilt features. torchft-like carries no "

@@ -13,8 +13,8 @@ freescale appears twice: **as built** (a slow replica sets everyone's pace, as u
 the loader does not plan by speed yet; every group applies every group's embedding update, the
 union update, so its step grows with the replica groups: ``union_overhead``) and **as designed**
 (a slow replica, once detected, kept at a reduced share: DESIGN.md "fail-slow"; and the
-owner-sharded embedding update, whose per-rank work does not grow with the groups: README; neither
-built).  Any lead that only the second row has rests on the unbuilt features.
+owner-sharded embedding update, whose added work grows less per group: ``owner_overhead``, its
+steps measured on one process by ``bench_union_update.py``; neither built).  Any lead that only the second row has rests on the unbuilt features.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def measured(results: Path) -> dict[str, Sourced]:
              - _field(tr, f"{kr}.catch_up.bytes", tr_file) / rate)
     return {
         "union_extra_per_group": union_extra_per_group(results / "union_update_cpu.json"),
+        **owner_extra(results / "union_update_cpu.json"),
         "kill_to_commit_s": m(tr_file, tr, f"{kr}.kill_s"),
         "torchft_kill_to_commit_s": m(ft_file, ft, f"rows.{kill_i}.torchft_raw"),
         "restart_to_catchup_s": m(tr_file, tr, f"{kr}.kill_to_catch_up_start_s", toy,
@@ -138,12 +139,43 @@ def union_extra_per_group(file: Path) -> Sourced:
                    "the ratio, not the milliseconds, is what scales", "measured")
 
 
+def owner_extra(file: Path) -> dict[str, Sourced]:
+    """The owner-sharded update's added work (designed, not built) as a fraction of a group's own embedding
+    update: ``owner_vs_own - 1`` of ``bench_union_update.py``'s measured rows fitted as ``at_2 + per_group x
+    (R - 2)`` (least squares over R >= 2): its steps timed on one process, the exchanges not."""
+    doc = _load(file)
+    fit = [(r["groups"] - 2, r["owner_vs_own"] - 1) for r in doc.get("rows", [])
+           if r.get("kind") == "measured" and r.get("groups", 0) >= 2 and "owner_vs_own" in r]
+    if len(fit) < 2:
+        raise SimError(f"{file}: needs the owner-sharded columns for two or more group counts >= 2; re-run "
+                       "benchmarks/bench_union_update.py")
+    n, sx, sy = len(fit), sum(x for x, _ in fit), sum(y for _, y in fit)
+    slope = (n * sum(x * y for x, y in fit) - sx * sy) / (n * sum(x * x for x, _ in fit) - sx * sx)
+    at_2 = (sy - slope * sx) / n
+    where = f"{file.name}: owner_vs_own - 1 fitted on R = {', '.join(str(x + 2) for x, _ in fit)}"
+    return {"owner_extra_at_2": Sourced(at_2, f"{where}: at R = 2 (its steps on one CPU process; designed, not built)",
+                                        "measured"),
+            "owner_extra_per_group": Sourced(slope, f"{where}: per group beyond two", "measured")}
+
+
+def update_overhead(base: float, share: float, extra: float) -> float:
+    """The throughput lost at a replica count whose embedding update adds ``extra`` of a group's own update
+    beyond what the measured two-group FT overhead ``base`` holds, that update being ``share`` of a step: the
+    step takes ``1 + share * extra`` times as long as the measured one."""
+    return 1.0 - (1.0 - base) / (1.0 + share * extra)
+
+
 def union_overhead(base: float, share: float, per_group: float, replicas: int) -> float:
-    """The throughput the union update costs at ``replicas`` groups: the measured FT overhead ``base`` (a
-    two-group run: it holds one other group's union work already), and each group beyond two adds
-    ``per_group`` of the group's own embedding update, ``share`` of its step: the step takes
-    ``1 + share * per_group * (R - 2)`` times as long."""
-    return 1.0 - (1.0 - base) / (1.0 + share * per_group * max(0, replicas - 2))
+    """As built: each group beyond two adds ``per_group`` of the group's own update (the two-group run
+    holds one other group's union work already)."""
+    return update_overhead(base, share, per_group * max(0, replicas - 2))
+
+
+def owner_overhead(x: dict[str, float], replicas: int) -> float:
+    """As designed: the owner-sharded update's added work at ``replicas`` groups in place of the union's
+    at two (which the measured ``overhead`` holds)."""
+    extra = x["owner_extra_at_2"] + x["owner_extra_per_group"] * max(0, replicas - 2) - x["union_extra_per_group"]
+    return update_overhead(x["overhead"], x["sparse_update_share"], extra)
 
 
 def _ft_timeout_default() -> float:
@@ -284,7 +316,7 @@ def scenario(gpus: int, v: dict[str, Sourced], replicas: int | None = None) -> t
                       {"crash": x["kill_to_commit_s"], "hang": x["freescale_hang_detect_s"], "slow": x["slow_detect_s"]},
                       restart_s=group_restart, reconfigure_s=x["reconfigure_s"], catchup_gbps=x["catchup_gbps"],
                       replay_s=x["catchup_fixed_s"], catchup_slowdown=x["catchup_slowdown"],
-                      overhead=x["overhead"], **ckpt)  # owner-sharded update (not built): the overhead of 2 groups
+                      overhead=owner_overhead(x, groups), **ckpt)  # the owner-sharded update: not built
     built = replace(designed, name=AS_BUILT, detect_s={**designed.detect_s, "slow": INF},
                     overhead=union_overhead(x["overhead"], x["sparse_update_share"], x["union_extra_per_group"], groups))
     return cluster, [sync, torchft, built, designed]
