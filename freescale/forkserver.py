@@ -130,10 +130,9 @@ def serve(path: str, modules: tuple[str, ...] = WARM_MODULES) -> int:
 
     for name in modules:
         importlib.import_module(name)
-    import torch
-
-    if torch.cuda.is_initialized():
-        print("freescale: fork server: CUDA was initialized while importing; ranks start plain", file=sys.stderr)
+    why = _cuda_unforkable()
+    if why:
+        print(f"freescale: fork server: {why}; ranks start plain", file=sys.stderr)
         return 1
     sys.stdout.flush()
     sys.stderr.flush()
@@ -165,6 +164,28 @@ def serve(path: str, modules: tuple[str, ...] = WARM_MODULES) -> int:
     finally:
         listener.close()
         Path(path).unlink(missing_ok=True)
+
+
+def _cuda_unforkable() -> str:
+    """Why a forked rank could not use CUDA, or "" when it can (or there is no GPU): torch initialized CUDA
+    while importing, or a probe child forked now fails to create a CUDA tensor (a library that initialized
+    the driver behind torch's back).  ``PYTORCH_NVML_BASED_CUDA_CHECK`` (set by ``ForkServer``) keeps
+    ``is_available`` itself from initializing it.  Not yet run on a GPU machine."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return "CUDA was initialized while importing"
+    if not torch.cuda.is_available():
+        return ""
+    probe = os.fork()
+    if probe == 0:
+        try:
+            torch.zeros(1, device="cuda").add_(1)
+            os._exit(0)
+        except BaseException:  # any failure means the same: forked ranks cannot use CUDA
+            os._exit(1)
+    _, status = os.waitpid(probe, 0)
+    return "" if os.waitstatus_to_exitcode(status) == 0 else "a forked process cannot use CUDA here"
 
 
 def _fork_rank(listener: socket.socket, ranks: dict[int, socket.socket], closing: tuple[Any, int, int]) -> None:
