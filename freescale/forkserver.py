@@ -360,15 +360,17 @@ def _fresh_streams() -> None:
 
 def _fresh_process_state() -> None:
     """What a new interpreter would have had differently from the server: torch's intra-op threads from
-    this rank's ``OMP_NUM_THREADS`` (OpenMP read the server's at import), fresh random seeds."""
-    import random
-
+    this rank's ``OMP_NUM_THREADS`` (OpenMP read the server's at import), and numpy's global generator
+    seeded afresh (numpy seeds it from the OS once, at import: every rank forked from one server would
+    draw the same numbers; Python's ``random`` re-seeds itself after a fork; torch's default seed is a
+    constant in every interpreter anyway)."""
     import torch
 
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
 
 
 def _watch_client(conn: socket.socket) -> None:

@@ -1,6 +1,6 @@
 """Ranks forked from the warm server (``freescale.forkserver``): real server and client processes.
 
-The server here imports nothing heavy (its module list is a parameter); its ranks run light
+The server here imports only the CLI and numpy (its module list is a parameter); its ranks run light
 ``freescale`` commands: ``lighthouse`` (runs until signalled) and ``gen-data`` with a bad flag (exits
 2 with one line).  ``freescale launch`` runs every other multi-rank test through the real server.
 """
@@ -24,7 +24,7 @@ from tests.procs import wait_for
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ForkServer]:
-    with ForkServer(modules=("freescale.cli",)) as started:
+    with ForkServer(modules=("freescale.cli", "numpy.random")) as started:
         assert wait_for(lambda: Path(started.path).exists(), timeout=30), "the server never listened"
         yield started
 
@@ -127,6 +127,7 @@ def test_sys_exit_codes_are_the_interpreters(server: ForkServer, tmp_path: Path)
     """``sys.exit()`` is 0, ``sys.exit("why")`` prints why and is 1; what a rank prints under
     ``PYTHONUNBUFFERED`` is out before it is SIGKILLed."""
     cases = {"import sys; sys.exit()": (0, ""), "import sys; sys.exit('no data')": (1, "no data"),
+             "import numpy, sys; print(numpy.random.randint(1 << 30), file=sys.stderr)": (0, ""),
              "import os, signal; print('said', flush=False); os.kill(os.getpid(), signal.SIGKILL)":
                  (-signal.SIGKILL, "")}
     for i, (code, (rc, err_text)) in enumerate(cases.items()):
@@ -137,3 +138,6 @@ def test_sys_exit_codes_are_the_interpreters(server: ForkServer, tmp_path: Path)
         assert proc.returncode == rc and err_text in err, (code, proc.returncode, err)
         if rc == -signal.SIGKILL:
             assert out.strip() == "said"
+        if "numpy" in code:  # numpy's global generator: seeded afresh in every rank, not the server's state
+            again = client(server, "--script", str(script))
+            assert again.communicate(timeout=30)[1] != err
