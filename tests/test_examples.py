@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def test_user_loop_survives_a_sigkill_and_catches_up(tmp_path: Path) -> None:
-    steps, batch = 150, 16
+    steps, batch = 100, 16
     env = {**cli_env(), FAULTS_ENV: "1:1:8:reduce:0,*:*:0:away:300"}
     proc = subprocess.run([sys.executable, "examples/user_loop_ft.py", "--replicas", "2", "--ranks-per-replica", "2",
                            "--steps", str(steps), "--batch", str(batch), "--out", str(tmp_path)],
