@@ -269,10 +269,8 @@ def _run_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -> N
             print(exc.code, file=sys.stderr)
     except KeyboardInterrupt:
         code = -signal.SIGINT  # as the interpreter: it ends by SIGINT itself
-    except BaseException:  # what the interpreter would print for an uncaught error
-        import traceback
-
-        traceback.print_exc()
+    except BaseException:  # as the interpreter: sys.excepthook reports it (freescale.ft.wrap's gives one line
+        sys.excepthook(*sys.exc_info())  # for a peer's failure under the agent; Python's prints the traceback)
     finally:
         _exit_as_interpreter(code)
 

@@ -141,3 +141,14 @@ def test_sys_exit_codes_are_the_interpreters(server: ForkServer, tmp_path: Path)
         if "numpy" in code:  # numpy's global generator: seeded afresh in every rank, not the server's state
             again = client(server, "--script", str(script))
             assert again.communicate(timeout=30)[1] != err
+
+
+def test_an_uncaught_error_goes_through_sys_excepthook(server: ForkServer, tmp_path: Path) -> None:
+    """As in an interpreter: ``freescale.ft.wrap`` installs a hook that reports a peer's failure in one
+    line; a forked rank must call it, not print the traceback itself."""
+    script = tmp_path / "hooked.py"
+    script.write_text("import sys\nsys.excepthook = lambda kind, value, tb: print('hooked:', value, file=sys.stderr)\n"
+                      "raise RuntimeError('a peer failed')\n")
+    proc = client(server, "--script", str(script))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and err.strip() == "hooked: a peer failed", err
