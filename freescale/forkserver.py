@@ -196,10 +196,6 @@ def _fork_rank(listener: socket.socket, ranks: dict[int, socket.socket], closing
     try:
         conn.settimeout(10)
         request, fds = _receive_request(conn)
-        if len(fds) != 3:
-            for fd in fds:
-                os.close(fd)
-            raise ValueError("a request comes with the three standard streams")
         conn.settimeout(None)
     except (OSError, ValueError) as exc:  # a client that died or sent garbage: it gets nothing, the server stays
         print(f"freescale: fork server: a bad request ({exc}); refused", file=sys.stderr)
@@ -418,7 +414,7 @@ def run_client(argv: list[str]) -> int:
         signal.signal(sig, forward)
     line = reader.readline()
     if not line:  # the server died first: wait for the rank itself, its status is lost with the server
-        while _alive(pid):
+        while alive(pid):
             time.sleep(0.1)
         print(f"freescale: the fork server ended before rank pid {pid}; its exit status is unknown",
               file=sys.stderr)
@@ -441,13 +437,13 @@ def _connect(path: str, server_pid: int) -> tuple[socket.socket | None, str]:
             return conn, ""
         except (FileNotFoundError, ConnectionRefusedError):
             conn.close()
-            if server_pid and not _alive(server_pid):
+            if server_pid and not alive(server_pid):
                 return None, f"the server (pid {server_pid}) is gone"
             time.sleep(0.02)
     return None, f"no server at {path} after {CONNECT_WAIT_S:.0f} s"
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -462,7 +458,10 @@ def _send(conn: socket.socket, message: dict[str, Any]) -> None:
 def _receive_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     head, fds, _, _ = socket.recv_fds(conn, 4, 3)
     try:
-        return _request_body(conn, head), list(fds)
+        request = _request_body(conn, head)  # read whole first: closing on unread bytes resets the client
+        if len(fds) != 3:
+            raise ValueError("a request comes with the three standard streams")
+        return request, list(fds)
     except BaseException:
         for fd in fds:  # a bad request keeps none of the client's descriptors open here
             os.close(fd)

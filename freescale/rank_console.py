@@ -63,12 +63,13 @@ def install(output_dir: str, replica_id: str | None) -> Path:
 def rank_pid(output_dir: str | Path, replica_id: str | None, rank: int) -> int | None:
     """The pid of ``rank`` (of replica group ``replica_id``) of the run writing to ``output_dir``, while
     that process runs (not a dead incarnation's, not a zombie), else None."""
+    from freescale.forkserver import alive
+
     try:
         pid = int((Path(output_dir) / (replica_id or "") / f"rank{rank}.pid").read_text())
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError):
         return None
-    return None if state in ("Z", "X") else pid
+    return pid if alive(pid) else None
 
 
 def peer_failure(exc: BaseException) -> bool:
