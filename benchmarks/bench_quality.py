@@ -18,6 +18,13 @@ Ranking (AUC of ``rating >= 4`` on the held-out interactions, on a log of ``--ra
 the HSTU ranker has not learned the three-taste log yet, see the README):
   user + item rate     the user's training like-rate plus the item's (add-one smoothed)
   HSTU + time          ``model.task = ranking``, ``--ranking-steps``
+Bounds (what the log allows: the generator's own odds, ``gen-log``'s ``next_item_odds`` / ``like_odds``
+with each user's true tastes; no model of the log can beat them):
+  generator's odds            next item: successor or a fresh draw, at the prior chance of a new session
+  generator's odds + gap      the same given the gap to the held-out interaction (what a time bias can add)
+  generator's like odds       ranking: 0.8 if the item's category is one the user prefers, else 0.2
+Each model's "share" is how much of the room between last-item co-occurrence and the gap-aware bound
+it covers (on MRR and HR@10): the margin stated against what the log allows.
 Every HSTU at ``--embedding-dim`` (64), the last 50 items of history; and the time per training step
 of retrieval vs ranking (median over the steps after the first).
 
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -38,15 +46,18 @@ from typing import Any
 
 import numpy as np
 import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import torch
 from common import write_json
 
+from freescale.dataloader.synthetic_log import LogSpec, like_odds, next_item_odds
 from freescale.metrics import click_metrics
 from freescale.retrieval import rank_metrics
 from freescale.tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
 SHOWN = ("hr@10", "ndcg@10", "mrr")
+SHARES = ("share hr@10", "share mrr")
 
 
 def make_dataset(root: Path, seed: int, args: argparse.Namespace, tastes: int) -> Path:
@@ -100,6 +111,37 @@ def retrieval_baselines(data: Path, num_items: int) -> dict[str, dict[str, float
     out["last-item co-occurrence"] = ranked(follows[items[evaluate - 1]] + popularity / (popularity.max() + 1), target)
     out["transitions + history kNN"] = ranked(history_knn(u, evaluate, follows, popularity), target)
     return out
+
+
+def spec_of(args: argparse.Namespace, seed: int, tastes: int) -> LogSpec:
+    """The ``gen-log`` spec ``make_dataset`` wrote (the CLI's defaults elsewhere)."""
+    return LogSpec(users=args.users, items=args.items, successor=args.successor, tastes=tastes, seed=seed)
+
+
+def last_interactions(log: Path) -> dict[str, np.ndarray]:
+    """Each user's held-out (last) interaction in the raw log, 0-based ids as drawn, with the one before."""
+    table = pq.read_table(log, columns=["userId", "movieId", "rating", "timestamp"])
+    user, item, rating, time = (table.column(c).to_numpy() for c in ("userId", "movieId", "rating", "timestamp"))
+    order = np.lexsort((time, user))
+    user, item, rating, time = user[order] - 1, item[order] - 1, rating[order], time[order]
+    last = np.r_[np.flatnonzero(np.diff(user)), user.size - 1]
+    return {"user": user[last], "item": item[last], "label": (rating[last] >= 4).astype(np.float32),
+            "previous": item[last - 1], "gap": (time[last] - time[last - 1]).astype(np.float64)}
+
+
+def bounds(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The generator's own odds on the held-out interactions (module docstring), retrieval and ranking."""
+    rows = []
+    held = last_interactions(root / f"log{seed}-{args.tastes}.parquet")
+    spec = spec_of(args, seed, args.tastes)
+    for name, gaps in (("generator's odds (bound)", None), ("generator's odds + gap (bound)", held["gap"])):
+        odds = next_item_odds(spec, held["user"], held["previous"], gaps)
+        rows.append({"seed": seed, "task": "retrieval", "model": name, **ranked(odds, held["item"])})
+    held = last_interactions(root / f"log{seed}-{args.ranking_tastes}.parquet")
+    score = like_odds(spec_of(args, seed, args.ranking_tastes), held["user"], held["item"])
+    auc = click_metrics(torch.from_numpy(score), torch.from_numpy(held["label"])).auc
+    rows.append({"seed": seed, "task": "ranking", "model": "generator's like odds (bound)", "auc": auc})
+    return rows
 
 
 def ranking_baseline(data: Path, num_items: int) -> float:
@@ -166,6 +208,18 @@ def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, 
                    "--model.hstu.relative_bias=position_time")
     rows.append({"seed": seed, "task": "ranking", "model": "HSTU + time", "auc": result["auc"],
                  "step_ms": result["step_ms"]})
+    return with_shares(rows + bounds(root, seed, args))
+
+
+def with_shares(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One seed's retrieval rows with ``share mrr`` / ``share hr@10``: (model - co-occurrence) / (gap-aware
+    bound - co-occurrence), the part of what the log allows beyond the last item that a model reaches."""
+    by_model = {r["model"]: r for r in rows if r["task"] == "retrieval"}
+    low, high = by_model["last-item co-occurrence"], by_model["generator's odds + gap (bound)"]
+    for row in by_model.values():
+        for metric in ("mrr", "hr@10"):
+            room = high[metric] - low[metric]
+            row[f"share {metric}"] = (row[metric] - low[metric]) / room if room > 0 else math.nan
     return rows
 
 
@@ -175,7 +229,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for key in dict.fromkeys((r["task"], r["model"]) for r in rows):
         mine = [r for r in rows if (r["task"], r["model"]) == key]
         entry: dict[str, Any] = {"task": key[0], "model": key[1], "seeds": len(mine)}
-        for metric in (*SHOWN, "auc", "step_ms"):
+        for metric in (*SHOWN, *SHARES, "auc", "step_ms"):
             values = [r[metric] for r in mine if metric in r]
             if values:
                 entry[metric] = f"{statistics.mean(values):.4f}" + (
@@ -207,7 +261,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="freescale-quality-") as tmp:
         rows = [row for seed in range(args.seeds) for row in run_seed(Path(tmp), seed, args)]
     table = summarize(rows)
-    print_table(table, ["task", "model", "seeds", *SHOWN, "auc", "step_ms"])
+    print_table(table, ["task", "model", "seeds", *SHOWN, *SHARES, "auc", "step_ms"])
     if args.json:
         write_json(args.json, "quality", vars(args), rows)
 

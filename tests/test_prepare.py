@@ -371,3 +371,38 @@ def test_a_glob_stays_in_its_directory_and_the_split_is_checked_before_reading(t
     assert report.interactions_read == 4
     with pytest.raises(DataError, match=r"^--split time:--5: not an ISO date/time or epoch seconds$"):
         prepare(PrepareSpec(input=str(tmp_path / "nowhere"), out=str(tmp_path / "p"), columns=cols, split="time:--5"))
+
+
+def test_the_generators_own_odds_score_its_log_best() -> None:
+    """``next_item_odds`` / ``like_odds`` (the bounds ``bench_quality`` states margins against) are the log's
+    own law: each row sums to 1, and the log's actual next items are likelier under them than under the odds
+    of a log made with other settings (a proper scoring rule: only the true law maximizes it); the gap makes
+    them likelier still; like odds match the ratings."""
+    from dataclasses import replace
+
+    from freescale.dataloader.synthetic_log import LogSpec, interactions, like_odds, next_item_odds
+
+    spec = LogSpec(users=150, items=180, categories=6, successor=0.6, new_session=0.25, tastes=2, seed=3)
+    log = interactions(spec).sort_by([("userId", "ascending"), ("timestamp", "ascending")])
+    user, item, time = (log.column(c).to_numpy() for c in ("userId", "movieId", "timestamp"))
+    user, item = user - 1, item - 1
+    at = np.flatnonzero(user[1:] == user[:-1]) + 1  # every interaction after a user's first
+    gaps = (time[at] - time[at - 1]).astype(np.float64)
+
+    def log_likelihood(s: LogSpec, with_gap: bool = True) -> float:
+        odds = next_item_odds(s, user[at], item[at - 1], gaps if with_gap else None)
+        assert np.allclose(odds.sum(1), 1.0)
+        return float(np.log(odds[np.arange(at.size), item[at]]).mean())
+
+    truth = log_likelihood(spec)
+    assert truth > log_likelihood(spec, with_gap=False) + 0.05
+    for other in (replace(spec, successor=0.45), replace(spec, successor=0.75), replace(spec, on_topic=0.55),
+                  replace(spec, on_topic=0.85), replace(spec, seed=4)):
+        assert truth > log_likelihood(other), other
+    # Without the gap, the prior chance of a new session matters (with it, the gap all but decides).
+    assert log_likelihood(spec, with_gap=False) > log_likelihood(replace(spec, new_session=0.1), with_gap=False)
+    high = log.column("rating").to_numpy() >= 4
+    odds = like_odds(spec, user, item)
+    assert set(np.unique(odds)) == {0.2, 0.8}
+    for value in (0.2, 0.8):
+        assert abs(high[odds == value].mean() - value) < 0.03
