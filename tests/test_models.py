@@ -144,3 +144,27 @@ def test_retrieval_model_learns_next_items_and_hands_queries_to_evaluation(tiny_
     assert query.shape == (int(has.sum()), cfg.hstu.embedding_dim)
     assert torch.allclose(query.norm(dim=1), torch.ones(query.shape[0]))
     assert torch.equal(target, batch.sparse["candidate_item_id"].values()[has])
+
+
+def test_the_ranking_head_reads_the_history_candidate_product() -> None:
+    """``history_cross``: after the candidate's output, the sequence hands the head
+    ``LayerNorm(mean history embedding) * LayerNorm(candidate embedding)`` per sample (an empty history:
+    zeros), so the head is ``embedding_dim`` wider; off, the output alone."""
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    from freescale.models.hstu import HSTUConfig, HSTUSequence
+
+    torch.manual_seed(0)
+    d, lengths = 8, torch.tensor([3, 0, 1])
+    history, candidate = torch.randn(4, d), torch.randn(3, d)
+    jagged = JaggedTensor(values=history, lengths=lengths), JaggedTensor(values=candidate, lengths=torch.ones(3).long())
+    crossed = HSTUSequence(HSTUConfig(embedding_dim=d), 8)
+    plain = HSTUSequence(HSTUConfig(embedding_dim=d, history_cross=False), 8)
+    plain.load_state_dict(crossed.state_dict())  # no parameters of its own
+    out = crossed(*jagged)
+    assert out.shape == (3, 2 * d)
+    torch.testing.assert_close(out[:, :d], plain(*jagged))
+    means = torch.stack([history[:3].mean(0), torch.zeros(d), history[3]])
+    expected = torch.nn.functional.layer_norm(means, (d,)) * torch.nn.functional.layer_norm(candidate, (d,))
+    torch.testing.assert_close(out[:, d:], expected)
+    assert out[1, d:].abs().max() == 0
