@@ -57,7 +57,7 @@ import pyarrow.parquet as pq
 import torch
 from common import write_json
 
-from freescale.dataloader.synthetic_log import LogSpec, like_odds, next_item_odds
+from freescale.dataloader.synthetic_log import LogSpec, like_odds, next_item_odds, write_log
 from freescale.metrics import click_metrics
 from freescale.retrieval import rank_metrics
 from freescale.tables import print_table
@@ -77,11 +77,10 @@ def prepare(log: Path, data: Path, user: str = "userId", item: str = "movieId", 
 
 
 def make_dataset(root: Path, seed: int, args: argparse.Namespace, tastes: int) -> Path:
+    """The generated log of ``spec_of`` (what ``freescale gen-log`` writes), prepared."""
     log, data = root / f"log{seed}-{tastes}.parquet", root / f"data{seed}-{tastes}"
     if not log.exists():
-        subprocess.run([sys.executable, "-m", "freescale.cli", "gen-log", "--out", str(log), "--users",
-                        str(args.users), "--items", str(args.items), "--successor", str(args.successor),
-                        "--tastes", str(tastes), "--seed", str(seed)], check=True, capture_output=True, cwd=REPO)
+        write_log(log, spec_of(args, seed, tastes))
     return prepare(log, data)
 
 
@@ -146,7 +145,7 @@ def retrieval_baselines(data: Path, num_items: int) -> dict[str, dict[str, float
 
 
 def spec_of(args: argparse.Namespace, seed: int, tastes: int) -> LogSpec:
-    """The ``gen-log`` spec ``make_dataset`` wrote (the CLI's defaults elsewhere)."""
+    """The log's spec: the bench's ``--users --items --successor``, ``tastes`` and the seed, ``gen-log``'s defaults elsewhere."""
     return LogSpec(users=args.users, items=args.items, successor=args.successor, tastes=tastes, seed=seed)
 
 

@@ -101,8 +101,7 @@ def interactions(spec: LogSpec) -> pa.Table:
     item = category + k * rank
     if spec.successor > 0:
         return _in_sessions(spec, rng, counts, owner, preferred, item)
-    liked = (category[:, None] == preferred[owner]).any(axis=1)
-    high = rng.random(total) < np.where(liked, HIGH_IF_LIKED, HIGH_IF_NOT)
+    high = rng.random(total) < _like_chance(spec, preferred[owner], item)
     rating = np.where(high, rng.integers(4, 6, total), rng.integers(1, 4, total)).astype(np.float64)
     start = rng.integers(956_703_932, 1_046_454_590, spec.users)  # MovieLens 1M's span of time
     gaps = rng.exponential(7_200.0, total).astype(np.int64) + 1
@@ -120,7 +119,7 @@ def _in_sessions(spec: LogSpec, rng: np.random.Generator, counts: np.ndarray, ow
                  preferred: np.ndarray, fresh: np.ndarray) -> pa.Table:
     """``successor > 0`` (module docstring): each user's interactions in order, position by position
     over all users at once; ``fresh`` holds the independent draws a non-successor interaction takes."""
-    k, total = spec.categories, owner.size
+    total = owner.size
     first = np.concatenate([[0], np.cumsum(counts)[:-1]])
     item = fresh.copy()
     new_session = rng.random(total) < spec.new_session
@@ -134,8 +133,7 @@ def _in_sessions(spec: LogSpec, rng: np.random.Generator, counts: np.ndarray, ow
     start = rng.integers(956_703_932, 1_046_454_590, spec.users)
     clock = np.cumsum(gaps)
     timestamp = start[owner] + clock - (clock[first] - gaps[first])[owner]
-    liked = ((item % k)[:, None] == preferred[owner]).any(axis=1)
-    high = rng.random(total) < np.where(liked, HIGH_IF_LIKED, HIGH_IF_NOT)
+    high = rng.random(total) < _like_chance(spec, preferred[owner], item)
     rating = np.where(high, rng.integers(4, 6, total), rng.integers(1, 4, total)).astype(np.float64)
     order = rng.permutation(total)
     return pa.table({
@@ -188,8 +186,13 @@ def next_item_odds(spec: LogSpec, users: np.ndarray, last_items: np.ndarray,
 def like_odds(spec: LogSpec, users: np.ndarray, items: np.ndarray) -> np.ndarray:
     """The generator's chance that each (user, item) interaction is rated 4 or 5 (0-based ids): the
     Bayes-optimal click score."""
-    _, _, preferred, _ = _users(spec)
-    liked = ((items % spec.categories)[:, None] == preferred[users]).any(axis=1)
+    return _like_chance(spec, _users(spec)[2][users], items)
+
+
+def _like_chance(spec: LogSpec, preferred: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """Per interaction, the chance of a 4 or 5: ``items`` (0-based) against the user's ``preferred`` categories
+    (one row per interaction)."""
+    liked = ((items % spec.categories)[:, None] == preferred).any(axis=1)
     return np.where(liked, HIGH_IF_LIKED, HIGH_IF_NOT)
 
 
