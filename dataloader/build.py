@@ -113,7 +113,8 @@ def build_loader(
     timestamps: bool = False,
     sampled_items: int = 0,
 ) -> BalancedLoader:
-    """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order);
+    """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order, every
+    sample: the last step also holds the rows short of a whole batch);
     ``timestamps``: its batches carry the history's and the candidates' timestamps; ``sampled_items``:
     that many uniform item ids a step as the feature ``sampled_item_ids`` (a retrieval model's negatives)."""
     warm_up()  # the planner's and the reads' kernels: loaded from numba's cache, or compiled here, not in the
@@ -136,6 +137,7 @@ def build_loader(
         partitioner=cfg.partitioner if training else "round_robin",
         global_batch_size=cfg.batch_size * world_size, window=cfg.window if training else 1,
         equal_count=cfg.equal_count and training, max_seq_len=cfg.max_seq_len, locality=cfg.locality and training,
+        keep_partial=not training,
     )
     return BalancedLoader(
         source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,

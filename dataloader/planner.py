@@ -8,7 +8,9 @@ Epoch order (``EpochOrder``): row groups are shuffled, then rows are shuffled
 inside windows of ``window_row_groups`` row groups: global enough to mix, local
 enough that a step touches few row groups.  Global batch ``s`` of an epoch is
 rows ``order[s*G : (s+1)*G]`` of that order, ``G`` the global batch size; the
-partial last batch of an epoch is dropped.
+partial last batch of an epoch is dropped in training (every step holds G samples); for
+evaluation (``keep_partial``) the last step also holds those rows, so one pass scores every
+sample and no rank's share is empty (a sharded table's lookup cannot take an empty batch).
 
 Planning: the samples of ``window`` consecutive global batches are split by
 the partitioner into ``window * R`` parts of equal cost (R = live ranks), the
@@ -159,6 +161,7 @@ class BatchPlanner:
         equal_count: bool = False,
         max_seq_len: int | None = None,
         locality: bool = False,
+        keep_partial: bool = False,
     ) -> None:
         if window > 1 and (equal_count or partitioner == "round_robin"):
             raise ValueError("window > 1 needs a cost-balancing partitioner and equal_count = false")
@@ -182,7 +185,10 @@ class BatchPlanner:
         self.global_batch_size = global_batch_size
         self.window = window
         self.equal_count = equal_count
+        self.keep_partial = keep_partial
         self.steps_per_epoch = order.num_rows // global_batch_size
+        if keep_partial and self.steps_per_epoch == 0 and order.num_rows:
+            self.steps_per_epoch = 1  # fewer rows than one batch: one step of all of them
         # Recently planned windows: a prefetching loader plans ahead, and after a
         # restart of its thread goes back to the window of the consumed position.
         self._windows: OrderedDict[tuple[int, int], _Window] = OrderedDict()
@@ -354,7 +360,8 @@ class BatchPlanner:
         model = model or self._model_for(epoch, first)
         count = min(self.window, self.steps_in(epoch) - first)
         g = self.global_batch_size
-        samples = self.epoch_rows(epoch)[first * g : (first + count) * g]
+        end = None if self.keep_partial and first + count == self.steps_in(epoch) else (first + count) * g
+        samples = self.epoch_rows(epoch)[first * g : end]  # keep_partial: the last step takes the remainder
         ranks = tuple(live_ranks)
         win = _Window(epoch, index, first, model, ranks, samples, self.costs(model, samples), [])
         win.steps = [(ranks, part) for part in self._split(win, None, count, len(ranks))]

@@ -149,8 +149,7 @@ class Trainer:
         summary.state_digest = state_digest(parts.dmp, parts.optimizer)
         summary.finished_elsewhere = bool(getattr(parts.sync, "finished_elsewhere", False)) and committed == 0
         if (cfg.train.eval and not summary.finished_elsewhere
-                and parts.manifest.samples.get("eval", parts.manifest.rows.get("eval", 0))
-                >= cfg.data.batch_size * ctx.world_size):
+                and parts.manifest.samples.get("eval", parts.manifest.rows.get("eval", 0)) >= ctx.world_size):
             result = self._evaluate(parts, parts.pipeline.detach())
             summary.eval_metrics = {k: v for k, v in result.items() if k != "samples"}
             summary.eval_loss, summary.eval_auc, summary.eval_ne = (result.get(k) for k in ("loss", "auc", "ne"))

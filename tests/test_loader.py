@@ -341,3 +341,21 @@ def test_a_feed_restored_from_a_peers_state_knows_the_rows_its_last_step_trained
     assert behind.last_rows.size > 0 and behind.last_samples == 0  # it sat that step out
     for feed in [*feeds, behind]:
         feed.loader.close()
+
+
+@pytest.mark.parametrize("batch_size", [100, 1365, 2000])
+def test_evaluation_reads_every_row_once_and_no_rank_gets_an_empty_batch(tiny_data: Path, batch_size: int) -> None:
+    """One evaluation pass over 3 ranks yields each of the split's 4,096 rows exactly once, in lockstep: the
+    last step also holds the rows short of a whole batch (196 of them at batch 100; at 1,365 the one row
+    left over; at 2,000 the split is smaller than a batch: one step), so no rank's share is ever empty."""
+    config = DataConfig(path=str(tiny_data), batch_size=batch_size, max_seq_len=64)
+    loaders = [build_loader(config, "eval", rank=r, world_size=3, sparse_features=FEATURES,
+                            derived_cost=CostModel(1e-3, 1.0, 1.0), seed=3, training=False) for r in range(3)]
+    per_rank = [[(batch.size, loader.last.rows.copy()) for batch in loader if loader.last is not None]
+                for loader in loaders]
+    assert [len(steps) for steps in per_rank] == [max(4096 // (3 * batch_size), 1)] * 3
+    rows = np.concatenate([r for steps in per_rank for _, r in steps])
+    assert np.array_equal(np.sort(rows), np.arange(4096))
+    assert all(size == r.size > 0 for steps in per_rank for size, r in steps)
+    for loader in loaders:
+        loader.close()
