@@ -193,6 +193,19 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: saved -> current`` for each dotted key whose value differs between two ``to_dict`` configs;
+    a key the saved one lacks (written before the key existed) shows as ``(not set)``."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key, "(not set)"), current.get(key, "(not set)")
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            out.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return out
+
+
 def require(condition: bool, key: str, message: str) -> None:
     """Raise ``ConfigError("<key>: <message>")`` unless ``condition``."""
     if not condition:

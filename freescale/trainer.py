@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from freescale import checkpoint, reshard
 from freescale.components import Components, TrainConfig, TrainerConfig, build, precision_context, prepare
-from freescale.config import to_dict
+from freescale.config import differences, to_dict
 from freescale.dataloader.build import build_loader
 from freescale.digest import state_digest
 from freescale.distributed import DistContext, init_distributed, shutdown
@@ -388,14 +388,17 @@ class Trainer:
             where = "the checkpoint has no" if tables - saved_tables else "this model has no"
             raise checkpoint.CheckpointError(f"{path}: {where} table '{missing[0]}' (checkpoint: "
                                              f"{', '.join(sorted(saved_tables))}; model: {', '.join(sorted(tables))})")
-        if "layouts" not in meta:  # written before logical checkpoints: loads into the same plan only
-            checkpoint.load(path, state)
-            return []
         try:
+            if "layouts" not in meta:  # written before logical checkpoints: loads into the same plan only
+                checkpoint.load(path, state)
+                return []
             return reshard.load_logical(lambda app: checkpoint.load(path, app), state["model"], state["optim"],
                                         meta["layouts"])
-        except reshard.LayoutError as exc:
-            raise checkpoint.CheckpointError(f"{path}: {exc}") from None
+        except (reshard.LayoutError, checkpoint.CheckpointError) as exc:
+            changed = differences((meta.get("config") or {}).get("model") or {}, to_dict(self.cfg.model), "model.")
+            hint = f" (the model's config differs from the checkpoint's: {'; '.join(changed)})" if changed else ""
+            message = str(exc) if isinstance(exc, checkpoint.CheckpointError) else f"{path}: {exc}"
+            raise checkpoint.CheckpointError(message + hint) from None
 
     def _agreed_latest(self, parts: Components) -> Path | None:
         """The latest complete checkpoint, the same on every rank of the group (an in-group all-reduce:

@@ -123,6 +123,12 @@ def test_single_process_train_without_torchrun_resumes_under_another_shape_and_i
     code, _, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"),
                             f"--data.path={tiny_data}", f"--train.output_dir={tmp_path}", "--resume")
     assert code == 2 and "written by a dlrm model; this run trains hstu" in err, err
+    hstu = ["train", "--config", str(REPO / "configs" / "tiny_hstu.toml"), f"--data.path={tiny_data}",
+            f"--train.output_dir={tmp_path / 'hstu'}", "--train.steps=2", "--train.eval=false"]
+    assert run_main(capsys, *hstu, "--model.hstu.history_cross=false")[0] == 0
+    code, _, err = run_main(capsys, *hstu, "--train.steps=3", "--resume")  # the head is wider with the product
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "(the model's config differs from the checkpoint's: model.hstu.history_cross: False -> True)" in err, err
     broken = tmp_path / "broken"
     shutil.copytree(root / "step_000000008", broken)
     victim = next(f for f in broken.iterdir() if f.suffix == ".distcp")
