@@ -218,6 +218,10 @@ def train(data: Path, out: Path, args: argparse.Namespace, seed: int, steps: int
         raise SystemExit(f"bench_quality: training failed:\n{proc.stderr[-3000:]}")
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     (evaluation,) = [e for e in log if e["event"] == "eval"]
+    held_out = json.loads((data / "dataset.json").read_text())["samples"]["eval"]
+    if evaluation["samples"] != held_out:  # the baselines and bounds score every held-out sample
+        raise SystemExit(f"bench_quality: {out}: the model was evaluated on {evaluation['samples']} of {held_out} "
+                         "held-out samples")
     seconds = [e["seconds"] for e in log if e["event"] == "commit"][1:]
     return {**evaluation, "step_ms": 1e3 * statistics.median(seconds)}
 
