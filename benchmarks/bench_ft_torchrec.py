@@ -91,14 +91,14 @@ PIPELINES = ("plain", "torchrec", "prioritized")
 # ---------------------------------------------------------------------------- runs
 def launch(out: Path, data: Path, model: str, batch: int, steps: int, nproc: int, replicas: int = 1,
            max_restarts: int = 0, fault: str = "", timeout: float = 900, pipeline: str = "plain",
-           forkserver: bool = True) -> float:
+           forkserver: bool = True, extra: tuple[str, ...] = ()) -> float:
     """``freescale launch`` to completion (output in ``<out>.log``); returns its wall time."""
     cmd = [sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node", str(nproc),
            *(["--replicas", str(replicas)] if replicas > 1 else []), "--max-restarts", str(max_restarts),
            "--config", str(REPO / "configs" / f"tiny_{model}.toml"), "--data.path", str(data),
            "--data.batch_size", str(batch), "--train.steps", str(steps), "--train.output_dir", str(out),
            "--train.eval", "false", "--train.progress", "false", "--train.log_every", str(LOG_EVERY),
-           "--checkpoint.every", "0", "--checkpoint.save_final", "false", "--pipeline.kind", pipeline]
+           "--checkpoint.every", "0", "--checkpoint.save_final", "false", "--pipeline.kind", pipeline, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop(FAULT_ENV, None)
     if not forkserver:
@@ -163,31 +163,45 @@ def step_ms(out: Path) -> dict[str, float]:
     return res
 
 
+REPLICATED = ("--optim.sharding", "data_parallel")
+"""The like-for-like side without FT: every table whole on both ranks (torchrec's data_parallel: DDP
+all-reduces the tables' dense gradients with the rest, row-wise Adagrad after it), as FT's groups hold them."""
+
+
 def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeats: int) -> dict[str, Any]:
-    """Per pipeline kind: plain (no FT) and FT runs, interleaved across kinds and repeats; within a
-    repeat the two runs of a kind are adjacent (their order alternates with the repeat, so a drift of
-    the machine's speed does not favour one side), and each pair gives one paired difference."""
-    runs: dict[str, dict[str, list[dict[str, float]]]] = {k: {"plain": [], "ft": []} for k in args.pipelines}
+    """Per pipeline kind: runs without FT (tables sharded; with ``--replicated`` also tables replicated,
+    except for the prioritized pipeline, whose reducer covers the dense part only) and FT runs, interleaved
+    across kinds and repeats; within a repeat a kind's runs are adjacent (their order reverses with the
+    repeat, so a drift of the machine's speed does not favour one side), and each repeat gives one paired
+    difference per side without FT."""
+    def sides_of(kind: str) -> tuple[str, ...]:
+        return ("plain", "replicated", "ft") if args.replicated and kind != "prioritized" else ("plain", "ft")
+
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {k: {s: [] for s in sides_of(k)} for k in args.pipelines}
     for r in range(repeats):
         for kind in args.pipelines:
-            for side in (("plain", "ft") if r % 2 == 0 else ("ft", "plain")):
+            for side in sides_of(kind)[:: 1 if r % 2 == 0 else -1]:
                 out = tmp / f"{side}-{kind}-{r}"
-                if side == "plain":
-                    launch(out, data, args.model, args.batch, steps, nproc=2, pipeline=kind)
-                else:
+                if side == "ft":
                     launch(out, data, args.model, args.batch, steps, nproc=1, replicas=2, pipeline=kind)
+                else:
+                    launch(out, data, args.model, args.batch, steps, nproc=2, pipeline=kind,
+                           extra=REPLICATED if side == "replicated" else ())
                 runs[kind][side].append(step_ms(out))
-            print(f"bench_ft_torchrec: repeat {r} {kind}: plain {runs[kind]['plain'][-1]['step_ms']:.2f} ms, "
-                  f"ft {runs[kind]['ft'][-1]['step_ms']:.2f} ms", file=sys.stderr)
+            print(f"bench_ft_torchrec: repeat {r} {kind}: " + ", ".join(
+                f"{side} {runs[kind][side][-1]['step_ms']:.2f} ms" for side in sides_of(kind)), file=sys.stderr)
     res: dict[str, Any] = {}
-    for kind, both in runs.items():
-        plain_runs, ft_runs = [p["step_ms"] for p in both["plain"]], [f["step_ms"] for f in both["ft"]]
-        diffs = [f - p for p, f in zip(plain_runs, ft_runs)]
-        one = {"plain_step_ms": median(plain_runs),
-               **{f"ft_{k}": median([f[k] for f in both["ft"]]) for k in both["ft"][0]},
-               "plain_step_ms_runs": plain_runs, "ft_step_ms_runs": ft_runs, "paired_diff_ms_runs": diffs}
-        one["overhead_ms"] = median(diffs)
-        one["overhead_frac"] = median([d / p for d, p in zip(diffs, plain_runs)])
+    for kind, by_side in runs.items():
+        ft_runs = [f["step_ms"] for f in by_side["ft"]]
+        one: dict[str, Any] = {**{f"ft_{k}": median([f[k] for f in by_side["ft"]]) for k in by_side["ft"][0]},
+                               "ft_step_ms_runs": ft_runs}
+        for side in (s for s in by_side if s != "ft"):
+            base = [p["step_ms"] for p in by_side[side]]
+            diffs = [f - p for p, f in zip(base, ft_runs)]
+            prefix = "" if side == "plain" else "replicated_"
+            one.update({f"{side}_step_ms": median(base), f"{side}_step_ms_runs": base,
+                        f"{prefix}paired_diff_ms_runs": diffs, f"{prefix}overhead_ms": median(diffs),
+                        f"{prefix}overhead_frac": median([d / p for d, p in zip(diffs, base)])})
         res[kind] = one
     return res
 
@@ -306,11 +320,19 @@ def overhead_rows(ov: dict[str, Any]) -> list[dict[str, Any]]:
              "target": "-", "raw": o["plain_step_ms"]},
             {"measure": f"[{kind}] FT step, 2 groups x 1 rank", "value": f"{o['ft_step_ms']:.2f} ms",
              "target": "-", "raw": o["ft_step_ms"]},
-            {"measure": f"[{kind}] per-step overhead FT vs without",
+            {"measure": f"[{kind}] per-step overhead FT vs without (tables sharded without FT: not like for like)",
              "value": f"{o['overhead_ms']:+.2f} ms ({o['overhead_frac']:+.1%}); pairs "
                       f"{'/'.join(f'{v:+.1f}' for v in o['paired_diff_ms_runs'])} ms",
              "target": "<= 1 ms or 5%", "raw": o["overhead_ms"],
              "met": bool(o["overhead_ms"] <= 1.0 or o["overhead_frac"] <= 0.05)},
+            *([] if "replicated_step_ms" not in o else [
+                {"measure": f"[{kind}] step without FT, 2 ranks, tables replicated (data_parallel + DDP)",
+                 "value": f"{o['replicated_step_ms']:.2f} ms", "target": "-", "raw": o["replicated_step_ms"]},
+                {"measure": f"[{kind}] per-step overhead FT vs without, like for like (tables replicated on both)",
+                 "value": f"{o['replicated_overhead_ms']:+.2f} ms ({o['replicated_overhead_frac']:+.1%}); pairs "
+                          f"{'/'.join(f'{v:+.1f}' for v in o['replicated_paired_diff_ms_runs'])} ms",
+                 "target": "<= 1 ms or 5%", "raw": o["replicated_overhead_ms"],
+                 "met": bool(o["replicated_overhead_ms"] <= 1.0 or o["replicated_overhead_frac"] <= 0.05)}]),
             {"measure": f"[{kind}] FT: quorum wait / FTAR + emb exchange / update built during vote / vote exposed",
              "value": f"{o['ft_quorum_wait_ms']:.2f} / {o['ft_reduce_ms']:.2f} / {o['ft_prepare_ms']:.2f} / "
                       f"{o['ft_vote_ms']:.2f} ms",
@@ -381,6 +403,10 @@ def main() -> None:
                              "(default 1500, quick 600)")
     parser.add_argument("--plain-start", action="store_true",
                         help="run the kill once more with FREESCALE_FORKSERVER=off (every rank imports for itself)")
+    parser.add_argument("--replicated", action="store_true",
+                        help="also the like-for-like side without FT: tables replicated on both ranks "
+                             "(--optim.sharding data_parallel; DLRM: torchrec cannot replicate HSTU's sequence table)")
+    parser.add_argument("--overhead-only", action="store_true", help="only the per-step overhead (no kill run)")
     parser.add_argument("--json", help="write rows, machine and parameters to this path")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories (logs) and print where")
     args = parser.parse_args()
@@ -405,8 +431,8 @@ def main() -> None:
             generate(data, SyntheticSpec(rows=args.rows, eval_rows=0, num_items=args.num_items,
                                          row_group_size=4_096, seed=0))
         ov = overhead(tmp, data, args, steps, repeats)
-        kr = kill_run(tmp, data, args, kill_steps)
-        plain_starts = [kill_run(tmp, data, args, kill_steps, forkserver=False)] if args.plain_start else []
+        kr = None if args.overhead_only else kill_run(tmp, data, args, kill_steps)
+        plain_starts = [kill_run(tmp, data, args, kill_steps, forkserver=False)] if args.plain_start and kr else []
         size = snapshot_bytes(args.model, data)
     finally:
         if args.keep:
@@ -414,6 +440,12 @@ def main() -> None:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     hb = heartbeat_timeout_s()
+    if kr is None:  # --overhead-only
+        rows = overhead_rows(ov)
+        print_table(rows, ["measure", "value", "target"])
+        if args.json:
+            write_json(args.json, "bench_ft_torchrec", {**run_params(args, repeats, steps), "overhead": ov}, rows)
+        return
     rows = rows_for(ov, kr, size, hb)
     for kp in plain_starts:  # the same kill with every rank started as its own interpreter
         rows.insert(next(i for i, r in enumerate(rows) if r["measure"].startswith("restart -> contributing")) + 1, {
@@ -432,17 +464,24 @@ def main() -> None:
             f"{w['step']}: {w['gap_ms']:.0f}, {w['participants']}, {w['reduce_ms']:.0f}" for w in kr["window"]))
     if args.json:
         write_json(args.json, "bench_ft_torchrec", {
-            "quick": args.quick, "model": args.model, "config": f"configs/tiny_{args.model}.toml",
-            "batch_per_rank": args.batch, "data": args.data or f"synthetic: {args.rows} rows, "
-                                                              f"{args.num_items} items",
-            "backend": "gloo (CPU)", "omp_num_threads": 1, "repeats": repeats, "overhead_steps": steps,
-            "ft_warmup_steps": WARMUP, "plain_log_every": LOG_EVERY,
-            "pipelines": args.pipelines, "kill_pipeline": args.kill_pipeline,
-            "plain": "launch --nproc-per-node 2 (1 job, tables sharded over 2 ranks; DDP, or prioritized's reducer)",
-            "ft": "launch --replicas 2 --nproc-per-node 1", "kill": "launch --replicas 3 --nproc-per-node 1 "
-            "--max-restarts 1", "fault": kr["fault"], "slow": None, "kill_steps": kill_steps,
+            **run_params(args, repeats, steps), "kill_pipeline": args.kill_pipeline,
+            "kill": "launch --replicas 3 --nproc-per-node 1 --max-restarts 1", "fault": kr["fault"], "slow": None,
+            "kill_steps": kill_steps,
             "heartbeat_timeout_s": hb, **lighthouse_defaults(), "snapshot_bytes_estimate": size,
             "overhead": ov, "kill_run": kr, "kill_run_plain_start": plain_starts[0] if plain_starts else None}, rows)
+
+
+def run_params(args: argparse.Namespace, repeats: int, steps: int) -> dict[str, Any]:
+    """The JSON's parameters of the overhead runs."""
+    return {
+        "quick": args.quick, "model": args.model, "config": f"configs/tiny_{args.model}.toml",
+        "batch_per_rank": args.batch, "data": args.data or f"synthetic: {args.rows} rows, {args.num_items} items",
+        "backend": "gloo (CPU)", "omp_num_threads": 1, "repeats": repeats, "overhead_steps": steps,
+        "ft_warmup_steps": WARMUP, "plain_log_every": LOG_EVERY, "pipelines": args.pipelines,
+        "plain": "launch --nproc-per-node 2 (1 job, tables sharded over 2 ranks; DDP, or prioritized's reducer)",
+        "replicated": f"the same with {' '.join(REPLICATED)} (tables whole on both ranks)" if args.replicated else None,
+        "ft": "launch --replicas 2 --nproc-per-node 1",
+    }
 
 
 if __name__ == "__main__":

@@ -116,6 +116,11 @@ def prepare(cfg: TrainerConfig) -> None:
                           f"({'dist.backend = gloo' if cfg.dist.backend == 'gloo' else 'no GPU'}); use 'fp32'")
     if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("log.tensorboard: needs the tensorboard package (pip install 'freescale[tensorboard]')")
+    if "data_parallel" in cfg.optim.sharding_types().values() and (cfg.ft.enabled or not cfg.pipeline.uses_ddp(False)):
+        why = "replica groups (--replicas): fault tolerance updates fused tables" if cfg.ft.enabled else \
+            "pipeline.kind = 'prioritized': its reducer covers the dense part only"
+        raise ConfigError(f"optim.sharding: data_parallel tables are all-reduced by DDP, which {why}; use a "
+                          "model-parallel type (table_wise, row_wise, ...)")
     if not cfg.ft.enabled and cfg.train.nonfinite == "skip_step":
         raise ConfigError("train.nonfinite: 'skip_step' needs fault tolerance (--replicas), whose embedding update "
                           "waits for the commit; without it the fused update already ran inside backward")

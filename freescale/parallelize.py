@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
+from torchrec import EmbeddingCollection
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -26,12 +27,19 @@ from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ModuleSharder, ShardedModule, ShardingEnv
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from freescale.config import ConfigError, require
 from freescale.dense_update import SCHEDULES, DenseUpdate, LRSchedule
 from freescale.distributed import DistContext
 
-SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
+MODEL_PARALLEL = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
+"""Sharding types whose tables sit on fused kernels (the fused optimizer updates rows inside backward)."""
+SHARDING_TYPES = (*MODEL_PARALLEL, "data_parallel")
+"""``data_parallel``: every rank holds the whole table on torchrec's dense kernel; DDP all-reduces its dense
+gradient with the rest and ``build_optimizer``'s row-wise optimizer updates it (one job only: fault
+tolerance keeps replicas identical through the union update of fused tables; the prioritized pipeline
+reduces only the dense part)."""
 
 _SPARSE_OPTIMIZERS = {
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -49,7 +57,8 @@ class OptimConfig:
     sharding: str = ""
     """torchrec sharding types: empty lets torchrec's planner choose; one type for every table
     (``table_wise``, ``row_wise``, ``column_wise``, ``table_row_wise``, ``table_column_wise``), or
-    ``item_table=column_wise,user_table=table_wise``.  A checkpoint resumes under any of them (reshard.py)."""
+    ``item_table=column_wise,user_table=table_wise``, or ``data_parallel`` (whole tables on every rank, see
+    ``SHARDING_TYPES``).  A checkpoint resumes under any model-parallel type (reshard.py)."""
     column_shard_min_dim: int = 0
     """Narrowest column shard torchrec may cut (``min_partition``); 0: torchrec's default."""
     lr_schedule: str = "constant"
@@ -153,7 +162,7 @@ def shard_fused(model: nn.Module, device: torch.device | None = None, *,
 
 def fused_constraints(model: nn.Module, given: dict[str, ParameterConstraints]) -> dict[str, ParameterConstraints]:
     """Every table of ``model`` constrained to fused kernels and a model-parallel sharding type (``shard_fused``)."""
-    allowed = list(SHARDING_TYPES)
+    allowed = list(MODEL_PARALLEL)
     out: dict[str, ParameterConstraints] = {}
     tables = _table_names(model)
     unknown = sorted(set(given) - set(tables))
@@ -183,6 +192,10 @@ def _table_names(model: nn.Module) -> list[str]:
     return names
 
 
+def _sequence_table_names(model: nn.Module) -> list[str]:
+    return [t.name for m in model.modules() if isinstance(m, EmbeddingCollection) for t in m.embedding_configs()]
+
+
 def _constraints(model: nn.Module, cfg: OptimConfig) -> dict[str, ParameterConstraints] | None:
     """``optim.sharding`` as torchrec planner constraints (fused kernels: the fused optimizer holds the state)."""
     kinds = cfg.sharding_types()
@@ -193,8 +206,16 @@ def _constraints(model: nn.Module, cfg: OptimConfig) -> dict[str, ParameterConst
     if unknown:
         raise ConfigError(f"optim.sharding: no table named {unknown[0]!r} (the model has {', '.join(sorted(tables))})")
     extra = {"min_partition": cfg.column_shard_min_dim} if cfg.column_shard_min_dim else {}
-    return {t: ParameterConstraints(sharding_types=[kinds[t]] if t in kinds else [kinds["*"]] if "*" in kinds else None,
-                                    compute_kernels=["fused"], **extra) for t in tables}
+    out = {}
+    for t in tables:
+        kind = kinds.get(t, kinds.get("*"))
+        if kind == "data_parallel" and t in _sequence_table_names(model):
+            raise ConfigError(f"optim.sharding: data_parallel for table {t!r}, a sequence table (EmbeddingCollection): "
+                              "torchrec 1.8's data-parallel lookup of it fails; only pooled tables "
+                              "(EmbeddingBagCollection) can be data_parallel")
+        out[t] = ParameterConstraints(sharding_types=[kind] if kind else list(MODEL_PARALLEL),
+                                      compute_kernels=["dense" if kind == "data_parallel" else "fused"], **extra)
+    return out
 
 
 def dense_named_parameters(dmp: DistributedModelParallel) -> dict[str, nn.Parameter]:
@@ -239,13 +260,29 @@ def embedding_kernels(dmp: nn.Module) -> list[tuple[str, Any, bool]]:
 
 
 def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> CombinedOptimizer:
-    """Fused embedding optimizer (already inside ``dmp``) + AdamW over the dense parameters."""
+    """Fused embedding optimizer (already inside ``dmp``) + AdamW over the dense parameters (+ the sparse
+    optimizer's math, row-wise Adagrad or SGD at ``sparse_lr``, over ``data_parallel`` tables: the same update
+    their fused kernel would make, applied after DDP's all-reduce)."""
     dense_params = dense_named_parameters(dmp)
     dense = KeyedOptimizerWrapper(
         dense_params,
         lambda params: torch.optim.AdamW(params, lr=cfg.dense_lr, weight_decay=cfg.dense_weight_decay),
     )
-    return CombinedOptimizer([dmp.fused_optimizer, dense])
+    optimizers: list[Any] = [dmp.fused_optimizer, dense]
+    replicated = replicated_table_parameters(dmp)
+    if replicated:
+        optimizers.append(KeyedOptimizerWrapper(replicated, lambda params: (
+            RowWiseAdagrad(params, lr=cfg.sparse_lr, eps=cfg.sparse_eps) if cfg.sparse_optimizer == "rowwise_adagrad"
+            else torch.optim.SGD(params, lr=cfg.sparse_lr))))
+    return CombinedOptimizer(optimizers)
+
+
+def replicated_table_parameters(dmp: DistributedModelParallel) -> dict[str, nn.Parameter]:
+    """The weights of ``data_parallel`` tables: inside a sharded module, outside the fused optimizer."""
+    sharded = [name for name, module in dmp.module.named_modules() if isinstance(module, ShardedModule)]
+    fused_keys = set(dmp.fused_optimizer.params.keys())
+    return {name: p for name, p in dmp.named_parameters()
+            if name not in fused_keys and any(name.startswith(prefix + ".") for prefix in sharded)}
 
 
 def dense_update(dmp: DistributedModelParallel, optimizer: CombinedOptimizer, cfg: OptimConfig,

@@ -206,6 +206,17 @@ def plan_summary(dmp: Any) -> dict[str, dict[str, Any]]:
     return found
 
 
+def check_replication(saved: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]]) -> None:
+    """Refuse (``LayoutError``, naming the table) a resume between a ``data_parallel`` table and a sharded
+    one: the replicated table keeps its weight whole and its optimizer state as torchrec's ``RowWiseAdagrad``
+    does, which the logical layout above does not map to fused shards (not built)."""
+    for table in sorted(set(saved) & set(current)):
+        was, now = saved[table].get("type"), current[table].get("type")
+        if (was == "data_parallel") != (now == "data_parallel"):
+            raise LayoutError(f"table '{table}' was saved {was} and this run shards it {now}: a data_parallel table "
+                              "resumes only as data_parallel (set optim.sharding to match the checkpoint)")
+
+
 def _table_name(param_key: str) -> str:
     """``...embedding_bags.<table>.weight`` -> ``<table>``."""
     parts = param_key.split(".")

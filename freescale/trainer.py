@@ -389,6 +389,7 @@ class Trainer:
             raise checkpoint.CheckpointError(f"{path}: {where} table '{missing[0]}' (checkpoint: "
                                              f"{', '.join(sorted(saved_tables))}; model: {', '.join(sorted(tables))})")
         try:
+            reshard.check_replication(meta.get("plan") or {}, reshard.plan_summary(parts.dmp))
             if "layouts" not in meta:  # written before logical checkpoints: loads into the same plan only
                 checkpoint.load(path, state)
                 return []
