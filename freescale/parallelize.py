@@ -278,11 +278,17 @@ def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> Combined
 
 
 def replicated_table_parameters(dmp: DistributedModelParallel) -> dict[str, nn.Parameter]:
-    """The weights of ``data_parallel`` tables: inside a sharded module, outside the fused optimizer."""
+    """The weights of ``data_parallel`` tables (``<sharded module>.<...>.<table>.weight``; a sharded module also
+    lists placeholders for other ranks' shards of its model-parallel tables, which this leaves out)."""
+    plans = getattr(getattr(dmp, "plan", None), "plan", {})
+    replicated = {table for module_plan in plans.values() for table, sharding in module_plan.items()
+                  if sharding.sharding_type == "data_parallel"}
+    if not replicated:
+        return {}
     sharded = [name for name, module in dmp.module.named_modules() if isinstance(module, ShardedModule)]
-    fused_keys = set(dmp.fused_optimizer.params.keys())
     return {name: p for name, p in dmp.named_parameters()
-            if name not in fused_keys and any(name.startswith(prefix + ".") for prefix in sharded)}
+            if name.split(".")[-2:-1] and name.split(".")[-2] in replicated
+            and any(name.startswith(prefix + ".") for prefix in sharded)}
 
 
 def dense_update(dmp: DistributedModelParallel, optimizer: CombinedOptimizer, cfg: OptimConfig,
