@@ -164,8 +164,8 @@ def step_ms(out: Path) -> dict[str, float]:
 
 
 REPLICATED = ("--optim.sharding", "data_parallel")
-"""The like-for-like side without FT: every table whole on both ranks (torchrec's data_parallel: DDP
-all-reduces the tables' dense gradients with the rest, row-wise Adagrad after it), as FT's groups hold them."""
+"""The like-for-like side without FT: every table whole on both ranks (torchrec's data_parallel: its lookup
+DDP averages the tables' dense gradients, row-wise Adagrad after backward), as FT's groups hold them."""
 
 
 def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeats: int) -> dict[str, Any]:
@@ -413,6 +413,8 @@ def main() -> None:
     args.pipelines = [k for k in args.pipeline.split(",") if k]
     if any(k not in PIPELINES for k in args.pipelines):
         parser.error(f"--pipeline: each of {args.pipeline!r} must be one of {', '.join(PIPELINES)}")
+    if args.replicated and args.model != "dlrm":
+        parser.error("--replicated: torchrec cannot replicate HSTU's sequence table (data_parallel); use --model dlrm")
     repeats = args.repeats or (1 if args.quick else 6)
     steps = args.steps or (60 if args.quick else 300)
     kill_steps = args.kill_steps or (300 if args.quick else 1500)

@@ -204,6 +204,8 @@ class BatchPlanner:
         """Epoch ``epoch`` trains ``rows``, in this order, instead of its own order: what was left of it
         when a run of another shape saved its position (``reshape.py``).  Its last ``len(rows) % G``
         rows are not planned: the caller carries them."""
+        if self.keep_partial:
+            raise ValueError("an evaluation planner (keep_partial) plans one pass from its start: no remainder")
         self._remainder = (int(epoch), np.asarray(rows, dtype=np.int64))
         for key in [k for k in self._windows if k[0] == epoch]:
             del self._windows[key]
@@ -287,6 +289,8 @@ class BatchPlanner:
         live ranks.  Adds to rows already carried onto that step.  Every rank that
         plans the step must requeue the same rows onto it (the loader's callers do).
         """
+        if self.keep_partial:
+            raise ValueError("an evaluation planner (keep_partial) plans one pass as it is: nothing is requeued")
         if not 0 <= step < self.steps_in(epoch):
             raise IndexError(f"step {step} outside the epoch's {self.steps_in(epoch)} steps")
         if epoch < 0:

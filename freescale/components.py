@@ -31,7 +31,14 @@ from freescale.distributed import DistConfig, DistContext
 from freescale.ft.config import FTConfig
 from freescale.grad_buckets import BucketedGrads
 from freescale.models import ModelConfig, build_model, cost_model_for
-from freescale.parallelize import OptimConfig, build_optimizer, dense_named_parameters, dense_update, shard_model
+from freescale.parallelize import (
+    OptimConfig,
+    build_optimizer,
+    dense_named_parameters,
+    dense_update,
+    replicated_table_parameters,
+    shard_model,
+)
 from freescale.pipeline import PipelineConfig, StepPipeline, build_pipeline
 from freescale.staging import LazySaves, RowTracker
 from freescale.step_feed import StepFeed
@@ -116,14 +123,23 @@ def prepare(cfg: TrainerConfig) -> None:
                           f"({'dist.backend = gloo' if cfg.dist.backend == 'gloo' else 'no GPU'}); use 'fp32'")
     if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("log.tensorboard: needs the tensorboard package (pip install 'freescale[tensorboard]')")
-    if "data_parallel" in cfg.optim.sharding_types().values() and (cfg.ft.enabled or not cfg.pipeline.uses_ddp(False)):
-        why = "replica groups (--replicas): fault tolerance updates fused tables" if cfg.ft.enabled else \
-            "pipeline.kind = 'prioritized': its reducer covers the dense part only"
-        raise ConfigError(f"optim.sharding: data_parallel tables are all-reduced by DDP, which {why}; use a "
-                          "model-parallel type (table_wise, row_wise, ...)")
+    if "data_parallel" in cfg.optim.sharding_types().values():
+        refuse_replicated_tables(cfg, ["optim.sharding"])
     if not cfg.ft.enabled and cfg.train.nonfinite == "skip_step":
         raise ConfigError("train.nonfinite: 'skip_step' needs fault tolerance (--replicas), whose embedding update "
                           "waits for the commit; without it the fused update already ran inside backward")
+
+
+def refuse_replicated_tables(cfg: TrainerConfig, tables: list[str]) -> None:
+    """data_parallel tables (``tables``) where nothing keeps them right: one line, naming them."""
+    if cfg.ft.enabled:
+        why = "fault tolerance (--replicas) keeps replicas identical through the union update of fused tables"
+    elif not cfg.pipeline.uses_ddp(False):
+        why = "with pipeline.kind = 'prioritized' they are not measured"
+    else:
+        return
+    raise ConfigError(f"optim.sharding: data_parallel tables ({', '.join(tables)}) are refused here: {why}; set "
+                      "optim.sharding to a model-parallel type (table_wise, row_wise, ...)")
 
 
 @dataclass
@@ -188,6 +204,9 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
     model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"),
                         item_counts=counts)
     dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp(ft_on))
+    planned = sorted({name.split(".")[-2] for name in replicated_table_parameters(dmp)})
+    if planned:  # asked for, or chosen by torchrec's planner for a small table
+        refuse_replicated_tables(cfg, planned)
     c = cfg.checkpoint
     # Before fault tolerance wraps the tables' lookups: its union update must go through the tracker.
     staging = LazySaves(RowTracker(dmp), c.stage_budget) if c.async_save and c.every and c.stage_budget else None

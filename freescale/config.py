@@ -193,16 +193,20 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+_NOT_SET = object()
+
+
 def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
     """``key: saved -> current`` for each dotted key whose value differs between two ``to_dict`` configs;
     a key the saved one lacks (written before the key existed) shows as ``(not set)``."""
     out = []
     for key in sorted(set(saved) | set(current)):
-        old, new = saved.get(key, "(not set)"), current.get(key, "(not set)")
+        old, new = saved.get(key, _NOT_SET), current.get(key, _NOT_SET)
         if isinstance(old, dict) and isinstance(new, dict):
             out += differences(old, new, f"{prefix}{key}.")
         elif old != new:
-            out.append(f"{prefix}{key}: {old!r} -> {new!r}")
+            shown = ["(not set)" if v is _NOT_SET else repr(v) for v in (old, new)]
+            out.append(f"{prefix}{key}: {shown[0]} -> {shown[1]}")
     return out
 
 

@@ -36,10 +36,10 @@ from freescale.distributed import DistContext
 MODEL_PARALLEL = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
 """Sharding types whose tables sit on fused kernels (the fused optimizer updates rows inside backward)."""
 SHARDING_TYPES = (*MODEL_PARALLEL, "data_parallel")
-"""``data_parallel``: every rank holds the whole table on torchrec's dense kernel; DDP all-reduces its dense
-gradient with the rest and ``build_optimizer``'s row-wise optimizer updates it (one job only: fault
-tolerance keeps replicas identical through the union update of fused tables; the prioritized pipeline
-reduces only the dense part)."""
+"""``data_parallel``: every rank holds the whole table on torchrec's dense kernel; torchrec's own DDP around
+each data-parallel lookup all-reduces (averages) its dense gradient, and ``build_optimizer``'s row-wise
+optimizer updates it after backward (one job only: fault tolerance keeps replicas identical through the union
+update of fused tables; with the prioritized pipeline it is not measured, so refused)."""
 
 _SPARSE_OPTIMIZERS = {
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -271,9 +271,12 @@ def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> Combined
     optimizers: list[Any] = [dmp.fused_optimizer, dense]
     replicated = replicated_table_parameters(dmp)
     if replicated:
+        # A fused shard receives the sum of the ranks' gradients, a data-parallel table their mean (torchrec's
+        # lookup DDP): SGD's rate is scaled by the world size to take the fused step (Adagrad divides it out).
+        world = dist.get_world_size() if dist.is_initialized() else 1
         optimizers.append(KeyedOptimizerWrapper(replicated, lambda params: (
             RowWiseAdagrad(params, lr=cfg.sparse_lr, eps=cfg.sparse_eps) if cfg.sparse_optimizer == "rowwise_adagrad"
-            else torch.optim.SGD(params, lr=cfg.sparse_lr))))
+            else torch.optim.SGD(params, lr=cfg.sparse_lr * world))))
     return CombinedOptimizer(optimizers)
 
 

@@ -383,12 +383,12 @@ class Trainer:
         if saved_kind and saved_kind != kind:
             raise checkpoint.CheckpointError(f"{path}: written by a {saved_kind} model; this run trains {kind}")
         saved_tables, tables = set(meta.get("plan") or {}), set(reshard.plan_summary(parts.dmp))
-        if saved_tables and saved_tables != tables:
-            missing = sorted(tables - saved_tables) or sorted(saved_tables - tables)
-            where = "the checkpoint has no" if tables - saved_tables else "this model has no"
-            raise checkpoint.CheckpointError(f"{path}: {where} table '{missing[0]}' (checkpoint: "
-                                             f"{', '.join(sorted(saved_tables))}; model: {', '.join(sorted(tables))})")
         try:
+            if saved_tables and saved_tables != tables:
+                missing = sorted(tables - saved_tables) or sorted(saved_tables - tables)
+                where = "the checkpoint has no" if tables - saved_tables else "this model has no"
+                raise checkpoint.CheckpointError(f"{path}: {where} table '{missing[0]}' (checkpoint: "
+                                                 f"{', '.join(sorted(saved_tables))}; model: {', '.join(sorted(tables))})")
             reshard.check_replication(meta.get("plan") or {}, reshard.plan_summary(parts.dmp))
             if "layouts" not in meta:  # written before logical checkpoints: loads into the same plan only
                 checkpoint.load(path, state)

@@ -74,7 +74,7 @@ def test_a_data_parallel_table_takes_the_fused_kernels_row_wise_adagrad_step(tin
 
 @pytest.mark.parametrize(("extra", "why"), [
     ({"pipeline.kind": "prioritized"}, "pipeline.kind = 'prioritized'"),
-    ({"ft.replicas": 2, "ft.replica_index": 0, "ft.lighthouse": "http://127.0.0.1:1"}, "replica groups"),
+    ({"ft.replicas": 2, "ft.replica_index": 0, "ft.lighthouse": "http://127.0.0.1:1"}, "fault tolerance (--replicas)"),
 ])
 def test_data_parallel_tables_are_refused_where_ddp_does_not_reduce_them(extra: dict[str, object], why: str) -> None:
     cfg = TrainerConfig()
@@ -82,7 +82,7 @@ def test_data_parallel_tables_are_refused_where_ddp_does_not_reduce_them(extra: 
     for dotted, value in extra.items():
         section, key = dotted.split(".")
         setattr(getattr(cfg, section), key, value)
-    with pytest.raises(ConfigError, match="optim.sharding: data_parallel tables are all-reduced by DDP") as info:
+    with pytest.raises(ConfigError, match=r"optim.sharding: data_parallel tables \(optim.sharding\) are refused here") as info:
         prepare(cfg)
     assert why in str(info.value) and "\n" not in str(info.value)
 
