@@ -36,7 +36,7 @@ from freescale.parallelize import (
     build_optimizer,
     dense_named_parameters,
     dense_update,
-    replicated_table_parameters,
+    replicated_tables,
     shard_model,
 )
 from freescale.pipeline import PipelineConfig, StepPipeline, build_pipeline
@@ -204,9 +204,9 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
     model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"),
                         item_counts=counts)
     dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp(ft_on))
-    planned = sorted({name.split(".")[-2] for name in replicated_table_parameters(dmp)})
-    if planned:  # asked for, or chosen by torchrec's planner for a small table
-        refuse_replicated_tables(cfg, planned)
+    replicated = sorted(replicated_tables(dmp))  # asked for, or chosen by torchrec's planner for a small table
+    if replicated:
+        refuse_replicated_tables(cfg, replicated)
     c = cfg.checkpoint
     # Before fault tolerance wraps the tables' lookups: its union update must go through the tracker.
     staging = LazySaves(RowTracker(dmp), c.stage_budget) if c.async_save and c.every and c.stage_budget else None

@@ -32,6 +32,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from freescale.config import ConfigError, require
 from freescale.dense_update import SCHEDULES, DenseUpdate, LRSchedule
 from freescale.distributed import DistContext
+from freescale.reshard import table_name
 
 MODEL_PARALLEL = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
 """Sharding types whose tables sit on fused kernels (the fused optimizer updates rows inside backward)."""
@@ -207,9 +208,10 @@ def _constraints(model: nn.Module, cfg: OptimConfig) -> dict[str, ParameterConst
         raise ConfigError(f"optim.sharding: no table named {unknown[0]!r} (the model has {', '.join(sorted(tables))})")
     extra = {"min_partition": cfg.column_shard_min_dim} if cfg.column_shard_min_dim else {}
     out = {}
+    sequence_tables = set(_sequence_table_names(model))
     for t in tables:
         kind = kinds.get(t, kinds.get("*"))
-        if kind == "data_parallel" and t in _sequence_table_names(model):
+        if kind == "data_parallel" and t in sequence_tables:
             raise ConfigError(f"optim.sharding: data_parallel for table {t!r}, a sequence table (EmbeddingCollection): "
                               "torchrec 1.8's data-parallel lookup of it fails; only pooled tables "
                               "(EmbeddingBagCollection) can be data_parallel")
@@ -280,18 +282,22 @@ def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> Combined
     return CombinedOptimizer(optimizers)
 
 
+def replicated_tables(dmp: nn.Module) -> set[str]:
+    """The tables ``dmp``'s plan put on ``data_parallel`` (asked for, or chosen by torchrec's planner)."""
+    plans = getattr(getattr(dmp, "plan", None), "plan", {})
+    return {table for module_plan in plans.values() for table, sharding in module_plan.items()
+            if sharding.sharding_type == "data_parallel"}
+
+
 def replicated_table_parameters(dmp: DistributedModelParallel) -> dict[str, nn.Parameter]:
     """The weights of ``data_parallel`` tables (``<sharded module>.<...>.<table>.weight``; a sharded module also
     lists placeholders for other ranks' shards of its model-parallel tables, which this leaves out)."""
-    plans = getattr(getattr(dmp, "plan", None), "plan", {})
-    replicated = {table for module_plan in plans.values() for table, sharding in module_plan.items()
-                  if sharding.sharding_type == "data_parallel"}
+    replicated = replicated_tables(dmp)
     if not replicated:
         return {}
     sharded = [name for name, module in dmp.module.named_modules() if isinstance(module, ShardedModule)]
     return {name: p for name, p in dmp.named_parameters()
-            if name.split(".")[-2:-1] and name.split(".")[-2] in replicated
-            and any(name.startswith(prefix + ".") for prefix in sharded)}
+            if table_name(name) in replicated and any(name.startswith(prefix + ".") for prefix in sharded)}
 
 
 def dense_update(dmp: DistributedModelParallel, optimizer: CombinedOptimizer, cfg: OptimConfig,

@@ -217,7 +217,7 @@ def check_replication(saved: dict[str, dict[str, Any]], current: dict[str, dict[
                               "resumes only as data_parallel (set optim.sharding to match the checkpoint)")
 
 
-def _table_name(param_key: str) -> str:
+def table_name(param_key: str) -> str:
     """``...embedding_bags.<table>.weight`` -> ``<table>``."""
     parts = param_key.split(".")
     return parts[-2] if len(parts) >= 2 else param_key
@@ -239,7 +239,7 @@ def to_logical(model: dict[str, Any], optim: dict[str, Any],
     pieces: dict[str, ShardedTensor] = {}
     layouts: dict[str, dict[str, Any]] = {}
     for param_key, state_key in sorted({tuple(k) for keys in everyone for k in keys}):
-        weight, name = model[param_key], _table_name(param_key)
+        weight, name = model[param_key], table_name(param_key)
         state = states.get(param_key, {}).pop(state_key, None)
         key = f"{param_key}/{state_key}"
         if state is None:
@@ -253,7 +253,7 @@ def to_logical(model: dict[str, Any], optim: dict[str, Any],
 def _layout_problem(model: dict[str, Any], key: str, saved: RowwiseLayout) -> str | None:
     """What keeps a saved row-wise state from this model's table (None: it fits)."""
     param_key = key.split("/")[0]
-    weight, name = model.get(param_key), _table_name(param_key)
+    weight, name = model.get(param_key), table_name(param_key)
     if not isinstance(weight, ShardedTensor):
         return f"table '{name}': in the checkpoint, not in this model"
     rows, dim = weight.size()
@@ -318,7 +318,7 @@ def load_logical(load: Any, model: dict[str, Any], optim: dict[str, Any],
     for param_key, states in optim.get("state", {}).items():
         weight = model.get(param_key)
         for state_key in [k for k, v in states.items() if is_rowwise_state(v, weight)]:
-            key, name = f"{param_key}/{state_key}", _table_name(param_key)
+            key, name = f"{param_key}/{state_key}", table_name(param_key)
             if key not in layouts:
                 problems.append(f"table '{name}': the checkpoint holds no row-wise optimizer state for it")
                 continue
@@ -337,7 +337,7 @@ def load_logical(load: Any, model: dict[str, Any], optim: dict[str, Any],
             fill(state, weight, reads[key], saved, name)
         states[state_key] = state
     # From the layouts and every rank's global metadata: the same notes on every rank, for every table.
-    notes = [approximation(model[key.split("/")[0]], RowwiseLayout.from_json(data), _table_name(key.split("/")[0]))
+    notes = [approximation(model[key.split("/")[0]], RowwiseLayout.from_json(data), table_name(key.split("/")[0]))
              for key, data in sorted(layouts.items()) if isinstance(model.get(key.split("/")[0]), ShardedTensor)]
     return [n for n in notes if n]
 

@@ -382,14 +382,15 @@ class Trainer:
         kind = self.cfg.model.kind
         if saved_kind and saved_kind != kind:
             raise checkpoint.CheckpointError(f"{path}: written by a {saved_kind} model; this run trains {kind}")
-        saved_tables, tables = set(meta.get("plan") or {}), set(reshard.plan_summary(parts.dmp))
+        saved_plan, plan = meta.get("plan") or {}, reshard.plan_summary(parts.dmp)
+        saved_tables, tables = set(saved_plan), set(plan)
         try:
             if saved_tables and saved_tables != tables:
                 missing = sorted(tables - saved_tables) or sorted(saved_tables - tables)
                 where = "the checkpoint has no" if tables - saved_tables else "this model has no"
                 raise checkpoint.CheckpointError(f"{path}: {where} table '{missing[0]}' (checkpoint: "
                                                  f"{', '.join(sorted(saved_tables))}; model: {', '.join(sorted(tables))})")
-            reshard.check_replication(meta.get("plan") or {}, reshard.plan_summary(parts.dmp))
+            reshard.check_replication(saved_plan, plan)
             if "layouts" not in meta:  # written before logical checkpoints: loads into the same plan only
                 checkpoint.load(path, state)
                 return []
