@@ -15,11 +15,10 @@ the tables are copied *after* the step, copy-on-write:
   goes), paced to finish by a step every rank agreed on at the save step;
 - every lookup with gradient in between (``RowTracker``: fbgemm's fused
   optimizer updates exactly the rows a lookup read, later in that step's
-  backward) first copies the rows it reads that the cursor has not passed and
-  no lookup saved before: their values are still those of the save step, since
-  a row is always looked up before it is updated; under fault tolerance the
-  union update writes every group's rows without a lookup and reports them the
-  same way first (``report_rows`` on the forward it holds);
+  backward or, under fault tolerance, in the union update) first copies the
+  rows it reads that the cursor has not passed and no lookup saved before:
+  their values are still those of the save step, since a row is always looked
+  up before it is updated;
 - at the agreed step the rest is copied.  The cursor never overwrites a row a
   lookup saved (it holds a later value by then), so the host state equals a
   copy of the whole state made at the save step; DCP writes it from there.
@@ -97,15 +96,6 @@ class RowTracker:
                 self.listener(index, self._flat_rows(index, indices, offsets,
                                                      kwargs.get("batch_size_per_feature_per_rank")))
             return forward(indices, offsets, *args, **kwargs)
-
-        def report_rows(flat_rows: torch.Tensor) -> None:
-            """For a caller that updates rows without a lookup (fault tolerance's union update holds this
-            forward and writes the rows of every group's step): the rows, in this TBE's flat row space,
-            before they change."""
-            if self.listener is not None and flat_rows.numel():
-                self.listener(index, flat_rows)
-
-        reported.report_rows = report_rows  # type: ignore[attr-defined]
         return reported
 
     def _flat_rows(self, index: int, indices: torch.Tensor, offsets: torch.Tensor, vbe: Any) -> torch.Tensor:

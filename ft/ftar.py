@@ -27,9 +27,10 @@ reduced in place), so the step commits with the survivors: no step is
 discarded.
 
 The vote's round trip overlaps the update's preparation: the vote is sent,
-then the exchange's update is built (``Exchange.prepare``: every group's
-embedding rows merged, which changes nothing) and the averages are checked for
-non-finite values, and only then is the outcome read.  A failed vote (or an error while it is in flight) puts the prepared
+then the exchange's update is built (``Exchange.prepare``: the union and its
+lookup, which changes no row; fbgemm's call counters do move) and the
+averages are checked for non-finite values, and only then is the outcome
+read.  A failed vote (or an error while it is in flight) puts the prepared
 update back (``Exchange.discard``).
 """
 
@@ -67,7 +68,7 @@ class Exchange(Protocol):
 
     def prepare(self, exchanged: Any) -> Any:
         """Local work on what ``__call__`` returned that changes no state the step's update reads
-        (every group's embedding rows merged): run while the commit vote is in flight, so the vote's round
+        (the union and its lookup): run while the commit vote is in flight, so the vote's round
         trip hides behind it.  Its result is handed to the update when the step commits."""
 
     def discard(self, prepared: Any) -> None:
@@ -92,7 +93,7 @@ class StepResult:
     ready: frozenset[str] = frozenset()
     """Participants holding valid state at this step: the next step's data is planned over them."""
     extra: Any = None
-    """What the step's ``exchange`` returned (every participant's embedding rows and their gradients,
+    """What the step's ``exchange`` returned (every participant's embedding lookups and gradients,
     as gathered: what the update is built from, and what a recovering replica records)."""
     prepared: Any = None
     """What ``exchange.prepare`` made of ``extra`` while the vote was in flight (None when
@@ -348,6 +349,8 @@ class ReplicaSync:
         recovering replica applies nothing now: its recorded steps are prepared at replay)."""
         if reduced is None or self.recovering:
             return None, None
+        if exchange is not None:
+            self.wait_staged()  # the union's forward moves fbgemm's step counters: not under a staging copy
         prepared = exchange.prepare(extra) if exchange is not None else None
         return prepared, all_finite(reduced.tensors)
 

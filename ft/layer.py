@@ -227,7 +227,7 @@ class FaultTolerance(SnapshotSide):
 
     def begin_step(self, step: int) -> None:
         self._step, self._weight, self._loss = step, None, None
-        self._update.before_tables(step)  # the step's table rate, set before anything reads it
+        self._update.before_tables(step)  # fbgemm takes the rate at the union's lookup, built during the vote
         self._sync.start_step(step)
         if self._sparse is not None:
             self._sparse.reset()
@@ -295,8 +295,6 @@ class FaultTolerance(SnapshotSide):
         docstring).  Without a ``backward`` this step, the replica contributes zeros with weight 0."""
         step, trained = self._step, self._weight is not None
         tensors = self._grads.views() if trained else [torch.zeros_like(p) for p in self._dense]
-        if self._sparse is not None:
-            self._sparse.collect()  # its rows summed while the last dense buckets are still on the wire
         self._hooks.at("reduce", step)
         try:
             # ``grads`` even when this replica did not train: its layout is the buckets every participant
@@ -345,12 +343,12 @@ class FaultTolerance(SnapshotSide):
             for p in self._dense:
                 p.grad = None
             if self._sparse is not None:
-                self._update.before_tables(result.step)  # the rows' update reads the committed step's rate
+                self._update.before_tables(result.step)  # a replayed step's lookup is built in apply
                 self._sparse.apply(result.extra, result.prepared)
         else:
             self._update.record = {}
             if self._sparse is not None and result.prepared is not None:
-                self._sparse.discard(result.prepared)  # no update this step: the merged rows are dropped
+                self._sparse.discard(result.prepared)  # no update this step: the lookup built for it goes back
         if self._data is not None:
             self._data.commit(commit)
         for _, _, on_commit in self._user_states.values():

@@ -9,45 +9,35 @@ gradients, so replicas would drift apart at once.  Here, per step:
 1. **Forward** (``_deferring_forward``): each fused TBE looks its ids up
    *without* recording its fused backward (``no_grad``), and a pass-through
    autograd node in its place catches the gradient of its output in
-   backward.  The step's ids are deduplicated into row keys here
-   (``freescale.ft.sparse_rows.Occurrences``): their counts must ride in the
-   dense reduction, which starts during backward.  Nothing is updated.
+   backward.  Nothing is updated; nothing extra crosses the network during the
+   step.
 2. **Exchange** (inside the fault-tolerant all-reduce's quorum attempt, after
    the dense reduction: a failure in it is redone with the survivors like the
-   dense one): each replica turns its step into **row form**, its unique rows
-   and each row's summed gradient (``RowStep.of``: the bags' gradients
-   scattered onto their ids), and at position ``r`` the replicas all-gather
-   them.  One all-gather per step, whatever the number of tables: the counts
-   ride in the dense reduction.
-3. **Apply** (once the step commits): every replica merges the same rows,
-   participants in quorum order, each one's gradients scaled by its share of
-   the step's samples ``w_j / sum w`` and summed per row (``prepare``, while
-   the commit vote is in flight: changes nothing), then applies fbgemm's exact
-   optimizer to each touched row once (``apply``: row-wise Adagrad, Adagrad or
-   SGD, written out on the rows, ``sparse_rows.apply_rows``), exactly as one
-   group that had trained on all the samples would (fbgemm's exact optimizers
-   sum a row's gradients within a batch before its update).  Same inputs, same
-   ordered arithmetic, so the tables and the optimizer state stay identical
-   bit for bit; a recovering replica records the gathered rows of each step it
-   sits out and replays them onto its snapshot.
+   dense one): at position ``r`` the replicas all-gather each TBE's
+   ``(indices, offsets, output gradient)``.  One all-gather per step,
+   whatever the number of tables: the sizes ride in the dense reduction.
+3. **Apply** (the update only once the step commits): every replica builds the same
+   *union* batch, participants in quorum order, each one's gradient rows
+   scaled by its share of the step's samples ``w_j / sum w``, and runs the
+   TBE forward on it while the commit vote is in flight (``prepare``: a
+   lookup, no row changes) and its backward once the vote passed
+   (``apply``): the fused optimizer then updates each
+   touched row once, from the gradients of all replicas' samples, exactly as
+   one group that had trained on all of them would (row-wise Adagrad sums
+   a row's gradients within a batch before its update).  Same inputs, same
+   deterministic kernel, so the tables and the optimizer state stay identical
+   bit for bit; a recovering replica records the gathered lookups of each
+   step it sits out and replays them onto its snapshot.
 
-Costs, per step and rank: deduplicating its own ids (forward) and summing its
-own gradients onto them; the all-gather of ``R`` groups' rows (``rows x (8 +
-4 x dim)`` bytes each: fewer than the ids and bag gradients it replaces when
-ids repeat, as recommendation ids do; more for a multi-hot bag of distinct ids,
-whose one gradient becomes one per id); merging ``R`` groups' rows and
-updating the union of them.  Merging grows with ``R`` (every group applies
-every group's rows): ``benchmarks/bench_union_update.py`` measures it.  What
-it buys: no dense table gradient ever exists, and no step needs a second round
-trip.  On a GPU the forward's deduplication reads one count back to the host
-per module and width (not yet run on a GPU).
+Costs: one more TBE lookup per step over the union (``R`` times the group's
+ids at position ``r``), and the all-gather of the looked-up ids and their
+output gradients (``ids x dim`` floats per replica).  What it buys: no dense
+table gradient ever exists, and no step needs a second round trip.
 
 Limits (raised as errors, not silently wrong): per-sample weights and
-variable batch per feature (VBE) are not supported; every table must use a
-fused kernel (tables planned as data parallel would be updated by the dense
-optimizer from a group-local gradient), with exact row-wise Adagrad, Adagrad
-or SGD, no weight decay, clipping or max norm, on a device or host placement
-(no UVM cache).
+variable batch per feature (VBE) are not supported, and every table must use
+a fused kernel (tables planned as data parallel would be updated by the dense
+optimizer from a group-local gradient).
 """
 
 from __future__ import annotations
@@ -64,17 +54,25 @@ from torch import nn
 
 from freescale.ft.client import Quorum
 from freescale.ft.replica_group import ReplicaGroup
-from freescale.ft.sparse_rows import Occurrences, RowStep, TBELayout, apply_rows, merge
+
+
+@dataclass
+class TBEStep:
+    """One TBE's lookups of a step: ``T`` features, ``B`` bags per feature."""
+
+    indices: torch.Tensor  # int64 [N]
+    offsets: torch.Tensor  # int64 [T * B + 1]
+    grad: torch.Tensor  # float32 [B, sum of dims] pooled, [N, dim] sequence
 
 
 @dataclass
 class UnionUpdate:
-    """What every replica applies at a committed step: one ``RowStep`` per TBE, in model order."""
+    """What every replica applies at a committed step: one ``TBEStep`` per TBE, in model order."""
 
-    tables: list[RowStep]
+    tables: list[TBEStep]
 
     def nbytes(self) -> int:
-        return sum(k.numel() * 8 + g.numel() * 4 for t in self.tables for k, g in zip(t.keys, t.grads))
+        return sum(t.indices.numel() * 8 + t.offsets.numel() * 8 + t.grad.numel() * 4 for t in self.tables)
 
 
 class _CatchGradient(torch.autograd.Function):
@@ -97,41 +95,32 @@ class _CatchGradient(torch.autograd.Function):
 class _Slot:
     name: str
     tbe: Any  # fbgemm's TBE (untyped module)
-    layout: TBELayout
+    features: int
+    pooled: bool
     run: Any  # the TBE's own forward (bound method), with its fused backward
-    seen: Occurrences | None = None
-    """The step's ids as row keys (set by the forward)."""
+    indices: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     calls: int = 0
-    rows: RowStep | None = None
-    """The step in row form, once ``collect`` made it."""
+    shape: tuple[int, ...] = ()
+    """The looked-up output's shape (its gradient's): known after the forward."""
 
 
 def _check_optimizer(name: str, tbe: nn.Module) -> None:
-    """Only the exact optimizers ``sparse_rows.apply_rows`` writes out, as fbgemm would run them:
-    no iteration counter, weight decay, clipping or max norm, and rows in the module's own buffers
-    (a UVM cache would hold stale copies of rows updated in place)."""
+    """Only fused optimizers whose update reads no iteration count and whose forward writes no row:
+    the union's forward also runs for votes that fail, and a group catching up skips the local
+    lookups, so counters may differ between groups (harmless only where nothing reads them)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     kind = getattr(tbe, "optimizer", None)
     allowed = (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD)
-    args = getattr(tbe, "optimizer_args", None)
-    extras = [what for what, on in (
-        ("an iteration counter", getattr(tbe, "_used_rowwise_adagrad_with_counter", False)),
-        ("global weight decay", getattr(tbe, "_used_rowwise_adagrad_with_global_weight_decay", False)),
-        (f"weight decay {getattr(args, 'weight_decay', 0.0)}", float(getattr(args, "weight_decay", 0.0)) != 0.0),
-        ("gradient clipping", bool(getattr(args, "gradient_clipping", False))),
-        (f"max norm {getattr(args, 'max_norm', 0.0)}", float(getattr(args, "max_norm", 0.0)) > 0.0),
-    ) if on]
-    if kind not in allowed or extras:
+    counted = getattr(tbe, "_used_rowwise_adagrad_with_counter", False) or \
+        getattr(tbe, "_used_rowwise_adagrad_with_global_weight_decay", False)
+    if kind not in allowed or counted:
         raise ValueError(f"fault tolerance: embedding '{name}' uses the fused optimizer {kind}"
-                         f"{' with ' + ', '.join(extras) if extras else ''}; the union update keeps tables "
+                         f"{' with an iteration counter' if counted else ''}; the union update keeps tables "
                          "identical across replica groups only for exact row-wise Adagrad, Adagrad or SGD "
-                         "without counters, weight decay, clipping or max norm")
-    cache = getattr(tbe, "lxu_cache_weights", None)
-    if isinstance(cache, torch.Tensor) and cache.numel() > 0:
-        raise ValueError(f"fault tolerance: embedding '{name}' keeps rows in a UVM cache; the union update "
-                         "updates rows in place and needs them on the device or the host (compute kernel 'fused')")
+                         "without counters or global weight decay")
 
 
 def fused_tbes(dmp: nn.Module) -> list[tuple[str, Any]]:
@@ -161,7 +150,8 @@ class UnionSparseUpdate:
         self._slots: list[_Slot] = []
         for name, tbe in fused_tbes(dmp):
             _check_optimizer(name, tbe)
-            slot = _Slot(name, tbe, TBELayout.of(tbe), tbe.forward)
+            pooled = int(tbe.pooling_mode) != 2  # fbgemm PoolingMode.NONE == 2: one row per id
+            slot = _Slot(name, tbe, len(tbe.feature_table_map), pooled, tbe.forward)
             tbe.forward = self._deferring_forward(slot)  # instance attribute: state_dict etc. untouched
             self._slots.append(slot)
         if not self._slots:
@@ -186,132 +176,212 @@ class UnionSparseUpdate:
             if slot.calls:
                 raise RuntimeError(f"fault tolerance: embedding '{slot.name}' was looked up twice in one step")
             slot.calls += 1
-            slot.seen, slot.grad = Occurrences.of(slot.layout, indices.detach().long(), offsets.detach().long()), None
+            slot.indices, slot.offsets, slot.grad = indices.detach().long(), offsets.detach().long(), None
+            slot.shape = tuple(looked_up.shape)
             return _CatchGradient.apply(self._anchor, looked_up, slot)
         return forward
 
     # ------------------------------------------------------------------ one step
-    def collect(self) -> None:
-        """Sum this step's gradients onto its rows (after backward; the layer calls it before it waits
-        for the dense reduction, whose last buckets are then still in flight)."""
-        for s in self._slots:
-            if s.rows is not None:
-                continue
-            if s.seen is None or sum(k.numel() for k in s.seen.keys) == 0:
-                s.rows = RowStep.empty(s.layout)
-                continue
-            if s.grad is None:
-                raise RuntimeError(f"fault tolerance: embedding '{s.name}' got no gradient this step")
-            with _deterministic():
-                s.rows = RowStep.of(s.layout, s.seen, s.grad)
-
     def local_step(self) -> UnionUpdate:
-        """This replica's step in row form (empty for a replica that sat it out)."""
-        self.collect()
-        return UnionUpdate([s.rows for s in self._slots if s.rows is not None])
+        """This replica's lookups and gradients of the step (empty for a replica that sat it out)."""
+        tables = []
+        for s in self._slots:
+            if s.indices is None or s.offsets is None:
+                tables.append(TBEStep(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                                      torch.zeros(0, 0)))
+                continue
+            rows = (s.offsets.numel() - 1) // s.features if s.pooled else s.indices.numel()
+            grad = s.grad if s.grad is not None else torch.zeros(rows, 0)
+            if s.grad is None and rows:
+                raise RuntimeError(f"fault tolerance: embedding '{s.name}' got no gradient this step")
+            tables.append(TBEStep(s.indices, s.offsets, grad.reshape(rows, -1)))
+        return UnionUpdate(tables)
 
     def reset(self) -> None:
         for s in self._slots:
-            s.seen = s.grad = s.rows = None
+            s.indices = s.offsets = s.grad = None
             s.calls = 0
 
     def header(self) -> torch.Tensor:
-        """This replica's unique rows per TBE and width: they ride in the dense reduction
-        (``freescale.ft.ftar.Exchange``), so the exchange is one all-gather.  Known once the
-        forward ran (the reduction's meta is filled before backward)."""
-        counts: list[int] = []
+        """Sizes of this replica's step, per TBE ``[ids, offsets, grad rows, grad cols]``: they ride
+        in the dense reduction (``freescale.ft.ftar.Exchange``), so the exchange is one all-gather.
+        Known once the forward ran (the reduction's meta is filled before backward)."""
+        sizes = []
         for s in self._slots:
-            counts.extend(k.numel() for k in s.seen.keys) if s.seen is not None else counts.extend(
-                0 for _ in s.layout.dims)
-        return torch.tensor(counts, dtype=torch.int64)
+            if s.indices is None or s.offsets is None:
+                sizes.append([0, 1, 0, 0])
+                continue
+            rows = (s.offsets.numel() - 1) // s.features if s.pooled else s.indices.numel()
+            cols = s.shape[-1] if rows and s.shape else 0
+            sizes.append([s.indices.numel(), s.offsets.numel(), rows, cols])
+        return torch.tensor(sizes, dtype=torch.int64).reshape(-1)
 
     def __call__(self, group: ReplicaGroup | dist.ProcessGroup, quorum: Quorum, weights: list[float],
                  headers: list[torch.Tensor]) -> GatheredSteps:
         """All-gather every participant's ``local_step`` (the same on all participants).
 
-        One float32 all-gather: each participant's row keys (int64, bit-cast to float32 pairs: no
-        arithmetic touches them) then its summed gradients, padded to the longest.  The merged
-        rows are built from it by ``union`` (``prepare`` does, while the vote is in flight)."""
+        One float32 all-gather: each participant's ids and offsets (int64, bit-cast to
+        float32 pairs: no arithmetic touches them) then its gradients, padded to the longest.
+        The weighted union is built from it by ``union`` (``prepare`` does, while the vote is
+        in flight)."""
         mine = self.local_step()
         replica_group = ReplicaGroup.of(group)
         device = replica_group.device
         # Gathered on the replica group's device (gloo: the host; NCCL: the GPU, then one copy of the
-        # whole gather to the host, where the rows are merged; ``apply`` moves them back).
-        ints = torch.cat([k.to(device) for t in mine.tables for k in t.keys])
-        floats = torch.cat([g.reshape(-1).to(device) for t in mine.tables for g in t.grads])
+        # whole gather to the host, where the union is built; ``apply`` moves it back).
+        ints = torch.cat([torch.cat([t.indices.to(device), t.offsets.to(device)]) for t in mine.tables])
+        floats = torch.cat([t.grad.reshape(-1).float().to(device) for t in mine.tables])
         mine_flat = torch.cat([ints.view(torch.float32), floats])
-        sizes = [2 * int(h.sum()) + self._floats(h) for h in headers]
+        shapes = [h.view(-1, 4) for h in headers]
+        int_sizes = [int(h[:, :2].sum()) for h in shapes]
+        float_sizes = [int((h[:, 2] * h[:, 3]).sum()) for h in shapes]
         # Each participant's own bytes (not views of the padded buffers: a recovering replica keeps
         # them for every step it sits out).
-        gathered = [g.cpu() if g.is_cuda else g.clone() for g in _all_gather_varlen(replica_group, mine_flat, sizes)]
-        return GatheredSteps(gathered, list(headers), list(weights))
-
-    def _widths(self) -> list[int]:
-        return [d for s in self._slots for d in s.layout.dims]
-
-    def _floats(self, header: torch.Tensor) -> int:
-        return sum(int(n) * d for n, d in zip(header.tolist(), self._widths()))
+        gathered = [g.cpu() if g.is_cuda else g.clone()
+                    for g in _all_gather_varlen(replica_group, mine_flat,
+                                                [2 * i + f for i, f in zip(int_sizes, float_sizes)])]
+        return GatheredSteps(gathered, shapes, list(weights))
 
     def union(self, gathered: GatheredSteps) -> UnionUpdate:
-        """Every participant's rows merged, weighted by sample share (same on all; module docstring, step 3)."""
+        """The weighted union of every participant's step (same on all; module docstring, step 3)."""
         total = float(sum(gathered.weights))
-        widths = self._widths()
-        per_participant: list[list[RowStep]] = []
-        for flat, header in zip(gathered.flat, gathered.shapes):
-            counts = [int(n) for n in header.tolist()]
-            if len(counts) != len(widths):
-                raise RuntimeError(f"fault tolerance: a step of {len(counts)} row groups, this model has {len(widths)}")
-            keys = flat[:2 * sum(counts)].contiguous().view(torch.int64).split(counts)
-            grads = flat[2 * sum(counts):].split([n * d for n, d in zip(counts, widths)])
-            steps, k = [], 0
-            for slot in self._slots:
-                n = len(slot.layout.dims)
-                steps.append(RowStep(list(keys[k:k + n]),
-                                     [g.view(-1, d) for g, d in zip(grads[k:k + n], slot.layout.dims)]))
-                k += n
+        per_participant: list[list[TBEStep]] = []
+        for flat, shape, weight in zip(gathered.flat, gathered.shapes, gathered.weights):
+            n_ints = int(shape[:, :2].sum())
+            all_ints = flat[:2 * n_ints].contiguous().view(torch.int64)
+            all_floats = flat[2 * n_ints:]
+            i_off = f_off = 0
+            steps = []
+            share = torch.tensor(weight / total if total > 0 else 0.0, dtype=torch.float32)
+            for n_idx, n_off, rows, cols in shape.tolist():
+                idx = all_ints[i_off:i_off + n_idx]
+                off = all_ints[i_off + n_idx:i_off + n_idx + n_off]
+                grad = all_floats[f_off:f_off + rows * cols].view(rows, cols)
+                i_off, f_off = i_off + n_idx + n_off, f_off + rows * cols
+                steps.append(TBEStep(idx, off, grad * share))
             per_participant.append(steps)
-        shares = [w / total if total > 0 else 0.0 for w in gathered.weights]
-        with _deterministic():
-            return UnionUpdate([merge([pp[i] for pp in per_participant], shares) for i in range(len(self._slots))])
+        return UnionUpdate([self._union(slot, [pp[k] for pp in per_participant])
+                            for k, slot in enumerate(self._slots)])
 
-    def prepare(self, gathered: GatheredSteps | UnionUpdate) -> UnionUpdate:
-        """The merged rows of every participant (run while the commit vote is in flight; changes no
-        state: a failed vote has nothing to put back)."""
+    def _union(self, slot: _Slot, parts: list[TBEStep]) -> TBEStep:
+        """Concatenate participants' batches feature by feature (the TBE's feature-major layout)."""
+        t = slot.features
+        lengths, idx_pieces, grad_pieces = [], [], []
+        width = max((p.grad.shape[1] for p in parts), default=0)
+        for p in parts:
+            if p.offsets.numel() == 0 or (p.indices.numel() == 0 and p.grad.numel() == 0):
+                continue
+            if int(p.offsets[0]) != 0 or int(p.offsets[-1]) != p.indices.numel():
+                raise RuntimeError(f"fault tolerance: embedding '{slot.name}': offsets do not cover the ids")
+            bags = (p.offsets.numel() - 1) // t
+            per_bag = p.offsets.diff().view(t, bags)
+            counts = per_bag.sum(dim=1).tolist()
+            lengths.append(per_bag)
+            idx_pieces.append(torch.split(p.indices, counts))
+            grad_pieces.append(p.grad if slot.pooled else torch.split(p.grad, counts))
+        if not lengths:
+            return TBEStep(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                           torch.zeros(0, width))
+        union_lengths = torch.cat(lengths, dim=1).reshape(-1)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(union_lengths, 0)])
+        indices = torch.cat([pieces[f] for f in range(t) for pieces in idx_pieces])
+        if slot.pooled:
+            grad = torch.cat(grad_pieces, dim=0)  # type: ignore[arg-type]  # pooled: whole tensors
+        else:
+            grad = torch.cat([pieces[f] for f in range(t) for pieces in grad_pieces])
+        return TBEStep(indices, offsets, grad)
+
+    def prepare(self, gathered: GatheredSteps | UnionUpdate) -> PreparedUnion:
+        """The union built, and each TBE's forward over it, recording its fused backward: the
+        lookup half of the update, which reads the tables and changes no row (run while the
+        commit vote is in flight; ``apply`` runs the backward, the update, once the step commits).
+        fbgemm's forward does count its calls (``step``; ``iter``): ``discard`` puts them back if
+        the step does not commit.  Memory: every TBE's union output (and its autograd graph) is
+        held until ``apply``, where running them one at a time held one; the gradients move to
+        the device only in ``apply``."""
         update = self.union(gathered) if isinstance(gathered, GatheredSteps) else gathered
+        outputs: list[tuple[_Slot, torch.Tensor, torch.Tensor, _Counters]] = []
+        with _deterministic(), torch.enable_grad():
+            for slot, step in zip(self._slots, self._matching(update)):
+                if step.indices.numel() == 0:
+                    continue
+                device = slot.tbe.current_device if hasattr(slot.tbe, "current_device") else step.indices.device
+                counters = _Counters.of(slot.tbe)
+                out = slot.run(step.indices.to(device), step.offsets.to(device))
+                outputs.append((slot, out, step.grad, counters))
+        return PreparedUnion(outputs)
+
+    def discard(self, prepared: PreparedUnion) -> None:
+        for slot, _, _, counters in reversed(prepared.take()):
+            counters.restore(slot.tbe)
+
+    def apply(self, update: GatheredSteps | UnionUpdate, prepared: PreparedUnion | None = None) -> None:
+        """The one update of the step: each TBE's fused backward over the union (``prepare``'s
+        forward, run now unless it already ran while the vote was in flight)."""
+        prepared = prepared if prepared is not None else self.prepare(update)
+        # fbgemm's CUDA backward sums a row's gradients with atomics when it occurs more than
+        # ~1024 times in a batch (the union of all replicas' ids easily does): different
+        # rounding on each replica.  Deterministic mode makes it one ordered sum.
+        with _deterministic():
+            for _, out, grad, _ in prepared.take():
+                out.backward(grad.reshape(out.shape).to(device=out.device, dtype=out.dtype))
+
+    def _matching(self, update: UnionUpdate) -> list[TBEStep]:
         if len(update.tables) != len(self._slots):
             raise RuntimeError(f"fault tolerance: an update for {len(update.tables)} embedding modules, "
                                f"this model has {len(self._slots)}")
-        return update
-
-    def discard(self, prepared: UnionUpdate) -> None:
-        """Nothing to undo: ``prepare`` changed no row and no counter."""
-
-    def apply(self, update: GatheredSteps | UnionUpdate, prepared: UnionUpdate | None = None) -> None:
-        """The one update of the step: each TBE's exact optimizer on the merged rows."""
-        rows = prepared if prepared is not None else self.prepare(update)
-        with torch.no_grad(), _deterministic():
-            for slot, step in zip(self._slots, rows.tables):
-                report = getattr(slot.run, "report_rows", None)  # a checkpoint copying rows lazily (staging.py)
-                if report is not None:
-                    report(torch.cat(step.keys).to(getattr(slot.tbe, "current_device", "cpu")))
-                apply_rows(slot.tbe, slot.layout, step)
+        return update.tables
 
 
 @dataclass
 class GatheredSteps:
-    """Every participant's step as gathered (``flat``: row keys bit-cast, then summed gradients), in
-    quorum order, with its row counts per TBE and width and its weight: what a committed step's
-    update is built from, and what a recovering replica records to replay."""
+    """Every participant's step as gathered (``flat``: ids and offsets bit-cast, then gradients),
+    in quorum order, with its per-TBE sizes and its weight: what a committed step's union is built
+    from, and what a recovering replica records to replay."""
 
     flat: list[torch.Tensor]
     shapes: list[torch.Tensor]
     weights: list[float]
 
 
+@dataclass
+class _Counters:
+    """fbgemm TBE call counters a forward advances (``step``; ``iter``/``iter_cpu`` for optimizers
+    that count iterations), to put back after a forward whose backward never runs."""
+
+    step: int
+    iters: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, tbe: Any) -> _Counters:
+        iters = {name: t.clone() for name in ("iter", "iter_cpu")
+                 if isinstance(t := getattr(tbe, name, None), torch.Tensor)}
+        return cls(int(getattr(tbe, "step", 0)), iters)
+
+    def restore(self, tbe: Any) -> None:
+        if hasattr(tbe, "step"):
+            tbe.step = self.step
+        for name, saved in self.iters.items():
+            getattr(tbe, name).copy_(saved)
+
+
+@dataclass
+class PreparedUnion:
+    """A union's forward per TBE: (slot, looked-up output, its gradient, counters before).  Used
+    once: by ``apply`` or by ``discard``."""
+
+    outputs: list[tuple[_Slot, torch.Tensor, torch.Tensor, _Counters]]
+    used: bool = False
+
+    def take(self) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, _Counters]]:
+        if self.used:
+            raise RuntimeError("fault tolerance: a prepared union update was applied or discarded twice")
+        self.used, outputs, self.outputs = True, self.outputs, []
+        return outputs
+
+
 @contextlib.contextmanager
 def _deterministic() -> Iterator[None]:
-    """CUDA's ``index_add_`` sums with atomics unless deterministic algorithms are on: different
-    rounding on each replica.  On: one ordered sum (CPU's is ordered anyway)."""
     enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
         torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)

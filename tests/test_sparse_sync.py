@@ -21,7 +21,7 @@ from freescale.dataloader.build import build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.digest import local_digest
 from freescale.distributed import init_distributed
-from freescale.ft.sparse_sync import GatheredSteps, UnionSparseUpdate
+from freescale.ft.sparse_sync import TBEStep, UnionSparseUpdate, UnionUpdate
 from freescale.models import build_model, cost_model_for
 from freescale.parallelize import shard_model
 from freescale.rank_console import quiet_libraries
@@ -40,13 +40,6 @@ def _concat(a: Batch, b: Batch) -> Batch:
             lengths.append(jt.lengths())
     sparse = KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
     return Batch(sparse, torch.cat([a.dense, b.dense]), torch.cat([a.labels, b.labels]))
-
-
-def _flat(sync: UnionSparseUpdate) -> torch.Tensor:
-    """What the all-gather carries of one replica's step: row keys bit-cast, then summed gradients."""
-    step = sync.local_step()
-    ints = torch.cat([k for t in step.tables for k in t.keys])
-    return torch.cat([ints.view(torch.float32), *[g.reshape(-1) for t in step.tables for g in t.grads]])
 
 
 def _tables(dmp: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -93,24 +86,27 @@ def test_union_update_equals_one_model_on_all_samples(kind: str, tiny_data: Path
         both = _concat(batch_a, batch_b)
         reference(Batch(both.sparse, both.dense, both.labels))[0].backward()
 
-        syncs, flats, headers = [], [], []
+        syncs, steps = [], []
         for replica, batch in ((replica_a, batch_a), (replica_b, batch_b)):
             sync = UnionSparseUpdate(replica)
             replica(Batch(batch.sparse, batch.dense, batch.labels))[0].backward()
             assert local_digest(_tables(replica)) == local_digest(_tables(reference_before)), \
                 "the fused update ran inside backward"
             syncs.append(sync)
-            headers.append(sync.header())
-            flats.append(_flat(sync))
-        gathered = GatheredSteps(flats, headers, [float(batch_a.size), float(batch_b.size)])
+            steps.append(sync.local_step())
+        weights = [float(batch_a.size), float(batch_b.size)]
+        total = sum(weights)
         for i, sync in enumerate(syncs):
+            parts = [[TBEStep(t.indices, t.offsets, t.grad * torch.tensor(w / total)) for t in step.tables]
+                     for step, w in zip(steps, weights)]
+            union = UnionUpdate([sync._union(slot, [p[k] for p in parts]) for k, slot in enumerate(sync._slots)])
             if i == 0:  # A: built while a vote was in flight, the vote failed, put back; then built again and applied
                 before = _state(replica_a, sync)
-                sync.discard(sync.prepare(gathered))
+                sync.discard(sync.prepare(union))
                 assert _state(replica_a, sync) == before, "a discarded union left a trace (rows or fbgemm counters)"
-                sync.apply(gathered, sync.prepare(gathered))
+                sync.apply(union, sync.prepare(union))
             else:  # B: built and applied in one go (a recorded step replayed during catch-up)
-                sync.apply(gathered)
+                sync.apply(union)
         a, b, ref = _tables(replica_a), _tables(replica_b), _tables(reference)
         assert local_digest(a) == local_digest(b), "replicas applying the same union differ"
         assert _state(replica_a, syncs[0]) == _state(replica_b, syncs[1]), "optimizer state or counters differ"
@@ -140,72 +136,3 @@ def test_headers_ride_in_the_reduction_exactly() -> None:
     assert all(torch.equal(a, b) for a, b in zip(reduced.tensors, grads))
     with pytest.raises(ValueError, match="header values"):
         weighted_all_reduce(group, grads, 1.0, 0, 1, True, torch.tensor([-1]))
-
-
-@pytest.mark.parametrize("optimizer", ["EXACT_ROWWISE_ADAGRAD", "EXACT_ADAGRAD", "EXACT_SGD"])
-@pytest.mark.parametrize("pooling", ["SUM", "MEAN", "NONE"])
-def test_row_update_equals_fbgemms_fused_backward(optimizer: str, pooling: str) -> None:
-    """Row form + ``apply_rows`` against fbgemm's own fused backward on the same batch: tables of two
-    widths, repeated ids within and across bags, empty bags."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
-
-    from freescale.ft.sparse_rows import Occurrences, RowStep, TBELayout, apply_rows, merge
-
-    widths = [8, 8, 4] if pooling != "NONE" else [8, 8]  # one width per sequence module
-    features = list(range(len(widths)))  # a table two features share: fbgemm's CPU backward fails on it
-    specs = [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows, dim in zip([40, 25, 30], widths)]
-
-    def tbe() -> SplitTableBatchedEmbeddingBagsCodegen:
-        torch.manual_seed(0)
-        module = SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=getattr(EmbOptimType, optimizer),
-                                                       learning_rate=0.05, eps=1e-8, feature_table_map=features,
-                                                       pooling_mode=getattr(PoolingMode, pooling))
-        for state in (module.split_optimizer_states() if optimizer != "EXACT_SGD" else []):
-            state[0].uniform_(0.1, 1.0)
-        return module
-
-    reference, ours = tbe(), tbe()
-    gen = torch.Generator().manual_seed(3)
-    bags = 6
-    lengths = torch.randint(0, 4, (len(features) * bags,), generator=gen)
-    ids = torch.randint(0, 25, (int(lengths.sum()),), generator=gen)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    out = reference(ids, offsets)
-    grad = torch.randn(out.shape, generator=gen)
-    out.backward(grad)
-
-    layout = TBELayout.of(ours)
-    rows = RowStep.of(layout, Occurrences.of(layout, ids, offsets), grad)
-    half = [RowStep(rows.keys, [g * 0.5 for g in rows.grads])] * 2  # two equal halves merge back to the whole
-    with torch.no_grad():
-        apply_rows(ours, layout, merge(half, [1.0, 1.0]))
-    for mine, theirs in zip(ours.split_embedding_weights(), reference.split_embedding_weights()):
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
-    if optimizer != "EXACT_SGD":
-        for mine, theirs in zip(ours.split_optimizer_states(), reference.split_optimizer_states()):
-            torch.testing.assert_close(mine[0], theirs[0], rtol=1e-5, atol=1e-6)
-
-
-def test_unsupported_fused_optimizer_settings_are_refused_by_name() -> None:
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
-
-    from freescale.ft.sparse_sync import _check_optimizer
-
-    spec = [(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)]
-    decayed = SplitTableBatchedEmbeddingBagsCodegen(spec, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-                                                    weight_decay=0.01)
-    with pytest.raises(ValueError, match="embedding 'user_table' .* with weight decay 0.01"):
-        _check_optimizer("user_table", decayed)
-    clipped = SplitTableBatchedEmbeddingBagsCodegen(spec, optimizer=EmbOptimType.EXACT_SGD, gradient_clipping=True)
-    with pytest.raises(ValueError, match="embedding 'item_table' uses the fused optimizer .* with gradient clipping"):
-        _check_optimizer("item_table", clipped)
