@@ -410,6 +410,7 @@ def main() -> None:
     parser.add_argument("--failure-repeats", type=int, default=1,
                         help="interleaved repeats of every failure run (medians, [min..max] beside)")
     parser.add_argument("--small-only", action="store_true", help="no big-model failure run")
+    parser.add_argument("--big-only", action="store_true", help="no 1.3M-parameter failure run (the big one only)")
     parser.add_argument("--standby", action="store_true",
                         help="also restart through a warm standby (ft/standby.py): a column of its own")
     parser.add_argument("--forked", action="store_true",
@@ -431,7 +432,7 @@ def main() -> None:
         if not args.failures_only:
             rows.append({"torchft": skip, **overhead(tmp, steps, repeats, 1024, tft)})
         # Quick: 200 steps, so that the restarted replica (~3-4 s to start on 2 cores) joins before the end.
-        runs = [(200 if args.quick else 300, 1024, 2, "1.3M params")]
+        runs = [] if args.big_only else [(200 if args.quick else 300, 1024, 2, "1.3M params")]
         if not args.quick and not args.small_only:
             runs.append((args.big_steps, args.big_hidden, 4, f"{args.big_hidden}x4 MLP"))
         for n, hidden, layers, label in runs:
@@ -487,7 +488,7 @@ def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], tft_version: s
             "quick": args.quick, "replicas": "2 (overhead), 3 (failure)", "big_hidden": args.big_hidden,
             "big_steps": args.big_steps, "failures_only": args.failures_only, "standby": args.standby,
             "forked": args.forked,
-            "failure_repeats": args.failure_repeats, "small_only": args.small_only,
+            "failure_repeats": args.failure_repeats, "small_only": args.small_only, "big_only": args.big_only,
             "model": "MLP 256->1024->1024->1 (1.31M params), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,
             "join_timeout_s": 0.5, "torchft": tft_version, "torchft_skipped": why or None,
             "torchft_setup": "torchft.Manager (min_replica_size=1; torchft: use_async_quorum=True, torchft_sync: "

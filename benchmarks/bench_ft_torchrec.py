@@ -25,7 +25,10 @@ with freescale's own trainer without fault tolerance, the same loop and the same
    (this VM's speed drifts by tens of percent within minutes: a pair shares the drift), and
    every run's value is in the JSON.  ``update built during vote``: the union's lookup,
    built while the commit vote is in flight (``freescale.ft.ftar``); ``vote exposed``: the
-   vote's wait left after it.  Target: <= 1 ms or 5% per kind.
+   vote's wait left after it.  Target: <= 1 ms or 5% per kind.  ``--groups 2,3``: the same at R
+   groups of one rank against one job of R ranks (keyed ``<kind> xR`` beyond 2); the union update's
+   share grows with R (every group applies every group's lookups: ``update built during vote`` and
+   the exchange).  Beyond 2 processes both sides time-share this machine's 2 cores alike.
 2. Kill -> survivors' next committed step.  3 groups of 1 rank, ``--max-restarts 1``, group 2's
    rank SIGKILLs itself at the start of step K's exchange (``FREESCALE_FAULTS=2:0:K:reduce:0``,
    K=30); torch's elastic agent restarts it (new incarnation) and it catches up from a peer's
@@ -163,6 +166,12 @@ def step_ms(out: Path) -> dict[str, float]:
     return res
 
 
+def case_key(kind: str, groups: int) -> str:
+    """A pipeline kind's results at ``groups`` replica groups (and as many ranks without FT): the kind's
+    name at 2, as every earlier run of this benchmark keyed it."""
+    return kind if groups == 2 else f"{kind} x{groups}"
+
+
 REPLICATED = ("--optim.sharding", "data_parallel")
 """The like-for-like side without FT: every table whole on both ranks (torchrec's data_parallel: its lookup
 DDP averages the tables' dense gradients, row-wise Adagrad after backward), as FT's groups hold them."""
@@ -177,19 +186,22 @@ def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeat
     def sides_of(kind: str) -> tuple[str, ...]:
         return ("plain", "replicated", "ft") if args.replicated and kind != "prioritized" else ("plain", "ft")
 
-    runs: dict[str, dict[str, list[dict[str, float]]]] = {k: {s: [] for s in sides_of(k)} for k in args.pipelines}
+    cases = [(kind, groups) for kind in args.pipelines for groups in args.groups]
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {case_key(k, g): {s: [] for s in sides_of(k)}
+                                                          for k, g in cases}
     for r in range(repeats):
-        for kind in args.pipelines:
+        for kind, groups in cases:
+            key = case_key(kind, groups)
             for side in sides_of(kind)[:: 1 if r % 2 == 0 else -1]:
-                out = tmp / f"{side}-{kind}-{r}"
+                out = tmp / f"{side}-{kind}-{groups}-{r}"
                 if side == "ft":
-                    launch(out, data, args.model, args.batch, steps, nproc=1, replicas=2, pipeline=kind)
+                    launch(out, data, args.model, args.batch, steps, nproc=1, replicas=groups, pipeline=kind)
                 else:
-                    launch(out, data, args.model, args.batch, steps, nproc=2, pipeline=kind,
+                    launch(out, data, args.model, args.batch, steps, nproc=groups, pipeline=kind,
                            extra=REPLICATED if side == "replicated" else ())
-                runs[kind][side].append(step_ms(out))
-            print(f"bench_ft_torchrec: repeat {r} {kind}: " + ", ".join(
-                f"{side} {runs[kind][side][-1]['step_ms']:.2f} ms" for side in sides_of(kind)), file=sys.stderr)
+                runs[key][side].append(step_ms(out))
+            print(f"bench_ft_torchrec: repeat {r} {key}: " + ", ".join(
+                f"{side} {runs[key][side][-1]['step_ms']:.2f} ms" for side in sides_of(kind)), file=sys.stderr)
     res: dict[str, Any] = {}
     for kind, by_side in runs.items():
         ft_runs = [f["step_ms"] for f in by_side["ft"]]
@@ -315,10 +327,11 @@ def lighthouse_defaults() -> dict[str, float]:
 def overhead_rows(ov: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for kind, o in ov.items():
+        groups = int(kind.split(" x")[1]) if " x" in kind else 2
         rows += [
-            {"measure": f"[{kind}] step without FT, 2 ranks (tables sharded)", "value": f"{o['plain_step_ms']:.2f} ms",
-             "target": "-", "raw": o["plain_step_ms"]},
-            {"measure": f"[{kind}] FT step, 2 groups x 1 rank", "value": f"{o['ft_step_ms']:.2f} ms",
+            {"measure": f"[{kind}] step without FT, {groups} ranks (tables sharded)",
+             "value": f"{o['plain_step_ms']:.2f} ms", "target": "-", "raw": o["plain_step_ms"]},
+            {"measure": f"[{kind}] FT step, {groups} groups x 1 rank", "value": f"{o['ft_step_ms']:.2f} ms",
              "target": "-", "raw": o["ft_step_ms"]},
             {"measure": f"[{kind}] per-step overhead FT vs without (tables sharded without FT: not like for like)",
              "value": f"{o['overhead_ms']:+.2f} ms ({o['overhead_frac']:+.1%}); pairs "
@@ -326,7 +339,7 @@ def overhead_rows(ov: dict[str, Any]) -> list[dict[str, Any]]:
              "target": "<= 1 ms or 5%", "raw": o["overhead_ms"],
              "met": bool(o["overhead_ms"] <= 1.0 or o["overhead_frac"] <= 0.05)},
             *([] if "replicated_step_ms" not in o else [
-                {"measure": f"[{kind}] step without FT, 2 ranks, tables replicated (data_parallel + DDP)",
+                {"measure": f"[{kind}] step without FT, {groups} ranks, tables replicated (data_parallel + DDP)",
                  "value": f"{o['replicated_step_ms']:.2f} ms", "target": "-", "raw": o["replicated_step_ms"]},
                 {"measure": f"[{kind}] per-step overhead FT vs without, like for like (tables replicated on both)",
                  "value": f"{o['replicated_overhead_ms']:+.2f} ms ({o['replicated_overhead_frac']:+.1%}); pairs "
@@ -407,10 +420,19 @@ def main() -> None:
                         help="also the like-for-like side without FT: tables replicated on both ranks "
                              "(--optim.sharding data_parallel; DLRM: torchrec cannot replicate HSTU's sequence table)")
     parser.add_argument("--overhead-only", action="store_true", help="only the per-step overhead (no kill run)")
+    parser.add_argument("--groups", default="2",
+                        help="replica group counts R of the overhead runs, comma-separated (default 2): FT with R "
+                             "groups of 1 rank against one job of R ranks; R > 2 on 2 cores time-shares them")
     parser.add_argument("--json", help="write rows, machine and parameters to this path")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories (logs) and print where")
     args = parser.parse_args()
     args.pipelines = [k for k in args.pipeline.split(",") if k]
+    try:
+        args.groups = sorted({int(g) for g in args.groups.split(",") if g})
+    except ValueError:
+        parser.error(f"--groups: {args.groups!r} is not a comma-separated list of group counts")
+    if not args.groups or min(args.groups) < 2:
+        parser.error("--groups: each count must be >= 2 (fault tolerance needs a peer)")
     if any(k not in PIPELINES for k in args.pipelines):
         parser.error(f"--pipeline: each of {args.pipeline!r} must be one of {', '.join(PIPELINES)}")
     if args.replicated and args.model != "dlrm":
@@ -479,10 +501,10 @@ def run_params(args: argparse.Namespace, repeats: int, steps: int) -> dict[str, 
         "quick": args.quick, "model": args.model, "config": f"configs/tiny_{args.model}.toml",
         "batch_per_rank": args.batch, "data": args.data or f"synthetic: {args.rows} rows, {args.num_items} items",
         "backend": "gloo (CPU)", "omp_num_threads": 1, "repeats": repeats, "overhead_steps": steps,
-        "ft_warmup_steps": WARMUP, "plain_log_every": LOG_EVERY, "pipelines": args.pipelines,
-        "plain": "launch --nproc-per-node 2 (1 job, tables sharded over 2 ranks; DDP, or prioritized's reducer)",
+        "ft_warmup_steps": WARMUP, "plain_log_every": LOG_EVERY, "pipelines": args.pipelines, "groups": args.groups,
+        "plain": "launch --nproc-per-node R (1 job, tables sharded over R ranks; DDP, or prioritized's reducer)",
         "replicated": f"the same with {' '.join(REPLICATED)} (tables whole on both ranks)" if args.replicated else None,
-        "ft": "launch --replicas 2 --nproc-per-node 1",
+        "ft": "launch --replicas R --nproc-per-node 1",
     }
 
 
