@@ -354,6 +354,10 @@ def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[key] = float(np.median(values))
             if len(values) > 1:
                 out[f"{key}_range"] = (min(values), max(values))
+    phases = [r["phases"] for r in runs if isinstance(r.get("phases"), dict)]
+    if len(phases) == len(runs) > 1:  # each phase's median over the repeats (not the first repeat's)
+        out["phases"] = {k: float(np.median([p[k] for p in phases])) for k in phases[0]
+                         if all(isinstance(p.get(k), (int, float)) and not isinstance(p.get(k), bool) for p in phases)}
     out["repeats"] = len(runs)
     out["runs"] = runs
     return out
@@ -420,6 +424,8 @@ def main() -> None:
                         help="steps of the big-model failure run (~2 s each on 2 cores; the kill is at step 20)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.big_only and (args.quick or args.small_only):
+        parser.error("--big-only: --quick and --small-only leave out the big-model run (nothing would run)")
     steps, repeats = (60, 1) if args.quick else (300, 3)
     tft_version, why = (None, "--no-torchft") if args.no_torchft else torchft_version()
     skip = "" if tft_version is not None else "skipped (--no-torchft)" if args.no_torchft else "skipped (see below)"
@@ -489,7 +495,8 @@ def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], tft_version: s
             "big_steps": args.big_steps, "failures_only": args.failures_only, "standby": args.standby,
             "forked": args.forked,
             "failure_repeats": args.failure_repeats, "small_only": args.small_only, "big_only": args.big_only,
-            "model": "MLP 256->1024->1024->1 (1.31M params), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,
+            "model": "MLP 256->1024->1024->1 (1.31M params), AdamW" if not args.big_only
+                     else f"MLP {args.big_hidden}x4 (the big-model run only), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,
             "join_timeout_s": 0.5, "torchft": tft_version, "torchft_skipped": why or None,
             "torchft_setup": "torchft.Manager (min_replica_size=1; torchft: use_async_quorum=True, torchft_sync: "
                              "False), torchft.ProcessGroupGloo, HTTPTransport healing, Rust LighthouseServer "

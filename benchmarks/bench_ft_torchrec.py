@@ -173,7 +173,7 @@ def case_key(kind: str, groups: int) -> str:
 
 
 REPLICATED = ("--optim.sharding", "data_parallel")
-"""The like-for-like side without FT: every table whole on both ranks (torchrec's data_parallel: its lookup
+"""The like-for-like side without FT: every table whole on every rank (torchrec's data_parallel: its lookup
 DDP averages the tables' dense gradients, row-wise Adagrad after backward), as FT's groups hold them."""
 
 
@@ -187,6 +187,7 @@ def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeat
         return ("plain", "replicated", "ft") if args.replicated and kind != "prioritized" else ("plain", "ft")
 
     cases = [(kind, groups) for kind in args.pipelines for groups in args.groups]
+    groups_of = {case_key(k, g): g for k, g in cases}
     runs: dict[str, dict[str, list[dict[str, float]]]] = {case_key(k, g): {s: [] for s in sides_of(k)}
                                                           for k, g in cases}
     for r in range(repeats):
@@ -206,7 +207,7 @@ def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeat
     for kind, by_side in runs.items():
         ft_runs = [f["step_ms"] for f in by_side["ft"]]
         one: dict[str, Any] = {**{f"ft_{k}": median([f[k] for f in by_side["ft"]]) for k in by_side["ft"][0]},
-                               "ft_step_ms_runs": ft_runs}
+                               "ft_step_ms_runs": ft_runs, "groups": groups_of[kind]}
         for side in (s for s in by_side if s != "ft"):
             base = [p["step_ms"] for p in by_side[side]]
             diffs = [f - p for p, f in zip(base, ft_runs)]
@@ -327,7 +328,7 @@ def lighthouse_defaults() -> dict[str, float]:
 def overhead_rows(ov: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for kind, o in ov.items():
-        groups = int(kind.split(" x")[1]) if " x" in kind else 2
+        groups = int(o.get("groups", 2))
         rows += [
             {"measure": f"[{kind}] step without FT, {groups} ranks (tables sharded)",
              "value": f"{o['plain_step_ms']:.2f} ms", "target": "-", "raw": o["plain_step_ms"]},
@@ -341,7 +342,7 @@ def overhead_rows(ov: dict[str, Any]) -> list[dict[str, Any]]:
             *([] if "replicated_step_ms" not in o else [
                 {"measure": f"[{kind}] step without FT, {groups} ranks, tables replicated (data_parallel + DDP)",
                  "value": f"{o['replicated_step_ms']:.2f} ms", "target": "-", "raw": o["replicated_step_ms"]},
-                {"measure": f"[{kind}] per-step overhead FT vs without, like for like (tables replicated on both)",
+                {"measure": f"[{kind}] per-step overhead FT vs without, like for like (tables replicated on every rank)",
                  "value": f"{o['replicated_overhead_ms']:+.2f} ms ({o['replicated_overhead_frac']:+.1%}); pairs "
                           f"{'/'.join(f'{v:+.1f}' for v in o['replicated_paired_diff_ms_runs'])} ms",
                  "target": "<= 1 ms or 5%", "raw": o["replicated_overhead_ms"],
@@ -417,7 +418,7 @@ def main() -> None:
     parser.add_argument("--plain-start", action="store_true",
                         help="run the kill once more with FREESCALE_FORKSERVER=off (every rank imports for itself)")
     parser.add_argument("--replicated", action="store_true",
-                        help="also the like-for-like side without FT: tables replicated on both ranks "
+                        help="also the like-for-like side without FT: tables replicated on every rank "
                              "(--optim.sharding data_parallel; DLRM: torchrec cannot replicate HSTU's sequence table)")
     parser.add_argument("--overhead-only", action="store_true", help="only the per-step overhead (no kill run)")
     parser.add_argument("--groups", default="2",
@@ -503,7 +504,7 @@ def run_params(args: argparse.Namespace, repeats: int, steps: int) -> dict[str, 
         "backend": "gloo (CPU)", "omp_num_threads": 1, "repeats": repeats, "overhead_steps": steps,
         "ft_warmup_steps": WARMUP, "plain_log_every": LOG_EVERY, "pipelines": args.pipelines, "groups": args.groups,
         "plain": "launch --nproc-per-node R (1 job, tables sharded over R ranks; DDP, or prioritized's reducer)",
-        "replicated": f"the same with {' '.join(REPLICATED)} (tables whole on both ranks)" if args.replicated else None,
+        "replicated": f"the same with {' '.join(REPLICATED)} (tables whole on every rank)" if args.replicated else None,
         "ft": "launch --replicas R --nproc-per-node 1",
     }
 
