@@ -187,7 +187,6 @@ def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeat
         return ("plain", "replicated", "ft") if args.replicated and kind != "prioritized" else ("plain", "ft")
 
     cases = [(kind, groups) for kind in args.pipelines for groups in args.groups]
-    groups_of = {case_key(k, g): g for k, g in cases}
     runs: dict[str, dict[str, list[dict[str, float]]]] = {case_key(k, g): {s: [] for s in sides_of(k)}
                                                           for k, g in cases}
     for r in range(repeats):
@@ -204,10 +203,11 @@ def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeat
             print(f"bench_ft_torchrec: repeat {r} {key}: " + ", ".join(
                 f"{side} {runs[key][side][-1]['step_ms']:.2f} ms" for side in sides_of(kind)), file=sys.stderr)
     res: dict[str, Any] = {}
-    for kind, by_side in runs.items():
+    for kind, groups in cases:
+        by_side = runs[case_key(kind, groups)]
         ft_runs = [f["step_ms"] for f in by_side["ft"]]
         one: dict[str, Any] = {**{f"ft_{k}": median([f[k] for f in by_side["ft"]]) for k in by_side["ft"][0]},
-                               "ft_step_ms_runs": ft_runs, "groups": groups_of[kind]}
+                               "ft_step_ms_runs": ft_runs, "groups": groups}
         for side in (s for s in by_side if s != "ft"):
             base = [p["step_ms"] for p in by_side[side]]
             diffs = [f - p for p, f in zip(base, ft_runs)]
@@ -215,7 +215,7 @@ def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeat
             one.update({f"{side}_step_ms": median(base), f"{side}_step_ms_runs": base,
                         f"{prefix}paired_diff_ms_runs": diffs, f"{prefix}overhead_ms": median(diffs),
                         f"{prefix}overhead_frac": median([d / p for d, p in zip(diffs, base)])})
-        res[kind] = one
+        res[case_key(kind, groups)] = one
     return res
 
 

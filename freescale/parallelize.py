@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
-from torchrec import EmbeddingCollection
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -185,16 +184,14 @@ def fused_constraints(model: nn.Module, given: dict[str, ParameterConstraints]) 
     return out
 
 
-def _table_names(model: nn.Module) -> list[str]:
+def _table_names(model: nn.Module, kinds: tuple[str, ...] = ("embedding_bag_configs", "embedding_configs")) -> list[str]:
+    """The tables of ``model``'s embedding modules (``kinds``: ``("embedding_configs",)`` for the sequence
+    tables of ``EmbeddingCollection`` modules only)."""
     names: list[str] = []
     for m in model.modules():
-        configs: Any = getattr(m, "embedding_bag_configs", None) or getattr(m, "embedding_configs", None)
+        configs: Any = next((c for c in (getattr(m, kind, None) for kind in kinds) if c is not None), None)
         names += [t.name for t in configs()] if callable(configs) else []
     return names
-
-
-def _sequence_table_names(model: nn.Module) -> list[str]:
-    return [t.name for m in model.modules() if isinstance(m, EmbeddingCollection) for t in m.embedding_configs()]
 
 
 def _constraints(model: nn.Module, cfg: OptimConfig) -> dict[str, ParameterConstraints] | None:
@@ -208,7 +205,7 @@ def _constraints(model: nn.Module, cfg: OptimConfig) -> dict[str, ParameterConst
         raise ConfigError(f"optim.sharding: no table named {unknown[0]!r} (the model has {', '.join(sorted(tables))})")
     extra = {"min_partition": cfg.column_shard_min_dim} if cfg.column_shard_min_dim else {}
     out = {}
-    sequence_tables = set(_sequence_table_names(model))
+    sequence_tables = set(_table_names(model, ("embedding_configs",)))
     for t in tables:
         kind = kinds.get(t, kinds.get("*"))
         if kind == "data_parallel" and t in sequence_tables:
