@@ -7,11 +7,15 @@ blocks the source until the transfer ends):
 1. **Stage (source, at a step boundary)**: every up-to-date participant that
    the lighthouse's commit answer tells that a group waits to join (``"stage"``),
    that sees a recovering one in its quorum with nothing usable staged, or whose
-   snapshot server has a fetcher waiting for a newer step than it holds, starts
-   copying its state (parameters, optimizer state, anything the caller includes)
-   into a reused host buffer right after the step commits, on a staging thread:
-   the copy overlaps its next forward and backward and is fenced before its next
-   update (``wait_staged``).  ``SnapshotServer`` hands that buffer to whoever asks.
+   snapshot server has a fetcher waiting for a newer step than it holds, stages
+   its state (parameters, optimizer state, anything the caller includes) right
+   after the step commits.  Tensors in host memory are served **live**, from the
+   tensors themselves (no copy): the transfer overlaps the source's next forward
+   and backward, which only read them, and the fence before its next update
+   (``wait_staged``) waits for the transfer to end, then withdraws the snapshot.
+   Tensors elsewhere (a GPU's) are copied into a reused host buffer on a
+   staging thread, also overlapping the forward and backward, fenced the same
+   way.  ``SnapshotServer`` hands the staged state to whoever asks.
 2. **Join with weight 0 (recovering)**: from its first quorum on, the
    recovering replica takes part in every FTAR with zero gradients and weight
    0, so the others' averages are unchanged, and records each committed
@@ -50,16 +54,28 @@ import torch
 from aiohttp import web
 
 from freescale.ft.serving import LoopThread, token_ok
-from freescale.ft.snapshot_stream import ALIGN, DTYPES, PayloadStreamer, landing, receive_payload
+from freescale.ft.snapshot_stream import ALIGN, DTYPES, Payload, PayloadStreamer, landing, receive_payload
 
 log = logging.getLogger("freescale.ft.catchup")
 
 
-@dataclass
+LIVE_FENCE_WAIT_S = 1.0
+"""How long a source's fence waits for a transfer of its live state to end.  The transfer had the
+source's whole forward, backward and exchange to run; one that outlasts them by more than this (a
+stalled fetcher, a state too large for the step) is cut, and that source copies from then on."""
+
+
+@dataclass(eq=False)
 class _Staged:
     step: int
     header: bytes
-    payload: torch.Tensor  # flat uint8, host memory (pinned when the state is on a GPU)
+    payload: Payload
+    buffer: torch.Tensor | None
+    """The staging buffer the copied tensors are in (host memory, pinned when on a GPU), if any."""
+    live: bool
+    """Some segments are the source's own tensors: withdrawn at the fence, before they change."""
+    users: int = 0
+    """Tickets handed out for it and not yet streamed, released or cut."""
 
 
 def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], int]:
@@ -84,16 +100,46 @@ def copy_into(payload: torch.Tensor, entries: list[dict[str, Any]], tensors: lis
             payload[lo:lo + entry["nbytes"]].view(t.dtype).copy_(t.detach().reshape(-1))
 
 
-class SnapshotServer:
-    """Serves the latest staged snapshot over HTTP from a daemon thread (aiohttp)."""
+def servable_in_place(t: torch.Tensor) -> bool:
+    """Can the stream read this tensor's bytes where they are (contiguous, in host memory)?"""
+    return t.device.type == "cpu" and t.is_contiguous() and t.layout == torch.strided
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "", advertise: str = "") -> None:
+
+def split_live(entries: list[dict[str, Any]], tensors: list[torch.Tensor], live: bool
+               ) -> tuple[list[tuple[int, torch.Tensor]], list[dict[str, Any]], list[torch.Tensor], int]:
+    """The payload's live segments (tensors served in place), and the entries and tensors to copy
+    instead, laid out compactly in a buffer of the returned size (each entry's ``offset`` there)."""
+    segments: list[tuple[int, torch.Tensor]] = []
+    copied: list[dict[str, Any]] = []
+    sources: list[torch.Tensor] = []
+    size = 0
+    for entry, t in zip(entries, tensors):
+        if not entry["nbytes"]:
+            continue
+        if live and servable_in_place(t):
+            segments.append((entry["offset"], t.detach().reshape(-1).view(torch.uint8)))
+        else:
+            copied.append({**entry, "at": entry["offset"], "offset": size})
+            sources.append(t)
+            size += -(-entry["nbytes"] // ALIGN) * ALIGN
+    return segments, copied, sources, size
+
+
+class SnapshotServer:
+    """Serves the latest staged snapshot over HTTP from a daemon thread (aiohttp).
+
+    ``live``: serve tensors in host memory from where they are (no copy; the fence waits for the
+    transfer).  False copies every tensor, as a GPU's are always copied."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "", advertise: str = "",
+                 live: bool = True, fence_wait_s: float = LIVE_FENCE_WAIT_S) -> None:
         self.host, self.port, self.token = host, port, token
         self.advertise = advertise or host
         """The name peers reach it by (``host`` may be every interface: ``freescale.ft.serving.advertised_host``)."""
+        self.live, self.fence_wait_s = live, fence_wait_s
         self.address = ""
         self._staged: _Staged | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._background = LoopThread("freescale-snapshot")
         self._streamer: PayloadStreamer | None = None
         self.can_serve = True
@@ -104,6 +150,8 @@ class SnapshotServer:
         self.wanted_step: int | None = None
         """Smallest step a waiting fetcher asked for and that is not staged yet: the trainer
         stages at its next committed step >= this (on-demand staging)."""
+        self.cut_transfers = 0
+        """Transfers of live state cut at the fence (each turned this server to copying)."""
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-stage")
         self._copying: Future[float] | None = None
         self._buffers: list[torch.Tensor] = []
@@ -113,59 +161,85 @@ class SnapshotServer:
         """Transfers in flight per buffer (its data pointer): a buffer being streamed is not reused."""
 
     def stage(self, step: int, tensors: dict[str, torch.Tensor]) -> float:
-        """Start copying the state of committed ``step`` for serving, on the staging thread; returns
-        the seconds this (the training) thread spent.  The copy overlaps the caller's next forward and
-        backward, which only read the state: the caller calls ``wait_staged`` before it next changes
-        a tensor of ``tensors`` (its next update, a load)."""
+        """Stage the state of committed ``step`` for serving; returns the seconds this (the training)
+        thread spent.  Live tensors are served at once; the others are copied on the staging thread.
+        Either way the caller's next forward and backward, which only read the state, overlap it: the
+        caller calls ``wait_staged`` before it next changes a tensor of ``tensors`` (its next update, a
+        load)."""
         start = time.perf_counter()
         self.wait_staged()
         if self._streamer is not None:
             self._streamer.sweep()  # buffers of tickets nobody used become reusable
         entries, total = layout(tensors)
         header = json.dumps({"step": step, "payload_bytes": total, "tensors": entries}).encode()
-        sources = list(tensors.values())
+        segments, copied, sources, size = split_live(entries, list(tensors.values()), self.live)
+        if not copied:
+            with self._lock:
+                self._staged = _Staged(step, header, Payload(segments, total), None, live=bool(segments))
+            return time.perf_counter() - start
         on_gpu = any(t.is_cuda for t in sources)
         after = torch.cuda.Event() if on_gpu else None
         if after is not None:
             after.record()  # the committed update, queued on the training thread's stream
-        payload = self._buffer_for(total, pinned=on_gpu)
+        buffer = self._buffer_for(size, pinned=on_gpu)
+        segments += [(entry["at"], buffer[entry["offset"]:entry["offset"] + entry["nbytes"]]) for entry in copied]
+        payload = Payload(sorted(segments, key=lambda s: s[0]), total)
 
         def copy() -> float:
             began = time.perf_counter()
             if after is None:
-                copy_into(payload, entries, sources)
+                copy_into(buffer, copied, sources)
             else:
                 stream = torch.cuda.Stream(device=next(t.device for t in sources if t.is_cuda))
                 with torch.cuda.stream(stream):
                     stream.wait_event(after)
-                    copy_into(payload, entries, sources)
+                    copy_into(buffer, copied, sources)
                 stream.synchronize()
             with self._lock:
-                self._staged = _Staged(step, header, payload)
+                self._staged = _Staged(step, header, payload, buffer, live=len(segments) > len(copied))
             return time.perf_counter() - began
 
         self._copying = self._stager.submit(copy)
         return time.perf_counter() - start
 
     def wait_staged(self) -> float:
-        """Block until the staging copy started by ``stage`` is done (the fence before the state
-        changes); returns its duration (0.0 when none was in flight)."""
+        """The fence before the state changes: the staging copy started by ``stage`` is done, and no
+        transfer reads live tensors any more (the live snapshot is withdrawn: a later fetcher gets the
+        next one staged).  Returns the seconds it took (0.0 when nothing was in flight)."""
         copying, self._copying = self._copying, None
-        if copying is None:
-            return 0.0
-        return copying.result()
+        copy_s = copying.result() if copying is not None else 0.0
+        with self._lock:
+            staged = self._staged
+            if staged is None or not staged.live:
+                return copy_s
+            start = time.perf_counter()
+            self._staged = None  # no new fetcher gets it; those that have it may finish
+            self._lock.wait_for(lambda: staged.users == 0, timeout=self.fence_wait_s)
+            cut = staged.users > 0
+        if cut:
+            self.live = False  # its transfers outlast a step: copy from now on, never wait on the network
+            self.cut_transfers += 1
+            log.warning("snapshot: a transfer of step %d outlasted the step by %.1f s: cut; this source copies "
+                        "its state from now on", staged.step, self.fence_wait_s)
+            assert self._streamer is not None
+            self._streamer.cut(staged.payload)
+            with self._lock:  # a sender shut down mid-sendall returns at once
+                if not self._lock.wait_for(lambda: staged.users == 0, timeout=10.0):
+                    raise RuntimeError("snapshot: a cut transfer of live state did not stop within 10 s")
+        return copy_s + time.perf_counter() - start
 
     def _buffer_for(self, nbytes: int, pinned: bool) -> torch.Tensor:
         """A staging buffer of ``nbytes``: a view of a kept one that is large enough, not staged now and
         not being sent (so a recovery's staging rarely pays for fresh pages), else a new one."""
         with self._lock:
-            staged = self._staged.payload.data_ptr() if self._staged is not None else None
+            staged = self._staged.buffer if self._staged is not None else None
+            ptr = staged.data_ptr() if staged is not None else None
             for buffer in self._buffers:
-                if (buffer.numel() >= nbytes and buffer.data_ptr() != staged and buffer.is_pinned() == pinned
+                if (buffer.numel() >= nbytes and buffer.data_ptr() != ptr and buffer.is_pinned() == pinned
                         and not self._streams.get(buffer.data_ptr())):
                     return buffer[:nbytes]
             buffer = torch.empty(nbytes + nbytes // 16, dtype=torch.uint8, pin_memory=pinned)  # room to grow
-            served = [b for b in self._buffers if b.data_ptr() == staged]
+            served = [b for b in self._buffers if b.data_ptr() == ptr]
             self._buffers = [*served[-1:], buffer]
             return buffer[:nbytes]
 
@@ -226,27 +300,42 @@ class SnapshotServer:
                 if staged is not None and staged.step >= min_step:
                     if self.wanted_step is not None and self.wanted_step <= staged.step:
                         self.wanted_step = None
-                    ptr = staged.payload.data_ptr()
-                    self._streams[ptr] = self._streams.get(ptr, 0) + 1  # not reused while streamed
+                    ticket = self._hand_out(staged)
                     break
                 self.wanted_step = min_step if self.wanted_step is None else min(self.wanted_step, min_step)
             if time.monotonic() >= deadline:
                 return web.json_response({"error": f"no snapshot at step >= {min_step} yet"}, status=503)
             await asyncio.sleep(0.005)
         assert self._streamer is not None
-        ticket = self._streamer.offer(staged.payload, staged.step, lambda: self._stream_done(ptr))
         return web.Response(body=staged.header[:-1] + f', "stream": "{self._streamer.address}", "ticket": "{ticket}"}}'
                             .encode(), content_type="application/json")
+
+    def _stream_in_flight(self) -> bool:
+        """A ticket of the staged snapshot is out (tests: the fence has a transfer to wait for)."""
+        with self._lock:
+            return self._staged is not None and self._staged.users > 0
 
     def _on_stream(self, step: int) -> None:
         if self.on_stream is not None:
             self.on_stream(step)
 
-    def _stream_done(self, ptr: int) -> None:
+    def _hand_out(self, staged: _Staged) -> str:
+        """A ticket for ``staged`` (the caller holds the lock: the fence sees it, or it sees no snapshot)."""
+        assert self._streamer is not None
+        staged.users += 1
+        ptr = staged.buffer.data_ptr() if staged.buffer is not None else None
+        if ptr is not None:
+            self._streams[ptr] = self._streams.get(ptr, 0) + 1  # not reused while streamed
+        return self._streamer.offer(staged.payload, staged.step, lambda: self._stream_done(staged, ptr))
+
+    def _stream_done(self, staged: _Staged, ptr: int | None) -> None:
         with self._lock:
-            self._streams[ptr] -= 1
-            if not self._streams[ptr]:
-                del self._streams[ptr]
+            staged.users -= 1
+            if ptr is not None:
+                self._streams[ptr] -= 1
+                if not self._streams[ptr]:
+                    del self._streams[ptr]
+            self._lock.notify_all()
 
 
 @dataclass

@@ -11,6 +11,11 @@ on a blocking socket is one system call without the GIL, and the receiver reads 
 ``MSG_WAITALL`` straight into its landing place (the rank's own tensor where it fits): one release
 of the GIL per 64 MB, no buffer, no load copy.  Timeouts are the kernel's (``SO_SNDTIMEO`` /
 ``SO_RCVTIMEO``), so the sockets stay blocking.  Nothing is unpickled: raw bytes, laid out by the header.
+
+A payload is a list of segments (``Payload``): a staging buffer, or the source's own tensors served
+in place (``SnapshotServer``'s live snapshots), one ``sendall`` each.  ``cut`` ends every transfer
+of a payload at once (its tickets revoked, its connections shut down): the source's fence before it
+changes tensors that are being sent.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +50,20 @@ TICKET_WAIT_S = 2.0
 MAX_THREADS = 256
 
 
+@dataclass(eq=False)
+class Payload:
+    """What one ticket streams: ``segments`` of (offset, flat uint8 tensor in host memory), in offset
+    order and not overlapping, zero bytes between them and up to ``total``."""
+
+    segments: list[tuple[int, torch.Tensor]]
+    total: int
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor) -> Payload:
+        """One flat uint8 buffer, all of it."""
+        return cls([(0, buffer)], buffer.numel())
+
+
 def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
     """Blocking socket, kernel-side timeouts: a stalled peer ends a send or a receive with an error."""
     sock.settimeout(None)
@@ -59,7 +79,9 @@ class PayloadStreamer:
         self._listener = socket.create_server((host, 0))
         self.address = f"{advertise}:{self._listener.getsockname()[1]}"
         self.timeout_s = timeout_s
-        self._tickets: dict[str, tuple[torch.Tensor, int, float, Callable[[], None]]] = {}
+        self._tickets: dict[str, tuple[Payload, int, float, Callable[[], None]]] = {}
+        self._sending: dict[socket.socket, Payload] = {}
+        """The connections streaming now, and what: ``cut`` shuts those of one payload down."""
         self._lock = threading.Lock()
         self.on_stream: Callable[[int], None] | None = None
         """Fault injection (tests): called with the snapshot's step as its bytes start to go out."""
@@ -67,7 +89,7 @@ class PayloadStreamer:
         self._closed = False
         threading.Thread(target=self._accept, name="freescale-snapshot-stream", daemon=True).start()
 
-    def offer(self, payload: torch.Tensor, step: int, done: Callable[[], None]) -> str:
+    def offer(self, payload: Payload, step: int, done: Callable[[], None]) -> str:
         """A one-time ticket for ``payload`` (``done`` is called once it was sent, failed or expired)."""
         self.sweep()
         ticket = secrets.token_hex(TICKET_BYTES // 2)
@@ -82,6 +104,20 @@ class PayloadStreamer:
             expired = [t for t, (_, _, at, _) in self._tickets.items() if now - at > TICKET_TTL_S]
             gone = [self._tickets.pop(t)[3] for t in expired]
         for release in gone:
+            release()
+
+    def cut(self, payload: Payload) -> None:
+        """End every transfer of ``payload``: its unused tickets are revoked (released now) and its
+        connections shut down, so a ``sendall`` blocked on a stalled fetcher returns at once (the
+        fetcher sees a broken stream and tries again, elsewhere or later)."""
+        with self._lock:
+            revoked = [t for t, entry in self._tickets.items() if entry[0] is payload]
+            released = [self._tickets.pop(t)[3] for t in revoked]
+            streaming = [conn for conn, sent in self._sending.items() if sent is payload]
+        for conn in streaming:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for release in released:
             release()
 
     def close(self) -> None:
@@ -118,22 +154,37 @@ class PayloadStreamer:
                 return
             with self._lock:
                 entry = self._tickets.pop(ticket, None)
+                if entry is not None:
+                    self._sending[conn] = entry[0]
             if entry is None:
-                return  # unknown or used: close without a byte
+                return  # unknown, used or revoked: close without a byte
             payload, step, offered, done = entry
-            if time.monotonic() - offered > TICKET_TTL_S:
-                done()
-                return
-            _kernel_timeout(conn, self.timeout_s)
             try:
+                if time.monotonic() - offered > TICKET_TTL_S:
+                    return
+                _kernel_timeout(conn, self.timeout_s)
                 if self.on_stream is not None:
                     self.on_stream(step)
-                conn.sendall(memoryview(payload.numpy()))  # type: ignore[arg-type]  # numpy exports the buffer
-                self.bytes_served += payload.numel()
-            except OSError as exc:  # the fetcher died or gave up mid-transfer: it fetches again, or elsewhere
-                log.warning("snapshot stream: the fetcher went away mid-transfer of step %d (%s)", step, exc)
+                _send_segments(conn, payload)
+                self.bytes_served += payload.total
+            except OSError as exc:  # the fetcher died or gave up mid-transfer, or the source cut it
+                log.warning("snapshot stream: the transfer of step %d ended early (%s)", step, exc)
             finally:
+                with self._lock:
+                    del self._sending[conn]
                 done()
+
+
+def _send_segments(conn: socket.socket, payload: Payload) -> None:
+    """Each segment with one ``sendall`` (a system call without the GIL), the zero gaps between."""
+    at = 0
+    for offset, segment in payload.segments:
+        if offset > at:
+            conn.sendall(bytes(offset - at))
+        conn.sendall(memoryview(segment.numpy()))  # type: ignore[arg-type]  # numpy exports the buffer
+        at = offset + segment.numel()
+    if payload.total > at:
+        conn.sendall(bytes(payload.total - at))
 
 
 def landing(entry: dict[str, Any], own: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""The snapshot path in one process: staging off the training thread, the fence, the transfer landing in place."""
+"""The snapshot path in one process: live serving and staging off the training thread, the fence, the
+transfer landing in place."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import socket
 import threading
 import time
@@ -11,7 +14,7 @@ import pytest
 import torch
 
 from freescale.ft.catchup import SnapshotFetch, SnapshotServer, fetch_snapshot
-from freescale.ft.snapshot_stream import PayloadStreamer
+from freescale.ft.snapshot_stream import Payload, PayloadStreamer
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -30,7 +33,17 @@ def server() -> Iterator[SnapshotServer]:
     serving.stop()
 
 
-def test_staged_copy_runs_off_the_caller_and_lands_in_place_where_it_fits(server: SnapshotServer) -> None:
+@pytest.fixture
+def copying() -> Iterator[SnapshotServer]:
+    """A server that copies every tensor (as it does a GPU's, or once a live transfer was cut)."""
+    serving = SnapshotServer(live=False)
+    serving.start()
+    yield serving
+    serving.stop()
+
+
+def test_staged_copy_runs_off_the_caller_and_lands_in_place_where_it_fits(copying: SnapshotServer) -> None:
+    server = copying
     source = state()
     address = server.address
     assert server.stage(3, source) < 0.5  # returns at once: the copy runs on the staging thread
@@ -51,11 +64,12 @@ def test_staged_copy_runs_off_the_caller_and_lands_in_place_where_it_fits(server
     assert fetched.waited_s < 5 and fetched.arrived <= time.time()
 
 
-def test_a_fetcher_waits_for_a_newer_step_and_the_next_staging_reuses_the_spare_buffer(server: SnapshotServer) -> None:
+def test_a_fetcher_waits_for_a_newer_step_and_the_next_staging_reuses_the_spare_buffer(copying: SnapshotServer) -> None:
+    server = copying
     address = server.address
     server.stage(1, state())
     server.wait_staged()
-    first = server._staged.payload  # noqa: SLF001 - which buffer is served
+    first = server._staged.buffer  # noqa: SLF001 - which buffer is served
     result: dict[str, object] = {}
     waiter = threading.Thread(target=lambda: result.update(f=fetch_snapshot(address, 2)))
     waiter.start()
@@ -67,11 +81,77 @@ def test_a_fetcher_waits_for_a_newer_step_and_the_next_staging_reuses_the_spare_
     server.wait_staged()
     waiter.join(timeout=10)
     assert result["f"].step == 2  # type: ignore[attr-defined]
-    second = server._staged.payload  # noqa: SLF001
+    second = server._staged.buffer  # noqa: SLF001
     assert second.data_ptr() != first.data_ptr()  # never the buffer being served
     server.stage(3, state())
     server.wait_staged()
-    assert server._staged.payload.data_ptr() == first.data_ptr()  # noqa: SLF001 - the spare, reused
+    assert server._staged.buffer.data_ptr() == first.data_ptr()  # noqa: SLF001 - the spare, reused
+
+
+def test_live_state_is_served_in_place_and_the_fence_waits_for_the_transfer(server: SnapshotServer) -> None:
+    """Host tensors are sent from where they are: nothing is copied, and the fence before the next
+    update holds until the transfer in flight is done; then the snapshot is withdrawn."""
+    source = state()
+    source["/strided#0"] = torch.arange(12.0).reshape(3, 4).t()  # not contiguous: copied
+    expected = {k: v.clone() for k, v in source.items()}
+    gate = threading.Event()
+    server.on_stream = lambda step: gate.wait(10)  # the transfer is in flight, held before its first byte
+    assert server.stage(3, source) < 0.5
+    got: dict[str, object] = {}
+    fetcher = threading.Thread(target=lambda: got.update(f=fetch_snapshot(server.address, 3)))
+    fetcher.start()
+    fenced = threading.Thread(target=server.wait_staged)
+    deadline = time.monotonic() + 5
+    while not server._stream_in_flight() and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.01)
+    fenced.start()
+    fenced.join(timeout=0.3)
+    assert fenced.is_alive() and server.staged_step is None  # withdrawn for newcomers, held for the one in flight
+    gate.set()
+    fenced.join(timeout=10)
+    assert not fenced.is_alive()
+    for t in source.values():  # the update after the fence: what was sent must not have moved
+        t.zero_() if t.dtype != torch.bool else t.fill_(False)
+    fetcher.join(timeout=10)
+    for name, t in expected.items():
+        assert torch.equal(got["f"].tensors[name], t), name  # type: ignore[attr-defined]
+    assert sum(b.numel() for b in server._buffers) < 1024  # noqa: SLF001 - only the strided tensor was copied
+    assert server.live and server.cut_transfers == 0
+
+
+def _stalled_fetcher(address: str) -> socket.socket:
+    """A fetcher that asks for a snapshot, connects to its stream and never reads (a SIGSTOPped peer)."""
+    host, _, port = address.rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", "/v1/snapshot?min_step=0")
+    header = json.loads(conn.getresponse().read())
+    conn.close()
+    stream_host, _, stream_port = header["stream"].rpartition(":")
+    sock = socket.create_connection((stream_host, int(stream_port)), timeout=10)
+    sock.sendall(header["ticket"].encode())
+    return sock
+
+
+def test_a_transfer_that_outlasts_the_fence_is_cut_and_the_source_copies_from_then_on() -> None:
+    server = SnapshotServer(fence_wait_s=0.2)
+    server.start()
+    try:
+        big = {"/model/w#0": torch.ones(16 << 20)}  # 64 MB: far more than the sockets buffer
+        server.stage(1, big)
+        stalled = _stalled_fetcher(server.address)
+        started = time.monotonic()
+        assert server.wait_staged() >= 0.2  # waited its bound, then cut the transfer
+        assert time.monotonic() - started < 5
+        assert not server.live and server.cut_transfers == 1 and server.staged_step is None
+        stalled.close()
+        big["/model/w#0"].fill_(2.0)  # the update the fence let through
+        server.stage(2, big)  # copied now: the next transfer never holds this source's update
+        server.wait_staged()
+        big["/model/w#0"].fill_(3.0)
+        fetched = fetch_snapshot(server.address, 2)
+        assert fetched.step == 2 and torch.equal(fetched.tensors["/model/w#0"], torch.full((16 << 20,), 2.0))
+    finally:
+        server.stop()
 
 
 def test_a_snapshot_that_does_not_come_in_time_is_a_one_line_error(server: SnapshotServer) -> None:
@@ -103,7 +183,7 @@ def test_cancelling_a_download_from_a_silent_source_returns_at_once() -> None:
 def test_the_stream_refuses_a_wrong_ticket_and_releases_unused_ones_when_closed() -> None:
     released: list[int] = []
     streamer = PayloadStreamer("127.0.0.1", "127.0.0.1")
-    ticket = streamer.offer(torch.arange(64, dtype=torch.uint8), 1, lambda: released.append(1))
+    ticket = streamer.offer(Payload.of(torch.arange(64, dtype=torch.uint8)), 1, lambda: released.append(1))
     host, _, port = streamer.address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(b"0" * 32)  # not the ticket: closed without a byte
@@ -119,7 +199,7 @@ def test_the_stream_refuses_a_wrong_ticket_and_releases_unused_ones_when_closed(
     while not released and time.monotonic() < deadline:
         time.sleep(0.01)
     assert got == bytes(range(64)) and released == [1]
-    streamer.offer(torch.zeros(8, dtype=torch.uint8), 2, lambda: released.append(2))
+    streamer.offer(Payload.of(torch.zeros(8, dtype=torch.uint8)), 2, lambda: released.append(2))
     streamer.close()  # the unused ticket is released, and the port no longer answers
     assert released == [1, 2]
     with pytest.raises(OSError):
