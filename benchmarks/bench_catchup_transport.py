@@ -5,8 +5,9 @@ three trainers share the cores and the figure is mostly contention.  This script
 itself on the same state (``mlp_replica``'s MLP and its AdamW state after one step: 617 MB at the
 default 4096 x 4), source and receiver in their own processes, interleaved repeats:
 
-- ``freescale``: the source stages the state (``SnapshotServer.stage``: a copy into host memory) and
-  serves it; the receiver's ``fetch_snapshot`` reads it into its own model and optimizer tensors
+- ``freescale``: the source stages the state (``SnapshotServer.stage``: host tensors are served live,
+  from where they are, with no copy; a job's fence before the next update would withdraw them, here
+  nothing updates) and serves it; the receiver's ``fetch_snapshot`` reads it into its own model and optimizer tensors
   (the ones that exist; AdamW's state is adopted as received) and loads the rest
   (``FaultTolerance.load``'s work for a plain optimizer).
 - ``torchft``: the source's ``HTTPTransport.send_checkpoint`` (torchft's default transport: the state
@@ -69,7 +70,6 @@ def source(system: str, hidden: int, layers: int) -> None:
         server = SnapshotServer()
         address = server.start()
         server.stage(1, dict(named_tensors({"model": model.state_dict(), "optim": optimizer.state_dict()}, "")))
-        server.wait_staged()
     else:
         from torchft.checkpointing.http_transport import HTTPTransport
 
