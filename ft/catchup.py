@@ -182,6 +182,7 @@ class SnapshotServer:
         if after is not None:
             after.record()  # the committed update, queued on the training thread's stream
         buffer = self._buffer_for(size, pinned=on_gpu)
+        live = bool(segments)
         segments += [(entry["at"], buffer[entry["offset"]:entry["offset"] + entry["nbytes"]]) for entry in copied]
         payload = Payload(sorted(segments, key=lambda s: s[0]), total)
 
@@ -196,7 +197,7 @@ class SnapshotServer:
                     copy_into(buffer, copied, sources)
                 stream.synchronize()
             with self._lock:
-                self._staged = _Staged(step, header, payload, buffer, live=len(segments) > len(copied))
+                self._staged = _Staged(step, header, payload, buffer, live)
             return time.perf_counter() - began
 
         self._copying = self._stager.submit(copy)
