@@ -48,7 +48,7 @@ import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from aiohttp import web
@@ -92,37 +92,53 @@ def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], int]
     return entries, offset
 
 
-def copy_into(payload: torch.Tensor, entries: list[dict[str, Any]], tensors: list[torch.Tensor]) -> None:
-    """Each tensor's bytes into its place in ``payload`` (blocking; GPU tensors through the current stream)."""
-    for entry, t in zip(entries, tensors):
-        if entry["nbytes"]:
-            lo = entry["offset"]
-            payload[lo:lo + entry["nbytes"]].view(t.dtype).copy_(t.detach().reshape(-1))
+def copy_into(buffer: torch.Tensor, copies: list[tuple[torch.Tensor, int]]) -> None:
+    """Each tensor's bytes to its offset in ``buffer`` (blocking; GPU tensors through the current stream)."""
+    for t, at in copies:
+        nbytes = t.numel() * t.element_size()
+        buffer[at:at + nbytes].view(t.dtype).copy_(t.detach().reshape(-1))
 
 
-def servable_in_place(t: torch.Tensor) -> bool:
-    """Can the stream read this tensor's bytes where they are (contiguous, in host memory)?"""
-    return t.device.type == "cpu" and t.is_contiguous() and t.layout == torch.strided
+LIVE_MIN_BYTES = 1 << 20
+"""Host tensors of at least 1 MiB are served live; smaller ones (step counters, biases, ``meta.json``)
+are copied with the padding around them into runs of the staging buffer, so a payload has few
+segments and its stream few ``sendall`` calls (each takes the GIL back)."""
 
 
-def split_live(entries: list[dict[str, Any]], tensors: list[torch.Tensor], live: bool
-               ) -> tuple[list[tuple[int, torch.Tensor]], list[dict[str, Any]], list[torch.Tensor], int]:
-    """The payload's live segments (tensors served in place), and the entries and tensors to copy
-    instead, laid out compactly in a buffer of the returned size (each entry's ``offset`` there)."""
-    segments: list[tuple[int, torch.Tensor]] = []
-    copied: list[dict[str, Any]] = []
-    sources: list[torch.Tensor] = []
-    size = 0
-    for entry, t in zip(entries, tensors):
-        if not entry["nbytes"]:
-            continue
-        if live and servable_in_place(t):
-            segments.append((entry["offset"], t.detach().reshape(-1).view(torch.uint8)))
-        else:
-            copied.append({**entry, "at": entry["offset"], "offset": size})
-            sources.append(t)
-            size += -(-entry["nbytes"] // ALIGN) * ALIGN
-    return segments, copied, sources, size
+class PayloadPlan(NamedTuple):
+    """How a snapshot's payload is made (``plan_payload``)."""
+
+    live: list[tuple[int, torch.Tensor]]
+    """(payload offset, the tensor's own bytes): served from where they are."""
+    runs: list[tuple[int, int, int]]
+    """(payload offset, length, buffer offset): the stretches between live tensors, from the buffer."""
+    copies: list[tuple[torch.Tensor, int]]
+    """(tensor, buffer offset): what the staging thread copies into the buffer."""
+    buffer_bytes: int
+
+
+def plan_payload(entries: list[dict[str, Any]], tensors: list[torch.Tensor], live: bool, total: int) -> PayloadPlan:
+    """Which tensors go out live and how the rest is laid out in the staging buffer.  Live only when
+    ``live`` and every tensor is in host memory (a state on a GPU is copied whole: its copy would be
+    fenced anyway) and then only contiguous ones of ``LIVE_MIN_BYTES`` or more."""
+    on_host = live and all(t.device.type == "cpu" for t in tensors)
+    plan = PayloadPlan([], [], [], 0)
+    cursor = size = 0  # payload bytes covered so far; buffer bytes used so far
+    run_start = 0
+    for entry, t in sorted(zip(entries, tensors), key=lambda pair: pair[0]["offset"]):
+        if on_host and entry["nbytes"] >= LIVE_MIN_BYTES and t.is_contiguous() and t.layout == torch.strided:
+            if entry["offset"] > cursor:  # the run before it: smaller tensors and padding
+                plan.runs.append((cursor, entry["offset"] - cursor, run_start))
+                size = run_start + entry["offset"] - cursor
+            plan.live.append((entry["offset"], t.detach().reshape(-1).view(torch.uint8)))
+            cursor = entry["offset"] + entry["nbytes"]
+            run_start = -(-size // ALIGN) * ALIGN + cursor % ALIGN  # the buffer keeps the payload's alignment
+        elif entry["nbytes"]:
+            plan.copies.append((t, run_start + entry["offset"] - cursor))
+    if total > cursor:
+        plan.runs.append((cursor, total - cursor, run_start))
+        size = run_start + total - cursor
+    return plan._replace(buffer_bytes=size)
 
 
 class SnapshotServer:
@@ -172,32 +188,34 @@ class SnapshotServer:
             self._streamer.sweep()  # buffers of tickets nobody used become reusable
         entries, total = layout(tensors)
         header = json.dumps({"step": step, "payload_bytes": total, "tensors": entries}).encode()
-        segments, copied, sources, size = split_live(entries, list(tensors.values()), self.live)
-        if not copied:
-            with self._lock:
-                self._staged = _Staged(step, header, Payload(segments, total), None, live=bool(segments))
-            return time.perf_counter() - start
+        sources = list(tensors.values())
+        plan = plan_payload(entries, sources, self.live, total)
         on_gpu = any(t.is_cuda for t in sources)
+        buffer = self._buffer_for(plan.buffer_bytes, pinned=on_gpu) if plan.buffer_bytes else None
+        segments = plan.live + [(offset, buffer[at:at + length]) for offset, length, at in plan.runs if buffer is not None]
+        staged = _Staged(step, header, Payload(sorted(segments, key=lambda s: s[0]), total), buffer, bool(plan.live))
+        if not plan.copies:
+            with self._lock:
+                self._staged = staged
+            return time.perf_counter() - start
         after = torch.cuda.Event() if on_gpu else None
         if after is not None:
             after.record()  # the committed update, queued on the training thread's stream
-        buffer = self._buffer_for(size, pinned=on_gpu)
-        live = bool(segments)
-        segments += [(entry["at"], buffer[entry["offset"]:entry["offset"] + entry["nbytes"]]) for entry in copied]
-        payload = Payload(sorted(segments, key=lambda s: s[0]), total)
+
+        assert buffer is not None  # copies are in runs
 
         def copy() -> float:
             began = time.perf_counter()
             if after is None:
-                copy_into(buffer, copied, sources)
+                copy_into(buffer, plan.copies)
             else:
                 stream = torch.cuda.Stream(device=next(t.device for t in sources if t.is_cuda))
                 with torch.cuda.stream(stream):
                     stream.wait_event(after)
-                    copy_into(buffer, copied, sources)
+                    copy_into(buffer, plan.copies)
                 stream.synchronize()
             with self._lock:
-                self._staged = _Staged(step, header, payload, buffer, live)
+                self._staged = staged
             return time.perf_counter() - began
 
         self._copying = self._stager.submit(copy)
@@ -205,28 +223,33 @@ class SnapshotServer:
 
     def wait_staged(self) -> float:
         """The fence before the state changes: the staging copy started by ``stage`` is done, and no
-        transfer reads live tensors any more (the live snapshot is withdrawn: a later fetcher gets the
-        next one staged).  Returns the seconds it took (0.0 when nothing was in flight)."""
+        transfer reads live tensors any more.  A live snapshot is withdrawn (a later fetcher gets a
+        later step's); its tickets not used yet are revoked (their fetchers ask again); a transfer
+        still running gets ``fence_wait_s`` to end, then is cut, and this source copies from then on.
+        Returns the seconds it took (0.0 when nothing was in flight)."""
         copying, self._copying = self._copying, None
         copy_s = copying.result() if copying is not None else 0.0
         with self._lock:
             staged = self._staged
             if staged is None or not staged.live:
                 return copy_s
-            start = time.perf_counter()
-            self._staged = None  # no new fetcher gets it; those that have it may finish
+            self._staged = None  # no new fetcher gets it
+        assert self._streamer is not None
+        self._streamer.revoke(staged.payload)
+        start = time.perf_counter()
+        with self._lock:
+            if staged.users == 0:
+                return copy_s
             self._lock.wait_for(lambda: staged.users == 0, timeout=self.fence_wait_s)
-            cut = staged.users > 0
-        if cut:
+        if self._streamer.cut(staged.payload):
             self.live = False  # its transfers outlast a step: copy from now on, never wait on the network
             self.cut_transfers += 1
             log.warning("snapshot: a transfer of step %d outlasted the step by %.1f s: cut; this source copies "
                         "its state from now on", staged.step, self.fence_wait_s)
-            assert self._streamer is not None
-            self._streamer.cut(staged.payload)
-            with self._lock:  # a sender shut down mid-sendall returns at once
-                if not self._lock.wait_for(lambda: staged.users == 0, timeout=10.0):
-                    raise RuntimeError("snapshot: a cut transfer of live state did not stop within 10 s")
+        with self._lock:  # a sender shut down mid-sendall returns at once
+            if not self._lock.wait_for(lambda: staged.users == 0, timeout=10.0):
+                raise RuntimeError("snapshot: a cut transfer of live state did not stop within 10 s: its bytes "
+                                   "could still be read while they change")
         return copy_s + time.perf_counter() - start
 
     def _buffer_for(self, nbytes: int, pinned: bool) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The snapshot's bytes on a raw TCP stream: one blocking ``sendall`` out, one ``recv_into`` per tensor in.
+"""The snapshot's bytes on a raw TCP stream: a blocking ``sendall`` per segment out, one ``recv_into`` per tensor in.
 
 ``freescale.ft.catchup`` answers a fetcher's HTTP request (the token, the wait for a staged step, the
 errors) with the snapshot's JSON header, the address of this stream and a one-time ticket; the fetcher
@@ -6,16 +6,17 @@ connects, sends the ticket and reads the payload here.  Why not the HTTP respons
 trainers' processes run their training thread beside the transfer, and an event loop (or
 ``http.client``'s buffered reader) takes the GIL back once per socket buffer, a few MB; with a
 training thread holding it, each take waits up to the interpreter's switch interval (5 ms), which held
-the rate near 0.5 GB/s on a busy 2-core machine.  Here the sender's ``sendall`` of the whole payload
-on a blocking socket is one system call without the GIL, and the receiver reads each tensor with
+the rate near 0.5 GB/s on a busy 2-core machine.  Here the sender's ``sendall`` of each segment (a
+large live tensor, or a run of the staging buffer: a few per payload) on a blocking socket is one
+system call without the GIL, and the receiver reads each tensor with
 ``MSG_WAITALL`` straight into its landing place (the rank's own tensor where it fits): one release
 of the GIL per 64 MB, no buffer, no load copy.  Timeouts are the kernel's (``SO_SNDTIMEO`` /
 ``SO_RCVTIMEO``), so the sockets stay blocking.  Nothing is unpickled: raw bytes, laid out by the header.
 
 A payload is a list of segments (``Payload``): a staging buffer, or the source's own tensors served
-in place (``SnapshotServer``'s live snapshots), one ``sendall`` each.  ``cut`` ends every transfer
-of a payload at once (its tickets revoked, its connections shut down): the source's fence before it
-changes tensors that are being sent.
+in place (``SnapshotServer``'s live snapshots), one ``sendall`` each.  ``revoke`` and ``cut`` end
+every transfer of a payload (its unused tickets released, its connections shut down): the source's
+fence before it changes tensors that are being sent.
 """
 
 from __future__ import annotations
@@ -106,19 +107,24 @@ class PayloadStreamer:
         for release in gone:
             release()
 
-    def cut(self, payload: Payload) -> None:
-        """End every transfer of ``payload``: its unused tickets are revoked (released now) and its
-        connections shut down, so a ``sendall`` blocked on a stalled fetcher returns at once (the
-        fetcher sees a broken stream and tries again, elsewhere or later)."""
+    def revoke(self, payload: Payload) -> None:
+        """Release the tickets of ``payload`` that no fetcher has used yet (refused if used later)."""
         with self._lock:
             revoked = [t for t, entry in self._tickets.items() if entry[0] is payload]
             released = [self._tickets.pop(t)[3] for t in revoked]
-            streaming = [conn for conn, sent in self._sending.items() if sent is payload]
-        for conn in streaming:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
         for release in released:
             release()
+
+    def cut(self, payload: Payload) -> bool:
+        """Shut down every connection streaming ``payload`` (a ``sendall`` blocked on a stalled fetcher
+        returns at once; the fetcher sees a broken stream and tries again, elsewhere or later); True if
+        there was one.  Under the lock: a sender leaves ``_sending`` before it closes its socket."""
+        with self._lock:
+            streaming = [conn for conn, sent in self._sending.items() if sent is payload]
+            for conn in streaming:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        return bool(streaming)
 
     def close(self) -> None:
         """Stop listening (the accept loop wakes up and ends) and release every ticket not used."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from freescale.ft.catchup import SnapshotFetch, SnapshotServer, fetch_snapshot
-from freescale.ft.snapshot_stream import Payload, PayloadStreamer
+from freescale.ft.snapshot_stream import Payload, PayloadStreamer, _recv_into
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -88,68 +88,104 @@ def test_a_fetcher_waits_for_a_newer_step_and_the_next_staging_reuses_the_spare_
     assert server._staged.buffer.data_ptr() == first.data_ptr()  # noqa: SLF001 - the spare, reused
 
 
-def test_live_state_is_served_in_place_and_the_fence_waits_for_the_transfer(server: SnapshotServer) -> None:
-    """Host tensors are sent from where they are: nothing is copied, and the fence before the next
-    update holds until the transfer in flight is done; then the snapshot is withdrawn."""
-    source = state()
-    source["/strided#0"] = torch.arange(12.0).reshape(3, 4).t()  # not contiguous: copied
-    expected = {k: v.clone() for k, v in source.items()}
-    gate = threading.Event()
-    server.on_stream = lambda step: gate.wait(10)  # the transfer is in flight, held before its first byte
-    assert server.stage(3, source) < 0.5
-    got: dict[str, object] = {}
-    fetcher = threading.Thread(target=lambda: got.update(f=fetch_snapshot(server.address, 3)))
-    fetcher.start()
-    fenced = threading.Thread(target=server.wait_staged)
-    deadline = time.monotonic() + 5
-    while not server._stream_in_flight() and time.monotonic() < deadline:  # noqa: SLF001
-        time.sleep(0.01)
-    fenced.start()
-    fenced.join(timeout=0.3)
-    assert fenced.is_alive() and server.staged_step is None  # withdrawn for newcomers, held for the one in flight
-    gate.set()
-    fenced.join(timeout=10)
-    assert not fenced.is_alive()
-    for t in source.values():  # the update after the fence: what was sent must not have moved
-        t.zero_() if t.dtype != torch.bool else t.fill_(False)
-    fetcher.join(timeout=10)
-    for name, t in expected.items():
-        assert torch.equal(got["f"].tensors[name], t), name  # type: ignore[attr-defined]
-    assert sum(b.numel() for b in server._buffers) < 1024  # noqa: SLF001 - only the strided tensor was copied
-    assert server.live and server.cut_transfers == 0
+def test_live_state_is_served_in_place_and_the_fence_waits_for_the_transfer() -> None:
+    """Large host tensors are sent from where they are; small ones and the padding around them go from
+    runs of a small buffer.  The fence before the next update holds until the transfer in flight is
+    done; then the snapshot is withdrawn."""
+    server = SnapshotServer(fence_wait_s=30)  # a loaded machine must not turn this into a cut
+    server.start()
+    try:
+        g = torch.Generator().manual_seed(1)
+        source = {"/a#0": torch.randn(5, generator=g), "/big1#0": torch.randn(1 << 20, generator=g),
+                  **state(), "/big2#0": torch.randn(3, 1 << 19, generator=g).to(torch.float64),
+                  "/strided#0": torch.arange(12.0).reshape(3, 4).t()}  # not contiguous: copied
+        expected = {k: v.clone() for k, v in source.items()}
+        gate = threading.Event()
+        server.on_stream = lambda step: gate.wait(10)  # the transfer is in flight, held before its first byte
+        assert server.stage(3, source) < 0.5
+        got: dict[str, object] = {}
+        fetcher = threading.Thread(target=lambda: got.update(f=fetch_snapshot(server.address, 3)))
+        fetcher.start()
+        deadline = time.monotonic() + 10
+        while not server._stream_in_flight() and time.monotonic() < deadline:  # noqa: SLF001
+            time.sleep(0.01)
+        fenced = threading.Thread(target=server.wait_staged)
+        fenced.start()
+        fenced.join(timeout=0.3)
+        assert fenced.is_alive() and server.staged_step is None  # withdrawn for newcomers, held for the one in flight
+        gate.set()
+        fenced.join(timeout=20)
+        assert not fenced.is_alive()
+        for t in source.values():  # the update after the fence: what was sent must not have moved
+            t.zero_() if t.dtype != torch.bool else t.fill_(False)
+        fetcher.join(timeout=20)
+        for name, t in expected.items():
+            assert torch.equal(got["f"].tensors[name], t), name  # type: ignore[attr-defined]
+        assert sum(b.numel() for b in server._buffers) < 64 << 10  # noqa: SLF001 - the 16 MB went out live
+        assert server.live and server.cut_transfers == 0
+    finally:
+        server.stop()
 
 
-def _stalled_fetcher(address: str) -> socket.socket:
-    """A fetcher that asks for a snapshot, connects to its stream and never reads (a SIGSTOPped peer)."""
+def _header(address: str) -> dict[str, str]:
+    """What a fetcher gets from the HTTP request: the stream's address and a ticket."""
     host, _, port = address.rpartition(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
     conn.request("GET", "/v1/snapshot?min_step=0")
     header = json.loads(conn.getresponse().read())
     conn.close()
-    stream_host, _, stream_port = header["stream"].rpartition(":")
-    sock = socket.create_connection((stream_host, int(stream_port)), timeout=10)
+    return header  # type: ignore[no-any-return]
+
+
+def _connect(header: dict[str, str]) -> socket.socket:
+    host, _, port = header["stream"].rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
     sock.sendall(header["ticket"].encode())
     return sock
 
 
 def test_a_transfer_that_outlasts_the_fence_is_cut_and_the_source_copies_from_then_on() -> None:
+    """A fetcher that connected and stopped reading (a SIGSTOPped peer): the fence waits its bound,
+    cuts the stream, and this source copies from then on."""
     server = SnapshotServer(fence_wait_s=0.2)
     server.start()
     try:
         big = {"/model/w#0": torch.ones(16 << 20)}  # 64 MB: far more than the sockets buffer
         server.stage(1, big)
-        stalled = _stalled_fetcher(server.address)
+        stalled = _connect(_header(server.address))
+        deadline = time.monotonic() + 10
+        while not server._streamer._sending and time.monotonic() < deadline:  # type: ignore[union-attr]  # noqa: SLF001
+            time.sleep(0.01)
         started = time.monotonic()
         assert server.wait_staged() >= 0.2  # waited its bound, then cut the transfer
         assert time.monotonic() - started < 5
         assert not server.live and server.cut_transfers == 1 and server.staged_step is None
+        with pytest.raises((ConnectionError, OSError)):  # the fetcher sees its stream end early
+            _recv_into(stalled, memoryview(bytearray(64 << 20)), "source", None)
         stalled.close()
         big["/model/w#0"].fill_(2.0)  # the update the fence let through
         server.stage(2, big)  # copied now: the next transfer never holds this source's update
         server.wait_staged()
         big["/model/w#0"].fill_(3.0)
-        fetched = fetch_snapshot(server.address, 2)
+        fetched = fetch_snapshot(server.address, 2, timeout_s=10)
         assert fetched.step == 2 and torch.equal(fetched.tensors["/model/w#0"], torch.full((16 << 20,), 2.0))
+    finally:
+        server.stop()
+
+
+def test_the_fence_revokes_a_ticket_nobody_used_without_waiting() -> None:
+    """A fetcher that got its header and never connected (cancelled, dead): the fence does not wait for
+    it, the source stays live, and the ticket is refused afterwards."""
+    server = SnapshotServer(fence_wait_s=5)
+    server.start()
+    try:
+        server.stage(1, {"/model/w#0": torch.ones(1 << 20)})
+        header = _header(server.address)
+        started = time.monotonic()
+        assert server.wait_staged() == 0.0
+        assert time.monotonic() - started < 1 and server.live and server.cut_transfers == 0
+        with _connect(header) as late:
+            assert late.recv(1) == b""  # revoked: closed without a byte
     finally:
         server.stop()
 
