@@ -137,7 +137,7 @@ class ReplicaSync:
         grads.begin(); sync.attach(step, grads, w, header); loss.backward()   # buckets reduced in backward
         r = sync.reduce_and_commit(step, grads, weight=w, exchange=...)
         if not r.recovering: sync.wait_staged(); apply r.tensors and r.extra   # the fence, then the update
-        if r.stage_snapshot: sync.stage(r.step, state)  # copied on the staging thread
+        if r.stage_snapshot: sync.stage(r.step, state)  # served live, or copied on the staging thread
         catch_up = sync.take_catch_up()               # recovering: snapshot in -> load + replay
 
     A replica that finds the quorum ahead of its step (a restarted group) adopts
@@ -350,7 +350,7 @@ class ReplicaSync:
         if reduced is None or self.recovering:
             return None, None
         if exchange is not None:
-            self.wait_staged()  # the union's forward moves fbgemm's step counters: not under a staging copy
+            self.wait_staged()  # the union's forward moves fbgemm's step counters: not while they are sent
         prepared = exchange.prepare(extra) if exchange is not None else None
         return prepared, all_finite(reduced.tensors)
 
@@ -390,13 +390,14 @@ class ReplicaSync:
         return behind and (staged is None or staged < quorum.max_step - 1)
 
     def stage(self, step: int, state: dict[str, torch.Tensor]) -> float:
-        """Source side: start copying committed ``step``'s state for a recovering peer (off this
+        """Source side: stage committed ``step``'s state for a recovering peer (served live, or copied off this
         thread; ``wait_staged`` before the state changes); returns the seconds this thread spent."""
         assert self.snapshots is not None
         return self.snapshots.stage(step, state)
 
     def wait_staged(self) -> float:
-        """The fence after ``stage``: the staging copy is done (0.0 when none was in flight)."""
+        """The fence after ``stage``: the staging copy is done and no transfer reads live state (0.0 when
+        nothing was in flight)."""
         return self.snapshots.wait_staged() if self.snapshots is not None else 0.0
 
     def _recovering_to(self, step: int) -> bool:

@@ -2,8 +2,9 @@
 peer and how a recovering rank loads it and replays the steps it sat out (``freescale.ft.catchup``
 moves the bytes).
 
-Staging overlaps the source's next forward and backward (``SnapshotServer.stage`` copies on its own
-thread), fenced before the next update changes the state (``_fence_staging``, called by the update).
+Staging overlaps the source's next forward and backward (``SnapshotServer.stage`` serves host tensors
+live, from where they are, and copies the rest on its own thread), fenced before the next update
+changes the state (``_fence_staging``, called by the update: the copy done, no transfer still reading).
 A recovering rank's download lands in its own tensors (``_landing``: the state is invalid until it is
 loaded, so nothing reads it meanwhile); ``load`` then copies only what did not fit, and adopts the rest.
 """
@@ -90,8 +91,8 @@ class SnapshotSide(ABC):
         the model, the optimizers, and in ``meta.json`` (tensors beside it) the data side, the LR
         scheduler, the registered states and the RNGs."""
         tensors = dict(named_tensors(self._state(), ""))
-        # Staged off this thread (``SnapshotServer.stage``), fenced before the next update: parameters and
-        # optimizer state change only there.  Anything else a forward may change (a norm's running
+        # Served live or copied off this thread (``SnapshotServer.stage``), fenced before the next update:
+        # parameters and optimizer state change only there.  Anything else a forward may change (a norm's running
         # statistics, a user's buffer) is copied now.
         updated = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
         for name, t in tensors.items():
@@ -107,9 +108,10 @@ class SnapshotSide(ABC):
         return tensors
 
     def _fence_staging(self) -> None:
-        """Before the state changes: the snapshot copy started at the last staging is done (the time this
-        thread waited for it goes to the record as ``stage_wait_s``: 0 when the copy ran in the shadow of
-        the step's forward and backward)."""
+        """Before the state changes: the snapshot copy started at the last staging is done and no transfer
+        still reads the live state (the time this thread waited goes to the record as ``stage_wait_s``,
+        with ``copy_s`` the copy's or the transfer's wait: none when both ran in the shadow of the step's
+        forward and backward)."""
         start = time.perf_counter()
         copy_s = self._sync.wait_staged()
         if copy_s:
