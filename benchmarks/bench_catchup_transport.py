@@ -10,6 +10,8 @@ default 4096 x 4), source and receiver in their own processes, interleaved repea
   nothing updates) and serves it; the receiver's ``fetch_snapshot`` reads it into its own model and optimizer tensors
   (the ones that exist; AdamW's state is adopted as received) and loads the rest
   (``FaultTolerance.load``'s work for a plain optimizer).
+- ``freescale_copy``: the same with the source copying its state into a staging buffer first (what
+  a GPU's state always gets, and a host state after a transfer was cut): its set-up is that copy.
 - ``torchft``: the source's ``HTTPTransport.send_checkpoint`` (torchft's default transport: the state
   dict is streamed with ``torch.save``; ``num_chunks=0``), the receiver's ``recv_checkpoint`` then
   ``model.load_state_dict`` + ``optimizer.load_state_dict`` (what torchft's healing does).
@@ -63,13 +65,15 @@ def trained_state(hidden: int, layers: int) -> tuple[torch.nn.Module, torch.opti
 def source(system: str, hidden: int, layers: int) -> None:
     model, optimizer = trained_state(hidden, layers)
     start = time.perf_counter()
-    if system == "freescale":
+    if system.startswith("freescale"):
         from freescale.ft.catchup import SnapshotServer
         from freescale.ft.snapshot_state import named_tensors
 
-        server = SnapshotServer()
+        server = SnapshotServer(live=system == "freescale")
         address = server.start()
         server.stage(1, dict(named_tensors({"model": model.state_dict(), "optim": optimizer.state_dict()}, "")))
+        if not server.live:
+            server.wait_staged()  # the copy is done (a copied snapshot stays served after its fence)
     else:
         from torchft.checkpointing.http_transport import HTTPTransport
 
@@ -84,7 +88,7 @@ def source(system: str, hidden: int, layers: int) -> None:
 def receive(system: str, address: str, hidden: int, layers: int) -> None:
     model, optimizer = model_and_optimizer(hidden, layers)
     start = time.perf_counter()
-    if system == "freescale":
+    if system.startswith("freescale"):
         from freescale.ft.catchup import fetch_snapshot
         from freescale.ft.snapshot_state import load_torch_optimizer, named_tensors
 
@@ -144,7 +148,7 @@ def one_transfer(system: str, hidden: int, layers: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", choices=["driver", "source", "receive", "burn"], default="driver")
-    parser.add_argument("--system", choices=["freescale", "torchft"], default="freescale")
+    parser.add_argument("--system", choices=["freescale", "freescale_copy", "torchft"], default="freescale")
     parser.add_argument("--address", default="")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=4)
@@ -164,9 +168,9 @@ def main() -> None:
     try:
         import torchft  # noqa: F401
 
-        systems, why = ["freescale", "torchft"], ""
+        systems, why = ["freescale", "freescale_copy", "torchft"], ""
     except ImportError as exc:
-        systems, why = ["freescale"], f"torchft not installed ({exc}); see bench_ft.py for how"
+        systems, why = ["freescale", "freescale_copy"], f"torchft not installed ({exc}); see bench_ft.py for how"
     burners = [spawn("--role", "burn") for _ in range(args.busy)]
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     try:
@@ -190,9 +194,10 @@ def main() -> None:
                      "load_s": float(np.median([r["load_s"] for r in results])),
                      "source_setup_s": float(np.median([r["source_setup_s"] for r in results])),
                      "end_to_end_all_s": e2e.tolist()})
-    if len(rows) == 2:
-        ratios = [f / t for f, t in zip(rows[0]["end_to_end_all_s"], rows[1]["end_to_end_all_s"])]
-        rows[0]["vs_torchft"] = f"{np.median(ratios):.2f}x time ({min(ratios):.2f}..{max(ratios):.2f}, paired)"
+    peer = next((r for r in rows if r["system"] == "torchft"), None)
+    for row in rows[:2] if peer is not None else []:
+        ratios = [f / t for f, t in zip(row["end_to_end_all_s"], peer["end_to_end_all_s"])]
+        row["vs_torchft"] = f"{np.median(ratios):.2f}x time ({min(ratios):.2f}..{max(ratios):.2f}, paired)"
     print_table(rows, ["system", "state_MB", "end_to_end_s", "GB_per_s", "transfer_s", "load_s", "source_setup_s",
                        "vs_torchft"])
     print(f"busy processes beside: {args.busy}; end to end: the receiver's request to the state loaded"
