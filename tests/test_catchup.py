@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from freescale.ft.catchup import SnapshotFetch, SnapshotServer, fetch_snapshot
-from freescale.ft.snapshot_stream import Payload, PayloadStreamer, _recv_into
+from freescale.ft.catchup import SnapshotFetch, SnapshotServer, fetch_snapshot, layout, plan_payload
+from freescale.ft.snapshot_stream import ALIGN, Payload, PayloadStreamer, _recv_into
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -240,3 +240,25 @@ def test_the_stream_refuses_a_wrong_ticket_and_releases_unused_ones_when_closed(
     assert released == [1, 2]
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=1).recv(1)
+
+
+def test_the_payload_plan_covers_every_byte_once_and_keeps_the_alignment() -> None:
+    """Live tensors and buffer runs tile the payload exactly; every copied tensor lands inside a run at
+    the payload's alignment (a dtype view needs it); a state with a tensor off the host goes all copied."""
+    g = torch.Generator().manual_seed(2)
+    tensors = {"/s1#0": torch.randn(3, generator=g), "/big#0": torch.randn((1 << 18) + 1, generator=g),
+               "/s2#0": torch.randn(7, generator=g).to(torch.float64), "/big2#0": torch.randn(1 << 18, generator=g),
+               "/big3#0": torch.randn(1 << 18, generator=g), "/s3#0": torch.tensor(5.0)}
+    entries, total = layout(tensors)
+    plan = plan_payload(entries, list(tensors.values()), True, total)
+    spans = sorted([(o, t.numel()) for o, t in plan.live] + [(o, n) for o, n, _ in plan.runs])
+    assert [o for o, _ in spans] == [0] + [o + n for o, n in spans[:-1]] and sum(n for _, n in spans) == total
+    assert len(plan.live) == 3 and len(plan.copies) == 3 and plan.buffer_bytes < 4096
+    for offset, length, at in plan.runs:
+        assert at % ALIGN == offset % ALIGN and at + length <= plan.buffer_bytes
+    for t, at in plan.copies:
+        run = next(r for r in plan.runs if r[2] <= at < r[2] + r[1])
+        assert at % ALIGN == 0 and at + t.numel() * t.element_size() <= run[2] + run[1]
+    off_host = [*tensors.values()][:-1] + [torch.empty(1, device="meta")]
+    assert not plan_payload(entries, off_host, True, total).live  # one tensor on a device: all copied
+    assert not plan_payload(entries, list(tensors.values()), False, total).live
