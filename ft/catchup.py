@@ -224,9 +224,10 @@ class SnapshotServer:
     def wait_staged(self) -> float:
         """The fence before the state changes: the staging copy started by ``stage`` is done, and no
         transfer reads live tensors any more.  A live snapshot is withdrawn (a later fetcher gets a
-        later step's); its tickets not used yet are revoked (their fetchers ask again); a transfer
-        still running gets ``fence_wait_s`` to end, then is cut, and this source copies from then on.
-        Returns the seconds it took (0.0 when nothing was in flight)."""
+        later step's); the tickets handed out for it get ``fence_wait_s`` to connect and finish (a
+        fetcher connects within moments of its header, however short the step).  Then a ticket still
+        unused is revoked (its fetcher asks again), and a transfer still running is cut: this source
+        copies from then on.  Returns the seconds it took (0.0 when nothing was in flight)."""
         copying, self._copying = self._copying, None
         copy_s = copying.result() if copying is not None else 0.0
         with self._lock:
@@ -234,13 +235,12 @@ class SnapshotServer:
             if staged is None or not staged.live:
                 return copy_s
             self._staged = None  # no new fetcher gets it
-        assert self._streamer is not None
-        self._streamer.revoke(staged.payload)
-        start = time.perf_counter()
-        with self._lock:
             if staged.users == 0:
                 return copy_s
+            start = time.perf_counter()
             self._lock.wait_for(lambda: staged.users == 0, timeout=self.fence_wait_s)
+        assert self._streamer is not None
+        self._streamer.revoke(staged.payload)
         if self._streamer.cut(staged.payload):
             self.live = False  # its transfers outlast a step: copy from now on, never wait on the network
             self.cut_transfers += 1
@@ -335,7 +335,7 @@ class SnapshotServer:
                             .encode(), content_type="application/json")
 
     def _stream_in_flight(self) -> bool:
-        """A ticket of the staged snapshot is out (tests: the fence has a transfer to wait for)."""
+        """A ticket of the staged snapshot is out (tests: the fence has one to wait for)."""
         with self._lock:
             return self._staged is not None and self._staged.users > 0
 

@@ -54,7 +54,8 @@ MAX_THREADS = 256
 @dataclass(eq=False)
 class Payload:
     """What one ticket streams: ``segments`` of (offset, flat uint8 tensor in host memory), in offset
-    order and not overlapping, zero bytes between them and up to ``total``."""
+    order and not overlapping, zero bytes between them and up to ``total`` (padding inside a buffer
+    segment is whatever the buffer held: the receiver discards padding)."""
 
     segments: list[tuple[int, torch.Tensor]]
     total: int
