@@ -315,18 +315,22 @@ class SnapshotServer:
             wait_s = min(float(request.query.get("wait_s", "30")), 120.0)
         except ValueError:
             return web.json_response({"error": "min_step and wait_s must be numbers"}, status=400)
+        copied = request.query.get("copied") == "1"
+        if copied:
+            self.live = False  # the training thread's next stage copies (a plain flag: read there)
         deadline = time.monotonic() + wait_s
         if not self.can_serve:
             return web.json_response({"error": "this replica is catching up itself"}, status=503)
         while True:
             with self._lock:
                 staged = self._staged
-                if staged is not None and staged.step >= min_step:
+                if staged is not None and staged.step >= min_step and not (copied and staged.live):
                     if self.wanted_step is not None and self.wanted_step <= staged.step:
                         self.wanted_step = None
                     ticket = self._hand_out(staged)
                     break
-                self.wanted_step = min_step if self.wanted_step is None else min(self.wanted_step, min_step)
+                wanted = max(min_step, staged.step + 1) if copied and staged is not None and staged.live else min_step
+                self.wanted_step = wanted if self.wanted_step is None else min(self.wanted_step, wanted)
             if time.monotonic() >= deadline:
                 return web.json_response({"error": f"no snapshot at step >= {min_step} yet"}, status=503)
             await asyncio.sleep(0.005)
@@ -386,7 +390,7 @@ class Fetched:
 
 def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: float = 60.0,
                    own: dict[str, torch.Tensor] | None = None, cancelled: threading.Event | None = None,
-                   sockets: list[socket.socket] | None = None) -> Fetched:
+                   sockets: list[socket.socket] | None = None, copied: bool = False) -> Fetched:
     """Download a snapshot of step >= ``min_step`` from ``address``: the header over HTTP, the bytes
     over the source's stream (``freescale.ft.snapshot_stream``).
 
@@ -394,11 +398,13 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
     tensor of the same dtype and shape, contiguous and in host memory, is written in place (no
     buffer, no load copy); the caller must not touch those until the download ended.  Any other
     (on a GPU, not built yet) gets a tensor of its own.  ``sockets`` collects the connections it
-    opens (``SnapshotFetch.cancel`` shuts them down: a blocked read returns at once).
+    opens (``SnapshotFetch.cancel`` shuts them down: a blocked read returns at once).  ``copied``:
+    ask for a copied snapshot (a live one's transfer was cut: this state does not cross within a
+    source's step), which the source stages at its next commit and from then on.
     """
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     host, _, port = address.rpartition(":")
-    query = urllib.parse.urlencode({"min_step": min_step, "wait_s": timeout_s})
+    query = urllib.parse.urlencode({"min_step": min_step, "wait_s": timeout_s, **({"copied": 1} if copied else {})})
     start = time.perf_counter()
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s + 5)
     own = own or {}
@@ -471,8 +477,9 @@ class SnapshotFetch:
                 for address in self.sources:
                     self.log.setdefault("requested", time.time())  # the first request
                     try:
-                        self._result = fetch_snapshot(address, self.min_step, self.token,
-                                                      own=self.own, cancelled=self._cancelled, sockets=self._sockets)
+                        self._result = fetch_snapshot(address, self.min_step, self.token, own=self.own,
+                                                      cancelled=self._cancelled, sockets=self._sockets,
+                                                      copied=bool(errors))  # after a failure: never live
                         self.log.update(source=address, failed_sources=errors)
                         return
                     except (ConnectionError, ValueError) as exc:

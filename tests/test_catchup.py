@@ -188,6 +188,36 @@ def test_the_fence_revokes_a_ticket_nobody_used_and_stays_live() -> None:
         server.stop()
 
 
+def test_a_fetcher_that_asks_for_a_copy_gets_the_next_step_copied() -> None:
+    """A retry after a broken transfer asks for a copy: the live snapshot is not handed to it, the source
+    copies from its next commit on, and the fetcher gets that one."""
+    server = SnapshotServer()
+    server.start()
+    try:
+        big = {"/model/w#0": torch.full((1 << 20,), 1.0)}
+        server.stage(1, big)
+        got: dict[str, object] = {}
+        fetcher = threading.Thread(target=lambda: got.update(f=fetch_snapshot(server.address, 1, timeout_s=20,
+                                                                               copied=True)))
+        fetcher.start()
+        deadline = time.monotonic() + 10
+        while server.live and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not server.live and server.wants(2) and not server.wants(1)
+        assert server.wait_staged() == 0.0  # nothing of the live snapshot was handed out
+        big["/model/w#0"].fill_(2.0)
+        server.stage(2, big)
+        server.wait_staged()  # the copy is done; a copied snapshot stays served after the fence
+        assert max(b.numel() for b in server._buffers) >= 4 << 20  # noqa: SLF001 - copied, not live
+        big["/model/w#0"].fill_(3.0)  # the next update
+        fetcher.join(timeout=20)
+        fetched = got["f"]
+        assert fetched.step == 2 and torch.equal(fetched.tensors["/model/w#0"], torch.full((1 << 20,), 2.0))  # type: ignore[attr-defined]
+        assert server.cut_transfers == 0
+    finally:
+        server.stop()
+
+
 def test_a_snapshot_that_does_not_come_in_time_is_a_one_line_error(server: SnapshotServer) -> None:
     address = server.address
     with pytest.raises(ConnectionError, match=r"answered 503: .*no snapshot at step >= 4"):
