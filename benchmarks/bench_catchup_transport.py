@@ -89,7 +89,7 @@ def receive(system: str, address: str, hidden: int, layers: int) -> None:
     model, optimizer = model_and_optimizer(hidden, layers)
     start = time.perf_counter()
     if system.startswith("freescale"):
-        from freescale.ft.catchup import fetch_snapshot
+        from freescale.ft.snapshot_fetch import fetch_snapshot
         from freescale.ft.snapshot_state import load_torch_optimizer, named_tensors
 
         own = dict(named_tensors({"model": model.state_dict(), "optim": optimizer.state_dict()}, ""))

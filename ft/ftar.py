@@ -45,9 +45,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from freescale.ft.catchup import SnapshotFetch, SnapshotServer
+from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import LighthouseClient, Quorum
 from freescale.ft.replica_group import FTARGroup, RendezvousStore, ReplicaGroup
+from freescale.ft.snapshot_fetch import SnapshotFetch
 from freescale.ft.weighted_reduce import FlatReduction, FTARStage, Reduced, weighted_all_reduce
 from freescale.grad_buckets import BucketedGrads, GroupFailure
 from freescale.step_sync import all_finite

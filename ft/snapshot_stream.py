@@ -102,17 +102,17 @@ class PayloadStreamer:
     def sweep(self) -> None:
         """Release the tickets nobody used in time (a fetcher that died before connecting)."""
         now = time.monotonic()
-        with self._lock:
-            expired = [t for t, (_, _, at, _) in self._tickets.items() if now - at > TICKET_TTL_S]
-            gone = [self._tickets.pop(t)[3] for t in expired]
-        for release in gone:
-            release()
+        self._release(lambda payload, offered: now - offered > TICKET_TTL_S)
 
     def revoke(self, payload: Payload) -> None:
         """Release the tickets of ``payload`` that no fetcher has used yet (refused if used later)."""
+        self._release(lambda mine, offered: mine is payload)
+
+    def _release(self, which: Callable[[Payload, float], bool]) -> None:
+        """Drop the unused tickets ``which(payload, offered_at)`` picks; their ``done`` runs outside the lock."""
         with self._lock:
-            revoked = [t for t, entry in self._tickets.items() if entry[0] is payload]
-            released = [self._tickets.pop(t)[3] for t in revoked]
+            picked = [t for t, (payload, _, offered, _) in self._tickets.items() if which(payload, offered)]
+            released = [self._tickets.pop(t)[3] for t in picked]
         for release in released:
             release()
 
@@ -133,10 +133,7 @@ class PayloadStreamer:
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
-        with self._lock:
-            unused, self._tickets = list(self._tickets.values()), {}
-        for _, _, _, done in unused:
-            done()
+        self._release(lambda payload, offered: True)
 
     def _accept(self) -> None:
         while not self._closed:

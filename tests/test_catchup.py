@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from freescale.ft.catchup import SnapshotFetch, SnapshotServer, fetch_snapshot, layout, plan_payload
+from freescale.ft.catchup import SnapshotServer, layout, plan_payload
+from freescale.ft.snapshot_fetch import SnapshotFetch, fetch_snapshot
 from freescale.ft.snapshot_stream import ALIGN, Payload, PayloadStreamer, _recv_into
 
 
