@@ -8,8 +8,10 @@ tolerant across replica groups are marked ``# ft`` (6 of them):
 
 1. ``import freescale.ft as ft``
 2. ``ft.shard(...)`` instead of ``DistributedModelParallel(...)``: torchrec's planner
-   and sharders, with every table on a fused kernel (the planner would put small
-   tables on ``data_parallel``) and no DDP around the dense part;
+   and sharders, every table on a fused kernel (the planner would put small tables
+   on ``data_parallel``) unless its constraint asks for ``data_parallel`` (here the
+   20-row category table: whole on every rank, its gradient reduced with the dense
+   ones, stepped by Adam with them), and no DDP around the dense part;
 3. ``ft.StepSamples(...)``: which sample ids each group and rank trains each step,
    a dead group's share requeued (the loop maps ids to samples, ``features``);
 4. ``ft.wrap(...)``: the optimizer, fault tolerant; it steps the scheduler;
@@ -45,6 +47,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -92,7 +95,8 @@ def train(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)  # every group starts from the same weights
     model = ft.shard(DeepFM(), torch.device("cpu"), fused_params={  # ft
-        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05},
+        constraints={"category_table": ParameterConstraints(sharding_types=["data_parallel"])})
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
                                   lambda params: torch.optim.Adam(params, lr=1e-2))
     optimizer = CombinedOptimizer([model.fused_optimizer, dense])

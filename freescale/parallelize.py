@@ -38,8 +38,10 @@ MODEL_PARALLEL = ("table_wise", "row_wise", "column_wise", "table_row_wise", "ta
 SHARDING_TYPES = (*MODEL_PARALLEL, "data_parallel")
 """``data_parallel``: every rank holds the whole table on torchrec's dense kernel; torchrec's own DDP around
 each data-parallel lookup all-reduces (averages) its dense gradient, and ``build_optimizer``'s row-wise
-optimizer updates it after backward (one job only: fault tolerance keeps replicas identical through the union
-update of fused tables; with the prioritized pipeline it is not measured, so refused)."""
+optimizer updates it after backward.  Under fault tolerance the layer reduces the gradient instead, in the group
+and across groups with the dense ones (``replicated_kernel_weights``), and the same optimizer steps it on the
+committed average: no union update for these tables.  With the prioritized pipeline it is not measured, so
+refused."""
 
 _SPARSE_OPTIMIZERS = {
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -133,13 +135,17 @@ def shard_fused(model: nn.Module, device: torch.device | None = None, *,
                 constraints: dict[str, ParameterConstraints] | None = None,
                 sharders: list[ModuleSharder[nn.Module]] | None = None) -> DistributedModelParallel:
     """``DistributedModelParallel(model)`` over the default group as fault tolerance needs it
-    (``freescale.ft.shard``): torchrec's planner with every table on a fused kernel and never
-    ``data_parallel`` (the planner's default for a small table: a dense kernel whose updates the union
-    could not keep identical across groups), and no DDP around the dense part (the layer reduces it).
+    (``freescale.ft.shard``): torchrec's planner with every table on a fused kernel (kept identical
+    across groups by the union update) unless its constraint asks for ``data_parallel`` alone (the
+    planner's own default for a small table is not taken), and no DDP around the dense part (the layer
+    reduces it).
 
     ``fused_params``: the tables' fused optimizer (default exact row-wise Adagrad, rate 0.05).
-    ``constraints``: per table, as torchrec's; a table's own placement wishes are kept, a dense
-    kernel or ``data_parallel`` is refused in one line.  ``sharders``: default torchrec's
+    ``constraints``: per table, as torchrec's; a table's own placement wishes are kept.  A table
+    constrained to ``data_parallel`` alone is whole on every rank on a dense kernel: the layer reduces
+    its gradient with the dense ones and *your* optimizer steps it (give it the table's parameters:
+    ``model.parameters()`` holds them; the fused optimizer does not).  A dense kernel on a
+    model-parallel table is refused in one line.  ``sharders``: default torchrec's
     ``EmbeddingBagCollection`` and ``EmbeddingCollection`` sharders with ``fused_params``.
     """
     from freescale.rank_console import install_excepthook, quiet_libraries
@@ -161,7 +167,8 @@ def shard_fused(model: nn.Module, device: torch.device | None = None, *,
 
 
 def fused_constraints(model: nn.Module, given: dict[str, ParameterConstraints]) -> dict[str, ParameterConstraints]:
-    """Every table of ``model`` constrained to fused kernels and a model-parallel sharding type (``shard_fused``)."""
+    """Every table of ``model`` constrained to fused kernels and a model-parallel sharding type, or to
+    ``data_parallel`` on the dense kernel where ``given`` asks for it alone (``shard_fused``)."""
     allowed = list(MODEL_PARALLEL)
     out: dict[str, ParameterConstraints] = {}
     tables = _table_names(model)
@@ -172,9 +179,16 @@ def fused_constraints(model: nn.Module, given: dict[str, ParameterConstraints]) 
     for table in tables:
         mine = copy.copy(given.get(table, ParameterConstraints()))
         kinds = [str(k) for k in mine.sharding_types] if mine.sharding_types else allowed
+        if kinds == ["data_parallel"]:
+            if mine.compute_kernels and "dense" not in mine.compute_kernels:
+                raise ValueError(f"freescale.ft.shard: table {table!r} is data_parallel on the kernels "
+                                 f"{', '.join(mine.compute_kernels)}; a data_parallel table takes the 'dense' kernel")
+            mine.compute_kernels = ["dense"]
+            out[table] = mine
+            continue
         if not set(kinds) & set(allowed):
             raise ValueError(f"freescale.ft.shard: table {table!r} is constrained to {', '.join(kinds)}; fault "
-                             f"tolerance needs one of {', '.join(allowed)} (data_parallel tables have dense kernels)")
+                             f"tolerance needs one of {', '.join(allowed)}, or data_parallel alone")
         if mine.compute_kernels and "fused" not in mine.compute_kernels:
             raise ValueError(f"freescale.ft.shard: table {table!r} is constrained to the kernels "
                              f"{', '.join(mine.compute_kernels)}; fault tolerance needs 'fused'")
@@ -271,11 +285,13 @@ def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> Combined
     replicated = replicated_table_parameters(dmp)
     if replicated:
         # A fused shard receives the sum of the ranks' gradients, a data-parallel table their mean (torchrec's
-        # lookup DDP): SGD's rate is scaled by the world size to take the fused step (Adagrad divides it out).
+        # lookup DDP, or fault tolerance's buckets): the world size W is put back where it matters, SGD's rate
+        # times W, Adagrad's eps over W (its step g / (sqrt(G) + eps) is the fused one on W * g).  Under fault
+        # tolerance W is the group's size: the union update sums the group's ranks too, over the groups' mean.
         world = dist.get_world_size() if dist.is_initialized() else 1
         optimizers.append(KeyedOptimizerWrapper(replicated, lambda params: (
-            RowWiseAdagrad(params, lr=cfg.sparse_lr, eps=cfg.sparse_eps) if cfg.sparse_optimizer == "rowwise_adagrad"
-            else torch.optim.SGD(params, lr=cfg.sparse_lr * world))))
+            RowWiseAdagrad(params, lr=cfg.sparse_lr, eps=cfg.sparse_eps / world)
+            if cfg.sparse_optimizer == "rowwise_adagrad" else torch.optim.SGD(params, lr=cfg.sparse_lr * world))))
     return CombinedOptimizer(optimizers)
 
 
@@ -295,6 +311,35 @@ def replicated_table_parameters(dmp: DistributedModelParallel) -> dict[str, nn.P
     sharded = [name for name, module in dmp.module.named_modules() if isinstance(module, ShardedModule)]
     return {name: p for name, p in dmp.named_parameters()
             if table_name(name) in replicated and any(name.startswith(prefix + ".") for prefix in sharded)}
+
+
+def replicated_kernel_weights(dmp: nn.Module) -> list[nn.Parameter]:
+    """For a caller that reduces the gradients of ``data_parallel`` tables itself (fault tolerance): torchrec's DDP
+    around their lookups is taken off (the caller's reduction would otherwise follow DDP's), and the leaf weight of
+    each of their dense kernels is returned, one flat fbgemm tensor per kernel, in model order (the per-table
+    parameters of ``replicated_table_parameters``, which the optimizer steps, view it and its gradient).
+
+    A dense kernel on a model-parallel table is refused in one line: its gradient covers this rank's shard only,
+    and nothing but fbgemm's fused update could keep it right."""
+    replicated = replicated_tables(dmp)
+    for module in dmp.modules():
+        lookups = getattr(module, "_lookups", None) if isinstance(module, ShardedModule) else None
+        for i, lookup in enumerate(lookups or []):
+            while isinstance(lookup, nn.parallel.DistributedDataParallel):
+                lookup = lookup.module
+            lookups[i] = lookup  # type: ignore[index]  # (torchrec keeps them in a plain list)
+    weights: list[nn.Parameter] = []
+    for name, kernel, fused in embedding_kernels(dmp):
+        if fused:
+            continue
+        tables = [t.name for t in kernel.config.embedding_tables]
+        stray = sorted(set(tables) - replicated)
+        if stray:
+            raise ValueError(f"fault tolerance: table {stray[0]!r} ('{name.split('.lookup')[0]}') is model parallel "
+                             "on a dense (non-fused) kernel; its replicas could not be kept identical. Give it the "
+                             "'fused' kernel, or make it data_parallel")
+        weights.append(kernel.emb_module.weights)
+    return weights
 
 
 def dense_update(dmp: DistributedModelParallel, optimizer: CombinedOptimizer, cfg: OptimConfig,

@@ -30,8 +30,11 @@ dead group's rows are requeued, and travels in the snapshot.
 
 Requirements on the model: torchrec ``DistributedModelParallel`` sharded
 *without* DDP around the dense part (``data_parallel_wrapper=NoDataParallel()``:
-this layer reduces the dense gradients) and fused embedding kernels; or any
-``nn.Module`` with only dense parameters.
+this layer reduces the dense gradients) with each table either on a fused
+kernel (kept identical by the union update, ``freescale.ft.sparse_sync``) or
+``data_parallel`` (whole on every rank: its dense gradient is reduced with the
+other dense ones, and the dense optimizer steps it); or any ``nn.Module`` with
+only dense parameters.
 """
 
 from __future__ import annotations
@@ -66,17 +69,22 @@ from freescale.testing import StepHooks
 __all__ = ["DataState", "FaultTolerance", "JobFinished"]
 
 
-def _dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+def _reduced_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(The parameters whose gradients this layer reduces, the dense ones among them.)  A torchrec DMP's are
+    everything outside its sharded modules, and first (backward reaches them last) the dense kernels' weights of
+    its ``data_parallel`` tables (torchrec's DDP around their lookups is taken off: reduced here instead)."""
     if hasattr(model, "fused_optimizer"):  # torchrec DMP: everything outside the sharded modules
-        from freescale.parallelize import dense_named_parameters
+        from freescale.parallelize import dense_named_parameters, replicated_kernel_weights
 
         ddp = getattr(model, "_dmp_wrapped_module", None)
         if isinstance(ddp, nn.parallel.DistributedDataParallel):
             raise ValueError("fault tolerance: the model is wrapped in DDP; shard it with freescale.ft.shard (or "
                              "DistributedModelParallel(..., data_parallel_wrapper=freescale.parallelize.NoDataParallel())"
                              "): this layer reduces the dense gradients itself, in the group and across groups")
-        return list(dense_named_parameters(model).values())
-    return [p for p in model.parameters() if p.requires_grad]
+        dense = list(dense_named_parameters(model).values())
+        return replicated_kernel_weights(model) + dense, dense
+    dense = [p for p in model.parameters() if p.requires_grad]
+    return dense, dense
 
 
 class FaultTolerance(SnapshotSide):
@@ -105,10 +113,10 @@ class FaultTolerance(SnapshotSide):
             if self._group_size > 1:
                 raise ValueError("fault tolerance: a warm standby (standby_lock) needs a one-rank replica group")
             self._standby_fd, self._incarnation = take_over(standby.format(replica=cfg.replica_id), self._incarnation)
-        self._dense = _dense_parameters(model)
+        self._reduced, clipped = _reduced_parameters(model)
         fused = getattr(model, "fused_optimizer", None)
         dense_optimizers = [opt for _, opt in getattr(optimizer, "optimizers", [("", optimizer)]) if opt is not fused]
-        self._update = update if update is not None else DenseUpdate(dense_optimizers, self._dense, LRSchedule(),
+        self._update = update if update is not None else DenseUpdate(dense_optimizers, clipped, LRSchedule(),
                                                                     scheduler=scheduler)
         """The committed step's dense update (clip, step, schedule: ``freescale/dense_update.py``), the same
         code and inputs in every group."""
@@ -116,7 +124,7 @@ class FaultTolerance(SnapshotSide):
             data.bind(self._group_index, cfg.replicas, self._rank, self._group_size)  # type: ignore[union-attr]
         self._user_states: dict[str, UserState] = {}
         self.in_group = dist.new_group() if self._group_size > 1 else None
-        self._grads = BucketedGrads(self._dense, self.in_group, cfg.first_bucket_kb * 1024, cfg.bucket_kb * 1024,
+        self._grads = BucketedGrads(self._reduced, self.in_group, cfg.first_bucket_kb * 1024, cfg.bucket_kb * 1024,
                                    chunk_bytes=chunk_bytes, max_inflight=max_inflight)
         self._sparse = UnionSparseUpdate(model) if fused is not None and fused_tbes(model) else None
         token = os.environ.get(TOKEN_ENV, "")
@@ -246,7 +254,7 @@ class FaultTolerance(SnapshotSide):
         return not hasattr(self._data, "weight") or self._data.weight(step) > 0  # type: ignore[union-attr]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self._dense:
+        for p in self._reduced:
             p.grad = None
 
     def backward(self, loss: torch.Tensor, weight: float | None = None) -> None:
@@ -294,7 +302,7 @@ class FaultTolerance(SnapshotSide):
         """The rest of the step's exchange, the vote and, once committed, the update (module
         docstring).  Without a ``backward`` this step, the replica contributes zeros with weight 0."""
         step, trained = self._step, self._weight is not None
-        tensors = self._grads.views() if trained else [torch.zeros_like(p) for p in self._dense]
+        tensors = self._grads.views() if trained else [torch.zeros_like(p) for p in self._reduced]
         self._hooks.at("reduce", step)
         try:
             # ``grads`` even when this replica did not train: its layout is the buckets every participant
@@ -337,10 +345,10 @@ class FaultTolerance(SnapshotSide):
             self.record["nonfinite_skipped"] = True
             updates = False
         if updates:
-            for p, averaged in zip(self._dense, result.tensors):
+            for p, averaged in zip(self._reduced, result.tensors):
                 p.grad = averaged if averaged.device == p.device else averaged.to(p.device)  # replayed
             self._update.apply(result.step)
-            for p in self._dense:
+            for p in self._reduced:
                 p.grad = None
             if self._sparse is not None:
                 self._update.before_tables(result.step)  # a replayed step's lookup is built in apply
@@ -399,7 +407,7 @@ class FaultTolerance(SnapshotSide):
         """Backward of a forward whose result is thrown away (before the first quorum: torchrec's
         lazy set-up and the first kernels are paid here, not in a step the other groups wait for)."""
         (loss * 0.0).backward()
-        for p in self._dense:
+        for p in self._reduced:
             p.grad = None
         if self._sparse is not None:
             self._sparse.reset()

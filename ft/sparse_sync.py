@@ -35,9 +35,12 @@ output gradients (``ids x dim`` floats per replica).  What it buys: no dense
 table gradient ever exists, and no step needs a second round trip.
 
 Limits (raised as errors, not silently wrong): per-sample weights and
-variable batch per feature (VBE) are not supported, and every table must use
-a fused kernel (tables planned as data parallel would be updated by the dense
-optimizer from a group-local gradient).
+variable batch per feature (VBE) are not supported.  Tables planned
+``data_parallel`` (whole on every rank, a dense kernel) are not in the union:
+their dense gradients are reduced with the other dense ones, in the group and
+across groups (``freescale.parallelize.replicated_kernel_weights``), and the
+dense optimizer steps them on the committed average, so no union, all-gather
+or second lookup is paid for them: the cheaper choice for small tables.
 """
 
 from __future__ import annotations
@@ -124,22 +127,14 @@ def _check_optimizer(name: str, tbe: nn.Module) -> None:
 
 
 def fused_tbes(dmp: nn.Module) -> list[tuple[str, Any]]:
-    """Every fbgemm TBE with a fused optimizer under ``dmp``'s sharded modules, in a fixed order; a table
-    planned with a dense (non-fused) kernel is refused."""
+    """Every fbgemm TBE with a fused optimizer under ``dmp``'s sharded modules, in a fixed order (a
+    ``data_parallel`` table's dense kernel is not one: the layer reduces its gradient like a dense one)."""
     if "torchrec" not in sys.modules:  # no torchrec module can be in the model: a user loop without it starts faster
         return []
     from freescale.parallelize import embedding_kernels
 
-    found: list[tuple[str, Any]] = []  # fbgemm's TBEs: untyped modules whose attributes are read directly
-    for name, kernel, fused in embedding_kernels(dmp):
-        if not fused:
-            raise ValueError(
-                f"fault tolerance: the embeddings of '{name.split('.lookup')[0]}' were planned with a dense "
-                "(non-fused) kernel (torchrec's planner picks data_parallel for a small table); their updates could "
-                "not be kept identical across replica groups. Shard the model with freescale.ft.shard (fused kernels, "
-                "model-parallel tables only)")
-        found.append((name, kernel.emb_module))
-    return found
+    # fbgemm's TBEs: untyped modules whose attributes are read directly
+    return [(name, kernel.emb_module) for name, kernel, fused in embedding_kernels(dmp) if fused]
 
 
 class UnionSparseUpdate:

@@ -119,26 +119,34 @@ def test_replicas_stay_identical_and_every_group_lost_resumes_from_checkpoint(ti
 REFERENCE_STEPS = 6
 
 
+ITEM_DP = ("--optim.sharding", "item_table=data_parallel", "--optim.sparse_eps", "1e-14")
+"""The item table replicated.  Row-wise Adagrad's step is g / (sqrt(G) + eps) on the sum of the in-group
+ranks' gradients (fused) or their mean times the group size (``build_optimizer``): 2 ranks' under fault
+tolerance, 4 in the reference job; with eps ~ 0 the two take the same steps (the losses are then equal)."""
+REFERENCES = {"hstu": ("hstu", ()), "dlrm": ("dlrm", ()), "dlrm-item_dp": ("dlrm", ITEM_DP)}
+"""Reference runs by name: (model, extra options)."""
+
+
 @pytest.fixture(scope="module")
 def reference_runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Steps 0..5 of one group of 4 ranks without fault tolerance, per model (the three pipelines are
+    """Steps 0..5 of one group of 4 ranks without fault tolerance, per reference (the three pipelines are
     bit-identical without it: ``test_pipeline``): the same global batches and the same rank-0 share as
-    group 0 of 2 groups x 2 ranks.  Each ends with a checkpoint (``<model>/checkpoints/step_000000006``)."""
+    group 0 of 2 groups x 2 ranks.  Each ends with a checkpoint (``<name>/checkpoints/step_000000006``)."""
     tmp = tmp_path_factory.mktemp("references")
     run_trainings([(str(REPO / "configs" / f"tiny_{model}.toml"), [
         "--data.path", str(tiny_data), "--data.batch_size", "32", "--train.steps", str(REFERENCE_STEPS),
-        "--train.output_dir", str(tmp / model), "--train.eval", "false", "--train.progress", "false"])
-        for model in ("hstu", "dlrm")], 4, tmp, env={AUDIT_ENV: "1"})
+        "--train.output_dir", str(tmp / name), "--train.eval", "false", "--train.progress", "false",
+        *extra]) for name, (model, extra) in REFERENCES.items()], 4, tmp, env={AUDIT_ENV: "1"})
     return tmp
 
 
 @pytest.fixture(scope="module")
 def references(reference_runs: Path) -> dict[str, dict[int, float]]:
-    """Rank 0's loss at each step of the reference runs, per model."""
+    """Rank 0's loss at each step of the reference runs, by name."""
     found: dict[str, dict[int, float]] = {}
-    for model in ("hstu", "dlrm"):
-        lines = [json.loads(line) for line in (reference_runs / model / "train_log.jsonl").read_text().splitlines()]
-        found[model] = {e["step"]: e["loss"] for e in lines if e["event"] == "commit"}
+    for name in REFERENCES:
+        lines = [json.loads(line) for line in (reference_runs / name / "train_log.jsonl").read_text().splitlines()]
+        found[name] = {e["step"]: e["loss"] for e in lines if e["event"] == "commit"}
     return found
 
 
@@ -178,14 +186,15 @@ def test_the_job_changes_shape_plain_to_groups_and_back(tiny_data: Path, tmp_pat
     assert len(rows) == len(set(rows)) == (6 + 4) * 128 + 2 * 32
 
 
-@pytest.mark.parametrize(("kind", "model", "phase"), [
+@pytest.mark.parametrize(("kind", "model", "phase", "tables"), [
     # The survivor goes on ~0.3 s after the kill (not the 3 s heartbeat timeout), at 300 ms a step while
     # the killed group restarts (~6 s; 12 s on a loaded 2-core machine), at full speed once it is back.
-    ("plain", "hstu", "reduce"),
-    ("torchrec", "dlrm", "vote"),
-    ("prioritized", "hstu", "forward")])
+    ("plain", "hstu", "reduce", ""),
+    # One table replicated (data_parallel: its dense gradient in FT's buckets), the other fused (the union).
+    ("torchrec", "dlrm", "vote", "item_dp"),
+    ("prioritized", "hstu", "forward", "")])
 def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(
-        kind: str, model: str, phase: str, tiny_data: Path, tmp_path: Path,
+        kind: str, model: str, phase: str, tables: str, tiny_data: Path, tmp_path: Path,
         references: dict[str, dict[int, float]]) -> None:
     """Two groups of two ranks, each pipeline: rank 1 of group 1 is SIGKILLed at step 6 (mid-reduce,
     before backward, or after the exchange but before its vote: the others' vote then fails as soon
@@ -195,10 +204,12 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     flight, step 9), keeps going; the agent restarts group 1, which joins with weight 0, catches
     up from group 0's snapshot, replays, and contributes again, bit-identical.  Before the kill,
     the losses equal those of one 4-rank group without fault tolerance (the same global batches;
-    equal up to float32 summation order: the exchange averages in-group, then across groups)."""
+    equal up to float32 summation order: the exchange averages in-group, then across groups; a
+    data_parallel table's row-wise Adagrad, stepped on the reduced dense gradient, equals the fused
+    kernel's to float32 rounding)."""
     depth, steps = 0 if kind == "plain" else 2, 60
     proc = launch(tmp_path, tiny_data, 2, 2, steps, model, fault=f"1:1:6:{phase},{AWAY}",
-                  max_restarts=1, extra=("--pipeline.kind", kind))
+                  max_restarts=1, extra=("--pipeline.kind", kind, *(ITEM_DP if tables else ())))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "replica1" / "rank1.killed").exists()
     # A handled fault: one line each for the quorum change and the restart, no traceback on the terminal
@@ -225,7 +236,7 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     assert any(e["contributing"] for s, e in recovered.items() if s > caught["joined_step"]), \
         "group 1 never contributed again"
     assert survivor[steps - 1]["participants"] == ["replica0", "replica1"]
-    for step, loss in references[model].items():
+    for step, loss in references[f"{model}-{tables}" if tables else model].items():
         assert survivor[step]["loss"] == pytest.approx(loss, rel=1e-5), f"step {step}: loss differs"
     if (kind, model) == ("plain", "hstu"):  # the run report, from this real kill run (about a second, Agg)
         from freescale.report import write_report

@@ -101,7 +101,7 @@ def test_ft_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         FTConfig.from_env(timeout=1)
 
 
-def test_shard_constraints_force_fused_kernels_and_refuse_data_parallel() -> None:
+def test_shard_constraints_force_fused_kernels_unless_a_table_asks_for_data_parallel_alone() -> None:
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.planner import ParameterConstraints
 
@@ -113,8 +113,11 @@ def test_shard_constraints_force_fused_kernels_and_refuse_data_parallel() -> Non
     found = fused_constraints(ebc, {"a_table": ParameterConstraints(sharding_types=["row_wise", "data_parallel"])})
     assert found["a_table"].sharding_types == ["row_wise"] and found["a_table"].compute_kernels == ["fused"]
     assert "data_parallel" not in (found["b_table"].sharding_types or []) and found["b_table"].compute_kernels == ["fused"]
-    with pytest.raises(ValueError, match="table 'a_table' is constrained to data_parallel"):
-        fused_constraints(ebc, {"a_table": ParameterConstraints(sharding_types=["data_parallel"])})
+    found = fused_constraints(ebc, {"a_table": ParameterConstraints(sharding_types=["data_parallel"])})
+    assert found["a_table"].sharding_types == ["data_parallel"] and found["a_table"].compute_kernels == ["dense"]
+    with pytest.raises(ValueError, match="table 'a_table' is data_parallel on the kernels fused"):
+        fused_constraints(ebc, {"a_table": ParameterConstraints(sharding_types=["data_parallel"],
+                                                                compute_kernels=["fused"])})
     with pytest.raises(ValueError, match="kernels dense; fault tolerance needs 'fused'"):
         fused_constraints(ebc, {"b_table": ParameterConstraints(compute_kernels=["dense"])})
     with pytest.raises(ValueError, match="table 'c_table', which the model does not have"):
@@ -167,10 +170,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 import freescale.ft as ft
-from freescale.parallelize import NoDataParallel
 
 class Model(nn.Module):
     def __init__(self):
@@ -180,19 +180,12 @@ class Model(nn.Module):
         self.linear = nn.Linear(4, 1)
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-kwargs = {}
-if sys.argv[1] == "data_parallel":  # the planner's choice for a small table, without DDP around the dense part
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"),
-                                       constraints={"small_table": ParameterConstraints(sharding_types=["data_parallel"])})
-    sharders = [EmbeddingBagCollectionSharder()]
-    kwargs = {"plan": planner.plan(Model(), sharders), "sharders": sharders, "data_parallel_wrapper": NoDataParallel()}
-dmp = DistributedModelParallel(Model(), device=torch.device("cpu"), **kwargs)
+dmp = DistributedModelParallel(Model(), device=torch.device("cpu"))
 ft.wrap(dmp, torch.optim.SGD(dmp.parameters(), lr=0.1), data=ft.StepSamples(per_step=4))
 """
 
 
-@pytest.mark.parametrize(("built", "says"), [("ddp", "wrapped in DDP"), ("data_parallel", "freescale.ft.shard"),
-                                             ("no lighthouse", "FREESCALE_LIGHTHOUSE")])
+@pytest.mark.parametrize(("built", "says"), [("ddp", "wrapped in DDP"), ("no lighthouse", "FREESCALE_LIGHTHOUSE")])
 def test_a_model_the_layer_cannot_keep_identical_is_refused_in_one_line(built: str, says: str) -> None:
     import subprocess
     import sys

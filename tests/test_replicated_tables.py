@@ -72,19 +72,17 @@ def test_a_data_parallel_table_takes_the_fused_kernels_row_wise_adagrad_step(tin
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("extra", "why"), [
-    ({"pipeline.kind": "prioritized"}, "pipeline.kind = 'prioritized'"),
-    ({"ft.replicas": 2, "ft.replica_index": 0, "ft.lighthouse": "http://127.0.0.1:1"}, "fault tolerance (--replicas)"),
-])
-def test_data_parallel_tables_are_refused_where_ddp_does_not_reduce_them(extra: dict[str, object], why: str) -> None:
+def test_data_parallel_tables_are_refused_with_the_prioritized_pipeline_and_taken_by_fault_tolerance() -> None:
+    """Fault tolerance reduces their gradients (``tests/test_ft_torchrec.py`` trains and kills with one)."""
     cfg = TrainerConfig()
     cfg.optim.sharding = "item_table=data_parallel"
-    for dotted, value in extra.items():
-        section, key = dotted.split(".")
-        setattr(getattr(cfg, section), key, value)
+    cfg.pipeline.kind = "prioritized"
     with pytest.raises(ConfigError, match=r"optim.sharding: data_parallel tables \(optim.sharding\) are refused here") as info:
         prepare(cfg)
-    assert why in str(info.value) and "\n" not in str(info.value)
+    assert "pipeline.kind = 'prioritized'" in str(info.value) and "\n" not in str(info.value)
+    cfg.pipeline.kind = "plain"
+    cfg.ft.replicas, cfg.ft.replica_index, cfg.ft.lighthouse = 2, 0, "http://127.0.0.1:1"
+    prepare(cfg)
 
 
 def test_a_sequence_table_is_refused_as_data_parallel(tiny_data: Path) -> None:
