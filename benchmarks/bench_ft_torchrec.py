@@ -25,7 +25,13 @@ with freescale's own trainer without fault tolerance, the same loop and the same
    (this VM's speed drifts by tens of percent within minutes: a pair shares the drift), and
    every run's value is in the JSON.  ``update built during vote``: the union's lookup,
    built while the commit vote is in flight (``freescale.ft.ftar``); ``vote exposed``: the
-   vote's wait left after it.  Target: <= 1 ms or 5% per kind.  ``--groups 2,3``: the same at R
+   vote's wait left after it.  Target: <= 1 ms or 5% per kind.  ``--replicated`` adds the like-for-like
+   pair (not with the prioritized pipeline): ``replicated``, the job of 2 ranks with every table whole on
+   both (``--optim.sharding data_parallel``: torchrec's lookup DDP averages the tables' dense gradients,
+   row-wise Adagrad after it), and ``ft_replicated``, the 2 groups with the same tables (their dense
+   gradients in FT's buckets, reduced in the group and across groups during backward; no union); the
+   target is read on that pair.  ``ft`` (the union update) against ``replicated`` is shown as the union's
+   cost over replicated tables.  ``--groups 2,3``: the same at R
    groups of one rank against one job of R ranks (keyed ``<kind> xR`` beyond 2); the union update's
    share grows with R (every group applies every group's lookups: ``update built during vote`` and
    the exchange).  Beyond 2 processes both sides time-share this machine's 2 cores alike.
@@ -535,6 +541,7 @@ def run_params(args: argparse.Namespace, repeats: int, steps: int) -> dict[str, 
         "plain": "launch --nproc-per-node R (1 job, tables sharded over R ranks; DDP, or prioritized's reducer)",
         "replicated": f"the same with {' '.join(REPLICATED)} (tables whole on every rank)" if args.replicated else None,
         "ft": "launch --replicas R --nproc-per-node 1",
+        "ft_replicated": f"the same with {' '.join(REPLICATED)}" if args.replicated else None,
     }
 
 
