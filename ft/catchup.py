@@ -95,6 +95,9 @@ def copy_into(buffer: torch.Tensor, copies: list[tuple[torch.Tensor, int]]) -> N
         buffer[at:at + nbytes].view(t.dtype).copy_(t.detach().reshape(-1))
 
 
+ASSUMED_RATE_BPS = 1e9
+"""A source's guess at its transfer rate before it has measured one (loopback measured 1.1-2.4 GB/s here)."""
+
 LIVE_MIN_BYTES = 1 << 20
 """Host tensors of at least 1 MiB are served live; smaller ones (step counters, biases, ``meta.json``)
 are copied with the padding around them into runs of the staging buffer, so a payload has few
@@ -162,6 +165,8 @@ class SnapshotServer:
         self.wanted_step: int | None = None
         """Smallest step a waiting fetcher asked for and that is not staged yet: the trainer
         stages at its next committed step >= this (on-demand staging)."""
+        self.choice: dict[str, Any] = {}
+        """How the last staging chose between serving live and copying (``serves_live``)."""
         self.cut_transfers = 0
         """Transfers of live state cut at the fence (each turned this server to copying)."""
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-stage")
@@ -172,12 +177,13 @@ class SnapshotServer:
         self._streams: dict[int, int] = {}
         """Transfers in flight per buffer (its data pointer): a buffer being streamed is not reused."""
 
-    def stage(self, step: int, tensors: dict[str, torch.Tensor]) -> float:
+    def stage(self, step: int, tensors: dict[str, torch.Tensor], window_s: float | None = None) -> float:
         """Stage the state of committed ``step`` for serving; returns the seconds this (the training)
         thread spent.  Live tensors are served at once; the others are copied on the staging thread.
         Either way the caller's next forward and backward, which only read the state, overlap it: the
         caller calls ``wait_staged`` before it next changes a tensor of ``tensors`` (its next update, a
-        load)."""
+        load).  ``window_s``: about how long until that fence (the caller's step time); a transfer
+        expected to outlast it is not served live (``serves_live``)."""
         start = time.perf_counter()
         self.wait_staged()
         if self._streamer is not None:
@@ -185,7 +191,7 @@ class SnapshotServer:
         entries, total = layout(tensors)
         header = json.dumps({"step": step, "payload_bytes": total, "tensors": entries}).encode()
         sources = list(tensors.values())
-        plan = plan_payload(entries, sources, self.live, total)
+        plan = plan_payload(entries, sources, self.serves_live(total, window_s), total)
         on_gpu = any(t.is_cuda for t in sources)
         buffer = self._buffer_for(plan.buffer_bytes, pinned=on_gpu) if plan.buffer_bytes else None
         segments = plan.live + [(offset, buffer[at:at + length]) for offset, length, at in plan.runs if buffer is not None]
@@ -216,6 +222,19 @@ class SnapshotServer:
 
         self._copying = self._stager.submit(copy)
         return time.perf_counter() - start
+
+    def serves_live(self, payload_bytes: int, window_s: float | None) -> bool:
+        """Serve the next staging live?  Only when ``live`` is on and the transfer is expected to end
+        before the fence: ``payload_bytes`` at the rate this source last measured (``ASSUMED_RATE_BPS``
+        before it has) within ``window_s`` (None: no estimate, live).  Else it is copied up front, which
+        costs a copy beside training but never a stall at the fence, nor a cut and a retry.  The choice
+        and its figures stay in ``choice`` (the caller logs them)."""
+        measured = self._streamer.rate_bps if self._streamer is not None else None
+        expected_s = payload_bytes / (measured or ASSUMED_RATE_BPS)
+        live = self.live and (window_s is None or expected_s <= window_s)
+        self.choice = {"live": live, "expected_transfer_s": round(expected_s, 4), "rate_measured": measured is not None,
+                       "window_s": None if window_s is None else round(window_s, 4)}
+        return live
 
     def wait_staged(self) -> float:
         """The fence before the state changes: the staging copy started by ``stage`` is done, and no

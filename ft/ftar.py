@@ -390,11 +390,17 @@ class ReplicaSync:
         staged = self.snapshots.staged_step
         return behind and (staged is None or staged < quorum.max_step - 1)
 
-    def stage(self, step: int, state: dict[str, torch.Tensor]) -> float:
+    def stage(self, step: int, state: dict[str, torch.Tensor], window_s: float | None = None) -> float:
         """Source side: stage committed ``step``'s state for a recovering peer (served live, or copied off this
-        thread; ``wait_staged`` before the state changes); returns the seconds this thread spent."""
+        thread: live only if expected to end within ``window_s``, about a step; ``wait_staged`` before the state
+        changes); returns the seconds this thread spent."""
         assert self.snapshots is not None
-        return self.snapshots.stage(step, state)
+        return self.snapshots.stage(step, state, window_s)
+
+    @property
+    def stage_choice(self) -> dict[str, Any]:
+        """How the last staging chose between live and copied (``SnapshotServer.serves_live``)."""
+        return dict(self.snapshots.choice) if self.snapshots is not None else {}
 
     def wait_staged(self) -> float:
         """The fence after ``stage``: the staging copy is done and no transfer reads live state (0.0 when

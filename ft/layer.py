@@ -161,6 +161,9 @@ class FaultTolerance(SnapshotSide):
         self._members: set[str] | None = None
         """The groups of the last committed quorum (for the console line when they change)."""
         self._step, self._first_step = -1, True
+        self._committed_at: float | None = None
+        self._step_times: deque[float] = deque(maxlen=5)
+        """Seconds between this rank's last applied commits (a source's guess at how long a transfer has)."""
         self._weight: float | None = None
         self._loss: torch.Tensor | None = None
 
@@ -326,9 +329,15 @@ class FaultTolerance(SnapshotSide):
             return self.last_commit
         commit = self.last_commit = self._apply(result)
         self.record.update(self._update.record)
+        now = time.perf_counter()
+        if self._committed_at is not None:
+            self._step_times.append(now - self._committed_at)
+        self._committed_at = now
         if result.stage_snapshot:
-            self.events.append({"event": "stage", "step": result.step,
-                                "stage_s": self._sync.stage(result.step, self.snapshot())})
+            # The transfer has about one step before the next update's fence: the median of the last few.
+            window = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else None
+            stage_s = self._sync.stage(result.step, self.snapshot(), window)
+            self.events.append({"event": "stage", "step": result.step, "stage_s": stage_s, **self._sync.stage_choice})
         return commit
 
     def _apply(self, result: StepResult) -> Commit:

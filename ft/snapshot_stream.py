@@ -49,6 +49,8 @@ TICKET_BYTES = 32
 TICKET_WAIT_S = 2.0
 """A connection must send its ticket within this long."""
 MAX_THREADS = 256
+RATE_MIN_BYTES = 16 << 20
+"""A transfer this large or larger measures the path's rate (a smaller one measures its latency)."""
 
 
 @dataclass(eq=False)
@@ -88,6 +90,9 @@ class PayloadStreamer:
         self.on_stream: Callable[[int], None] | None = None
         """Fault injection (tests): called with the snapshot's step as its bytes start to go out."""
         self.bytes_served = 0
+        self.rate_bps: float | None = None
+        """The rate of the last whole transfer of at least ``RATE_MIN_BYTES`` (its ``sendall`` calls: the
+        fetcher's receive is in it, since the kernel's buffers are small beside such a payload)."""
         self._closed = False
         threading.Thread(target=self._accept, name="freescale-snapshot-stream", daemon=True).start()
 
@@ -169,8 +174,11 @@ class PayloadStreamer:
                 _kernel_timeout(conn, self.timeout_s)
                 if self.on_stream is not None:
                     self.on_stream(step)
+                began = time.perf_counter()
                 _send_segments(conn, payload)
                 self.bytes_served += payload.total
+                if payload.total >= RATE_MIN_BYTES:
+                    self.rate_bps = payload.total / max(time.perf_counter() - began, 1e-6)
             except OSError as exc:  # the fetcher died or gave up mid-transfer, or the source cut it
                 log.warning("snapshot stream: the transfer of step %d ended early (%s)", step, exc)
             finally:

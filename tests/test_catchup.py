@@ -219,6 +219,30 @@ def test_a_fetcher_that_asks_for_a_copy_gets_the_next_step_copied() -> None:
         server.stop()
 
 
+def test_a_transfer_expected_to_outlast_the_step_is_copied_up_front() -> None:
+    """Live only when the payload is expected to cross before the fence (within ``window_s``, a step): at the
+    assumed rate before this source measured one, at the measured rate after a transfer."""
+    server = SnapshotServer()
+    server.start()
+    try:
+        big = {"/model/w#0": torch.full((8 << 20,), 1.0)}  # 32 MiB: 0.034 s at the assumed 1 GB/s
+        server.stage(1, big, window_s=1e-4)
+        assert server.choice["live"] is False and server.choice["rate_measured"] is False
+        server.wait_staged()
+        assert max(b.numel() for b in server._buffers) >= 32 << 20  # noqa: SLF001 - copied, not live
+        assert server.live, "a copy chosen for one staging does not turn the source to copying"
+        server.stage(2, big, window_s=10.0)
+        assert server.choice["live"] is True
+        fetched = fetch_snapshot(server.address, 2, timeout_s=20)
+        assert torch.equal(fetched.tensors["/model/w#0"], big["/model/w#0"])
+        server.wait_staged()
+        expected = server.choice["expected_transfer_s"] if server.serves_live(32 << 20, None) else None
+        assert expected is not None and server.choice["rate_measured"] is True
+        assert not server.serves_live(32 << 20, expected / 2) and server.serves_live(32 << 20, expected * 2)
+    finally:
+        server.stop()
+
+
 def test_a_snapshot_that_does_not_come_in_time_is_a_one_line_error(server: SnapshotServer) -> None:
     address = server.address
     with pytest.raises(ConnectionError, match=r"answered 503: .*no snapshot at step >= 4"):
