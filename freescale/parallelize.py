@@ -116,7 +116,8 @@ def shard_model(
 ) -> DistributedModelParallel:
     """Plan and shard ``model`` (embedding tables built on the meta device) over the default group.
 
-    ``data_parallel=False``: no DDP around the dense part (the caller all-reduces its gradients).
+    ``data_parallel=False``: no DDP around the dense part nor around ``data_parallel`` tables' lookups (the
+    caller reduces every gradient: the prioritized pipeline, fault tolerance).
     """
     module_sharders = sharders(cfg)
     topology = Topology(
@@ -125,9 +126,12 @@ def shard_model(
     planner = EmbeddingShardingPlanner(topology=topology, constraints=_constraints(model, cfg))
     plan = planner.collective_plan(model, module_sharders, dist.GroupMember.WORLD)
     wrapper = None if data_parallel else NoDataParallel()
-    return DistributedModelParallel(
+    dmp = DistributedModelParallel(
         model, device=ctx.device, plan=plan, sharders=module_sharders, data_parallel_wrapper=wrapper
     )
+    if not data_parallel:  # the caller reduces every gradient, data_parallel tables' included (fault tolerance)
+        unwrap_replicated_lookups(dmp)
+    return dmp
 
 
 def shard_fused(model: nn.Module, device: torch.device | None = None, *,
@@ -144,7 +148,9 @@ def shard_fused(model: nn.Module, device: torch.device | None = None, *,
     ``constraints``: per table, as torchrec's; a table's own placement wishes are kept.  A table
     constrained to ``data_parallel`` alone is whole on every rank on a dense kernel: the layer reduces
     its gradient with the dense ones and *your* optimizer steps it (give it the table's parameters:
-    ``model.parameters()`` holds them; the fused optimizer does not).  A dense kernel on a
+    ``model.parameters()`` holds them; the fused optimizer does not).  Its gradient is the mean over the
+    group's ranks where a fused table's update sees their sum: an SGD rate for it is the ranks per group
+    times the fused one (Adagrad-type optimizers differ only by eps: ``build_optimizer`` divides it).  A dense kernel on a
     model-parallel table is refused in one line.  ``sharders``: default torchrec's
     ``EmbeddingBagCollection`` and ``EmbeddingCollection`` sharders with ``fused_params``.
     """
@@ -162,8 +168,10 @@ def shard_fused(model: nn.Module, device: torch.device | None = None, *,
         topology=Topology(world_size=world, compute_device=device.type, local_world_size=local),
         constraints=fused_constraints(model, constraints or {}))
     plan = planner.collective_plan(model, module_sharders, dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=device, plan=plan, sharders=module_sharders,
-                                    data_parallel_wrapper=NoDataParallel())
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=module_sharders,
+                                   data_parallel_wrapper=NoDataParallel())
+    unwrap_replicated_lookups(dmp)  # the layer reduces data_parallel tables' gradients too
+    return dmp
 
 
 def fused_constraints(model: nn.Module, given: dict[str, ParameterConstraints]) -> dict[str, ParameterConstraints]:
@@ -176,10 +184,15 @@ def fused_constraints(model: nn.Module, given: dict[str, ParameterConstraints]) 
     if unknown:
         raise ValueError(f"freescale.ft.shard: constraints name table {unknown[0]!r}, which the model does not have "
                          f"(it has {', '.join(sorted(tables))})")
+    sequence_tables = set(_table_names(model, ("embedding_configs",)))
     for table in tables:
         mine = copy.copy(given.get(table, ParameterConstraints()))
         kinds = [str(k) for k in mine.sharding_types] if mine.sharding_types else allowed
         if kinds == ["data_parallel"]:
+            if table in sequence_tables:
+                raise ValueError(f"freescale.ft.shard: table {table!r} is a sequence table (EmbeddingCollection); "
+                                 "torchrec 1.8's data-parallel lookup of it fails: only pooled tables can be "
+                                 "data_parallel")
             if mine.compute_kernels and "dense" not in mine.compute_kernels:
                 raise ValueError(f"freescale.ft.shard: table {table!r} is data_parallel on the kernels "
                                  f"{', '.join(mine.compute_kernels)}; a data_parallel table takes the 'dense' kernel")
@@ -272,10 +285,11 @@ def embedding_kernels(dmp: nn.Module) -> list[tuple[str, Any, bool]]:
     return found
 
 
-def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> CombinedOptimizer:
+def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig, world: int | None = None) -> CombinedOptimizer:
     """Fused embedding optimizer (already inside ``dmp``) + AdamW over the dense parameters (+ the sparse
     optimizer's math, row-wise Adagrad or SGD at ``sparse_lr``, over ``data_parallel`` tables: the same update
-    their fused kernel would make, applied after DDP's all-reduce)."""
+    their fused kernel would make, applied after DDP's all-reduce).  ``world``: the ranks whose gradients a fused
+    table sums (default the group's size)."""
     dense_params = dense_named_parameters(dmp)
     dense = KeyedOptimizerWrapper(
         dense_params,
@@ -288,7 +302,7 @@ def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> Combined
         # lookup DDP, or fault tolerance's buckets): the world size W is put back where it matters, SGD's rate
         # times W, Adagrad's eps over W (its step g / (sqrt(G) + eps) is the fused one on W * g).  Under fault
         # tolerance W is the group's size: the union update sums the group's ranks too, over the groups' mean.
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        world = world or (dist.get_world_size() if dist.is_initialized() else 1)
         optimizers.append(KeyedOptimizerWrapper(replicated, lambda params: (
             RowWiseAdagrad(params, lr=cfg.sparse_lr, eps=cfg.sparse_eps / world)
             if cfg.sparse_optimizer == "rowwise_adagrad" else torch.optim.SGD(params, lr=cfg.sparse_lr * world))))
@@ -313,21 +327,30 @@ def replicated_table_parameters(dmp: DistributedModelParallel) -> dict[str, nn.P
             if table_name(name) in replicated and any(name.startswith(prefix + ".") for prefix in sharded)}
 
 
-def replicated_kernel_weights(dmp: nn.Module) -> list[nn.Parameter]:
-    """For a caller that reduces the gradients of ``data_parallel`` tables itself (fault tolerance): torchrec's DDP
-    around their lookups is taken off (the caller's reduction would otherwise follow DDP's), and the leaf weight of
-    each of their dense kernels is returned, one flat fbgemm tensor per kernel, in model order (the per-table
-    parameters of ``replicated_table_parameters``, which the optimizer steps, view it and its gradient).
-
-    A dense kernel on a model-parallel table is refused in one line: its gradient covers this rank's shard only,
-    and nothing but fbgemm's fused update could keep it right."""
-    replicated = replicated_tables(dmp)
+def unwrap_replicated_lookups(dmp: nn.Module) -> None:
+    """Take torchrec's DDP off the lookups of ``data_parallel`` tables, for a caller that reduces their gradients
+    itself (fault tolerance: its buckets, in the group and across groups).  Before the model's first forward:
+    a DDP that ran a forward with gradient would still all-reduce in the next backward.  torchrec keeps the
+    lookups in a plain list; its resharding in place (``update_shards``) expects the DDP there and is not
+    supported after this."""
     for module in dmp.modules():
         lookups = getattr(module, "_lookups", None) if isinstance(module, ShardedModule) else None
         for i, lookup in enumerate(lookups or []):
             while isinstance(lookup, nn.parallel.DistributedDataParallel):
                 lookup = lookup.module
-            lookups[i] = lookup  # type: ignore[index]  # (torchrec keeps them in a plain list)
+            lookups[i] = lookup  # type: ignore[index]
+
+
+def replicated_kernel_weights(dmp: nn.Module) -> list[nn.Parameter]:
+    """The leaf weight of each dense kernel of ``dmp``'s ``data_parallel`` tables, one flat fbgemm tensor per
+    kernel, in model order (the per-table parameters of ``replicated_table_parameters``, which the optimizer
+    steps, view it and its gradient), with torchrec's DDP around their lookups taken off
+    (``unwrap_replicated_lookups``, if the sharding did not already).
+
+    A dense kernel on a model-parallel table is refused in one line: its gradient covers this rank's shard only,
+    and nothing but fbgemm's fused update could keep it right (torchrec 1.8 offers no such plan on CPU)."""
+    unwrap_replicated_lookups(dmp)
+    replicated = replicated_tables(dmp)
     weights: list[nn.Parameter] = []
     for name, kernel, fused in embedding_kernels(dmp):
         if fused:

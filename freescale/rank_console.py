@@ -140,14 +140,14 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for module in ("torchrec", "fbgemm_gpu", "torch.distributed", "torch.fx", "torch.autograd", "torch.nn"):
         warnings.filterwarnings("ignore", module=module)
-    root = logging.getLogger()  # torchrec's planner warns on the root logger ("Sharding spec not found" for every
-    if _torchrec_root_warning not in root.filters:  # data_parallel table): its warnings go, its errors stay
-        root.addFilter(_torchrec_root_warning)
+    root = logging.getLogger()  # torchrec's planner warns on the root logger for every data_parallel table
+    if _no_sharding_spec not in root.filters:
+        root.addFilter(_no_sharding_spec)
 
 
-def _torchrec_root_warning(record: logging.LogRecord) -> bool:
-    """False (drop) for a warning torchrec logs on the root logger."""
-    return not (record.levelno <= logging.WARNING and f"{os.sep}torchrec{os.sep}" in record.pathname)
+def _no_sharding_spec(record: logging.LogRecord) -> bool:
+    """False (drop) for torchrec's "Sharding spec not found for <table>": a data_parallel table has none."""
+    return not (f"{os.sep}torchrec{os.sep}" in record.pathname and str(record.msg).startswith("Sharding spec not found"))
 
 
 def _leave(code: int) -> None:

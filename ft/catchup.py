@@ -98,6 +98,16 @@ def copy_into(buffer: torch.Tensor, copies: list[tuple[torch.Tensor, int]]) -> N
 ASSUMED_RATE_BPS = 1e9
 """A source's guess at its transfer rate before it has measured one (loopback measured 1.1-2.4 GB/s here)."""
 
+def expected_live_cut(payload_bytes: int, rate_bps: float, window_s: float | None, fence_wait_s: float) -> bool:
+    """Would a live transfer of ``payload_bytes`` at ``rate_bps`` be cut: not end within ``window_s`` (about a
+    step: the time until the fence; None, no estimate: no) plus the fence's ``fence_wait_s``?  Then the source
+    copies up front instead.  Short of that it serves live: the fence may wait up to ``fence_wait_s`` for the
+    transfer, but a copy would stall that fence too (the copy must end before the update) and make the
+    fetcher wait for the copy and then the transfer; a cut costs the whole wait, the retry and the copy after
+    it (``bench_live_choice.py``)."""
+    return window_s is not None and payload_bytes / rate_bps > window_s + fence_wait_s
+
+
 LIVE_MIN_BYTES = 1 << 20
 """Host tensors of at least 1 MiB are served live; smaller ones (step counters, biases, ``meta.json``)
 are copied with the padding around them into runs of the staging buffer, so a payload has few
@@ -166,7 +176,7 @@ class SnapshotServer:
         """Smallest step a waiting fetcher asked for and that is not staged yet: the trainer
         stages at its next committed step >= this (on-demand staging)."""
         self.choice: dict[str, Any] = {}
-        """How the last staging chose between serving live and copying (``serves_live``)."""
+        """How the last staging chose between serving live and copying (``expected_live_cut``)."""
         self.cut_transfers = 0
         """Transfers of live state cut at the fence (each turned this server to copying)."""
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-stage")
@@ -182,8 +192,8 @@ class SnapshotServer:
         thread spent.  Live tensors are served at once; the others are copied on the staging thread.
         Either way the caller's next forward and backward, which only read the state, overlap it: the
         caller calls ``wait_staged`` before it next changes a tensor of ``tensors`` (its next update, a
-        load).  ``window_s``: about how long until that fence (the caller's step time); a transfer
-        expected to outlast it is not served live (``serves_live``)."""
+        load).  ``window_s``: about how long until that fence (the caller's step time); a transfer that
+        would be cut there is copied up front instead (``expected_live_cut``)."""
         start = time.perf_counter()
         self.wait_staged()
         if self._streamer is not None:
@@ -191,7 +201,8 @@ class SnapshotServer:
         entries, total = layout(tensors)
         header = json.dumps({"step": step, "payload_bytes": total, "tensors": entries}).encode()
         sources = list(tensors.values())
-        plan = plan_payload(entries, sources, self.serves_live(total, window_s), total)
+        plan = plan_payload(entries, sources, self._choose(total, window_s), total)
+        self.choice["live"] = bool(plan.live)  # (a state on a GPU is copied whatever the choice)
         on_gpu = any(t.is_cuda for t in sources)
         buffer = self._buffer_for(plan.buffer_bytes, pinned=on_gpu) if plan.buffer_bytes else None
         segments = plan.live + [(offset, buffer[at:at + length]) for offset, length, at in plan.runs if buffer is not None]
@@ -223,16 +234,14 @@ class SnapshotServer:
         self._copying = self._stager.submit(copy)
         return time.perf_counter() - start
 
-    def serves_live(self, payload_bytes: int, window_s: float | None) -> bool:
-        """Serve the next staging live?  Only when ``live`` is on and the transfer is expected to end
-        before the fence: ``payload_bytes`` at the rate this source last measured (``ASSUMED_RATE_BPS``
-        before it has) within ``window_s`` (None: no estimate, live).  Else it is copied up front, which
-        costs a copy beside training but never a stall at the fence, nor a cut and a retry.  The choice
-        and its figures stay in ``choice`` (the caller logs them)."""
+    def _choose(self, payload_bytes: int, window_s: float | None) -> bool:
+        """Serve this staging live (``expected_live_cut``, with this source's measured rate)?  The choice and
+        its figures go to ``choice`` (the caller logs them)."""
         measured = self._streamer.rate_bps if self._streamer is not None else None
-        expected_s = payload_bytes / (measured or ASSUMED_RATE_BPS)
-        live = self.live and (window_s is None or expected_s <= window_s)
-        self.choice = {"live": live, "expected_transfer_s": round(expected_s, 4), "rate_measured": measured is not None,
+        rate = measured or ASSUMED_RATE_BPS
+        live = self.live and not expected_live_cut(payload_bytes, rate, window_s, self.fence_wait_s)
+        self.choice = {"live": live, "expected_transfer_s": round(payload_bytes / rate, 4),
+                       "rate_measured": measured is not None,
                        "window_s": None if window_s is None else round(window_s, 4)}
         return live
 

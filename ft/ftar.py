@@ -399,7 +399,7 @@ class ReplicaSync:
 
     @property
     def stage_choice(self) -> dict[str, Any]:
-        """How the last staging chose between live and copied (``SnapshotServer.serves_live``)."""
+        """How the last staging chose between live and copied (``freescale.ft.catchup.expected_live_cut``)."""
         return dict(self.snapshots.choice) if self.snapshots is not None else {}
 
     def wait_staged(self) -> float:

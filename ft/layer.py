@@ -87,6 +87,22 @@ def _reduced_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.P
     return dense, dense
 
 
+def _refuse_unstepped_tables(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    """One line if a ``data_parallel`` table of ``model`` is in none of ``optimizers`` (its gradient would be
+    reduced every step and the table would never move, alike in every group, so no check would see it)."""
+    if not hasattr(model, "fused_optimizer"):
+        return
+    from freescale.parallelize import replicated_table_parameters
+    from freescale.reshard import table_name
+
+    stepped = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    missing = sorted(table_name(name) for name, p in replicated_table_parameters(model).items() if id(p) not in stepped)
+    if missing:
+        raise ValueError(f"fault tolerance: the data_parallel table {missing[0]!r} is in no optimizer's parameters "
+                         "(the fused optimizer does not step it): give your dense optimizer model.parameters(), "
+                         "or put the table on a fused kernel")
+
+
 class FaultTolerance(SnapshotSide):
     """One rank's fault tolerance across replica groups (module docstring)."""
 
@@ -116,6 +132,7 @@ class FaultTolerance(SnapshotSide):
         self._reduced, clipped = _reduced_parameters(model)
         fused = getattr(model, "fused_optimizer", None)
         dense_optimizers = [opt for _, opt in getattr(optimizer, "optimizers", [("", optimizer)]) if opt is not fused]
+        _refuse_unstepped_tables(model, dense_optimizers)
         self._update = update if update is not None else DenseUpdate(dense_optimizers, clipped, LRSchedule(),
                                                                     scheduler=scheduler)
         """The committed step's dense update (clip, step, schedule: ``freescale/dense_update.py``), the same
@@ -334,8 +351,9 @@ class FaultTolerance(SnapshotSide):
             self._step_times.append(now - self._committed_at)
         self._committed_at = now
         if result.stage_snapshot:
-            # The transfer has about one step before the next update's fence: the median of the last few.
-            window = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else None
+            # The transfer has about one step before the next update's fence: the median of the last few (none
+            # yet, or fewer than 3 since this process started: no estimate, served live).
+            window = sorted(self._step_times)[len(self._step_times) // 2] if len(self._step_times) >= 3 else None
             stage_s = self._sync.stage(result.step, self.snapshot(), window)
             self.events.append({"event": "stage", "step": result.step, "stage_s": stage_s, **self._sync.stage_choice})
         return commit

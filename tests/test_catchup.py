@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from freescale.ft.catchup import SnapshotServer, layout, plan_payload
+from freescale.ft.catchup import SnapshotServer, expected_live_cut, layout, plan_payload
 from freescale.ft.snapshot_fetch import SnapshotFetch, fetch_snapshot
 from freescale.ft.snapshot_stream import ALIGN, Payload, PayloadStreamer, _recv_into
 
@@ -219,10 +219,12 @@ def test_a_fetcher_that_asks_for_a_copy_gets_the_next_step_copied() -> None:
         server.stop()
 
 
-def test_a_transfer_expected_to_outlast_the_step_is_copied_up_front() -> None:
-    """Live only when the payload is expected to cross before the fence (within ``window_s``, a step): at the
-    assumed rate before this source measured one, at the measured rate after a transfer."""
-    server = SnapshotServer()
+def test_a_live_transfer_that_would_be_cut_is_copied_up_front() -> None:
+    """Served live unless the transfer is expected to outlast the fence (the step plus ``fence_wait_s``): at
+    the assumed rate before this source measured one, at the measured rate after a transfer."""
+    assert not expected_live_cut(10**9, 1e9, None, 1.0)  # no step time yet: live
+    assert expected_live_cut(2 * 10**9, 1e9, 0.5, 1.0) and not expected_live_cut(14 * 10**8, 1e9, 0.5, 1.0)
+    server = SnapshotServer(fence_wait_s=0.01)
     server.start()
     try:
         big = {"/model/w#0": torch.full((8 << 20,), 1.0)}  # 32 MiB: 0.034 s at the assumed 1 GB/s
@@ -236,9 +238,10 @@ def test_a_transfer_expected_to_outlast_the_step_is_copied_up_front() -> None:
         fetched = fetch_snapshot(server.address, 2, timeout_s=20)
         assert torch.equal(fetched.tensors["/model/w#0"], big["/model/w#0"])
         server.wait_staged()
-        expected = server.choice["expected_transfer_s"] if server.serves_live(32 << 20, None) else None
-        assert expected is not None and server.choice["rate_measured"] is True
-        assert not server.serves_live(32 << 20, expected / 2) and server.serves_live(32 << 20, expected * 2)
+        server.stage(3, big, window_s=0.0)  # the measured rate now: is the transfer longer than the fence's bound?
+        expected = server.choice["expected_transfer_s"]
+        assert server.choice["rate_measured"] is True and server.choice["live"] is (expected <= 0.01)
+        server.wait_staged()
     finally:
         server.stop()
 

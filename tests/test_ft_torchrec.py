@@ -123,8 +123,8 @@ ITEM_DP = ("--optim.sharding", "item_table=data_parallel", "--optim.sparse_eps",
 """The item table replicated.  Row-wise Adagrad's step is g / (sqrt(G) + eps) on the sum of the in-group
 ranks' gradients (fused) or their mean times the group size (``build_optimizer``): 2 ranks' under fault
 tolerance, 4 in the reference job; with eps ~ 0 the two take the same steps (the losses are then equal)."""
-REFERENCES = {"hstu": ("hstu", ()), "dlrm": ("dlrm", ()), "dlrm-item_dp": ("dlrm", ITEM_DP)}
-"""Reference runs by name: (model, extra options)."""
+REFERENCES = {"hstu": ("hstu", ()), "dlrm-item_dp": ("dlrm", ITEM_DP)}
+"""Reference runs by name (what a kill test compares with): (model, extra options)."""
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,12 @@ def test_shard_constraints_force_fused_kernels_unless_a_table_asks_for_data_para
     assert "data_parallel" not in (found["b_table"].sharding_types or []) and found["b_table"].compute_kernels == ["fused"]
     found = fused_constraints(ebc, {"a_table": ParameterConstraints(sharding_types=["data_parallel"])})
     assert found["a_table"].sharding_types == ["data_parallel"] and found["a_table"].compute_kernels == ["dense"]
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+
+    ec = EmbeddingCollection(tables=[EmbeddingConfig(name="s_table", embedding_dim=4, num_embeddings=10,
+                                                     feature_names=["s"])], device=torch.device("meta"))
+    with pytest.raises(ValueError, match="table 's_table' is a sequence table"):
+        fused_constraints(ec, {"s_table": ParameterConstraints(sharding_types=["data_parallel"])})
     with pytest.raises(ValueError, match="table 'a_table' is data_parallel on the kernels fused"):
         fused_constraints(ebc, {"a_table": ParameterConstraints(sharding_types=["data_parallel"],
                                                                 compute_kernels=["fused"])})
@@ -180,12 +186,20 @@ class Model(nn.Module):
         self.linear = nn.Linear(4, 1)
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-dmp = DistributedModelParallel(Model(), device=torch.device("cpu"))
-ft.wrap(dmp, torch.optim.SGD(dmp.parameters(), lr=0.1), data=ft.StepSamples(per_step=4))
+if sys.argv[1] == "unstepped table":  # a data_parallel table that no optimizer steps
+    from torchrec.distributed.planner import ParameterConstraints
+    dmp = ft.shard(Model(), torch.device("cpu"),
+                   constraints={"small_table": ParameterConstraints(sharding_types=["data_parallel"])})
+    params = dmp.module.linear.parameters()
+else:
+    dmp = DistributedModelParallel(Model(), device=torch.device("cpu"))
+    params = dmp.parameters()
+ft.wrap(dmp, torch.optim.SGD(params, lr=0.1), data=ft.StepSamples(per_step=4))
 """
 
 
-@pytest.mark.parametrize(("built", "says"), [("ddp", "wrapped in DDP"), ("no lighthouse", "FREESCALE_LIGHTHOUSE")])
+@pytest.mark.parametrize(("built", "says"), [("ddp", "wrapped in DDP"), ("no lighthouse", "FREESCALE_LIGHTHOUSE"),
+                                             ("unstepped table", "table 'small_table' is in no optimizer")])
 def test_a_model_the_layer_cannot_keep_identical_is_refused_in_one_line(built: str, says: str) -> None:
     import subprocess
     import sys

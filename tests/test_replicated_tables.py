@@ -29,10 +29,15 @@ def _table_weights(dmp: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_a_data_parallel_table_takes_the_fused_kernels_row_wise_adagrad_step(tiny_data: Path) -> None:
+@pytest.mark.parametrize("world", [1, 4])
+def test_a_data_parallel_table_takes_the_fused_kernels_row_wise_adagrad_step(tiny_data: Path, world: int) -> None:
+    """One rank stands in for ``world``: the fused table's loss is scaled by ``world`` (a fused shard sums the
+    ranks' gradients), the replicated table's optimizer is built for ``world`` ranks (DDP averages them):
+    the same rows move by the same steps, Adagrad's eps included (``build_optimizer`` divides it by ``world``)."""
     quiet_libraries()
     cfg = TrainerConfig()
     cfg.data.path, cfg.data.batch_size, cfg.model.kind = str(tiny_data), 32, "dlrm"
+    cfg.optim.sparse_eps = 1e-3  # as large as the rows' gradients: a wrong eps shows
     ctx = init_distributed(cfg.dist)
     try:
         manifest = DatasetManifest.read(cfg.data.path)
@@ -42,7 +47,7 @@ def test_a_data_parallel_table_takes_the_fused_kernels_row_wise_adagrad_step(tin
             torch.manual_seed(0)
             model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"))
             dmp = shard_model(model, ctx, cfg.optim)
-            return dmp, build_optimizer(dmp, cfg.optim)
+            return dmp, build_optimizer(dmp, cfg.optim, world=world)
 
         fused, fused_opt = sharded("table_wise")
         replicated, replicated_opt = sharded("data_parallel")
@@ -54,11 +59,13 @@ def test_a_data_parallel_table_takes_the_fused_kernels_row_wise_adagrad_step(tin
                 param.copy_(start[key.split(".")[-2]])
         loader = build_loader(cfg.data, "train", rank=0, world_size=1, sparse_features=list(fused.module.sparse_feature_names),
                               derived_cost=cost_model_for(cfg.model, manifest.dense_dim), seed=0, training=True)
-        for _ in range(2):
+        # Two steps (the second on the first's Adagrad state) at world 1; one at world 4: the scaled loss also
+        # scales the dense gradients, and AdamW's own eps then moves the dense parts apart by a hair.
+        for _ in range(2 if world == 1 else 1):
             batch = loader.next_batch()
-            for dmp, opt in ((fused, fused_opt), (replicated, replicated_opt)):
+            for dmp, opt, scale in ((fused, fused_opt, world), (replicated, replicated_opt, 1)):
                 opt.zero_grad()
-                dmp(batch)[0].backward()  # the fused tables update here
+                (dmp(batch)[0] * scale).backward()  # the fused tables update here
                 opt.step()  # the replicated ones here (and both dense parts)
         loader.close()
         after_fused, after_replicated = _table_weights(fused), _table_weights(replicated)
@@ -66,7 +73,7 @@ def test_a_data_parallel_table_takes_the_fused_kernels_row_wise_adagrad_step(tin
             moved = (weight - start[name]).abs().sum(dim=1) > 0
             assert moved.any() and not moved.all(), name
             assert torch.equal((after_replicated[name] - start[name]).abs().sum(dim=1) > 0, moved), name
-            torch.testing.assert_close(after_replicated[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(after_replicated[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     finally:
         if ctx.owns_group and dist.is_initialized():
             dist.destroy_process_group()
