@@ -174,7 +174,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
            "--config", f"configs/tiny_{args.model}.toml", "--data.path", str(data), "--data.batch_size", "32",
            "--train.steps", str(steps), "--train.output_dir", str(out), "--train.eval", "false",
            "--train.progress", "false", "--checkpoint.every", "50", "--checkpoint.resume", "true",
-           "--ft.wait_for_replicas_s", "5"]
+           "--ft.wait_for_replicas_s", "5", *(["--optim.sharding", args.sharding] if args.sharding else [])]
     faults: list[dict[str, Any]] = []
     done = threading.Event()
     chaos = threading.Thread(target=inject, args=(schedule, out, lighthouse, rng, faults, done), daemon=True)
@@ -205,6 +205,9 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=1, help="ranks per replica group (default 1)")
     parser.add_argument("--model", default="dlrm", choices=("dlrm", "hstu"))
+    parser.add_argument("--sharding", default="",
+                        help="--optim.sharding of the job (e.g. item_table=data_parallel: that table's gradient "
+                             "in FT's buckets, no union; default the planner's)")
     parser.add_argument("--steps", type=int, default=0, help="default: enough for the schedule at --steps-per-s")
     parser.add_argument("--steps-per-s", type=float, default=12.0)
     parser.add_argument("--slow-ms", type=int, default=40, help="extra 'compute' per step (default 40)")
