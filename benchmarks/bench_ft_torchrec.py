@@ -383,9 +383,6 @@ def overhead_rows(ov: dict[str, Any]) -> list[dict[str, Any]]:
                               "(the union's cost)", o, "replicated_"),
                 _breakdown_row(kind, o, "ft_replicated", "FT, tables replicated"),
             ]
-        elif "replicated_overhead_ms" in o:  # a JSON of an earlier run (no FT side with replicated tables)
-            rows.append(_overhead_row(f"[{kind}] per-step overhead FT (union) vs without, tables replicated", o,
-                                      "replicated_"))
         rows.append(_breakdown_row(kind, o, "ft", "FT (union)"))
     return rows
 

@@ -84,7 +84,7 @@ def receive(address: str) -> None:
             break
         except (ConnectionError, OSError, RuntimeError) as exc:
             if attempts >= 5:
-                raise SystemExit(f"bench_live_choice: 5 attempts failed, the last: {exc}")
+                raise SystemExit(f"bench_live_choice: 5 attempts failed, the last: {exc}") from exc
     took = time.perf_counter() - start
     torn = [n for n, t in fetched.tensors.items() if t.numel() > 1 and n != "meta.json"
             and float(t.reshape(-1)[0]) != fetched.step]

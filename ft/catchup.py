@@ -176,7 +176,8 @@ class SnapshotServer:
         """Smallest step a waiting fetcher asked for and that is not staged yet: the trainer
         stages at its next committed step >= this (on-demand staging)."""
         self.choice: dict[str, Any] = {}
-        """How the last staging chose between serving live and copying (``expected_live_cut``)."""
+        """How the last staging chose between serving live and copying (``expected_live_cut``): ``live`` is
+        whether anything went out live (False for a state on a GPU, or one of tensors under 1 MiB only)."""
         self.cut_transfers = 0
         """Transfers of live state cut at the fence (each turned this server to copying)."""
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-stage")

@@ -103,6 +103,12 @@ def _refuse_unstepped_tables(model: nn.Module, optimizers: list[torch.optim.Opti
                          "or put the table on a fused kernel")
 
 
+def step_window(step_times: deque[float]) -> float | None:
+    """How long a staged snapshot's transfer has before the source's next fence: about one step, the median
+    of the last commit intervals; None (no estimate: served live) before there are 3."""
+    return sorted(step_times)[len(step_times) // 2] if len(step_times) >= 3 else None
+
+
 class FaultTolerance(SnapshotSide):
     """One rank's fault tolerance across replica groups (module docstring)."""
 
@@ -351,10 +357,7 @@ class FaultTolerance(SnapshotSide):
             self._step_times.append(now - self._committed_at)
         self._committed_at = now
         if result.stage_snapshot:
-            # The transfer has about one step before the next update's fence: the median of the last few (none
-            # yet, or fewer than 3 since this process started: no estimate, served live).
-            window = sorted(self._step_times)[len(self._step_times) // 2] if len(self._step_times) >= 3 else None
-            stage_s = self._sync.stage(result.step, self.snapshot(), window)
+            stage_s = self._sync.stage(result.step, self.snapshot(), step_window(self._step_times))
             self.events.append({"event": "stage", "step": result.step, "stage_s": stage_s, **self._sync.stage_choice})
         return commit
 

@@ -59,9 +59,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, data: DataState,
          cfg: FTConfig | None = None, loss_reduction: str = "mean") -> FaultTolerantOptimizer:
     """``optimizer`` wrapped for fault tolerance across replica groups (module docstring).
 
-    ``model``: a torchrec ``DistributedModelParallel`` sharded by ``freescale.ft.shard`` (fused kernels,
-    no DDP), or a module with dense parameters only.  ``optimizer``: over the dense parameters (with
-    the fused one in a ``CombinedOptimizer`` for torchrec).  ``data``: ``StepSamples`` or any
+    ``model``: a torchrec ``DistributedModelParallel`` sharded by ``freescale.ft.shard`` (fused kernels, or
+    data_parallel tables where asked; no DDP), or a module with dense parameters only.  ``optimizer``: over the
+    dense parameters and any data_parallel table's (a table no optimizer steps is refused), with the fused one
+    in a ``CombinedOptimizer`` for torchrec.  ``data``: ``StepSamples`` or any
     ``DataState`` that reports ``weight`` and ``rank_samples``.  ``scheduler``: a torch LR scheduler
     over the dense optimizer.  ``cfg``: default ``FTConfig.from_env()`` (what ``freescale launch`` sets).
     """

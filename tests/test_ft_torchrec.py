@@ -228,6 +228,8 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     # group 1's 64 rows of step 6 (steps already in flight keep their plans: group 0's 64 rows).
     assert survivor[5]["weight"] == 64 and survivor[7 + depth]["weight"] == 128 + 64
     assert all(survivor[s]["weight"] == 64 for s in range(7, 7 + depth))
+    stages = [e for e in runs[(0, 0)] if e.get("event") == "stage"]
+    assert stages and all(e["window_s"] is not None and "live" in e for e in stages), stages  # chosen per staging
     restarted = [e for e in runs[(1, 0)] if "catch_up" in e]
     assert len(restarted) == 1, "group 1 did not catch up"
     caught = restarted[0]["catch_up"]

@@ -15,7 +15,13 @@ from freescale.dataloader.build import build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.distributed import init_distributed
 from freescale.models import build_model, cost_model_for
-from freescale.parallelize import build_optimizer, replicated_table_parameters, shard_model
+from freescale.parallelize import (
+    build_optimizer,
+    replicated_kernel_weights,
+    replicated_table_parameters,
+    replicated_tables,
+    shard_model,
+)
 from freescale.rank_console import quiet_libraries
 from freescale.trainer import TrainerConfig
 
@@ -29,15 +35,17 @@ def _table_weights(dmp: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 4])
-def test_a_data_parallel_table_takes_the_fused_kernels_row_wise_adagrad_step(tiny_data: Path, world: int) -> None:
+@pytest.mark.parametrize(("optimizer", "world"), [("rowwise_adagrad", 1), ("rowwise_adagrad", 4), ("sgd", 4)])
+def test_a_data_parallel_table_takes_the_fused_kernels_step(tiny_data: Path, optimizer: str, world: int) -> None:
     """One rank stands in for ``world``: the fused table's loss is scaled by ``world`` (a fused shard sums the
     ranks' gradients), the replicated table's optimizer is built for ``world`` ranks (DDP averages them):
-    the same rows move by the same steps, Adagrad's eps included (``build_optimizer`` divides it by ``world``)."""
+    the same rows move by the same steps (``build_optimizer``: Adagrad's eps over ``world``, SGD's rate
+    times ``world``)."""
     quiet_libraries()
     cfg = TrainerConfig()
     cfg.data.path, cfg.data.batch_size, cfg.model.kind = str(tiny_data), 32, "dlrm"
     cfg.optim.sparse_eps = 1e-3  # as large as the rows' gradients: a wrong eps shows
+    cfg.optim.sparse_optimizer = optimizer  # type: ignore[assignment]
     ctx = init_distributed(cfg.dist)
     try:
         manifest = DatasetManifest.read(cfg.data.path)
@@ -73,7 +81,32 @@ def test_a_data_parallel_table_takes_the_fused_kernels_row_wise_adagrad_step(tin
             moved = (weight - start[name]).abs().sum(dim=1) > 0
             assert moved.any() and not moved.all(), name
             assert torch.equal((after_replicated[name] - start[name]).abs().sum(dim=1) > 0, moved), name
-            torch.testing.assert_close(after_replicated[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(after_replicated[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        if ctx.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_sharding_without_ddp_takes_torchrecs_ddp_off_the_data_parallel_lookups(tiny_data: Path) -> None:
+    """Fault tolerance reduces a data_parallel table's gradient itself: with torchrec's DDP still around the
+    lookup it would be all-reduced in the group twice (the same mean, so no loss would show it)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    quiet_libraries()
+    cfg = TrainerConfig()
+    cfg.data.path, cfg.model.kind, cfg.optim.sharding = str(tiny_data), "dlrm", "item_table=data_parallel"
+    ctx = init_distributed(cfg.dist)
+    try:
+        manifest = DatasetManifest.read(cfg.data.path)
+        for ddp in (True, False):
+            model = build_model(cfg.model, manifest, max_seq_len=16, embedding_device=torch.device("meta"))
+            dmp = shard_model(model, ctx, cfg.optim, data_parallel=ddp)
+            wrapped = [lookup for m in dmp.modules() for lookup in getattr(m, "_lookups", None) or []
+                       if isinstance(lookup, DistributedDataParallel)]
+            assert replicated_tables(dmp) == {"item_table"} and bool(wrapped) is ddp
+            if not ddp:
+                weights = replicated_kernel_weights(dmp)
+                assert len(weights) == 1 and weights[0].numel() == 2000 * 16  # the item table, whole
     finally:
         if ctx.owns_group and dist.is_initialized():
             dist.destroy_process_group()
