@@ -31,7 +31,8 @@ with freescale's own trainer without fault tolerance, the same loop and the same
    row-wise Adagrad after it), and ``ft_replicated``, the 2 groups with the same tables (their dense
    gradients in FT's buckets, reduced in the group and across groups during backward; no union); the
    target is read on that pair.  ``ft`` (the union update) against ``replicated`` is shown as the union's
-   cost over replicated tables.  ``--groups 2,3``: the same at R
+   cost over replicated tables.  ``--ranks G``: groups of G ranks against one job of R x G ranks (FT then
+   reduces in the group and across groups).  ``--groups 2,3``: the same at R
    groups of one rank against one job of R ranks (keyed ``<kind> xR`` beyond 2); the union update's
    share grows with R (every group applies every group's lookups: ``update built during vote`` and
    the exchange).  Beyond 2 processes both sides time-share this machine's 2 cores alike.
@@ -172,10 +173,10 @@ def step_ms(out: Path) -> dict[str, float]:
     return res
 
 
-def case_key(kind: str, groups: int) -> str:
-    """A pipeline kind's results at ``groups`` replica groups (and as many ranks without FT): the kind's
-    name at 2, as every earlier run of this benchmark keyed it."""
-    return kind if groups == 2 else f"{kind} x{groups}"
+def case_key(kind: str, groups: int, ranks: int = 1) -> str:
+    """A pipeline kind's results at ``groups`` replica groups of ``ranks`` (and ``groups x ranks`` ranks without
+    FT): the kind's name at 2 x 1, as every earlier run of this benchmark keyed it."""
+    return kind + ("" if groups == 2 else f" x{groups}") + ("" if ranks == 1 else f" ({ranks} ranks a group)")
 
 
 REPLICATED = ("--optim.sharding", "data_parallel")
@@ -195,26 +196,27 @@ def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeat
         return ("plain", "ft")
 
     cases = [(kind, groups) for kind in args.pipelines for groups in args.groups]
-    runs: dict[str, dict[str, list[dict[str, float]]]] = {case_key(k, g): {s: [] for s in sides_of(k)}
+    ranks = args.ranks
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {case_key(k, g, ranks): {s: [] for s in sides_of(k)}
                                                           for k, g in cases}
     for r in range(repeats):
         for kind, groups in cases:
-            key = case_key(kind, groups)
+            key = case_key(kind, groups, ranks)
             for side in sides_of(kind)[:: 1 if r % 2 == 0 else -1]:
                 out = tmp / f"{side}-{kind}-{groups}-{r}"
                 if side.startswith("ft"):
-                    launch(out, data, args.model, args.batch, steps, nproc=1, replicas=groups, pipeline=kind,
+                    launch(out, data, args.model, args.batch, steps, nproc=ranks, replicas=groups, pipeline=kind,
                            extra=REPLICATED if side == "ft_replicated" else ())
                 else:
-                    launch(out, data, args.model, args.batch, steps, nproc=groups, pipeline=kind,
+                    launch(out, data, args.model, args.batch, steps, nproc=groups * ranks, pipeline=kind,
                            extra=REPLICATED if side == "replicated" else ())
                 runs[key][side].append(step_ms(out))
             print(f"bench_ft_torchrec: repeat {r} {key}: " + ", ".join(
                 f"{side} {runs[key][side][-1]['step_ms']:.2f} ms" for side in sides_of(kind)), file=sys.stderr)
     res: dict[str, Any] = {}
     for kind, groups in cases:
-        by_side = runs[case_key(kind, groups)]
-        one: dict[str, Any] = {"groups": groups}
+        by_side = runs[case_key(kind, groups, ranks)]
+        one: dict[str, Any] = {"groups": groups, "ranks": ranks}
         for side, runs_of in by_side.items():
             if side.startswith("ft"):
                 one.update({f"{side}_{k}": median([f[k] for f in runs_of]) for k in runs_of[0]})
@@ -227,7 +229,7 @@ def overhead(tmp: Path, data: Path, args: argparse.Namespace, steps: int, repeat
                 diffs = [f - p for p, f in zip(base, ft)]
                 one.update({f"{prefix}paired_diff_ms_runs": diffs, f"{prefix}overhead_ms": median(diffs),
                             f"{prefix}overhead_frac": median([d / p for d, p in zip(diffs, base)])})
-        res[case_key(kind, groups)] = one
+        res[case_key(kind, groups, ranks)] = one
     return res
 
 
@@ -361,20 +363,21 @@ def _breakdown_row(kind: str, o: dict[str, Any], side: str, what: str) -> dict[s
 def overhead_rows(ov: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for kind, o in ov.items():
-        groups = int(o.get("groups", 2))
+        groups, ranks = int(o.get("groups", 2)), int(o.get("ranks", 1))
+        jobs, shape = groups * ranks, f"{groups} groups x {ranks} rank{'s' if ranks > 1 else ''}"
         rows += [
-            {"measure": f"[{kind}] step without FT, {groups} ranks (tables sharded)",
+            {"measure": f"[{kind}] step without FT, {jobs} ranks (tables sharded)",
              "value": f"{o['plain_step_ms']:.2f} ms", "target": "-", "raw": o["plain_step_ms"]},
-            {"measure": f"[{kind}] FT step, {groups} groups x 1 rank (fused tables, union update)",
+            {"measure": f"[{kind}] FT step, {shape} (fused tables, union update)",
              "value": f"{o['ft_step_ms']:.2f} ms", "target": "-", "raw": o["ft_step_ms"]},
             _overhead_row(f"[{kind}] per-step overhead FT vs without (tables sharded without FT: not like for like)",
                           o, ""),
         ]
         if "like_overhead_ms" in o:
             rows += [
-                {"measure": f"[{kind}] step without FT, {groups} ranks, tables replicated (data_parallel + DDP)",
+                {"measure": f"[{kind}] step without FT, {jobs} ranks, tables replicated (data_parallel + DDP)",
                  "value": f"{o['replicated_step_ms']:.2f} ms", "target": "-", "raw": o["replicated_step_ms"]},
-                {"measure": f"[{kind}] FT step, {groups} groups x 1 rank, tables replicated (data_parallel: "
+                {"measure": f"[{kind}] FT step, {shape}, tables replicated (data_parallel: "
                             "their gradients in FT's buckets)",
                  "value": f"{o['ft_replicated_step_ms']:.2f} ms", "target": "-", "raw": o["ft_replicated_step_ms"]},
                 _overhead_row(f"[{kind}] per-step overhead FT vs without, like for like (tables replicated on both)",
@@ -453,6 +456,9 @@ def main() -> None:
                         help="also the like-for-like side without FT: tables replicated on every rank "
                              "(--optim.sharding data_parallel; DLRM: torchrec cannot replicate HSTU's sequence table)")
     parser.add_argument("--overhead-only", action="store_true", help="only the per-step overhead (no kill run)")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="ranks per replica group in the overhead runs (default 1; the job without FT has "
+                             "groups x ranks ranks)")
     parser.add_argument("--groups", default="2",
                         help="replica group counts R of the overhead runs, comma-separated (default 2): FT with R "
                              "groups of 1 rank against one job of R ranks; R > 2 on 2 cores time-shares them")
@@ -535,6 +541,7 @@ def run_params(args: argparse.Namespace, repeats: int, steps: int) -> dict[str, 
         "batch_per_rank": args.batch, "data": args.data or f"synthetic: {args.rows} rows, {args.num_items} items",
         "backend": "gloo (CPU)", "omp_num_threads": 1, "repeats": repeats, "overhead_steps": steps,
         "ft_warmup_steps": WARMUP, "plain_log_every": LOG_EVERY, "pipelines": args.pipelines, "groups": args.groups,
+        "ranks_per_group": args.ranks,
         "plain": "launch --nproc-per-node R (1 job, tables sharded over R ranks; DDP, or prioritized's reducer)",
         "replicated": f"the same with {' '.join(REPLICATED)} (tables whole on every rank)" if args.replicated else None,
         "ft": "launch --replicas R --nproc-per-node 1",
