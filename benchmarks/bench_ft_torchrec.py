@@ -431,7 +431,8 @@ def rows_for(ov: dict[str, Any], kr: dict[str, Any], size: int | None, hb: float
     return rows
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, int, int, int]:
+    """The command line, checked: (args, overhead repeats, overhead steps, kill-run steps)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps, one repeat")
     parser.add_argument("--pipeline", default=",".join(PIPELINES),
@@ -482,6 +483,23 @@ def main() -> None:
     if args.kill_step <= WARMUP + 1 or kill_steps <= args.kill_step + 1 or steps <= 2 * LOG_EVERY + WARMUP:
         parser.error(f"need --kill-step > {WARMUP + 1}, --kill-steps > --kill-step + 1 and "
                      f"--steps > {2 * LOG_EVERY + WARMUP}")
+    return args, repeats, steps, kill_steps
+
+
+def print_kill_run(kr: dict[str, Any], seconds: float) -> None:
+    """The kill run's details below the table: the survivors' step K per group, the catch-up window."""
+    print(f"bench_ft_torchrec: {seconds:.0f} s in all; kill run {kr['wall_s']:.0f} s "
+          f"({kr['steps']} steps), {kr.get('contributing_steps', 0)} of them with the restarted group contributing")
+    for name, e in kr["step_k"].items():
+        print(f"step {kr['next_step']} on {name}: committed {e['after_kill_s']:.3f} s after the kill, "
+              f"{e['attempts']} attempts, reduce {e['reduce_ms']:.0f} ms, participants {','.join(e['participants'])}")
+    if kr.get("window"):
+        print("catch-up window on replica0 (step: gap ms, participants, reduce ms): " + ", ".join(
+            f"{w['step']}: {w['gap_ms']:.0f}, {w['participants']}, {w['reduce_ms']:.0f}" for w in kr["window"]))
+
+
+def main() -> None:
+    args, repeats, steps, kill_steps = parse_args()
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="bench_ft_torchrec"))
     try:
@@ -517,14 +535,7 @@ def main() -> None:
             if kp.get("contributing_s") is not None else "never contributed", "target": "-",
             "raw": kp.get("contributing_s")})
     print_table(rows, ["measure", "value", "target"])
-    print(f"bench_ft_torchrec: {time.perf_counter() - start:.0f} s in all; kill run {kr['wall_s']:.0f} s "
-          f"({kr['steps']} steps), {kr.get('contributing_steps', 0)} of them with the restarted group contributing")
-    for name, e in kr["step_k"].items():
-        print(f"step {kr['next_step']} on {name}: committed {e['after_kill_s']:.3f} s after the kill, "
-              f"{e['attempts']} attempts, reduce {e['reduce_ms']:.0f} ms, participants {','.join(e['participants'])}")
-    if kr.get("window"):
-        print("catch-up window on replica0 (step: gap ms, participants, reduce ms): " + ", ".join(
-            f"{w['step']}: {w['gap_ms']:.0f}, {w['participants']}, {w['reduce_ms']:.0f}" for w in kr["window"]))
+    print_kill_run(kr, time.perf_counter() - start)
     if args.json:
         write_json(args.json, "bench_ft_torchrec", {
             **run_params(args, repeats, steps), "kill_pipeline": args.kill_pipeline,
