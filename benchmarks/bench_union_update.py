@@ -22,6 +22,13 @@ group touched (weights and accumulator, what keeps the replicas identical) into 
 rows the step touched over all groups (sublinear in R for Zipf ids, not constant): the bytes column says
 what a rank receives.
 
+And the cross-group sharded candidate (README, not built): each table sharded across the groups too, a
+shard held by an owner group and a buddy; the rank at position 0 of group 0 owns ``id % R == 0`` and is
+buddy of ``id % R == 1``.  ``cross_vs_own``: its lookups and updates (fbgemm forward + fused backward over
+every group's bags restricted to each of its two shards' ids) over the group's own forward + backward,
+which they replace; ``cross_received_MB``: the other groups' ids in its shards, their bags' gradients
+that reach them, and its own bags' partial sums from the other shards.
+
     python benchmarks/bench_union_update.py [--quick] [--groups 1,2,3,4,8,12] [--json PATH]
 """
 
@@ -112,6 +119,27 @@ def owner_sharded(tbe: Any, groups: int, bags: int, per_bag: int, rows: int, dim
             "copy_in_ms": copy_in * 1e3, "touched_rows": float(touched.numel()), "received_bytes": float(received)}
 
 
+def cross_sharded(tbe: Any, groups: int, bags: int, per_bag: int, rows: int, dim: int, seed: int) -> dict[str, float]:
+    """The cross-group sharded design (README: a candidate, not built) on the rank at position 0 of group 0,
+    owner of the rows ``id % R == 0`` and buddy of ``id % R == 1``: fbgemm's forward + fused backward over
+    every group's bags restricted to each shard's ids (owner, then buddy), timed on this process; and the
+    bytes it receives: the other groups' ids in its shards, the gradient of every other group's bag that
+    touches one of them (a pooled bag's gradient goes to each shard its ids touch), and the partial
+    pooled outputs of its own bags from the other shards."""
+    ids, offsets = lookups(groups, bags, per_bag, rows, seed)
+    bag_of = torch.repeat_interleave(torch.arange(groups * bags), offsets.diff())
+    seconds, received = 0.0, 0
+    for shard in (0, 1):
+        keep = ids % groups == shard
+        counts = torch.bincount(bag_of[keep], minlength=groups * bags)
+        seconds += fwd_bwd(tbe, ids[keep], torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]), dim)
+        foreign = counts[bags:] > 0  # bags of the other groups that reach this shard
+        received += int(counts[bags:].sum()) * 8 + int(foreign.sum()) * dim * 4
+    shards_per_own_bag = [torch.unique(ids[offsets[b]:offsets[b + 1]] % groups) for b in range(bags)]
+    received += sum(int((s != 0).sum()) for s in shards_per_own_bag) * dim * 4
+    return {"update_ms": seconds * 1e3, "received_bytes": float(received)}
+
+
 def owner_row(runs: list[dict[str, float]], own: float, link_gbps: float) -> dict[str, Any]:
     """The owner-sharded design's medians beside the union's: its added work per step (all four phases:
     none of it is work a job without fault tolerance does) over the group's own update."""
@@ -121,6 +149,16 @@ def owner_row(runs: list[dict[str, float]], own: float, link_gbps: float) -> dic
             **{f"owner_{k}": round(v, 2) for k, v in med.items() if k.endswith("_ms")},
             "owner_rows_touched": int(med["touched_rows"]), "owner_received_MB": round(med["received_bytes"] / 1e6, 2),
             "owner_link_ms": round(med["received_bytes"] / (link_gbps * 1e9) * 1e3, 3)}
+
+
+def cross_row(runs: list[dict[str, float]] | None, own: float, link_gbps: float) -> dict[str, Any]:
+    """The cross-group sharded candidate's medians: its whole lookup + update work (owner and buddy; it
+    replaces the group's own) over the group's own, and the bytes a rank receives."""
+    if not runs:
+        return {}
+    work, nbytes = float(np.median([r["update_ms"] for r in runs])), float(np.median([r["received_bytes"] for r in runs]))
+    return {"cross_ms": round(work, 2), "cross_vs_own": round(work / (own * 1e3), 2),
+            "cross_received_MB": round(nbytes / 1e6, 2), "cross_link_ms": round(nbytes / (link_gbps * 1e9) * 1e3, 3)}
 
 
 def main() -> None:
@@ -146,9 +184,12 @@ def main() -> None:
         for g in groups:  # interleaved: the machine's drift lands on every R alike
             times[g].append(fwd_bwd(tbe, *lookups(g, args.bags, args.per_bag, args.rows, 100 * r + g), args.dim))
     designs: dict[int, list[dict[str, float]]] = {g: [] for g in groups}
+    crossed: dict[int, list[dict[str, float]]] = {g: [] for g in groups if g > 1}
     for r in range(args.repeats):
         for g in groups:
             designs[g].append(owner_sharded(tbe, g, args.bags, args.per_bag, args.rows, args.dim, 100 * r + g))
+            if g > 1:
+                crossed[g].append(cross_sharded(tbe, g, args.bags, args.per_bag, args.rows, args.dim, 100 * r + g))
     own = float(np.median(times[1])) if 1 in times else float(np.median(
         [fwd_bwd(tbe, *lookups(1, args.bags, args.per_bag, args.rows, 7), args.dim) for _ in range(args.repeats)]))
     per_group_bytes = args.bags * args.per_bag * 8 + args.bags * args.dim * 4
@@ -161,7 +202,7 @@ def main() -> None:
                      "extra_ms": round((union - own) * 1e3, 2), "union_vs_own": round(union / own, 2),
                      "received_MB": round(received / 1e6, 2),
                      "link_ms": round(received / (args.link_gbps * 1e9) * 1e3, 3), "kind": "measured",
-                     **owner_row(designs[g], own, args.link_gbps)})
+                     **owner_row(designs[g], own, args.link_gbps), **cross_row(crossed.get(g), own, args.link_gbps)})
     fit = [(row["groups"] - 1, row["extra_ms"]) for row in rows if row["groups"] > 1]
     if fit:  # least squares through the origin: extra(R) = slope x (R - 1)
         per_extra = sum(x * y for x, y in fit) / sum(x * x for x, _ in fit)
@@ -179,6 +220,10 @@ def main() -> None:
                                                       "owner_update_ms", "owner_copy_in_ms", "owner_ms",
                                                       "owner_vs_own", "owner_rows_touched", "owner_received_MB",
                                                       "owner_link_ms"])
+    print("cross-group sharded, owner + buddy copy (a candidate, not built: its compute on this process, "
+          "its bytes counted):")
+    print_table([r for r in rows if "cross_ms" in r], ["groups", "own_ms", "cross_ms", "cross_vs_own",
+                                                      "cross_received_MB", "cross_link_ms", "received_MB"])
     print(f"one TBE: {args.rows:,} rows x {args.dim}, row-wise Adagrad, CPU, 1 thread; {args.bags:,} bags x "
           f"{args.per_bag} Zipf ids per group; link {args.link_gbps} GB/s for the all-gather's bytes")
     if args.json:
