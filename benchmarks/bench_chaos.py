@@ -17,7 +17,8 @@ the fault, counted from it: ``stall_after``; median / max);
 Python tracebacks on the terminal (handled faults must print none).  Targets (issue 20, for a
 10-minute run): 0 checkpoint fallbacks while a peer could serve, 0 tracebacks for handled faults,
 lighthouse-kill stall <= 2 s median.  ``--quick`` (one fault of each kind in random order, ~40 s)
-is what CI runs (``tests/test_ft_torchrec.py``).
+is what CI runs (``tests/test_ft_torchrec.py``, with ``--pipeline prioritized --sharding
+item_table=data_parallel``).
 
     python benchmarks/bench_chaos.py --quick
     python benchmarks/bench_chaos.py --faults 60 --json benchmarks/results/chaos_cpu.json
@@ -174,7 +175,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
            "--config", f"configs/tiny_{args.model}.toml", "--data.path", str(data), "--data.batch_size", "32",
            "--train.steps", str(steps), "--train.output_dir", str(out), "--train.eval", "false",
            "--train.progress", "false", "--checkpoint.every", "50", "--checkpoint.resume", "true",
-           "--ft.wait_for_replicas_s", "5", *(["--optim.sharding", args.sharding] if args.sharding else [])]
+           "--ft.wait_for_replicas_s", "5", "--pipeline.kind", args.pipeline,
+           *(["--optim.sharding", args.sharding] if args.sharding else [])]
     faults: list[dict[str, Any]] = []
     done = threading.Event()
     chaos = threading.Thread(target=inject, args=(schedule, out, lighthouse, rng, faults, done), daemon=True)
@@ -205,6 +207,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=1, help="ranks per replica group (default 1)")
     parser.add_argument("--model", default="dlrm", choices=("dlrm", "hstu"))
+    parser.add_argument("--pipeline", default="plain", choices=("plain", "torchrec", "prioritized"))
     parser.add_argument("--sharding", default="",
                         help="--optim.sharding of the job (e.g. item_table=data_parallel: that table's gradient "
                              "in FT's buckets, no union; default the planner's)")

@@ -132,10 +132,11 @@ def prepare(cfg: TrainerConfig) -> None:
 
 def refuse_replicated_tables(cfg: TrainerConfig, tables: list[str]) -> None:
     """data_parallel tables (``tables``) where nothing keeps them right: one line, naming them.  DDP reduces
-    their gradients in a job; fault tolerance's buckets do, in the group and across groups, with the dense ones."""
-    if cfg.pipeline.uses_ddp(False):
+    their gradients in a job; fault tolerance's buckets do, in the group and across groups, with the dense ones
+    (whatever the pipeline: the prioritized one's chunked buckets included)."""
+    if cfg.pipeline.uses_ddp(False) or cfg.ft.enabled:
         return
-    why = "with pipeline.kind = 'prioritized' they are not measured"
+    why = "with pipeline.kind = 'prioritized' and no fault tolerance they are not measured"
     raise ConfigError(f"optim.sharding: data_parallel tables ({', '.join(tables)}) are refused here: {why}; set "
                       "optim.sharding to a model-parallel type (table_wise, row_wise, ...)")
 

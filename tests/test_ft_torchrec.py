@@ -398,11 +398,13 @@ def test_no_step_is_committed_twice_when_the_lighthouse_forgets_and_the_holders_
 def test_chaos_short_form_holds_every_invariant(tiny_data: Path, tmp_path: Path) -> None:
     """``benchmarks/bench_chaos.py --quick``: a SIGKILL, a SIGSTOP and a lighthouse kill at seeded
     random times in one three-group run: one state per step, every sample once, no step discarded,
-    restarted groups caught up (no checkpoint fallback), no traceback on the terminal."""
+    restarted groups caught up (no checkpoint fallback), no traceback on the terminal.  With the
+    prioritized pipeline and the item table data_parallel beside the fused user table (its gradient in
+    FT's chunked buckets; the plain pipeline's faults are the other tests' here)."""
     out = tmp_path / "chaos.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_chaos.py"), "--quick", "--data",
-                           str(tiny_data), "--json", str(out)], cwd=REPO, env=cli_env(), capture_output=True,
-                          text=True, timeout=300)
+                           str(tiny_data), "--pipeline", "prioritized", "--sharding", "item_table=data_parallel",
+                           "--json", str(out)], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())["rows"][0]
     assert result["audit_ok"] and result["tracebacks"] == 0 and result["checkpoint_fallbacks"] == 0, result

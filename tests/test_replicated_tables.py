@@ -113,15 +113,17 @@ def test_sharding_without_ddp_takes_torchrecs_ddp_off_the_data_parallel_lookups(
 
 
 def test_data_parallel_tables_are_refused_with_the_prioritized_pipeline_and_taken_by_fault_tolerance() -> None:
-    """Fault tolerance reduces their gradients (``tests/test_ft_torchrec.py`` trains and kills with one)."""
+    """Fault tolerance reduces their gradients, with any pipeline (``tests/test_ft_torchrec.py`` trains and kills
+    with one, and its chaos run does with the prioritized pipeline)."""
     cfg = TrainerConfig()
     cfg.optim.sharding = "item_table=data_parallel"
     cfg.pipeline.kind = "prioritized"
     with pytest.raises(ConfigError, match=r"optim.sharding: data_parallel tables \(optim.sharding\) are refused here") as info:
         prepare(cfg)
     assert "pipeline.kind = 'prioritized'" in str(info.value) and "\n" not in str(info.value)
-    cfg.pipeline.kind = "plain"
     cfg.ft.replicas, cfg.ft.replica_index, cfg.ft.lighthouse = 2, 0, "http://127.0.0.1:1"
+    prepare(cfg)  # prioritized, with fault tolerance
+    cfg.pipeline.kind = "plain"
     prepare(cfg)
 
 
