@@ -202,8 +202,9 @@ class SnapshotServer:
         entries, total = layout(tensors)
         header = json.dumps({"step": step, "payload_bytes": total, "tensors": entries}).encode()
         sources = list(tensors.values())
-        plan = plan_payload(entries, sources, self._choose(total, window_s), total)
-        self.choice["live"] = bool(plan.live)  # (a state on a GPU is copied whatever the choice)
+        live, figures = self._wants_live(total, window_s)
+        plan = plan_payload(entries, sources, live, total)
+        self.choice = {"live": bool(plan.live), **figures}  # (a state on a GPU is copied whatever the choice)
         on_gpu = any(t.is_cuda for t in sources)
         buffer = self._buffer_for(plan.buffer_bytes, pinned=on_gpu) if plan.buffer_bytes else None
         segments = plan.live + [(offset, buffer[at:at + length]) for offset, length, at in plan.runs if buffer is not None]
@@ -235,16 +236,14 @@ class SnapshotServer:
         self._copying = self._stager.submit(copy)
         return time.perf_counter() - start
 
-    def _choose(self, payload_bytes: int, window_s: float | None) -> bool:
-        """Serve this staging live (``expected_live_cut``, with this source's measured rate)?  The choice and
-        its figures go to ``choice`` (the caller logs them)."""
+    def _wants_live(self, payload_bytes: int, window_s: float | None) -> tuple[bool, dict[str, Any]]:
+        """Serve this staging live (``expected_live_cut``, at this source's measured rate)?  With the figures
+        the choice rests on (the caller logs them)."""
         measured = self._streamer.rate_bps if self._streamer is not None else None
         rate = measured or ASSUMED_RATE_BPS
         live = self.live and not expected_live_cut(payload_bytes, rate, window_s, self.fence_wait_s)
-        self.choice = {"live": live, "expected_transfer_s": round(payload_bytes / rate, 4),
-                       "rate_measured": measured is not None,
-                       "window_s": None if window_s is None else round(window_s, 4)}
-        return live
+        return live, {"expected_transfer_s": round(payload_bytes / rate, 4), "rate_measured": measured is not None,
+                      "window_s": None if window_s is None else round(window_s, 4)}
 
     def wait_staged(self) -> float:
         """The fence before the state changes: the staging copy started by ``stage`` is done, and no
