@@ -6,6 +6,8 @@ step trained (``freescale.testing``).  After a run, from each group's
 
 - **one state per step**: every commit record of a step, in any group and incarnation, holds the
   same hash (a step committed twice with different states, or replicas that drifted apart, differ);
+  with tables averaged across groups less often than every step (``[ft] average_every > 1``) the
+  hash leaves the tables out, and the slice each step averaged must hold one hash too;
 - **every sample exactly once**: the rows trained over all steps plus the rows still carried at
   the end are exactly the rows of the planned global batches, none twice, none missing;
 - **no step discarded**: every step ``0 .. steps - 1`` was committed by some group.
@@ -82,14 +84,15 @@ def audit_run(out: Path, data: Path, model: str, replicas: int, ranks: int, step
         audit.problems.append(f"steps never committed: {missing[:10]}")
     # Every commit record counts, not one per group: a group committing a step twice (a roll-back
     # in one group) shows two records of it.
-    digests: dict[int, set[str]] = {}
-    for events in runs.values():
-        for e in events:
-            if e.get("event") == "commit" and "digest" in e:
-                digests.setdefault(e["step"], set()).add(e["digest"])
-    differ = [s for s in sorted(digests) if len(digests[s]) > 1]
-    if differ:
-        audit.problems.append(f"{len(differ)} step(s) with more than one state across groups, first {differ[:5]}")
+    for key, what in (("digest", "state"), ("slice_digest", "averaged table slice")):
+        digests: dict[int, set[str]] = {}
+        for events in runs.values():
+            for e in events:
+                if e.get("event") == "commit" and key in e:
+                    digests.setdefault(e["step"], set()).add(e[key])
+        differ = [s for s in sorted(digests) if len(digests[s]) > 1]
+        if differ:
+            audit.problems.append(f"{len(differ)} step(s) with more than one {what} across groups, first {differ[:5]}")
     trained_by_step: dict[int, list[int]] = {}
     for events in runs.values():
         for step, e in commits_by_step(events).items():

@@ -31,19 +31,27 @@ def local_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def local_digest(state: dict[str, Any]) -> bytes:
+def local_digest(state: dict[str, Any], skip: frozenset[int] = frozenset()) -> bytes:
+    """This rank's SHA-256 of ``state``; tensors whose storage is one of ``skip`` (``data_ptr``s) left out."""
     h = hashlib.sha256()
     for key in sorted(state, key=str):
         h.update(str(key).encode())
         for t in local_tensors(state[key]):
+            if skip and t.untyped_storage().data_ptr() in skip:
+                continue
             h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.digest()
 
 
-def state_digest(model: torch.nn.Module, optimizer: Any) -> str:
-    """Hex SHA-256 over all ranks' model and optimizer state (a collective: call on every rank)."""
-    mine = torch.frombuffer(bytearray(local_digest({"model": model.state_dict(), "optim": optimizer.state_dict()})),
-                            dtype=torch.uint8)
+def state_digest(model: torch.nn.Module, optimizer: Any, skip: frozenset[int] = frozenset()) -> str:
+    """Hex SHA-256 over all ranks' model and optimizer state (a collective: call on every rank); tensors
+    whose storage is one of ``skip`` left out (tables averaged across groups less often than every step)."""
+    return group_digest(local_digest({"model": model.state_dict(), "optim": optimizer.state_dict()}, skip))
+
+
+def group_digest(local: bytes) -> str:
+    """Hex SHA-256 over every rank's ``local`` digest, in rank order (a collective: call on every rank)."""
+    mine = torch.frombuffer(bytearray(local), dtype=torch.uint8)
     if not dist.is_initialized():
         return hashlib.sha256(mine.numpy().tobytes()).hexdigest()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -255,7 +255,8 @@ class Trainer:
                                   "busy_s": busy, "batch_wait_s": info.wait_s if info is not None else 0.0,
                                   **parts.sync.record}
         if parts.hooks.audit:  # tests: the whole state's hash, the rows the step trained, rank 0's loss
-            record["digest"] = state_digest(parts.dmp, parts.optimizer)
+            record.update(parts.sync.state_digests() if hasattr(parts.sync, "state_digests")
+                          else {"digest": state_digest(parts.dmp, parts.optimizer)})
             record["rows"] = parts.feed.last_rows.tolist()
             record["loss"] = float(output[0]) if output is not None else None
         log.write("commit", **record)

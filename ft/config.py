@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from freescale.config import ConfigError, require
 
 BACKENDS = ("auto", "gloo", "nccl")
+EMBEDDING_SYNCS = ("union", "average")
+"""``[ft] embedding_sync`` choices: how fused embedding tables stay in step across groups."""
 """``[ft] replica_backend`` choices (``freescale.ft.replica_group``)."""
 
 LIGHTHOUSE_ENV = "FREESCALE_LIGHTHOUSE"
@@ -64,6 +66,16 @@ class FTConfig:
     """Process groups across replica groups (``freescale.ft.replica_group``): ``gloo`` (host
     buffers), ``nccl`` (GPU buffers, bounded waits, abort on failure; needs a GPU per rank) or
     ``auto``: ``nccl`` on CUDA ranks, ``gloo`` otherwise."""
+    embedding_sync: str = "union"
+    """How fused embedding tables stay in step across replica groups.  ``union``: every group applies every
+    group's row gradients at each committed step (``freescale.ft.sparse_sync``): the update of one job over all
+    groups' samples, identical on every group; its work and bytes per rank grow with the number of groups.
+    ``average``: each group updates its tables with its own gradients and a slice of the tables is averaged
+    across the groups at each step (``freescale.ft.sparse_average``, as torchrec's 2D sparse parallelism): its
+    cost per rank does not grow with the groups, but it is model averaging, not the one job's step."""
+    average_every: int = 1
+    """With ``embedding_sync = "average"``: every table element is averaged once every this many steps (1/N of
+    each table a step).  1: tables identical on every group at every committed step."""
 
     @classmethod
     def from_env(cls, **overrides: object) -> FTConfig:
@@ -106,6 +118,9 @@ class FTConfig:
                 f"bucket sizes must be positive, got first_bucket_kb={self.first_bucket_kb}, bucket_kb={self.bucket_kb}")
         require(self.replica_backend in BACKENDS, "replica_backend",
                 f"must be one of {', '.join(BACKENDS)}, got '{self.replica_backend}'")
+        require(self.embedding_sync in EMBEDDING_SYNCS, "embedding_sync",
+                f"must be one of {', '.join(EMBEDDING_SYNCS)}, got '{self.embedding_sync}'")
+        require(self.average_every >= 1, "average_every", f"must be >= 1, got {self.average_every}")
         require(not self.lighthouse or self.lighthouse.startswith(("http://", "https://")), "lighthouse",
                 f"must be an http(s):// URL, got '{self.lighthouse}'")
 

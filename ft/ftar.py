@@ -59,13 +59,14 @@ class Exchange(Protocol):
     """An extra collective run in the same quorum attempt as the dense reduction, after it (so
     a failure in it is redone with the survivors too).  ``header()`` (int64, the same length on
     every participant) rides along in the reduction, so ``__call__`` knows every participant's
-    sizes without a round of its own.  The trainer exchanges the touched embedding rows here
-    (``freescale.ft.sparse_sync``)."""
+    sizes without a round of its own; ``ready`` says which participants hold valid state.  The trainer
+    exchanges the touched embedding rows here (``freescale.ft.sparse_sync``), or a slice of the tables
+    to average (``freescale.ft.sparse_average``)."""
 
     def header(self) -> torch.Tensor: ...
 
     def __call__(self, group: ReplicaGroup, quorum: Quorum, weights: list[float],
-                 headers: list[torch.Tensor]) -> Any: ...
+                 headers: list[torch.Tensor], ready: list[bool]) -> Any: ...
 
     def prepare(self, exchanged: Any) -> Any:
         """Local work on what ``__call__`` returned that changes no state the step's update reads
@@ -296,7 +297,8 @@ class ReplicaSync:
                         f"quorum {quorum.quorum_id} at step {step}: no participant holds valid state (all are catching "
                         "up and every group that had the run's progress is gone); restart the run")
                 if exchange is not None:
-                    extra = exchange(self.group.for_quorum(quorum), quorum, reduced.weights, reduced.headers)
+                    extra = exchange(self.group.for_quorum(quorum), quorum, reduced.weights, reduced.headers,
+                                     reduced.ready)
             except (RuntimeError, dist.DistError) as exc:  # a peer died or hung: redo with the survivors
                 if isinstance(exc, (_NoValidState, GroupFailure)):
                     raise

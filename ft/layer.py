@@ -31,7 +31,9 @@ dead group's rows are requeued, and travels in the snapshot.
 Requirements on the model: torchrec ``DistributedModelParallel`` sharded
 *without* DDP around the dense part (``data_parallel_wrapper=NoDataParallel()``:
 this layer reduces the dense gradients) with each table either on a fused
-kernel (kept identical by the union update, ``freescale.ft.sparse_sync``) or
+kernel (kept identical by the union update, ``freescale.ft.sparse_sync``, or
+averaged across groups a slice per step with ``[ft] embedding_sync = "average"``,
+``freescale.ft.sparse_average``) or
 ``data_parallel`` (whole on every rank: its dense gradient is reduced with the
 other dense ones, and the dense optimizer steps it); or any ``nn.Module`` with
 only dense parameters.
@@ -43,6 +45,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from freescale.dense_update import DenseUpdate, LRSchedule
+from freescale.digest import group_digest, state_digest
 from freescale.distributed import collective_device
 from freescale.ft.agent_process import start_agent
 from freescale.ft.catchup import SnapshotServer
@@ -59,6 +63,7 @@ from freescale.ft.ftar import ReplicaSync, StepResult
 from freescale.ft.layer_snapshot import SnapshotSide, UserState
 from freescale.ft.samples import DataState
 from freescale.ft.serving import advertised_host
+from freescale.ft.sparse_average import AveragedSparseSync
 from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
 from freescale.ft.standby import STANDBY_ENV, take_over
 from freescale.grad_buckets import BucketedGrads
@@ -101,6 +106,13 @@ def _refuse_unstepped_tables(model: nn.Module, optimizers: list[torch.optim.Opti
         raise ValueError(f"fault tolerance: the data_parallel table {missing[0]!r} is in no optimizer's parameters "
                          "(the fused optimizer does not step it): give your dense optimizer model.parameters(), "
                          "or put the table on a fused kernel")
+
+
+def _embedding_sync(cfg: FTConfig, model: nn.Module, fence: Callable[[], None]) -> UnionSparseUpdate | AveragedSparseSync:
+    """The fused tables' scheme across groups (``[ft] embedding_sync``): the union update or the averaging."""
+    if cfg.embedding_sync == "average":
+        return AveragedSparseSync(model, cfg.average_every, fence)
+    return UnionSparseUpdate(model)
 
 
 def step_window(step_times: deque[float]) -> float | None:
@@ -149,7 +161,8 @@ class FaultTolerance(SnapshotSide):
         self.in_group = dist.new_group() if self._group_size > 1 else None
         self._grads = BucketedGrads(self._reduced, self.in_group, cfg.first_bucket_kb * 1024, cfg.bucket_kb * 1024,
                                    chunk_bytes=chunk_bytes, max_inflight=max_inflight)
-        self._sparse = UnionSparseUpdate(model) if fused is not None and fused_tbes(model) else None
+        self._sparse = _embedding_sync(cfg, model, self._fence_staging) if fused is not None and fused_tbes(model) \
+            else None
         token = os.environ.get(TOKEN_ENV, "")
         bind, advertise = advertised_host(cfg.lighthouse)
         self._agent = (start_agent(cfg.lighthouse, cfg.replica_id, self._incarnation, self._group_size, bind, advertise)
@@ -428,6 +441,18 @@ class FaultTolerance(SnapshotSide):
 
     def _ready_groups(self, result: StepResult) -> frozenset[int]:
         return frozenset(self._group_of(rid) for rid in result.ready)
+
+    def state_digests(self) -> dict[str, str]:
+        """The audit's fingerprints of the committed state (``freescale.digest``; a collective on the group):
+        ``digest``, the whole state.  With tables averaged less often than every step (``[ft] average_every >
+        1``) the groups' tables differ: ``digest`` then leaves them out, and ``slice_digest`` covers the slice
+        this step averaged, equal on every group right after."""
+        sparse = self._sparse
+        if not isinstance(sparse, AveragedSparseSync) or sparse.every == 1:
+            return {"digest": state_digest(self._model, self._optimizer)}
+        averaged = sparse.slice_digest(self.last_commit.step % sparse.every)
+        return {"digest": state_digest(self._model, self._optimizer, sparse.storages()),
+                "slice_digest": group_digest(averaged)}
 
     def agree(self, ok: bool) -> bool:
         """True only if every rank of this group got True (an in-group all-reduce, MIN)."""

@@ -212,13 +212,13 @@ class UnionSparseUpdate:
         return torch.tensor(sizes, dtype=torch.int64).reshape(-1)
 
     def __call__(self, group: ReplicaGroup | dist.ProcessGroup, quorum: Quorum, weights: list[float],
-                 headers: list[torch.Tensor]) -> GatheredSteps:
+                 headers: list[torch.Tensor], ready: list[bool] | None = None) -> GatheredSteps:
         """All-gather every participant's ``local_step`` (the same on all participants).
 
         One float32 all-gather: each participant's ids and offsets (int64, bit-cast to
         float32 pairs: no arithmetic touches them) then its gradients, padded to the longest.
         The weighted union is built from it by ``union`` (``prepare`` does, while the vote is
-        in flight)."""
+        in flight).  ``ready`` is not needed: a participant catching up has weight 0."""
         mine = self.local_step()
         replica_group = ReplicaGroup.of(group)
         device = replica_group.device

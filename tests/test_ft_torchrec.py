@@ -273,11 +273,15 @@ def test_group_killed_twice_in_a_row_the_second_time_mid_catch_up(tiny_data: Pat
     process is gone (its collective found the connection reset, and the peer stays silent through
     the suspect grace), well before the heartbeat timeout (3 s under ``freescale launch``).  With a
     warm-up + cosine schedule and the dense gradients clipped (to a norm every step exceeds): the same
-    rate and norm in both groups at every step, the caught-up group included (its state hash, too)."""
+    rate and norm in both groups at every step, the caught-up group included (its state hash, too).
+    The tables are averaged across the groups, a third of them a step (``embedding_sync = "average"``,
+    the union update's alternative): the state hash leaves them out and each step's averaged slice has
+    one hash on both groups, the caught-up one included (it replays the slices averaged while it was away)."""
     steps = 100
     proc = launch(tmp_path, tiny_data, 2, 1, steps, "dlrm", fault=f"1:0:5:reduce:0,1:0:0:catchup@1,{AWAY}",
                   max_restarts=2, extra=("--optim.lr_schedule", "warmup_cosine", "--optim.warmup_steps", "10",
-                                         "--optim.clip_grad_norm", "0.01"))
+                                         "--optim.clip_grad_norm", "0.01", "--ft.embedding_sync", "average",
+                                         "--ft.average_every", "3"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
@@ -286,8 +290,10 @@ def test_group_killed_twice_in_a_row_the_second_time_mid_catch_up(tiny_data: Pat
     assert survivor[5]["participants"] == ["replica0"]
     assert survivor[5]["time"] - survivor[4]["time"] < 1.5, "the survivor waited for the heartbeat timeout"
     assert len(catch_ups(runs[(1, 0)])) == 1, "only the third incarnation finishes a catch-up"
-    assert by_step(runs[(1, 0)])[steps - 1]["contributing"]
     rejoined = by_step(runs[(1, 0)])
+    assert all("slice_digest" in e for e in survivor.values())
+    assert sum(rejoined[s]["slice_digest"] == survivor[s]["slice_digest"] for s in range(90, steps)) == 10
+    assert by_step(runs[(1, 0)])[steps - 1]["contributing"]
     assert [survivor[s]["lr_factor"] for s in (0, 9, steps - 1)] == [0.1, 1.0, pytest.approx(0.0, abs=1e-3)]
     assert all(e["grad_norm"] > 0.01 for e in survivor.values() if e["weight"] > 0)  # clipped every step
     for step, e in rejoined.items():

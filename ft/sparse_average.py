@@ -1,0 +1,204 @@
+"""Keep fused embedding tables in step across replica groups by averaging them, a slice per step.
+
+The other scheme for fused tables (``[ft] embedding_sync = "average"``; the default, the union
+update, is ``freescale.ft.sparse_sync``).  The union applies every group's gradients on every
+group, so a rank's update work and received bytes grow with the number of groups R; this one keeps
+them flat in R at a price in semantics, as torchrec's 2D sparse parallelism does
+(``DMPCollection.sync``: tables sharded within a group, replicated across groups, their weights
+averaged across the replicas).  Per step:
+
+1. **Forward and backward as without fault tolerance**: each fused TBE updates the rows its group
+   looked up, in backward, with the group's own gradients (fbgemm's fused optimizer).  A pass-through
+   node in front of each TBE's backward first waits for a snapshot transfer still reading the tables
+   (``fence``): that update is the first write to them after a staging.
+2. **Exchange** (in FTAR's quorum attempt, after the dense reduction, so a failure in it is redone with
+   the survivors like the dense one): slice ``j = step mod N`` of every TBE's flat weights and fused
+   optimizer state (a contiguous ``1/N`` of each buffer's elements) is summed across the participants
+   in one all-reduce.  A participant catching up (no valid tables) sends zeros and is not counted.
+3. **Apply** (once the step commits): slice ``j`` becomes sum / holders on every participant: the
+   same bits everywhere (the ring all-reduce hands every rank the same sum; the division is local).
+
+Every element is averaged once every ``N`` steps (``[ft] average_every``).  With ``N = 1`` every
+table is identical on every group at every committed step, the invariant the union keeps; with
+``N > 1`` a row's copies differ between two averages by up to ``N - 1`` steps of each group's own
+updates, and are identical right after.
+
+Costs, per step and rank: one all-reduce of ``1/N`` of the rank's table bytes (weights and optimizer
+state; row-wise Adagrad adds one float per row), whatever R (a ring all-reduce sends and receives
+``2 (R - 1) / R`` of it), and no lookup or update beyond the group's own.
+
+What it changes (measured by ``benchmarks/bench_embedding_sync.py``):
+
+- a group's update of a row uses its own samples' gradients, the step of a job of the group's size;
+  the groups' copies are then averaged (model averaging on the tables): not the one step over all
+  groups' samples that the union update takes;
+- a group that dies takes with it its own updates to the elements not averaged since (at most
+  ``N - 1`` steps' worth, none with ``N = 1`` beyond the failed step, whose samples are requeued):
+  those samples' dense gradients are committed, their embedding updates partly lost, and they are
+  not trained again;
+- the union's limits are lifted: per-sample weights, variable batch per feature, several lookups of a
+  table in one step.
+
+A recovering replica records each step's summed slice while it sits out and replays it onto the
+snapshot: after replaying, the slices averaged since the snapshot hold the averages, the rest the
+source's copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from freescale.ft.client import Quorum
+from freescale.ft.replica_group import ReplicaGroup
+from freescale.ft.sparse_sync import fused_tbes
+
+_STATE_PREFIXES = ("weights", "momentum1", "momentum2")
+_PLACEMENTS = ("dev", "host", "uvm")
+
+
+def table_buffers(name: str, tbe: Any) -> list[torch.Tensor]:
+    """A TBE's flat float buffers that an update changes: its weights, then its fused optimizer's state
+    (fbgemm keeps each in one of ``*_dev`` / ``*_host`` / ``*_uvm``; the empty ones and integer
+    placeholders are skipped).  A TBE with a UVM cache is refused: the cache holds rows the flat
+    buffers do not."""
+    cache = getattr(tbe, "lxu_cache_weights", None)
+    if isinstance(cache, torch.Tensor) and cache.numel() > 0:
+        raise ValueError(f"fault tolerance: embedding '{name}' keeps a UVM cache; averaging its tables across replica "
+                         "groups needs them on the device or the host (no cache), or embedding_sync = \"union\"")
+    found = []
+    for prefix in _STATE_PREFIXES:
+        for placement in _PLACEMENTS:
+            t = getattr(tbe, f"{prefix}_{placement}", None)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
+                found.append(t)
+    if not found:
+        raise ValueError(f"fault tolerance: embedding '{name}' has no weights to average")
+    return found
+
+
+def slice_bounds(numel: int, index: int, every: int) -> tuple[int, int]:
+    """Slice ``index`` of ``every`` contiguous slices of a buffer of ``numel`` elements."""
+    return numel * index // every, numel * (index + 1) // every
+
+
+@dataclass
+class SliceSum:
+    """One step's exchange: slice ``index`` of every buffer, summed over the ``holders`` participants
+    that hold valid tables (what every participant applies, and what a recovering one records)."""
+
+    index: int
+    summed: torch.Tensor
+    holders: int
+
+    def nbytes(self) -> int:
+        return self.summed.numel() * 4
+
+
+class _BeforeTableUpdate(torch.autograd.Function):
+    """Identity on a TBE's looked-up rows whose backward first calls ``fence``: it runs just before the
+    TBE's own backward, the fused update, the first write to the tables after the last staging."""
+
+    @staticmethod
+    def forward(ctx: Any, looked_up: torch.Tensor, fence: Callable[[], None]) -> torch.Tensor:
+        ctx.fence = fence
+        return looked_up.view_as(looked_up)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.fence()
+        return grad, None
+
+
+class AveragedSparseSync:
+    """Averages a sharded model's fused embedding tables across replica groups, a slice per step
+    (module docstring).  The same calls as the union update (``freescale.ft.ftar.Exchange``)."""
+
+    def __init__(self, dmp: nn.Module, every: int, fence: Callable[[], None]) -> None:
+        if every < 1:
+            raise ValueError(f"fault tolerance: average_every must be >= 1, got {every}")
+        self.every = every
+        self._buffers: list[torch.Tensor] = []
+        self._names: list[str] = []
+        for name, tbe in fused_tbes(dmp):
+            self._buffers.extend(table_buffers(name, tbe))
+            self._names.append(name)
+            tbe.forward = self._fenced_forward(tbe.forward, fence)  # instance attribute: state_dict etc. untouched
+        if not self._buffers:
+            raise ValueError("fault tolerance: the model has no fused embedding tables to keep in sync")
+
+    @property
+    def tables(self) -> list[str]:
+        return list(self._names)
+
+    def storages(self) -> frozenset[int]:
+        """The buffers' storages (``data_ptr``): what a whole-state digest leaves out when ``every > 1``."""
+        return frozenset(b.untyped_storage().data_ptr() for b in self._buffers)
+
+    def slice_digest(self, index: int) -> bytes:
+        """SHA-256 of this rank's slice ``index`` of every buffer: equal on every group right after it was averaged."""
+        h = hashlib.sha256()
+        for buffer in self._buffers:
+            lo, hi = slice_bounds(buffer.numel(), index, self.every)
+            h.update(buffer.detach().reshape(-1)[lo:hi].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.digest()
+
+    @staticmethod
+    def _fenced_forward(run: Any, fence: Callable[[], None]) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+            looked_up = run(*args, **kwargs)
+            if torch.is_grad_enabled() and looked_up.requires_grad:
+                return _BeforeTableUpdate.apply(looked_up, fence)
+            return looked_up
+        return forward
+
+    def reset(self) -> None:
+        """Nothing is kept between steps (the union's per-step lookups have no counterpart here)."""
+
+    def header(self) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.int64)
+
+    def __call__(self, group: ReplicaGroup | dist.ProcessGroup, quorum: Quorum, weights: list[float],
+                 headers: list[torch.Tensor], ready: list[bool]) -> SliceSum:
+        """Sum this step's slice over the participants holding valid tables (``ready``; the others send
+        zeros).  The step is the quorum's (``max_step``: a participant that joined behind is at it too)."""
+        replica_group = ReplicaGroup.of(group)
+        index = quorum.max_step % self.every
+        mine = ready[replica_group.pg.rank()]
+        pieces = []
+        for buffer in self._buffers:
+            lo, hi = slice_bounds(buffer.numel(), index, self.every)
+            pieces.append(buffer.detach().reshape(-1)[lo:hi].to(replica_group.device, torch.float32))
+        summed = torch.cat(pieces) if mine else torch.zeros(sum(p.numel() for p in pieces),
+                                                            device=replica_group.device)
+        replica_group.wait(replica_group.allreduce(summed))
+        return SliceSum(index, summed.cpu() if summed.is_cuda else summed, sum(1 for r in ready if r))
+
+    def prepare(self, exchanged: SliceSum) -> SliceSum:
+        """Nothing to build while the vote is in flight: the average is a division and a copy."""
+        return exchanged
+
+    def discard(self, prepared: SliceSum) -> None:
+        """The vote failed: nothing was written (the slice is copied in only by ``apply``)."""
+
+    def apply(self, update: SliceSum, prepared: SliceSum | None = None) -> None:
+        """The committed step's average: slice ``update.index`` of every buffer becomes sum / holders."""
+        if update.holders < 1:
+            raise RuntimeError("fault tolerance: an embedding average over no participant with valid tables")
+        bounds = [slice_bounds(b.numel(), update.index, self.every) for b in self._buffers]
+        expected = sum(hi - lo for lo, hi in bounds)
+        if update.summed.numel() != expected:  # checked before any write: nothing half-applied
+            raise RuntimeError(f"fault tolerance: an embedding average of {update.summed.numel()} elements for slice "
+                               f"{update.index}, this model's slice has {expected}")
+        averaged = update.summed / update.holders
+        offset = 0
+        with torch.no_grad():
+            for buffer, (lo, hi) in zip(self._buffers, bounds):
+                buffer.reshape(-1)[lo:hi].copy_(averaged[offset:offset + hi - lo].to(buffer.device, buffer.dtype))
+                offset += hi - lo

@@ -1,0 +1,111 @@
+"""The averaging of ``freescale.ft.sparse_average`` on two replicas in one process.
+
+Replicas A and B start from the same tables, each trains its own batch (the fused update runs in
+backward, after the fence), then every slice is exchanged and applied as FTAR does it: after
+``average_every`` steps' slices both hold, bit for bit, the elementwise mean of their two tables and
+of their row-wise Adagrad state.  The exchange is run on a one-rank gloo group per replica (a sum
+over itself) and the two sums are added here, as a two-rank all-reduce would.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from freescale.dataloader.batch import Batch
+from freescale.dataloader.build import build_loader
+from freescale.dataloader.schema import DatasetManifest
+from freescale.distributed import init_distributed
+from freescale.ft.client import Quorum
+from freescale.ft.config import FTConfig
+from freescale.ft.sparse_average import AveragedSparseSync, SliceSum, slice_bounds
+from freescale.models import build_model, cost_model_for
+from freescale.parallelize import shard_model
+from freescale.rank_console import quiet_libraries
+from freescale.trainer import TrainerConfig
+
+
+def _buffers(sync: AveragedSparseSync) -> list[torch.Tensor]:
+    return [b.detach().clone() for b in sync._buffers]  # noqa: SLF001
+
+
+def test_slices_cover_every_element_once() -> None:
+    for numel in (0, 1, 7, 1000):
+        for every in (1, 3, 8):
+            covered = [i for j in range(every) for i in range(*slice_bounds(numel, j, every))]
+            assert covered == list(range(numel)), (numel, every)
+
+
+def test_config_refuses_an_unknown_scheme_and_a_zero_period() -> None:
+    from freescale.config import ConfigError
+
+    with pytest.raises(ConfigError, match="embedding_sync: must be one of union, average, got 'mean'"):
+        FTConfig(embedding_sync="mean").validate()
+    with pytest.raises(ConfigError, match="average_every: must be >= 1, got 0"):
+        FTConfig(average_every=0).validate()
+
+
+def test_two_replicas_end_with_the_mean_of_their_tables_and_state(tiny_data: Path) -> None:
+    quiet_libraries()
+    cfg = TrainerConfig()
+    cfg.data.path, cfg.model.kind, cfg.data.batch_size = str(tiny_data), "dlrm", 24
+    ctx = init_distributed(cfg.dist)
+    every = 3
+    try:
+        manifest = DatasetManifest.read(cfg.data.path)
+
+        def fresh() -> torch.nn.Module:
+            torch.manual_seed(0)
+            model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
+                                embedding_device=torch.device("meta"))
+            torch.manual_seed(1)
+            return shard_model(model, ctx, cfg.optim)
+
+        features = list(build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
+                                    embedding_device=torch.device("meta")).sparse_feature_names)
+        loader = build_loader(cfg.data, "train", rank=0, world_size=1, sparse_features=features,
+                              derived_cost=cost_model_for(cfg.model, manifest.dense_dim), seed=0, training=True)
+        batches = [loader.next_batch(), loader.next_batch()]
+        loader.close()
+        replicas, syncs, local = [fresh(), fresh()], [], []
+        for replica, batch in zip(replicas, batches):
+            fenced: list[list[torch.Tensor]] = []
+            holder: list[AveragedSparseSync] = []
+            sync = AveragedSparseSync(replica, every, fence=lambda: fenced.append(_buffers(holder[0])))  # noqa: B023
+            holder.append(sync)
+            syncs.append(sync)
+            before = _buffers(sync)
+            replica(Batch(batch.sparse, batch.dense, batch.labels))[0].backward()
+            after = _buffers(sync)
+            assert fenced and all(torch.equal(f, b) for f, b in zip(fenced[0], before)), \
+                "the fence ran after the fused update had written the tables"
+            assert any(not torch.equal(a, b) for a, b in zip(after, before)), "the fused update did not run"
+            local.append(after)
+        assert any(not torch.equal(a, b) for a, b in zip(*local)), "both replicas trained the same rows alike"
+
+        groups = [dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5)) for _ in syncs]
+        for step in range(every):
+            quorum = Quorum(1, (), step, "", 0)
+            sums = [sync(group, quorum, [24.0], [], [True]) for sync, group in zip(syncs, groups)]
+            idle = syncs[0](groups[0], quorum, [0.0], [], [False])
+            assert idle.holders == 0 and not idle.summed.any(), "a replica catching up must send zeros"
+            both = SliceSum(sums[0].index, sums[0].summed + sums[1].summed, 2)
+            assert both.index == step % every
+            held = _buffers(syncs[0])
+            for sync in syncs:
+                sync.discard(sync.prepare(both))  # a failed vote writes nothing
+            assert all(torch.equal(a, b) for a, b in zip(_buffers(syncs[0]), held))
+            for sync in syncs:
+                sync.apply(both)
+        for a, b, la, lb in zip(_buffers(syncs[0]), _buffers(syncs[1]), *local):
+            assert torch.equal(a, b), "replicas applying the same averages differ"
+            assert torch.equal(a, (la.float() + lb.float()) / 2), "not the elementwise mean"
+        with pytest.raises(RuntimeError, match="an embedding average of 1 elements for slice 0"):
+            syncs[0].apply(SliceSum(0, torch.zeros(1), 1))
+    finally:
+        if ctx.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
