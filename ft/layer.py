@@ -163,6 +163,8 @@ class FaultTolerance(SnapshotSide):
                                    chunk_bytes=chunk_bytes, max_inflight=max_inflight)
         self._sparse = _embedding_sync(cfg, model, self._fence_staging) if fused is not None and fused_tbes(model) \
             else None
+        if isinstance(self._sparse, AveragedSparseSync):  # the accumulators' last averages go with the tables
+            self.register_state("freescale.embedding_average", self._sparse.state_dict, self._sparse.load_state_dict)
         token = os.environ.get(TOKEN_ENV, "")
         bind, advertise = advertised_host(cfg.lighthouse)
         self._agent = (start_agent(cfg.lighthouse, cfg.replica_id, self._incarnation, self._group_size, bind, advertise)
@@ -228,6 +230,8 @@ class FaultTolerance(SnapshotSide):
     def start(self, wait_for: int | None = None) -> None:
         """Wait (``wait_for_replicas_s`` at most) until ``wait_for`` (default ``replicas``) groups are
         up: a late group would have to catch up from the first step."""
+        if isinstance(self._sparse, AveragedSparseSync):
+            self._sparse.rebase()  # the state the run starts from (fresh or a checkpoint), the same on every group
         deadline = time.monotonic() + self._cfg.wait_for_replicas_s
         wanted = self._cfg.replicas if wait_for is None else wait_for
         while time.monotonic() < deadline:
@@ -424,7 +428,8 @@ class FaultTolerance(SnapshotSide):
                 "attempts": result.attempts, "exchange_s": result.seconds, "contributing": trained, "weight": self._weight or 0.0,
                 "quorum_wait_s": result.quorum_wait_s, "reduce_s": result.reduce_s,
                 "prepare_s": result.prepare_s, "vote_s": result.vote_s, "discarded": result.discarded,
-                "ready": sorted(result.ready), "recovering": result.recovering, "failed_at": result.failed_at}
+                "ready": sorted(result.ready), "recovering": result.recovering, "failed_at": result.failed_at,
+                "exchange_bytes": result.extra.nbytes() if hasattr(result.extra, "nbytes") else 0}
 
     def _group_of(self, replica_id: str) -> int:
         if replica_id == self._cfg.replica_id:

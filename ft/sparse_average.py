@@ -17,6 +17,12 @@ averaged across the replicas).  Per step:
    in one all-reduce.  A participant catching up (no valid tables) sends zeros and is not counted.
 3. **Apply** (once the step commits): slice ``j`` becomes sum / holders on every participant: the
    same bits everywhere (the ring all-reduce hands every rank the same sum; the division is local).
+   Row-wise Adagrad's accumulator is the exception: its growth since its last average is averaged and
+   scaled by ``1 / holders``.  Each group's accumulator grew by its own gradients' squares, ``R`` times
+   what the union's mean gradient adds for a row one group touched or for noise-dominated gradients
+   (``E[(mean of R)^2] = E[g^2] / R``); left unscaled, every row's steps shrink by about ``sqrt(R)``
+   (measured: bench_embedding_sync.py).  With SGD, averaging with ``N = 1`` is the union update
+   exactly; with Adagrad it is close, not equal.  The accumulators' last averages travel in snapshots.
 
 Every element is averaged once every ``N`` steps (``[ft] average_every``).  With ``N = 1`` every
 table is identical on every group at every committed step, the invariant the union keeps; with
@@ -63,11 +69,17 @@ _STATE_PREFIXES = ("weights", "momentum1", "momentum2")
 _PLACEMENTS = ("dev", "host", "uvm")
 
 
-def table_buffers(name: str, tbe: Any) -> list[torch.Tensor]:
-    """A TBE's flat float buffers that an update changes: its weights, then its fused optimizer's state
-    (fbgemm keeps each in one of ``*_dev`` / ``*_host`` / ``*_uvm``; the empty ones and integer
-    placeholders are skipped).  A TBE with a UVM cache is refused: the cache holds rows the flat
-    buffers do not."""
+def _is_rowwise_adagrad(tbe: Any) -> bool:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return getattr(tbe, "optimizer", None) == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+
+
+def table_buffers(name: str, tbe: Any) -> list[tuple[str, torch.Tensor]]:
+    """A TBE's flat float buffers that an update changes, each with its kind (``weights``, ``momentum1``,
+    ``momentum2``): its weights, then its fused optimizer's state (fbgemm keeps each in one of ``*_dev`` /
+    ``*_host`` / ``*_uvm``; the empty ones and integer placeholders are skipped).  A TBE with a UVM cache
+    is refused: the cache holds rows the flat buffers do not."""
     cache = getattr(tbe, "lxu_cache_weights", None)
     if isinstance(cache, torch.Tensor) and cache.numel() > 0:
         raise ValueError(f"fault tolerance: embedding '{name}' keeps a UVM cache; averaging its tables across replica "
@@ -77,7 +89,7 @@ def table_buffers(name: str, tbe: Any) -> list[torch.Tensor]:
         for placement in _PLACEMENTS:
             t = getattr(tbe, f"{prefix}_{placement}", None)
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
-                found.append(t)
+                found.append((prefix, t))
     if not found:
         raise ValueError(f"fault tolerance: embedding '{name}' has no weights to average")
     return found
@@ -125,13 +137,38 @@ class AveragedSparseSync:
             raise ValueError(f"fault tolerance: average_every must be >= 1, got {every}")
         self.every = every
         self._buffers: list[torch.Tensor] = []
+        self._accumulators: list[bool] = []
+        """Per buffer: row-wise Adagrad's accumulator (one float per row), whose growth is scaled at each average."""
         self._names: list[str] = []
         for name, tbe in fused_tbes(dmp):
-            self._buffers.extend(table_buffers(name, tbe))
+            rowwise = _is_rowwise_adagrad(tbe)
+            for kind, buffer in table_buffers(name, tbe):
+                self._buffers.append(buffer)
+                self._accumulators.append(rowwise and kind == "momentum1")
             self._names.append(name)
             tbe.forward = self._fenced_forward(tbe.forward, fence)  # instance attribute: state_dict etc. untouched
         if not self._buffers:
             raise ValueError("fault tolerance: the model has no fused embedding tables to keep in sync")
+        self._averaged: list[torch.Tensor] = []
+        """Each accumulator as it was after its last average (identical on every group), set by ``rebase``."""
+        self.rebase()
+
+    def rebase(self) -> None:
+        """Take the accumulators as they are now as their last average: at the start of a run (every group holds
+        the same state: fresh, or the same checkpoint), before any step trained."""
+        self._averaged = [b.detach().clone() for b, acc in zip(self._buffers, self._accumulators) if acc]
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a recovering group needs beside the tables (registered with the snapshot): the accumulators'
+        last averages."""
+        return {"averaged": list(self._averaged)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        averaged = state["averaged"]
+        if [t.shape for t in averaged] != [t.shape for t in self._averaged]:
+            raise RuntimeError("fault tolerance: the snapshot's embedding accumulators do not match this model's")
+        for mine, theirs in zip(self._averaged, averaged):
+            mine.copy_(theirs)
 
     @property
     def tables(self) -> list[str]:
@@ -198,7 +235,13 @@ class AveragedSparseSync:
                                f"{update.index}, this model's slice has {expected}")
         averaged = update.summed / update.holders
         offset = 0
+        last = iter(self._averaged)
         with torch.no_grad():
-            for buffer, (lo, hi) in zip(self._buffers, bounds):
-                buffer.reshape(-1)[lo:hi].copy_(averaged[offset:offset + hi - lo].to(buffer.device, buffer.dtype))
+            for buffer, (lo, hi), accumulator in zip(self._buffers, bounds, self._accumulators):
+                part = averaged[offset:offset + hi - lo].to(buffer.device, buffer.dtype)
+                if accumulator:  # its growth since the last average, scaled by 1 / holders (module docstring)
+                    before = next(last).reshape(-1)[lo:hi]
+                    part = before + (part - before) / update.holders
+                    before.copy_(part)
+                buffer.reshape(-1)[lo:hi].copy_(part)
                 offset += hi - lo

@@ -338,6 +338,10 @@ class GatheredSteps:
     shapes: list[torch.Tensor]
     weights: list[float]
 
+    def nbytes(self) -> int:
+        """What the all-gather delivered (every participant's step, this replica's own included)."""
+        return sum(f.numel() * f.element_size() for f in self.flat)
+
 
 @dataclass
 class _Counters:

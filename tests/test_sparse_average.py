@@ -72,6 +72,7 @@ def test_two_replicas_end_with_the_mean_of_their_tables_and_state(tiny_data: Pat
         batches = [loader.next_batch(), loader.next_batch()]
         loader.close()
         replicas, syncs, local = [fresh(), fresh()], [], []
+        initial: list[torch.Tensor] = []
         for replica, batch in zip(replicas, batches):
             fenced: list[list[torch.Tensor]] = []
             holder: list[AveragedSparseSync] = []
@@ -79,6 +80,7 @@ def test_two_replicas_end_with_the_mean_of_their_tables_and_state(tiny_data: Pat
             holder.append(sync)
             syncs.append(sync)
             before = _buffers(sync)
+            initial = before
             replica(Batch(batch.sparse, batch.dense, batch.labels))[0].backward()
             after = _buffers(sync)
             assert fenced and all(torch.equal(f, b) for f, b in zip(fenced[0], before)), \
@@ -101,9 +103,19 @@ def test_two_replicas_end_with_the_mean_of_their_tables_and_state(tiny_data: Pat
             assert all(torch.equal(a, b) for a, b in zip(_buffers(syncs[0]), held))
             for sync in syncs:
                 sync.apply(both)
-        for a, b, la, lb in zip(_buffers(syncs[0]), _buffers(syncs[1]), *local):
+        accumulators = syncs[0]._accumulators  # noqa: SLF001
+        assert accumulators.count(True) == 2, "row-wise Adagrad: one accumulator per TBE"
+        for a, b, la, lb, acc, start in zip(_buffers(syncs[0]), _buffers(syncs[1]), *local, accumulators, initial):
             assert torch.equal(a, b), "replicas applying the same averages differ"
-            assert torch.equal(a, (la.float() + lb.float()) / 2), "not the elementwise mean"
+            mean = (la.float() + lb.float()) / 2
+            if acc:  # grown from its last average by the mean growth over the holders (2)
+                assert torch.equal(a, start + (mean - start) / 2), "the accumulator's growth is not scaled"
+            else:
+                assert torch.equal(a, mean), "not the elementwise mean"
+        state = syncs[0].state_dict()
+        assert all(torch.equal(t, b) for t, b in zip(state["averaged"], [x for x, acc in zip(_buffers(syncs[0]),
+                                                                                            accumulators) if acc]))
+        syncs[1].load_state_dict(state)  # what a recovering group loads from its snapshot
         with pytest.raises(RuntimeError, match="an embedding average of 1 elements for slice 0"):
             syncs[0].apply(SliceSum(0, torch.zeros(1), 1))
     finally:

@@ -118,7 +118,7 @@ def print_inputs(v: dict[str, Sourced]) -> None:
 
 
 RESULT_COLUMNS = ["gpus", "replicas", "job_mtbf_min", "policy", "ettr", "lambda_stall", "stall_mean_s", "stall_p50_s",
-                  "stall_p90_s", "discarded_per_failure", "mean_contributing", "top_losses"]
+                  "stall_p90_s", "discarded_per_failure", "mean_contributing", "embedding_sync", "top_losses"]
 
 
 def print_results(rows: list[dict[str, Any]]) -> None:
@@ -160,13 +160,14 @@ def print_comparison(comparison: list[dict[str, Any]]) -> None:
             "as built": f"{c['as_built_minus_torchft_pts']:+.2f} ({c['as_built_verdict']})",
             "as designed": f"{c['as_designed_minus_torchft_pts']:+.2f} ({c['as_designed_verdict']})"}
            for c in comparison], ["gpus", "torchft-like", "as built", "as designed"])
-    print(f"'{AS_DESIGNED}' keeps a slow replica at a reduced share once detected (slow_detect_s) and updates each "
-          "embedding row on its owner only (owner_extra_*: its steps measured on one CPU process): both designed, "
-          "NOT built; "
-          f"'{AS_BUILT}' (slow_detect_s = inf; every group applies every group's embedding update, its step growing "
-          "with the groups: sparse_update_share x union_extra_per_group per group beyond two) is what the code does "
-          "today. A lead that only the as-designed row has rests on the unbuilt features. torchft-like carries no "
-          "embedding cost: torchft has no sharded-embedding sync (its figure is a dense model's).")
+    print(f"'{AS_DESIGNED}' keeps a slow replica at a reduced share once detected (slow_detect_s): designed, NOT "
+          f"built; '{AS_BUILT}' (slow_detect_s = inf) is what the code does today. Both keep the embedding tables in "
+          "step the cheaper of the two built ways at each scale: the union update (its step growing with the groups: "
+          "sparse_update_share x union_extra_per_group per group beyond two) or the tables averaged across groups "
+          "(table_gb / average_every all-reduced each step over cross_group_gbps: flat in the groups; model averaging, "
+          "not the one job's step: bench_embedding_sync.py measures what it costs in quality). A lead that only the "
+          "as-designed row has rests on the unbuilt feature. torchft-like carries no embedding cost: torchft has no "
+          "sharded-embedding sync (its figure is a dense model's).")
 
 
 def writable(path: Path) -> Path:

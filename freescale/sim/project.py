@@ -10,11 +10,12 @@ comes from.  ``inputs()`` gathers them, ``check_inputs()`` validates them (error
 at a GPU count; ``project()`` simulates the four on one trace per GPU count.
 
 freescale appears twice: **as built** (a slow replica sets everyone's pace, as under torchft:
-the loader does not plan by speed yet; every group applies every group's embedding update, the
-union update, so its step grows with the replica groups: ``union_overhead``) and **as designed**
-(a slow replica, once detected, kept at a reduced share: DESIGN.md "fail-slow"; and the
-owner-sharded embedding update, whose added work grows less per group: ``owner_overhead``, its
-steps measured on one process by ``bench_union_update.py``; neither built).  Any lead that only the second row has rests on the unbuilt features.
+the loader does not plan by speed yet; and the cheaper at each scale of its two built ways of keeping
+the embedding tables in step: the union update, whose step grows with the replica groups
+(``union_overhead``), or the tables averaged ``1/average_every`` a step, whose all-reduce is flat in
+the groups and grows with the table bytes a rank holds (``average_overhead``)) and **as designed**
+(the same, and a slow replica, once detected, kept at a reduced share: DESIGN.md "fail-slow", not
+built).  Any lead that only the second row has rests on the unbuilt feature.
 """
 
 from __future__ import annotations
@@ -102,7 +103,6 @@ def measured(results: Path) -> dict[str, Sourced]:
              - _field(tr, f"{kr}.catch_up.bytes", tr_file) / rate)
     return {
         "union_extra_per_group": union_extra_per_group(results / "union_update_cpu.json"),
-        **owner_extra(results / "union_update_cpu.json"),
         "kill_to_commit_s": m(tr_file, tr, f"{kr}.kill_s"),
         "torchft_kill_to_commit_s": m(ft_file, ft, f"rows.{kill_i}.torchft_raw"),
         "restart_to_catchup_s": m(tr_file, tr, f"{kr}.kill_to_catch_up_start_s", toy,
@@ -139,25 +139,6 @@ def union_extra_per_group(file: Path) -> Sourced:
                    "the ratio, not the milliseconds, is what scales", "measured")
 
 
-def owner_extra(file: Path) -> dict[str, Sourced]:
-    """The owner-sharded update's added work (designed, not built) as a fraction of a group's own embedding
-    update: ``owner_vs_own - 1`` of ``bench_union_update.py``'s measured rows fitted as ``at_2 + per_group x
-    (R - 2)`` (least squares over R >= 2): its steps timed on one process, the exchanges not."""
-    doc = _load(file)
-    fit = [(r["groups"] - 2, r["owner_vs_own"] - 1) for r in doc.get("rows", [])
-           if r.get("kind") == "measured" and r.get("groups", 0) >= 2 and "owner_vs_own" in r]
-    if len(fit) < 2:
-        raise SimError(f"{file}: needs the owner-sharded columns for two or more group counts >= 2; re-run "
-                       "benchmarks/bench_union_update.py")
-    n, sx, sy = len(fit), sum(x for x, _ in fit), sum(y for _, y in fit)
-    slope = (n * sum(x * y for x, y in fit) - sx * sy) / (n * sum(x * x for x, _ in fit) - sx * sx)
-    at_2 = (sy - slope * sx) / n
-    where = f"{file.name}: owner_vs_own - 1 fitted on R = {', '.join(str(x + 2) for x, _ in fit)}"
-    return {"owner_extra_at_2": Sourced(at_2, f"{where}: at R = 2 (its steps on one CPU process; designed, not built)",
-                                        "measured"),
-            "owner_extra_per_group": Sourced(slope, f"{where}: per group beyond two", "measured")}
-
-
 def update_overhead(base: float, share: float, extra: float) -> float:
     """The throughput lost at a replica count whose embedding update adds ``extra`` of a group's own update
     beyond what the measured two-group FT overhead ``base`` holds, that update being ``share`` of a step: the
@@ -171,11 +152,19 @@ def union_overhead(base: float, share: float, per_group: float, replicas: int) -
     return update_overhead(base, share, per_group * max(0, replicas - 2))
 
 
-def owner_overhead(x: dict[str, float], replicas: int) -> float:
-    """As designed: the owner-sharded update's added work at ``replicas`` groups in place of the union's
-    at two (which the measured ``overhead`` holds)."""
-    extra = x["owner_extra_at_2"] + x["owner_extra_per_group"] * max(0, replicas - 2) - x["union_extra_per_group"]
-    return update_overhead(x["overhead"], x["sparse_update_share"], extra)
+def average_overhead(base: float, x: dict[str, float], replicas: int) -> float:
+    """With the tables averaged across groups (``[ft] embedding_sync = "average"``): each step's ring all-reduce of
+    ``1/average_every`` of a rank's tables and their row-wise state, ``2 (R - 1) / R`` of its bytes over the
+    cross-group link, exposed after the step's dense reduction; no embedding work beyond the group's own."""
+    seconds = 2 * (replicas - 1) / replicas * x["table_gb"] / x["average_every"] / x["cross_group_gbps"]
+    return update_overhead(base, 1.0, seconds / x["step_s"])
+
+
+def embedding_overhead(x: dict[str, float], replicas: int) -> tuple[float, str]:
+    """As built: the cheaper of the two built schemes at ``replicas`` groups, and its name."""
+    union = union_overhead(x["overhead"], x["sparse_update_share"], x["union_extra_per_group"], replicas)
+    average = average_overhead(x["overhead"], x, replicas)
+    return (union, "union") if union <= average else (average, "average")
 
 
 def _ft_timeout_default() -> float:
@@ -212,6 +201,14 @@ def assumptions() -> dict[str, Sourced]:
         "sparse_update_share": Sourced(0.1, "guess: a group's own fused embedding update (TBE backward and row-wise "
                                        "Adagrad) is 10% of its step; what the union update multiplies", a),
         "state_gb": Sourced(8.0, "guess: 8 GB of parameters + optimizer state per rank", a),
+        "table_gb": Sourced(4.0, "guess: half of state_gb is fused embedding rows and their row-wise Adagrad state "
+                            "(what the averaged scheme all-reduces)", a),
+        "cross_group_gbps": Sourced(50.0, "guess: 400 Gb/s of cross-group network per GPU (one NDR InfiniBand port); "
+                                    "bench_union_update.py's --link-gbps default", a),
+        "average_every": Sourced(16.0, "choice: [ft] average_every = 16 for large tables (embedding_sync_cpu.json: "
+                                 "tiny DLRM, 3 seeds at R = 2 and 3, eval AUC minus the union's -0.0028..+0.0016 at "
+                                 "16, the union against the job without FT -0.0015..+0.0010; 256 lost 0.003-0.010 in "
+                                 "5 of 6; the code's default is 1)", a),
         "node_replacement_s": Sourced(390.0, "FT-HSDP: failed replica out 10 min, 3 of them the global stall: "
                                       "~7 min to replace and restart a group (scheduler, node swap, start)", a),
         "job_restart_fixed_s": Sourced(400.0, "FT-HSDP: 10 min synchronous recovery at 98K minus its ~200 s NCCL init", a),
@@ -253,6 +250,8 @@ RULES: dict[str, tuple[str, Any]] = {
     "overhead": ("in [0, 1)", lambda x: 0 <= x < 1),
     "torchft_overhead": ("in [0, 1)", lambda x: 0 <= x < 1),
     "sparse_update_share": ("in [0, 1]", lambda x: 0 <= x <= 1),
+    "average_every": (">= 1", lambda x: x >= 1),
+    "cross_group_gbps": ("> 0", lambda x: x > 0),
 }
 MAY_BE_INF = {"slow_detect_s"}
 """``inf``: never detected (``--set slow_detect_s=inf`` turns the as-designed row into the as-built one)."""
@@ -316,9 +315,8 @@ def scenario(gpus: int, v: dict[str, Sourced], replicas: int | None = None) -> t
                       {"crash": x["kill_to_commit_s"], "hang": x["freescale_hang_detect_s"], "slow": x["slow_detect_s"]},
                       restart_s=group_restart, reconfigure_s=x["reconfigure_s"], catchup_gbps=x["catchup_gbps"],
                       replay_s=x["catchup_fixed_s"], catchup_slowdown=x["catchup_slowdown"],
-                      overhead=owner_overhead(x, groups), **ckpt)  # the owner-sharded update: not built
-    built = replace(designed, name=AS_BUILT, detect_s={**designed.detect_s, "slow": INF},
-                    overhead=union_overhead(x["overhead"], x["sparse_update_share"], x["union_extra_per_group"], groups))
+                      overhead=embedding_overhead(x, groups)[0], **ckpt)
+    built = replace(designed, name=AS_BUILT, detect_s={**designed.detect_s, "slow": INF})
     return cluster, [sync, torchft, built, designed]
 
 
@@ -360,8 +358,12 @@ def project(v: dict[str, Sourced], gpu_counts: tuple[int, ...], failures: int, s
     rows = []
     for gpus in gpu_counts:
         cluster, policies = scenario(gpus, v)
+        scheme = embedding_overhead({k: s.value for k, s in v.items()}, cluster.replicas)[1]
         for policy, out in zip(policies, compare(cluster, policies, failures, seed)):
-            rows.append(summary_row(gpus, cluster, policy, out))
+            row = summary_row(gpus, cluster, policy, out)
+            if policy.kind == "freescale":
+                row["embedding_sync"] = scheme
+            rows.append(row)
     return rows
 
 
