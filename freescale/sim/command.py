@@ -36,9 +36,9 @@ from freescale.sim.project import (
     check_scenarios,
     compare,
     inputs,
+    policy_rows,
     project,
     scenario,
-    summary_row,
     with_overrides,
 )
 from freescale.tables import print_table
@@ -201,7 +201,7 @@ def run_simulate(results: Path, gpus: int, replicas: int | None, failures: int, 
     print_inputs(v)
     cluster, policies = scenario(gpus, v, replicas)
     outs = compare(cluster, policies, failures, seed)
-    rows = [summary_row(gpus, cluster, p, o) for p, o in zip(policies, outs)]
+    rows = policy_rows(gpus, cluster, policies, outs, v)
     print(f"{gpus:,} GPUs as {cluster.replicas} replica groups of {cluster.gpus_per_replica:,}, {failures:,} "
           f"crash/hang failures simulated (seed {seed}):")
     print_results(rows)

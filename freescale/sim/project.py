@@ -358,12 +358,18 @@ def project(v: dict[str, Sourced], gpu_counts: tuple[int, ...], failures: int, s
     rows = []
     for gpus in gpu_counts:
         cluster, policies = scenario(gpus, v)
-        scheme = embedding_overhead({k: s.value for k, s in v.items()}, cluster.replicas)[1]
-        for policy, out in zip(policies, compare(cluster, policies, failures, seed)):
-            row = summary_row(gpus, cluster, policy, out)
-            if policy.kind == "freescale":
-                row["embedding_sync"] = scheme
-            rows.append(row)
+        rows += policy_rows(gpus, cluster, policies, compare(cluster, policies, failures, seed), v)
+    return rows
+
+
+def policy_rows(gpus: int, cluster: Cluster, policies: list[Policy], outs: list[Outcome],
+                v: dict[str, Sourced]) -> list[dict[str, Any]]:
+    """``summary_row`` per policy; freescale's also name the embedding scheme it keeps the tables in step with."""
+    scheme = embedding_overhead({k: s.value for k, s in v.items()}, cluster.replicas)[1]
+    rows = [summary_row(gpus, cluster, p, o) for p, o in zip(policies, outs)]
+    for policy, row in zip(policies, rows):
+        if policy.kind == "freescale":
+            row["embedding_sync"] = scheme
     return rows
 
 
