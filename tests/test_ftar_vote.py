@@ -28,7 +28,8 @@ class _CountingExchange:
     def header(self) -> torch.Tensor:
         return torch.tensor([3], dtype=torch.int64)
 
-    def __call__(self, group: Any, quorum: Quorum, weights: list[float], headers: list[torch.Tensor]) -> int:
+    def __call__(self, group: Any, quorum: Quorum, weights: list[float], headers: list[torch.Tensor],
+                 ready: list[bool]) -> int:
         return quorum.quorum_id
 
     def prepare(self, exchanged: int) -> int:
