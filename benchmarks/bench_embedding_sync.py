@@ -14,7 +14,8 @@ without fault tolerance (its tables sharded, the reference the union equals up t
 eval AUC and log loss after ``--steps`` steps (mean over seeds, [min..max]; under ``average`` with N > 1
 each group evaluates its own tables: group 0's), the mean train loss of the last 10% of steps, the
 median step time after the first 10 steps, the median time of the exchange (reduction, embedding
-exchange and vote) and the embedding exchange's bytes per step as received (``exchange_bytes``).
+exchange and vote) and the embedding exchange's buffer per step (``exchange_bytes``: the union's every
+participant's gathered step, this group's own included; the average's summed slice).
 
 Then the bytes at scale, counted, not run: a rank holding ``--table-mb`` of one table's rows (dim
 ``--dim``, row-wise Adagrad: one more float per row) and looking up ``--bags`` bags of ``--per-bag``

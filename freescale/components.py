@@ -128,6 +128,9 @@ def prepare(cfg: TrainerConfig) -> None:
     if not cfg.ft.enabled and cfg.train.nonfinite == "skip_step":
         raise ConfigError("train.nonfinite: 'skip_step' needs fault tolerance (--replicas), whose embedding update "
                           "waits for the commit; without it the fused update already ran inside backward")
+    if cfg.ft.enabled and cfg.ft.embedding_sync == "average" and cfg.train.nonfinite == "skip_step":
+        raise ConfigError("train.nonfinite: 'skip_step' needs the union update (ft.embedding_sync = \"union\"): with "
+                          "\"average\" each group's fused update already ran inside backward")
 
 
 def refuse_replicated_tables(cfg: TrainerConfig, tables: list[str]) -> None:
@@ -208,7 +211,9 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
         refuse_replicated_tables(cfg, replicated)
     c = cfg.checkpoint
     # Before fault tolerance wraps the tables' lookups: its union update must go through the tracker.
-    staging = LazySaves(RowTracker(dmp), c.stage_budget) if c.async_save and c.every and c.stage_budget else None
+    # Not with the averaged tables: their averages overwrite rows no lookup reported (the save copies at its step).
+    lazy = c.async_save and c.every and c.stage_budget and not (ft_on and cfg.ft.embedding_sync == "average")
+    staging = LazySaves(RowTracker(dmp), c.stage_budget) if lazy else None
     optimizer = build_optimizer(dmp, cfg.optim)
     update = dense_update(dmp, optimizer, cfg.optim, cfg.train.steps)
     features: list[str] = list(model.sparse_feature_names)  # type: ignore[arg-type]  # every model declares them

@@ -418,7 +418,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------
     def _warm_up(self, parts: Components, log: RunLog) -> None:
-        """Fault tolerance: one forward and backward, nothing updated, before the first quorum, so
+        """Fault tolerance: one forward and backward, nothing updated (a zero gradient: with averaged tables
+        the fused kernels' step on it changes no row), before the first quorum, so
         torchrec's lazy set-up and the loader's first read are not paid in a step the other groups
         wait for.  The batch is the loader's next one, and the loader is put back where it was."""
         start = time.perf_counter()

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from freescale.config import ConfigError, require
 
 BACKENDS = ("auto", "gloo", "nccl")
+"""``[ft] replica_backend`` choices (``freescale.ft.replica_group``)."""
 EMBEDDING_SYNCS = ("union", "average")
 """``[ft] embedding_sync`` choices: how fused embedding tables stay in step across groups."""
-"""``[ft] replica_backend`` choices (``freescale.ft.replica_group``)."""
 
 LIGHTHOUSE_ENV = "FREESCALE_LIGHTHOUSE"
 REPLICA_INDEX_ENV = "FREESCALE_REPLICA_INDEX"

@@ -117,7 +117,9 @@ def _embedding_sync(cfg: FTConfig, model: nn.Module, fence: Callable[[], None]) 
 
 def step_window(step_times: deque[float]) -> float | None:
     """How long a staged snapshot's transfer has before the source's next fence: about one step, the median
-    of the last commit intervals; None (no estimate: served live) before there are 3."""
+    of the last commit intervals; None (no estimate: served live) before there are 3.  With averaged tables
+    the fence comes at the tables' backward, the last part of the backward: the window is shorter by the
+    exchange and the vote."""
     return sorted(step_times)[len(step_times) // 2] if len(step_times) >= 3 else None
 
 
@@ -380,11 +382,15 @@ class FaultTolerance(SnapshotSide):
 
     def _apply(self, result: StepResult) -> Commit:
         """The committed step's update (dense optimizer on the averages, union update of the
-        tables), then the data side's accounting."""
+        tables, or their slice's average), then the data side's accounting."""
         self._fence_staging()
         commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result))
         updates = sum(result.weights.values()) > 0  # nobody trained this step: no update at all
-        if updates and not (result.finite if result.finite is not None else all_finite(result.tensors)):
+        averaged_tables = isinstance(self._sparse, AveragedSparseSync)
+        finite = result.finite if result.finite is not None else all_finite(result.tensors)
+        if averaged_tables and finite:  # a group's non-finite rows would reach every group through the average
+            finite = bool(torch.isfinite(result.extra.summed).all())
+        if updates and not finite:
             if self._nonfinite == "stop":
                 raise NonFiniteError(nonfinite_message(result.step, self._loss if self._weight else None,
                                                        self.in_group, f" (replica group {self._group_index})"))
@@ -397,13 +403,15 @@ class FaultTolerance(SnapshotSide):
             self._update.apply(result.step)
             for p in self._reduced:
                 p.grad = None
-            if self._sparse is not None:
+            if self._sparse is not None and not averaged_tables:
                 self._update.before_tables(result.step)  # a replayed step's lookup is built in apply
                 self._sparse.apply(result.extra, result.prepared)
         else:
             self._update.record = {}
-            if self._sparse is not None and result.prepared is not None:
+            if self._sparse is not None and result.prepared is not None and not averaged_tables:
                 self._sparse.discard(result.prepared)  # no update this step: the lookup built for it goes back
+        if isinstance(self._sparse, AveragedSparseSync):  # every committed step averages its slice (the groups'
+            self._sparse.apply(result.extra)                # own updates ran in backward)
         if self._data is not None:
             self._data.commit(commit)
         for _, _, on_commit in self._user_states.values():

@@ -4,7 +4,8 @@ moves the bytes).
 
 Staging overlaps the source's next forward and backward (``SnapshotServer.stage`` serves host tensors
 live, from where they are, and copies the rest on its own thread), fenced before the next update
-changes the state (``_fence_staging``, called by the update: the copy done, no transfer still reading).
+changes the state (``_fence_staging``, called by the update: the copy done, no transfer still reading;
+with averaged tables, ``freescale.ft.sparse_average``, also just before their fused backward, which writes them).
 A recovering rank's download lands in its own tensors (``_landing``: the state is invalid until it is
 loaded, so nothing reads it meanwhile); ``load`` then copies only what did not fit, and adopts the rest.
 """

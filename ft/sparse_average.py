@@ -21,8 +21,12 @@ averaged across the replicas).  Per step:
    scaled by ``1 / holders``.  Each group's accumulator grew by its own gradients' squares, ``R`` times
    what the union's mean gradient adds for a row one group touched or for noise-dominated gradients
    (``E[(mean of R)^2] = E[g^2] / R``); left unscaled, every row's steps shrink by about ``sqrt(R)``
-   (measured: bench_embedding_sync.py).  With SGD, averaging with ``N = 1`` is the union update
-   exactly; with Adagrad it is close, not equal.  The accumulators' last averages travel in snapshots.
+   (measured: bench_embedding_sync.py).  With SGD, ``N = 1`` and equal sample shares, averaging is the
+   union update up to float rounding; with Adagrad it is close, not equal.  The accumulators' last
+   averages travel in snapshots (checkpoints do not carry them: a resumed run takes the accumulators it
+   loaded as their last averages).  Every committed step applies its slice's average, also one nobody
+   trained in; a non-finite sum stops the run (``train.nonfinite = skip_step`` is refused: the groups'
+   fused updates already ran in backward).
 
 Every element is averaged once every ``N`` steps (``[ft] average_every``).  With ``N = 1`` every
 table is identical on every group at every committed step, the invariant the union keeps; with
@@ -63,16 +67,17 @@ from torch import nn
 
 from freescale.ft.client import Quorum
 from freescale.ft.replica_group import ReplicaGroup
-from freescale.ft.sparse_sync import fused_tbes
+from freescale.ft.sparse_sync import check_optimizer, fused_tbes
 
 _STATE_PREFIXES = ("weights", "momentum1", "momentum2")
 _PLACEMENTS = ("dev", "host", "uvm")
 
 
-def _is_rowwise_adagrad(tbe: Any) -> bool:
+def _is_adagrad(tbe: Any) -> bool:
+    """Row-wise or element-wise Adagrad: its accumulator (``momentum1``) is scaled at each average."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    return getattr(tbe, "optimizer", None) == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    return getattr(tbe, "optimizer", None) in (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_ADAGRAD)
 
 
 def table_buffers(name: str, tbe: Any) -> list[tuple[str, torch.Tensor]]:
@@ -108,6 +113,8 @@ class SliceSum:
     index: int
     summed: torch.Tensor
     holders: int
+    accumulators_only: bool = False
+    """Recorded while catching up and superseded by a later sum of the same slice: only the accumulators' part."""
 
     def nbytes(self) -> int:
         return self.summed.numel() * 4
@@ -138,13 +145,16 @@ class AveragedSparseSync:
         self.every = every
         self._buffers: list[torch.Tensor] = []
         self._accumulators: list[bool] = []
-        """Per buffer: row-wise Adagrad's accumulator (one float per row), whose growth is scaled at each average."""
+        """Per buffer: Adagrad's accumulator (row-wise: one float per row), whose growth is scaled at each average."""
+        self._recorded: dict[int, SliceSum] = {}
+        """While catching up: the newest recorded sum of each slice (an older one is cut to its accumulators)."""
         self._names: list[str] = []
         for name, tbe in fused_tbes(dmp):
-            rowwise = _is_rowwise_adagrad(tbe)
+            check_optimizer(name, tbe)  # no counters or other state outside the buffers averaged
+            adagrad = _is_adagrad(tbe)
             for kind, buffer in table_buffers(name, tbe):
                 self._buffers.append(buffer)
-                self._accumulators.append(rowwise and kind == "momentum1")
+                self._accumulators.append(adagrad and kind == "momentum1")
             self._names.append(name)
             tbe.forward = self._fenced_forward(tbe.forward, fence)  # instance attribute: state_dict etc. untouched
         if not self._buffers:
@@ -204,18 +214,42 @@ class AveragedSparseSync:
     def __call__(self, group: ReplicaGroup | dist.ProcessGroup, quorum: Quorum, weights: list[float],
                  headers: list[torch.Tensor], ready: list[bool]) -> SliceSum:
         """Sum this step's slice over the participants holding valid tables (``ready``; the others send
-        zeros).  The step is the quorum's (``max_step``: a participant that joined behind is at it too)."""
+        zeros).  The step is the quorum's (``max_step``: a participant that joined behind is at it too).
+        A holder's sum stays on the replica group's device, where it is applied; a replica catching up
+        keeps it on the host until it replays it (``_record``)."""
         replica_group = ReplicaGroup.of(group)
         index = quorum.max_step % self.every
-        mine = ready[replica_group.pg.rank()]
-        pieces = []
-        for buffer in self._buffers:
-            lo, hi = slice_bounds(buffer.numel(), index, self.every)
-            pieces.append(buffer.detach().reshape(-1)[lo:hi].to(replica_group.device, torch.float32))
-        summed = torch.cat(pieces) if mine else torch.zeros(sum(p.numel() for p in pieces),
-                                                            device=replica_group.device)
+        bounds = self._bounds(index)
+        holder = ready[replica_group.pg.rank()]
+        if holder:
+            self._recorded.clear()
+            summed = torch.cat([b.detach().reshape(-1)[lo:hi].to(replica_group.device, torch.float32)
+                                for b, (lo, hi) in zip(self._buffers, bounds)])
+        else:
+            summed = torch.zeros(sum(hi - lo for lo, hi in bounds), device=replica_group.device)
         replica_group.wait(replica_group.allreduce(summed))
-        return SliceSum(index, summed.cpu() if summed.is_cuda else summed, sum(1 for r in ready if r))
+        update = SliceSum(index, summed if holder else summed.cpu(), sum(1 for r in ready if r))
+        return update if holder else self._record(update)
+
+    def _bounds(self, index: int) -> list[tuple[int, int]]:
+        return [slice_bounds(b.numel(), index, self.every) for b in self._buffers]
+
+    def _record(self, update: SliceSum) -> SliceSum:
+        """A replica catching up keeps every committed step's sum until it replays them.  An older sum of
+        the same slice is cut to its accumulators' part: a later average overwrites the rest, while each
+        accumulator's value depends on every average since the snapshot.  So it holds at most one slice
+        of the tables per slice index, plus the accumulators' part of each step."""
+        older = self._recorded.get(update.index)
+        if older is not None and not older.accumulators_only:
+            kept, offset = [], 0
+            for (lo, hi), accumulator in zip(self._bounds(older.index), self._accumulators):
+                if accumulator:
+                    kept.append(older.summed[offset:offset + hi - lo])
+                offset += hi - lo
+            older.summed = torch.cat(kept) if kept else torch.zeros(0)
+            older.accumulators_only = True
+        self._recorded[update.index] = update
+        return update
 
     def prepare(self, exchanged: SliceSum) -> SliceSum:
         """Nothing to build while the vote is in flight: the average is a division and a copy."""
@@ -225,11 +259,15 @@ class AveragedSparseSync:
         """The vote failed: nothing was written (the slice is copied in only by ``apply``)."""
 
     def apply(self, update: SliceSum, prepared: SliceSum | None = None) -> None:
-        """The committed step's average: slice ``update.index`` of every buffer becomes sum / holders."""
+        """The committed step's average: slice ``update.index`` of every buffer becomes sum / holders (an
+        accumulator: its last average plus the mean growth over the holders; only the accumulators for a
+        recorded sum that a later one of the same slice superseded)."""
         if update.holders < 1:
             raise RuntimeError("fault tolerance: an embedding average over no participant with valid tables")
-        bounds = [slice_bounds(b.numel(), update.index, self.every) for b in self._buffers]
-        expected = sum(hi - lo for lo, hi in bounds)
+        parts = [(b, lo, hi, acc) for b, (lo, hi), acc in zip(self._buffers, self._bounds(update.index),
+                                                                self._accumulators)
+                 if acc or not update.accumulators_only]
+        expected = sum(hi - lo for _, lo, hi, _ in parts)
         if update.summed.numel() != expected:  # checked before any write: nothing half-applied
             raise RuntimeError(f"fault tolerance: an embedding average of {update.summed.numel()} elements for slice "
                                f"{update.index}, this model's slice has {expected}")
@@ -237,7 +275,7 @@ class AveragedSparseSync:
         offset = 0
         last = iter(self._averaged)
         with torch.no_grad():
-            for buffer, (lo, hi), accumulator in zip(self._buffers, bounds, self._accumulators):
+            for buffer, lo, hi, accumulator in parts:
                 part = averaged[offset:offset + hi - lo].to(buffer.device, buffer.dtype)
                 if accumulator:  # its growth since the last average, scaled by 1 / holders (module docstring)
                     before = next(last).reshape(-1)[lo:hi]

@@ -109,10 +109,11 @@ class _Slot:
     """The looked-up output's shape (its gradient's): known after the forward."""
 
 
-def _check_optimizer(name: str, tbe: nn.Module) -> None:
+def check_optimizer(name: str, tbe: nn.Module) -> None:
     """Only fused optimizers whose update reads no iteration count and whose forward writes no row:
     the union's forward also runs for votes that fail, and a group catching up skips the local
-    lookups, so counters may differ between groups (harmless only where nothing reads them)."""
+    lookups, so counters may differ between groups (harmless only where nothing reads them); and
+    the averaged tables (``freescale.ft.sparse_average``) average weights and accumulators only."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     kind = getattr(tbe, "optimizer", None)
@@ -121,8 +122,8 @@ def _check_optimizer(name: str, tbe: nn.Module) -> None:
         getattr(tbe, "_used_rowwise_adagrad_with_global_weight_decay", False)
     if kind not in allowed or counted:
         raise ValueError(f"fault tolerance: embedding '{name}' uses the fused optimizer {kind}"
-                         f"{' with an iteration counter' if counted else ''}; the union update keeps tables "
-                         "identical across replica groups only for exact row-wise Adagrad, Adagrad or SGD "
+                         f"{' with an iteration counter' if counted else ''}; fault tolerance keeps tables "
+                         "in step across replica groups only for exact row-wise Adagrad, Adagrad or SGD "
                          "without counters or global weight decay")
 
 
@@ -144,7 +145,7 @@ class UnionSparseUpdate:
         self._anchor = torch.zeros((), requires_grad=True)
         self._slots: list[_Slot] = []
         for name, tbe in fused_tbes(dmp):
-            _check_optimizer(name, tbe)
+            check_optimizer(name, tbe)
             pooled = int(tbe.pooling_mode) != 2  # fbgemm PoolingMode.NONE == 2: one row per id
             slot = _Slot(name, tbe, len(tbe.feature_table_map), pooled, tbe.forward)
             tbe.forward = self._deferring_forward(slot)  # instance attribute: state_dict etc. untouched

@@ -205,10 +205,11 @@ def assumptions() -> dict[str, Sourced]:
                             "(what the averaged scheme all-reduces)", a),
         "cross_group_gbps": Sourced(50.0, "guess: 400 Gb/s of cross-group network per GPU (one NDR InfiniBand port); "
                                     "bench_union_update.py's --link-gbps default", a),
-        "average_every": Sourced(16.0, "choice: [ft] average_every = 16 for large tables (embedding_sync_cpu.json: "
-                                 "tiny DLRM, 3 seeds at R = 2 and 3, eval AUC minus the union's -0.0028..+0.0016 at "
-                                 "16, the union against the job without FT -0.0015..+0.0010; 256 lost 0.003-0.010 in "
-                                 "5 of 6; the code's default is 1)", a),
+        "average_every": Sourced(16.0, "choice: [ft] average_every = 16 for large tables (embedding_sync_cpu.json, "
+                                 "tiny DLRM, 3 seeds at R = 2 and 3: eval AUC below the union's in 2 of 6 runs, by "
+                                 "up to 0.0028, where N = 1 was in 5 of 6 (up to 0.0043) and 256 in 5 of 6 (up to "
+                                 "0.0102); the job without FT minus the union: -0.0015..+0.0010; the code's default "
+                                 "is 1)", a),
         "node_replacement_s": Sourced(390.0, "FT-HSDP: failed replica out 10 min, 3 of them the global stall: "
                                       "~7 min to replace and restart a group (scheduler, node swap, start)", a),
         "job_restart_fixed_s": Sourced(400.0, "FT-HSDP: 10 min synchronous recovery at 98K minus its ~200 s NCCL init", a),
