@@ -166,6 +166,9 @@ class FaultTolerance(SnapshotSide):
         self._sparse = _embedding_sync(cfg, model, self._fence_staging) if fused is not None and fused_tbes(model) \
             else None
         if isinstance(self._sparse, AveragedSparseSync):  # the accumulators' last averages go with the tables
+            if nonfinite == "skip_step":
+                raise ValueError("fault tolerance: nonfinite='skip_step' needs the union update (embedding_sync = "
+                                 "\"union\"): with \"average\" each group's fused update already ran inside backward")
             self.register_state("freescale.embedding_average", self._sparse.state_dict, self._sparse.load_state_dict)
         token = os.environ.get(TOKEN_ENV, "")
         bind, advertise = advertised_host(cfg.lighthouse)
@@ -387,9 +390,11 @@ class FaultTolerance(SnapshotSide):
         commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result))
         updates = sum(result.weights.values()) > 0  # nobody trained this step: no update at all
         averaged_tables = isinstance(self._sparse, AveragedSparseSync)
+        # A non-finite sum would reach every group (each rank sums its own shards' slice: agreed in the group).
+        if averaged_tables and not self.agree(bool(torch.isfinite(result.extra.summed).all())):
+            raise NonFiniteError(nonfinite_message(result.step, self._loss if self._weight else None, self.in_group,
+                                                   f" (replica group {self._group_index}; its averaged tables)"))
         finite = result.finite if result.finite is not None else all_finite(result.tensors)
-        if averaged_tables and finite:  # a group's non-finite rows would reach every group through the average
-            finite = bool(torch.isfinite(result.extra.summed).all())
         if updates and not finite:
             if self._nonfinite == "stop":
                 raise NonFiniteError(nonfinite_message(result.step, self._loss if self._weight else None,

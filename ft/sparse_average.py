@@ -17,7 +17,7 @@ averaged across the replicas).  Per step:
    in one all-reduce.  A participant catching up (no valid tables) sends zeros and is not counted.
 3. **Apply** (once the step commits): slice ``j`` becomes sum / holders on every participant: the
    same bits everywhere (the ring all-reduce hands every rank the same sum; the division is local).
-   Row-wise Adagrad's accumulator is the exception: its growth since its last average is averaged and
+   Adagrad's accumulator (row-wise or element-wise) is the exception: its growth since its last average is averaged and
    scaled by ``1 / holders``.  Each group's accumulator grew by its own gradients' squares, ``R`` times
    what the union's mean gradient adds for a row one group touched or for noise-dominated gradients
    (``E[(mean of R)^2] = E[g^2] / R``); left unscaled, every row's steps shrink by about ``sqrt(R)``

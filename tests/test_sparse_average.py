@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -73,7 +72,6 @@ def test_two_replicas_end_with_the_mean_of_their_tables_and_state(tiny_data: Pat
         batches = [loader.next_batch(), loader.next_batch()]
         loader.close()
         replicas, syncs, local = [fresh(), fresh()], [], []
-        snapshot: dict[str, Any] = {}
         initial: list[torch.Tensor] = []
         for replica, batch in zip(replicas, batches):
             fenced: list[list[torch.Tensor]] = []
@@ -89,8 +87,6 @@ def test_two_replicas_end_with_the_mean_of_their_tables_and_state(tiny_data: Pat
                 "the fence ran after the fused update had written the tables"
             assert any(not torch.equal(a, b) for a, b in zip(after, before)), "the fused update did not run"
             local.append(after)
-            if not snapshot:  # replica A's state after its step: what a recovering replica loads
-                snapshot = sync.state_dict()
         assert any(not torch.equal(a, b) for a, b in zip(*local)), "both replicas trained the same rows alike"
 
         groups = [dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5)) for _ in syncs]
@@ -125,25 +121,31 @@ def test_two_replicas_end_with_the_mean_of_their_tables_and_state(tiny_data: Pat
         assert all(torch.equal(a, b) for a, b in zip(syncs[1]._averaged, state["averaged"]))  # noqa: SLF001
         with pytest.raises(RuntimeError, match="an embedding average of 1 elements for slice 0"):
             syncs[0].apply(SliceSum(0, torch.zeros(1), 1))
-        _replay_matches_the_holders(fresh(), syncs, local[0], snapshot, groups[0], every)
+        _replay_matches_the_holders(fresh(), syncs, groups[0], every)
     finally:
         if ctx.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
 def _replay_matches_the_holders(replica: torch.nn.Module, holders: list[AveragedSparseSync],
-                                snapshot_tables: list[torch.Tensor], snapshot_state: dict[str, Any],
                                 group: dist.ProcessGroup, every: int) -> None:
-    """A replica that loaded A's tables as they were before the averages (its snapshot), then recorded two rounds of
-    slice sums while catching up (the first round's cut to their accumulators by the second's), replays them and
-    holds the holders' bits."""
+    """A replica loads holder A's tables and accumulators' last averages (its snapshot), then records two rounds of
+    slice sums while catching up: in the first the holders' tables change differently before each sum (their own
+    steps), in the second they do not, so every slice ends averaged and identical on both.  The first round's
+    records are cut to their accumulators by the second's; replaying all of them gives the holders' bits, and
+    every accumulator then equals its last average."""
     catching_up = AveragedSparseSync(replica, every, fence=lambda: None)
     with torch.no_grad():
-        for mine, theirs in zip(catching_up._buffers, snapshot_tables):  # noqa: SLF001
+        for mine, theirs in zip(catching_up._buffers, holders[0]._buffers):  # noqa: SLF001
             mine.copy_(theirs)
-    catching_up.load_state_dict(snapshot_state)  # A's accumulators' last averages, as its snapshot carries them
+    catching_up.load_state_dict({"averaged": [t.clone() for t in holders[0].state_dict()["averaged"]]})
     recorded = []
     for step in range(2 * every):
+        if step < every:
+            with torch.no_grad():
+                for i, sync in enumerate(holders):
+                    for buffer in sync._buffers:  # noqa: SLF001
+                        buffer.add_((i + 1) * 1e-3 * (step + 1))  # grows the accumulators, moves the weights
         quorum = Quorum(1, (), step, "", 0)
         sums = [sync(group, quorum, [24.0], [], [True]) for sync in holders]
         both = SliceSum(sums[0].index, sums[0].summed + sums[1].summed, 2)
@@ -152,9 +154,13 @@ def _replay_matches_the_holders(replica: torch.nn.Module, holders: list[Averaged
         assert catching_up(group, quorum, [0.0], [], [False]).holders == 0  # what it sends: zeros
         recorded.append(catching_up._record(SliceSum(both.index, both.summed.clone(), 2)))  # noqa: SLF001
     assert [r.accumulators_only for r in recorded] == [True] * every + [False] * every
+    assert all(torch.equal(a, b) for a, b in zip(_buffers(holders[0]), _buffers(holders[1])))
     for update in recorded:
         catching_up.apply(update)
     assert all(torch.equal(a, b) for a, b in zip(_buffers(catching_up), _buffers(holders[0])))
+    assert all(torch.equal(a, b) for a, b in zip(catching_up._averaged, holders[0]._averaged))  # noqa: SLF001
+    accumulators = [b for b, acc in zip(_buffers(holders[0]), holders[0]._accumulators) if acc]  # noqa: SLF001
+    assert all(torch.equal(a, b) for a, b in zip(accumulators, holders[0]._averaged))  # noqa: SLF001
 
 
 def test_skipping_a_non_finite_step_is_refused_with_averaged_tables(tiny_data: Path) -> None:

@@ -22,9 +22,18 @@ def color(group: int) -> str:
 
 
 def kill_step(run: RunLogs, kill: Kill) -> int | None:
-    """The step the other groups were committing when the kill landed (the first commit after it)."""
-    after = [c["step"] for g in run.groups if g.group != kill.group for c in g.commits if c["time"] >= kill.time]
-    return min(after) if after else None
+    """The step the other groups were committing when the kill landed: the first they committed without the
+    killed group after it (a record of the step before may be written just after the kill: the other groups
+    log their commit while the killed one already runs the next step), else the first commit after it."""
+    after = [(kill.group in groups_of(c), c["step"]) for g in run.groups if g.group != kill.group
+             for c in g.commits if c["time"] >= kill.time]
+    return min(after)[1] if after else None
+
+
+def groups_of(commit: dict[str, Any]) -> set[int]:
+    """The replica groups that committed ``commit`` (its participants' indices)."""
+    ids = (str(p)[len("replica"):] for p in commit.get("participants", []))
+    return {int(i) for i in ids if i.isdigit()}
 
 
 def _finish(fig: Any, axes: Any, run: RunLogs, titles: list[str], legend_at: str) -> Any:

@@ -11,7 +11,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from freescale.report.figures import catchup_phases, fig_quality, fig_steps, fig_timeline, kill_step
+from freescale.report.figures import catchup_phases, fig_quality, fig_steps, fig_timeline, groups_of, kill_step
 from freescale.report.logs import ReportError, RunLogs, read_run
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:24px;max-width:1250px;color:#222}
@@ -70,7 +70,7 @@ def event_rows(run: RunLogs) -> list[tuple[float, list[Any]]]:
     for kill in run.kills:
         step = kill_step(run, kill)
         after = sorted(c["time"] for g in run.groups if g.group != kill.group for c in g.commits
-                       if c["time"] >= kill.time and kill.group not in _groups_of(c))
+                       if c["time"] >= kill.time and kill.group not in groups_of(c))
         stall = f"; the others' next commit without it {after[0] - kill.time:.2f} s later" if after else ""
         found.append((kill.time, [f"{kill.time - t0:.2f}", kill.group, "<span class=kill>SIGKILL</span>",
                                   f"rank {kill.rank} killed (FREESCALE_FAULTS) during step {step}{stall}"]))
@@ -95,11 +95,6 @@ def event_rows(run: RunLogs) -> list[tuple[float, list[Any]]]:
         for e in g.of("checkpoint", "calibrate"):
             found.append((e["time"], [f"{e['time'] - t0:.2f}", g.group, e["event"], f"step {e.get('step')}"]))
     return sorted(found, key=lambda item: item[0])
-
-
-def _groups_of(commit: dict[str, Any]) -> set[int]:
-    ids = (str(p)[len("replica"):] for p in commit.get("participants", []))
-    return {int(i) for i in ids if i.isdigit()}
 
 
 FIGURE_NOTES = {
