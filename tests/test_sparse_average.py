@@ -24,9 +24,9 @@ from freescale.ft.client import Quorum
 from freescale.ft.config import FTConfig
 from freescale.ft.sparse_average import AveragedSparseSync, SliceSum, slice_bounds
 from freescale.models import build_model, cost_model_for
-from freescale.parallelize import shard_model
 from freescale.rank_console import quiet_libraries
 from freescale.trainer import TrainerConfig
+from tests.test_sparse_sync import sharded_replica
 
 
 def _buffers(sync: AveragedSparseSync) -> list[torch.Tensor]:
@@ -59,11 +59,7 @@ def test_two_replicas_end_with_the_mean_of_their_tables_and_state(tiny_data: Pat
         manifest = DatasetManifest.read(cfg.data.path)
 
         def fresh() -> torch.nn.Module:
-            torch.manual_seed(0)
-            model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
-                                embedding_device=torch.device("meta"))
-            torch.manual_seed(1)
-            return shard_model(model, ctx, cfg.optim)
+            return sharded_replica(cfg, ctx, manifest)
 
         features = list(build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
                                     embedding_device=torch.device("meta")).sparse_feature_names)

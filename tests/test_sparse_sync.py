@@ -20,7 +20,7 @@ from freescale.dataloader.batch import Batch
 from freescale.dataloader.build import build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.digest import local_digest
-from freescale.distributed import init_distributed
+from freescale.distributed import DistContext, init_distributed
 from freescale.ft.sparse_sync import TBEStep, UnionSparseUpdate, UnionUpdate
 from freescale.models import build_model, cost_model_for
 from freescale.parallelize import shard_model
@@ -46,6 +46,14 @@ def _tables(dmp: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.local_shards()[0].tensor.clone() for k, v in dmp.state_dict().items() if hasattr(v, "local_shards")}
 
 
+def sharded_replica(cfg: TrainerConfig, ctx: DistContext, manifest: DatasetManifest) -> torch.nn.Module:
+    """The model of ``cfg`` sharded on this one rank, from fixed seeds: every call the same weights (a replica)."""
+    torch.manual_seed(0)
+    model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"))
+    torch.manual_seed(1)  # tables are initialised when sharded
+    return shard_model(model, ctx, cfg.optim)
+
+
 def _state(dmp: torch.nn.Module, sync: UnionSparseUpdate) -> tuple[str, list[tuple[int, list[int]]]]:
     """Digest of every local tensor (tables and their fused optimizer state) and each TBE's call counters."""
     tensors = {k: v.local_shards()[0].tensor if hasattr(v, "local_shards") else v for k, v in dmp.state_dict().items()}
@@ -67,11 +75,7 @@ def test_union_update_equals_one_model_on_all_samples(kind: str, tiny_data: Path
         manifest = DatasetManifest.read(cfg.data.path)
 
         def fresh() -> torch.nn.Module:
-            torch.manual_seed(0)
-            model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
-                                embedding_device=torch.device("meta"))
-            torch.manual_seed(1)  # tables are initialised when sharded
-            return shard_model(model, ctx, cfg.optim)
+            return sharded_replica(cfg, ctx, manifest)
 
         features = list(build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
                                     embedding_device=torch.device("meta")).sparse_feature_names)
