@@ -22,7 +22,10 @@ Then the bytes at scale, counted, not run: a rank holding ``--table-mb`` of one 
 ids a step (``bench_union_update.py``'s default shape): the union receives ``(R - 1) x (ids x 8 + bags x
 dim x 4)`` bytes a step, the average ``2 (R - 1) / R x table / N`` (a ring all-reduce), for R up to 64.
 
-    python benchmarks/bench_embedding_sync.py [--quick] [--groups 2] [--every 1,16,256] [--json PATH]
+    python benchmarks/bench_embedding_sync.py [--quick] [--groups 2] [--every 1,16,256] [--users 5000] [--json PATH]
+
+``--users 2000000`` makes the user table 128 MB (the item table stays 2,000 rows): what the average moves
+each step then dominates its exchange, which measures its cost against N on this machine's loopback.
 """
 
 from __future__ import annotations
@@ -44,12 +47,12 @@ from freescale.tables import print_table
 REPO = Path(__file__).resolve().parents[1]
 
 
-def dataset(root: Path, seed: int) -> Path:
+def dataset(root: Path, seed: int, users: int) -> Path:
     from freescale.dataloader import SyntheticSpec, generate
 
     path = root / f"data{seed}"
     if not (path / "dataset.json").exists():
-        generate(str(path), SyntheticSpec(rows=200_000, eval_rows=16_384, seed=seed))
+        generate(str(path), SyntheticSpec(rows=200_000, eval_rows=16_384, num_users=users, seed=seed))
     return path
 
 
@@ -96,7 +99,7 @@ def quality_rows(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     for groups in args.groups:
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
         for seed in args.seeds:
-            data = dataset(root, seed)
+            data = dataset(root, seed, args.users)
             for name, sync in configs:  # interleaved: each seed runs every configuration back to back
                 out = root / f"g{groups}_s{seed}_{(sync or 'job').replace(':', '')}"
                 runs[name].append(train(data, out, groups, args.steps, seed, sync))
@@ -131,6 +134,8 @@ def main() -> None:
     parser.add_argument("--every", default="1,16,256", help="average_every values N, comma-separated")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--users", type=int, default=5_000,
+                        help="rows of the user table (dim 16): its size sets what the average moves each step")
     parser.add_argument("--table-mb", type=float, default=512.0, help="one table's rows a rank holds, MB (at scale)")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--bags", type=int, default=4096)
@@ -145,8 +150,8 @@ def main() -> None:
     args.seeds = [int(s) for s in args.seeds.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench_embedding_sync_") as tmp:
         quality = quality_rows(args, Path(tmp))
-    print(f"\nQuality and step cost: tiny DLRM, groups of one rank, batch 128 per rank, {args.steps} steps, "
-          f"seeds {args.seeds} (mean [min..max])")
+    print(f"\nQuality and step cost: tiny DLRM ({args.users:,} users), groups of one rank, batch 128 per rank, "
+          f"{args.steps} steps, seeds {args.seeds} (mean [min..max])")
     print_table(quality, ["groups", "sync", "auc", "logloss", "train_loss", "step_ms", "exchange_ms", "exchange_kb"])
     scale = scale_rows(args)
     print(f"\nBytes a rank receives per step, counted: {args.table_mb:.0f} MB of rows (dim {args.dim}) held, "

@@ -17,16 +17,14 @@ import torch
 import torch.distributed as dist
 
 from freescale.dataloader.batch import Batch
-from freescale.dataloader.build import build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.distributed import init_distributed
 from freescale.ft.client import Quorum
 from freescale.ft.config import FTConfig
 from freescale.ft.sparse_average import AveragedSparseSync, SliceSum, slice_bounds
-from freescale.models import build_model, cost_model_for
 from freescale.rank_console import quiet_libraries
 from freescale.trainer import TrainerConfig
-from tests.test_sparse_sync import sharded_replica
+from tests.test_sparse_sync import first_batches, sharded_replica
 
 
 def _buffers(sync: AveragedSparseSync) -> list[torch.Tensor]:
@@ -61,12 +59,7 @@ def test_two_replicas_end_with_the_mean_of_their_tables_and_state(tiny_data: Pat
         def fresh() -> torch.nn.Module:
             return sharded_replica(cfg, ctx, manifest)
 
-        features = list(build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
-                                    embedding_device=torch.device("meta")).sparse_feature_names)
-        loader = build_loader(cfg.data, "train", rank=0, world_size=1, sparse_features=features,
-                              derived_cost=cost_model_for(cfg.model, manifest.dense_dim), seed=0, training=True)
-        batches = [loader.next_batch(), loader.next_batch()]
-        loader.close()
+        batches = first_batches(cfg, manifest, 2)
         replicas, syncs, local = [fresh(), fresh()], [], []
         initial: list[torch.Tensor] = []
         for replica, batch in zip(replicas, batches):

@@ -54,6 +54,17 @@ def sharded_replica(cfg: TrainerConfig, ctx: DistContext, manifest: DatasetManif
     return shard_model(model, ctx, cfg.optim)
 
 
+def first_batches(cfg: TrainerConfig, manifest: DatasetManifest, count: int) -> list[Batch]:
+    """The training loader's first ``count`` batches of ``cfg`` on one rank."""
+    features = list(build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
+                                embedding_device=torch.device("meta")).sparse_feature_names)
+    loader = build_loader(cfg.data, "train", rank=0, world_size=1, sparse_features=features,
+                          derived_cost=cost_model_for(cfg.model, manifest.dense_dim), seed=0, training=True)
+    batches = [loader.next_batch() for _ in range(count)]
+    loader.close()
+    return batches
+
+
 def _state(dmp: torch.nn.Module, sync: UnionSparseUpdate) -> tuple[str, list[tuple[int, list[int]]]]:
     """Digest of every local tensor (tables and their fused optimizer state) and each TBE's call counters."""
     tensors = {k: v.local_shards()[0].tensor if hasattr(v, "local_shards") else v for k, v in dmp.state_dict().items()}
@@ -77,12 +88,7 @@ def test_union_update_equals_one_model_on_all_samples(kind: str, tiny_data: Path
         def fresh() -> torch.nn.Module:
             return sharded_replica(cfg, ctx, manifest)
 
-        features = list(build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len,
-                                    embedding_device=torch.device("meta")).sparse_feature_names)
-        loader = build_loader(cfg.data, "train", rank=0, world_size=1, sparse_features=features,
-                              derived_cost=cost_model_for(cfg.model, manifest.dense_dim), seed=0, training=True)
-        batch_a, batch_b = loader.next_batch(), loader.next_batch()
-        loader.close()
+        batch_a, batch_b = first_batches(cfg, manifest, 2)
         reference, replica_a, replica_b = fresh(), fresh(), fresh()
         assert local_digest(_tables(reference)) == local_digest(_tables(replica_a)) == local_digest(_tables(replica_b))
 
