@@ -271,15 +271,18 @@ class AveragedSparseSync:
         if update.summed.numel() != expected:  # checked before any write: nothing half-applied
             raise RuntimeError(f"fault tolerance: an embedding average of {update.summed.numel()} elements for slice "
                                f"{update.index}, this model's slice has {expected}")
-        averaged = update.summed / update.holders
         offset = 0
         last = iter(self._averaged)
         with torch.no_grad():
             for buffer, lo, hi, accumulator in parts:
-                part = averaged[offset:offset + hi - lo].to(buffer.device, buffer.dtype)
+                summed, target = update.summed[offset:offset + hi - lo], buffer.reshape(-1)[lo:hi]
+                offset += hi - lo
                 if accumulator:  # its growth since the last average, scaled by 1 / holders (module docstring)
                     before = next(last).reshape(-1)[lo:hi]
-                    part = before + (part - before) / update.holders
-                    before.copy_(part)
-                buffer.reshape(-1)[lo:hi].copy_(part)
-                offset += hi - lo
+                    part = summed.to(buffer.device, buffer.dtype) / update.holders
+                    before.copy_(before + (part - before) / update.holders)
+                    target.copy_(before)
+                elif summed.device == buffer.device and buffer.dtype == torch.float32:
+                    torch.div(summed, update.holders, out=target)  # one pass, straight into the table
+                else:
+                    target.copy_((summed / update.holders).to(buffer.device, buffer.dtype))
