@@ -389,9 +389,10 @@ class FaultTolerance(SnapshotSide):
         self._fence_staging()
         commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result))
         updates = sum(result.weights.values()) > 0  # nobody trained this step: no update at all
-        averaged_tables = isinstance(self._sparse, AveragedSparseSync)
+        union = self._sparse if isinstance(self._sparse, UnionSparseUpdate) else None
+        averaged = self._sparse if isinstance(self._sparse, AveragedSparseSync) else None
         # A non-finite sum would reach every group (each rank sums its own shards' slice: agreed in the group).
-        if averaged_tables and not self.agree(bool(torch.isfinite(result.extra.summed).all())):
+        if averaged is not None and not self.agree(bool(torch.isfinite(result.extra.summed).all())):
             raise NonFiniteError(nonfinite_message(result.step, self._loss if self._weight else None, self.in_group,
                                                    f" (replica group {self._group_index}; its averaged tables)"))
         finite = result.finite if result.finite is not None else all_finite(result.tensors)
@@ -403,20 +404,20 @@ class FaultTolerance(SnapshotSide):
             self.record["nonfinite_skipped"] = True
             updates = False
         if updates:
-            for p, averaged in zip(self._reduced, result.tensors):
-                p.grad = averaged if averaged.device == p.device else averaged.to(p.device)  # replayed
+            for p, grad in zip(self._reduced, result.tensors):
+                p.grad = grad if grad.device == p.device else grad.to(p.device)  # replayed
             self._update.apply(result.step)
             for p in self._reduced:
                 p.grad = None
-            if self._sparse is not None and not averaged_tables:
+            if union is not None:
                 self._update.before_tables(result.step)  # a replayed step's lookup is built in apply
-                self._sparse.apply(result.extra, result.prepared)
+                union.apply(result.extra, result.prepared)
         else:
             self._update.record = {}
-            if self._sparse is not None and result.prepared is not None and not averaged_tables:
-                self._sparse.discard(result.prepared)  # no update this step: the lookup built for it goes back
-        if isinstance(self._sparse, AveragedSparseSync):  # every committed step averages its slice (the groups'
-            self._sparse.apply(result.extra)                # own updates ran in backward)
+            if union is not None and result.prepared is not None:
+                union.discard(result.prepared)  # no update this step: the lookup built for it goes back
+        if averaged is not None:  # every committed step averages its slice (the groups' own updates ran in backward)
+            averaged.apply(result.extra)
         if self._data is not None:
             self._data.commit(commit)
         for _, _, on_commit in self._user_states.values():

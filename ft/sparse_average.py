@@ -56,7 +56,6 @@ source's copy.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,11 +64,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from freescale.digest import local_digest
 from freescale.ft.client import Quorum
 from freescale.ft.replica_group import ReplicaGroup
 from freescale.ft.sparse_sync import check_optimizer, fused_tbes
 
-_STATE_PREFIXES = ("weights", "momentum1", "momentum2")
+_STATE_PREFIXES = ("weights", "momentum1")
+"""What the fused optimizers ``check_optimizer`` admits keep: weights, and Adagrad's accumulator."""
 _PLACEMENTS = ("dev", "host", "uvm")
 
 
@@ -81,8 +82,8 @@ def _is_adagrad(tbe: Any) -> bool:
 
 
 def table_buffers(name: str, tbe: Any) -> list[tuple[str, torch.Tensor]]:
-    """A TBE's flat float buffers that an update changes, each with its kind (``weights``, ``momentum1``,
-    ``momentum2``): its weights, then its fused optimizer's state (fbgemm keeps each in one of ``*_dev`` /
+    """A TBE's flat float buffers that an update changes, each with its kind (``weights``, ``momentum1``):
+    its weights, then its fused optimizer's state (fbgemm keeps each in one of ``*_dev`` /
     ``*_host`` / ``*_uvm``; the empty ones and integer placeholders are skipped).  A TBE with a UVM cache
     is refused: the cache holds rows the flat buffers do not."""
     cache = getattr(tbe, "lxu_cache_weights", None)
@@ -148,14 +149,12 @@ class AveragedSparseSync:
         """Per buffer: Adagrad's accumulator (row-wise: one float per row), whose growth is scaled at each average."""
         self._recorded: dict[int, SliceSum] = {}
         """While catching up: the newest recorded sum of each slice (an older one is cut to its accumulators)."""
-        self._names: list[str] = []
         for name, tbe in fused_tbes(dmp):
             check_optimizer(name, tbe)  # no counters or other state outside the buffers averaged
             adagrad = _is_adagrad(tbe)
             for kind, buffer in table_buffers(name, tbe):
                 self._buffers.append(buffer)
                 self._accumulators.append(adagrad and kind == "momentum1")
-            self._names.append(name)
             tbe.forward = self._fenced_forward(tbe.forward, fence)  # instance attribute: state_dict etc. untouched
         if not self._buffers:
             raise ValueError("fault tolerance: the model has no fused embedding tables to keep in sync")
@@ -180,21 +179,13 @@ class AveragedSparseSync:
         for mine, theirs in zip(self._averaged, averaged):
             mine.copy_(theirs)
 
-    @property
-    def tables(self) -> list[str]:
-        return list(self._names)
-
     def storages(self) -> frozenset[int]:
         """The buffers' storages (``data_ptr``): what a whole-state digest leaves out when ``every > 1``."""
         return frozenset(b.untyped_storage().data_ptr() for b in self._buffers)
 
     def slice_digest(self, index: int) -> bytes:
         """SHA-256 of this rank's slice ``index`` of every buffer: equal on every group right after it was averaged."""
-        h = hashlib.sha256()
-        for buffer in self._buffers:
-            lo, hi = slice_bounds(buffer.numel(), index, self.every)
-            h.update(buffer.detach().reshape(-1)[lo:hi].cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.digest()
+        return local_digest({"slice": [b.reshape(-1)[lo:hi] for b, (lo, hi) in zip(self._buffers, self._bounds(index))]})
 
     @staticmethod
     def _fenced_forward(run: Any, fence: Callable[[], None]) -> Any:
