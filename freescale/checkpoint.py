@@ -41,6 +41,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from freescale import checkpoint_integrity as integrity
+from freescale.checkpoint_integrity import CheckpointDamaged, CheckpointError
+from freescale.checkpoint_integrity import is_verified as is_verified  # re-exported: callers ask checkpoint
 from freescale.config import require
 
 META_NAME = "freescale.json"
@@ -72,10 +75,6 @@ class CheckpointConfig:
         require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
         require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
         require(0 <= self.stage_budget < 1, "stage_budget", f"must be in [0, 1), got {self.stage_budget}")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used, phrased for the user (names the path)."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -128,7 +127,7 @@ def save(root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str,
     """Collective: every rank calls it with its own ``app_state``; returns the final path."""
     root = Path(root)
     partial = _begin(root, step)
-    dcp.save(app_state, checkpoint_id=str(partial))
+    dcp.save(app_state, storage_writer=integrity.VerifyingWriter(partial))
     _barrier()  # every rank's files are written before rank 0 commits
     final = _commit(root, step, meta, keep)
     _barrier()
@@ -156,8 +155,9 @@ def _commit(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
     final, partial = step_dir(root, step), Path(str(step_dir(root, step)) + PARTIAL_SUFFIX)
     if _is_main():
         meta_path = partial / META_NAME
+        sealed = integrity.stamp({**meta, "step": step}, integrity.seal(partial))
         with meta_path.open("w") as fh:
-            json.dump({**meta, "step": step}, fh, indent=2, sort_keys=True)
+            json.dump(sealed, fh, indent=2, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())
         _fsync_dir(partial)
@@ -287,7 +287,7 @@ class CheckpointWriter:
             state, extra = convert(state, self.group)
             entries.update(extra)
         partial = _begin(root, step, self.group)
-        dcp.save(state, checkpoint_id=str(partial), process_group=self.group)
+        dcp.save(state, storage_writer=integrity.VerifyingWriter(partial), process_group=self.group)
 
     @property
     def writing(self) -> bool:
@@ -336,17 +336,45 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     if not meta_path.is_file():
         raise CheckpointError(f"{path}: not a complete checkpoint (no {META_NAME})")
     try:
-        return json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{meta_path}: unreadable ({exc})") from None
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointDamaged(f"{meta_path}: unreadable ({exc})") from None
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise CheckpointDamaged(f"{meta_path}: not a checkpoint's metadata (no step)")
+    integrity.check_meta(Path(path), meta)
+    return meta
 
 
 def load(path: str | Path, app_state: dict[str, Any]) -> dict[str, Any]:
-    """Fill ``app_state`` in place from the checkpoint at ``path``; return its metadata."""
+    """Collective: fill ``app_state`` in place from the checkpoint at ``path``; return its metadata.  Every
+    byte read is checked against the checksums written with it (``checkpoint_integrity``): a damaged or
+    missing file raises ``CheckpointDamaged`` naming it (``app_state`` may then be partly overwritten: load
+    another checkpoint into it, or drop it); a checkpoint that does not fit ``app_state``,
+    ``CheckpointError``.  One written before checksums loads unverified."""
+    path = Path(path)
     meta = read_meta(path)
+    reader = None
+    if integrity.is_verified(meta):
+        manifest = integrity.read_manifest(path, meta)
+        integrity.check_files(path, manifest)
+        reader = integrity.VerifyingReader(path, manifest)
     try:
-        dcp.load(app_state, checkpoint_id=str(path))
+        if reader is None:
+            dcp.load(app_state, checkpoint_id=str(path))
+        else:
+            dcp.load(app_state, storage_reader=reader)
     except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: cannot load into this model/optimizer: {first_line}") from exc
+        failures = _failures(exc)
+        damaged = next((f for f in failures if isinstance(f, CheckpointDamaged)), None)
+        if damaged is not None:
+            raise CheckpointDamaged(str(damaged)) from None
+        first = next((str(f).strip().splitlines()[0] for f in failures if str(f).strip()), type(exc).__name__)
+        raise CheckpointError(f"{path}: cannot load into this model/optimizer: {first}") from None
     return meta
+
+
+def _failures(exc: BaseException) -> list[BaseException]:
+    """The exceptions behind DCP's ``CheckpointException`` (one ``(exception, trace)`` per failed rank), or
+    ``exc`` itself."""
+    found = [pair[0] if isinstance(pair, tuple) else pair for pair in (getattr(exc, "failures", None) or {}).values()]
+    return [f for f in found if isinstance(f, BaseException)] or [exc]

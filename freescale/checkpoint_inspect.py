@@ -4,7 +4,8 @@ From ``freescale.json`` (written last by ``checkpoint.save``): the step, the wor
 groups that wrote it, the data position, each table's plan (``reshard.plan_summary``) and row-wise
 optimizer layout, a digest of the run's config.  From DCP's ``.metadata``: every tensor's logical
 size, bytes by part (model, optimizer, row-wise fragments), and that every file it names is there
-and long enough.  PATH is one checkpoint or a checkpoint directory (its latest complete one).
+and long enough.  With ``verify``, every byte of every file against the checksums written with it
+(``checkpoint_integrity.verify_all``).  PATH is one checkpoint or a checkpoint directory (its latest complete one).
 Anything unusable is one ``CheckpointError`` line naming the path.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from freescale.checkpoint import PARTIAL_SUFFIX, CheckpointError, latest, read_meta
+from freescale.checkpoint_integrity import is_verified, verify_all
 
 
 def resolve(path: str) -> Path:
@@ -33,10 +35,12 @@ def resolve(path: str) -> Path:
     return found
 
 
-def inspect(path: str) -> dict[str, Any]:
-    """Everything ``freescale checkpoint inspect`` prints, as one JSON-able dict."""
+def inspect(path: str, verify: bool = False) -> dict[str, Any]:
+    """Everything ``freescale checkpoint inspect`` prints, as one JSON-able dict.  ``verify``: every byte
+    checked against its checksum first (a difference raises ``CheckpointDamaged`` naming the file)."""
     where = resolve(path)
     meta = read_meta(where)
+    verified = verify_all(where, meta) if verify else None
     tensors = _tensors(where)
     config = meta.get("config") or {}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
@@ -62,6 +66,7 @@ def inspect(path: str) -> dict[str, Any]:
                      "carried_rows": sum(len(rows) for _, _, rows in loader.get("carry") or []),
                      "resumed_from_another_shape": bool(loader.get("reshaped_from"))},
         "tables": tables, "bytes": parts, "tensors": len(tensors),
+        "checksums": is_verified(meta), "verified_bytes": verified,
     }
 
 
@@ -106,6 +111,10 @@ def print_inspection(found: dict[str, Any]) -> None:
                                                  p["resumed_from_another_shape"] else ""))
     mb = {k: round(v / 2**20, 2) for k, v in sorted(found["bytes"].items())}
     print(f"  {found['tensors']} tensors, MB by part: {mb}")
+    if found["verified_bytes"] is not None:
+        print(f"  verified: every byte ({found['verified_bytes']:,}) matches its checksum")
+    elif not found["checksums"]:
+        print("  written without checksums (before they existed): its bytes cannot be verified")
     if found["tables"]:
         print_table(found["tables"], ["table", "rows x dim", "sharding", "ranks", "shards", "row-wise ranges"])
 

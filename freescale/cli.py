@@ -222,7 +222,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from freescale.checkpoint_inspect import inspect, print_inspection
 
-    found = inspect(args.path)
+    found = inspect(args.path, verify=args.verify)
     if args.json:
         print(json.dumps(found, indent=2))
     else:
@@ -379,6 +379,7 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     ins = ck_sub.add_parser("inspect", help="step, shape, plan per table, sizes, config digest; checks the files")
     ins.add_argument("path", help="a checkpoint (step_N) or a checkpoint directory (its latest)")
     ins.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ins.add_argument("--verify", action="store_true", help="read every byte and check it against the checksums written with it")
 
     keys_help = None
     if with_config_keys:  # imports torchrec: only worth it when help is asked for

@@ -339,7 +339,8 @@ class Trainer:
         catches up from them instead.  Every rank of the group decides alike."""
         if not self.cfg.checkpoint.resume:
             return 0
-        path = self._agreed_latest(parts)
+        found = self._agreed_checkpoints(parts)
+        path = found[0] if found else None
         fresh = parts.sync.fresh_run()
         if path is None or not fresh:
             log.write("no_resume", checkpoint=str(path) if path else None, fresh_run=fresh)
@@ -347,9 +348,7 @@ class Trainer:
                       if path is None else "the run is under way in other replica groups: catching up from them")
             return 0
         materialize_optimizer_state(parts.optimizer)
-        state = {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
-        meta = checkpoint.read_meta(path)
-        notes = self._load_state(path, meta, state, parts)
+        path, meta, state, notes = self._load_newest_sound(found, parts, log)
         parts.dmp.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optim"])
         step = int(meta["step"])
@@ -397,15 +396,41 @@ class Trainer:
                 return []
             return reshard.load_logical(lambda app: checkpoint.load(path, app), state["model"], state["optim"],
                                         meta["layouts"])
+        except checkpoint.CheckpointDamaged:
+            raise
         except (reshard.LayoutError, checkpoint.CheckpointError) as exc:
             changed = differences((meta.get("config") or {}).get("model") or {}, to_dict(self.cfg.model), "model.")
             hint = f" (the model's config differs from the checkpoint's: {'; '.join(changed)})" if changed else ""
             message = str(exc) if isinstance(exc, checkpoint.CheckpointError) else f"{path}: {exc}"
             raise checkpoint.CheckpointError(message + hint) from None
 
-    def _agreed_latest(self, parts: Components) -> Path | None:
-        """The latest complete checkpoint, the same on every rank of the group (an in-group all-reduce:
-        a checkpoint being written while the job starts could otherwise split the ranks)."""
+    def _load_newest_sound(self, found: list[Path], parts: Components,
+                           log: RunLog) -> tuple[Path, dict[str, Any], dict[str, Any], list[str]]:
+        """Load the newest of ``found`` (newest first) whose bytes verify into this plan's state dicts (fresh
+        ones for each try: a failed load leaves them part-converted): a damaged one is reported in one line
+        and the one before it tried; none left, ``CheckpointError``.  A checkpoint that verifies but does
+        not fit this model stops the resume (an older one would not fit either)."""
+        for path in found:
+            state = _raw_state(parts)
+            try:
+                meta = checkpoint.read_meta(path)
+                notes = self._load_state(path, meta, state, parts)
+            except checkpoint.CheckpointDamaged as exc:
+                log.write("checkpoint_damaged", path=str(path), reason=str(exc))
+                older = "trying the one before it" if path != found[-1] else "no older checkpoint left"
+                self._say(parts.ctx, f"checkpoint {path.name} is damaged, not loaded: {exc}; {older}")
+                continue
+            if not checkpoint.is_verified(meta):
+                notes = [f"{path.name} was written before checkpoints carried checksums: loaded unverified", *notes]
+            return path, meta, state, notes
+        raise checkpoint.CheckpointError(
+            f"{self._checkpoint_root}: every complete checkpoint is damaged ({len(found)}: "
+            f"{', '.join(p.name for p in found)}); restore one, or start over without --resume")
+
+    def _agreed_checkpoints(self, parts: Components) -> list[Path]:
+        """The complete checkpoints, newest first, the same on every rank of the group (an in-group
+        all-reduce of the newest step: a checkpoint being written while the job starts could otherwise split
+        the ranks)."""
         found = checkpoint.complete_checkpoints(self._checkpoint_root)
         step = found[-1][0] if found else -1
         if parts.ctx.world_size > 1:
@@ -414,7 +439,7 @@ class Trainer:
             if int(steps[0]) != -int(steps[1]):
                 raise checkpoint.CheckpointError(f"{self._checkpoint_root}: the group's ranks found different latest "
                                                  "checkpoints (one being written while this job started?)")
-        return found[-1][1] if found else None
+        return [path for _, path in reversed(found)]
 
     # ------------------------------------------------------------------------------
     def _warm_up(self, parts: Components, log: RunLog) -> None:

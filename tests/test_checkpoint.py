@@ -79,3 +79,70 @@ def test_sigkill_during_saves_never_leaves_a_bad_checkpoint(tmp_path: Path) -> N
             meta = checkpoint.load(path, state)
             assert meta["step"] == step == meta["data"]["step_in_epoch"]
             assert torch.all(state["weight"] == step) and torch.all(state["bias"] == step)
+
+
+def _two_checkpoints(root: Path) -> Path:
+    for step in (1, 2):
+        state = {"w": torch.full((50_000,), float(step)), "b": torch.arange(7.0) * step, "extra": {"k": step}}
+        checkpoint.save(root, step, state, {"data": {}}, keep=3)
+    newest = checkpoint.latest(root)
+    assert newest is not None
+    return newest
+
+
+def _flip(file: Path, at: float = 0.5, count: int = 4096) -> None:
+    data = bytearray(file.read_bytes())
+    start = int(len(data) * at)
+    data[start:start + count] = bytes(b ^ 0xFF for b in data[start:start + count])
+    file.write_bytes(bytes(data))
+
+
+def _data_file(path: Path) -> Path:
+    return max(path.glob("*.distcp"), key=lambda f: f.stat().st_size)
+
+
+DAMAGES = {
+    "flip in tensor data": lambda p: _flip(_data_file(p), 0.5, 64),
+    "truncated data file": lambda p: _data_file(p).write_bytes(_data_file(p).read_bytes()[:1000]),
+    "missing .metadata": lambda p: (p / ".metadata").unlink(),
+    "flip in .metadata": lambda p: _flip(p / ".metadata", 0.5, 1),
+    "missing data file": lambda p: _data_file(p).unlink(),
+    "edited manifest": lambda p: (p / "checksums.json").write_text((p / "checksums.json").read_text().replace("0", "1", 1)),
+    "edited freescale.json": lambda p: (p / "freescale.json").write_text(
+        (p / "freescale.json").read_text().replace('"step": 2', '"step": 3')),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path: Path, damage: str) -> None:
+    """Whatever is damaged, loading raises ``CheckpointDamaged`` in one line naming the file, before or while
+    DCP reads it (never a silent load, never DCP's traceback), and the older checkpoint still loads."""
+    from freescale.checkpoint_integrity import CheckpointDamaged, verify_all
+
+    newest = _two_checkpoints(tmp_path)
+    assert verify_all(newest, checkpoint.read_meta(newest)) > 200_000
+    DAMAGES[damage](newest)
+    state = {"w": torch.zeros(50_000), "b": torch.zeros(7), "extra": {"k": 0}}
+    with pytest.raises(CheckpointDamaged) as raised:
+        checkpoint.load(newest, state)
+    message = str(raised.value)
+    assert "\n" not in message and str(newest) in message, message
+    with pytest.raises(CheckpointDamaged):
+        verify_all(newest, checkpoint.read_meta(newest))
+    older = checkpoint.complete_checkpoints(tmp_path)[0][1]
+    assert checkpoint.load(older, state)["step"] == 1 and torch.all(state["w"] == 1.0)
+
+
+def test_checkpoint_without_checksums_loads_unverified(tmp_path: Path) -> None:
+    """A checkpoint written before checksums existed (no ``integrity`` entry, no manifest) still loads."""
+    import json
+
+    newest = _two_checkpoints(tmp_path)
+    meta = json.loads((newest / "freescale.json").read_text())
+    for key in ("integrity", "meta_hash"):
+        meta.pop(key)
+    (newest / "freescale.json").write_text(json.dumps(meta))
+    (newest / "checksums.json").unlink()
+    state = {"w": torch.zeros(50_000), "b": torch.zeros(7), "extra": {"k": 0}}
+    loaded = checkpoint.load(newest, state)
+    assert loaded["step"] == 2 and not checkpoint.is_verified(loaded) and torch.all(state["w"] == 2.0)

@@ -129,6 +129,17 @@ def test_single_process_train_without_torchrun_resumes_under_another_shape_and_i
     code, _, err = run_main(capsys, *hstu, "--train.steps=3", "--resume")  # the head is wider with the product
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "(the model's config differs from the checkpoint's: model.hstu.history_cross: False -> True)" in err, err
+    flipped = tmp_path / "flipped"  # one byte of tensor data changed, the size kept: only --verify sees it
+    shutil.copytree(root / "step_000000008", flipped)
+    target = max(flipped.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    assert run_main(capsys, "checkpoint", "inspect", str(flipped))[0] == 0
+    code, out, _ = run_main(capsys, "checkpoint", "inspect", str(root / "step_000000008"), "--verify")
+    assert code == 0 and "verified: every byte" in out, out
+    code, _, err = run_main(capsys, "checkpoint", "inspect", str(flipped), "--verify")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"{target}: bytes " in err and "checksum" in err, err
     broken = tmp_path / "broken"
     shutil.copytree(root / "step_000000008", broken)
     victim = next(f for f in broken.iterdir() if f.suffix == ".distcp")

@@ -71,7 +71,8 @@ def test_rank_killed_restarts_by_itself_then_the_killed_job_resumes_equal_to_uni
 ) -> None:
     """One run, two faults, the same seed as the reference: SIGKILL one rank, and ``--max-restarts 1``
     restarts the group, which resumes by itself from its last checkpoint; then SIGKILL the whole
-    job (launcher, torchrun, both ranks) mid-training, and ``--resume`` finishes it.  Every step's
+    job (launcher, torchrun, both ranks) mid-training, damage the newest checkpoint's tensor data, and
+    ``--resume`` says so in one line and finishes the run from the one before it.  Every step's
     loss equals the uninterrupted reference's bit for bit: before the first kill (the same seed
     gives the same run), after the restart, and after the resume.  (30 ms more "compute" per
     step, ``FREESCALE_FAULTS`` slow, leaves room for the second kill before the end.)"""
@@ -100,12 +101,22 @@ def test_rank_killed_restarts_by_itself_then_the_killed_job_resumes_equal_to_uni
     before, restarted = step_losses(killed_log[:restart_at]), step_losses(killed_log[restart_at:])
     assert len(before) >= 10 and before == {s: reference_losses[s] for s in before}  # same seed, same run
     assert restarted and restarted == {s: reference_losses[s] for s in restarted}
+    found = checkpoint.complete_checkpoints(tmp_path / "checkpoints")
+    assert len(found) >= 2, found
+    damaged = found[-1][1]  # 64 bytes flipped inside its largest tensor file: it must not be loaded
+    data_file = max(damaged.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    flipped = bytearray(data_file.read_bytes())
+    flipped[len(flipped) // 2:len(flipped) // 2 + 64] = bytes(b ^ 0xFF for b in flipped[len(flipped) // 2:][:64])
+    data_file.write_bytes(bytes(flipped))
     resumed = run_cli(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
+    said = [line for line in resumed.stdout.splitlines() if "damaged" in line]
+    assert len(said) == 1 and damaged.name in said[0] and data_file.name in said[0], resumed.stdout[-3000:]
     log = read_log(tmp_path)
     resume_at = log.index(events(log, "resume")[-1])
     resume_step = log[resume_at]["step"]
-    assert resume_step >= 20 and resume_step % 10 == 0
+    assert log[resume_at]["path"] == str(found[-2][1]) and resume_step == found[-2][0]
+    assert resume_step >= 10 and resume_step % 10 == 0
     after = step_losses(log[resume_at:])
     assert sorted(after) == list(range(resume_step + 1, 41))
     assert after == {s: reference_losses[s] for s in after}  # bit-identical, not close
