@@ -134,6 +134,19 @@ def save(root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str,
     return final
 
 
+def remove_stale(root: str | Path) -> list[str]:
+    """Remove what killed saves and prunings left under ``root`` (``.partial`` and ``.deleting``
+    directories); the names removed.  Only where no save of this run can be in flight: at the start of
+    a job that holds the run directory (``run_lease``), before any rank writes."""
+    root, removed = Path(root), []
+    if root.is_dir():
+        for child in sorted(root.iterdir()):
+            if child.is_dir() and child.name.startswith("step_") and child.name.endswith((PARTIAL_SUFFIX, TRASH_SUFFIX)):
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child.name)
+    return removed
+
+
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -305,6 +318,18 @@ class CheckpointWriter:
         if self._pending is None:
             return None
         return self._finish()
+
+    def abandon(self) -> None:
+        """Give up the save in flight without waiting for it (the run is being stopped): rank 0 removes its
+        ``.partial`` directory, so a stop leaves only complete checkpoints behind.  A writer thread of
+        another rank still writing fails on the missing directory; what it may leave, the next start
+        removes (``remove_stale``)."""
+        if self._pending is None:
+            return
+        _, root, step, *_ = self._pending
+        self._pending = None
+        if _is_main():
+            shutil.rmtree(Path(str(step_dir(root, step)) + PARTIAL_SUFFIX), ignore_errors=True)
 
     def _finish(self) -> tuple[Path, float]:
         import time

@@ -130,7 +130,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from freescale import rank_console
 
     rank_console.install(cfg.train.output_dir, cfg.ft.replica_id if cfg.ft.enabled else None)
-    summary = Trainer(cfg).fit()
+    from freescale.lifetime import Stopped, stops_raise
+
+    try:
+        with stops_raise():  # SIGTERM from the agent (or a scheduler) unwinds the step like ^C: no partial save
+            summary = Trainer(cfg).fit()
+    except Stopped as stopped:  # the launcher reports the stop, once
+        return 128 + stopped.signum
     if _is_rank0():
         from freescale.job_summary import SUMMARY_ENV
 
@@ -403,6 +409,10 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # a rank its agent started plainly: it ends with the agent (``freescale.lifetime``)
+        from freescale.lifetime import die_with_parent
+
+        die_with_parent()
     command: list[str] = []
     if argv[:1] == ["launch"] and "--" in argv:  # launch ... -- python my_loop.py ...: a user's own command
         argv, command = argv[:argv.index("--")], argv[argv.index("--") + 1:]

@@ -388,6 +388,9 @@ def run_client(argv: list[str]) -> int:
     """Ask the server for a rank running ``freescale ARGV`` (or a user's script or module: ``_run_target``);
     return (or die) as it ended.  Falls back to a plain start (``exec``, same pid) when there is no server
     to ask."""
+    from freescale.lifetime import die_with_parent
+
+    die_with_parent()  # the agent's death ends this client, and with it the rank (``_watch_client``)
     path, why = os.environ.get(FORKSERVER_ENV, ""), ""
     conn = None
     if running():

@@ -22,18 +22,24 @@ Multi-node runs use torchrun directly (see README).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from freescale import forkserver
+from freescale.lifetime import Stopped, children_die_with_me, die_with_parent, stops_raise
 
 ERROR_DIR_ENV = "FREESCALE_ERROR_DIR"
+GROUP_AGENT_ENV = "FREESCALE_GROUP_AGENT"
+"""Set in a replica group's agent (``launch_replicas`` starts it): the job's launcher reports for it."""
 FINAL_SUFFIX = ".final"
 """``rank<N>.final.txt``: an error no restart can fix."""
 
@@ -92,14 +98,19 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     error_dir = tempfile.mkdtemp(prefix="freescale-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir
+    children_die_with_me()  # the ranks' clients: none outlives this agent (``freescale.lifetime``)
     return _run_agent(nproc_per_node, max_restarts, train_args, command, error_dir)
 
 
 def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str], command: Sequence[str],
                error_dir: str) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    for name in list(logging.root.manager.loggerDict):  # each of the agent's modules sets its logger's own level
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.1,
@@ -125,8 +136,17 @@ def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str]
         print(f"freescale: error: rank {rank} (pid {failure.pid}) failed with {how}; see its output above",
               file=sys.stderr)
         return 1
+    except SignalException as stopped:  # the agent passed it to the ranks and waited for them
+        return stopped_by(int(stopped.sigval))
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def stopped_by(signum: int) -> int:
+    """One line for a deliberate stop (the ranks were stopped first); the exit status a shell gives it."""
+    if not os.environ.get(GROUP_AGENT_ENV):  # a group's agent: the job's launcher says it, once
+        print(f"freescale: stopped by {signal.Signals(signum).name}; every rank has ended", file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train_args: Sequence[str],
@@ -161,7 +181,8 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
         for index in range(replicas):
             env = {"OMP_NUM_THREADS": threads_per_rank(replicas * nproc_per_node), **os.environ, LIGHTHOUSE_ENV: url,
                    REPLICAS_ENV: str(replicas), REPLICA_INDEX_ENV: str(index), RUN_ID_ENV: run_id,
-                   **({SUMMARY_ENV: "1"} if output_dir else {})}
+                   GROUP_AGENT_ENV: "1", **({SUMMARY_ENV: "1"} if output_dir else {})}
+            children_die_with_me(env)
             if devices is not None:  # each group its own GPUs (every group numbers its ranks 0..G-1)
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[index * nproc_per_node:(index + 1) * nproc_per_node])
             elif shared_gpus:
@@ -172,7 +193,11 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
                 [sys.executable, "-m", "freescale.launch", str(nproc_per_node), str(max_restarts), *train_args,
                  *(["--", *command] if command else [])],
                 env=env))
-        codes = [group.wait() for group in groups]
+        with stops_raise():
+            codes = [group.wait() for group in groups]
+    except Stopped as stopped:  # SIGTERM/SIGINT/SIGHUP: each group's agent stops its ranks, then ends
+        _stop_groups(groups, stopped.signum)
+        return stopped_by(stopped.signum)
     finally:
         for group in groups:
             if group.poll() is None:
@@ -185,6 +210,25 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     if output_dir:
         _print_job_summary(Path(output_dir), title)
     return max(codes, default=0)
+
+
+STOP_GRACE_S = 30.0
+"""How long a stopped group's agent has to stop its ranks (torch's agent gives them as long) before it is
+killed; its ranks die with it (``freescale.lifetime``)."""
+
+
+def _stop_groups(groups: list[Any], signum: int) -> None:
+    """Pass the stop to every group's agent, wait for them (a second stop signal: at once), kill the rest."""
+    import time
+
+    for group in groups:
+        if group.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                group.send_signal(signum)
+    deadline = time.monotonic() + STOP_GRACE_S
+    with contextlib.suppress(Stopped), stops_raise():
+        while any(g.poll() is None for g in groups) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _print_job_summary(output_dir: Path, title: str) -> None:
@@ -217,6 +261,7 @@ def _gpus_per_group(replicas: int, nproc_per_node: int) -> tuple[list[str] | Non
 def main(argv: Sequence[str]) -> int:
     """``python -m freescale.launch NPROC MAX_RESTARTS TRAIN_ARGS... [-- COMMAND...]``: one replica
     group's agent (``launch_replicas`` starts one per group)."""
+    die_with_parent()  # the job's launcher: this agent, and through it its ranks, end with it
     nproc, restarts, *rest = argv
     cut = rest.index("--") if "--" in rest else len(rest)
     return launch_local(int(nproc), int(restarts), rest[:cut], rest[cut + 1:])

@@ -172,6 +172,9 @@ class Trainer:
         self._last_ckpt: Path | None = None
         try:
             committed = self._train_steps(parts, log, progress, start_step)
+        except KeyboardInterrupt:  # stopped (^C, or the CLI's SIGTERM): no half-written save left behind
+            self._writer.abandon()
+            raise
         except NonFiniteError:
             try:
                 self._write_lazy(log)
