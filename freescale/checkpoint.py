@@ -123,13 +123,18 @@ def _discard(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def save(root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str, Any], keep: int = 2) -> Path:
+Fence = Callable[[], None]
+"""Raises if this job no longer holds the run directory (``run_lease.fence``): checked before a commit."""
+
+
+def save(root: str | Path, step: int, app_state: dict[str, Any], meta: dict[str, Any], keep: int = 2,
+         fence: Fence | None = None) -> Path:
     """Collective: every rank calls it with its own ``app_state``; returns the final path."""
     root = Path(root)
-    partial = _begin(root, step)
+    partial = _begin(root, step, fence=fence)
     dcp.save(app_state, storage_writer=integrity.VerifyingWriter(partial))
     _barrier()  # every rank's files are written before rank 0 commits
-    final = _commit(root, step, meta, keep)
+    final = _commit(root, step, meta, keep, fence)
     _barrier()
     return final
 
@@ -151,10 +156,11 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _begin(root: Path, step: int, group: Any = None) -> Path:
-    """Collective: an empty ``step_N.partial`` for every rank to write into."""
+def _begin(root: Path, step: int, group: Any = None, fence: Fence | None = None) -> Path:
+    """Collective: an empty ``step_N.partial`` for every rank to write into (none once the fence fails)."""
     partial = Path(str(step_dir(root, step)) + PARTIAL_SUFFIX)
     if _is_main():
+        _fenced(fence, partial)
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -162,11 +168,25 @@ def _begin(root: Path, step: int, group: Any = None) -> Path:
     return partial
 
 
-def _commit(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
-    """Rank 0, once every rank's files of ``step`` are written: the metadata, then the atomic rename,
-    then old checkpoints pruned."""
+def _fenced(fence: Fence | None, partial: Path) -> None:
+    """Rank 0: this job still holds the run directory, or its ``partial`` save is removed and the fence's
+    error raised (the directory belongs to another job now: nothing of this one is left in it)."""
+    if fence is None:
+        return
+    try:
+        fence()
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _commit(root: Path, step: int, meta: dict[str, Any], keep: int, fence: Fence | None = None) -> Path:
+    """Rank 0, once every rank's files of ``step`` are written: the fence (this job still holds the run
+    directory, else nothing is committed or pruned), the metadata, then the atomic rename, then old
+    checkpoints pruned."""
     final, partial = step_dir(root, step), Path(str(step_dir(root, step)) + PARTIAL_SUFFIX)
     if _is_main():
+        _fenced(fence, partial)
         meta_path = partial / META_NAME
         sealed = integrity.stamp({**meta, "step": step}, integrity.seal(partial))
         with meta_path.open("w") as fh:
@@ -250,10 +270,10 @@ class CheckpointWriter:
     checkpoint complete and this one ``.partial``.  With ``asynchronous=False`` it is ``save``.
     """
 
-    def __init__(self, asynchronous: bool = True, group: Any = None) -> None:
+    def __init__(self, asynchronous: bool = True, group: Any = None, fence: Fence | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.asynchronous, self.group = asynchronous, group
+        self.asynchronous, self.group, self.fence = asynchronous, group, fence
         self._pending: tuple[Any, Path, int, dict[str, Any], int, float] | None = None
         self._entries: dict[str, Any] = {}
         """What the save in flight's conversion adds to its metadata (filled on the writer's thread)."""
@@ -278,7 +298,7 @@ class CheckpointWriter:
             if convert is not None:
                 app_state, extra = convert(app_state, None)
                 meta = {**meta, **extra}
-            return save(root, step, app_state, meta, keep)
+            return save(root, step, app_state, meta, keep, self.fence)
         entries: dict[str, Any] = {}
         state = app_state if copied or callable(app_state) else host_copy(app_state)
         future = self._thread.submit(self._write, root, step, state, convert, entries)
@@ -299,7 +319,7 @@ class CheckpointWriter:
         if convert is not None:
             state, extra = convert(state, self.group)
             entries.update(extra)
-        partial = _begin(root, step, self.group)
+        partial = _begin(root, step, self.group, self.fence)
         dcp.save(state, storage_writer=integrity.VerifyingWriter(partial), process_group=self.group)
 
     @property
@@ -343,7 +363,7 @@ class CheckpointWriter:
         except (Exception, CheckpointException) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"{step_dir(root, step)}: the background save failed: {first}") from exc
-        self.committed.append((_commit(root, step, meta, keep), time.perf_counter() - started))
+        self.committed.append((_commit(root, step, meta, keep, self.fence), time.perf_counter() - started))
         return self.committed[-1]
 
 

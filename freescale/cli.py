@@ -248,9 +248,23 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str], command: list[str
 def _launch_train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load_train_config(args.config, overrides, args.resume)
     from freescale.dataloader.schema import DatasetManifest
-    from freescale.launch import launch_local, launch_replicas
 
     DatasetManifest.read(cfg.data.path)  # fail here, once, before any rank starts
+    from pathlib import Path
+
+    from freescale import checkpoint, run_lease
+
+    root = Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
+    # One job per run directory: held until every rank has ended; the ranks' commits check its token.
+    with run_lease.acquire(run_lease.lease_directories(cfg.train.output_dir, root)) as lease:
+        checkpoint.remove_stale(root)  # what killed saves left: no rank of this job has started
+        os.environ[run_lease.TOKEN_ENV] = lease.token
+        return _launch_ranks(args, overrides, cfg)
+
+
+def _launch_ranks(args: argparse.Namespace, overrides: list[str], cfg: Any) -> int:
+    from freescale.launch import launch_local, launch_replicas
+
     train_args = ([f"--config={args.config}"] if args.config else []) + (["--resume"] if args.resume else [])
     if args.replicas > 1:
         if cfg.data.calibrate_every:

@@ -29,9 +29,11 @@ is the same code with or without ``--replicas``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from freescale import checkpoint, reshard
+from freescale import checkpoint, reshard, run_lease
 from freescale.components import Components, TrainConfig, TrainerConfig, build, precision_context, prepare
 from freescale.config import differences, to_dict
 from freescale.dataloader.build import build_loader
@@ -92,6 +94,34 @@ class Trainer:
         quiet_libraries()
         cfg = self.cfg
         prepare(cfg)
+        with self._own_lease():
+            return self._fit()
+
+    @contextlib.contextmanager
+    def _own_lease(self) -> Iterator[None]:
+        """The run directory's lease when no launcher holds it for this job (``run_lease``): taken by rank 0
+        before the process group exists, with what killed saves left removed.  Replica groups without
+        the launcher share a directory by design: no lease."""
+        if os.environ.get(run_lease.TOKEN_ENV) or self.cfg.ft.enabled or os.environ.get("RANK", "0") != "0":
+            yield
+            return
+        with run_lease.acquire(self._lease_directories) as lease:
+            checkpoint.remove_stale(self._checkpoint_root)
+            os.environ[run_lease.TOKEN_ENV] = lease.token  # what the fence reads (this process only)
+            try:
+                yield
+            finally:
+                os.environ.pop(run_lease.TOKEN_ENV, None)
+
+    @property
+    def _lease_directories(self) -> list[Path]:
+        return run_lease.lease_directories(self.cfg.train.output_dir, self._checkpoint_root)
+
+    def _fence(self) -> checkpoint.Fence | None:
+        return run_lease.fence_from_env(self._lease_directories)
+
+    def _fit(self) -> TrainSummary:
+        cfg = self.cfg
         ctx = init_distributed(cfg.dist)
         try:
             parts = build(cfg, ctx)
@@ -163,7 +193,8 @@ class Trainer:
         A save still being written at the end (or at a stop on a non-finite loss, which every rank makes
         together) is waited for: the checkpoint of the last good step is complete."""
         steps = self.cfg.train.steps
-        self._writer = checkpoint.CheckpointWriter(self.cfg.checkpoint.async_save, _checkpoint_group(parts.ctx))
+        self._writer = checkpoint.CheckpointWriter(self.cfg.checkpoint.async_save, _checkpoint_group(parts.ctx),
+                                                   self._fence())
         self._staging = parts.staging
         if parts.staging is not None:  # the host copy of the tables the saves reuse, made and touched now
             log.write("checkpoint_buffers", seconds=parts.staging.prepare(_raw_state(parts)))

@@ -1,0 +1,125 @@
+"""One writer per run directory: the launcher's death ends every process it started, a second job on a live
+run directory is refused, a job that lost its directory writes nothing more, a stop leaves no partial save.
+
+Real launches and real signals (SIGKILL of the launcher's process group, of the launcher alone, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from freescale import checkpoint, run_lease
+from freescale.forkserver import alive
+from freescale.testing import FAULTS_ENV
+from tests.conftest import REPO, cli_env, run_cli
+from tests.procs import descendants, wait_for
+
+SLOW = {FAULTS_ENV: "*:*:0:slow:40"}  # 40 ms more a step: time to act between checkpoints
+
+
+def _launch(tiny_data: Path, run: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    args = ["launch", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
+            f"--train.output_dir={run}", "--train.steps=100000", "--train.eval=false", "--train.progress=false",
+            "--checkpoint.every=3", "--checkpoint.keep=50", *extra]
+    return subprocess.Popen([sys.executable, "-m", "freescale.cli", *args], cwd=REPO, env={**cli_env(), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _saved(run: Path) -> int:
+    return len(checkpoint.complete_checkpoints(run / "checkpoints"))
+
+
+def _names(run: Path) -> set[str]:
+    return {p.name for p in (run / "checkpoints").iterdir()} if (run / "checkpoints").is_dir() else set()
+
+
+def _all_gone(pids: list[int], within_s: float) -> list[int]:
+    wait_for(lambda: not any(alive(p) for p in pids), timeout=within_s)
+    return [p for p in pids if alive(p)]
+
+
+def test_lease_refuses_a_second_holder_and_the_fence_sees_a_takeover(tmp_path: Path) -> None:
+    dirs = run_lease.lease_directories(tmp_path / "run", tmp_path / "ckpt")
+    assert dirs == [(tmp_path / "run").resolve(), (tmp_path / "ckpt").resolve()]
+    assert run_lease.lease_directories(tmp_path / "run", tmp_path / "run" / "checkpoints") == [dirs[0]]
+    with run_lease.acquire(dirs) as held:
+        with pytest.raises(run_lease.RunDirectoryBusy, match=f"pid {os.getpid()}"):
+            run_lease.acquire(dirs[1:])  # a second open file: flock refuses it, in this process too
+        run_lease.fence(dirs, held.token)
+    with run_lease.acquire(dirs[1:]):  # released with the first; another job takes the checkpoint directory
+        with pytest.raises(run_lease.RunDirectoryBusy, match="took this directory over"):
+            run_lease.fence(dirs, held.token)
+
+
+@pytest.mark.multiprocess
+def test_killed_launcher_leaves_no_writer_and_a_stop_leaves_no_partial(tiny_data: Path, tmp_path: Path) -> None:
+    """A 2-rank job; a second launch on its directory is refused in one line; SIGKILL of the job's process
+    group: every process it started is gone within 2 s and nothing is written after.  Then ``--resume``
+    (what the kill left half-written is removed at its start), stopped by SIGTERM after one more
+    checkpoint: one line, status 143, every process gone, no ``.partial`` left."""
+    run = tmp_path / "run"
+    job = _launch(tiny_data, run, "--nproc-per-node=2", env=SLOW)
+    try:
+        assert wait_for(lambda: _saved(run) >= 2, timeout=180), job.stderr.read() if job.poll() is not None else ""
+        second = run_cli("launch", "--nproc-per-node=2", "--config", str(REPO / "configs" / "tiny_dlrm.toml"),
+                         f"--data.path={tiny_data}", f"--train.output_dir={run}", "--train.steps=5")
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
+        assert f"{run.resolve()}: in use by a run that is still writing to it (pid {job.pid}" in lines[0], lines[0]
+        tree = descendants(job.pid)
+        assert len(tree) >= 3, tree  # the fork server, the rank clients, the ranks
+        os.killpg(job.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        left = _all_gone(tree, within_s=2.0)
+        assert not left, f"alive {time.monotonic() - killed_at:.1f} s after the kill: {left}"
+        before = _names(run)
+        time.sleep(1.5)
+        assert _names(run) == before, "written after the kill"
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    (run / "checkpoints" / "step_000000999.partial").mkdir()  # as a kill mid-save leaves one
+    resumed = _launch(tiny_data, run, "--nproc-per-node=2", "--resume", env=SLOW)
+    try:
+        newest = checkpoint.complete_checkpoints(run / "checkpoints")[-1][0]
+        assert wait_for(lambda: checkpoint.complete_checkpoints(run / "checkpoints")[-1][0] > newest, timeout=180)
+        assert "step_000000999.partial" not in _names(run)
+        tree = descendants(resumed.pid)
+        resumed.send_signal(signal.SIGTERM)
+        _, err = resumed.communicate(timeout=60)
+    finally:
+        if resumed.poll() is None:
+            os.killpg(resumed.pid, signal.SIGKILL)
+            resumed.wait()
+    assert resumed.returncode == 128 + signal.SIGTERM, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("freescale:")]
+    assert said == ["freescale: stopped by SIGTERM; every rank has ended"] and "Traceback" not in err, err[-3000:]
+    assert not _all_gone(tree, within_s=2.0)
+    assert not [n for n in _names(run) if not n.startswith("step_") or not n[5:].isdigit()], _names(run)
+
+
+@pytest.mark.multiprocess
+def test_killed_launcher_of_replica_groups_leaves_no_process(tiny_data: Path, tmp_path: Path) -> None:
+    """Two replica groups (the lighthouse in the launcher): SIGKILL of the launcher alone, not its group,
+    reaches no agent or rank directly; all of them are gone within 2 s (each dies with its parent)."""
+    run = tmp_path / "run"
+    job = _launch(tiny_data, run, "--nproc-per-node=1", "--replicas=2")
+    try:
+        assert wait_for(lambda: _saved(run) >= 1, timeout=180), job.stderr.read() if job.poll() is not None else ""
+        tree = descendants(job.pid)
+        assert len(tree) >= 5, tree  # the fork server, two agents, their clients, the ranks
+        job.kill()
+        left = _all_gone(tree, within_s=2.0)
+        assert not left, left
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
