@@ -174,6 +174,8 @@ def print_summary(summary: Any, who: str = "") -> None:
     names = {"auc": "AUC", "ne": "NE", "mrr": "MRR"}
     rows += [(f"eval {names.get(k, k.upper() if '@' in k else k)}", f"{v:.4f}")
              for k, v in summary.eval_metrics.items()]
+    if summary.skipped_rows:
+        rows.append(("rows skipped as bad", f"{summary.skipped_rows:,}"))
     if summary.checkpoint:
         rows.append(("checkpoint", summary.checkpoint))
     for name, value in rows:
@@ -252,13 +254,12 @@ def _launch_train(args: argparse.Namespace, overrides: list[str]) -> int:
     DatasetManifest.read(cfg.data.path)  # fail here, once, before any rank starts
     from pathlib import Path
 
-    from freescale import checkpoint, run_lease
+    from freescale import run_lease
 
     root = Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
-    # One job per run directory: held until every rank has ended; the ranks' commits check its token.
-    with run_lease.acquire(run_lease.lease_directories(cfg.train.output_dir, root)) as lease:
-        checkpoint.remove_stale(root)  # what killed saves left: no rank of this job has started
-        os.environ[run_lease.TOKEN_ENV] = lease.token
+    # One job per run directory, held until every rank has ended (the ranks' commits check its token); what
+    # killed saves left is removed before any rank starts.
+    with run_lease.held(run_lease.lease_directories(cfg.train.output_dir, root), stale=root):
         return _launch_ranks(args, overrides, cfg)
 
 

@@ -130,3 +130,24 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     if "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def summed_counts(ctx: DistContext, counts: dict[str, int]) -> dict[str, int]:
+    """``counts`` summed over the group's ranks, keyed by the union of their keys (collective).  JSON over
+    two all-gathers (lengths, then padded bytes): no pickle.  For reports, not for steps."""
+    import json
+
+    if ctx.world_size == 1:
+        return dict(counts)
+    mine = torch.tensor(list(json.dumps(counts).encode()), dtype=torch.uint8)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
+    dist.all_gather(lengths, torch.tensor([len(mine)], dtype=torch.int64))
+    longest = int(max(lengths))
+    padded = [torch.zeros(longest, dtype=torch.uint8) for _ in range(ctx.world_size)]
+    dist.all_gather(padded, torch.nn.functional.pad(mine, (0, longest - len(mine))))
+    total: dict[str, int] = {}
+    for length, data in zip(lengths, padded):
+        for key, value in json.loads(bytes(data[:int(length)].tolist())).items():
+            total[key] = total.get(key, 0) + int(value)
+    return total
+

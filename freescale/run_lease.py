@@ -22,13 +22,14 @@ step's checkpoint is the lighthouse's decision (one group per step).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import platform
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -97,6 +98,27 @@ def acquire(directories: list[Path]) -> RunLease:
     return lease
 
 
+@contextlib.contextmanager
+def held(directories: list[Path], stale: Path | None = None) -> Iterator[RunLease]:
+    """The lease for the block, its token in this process's environment (``TOKEN_ENV``: the ranks this
+    process starts, and its own checkpoint writer, fence with it); ``stale``: a checkpoint directory whose
+    leftovers of killed saves are removed once the lease is held (``checkpoint.remove_stale``)."""
+    with acquire(directories) as lease:
+        if stale is not None:
+            from freescale.checkpoint import remove_stale
+
+            remove_stale(stale)
+        previous = os.environ.get(TOKEN_ENV)
+        os.environ[TOKEN_ENV] = lease.token
+        try:
+            yield lease
+        finally:
+            if previous is None:
+                os.environ.pop(TOKEN_ENV, None)
+            else:
+                os.environ[TOKEN_ENV] = previous
+
+
 def fence(directories: list[Path], token: str) -> None:
     """Raise ``RunDirectoryBusy`` unless every directory's lease still holds ``token``."""
     for directory in directories:
@@ -127,4 +149,4 @@ def _describe(holder: dict[str, Any]) -> str:
 
 
 __all__ = ["LEASE_FILE", "TOKEN_ENV", "RunDirectoryBusy", "RunLease", "acquire", "fence", "fence_from_env",
-           "lease_directories"]
+           "held", "lease_directories"]

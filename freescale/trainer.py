@@ -45,8 +45,9 @@ from freescale import checkpoint, reshard, run_lease
 from freescale.components import Components, TrainConfig, TrainerConfig, build, precision_context, prepare
 from freescale.config import differences, to_dict
 from freescale.dataloader.build import build_loader
+from freescale.dataloader.schema import DataError
 from freescale.digest import state_digest
-from freescale.distributed import DistContext, init_distributed, shutdown
+from freescale.distributed import DistContext, init_distributed, shutdown, summed_counts
 from freescale.models import cost_model_for
 from freescale.parallelize import materialize_optimizer_state
 from freescale.rank_console import quiet_libraries
@@ -105,13 +106,8 @@ class Trainer:
         if os.environ.get(run_lease.TOKEN_ENV) or self.cfg.ft.enabled or os.environ.get("RANK", "0") != "0":
             yield
             return
-        with run_lease.acquire(self._lease_directories) as lease:
-            checkpoint.remove_stale(self._checkpoint_root)
-            os.environ[run_lease.TOKEN_ENV] = lease.token  # what the fence reads (this process only)
-            try:
-                yield
-            finally:
-                os.environ.pop(run_lease.TOKEN_ENV, None)
+        with run_lease.held(self._lease_directories, stale=self._checkpoint_root):
+            yield
 
     @property
     def _lease_directories(self) -> list[Path]:
@@ -170,11 +166,12 @@ class Trainer:
             parts.tracer.write_jsonl(Path(cfg.train.output_dir) / f"comm_trace_rank{parts.loader.rank}.jsonl")
             parts.tracer = None
         run = progress.run_window.compute() if committed else progress.last
+        skipped = summed_counts(parts.ctx, dict(parts.loader.source.skipped))  # every rank's, by reason
         summary = TrainSummary(
             model=cfg.model.kind, world_size=ctx.world_size, start_step=start_step, steps=committed,
             samples=int(run["samples"]), seconds=seconds, samples_per_s=progress.samples_per_s,
             train_loss=run["loss"], train_auc=run.get("auc"), checkpoint=str(last_ckpt) if last_ckpt else None,
-            skipped_rows=parts.loader.skipped_rows, task=parts.task.name,
+            skipped_rows=sum(skipped.values()), task=parts.task.name,
         )
         summary.state_digest = state_digest(parts.dmp, parts.optimizer)
         summary.finished_elsewhere = bool(getattr(parts.sync, "finished_elsewhere", False)) and committed == 0
@@ -184,7 +181,7 @@ class Trainer:
             summary.eval_metrics = {k: v for k, v in result.items() if k != "samples"}
             summary.eval_loss, summary.eval_auc, summary.eval_ne = (result.get(k) for k in ("loss", "auc", "ne"))
             log.write("eval", **result)
-        log.write("summary", **asdict(summary), skipped=dict(parts.loader.source.skipped),
+        log.write("summary", **asdict(summary), skipped=skipped,
                   pending_rows=parts.loader.state_dict().get("carry", []))
         return summary
 
@@ -224,7 +221,7 @@ class Trainer:
     def _train_steps(self, parts: Components, log: RunLog, progress: Progress, start_step: int) -> int:
         cfg, steps = self.cfg, self.cfg.train.steps
         calibration = Calibration() if cfg.data.calibrate_every else None
-        step, committed, first = start_step, 0, True
+        step, committed, first, trained_since_report = start_step, 0, True, 0
         while step < steps:
             try:
                 commit, output, info, busy, wall = self._step(parts, step)
@@ -240,9 +237,12 @@ class Trainer:
                 continue
             done = commit.step + 1
             committed += 1
+            if first and output is not None:  # the data's rows may all be bad: no silent empty training
+                self._stop_if_nothing_trained(parts, done, _trained_samples(parts, output))
             self._log_commit(parts, log, commit, output, info, busy, wall)
             if output is not None:
                 progress.add(output[1:])
+                trained_since_report += 1
             progress.timing.add(info, busy=busy, wall=wall)
             progress.timed(first)
             if calibration is not None and info is not None and not first:
@@ -251,6 +251,9 @@ class Trainer:
             if done % cfg.train.log_every == 0 or done == steps:
                 parts.sync.check_finite()
                 progress.report(done, parts.loader.epoch, parts.loader.skipped_rows)
+                if trained_since_report:  # a group that sat the window out (catching up) trained nothing by design
+                    self._stop_if_nothing_trained(parts, done, int(progress.last["samples"]))
+                trained_since_report = 0
             progress.bar.update(1)
             if calibration is not None and done % cfg.data.calibrate_every == 0 and done != steps:
                 self._calibrate(parts, log, calibration, done)
@@ -261,6 +264,18 @@ class Trainer:
             self._writer.poll()
             self._committed(log)
         return committed
+
+    def _stop_if_nothing_trained(self, parts: Components, done: int, samples: int) -> None:
+        """``samples`` is what the group trained (its first step, or since the last report): none at all means
+        every row of those batches was skipped as bad (``data.on_bad_rows = "skip"``).  Stop in one line,
+        the same on every rank, naming the data and each reason's count (collective when it stops)."""
+        if samples > 0:
+            return
+        skipped = summed_counts(parts.ctx, dict(parts.loader.source.skipped))
+        why = "; ".join(f"{reason}: {count:,} rows" for reason, count in sorted(skipped.items()))
+        raise DataError(f"{self.cfg.data.path}: up to step {done} the model trained on no sample: every row of "
+                        f"its batches was skipped as bad (data.on_bad_rows = \"skip\"; "
+                        f"{why or 'yet no row was counted as skipped'}); fix the data (freescale prepare checks a log)")
 
     def _step(self, parts: Components, step: int) -> tuple[Commit, Any, Any, float, float]:
         """One step (module docstring): (commit, (loss, logits, labels) or None, StepInfo or None,
@@ -527,6 +542,13 @@ def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[st
     """The state a checkpoint holds (``reshard.to_logical``: collective over ``group``) and its layouts."""
     app, layouts = reshard.to_logical(state["model"], state["optim"], group)
     return app, {"layouts": layouts}
+
+
+def _trained_samples(parts: Components, output: Any) -> int:
+    """Samples the group trained in a step with these outputs (collective over the group)."""
+    window = parts.task.window()
+    window.add(output[1:])
+    return int(window.compute()["samples"])
 
 
 def _agreed_max(ctx: DistContext, value: int) -> int:

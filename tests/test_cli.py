@@ -61,6 +61,29 @@ def test_missing_data_path_is_named(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert code == 2 and f"data path not found: {tmp_path / 'missing'}" in err and "Traceback" not in err
 
 
+def test_every_row_skipped_stops_in_one_line_and_nothing_is_saved(
+        tiny_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``data.on_bad_rows = skip`` over data whose every label is bad: the first step trains no sample, and the
+    run stops there in one line naming the data and the reason with its count; no checkpoint is written."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "bad"
+    shutil.copytree(tiny_data, data)
+    for file in data.glob("train*.parquet"):
+        table = pq.read_table(file)
+        index = table.schema.get_field_index("label")
+        pq.write_table(table.set_column(index, "label", pa.array([2.0] * table.num_rows, table.schema.field(index).type)),
+                       file, row_group_size=4_096)
+    code, _, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={data}",
+                            f"--train.output_dir={tmp_path / 'run'}", "--train.steps=3", "--data.on_bad_rows=skip")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{data}: up to step 1 the model trained on no sample" in err and "label: is 2.0" in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
 def test_single_process_train_without_torchrun_resumes_under_another_shape_and_inspects(
         tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """``freescale train`` in this process: 5 steps, saved; resumed to 8 under another sharding plan and
