@@ -460,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_train(args, rest) if args.command == "train" else cmd_launch(args, rest, command)
     except Exception as exc:  # one line for what the user can fix; tracebacks for our bugs
         if args.command == "lighthouse" and isinstance(exc, ConfigError):  # no torch import to say it
-            print(f"freescale: error: lighthouse: {exc}", file=sys.stderr)
+            print(f"freescale: error: lighthouse: {str(exc).removeprefix('lighthouse: ')}", file=sys.stderr)
             return 2
         if args.command == "checkpoint":
             from freescale.checkpoint import CheckpointError

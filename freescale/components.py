@@ -125,6 +125,10 @@ def prepare(cfg: TrainerConfig) -> None:
         raise ConfigError("log.tensorboard: needs the tensorboard package (pip install 'freescale[tensorboard]')")
     if "data_parallel" in cfg.optim.sharding_types().values():
         refuse_replicated_tables(cfg, ["optim.sharding"])
+    if cfg.optim.warmup_steps > cfg.train.steps:
+        raise ConfigError(f"optim.warmup_steps: {cfg.optim.warmup_steps:,} is more than train.steps "
+                          f"({cfg.train.steps:,}): the whole run would train at a fraction of the learning rate; "
+                          "lower it")
     if not cfg.ft.enabled and cfg.train.nonfinite == "skip_step":
         raise ConfigError("train.nonfinite: 'skip_step' needs fault tolerance (--replicas), whose embedding update "
                           "waits for the commit; without it the fused update already ran inside backward")

@@ -53,10 +53,8 @@ def install(output_dir: str, replica_id: str | None) -> Path:
     _state.update(path=path, stream=stream)
     faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts and os.environ.get("RANK", "0") == "0":
-        then = "catches up from the other groups" if replica_id else "resumes from its latest checkpoint"
-        print(f"freescale: {_group()} restarted (incarnation {restarts}) after a failure; "
-              f"it {then}", file=sys.stderr, flush=True)
+    if restarts and os.environ.get("RANK", "0") == "0":  # what it then starts from, the trainer says once known
+        say(f"freescale: {_group()} restarted (incarnation {restarts}) after a failure")
     return path
 
 
@@ -96,6 +94,19 @@ def report_handled(exc: BaseException) -> bool:
           f"(traceback in {_state['path']})",
           file=sys.stderr, flush=True)
     return True
+
+
+def say(line: str) -> None:
+    """``line`` on stderr in one ``write`` (atomic on a pipe or terminal for a line this short): processes
+    that share the terminal (replica groups, ranks) never glue their lines together, as two ``print``
+    writes (the text, then the newline) can."""
+    sys.stderr.flush()
+    data = (line.rstrip("\n") + "\n").encode()
+    try:
+        os.write(sys.stderr.fileno(), data)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (captured in tests): the stream itself
+        sys.stderr.write(data.decode())
+        sys.stderr.flush()
 
 
 def install_excepthook(output_dir: str | None = None, replica_id: str | None = None) -> None:

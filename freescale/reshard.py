@@ -30,8 +30,11 @@ moments) goes through DCP untouched.
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -223,6 +226,26 @@ def table_name(param_key: str) -> str:
     return parts[-2] if len(parts) >= 2 else param_key
 
 
+_DEPRECATION = "Please use DTensor instead and we are deprecating ShardedTensor"
+"""torch's FutureWarning at every ShardedTensor call: torchrec's sharded tables are ShardedTensors, so this
+module cannot do without them, and the user can do nothing about it."""
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def _sharded_tensor_calls(fn: _Fn) -> _Fn:
+    """``fn`` without torch's ShardedTensor deprecation warning (that message alone, for this call)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DEPRECATION, category=FutureWarning)
+            return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+@_sharded_tensor_calls
 def to_logical(model: dict[str, Any], optim: dict[str, Any],
                group: Any = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Collective over ``group`` (default: the default group).  The app state DCP writes (``model``;
@@ -306,6 +329,7 @@ def _no_fragments(weight: ShardedTensor, name: str, group: Any) -> tuple[Sharded
     return init_from_local_shards([], layout.rows, len(layout.cuts) - 1, process_group=group), layout
 
 
+@_sharded_tensor_calls
 def load_logical(load: Any, model: dict[str, Any], optim: dict[str, Any],
                  layouts: dict[str, dict[str, Any]], group: Any = None) -> list[str]:
     """Fill ``model`` and ``optim`` (this plan's state dicts) from a checkpoint saved by ``to_logical``

@@ -103,7 +103,7 @@ class RowTracker:
         features = table_of_feature.numel()
         if vbe is not None or (offsets.numel() - 1) % features:
             return torch.arange(total, device=indices.device)
-        bounds = offsets[::(offsets.numel() - 1) // features]  # where each feature's ids start, and the end
+        bounds = offsets[::(offsets.numel() - 1) // features].contiguous()  # each feature's first id, and the end
         position = torch.arange(indices.numel(), device=indices.device)
         feature = torch.bucketize(position, bounds[1:].to(position.dtype), right=True).clamp_(max=features - 1)
         return starts[table_of_feature[feature]] + indices.long()

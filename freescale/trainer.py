@@ -393,8 +393,8 @@ class Trainer:
         fresh = parts.sync.fresh_run()
         if path is None or not fresh:
             log.write("no_resume", checkpoint=str(path) if path else None, fresh_run=fresh)
-            self._say(parts.ctx, f"no checkpoint under {self._checkpoint_root}; starting from step 0"
-                      if path is None else "the run is under way in other replica groups: catching up from them")
+            self._say(parts.ctx, "the run is under way in other replica groups: catching up from them" if not fresh
+                      else f"no checkpoint under {self._checkpoint_root}; starting from step 0")
             return 0
         materialize_optimizer_state(parts.optimizer)
         path, meta, state, notes = self._load_newest_sound(found, parts, log)

@@ -67,6 +67,7 @@ from freescale.ft.sparse_average import AveragedSparseSync
 from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
 from freescale.ft.standby import STANDBY_ENV, take_over
 from freescale.grad_buckets import BucketedGrads
+from freescale.rank_console import say
 from freescale.step_feed import Commit
 from freescale.step_sync import NonFiniteError, all_finite, nonfinite_message
 from freescale.testing import StepHooks
@@ -426,16 +427,17 @@ class FaultTolerance(SnapshotSide):
         return commit
 
     def _say_membership(self, result: StepResult) -> None:
-        """One console line (rank 0) when the groups committing with this one change: who left, who joined."""
+        """One console line for the job when the groups committing change (who left, who joined): said by rank
+        0 of the first group of the new quorum only (every member sees the same change), in one write (the
+        groups share a terminal: two lines never interleave)."""
         members = set(result.quorum.replica_ids)
         before, self._members = self._members, members
-        if self._rank != 0 or before is None or members == before:
+        if self._rank != 0 or before is None or members == before or self._cfg.replica_id != min(members):
             return
         change = "; ".join(part for part in (
             f"left: {', '.join(sorted(before - members))}" if before - members else "",
             f"joined: {', '.join(sorted(members - before))}" if members - before else "") if part)
-        print(f"freescale: replica group {self._group_index}: step {result.step} committed by "
-              f"{', '.join(sorted(members))} ({change})", file=sys.stderr, flush=True)
+        say(f"freescale: step {result.step} committed by {', '.join(sorted(members))} ({change})")
 
     def _record_of(self, result: StepResult, trained: bool) -> dict[str, Any]:
         return {"quorum_id": result.quorum.quorum_id, "participants": list(result.quorum.replica_ids),

@@ -215,7 +215,7 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     # A handled fault: one line each for the quorum change and the restart, no traceback on the terminal
     # (the killed rank's peer in its group is stopped by the agent, or says "a peer failed" in one line).
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "replica group 0: step 6 committed by replica0 (left: replica1)" in proc.stderr, proc.stderr[-3000:]
+    assert "freescale: step 6 committed by replica0 (left: replica1)" in proc.stderr, proc.stderr[-3000:]
     assert "replica group 1 restarted (incarnation 1)" in proc.stderr
     runs = check_run(tmp_path, tiny_data, model, 2, 2, steps)
     survivor = by_step(runs[(0, 0)])
