@@ -56,6 +56,11 @@ def report_user_error(message: str, restartable: bool = False) -> None:
         print(f"freescale: error: {prefix}{message}", file=sys.stderr)
 
 
+class FutileRestart(Exception):
+    """Raised at the start of a restarted incarnation whose predecessor stopped on an error no restart can
+    fix (``restart_is_futile``): under the launcher it ends the rank with status 0, quietly."""
+
+
 def restart_is_futile() -> bool:
     """This is a restarted incarnation under ``launch`` and an earlier one stopped on an error no
     restart can fix: end now (every rank of the group reads the same files, before any collective)."""

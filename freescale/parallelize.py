@@ -154,10 +154,17 @@ def shard_fused(model: nn.Module, device: torch.device | None = None, *,
     model-parallel table is refused in one line.  ``sharders``: default torchrec's
     ``EmbeddingBagCollection`` and ``EmbeddingCollection`` sharders with ``fused_params``.
     """
-    from freescale.rank_console import install_excepthook, quiet_libraries
+    from freescale.rank_console import install_excepthook, launched, quiet_libraries
 
-    quiet_libraries()  # the planner's warnings about estimates and topology say nothing to this use
-    install_excepthook()  # a refusal below, or a peer's failure later: one line (as in ft.wrap)
+    if launched():  # a rank `freescale launch` owns: a refusal below, or a peer's failure later, is one line
+        install_excepthook()
+    with quiet_libraries():  # the planner's warnings about estimates and topology say nothing to this use
+        return _shard(model, device, fused_params, constraints, sharders)
+
+
+def _shard(model: nn.Module, device: torch.device | None, fused_params: dict[str, object] | None,
+           constraints: dict[str, ParameterConstraints] | None,
+           sharders: list[ModuleSharder[nn.Module]] | None) -> DistributedModelParallel:
     device = device or torch.device("cpu")
     fused = dict(fused_params or {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
     module_sharders = sharders or [EmbeddingCollectionSharder(fused_params=fused),

@@ -16,6 +16,7 @@ signals on; this is the rank itself).  A restarted incarnation says so in one li
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -23,6 +24,7 @@ import signal
 import sys
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -128,9 +130,11 @@ def install_excepthook(output_dir: str | None = None, replica_id: str | None = N
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         from freescale.ft.client import LighthouseError, ProgressLost
-        from freescale.launch import report_user_error
+        from freescale.launch import FutileRestart, report_user_error
         from freescale.step_sync import NonFiniteError
 
+        if isinstance(exc, FutileRestart):
+            _leave(0)  # the error that ended the incarnation before is reported by the launcher
         if isinstance(exc, (ValueError, RuntimeError)) and str(exc).startswith(_REFUSALS):
             report_user_error(str(exc))  # a model or loop the layer refuses: no restart can fix it
             _leave(2)
@@ -145,15 +149,42 @@ def install_excepthook(output_dir: str | None = None, replica_id: str | None = N
     sys.excepthook = hook
 
 
-def quiet_libraries() -> None:
-    """Silence torchrec/fbgemm chatter that says nothing to a user of freescale (its trainer, ``freescale.ft.shard``)."""
-    for name in ("torchrec", "fbgemm_gpu", "torch.fx._symbolic_trace", "torch.distributed.checkpoint"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    for module in ("torchrec", "fbgemm_gpu", "torch.distributed", "torch.fx", "torch.autograd", "torch.nn"):
-        warnings.filterwarnings("ignore", module=module)
+_QUIET_LOGGERS = ("torchrec", "fbgemm_gpu", "torch.fx._symbolic_trace", "torch.distributed.checkpoint")
+_QUIET_MODULES = ("torchrec", "fbgemm_gpu", "torch.distributed", "torch.fx", "torch.autograd", "torch.nn")
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Within the block, torchrec/fbgemm chatter that says nothing to a user of freescale (its trainer,
+    ``freescale.ft.shard``) is silenced: those loggers at ERROR, those modules' warnings ignored,
+    torchrec's "Sharding spec not found" dropped at the root logger.  Everything is put back on the way
+    out: a library leaves its host process's logging and warnings as it found them.  (The warnings filter
+    is process-wide while the block runs: another thread's warning from those modules is dropped too.)"""
+    levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
     root = logging.getLogger()  # torchrec's planner warns on the root logger for every data_parallel table
-    if _no_sharding_spec not in root.filters:
-        root.addFilter(_no_sharding_spec)
+    added = _no_sharding_spec not in root.filters
+    with warnings.catch_warnings():
+        for name in _QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        for module in _QUIET_MODULES:
+            warnings.filterwarnings("ignore", module=module)
+        if added:
+            root.addFilter(_no_sharding_spec)
+        try:
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+            if added:
+                root.removeFilter(_no_sharding_spec)
+
+
+def launched() -> bool:
+    """This process is a rank ``freescale launch`` started (its agent's environment): the launcher owns it,
+    and may set its process-wide hooks (``install_excepthook``)."""
+    from freescale.launch import ERROR_DIR_ENV
+
+    return bool(os.environ.get(ERROR_DIR_ENV))
 
 
 def _no_sharding_spec(record: logging.LogRecord) -> bool:

@@ -92,10 +92,9 @@ class Trainer:
 
     def fit(self) -> TrainSummary:
         """Train ``train.steps`` steps (resuming if asked), evaluate, return the summary."""
-        quiet_libraries()
         cfg = self.cfg
         prepare(cfg)
-        with self._own_lease():
+        with quiet_libraries(), self._own_lease():
             return self._fit()
 
     @contextlib.contextmanager

@@ -66,12 +66,15 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, data: DataState,
     ``DataState`` that reports ``weight`` and ``rank_samples``.  ``scheduler``: a torch LR scheduler
     over the dense optimizer.  ``cfg``: default ``FTConfig.from_env()`` (what ``freescale launch`` sets).
     """
-    from freescale.launch import report_user_error, restart_is_futile
-    from freescale.rank_console import install_excepthook
+    from freescale.launch import FutileRestart, restart_is_futile
+    from freescale.rank_console import install_excepthook, launched
     from freescale.testing import hooks_from_env
 
+    if launched():  # a rank `freescale launch` owns: a refusal, or a peer's failure later, ends it in one line
+        install_excepthook()
     if restart_is_futile():  # an earlier incarnation met an error no restart fixes: end before any collective
-        raise SystemExit(0)
+        raise FutileRestart("freescale.ft.wrap: an earlier incarnation of this group stopped on an error no restart "
+                            "can fix; this one ends (the launcher reports that error)")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"freescale.ft.wrap: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if not (hasattr(data, "weight") and hasattr(data, "rank_samples")):
@@ -79,25 +82,17 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, data: DataState,
                          "(freescale.ft.StepSamples does)")
     cfg = cfg or FTConfig.from_env()
     if not cfg.enabled:
-        report_user_error("freescale.ft.wrap: no lighthouse (FREESCALE_LIGHTHOUSE is not set): run the loop under "
-                          "`freescale launch --replicas R --ranks-per-replica G -- python ...`, or pass cfg= with "
-                          "the lighthouse's URL")
-        raise SystemExit(2)
+        raise ValueError("freescale.ft.wrap: no lighthouse (FREESCALE_LIGHTHOUSE is not set): run the loop under "
+                         "`freescale launch --replicas R --ranks-per-replica G -- python ...`, or pass cfg= with "
+                         "the lighthouse's URL")
     incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     hooks = hooks_from_env(cfg.replica_index, rank, incarnation,
                            Path(os.environ.get(FAULTS_DIR_ENV, ".")) / cfg.replica_id)
-    install_excepthook()
-    try:
-        layer = FaultTolerance(model, optimizer, cfg, data=data, hooks=hooks, scheduler=scheduler)
-    except ValueError as exc:  # the model or optimizer is one the layer cannot keep identical: no restart helps
-        report_user_error(str(exc))
-        raise SystemExit(2) from None
-    try:
-        layer.check_snapshot()  # a state that cannot travel fails here, not when a peer needs it
-    except ValueError as exc:
-        report_user_error(str(exc))
-        raise SystemExit(2) from None
+    # A model or optimizer the layer cannot keep identical, or a state that cannot travel (checked now, not
+    # when a peer needs it): a ValueError beginning "fault tolerance:" (under the launcher, one line, exit 2).
+    layer = FaultTolerance(model, optimizer, cfg, data=data, hooks=hooks, scheduler=scheduler)
+    layer.check_snapshot()
     return FaultTolerantOptimizer(layer, model, optimizer, data, loss_reduction)
 
 

@@ -187,9 +187,13 @@ class Model(nn.Module):
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 if sys.argv[1] == "unstepped table":  # a data_parallel table that no optimizer steps
+    import logging, warnings
     from torchrec.distributed.planner import ParameterConstraints
+    before = (list(warnings.filters), sys.excepthook, logging.getLogger("torchrec").level, logging.getLogger().filters[:])
     dmp = ft.shard(Model(), torch.device("cpu"),
                    constraints={"small_table": ParameterConstraints(sharding_types=["data_parallel"])})
+    after = (list(warnings.filters), sys.excepthook, logging.getLogger("torchrec").level, logging.getLogger().filters[:])
+    print("host untouched" if after == before else f"host changed: {before} -> {after}")
     params = dmp.module.linear.parameters()
 else:
     dmp = DistributedModelParallel(Model(), device=torch.device("cpu"))
@@ -200,18 +204,29 @@ ft.wrap(dmp, torch.optim.SGD(params, lr=0.1), data=ft.StepSamples(per_step=4))
 
 @pytest.mark.parametrize(("built", "says"), [("ddp", "wrapped in DDP"), ("no lighthouse", "FREESCALE_LIGHTHOUSE"),
                                              ("unstepped table", "table 'small_table' is in no optimizer")])
-def test_a_model_the_layer_cannot_keep_identical_is_refused_in_one_line(built: str, says: str) -> None:
+def test_a_model_the_layer_cannot_keep_identical_is_refused_in_one_line(built: str, says: str, tmp_path: Path) -> None:
+    """In a rank ``freescale launch`` owns, a refusal ends it with status 2 and one line for the launcher
+    (``FREESCALE_ERROR_DIR``); in a plain interpreter the library raises a ``ValueError`` and changes none of
+    the host's hooks, warnings filters or loggers (``ft.shard`` checked)."""
     import subprocess
     import sys
 
+    from freescale.launch import ERROR_DIR_ENV
     from tests.conftest import REPO, cli_env
 
     env = {**cli_env(), "FREESCALE_LIGHTHOUSE": "" if built == "no lighthouse" else "http://127.0.0.1:9"}
-    proc = subprocess.run([sys.executable, "-c", _REFUSED, built], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("freescale: error:")]
+    proc = subprocess.run([sys.executable, "-c", _REFUSED, built], cwd=REPO, env={**env, ERROR_DIR_ENV: str(tmp_path)},
+                          capture_output=True, text=True, timeout=120)
+    errors = [p.read_text() for p in tmp_path.glob("rank*.txt")]
     assert proc.returncode == 2 and len(errors) == 1 and says in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    if built != "unstepped table":
+        return
+    plain = subprocess.run([sys.executable, "-c", _REFUSED, built], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+    last = plain.stderr.strip().splitlines()[-1]  # torch's own hook prefixes "[rank0]: "
+    assert plain.returncode == 1 and "ValueError: " in last and says in last, plain.stderr[-2000:]
+    assert "host untouched" in plain.stdout, plain.stdout
 
 
 def test_the_layers_loss_scale_makes_the_in_group_average_the_groups_sample_mean() -> None:
