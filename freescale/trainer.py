@@ -438,12 +438,12 @@ class Trainer:
                 where = "the checkpoint has no" if tables - saved_tables else "this model has no"
                 raise checkpoint.CheckpointError(f"{path}: {where} table '{missing[0]}' (checkpoint: "
                                                  f"{', '.join(sorted(saved_tables))}; model: {', '.join(sorted(tables))})")
-            reshard.check_replication(saved_plan, plan)
             if "layouts" not in meta:  # written before logical checkpoints: loads into the same plan only
                 checkpoint.load(path, state)
                 return []
+            replicas = reshard.Replicas(frozenset(t for t, p in saved_plan.items() if p.get("type") == "data_parallel"))
             return reshard.load_logical(lambda app: checkpoint.load(path, app), state["model"], state["optim"],
-                                        meta["layouts"])
+                                        meta["layouts"], replicas=replicas)
         except checkpoint.CheckpointDamaged:
             raise
         except (reshard.LayoutError, checkpoint.CheckpointError) as exc:
