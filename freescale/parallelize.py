@@ -123,7 +123,7 @@ def shard_model(
     topology = Topology(
         world_size=ctx.world_size, compute_device=ctx.device.type, local_world_size=ctx.local_world_size
     )
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=_constraints(model, cfg))
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=_constraints(model, cfg, ctx.device.type))
     plan = planner.collective_plan(model, module_sharders, dist.GroupMember.WORLD)
     wrapper = None if data_parallel else NoDataParallel()
     dmp = DistributedModelParallel(
@@ -228,8 +228,10 @@ def _table_names(model: nn.Module, kinds: tuple[str, ...] = ("embedding_bag_conf
     return names
 
 
-def _constraints(model: nn.Module, cfg: OptimConfig) -> dict[str, ParameterConstraints] | None:
-    """``optim.sharding`` as torchrec planner constraints (fused kernels: the fused optimizer holds the state)."""
+def _constraints(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu") -> dict[str, ParameterConstraints] | None:
+    """``optim.sharding`` as torchrec planner constraints (fused kernels: the fused optimizer holds the state).
+    A sharding torchrec cannot make for a table on this device is refused here, on every rank alike, in one
+    line (torchrec's planner runs on rank 0 and would fail there with its own traceback)."""
     kinds = cfg.sharding_types()
     if not kinds and not cfg.column_shard_min_dim:
         return None
@@ -246,9 +248,23 @@ def _constraints(model: nn.Module, cfg: OptimConfig) -> dict[str, ParameterConst
             raise ConfigError(f"optim.sharding: data_parallel for table {t!r}, a sequence table (EmbeddingCollection): "
                               "torchrec 1.8's data-parallel lookup of it fails; only pooled tables "
                               "(EmbeddingBagCollection) can be data_parallel")
+        _check_supported(t, kind, t in sequence_tables, device_type)
         out[t] = ParameterConstraints(sharding_types=[kind] if kind else list(MODEL_PARALLEL),
                                       compute_kernels=["dense" if kind == "data_parallel" else "fused"], **extra)
     return out
+
+
+def _check_supported(table: str, kind: str | None, sequence: bool, device_type: str) -> None:
+    """``kind`` for ``table`` is one torchrec's sharder for its module shards on ``device_type``, or ConfigError."""
+    if not kind:
+        return
+    module, sharder = (("EmbeddingCollection", EmbeddingCollectionSharder()) if sequence
+                       else ("EmbeddingBagCollection", EmbeddingBagCollectionSharder()))
+    allowed = sharder.sharding_types(device_type)
+    if kind not in allowed:
+        raise ConfigError(f"optim.sharding: {kind} for table {table!r}: torchrec does not shard a "
+                          f"{'sequence' if sequence else 'pooled'} table ({module}) that way on {device_type}; "
+                          f"it can: {', '.join(allowed)}")
 
 
 def dense_named_parameters(dmp: DistributedModelParallel) -> dict[str, nn.Parameter]:

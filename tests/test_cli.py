@@ -56,6 +56,14 @@ def test_bad_key_is_one_line_for_train_and_launch(tiny_data: Path, capsys: pytes
         ]
 
 
+def test_a_sharding_torchrec_cannot_make_is_one_line(tiny_data: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"), f"--data.path={tiny_data}",
+                            f"--train.output_dir={tmp_path}", "--optim.sharding", "row_wise")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "row_wise for table 'user_table': torchrec does not shard a pooled table (EmbeddingBagCollection)" in err
+
+
 def test_missing_data_path_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_main(capsys, "launch", "--data.path", str(tmp_path / "missing"))
     assert code == 2 and f"data path not found: {tmp_path / 'missing'}" in err and "Traceback" not in err
