@@ -48,6 +48,8 @@ from freescale.dataloader.build import build_loader
 from freescale.dataloader.schema import DataError
 from freescale.digest import state_digest
 from freescale.distributed import DistContext, init_distributed, shutdown, summed_counts
+from freescale.ft.commit_record import CommitRecord, hold_back_rollback
+from freescale.ft.config import RUN_ID_ENV
 from freescale.models import cost_model_for
 from freescale.parallelize import materialize_optimizer_state
 from freescale.rank_console import quiet_libraries
@@ -146,6 +148,7 @@ class Trainer:
 
     def _run(self, parts: Components, log: RunLog) -> TrainSummary:
         cfg, ctx = self.cfg, parts.ctx
+        self._open_records(parts)
         start_step = self._resume(parts, log)
         log.write("start", config=to_dict(cfg), world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device),
                   start_step=start_step, torch=torch.__version__, python=platform.python_version(),
@@ -299,6 +302,8 @@ class Trainer:
 
     def _log_commit(self, parts: Components, log: RunLog, commit: Commit, output: Any, info: Any, busy: float,
                     wall: float) -> None:
+        if self._record is not None:
+            self._record.note(commit.step, int(parts.sync.record.get("quorum_id", -1)))
         record: dict[str, Any] = {"step": commit.step, "samples": parts.feed.last_samples, "seconds": wall,
                                   "busy_s": busy, "batch_wait_s": info.wait_s if info is not None else 0.0,
                                   **parts.sync.record}
@@ -385,11 +390,22 @@ class Trainer:
         """With ``checkpoint.resume``: load the latest complete checkpoint; the step to start at.  With
         fault tolerance only in a fresh run (every group was lost): a group restarted while others train
         catches up from them instead.  Every rank of the group decides alike."""
-        if not self.cfg.checkpoint.resume:
+        if not self.cfg.checkpoint.resume and not self.cfg.ft.enabled:
             return 0
-        found = self._agreed_checkpoints(parts)
+        found = self._agreed_checkpoints(parts) if self.cfg.checkpoint.resume else []
         path = found[0] if found else None
         fresh = parts.sync.fresh_run()
+        if fresh and self._records is not None:  # the lighthouse may have forgotten (restarted without --state)
+            start = int(path.name.rsplit("_", 1)[1]) if path is not None else 0
+
+            def say(line: str) -> None:
+                log.write("held_back", message=line)
+                self._say(parts.ctx, f"freescale: replica group {parts.group}: {line}")
+
+            fresh = hold_back_rollback(self._records, self._records_run, start, parts.sync.fresh_run, say,
+                                       self.cfg.ft.accept_rollback)
+        if not self.cfg.checkpoint.resume:
+            return 0
         if path is None or not fresh:
             log.write("no_resume", checkpoint=str(path) if path else None, fresh_run=fresh)
             self._say(parts.ctx, "the run is under way in other replica groups: catching up from them" if not fresh
@@ -451,6 +467,15 @@ class Trainer:
             hint = f" (the model's config differs from the checkpoint's: {'; '.join(changed)})" if changed else ""
             message = str(exc) if isinstance(exc, checkpoint.CheckpointError) else f"{path}: {exc}"
             raise checkpoint.CheckpointError(message + hint) from None
+
+    def _open_records(self, parts: Components) -> None:
+        """Fault tolerance under a run id: the groups' records of the committed steps (``ft.commit_record``),
+        beside the checkpoints; rank 0 of this group writes its own."""
+        run = os.environ.get(RUN_ID_ENV, "")
+        self._records: Path | None = self._checkpoint_root / "commits" if self.cfg.ft.enabled and run else None
+        self._records_run = run
+        self._record = (CommitRecord(self._records, self.cfg.ft.replica_id, run)
+                        if self._records is not None and parts.ctx.is_main else None)
 
     def _load_newest_sound(self, found: list[Path], parts: Components,
                            log: RunLog) -> tuple[Path, dict[str, Any], dict[str, Any], list[str]]:

@@ -314,7 +314,7 @@ class LighthouseClient:
             raise ProgressLost(
                 f"quorum {quorum.quorum_id} reaches step {quorum.max_step} but the run had reached step "
                 f"{quorum.high_step}: every group holding that progress is gone, so no one can catch up from it; "
-                "restart the run (from a checkpoint) instead")
+                "start the job again with --resume (a new run, from the newest checkpoint)")
         self.last_quorum_id = max(self.last_quorum_id, quorum.quorum_id)
         return quorum
 

@@ -73,6 +73,10 @@ class FTConfig:
     ``average``: each group updates its tables with its own gradients and a slice of the tables is averaged
     across the groups at each step (``freescale.ft.sparse_average``, as torchrec's 2D sparse parallelism): its
     cost per rank does not grow with the groups, but it is model averaging, not the one job's step."""
+    accept_rollback: bool = False
+    """Let a group restored from a checkpoint commit again steps the job's groups had committed (their records
+    say so: ``freescale.ft.commit_record``) when the groups that hold them cannot be reached.  Off: the group
+    waits for them, saying so in one line."""
     average_every: int = 1
     """With ``embedding_sync = "average"``: every table element is averaged once every this many steps (1/N of
     each table a step).  1: tables identical on every group at every committed step."""

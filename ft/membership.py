@@ -310,16 +310,17 @@ class Membership:
         top = max(max(self.joins[rid].steps.values()) for rid in joined)
         maybe_alive = sorted(rid for rid, inc in self.holders.items()
                              if (g := self.groups.get(rid)) is None or g.incarnation <= inc)
-        reached = f"step {self.high_step}" if self.high_step >= 0 else "a step"
+        reached = f"at least step {self.high_step}" if self.high_step >= 0 else "a step"
+        start = f"at step {top}" if top > 0 else "from an older state"
         if maybe_alive:
             return "wait", (f"waiting for replica group(s) {', '.join(maybe_alive)}: they hold the run's newest state "
                             f"(it reached {reached}) and may be alive (hung, stopped or cut off); a quorum of "
-                            f"{', '.join(sorted(joined))} would start again at step {top} and commit steps twice. "
-                            "If they are gone for good, stop the job and start it again from the latest checkpoint "
-                            "as a new run (a new run id, or a lighthouse without this state file)")
+                            f"{', '.join(sorted(joined))} would start again {start} and commit steps twice. "
+                            "If they are gone for good, stop the job and start it again with --resume (a new run, "
+                            "from the newest checkpoint)")
         return "refuse", (f"every replica group that {PROGRESS_LOST} (it reached {reached}) is gone, so no "
-                          f"one can catch up from it; a quorum of {', '.join(sorted(joined))} would start again at "
-                          f"step {top}: restart the run from the latest checkpoint instead")
+                          f"one can catch up from it; a quorum of {', '.join(sorted(joined))} would start again "
+                          f"{start}: start the job again with --resume (a new run, from the newest checkpoint)")
 
     def _turn_away(self, joined: set[str], answer: dict[str, Any]) -> None:
         """Answer the joined groups' pending quorum requests with ``answer`` and forget their joins:
