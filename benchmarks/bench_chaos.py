@@ -2,7 +2,7 @@
 
 One ``freescale launch --replicas R`` job (DLRM by default, the plain pipeline, checkpoints every
 50 steps with ``--checkpoint.resume``, so a restarted group *could* fall back to a checkpoint)
-against a standalone ``freescale lighthouse --state`` process.  A seeded schedule injects, spaced
+against a standalone ``freescale lighthouse --state`` process (``--no-state``: none).  A seeded schedule injects, spaced
 ``--gap`` seconds apart (a killed group needs a few seconds to restart):
 
 - ``kill``: SIGKILL of a random rank (its group restarts and must catch up from its peers);
@@ -65,9 +65,10 @@ def rank_pids(out: Path) -> dict[tuple[int, int], int]:
 
 
 class Lighthouse:
-    """The standalone lighthouse process, killed and restarted on the same port and state file."""
+    """The standalone lighthouse process, killed and restarted on the same port and state file (``state`` None:
+    with none, so a restarted lighthouse knows nothing and learns the run from the groups)."""
 
-    def __init__(self, state: Path, heartbeat_timeout: float) -> None:
+    def __init__(self, state: Path | None, heartbeat_timeout: float) -> None:
         self.port, self.state, self.heartbeat_timeout = free_port(), state, heartbeat_timeout
         self.proc = self._start()
 
@@ -77,7 +78,8 @@ class Lighthouse:
 
     def _start(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-m", "freescale.cli", "lighthouse", "--bind", f"127.0.0.1:{self.port}",
-                                 "--heartbeat-timeout", str(self.heartbeat_timeout), "--state", str(self.state)],
+                                 "--heartbeat-timeout", str(self.heartbeat_timeout),
+                                 *(["--state", str(self.state)] if self.state else [])],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def kill_and_restart(self) -> None:
@@ -166,7 +168,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         schedule.append((at, kind))
         at += rng.uniform(args.gap, 1.5 * args.gap)
     steps = args.steps or int((at + 5.0) * args.steps_per_s)
-    lighthouse = Lighthouse(root / "lighthouse.json", args.heartbeat_timeout)
+    lighthouse = Lighthouse(None if args.no_state else root / "lighthouse.json", args.heartbeat_timeout)
     out = root / "run"
     env = {**os.environ, "FREESCALE_AUDIT": "1", "FREESCALE_FAULTS": f"*:*:0:slow:{args.slow_ms}",
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -215,6 +217,8 @@ def main() -> None:
     parser.add_argument("--steps-per-s", type=float, default=12.0)
     parser.add_argument("--slow-ms", type=int, default=40, help="extra 'compute' per step (default 40)")
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    parser.add_argument("--no-state", action="store_true",
+                        help="the lighthouse keeps no state file: a restarted one learns the run from the groups")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--data", help="an existing dataset (default: 20k synthetic rows made here)")
     parser.add_argument("--keep", help="run in this directory and keep it (default: a temporary one)")
