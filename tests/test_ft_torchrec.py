@@ -405,9 +405,10 @@ def test_chaos_short_form_holds_every_invariant(tiny_data: Path, tmp_path: Path)
     random times in one three-group run: one state per step, every sample once, no step discarded,
     restarted groups caught up (no checkpoint fallback), no traceback on the terminal.  With the
     prioritized pipeline and the item table data_parallel beside the fused user table (its gradient in
-    FT's chunked buckets; the plain pipeline's faults are the other tests' here)."""
+    FT's chunked buckets; the plain pipeline's faults are the other tests' here).  The lighthouse keeps no
+    state file: restarted, it learns the run from the groups (``tests/test_ft.py`` restarts one on its file)."""
     out = tmp_path / "chaos.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_chaos.py"), "--quick", "--data",
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_chaos.py"), "--quick", "--no-state", "--data",
                            str(tiny_data), "--pipeline", "prioritized", "--sharding", "item_table=data_parallel",
                            "--json", str(out)], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
