@@ -6,7 +6,7 @@
     summary = Trainer(cfg).fit()      # under torchrun, or as a group of one
 
 One step of rank r of replica group g (all ranks of a group in lockstep), in
-the order the code runs it (``../shared/DESIGN.md``, "Data flow of one step"):
+the order the code runs it:
 
     1-2  plan, read       ``StepFeed`` (``freescale.step_feed``): planned and read ahead, on the
                           loader's prefetch thread, over the ranks of every ready group
@@ -43,16 +43,16 @@ import torch.distributed as dist
 
 from freescale import checkpoint, reshard, run_lease
 from freescale.components import Components, TrainConfig, TrainerConfig, build, precision_context, prepare
-from freescale.config import differences, to_dict
+from freescale.config import to_dict
 from freescale.dataloader.build import build_loader
 from freescale.dataloader.schema import DataError
 from freescale.digest import state_digest
 from freescale.distributed import DistContext, init_distributed, shutdown, summed_counts
-from freescale.ft.commit_record import CommitRecord, hold_back_rollback
+from freescale.ft.commit_record import CommitRecord
 from freescale.ft.config import RUN_ID_ENV
 from freescale.models import cost_model_for
-from freescale.parallelize import materialize_optimizer_state
 from freescale.rank_console import quiet_libraries
+from freescale.resume import Resume, raw_state
 from freescale.run_log import Progress, RunLog
 from freescale.step_feed import Commit
 from freescale.step_stats import Calibration
@@ -149,7 +149,7 @@ class Trainer:
     def _run(self, parts: Components, log: RunLog) -> TrainSummary:
         cfg, ctx = self.cfg, parts.ctx
         self._open_records(parts)
-        start_step = self._resume(parts, log)
+        start_step = Resume(self.cfg, self._checkpoint_root, self._records, self._records_run).start_step(parts, log)
         log.write("start", config=to_dict(cfg), world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device),
                   start_step=start_step, torch=torch.__version__, python=platform.python_version(),
                   host=platform.node(), pid=os.getpid(), group=parts.group, replicas=parts.groups,
@@ -196,7 +196,7 @@ class Trainer:
                                                    self._fence())
         self._staging = parts.staging
         if parts.staging is not None:  # the host copy of the tables the saves reuse, made and touched now
-            log.write("checkpoint_buffers", seconds=parts.staging.prepare(_raw_state(parts)))
+            log.write("checkpoint_buffers", seconds=parts.staging.prepare(raw_state(parts)))
         self._lazy: tuple[int, dict[str, Any]] = (-1, {})
         """The save whose tables are being copied (its ``LazySnapshot`` is the staging's): step, metadata."""
         self._last_ckpt: Path | None = None
@@ -342,7 +342,7 @@ class Trainer:
         start, done, writer = time.perf_counter(), commit.step + 1, self._writer
         meta = {"data": parts.feed.state_dict(), "world_size": parts.ctx.world_size, "config": to_dict(self.cfg),
                 "ft": {"replicas": parts.groups}, "plan": reshard.plan_summary(parts.dmp)}
-        live = _raw_state(parts)
+        live = raw_state(parts)
         if writer.asynchronous and parts.staging is not None and done < self.cfg.train.steps:
             parts.staging.begin(live, done, lambda steps: _agreed_max(parts.ctx, steps),
                                  reuse=not writer.writing)
@@ -386,88 +386,6 @@ class Trainer:
             log.write("checkpoint", step=int(path.name.rsplit("_", 1)[1]), path=str(path), seconds=seconds)
             self._last_ckpt = path
 
-    def _resume(self, parts: Components, log: RunLog) -> int:
-        """With ``checkpoint.resume``: load the latest complete checkpoint; the step to start at.  With
-        fault tolerance only in a fresh run (every group was lost): a group restarted while others train
-        catches up from them instead.  Every rank of the group decides alike."""
-        if not self.cfg.checkpoint.resume and not self.cfg.ft.enabled:
-            return 0
-        found = self._agreed_checkpoints(parts) if self.cfg.checkpoint.resume else []
-        path = found[0] if found else None
-        fresh = parts.sync.fresh_run()
-        if fresh and self._records is not None:  # the lighthouse may have forgotten (restarted without --state)
-            start = int(path.name.rsplit("_", 1)[1]) if path is not None else 0
-
-            def say(line: str) -> None:
-                log.write("held_back", message=line)
-                self._say(parts.ctx, f"freescale: replica group {parts.group}: {line}")
-
-            fresh = hold_back_rollback(self._records, self._records_run, start, parts.sync.fresh_run, say,
-                                       self.cfg.ft.accept_rollback)
-        if not self.cfg.checkpoint.resume:
-            return 0
-        if path is None or not fresh:
-            log.write("no_resume", checkpoint=str(path) if path else None, fresh_run=fresh)
-            self._say(parts.ctx, "the run is under way in other replica groups: catching up from them" if not fresh
-                      else f"no checkpoint under {self._checkpoint_root}; starting from step 0")
-            return 0
-        materialize_optimizer_state(parts.optimizer)
-        path, meta, state, notes = self._load_newest_sound(found, parts, log)
-        parts.dmp.load_state_dict(state["model"])
-        parts.optimizer.load_state_dict(state["optim"])
-        step = int(meta["step"])
-        parts.feed.load_state_dict(self._data_state(path, meta, parts))
-        log.write("resume", step=step, path=str(path), conversions=notes)
-        self._say(parts.ctx, f"resumed from {path} at step {step}")
-        for note in notes:
-            self._say(parts.ctx, f"  {note}")
-        return step
-
-    @staticmethod
-    def _data_state(path: Path, meta: dict[str, Any], parts: Components) -> dict[str, Any]:
-        """The checkpoint's data position for this run.  Saved by another shape (replica groups, ranks per
-        group): every group of this run starts ready, and the loader trains the rest of the epoch
-        (``dataloader/reshape.py``); nothing is in flight at a checkpoint."""
-        data = meta["data"]
-        if "loader" not in data:  # written before the step feed kept its own state
-            return {"loader": data, "next": int(meta["step"]), "ready": [0], "plans": []}
-        groups, world = (meta.get("ft") or {}).get("replicas", 1), meta.get("world_size")
-        if (groups, world) == (parts.groups, parts.ctx.world_size):
-            return data
-        if data.get("plans"):
-            raise checkpoint.CheckpointError(f"{path}: saved with steps in flight; it resumes only as "
-                                             f"{groups} replica group(s) of {world} rank(s)")
-        return {**data, "ready": list(range(parts.groups)), "plans": [], "last_rows": []}
-
-    def _load_state(self, path: Path, meta: dict[str, Any], state: dict[str, Any], parts: Components) -> list[str]:
-        """Fill ``state`` (this plan's model and optimizer state dicts) from the checkpoint, whatever plan
-        wrote it (``reshard``); the notes name each table whose optimizer state was approximated."""
-        saved_kind = ((meta.get("config") or {}).get("model") or {}).get("kind")
-        kind = self.cfg.model.kind
-        if saved_kind and saved_kind != kind:
-            raise checkpoint.CheckpointError(f"{path}: written by a {saved_kind} model; this run trains {kind}")
-        saved_plan, plan = meta.get("plan") or {}, reshard.plan_summary(parts.dmp)
-        saved_tables, tables = set(saved_plan), set(plan)
-        try:
-            if saved_tables and saved_tables != tables:
-                missing = sorted(tables - saved_tables) or sorted(saved_tables - tables)
-                where = "the checkpoint has no" if tables - saved_tables else "this model has no"
-                raise checkpoint.CheckpointError(f"{path}: {where} table '{missing[0]}' (checkpoint: "
-                                                 f"{', '.join(sorted(saved_tables))}; model: {', '.join(sorted(tables))})")
-            if "layouts" not in meta:  # written before logical checkpoints: loads into the same plan only
-                checkpoint.load(path, state)
-                return []
-            replicas = reshard.Replicas(frozenset(t for t, p in saved_plan.items() if p.get("type") == "data_parallel"))
-            return reshard.load_logical(lambda app: checkpoint.load(path, app), state["model"], state["optim"],
-                                        meta["layouts"], replicas=replicas)
-        except checkpoint.CheckpointDamaged:
-            raise
-        except (reshard.LayoutError, checkpoint.CheckpointError) as exc:
-            changed = differences((meta.get("config") or {}).get("model") or {}, to_dict(self.cfg.model), "model.")
-            hint = f" (the model's config differs from the checkpoint's: {'; '.join(changed)})" if changed else ""
-            message = str(exc) if isinstance(exc, checkpoint.CheckpointError) else f"{path}: {exc}"
-            raise checkpoint.CheckpointError(message + hint) from None
-
     def _open_records(self, parts: Components) -> None:
         """Fault tolerance under a run id: the groups' records of the committed steps (``ft.commit_record``),
         beside the checkpoints; rank 0 of this group writes its own."""
@@ -476,43 +394,6 @@ class Trainer:
         self._records_run = run
         self._record = (CommitRecord(self._records, self.cfg.ft.replica_id, run)
                         if self._records is not None and parts.ctx.is_main else None)
-
-    def _load_newest_sound(self, found: list[Path], parts: Components,
-                           log: RunLog) -> tuple[Path, dict[str, Any], dict[str, Any], list[str]]:
-        """Load the newest of ``found`` (newest first) whose bytes verify into this plan's state dicts (fresh
-        ones for each try: a failed load leaves them part-converted): a damaged one is reported in one line
-        and the one before it tried; none left, ``CheckpointError``.  A checkpoint that verifies but does
-        not fit this model stops the resume (an older one would not fit either)."""
-        for path in found:
-            state = _raw_state(parts)
-            try:
-                meta = checkpoint.read_meta(path)
-                notes = self._load_state(path, meta, state, parts)
-            except checkpoint.CheckpointDamaged as exc:
-                log.write("checkpoint_damaged", path=str(path), reason=str(exc))
-                older = "trying the one before it" if path != found[-1] else "no older checkpoint left"
-                self._say(parts.ctx, f"checkpoint {path.name} is damaged, not loaded: {exc}; {older}")
-                continue
-            if not checkpoint.is_verified(meta):
-                notes = [f"{path.name} was written before checkpoints carried checksums: loaded unverified", *notes]
-            return path, meta, state, notes
-        raise checkpoint.CheckpointError(
-            f"{self._checkpoint_root}: every complete checkpoint is damaged ({len(found)}: "
-            f"{', '.join(p.name for p in found)}); restore one, or start over without --resume")
-
-    def _agreed_checkpoints(self, parts: Components) -> list[Path]:
-        """The complete checkpoints, newest first, the same on every rank of the group (an in-group
-        all-reduce of the newest step: a checkpoint being written while the job starts could otherwise split
-        the ranks)."""
-        found = checkpoint.complete_checkpoints(self._checkpoint_root)
-        step = found[-1][0] if found else -1
-        if parts.ctx.world_size > 1:
-            steps = torch.tensor([step, -step], dtype=torch.int64, device=parts.ctx.device)
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-            if int(steps[0]) != -int(steps[1]):
-                raise checkpoint.CheckpointError(f"{self._checkpoint_root}: the group's ranks found different latest "
-                                                 "checkpoints (one being written while this job started?)")
-        return [path for _, path in reversed(found)]
 
     # ------------------------------------------------------------------------------
     def _warm_up(self, parts: Components, log: RunLog) -> None:
@@ -555,11 +436,6 @@ class Trainer:
     def _say(ctx: DistContext, message: str) -> None:
         if ctx.is_main:
             print(message, flush=True)
-
-
-def _raw_state(parts: Components) -> dict[str, Any]:
-    """The model's and optimizer's state dicts: views of the live tensors (torchrec's tables included)."""
-    return {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
 
 
 def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -1,0 +1,165 @@
+"""Where a run starts: the newest checkpoint that verifies, converted to this plan (``reshard``), or nothing.
+
+``Resume.start_step`` (collective over the group) decides and loads: with ``checkpoint.resume``, the newest
+complete checkpoint whose bytes verify (a damaged one is named in one line and the one before it tried);
+under fault tolerance only in a fresh run (a group restarted while others train catches up from them
+instead), and never where the groups' records say the job committed beyond it (``ft.commit_record``: held
+back until the holders are back, or ``ft.accept_rollback``).  The trainer (``trainer.py``) asks it once,
+before the first step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from freescale import checkpoint, reshard
+from freescale.components import Components, TrainerConfig
+from freescale.config import differences, to_dict
+from freescale.distributed import DistContext
+from freescale.ft.commit_record import hold_back_rollback
+from freescale.parallelize import materialize_optimizer_state
+from freescale.run_log import RunLog
+
+
+class Resume:
+    """The start of one run: ``cfg``, its checkpoint directory ``root``, and (fault tolerance under a run id)
+    the directory of the groups' commit records."""
+
+    def __init__(self, cfg: TrainerConfig, root: Path, records: Path | None, run_id: str) -> None:
+        self.cfg, self.root, self.records, self.run_id = cfg, root, records, run_id
+
+    def start_step(self, parts: Components, log: RunLog) -> int:
+        """With ``checkpoint.resume``: load the latest complete checkpoint; the step to start at.  With
+        fault tolerance only in a fresh run (every group was lost): a group restarted while others train
+        catches up from them instead.  Every rank of the group decides alike."""
+        if not self.cfg.checkpoint.resume and not self.cfg.ft.enabled:
+            return 0
+        found = self._agreed_checkpoints(parts) if self.cfg.checkpoint.resume else []
+        path = found[0] if found else None
+        fresh = parts.sync.fresh_run()
+        if fresh and self.records is not None:  # the lighthouse may have forgotten (restarted without --state)
+            start = int(path.name.rsplit("_", 1)[1]) if path is not None else 0
+
+            def say(line: str) -> None:
+                log.write("held_back", message=line)
+                _say(parts.ctx, f"freescale: replica group {parts.group}: {line}")
+
+            fresh = hold_back_rollback(self.records, self.run_id, start, parts.sync.fresh_run, say,
+                                       self.cfg.ft.accept_rollback)
+        if not self.cfg.checkpoint.resume:
+            return 0
+        if path is None or not fresh:
+            log.write("no_resume", checkpoint=str(path) if path else None, fresh_run=fresh)
+            _say(parts.ctx, "the run is under way in other replica groups: catching up from them" if not fresh
+                      else f"no checkpoint under {self.root}; starting from step 0")
+            return 0
+        materialize_optimizer_state(parts.optimizer)
+        path, meta, state, notes = self._load_newest_sound(found, parts, log)
+        parts.dmp.load_state_dict(state["model"])
+        parts.optimizer.load_state_dict(state["optim"])
+        step = int(meta["step"])
+        parts.feed.load_state_dict(self._data_state(path, meta, parts))
+        log.write("resume", step=step, path=str(path), conversions=notes)
+        _say(parts.ctx, f"resumed from {path} at step {step}")
+        for note in notes:
+            _say(parts.ctx, f"  {note}")
+        return step
+
+    @staticmethod
+    def _data_state(path: Path, meta: dict[str, Any], parts: Components) -> dict[str, Any]:
+        """The checkpoint's data position for this run.  Saved by another shape (replica groups, ranks per
+        group): every group of this run starts ready, and the loader trains the rest of the epoch
+        (``dataloader/reshape.py``); nothing is in flight at a checkpoint."""
+        data = meta["data"]
+        if "loader" not in data:  # written before the step feed kept its own state
+            return {"loader": data, "next": int(meta["step"]), "ready": [0], "plans": []}
+        groups, world = (meta.get("ft") or {}).get("replicas", 1), meta.get("world_size")
+        if (groups, world) == (parts.groups, parts.ctx.world_size):
+            return data
+        if data.get("plans"):
+            raise checkpoint.CheckpointError(f"{path}: saved with steps in flight; it resumes only as "
+                                             f"{groups} replica group(s) of {world} rank(s)")
+        return {**data, "ready": list(range(parts.groups)), "plans": [], "last_rows": []}
+
+    def _load_state(self, path: Path, meta: dict[str, Any], state: dict[str, Any], parts: Components) -> list[str]:
+        """Fill ``state`` (this plan's model and optimizer state dicts) from the checkpoint, whatever plan
+        wrote it (``reshard``); the notes name each table whose optimizer state was approximated."""
+        saved_kind = ((meta.get("config") or {}).get("model") or {}).get("kind")
+        kind = self.cfg.model.kind
+        if saved_kind and saved_kind != kind:
+            raise checkpoint.CheckpointError(f"{path}: written by a {saved_kind} model; this run trains {kind}")
+        saved_plan, plan = meta.get("plan") or {}, reshard.plan_summary(parts.dmp)
+        saved_tables, tables = set(saved_plan), set(plan)
+        try:
+            if saved_tables and saved_tables != tables:
+                missing = sorted(tables - saved_tables) or sorted(saved_tables - tables)
+                where = "the checkpoint has no" if tables - saved_tables else "this model has no"
+                raise checkpoint.CheckpointError(f"{path}: {where} table '{missing[0]}' (checkpoint: "
+                                                 f"{', '.join(sorted(saved_tables))}; model: {', '.join(sorted(tables))})")
+            if "layouts" not in meta:  # written before logical checkpoints: loads into the same plan only
+                checkpoint.load(path, state)
+                return []
+            replicas = reshard.Replicas(frozenset(t for t, p in saved_plan.items() if p.get("type") == "data_parallel"))
+            return reshard.load_logical(lambda app: checkpoint.load(path, app), state["model"], state["optim"],
+                                        meta["layouts"], replicas=replicas)
+        except checkpoint.CheckpointDamaged:
+            raise
+        except (reshard.LayoutError, checkpoint.CheckpointError) as exc:
+            changed = differences((meta.get("config") or {}).get("model") or {}, to_dict(self.cfg.model), "model.")
+            hint = f" (the model's config differs from the checkpoint's: {'; '.join(changed)})" if changed else ""
+            message = str(exc) if isinstance(exc, checkpoint.CheckpointError) else f"{path}: {exc}"
+            raise checkpoint.CheckpointError(message + hint) from None
+
+    def _load_newest_sound(self, found: list[Path], parts: Components,
+                           log: RunLog) -> tuple[Path, dict[str, Any], dict[str, Any], list[str]]:
+        """Load the newest of ``found`` (newest first) whose bytes verify into this plan's state dicts (fresh
+        ones for each try: a failed load leaves them part-converted): a damaged one is reported in one line
+        and the one before it tried; none left, ``CheckpointError``.  A checkpoint that verifies but does
+        not fit this model stops the resume (an older one would not fit either)."""
+        for path in found:
+            state = raw_state(parts)
+            try:
+                meta = checkpoint.read_meta(path)
+                notes = self._load_state(path, meta, state, parts)
+            except checkpoint.CheckpointDamaged as exc:
+                log.write("checkpoint_damaged", path=str(path), reason=str(exc))
+                older = "trying the one before it" if path != found[-1] else "no older checkpoint left"
+                _say(parts.ctx, f"checkpoint {path.name} is damaged, not loaded: {exc}; {older}")
+                continue
+            if not checkpoint.is_verified(meta):
+                notes = [f"{path.name} was written before checkpoints carried checksums: loaded unverified", *notes]
+            return path, meta, state, notes
+        raise checkpoint.CheckpointError(
+            f"{self.root}: every complete checkpoint is damaged ({len(found)}: "
+            f"{', '.join(p.name for p in found)}); restore one, or start over without --resume")
+
+    def _agreed_checkpoints(self, parts: Components) -> list[Path]:
+        """The complete checkpoints, newest first, the same on every rank of the group (an in-group
+        all-reduce of the newest step: a checkpoint being written while the job starts could otherwise split
+        the ranks)."""
+        found = checkpoint.complete_checkpoints(self.root)
+        step = found[-1][0] if found else -1
+        if parts.ctx.world_size > 1:
+            steps = torch.tensor([step, -step], dtype=torch.int64, device=parts.ctx.device)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+            if int(steps[0]) != -int(steps[1]):
+                raise checkpoint.CheckpointError(f"{self.root}: the group's ranks found different latest "
+                                                 "checkpoints (one being written while this job started?)")
+        return [path for _, path in reversed(found)]
+
+
+def raw_state(parts: Components) -> dict[str, Any]:
+    """The model's and optimizer's state dicts: views of the live tensors (torchrec's tables included)."""
+    return {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
+
+
+def _say(ctx: DistContext, message: str) -> None:
+    if ctx.is_main:
+        print(message, flush=True)
+
+
+__all__ = ["Resume", "raw_state"]
