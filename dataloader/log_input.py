@@ -2,9 +2,11 @@
 
 A log is Parquet or CSV (``.csv``, ``.tsv``, optionally compressed), one file,
 a directory (every such file under it) or a glob, on any pyarrow filesystem
-(local, ``s3://``, ``gs://``, ``hdfs://``).  The user names the columns; this
-module checks each file's schema at open, then streams the named columns one
-file at a time, normalized and checked batch by batch:
+(local, ``s3://``, ``gs://``, ``hdfs://``).  A CSV file's delimiter (tab, comma,
+semicolon or pipe) is sniffed from its first lines unless the user names one,
+since a file's suffix often says ``.csv`` of a tab-separated export.  The user
+names the columns; this module checks each file's schema at open, then streams
+the named columns one file at a time, normalized and checked batch by batch:
 
     user, item   the log's own ids (integers or strings), never null
     ts           int64 seconds (integers in ``time_unit``, timestamps, dates,
@@ -14,6 +16,11 @@ file at a time, normalized and checked batch by batch:
     label        float32 0/1 (a 0/1 or boolean column, ``rating >= threshold``,
                  or 1 for every row of an implicit-feedback log)
     d0, d1, ...  float32 dense features of the interaction, finite
+    pos          int64 the row's position in the log (files in order, then rows):
+                 ties in time keep the log's own order, whatever the engine does
+    tie          the ``--tie-break`` column (int64, float64 or string; nulls
+                 allowed), only when one is named: the order within a time
+                 before ``pos``
 
 Every problem is one ``DataError`` line naming the file, the row within it and
 the column.  The checks are vectorized pyarrow compute on batches of up to
@@ -24,17 +31,24 @@ from __future__ import annotations
 
 import fnmatch
 import posixpath
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
+from freescale.dataloader.log_rows import (
+    TIME_UNITS,
+    LogColumns,
+    check_column_kind,
+    kind_of,
+    normalize_batch,
+    schema_for,
+)
 from freescale.dataloader.schema import DataError
 from freescale.dataloader.source import resolve
 
@@ -46,41 +60,9 @@ READ_AHEAD_BATCHES = 2
 with 128K-row ones, at the same speed)."""
 PARQUET_SUFFIXES = (".parquet", ".pq")
 CSV_SUFFIXES = (".csv", ".tsv", ".csv.gz", ".tsv.gz", ".csv.bz2", ".tsv.bz2", ".csv.zst", ".tsv.zst")
-TIME_UNITS = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
-
-
-@dataclass(frozen=True)
-class LogColumns:
-    """Which column of the log is what (the user's ``--user``, ``--item`` ... flags)."""
-
-    user: str
-    item: str
-    time: str
-    label: str | None = None
-    rating_threshold: float | None = None
-    dense: tuple[str, ...] = ()
-    time_unit: str = "s"
-    time_format: str | None = None
-
-    def named(self) -> list[str]:
-        return [self.user, self.item, self.time, *([self.label] if self.label else []), *self.dense]
-
-    @property
-    def label_rule(self) -> str:
-        if self.label is None:
-            return "implicit (every interaction a positive)"
-        if self.rating_threshold is None:
-            return f"{self.label} (0/1)"
-        return f"{self.label} >= {self.rating_threshold:g}"
-
-
-def normalized_schema(dense_dim: int, user_type: pa.DataType, item_type: pa.DataType) -> pa.Schema:
-    """The batches ``InteractionLog.batches`` yields."""
-    return pa.schema(
-        [("user", user_type), ("item", item_type), ("ts", pa.int64()), ("ts_fine", pa.int64()),
-         ("label", pa.float32())]
-        + [(f"d{i}", pa.float32()) for i in range(dense_dim)]
-    )
+DELIMITERS = ("\t", ",", ";", "|")
+"""What a CSV file's delimiter is sniffed among, the first of equals winning."""
+SNIFF_BYTES = 1 << 16
 
 
 @dataclass
@@ -99,8 +81,9 @@ class InteractionLog:
     format: str = "parquet"
 
     @classmethod
-    def open(cls, uri: str, columns: LogColumns, fmt: str = "auto") -> InteractionLog:
-        """Find the log's files and check that each has the named columns with usable types."""
+    def open(cls, uri: str, columns: LogColumns, fmt: str = "auto", delimiter: str | None = None) -> InteractionLog:
+        """Find the log's files and check that each has the named columns with usable types
+        (``delimiter``: a CSV log's, instead of sniffing each file's)."""
         if columns.time_unit not in TIME_UNITS:
             raise DataError(f"--time-unit must be one of {', '.join(TIME_UNITS)}, got {columns.time_unit!r}")
         fs, path = resolve(uri)
@@ -108,13 +91,27 @@ class InteractionLog:
         fmt = _format_of(paths, uri) if fmt == "auto" else fmt
         if fmt not in ("parquet", "csv"):
             raise DataError(f"--format must be parquet, csv or auto, got {fmt!r}")
+        if delimiter is not None and fmt != "csv":
+            raise DataError(f"{uri}: --delimiter is for CSV logs; this one is {fmt}")
         log = cls(uri=uri, columns=columns, format=fmt)
         shown_base = uri.rstrip("/")
         for p in paths:
             shown = p if p == path else f"{shown_base}/{p[len(path.rstrip('/')) + 1:]}" if p.startswith(path) else p
-            log.files.append(_open_file(fs, p, shown, fmt))
+            log.files.append(_open_file(fs, p, shown, fmt, delimiter))
+        log._drop_header_only()
         log._check_columns()
         return log
+
+    def _drop_header_only(self) -> None:
+        """A CSV file with a header and no row has no types to check (pyarrow says null): it adds nothing, so
+        it is left out; a log of only such files has no rows, which is what the user is told."""
+        if self.format != "csv":
+            return
+        kept = [f for f in self.files if not _header_only(f, self.columns)]
+        if not kept:
+            where = self.files[0].shown if len(self.files) == 1 else f"{self.uri} ({len(self.files)} files)"
+            raise DataError(f"{where}: the log has no rows (only a header)")
+        self.files = kept
 
     @property
     def total_rows(self) -> int | None:
@@ -130,7 +127,10 @@ class InteractionLog:
                 idx = schema.get_field_index(name)
                 if idx < 0:
                     has = ", ".join(schema.names[:12]) + (" ..." if len(schema.names) > 12 else "")
-                    raise DataError(f"{f.shown}: no column '{name}' (it has: {has})")
+                    raise DataError(f"{f.shown}: no column '{name}' (it has: {has}){_delimiter_hint(schema)}")
+                if pa.types.is_null(schema.field(idx).type):
+                    raise DataError(f"{f.shown}: row 0: column '{name}': empty, as in every row the reader looked "
+                                    "at to tell the column's type")
                 kind = kind_of(schema.field(idx).type)
                 check_column_kind(name, kind, schema.field(idx).type, self.columns, f.shown)
                 if name in first and first[name][0] != kind:
@@ -139,18 +139,15 @@ class InteractionLog:
                     )
                 first.setdefault(name, (kind, f.shown))
 
-    def id_types(self) -> tuple[pa.DataType, pa.DataType]:
-        """Arrow types of the user and item ids (int64 or string) as batches carry them."""
-        schema = self.files[0].fragment.physical_schema
-        return tuple(
-            pa.int64() if kind_of(schema.field(schema.get_field_index(c)).type) == "integer" else pa.string()
-            for c in (self.columns.user, self.columns.item)
-        )
+    def schema(self) -> pa.Schema:
+        """The normalized schema of the batches (ids int64 or string, as the first file has them)."""
+        return schema_for(self.files[0].fragment.physical_schema, self.columns)
 
     def batches(self, on_rows: Callable[[int], None] = lambda n: None) -> Iterator[pa.RecordBatch]:
-        """Every row, normalized and checked, file by file (``on_rows`` after each batch)."""
-        user_type, item_type = self.id_types()
-        schema = normalized_schema(len(self.columns.dense), user_type, item_type)
+        """Every row, normalized and checked, file by file (``on_rows`` after each batch); ``pos`` counts the
+        rows of the whole log, so ties in time can keep the order the files are read in."""
+        schema = self.schema()
+        position = 0
         for f in self.files:
             done = 0
             try:
@@ -158,12 +155,12 @@ class InteractionLog:
                                                 batch_readahead=READ_AHEAD_BATCHES, **_streaming(f.fragment))
                 for batch in scanner:
                     if batch.num_rows:
-                        yield normalize_batch(batch, self.columns, schema, f"{f.shown}", done)
+                        yield normalize_batch(batch, self.columns, schema, f"{f.shown}", done, position + done)
                     done += batch.num_rows
                     on_rows(batch.num_rows)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as exc:
-                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise DataError(f"{f.shown}: cannot read it past row {done} ({first_line})") from None
+                raise _read_error(exc, f, done) from None
+            position += done
 
 
 def _streaming(fragment: ds.Fragment) -> dict[str, Any]:
@@ -217,139 +214,84 @@ def _format_of(paths: list[str], shown: str) -> str:
     return kinds.pop()
 
 
-def _open_file(fs: pafs.FileSystem, path: str, shown: str, fmt: str) -> _File:
+def _open_file(fs: pafs.FileSystem, path: str, shown: str, fmt: str, delimiter: str | None = None) -> _File:
     try:
         if fmt == "parquet":
             fragment = ds.ParquetFileFormat().make_fragment(path, filesystem=fs)
             fragment.ensure_complete_metadata()
             return _File(path, shown, fragment, rows=fragment.metadata.num_rows)
-        tab = ".tsv" in path.lower()
-        csv_format = ds.CsvFileFormat(parse_options=pacsv.ParseOptions(delimiter="\t" if tab else ","))
+        sep = delimiter or sniff_delimiter(fs, path)
+        csv_format = ds.CsvFileFormat(parse_options=pacsv.ParseOptions(delimiter=sep))
         fragment = csv_format.make_fragment(path, filesystem=fs)
         fragment.physical_schema  # noqa: B018  infer the columns now (reads the first block)
         return _File(path, shown, fragment)
     except (pa.ArrowInvalid, OSError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "Empty CSV file" in first_line:
+            raise DataError(f"{shown}: the log has no rows (the file is empty)") from None
         raise DataError(f"{shown}: not a readable {fmt} file ({first_line})") from None
 
 
-def kind_of(t: pa.DataType) -> str:
-    if pa.types.is_integer(t):
-        return "integer"
-    if pa.types.is_floating(t) or pa.types.is_decimal(t):
-        return "float"
-    if pa.types.is_boolean(t):
-        return "boolean"
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return "string"
-    if pa.types.is_timestamp(t) or pa.types.is_date(t):
-        return "time"
-    return str(t)
+def sniff_delimiter(fs: pafs.FileSystem, path: str) -> str:
+    """A CSV file's delimiter, from its header and the line after it: among ``DELIMITERS``, the one that splits
+    the header into the most fields (more than one) and the next line into as many.  A file's suffix is no
+    guide (tab-separated exports are often named .csv); with no such candidate, the suffix's default."""
+    import csv
+    import io
+
+    default = "\t" if ".tsv" in path.lower() else ","
+    with fs.open_input_stream(path, compression="detect") as stream:
+        head = stream.read(SNIFF_BYTES)
+    text = head.decode("utf-8", errors="replace")
+    if len(head) == SNIFF_BYTES and "\n" in text:
+        text = text[: text.rindex("\n") + 1]  # whole lines only: a cut one would count fewer fields
+    best, best_fields = default, 1
+    for sep in DELIMITERS:
+        rows = [row for _, row in zip(range(2), csv.reader(io.StringIO(text), delimiter=sep)) if row]
+        if rows and (len(rows) == 1 or len(rows[1]) == len(rows[0])) and len(rows[0]) > best_fields:
+            best, best_fields = sep, len(rows[0])
+    return best
 
 
-def check_column_kind(name: str, kind: str, t: pa.DataType, cols: LogColumns, where: str) -> None:
-    if name in (cols.user, cols.item):
-        if kind not in ("integer", "string"):
-            raise DataError(f"{where}: column '{name}' has type {t}; ids must be integers or strings")
-    elif name == cols.time:
-        if kind not in ("integer", "float", "string", "time"):
-            raise DataError(f"{where}: column '{name}' has type {t}; timestamps must be numbers, dates or text")
-    elif kind not in ("integer", "float", "boolean"):
-        what = "label" if name == cols.label else "dense feature"
-        raise DataError(f"{where}: column '{name}' has type {t}; a {what} column must be numeric (non-numeric values)")
+def csv_delimiter(uri: str, delimiter: str | None = None) -> str:
+    """The delimiter of a CSV log (its first file's, sniffed), for a reader that takes one for every file."""
+    if delimiter is not None:
+        return delimiter
+    fs, path = resolve(uri)
+    try:
+        return sniff_delimiter(fs, _discover(fs, path, uri)[0])
+    except OSError as exc:
+        raise DataError(f"{uri}: cannot read it ({exc})") from None
 
 
-def _first_bad(mask: np.ndarray, column: pa.Array) -> tuple[int, str]:
-    i = int(np.flatnonzero(mask)[0])
-    value = column[i].as_py()
-    return i, "null" if value is None else repr(value)
+def _delimiter_hint(schema: pa.Schema) -> str:
+    """When a CSV file's one column name holds a delimiter, the file was split on another one: say so."""
+    if len(schema.names) != 1:
+        return ""
+    inside = [sep for sep in DELIMITERS if sep in schema.names[0]]
+    return f"; is the delimiter {inside[0]!r}? (--delimiter)" if inside else ""
 
 
-def normalize_batch(batch: pa.RecordBatch, cols: LogColumns, schema: pa.Schema, shown: str, offset: int) -> pa.RecordBatch:
-    """The batch in the normalized schema, or a DataError naming file, row and column."""
-
-    def fail(name: str, mask: np.ndarray, column: pa.Array, what: str) -> DataError:
-        i, value = _first_bad(mask, column)
-        return DataError(f"{shown}: row {offset + i}: column '{name}': {what} ({value})")
-
-    out: list[pa.Array] = []
-    for name, target in ((cols.user, schema.field("user").type), (cols.item, schema.field("item").type)):
-        column = batch.column(name)
-        if column.null_count:
-            raise fail(name, pc.is_null(column).to_numpy(zero_copy_only=False), column, "null id")
-        out.append(column.cast(target))
-    out.extend(_seconds(batch.column(cols.time), cols, fail))
-    out.append(_labels(batch, cols, fail))
-    for name in cols.dense:
-        column = batch.column(name)
-        values = pc.cast(column, pa.float32(), safe=False).to_numpy(zero_copy_only=False) if not column.null_count else None
-        if values is None or not np.isfinite(values).all():
-            mask = pc.is_null(column).to_numpy(zero_copy_only=False) if values is None else ~np.isfinite(values)
-            raise fail(name, mask, column, "not a finite number")
-        out.append(pa.array(values, pa.float32()))
-    return pa.RecordBatch.from_arrays(out, schema=schema)
+def _header_only(f: _File, cols: LogColumns) -> bool:
+    """True for a CSV file with a header and no row (its columns' types are null: there was nothing to infer)."""
+    schema = f.fragment.physical_schema
+    nulls = [n for n in cols.named() if n in schema.names and pa.types.is_null(schema.field(n).type)]
+    return bool(nulls) and f.fragment.head(1, columns=nulls).num_rows == 0
 
 
-NS_PER = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
+_CSV_CONVERSION = re.compile(r"In CSV column #(\d+): Row #(\d+): CSV conversion error to (\w+): invalid value (.*)")
 
 
-def _seconds(column: pa.Array, cols: LogColumns, fail: Callable[..., DataError]) -> tuple[pa.Array, pa.Array]:
-    """int64 seconds since the epoch, and the time at its own resolution (to order ties within a second)."""
-    name = cols.time
-    if column.null_count:
-        raise fail(name, pc.is_null(column).to_numpy(zero_copy_only=False), column, "null timestamp")
-    t = column.type
-    if pa.types.is_date(t):
-        column = pc.cast(column, pa.timestamp("s"))
-        t = column.type
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        column = _parse_text(column, cols, fail)
-        t = column.type
-    if pa.types.is_timestamp(t):
-        ns = pc.cast(column, pa.int64()).to_numpy(zero_copy_only=False) * NS_PER[t.unit]
-        return pa.array(np.floor_divide(ns, NS_PER["s"])), pa.array(ns)
-    if pa.types.is_integer(t):
-        raw = pc.cast(column, pa.int64()).to_numpy(zero_copy_only=False)
-        return pa.array(np.floor_divide(raw, TIME_UNITS[cols.time_unit])), pa.array(raw)
-    values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
-    if not np.isfinite(values).all():
-        raise fail(name, ~np.isfinite(values), column, "not a finite number")
-    seconds = values / TIME_UNITS[cols.time_unit]
-    return pa.array(np.floor(seconds).astype(np.int64)), pa.array(np.rint(seconds * 1e9).astype(np.int64))
+def _read_error(exc: BaseException, f: _File, done: int) -> DataError:
+    """A read failure as one line.  A CSV value that does not fit the type the reader inferred from the file's
+    first block (a text value in a numeric column, far down) names its row and column: pyarrow's message
+    counts lines from 1 with the header, our rows from 0 without."""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    found = _CSV_CONVERSION.match(first_line)
+    if found is not None:
+        names = f.fragment.physical_schema.names
+        column, line, kind, value = int(found.group(1)), int(found.group(2)), found.group(3), found.group(4)
+        name = names[column] if column < len(names) else f"#{column}"
+        return DataError(f"{f.shown}: row {line - 2}: column '{name}': not {kind} like the rows before it ({value})")
+    return DataError(f"{f.shown}: cannot read it past row {done} ({first_line})")
 
-
-def _parse_text(column: pa.Array, cols: LogColumns, fail: Callable[..., DataError]) -> pa.Array:
-    """Text -> timestamp[ns]: ``time_format``, or ISO 8601 (date; date and time, with fractions of a
-    second, with or without a zone: zoned times are taken in UTC)."""
-    if cols.time_format:
-        parsed = pc.strptime(column, format=cols.time_format, unit="ns", error_is_null=True)
-    else:
-        for kind in (pa.timestamp("ns"), pa.timestamp("ns", tz="UTC")):
-            try:
-                return pc.cast(pc.cast(column, kind), pa.timestamp("ns"))
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                pass
-        attempts = [pc.strptime(column, format=f, unit="ns", error_is_null=True)
-                    for f in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%d")]
-        parsed = pc.coalesce(*attempts)
-    if parsed.null_count:
-        hint = f"with --time-format {cols.time_format!r}" if cols.time_format else "as ISO 8601; give --time-format"
-        raise fail(cols.time, pc.is_null(parsed).to_numpy(zero_copy_only=False), column, f"unparseable timestamp {hint}")
-    return parsed
-
-
-def _labels(batch: pa.RecordBatch, cols: LogColumns, fail: Callable[..., DataError]) -> pa.Array:
-    if cols.label is None:
-        return pa.array(np.ones(batch.num_rows, dtype=np.float32))
-    column = batch.column(cols.label)
-    if column.null_count:
-        raise fail(cols.label, pc.is_null(column).to_numpy(zero_copy_only=False), column, "null label")
-    values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
-    if not np.isfinite(values).all():
-        raise fail(cols.label, ~np.isfinite(values), column, "not a finite number")
-    if cols.rating_threshold is not None:
-        return pa.array((values >= cols.rating_threshold).astype(np.float32))
-    bad = ~np.isin(values, (0.0, 1.0))
-    if bad.any():
-        raise fail(cols.label, bad, column, "a label must be 0 or 1; for ratings give --rating-threshold")
-    return pa.array(values.astype(np.float32))

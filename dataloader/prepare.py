@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,12 +29,13 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from freescale.dataloader import prepare_sql as sql
-from freescale.dataloader.log_input import InteractionLog, LogColumns, normalized_schema
+from freescale.dataloader.log_input import DELIMITERS, InteractionLog, LogColumns
 from freescale.dataloader.schema import MANIFEST_NAME, SEQUENCE_FORMAT_VERSION, DataError, DatasetManifest
 from freescale.dataloader.sequence_writer import SequenceWriter, SplitRule, WriteResult
 from freescale.dataloader.source import resolve
 
 FETCH_ROWS = 1 << 18
+DUPLICATES = "exact duplicate rows"
 
 
 class Engine(Protocol):
@@ -84,13 +85,25 @@ class PrepareSpec:
     """Interactions per Parquet row group: about 80 KB, so a rank's share of a planning window at 1,024
     ranks decodes little more than it trains on (benchmarks/bench_reads.py)."""
     overwrite: bool = False
+    dedupe: bool = False
+    """Drop exact duplicate rows (equal in every column read), keeping the first; they are counted either way."""
+    delimiter: str | None = None
+    """A CSV log's field delimiter (default: sniffed from each file's first lines)."""
 
     def validate(self) -> None:
         if self.min_user_count < 1 or self.min_item_count < 1:
             raise DataError("--min-user-count and --min-item-count must be >= 1")
         if self.row_group_interactions < 1:
             raise DataError("--row-group-interactions must be >= 1")
+        if self.delimiter is not None and (len(self.delimiter) != 1 or self.delimiter in "\"\r\n"):
+            raise DataError(f"--delimiter must be one character (such as {', '.join(map(repr, DELIMITERS))}), "
+                            f"got {self.delimiter!r}")
         parse_split(self.split)
+
+    def layout(self) -> sql.Layout:
+        """The engine's log table as the SQL reads it (``unique_log`` once duplicates are dropped)."""
+        return sql.Layout(len(self.columns.dense), tie=self.columns.tie_break is not None,
+                          table="unique_log" if self.dedupe else "log")
 
 
 @dataclass
@@ -98,6 +111,8 @@ class PrepareReport:
     """What a preparation read, dropped and wrote (the summary table, and the manifest's ``preparation``)."""
 
     interactions_read: int = 0
+    duplicates: int = 0
+    """Rows equal in every column read to an earlier row (dropped with ``dedupe``, else kept and counted)."""
     dropped: dict[str, int] = field(default_factory=dict)
     users: int = 0
     items: int = 0
@@ -109,6 +124,8 @@ class PrepareReport:
 
     def rows(self) -> list[dict[str, Any]]:
         out = [{"what": "interactions read", "count": self.interactions_read}]
+        if not any(reason.startswith(DUPLICATES) for reason in self.dropped):
+            out += [{"what": f"{DUPLICATES} (kept; --dedupe drops them)", "count": self.duplicates}]
         out += [{"what": f"dropped: {reason}", "count": n} for reason, n in self.dropped.items()]
         out += [{"what": "users", "count": self.users}, {"what": "items", "count": self.items},
                 {"what": "history only (each user's first interaction: never a target)", "count": self.users}]
@@ -160,7 +177,7 @@ def prepare(spec: PrepareSpec, progress: Callable[[str, int, int | None], None] 
     spec.validate()
     start = time.perf_counter()
     report_progress = progress or (lambda phase, n, total: None)
-    log = InteractionLog.open(spec.input, spec.columns, spec.format)
+    log = InteractionLog.open(spec.input, spec.columns, spec.format, spec.delimiter)
     out_fs, out_base = output_dir(spec)
     if spec.work_dir:
         Path(spec.work_dir).mkdir(parents=True, exist_ok=True)
@@ -176,6 +193,8 @@ def prepare(spec: PrepareSpec, progress: Callable[[str, int, int | None], None] 
             engine.run(f"SET threads = {int(spec.threads)}")
         _load(con, log, lambda n: report_progress("read", n, log.total_rows))
         report = filter_and_count(engine, spec)
+        if spec.dedupe:
+            engine.run("DROP TABLE log")  # its unique rows are in unique_log now: free the engine's disk
         rule = split_rule(engine, spec, report)
         result = _write(con, spec, out_fs, out_base, rule, report, report_progress)
         write_vocab(engine, out_fs, out_base)
@@ -245,10 +264,7 @@ def _load(con: Any, log: InteractionLog, on_rows: Callable[[int], None]) -> None
             failure.append(exc)
             raise
 
-    user_type, item_type = log.id_types()
-    reader = pa.RecordBatchReader.from_batches(
-        normalized_schema(len(log.columns.dense), user_type, item_type), batches()
-    )
+    reader = pa.RecordBatchReader.from_batches(log.schema(), batches())
     con.register("normalized_log", reader)
     try:
         DuckEngine(con).run("CREATE TABLE log AS SELECT * FROM normalized_log")
@@ -262,8 +278,13 @@ def _load(con: Any, log: InteractionLog, on_rows: Callable[[int], None]) -> None
 
 
 def filter_and_count(engine: Engine, spec: PrepareSpec) -> PrepareReport:
-    """The filters and vocabularies (tables in the engine), counted; a log that keeps nothing is an error."""
-    filters = sql.Filters(spec.min_item_count, spec.min_user_count, spec.seed)
+    """Duplicates, filters and vocabularies (tables in the engine), counted; a log that keeps nothing is an
+    error."""
+    loaded = replace(spec.layout(), table="log")
+    duplicates = int(engine.rows(sql.duplicates_query(loaded))[0][0] or 0)
+    if spec.dedupe:
+        engine.run(sql.dedupe_statement(loaded))
+    filters = sql.Filters(spec.min_item_count, spec.min_user_count, spec.seed, table=spec.layout().table)
     for statement in sql.vocabulary_statements(filters):
         engine.run(statement)
     names = ["interactions", "rows_rare_items", "rare_items", "rows_rare_users", "rare_users",
@@ -279,13 +300,12 @@ def filter_and_count(engine: Engine, spec: PrepareSpec) -> PrepareReport:
             f"{spec.input}: no user is left after the filters ({counts['rare_users']:,} users have fewer than "
             f"--min-user-count {spec.min_user_count} interactions)"
         )
+    dropped = {f"{DUPLICATES} (--dedupe)": duplicates} if spec.dedupe else {}
+    dropped[f"item seen < {spec.min_item_count} times ({counts['rare_items']:,} items)"] = counts["rows_rare_items"]
+    dropped[f"user with < {spec.min_user_count} interactions ({counts['rare_users']:,} users)"] = counts["rows_rare_users"]
     return PrepareReport(
-        interactions_read=counts["interactions"],
-        dropped={
-            f"item seen < {spec.min_item_count} times ({counts['rare_items']:,} items)": counts["rows_rare_items"],
-            f"user with < {spec.min_user_count} interactions ({counts['rare_users']:,} users)": counts["rows_rare_users"],
-        },
-        users=counts["users"], items=counts["items"], interactions_kept=counts["kept"],
+        interactions_read=counts["interactions"] + (duplicates if spec.dedupe else 0), duplicates=duplicates,
+        dropped=dropped, users=counts["users"], items=counts["items"], interactions_kept=counts["kept"],
     )
 
 
@@ -294,7 +314,7 @@ def split_rule(engine: Engine, spec: PrepareSpec, report: PrepareReport) -> Spli
     if kind == "leave-last-out":
         return SplitRule("leave-last-out")
     if kind == "time-quantile":
-        cut = int(engine.rows(sql.time_quantile_query(float(value)))[0][0])
+        cut = int(engine.rows(sql.time_quantile_query(float(value), spec.layout().table))[0][0])
     else:
         cut = time_cut(value)
     report.time_cut = cut
@@ -305,7 +325,7 @@ def _write(con: Any, spec: PrepareSpec, fs: pafs.FileSystem, base: str, rule: Sp
            progress: Callable[[str, int, int | None], None]) -> WriteResult:
     writer = SequenceWriter(fs, base, dense_dim=len(spec.columns.dense), rule=rule,
                             row_group_interactions=spec.row_group_interactions)
-    stream = con.sql(sql.sequences_query(len(spec.columns.dense))).to_arrow_reader(FETCH_ROWS)
+    stream = con.sql(sql.sequences_query(spec.layout())).to_arrow_reader(FETCH_ROWS)
     try:
         for batch in stream:
             writer.add(batch)

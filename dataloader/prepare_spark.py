@@ -8,10 +8,14 @@
       ──► vocab/*.parquet, dataset.json (written last; files in partition order = user order)
 
 Nothing here re-implements a step of the DuckDB path: every interaction goes through
-``log_input.normalize_batch`` (the same time units, label rule and one-line errors, naming the
+``log_rows.normalize_batch`` (the same time units, label rule and one-line errors, naming the
 partition and its row), the statements are ``prepare_sql``'s text, and the files come from
 ``SequenceWriter``.  What differs: Spark's ``hash`` is another function, so users are stored in
-another order (the same sequences, the same item ids); the vocabularies' ``row_number()`` windows
+another order (the same sequences, the same item ids); a row's place in the log (``pos``, which
+orders interactions at the same time) is ``(file, split's byte offset, row within the partition)``
+from Spark's file metadata, not one running count, yet orders the rows as the DuckDB path's does
+(files in path order, rows in file order); of a caller's DataFrame, its partitions' order;
+the vocabularies' ``row_number()`` windows
 run on one partition (one row per user or item: small next to the log); the vocabularies reach
 the driver through pandas (``pyspark[sql]``).
 
@@ -33,14 +37,8 @@ from typing import Any
 import pyarrow as pa
 
 from freescale.dataloader import prepare_sql as sql
-from freescale.dataloader.log_input import (
-    CSV_SUFFIXES,
-    LogColumns,
-    check_column_kind,
-    kind_of,
-    normalize_batch,
-    normalized_schema,
-)
+from freescale.dataloader.log_input import CSV_SUFFIXES, csv_delimiter
+from freescale.dataloader.log_rows import LogColumns, check_column_kind, kind_of, normalize_batch, schema_for
 from freescale.dataloader.prepare import (
     PrepareReport,
     PrepareSpec,
@@ -106,56 +104,75 @@ def prepare_on_spark(spark: Any, spec: PrepareSpec, log: Any = None, partitions:
     return report
 
 
+SOURCE_FILE, SOURCE_BLOCK = "__freescale_file", "__freescale_block"
+"""Columns ``_read`` adds from Spark's file metadata: where each row came from, to order ties as read."""
+
+
 def _read(spark: Any, spec: PrepareSpec) -> Any:
     fmt = spec.format
     if fmt == "auto":
         fmt = "csv" if spec.input.lower().rstrip("/").endswith(CSV_SUFFIXES) else "parquet"
+    if spec.delimiter is not None and fmt != "csv":
+        raise DataError(f"{spec.input}: --delimiter is for CSV logs; this one is {fmt}")
     try:
         if fmt == "csv":
-            sep = "\t" if ".tsv" in spec.input.lower() else ","
-            return spark.read.option("header", True).option("inferSchema", True).option("sep", sep).csv(spec.input)
-        return spark.read.parquet(spec.input)
+            sep = csv_delimiter(spec.input, spec.delimiter)
+            frame = spark.read.option("header", True).option("inferSchema", True).option("sep", sep).csv(spec.input)
+        else:
+            frame = spark.read.parquet(spec.input)
+        return frame.selectExpr("*", f"_metadata.file_path AS {SOURCE_FILE}",
+                                f"_metadata.file_block_start AS {SOURCE_BLOCK}")
     except Exception as exc:  # Spark's AnalysisException: path not found, not Parquet ...
         raise DataError(f"{spec.input}: Spark cannot read it ({_first_line(exc)})") from None
 
 
 def _normalized(frame: Any, columns: LogColumns, shown: str) -> Any:
-    """``frame`` as the engine's ``log`` table, each Arrow batch normalized and checked on its executor."""
+    """``frame`` as the engine's ``log`` table, each Arrow batch normalized and checked on its executor;
+    ``pos`` the struct ``(file, block, row)`` that orders rows as they were read (``SOURCE_FILE``)."""
     from pyspark import TaskContext
     from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
     missing = [name for name in columns.named() if name not in frame.columns]
     if missing:
-        has = ", ".join(frame.columns[:12]) + (" ..." if len(frame.columns) > 12 else "")
-        raise DataError(f"{shown}: no column '{missing[0]}' (it has: {has})")
-    selected = frame.select(*columns.named())
+        has = ", ".join(c for c in frame.columns[:12] if c not in (SOURCE_FILE, SOURCE_BLOCK))
+        raise DataError(f"{shown}: no column '{missing[0]}' (it has: {has}{' ...' if len(frame.columns) > 12 else ''})")
+    sourced = SOURCE_FILE in frame.columns
+    selected = frame.select(*columns.named(), *([SOURCE_FILE, SOURCE_BLOCK] if sourced else []))
     types = to_arrow_schema(selected.schema)
     for name in columns.named():
         kind = types.field(name).type
         check_column_kind(name, kind_of(kind), kind, columns, shown)
-    user_type, item_type = (pa.int64() if kind_of(types.field(c).type) == "integer" else pa.string()
-                            for c in (columns.user, columns.item))
-    schema = normalized_schema(len(columns.dense), user_type, item_type)
+    schema = schema_for(types, columns)
+    out_schema = schema.append(pa.field(SOURCE_FILE, pa.string())).append(pa.field(SOURCE_BLOCK, pa.int64()))
 
     def normalize(batches: Any) -> Any:
-        where, done = f"{shown} (partition {TaskContext.get().partitionId()})", 0
+        partition, done = TaskContext.get().partitionId(), 0
+        where = f"{shown} (partition {partition})"
         for batch in batches:
             if batch.num_rows:
-                yield normalize_batch(batch, columns, schema, where, done)
+                out = normalize_batch(batch, columns, schema, where, done, (partition << 40) + done)
+                source = ([batch.column(SOURCE_FILE), batch.column(SOURCE_BLOCK).cast(pa.int64())] if sourced else
+                          [pa.nulls(batch.num_rows, pa.string()), pa.nulls(batch.num_rows, pa.int64())])
+                yield pa.RecordBatch.from_arrays([*out.columns, *source], schema=out_schema)
             done += batch.num_rows
 
-    return selected.mapInArrow(normalize, from_arrow_schema(schema))
+    # Each split of a file is read by one task, in order, so (file, split, row in the partition) is the order read.
+    position = f"named_struct('file', {SOURCE_FILE}, 'block', {SOURCE_BLOCK}, 'row', pos) AS pos"
+    return (selected.mapInArrow(normalize, from_arrow_schema(out_schema))
+            .selectExpr(*(position if n == "pos" else n for n in schema.names)))
 
 
 def _write_sequences(spark: Any, spec: PrepareSpec, rule: SplitRule, partitions: int) -> WriteResult:
     """One ``SequenceWriter`` per range of users, on the executors; their results merged in user order."""
     from pyspark import TaskContext
+    from pyspark.sql import functions as F
 
-    dense_dim = len(spec.columns.dense)
+    dense_dim, layout = len(spec.columns.dense), spec.layout()
     out, row_group = spec.out, spec.row_group_interactions
     count = partitions or spark.sparkContext.defaultParallelism
-    kept = (spark.sql(sql.kept_query(dense_dim)).repartitionByRange(count, "user_id")
-            .sortWithinPartitions(*sql.sequence_order(dense_dim)).select(*sql.sequence_columns(dense_dim)))
+    order = [F.col(c).asc_nulls_last() for c in sql.sequence_order(layout)]
+    kept = (spark.sql(sql.kept_query(layout)).repartitionByRange(count, "user_id")
+            .sortWithinPartitions(*order).select(*sql.sequence_columns(dense_dim)))
 
     def write(batches: Any) -> Any:
         partition = TaskContext.get().partitionId()

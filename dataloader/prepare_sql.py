@@ -1,9 +1,15 @@
 """The relational half of ``freescale prepare``: filters, vocabularies and the sorted stream, as SQL.
 
-Input: a table ``log(user, item, ts, label, d0, d1, ...)`` (``log_input.py``
-loads it).  Output: the kept interactions as ``(user_id, item_id, ts, label,
-d0, ...)`` sorted by ``(user_id, ts, item_id, ...)``, which the sequence writer
-turns into one row per user without holding more than one row group.
+Input: a table ``log(user, item, ts, ts_fine, label, d0, d1, ..., pos[, tie])``
+(``log_input.py`` loads it).  Output: the kept interactions as ``(user_id,
+item_id, ts, label, d0, ...)`` sorted by ``(user_id, ts_fine, tie, pos)``, which
+the sequence writer turns into one row per user without holding more than one
+row group.  Interactions at the same time keep the log's own order (``pos``:
+the row's place in the files) unless a tie-break column orders them first: the
+order decides which interaction is held out and which transitions are trained,
+so it is the user's, never an artifact of ids.  Exact duplicate rows (equal in
+every column but ``pos``) are counted, and with ``dedupe`` the first of each
+is kept (table ``unique_log``).
 
 The statements are plain SQL on purpose: DuckDB runs them in process within a
 memory bound (it spills joins, aggregates and the sort to ``temp_directory``),
@@ -24,26 +30,54 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Layout:
+    """The log table the statements read: its name (``log``, or ``unique_log`` after ``dedupe_statement``),
+    its dense features and whether it has a tie-break column."""
+
+    dense_dim: int
+    tie: bool = False
+    table: str = "log"
+
+    def row_columns(self) -> list[str]:
+        """What makes a row what it is (every column but its position): equal in all, a duplicate."""
+        return ["user", "item", "ts", "ts_fine", "label", *(f"d{i}" for i in range(self.dense_dim)),
+                *(["tie"] if self.tie else [])]
+
+
+@dataclass(frozen=True)
 class Filters:
     min_item_count: int
     min_user_count: int
     seed: int
+    table: str = "log"
+
+
+def duplicates_query(layout: Layout) -> str:
+    """One row: the rows that repeat an earlier one exactly (a group of n equal rows counts n - 1)."""
+    keys = ", ".join(layout.row_columns())
+    return f"SELECT coalesce(sum(n - 1), 0) FROM (SELECT count(*) AS n FROM {layout.table} GROUP BY {keys}) AS g"
+
+
+def dedupe_statement(layout: Layout) -> str:
+    """Table ``unique_log``: each set of exact duplicates once, at its first position in the log."""
+    keys = ", ".join(layout.row_columns())
+    return f"CREATE TABLE unique_log AS SELECT {keys}, min(pos) AS pos FROM {layout.table} GROUP BY {keys}"
 
 
 def vocabulary_statements(f: Filters) -> list[str]:
     """Counts and the two vocabularies, as tables ``item_counts``, ``user_counts``, ``user_vocab``,
     ``item_vocab`` (``item_vocab``/``user_vocab``: the log's id, its dense id, its count)."""
     return [
-        "CREATE TABLE item_counts AS SELECT item, count(*) AS n FROM log GROUP BY item",
+        f"CREATE TABLE item_counts AS SELECT item, count(*) AS n FROM {f.table} GROUP BY item",
         f"""CREATE TABLE user_counts AS
-            SELECT l.user, count(*) AS n FROM log l JOIN item_counts c ON l.item = c.item
+            SELECT l.user, count(*) AS n FROM {f.table} l JOIN item_counts c ON l.item = c.item
             WHERE c.n >= {f.min_item_count} GROUP BY l.user""",
         f"""CREATE TABLE user_vocab AS
             SELECT user, n AS count, row_number() OVER (ORDER BY hash(user, {f.seed}), user) - 1 AS user_id
             FROM user_counts WHERE n >= {f.min_user_count}""",
         f"""CREATE TABLE item_vocab AS
             SELECT l.item, count(*) AS count, row_number() OVER (ORDER BY count(*) DESC, l.item) - 1 AS item_id
-            FROM log l JOIN item_counts c ON l.item = c.item JOIN user_vocab u ON l.user = u.user
+            FROM {f.table} l JOIN item_counts c ON l.item = c.item JOIN user_vocab u ON l.user = u.user
             WHERE c.n >= {f.min_item_count} GROUP BY l.item""",
     ]
 
@@ -60,20 +94,21 @@ def counts_query(f: Filters) -> str:
             (SELECT coalesce(sum(count), 0) FROM user_vocab) AS kept,
             (SELECT count(*) FROM user_vocab) AS users,
             (SELECT count(*) FROM item_vocab) AS items,
-            (SELECT coalesce(sum(label), 0) FROM log) AS positives
+            (SELECT coalesce(sum(label), 0) FROM {f.table}) AS positives
     """
 
 
-def kept_query(dense_dim: int) -> str:
+def kept_query(layout: Layout) -> str:
     """Every kept interaction with its dense ids, in no order."""
-    return _kept(dense_dim)
+    return _kept(layout)
 
 
-def sequence_order(dense_dim: int) -> list[str]:
-    """The output's sort key: by user, oldest first at the time's own resolution (``ts_fine``, so the
-    order within a second is kept); ties broken by every column, so the output does not depend on the
-    input's file or row order."""
-    return ["user_id", "ts_fine", "item_id", "label", *(f"d{i}" for i in range(dense_dim))]
+def sequence_order(layout: Layout) -> list[str]:
+    """The output's sort key: by user, oldest first at the time's own resolution (``ts_fine``, so the order
+    within a second is kept), then the tie-break column, then the log's own order (``pos``): the result is
+    the same on every engine and at any memory bound.  Sort each ascending with nulls last (only ``tie``
+    has any; the engines' defaults for them differ)."""
+    return ["user_id", "ts_fine", *(["tie"] if layout.tie else []), "pos"]
 
 
 def sequence_columns(dense_dim: int) -> list[str]:
@@ -81,21 +116,21 @@ def sequence_columns(dense_dim: int) -> list[str]:
     return ["user_id", "item_id", "ts", "label", *(f"d{i}" for i in range(dense_dim))]
 
 
-def _kept(dense_dim: int) -> str:
-    dense = "".join(f", l.d{i}" for i in range(dense_dim))
-    return f"""SELECT u.user_id, v.item_id, l.ts, l.ts_fine, l.label{dense}
-               FROM log l JOIN user_vocab u ON l.user = u.user JOIN item_vocab v ON l.item = v.item"""
+def _kept(layout: Layout) -> str:
+    extra = "".join(f", l.d{i}" for i in range(layout.dense_dim)) + (", l.tie" if layout.tie else "")
+    return f"""SELECT u.user_id, v.item_id, l.ts, l.ts_fine, l.label, l.pos{extra}
+               FROM {layout.table} l JOIN user_vocab u ON l.user = u.user JOIN item_vocab v ON l.item = v.item"""
 
 
-def time_quantile_query(q: float) -> str:
+def time_quantile_query(q: float, table: str = "log") -> str:
     """The ``q`` quantile of the kept interactions' timestamps (a cut that keeps ``q`` for training)."""
-    return f"SELECT percentile_disc({q}) WITHIN GROUP (ORDER BY ts) FROM ({_kept(0)})"
+    return f"SELECT percentile_disc({q}) WITHIN GROUP (ORDER BY ts) FROM ({_kept(Layout(0, table=table))})"
 
 
-def sequences_query(dense_dim: int) -> str:
+def sequences_query(layout: Layout) -> str:
     """The kept interactions (``sequence_columns``) in ``sequence_order``: each user's contiguous."""
-    return (f"SELECT {', '.join(sequence_columns(dense_dim))} FROM ({_kept(dense_dim)}) "
-            f"ORDER BY {', '.join(sequence_order(dense_dim))}")
+    order = ", ".join(f"{c} ASC NULLS LAST" for c in sequence_order(layout))
+    return f"SELECT {', '.join(sequence_columns(layout.dense_dim))} FROM ({_kept(layout)}) ORDER BY {order}"
 
 
 def vocab_query(feature: str) -> str:

@@ -37,6 +37,15 @@ def add_parsers(sub: Any, as_int: Any, as_float: Any) -> None:
     prep.add_argument("--format", default="auto", choices=["auto", "parquet", "csv"], help="input format (default: by suffix)")
     prep.add_argument("--time-unit", default="s", choices=["s", "ms", "us", "ns"], help="unit of a numeric time column (default s)")
     prep.add_argument("--time-format", default=None, help="strptime format of a text time column (default: ISO 8601)")
+    prep.add_argument("--tie-break", default=None, metavar="COLUMN",
+                      help="a column (numbers or text) that orders a user's interactions at the same time; after it, "
+                           "and without it, they keep the log's order (files, then rows)")
+    prep.add_argument("--dedupe", action="store_true",
+                      help="drop exact duplicate rows (equal in every column read), keeping the first; "
+                           "without it they are kept, and counted in the summary either way")
+    prep.add_argument("--delimiter", default=None, metavar="CHAR",
+                      help="a CSV log's field delimiter (\\t or tab for a tab; default: sniffed among tab, comma, "
+                           "semicolon and pipe from each file's header)")
     prep.add_argument("--row-group-interactions", type=as_int, default=4_096, help="interactions per Parquet row group (default 4096)")
     prep.add_argument("--seed", type=as_int, default=0, help="storage order of users (a seeded hash)")
     prep.add_argument("--overwrite", action="store_true", help="replace a dataset already at --out")
@@ -87,13 +96,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     columns = LogColumns(
         user=args.user, item=args.item, time=args.time, label=args.label, rating_threshold=args.rating_threshold,
         dense=tuple(c.strip() for c in args.dense.split(",") if c.strip()), time_unit=args.time_unit,
-        time_format=args.time_format,
+        time_format=args.time_format, tie_break=args.tie_break,
     )
     spec = PrepareSpec(
         input=args.input, out=args.out, columns=columns, format=args.format, split=args.split,
         min_user_count=args.min_user_count, min_item_count=args.min_item_count, memory=args.memory,
         threads=args.threads, work_dir=args.work_dir, seed=args.seed,
-        row_group_interactions=args.row_group_interactions, overwrite=args.overwrite,
+        row_group_interactions=args.row_group_interactions, overwrite=args.overwrite, dedupe=args.dedupe,
+        delimiter=_delimiter(args.delimiter),
     )
     if args.engine == "spark":
         report = _prepare_on_spark(spec, args.partitions)
@@ -104,6 +114,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
           f"split {args.split}{'' if report.time_cut is None else f', cut at {report.time_cut} s'})")
     print_table(report.rows(), ["what", "count"], align="left")
     return 0
+
+
+def _delimiter(text: str | None) -> str | None:
+    """``--delimiter``: a character, or a tab spelled so a shell passes it (``\\t``, ``tab``)."""
+    return "\t" if text is not None and text.lower() in ("\\t", "tab") else text
 
 
 def _prepare_on_spark(spec: Any, partitions: int) -> Any:

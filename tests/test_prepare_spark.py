@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
@@ -21,6 +23,7 @@ from freescale.dataloader.prepare import PrepareSpec, prepare
 from freescale.dataloader.schema import DataError, DatasetManifest
 from freescale.dataloader.sequence_source import SequenceSource
 from tests.test_prepare import COLUMNS, make_log
+from tests.test_prepare_input import sequences as item_order
 
 pyspark = pytest.importorskip("pyspark")
 
@@ -61,7 +64,8 @@ def test_spark_writes_the_duckdb_dataset_up_to_the_order_of_users(spark: Any, tm
     duck = prepare(PrepareSpec(input=str(source), out=str(tmp_path / "duck"), **options))
     on_spark = prepare_on_spark(spark, PrepareSpec(input=str(source), out=str(tmp_path / "spark"), **options),
                                 partitions=3)
-    for name in ("interactions_read", "dropped", "users", "items", "interactions_kept", "samples", "time_cut"):
+    for name in ("interactions_read", "duplicates", "dropped", "users", "items", "interactions_kept", "samples",
+                 "time_cut"):
         assert getattr(on_spark, name) == getattr(duck, name), name
     assert sequences(tmp_path / "spark") == sequences(tmp_path / "duck")
     items = [pq.read_table(tmp_path / d / "vocab" / "item_id.parquet").to_pylist() for d in ("duck", "spark")]
@@ -98,3 +102,34 @@ def test_a_bad_row_is_one_line_naming_partition_row_and_column(spark: Any, tmp_p
     with pytest.raises(DataError, match="clicks: no column 'what'"):
         prepare_on_spark(spark, PrepareSpec(input="clicks", out=str(tmp_path / "o"), columns=COLUMNS),
                          log=frame.drop("what"))
+
+
+@pytest.mark.parametrize("flags", [{}, {"tie_break": "seq", "dedupe": True}])
+def test_ties_duplicates_and_a_sniffed_delimiter_on_spark_as_on_duckdb(spark: Any, tmp_path: Path,
+                                                                       flags: dict[str, Any]) -> None:
+    """Two semicolon-separated files named .csv, read in splits of 16 KB: the first file (4 KB, one split) is
+    packed into the last partition, after the second file's splits; ties in time still keep the log's order
+    (or the tie-break column's, then the log's), and the same duplicates are counted and dropped."""
+    log = make_log(2_400, seed=7)
+    rng = np.random.default_rng(7)
+    log = log.append_column("seq", pa.array(rng.integers(0, 3, log.num_rows)))
+    log = pa.concat_tables([log, log.take(rng.integers(0, log.num_rows, 150))])  # exact duplicates, at the end
+    (tmp_path / "log").mkdir()
+    for name, part in (("a.csv", log.slice(0, 100)), ("b.csv", log.slice(100))):
+        pacsv.write_csv(part, tmp_path / "log" / name, pacsv.WriteOptions(delimiter=";"))
+    columns = replace(COLUMNS, tie_break=flags.get("tie_break"))
+    options: dict[str, Any] = dict(columns=columns, min_user_count=3, min_item_count=2, format="csv",
+                                   dedupe=flags.get("dedupe", False))
+    from freescale.dataloader.prepare_spark import prepare_on_spark
+
+    duck = prepare(PrepareSpec(input=str(tmp_path / "log"), out=str(tmp_path / "duck"), **options))
+    spark.conf.set("spark.sql.files.maxPartitionBytes", "16384")
+    try:
+        on_spark = prepare_on_spark(spark, PrepareSpec(input=str(tmp_path / "log"), out=str(tmp_path / "spark"),
+                                                       **options), partitions=3)
+    finally:
+        spark.conf.unset("spark.sql.files.maxPartitionBytes")
+    assert duck.duplicates == 150 and on_spark.duplicates == duck.duplicates
+    assert on_spark.dropped == duck.dropped and on_spark.interactions_kept == duck.interactions_kept
+    assert item_order(tmp_path / "spark") == item_order(tmp_path / "duck")
+    assert sequences(tmp_path / "spark") == sequences(tmp_path / "duck")
