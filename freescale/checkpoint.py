@@ -339,17 +339,23 @@ class CheckpointWriter:
             return None
         return self._finish()
 
-    def abandon(self) -> None:
-        """Give up the save in flight without waiting for it (the run is being stopped): rank 0 removes its
-        ``.partial`` directory, so a stop leaves only complete checkpoints behind.  A writer thread of
-        another rank still writing fails on the missing directory; what it may leave, the next start
+    def abandon(self, wait_s: float = 15.0) -> None:
+        """The run is being stopped: finish the save in flight or drop it, so a stop leaves only complete
+        checkpoints behind.  Every rank waits up to ``wait_s`` for its write (another rank's writer thread
+        would otherwise go on writing, even into a directory removed under it: the interpreter joins it at
+        exit); written in time, rank 0 commits it (DCP's last collective is a gather to rank 0, so every
+        rank's files are in); else every rank removes the ``.partial``.  What a kill leaves, the next start
         removes (``remove_stale``)."""
         if self._pending is None:
             return
-        _, root, step, *_ = self._pending
-        self._pending = None
-        if _is_main():
+        future, root, step, *_ = self._pending
+        try:
+            future.result(timeout=wait_s)
+        except BaseException:  # not written in time, or failed (a peer stopped first): drop it, on every rank,
+            self._pending = None  # since any rank's writer thread may have made the directory again meanwhile
             shutil.rmtree(Path(str(step_dir(root, step)) + PARTIAL_SUFFIX), ignore_errors=True)
+            return
+        self._finish()
 
     def _finish(self) -> tuple[Path, float]:
         import time

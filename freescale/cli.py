@@ -128,13 +128,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     DatasetManifest.read(cfg.data.path)  # fail before the process group exists
     cfg.ft.resolve_env()
     from freescale import rank_console
-
-    rank_console.install(cfg.train.output_dir, cfg.ft.replica_id if cfg.ft.enabled else None)
     from freescale.lifetime import Stopped, stops_raise
 
+    trainer = Trainer(cfg)
     try:
-        with stops_raise():  # SIGTERM from the agent (or a scheduler) unwinds the step like ^C: no partial save
-            summary = Trainer(cfg).fit()
+        # The run directory's lease first (without the launcher): a refused run touches none of its files.
+        with trainer.lease(), stops_raise():  # SIGTERM (the agent, a scheduler) unwinds like ^C: no partial save
+            rank_console.install(cfg.train.output_dir, cfg.ft.replica_id if cfg.ft.enabled else None)
+            summary = trainer.fit()
     except Stopped as stopped:  # the launcher reports the stop, once
         return 128 + stopped.signum
     if _is_rank0():
@@ -260,7 +261,12 @@ def _launch_train(args: argparse.Namespace, overrides: list[str]) -> int:
     # One job per run directory, held until every rank has ended (the ranks' commits check its token); what
     # killed saves left is removed before any rank starts.
     with run_lease.held(run_lease.lease_directories(cfg.train.output_dir, root), stale=root):
-        return _launch_ranks(args, overrides, cfg)
+        try:
+            return _launch_ranks(args, overrides, cfg)
+        finally:  # every rank has ended: what a stop or a crash left half-written goes, no writer can race it
+            from freescale.checkpoint import remove_stale
+
+            remove_stale(root)
 
 
 def _launch_ranks(args: argparse.Namespace, overrides: list[str], cfg: Any) -> int:

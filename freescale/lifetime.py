@@ -60,6 +60,13 @@ class Stopped(KeyboardInterrupt):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_stopping: list[int] = []
+
+
+def stopping() -> bool:
+    """A stop signal reached this process (``stops_raise``): a peer's failure seen now is the same stop
+    reaching the peer first, not a fault to report."""
+    return bool(_stopping)
 
 
 class stops_raise:
@@ -68,6 +75,7 @@ class stops_raise:
 
     def __enter__(self) -> None:
         def stop(signum: int, _frame: object) -> None:
+            _stopping.append(signum)
             raise Stopped(signum)
 
         self.previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
@@ -77,4 +85,4 @@ class stops_raise:
             signal.signal(sig, handler)
 
 
-__all__ = ["PARENT_ENV", "STOP_SIGNALS", "Stopped", "children_die_with_me", "die_with_parent", "stops_raise"]
+__all__ = ["PARENT_ENV", "STOP_SIGNALS", "Stopped", "stopping", "children_die_with_me", "die_with_parent", "stops_raise"]

@@ -89,6 +89,10 @@ def report_handled(exc: BaseException) -> bool:
     stream: IO[str] = _state["stream"]
     stream.write("".join(traceback.format_exception(exc)))
     stream.flush()
+    from freescale.lifetime import stopping
+
+    if stopping():  # the job is being stopped and a peer ended first: the launcher says so, once
+        return True
     what = " ".join(str(exc).split())[:160] or type(exc).__name__
     left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     then = "its group restarts" if left > 0 else "no restart left: the group stops"

@@ -96,11 +96,11 @@ class Trainer:
         """Train ``train.steps`` steps (resuming if asked), evaluate, return the summary."""
         cfg = self.cfg
         prepare(cfg)
-        with quiet_libraries(), self._own_lease():
+        with quiet_libraries(), self.lease():
             return self._fit()
 
     @contextlib.contextmanager
-    def _own_lease(self) -> Iterator[None]:
+    def lease(self) -> Iterator[None]:
         """The run directory's lease when no launcher holds it for this job (``run_lease``): taken by rank 0
         before the process group exists, with what killed saves left removed.  Replica groups without
         the launcher share a directory by design: no lease."""
@@ -202,9 +202,6 @@ class Trainer:
         self._last_ckpt: Path | None = None
         try:
             committed = self._train_steps(parts, log, progress, start_step)
-        except KeyboardInterrupt:  # stopped (^C, or the CLI's SIGTERM): no half-written save left behind
-            self._writer.abandon()
-            raise
         except NonFiniteError:
             try:
                 self._write_lazy(log)
@@ -212,6 +209,9 @@ class Trainer:
                 self._committed(log)
             except checkpoint.CheckpointError as exc:  # the stop's reason stays the one reported
                 log.write("checkpoint_failed", error=str(exc))
+            raise
+        except BaseException:  # stopped (^C, the CLI's SIGTERM), or a peer's failure: no half-written save left
+            self._writer.abandon()
             raise
         self._write_lazy(log)
         self._writer.wait()

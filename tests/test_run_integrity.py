@@ -18,7 +18,7 @@ import pytest
 from freescale import checkpoint, run_lease
 from freescale.forkserver import alive
 from freescale.testing import FAULTS_ENV
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, cli_env
 from tests.procs import descendants, wait_for
 
 SLOW = {FAULTS_ENV: "*:*:0:slow:40"}  # 40 ms more a step: time to act between checkpoints
@@ -59,67 +59,54 @@ def test_lease_refuses_a_second_holder_and_the_fence_sees_a_takeover(tmp_path: P
 
 
 @pytest.mark.multiprocess
-def test_killed_launcher_leaves_no_writer_and_a_stop_leaves_no_partial(tiny_data: Path, tmp_path: Path) -> None:
-    """A 2-rank job; a second launch on its directory is refused in one line; SIGKILL of the job's process
-    group: every process it started is gone within 2 s and nothing is written after.  Then ``--resume``
-    (what the kill left half-written is removed at its start), stopped by SIGTERM after one more
-    checkpoint: one line, status 143, every process gone, no ``.partial`` left."""
+def test_a_stop_leaves_no_partial_and_a_killed_launcher_no_writer(
+        tiny_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 2-rank job; a second launch and a ``freescale train`` on its directory are refused in one line naming
+    it; SIGTERM: one line, status 143, every process gone, no ``.partial`` left.  Then the job resumed as two
+    replica groups (what a killed save left is removed at its start) and SIGKILL of its launcher alone, not
+    its process group: the lighthouse in it, the group agents, the clients and the ranks are all gone within
+    2 s (each dies with its parent), and nothing is written after."""
+    from tests.test_cli import run_main
+
     run = tmp_path / "run"
     job = _launch(tiny_data, run, "--nproc-per-node=2", env=SLOW)
     try:
         assert wait_for(lambda: _saved(run) >= 2, timeout=180), job.stderr.read() if job.poll() is not None else ""
-        second = run_cli("launch", "--nproc-per-node=2", "--config", str(REPO / "configs" / "tiny_dlrm.toml"),
-                         f"--data.path={tiny_data}", f"--train.output_dir={run}", "--train.steps=5")
-        lines = second.stderr.strip().splitlines()
-        assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
-        assert f"{run.resolve()}: in use by a run that is still writing to it (pid {job.pid}" in lines[0], lines[0]
+        for command in ("launch", "train"):  # in this process: refused before any rank starts
+            code, _, err = run_main(capsys, command, "--config", str(REPO / "configs" / "tiny_dlrm.toml"),
+                                    f"--data.path={tiny_data}", f"--train.output_dir={run}", "--train.steps=5")
+            lines = err.strip().splitlines()
+            assert code == 2 and len(lines) == 1, err
+            assert f"{run.resolve()}: in use by a run that is still writing to it (pid {job.pid}" in lines[0], lines[0]
         tree = descendants(job.pid)
         assert len(tree) >= 3, tree  # the fork server, the rank clients, the ranks
-        os.killpg(job.pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        left = _all_gone(tree, within_s=2.0)
-        assert not left, f"alive {time.monotonic() - killed_at:.1f} s after the kill: {left}"
-        before = _names(run)
-        time.sleep(1.5)
-        assert _names(run) == before, "written after the kill"
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+            job.wait()
+    assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("freescale:")]
+    assert said == ["freescale: stopped by SIGTERM; every rank has ended"] and "Traceback" not in err, err[-3000:]
+    assert not _all_gone(tree, within_s=2.0)
+    assert not [n for n in _names(run) if not (n.startswith("step_") and n[5:].isdigit()) and n != "commits"]
+
     (run / "checkpoints" / "step_000000999.partial").mkdir()  # as a kill mid-save leaves one
-    resumed = _launch(tiny_data, run, "--nproc-per-node=2", "--resume", env=SLOW)
+    resumed = _launch(tiny_data, run, "--nproc-per-node=1", "--replicas=2", "--resume", env=SLOW)
     try:
         newest = checkpoint.complete_checkpoints(run / "checkpoints")[-1][0]
         assert wait_for(lambda: checkpoint.complete_checkpoints(run / "checkpoints")[-1][0] > newest, timeout=180)
         assert "step_000000999.partial" not in _names(run)
         tree = descendants(resumed.pid)
-        resumed.send_signal(signal.SIGTERM)
-        _, err = resumed.communicate(timeout=60)
+        assert len(tree) >= 5, tree  # the fork server, two agents, their clients, the ranks
+        resumed.kill()
+        left = _all_gone(tree, within_s=2.0)
+        assert not left, left
+        before = _names(run)
+        time.sleep(1.5)
+        assert _names(run) == before, "written after the kill"
     finally:
         if resumed.poll() is None:
             os.killpg(resumed.pid, signal.SIGKILL)
-            resumed.wait()
-    assert resumed.returncode == 128 + signal.SIGTERM, err[-3000:]
-    said = [line for line in err.splitlines() if line.startswith("freescale:")]
-    assert said == ["freescale: stopped by SIGTERM; every rank has ended"] and "Traceback" not in err, err[-3000:]
-    assert not _all_gone(tree, within_s=2.0)
-    assert not [n for n in _names(run) if not n.startswith("step_") or not n[5:].isdigit()], _names(run)
-
-
-@pytest.mark.multiprocess
-def test_killed_launcher_of_replica_groups_leaves_no_process(tiny_data: Path, tmp_path: Path) -> None:
-    """Two replica groups (the lighthouse in the launcher): SIGKILL of the launcher alone, not its group,
-    reaches no agent or rank directly; all of them are gone within 2 s (each dies with its parent)."""
-    run = tmp_path / "run"
-    job = _launch(tiny_data, run, "--nproc-per-node=1", "--replicas=2")
-    try:
-        assert wait_for(lambda: _saved(run) >= 1, timeout=180), job.stderr.read() if job.poll() is not None else ""
-        tree = descendants(job.pid)
-        assert len(tree) >= 5, tree  # the fork server, two agents, their clients, the ranks
-        job.kill()
-        left = _all_gone(tree, within_s=2.0)
-        assert not left, left
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+        resumed.wait()
