@@ -85,4 +85,4 @@ class stops_raise:
             signal.signal(sig, handler)
 
 
-__all__ = ["PARENT_ENV", "STOP_SIGNALS", "Stopped", "stopping", "children_die_with_me", "die_with_parent", "stops_raise"]
+__all__ = ["PARENT_ENV", "STOP_SIGNALS", "Stopped", "children_die_with_me", "die_with_parent", "stopping", "stops_raise"]
