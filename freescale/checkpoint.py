@@ -159,8 +159,8 @@ def _is_main() -> bool:
 def _begin(root: Path, step: int, group: Any = None, fence: Fence | None = None) -> Path:
     """Collective: an empty ``step_N.partial`` for every rank to write into (none once the fence fails)."""
     partial = Path(str(step_dir(root, step)) + PARTIAL_SUFFIX)
+    _fenced(fence, partial)  # every rank reads the same lease file: all raise alike, none is left at the barrier
     if _is_main():
-        _fenced(fence, partial)
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -185,8 +185,8 @@ def _commit(root: Path, step: int, meta: dict[str, Any], keep: int, fence: Fence
     directory, else nothing is committed or pruned), the metadata, then the atomic rename, then old
     checkpoints pruned."""
     final, partial = step_dir(root, step), Path(str(step_dir(root, step)) + PARTIAL_SUFFIX)
+    _fenced(fence, partial)  # on every rank, as in ``_begin``
     if _is_main():
-        _fenced(fence, partial)
         meta_path = partial / META_NAME
         sealed = integrity.stamp({**meta, "step": step}, integrity.seal(partial))
         with meta_path.open("w") as fh:
@@ -344,18 +344,23 @@ class CheckpointWriter:
         checkpoints behind.  Every rank waits up to ``wait_s`` for its write (another rank's writer thread
         would otherwise go on writing, even into a directory removed under it: the interpreter joins it at
         exit); written in time, rank 0 commits it (DCP's last collective is a gather to rank 0, so every
-        rank's files are in); else every rank removes the ``.partial``.  What a kill leaves, the next start
-        removes (``remove_stale``)."""
+        rank's files are in); else rank 0 removes the ``.partial``.  What a late writer thread makes again,
+        the launcher removes once every rank has ended, and a killed job's leftovers the next start
+        (``remove_stale``)."""
         if self._pending is None:
             return
         future, root, step, *_ = self._pending
         try:
             future.result(timeout=wait_s)
-        except BaseException:  # not written in time, or failed (a peer stopped first): drop it, on every rank,
-            self._pending = None  # since any rank's writer thread may have made the directory again meanwhile
-            shutil.rmtree(Path(str(step_dir(root, step)) + PARTIAL_SUFFIX), ignore_errors=True)
+        except BaseException:  # not written in time, or failed (a peer stopped first): dropped
+            self._pending = None
+            if _is_main():
+                shutil.rmtree(Path(str(step_dir(root, step)) + PARTIAL_SUFFIX), ignore_errors=True)
             return
-        self._finish()
+        try:
+            self._finish()
+        except BaseException:  # the stop's reason stays the one reported; the launcher removes what is left
+            pass
 
     def _finish(self) -> tuple[Path, float]:
         import time

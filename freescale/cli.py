@@ -257,6 +257,8 @@ def _launch_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from freescale import run_lease
 
+    if args.lighthouse or cfg.ft.lighthouse:  # groups of this job may run under other launchers (by hand, on
+        return _launch_ranks(args, overrides, cfg)  # other machines) sharing the directory: no lease of ours
     root = Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
     # One job per run directory, held until every rank has ended (the ranks' commits check its token); what
     # killed saves left is removed before any rank starts.

@@ -139,15 +139,16 @@ def summed_counts(ctx: DistContext, counts: dict[str, int]) -> dict[str, int]:
 
     if ctx.world_size == 1:
         return dict(counts)
-    mine = torch.tensor(list(json.dumps(counts).encode()), dtype=torch.uint8)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
-    dist.all_gather(lengths, torch.tensor([len(mine)], dtype=torch.int64))
-    longest = int(max(lengths))
-    padded = [torch.zeros(longest, dtype=torch.uint8) for _ in range(ctx.world_size)]
+    device = collective_device()  # NCCL's default group has no CPU backend
+    mine = torch.tensor(list(json.dumps(counts).encode()), dtype=torch.uint8, device=device)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ctx.world_size)]
+    dist.all_gather(lengths, torch.tensor([len(mine)], dtype=torch.int64, device=device))
+    longest = int(max(int(n) for n in lengths))
+    padded = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(ctx.world_size)]
     dist.all_gather(padded, torch.nn.functional.pad(mine, (0, longest - len(mine))))
     total: dict[str, int] = {}
     for length, data in zip(lengths, padded):
-        for key, value in json.loads(bytes(data[:int(length)].tolist())).items():
+        for key, value in json.loads(bytes(data[:int(length)].cpu().tolist())).items():
             total[key] = total.get(key, 0) + int(value)
     return total
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from freescale import forkserver
-from freescale.lifetime import Stopped, children_die_with_me, die_with_parent, stops_raise
+from freescale.lifetime import PARENT_ENV, Stopped, children_die_with_me, die_with_parent, stops_raise
 
 ERROR_DIR_ENV = "FREESCALE_ERROR_DIR"
 GROUP_AGENT_ENV = "FREESCALE_GROUP_AGENT"
@@ -104,7 +104,10 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
     error_dir = tempfile.mkdtemp(prefix="freescale-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir
     children_die_with_me()  # the ranks' clients: none outlives this agent (``freescale.lifetime``)
-    return _run_agent(nproc_per_node, max_restarts, train_args, command, error_dir)
+    try:
+        return _run_agent(nproc_per_node, max_restarts, train_args, command, error_dir)
+    finally:
+        os.environ.pop(PARENT_ENV, None)
 
 
 def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str], command: Sequence[str],

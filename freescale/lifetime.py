@@ -38,8 +38,8 @@ def die_with_parent() -> None:
     Linux only (elsewhere nothing changes).  The variable is consumed: this process's own children are
     tied to it only if it says so itself."""
     expected = os.environ.pop(PARENT_ENV, "")
-    if not expected or not sys.platform.startswith("linux"):
-        return
+    if not expected or expected == str(os.getpid()) or not sys.platform.startswith("linux"):
+        return  # (its own pid: left by a launch that ran in this very process)
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)

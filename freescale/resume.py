@@ -41,15 +41,8 @@ class Resume:
         found = self._agreed_checkpoints(parts) if self.cfg.checkpoint.resume else []
         path = found[0] if found else None
         fresh = parts.sync.fresh_run()
-        if fresh and self.records is not None:  # the lighthouse may have forgotten (restarted without --state)
-            start = int(path.name.rsplit("_", 1)[1]) if path is not None else 0
-
-            def say(line: str) -> None:
-                log.write("held_back", message=line)
-                _say(parts.ctx, f"freescale: replica group {parts.group}: {line}")
-
-            fresh = hold_back_rollback(self.records, self.run_id, start, parts.sync.fresh_run, say,
-                                       self.cfg.ft.accept_rollback)
+        if fresh:  # the lighthouse may have forgotten (restarted without --state): the groups' records say
+            fresh = self._no_rollback(parts, log, int(path.name.rsplit("_", 1)[1]) if path is not None else 0)
         if not self.cfg.checkpoint.resume:
             return 0
         if path is None or not fresh:
@@ -62,12 +55,29 @@ class Resume:
         parts.dmp.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optim"])
         step = int(meta["step"])
+        if path != found[0] and not self._no_rollback(parts, log, step):  # an older one than was checked
+            log.write("no_resume", checkpoint=str(path), fresh_run=False)
+            _say(parts.ctx, "the run is under way in other replica groups: catching up from them")
+            return 0
         parts.feed.load_state_dict(self._data_state(path, meta, parts))
         log.write("resume", step=step, path=str(path), conversions=notes)
         _say(parts.ctx, f"resumed from {path} at step {step}")
         for note in notes:
             _say(parts.ctx, f"  {note}")
         return step
+
+    def _no_rollback(self, parts: Components, log: RunLog, start: int) -> bool:
+        """Whether the run may start at ``start`` (``ft.commit_record.hold_back_rollback``: held back while the
+        groups' records say the job committed beyond it); False once the holders are back (catch up)."""
+        if self.records is None:
+            return True
+
+        def say(line: str) -> None:
+            log.write("held_back", message=line)
+            _say(parts.ctx, f"freescale: replica group {parts.group}: {line}")
+
+        return hold_back_rollback(self.records, self.run_id, start, parts.sync.fresh_run, say,
+                                  self.cfg.ft.accept_rollback, agree=getattr(parts.sync, "agree", lambda ok: ok))
 
     @staticmethod
     def _data_state(path: Path, meta: dict[str, Any], parts: Components) -> dict[str, Any]:

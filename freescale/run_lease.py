@@ -27,6 +27,7 @@ import fcntl
 import json
 import os
 import platform
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -86,6 +87,9 @@ def acquire(directories: list[Path]) -> RunLease:
                 raise RunDirectoryBusy(f"{directory}: in use by a run that is still writing to it "
                                        f"({_describe(_read(directory))}); stop it first, or give this run "
                                        "another train.output_dir") from None
+            except OSError as exc:  # a file system without flock (Lustre without -o flock, some NFS mounts)
+                print(f"freescale: warning: {directory}: the file system refuses a lock ({exc.strerror}); only the "
+                      "token checked before each checkpoint keeps a second job from writing there", file=sys.stderr)
             lease._files.append(fh)
             fh.seek(0)
             fh.truncate()

@@ -80,14 +80,16 @@ def job_high(directory: Path, run_id: str) -> JobHigh:
 
 
 def hold_back_rollback(directory: Path, run_id: str, start: int, fresh_run: Callable[[], bool],
-                       say: Callable[[str], None], accept: bool, poll_s: float = 1.0) -> bool:
+                       say: Callable[[str], None], accept: bool, poll_s: float = 1.0,
+                       agree: Callable[[bool], bool] = lambda ok: ok) -> bool:
     """A group about to start the run at step ``start`` (its checkpoint's, or 0) because the lighthouse reports
     a fresh run (``fresh_run``, a collective of the group): if the groups' records say the job committed step
     ``start`` or later, wait until the lighthouse hears from the groups that hold them (``fresh_run`` turns
     False: this group then catches up from them), saying so in one line; with ``accept``, go on and say what
-    is lost.  Returns what ``fresh_run`` last said (True: start at ``start``)."""
+    is lost.  Returns what ``fresh_run`` last said (True: start at ``start``).  ``agree``: True only if every
+    rank of the group says True (its ranks read the records at slightly different moments)."""
     high = job_high(directory, run_id)
-    if high.step < start:
+    if agree(high.step < start):
         return True
     lost = f"steps {start}..{high.step}"
     if accept:
