@@ -428,12 +428,12 @@ class FaultTolerance(SnapshotSide):
 
     def _say_membership(self, result: StepResult) -> None:
         """One console line for the job when the groups committing change (who left, who joined): said by rank
-        0 of the first group of the new quorum only (every member sees the same change), in one write (the
-        groups share a terminal: two lines never interleave)."""
+        0 of the first group that was in both quorums only (every member sees the same change), in one write
+        (the groups share a terminal: two lines never interleave)."""
         members = set(result.quorum.replica_ids)
         before, self._members = self._members, members
-        if self._rank != 0 or before is None or members == before or self._cfg.replica_id != min(members):
-            return
+        if self._rank != 0 or before is None or members == before or self._cfg.replica_id != min(members & before, default=""):
+            return  # (the speaker: the first of the groups that were there before, so a rejoining one is named)
         change = "; ".join(part for part in (
             f"left: {', '.join(sorted(before - members))}" if before - members else "",
             f"joined: {', '.join(sorted(members - before))}" if members - before else "") if part)
