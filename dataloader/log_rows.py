@@ -229,7 +229,7 @@ def _parse_text(column: pa.Array, cols: LogColumns, fail: Callable[..., DataErro
             try:
                 return pc.cast(pc.cast(column, kind), pa.timestamp("ns"))
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                pass
+                continue  # not ISO 8601 of this kind (naive, then zoned): the formats below
         attempts = [pc.strptime(column, format=f, unit="ns", error_is_null=True)
                     for f in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%d")]
         parsed = pc.coalesce(*attempts)

@@ -227,7 +227,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----- launch ----------------------------------------------------------------------------
+# ----- checkpoint ------------------------------------------------------------------------
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from freescale.checkpoint_inspect import inspect, print_inspection
 
@@ -237,68 +237,6 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     else:
         print_inspection(found)
     return 0
-
-
-def cmd_launch(args: argparse.Namespace, overrides: list[str], command: list[str]) -> int:
-    if command:
-        return _launch_command(args, overrides, command)
-    from freescale import forkserver
-
-    with forkserver.started():  # the ranks' warm server, importing while this checks the config
-        return _launch_train(args, overrides)
-
-
-def _launch_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    cfg = _load_train_config(args.config, overrides, args.resume)
-    from freescale.dataloader.schema import DatasetManifest
-
-    DatasetManifest.read(cfg.data.path)  # fail here, once, before any rank starts
-    from pathlib import Path
-
-    from freescale import run_lease
-
-    if args.lighthouse or cfg.ft.lighthouse:  # groups of this job may run under other launchers (by hand, on
-        return _launch_ranks(args, overrides, cfg)  # other machines) sharing the directory: no lease of ours
-    root = Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
-    # One job per run directory, held until every rank has ended (the ranks' commits check its token); what
-    # killed saves left is removed before any rank starts.
-    with run_lease.held(run_lease.lease_directories(cfg.train.output_dir, root), stale=root):
-        try:
-            return _launch_ranks(args, overrides, cfg)
-        finally:  # every rank has ended: what a stop or a crash left half-written goes, no writer can race it
-            from freescale.checkpoint import remove_stale
-
-            remove_stale(root)
-
-
-def _launch_ranks(args: argparse.Namespace, overrides: list[str], cfg: Any) -> int:
-    from freescale.launch import launch_local, launch_replicas
-
-    train_args = ([f"--config={args.config}"] if args.config else []) + (["--resume"] if args.resume else [])
-    if args.replicas > 1:
-        if cfg.data.calibrate_every:
-            raise ConfigError("data.calibrate_every: not supported with replica groups yet (the fitted cost model "
-                              "would have to be agreed across groups to keep their plans identical); set it to 0")
-        return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [*train_args, *overrides],
-                               lighthouse_url=args.lighthouse, output_dir=cfg.train.output_dir,
-                               title=f"freescale: {cfg.model.kind}, {args.replicas} replica group(s) of "
-                                     f"{args.nproc_per_node} rank(s)")
-    return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
-
-
-def _launch_command(args: argparse.Namespace, overrides: list[str], command: list[str]) -> int:
-    """``freescale launch [--replicas R] ... -- python my_loop.py ...``: a user's own loop under the launcher."""
-    from freescale.launch import launch_replicas
-
-    if args.config or args.resume or overrides:
-        raise ConfigError(f"launch -- {command[0]} ...: --config, --resume and config keys are for `freescale train`; "
-                          "pass your script's own options after --")
-    from freescale import forkserver
-
-    # Always replica groups (one is fine): the command's loop asks the lighthouse for every step.
-    with forkserver.started(forkserver.LOOP_MODULES):  # `python my_loop.py` ranks forked warm
-        return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [],
-                               lighthouse_url=args.lighthouse, command=command)
 
 
 # ----- entry -----------------------------------------------------------------------------
@@ -465,7 +403,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
         if args.command == "launch" and args.replicas < 1:
             raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
-        return cmd_train(args, rest) if args.command == "train" else cmd_launch(args, rest, command)
+        if args.command == "train":
+            return cmd_train(args, rest)
+        from freescale.cli_launch import cmd_launch
+
+        return cmd_launch(args, rest, command)
     except Exception as exc:  # one line for what the user can fix; tracebacks for our bugs
         if args.command == "lighthouse" and isinstance(exc, ConfigError):  # no torch import to say it
             print(f"freescale: error: lighthouse: {str(exc).removeprefix('lighthouse: ')}", file=sys.stderr)

@@ -1,0 +1,71 @@
+"""``freescale launch``: the job's ranks on this machine (``freescale.launch``), behind the run directory's
+lease (``run_lease``) and the ranks' warm fork server (``forkserver``); or a user's own loop (``-- python ...``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from freescale.cli import _load_train_config
+from freescale.config import ConfigError
+
+
+def cmd_launch(args: argparse.Namespace, overrides: list[str], command: list[str]) -> int:
+    if command:
+        return _launch_command(args, overrides, command)
+    from freescale import forkserver
+
+    with forkserver.started():  # the ranks' warm server, importing while this checks the config
+        return _launch_train(args, overrides)
+
+
+def _launch_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = _load_train_config(args.config, overrides, args.resume)
+    from freescale.dataloader.schema import DatasetManifest
+
+    DatasetManifest.read(cfg.data.path)  # fail here, once, before any rank starts
+    from freescale import run_lease
+
+    if args.lighthouse or cfg.ft.lighthouse:  # groups of this job may run under other launchers (by hand, on
+        return _launch_ranks(args, overrides, cfg)  # other machines) sharing the directory: no lease of ours
+    root = Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
+    # One job per run directory, held until every rank has ended (the ranks' commits check its token); what
+    # killed saves left is removed before any rank starts.
+    with run_lease.held(run_lease.lease_directories(cfg.train.output_dir, root), stale=root):
+        try:
+            return _launch_ranks(args, overrides, cfg)
+        finally:  # every rank has ended: what a stop or a crash left half-written goes, no writer can race it
+            from freescale.checkpoint import remove_stale
+
+            remove_stale(root)
+
+
+def _launch_ranks(args: argparse.Namespace, overrides: list[str], cfg: Any) -> int:
+    from freescale.launch import launch_local, launch_replicas
+
+    train_args = ([f"--config={args.config}"] if args.config else []) + (["--resume"] if args.resume else [])
+    if args.replicas > 1:
+        if cfg.data.calibrate_every:
+            raise ConfigError("data.calibrate_every: not supported with replica groups yet (the fitted cost model "
+                              "would have to be agreed across groups to keep their plans identical); set it to 0")
+        return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [*train_args, *overrides],
+                               lighthouse_url=args.lighthouse, output_dir=cfg.train.output_dir,
+                               title=f"freescale: {cfg.model.kind}, {args.replicas} replica group(s) of "
+                                     f"{args.nproc_per_node} rank(s)")
+    return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
+
+
+def _launch_command(args: argparse.Namespace, overrides: list[str], command: list[str]) -> int:
+    """``freescale launch [--replicas R] ... -- python my_loop.py ...``: a user's own loop under the launcher."""
+    from freescale.launch import launch_replicas
+
+    if args.config or args.resume or overrides:
+        raise ConfigError(f"launch -- {command[0]} ...: --config, --resume and config keys are for `freescale train`; "
+                          "pass your script's own options after --")
+    from freescale import forkserver
+
+    # Always replica groups (one is fine): the command's loop asks the lighthouse for every step.
+    with forkserver.started(forkserver.LOOP_MODULES):  # `python my_loop.py` ranks forked warm
+        return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [],
+                               lighthouse_url=args.lighthouse, command=command)
