@@ -61,18 +61,23 @@ def digest(data: bytes | memoryview) -> str:
 def file_digest(path: Path, offset: int = 0, length: int | None = None) -> tuple[str, int]:
     """The hash of ``length`` bytes of ``path`` from ``offset`` (to the end when None), and how many bytes
     were there to read."""
-    hasher, read = xxhash.xxh3_64(), 0
     with path.open("rb") as fh:
-        fh.seek(offset)
-        left = length
-        while left is None or left > 0:
-            chunk = fh.read(_CHUNK if left is None else min(_CHUNK, left))
-            if not chunk:
-                break
-            hasher.update(chunk)
-            read += len(chunk)
-            if left is not None:
-                left -= len(chunk)
+        return _range_digest(fh, offset, length)
+
+
+def _range_digest(fh: IO[bytes], offset: int, length: int | None) -> tuple[str, int]:
+    """``file_digest`` on a file already open (a file's items hashed through one open)."""
+    hasher, read = xxhash.xxh3_64(), 0
+    fh.seek(offset)
+    left = length
+    while left is None or left > 0:
+        chunk = fh.read(_CHUNK if left is None else min(_CHUNK, left))
+        if not chunk:
+            break
+        hasher.update(chunk)
+        read += len(chunk)
+        if left is not None:
+            left -= len(chunk)
     return hasher.hexdigest(), read
 
 
@@ -95,8 +100,9 @@ class VerifyingWriter(FileSystemWriter):
             items.setdefault(info.relative_path, []).append([int(info.offset), int(info.length)])
         root = Path(self.path)
         for name, ranges in items.items():
-            for entry in ranges:
-                entry.append(file_digest(root / name, entry[0], entry[1])[0])
+            with (root / name).open("rb") as fh:
+                for entry in ranges:
+                    entry.append(_range_digest(fh, entry[0], entry[1])[0])
         prefix = plan.storage_data.prefix
         _fsync_write(root / f"{prefix}{SIDE_SUFFIX}", json.dumps({"algorithm": ALGORITHM, "items": items}))
         return future
@@ -212,17 +218,24 @@ def verify_all(path: Path, meta: dict[str, Any]) -> int:
     check_files(path, manifest)
     checked = 0
     for name, (size, items) in sorted(manifest.files.items()):
-        end = 0
-        for offset, (length, expected) in sorted(items.items()):
-            if offset != end:
-                raise CheckpointDamaged(f"{path / name}: bytes {end}..{offset} are covered by no checksum")
-            found, read = file_digest(path / name, offset, length)
-            if read != length or found != expected:
-                raise CheckpointDamaged(f"{path / name}: bytes {offset}..{offset + length} do not match their checksum")
-            end, checked = offset + length, checked + length
+        with (path / name).open("rb") as fh:
+            end, checked = _verify_file(fh, path / name, items, checked)
         if end != size:
             raise CheckpointDamaged(f"{path / name}: bytes {end}..{size} are covered by no checksum")
     return checked + (path / METADATA).stat().st_size
+
+
+def _verify_file(fh: IO[bytes], where: Path, items: dict[int, tuple[int, str]], checked: int) -> tuple[int, int]:
+    """Every item of one data file, in order, covering it from byte 0: (where they end, bytes checked so far)."""
+    end = 0
+    for offset, (length, expected) in sorted(items.items()):
+        if offset != end:
+            raise CheckpointDamaged(f"{where}: bytes {end}..{offset} are covered by no checksum")
+        found, read = _range_digest(fh, offset, length)
+        if read != length or found != expected:
+            raise CheckpointDamaged(f"{where}: bytes {offset}..{offset + length} do not match their checksum")
+        end, checked = offset + length, checked + length
+    return end, checked
 
 
 __all__ = ["CheckpointDamaged", "CheckpointError", "Manifest", "VerifyingReader", "VerifyingWriter", "check_files", "check_meta",

@@ -432,10 +432,6 @@ class Trainer:
         loader.close()
         return window.compute()
 
-    @staticmethod
-    def _say(ctx: DistContext, message: str) -> None:
-        if ctx.is_main:
-            print(message, flush=True)
 
 
 def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[str, Any]]:
