@@ -1,10 +1,11 @@
-"""Building the data side of a run from its ``[data]`` config: the source of the dataset's layout,
-the epoch order, the planner, and the ``BalancedLoader`` over them (``loader.py``)."""
+"""Building the data side of a run from its ``[data]`` config: the dataset opened once (``Dataset``: its
+manifest), the source of its layout, the epoch order, the planner, and the ``BalancedLoader`` over them
+(``loader.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow.compute as pc
@@ -88,83 +89,95 @@ class DataConfig:
         )
 
 
-def open_source(cfg: DataConfig, split: str, columns: list[str]) -> ParquetSource | SequenceSource:
-    """The reader of ``cfg.path``'s layout: one row per sample (format 1) or per user (format 2)."""
-    cache = 2 * cfg.shuffle_row_groups + 2
-    if DatasetManifest.read(cfg.path).format_version == SEQUENCE_FORMAT_VERSION:
-        return SequenceSource(cfg.path, split, columns, max_seq_len=cfg.max_seq_len, on_bad_rows=cfg.on_bad_rows,
-                              cache_row_groups=cache)
-    return ParquetSource(cfg.path, split, columns, on_bad_rows=cfg.on_bad_rows, cache_row_groups=cache,
-                         max_seq_len=cfg.max_seq_len)
+class Dataset:
+    """A dataset opened once per rank: its manifest read once, and what a run builds from it (the sources
+    of its splits, the loaders over them, the item counts of a retrieval model)."""
+
+    def __init__(self, cfg: DataConfig, manifest: DatasetManifest | None = None) -> None:
+        self.cfg = cfg
+        self.manifest = manifest if manifest is not None else DatasetManifest.read(cfg.path)
+
+    @property
+    def per_user(self) -> bool:
+        """Format 2: one row per user (``freescale prepare``); else one row per sample."""
+        return self.manifest.format_version == SEQUENCE_FORMAT_VERSION
+
+    def samples(self, split: str) -> int:
+        """Samples in ``split`` as the manifest counts them (0 if it has none)."""
+        return int(self.manifest.samples.get(split, self.manifest.rows.get(split, 0)))
+
+    def source(self, split: str, columns: list[str]) -> ParquetSource | SequenceSource:
+        """The reader of ``split``'s layout: one row per sample (format 1) or per user (format 2)."""
+        cfg, cache = self.cfg, 2 * self.cfg.shuffle_row_groups + 2
+        if self.per_user:
+            return SequenceSource(cfg.path, split, columns, max_seq_len=cfg.max_seq_len, on_bad_rows=cfg.on_bad_rows,
+                                  cache_row_groups=cache, manifest=self.manifest)
+        return ParquetSource(cfg.path, split, columns, on_bad_rows=cfg.on_bad_rows, cache_row_groups=cache,
+                             max_seq_len=cfg.max_seq_len, manifest=self.manifest)
+
+    def loader(self, split: str, *, rank: int, world_size: int, sparse_features: list[str], derived_cost: CostModel,
+               seed: int, training: bool = True, pin_memory: bool = False, group_size: int | None = None,
+               timestamps: bool = False, sampled_items: int = 0) -> BalancedLoader:
+        """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order, every
+        sample: the last step also holds the rows short of a whole batch);
+        ``timestamps``: its batches carry the history's and the candidates' timestamps; ``sampled_items``:
+        that many uniform item ids a step as the feature ``sampled_item_ids`` (a retrieval model's negatives)."""
+        cfg = self.cfg
+        warm_up()  # the planner's and the reads' kernels: loaded from numba's cache, or compiled here, not in the
+        gather.warm_up()  # prefetch thread
+        if training:
+            window = max(cfg.window, 1)
+            try:
+                check_size(cfg.partitioner, cfg.batch_size * world_size * window, world_size * window, cfg.equal_count)
+            except ValueError as exc:
+                raise DataError(f"data.partitioner = '{cfg.partitioner}' at {world_size} ranks: {exc}") from None
+        columns = {SPARSE_FEATURES[f][0] for f in sparse_features if SPARSE_FEATURES[f][0]} | {DENSE, LABEL}
+        if timestamps:
+            columns |= {HISTORY_TIMESTAMPS, *([CANDIDATE_TIMESTAMP] if self.per_user else [])}
+        source = self.source(split, sorted(columns))
+        order = EpochOrder(source.rg_rows, seed=seed, shuffle=cfg.shuffle and training,
+                           window_row_groups=cfg.shuffle_row_groups)
+        planner = BatchPlanner(
+            source.lengths, order, cost_model=cfg.cost_model(derived_cost),
+            partitioner=cfg.partitioner if training else "round_robin",
+            global_batch_size=cfg.batch_size * world_size, window=cfg.window if training else 1,
+            equal_count=cfg.equal_count and training, max_seq_len=cfg.max_seq_len, locality=cfg.locality and training,
+            keep_partial=not training,
+        )
+        return BalancedLoader(
+            source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,
+            max_seq_len=cfg.max_seq_len, prefetch=cfg.prefetch, epochs=None if training else 1, pin_memory=pin_memory,
+            group_size=group_size, timestamps=timestamps, sampled_items=sampled_items, seed=seed,
+        )
+
+    def item_counts(self) -> np.ndarray:
+        """How often each item is a training target (int64 ``[num_items]``): format 1 counts the train
+        split's candidates; format 2 the interactions at training positions ``1 .. train_end - 1`` (the
+        held-out ones excluded).  Reads one or two small columns of every file."""
+        num_items, per_user = self.manifest.num_items, self.per_user
+        source = self.source("train", [CANDIDATE_ITEM])
+        counts = np.zeros(num_items, dtype=np.int64)
+        for table in source.read_column_per_file([ITEM_IDS, TRAIN_END] if per_user else [CANDIDATE_ITEM]):  # per file
+            if per_user:
+                lists = table.column(ITEM_IDS).combine_chunks()
+                lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
+                position = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+                end = np.repeat(table.column(TRAIN_END).to_numpy(), lengths)
+                ids = lists.flatten().to_numpy()[(position >= 1) & (position < end)]
+            else:
+                ids = table.column(CANDIDATE_ITEM).to_numpy()
+            counts += np.bincount(ids, minlength=num_items)[:num_items]
+        return counts
 
 
-def build_loader(
-    cfg: DataConfig,
-    split: str,
-    *,
-    rank: int,
-    world_size: int,
-    sparse_features: list[str],
-    derived_cost: CostModel,
-    seed: int,
-    training: bool = True,
-    pin_memory: bool = False,
-    group_size: int | None = None,
-    timestamps: bool = False,
-    sampled_items: int = 0,
-) -> BalancedLoader:
-    """The training loader (shuffled, balanced, endless) or an evaluation one (one pass, in order, every
-    sample: the last step also holds the rows short of a whole batch);
-    ``timestamps``: its batches carry the history's and the candidates' timestamps; ``sampled_items``:
-    that many uniform item ids a step as the feature ``sampled_item_ids`` (a retrieval model's negatives)."""
-    warm_up()  # the planner's and the reads' kernels: loaded from numba's cache, or compiled here, not in the
-    gather.warm_up()  # prefetch thread
-    if training:
-        window = max(cfg.window, 1)
-        try:
-            check_size(cfg.partitioner, cfg.batch_size * world_size * window, world_size * window, cfg.equal_count)
-        except ValueError as exc:
-            raise DataError(f"data.partitioner = '{cfg.partitioner}' at {world_size} ranks: {exc}") from None
-    columns = {SPARSE_FEATURES[f][0] for f in sparse_features if SPARSE_FEATURES[f][0]} | {DENSE, LABEL}
-    if timestamps:
-        per_user = DatasetManifest.read(cfg.path).format_version == SEQUENCE_FORMAT_VERSION
-        columns |= {HISTORY_TIMESTAMPS, *([CANDIDATE_TIMESTAMP] if per_user else [])}
-    source = open_source(cfg, split, sorted(columns))
-    order = EpochOrder(source.rg_rows, seed=seed, shuffle=cfg.shuffle and training,
-                       window_row_groups=cfg.shuffle_row_groups)
-    planner = BatchPlanner(
-        source.lengths, order, cost_model=cfg.cost_model(derived_cost),
-        partitioner=cfg.partitioner if training else "round_robin",
-        global_batch_size=cfg.batch_size * world_size, window=cfg.window if training else 1,
-        equal_count=cfg.equal_count and training, max_seq_len=cfg.max_seq_len, locality=cfg.locality and training,
-        keep_partial=not training,
-    )
-    return BalancedLoader(
-        source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,
-        max_seq_len=cfg.max_seq_len, prefetch=cfg.prefetch, epochs=None if training else 1, pin_memory=pin_memory,
-        group_size=group_size, timestamps=timestamps, sampled_items=sampled_items, seed=seed,
-    )
+def build_loader(cfg: DataConfig, split: str, **kwargs: Any) -> BalancedLoader:
+    """``Dataset(cfg).loader(split, ...)``: a loader of its own (tools and tests; a run opens its ``Dataset`` once)."""
+    return Dataset(cfg).loader(split, **kwargs)
 
 
 def item_counts(cfg: DataConfig) -> np.ndarray:
-    """How often each item is a training target (int64 ``[num_items]``): format 1 counts the train
-    split's candidates; format 2 the interactions at training positions ``1 .. train_end - 1`` (the
-    held-out ones excluded).  Reads one or two small columns of every file."""
-    manifest = DatasetManifest.read(cfg.path)
-    source = open_source(cfg, "train", [CANDIDATE_ITEM])
-    counts = np.zeros(manifest.num_items, dtype=np.int64)
-    per_user = manifest.format_version == SEQUENCE_FORMAT_VERSION
-    for table in source.read_column_per_file([ITEM_IDS, TRAIN_END] if per_user else [CANDIDATE_ITEM]):  # file by file
-        if per_user:
-            lists = table.column(ITEM_IDS).combine_chunks()
-            lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
-            position = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-            end = np.repeat(table.column(TRAIN_END).to_numpy(), lengths)
-            ids = lists.flatten().to_numpy()[(position >= 1) & (position < end)]
-        else:
-            ids = table.column(CANDIDATE_ITEM).to_numpy()
-        counts += np.bincount(ids, minlength=manifest.num_items)[:manifest.num_items]
-    return counts
+    """``Dataset(cfg).item_counts()``."""
+    return Dataset(cfg).item_counts()
 
 
-__all__ = ["DataConfig", "build_loader", "item_counts", "open_source"]
+__all__ = ["DataConfig", "Dataset", "build_loader", "item_counts"]

@@ -40,6 +40,7 @@ from freescale.dataloader.schema import (
     TRAIN_END,
     USER_ID,
     DataError,
+    DatasetManifest,
     check_sequence_schema,
     sample_schema,
 )
@@ -49,9 +50,9 @@ from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column, ro
 class SequenceSource(RowGroupFiles):
     def __init__(
         self, uri: str, split: str, columns: list[str], *, max_seq_len: int, on_bad_rows: BadRows = "error",
-        cache_row_groups: int = 32,
+        cache_row_groups: int = 32, manifest: DatasetManifest | None = None,
     ) -> None:
-        super().__init__(uri, split, on_bad_rows=on_bad_rows, cache_row_groups=cache_row_groups)
+        super().__init__(uri, split, on_bad_rows=on_bad_rows, cache_row_groups=cache_row_groups, manifest=manifest)
         if split not in ("train", "eval"):
             raise DataError(f"{self.uri}: format 2 has the splits train and eval, not '{split}'")
         self.columns = list(columns)

@@ -82,10 +82,11 @@ class RowGroupFiles(ABC):
     ``row_problems(table)`` on the way in (error: raise; skip: a bad-row mask, counted).
     """
 
-    def __init__(self, uri: str, split: str, *, on_bad_rows: BadRows, cache_row_groups: int) -> None:
+    def __init__(self, uri: str, split: str, *, on_bad_rows: BadRows, cache_row_groups: int,
+                 manifest: DatasetManifest | None = None) -> None:
         self.uri = uri.rstrip("/")
         self.fs, base = resolve(self.uri)
-        self.manifest = DatasetManifest.read_from(self.fs, base, self.uri)
+        self.manifest = manifest if manifest is not None else DatasetManifest.read_from(self.fs, base, self.uri)
         self.on_bad_rows = on_bad_rows
         names = self.manifest.split_files(split, self.uri)
         self.file_names = [f"{self.uri}/{name}" for name in names]
@@ -189,9 +190,9 @@ class ParquetSource(RowGroupFiles):
 
     def __init__(
         self, uri: str, split: str, columns: list[str], *, on_bad_rows: BadRows = "error", cache_row_groups: int = 32,
-        max_seq_len: int | None = None,
+        max_seq_len: int | None = None, manifest: DatasetManifest | None = None,
     ) -> None:
-        super().__init__(uri, split, on_bad_rows=on_bad_rows, cache_row_groups=cache_row_groups)
+        super().__init__(uri, split, on_bad_rows=on_bad_rows, cache_row_groups=cache_row_groups, manifest=manifest)
         self.columns = self.keep_columns = list(columns)
         self.max_seq_len = max_seq_len
         """Values kept of each list column, the most recent (None: all)."""

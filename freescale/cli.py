@@ -432,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from freescale.checkpoint import CheckpointError
         from freescale.dataloader.schema import DataError
         from freescale.ft.client import LighthouseError, ProgressLost
-        from freescale.step_sync import NonFiniteError
+        from freescale.step_types import NonFiniteError
 
         if isinstance(exc, (ConfigError, DataError, CheckpointError, LighthouseError, NonFiniteError)):
             from freescale.launch import report_user_error

@@ -1,20 +1,19 @@
 """The run's config tree and everything one rank trains with, built once from it: the same parts
-with or without fault tolerance (only the ``StepSync`` differs).
+with or without fault tolerance (only the ``StepSync`` differs, and a replica layer has run edges).
 
-    model (meta embeddings) -> DMP (sharded; DDP around the dense part only where DDP reduces)
-    -> optimizers (fused row-wise Adagrad in the tables, AdamW dense) -> loader (planned over every
-    rank of every replica group) -> StepFeed -> StepSync (local, or FaultTolerance) -> pipeline
+    dataset (opened once) -> model (meta embeddings) -> DMP (sharded; DDP around the dense part only where
+    DDP reduces) -> optimizers (fused row-wise Adagrad in the tables, AdamW dense) -> loader (planned over
+    every rank of every replica group) -> StepFeed -> StepSync (local, or FaultTolerance) -> StepEngine
+    (the pipeline inside)
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,11 +23,10 @@ from torchrec.optim.keyed import CombinedOptimizer
 from freescale.checkpoint import CheckpointConfig
 from freescale.comm_trace import CommTracer
 from freescale.config import ConfigError, require
-from freescale.dataloader.build import DataConfig, build_loader, item_counts
+from freescale.dataloader.build import DataConfig, Dataset
 from freescale.dataloader.loader import BalancedLoader
-from freescale.dataloader.schema import DatasetManifest
 from freescale.distributed import DistConfig, DistContext
-from freescale.ft.config import FTConfig
+from freescale.ft.config import FTConfig, skip_step_refusal
 from freescale.grad_buckets import BucketedGrads
 from freescale.models import ModelConfig, build_model, cost_model_for
 from freescale.parallelize import (
@@ -39,22 +37,14 @@ from freescale.parallelize import (
     replicated_tables,
     shard_model,
 )
-from freescale.pipeline import PipelineConfig, StepPipeline, build_pipeline
+from freescale.pipeline import PipelineConfig
 from freescale.staging import LazySaves, RowTracker
+from freescale.step_engine import PRECISIONS, StepEngine
 from freescale.step_feed import StepFeed
-from freescale.step_sync import NONFINITE, LocalSync, StepSync
+from freescale.step_sync import NONFINITE, LocalSync
+from freescale.step_types import ReplicaRun, StepSync
 from freescale.tasks import Task, task_of
 from freescale.testing import StepHooks, hooks_from_env
-
-PRECISIONS = ("fp32", "bf16")
-
-
-def precision_context(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
-    """What the step's forward and backward run in: bf16 autocast on CUDA, else nothing.  The bf16 path
-    has not yet run on a GPU (none was available)."""
-    if precision == "bf16" and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 @dataclass
@@ -129,12 +119,9 @@ def prepare(cfg: TrainerConfig) -> None:
         raise ConfigError(f"optim.warmup_steps: {cfg.optim.warmup_steps:,} is more than train.steps "
                           f"({cfg.train.steps:,}): the whole run would train at a fraction of the learning rate; "
                           "lower it")
-    if not cfg.ft.enabled and cfg.train.nonfinite == "skip_step":
-        raise ConfigError("train.nonfinite: 'skip_step' needs fault tolerance (--replicas), whose embedding update "
-                          "waits for the commit; without it the fused update already ran inside backward")
-    if cfg.ft.enabled and cfg.ft.embedding_sync == "average" and cfg.train.nonfinite == "skip_step":
-        raise ConfigError("train.nonfinite: 'skip_step' needs the union update (ft.embedding_sync = \"union\"): with "
-                          "\"average\" each group's fused update already ran inside backward")
+    refusal = skip_step_refusal(cfg.ft.enabled, cfg.ft.embedding_sync) if cfg.train.nonfinite == "skip_step" else None
+    if refusal:
+        raise ConfigError(f"train.nonfinite: {refusal}")
 
 
 def refuse_replicated_tables(cfg: TrainerConfig, tables: list[str]) -> None:
@@ -151,13 +138,14 @@ def refuse_replicated_tables(cfg: TrainerConfig, tables: list[str]) -> None:
 @dataclass
 class Components:
     ctx: DistContext
-    manifest: DatasetManifest
+    dataset: Dataset
     dmp: nn.Module
     optimizer: CombinedOptimizer
     loader: BalancedLoader
     feed: StepFeed
-    sync: StepSync
-    pipeline: StepPipeline
+    engine: StepEngine
+    replicas: ReplicaRun | None
+    """The replica layer's run edges (fault tolerance); None for one group."""
     hooks: StepHooks
     tracer: CommTracer | None
     group: int
@@ -190,7 +178,8 @@ class Components:
         self.loader.close()
         if self.tracer is not None:
             self.tracer.__exit__(None, None, None)
-        self.sync.close()
+        if self.replicas is not None:
+            self.replicas.close()
 
 
 def segment_end_of(every: int, end: int) -> Callable[[int], int]:
@@ -204,10 +193,10 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
     group = cfg.ft.replica_index if ft_on else 0
     groups = cfg.ft.replicas if ft_on else 1
     log_dir = Path(cfg.train.output_dir) / (cfg.ft.replica_id if ft_on else "")
-    manifest = DatasetManifest.read(cfg.data.path)
+    dataset = Dataset(cfg.data)
     torch.manual_seed(cfg.train.seed)  # every rank (and every group) builds the same initial model
-    counts = torch.from_numpy(item_counts(cfg.data)) if cfg.model.task == "retrieval" else None
-    model = build_model(cfg.model, manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"),
+    counts = torch.from_numpy(dataset.item_counts()) if cfg.model.task == "retrieval" else None
+    model = build_model(cfg.model, dataset.manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"),
                         item_counts=counts)
     dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp(ft_on))
     replicated = sorted(replicated_tables(dmp))  # asked for, or chosen by torchrec's planner for a small table
@@ -221,9 +210,9 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
     optimizer = build_optimizer(dmp, cfg.optim)
     update = dense_update(dmp, optimizer, cfg.optim, cfg.train.steps)
     features: list[str] = list(model.sparse_feature_names)  # type: ignore[arg-type]  # every model declares them
-    loader = build_loader(
-        cfg.data, "train", rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size,
-        sparse_features=features, derived_cost=cost_model_for(cfg.model, manifest.dense_dim),
+    loader = dataset.loader(
+        "train", rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size,
+        sparse_features=features, derived_cost=cost_model_for(cfg.model, dataset.manifest.dense_dim),
         seed=cfg.train.seed, training=True, pin_memory=ctx.device.type == "cuda", group_size=ctx.world_size,
         timestamps=bool(getattr(model, "reads_timestamps", False)), sampled_items=getattr(model, "sampled_items", 0),
     )
@@ -236,6 +225,7 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
     chunk = cfg.pipeline.chunk_kb * 1024 if prioritized else None
     inflight = cfg.pipeline.max_inflight if prioritized else None
     sync: StepSync
+    replicas: ReplicaRun | None = None
     if ft_on:
         from freescale.ft.layer import FaultTolerance
 
@@ -243,7 +233,7 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
                             max_inflight=inflight, nonfinite=cfg.train.nonfinite, device=ctx.device, update=update)
         if tracer is not None and ft.in_group is not None:
             tracer.label(ft.in_group, "dense")
-        sync = ft
+        sync = replicas = ft
     else:
         grads = None
         if prioritized:
@@ -252,9 +242,10 @@ def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
                 tracer.label(dense_group, "dense")
             grads = BucketedGrads(list(dense_named_parameters(dmp).values()), dense_group, chunk or 1, chunk or 1,
                                   chunk_bytes=chunk, max_inflight=inflight)
-        sync = LocalSync(optimizer, list(dense_named_parameters(dmp).values()), feed, update, grads)
-    pipeline = build_pipeline(cfg.pipeline, dmp, sync, ctx.device)
-    return Components(ctx, manifest, dmp, optimizer, loader, feed, sync, pipeline, hooks, tracer, group, groups,
+        sync = LocalSync(dmp, optimizer, list(dense_named_parameters(dmp).values()), feed, update, grads)
+    engine = StepEngine(sync, feed, cfg.pipeline, dmp, ctx.device, cfg.train.precision, audit=hooks.audit,
+                        tracer=tracer)
+    return Components(ctx, dataset, dmp, optimizer, loader, feed, engine, replicas, hooks, tracer, group, groups,
                       log_dir, staging)
 
 

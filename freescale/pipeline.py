@@ -33,10 +33,11 @@ batches in flight and streams, plus priority inside the step:
 
 No pipeline reduces gradients or steps an optimizer itself: at the points
 where torchrec's pipelines call ``optimizer.zero_grad()``, ``backward`` and
-``optimizer.step()`` they call the step's ``StepSync``
-(``freescale.step_sync``): the local one, or fault tolerance across replica
-groups (``freescale.ft.FaultTolerance``).  So every pipeline composes with
-fault tolerance, and the sync decides when an update is committed.
+``optimizer.step()`` they call the step engine (``StepCalls``:
+``freescale.step_engine``), which hands them to the step's sync: the local
+one, or fault tolerance across replica groups (``freescale.ft.FaultTolerance``).
+So every pipeline composes with fault tolerance, and the sync decides when an
+update is committed.
 
 On CPU with gloo the overlap is real too: gloo runs collectives on its own
 threads, and every wait is on an async work handle.
@@ -47,7 +48,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -56,13 +57,35 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from freescale.comm_trace import phase
 from freescale.config import require
 from freescale.dataloader.batch import Batch
-from freescale.step_sync import StepSync, SyncedOptimizer
 
 PIPELINES = ("plain", "torchrec", "prioritized")
 COMMS = ("nccl", "copy_engine")
 
 StepOutput = tuple[torch.Tensor, ...]
 """(loss, *outputs) of the batch the step trained: the model's output (``freescale.tasks``)."""
+
+
+class StepCalls(Protocol):
+    """What a pipeline calls where an optimizer's and a loss's methods would be (the step engine)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self) -> None: ...
+
+
+class SyncedOptimizer:
+    """What a torchrec pipeline sees as its optimizer: ``zero_grad`` and ``step`` go to the engine."""
+
+    def __init__(self, calls: StepCalls) -> None:
+        self.calls = calls
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.calls.zero_grad(set_to_none)
+
+    def step(self, closure: Any = None) -> None:
+        self.calls.step()
 
 
 @dataclass
@@ -115,17 +138,17 @@ class StepPipeline(abc.ABC):
 
 
 class PlainPipeline(StepPipeline):
-    def __init__(self, model: nn.Module, sync: StepSync, device: torch.device) -> None:
-        self.model, self.sync, self.device = model, sync, device
+    def __init__(self, model: nn.Module, calls: StepCalls, device: torch.device) -> None:
+        self.model, self.calls, self.device = model, calls, device
 
     def progress(self, batches: Iterator[Batch]) -> StepOutput:
         batch = next(batches).to(self.device, non_blocking=True)
-        self.sync.zero_grad()
+        self.calls.zero_grad()
         with phase("forward"):
             loss, output = self.model(batch)
         with phase("backward"):
-            self.sync.backward(loss)
-        self.sync.step()
+            self.calls.backward(loss)
+        self.calls.step()
         return tuple(output)
 
     def detach(self) -> nn.Module:
@@ -135,17 +158,17 @@ class PlainPipeline(StepPipeline):
 class _SyncedSparseDist(TrainPipelineSparseDist[Batch, Any]):
     """torchrec's three-stage pipeline whose backward and optimizer step go to the ``StepSync``."""
 
-    def __init__(self, model: nn.Module, sync: StepSync, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, calls: StepCalls, device: torch.device) -> None:
         def forward(batch: Batch | None) -> Any:
             with phase("forward"):
                 return model(batch)
 
-        super().__init__(model, SyncedOptimizer(sync), device, custom_model_fwd=forward)
-        self.sync = sync
+        super().__init__(model, SyncedOptimizer(calls), device, custom_model_fwd=forward)
+        self.calls = calls
 
     def _backward(self, losses: torch.Tensor) -> None:
         with phase("backward"):
-            self.sync.backward(torch.sum(losses, dim=0))
+            self.calls.backward(torch.sum(losses, dim=0))
 
 
 class TorchrecPipeline(StepPipeline):
@@ -154,8 +177,8 @@ class TorchrecPipeline(StepPipeline):
 
     read_ahead = 2
 
-    def __init__(self, model: nn.Module, sync: StepSync, device: torch.device) -> None:
-        self.pipeline = _SyncedSparseDist(model, sync, device)
+    def __init__(self, model: nn.Module, calls: StepCalls, device: torch.device) -> None:
+        self.pipeline = _SyncedSparseDist(model, calls, device)
 
     def progress(self, batches: Iterator[Batch]) -> StepOutput:
         return tuple(self.pipeline.progress(batches))
@@ -167,9 +190,9 @@ class TorchrecPipeline(StepPipeline):
         return self.pipeline.detach()
 
 
-def build_pipeline(cfg: PipelineConfig, dmp: nn.Module, sync: StepSync, device: torch.device) -> StepPipeline:
+def build_pipeline(cfg: PipelineConfig, dmp: nn.Module, calls: StepCalls, device: torch.device) -> StepPipeline:
     """The configured pipeline over an already sharded model (DDP around its dense part exactly
-    when ``cfg.uses_ddp(...)``) and the step's sync."""
+    when ``cfg.uses_ddp(...)``), calling the step engine where an optimizer would be."""
     if cfg.comm == "copy_engine":
         if device.type != "cuda":
             raise RuntimeError(
@@ -180,6 +203,6 @@ def build_pipeline(cfg: PipelineConfig, dmp: nn.Module, sync: StepSync, device: 
             "pipeline.comm = 'copy_engine': the SM-free all-to-all exists (freescale.kernels.copy_engine) but is "
             "not yet wired into torchrec's output dist, and has not run on a GPU; use 'nccl'"
         )
-    pipeline = PlainPipeline(dmp, sync, device) if cfg.kind == "plain" else TorchrecPipeline(dmp, sync, device)
+    pipeline = PlainPipeline(dmp, calls, device) if cfg.kind == "plain" else TorchrecPipeline(dmp, calls, device)
     assert pipeline.read_ahead == cfg.read_ahead
     return pipeline

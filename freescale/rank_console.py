@@ -135,7 +135,7 @@ def install_excepthook(output_dir: str | None = None, replica_id: str | None = N
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         from freescale.ft.client import LighthouseError, ProgressLost
         from freescale.launch import FutileRestart, report_user_error
-        from freescale.step_sync import NonFiniteError
+        from freescale.step_types import NonFiniteError
 
         if isinstance(exc, FutileRestart):
             _leave(0)  # the error that ended the incarnation before is reported by the launcher

@@ -40,7 +40,7 @@ class Resume:
             return 0
         found = self._agreed_checkpoints(parts) if self.cfg.checkpoint.resume else []
         path = found[0] if found else None
-        fresh = parts.sync.fresh_run()
+        fresh = parts.replicas.fresh_run() if parts.replicas is not None else True
         if fresh:  # the lighthouse may have forgotten (restarted without --state): the groups' records say
             fresh = self._no_rollback(parts, log, int(path.name.rsplit("_", 1)[1]) if path is not None else 0)
         if not self.cfg.checkpoint.resume:
@@ -69,15 +69,16 @@ class Resume:
     def _no_rollback(self, parts: Components, log: RunLog, start: int) -> bool:
         """Whether the run may start at ``start`` (``ft.commit_record.hold_back_rollback``: held back while the
         groups' records say the job committed beyond it); False once the holders are back (catch up)."""
-        if self.records is None:
+        replicas = parts.replicas
+        if self.records is None or replicas is None:  # (records are kept under fault tolerance only)
             return True
 
         def say(line: str) -> None:
             log.write("held_back", message=line)
             _say(parts.ctx, f"freescale: replica group {parts.group}: {line}")
 
-        return hold_back_rollback(self.records, self.run_id, start, parts.sync.fresh_run, say,
-                                  self.cfg.ft.accept_rollback, agree=getattr(parts.sync, "agree", lambda ok: ok))
+        return hold_back_rollback(self.records, self.run_id, start, replicas.fresh_run, say,
+                                  self.cfg.ft.accept_rollback, agree=replicas.agree)
 
     @staticmethod
     def _data_state(path: Path, meta: dict[str, Any], parts: Components) -> dict[str, Any]:

@@ -36,26 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if TYPE_CHECKING:  # the fault-tolerance layer imports Commit from here: a user loop need not load torchrec
+from freescale.step_types import Accounted, Commit
+
+if TYPE_CHECKING:
     from freescale.dataloader.batch import Batch
     from freescale.dataloader.loader import BalancedLoader, StepInfo
     from freescale.dataloader.partition import Parts
-
-
-@dataclass(frozen=True)
-class Commit:
-    """What a committed step tells the data side (and the log): the engine's one step outcome."""
-
-    step: int
-    trained: frozenset[int]
-    """Groups whose samples the committed update holds (weight > 0)."""
-    ready: frozenset[int]
-    """Groups holding valid state after the step: the next plans are over their ranks."""
-    applied: bool = True
-    """The update reached this rank's state (False while catching up: it is recorded, replayed later)."""
-    restored: bool = False
-    """This rank's state was replaced from a peer's snapshot during the step (a catch-up finished):
-    batches it had in flight are void."""
 
 
 @dataclass
@@ -76,7 +62,7 @@ class StepFeed:
 
     def __init__(self, loader: BalancedLoader, group: int, group_size: int, groups: int, depth: int,
                  segment_end: Callable[[int], int]) -> None:
-        self.loader, self.group, self.group_size, self.depth = loader, group, group_size, depth
+        self.loader, self.group, self.group_size, self.groups, self.depth = loader, group, group_size, groups, depth
         self.segment_end = segment_end
         self.ready: frozenset[int] = frozenset(range(groups))
         """Groups the next step is planned over: every group at the start, then those ready at each commit."""
@@ -85,10 +71,6 @@ class StepFeed:
         self._next = 0
         """The next step to plan."""
         self._iter: Iterator[Batch] = iter(())
-        self.last_rows = np.zeros(0, dtype=np.int64)
-        """Rows the last committed step trained (every group's)."""
-        self.last_samples = 0
-        """Samples this group had in the last committed step's plan."""
 
     # ------------------------------------------------------------------ groups and ranks
     def ranks_of(self, group: int) -> range:
@@ -158,10 +140,22 @@ class StepFeed:
         """Samples of this group in ``step``: its gradients' weight across groups."""
         return float(self.head(step).samples_of(self.ranks_of(self.group)))
 
+    def rank_samples(self, step: int) -> int:
+        """Samples of this rank in ``step``."""
+        return self.head(step).samples_of(range(self.loader.rank, self.loader.rank + 1))
+
+    def bind(self, group: int, replicas: int, rank: int, ranks: int) -> None:
+        """The fault-tolerance layer's view of this rank's place must be the one the plans were made for."""
+        mine = (self.group, self.groups, self.loader.rank - self.group * self.group_size, self.group_size)
+        if (group, replicas, rank, ranks) != mine:
+            raise ValueError(f"step feed: planned for group {mine[0]} of {mine[1]}, rank {mine[2]} of {mine[3]}; "
+                             f"the fault-tolerance layer runs group {group} of {replicas}, rank {rank} of {ranks}")
+
     # ------------------------------------------------------------------ accounting
-    def commit(self, commit: Commit) -> np.ndarray:
+    def commit(self, commit: Commit) -> Accounted:
         """After ``commit.step`` committed (or was replayed): requeue the rows of groups that did not
-        train it, plan the next step over the ready groups.  Returns the rows the step trained."""
+        train it, plan the next step over the ready groups.  Returns the rows the step trained (every
+        group's) and this group's samples in it."""
         planned = self.head(commit.step)
         self._plans.popleft()
         groups = np.asarray(planned.live_ranks, dtype=np.int64) // self.group_size
@@ -169,21 +163,19 @@ class StepFeed:
         if not in_trained.all():
             self.loader.requeue(planned.plan_rows.select(np.flatnonzero(~in_trained)).index)
         self.ready = commit.ready
-        self.last_samples = planned.samples_of(self.ranks_of(self.group))
-        self.last_rows = planned.plan_rows.select(np.flatnonzero(in_trained)).index
+        accounted = Accounted(planned.plan_rows.select(np.flatnonzero(in_trained)).index,
+                              planned.samples_of(self.ranks_of(self.group)))
         nxt = commit.step + 1
         if self.segment_end(commit.step) > nxt:
             self._top_up(nxt)  # within the segment; the next segment is planned when it starts
-        return self.last_rows
+        return accounted
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able: the loader's position (= the next step to plan), the plans in flight, and the
-        rows the last committed step trained (every group's: the same in every group)."""
+        """JSON-able: the loader's position (= the next step to plan) and the plans in flight."""
         return {"loader": self.loader.state_dict(), "next": self._next, "ready": sorted(self.ready),
                 "plans": [{"step": p.step, "live_ranks": list(p.live_ranks),
-                           "rows": [r.tolist() for r in p.plan_rows]} for p in self._plans],
-                "last_rows": self.last_rows.tolist()}
+                           "rows": [r.tolist() for r in p.plan_rows]} for p in self._plans]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a peer's (or a checkpoint's) data position.  Batches of in-flight steps are not read:
@@ -197,9 +189,5 @@ class StepFeed:
         self._plans = deque(PlannedStep(int(p["step"]), tuple(p["live_ranks"]),
                                         Parts.of_list([np.asarray(r, dtype=np.int64) for r in p["rows"]]))
                             for p in state["plans"])
-        # A group that catches up to the very step of the snapshot replays nothing: that step's record
-        # (the rows it trained) comes from here.  This group sat it out: no samples of its own.
-        self.last_rows = np.asarray(state.get("last_rows", []), dtype=np.int64)
-        self.last_samples = 0
         self._batches.clear()
         self._iter = self._pull()

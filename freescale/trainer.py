@@ -15,14 +15,16 @@ the order the code runs it:
     3-5  input dist,      ``pipeline.progress`` (``freescale.pipeline``, ``pipeline.kind``):
          output dist,     ids all-to-all, prioritized embedding lookups and output all-to-alls,
          dense fwd/bwd    dense forward, backward with the dense buckets reduced during it
-    6    exchange         ``sync.step`` (``freescale.step_sync``), called by the pipeline where an
+    6    exchange         ``sync.exchange`` (``freescale.step_sync``), called by the pipeline where an
     7    commit           optimizer step would be: in-group, then (fault tolerance) the weighted FTAR
-    8    update           across groups, the vote, then the update: optimizer, union update of tables
-    9    account, log,    the feed requeues rows of groups that did not train the step; the log's
-         checkpoint       ``commit`` record; metrics every ``log_every``; a checkpoint at segment ends
+    8    update           across groups, the vote, then the update: optimizer, the embedding sync
+    9    account          the feed requeues rows of groups that did not train the step
+    ---  (1-9 are ``StepEngine.run`` (``freescale.step_engine``): it returns the step's ``StepOutcome``)
+         log, checkpoint  here, from the outcome: the log's ``commit`` record; metrics every
+                          ``log_every``; a checkpoint at segment ends
 
 A step this rank sits out (its group is catching up, or rejoined and is not
-yet planned in) skips 3-5: ``sync.step`` contributes zeros with weight 0.
+yet planned in) skips 3-5: ``sync.exchange`` contributes zeros with weight 0.
 Everything else (metrics, calibration, tracing, progress, checkpoints, eval)
 is the same code with or without ``--replicas``.
 """
@@ -42,9 +44,8 @@ import torch
 import torch.distributed as dist
 
 from freescale import checkpoint, reshard, run_lease
-from freescale.components import Components, TrainConfig, TrainerConfig, build, precision_context, prepare
+from freescale.components import Components, TrainConfig, TrainerConfig, build, prepare
 from freescale.config import to_dict
-from freescale.dataloader.build import build_loader
 from freescale.dataloader.schema import DataError
 from freescale.digest import state_digest
 from freescale.distributed import DistContext, init_distributed, shutdown, summed_counts
@@ -54,9 +55,8 @@ from freescale.models import cost_model_for
 from freescale.rank_console import quiet_libraries
 from freescale.resume import Resume, raw_state
 from freescale.run_log import Progress, RunLog
-from freescale.step_feed import Commit
 from freescale.step_stats import Calibration
-from freescale.step_sync import JobFinished, NonFiniteError
+from freescale.step_types import Commit, JobFinished, NonFiniteError, ReplicaRun, StepOutcome
 
 
 @dataclass
@@ -154,14 +154,14 @@ class Trainer:
                   start_step=start_step, torch=torch.__version__, python=platform.python_version(),
                   host=platform.node(), pid=os.getpid(), group=parts.group, replicas=parts.groups,
                   incarnation=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-        if parts.sync.warms_up:
-            self._warm_up(parts, log)
-        parts.sync.start()
+        if parts.replicas is not None:
+            self._warm_up(parts, parts.replicas, log)
+            parts.replicas.start()
         progress = Progress(log, cfg.train.steps, start_step, cfg.model.kind,
                             ctx.is_main and cfg.train.progress, ctx.device.type == "cpu",
                             parts.loader.global_batch_size, label=f"group {parts.group}  " if parts.groups > 1 else "",
                             task=parts.task)
-        committed, last_ckpt = self._train(parts, log, progress, start_step)
+        committed, last_ckpt, finished_elsewhere = self._train(parts, log, progress, start_step)
         seconds = progress.close()
         if parts.tracer is not None:
             parts.tracer.__exit__(None, None, None)
@@ -176,10 +176,9 @@ class Trainer:
             skipped_rows=sum(skipped.values()), task=parts.task.name,
         )
         summary.state_digest = state_digest(parts.dmp, parts.optimizer)
-        summary.finished_elsewhere = bool(getattr(parts.sync, "finished_elsewhere", False)) and committed == 0
-        if (cfg.train.eval and not summary.finished_elsewhere
-                and parts.manifest.samples.get("eval", parts.manifest.rows.get("eval", 0)) >= ctx.world_size):
-            result = self._evaluate(parts, parts.pipeline.detach())
+        summary.finished_elsewhere = finished_elsewhere and committed == 0
+        if cfg.train.eval and not summary.finished_elsewhere and parts.dataset.samples("eval") >= ctx.world_size:
+            result = self._evaluate(parts, parts.engine.detach())
             summary.eval_metrics = {k: v for k, v in result.items() if k != "samples"}
             summary.eval_loss, summary.eval_auc, summary.eval_ne = (result.get(k) for k in ("loss", "auc", "ne"))
             log.write("eval", **result)
@@ -187,8 +186,10 @@ class Trainer:
                   pending_rows=parts.loader.state_dict().get("carry", []))
         return summary
 
-    def _train(self, parts: Components, log: RunLog, progress: Progress, start_step: int) -> tuple[int, Path | None]:
-        """Steps ``start_step .. train.steps - 1``; (steps committed with valid state, last checkpoint).
+    def _train(self, parts: Components, log: RunLog, progress: Progress,
+               start_step: int) -> tuple[int, Path | None, bool]:
+        """Steps ``start_step .. train.steps - 1``; (steps committed with valid state, last checkpoint, whether
+        another replica group finished the run first).
         A save still being written at the end (or at a stop on a non-finite loss, which every rank makes
         together) is waited for: the checkpoint of the last good step is complete."""
         steps = self.cfg.train.steps
@@ -201,7 +202,7 @@ class Trainer:
         """The save whose tables are being copied (its ``LazySnapshot`` is the staging's): step, metadata."""
         self._last_ckpt: Path | None = None
         try:
-            committed = self._train_steps(parts, log, progress, start_step)
+            committed, finished_elsewhere = self._train_steps(parts, log, progress, start_step)
         except NonFiniteError:
             try:
                 self._write_lazy(log)
@@ -216,20 +217,25 @@ class Trainer:
         self._write_lazy(log)
         self._writer.wait()
         self._committed(log)
-        parts.sync.check_finite()
-        parts.sync.finish(steps - 1)
-        return committed, self._last_ckpt
+        parts.engine.check_finite()
+        if parts.replicas is not None and not finished_elsewhere:
+            parts.replicas.finish(steps - 1)
+        return committed, self._last_ckpt, finished_elsewhere
 
-    def _train_steps(self, parts: Components, log: RunLog, progress: Progress, start_step: int) -> int:
+    def _train_steps(self, parts: Components, log: RunLog, progress: Progress, start_step: int) -> tuple[int, bool]:
+        """(Steps committed with valid state, whether another replica group finished the run first.)"""
         cfg, steps = self.cfg, self.cfg.train.steps
         calibration = Calibration() if cfg.data.calibrate_every else None
         step, committed, first, trained_since_report = start_step, 0, True, 0
         while step < steps:
             try:
-                commit, output, info, busy, wall = self._step(parts, step)
-            except _Finished:
-                break
-            self._log_events(parts, log)
+                outcome = parts.engine.run(step)
+            except JobFinished as finished:
+                log.write("finished_elsewhere", step=step, finished_step=finished.step)
+                return committed, True
+            for event in outcome.events:
+                log.write(event["event"], **{k: v for k, v in event.items() if k != "event"})
+            commit = outcome.commit
             step = commit.step + 1
             if not commit.applied or commit.restored:
                 first = True  # catching up: the next step this process trains is its first again
@@ -239,19 +245,19 @@ class Trainer:
                 continue
             done = commit.step + 1
             committed += 1
-            if first and output is not None:  # the data's rows may all be bad: no silent empty training
-                self._stop_if_nothing_trained(parts, done, _trained_samples(parts, output))
-            self._log_commit(parts, log, commit, output, info, busy, wall)
-            if output is not None:
-                progress.add(output[1:])
+            if first and outcome.output is not None:  # the data's rows may all be bad: no silent empty training
+                self._stop_if_nothing_trained(parts, done, _trained_samples(parts, outcome.output))
+            self._log_commit(log, outcome)
+            if outcome.output is not None:
+                progress.add(outcome.output[1:])
                 trained_since_report += 1
-            progress.timing.add(info, busy=busy, wall=wall)
+            progress.timing.add(outcome.info, busy=outcome.busy_s, wall=outcome.wall_s)
             progress.timed(first)
-            if calibration is not None and info is not None and not first:
-                calibration.add(info.row_lengths, busy)  # a first step pays for lazy set-up: no observation
+            if calibration is not None and outcome.info is not None and not first:
+                calibration.add(outcome.info.row_lengths, outcome.busy_s)  # a first step pays for lazy set-up
             first = False
             if done % cfg.train.log_every == 0 or done == steps:
-                parts.sync.check_finite()
+                parts.engine.check_finite()
                 progress.report(done, parts.loader.epoch, parts.loader.skipped_rows)
                 if trained_since_report:  # a group that sat the window out (catching up) trained nothing by design
                     self._stop_if_nothing_trained(parts, done, int(progress.last["samples"]))
@@ -261,11 +267,11 @@ class Trainer:
                 self._calibrate(parts, log, calibration, done)
             if self._checkpoint_due(done):
                 self._save(parts, log, commit)
-            if parts.staging is not None and parts.staging.boundary(done, wall):
+            if parts.staging is not None and parts.staging.boundary(done, outcome.wall_s):
                 self._write_lazy(log)
             self._writer.poll()
             self._committed(log)
-        return committed
+        return committed, False
 
     def _stop_if_nothing_trained(self, parts: Components, done: int, samples: int) -> None:
         """``samples`` is what the group trained (its first step, or since the last report): none at all means
@@ -279,47 +285,20 @@ class Trainer:
                         f"its batches was skipped as bad (data.on_bad_rows = \"skip\"; "
                         f"{why or 'yet no row was counted as skipped'}); fix the data (freescale prepare checks a log)")
 
-    def _step(self, parts: Components, step: int) -> tuple[Commit, Any, Any, float, float]:
-        """One step (module docstring): (commit, (loss, logits, labels) or None, StepInfo or None,
-        busy seconds of this thread, wall seconds)."""
-        sync, feed = parts.sync, parts.feed
-        if parts.tracer is not None:
-            parts.tracer.step = step
-        start, cpu_start = time.perf_counter(), time.thread_time()
-        sync.begin_step(step)
-        trains = sync.can_train(step) and feed.trains(step)
-        info = feed.head(step).info if trains else None
-        try:
-            with precision_context(parts.ctx.device, self.cfg.train.precision):
-                output = parts.pipeline.progress(feed.batches()) if trains else None
-            commit = sync.last_commit if trains else sync.step()
-        except JobFinished as finished:
-            raise _Finished() from finished
-        if not commit.applied or commit.restored:  # catching up: batches in flight were planned for nothing
-            parts.pipeline.reset()
-            feed.discard_batches()
-        return commit, output, info, time.thread_time() - cpu_start, time.perf_counter() - start
-
-    def _log_commit(self, parts: Components, log: RunLog, commit: Commit, output: Any, info: Any, busy: float,
-                    wall: float) -> None:
+    def _log_commit(self, log: RunLog, outcome: StepOutcome) -> None:
+        """The log's ``commit`` record of an applied step, from its outcome alone."""
+        commit, accounted = outcome.commit, outcome.accounted
         if self._record is not None:
-            self._record.note(commit.step, int(parts.sync.record.get("quorum_id", -1)))
-        record: dict[str, Any] = {"step": commit.step, "samples": parts.feed.last_samples, "seconds": wall,
-                                  "busy_s": busy, "batch_wait_s": info.wait_s if info is not None else 0.0,
-                                  **parts.sync.record}
-        if parts.hooks.audit:  # tests: the whole state's hash, the rows the step trained, rank 0's loss
-            record.update(parts.sync.state_digests() if hasattr(parts.sync, "state_digests")
-                          else {"digest": state_digest(parts.dmp, parts.optimizer)})
-            record["rows"] = parts.feed.last_rows.tolist()
-            record["loss"] = float(output[0]) if output is not None else None
+            self._record.note(commit.step, int(outcome.record.get("quorum_id", -1)))
+        record: dict[str, Any] = {"step": commit.step, "samples": accounted.samples if accounted else 0,
+                                  "seconds": outcome.wall_s, "busy_s": outcome.busy_s,
+                                  "batch_wait_s": outcome.info.wait_s if outcome.info is not None else 0.0,
+                                  **outcome.record}
+        if outcome.digests:  # the audit (tests): the whole state's hash, the rows the step trained, rank 0's loss
+            record.update(outcome.digests)
+            record["rows"] = accounted.rows.tolist() if accounted else []
+            record["loss"] = float(outcome.output[0]) if outcome.output is not None else None
         log.write("commit", **record)
-
-    @staticmethod
-    def _log_events(parts: Components, log: RunLog) -> None:
-        events = parts.sync.events
-        while events:
-            fields = events.popleft()
-            log.write(fields.pop("event"), **fields)
 
     # ------------------------------------------------------------------------------ checkpoints
     @property
@@ -335,8 +314,8 @@ class Trainer:
         """Collective over the group.  With fault tolerance one group writes (all hold the same state).  A
         background save takes a host copy: of the tables, made over the next steps (``staging.py``) unless
         this is the last step; of everything else, made here.  The writer's thread does the rest."""
-        parts.sync.check_finite()  # never a checkpoint after a non-finite step
-        if not parts.sync.owns_checkpoint(commit):
+        parts.engine.check_finite()  # never a checkpoint after a non-finite step
+        if parts.replicas is not None and not parts.replicas.owns_checkpoint(commit):
             return None
         self._write_lazy(log)  # a save whose tables are still being copied goes first (checkpoints in order)
         start, done, writer = time.perf_counter(), commit.step + 1, self._writer
@@ -396,7 +375,7 @@ class Trainer:
                         if self._records is not None and parts.ctx.is_main else None)
 
     # ------------------------------------------------------------------------------
-    def _warm_up(self, parts: Components, log: RunLog) -> None:
+    def _warm_up(self, parts: Components, replicas: ReplicaRun, log: RunLog) -> None:
         """Fault tolerance: one forward and backward, nothing updated (a zero gradient: with averaged tables
         the fused kernels' step on it changes no row), before the first quorum, so
         torchrec's lazy set-up and the loader's first read are not paid in a step the other groups
@@ -406,7 +385,7 @@ class Trainer:
         batch = parts.loader.next_batch()
         parts.loader.load_state_dict(position)
         loss, _ = parts.dmp(batch.to(parts.ctx.device))
-        parts.sync.warm_up(loss)
+        replicas.warm_up(loss)
         log.write("warm_up", seconds=time.perf_counter() - start)
 
     def _calibrate(self, parts: Components, log: RunLog, calibration: Calibration, done: int) -> None:
@@ -418,10 +397,10 @@ class Trainer:
 
     def _evaluate(self, parts: Components, model: torch.nn.Module) -> dict[str, float]:
         cfg, ctx = self.cfg, parts.ctx
-        loader = build_loader(cfg.data, "eval", rank=ctx.rank, world_size=ctx.world_size, sparse_features=parts.features,
-                              derived_cost=cost_model_for(cfg.model, parts.manifest.dense_dim), seed=cfg.train.seed,
-                              training=False, pin_memory=ctx.device.type == "cuda",
-                              timestamps=parts.reads_timestamps, sampled_items=parts.sampled_items)
+        loader = parts.dataset.loader("eval", rank=ctx.rank, world_size=ctx.world_size, sparse_features=parts.features,
+                                      derived_cost=cost_model_for(cfg.model, parts.dataset.manifest.dense_dim),
+                                      seed=cfg.train.seed, training=False, pin_memory=ctx.device.type == "cuda",
+                                      timestamps=parts.reads_timestamps, sampled_items=parts.sampled_items)
         window = parts.task.evaluator(model)
         model.eval()
         with torch.no_grad():
@@ -463,6 +442,3 @@ def _checkpoint_group(ctx: DistContext) -> Any:
         return dist.new_group(backend="gloo")
     return None
 
-
-class _Finished(Exception):
-    """Another replica group finished the run: nothing is left to train."""

@@ -38,8 +38,10 @@ torchrun), ``Commit``, ``JobFinished``, ``DataState`` (the protocol of a data si
   collective is redone with the survivors (no step discarded); a recovering
   replica's record of the steps it sits out.
 - ``catchup``: snapshot staging and streaming (raw bytes + JSON header), the download.
-- ``sparse_sync``: keeps torchrec embedding shards and their fused optimizer
-  state identical across replicas (the union update).
+- ``embedding_sync``: how the embedding tables stay in step across groups, one
+  strategy chosen once: ``union`` (``sparse_sync``: every group applies every
+  group's row gradients), ``average`` (``sparse_average``: a slice of the tables
+  averaged per step) or ``replicated`` (no fused tables).
 - ``config``: the ``[ft]`` section.
 """
 
@@ -53,14 +55,13 @@ if TYPE_CHECKING:
     from freescale.distributed import init_process_group
     from freescale.ft.config import ENVIRONMENT, FTConfig
     from freescale.ft.layer import FaultTolerance
-    from freescale.ft.samples import DataState, StepSamples
+    from freescale.ft.samples import StepSamples
     from freescale.ft.wrapper import FaultTolerantOptimizer, wrap
     from freescale.parallelize import shard_fused as shard
-    from freescale.step_feed import Commit
-    from freescale.step_sync import JobFinished, NonFiniteError
+    from freescale.step_types import Commit, DataState, JobFinished, NonFiniteError
 
-_LAZY = {"FTConfig": "freescale.ft.config", "DataState": "freescale.ft.samples", "FaultTolerance": "freescale.ft.layer",
-         "Commit": "freescale.step_feed", "JobFinished": "freescale.step_sync", "NonFiniteError": "freescale.step_sync",
+_LAZY = {"FTConfig": "freescale.ft.config", "DataState": "freescale.step_types", "FaultTolerance": "freescale.ft.layer",
+         "Commit": "freescale.step_types", "JobFinished": "freescale.step_types", "NonFiniteError": "freescale.step_types",
          "StepSamples": "freescale.ft.samples", "wrap": "freescale.ft.wrapper",
          "FaultTolerantOptimizer": "freescale.ft.wrapper", "shard": "freescale.parallelize",
          "init_process_group": "freescale.distributed", "ENVIRONMENT": "freescale.ft.config"}

@@ -40,7 +40,7 @@ from typing import Any
 
 from freescale.ft.membership import PROGRESS_LOST
 from freescale.ft.serving import backoff_delays
-from freescale.step_sync import JobFinished
+from freescale.step_types import JobFinished
 
 _TRANSIENT_STATUSES = frozenset({502, 503, 504})
 """Answers worth retrying: a proxy that cannot reach a restarting lighthouse, or an overloaded one.

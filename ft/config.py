@@ -129,6 +129,18 @@ class FTConfig:
                 f"must be an http(s):// URL, got '{self.lighthouse}'")
 
 
+def skip_step_refusal(fault_tolerant: bool, embedding_sync: str) -> str | None:
+    """Why ``train.nonfinite = "skip_step"`` cannot be exact here, or None: skipping a step needs every table's
+    update to wait for the commit, which only the union update across replica groups does."""
+    if not fault_tolerant:
+        return ("'skip_step' needs fault tolerance (--replicas), whose embedding update waits for the commit; "
+                "without it the fused update already ran inside backward")
+    if embedding_sync == "average":
+        return ("'skip_step' needs the union update (ft.embedding_sync = \"union\"): with \"average\" each group's "
+                "fused update already ran inside backward")
+    return None
+
+
 def replica_index_of(replica_id: str) -> int:
     """``replica3`` -> 3 (ids the launcher and ``FTConfig.replica_id`` give out)."""
     if not replica_id.startswith("replica") or not replica_id[len("replica"):].isdigit():

@@ -19,24 +19,28 @@ engine in ``freescale.trainer`` does exactly this, through its pipelines)::
         step = commit.step + 1                    # a recovering group adopts the quorum's step
     ft.finish(steps - 1); ft.close()
 
+``step`` returns the step's ``Commit``; freescale's engine calls ``exchange`` instead, the same
+work returning the whole ``SyncResult`` (``freescale.step_types``: the commit, the data side's
+account, the step's log fields and events).
+
 A restarted group finds the quorum ahead, sits the steps out with weight 0,
 records every committed step while each rank downloads a peer's snapshot
 (parameters, both optimizers' state, embedding shards, and ``data``'s state),
 then loads it and replays the recorded steps: bit-identical to the others,
 without stopping them (``freescale.ft.catchup``; the snapshot side of this
-class: ``freescale.ft.layer_snapshot``).  ``data`` (optional; the
-engine passes its ``StepFeed``) is told every committed step (``commit``) so a
-dead group's rows are requeued, and travels in the snapshot.
+class: ``freescale.ft.layer_snapshot``).  ``data`` (optional; a
+``DataState``: the engine passes its ``StepFeed``) is told every committed step
+(``commit``) so a dead group's rows are requeued, and travels in the snapshot.
 
 Requirements on the model: torchrec ``DistributedModelParallel`` sharded
 *without* DDP around the dense part (``data_parallel_wrapper=NoDataParallel()``:
 this layer reduces the dense gradients) with each table either on a fused
-kernel (kept identical by the union update, ``freescale.ft.sparse_sync``, or
-averaged across groups a slice per step with ``[ft] embedding_sync = "average"``,
-``freescale.ft.sparse_average``) or
-``data_parallel`` (whole on every rank: its dense gradient is reduced with the
-other dense ones, and the dense optimizer steps it); or any ``nn.Module`` with
-only dense parameters.
+kernel (kept identical by the union update, or averaged across groups a slice
+per step with ``[ft] embedding_sync = "average"``) or ``data_parallel`` (whole
+on every rank: its dense gradient is reduced with the other dense ones, and the
+dense optimizer steps it); or any ``nn.Module`` with only dense parameters.
+Which of these applies is one strategy object, chosen at construction
+(``freescale.ft.embedding_sync``).
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,23 +56,28 @@ import torch.distributed as dist
 from torch import nn
 
 from freescale.dense_update import DenseUpdate, LRSchedule
-from freescale.digest import group_digest, state_digest
 from freescale.distributed import collective_device
+from freescale.ft import embedding_sync
 from freescale.ft.agent_process import start_agent
 from freescale.ft.catchup import SnapshotServer
-from freescale.ft.client import JobFinished, LighthouseClient
-from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, replica_index_of
+from freescale.ft.client import LighthouseClient
+from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, replica_index_of, skip_step_refusal
 from freescale.ft.ftar import ReplicaSync, StepResult
 from freescale.ft.layer_snapshot import SnapshotSide, UserState
-from freescale.ft.samples import DataState
 from freescale.ft.serving import advertised_host
-from freescale.ft.sparse_average import AveragedSparseSync
-from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
 from freescale.ft.standby import STANDBY_ENV, take_over
 from freescale.grad_buckets import BucketedGrads
 from freescale.rank_console import say
-from freescale.step_feed import Commit
-from freescale.step_sync import NonFiniteError, all_finite, nonfinite_message
+from freescale.step_sync import all_finite, nonfinite_message
+from freescale.step_types import (
+    Accounted,
+    Commit,
+    DataState,
+    JobFinished,
+    NonFiniteError,
+    SyncResult,
+    check_data_state,
+)
 from freescale.testing import StepHooks
 
 __all__ = ["DataState", "FaultTolerance", "JobFinished"]
@@ -109,13 +117,6 @@ def _refuse_unstepped_tables(model: nn.Module, optimizers: list[torch.optim.Opti
                          "or put the table on a fused kernel")
 
 
-def _embedding_sync(cfg: FTConfig, model: nn.Module, fence: Callable[[], None]) -> UnionSparseUpdate | AveragedSparseSync:
-    """The fused tables' scheme across groups (``[ft] embedding_sync``): the union update or the averaging."""
-    if cfg.embedding_sync == "average":
-        return AveragedSparseSync(model, cfg.average_every, fence)
-    return UnionSparseUpdate(model)
-
-
 def step_window(step_times: deque[float]) -> float | None:
     """How long a staged snapshot's transfer has before the source's next fence: about one step, the median
     of the last commit intervals; None (no estimate: served live) before there are 3.  With averaged tables
@@ -125,9 +126,8 @@ def step_window(step_times: deque[float]) -> float | None:
 
 
 class FaultTolerance(SnapshotSide):
-    """One rank's fault tolerance across replica groups (module docstring)."""
-
-    warms_up = True
+    """One rank's fault tolerance across replica groups (module docstring): the engine's ``StepSync`` and
+    ``ReplicaRun`` (``freescale.step_types``)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: FTConfig, *,
                  data: DataState | None = None, hooks: StepHooks | None = None,
@@ -135,6 +135,8 @@ class FaultTolerance(SnapshotSide):
                  nonfinite: str = "stop", device: torch.device | None = None,
                  update: DenseUpdate | None = None, scheduler: Any | None = None) -> None:
         cfg.validate()
+        if data is not None:
+            check_data_state(data, "FaultTolerance")
         self._cfg, self._model, self._optimizer, self._data = cfg, model, optimizer, data
         self._hooks = hooks or StepHooks()
         self._nonfinite = nonfinite
@@ -158,19 +160,19 @@ class FaultTolerance(SnapshotSide):
                                                                     scheduler=scheduler)
         """The committed step's dense update (clip, step, schedule: ``freescale/dense_update.py``), the same
         code and inputs in every group."""
-        if hasattr(data, "bind"):
-            data.bind(self._group_index, cfg.replicas, self._rank, self._group_size)  # type: ignore[union-attr]
         self._user_states: dict[str, UserState] = {}
+        if data is not None:
+            data.bind(self._group_index, cfg.replicas, self._rank, self._group_size)
         self.in_group = dist.new_group() if self._group_size > 1 else None
         self._grads = BucketedGrads(self._reduced, self.in_group, cfg.first_bucket_kb * 1024, cfg.bucket_kb * 1024,
                                    chunk_bytes=chunk_bytes, max_inflight=max_inflight)
-        self._sparse = _embedding_sync(cfg, model, self._fence_staging) if fused is not None and fused_tbes(model) \
-            else None
-        if isinstance(self._sparse, AveragedSparseSync):  # the accumulators' last averages go with the tables
-            if nonfinite == "skip_step":
-                raise ValueError("fault tolerance: nonfinite='skip_step' needs the union update (embedding_sync = "
-                                 "\"union\"): with \"average\" each group's fused update already ran inside backward")
-            self.register_state("freescale.embedding_average", self._sparse.state_dict, self._sparse.load_state_dict)
+        self._tables = embedding_sync.choose(model, cfg.embedding_sync, cfg.average_every, self._fence_staging)
+        """How the embedding tables stay in step across groups (``freescale.ft.embedding_sync``)."""
+        refusal = skip_step_refusal(True, self._tables.name) if nonfinite == "skip_step" else None
+        if refusal:
+            raise ValueError(f"fault tolerance: nonfinite: {refusal}")
+        for name, (get, load) in self._tables.snapshot_states().items():
+            self.register_state(name, get, load)
         token = os.environ.get(TOKEN_ENV, "")
         bind, advertise = advertised_host(cfg.lighthouse)
         self._agent = (start_agent(cfg.lighthouse, cfg.replica_id, self._incarnation, self._group_size, bind, advertise)
@@ -196,12 +198,15 @@ class FaultTolerance(SnapshotSide):
                                 token=token, in_group=self.in_group, backend=cfg.replica_backend, device=self._device,
                                 hooks=self._hooks, store_host=advertise)
         self._sync.landing = self._landing
-        self.record: dict[str, Any] = {}
-        self.last_commit = Commit(-1, frozenset(), frozenset())
+        self._last = SyncResult(Commit(-1, frozenset(), frozenset()), None)
+        """The last step's result (``step`` returns its commit; ``record`` reads its log fields)."""
+        self._accounted: Accounted | None = None
+        """The data side's account of the last applied step (a snapshot carries it: a group that catches up
+        to the very step of the snapshot replays nothing, and logs that step's rows from here)."""
         self._ready_replicas = self._cfg.replicas  # how many held valid state after the last step
         self.events: deque[dict[str, Any]] = deque(maxlen=1024)
-        """Events for the run log since the caller last took them (catch-up, staging): the newest 1024."""
-        self.finished_elsewhere = False
+        """This step's events so far (catch-up, staging); ``exchange`` hands them on: the newest 1024."""
+        self._finished_elsewhere = False
         self._members: set[str] | None = None
         """The groups of the last committed quorum (for the console line when they change)."""
         self._step, self._first_step = -1, True
@@ -236,8 +241,7 @@ class FaultTolerance(SnapshotSide):
     def start(self, wait_for: int | None = None) -> None:
         """Wait (``wait_for_replicas_s`` at most) until ``wait_for`` (default ``replicas``) groups are
         up: a late group would have to catch up from the first step."""
-        if isinstance(self._sparse, AveragedSparseSync):
-            self._sparse.rebase()  # the state the run starts from (fresh or a checkpoint), the same on every group
+        self._tables.start()
         deadline = time.monotonic() + self._cfg.wait_for_replicas_s
         wanted = self._cfg.replicas if wait_for is None else wait_for
         while time.monotonic() < deadline:
@@ -264,7 +268,7 @@ class FaultTolerance(SnapshotSide):
         return self.agree(bool(commit.ready) and min(commit.ready) == self._group_index)
 
     def finish(self, last_step: int) -> None:
-        if not self.finished_elsewhere:
+        if not self._finished_elsewhere:
             self._client.finish(last_step)
 
     def close(self) -> None:
@@ -286,8 +290,7 @@ class FaultTolerance(SnapshotSide):
         self._step, self._weight, self._loss = step, None, None
         self._update.before_tables(step)  # fbgemm takes the rate at the union's lookup, built during the vote
         self._sync.start_step(step)
-        if self._sparse is not None:
-            self._sparse.reset()
+        self._tables.reset()
 
     def can_train(self, step: int) -> bool:
         """Not catching up; on a process's first step, not behind the quorum (a restarted group
@@ -300,7 +303,7 @@ class FaultTolerance(SnapshotSide):
             return False
         if self._sync.recovering:
             return False
-        return not hasattr(self._data, "weight") or self._data.weight(step) > 0  # type: ignore[union-attr]
+        return self._data is None or self._data.weight(step) > 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._reduced:
@@ -319,12 +322,12 @@ class FaultTolerance(SnapshotSide):
 
     def _data_weight(self, step: int) -> tuple[float, float]:
         """(This group's samples at ``step``, the factor turning a per-rank mean loss into the engine's form.)"""
-        if not hasattr(self._data, "weight"):
+        if self._data is None:
             raise ValueError("FaultTolerance.backward: pass weight= (the samples of this group's step), or "
                              "data= that reports weight(step) and rank_samples(step) (freescale.ft.StepSamples)")
-        weight = float(self._data.weight(self._step))  # type: ignore[union-attr]
-        mine = self._data.rank_samples(self._step) if hasattr(self._data, "rank_samples") else None  # type: ignore[union-attr]
-        if mine is None or weight <= 0:
+        weight = float(self._data.weight(self._step))
+        mine = self._data.rank_samples(self._step)
+        if weight <= 0:
             return weight, 1.0
         return weight, mine * self._group_size / weight
 
@@ -338,8 +341,7 @@ class FaultTolerance(SnapshotSide):
         self._grads.begin()
         self._hooks.at("forward", self._step)
         if self._cfg.overlap_backward:
-            header = self._sparse.header() if self._sparse is not None else None
-            self._sync.attach(self._step, self._grads, self._weight, header)
+            self._sync.attach(self._step, self._grads, self._weight, self._tables.header())
         return scale
 
     def _after_backward(self) -> None:
@@ -350,19 +352,28 @@ class FaultTolerance(SnapshotSide):
     def step(self) -> Commit:
         """The rest of the step's exchange, the vote and, once committed, the update (module
         docstring).  Without a ``backward`` this step, the replica contributes zeros with weight 0."""
+        return self.exchange().commit
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The last step's fields for a log: participants, attempts, timings, the rate."""
+        return self._last.record
+
+    def exchange(self) -> SyncResult:
+        """``step``, returning the whole result: the commit, the data side's account of the step (None while
+        catching up), the step's log fields and its events."""
         step, trained = self._step, self._weight is not None
         tensors = self._grads.views() if trained else [torch.zeros_like(p) for p in self._reduced]
         self._hooks.at("reduce", step)
         try:
             # ``grads`` even when this replica did not train: its layout is the buckets every participant
             # reduces in (a zero contribution must issue the same collectives as the others).
-            result = self._sync.reduce_and_commit(step, tensors, self._weight or 0.0, exchange=self._sparse,
+            result = self._sync.reduce_and_commit(step, tensors, self._weight or 0.0, exchange=self._tables.exchange,
                                                  grads=self._grads)
-        except JobFinished as done:
-            self.finished_elsewhere = True
-            self.events.append({"event": "finished_elsewhere", "step": step, "finished_step": done.step})
+        except JobFinished:
+            self._finished_elsewhere = True
             raise
-        self.record = self._record_of(result, trained)
+        record = self._record_of(result, trained)
         self._ready_replicas = len(result.ready)
         self._say_membership(result)
         if result.recovering:
@@ -370,11 +381,13 @@ class FaultTolerance(SnapshotSide):
             caught_up = self.agree(self._sync.snapshot_arrived)  # the whole group turns ready at one step
             if caught_up:
                 self._catch_up()  # the snapshot and every recorded step up to this one: valid state now
-            self.last_commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result),
-                                      applied=caught_up, restored=caught_up)
-            return self.last_commit
-        commit = self.last_commit = self._apply(result)
-        self.record.update(self._update.record)
+            commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result),
+                            applied=caught_up, restored=caught_up)
+            return self._finish_step(commit, self._accounted if caught_up else None, record)
+        commit, skipped = self._apply(result)
+        if skipped:
+            record["nonfinite_skipped"] = True
+        record.update(self._update.record)
         now = time.perf_counter()
         if self._committed_at is not None:
             self._step_times.append(now - self._committed_at)
@@ -382,27 +395,32 @@ class FaultTolerance(SnapshotSide):
         if result.stage_snapshot:
             stage_s = self._sync.stage(result.step, self.snapshot(), step_window(self._step_times))
             self.events.append({"event": "stage", "step": result.step, "stage_s": stage_s, **self._sync.stage_choice})
-        return commit
+        return self._finish_step(commit, self._accounted, record)
 
-    def _apply(self, result: StepResult) -> Commit:
-        """The committed step's update (dense optimizer on the averages, union update of the
-        tables, or their slice's average), then the data side's accounting."""
+    def _finish_step(self, commit: Commit, accounted: Accounted | None, record: dict[str, Any]) -> SyncResult:
+        events = tuple(self.events)
+        self.events.clear()
+        self._last = SyncResult(commit, accounted, record, events, loss=self._loss)
+        return self._last
+
+    def _apply(self, result: StepResult) -> tuple[Commit, bool]:
+        """The committed step's update (dense optimizer on the averages, then the embedding tables' part:
+        ``freescale.ft.embedding_sync``), then the data side's accounting.  (The commit; whether the step was
+        skipped as non-finite.)"""
         self._fence_staging()
         commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result))
         updates = sum(result.weights.values()) > 0  # nobody trained this step: no update at all
-        union = self._sparse if isinstance(self._sparse, UnionSparseUpdate) else None
-        averaged = self._sparse if isinstance(self._sparse, AveragedSparseSync) else None
-        # A non-finite sum would reach every group (each rank sums its own shards' slice: agreed in the group).
-        if averaged is not None and not self.agree(bool(torch.isfinite(result.extra.summed).all())):
-            raise NonFiniteError(nonfinite_message(result.step, self._loss if self._weight else None, self.in_group,
+        loss = self._loss if self._weight else None
+        if not self._tables.tables_finite(result, self.agree):
+            raise NonFiniteError(nonfinite_message(result.step, loss, self.in_group,
                                                    f" (replica group {self._group_index}; its averaged tables)"))
         finite = result.finite if result.finite is not None else all_finite(result.tensors)
-        if updates and not finite:
+        skipped = updates and not finite
+        if skipped:
             if self._nonfinite == "stop":
-                raise NonFiniteError(nonfinite_message(result.step, self._loss if self._weight else None,
-                                                       self.in_group, f" (replica group {self._group_index})"))
+                raise NonFiniteError(nonfinite_message(result.step, loss, self.in_group,
+                                                       f" (replica group {self._group_index})"))
             self.events.append({"event": "nonfinite_skipped", "step": result.step})
-            self.record["nonfinite_skipped"] = True
             updates = False
         if updates:
             for p, grad in zip(self._reduced, result.tensors):
@@ -410,21 +428,17 @@ class FaultTolerance(SnapshotSide):
             self._update.apply(result.step)
             for p in self._reduced:
                 p.grad = None
-            if union is not None:
+            if self._tables.deferred:
                 self._update.before_tables(result.step)  # a replayed step's lookup is built in apply
-                union.apply(result.extra, result.prepared)
         else:
             self._update.record = {}
-            if union is not None and result.prepared is not None:
-                union.discard(result.prepared)  # no update this step: the lookup built for it goes back
-        if averaged is not None:  # every committed step averages its slice (the groups' own updates ran in backward)
-            averaged.apply(result.extra)
+        self._tables.after_commit(result, updates)
         if self._data is not None:
-            self._data.commit(commit)
+            self._accounted = self._data.commit(commit)
         for _, _, on_commit in self._user_states.values():
             if on_commit is not None:
                 on_commit(commit)
-        return commit
+        return commit, skipped
 
     def _say_membership(self, result: StepResult) -> None:
         """One console line for the job when the groups committing change (who left, who joined): said by rank
@@ -445,7 +459,7 @@ class FaultTolerance(SnapshotSide):
                 "quorum_wait_s": result.quorum_wait_s, "reduce_s": result.reduce_s,
                 "prepare_s": result.prepare_s, "vote_s": result.vote_s, "discarded": result.discarded,
                 "ready": sorted(result.ready), "recovering": result.recovering, "failed_at": result.failed_at,
-                "exchange_bytes": result.extra.nbytes() if hasattr(result.extra, "nbytes") else 0}
+                "exchange_bytes": result.extra.nbytes() if result.extra is not None else 0}
 
     def _group_of(self, replica_id: str) -> int:
         if replica_id == self._cfg.replica_id:
@@ -465,15 +479,8 @@ class FaultTolerance(SnapshotSide):
 
     def state_digests(self) -> dict[str, str]:
         """The audit's fingerprints of the committed state (``freescale.digest``; a collective on the group):
-        ``digest``, the whole state.  With tables averaged less often than every step (``[ft] average_every >
-        1``) the groups' tables differ: ``digest`` then leaves them out, and ``slice_digest`` covers the slice
-        this step averaged, equal on every group right after."""
-        sparse = self._sparse
-        if not isinstance(sparse, AveragedSparseSync) or sparse.every == 1:
-            return {"digest": state_digest(self._model, self._optimizer)}
-        averaged = sparse.slice_digest(self.last_commit.step % sparse.every)
-        return {"digest": state_digest(self._model, self._optimizer, sparse.storages()),
-                "slice_digest": group_digest(averaged)}
+        ``digest``, the whole state, and what the embedding sync adds (``freescale.ft.embedding_sync``)."""
+        return self._tables.digests(self._model, self._optimizer, self._last.commit.step)
 
     def agree(self, ok: bool) -> bool:
         """True only if every rank of this group got True (an in-group all-reduce, MIN)."""
@@ -485,8 +492,4 @@ class FaultTolerance(SnapshotSide):
         (loss * 0.0).backward()
         for p in self._reduced:
             p.grad = None
-        if self._sparse is not None:
-            self._sparse.reset()
-
-    def check_finite(self) -> None:
-        """Non-finite steps are found when they commit (``train.nonfinite``): nothing left to check."""
+        self._tables.reset()

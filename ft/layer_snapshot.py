@@ -19,12 +19,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from freescale.dense_update import DenseUpdate
 from freescale.ft.ftar import ReplicaSync, StepResult
-from freescale.ft.samples import DataState
 from freescale.ft.snapshot_state import (
     from_json,
     load_torch_optimizer,
@@ -33,7 +33,7 @@ from freescale.ft.snapshot_state import (
     set_rng_state,
     to_json,
 )
-from freescale.step_feed import Commit
+from freescale.step_types import Accounted, Commit, DataState
 
 UserState = tuple[Callable[[], Any], Callable[[Any], None], Callable[[Commit], Any] | None]
 
@@ -45,12 +45,13 @@ class SnapshotSide(ABC):
     _optimizer: torch.optim.Optimizer
     _update: DenseUpdate
     _data: DataState | None
+    _accounted: Accounted | None
     _user_states: dict[str, UserState]
     _sync: ReplicaSync
     events: deque[dict[str, Any]]
 
     @abstractmethod
-    def _apply(self, result: StepResult) -> Commit:
+    def _apply(self, result: StepResult) -> tuple[Commit, bool]:
         """FaultTolerance's committed update (a replayed step goes through it too)."""
 
     def register_state(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
@@ -100,7 +101,9 @@ class SnapshotSide(ABC):
             if name.startswith("/model/") and t.untyped_storage().data_ptr() not in updated:
                 tensors[name] = t.detach().clone()
         scheduler = self._update.scheduler
+        accounted = self._accounted
         meta = {"data": to_json(self._data.state_dict(), "/data", tensors) if self._data is not None else None,
+                "accounted_rows": accounted.rows.tolist() if accounted is not None else None,
                 "scheduler": to_json(scheduler.state_dict(), "/scheduler", tensors) if scheduler is not None else None,
                 "user": {name: to_json(get(), f"/user/{name}", tensors) for name, (get, _, _) in self._user_states.items()},
                 "rng": rng_state(tensors)}
@@ -149,6 +152,9 @@ class SnapshotSide(ABC):
         meta = json.loads(bytes(tensors["meta.json"].numpy()).decode())
         if self._data is not None and meta.get("data") is not None:
             self._data.load_state_dict(from_json(meta["data"], tensors))
+        # The snapshot's own step, as the source accounted it; this group sat it out: no samples of its own.
+        rows = meta.get("accounted_rows")
+        self._accounted = Accounted(np.asarray(rows, dtype=np.int64), 0) if rows is not None else None
         self._load_extras(meta, tensors)
 
     def _load_extras(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

@@ -8,7 +8,7 @@ and over each group's ranks.  When a step commits without a group's gradients
 (it died, or hung and was left out), that group's share is requeued: it opens
 the next step's list, so every id is trained exactly once.
 
-It is a ``freescale.ft.DataState``, and ``FaultTolerance`` drives it:
+It is a ``freescale.ft.DataState`` (``freescale.step_types``), and ``FaultTolerance`` drives it:
 
 - ``bind`` once, at construction (this group, this rank, their counts);
 - ``mine(step)``, ``weight(step)``, ``rank_samples(step)`` after ``begin_step(step)``:
@@ -20,46 +20,17 @@ It is a ``freescale.ft.DataState``, and ``FaultTolerance`` drives it:
   snapshot a recovering group loads (JSON: ids and group indices).
 
 A loop with another need (a streaming reader, weighted samples) implements the
-same methods (``DataState`` below documents each one).
+same methods (``freescale.step_types.DataState`` documents each one).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from freescale.step_feed import Commit
-
-
-class DataState(Protocol):
-    """The data side of a loop: which samples each group trains, and what happens to a dead group's.
-
-    ``freescale.ft.StepSamples`` is the ready one for a stream of sample ids; the engine's
-    ``freescale.step_feed.StepFeed`` is another.  ``FaultTolerance`` calls, on every rank:
-
-    - ``commit(commit)``: once per committed step, in step order, after the update (a recovering group:
-      for each step it replays after loading a snapshot).  ``commit.step`` the step; ``commit.trained``
-      the group indices whose gradients the update holds (plan their samples as done);
-      ``commit.ready`` the groups holding valid state after it (plan the next step over these:
-      every group computes the same plan from the same commits); ``commit.applied`` False while this
-      group is catching up (the step is recorded, not applied: ``commit`` is not called then);
-      ``commit.restored`` this rank's state was just replaced from a peer's snapshot.
-    - ``state_dict()``: when a snapshot is staged for a recovering peer (JSON-able values and tensors);
-      ``load_state_dict(state)``: when this rank loads a peer's snapshot, before the replayed commits.
-
-    Optional (the wrapper form, and ``backward`` without ``weight=``, read them after ``begin_step``):
-    ``weight(step)`` the samples this group trains at ``step``; ``rank_samples(step)`` this rank's share
-    (the layer scales a per-rank mean loss by it); ``bind(group, replicas, rank, ranks)`` called once
-    at construction with this rank's place.
-    """
-
-    def commit(self, commit: Commit) -> Any: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+from freescale.step_types import Accounted, Commit
 
 
 class StepSamples:
@@ -124,14 +95,16 @@ class StepSamples:
         """Samples this rank trains at ``step`` (the layer scales a per-rank mean loss by it)."""
         return len(self.plan(step).get(self.group, [])[self.rank::self.ranks])
 
-    def commit(self, commit: Commit) -> None:
-        """``commit.step`` is committed: its ids of groups that trained are done, the others carried."""
+    def commit(self, commit: Commit) -> Accounted:
+        """``commit.step`` is committed: its ids of groups that trained are done, the others carried.  Returns
+        the ids the step trained (every group's) and this group's count of them."""
         plan = self.plan(commit.step)
         for step in [s for s in self._plans if s <= commit.step]:
             del self._plans[step]
         self.last_trained = sorted(i for g, ids in plan.items() if g in commit.trained for i in ids)
         self.carry = sorted(i for g, ids in plan.items() if g not in commit.trained for i in ids)
         self.ready = sorted(commit.ready)
+        return Accounted(np.asarray(self.last_trained, dtype=np.int64), len(plan.get(self.group, [])))
 
     def state_dict(self) -> dict[str, Any]:
         return {"ready": self.ready, "carry": self.carry}

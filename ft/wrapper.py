@@ -45,11 +45,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from freescale.ft.client import JobFinished
 from freescale.ft.config import FTConfig
 from freescale.ft.layer import FaultTolerance
-from freescale.ft.samples import DataState
-from freescale.step_feed import Commit
+from freescale.step_types import Commit, DataState, JobFinished, check_data_state
 
 FAULTS_DIR_ENV = "FREESCALE_FAULTS_DIR"
 """Where fault injection (``FREESCALE_FAULTS``, tests) leaves its marker files in the wrapper form."""
@@ -77,9 +75,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, data: DataState,
                             "can fix; this one ends (the launcher reports that error)")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"freescale.ft.wrap: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    if not (hasattr(data, "weight") and hasattr(data, "rank_samples")):
-        raise ValueError("freescale.ft.wrap: data must report weight(step) and rank_samples(step) "
-                         "(freescale.ft.StepSamples does)")
+    check_data_state(data, "freescale.ft.wrap")
     cfg = cfg or FTConfig.from_env()
     if not cfg.enabled:
         raise ValueError("freescale.ft.wrap: no lighthouse (FREESCALE_LIGHTHOUSE is not set): run the loop under "
@@ -156,7 +152,7 @@ class FaultTolerantOptimizer:
         step, self._to_arm = self._to_arm, None
         scale = self._layer._arm(None)  # the weight from data; the mean-loss scale: n_rank * ranks / n_group
         if self._reduction == "sum":
-            scale /= max(self._data.rank_samples(step), 1)  # type: ignore[attr-defined]
+            scale /= max(self._data.rank_samples(step), 1)
         found = [0]
         scaled = _map_tensors(output, lambda t: _scaled(t, scale, found))
         if not found[0]:

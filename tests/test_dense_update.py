@@ -87,7 +87,7 @@ def test_bad_settings_are_named(field: str, value: object, message: str) -> None
 def test_bf16_is_cuda_autocast_and_refused_on_cpu(tiny_data: object, capsys: pytest.CaptureFixture[str]) -> None:
     """``train.precision``: bf16 autocasts the step on CUDA (weights stay fp32); on a CPU run it is one line."""
     from freescale.cli import main
-    from freescale.components import precision_context
+    from freescale.step_engine import precision_context
 
     context = precision_context(torch.device("cuda", 0), "bf16")
     assert isinstance(context, torch.autocast) and context.fast_dtype == torch.bfloat16 and context.device == "cuda"

@@ -16,7 +16,7 @@ from freescale.cli import main
 from freescale.config import ConfigError
 from freescale.ft import FTConfig, StepSamples
 from freescale.ft.snapshot_state import from_json, rng_state, set_rng_state, to_json
-from freescale.step_feed import Commit
+from freescale.step_types import Commit
 
 
 def _group(samples_of_group: dict[int, StepSamples]) -> None:

@@ -322,25 +322,48 @@ def test_requeue_drops_batches_prefetched_without_the_carry(tiny_data: Path) -> 
     loader.close()
 
 
-def test_a_feed_restored_from_a_peers_state_knows_the_rows_its_last_step_trained(tiny_data: Path) -> None:
+def test_a_group_restored_from_a_peers_snapshot_knows_the_rows_its_last_step_trained(tiny_data: Path) -> None:
     """A group that catches up to the very step of its peer's snapshot replays nothing, so that
-    step's record (the rows it trained, every group's) must come with the data state: without
-    it the record held the rows of the last step this group applied itself (a chaos run's audit
-    saw every sample trained once, but one step's rows recorded twice and another's never)."""
-    from freescale.step_feed import Commit, StepFeed
+    step's record (the rows it trained, every group's) must come with the snapshot: without it the
+    record held the rows of the last step this group applied itself (a chaos run's audit saw every
+    sample trained once, but one step's rows recorded twice and another's never).  The fault-tolerance
+    layer's snapshot side, with real feeds, a real model and optimizer; the snapshot travels as bytes."""
+    from collections import deque
+    from types import SimpleNamespace
 
-    feeds = [StepFeed(make(tiny_data, rank=g), g, 1, 2, 0, lambda step: 10) for g in range(2)]
+    import torch
+
+    from freescale.dense_update import DenseUpdate, LRSchedule
+    from freescale.ft.layer_snapshot import SnapshotSide
+    from freescale.step_feed import StepFeed
+    from freescale.step_types import Commit
+
+    class Side(SnapshotSide):
+        def __init__(self, feed: StepFeed) -> None:
+            self._model = torch.nn.Linear(2, 1)
+            self._optimizer = torch.optim.SGD(self._model.parameters(), lr=0.1)
+            self._update = DenseUpdate([self._optimizer], list(self._model.parameters()), LRSchedule())
+            self._data, self._accounted, self._user_states = feed, None, {}
+            self._sync = SimpleNamespace(wait_staged=lambda: 0.0)  # type: ignore[assignment]
+            self.events = deque()
+
+        def _apply(self, result):  # type: ignore[no-untyped-def, override]
+            raise AssertionError("nothing is replayed here")
+
+    sources = [Side(StepFeed(make(tiny_data, rank=g), g, 1, 2, 0, lambda step: 10)) for g in range(2)]
     for step in range(3):
-        for feed in feeds:
-            feed.head(step)
-            feed.commit(Commit(step, frozenset({0, 1}), frozenset({0, 1})))
-    state = json.loads(json.dumps(feeds[0].state_dict()))  # as it travels in a snapshot
-    behind = StepFeed(make(tiny_data, rank=1), 1, 1, 2, 0, lambda step: 10)
-    behind.load_state_dict(state)
-    assert behind.last_rows.tolist() == feeds[0].last_rows.tolist() == feeds[1].last_rows.tolist()
-    assert behind.last_rows.size > 0 and behind.last_samples == 0  # it sat that step out
-    for feed in [*feeds, behind]:
-        feed.loader.close()
+        for side in sources:
+            side._data.weight(step)  # type: ignore[union-attr]
+            side._accounted = side._data.commit(Commit(step, frozenset({0, 1}), frozenset({0, 1})))  # type: ignore[union-attr]
+    tensors = {name: t.clone() for name, t in sources[0].snapshot().items()}
+    behind = Side(StepFeed(make(tiny_data, rank=1), 1, 1, 2, 0, lambda step: 10))
+    behind.load(tensors)
+    rows = [side._accounted.rows.tolist() for side in sources]  # type: ignore[union-attr]
+    assert behind._accounted is not None and behind._accounted.rows.tolist() == rows[0] == rows[1]
+    assert behind._accounted.rows.size > 0 and behind._accounted.samples == 0  # it sat that step out
+    assert sources[1]._accounted.samples > 0  # type: ignore[union-attr]
+    for side in [*sources, behind]:
+        side._data.loader.close()  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("batch_size", [100, 1365, 2000])

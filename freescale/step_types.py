@@ -1,0 +1,195 @@
+"""The step engine's vocabulary: what a step is told, what it returns, and the interfaces between its parts.
+
+One module that the engine (``freescale.step_engine``, ``freescale.trainer``), its data side
+(``freescale.step_feed``), its local sync (``freescale.step_sync``) and the fault-tolerance layer
+(``freescale.ft``) all import, so none of them imports another for a word.  It imports neither torch
+nor torchrec at run time: the lighthouse's HTTP client (``freescale.ft.client``) raises ``JobFinished``
+and must start without them.
+
+- ``Commit``: what the vote decided about a step (every rank of every group sees the same).
+- ``Accounted``: what the data side made of a committed step (the rows it trained, this group's samples).
+- ``SyncResult``: what a sync's ``exchange`` returns: the commit, the data side's account, the step's log
+  fields and events, and a deferred finiteness flag.
+- ``StepOutcome``: what the engine's step returns to the trainer: the above, the model's output, the
+  step's batch plan and its timings.  The trainer, the log, the report and the audit read only this.
+- ``StepSync`` / ``ReplicaRun``: the sync the engine calls every step, and the run-level points of a
+  replica layer (fault tolerance only: one group has no run edges).
+- ``DataState``: the data side a sync drives (``StepFeed``, ``freescale.ft.StepSamples``, a user's own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from freescale.dataloader.loader import StepInfo
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What a committed step tells the data side (and the log): the vote's outcome."""
+
+    step: int
+    trained: frozenset[int]
+    """Groups whose samples the committed update holds (weight > 0)."""
+    ready: frozenset[int]
+    """Groups holding valid state after the step: the next plans are over their ranks."""
+    applied: bool = True
+    """The update reached this rank's state (False while catching up: it is recorded, replayed later)."""
+    restored: bool = False
+    """This rank's state was replaced from a peer's snapshot during the step (a catch-up finished):
+    batches it had in flight are void."""
+
+
+@dataclass(frozen=True)
+class Accounted:
+    """The data side's account of one committed step (``DataState.commit``)."""
+
+    rows: np.ndarray
+    """Every group's rows (or sample ids) the step trained, int64."""
+    samples: int
+    """Samples this group had in the step's plan (0 for a step it sat out)."""
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What a sync's ``exchange`` returns for one step."""
+
+    commit: Commit
+    accounted: Accounted | None
+    """The data side's account of the step (None while catching up: nothing was applied)."""
+    record: dict[str, Any] = field(default_factory=dict)
+    """The step's fields for the log's ``commit`` record (quorum, weights, timings, the dense update's rate)."""
+    events: tuple[dict[str, Any], ...] = ()
+    """Events of this step for the run log (catch-up, staging, skipped steps), each with its ``event`` name."""
+    finite: torch.Tensor | None = None
+    """One group: a 0-d bool on the device, the reduced dense gradients' finiteness (not synced to the host:
+    the engine checks it at its log points).  Fault tolerance decides at the vote: None."""
+    loss: torch.Tensor | None = None
+    """This rank's loss of the step (for a non-finite message), detached; None if it did not train."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One step of one rank, as the engine ran it (``freescale.step_engine.StepEngine.run``)."""
+
+    commit: Commit
+    accounted: Accounted | None
+    record: dict[str, Any]
+    events: tuple[dict[str, Any], ...]
+    output: tuple[torch.Tensor, ...] | None
+    """(loss, *outputs) of the batch this rank trained; None for a step it sat out."""
+    info: StepInfo | None
+    """The loader's account of this rank's batch (its plan, its wait); None for a step it sat out."""
+    busy_s: float
+    """CPU seconds of the training thread in the step."""
+    wall_s: float
+    digests: dict[str, str] = field(default_factory=dict)
+    """With auditing on: the committed state's fingerprints (``StepSync.state_digests``)."""
+
+
+class JobFinished(Exception):
+    """Another replica group finished the run (the lighthouse said so): nothing is left to train."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"the run finished at step {step}")
+        self.step = step
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradients are not finite (``train.nonfinite = "stop"``): one line for the user."""
+
+
+class DataState(Protocol):
+    """The data side of a loop: which samples each group trains, and what happens to a dead group's.
+
+    ``freescale.ft.StepSamples`` is the ready one for a stream of sample ids; the engine's
+    ``freescale.step_feed.StepFeed`` is another.  A sync calls, on every rank:
+
+    - ``bind(group, replicas, rank, ranks)``: once, at construction, with this rank's place.
+    - ``weight(step)``: after ``begin_step(step)``, the samples this group trains at ``step`` (its
+      gradients' weight across groups; 0: the group sits the step out); ``rank_samples(step)``: this
+      rank's share (the layer scales a per-rank mean loss by it).
+    - ``commit(commit)``: once per committed step, in step order, after the update (a recovering group:
+      for each step it replays after loading a snapshot).  ``commit.trained``: the group indices whose
+      gradients the update holds (plan their samples as done); ``commit.ready``: the groups holding valid
+      state after it (plan the next step over these: every group computes the same plan from the same
+      commits).  Returns what the step trained.
+    - ``state_dict()``: when a snapshot is staged for a recovering peer (JSON-able values and tensors);
+      ``load_state_dict(state)``: when this rank loads a peer's snapshot, before the replayed commits.
+    """
+
+    def bind(self, group: int, replicas: int, rank: int, ranks: int) -> None: ...
+
+    def weight(self, step: int) -> float: ...
+
+    def rank_samples(self, step: int) -> int: ...
+
+    def commit(self, commit: Commit) -> Accounted: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+DATA_STATE_METHODS = ("bind", "weight", "rank_samples", "commit", "state_dict", "load_state_dict")
+
+
+def check_data_state(data: object, who: str) -> None:
+    """One line if ``data`` lacks a ``DataState`` method (a loop's own data side, checked once at set-up)."""
+    missing = [name for name in DATA_STATE_METHODS if not callable(getattr(data, name, None))]
+    if missing:
+        raise ValueError(f"{who}: data={type(data).__name__} lacks {', '.join(missing)} (a freescale.ft.DataState "
+                         "has bind, weight, rank_samples, commit, state_dict and load_state_dict; "
+                         "freescale.ft.StepSamples is a ready one)")
+
+
+class StepSync(Protocol):
+    """Stages 6-8 of every step (the exchange, the commit, the update).  The engine calls ``begin_step``
+    and ``can_train``; the pipeline, through the engine, ``zero_grad``, ``backward`` and ``exchange`` where
+    torchrec's pipelines call ``optimizer.zero_grad()``, ``backward`` and ``optimizer.step()``; the engine
+    calls ``exchange`` itself for a step this rank sits out."""
+
+    def begin_step(self, step: int) -> None: ...
+
+    def can_train(self, step: int) -> bool: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def backward(self, loss: torch.Tensor, weight: float | None = None) -> None: ...
+
+    def exchange(self) -> SyncResult: ...
+
+    def state_digests(self) -> dict[str, str]:
+        """The audit's fingerprints of the committed state (a collective over the group)."""
+
+
+class ReplicaRun(Protocol):
+    """The run-level points of a replica layer (fault tolerance): none of them exists for one group."""
+
+    def warm_up(self, loss: torch.Tensor) -> None:
+        """Backward of a thrown-away forward before the first quorum (lazy set-up not paid in a step)."""
+
+    def fresh_run(self) -> bool:
+        """A checkpoint may be resumed from (no group has progress yet)."""
+
+    def agree(self, ok: bool) -> bool:
+        """True only if every rank of this group got True."""
+
+    def start(self) -> None:
+        """Before the first step: wait for the peers."""
+
+    def owns_checkpoint(self, commit: Commit) -> bool:
+        """This rank's group writes the checkpoint after ``commit``."""
+
+    def finish(self, last_step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+__all__ = ["Accounted", "Commit", "DataState", "JobFinished", "NonFiniteError", "ReplicaRun", "StepOutcome",
+           "StepSync", "SyncResult", "check_data_state"]
