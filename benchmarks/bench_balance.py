@@ -2,7 +2,7 @@
 
 For each case (ranks x samples per rank x length distribution) and each partitioner, draws
 ``--steps`` global batches of history lengths, costs them with the HSTU cost model derived from
-the dimensions below and partitions them.  Reported (DESIGN.md "Measures"):
+the dimensions below and partitions them.  Reported (docs/design.md "Measures"):
 
 - imbalance: max_rank(cost) / mean_rank(cost), mean over steps;
 - gbound: the pigeonhole bound (among the j*k+1 heaviest samples some rank holds j+1;

@@ -2,7 +2,7 @@
 
 Generates ml-20m-like histories clipped to ``--max-len``, then trains the tiny
 HSTU model on 2 local ranks (gloo) with each partitioner for the same steps
-and seed, and reads from each run's log (DESIGN.md "Measures"):
+and seed, and reads from each run's log (docs/design.md "Measures"):
 
 - step_ms: mean wall time of a step;
 - bubble: 1 - busy / step time, averaged over ranks and steps, where busy is the

@@ -127,7 +127,7 @@ def case(max_len: int, heads: int, dim: int, tokens: int, with_reference: bool) 
 
 
 def norm_case(tokens: int, width: int) -> dict[str, object]:
-    from freescale.kernels.layer_norm_mul import reference_layer_norm_mul
+    from freescale.kernels.norm_mul import reference_layer_norm_mul
     from freescale.kernels.triton_layer_norm_mul import triton_layer_norm_mul
 
     make = lambda: torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731

@@ -47,12 +47,12 @@ default; ``--quick`` runs 3 and can claim nothing).
 What this does and does not measure.  Blocked time is what the training
 thread loses to communication: transfer time not hidden behind compute plus
 time waiting for the slower peer to arrive (skew).  It is not the duration of
-the transfers, and it is not DESIGN.md's "step time with communication minus
-step time with no-op collectives": that earlier measure replaced collectives
-by no-ops, which also zeroed the embeddings (other compute), freed the CPU
-the gloo threads use, and left some collectives (reduce-scatter, all-gather,
-DDP's C++ all-reduce) running; its difference of two noisy step times came
-out negative or swapped rank between identical runs.  Blocked time is read
+the transfers, and it is not "step time with communication minus step time
+with no-op collectives" (docs/design.md "Measures"): replacing collectives
+by no-ops also zeroes the embeddings (other compute), frees the CPU the gloo
+threads use, and leaves some collectives (reduce-scatter, all-gather, DDP's
+C++ all-reduce) running; that difference of two noisy step times came out
+negative or swapped rank between identical runs.  Blocked time is read
 directly, per step, with the same wrapper on every run.
 
 On this CPU machine (2 cores shared by 2 ranks, gloo's threads, the loader

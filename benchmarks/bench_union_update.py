@@ -13,17 +13,17 @@ tables; int64 ids, fp32 gradients), from which ``--link-gbps`` gives the time on
 Medians of ``--repeats`` interleaved repeats.  The model beside it: ``extra(R) = slope x (R - 1)``
 fitted to the measured R > 1 (the work scales with the union's ids), printed for R up to 64.
 
-Beside it, the owner-sharded update (README: designed, **not built**), its steps timed on this one process
-for the rank at quorum position 0, the exchanges counted in bytes: ``convert`` its own step to unique
-rows with row-summed gradients; ``merge`` the rows it owns (``id % R == 0``) as every group sends them;
+Beside it, the owner-sharded update (docs/fault-tolerance.md: designed, **not built**), its steps timed on
+this one process for the rank at quorum position 0, the exchanges counted in bytes: ``convert`` its own step to
+unique rows with row-summed gradients; ``merge`` the rows it owns (``id % R == 0``) as every group sends them;
 ``update`` them with fbgemm's own row-wise Adagrad (one single-id bag per row); ``copy_in`` every row any
 group touched (weights and accumulator, what keeps the replicas identical) into its own table.
 ``owner_vs_own``: 1 + their sum over the group's own forward + backward.  The copy-in grows with the
 rows the step touched over all groups (sublinear in R for Zipf ids, not constant): the bytes column says
 what a rank receives.
 
-And the cross-group sharded candidate (README, not built): each table sharded across the groups too, a
-shard held by an owner group and a buddy; the rank at position 0 of group 0 owns ``id % R == 0`` and is
+And the cross-group sharded candidate (docs/fault-tolerance.md, not built): each table sharded across the
+groups too, a shard held by an owner group and a buddy; the rank at position 0 of group 0 owns ``id % R == 0`` and is
 buddy of ``id % R == 1``.  ``cross_vs_own``: its lookups and updates (fbgemm forward + fused backward over
 every group's bags restricted to each of its two shards' ids) over the group's own forward + backward,
 which they replace; ``cross_received_MB``: the other groups' ids in its shards, their bags' gradients
@@ -120,11 +120,11 @@ def owner_sharded(tbe: Any, groups: int, bags: int, per_bag: int, rows: int, dim
 
 
 def cross_sharded(tbe: Any, groups: int, bags: int, per_bag: int, rows: int, dim: int, seed: int) -> dict[str, float]:
-    """The cross-group sharded design (README: a candidate, not built) on the rank at position 0 of group 0,
-    owner of the rows ``id % R == 0`` and buddy of ``id % R == 1``: fbgemm's forward + fused backward over
-    every group's bags restricted to each shard's ids (owner, then buddy), timed on this process; and the
-    bytes it receives: the other groups' ids in its shards, the gradient of every other group's bag that
-    touches one of them (a pooled bag's gradient goes to each shard its ids touch), and the partial
+    """The cross-group sharded design (docs/fault-tolerance.md: a candidate, not built) on the rank at
+    position 0 of group 0, owner of the rows ``id % R == 0`` and buddy of ``id % R == 1``: fbgemm's forward +
+    fused backward over every group's bags restricted to each shard's ids (owner, then buddy), timed on this
+    process; and the bytes it receives: the other groups' ids in its shards, the gradient of every other
+    group's bag that touches one of them (a pooled bag's gradient goes to each shard its ids touch), and the partial
     pooled outputs of its own bags from the other shards."""
     ids, offsets = lookups(groups, bags, per_bag, rows, seed)
     bag_of = torch.repeat_interleave(torch.arange(groups * bags), offsets.diff())

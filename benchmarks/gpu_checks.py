@@ -110,7 +110,7 @@ def check_attention(case: dict[str, Any], seed: int = 0) -> dict[str, Any]:
 
 
 def check_norm(case: dict[str, Any], seed: int = 0) -> dict[str, Any]:
-    from freescale.kernels.layer_norm_mul import reference_layer_norm_mul
+    from freescale.kernels.norm_mul import reference_layer_norm_mul
     from freescale.kernels.triton_layer_norm_mul import triton_layer_norm_mul
 
     g = torch.Generator(device=DEVICE).manual_seed(seed)

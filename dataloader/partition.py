@@ -143,7 +143,7 @@ class Parts:
 
 
 def imbalance(costs: np.ndarray, parts: Parts | list[np.ndarray]) -> float:
-    """``max_part(cost) / mean_part(cost)``; 1.0 is perfect (DESIGN.md "imbalance")."""
+    """``max_part(cost) / mean_part(cost)``; 1.0 is perfect (docs/design.md "Measures": imbalance)."""
     return load_imbalance((parts if isinstance(parts, Parts) else Parts.of_list(parts)).sums(costs))
 
 

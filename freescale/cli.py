@@ -122,15 +122,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if restart_is_futile():
         return 0  # the error that ended the previous incarnation is reported by ``launch``
     cfg = _load_train_config(args.config, overrides, args.resume)
-    from freescale.dataloader.schema import DatasetManifest
     from freescale.trainer import Trainer
 
-    DatasetManifest.read(cfg.data.path)  # fail before the process group exists
+    trainer = Trainer(cfg)
+    trainer.open_dataset()  # fail before the process group exists (the run reads the manifest this once)
     cfg.ft.resolve_env()
     from freescale import rank_console
     from freescale.lifetime import Stopped, stops_raise
 
-    trainer = Trainer(cfg)
     try:
         # The run directory's lease first (without the launcher): a refused run touches none of its files.
         with trainer.lease(), stops_raise():  # SIGTERM (the agent, a scheduler) unwinds like ^C: no partial save
@@ -288,6 +287,12 @@ def _reject_unknown_options(command: _Parser, rest: list[str], overrides: bool) 
         raise ConfigError(f"unexpected argument {rest[0]!r}")
 
 
+_LAUNCH_USAGE = """
+  freescale launch [options] [--section.key VALUE ...]      train with `freescale train` on each rank
+  freescale launch [options] -- COMMAND [ARG ...]          your own loop on each rank, e.g. -- python my_loop.py
+                                                           (freescale.ft.wrap; its own options after the --)"""
+
+
 def build_parser(with_config_keys: bool = True) -> _Parser:
     parser = _Parser(
         prog="freescale", description="Train recommendation models on torchrec; keep every rank busy."
@@ -355,7 +360,9 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
         )
     for name, helptext in (("train", "train on this process (one rank; run under torchrun for more)"),
                            ("launch", "start N local ranks of `train`, or of your own loop after -- (torchrun's elastic agent)")):
-        p = sub.add_parser(name, help=helptext, epilog=keys_help, formatter_class=argparse.RawDescriptionHelpFormatter)
+        usage = _LAUNCH_USAGE if name == "launch" else None
+        p = sub.add_parser(name, help=helptext, epilog=keys_help, usage=usage,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", help="TOML config file (e.g. configs/tiny_hstu.toml)")
         p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
         if name == "launch":

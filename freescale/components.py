@@ -187,13 +187,13 @@ def segment_end_of(every: int, end: int) -> Callable[[int], int]:
     return lambda step: min(end, (step // every + 1) * every) if every else end
 
 
-def build(cfg: TrainerConfig, ctx: DistContext) -> Components:
-    """The rank's components."""
+def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) -> Components:
+    """The rank's components (``dataset``: ``cfg.data`` opened already; else opened here)."""
     ft_on = cfg.ft.enabled
     group = cfg.ft.replica_index if ft_on else 0
     groups = cfg.ft.replicas if ft_on else 1
     log_dir = Path(cfg.train.output_dir) / (cfg.ft.replica_id if ft_on else "")
-    dataset = Dataset(cfg.data)
+    dataset = dataset if dataset is not None else Dataset(cfg.data)
     torch.manual_seed(cfg.train.seed)  # every rank (and every group) builds the same initial model
     counts = torch.from_numpy(dataset.item_counts()) if cfg.model.task == "retrieval" else None
     model = build_model(cfg.model, dataset.manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"),

@@ -17,7 +17,7 @@ failure ends in one line instead of the agent's traceback:
 - a crash keeps the rank's own traceback on stderr, and this prints which rank
   died and how; exit status 1.
 
-Multi-node runs use torchrun directly (see README).
+Multi-node runs use torchrun directly (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from freescale.dataloader.loader import StepInfo
 
 
 class StepTiming:
-    """Per-step balance and busy time over a log window (see DESIGN.md "Measures").
+    """Per-step balance and busy time over a log window (see docs/design.md "Measures").
 
     ``busy`` is this rank's main-thread CPU time in forward, backward and the
     optimizer step: on CPU, with one compute thread per rank, that is the rank's

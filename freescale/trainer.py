@@ -46,6 +46,7 @@ import torch.distributed as dist
 from freescale import checkpoint, reshard, run_lease
 from freescale.components import Components, TrainConfig, TrainerConfig, build, prepare
 from freescale.config import to_dict
+from freescale.dataloader.build import Dataset
 from freescale.dataloader.schema import DataError
 from freescale.digest import state_digest
 from freescale.distributed import DistContext, init_distributed, shutdown, summed_counts
@@ -91,6 +92,14 @@ __all__ = ["TrainConfig", "TrainSummary", "Trainer", "TrainerConfig"]
 class Trainer:
     def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg
+        self._dataset: Dataset | None = None
+
+    def open_dataset(self) -> Dataset:
+        """The run's dataset, opened (its manifest read) once per process: a missing or malformed one is one
+        line here, before any process group exists."""
+        if self._dataset is None:
+            self._dataset = Dataset(self.cfg.data)
+        return self._dataset
 
     def fit(self) -> TrainSummary:
         """Train ``train.steps`` steps (resuming if asked), evaluate, return the summary."""
@@ -119,9 +128,10 @@ class Trainer:
 
     def _fit(self) -> TrainSummary:
         cfg = self.cfg
+        dataset = self.open_dataset()
         ctx = init_distributed(cfg.dist)
         try:
-            parts = build(cfg, ctx)
+            parts = build(cfg, ctx, dataset)
             log = RunLog(parts.log_dir / "train_log.jsonl" if ctx.is_main else None, self._sinks(parts))
             try:
                 summary = self._run(parts, log)

@@ -1,6 +1,6 @@
 """Fault tolerance across replica groups (FT-HSDP), as a layer over any training loop.
 
-The surface a user's own loop needs (README "Your own loop"): ``shard`` (torchrec's planner with
+The surface a user's own loop needs (docs/fault-tolerance.md "Your own loop"): ``shard`` (torchrec's planner with
 fused, model-parallel tables, or data_parallel ones where asked, no DDP), ``StepSamples`` (which samples each group and rank trains),
 ``wrap`` (the optimizer, fault tolerant: ``steps``, ``zero_grad``, ``step``), ``FTConfig.from_env``
 and ``ENVIRONMENT`` (what ``freescale launch`` sets), ``init_process_group`` (restart-safe under bare

@@ -379,8 +379,8 @@ class FaultTolerance(SnapshotSide):
         if result.recovering:
             self._hooks.at("catchup", result.step)
             caught_up = self.agree(self._sync.snapshot_arrived)  # the whole group turns ready at one step
-            if caught_up:
-                self._catch_up()  # the snapshot and every recorded step up to this one: valid state now
+            if caught_up and self._catch_up():  # the snapshot and every recorded step up to this one: valid now
+                record["nonfinite_skipped"] = True  # this step, replayed, was skipped
             commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result),
                             applied=caught_up, restored=caught_up)
             return self._finish_step(commit, self._accounted if caught_up else None, record)

@@ -173,14 +173,16 @@ class SnapshotSide(ABC):
         if meta.get("rng") is not None:
             set_rng_state(meta["rng"], tensors)
 
-    def _catch_up(self) -> None:
-        """Load the snapshot and replay every recorded step after it (the group agreed it is in)."""
+    def _catch_up(self) -> bool:
+        """Load the snapshot and replay every recorded step after it (the group agreed it is in).  Returns
+        whether the last replayed step was skipped as non-finite (False if nothing was replayed)."""
         caught = self._sync.take_catch_up()
         start = time.perf_counter()
         self.load(caught.state)
         loaded = time.perf_counter()
+        skipped = False
         for result in caught.replay:
-            self._apply(result)
+            _, skipped = self._apply(result)
         log = self._sync.catch_up_log
         ready = time.time()
         # Caught up: holding the run's latest committed state.  At the last byte when nothing committed
@@ -189,3 +191,4 @@ class SnapshotSide(ABC):
                    caught_up=log["arrived"] if not log.get("stale_at_arrival") else ready)
         self.events.append({"event": "catch_up", "step": caught.replay[-1].step if caught.replay
                             else caught.snapshot_step, "catch_up": dict(log)})
+        return skipped

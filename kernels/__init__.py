@@ -4,7 +4,7 @@
   backend selector.
 - ``triton_hstu_attention``: its Triton forward/backward kernels, registered as
   backend ``"triton"`` (chosen by ``"auto"`` on CUDA tensors) when Triton imports.
-- ``layer_norm_mul`` / ``triton_layer_norm_mul``: the fused ``LayerNorm(x) * u``
+- ``norm_mul`` / ``triton_layer_norm_mul``: the fused ``LayerNorm(x) * u`` (``layer_norm_mul``)
   of every HSTU block, same arrangement.
 - ``registry``: the selector both share.
 """
@@ -19,7 +19,7 @@ from freescale.kernels.hstu_attention import (
     reference_hstu_attention,
     register_impl,
 )
-from freescale.kernels.layer_norm_mul import (
+from freescale.kernels.norm_mul import (
     layer_norm_mul,
     layer_norm_mul_backends,
     reference_layer_norm_mul,
@@ -27,13 +27,15 @@ from freescale.kernels.layer_norm_mul import (
 )
 
 try:  # Triton is optional at run time: CPU training uses the references.
-    from freescale.kernels.triton_hstu_attention import triton_hstu_attention
-    from freescale.kernels.triton_layer_norm_mul import triton_layer_norm_mul
+    # Imported as modules: the package's attribute of each name stays the module (``import
+    # freescale.kernels.triton_hstu_attention as m`` binds the module, not its function of the same name).
+    from freescale.kernels import triton_hstu_attention as _attention_kernels
+    from freescale.kernels import triton_layer_norm_mul as _norm_kernels
 except ImportError:  # pragma: no cover - depends on the installed stack
     pass
 else:
-    register_impl("triton", triton_hstu_attention)
-    register_layer_norm_mul("triton", triton_layer_norm_mul)
+    register_impl("triton", _attention_kernels.triton_hstu_attention)
+    register_layer_norm_mul("triton", _norm_kernels.triton_layer_norm_mul)
 
 __all__ = [
     "available_backends",

@@ -30,6 +30,8 @@ def test_help_for_each_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "--train.steps" in out and "--model.hstu.num_blocks" in out
     code, out, _ = run_main(capsys, "launch", "--help")
     assert code == 0 and "--nproc-per-node" in out
+    assert "freescale launch [options] [--section.key VALUE ...]" in out  # both forms, the second one a user's loop
+    assert "freescale launch [options] -- COMMAND [ARG ...]" in out and "-- python my_loop.py" in out
     code, out, _ = run_main(capsys, "gen-data", "--help")
     assert code == 0 and "--lengths" in out
 
@@ -273,9 +275,16 @@ def test_next_item_retrieval_on_a_prepared_log_trains_and_ranks_held_out_items(
              "--optim.clip_grad_norm=1.0", "--checkpoint.every=20"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two intra-op threads sum some gradients in either order: last bits differ by run
+    from freescale.dataloader.schema import DatasetManifest
+
+    reads: list[str] = []
+    read_from = DatasetManifest.read_from.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(DatasetManifest, "read_from", classmethod(lambda cls, *a: reads.append(a[-1]) or read_from(cls, *a)))
     try:
         code, out, err = run_main(capsys, *train, f"--train.output_dir={run}", "--train.steps=30")
         assert code == 0, err[-3000:]
+        assert reads == [str(data)]  # the dataset opened once: item counts, the train and the eval loaders share it
+        monkeypatch.setattr(DatasetManifest, "read_from", classmethod(read_from))
         stopped = tmp_path / "stopped"
         for extra in (["--train.steps=20", "--train.eval=false"], ["--train.steps=30", "--train.eval=false", "--resume"]):
             assert run_main(capsys, *train, f"--train.output_dir={stopped}", *extra)[0] == 0

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freescale.kernels import layer_norm_mul, layer_norm_mul_backends, reference_layer_norm_mul
-from freescale.kernels.layer_norm_mul import select_layer_norm_mul_backend
+from freescale.kernels.norm_mul import select_layer_norm_mul_backend
 from freescale.kernels.triton_layer_norm_mul import triton_layer_norm_mul
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -56,3 +56,21 @@ def test_folder_name_import_fails_loudly(name: str) -> None:
     real = subprocess.run([sys.executable, "-c", f"import freescale.{name}"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert real.returncode == 0, real.stderr[-3000:]
+
+
+def test_every_kernel_module_imports_as_a_module() -> None:
+    """``import freescale.kernels.<name> as m`` binds the module (its Triton kernels readable as ``m._fwd_kernel``),
+    not a function the package re-exports under the same name."""
+    import importlib
+    import types
+
+    import freescale.kernels as package
+
+    names = sorted(p.stem for p in Path(package.__file__).parent.glob("*.py") if p.stem != "__init__")
+    assert "triton_hstu_attention" in names and "triton_layer_norm_mul" in names
+    for name in names:
+        module = importlib.import_module(f"freescale.kernels.{name}")
+        assert getattr(package, name) is module, f"freescale.kernels.{name} is not the module"
+    import freescale.kernels.triton_hstu_attention as attention
+
+    assert isinstance(attention, types.ModuleType) and hasattr(attention, "_fwd_kernel")

@@ -14,7 +14,7 @@ the loader does not plan by speed yet; and the cheaper at each scale of its two 
 the embedding tables in step: the union update, whose step grows with the replica groups
 (``union_overhead``), or the tables averaged ``1/average_every`` a step, whose all-reduce is flat in
 the groups and grows with the table bytes a rank holds (``average_overhead``)) and **as designed**
-(the same, and a slow replica, once detected, kept at a reduced share: DESIGN.md "fail-slow", not
+(the same, and a slow replica, once detected, kept at a reduced share: docs/design.md "Fail-slow", not
 built).  Any lead that only the second row has rests on the unbuilt feature.
 """
 
@@ -194,7 +194,7 @@ def assumptions() -> dict[str, Sourced]:
         "slow_speed": Sourced(0.5, "guess: a slow replica at half speed", a),
         "slow_duration_s": Sourced(600.0, "guess: 10 min episodes (Falcon: tens of s to hours)", a),
         "slow_detect_s": Sourced(30.0, "design, NOT BUILT: a 30-step speed window, then planning by speed "
-                                 "(DESIGN.md 'fail-slow'; the loader does not plan by speed yet); used only by the "
+                                 "(docs/design.md 'Fail-slow'; the loader does not plan by speed yet); used only by the "
                                  f"'{AS_DESIGNED}' row ('{AS_BUILT}': never, everyone waits)", a),
         "correlated_fraction": Sourced(0.05, "guess: 1 in 20 failures takes a second group (switch, power)", a),
         "step_s": Sourced(1.0, "guess: a 1 s recommendation-model step", a),
