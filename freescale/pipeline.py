@@ -156,7 +156,8 @@ class PlainPipeline(StepPipeline):
 
 
 class _SyncedSparseDist(TrainPipelineSparseDist[Batch, Any]):
-    """torchrec's three-stage pipeline whose backward and optimizer step go to the ``StepSync``."""
+    """torchrec's three-stage pipeline whose backward and optimizer step go to the step engine (and on to the
+    step's sync)."""
 
     def __init__(self, model: nn.Module, calls: StepCalls, device: torch.device) -> None:
         def forward(batch: Batch | None) -> Any:

@@ -94,7 +94,7 @@ class Resume:
         if data.get("plans"):
             raise checkpoint.CheckpointError(f"{path}: saved with steps in flight; it resumes only as "
                                              f"{groups} replica group(s) of {world} rank(s)")
-        return {**data, "ready": list(range(parts.groups)), "plans": [], "last_rows": []}
+        return {**data, "ready": list(range(parts.groups)), "plans": []}
 
     def _load_state(self, path: Path, meta: dict[str, Any], state: dict[str, Any], parts: Components) -> list[str]:
         """Fill ``state`` (this plan's model and optimizer state dicts) from the checkpoint, whatever plan

@@ -53,12 +53,13 @@ def precision_context(device: torch.device, precision: str) -> contextlib.Abstra
 class StepEngine:
     """Runs the steps of one rank (module docstring)."""
 
-    def __init__(self, sync: StepSync, feed: StepFeed, pipeline: PipelineConfig, model: nn.Module,
+    def __init__(self, sync: StepSync, feed: StepFeed, pipeline_cfg: PipelineConfig, model: nn.Module,
                  device: torch.device, precision: str, *, audit: bool = False,
                  tracer: CommTracer | None = None) -> None:
         self.sync, self.feed, self.device, self.precision, self.audit = sync, feed, device, precision, audit
         self.tracer = tracer
-        self.pipeline: StepPipeline = build_pipeline(pipeline, model, self, device)
+        self.pipeline: StepPipeline = build_pipeline(pipeline_cfg, model, self, device)
+        self._step = -1
         self._exchanged: SyncResult | None = None
         """The sync's result of the step running now (set by the pipeline's ``step``; taken by ``run``)."""
         self._first_bad: torch.Tensor | None = None
@@ -69,7 +70,9 @@ class StepEngine:
         self.sync.zero_grad(set_to_none)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.sync.backward(loss)
+        """The pipeline's loss is already scaled so that the in-group average of the ranks' gradients is the
+        group's mean (the loader's ``loss_scale``); its weight across groups is the group's samples."""
+        self.sync.backward(loss, self.feed.weight(self._step))
 
     def step(self) -> None:
         self._exchanged = self.sync.exchange()
@@ -80,6 +83,7 @@ class StepEngine:
         if self.tracer is not None:
             self.tracer.step = step
         start, cpu_start = time.perf_counter(), time.thread_time()
+        self._step = step
         self.sync.begin_step(step)
         trains = self.sync.can_train(step) and self.feed.trains(step)
         info = self.feed.head(step).info if trains else None
@@ -98,9 +102,10 @@ class StepEngine:
             self.feed.discard_batches()
         if result.finite is not None:
             self._note_finite(step, result)
-        digests = self.sync.state_digests() if self.audit and commit.applied else {}
+        busy_s, wall_s = time.thread_time() - cpu_start, time.perf_counter() - start
+        digests = self.sync.state_digests() if self.audit and commit.applied else {}  # (not timed: tests only)
         return StepOutcome(commit, result.accounted, result.record, result.events, output, info,
-                           busy_s=time.thread_time() - cpu_start, wall_s=time.perf_counter() - start, digests=digests)
+                           busy_s=busy_s, wall_s=wall_s, digests=digests)
 
     def check_finite(self) -> None:
         """Raise ``NonFiniteError`` if a step so far had non-finite reduced gradients (one group; the same on

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,10 @@ from freescale.dense_update import DenseUpdate
 from freescale.digest import state_digest
 from freescale.distributed import collective_device
 from freescale.grad_buckets import BucketedGrads
-from freescale.step_feed import StepFeed
 from freescale.step_types import Commit, SyncResult
+
+if TYPE_CHECKING:
+    from freescale.step_feed import StepFeed
 
 NONFINITE = ("stop", "skip_step")
 

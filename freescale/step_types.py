@@ -14,11 +14,13 @@ and must start without them.
   step's batch plan and its timings.  The trainer, the log, the report and the audit read only this.
 - ``StepSync`` / ``ReplicaRun``: the sync the engine calls every step, and the run-level points of a
   replica layer (fault tolerance only: one group has no run edges).
-- ``DataState``: the data side a sync drives (``StepFeed``, ``freescale.ft.StepSamples``, a user's own).
+- ``DataState``: the data side a sync drives (``StepFeed``, ``freescale.ft.StepSamples``, a user's own);
+  ``DataSide``: one as the fault-tolerance layer calls it, its optional methods found once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,7 +47,7 @@ class Commit:
     batches it had in flight are void."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Accounted:
     """The data side's account of one committed step (``DataState.commit``)."""
 
@@ -55,7 +57,7 @@ class Accounted:
     """Samples this group had in the step's plan (0 for a step it sat out)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SyncResult:
     """What a sync's ``exchange`` returns for one step."""
 
@@ -73,7 +75,7 @@ class SyncResult:
     """This rank's loss of the step (for a non-finite message), detached; None if it did not train."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StepOutcome:
     """One step of one rank, as the engine ran it (``freescale.step_engine.StepEngine.run``)."""
 
@@ -108,44 +110,71 @@ class DataState(Protocol):
     """The data side of a loop: which samples each group trains, and what happens to a dead group's.
 
     ``freescale.ft.StepSamples`` is the ready one for a stream of sample ids; the engine's
-    ``freescale.step_feed.StepFeed`` is another.  A sync calls, on every rank:
+    ``freescale.step_feed.StepFeed`` is another.  ``FaultTolerance`` calls, on every rank:
 
-    - ``bind(group, replicas, rank, ranks)``: once, at construction, with this rank's place.
-    - ``weight(step)``: after ``begin_step(step)``, the samples this group trains at ``step`` (its
-      gradients' weight across groups; 0: the group sits the step out); ``rank_samples(step)``: this
-      rank's share (the layer scales a per-rank mean loss by it).
     - ``commit(commit)``: once per committed step, in step order, after the update (a recovering group:
-      for each step it replays after loading a snapshot).  ``commit.trained``: the group indices whose
-      gradients the update holds (plan their samples as done); ``commit.ready``: the groups holding valid
-      state after it (plan the next step over these: every group computes the same plan from the same
-      commits).  Returns what the step trained.
+      for each step it replays after loading a snapshot; not for a step it only recorded,
+      ``commit.applied`` False).  ``commit.trained``: the group indices whose gradients the update holds
+      (plan their samples as done); ``commit.ready``: the groups holding valid state after it (plan the
+      next step over these: every group computes the same plan from the same commits).  May return an
+      ``Accounted`` (what the step trained: the engine logs it; anything else is ignored).
     - ``state_dict()``: when a snapshot is staged for a recovering peer (JSON-able values and tensors);
       ``load_state_dict(state)``: when this rank loads a peer's snapshot, before the replayed commits.
+
+    Optional (a data side may leave them out; ``DataSide`` finds them once, at set-up): ``weight(step)``
+    the samples this group trains at ``step`` (0: it sits the step out; needed by the wrapper form and
+    by ``backward`` without ``weight=``); ``rank_samples(step)`` this rank's share (the layer scales a
+    per-rank mean loss by it); ``bind(group, replicas, rank, ranks)`` called once at construction with
+    this rank's place.
     """
 
-    def bind(self, group: int, replicas: int, rank: int, ranks: int) -> None: ...
-
-    def weight(self, step: int) -> float: ...
-
-    def rank_samples(self, step: int) -> int: ...
-
-    def commit(self, commit: Commit) -> Accounted: ...
+    def commit(self, commit: Commit) -> Any: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-DATA_STATE_METHODS = ("bind", "weight", "rank_samples", "commit", "state_dict", "load_state_dict")
+class DataSide:
+    """A ``DataState`` as the fault-tolerance layer uses it: the optional methods looked up once, here, so the
+    step's code calls one interface (an absent one answers None, or does nothing)."""
 
+    def __init__(self, data: DataState, who: str) -> None:
+        missing = [name for name in ("commit", "state_dict", "load_state_dict")
+                   if not callable(getattr(data, name, None))]
+        if missing:
+            raise ValueError(f"{who}: data={type(data).__name__} lacks {', '.join(missing)} (a freescale.ft.DataState "
+                             "has commit, state_dict and load_state_dict; freescale.ft.StepSamples is a ready one)")
+        self.data = data
+        self._weight: Callable[[int], float] | None = getattr(data, "weight", None)
+        self._rank_samples: Callable[[int], int] | None = getattr(data, "rank_samples", None)
+        self._bind: Callable[[int, int, int, int], None] | None = getattr(data, "bind", None)
 
-def check_data_state(data: object, who: str) -> None:
-    """One line if ``data`` lacks a ``DataState`` method (a loop's own data side, checked once at set-up)."""
-    missing = [name for name in DATA_STATE_METHODS if not callable(getattr(data, name, None))]
-    if missing:
-        raise ValueError(f"{who}: data={type(data).__name__} lacks {', '.join(missing)} (a freescale.ft.DataState "
-                         "has bind, weight, rank_samples, commit, state_dict and load_state_dict; "
-                         "freescale.ft.StepSamples is a ready one)")
+    @property
+    def weighs(self) -> bool:
+        """Reports both ``weight`` and ``rank_samples`` (what the wrapper form and ``backward`` without
+        ``weight=`` need)."""
+        return self._weight is not None and self._rank_samples is not None
+
+    def bind(self, group: int, replicas: int, rank: int, ranks: int) -> None:
+        if self._bind is not None:
+            self._bind(group, replicas, rank, ranks)
+
+    def weight(self, step: int) -> float | None:
+        return float(self._weight(step)) if self._weight is not None else None
+
+    def rank_samples(self, step: int) -> int | None:
+        return int(self._rank_samples(step)) if self._rank_samples is not None else None
+
+    def commit(self, commit: Commit) -> Accounted | None:
+        accounted = self.data.commit(commit)
+        return accounted if isinstance(accounted, Accounted) else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.data.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.load_state_dict(state)
 
 
 class StepSync(Protocol):
@@ -191,5 +220,5 @@ class ReplicaRun(Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["Accounted", "Commit", "DataState", "JobFinished", "NonFiniteError", "ReplicaRun", "StepOutcome",
-           "StepSync", "SyncResult", "check_data_state"]
+__all__ = ["Accounted", "Commit", "DataSide", "DataState", "JobFinished", "NonFiniteError", "ReplicaRun",
+           "StepOutcome", "StepSync", "SyncResult"]

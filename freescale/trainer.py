@@ -304,7 +304,7 @@ class Trainer:
                                   "seconds": outcome.wall_s, "busy_s": outcome.busy_s,
                                   "batch_wait_s": outcome.info.wait_s if outcome.info is not None else 0.0,
                                   **outcome.record}
-        if outcome.digests:  # the audit (tests): the whole state's hash, the rows the step trained, rank 0's loss
+        if self._audit:  # (tests) the whole state's hash, the rows the step trained, rank 0's loss
             record.update(outcome.digests)
             record["rows"] = accounted.rows.tolist() if accounted else []
             record["loss"] = float(outcome.output[0]) if outcome.output is not None else None
@@ -381,6 +381,7 @@ class Trainer:
         run = os.environ.get(RUN_ID_ENV, "")
         self._records: Path | None = self._checkpoint_root / "commits" if self.cfg.ft.enabled and run else None
         self._records_run = run
+        self._audit = parts.hooks.audit
         self._record = (CommitRecord(self._records, self.cfg.ft.replica_id, run)
                         if self._records is not None and parts.ctx.is_main else None)
 

@@ -4,8 +4,8 @@
 embedding tables right depends on where they live, and is decided here, at construction:
 
 - ``union`` (``[ft] embedding_sync = "union"``, fused tables): every group applies every group's row
-  gradients at each committed step (``freescale.ft.sparse_sync``).  The tables' update waits for the
-  commit (``deferred``): a step that is skipped or redone leaves them untouched.
+  gradients at each committed step (``freescale.ft.sparse_sync``).  The tables' fused update waits for
+  the commit (``updates_at_commit``): a step that is skipped or redone leaves them untouched.
 - ``average`` (``embedding_sync = "average"``, fused tables): each group's fused update runs inside its
   backward; a slice of the tables is averaged across the groups at each committed step
   (``freescale.ft.sparse_average``).  Its accumulators' last averages travel in the snapshot.
@@ -37,8 +37,9 @@ class EmbeddingSync(Protocol):
     """One of the strategies of the module docstring."""
 
     name: str
-    deferred: bool
-    """The tables' update waits for the commit (applied in ``after_commit``, not inside backward)."""
+    updates_at_commit: bool
+    """The fused tables' update waits for the commit (their rate is set for it, and ``after_commit`` runs it),
+    instead of running inside backward."""
     exchange: Exchange | None
     """The collective run in the same attempt as the dense reduction (None: nothing to exchange)."""
 
@@ -64,7 +65,7 @@ class EmbeddingSync(Protocol):
 
 
 class UnionTables:
-    name, deferred = "union", True
+    name, updates_at_commit = "union", True
 
     def __init__(self, model: nn.Module) -> None:
         self.update = UnionSparseUpdate(model)
@@ -96,7 +97,7 @@ class UnionTables:
 
 
 class AveragedTables:
-    name, deferred = "average", False
+    name, updates_at_commit = "average", False
 
     def __init__(self, model: nn.Module, every: int, fence: Callable[[], None]) -> None:
         self.average = AveragedSparseSync(model, every, fence)
@@ -133,7 +134,7 @@ class AveragedTables:
 
 
 class ReplicatedTables:
-    name, deferred = "replicated", True
+    name, updates_at_commit = "replicated", False
     exchange: Exchange | None = None
 
     def start(self) -> None:

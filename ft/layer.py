@@ -1,7 +1,8 @@
 """``FaultTolerance``: fault tolerance as a layer over any training loop, freescale's or a user's own.
 
 One object per rank of a replica group.  A loop calls it at four points (the
-engine in ``freescale.trainer`` does exactly this, through its pipelines)::
+step engine, ``freescale.step_engine``, does the same through its pipelines, calling ``exchange``
+where this loop calls ``step``)::
 
     ft = FaultTolerance(dmp, optimizer, FTConfig.from_env(), data=accounting)
     ft.start()                                    # wait for the peers; joins late as a recovering group
@@ -72,11 +73,11 @@ from freescale.step_sync import all_finite, nonfinite_message
 from freescale.step_types import (
     Accounted,
     Commit,
+    DataSide,
     DataState,
     JobFinished,
     NonFiniteError,
     SyncResult,
-    check_data_state,
 )
 from freescale.testing import StepHooks
 
@@ -135,9 +136,8 @@ class FaultTolerance(SnapshotSide):
                  nonfinite: str = "stop", device: torch.device | None = None,
                  update: DenseUpdate | None = None, scheduler: Any | None = None) -> None:
         cfg.validate()
-        if data is not None:
-            check_data_state(data, "FaultTolerance")
-        self._cfg, self._model, self._optimizer, self._data = cfg, model, optimizer, data
+        side = data if isinstance(data, DataSide) or data is None else DataSide(data, "FaultTolerance")
+        self._cfg, self._model, self._optimizer, self._data = cfg, model, optimizer, side
         self._hooks = hooks or StepHooks()
         self._nonfinite = nonfinite
         self._rank = dist.get_rank() if dist.is_initialized() else 0
@@ -161,8 +161,8 @@ class FaultTolerance(SnapshotSide):
         """The committed step's dense update (clip, step, schedule: ``freescale/dense_update.py``), the same
         code and inputs in every group."""
         self._user_states: dict[str, UserState] = {}
-        if data is not None:
-            data.bind(self._group_index, cfg.replicas, self._rank, self._group_size)
+        if side is not None:
+            side.bind(self._group_index, cfg.replicas, self._rank, self._group_size)
         self.in_group = dist.new_group() if self._group_size > 1 else None
         self._grads = BucketedGrads(self._reduced, self.in_group, cfg.first_bucket_kb * 1024, cfg.bucket_kb * 1024,
                                    chunk_bytes=chunk_bytes, max_inflight=max_inflight)
@@ -204,8 +204,10 @@ class FaultTolerance(SnapshotSide):
         """The data side's account of the last applied step (a snapshot carries it: a group that catches up
         to the very step of the snapshot replays nothing, and logs that step's rows from here)."""
         self._ready_replicas = self._cfg.replicas  # how many held valid state after the last step
+        self._events: list[dict[str, Any]] = []
+        """This step's events so far (catch-up, staging, skipped steps): ``exchange`` hands them on."""
         self.events: deque[dict[str, Any]] = deque(maxlen=1024)
-        """This step's events so far (catch-up, staging); ``exchange`` hands them on: the newest 1024."""
+        """A loop calling ``step``: the events since it last took them (``exchange`` hands them on instead)."""
         self._finished_elsewhere = False
         self._members: set[str] | None = None
         """The groups of the last committed quorum (for the console line when they change)."""
@@ -303,7 +305,8 @@ class FaultTolerance(SnapshotSide):
             return False
         if self._sync.recovering:
             return False
-        return self._data is None or self._data.weight(step) > 0
+        weight = self._data.weight(step) if self._data is not None else None
+        return weight is None or weight > 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._reduced:
@@ -322,12 +325,12 @@ class FaultTolerance(SnapshotSide):
 
     def _data_weight(self, step: int) -> tuple[float, float]:
         """(This group's samples at ``step``, the factor turning a per-rank mean loss into the engine's form.)"""
-        if self._data is None:
+        weight = self._data.weight(self._step) if self._data is not None else None
+        if weight is None:
             raise ValueError("FaultTolerance.backward: pass weight= (the samples of this group's step), or "
                              "data= that reports weight(step) and rank_samples(step) (freescale.ft.StepSamples)")
-        weight = float(self._data.weight(self._step))
-        mine = self._data.rank_samples(self._step)
-        if weight <= 0:
+        mine = self._data.rank_samples(self._step) if self._data is not None else None
+        if mine is None or weight <= 0:
             return weight, 1.0
         return weight, mine * self._group_size / weight
 
@@ -352,7 +355,9 @@ class FaultTolerance(SnapshotSide):
     def step(self) -> Commit:
         """The rest of the step's exchange, the vote and, once committed, the update (module
         docstring).  Without a ``backward`` this step, the replica contributes zeros with weight 0."""
-        return self.exchange().commit
+        result = self.exchange()
+        self.events.extend(result.events)
+        return result.commit
 
     @property
     def record(self) -> dict[str, Any]:
@@ -394,13 +399,12 @@ class FaultTolerance(SnapshotSide):
         self._committed_at = now
         if result.stage_snapshot:
             stage_s = self._sync.stage(result.step, self.snapshot(), step_window(self._step_times))
-            self.events.append({"event": "stage", "step": result.step, "stage_s": stage_s, **self._sync.stage_choice})
+            self._events.append({"event": "stage", "step": result.step, "stage_s": stage_s, **self._sync.stage_choice})
         return self._finish_step(commit, self._accounted, record)
 
     def _finish_step(self, commit: Commit, accounted: Accounted | None, record: dict[str, Any]) -> SyncResult:
-        events = tuple(self.events)
-        self.events.clear()
-        self._last = SyncResult(commit, accounted, record, events, loss=self._loss)
+        events, self._events = tuple(self._events), []
+        self._last = SyncResult(commit, accounted, record, events)
         return self._last
 
     def _apply(self, result: StepResult) -> tuple[Commit, bool]:
@@ -420,7 +424,7 @@ class FaultTolerance(SnapshotSide):
             if self._nonfinite == "stop":
                 raise NonFiniteError(nonfinite_message(result.step, loss, self.in_group,
                                                        f" (replica group {self._group_index})"))
-            self.events.append({"event": "nonfinite_skipped", "step": result.step})
+            self._events.append({"event": "nonfinite_skipped", "step": result.step})
             updates = False
         if updates:
             for p, grad in zip(self._reduced, result.tensors):
@@ -428,7 +432,7 @@ class FaultTolerance(SnapshotSide):
             self._update.apply(result.step)
             for p in self._reduced:
                 p.grad = None
-            if self._tables.deferred:
+            if self._tables.updates_at_commit:
                 self._update.before_tables(result.step)  # a replayed step's lookup is built in apply
         else:
             self._update.record = {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +32,7 @@ from freescale.ft.snapshot_state import (
     set_rng_state,
     to_json,
 )
-from freescale.step_types import Accounted, Commit, DataState
+from freescale.step_types import Accounted, Commit, DataSide
 
 UserState = tuple[Callable[[], Any], Callable[[Any], None], Callable[[Commit], Any] | None]
 
@@ -44,11 +43,11 @@ class SnapshotSide(ABC):
     _model: nn.Module
     _optimizer: torch.optim.Optimizer
     _update: DenseUpdate
-    _data: DataState | None
+    _data: DataSide | None
     _accounted: Accounted | None
     _user_states: dict[str, UserState]
     _sync: ReplicaSync
-    events: deque[dict[str, Any]]
+    _events: list[dict[str, Any]]
 
     @abstractmethod
     def _apply(self, result: StepResult) -> tuple[Commit, bool]:
@@ -119,7 +118,7 @@ class SnapshotSide(ABC):
         start = time.perf_counter()
         copy_s = self._sync.wait_staged()
         if copy_s:
-            self.events.append({"event": "staged", "copy_s": copy_s, "stage_wait_s": time.perf_counter() - start})
+            self._events.append({"event": "staged", "copy_s": copy_s, "stage_wait_s": time.perf_counter() - start})
 
     def _landing(self) -> dict[str, torch.Tensor]:
         """This rank's state by snapshot name, for a snapshot to land in place (a catch-up starts: the
@@ -189,6 +188,6 @@ class SnapshotSide(ABC):
         # meanwhile needed a replay (the tensors landed in place); else once replayed.
         log.update(load_s=loaded - start, replay_s=time.perf_counter() - loaded, ready=ready,
                    caught_up=log["arrived"] if not log.get("stale_at_arrival") else ready)
-        self.events.append({"event": "catch_up", "step": caught.replay[-1].step if caught.replay
+        self._events.append({"event": "catch_up", "step": caught.replay[-1].step if caught.replay
                             else caught.snapshot_step, "catch_up": dict(log)})
         return skipped

@@ -47,7 +47,7 @@ from torch import nn
 
 from freescale.ft.config import FTConfig
 from freescale.ft.layer import FaultTolerance
-from freescale.step_types import Commit, DataState, JobFinished, check_data_state
+from freescale.step_types import Commit, DataSide, DataState, JobFinished
 
 FAULTS_DIR_ENV = "FREESCALE_FAULTS_DIR"
 """Where fault injection (``FREESCALE_FAULTS``, tests) leaves its marker files in the wrapper form."""
@@ -75,7 +75,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, data: DataState,
                             "can fix; this one ends (the launcher reports that error)")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"freescale.ft.wrap: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    check_data_state(data, "freescale.ft.wrap")
+    side = DataSide(data, "freescale.ft.wrap")
+    if not side.weighs:
+        raise ValueError("freescale.ft.wrap: data must report weight(step) and rank_samples(step) "
+                         "(freescale.ft.StepSamples does)")
     cfg = cfg or FTConfig.from_env()
     if not cfg.enabled:
         raise ValueError("freescale.ft.wrap: no lighthouse (FREESCALE_LIGHTHOUSE is not set): run the loop under "
@@ -87,16 +90,16 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, data: DataState,
                            Path(os.environ.get(FAULTS_DIR_ENV, ".")) / cfg.replica_id)
     # A model or optimizer the layer cannot keep identical, or a state that cannot travel (checked now, not
     # when a peer needs it): a ValueError beginning "fault tolerance:" (under the launcher, one line, exit 2).
-    layer = FaultTolerance(model, optimizer, cfg, data=data, hooks=hooks, scheduler=scheduler)
+    layer = FaultTolerance(model, optimizer, cfg, data=side, hooks=hooks, scheduler=scheduler)
     layer.check_snapshot()
-    return FaultTolerantOptimizer(layer, model, optimizer, data, loss_reduction)
+    return FaultTolerantOptimizer(layer, model, optimizer, side, loss_reduction)
 
 
 class FaultTolerantOptimizer:
     """The user's optimizer, fault tolerant (module docstring): ``steps``, ``zero_grad``, ``step``;
     ``register_state`` for more state in the snapshot; ``commit`` and ``record`` describe the last step."""
 
-    def __init__(self, layer: FaultTolerance, model: nn.Module, optimizer: torch.optim.Optimizer, data: DataState,
+    def __init__(self, layer: FaultTolerance, model: nn.Module, optimizer: torch.optim.Optimizer, data: DataSide,
                  loss_reduction: str) -> None:
         self._layer, self._optimizer, self._data, self._reduction = layer, optimizer, data, loss_reduction
         self._to_arm: int | None = None
@@ -152,7 +155,7 @@ class FaultTolerantOptimizer:
         step, self._to_arm = self._to_arm, None
         scale = self._layer._arm(None)  # the weight from data; the mean-loss scale: n_rank * ranks / n_group
         if self._reduction == "sum":
-            scale /= max(self._data.rank_samples(step), 1)
+            scale /= max(self._data.rank_samples(step) or 0, 1)
         found = [0]
         scaled = _map_tensors(output, lambda t: _scaled(t, scale, found))
         if not found[0]:

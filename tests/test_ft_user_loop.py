@@ -57,6 +57,39 @@ def test_step_samples_split_a_groups_share_over_its_ranks_and_scale_the_mean() -
         StepSamples(per_step=3).bind(0, 2, 0, 2)
 
 
+def test_a_data_side_of_ones_own_needs_only_commit_and_its_state() -> None:
+    """A loop's own data side with just ``commit``, ``state_dict`` and ``load_state_dict`` (its ``commit`` returning
+    whatever it likes) is taken as it is: the optional methods answer None; one lacking a required method is one
+    line naming it; the wrapper form asks for ``weight`` and ``rank_samples`` too."""
+    from freescale.step_types import Accounted, DataSide
+
+    class Minimal:
+        def commit(self, commit: Commit) -> list[int]:
+            return [commit.step]
+
+        def state_dict(self) -> dict[str, int]:
+            return {}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            pass
+
+    side = DataSide(Minimal(), "test")
+    side.bind(0, 2, 0, 1)  # absent: nothing to do
+    assert side.weight(0) is None and side.rank_samples(0) is None and not side.weighs
+    assert side.commit(Commit(0, frozenset({0}), frozenset({0}))) is None  # not an Accounted: ignored
+    samples = DataSide(StepSamples(per_step=4), "test")
+    samples.bind(0, 2, 0, 1)
+    assert samples.weighs and samples.weight(0) == 2.0 and samples.rank_samples(0) == 2
+    accounted = samples.commit(Commit(0, frozenset({0, 1}), frozenset({0, 1})))
+    assert isinstance(accounted, Accounted) and accounted.rows.tolist() == [0, 1, 2, 3] and accounted.samples == 2
+    with pytest.raises(ValueError, match="data=object lacks commit, state_dict, load_state_dict"):
+        DataSide(object(), "FaultTolerance")  # type: ignore[arg-type]
+    from freescale.ft import wrap
+
+    with pytest.raises(ValueError, match="must report weight"):
+        wrap(torch.nn.Linear(1, 1), torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1), data=Minimal())
+
+
 def test_step_samples_map_ids_onto_a_dataset_once_per_epoch() -> None:
     samples = StepSamples(per_step=4, dataset_size=10, seed=3)
     epoch0 = samples.indices(torch.arange(10))

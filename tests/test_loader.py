@@ -328,7 +328,6 @@ def test_a_group_restored_from_a_peers_snapshot_knows_the_rows_its_last_step_tra
     record held the rows of the last step this group applied itself (a chaos run's audit saw every
     sample trained once, but one step's rows recorded twice and another's never).  The fault-tolerance
     layer's snapshot side, with real feeds, a real model and optimizer; the snapshot travels as bytes."""
-    from collections import deque
     from types import SimpleNamespace
 
     import torch
@@ -345,7 +344,7 @@ def test_a_group_restored_from_a_peers_snapshot_knows_the_rows_its_last_step_tra
             self._update = DenseUpdate([self._optimizer], list(self._model.parameters()), LRSchedule())
             self._data, self._accounted, self._user_states = feed, None, {}
             self._sync = SimpleNamespace(wait_staged=lambda: 0.0)  # type: ignore[assignment]
-            self.events = deque()
+            self._events = []
 
         def _apply(self, result):  # type: ignore[no-untyped-def, override]
             raise AssertionError("nothing is replayed here")
