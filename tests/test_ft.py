@@ -109,7 +109,9 @@ def test_sigkill_one_replica_survivors_commit_every_step(phase: str, tmp_path: P
     also stopped just after it hands out the smaller quorum and restarted on its state file: the
     survivors' next commit comes within the restart + 1 s, and quorum ids keep growing."""
     restart = phase == "forward"
-    lh = lighthouse(min_replicas=1, **({"state_path": str(tmp_path / "lh.json")} if restart else {}))
+    # A join timeout of 2 s: on a loaded machine a survivor slow to send its first request would otherwise be
+    # left out of step 0's quorum and start behind (the kill of c is seen by the heartbeats, not by this wait).
+    lh = lighthouse(min_replicas=1, join_timeout_s=2.0, **({"state_path": str(tmp_path / "lh.json")} if restart else {}))
     steps = 40 if restart else 12
     extra = ("--step-sleep", "0.05") if restart else ()
     procs = {r: start(lh, r, tmp_path, steps, *extra, fault=f"5:{phase}" if r == "c" else "") for r in ("a", "b", "c")}
