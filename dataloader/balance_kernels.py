@@ -103,9 +103,11 @@ def _enqueue(head: np.ndarray, tail: np.ndarray, link: np.ndarray, bucket: int, 
 
 @numba.njit(**_JIT)
 def _lpt_sorted(ordered: np.ndarray, part_of: np.ndarray, start: int, stop: int, loads: np.ndarray,
-                counts: np.ndarray, full: int, extra: int, width: float) -> int:
+                counts: np.ndarray, full: int, extra: int, width: float, speeds: np.ndarray) -> int:
     """Place positions ``start:stop`` of ``ordered`` (costs, heaviest first) into ``part_of``:
-    each to the lightest open part (within ``width``), updating ``loads`` and ``counts``.
+    each to the lightest open part (within ``width``), updating ``loads`` and ``counts``.  A part's
+    load is its time, cost / ``speeds[p]`` (LPT for uniform machines, keyed by the normalised load;
+    all speeds 1: plain LPT, the same arithmetic).
     A part is open below ``full`` samples, and at ``full`` while fewer than ``extra`` parts
     have gone past it (equal counts: ``full = n // k``, ``extra = n % k``).  Returns ``extra``
     left.
@@ -148,7 +150,7 @@ def _lpt_sorted(ordered: np.ndarray, part_of: np.ndarray, start: int, stop: int,
                 break  # else: closed since it was queued (the extra slots ran out)
         part_of[i] = p
         counts[p] += 1
-        loads[p] += ordered[i]
+        loads[p] += ordered[i] / speeds[p]
         if counts[p] == full + 1:
             extra -= 1
         if counts[p] < full or (counts[p] == full and extra > 0):
@@ -225,23 +227,23 @@ def _closest(vals: np.ndarray, count: int, target: float) -> int:
 
 
 @numba.njit(**_JIT)
-def _best_exchange(vals: np.ndarray, counts: np.ndarray, h: int, p: int, gap: float,
+def _best_exchange(vals: np.ndarray, counts: np.ndarray, h: int, p: int, half: float, limit: float,
                    allow_moves: bool, swaps: bool, cap: int) -> tuple[float, int, int]:
     """The move (``y == -1``) of member ``x`` of part ``h`` to the lighter part ``p``, or swap
-    of ``x`` with member ``y`` of ``p``, whose cost shift ``d`` in ``(0, gap)`` is nearest
-    ``gap / 2`` (the pair's new maximum is ``max(H - d, P + d)``).  ``(d, x, y)``; ``d = 0``: none."""
-    half = gap / 2.0
+    of ``x`` with member ``y`` of ``p``, whose cost shift ``d`` in ``(0, limit)`` (it lowers the pair's
+    maximum) is nearest ``half`` (where the pair's times meet: equal speeds, half the gap).
+    ``(d, x, y)``; ``d = 0``: none."""
     best_d, best_x, best_y, best_miss = 0.0, -1, -1, np.inf
     nh, np_ = counts[h], counts[p]
     if allow_moves and nh > 1 and np_ < cap:
         x = _closest(vals[h], nh, half)
-        if 0.0 < vals[h, x] < gap:
+        if 0.0 < vals[h, x] < limit:
             best_d, best_x, best_miss = vals[h, x], x, abs(vals[h, x] - half)
     for x in range(nh if swaps else 0):
         y = _closest(vals[p], np_, vals[h, x] - half)
         if y >= 0:
             d = vals[h, x] - vals[p, y]
-            if 0.0 < d < gap and abs(d - half) < best_miss:
+            if 0.0 < d < limit and abs(d - half) < best_miss:
                 best_d, best_x, best_y, best_miss = d, x, y, abs(d - half)
     return best_d, best_x, best_y
 
@@ -267,9 +269,9 @@ def _remove(ids: np.ndarray, vals: np.ndarray, count: int, j: int) -> int:
 
 @numba.njit(**_JIT)
 def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_parts: int, allow_moves: bool,
-                   partners: int, max_steps: int, target: float, max_count: int) -> None:
+                   partners: int, max_steps: int, target: float, max_count: int, speeds: np.ndarray) -> None:
     """Lower the heaviest part by local search, in place on ``part_of[:stop]`` (positions of
-    ``ordered``).
+    ``ordered``).  Loads are times (cost / ``speeds[p]``; ``target`` too); members are kept by cost.
 
     Each step takes the heaviest part H and, among the ``partners`` lightest parts, the one
     move of a sample of H (``allow_moves``; off for equal counts) or swap of one pair that
@@ -292,6 +294,8 @@ def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_part
         ids[p, counts[p]], vals[p, counts[p]] = i, ordered[i]
         counts[p] += 1
         loads[p] += ordered[i]
+    for p in range(k):
+        loads[p] /= speeds[p]
     if n == 0 or loads.sum() <= 0.0:
         return
     heavy_loads, heavy_parts, heavy = _heap(-loads, 2 * max_steps + 64)
@@ -321,10 +325,12 @@ def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_part
             for swaps in (not allow_moves, True):
                 for i in range(found):
                     p = picked[i]
-                    d, x, y = _best_exchange(vals, counts, h, p, loads[h] - loads[p], allow_moves, swaps,
-                                                   min(cap, max_count))
-                    if d > 0.0 and max(loads[h] - d, loads[p] + d) < best_max:
-                        best_max, best_x, best_y, best_p = max(loads[h] - d, loads[p] + d), x, y, p
+                    gap = loads[h] - loads[p]
+                    d, x, y = _best_exchange(vals, counts, h, p, gap / (1.0 / speeds[h] + 1.0 / speeds[p]),
+                                             gap * speeds[p], allow_moves, swaps, min(cap, max_count))
+                    shifted = max(loads[h] - d / speeds[h], loads[p] + d / speeds[p])
+                    if d > 0.0 and shifted < best_max:
+                        best_max, best_x, best_y, best_p = shifted, x, y, p
                 if best_p >= 0:
                     break
             for i in range(found):
@@ -349,6 +355,7 @@ def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_part
             loads[q] = 0.0
             for j in range(counts[q]):
                 loads[q] += vals[q, j]
+            loads[q] /= speeds[q]
             heavy = _push(heavy_loads, heavy_parts, heavy, -loads[q], q)
             light = _push(light_loads, light_parts, light, loads[q], q)
 
@@ -379,7 +386,7 @@ def members_of(owner: np.ndarray, num_parts: int) -> tuple[np.ndarray, np.ndarra
 @numba.njit(**_JIT)
 def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_steps: int, partners: int,
                 resolution: float, tolerance: float, head_share: float,
-                tail_tolerance: float, max_count: int) -> tuple[np.ndarray, np.ndarray, int]:
+                tail_tolerance: float, max_count: int, speeds: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """LPT with local search over ``costs``: ``(index, offsets, bad)``, the parts as CSR (each
     part's samples heaviest first); ``bad``
     is the first sample whose cost is negative or not finite (then nothing is planned), else -1.
@@ -392,13 +399,17 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     ``tail_tolerance`` of the mean (the tail's samples are light: LPT alone leaves the parts within
     about one light sample of each other, and chasing the last few 1e-4 there is what costs time).
     Without ``equal_count`` no part takes more than ``max_count`` samples (at least ``ceil(n / k)``):
-    samples of (near) zero cost would otherwise all go to whichever part is lightest."""
+    samples of (near) zero cost would otherwise all go to whichever part is lightest.
+
+    ``speeds`` (one per part, positive; all 1: every part alike) makes every load a time, cost / speed:
+    the parts' times are balanced, so a part twice as fast takes about twice the cost (uniform machines).
+    ``mean`` is then the time of a perfectly proportional split, total / sum(speeds)."""
     n, k = costs.size, num_parts
     bad, total, largest = _scan(costs)
     if bad >= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(k + 1, dtype=np.int64), bad
     order, ordered = _sort_desc(costs, largest)
-    mean = total / k
+    mean = total / speeds.sum()
     full, extra = (n // k, n % k) if equal_count else (max(max_count, -(-n // k)), 0)
     part_of = np.empty(n, dtype=np.int64)
     loads, counts = np.zeros(k, dtype=np.float64), np.zeros(k, dtype=np.int64)
@@ -406,23 +417,24 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     if not width > 0.0:  # no cost at all, or a mean so small that the width underflows
         width = mean if mean > 0.0 else 1.0
     head = 0
-    while head < n and ordered[head] >= head_share * mean:
+    while head < n and ordered[head] >= head_share * (total / k):
         head += 1
-    extra = _lpt_sorted(ordered, part_of, 0, head, loads, counts, full, extra, width)
+    extra = _lpt_sorted(ordered, part_of, 0, head, loads, counts, full, extra, width, speeds)
     allow_moves = not equal_count
     if refine_steps > 0 and head > k and loads.max() > mean * (1.0 + tolerance):
-        _refine_sorted(ordered, part_of, head, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance), full)
+        _refine_sorted(ordered, part_of, head, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance), full,
+                       speeds)
         loads[:], counts[:] = 0.0, 0
         for i in range(head):
-            loads[part_of[i]] += ordered[i]
+            loads[part_of[i]] += ordered[i] / speeds[part_of[i]]
             counts[part_of[i]] += 1
-    _lpt_sorted(ordered, part_of, head, n, loads, counts, full, extra, width)
+    _lpt_sorted(ordered, part_of, head, n, loads, counts, full, extra, width, speeds)
     if refine_steps > 0 and n > k and loads.max() > mean * (1.0 + tail_tolerance):
         # The tail's samples are light: moving one to the lightest couple of parts does as well as
         # trying more (swaps, for equal counts, want four).  A step costs ~1-3 us here (heap updates,
         # a search per partner): the tail gets about one step per part, the head more.
         _refine_sorted(ordered, part_of, n, k, allow_moves, min(partners, 2) if allow_moves else min(partners, 4),
-                       min(refine_steps, k + 64), mean * (1.0 + tail_tolerance), full)
+                       min(refine_steps, k + 64), mean * (1.0 + tail_tolerance), full, speeds)
     index, offsets = _members(part_of, order, k)
     return index, offsets, -1
 
@@ -439,7 +451,7 @@ def refined_owner(costs: np.ndarray, owner: np.ndarray, num_parts: int, allow_mo
     for i in range(n):
         part_of[i] = owner[order[i]]
     _refine_sorted(ordered, part_of, n, num_parts, allow_moves, min(partners, num_parts), max_steps,
-                   total / num_parts, n)
+                   total / num_parts, n, np.ones(num_parts))
     out = np.empty(n, dtype=np.int64)
     for i in range(n):
         out[order[i]] = part_of[i]
@@ -469,7 +481,7 @@ def warm_up() -> None:
     training's prefetch thread waits seconds for the compiler."""
     costs = np.array([3.0, 1.0, 2.0, 2.0, 5.0, 0.5])
     for equal_count in (False, True):
-        lpt_refined(costs, 2, equal_count, 8, 2, 1e-5, 1e-3, 0.25, 1e-3, 6)
+        lpt_refined(costs, 2, equal_count, 8, 2, 1e-5, 1e-3, 0.25, 1e-3, 6, np.ones(2))
     members_of(np.array([1, 0, 1], dtype=np.int64), 2)
     index = np.array([1, 0], dtype=np.int64)
     take(costs, index)

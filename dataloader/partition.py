@@ -183,17 +183,54 @@ def round_robin(costs: np.ndarray, num_parts: int, equal_count: bool = False) ->
     return Parts.of_owner(np.arange(costs.size, dtype=np.int64) % num_parts, num_parts)
 
 
-def lpt(costs: np.ndarray, num_parts: int, equal_count: bool = False) -> Parts:
-    """LPT plus local search (module docstring; the algorithm is in ``balance_kernels``)."""
+def lpt(costs: np.ndarray, num_parts: int, equal_count: bool = False, capacities: np.ndarray | None = None) -> Parts:
+    """LPT plus local search (module docstring; the algorithm is in ``balance_kernels``).  ``capacities``: each
+    part's speed (cost per second, relative), so the parts' times (cost / capacity) are balanced instead of
+    their costs; None: every part alike."""
     costs = np.ascontiguousarray(costs, dtype=np.float64)
+    speeds = np.ones(num_parts) if capacities is None else checked_capacities(capacities, num_parts)
     index, offsets, bad = balance_kernels.lpt_refined(
         costs, num_parts, equal_count, 4 * num_parts + 64, LPT_REFINE_PARTNERS, LPT_RESOLUTION, LPT_TOLERANCE,
         LPT_HEAD_SHARE, LPT_TAIL_TOLERANCE if num_parts > LPT_TAIL_TOLERANCE_FROM_PARTS else LPT_TOLERANCE,
-        -(-LPT_MAX_COUNT_SHARE * costs.size // max(num_parts, 1)))
+        -(-LPT_MAX_COUNT_SHARE * costs.size // max(num_parts, 1)), speeds)
     if bad >= 0:
         raise ValueError(f"sample {bad} has cost {float(costs[bad])}: costs must be finite and >= 0, with a "
                          f"finite sum")
     return Parts(index, offsets)
+
+
+def checked_capacities(capacities: np.ndarray | list[float], num_parts: int) -> np.ndarray:
+    """``capacities`` as speeds for ``num_parts`` parts, scaled to a mean of 1 (float64); one line naming the
+    first bad entry if any is not finite and positive, or if there are not ``num_parts`` of them."""
+    speeds = np.asarray(capacities, dtype=np.float64).ravel()
+    if speeds.size != num_parts:
+        raise ValueError(f"capacities: {speeds.size} given for {num_parts} parts (one per rank, in the live ranks' order)")
+    bad = np.flatnonzero(~(np.isfinite(speeds) & (speeds > 0)))
+    if bad.size:
+        raise ValueError(f"capacities: entry {int(bad[0])} is {float(speeds[bad[0]])}: each must be finite and > 0")
+    return np.ascontiguousarray(speeds / speeds.mean())
+
+
+def time_imbalance(costs: np.ndarray, parts: Parts, capacities: np.ndarray | None) -> float:
+    """``max_part(time) / proportional time``, time = cost / capacity: 1.0 is a split in proportion to the
+    parts' speeds (``imbalance`` when every capacity is equal)."""
+    loads = parts.sums(costs)
+    if capacities is None:
+        return load_imbalance(loads)
+    speeds = checked_capacities(capacities, len(parts))
+    total = loads.sum()
+    return float((loads / speeds).max() / total * speeds.sum()) if total > 0 else 1.0
+
+
+def time_lower_bound(costs: np.ndarray, num_parts: int, capacities: np.ndarray | None) -> float:
+    """``lower_bound`` in time: the heaviest sample on the fastest part, over the proportional time."""
+    if capacities is None:
+        return lower_bound(costs, num_parts)
+    speeds = checked_capacities(capacities, num_parts)
+    total = costs.sum()
+    if total <= 0 or costs.size == 0:
+        return 1.0
+    return max(1.0, float(costs.max()) / float(speeds.max()) / total * float(speeds.sum()))
 
 
 def check_size(name: str, samples: int, num_parts: int, equal_count: bool) -> None:
@@ -285,9 +322,14 @@ def weights_for(name: str, costs: np.ndarray, lengths: np.ndarray | None) -> np.
 
 
 def partition(name: str, costs: np.ndarray, lengths: np.ndarray | None, num_parts: int,
-              equal_count: bool = False) -> Parts:
-    """Run partitioner ``name``; every part non-empty when there are enough samples."""
+              equal_count: bool = False, capacities: np.ndarray | None = None) -> Parts:
+    """Run partitioner ``name``; every part non-empty when there are enough samples.  ``capacities`` (one per
+    part: its speed) balance the parts' times instead of their costs: ``lpt`` only."""
     if name not in PARTITIONERS:
         raise ValueError(f"unknown partitioner '{name}' (have: {', '.join(PARTITIONERS)})")
+    if capacities is not None:
+        if name != "lpt":
+            raise ValueError(f"partitioner '{name}' does not plan by rank speed (capacities): use 'lpt'")
+        return fill_empty(costs, lpt(costs, num_parts, equal_count, capacities))
     parts = PARTITIONERS[name](weights_for(name, costs, lengths), num_parts, equal_count)
     return fill_empty(costs, parts)

@@ -17,6 +17,8 @@ from freescale.dataloader.partition import (
     lpt,
     partition,
     round_robin,
+    time_imbalance,
+    time_lower_bound,
 )
 from freescale.dataloader.planner import BatchPlanner, EpochOrder
 
@@ -48,6 +50,61 @@ def test_lpt_within_its_guarantee_of_round_robin(costs: np.ndarray, k: int) -> N
     # LPT's lightest part is exact up to LPT_RESOLUTION of a mean part; the local search only lowers the max.
     assert got <= (4 / 3 - 1 / (3 * k)) * rr + 2 * LPT_RESOLUTION * costs.sum() / k + 1e-6
     assert imbalance(costs, lpt(costs, k)) >= lower_bound(costs, k) - 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=costs_st, speeds=st.lists(st.floats(0.05, 20.0, allow_nan=False), min_size=1, max_size=16),
+       equal=st.booleans())
+def test_lpt_by_capacity_is_a_permutation_deterministic_and_within_a_sample_of_proportional(
+        costs: np.ndarray, speeds: list[float], equal: bool) -> None:
+    """With capacities (each part's speed) every sample is in exactly one part, the same on every call; equal
+    counts stay +-1; and without equal counts the slowest part's time is within one sample's time of a split in
+    proportion to the speeds (LPT for uniform machines, then the local search)."""
+    k, capacities = len(speeds), np.array(speeds)
+    parts = partition("lpt", costs, None, k, equal, capacities)
+    assert np.array_equal(np.sort(parts.index), np.arange(costs.size))
+    again = partition("lpt", costs.copy(), None, k, equal, capacities.copy())
+    assert np.array_equal(parts.index, again.index) and np.array_equal(parts.offsets, again.offsets)
+    if equal:
+        assert parts.sizes.max() - parts.sizes.min() <= 1
+    elif costs.size and costs.sum() > 0:
+        rel = capacities / capacities.mean()
+        times = parts.sums(costs) / rel
+        proportional = costs.sum() / rel.sum()
+        assert times.max() <= proportional + costs.max() / rel.min() + 1e-9 * costs.sum()
+        assert time_imbalance(costs, parts, capacities) >= 1.0 - 1e-9
+        assert time_lower_bound(costs, k, capacities) <= time_imbalance(costs, parts, capacities) + 1e-9
+
+
+def test_capacities_give_a_slow_rank_its_share_and_equal_ones_change_nothing() -> None:
+    rng = np.random.default_rng(3)
+    costs = rng.lognormal(0.0, 1.0, 4096)
+    slow = np.array([1.0, 1.0, 1.0, 0.5])
+    parts = partition("lpt", costs, None, 4, False, slow)
+    assert np.allclose(parts.sums(costs) / costs.sum(), slow / slow.sum(), atol=2e-3)
+    assert time_imbalance(costs, parts, slow) < 1.001
+    assert time_imbalance(costs, partition("lpt", costs, None, 4), slow) > 1.7  # planned as if alike: 1.75
+    plain = partition("lpt", costs, None, 4)
+    same = partition("lpt", costs, None, 4, False, np.full(4, 2.5))  # alike, whatever the unit
+    assert np.array_equal(plain.index, same.index) and np.array_equal(plain.offsets, same.offsets)
+
+
+@pytest.mark.parametrize(("capacities", "message"), [
+    ([1.0, float("nan"), 1.0], "capacities: entry 1 is nan: each must be finite and > 0"),
+    ([1.0, 1.0, 0.0], "capacities: entry 2 is 0.0"),
+    ([-1.0, 1.0, 1.0], "capacities: entry 0 is -1.0"),
+    ([1.0, float("inf"), 1.0], "capacities: entry 1 is inf"),
+    ([1.0, 1.0], "capacities: 2 given for 3 parts"),
+])
+def test_bad_capacities_are_one_line_never_a_plan(capacities: list[float], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        partition("lpt", np.ones(12), None, 3, False, np.array(capacities))
+
+
+@pytest.mark.parametrize("name", ["kk", "token_kk", "round_robin"])
+def test_only_lpt_plans_by_capacity(name: str) -> None:
+    with pytest.raises(ValueError, match=f"partitioner '{name}' does not plan by rank speed"):
+        partition(name, np.ones(12), np.ones(12, dtype=np.int64), 3, False, np.ones(3))
 
 
 def test_the_local_search_repairs_what_lpt_alone_loses() -> None:
