@@ -221,6 +221,13 @@ class BalancedLoader:
         self._halt()
         self.planner.set_cost_model(model, self.epoch, self.step)
 
+    def set_capacities(self, capacities: dict[int, float] | None) -> None:
+        """Plan with these ranks' speeds (global rank -> speed, 1.0 nominal; None: all alike) from the next
+        planning window on: a slow rank gets a share in proportion to its speed.  Every rank that plans the
+        same steps must call it at the same step with the same speeds (``BatchPlanner.set_capacities``)."""
+        self._halt()
+        self.planner.set_capacities(capacities, self.epoch, self.step)
+
     def set_live_ranks(self, ranks: list[int]) -> None:
         """Use ``ranks`` from the next step on (batches prefetched for the old set are dropped)."""
         live = self._check_ranks(ranks)
@@ -264,6 +271,8 @@ class BalancedLoader:
             "cost_model": [self.planner.cost_model.quadratic, self.planner.cost_model.linear,
                            self.planner.cost_model.constant],
             "carry": self.planner.carry_state(self.epoch, self.step),
+            "capacities": ([[r, v] for r, v in sorted(self.planner.capacities.items())]
+                           if self.planner.capacities else None),
             "shape": shape_of(self.planner, self.max_seq_len),
         }
         if self._reshaped_from is not None and self._reshaped_from[0] == self.epoch:
@@ -285,6 +294,8 @@ class BalancedLoader:
         self.planner.clear_remainder()
         if "cost_model" in state:
             self.planner.set_cost_model(CostModel(*state["cost_model"]), 0, 0)
+        saved = state.get("capacities")
+        self.planner.set_capacities({int(r): float(v) for r, v in saved} if saved else None, 0, 0)
         self.source.skipped.update(state.get("skipped", {}))
         if "shape" in state and any(state["shape"].get(k) != mine[k] for k in SHAPE_KEYS):
             self.epoch, self.step = start_remainder(self.planner, state, self.source.lengths, self.source.rg_rows)

@@ -214,10 +214,14 @@ def checked_capacities(capacities: np.ndarray | list[float], num_parts: int) -> 
 def time_imbalance(costs: np.ndarray, parts: Parts, capacities: np.ndarray | None) -> float:
     """``max_part(time) / proportional time``, time = cost / capacity: 1.0 is a split in proportion to the
     parts' speeds (``imbalance`` when every capacity is equal)."""
-    loads = parts.sums(costs)
+    return load_time_imbalance(parts.sums(costs), capacities)
+
+
+def load_time_imbalance(loads: np.ndarray, capacities: np.ndarray | None) -> float:
+    """``time_imbalance`` of the parts' cost ``loads``."""
     if capacities is None:
         return load_imbalance(loads)
-    speeds = checked_capacities(capacities, len(parts))
+    speeds = checked_capacities(capacities, loads.size)
     total = loads.sum()
     return float((loads / speeds).max() / total * speeds.sum()) if total > 0 else 1.0
 

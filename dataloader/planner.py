@@ -58,7 +58,7 @@ import numpy as np
 from freescale.dataloader import balance_kernels
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.local_plan import local_window_owner
-from freescale.dataloader.partition import Parts, load_imbalance, lower_bound, partition
+from freescale.dataloader.partition import Parts, load_time_imbalance, partition, time_lower_bound
 
 _WINDOWS_KEPT = 8
 
@@ -108,6 +108,8 @@ class StepPlan:
     costs: Parts
     model: CostModel
     carried: int = 0
+    capacities: np.ndarray | None = None
+    """Each live rank's speed the step was planned with (None: all alike)."""
 
     @property
     def global_size(self) -> int:
@@ -117,10 +119,11 @@ class StepPlan:
         return self.costs.totals()
 
     def imbalance(self) -> float:
-        return load_imbalance(self.loads())
+        """The slowest rank's time over a split in proportion to the ranks' speeds (their costs, all alike)."""
+        return load_time_imbalance(self.loads(), self.capacities)
 
     def bound(self) -> float:
-        return lower_bound(self.costs.index, len(self.live_ranks))
+        return time_lower_bound(self.costs.index, len(self.live_ranks), self.capacities)
 
     def for_rank(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """``rank``'s rows, ascending, and their costs."""
@@ -146,6 +149,8 @@ class _Window:
     costs: np.ndarray
     steps: list[tuple[tuple[int, ...], Parts]]  # per step: (live ranks, positions per rank)
     replans: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    capacities: dict[int, float] | None = None
+    """Speed per global rank the window is planned with (a rank not named: 1.0; None: all alike)."""
 
 
 class BatchPlanner:
@@ -180,6 +185,9 @@ class BatchPlanner:
         self._tables: dict[tuple[float, float, float], np.ndarray] = {}
         self.cost_model = cost_model
         self._models: list[tuple[tuple[int, int], CostModel]] = [((0, 0), cost_model)]
+        self.capacities: dict[int, float] | None = None
+        """Speed per global rank (1.0: nominal) the next windows are planned with; None: every rank alike."""
+        self._capacity_plan: list[tuple[tuple[int, int], dict[int, float] | None]] = [((0, 0), None)]
         self.order = order
         self.partitioner = partitioner
         self.global_batch_size = global_batch_size
@@ -246,11 +254,13 @@ class BatchPlanner:
             self._replan(win, step, tuple(live_ranks))
             ranks, positions = win.steps[step - win.first_step]
         rows, costs = positions.map(win.samples), positions.map(win.costs)
+        speeds = _speeds(win.capacities, ranks)
         carried = self._carry.get((epoch, step))
         if carried is not None and carried.size:
-            rows = self._add_carry(win.model, rows, carried)
+            rows = self._add_carry(win.model, rows, carried, speeds)
             costs = Parts(self.costs(win.model, rows.index), rows.offsets)
-        return StepPlan(epoch, step, ranks, rows, costs, win.model, 0 if carried is None else int(carried.size))
+        return StepPlan(epoch, step, ranks, rows, costs, win.model, 0 if carried is None else int(carried.size),
+                        speeds)
 
     def plan_window(self, epoch: int, step: int, live_ranks: tuple[int, ...]) -> None:
         """Plan the window holding ``(epoch, step)`` now, if it is not planned yet (planning ahead)."""
@@ -258,22 +268,26 @@ class BatchPlanner:
         if (epoch, index) not in self._windows:
             self._remember(self._new_window(epoch, index, tuple(live_ranks)))
 
-    def _add_carry(self, model: CostModel, rows: Parts, carried: np.ndarray) -> Parts:
+    def _add_carry(self, model: CostModel, rows: Parts, carried: np.ndarray, speeds: np.ndarray | None) -> Parts:
         """``rows`` (one array per live rank) with a share of ``carried`` (ascending)
         added to each, merged in ascending order (the order the source returns).  The
         carry is partitioned on its own, like a step; its heaviest part goes to the
         rank with the lightest planned load (with ``equal_count``: its largest part
         to the rank with the fewest samples), so the step stays as balanced as the
-        two partitions allow.  Deterministic: stable sorts of values every rank
+        two partitions allow; with ranks' speeds (``speeds``), part ``i`` is planned for
+        rank ``i``'s speed and goes to it.  Deterministic: stable sorts of values every rank
         computes alike."""
         costs = self.costs(model, carried)
-        parts = partition(self.partitioner, costs, self.lengths[carried], len(rows), self.equal_count)
-        if self.equal_count:
-            planned, weight = rows.sizes.astype(np.float64), parts.sizes.astype(np.float64)
+        parts = partition(self.partitioner, costs, self.lengths[carried], len(rows), self.equal_count, speeds)
+        if speeds is not None:  # part i was planned for rank i's speed
+            part_of_rank = np.arange(len(rows), dtype=np.int64)
         else:
-            planned, weight = rows.sums_of(lambda r: self.costs(model, r)), parts.sums(costs)
-        part_of_rank = np.empty(len(rows), dtype=np.int64)
-        part_of_rank[np.argsort(planned, kind="stable")] = np.argsort(-weight, kind="stable")
+            if self.equal_count:
+                planned, weight = rows.sizes.astype(np.float64), parts.sizes.astype(np.float64)
+            else:
+                planned, weight = rows.sums_of(lambda r: self.costs(model, r)), parts.sums(costs)
+            part_of_rank = np.empty(len(rows), dtype=np.int64)
+            part_of_rank[np.argsort(planned, kind="stable")] = np.argsort(-weight, kind="stable")
         extra = parts.select(part_of_rank).map(carried)
         values = np.concatenate([rows.index, extra.index])
         owners = np.concatenate([rows.owner(), extra.owner()])
@@ -343,12 +357,32 @@ class BatchPlanner:
         rank that calls this at the same step gets the same plans, whatever each had
         prefetched.
         """
+        self._models.append((self._boundary(epoch, step), model))
+        self.cost_model = model
+
+    def set_capacities(self, capacities: dict[int, float] | None, epoch: int, step: int) -> None:
+        """Plan with these ranks' speeds (global rank -> speed, 1.0 nominal; a rank not named: 1.0; None: all
+        alike) from the first window that starts at or after ``(epoch, step)``, as ``set_cost_model`` does.
+        Every rank must call it at the same step with the same speeds (``lpt`` only; not with ``locality``)."""
+        if capacities is not None:
+            if self.partitioner != "lpt":
+                raise ValueError(f"partitioner '{self.partitioner}' does not plan by rank speed (capacities): use 'lpt'")
+            if self.locality:
+                raise ValueError("capacities: the read-local plan (locality) cuts equal-cost shares; set locality = false")
+            bad = [(r, v) for r, v in sorted(capacities.items()) if not (np.isfinite(v) and v > 0)]
+            if bad:
+                raise ValueError(f"capacities: rank {bad[0][0]} has speed {bad[0][1]}: each must be finite and > 0")
+            capacities = {int(r): float(v) for r, v in sorted(capacities.items())}
+        self._capacity_plan.append((self._boundary(epoch, step), capacities))
+        self.capacities = capacities
+
+    def _boundary(self, epoch: int, step: int) -> tuple[int, int]:
+        """The first window start at or after ``(epoch, step)``; windows planned from it on are forgotten."""
         index = -(-step // self.window)
         boundary = (epoch, index * self.window) if index * self.window < self.steps_in(epoch) else (epoch + 1, 0)
-        self._models.append((boundary, model))
-        self.cost_model = model
         for key in [k for k in self._windows if (k[0], k[1] * self.window) >= boundary]:
             del self._windows[key]
+        return boundary
 
     def _model_for(self, epoch: int, first_step: int) -> CostModel:
         chosen = self._models[0][1]
@@ -357,31 +391,46 @@ class BatchPlanner:
                 chosen = model
         return chosen
 
+    def _capacities_for(self, epoch: int, first_step: int) -> dict[int, float] | None:
+        chosen = self._capacity_plan[0][1]
+        for start, capacities in self._capacity_plan:
+            if start <= (epoch, first_step):
+                chosen = capacities
+        return chosen
+
     def _new_window(
-        self, epoch: int, index: int, live_ranks: tuple[int, ...], model: CostModel | None = None
+        self, epoch: int, index: int, live_ranks: tuple[int, ...], model: CostModel | None = None,
+        capacities: dict[int, float] | str | None = "planned",
     ) -> _Window:
         first = index * self.window
         model = model or self._model_for(epoch, first)
+        if isinstance(capacities, str):
+            capacities = self._capacities_for(epoch, first)
         count = min(self.window, self.steps_in(epoch) - first)
         g = self.global_batch_size
         end = None if self.keep_partial and first + count == self.steps_in(epoch) else (first + count) * g
         samples = self.epoch_rows(epoch)[first * g : end]  # keep_partial: the last step takes the remainder
         ranks = tuple(live_ranks)
-        win = _Window(epoch, index, first, model, ranks, samples, self.costs(model, samples), [])
-        win.steps = [(ranks, part) for part in self._split(win, None, count, len(ranks))]
+        win = _Window(epoch, index, first, model, ranks, samples, self.costs(model, samples), [],
+                      capacities=capacities)
+        win.steps = [(ranks, part) for part in self._split(win, None, count, ranks)]
         return win
 
     def _replan(self, win: _Window, step: int, live_ranks: tuple[int, ...]) -> None:
         """Re-plan the steps from ``step`` to the window's end over ``live_ranks``."""
         k = step - win.first_step
         remaining = np.sort(np.concatenate([part.index for _, part in win.steps[k:]]))
-        steps = self._split(win, remaining, len(win.steps) - k, len(live_ranks))
+        steps = self._split(win, remaining, len(win.steps) - k, live_ranks)
         win.steps[k:] = [(live_ranks, part) for part in steps]
         win.replans.append((step, live_ranks))
 
-    def _split(self, win: _Window, positions: np.ndarray | None, steps: int, ranks: int) -> list[Parts]:
+    def _split(self, win: _Window, positions: np.ndarray | None, steps: int, live_ranks: tuple[int, ...]) -> list[Parts]:
         """``positions`` into the window's samples (ascending: a canonical order; None: all of
         them) -> per step, per rank positions."""
+        ranks = len(live_ranks)
+        speeds = _speeds(win.capacities, live_ranks)
+        if speeds is not None:
+            return self._split_by_speed(win, positions, steps, speeds)
         costs = win.costs if positions is None else win.costs[positions]
         rows = win.samples if positions is None else win.samples[positions]
         if self.locality:
@@ -399,6 +448,18 @@ class BatchPlanner:
         parts = partition(self.partitioner, costs, lengths, steps * ranks)
         by_weight = np.argsort(-parts.maxima(costs), kind="stable")
         chosen = [parts.select(by_weight[j * ranks : (j + 1) * ranks]) for j in range(steps)]
+        return chosen if positions is None else [part.map(positions) for part in chosen]
+
+    def _split_by_speed(self, win: _Window, positions: np.ndarray | None, steps: int, speeds: np.ndarray) -> list[Parts]:
+        """``_split`` with the ranks' speeds: ``steps x ranks`` parts, part ``j * ranks + i`` planned for rank
+        ``i``'s speed; each rank's parts ordered by their heaviest sample, step ``j`` takes the ``j``-th of
+        every rank's (the heavy samples of a window still meet in the same steps)."""
+        costs = win.costs if positions is None else win.costs[positions]
+        ranks = speeds.size
+        parts = partition(self.partitioner, costs, None, steps * ranks, self.equal_count, np.tile(speeds, steps))
+        heaviest = parts.maxima(costs).reshape(steps, ranks)
+        by_weight = np.argsort(-heaviest, axis=0, kind="stable") * ranks + np.arange(ranks)
+        chosen = [parts.select(by_weight[j]) for j in range(steps)]
         return chosen if positions is None else [part.map(positions) for part in chosen]
 
     def planned_before(self, epoch: int, step: int) -> tuple[int, np.ndarray]:
@@ -423,6 +484,7 @@ class BatchPlanner:
             "epoch": win.epoch, "index": win.index, "initial_ranks": list(win.initial_ranks),
             "replans": [[s, list(r)] for s, r in win.replans],
             "model": [win.model.quadratic, win.model.linear, win.model.constant],
+            **({"capacities": [[r, v] for r, v in sorted(win.capacities.items())]} if win.capacities else {}),
         }
 
     def load_window_state(self, state: dict[str, object]) -> None:
@@ -434,7 +496,18 @@ class BatchPlanner:
         replans = [(int(s), tuple(int(x) for x in r)) for s, r in state["replans"]]  # type: ignore[attr-defined]
         initial = tuple(int(x) for x in state["initial_ranks"])  # type: ignore[attr-defined]
         model = CostModel(*state["model"]) if "model" in state else self.cost_model  # type: ignore[misc]
-        win = self._new_window(epoch, index, initial, model)
+        saved = state.get("capacities")
+        capacities = {int(r): float(v) for r, v in saved} if saved else None  # type: ignore[attr-defined]
+        win = self._new_window(epoch, index, initial, model, capacities)
         for step, ranks in replans:
             self._replan(win, step, ranks)
         self._remember(win)
+
+
+def _speeds(capacities: dict[int, float] | None, live_ranks: tuple[int, ...]) -> np.ndarray | None:
+    """The live ranks' speeds in their order (a rank not named: 1.0); None when all are alike (the plan is then
+    the one without capacities, bit for bit)."""
+    if not capacities:
+        return None
+    speeds = np.array([capacities.get(r, 1.0) for r in live_ranks], dtype=np.float64)
+    return None if np.all(speeds == speeds[0]) else speeds
