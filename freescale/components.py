@@ -38,6 +38,7 @@ from freescale.parallelize import (
     shard_model,
 )
 from freescale.pipeline import PipelineConfig
+from freescale.rank_speed import BalanceConfig, RankSpeed
 from freescale.staging import LazySaves, RowTracker
 from freescale.step_engine import PRECISIONS, StepEngine
 from freescale.step_feed import StepFeed
@@ -98,6 +99,7 @@ class TrainerConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     ft: FTConfig = field(default_factory=FTConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
 
 
 def prepare(cfg: TrainerConfig) -> None:
@@ -119,6 +121,13 @@ def prepare(cfg: TrainerConfig) -> None:
         raise ConfigError(f"optim.warmup_steps: {cfg.optim.warmup_steps:,} is more than train.steps "
                           f"({cfg.train.steps:,}): the whole run would train at a fraction of the learning rate; "
                           "lower it")
+    if cfg.balance.slow_policy == "rebalance":
+        if cfg.ft.enabled:
+            raise ConfigError("balance.slow_policy: 'rebalance' is not built across replica groups (every group must "
+                              "plan alike); use 'report'")
+        if cfg.data.partitioner != "lpt" or cfg.data.locality:
+            raise ConfigError("balance.slow_policy: 'rebalance' plans by rank speed, which needs data.partitioner = "
+                              "'lpt' and data.locality = false; or use 'report'")
     refusal = skip_step_refusal(cfg.ft.enabled, cfg.ft.embedding_sync) if cfg.train.nonfinite == "skip_step" else None
     if refusal:
         raise ConfigError(f"train.nonfinite: {refusal}")
@@ -156,6 +165,9 @@ class Components:
     """Where this group's log goes: ``output_dir``, or ``output_dir/replica<g>``."""
     staging: LazySaves | None = None
     """Copies the tables to host memory over the steps after each save (``checkpoint.stage_budget``)."""
+    speed: RankSpeed | None = None
+    """The ranks' speeds and fail-slow verdicts (``balance.slow_policy``; None: off, or on CUDA, where busy time
+    is not measured with events yet)."""
 
     @property
     def features(self) -> list[str]:
@@ -243,10 +255,11 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
             grads = BucketedGrads(list(dense_named_parameters(dmp).values()), dense_group, chunk or 1, chunk or 1,
                                   chunk_bytes=chunk, max_inflight=inflight)
         sync = LocalSync(dmp, optimizer, list(dense_named_parameters(dmp).values()), feed, update, grads)
-    engine = StepEngine(sync, feed, cfg.pipeline, dmp, ctx.device, cfg.train.precision, audit=hooks.audit,
-                        tracer=tracer)
+    engine = StepEngine(sync, feed, cfg.pipeline, dmp, ctx.device, cfg.train.precision, hooks=hooks, tracer=tracer)
+    speed = (RankSpeed(cfg.balance, rebalance=cfg.balance.slow_policy == "rebalance")
+             if cfg.balance.slow_policy != "off" and ctx.device.type == "cpu" else None)
     return Components(ctx, dataset, dmp, optimizer, loader, feed, engine, replicas, hooks, tracer, group, groups,
-                      log_dir, staging)
+                      log_dir, staging, speed)
 
 
 def _tracer(dmp: nn.Module) -> CommTracer:

@@ -75,6 +75,8 @@ class Progress:
         self.bar = tqdm(total=total, initial=initial, desc=f"train {name}", unit="step",
                         disable=not (show and sys.stderr.isatty()), dynamic_ncols=True)
         self._window_start = time.perf_counter()
+        self.scores: dict[str, Any] = {}
+        """The ranks' latest speed scores (``freescale.rank_speed``), written with each step record."""
         self.timed_from = time.perf_counter()
         self.timed_steps = 0
         self.samples = 0
@@ -100,7 +102,7 @@ class Progress:
         balance = self.timing.compute(self.on_cpu)
         metrics = {k: v for k, v in self.last.items() if k != "samples"}
         self.log.write("step", step=done, **metrics, samples_per_s=rate, epoch=epoch, skipped_rows=skipped_rows,
-                       **balance)
+                       **balance, **self.scores)
         shown = {"loss": f"{self.last['loss']:.4f}"}
         if self.task.headline is not None:
             shown[self.task.headline] = f"{self.last[self.task.headline]:.3f}"

@@ -38,6 +38,7 @@ from freescale.pipeline import PipelineConfig, StepOutput, StepPipeline, build_p
 from freescale.step_feed import StepFeed
 from freescale.step_sync import nonfinite_message
 from freescale.step_types import NonFiniteError, StepOutcome, StepSync, SyncResult
+from freescale.testing import StepHooks
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -54,10 +55,13 @@ class StepEngine:
     """Runs the steps of one rank (module docstring)."""
 
     def __init__(self, sync: StepSync, feed: StepFeed, pipeline_cfg: PipelineConfig, model: nn.Module,
-                 device: torch.device, precision: str, *, audit: bool = False,
+                 device: torch.device, precision: str, *, hooks: StepHooks | None = None,
                  tracer: CommTracer | None = None) -> None:
-        self.sync, self.feed, self.device, self.precision, self.audit = sync, feed, device, precision, audit
+        self.sync, self.feed, self.device, self.precision = sync, feed, device, precision
+        self.hooks = hooks or StepHooks()
+        self.audit = self.hooks.audit
         self.tracer = tracer
+        self._cpu_start = 0.0
         self.pipeline: StepPipeline = build_pipeline(pipeline_cfg, model, self, device)
         self._step = -1
         self._exchanged: SyncResult | None = None
@@ -73,6 +77,7 @@ class StepEngine:
         """The pipeline's loss is already scaled so that the in-group average of the ranks' gradients is the
         group's mean (the loader's ``loss_scale``); its weight across groups is the group's samples."""
         self.sync.backward(loss, self.feed.weight(self._step))
+        self.hooks.stretch(self._step, time.thread_time() - self._cpu_start)  # (tests: a rank made slower)
 
     def step(self) -> None:
         self._exchanged = self.sync.exchange()
@@ -83,7 +88,7 @@ class StepEngine:
         if self.tracer is not None:
             self.tracer.step = step
         start, cpu_start = time.perf_counter(), time.thread_time()
-        self._step = step
+        self._step, self._cpu_start = step, cpu_start
         self.sync.begin_step(step)
         trains = self.sync.can_train(step) and self.feed.trains(step)
         info = self.feed.head(step).info if trains else None

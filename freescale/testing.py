@@ -23,6 +23,10 @@ benchmarks and demos (the same in every process of a run):
     - ``slow`` is no fault: from ``step`` on, every incarnation sleeps ``ms``
       after backward (longer "compute": survivors are still training when a
       restarted group is back);
+    - ``compute`` is no fault: from ``step`` on, every incarnation's compute takes ``<ms>`` times as long
+      (the 5th field is a factor here, e.g. ``0:1:20:compute:2``): after backward the rank spins for
+      ``factor - 1`` times the CPU time its step has taken so far, so the extra time grows with its
+      work (a smaller share is slowed less), as on a throttled device, and is the rank's own busy time;
     - ``away`` is no fault either: from ``step`` on, while the last committed step
       had fewer ready replica groups than the run has, every incarnation sleeps
       ``ms`` after backward.  Survivors train slowly only while a group restarts
@@ -47,9 +51,9 @@ from pathlib import Path
 
 FAULTS_ENV = "FREESCALE_FAULTS"
 AUDIT_ENV = "FREESCALE_AUDIT"
-POINTS = ("forward", "reduce", "vote", "catchup", "serve", "slow", "away")
-_AT_OR_AFTER = ("forward", "catchup", "slow", "serve", "away")
-_EVERY_INCARNATION = ("slow", "away")
+POINTS = ("forward", "reduce", "vote", "catchup", "serve", "slow", "away", "compute")
+_AT_OR_AFTER = ("forward", "catchup", "slow", "serve", "away", "compute")
+_EVERY_INCARNATION = ("slow", "away", "compute")
 
 
 class StepHooks:
@@ -63,6 +67,9 @@ class StepHooks:
     def wants(self, point: str) -> bool:
         """Whether ``at(point, ...)`` can ever act (lets callers skip setting a point up)."""
         return False
+
+    def stretch(self, step: int, busy_s: float) -> None:
+        """After a step's backward, ``busy_s`` CPU seconds into it (the ``compute`` fault)."""
 
 
 class FaultHooks(StepHooks):
@@ -81,7 +88,10 @@ class FaultHooks(StepHooks):
             r = rank if parts[1] == "*" else int(parts[1])
             inc = incarnation if parts[3] in _EVERY_INCARNATION and not wanted_incarnation else int(wanted_incarnation or 0)
             if (g, r, inc) == (group, rank, incarnation):
-                self.faults.append((int(parts[2]), parts[3], float(parts[4]) / 1000 if len(parts) > 4 else 0.0))
+                value = float(parts[4]) if len(parts) > 4 else 0.0
+                if parts[3] == "compute" and not value >= 1.0:
+                    raise ValueError(f"{FAULTS_ENV}: '{item}': a compute fault's factor must be >= 1")
+                self.faults.append((int(parts[2]), parts[3], value if parts[3] == "compute" else value / 1000))
 
     def wants(self, point: str) -> bool:
         return any(kind == point for _, kind, _ in self.faults)
@@ -96,6 +106,14 @@ class FaultHooks(StepHooks):
                 threading.Timer(delay, self.die).start()
             else:
                 self.die()
+
+    def stretch(self, step: int, busy_s: float) -> None:
+        for at, kind, factor in self.faults:
+            if kind == "compute" and step >= at and factor > 1.0:
+                until = time.thread_time() + (factor - 1.0) * busy_s
+                spun = 0
+                while time.thread_time() < until:  # real work, on this rank's own CPU time
+                    spun += 1
 
     def die(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)

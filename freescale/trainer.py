@@ -53,7 +53,7 @@ from freescale.distributed import DistContext, init_distributed, shutdown, summe
 from freescale.ft.commit_record import CommitRecord
 from freescale.ft.config import RUN_ID_ENV
 from freescale.models import cost_model_for
-from freescale.rank_console import quiet_libraries
+from freescale.rank_console import quiet_libraries, say
 from freescale.resume import Resume, raw_state
 from freescale.run_log import Progress, RunLog
 from freescale.step_stats import Calibration
@@ -265,7 +265,11 @@ class Trainer:
             progress.timed(first)
             if calibration is not None and outcome.info is not None and not first:
                 calibration.add(outcome.info.row_lengths, outcome.busy_s)  # a first step pays for lazy set-up
+            if parts.speed is not None and outcome.info is not None and not first:
+                parts.speed.add(outcome.info.rank_cost, outcome.busy_s)
             first = False
+            if parts.speed is not None and parts.speed.due(done):
+                self._check_speed(parts, log, progress, done)
             if done % cfg.train.log_every == 0 or done == steps:
                 parts.engine.check_finite()
                 progress.report(done, parts.loader.epoch, parts.loader.skipped_rows)
@@ -307,6 +311,7 @@ class Trainer:
         if self._audit:  # (tests) the whole state's hash, the rows the step trained, rank 0's loss
             record.update(outcome.digests)
             record["rows"] = accounted.rows.tolist() if accounted else []
+            record["rank_sizes"] = list(outcome.info.rank_sizes) if outcome.info is not None else []
             record["loss"] = float(outcome.output[0]) if outcome.output is not None else None
         log.write("commit", **record)
 
@@ -398,6 +403,34 @@ class Trainer:
         loss, _ = parts.dmp(batch.to(parts.ctx.device))
         replicas.warm_up(loss)
         log.write("warm_up", seconds=time.perf_counter() - start)
+
+    def _check_speed(self, parts: Components, log: RunLog, progress: Progress, done: int) -> None:
+        """Collective over the group (``freescale.rank_speed``): the ranks' speeds, fail-slow ranks said once
+        each way, and with ``rebalance`` the loader planning them at their speed from the next window on."""
+        assert parts.speed is not None
+        check = parts.speed.check(done)
+        progress.scores = {"speed": [round(float(v), 4) for v in check.speeds],
+                           "speed_relative": [round(float(v), 4) for v in check.relative],
+                           "speed_individual": [round(float(v), 4) for v in check.individual]}
+        who = f"replica group {parts.group}, " if parts.groups > 1 else ""
+        policy = self.cfg.balance.slow_policy
+        for rank in check.flagged:
+            share = float(check.shares[rank]) if check.shares is not None else float("nan")
+            log.write("fail_slow", step=done, rank=rank, group=parts.group, host=check.hosts[rank], share=share,
+                      speed=float(check.speeds[rank]), policy=policy)
+            if parts.ctx.is_main:
+                say(f"freescale: {who}rank {rank} on {check.hosts[rank]} is fail-slow at step {done}: "
+                    f"{share:.2f} of the median rank's speed; "
+                    + ("planned at a smaller share from the next window" if policy == "rebalance" else
+                       "reported only (balance.slow_policy = 'report')"))
+        for rank in check.recovered:
+            log.write("fail_slow_recovered", step=done, rank=rank, group=parts.group, host=check.hosts[rank],
+                      speed=float(check.speeds[rank]))
+            if parts.ctx.is_main:
+                say(f"freescale: {who}rank {rank} on {check.hosts[rank]} is back to speed at step {done}")
+        if check.replan:
+            parts.loader.set_capacities(check.capacities)
+            progress.scores["capacities"] = {str(r): round(c, 4) for r, c in (check.capacities or {}).items()}
 
     def _calibrate(self, parts: Components, log: RunLog, calibration: Calibration, done: int) -> None:
         model = calibration.fit_and_share(parts.loader.planner.cost_model)

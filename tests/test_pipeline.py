@@ -14,6 +14,7 @@ from tests.conftest import REPO, events, read_log
 from tests.trainings import run_trainings
 
 PIPELINES = ["plain", "torchrec", "prioritized"]
+SLOWED_FROM = 10
 TRACED_CHUNK_KB = 8
 
 
@@ -55,6 +56,12 @@ def pipeline_runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         f"--data.path={tiny_data}", f"--train.output_dir={out}", "--train.steps=12", "--train.eval=false",
         "--train.progress=false", "--pipeline.kind=prioritized", "--checkpoint.every=0", "--train.trace_comm=true",
         f"--pipeline.chunk_kb={TRACED_CHUNK_KB}"]))
+    for policy in ("report", "rebalance"):  # rank 1 three times slower from step 10 (``freescale.rank_speed``)
+        out = runs[("slow", policy)] = tmp / f"dlrm-slow-{policy}"
+        items.append((str(REPO / "configs" / "tiny_dlrm.toml"), [
+            f"--data.path={tiny_data}", f"--train.output_dir={out}", "--train.steps=50", "--train.log_every=10",
+            "--train.eval=false", "--train.progress=false", "--checkpoint.every=0", f"--balance.slow_policy={policy}"],
+            {"FREESCALE_FAULTS": f"0:1:{SLOWED_FROM}:compute:3", "FREESCALE_AUDIT": "1"}))
     run_trainings(items, 2, tmp)
     return runs
 
@@ -136,3 +143,29 @@ def test_prioritized_pipeline_issues_transfers_in_priority_order(pipeline_runs: 
             assert all(backward[i]["group"] == "world" for i in embedding)
             assert all(backward[i]["bytes"] <= chunk_kb * 1024 for i in dense)
             assert dense[0] < embedding[-1], "dense reduction waited for the end of backward"
+
+
+@pytest.mark.multiprocess
+def test_a_rank_made_three_times_slower_is_found_and_planned_at_its_speed(
+        pipeline_runs: dict[tuple[str, str], Path]) -> None:
+    """Rank 1's compute takes three times as long from step 10 (its own CPU time, in proportion to its work).
+    Both runs flag it fail-slow once, within 20 steps, naming rank, host and its share of the median speed,
+    and never flag rank 0 (no false flag before the slowdown either); ``report`` keeps planning halves, while
+    ``rebalance`` plans rank 1 about a quarter of each step's cost (speeds 1 and 1/3) from the next window on."""
+    for policy in ("report", "rebalance"):
+        log = read_log(pipeline_runs[("slow", policy)])
+        flagged = events(log, "fail_slow")
+        assert [e["rank"] for e in flagged] == [1], flagged
+        (event,) = flagged
+        assert SLOWED_FROM < event["step"] <= SLOWED_FROM + 20 and 0.2 < event["share"] < 0.75, event
+        assert event["host"] and event["policy"] == policy
+        steps = events(log, "step")
+        assert steps[-1]["speed_relative"][0] == 1.0 and steps[-1]["speed_relative"][1] < 0.5, steps[-1]
+        commits = {e["step"]: e for e in events(log, "commit")}
+        late = [commits[s]["rank_sizes"] for s in range(event["step"] + 5, 50)]
+        share = sum(sizes[1] for sizes in late) / sum(sum(sizes) for sizes in late)
+        if policy == "report":
+            assert abs(share - 0.5) < 0.1, share
+        else:
+            assert share < 0.4, share  # by cost a quarter; by sample count a little more (short histories)
+        assert all(sum(commits[s]["rank_sizes"]) == 256 for s in commits)  # the global batch is whole

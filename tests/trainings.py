@@ -25,11 +25,16 @@ from tests.conftest import REPO, cli_env
 from tests.procs import free_port
 
 
-def run_trainings(items: list[tuple[str, list[str]]], world: int, tmp: Path, timeout_s: float = 300,
+Item = tuple[str, list[str]] | tuple[str, list[str], dict[str, str]]
+
+
+def run_trainings(items: list[Item], world: int, tmp: Path, timeout_s: float = 300,
                   env: dict[str, str] | None = None) -> None:
-    """Train each ``(config file, overrides)`` of ``items`` in order on ``world`` local ranks."""
+    """Train each ``(config file, overrides[, environment])`` of ``items`` in order on ``world`` local ranks (an
+    item's environment is set for it alone: fault injection, the audit)."""
     schedule = tmp / "schedule.json"
-    schedule.write_text(json.dumps([{"config": c, "overrides": o, "port": free_port()} for c, o in items]))
+    schedule.write_text(json.dumps([{"config": item[0], "overrides": item[1], "env": item[2] if len(item) > 2 else {},
+                                     "port": free_port()} for item in items]))
     procs, logs = [], []
     for rank in range(world):
         rank_env = {**cli_env(), **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
@@ -63,7 +68,10 @@ def _worker(schedule: str) -> None:
     items: list[dict[str, Any]] = json.loads(Path(schedule).read_text())
     for item in items:
         os.environ["MASTER_PORT"] = str(item["port"])
+        os.environ.update(item.get("env", {}))
         Trainer(load_config(TrainerConfig, item["config"], item["overrides"])).fit()
+        for name in item.get("env", {}):
+            del os.environ[name]
 
 
 if __name__ == "__main__":

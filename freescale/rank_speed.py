@@ -1,0 +1,177 @@
+"""Each rank's speed, measured online from the step's own timing; fail-slow ranks found and planned around.
+
+A rank's **speed** is the planned cost it trained per second of its own compute: the loader's cost of its
+share (``StepInfo.rank_cost``) over the step's busy time (``StepOutcome.busy_s``: the training thread's CPU
+time on CPU, where time blocked in a collective is not in it; on CUDA the busy time would have to come
+from events: not built, so on CUDA the check is off).  One step's speed is noisy (a cache miss, a page
+fault, the first step's lazy set-up); the estimate is the **median** over the last ``speed_window`` steps,
+so one noisy step does not move it.
+
+Every ``check_every`` steps the ranks exchange their estimates (one all-gather of a few numbers and the
+host name) and each computes the same verdict from the same numbers:
+
+- **scores**, in the terms of NVIDIA's resiliency extension (so its users read them the same way): each
+  rank's speed relative to the fastest rank (``relative``), and to its own best estimate so far
+  (``individual``);
+- **fail-slow**: a rank whose estimate is below ``slow_threshold`` of the median healthy rank's is flagged
+  (one console line and one ``fail_slow`` log event naming its host, rank, speed and the step); it recovers
+  (``fail_slow_recovered``) once back above half-way between the threshold and the median;
+- **policy** (``slow_policy``): ``rebalance`` plans a fail-slow rank at a **capacity** below 1 from the next
+  planning window on (``BalancedLoader.set_capacities``: its share of each step's cost shrinks in
+  proportion), starting at its measured share of the median speed and then corrected at every check by
+  the ratio of the healthy ranks' median busy time to its own, so the ranks' busy times meet: a step's
+  time holds a part that does not shrink with the share (the rank's fixed work per step), which a speed
+  ratio alone would miss, and a speed measured on a smaller share reads lower by it (planning by that
+  would starve the rank step after step).  It recovers when its capacity is back near 1.  ``report``
+  only says so; ``off`` measures nothing.  Healthy ranks stay at 1.0, so their noise never changes a plan.
+
+With replica groups every group must plan the same steps alike, and this check sees one group: there it
+reports only (carrying capacities across groups is not built).
+"""
+
+from __future__ import annotations
+
+import platform
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from freescale.config import require
+
+SLOW_POLICIES = ("rebalance", "report", "off")
+_HOST_BYTES = 64
+_MIN_CAPACITY = 0.02
+"""A fail-slow rank is never planned below this share of a healthy rank's cost (it still joins every step)."""
+
+
+@dataclass
+class BalanceConfig:
+    slow_policy: str = "report"
+    """``rebalance``: plan a fail-slow rank at its measured speed; ``report``: only say so; ``off``: no check."""
+    slow_threshold: float = 0.75
+    """A rank whose speed is below this share of the median rank's is fail-slow."""
+    speed_window: int = 10
+    """Steps in each rank's speed estimate (their median)."""
+    check_every: int = 5
+    """Steps between two checks (each an all-gather of a few numbers)."""
+
+    def validate(self) -> None:
+        require(self.slow_policy in SLOW_POLICIES, "slow_policy",
+                f"must be one of {list(SLOW_POLICIES)}, got '{self.slow_policy}'")
+        require(0.0 < self.slow_threshold < 1.0, "slow_threshold", f"must be in (0, 1), got {self.slow_threshold}")
+        require(self.speed_window >= 3, "speed_window", f"must be >= 3, got {self.speed_window}")
+        require(self.check_every >= 1, "check_every", f"must be >= 1, got {self.check_every}")
+
+
+@dataclass
+class SpeedCheck:
+    """One check's verdict (the same on every rank)."""
+
+    step: int
+    speeds: np.ndarray
+    """Each rank's speed estimate (planned cost per busy second; NaN: too few steps measured yet)."""
+    relative: np.ndarray
+    """Each rank's speed over the fastest rank's (NVRx's relative score)."""
+    individual: np.ndarray
+    """Each rank's speed over its own best estimate so far (NVRx's individual score)."""
+    hosts: list[str]
+    shares: np.ndarray | None = None
+    """Each rank's speed over the median healthy rank's (what fail-slow is judged on)."""
+    flagged: list[int] = field(default_factory=list)
+    """Ranks that turned fail-slow at this check."""
+    recovered: list[int] = field(default_factory=list)
+    replan: bool = False
+    """With ``rebalance``: plan with ``capacities`` from the next window on (while any rank is fail-slow, at
+    every check: its speed is measured anew)."""
+    capacities: dict[int, float] | None = None
+    """The fail-slow ranks' speeds, as shares of the median rank's (None: every rank alike)."""
+
+
+class RankSpeed:
+    """This rank's speed estimate and the group's fail-slow verdicts (module docstring)."""
+
+    def __init__(self, cfg: BalanceConfig, rebalance: bool) -> None:
+        self.cfg, self.rebalance = cfg, rebalance
+        self._steps: deque[tuple[float, float]] = deque(maxlen=cfg.speed_window)
+        """(planned cost, busy seconds) of this rank's last trained steps."""
+        self._best = 0.0
+        self.slow: dict[int, tuple[int, float]] = {}
+        """Fail-slow ranks: rank -> (the step it was flagged at, its capacity: 1.0 unless rebalanced)."""
+        self._host = platform.node().encode()[:_HOST_BYTES]
+
+    def add(self, cost: float, busy_s: float) -> None:
+        """One trained step of this rank: its planned cost and its busy seconds."""
+        if busy_s > 0.0 and cost > 0.0:
+            self._steps.append((cost, busy_s))
+
+    def due(self, done: int) -> bool:
+        return done % self.cfg.check_every == 0
+
+    def estimate(self) -> tuple[float, float]:
+        """(median speed, median busy seconds) of the window; NaN until half the window is measured."""
+        if len(self._steps) < max(3, self.cfg.speed_window // 2):
+            return float("nan"), float("nan")
+        steps = np.array(self._steps, dtype=np.float64)
+        return float(np.median(steps[:, 0] / steps[:, 1])), float(np.median(steps[:, 1]))
+
+    def check(self, done: int) -> SpeedCheck:
+        """Collective over the process group: every rank calls it at the same step (``due``)."""
+        speed, busy = self.estimate()
+        if speed == speed and not self.slow:
+            self._best = max(self._best, speed)
+        speeds, bests, busies, hosts = _gather(speed, self._best, busy, self._host)
+        known = np.isfinite(speeds) & (speeds > 0) & np.isfinite(busies)
+        relative = np.full(speeds.size, np.nan)
+        individual = np.full(speeds.size, np.nan)
+        check = SpeedCheck(done, speeds, relative, individual, hosts)
+        if not known.any():
+            return check
+        relative[known] = speeds[known] / speeds[known].max()
+        individual[known] = speeds[known] / np.maximum(bests[known], speeds[known])
+        healthy = known & ~np.isin(np.arange(speeds.size), list(self.slow))
+        reference = healthy if healthy.any() else known
+        share = check.shares = np.where(known, speeds / float(np.median(speeds[reference])), 1.0)
+        pace = float(np.median(busies[reference]))
+        back = self.cfg.slow_threshold + (1.0 - self.cfg.slow_threshold) / 2
+        for rank in np.flatnonzero(known).tolist():
+            if rank not in self.slow:
+                if share[rank] < self.cfg.slow_threshold:
+                    self.slow[rank] = (done, float(share[rank]) if self.rebalance else 1.0)
+                    check.flagged.append(rank)
+                continue
+            since, capacity = self.slow[rank]
+            if self.rebalance:  # its busy time against the healthy ranks': the share that makes them meet
+                capacity = float(np.clip(capacity * pace / busies[rank], _MIN_CAPACITY, 1.0))
+                self.slow[rank] = (since, capacity)
+            if (capacity if self.rebalance else share[rank]) >= back:
+                del self.slow[rank]
+                check.recovered.append(rank)
+        if self.rebalance and (check.flagged or check.recovered or self.slow):
+            check.replan = True
+            check.capacities = {rank: capacity for rank, (_, capacity) in sorted(self.slow.items())} or None
+            self._steps.clear()  # what comes next is measured on the new plan
+        return check
+
+
+def _gather(speed: float, best: float, busy: float, host: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """Every rank's (speed, best, busy, host) of the default process group, in rank order."""
+    row = torch.zeros(3 + _HOST_BYTES, dtype=torch.float64)
+    row[0], row[1], row[2] = speed, best, busy
+    row[3:3 + len(host)] = torch.tensor(list(host), dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from freescale.distributed import collective_device
+
+        device = collective_device(None)
+        rows = [torch.zeros_like(row, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, row.to(device))
+        table = torch.stack([r.cpu() for r in rows]).numpy()
+    else:
+        table = row.numpy()[None, :]
+    hosts = [bytes(int(b) for b in r[3:] if b).decode(errors="replace") for r in table]
+    return table[:, 0], table[:, 1], table[:, 2], hosts
+
+
+__all__ = ["BalanceConfig", "RankSpeed", "SpeedCheck"]
