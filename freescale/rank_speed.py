@@ -22,8 +22,11 @@ host name) and each computes the same verdict from the same numbers:
   the ratio of the healthy ranks' median busy time to its own, so the ranks' busy times meet: a step's
   time holds a part that does not shrink with the share (the rank's fixed work per step), which a speed
   ratio alone would miss, and a speed measured on a smaller share reads lower by it (planning by that
-  would starve the rank step after step).  It recovers when its capacity is back near 1.  ``report``
-  only says so; ``off`` measures nothing.  Healthy ranks stay at 1.0, so their noise never changes a plan.
+  would starve the rank step after step).  Every change is a trial: when the steps planned with it are
+  slower than before it (the busy time is the training thread's: other threads' work, the loader's and
+  the communication's, is not in it), it is undone and the capacities stay.  It recovers when its
+  capacity is back near 1.  ``report`` only says so; ``off`` measures nothing.  Healthy ranks stay at
+  1.0, so their noise never changes a plan.
 
 With replica groups every group must plan the same steps alike, and this check sees one group: there it
 reports only (carrying capacities across groups is not built).
@@ -43,6 +46,8 @@ from freescale.config import require
 
 SLOW_POLICIES = ("rebalance", "report", "off")
 _HOST_BYTES = 64
+_NOISE = 0.03
+"""A capacity change whose steps are slower than before it by more than this share is undone."""
 _MIN_CAPACITY = 0.02
 """A fail-slow rank is never planned below this share of a healthy rank's cost (it still joins every step)."""
 
@@ -95,34 +100,39 @@ class RankSpeed:
 
     def __init__(self, cfg: BalanceConfig, rebalance: bool) -> None:
         self.cfg, self.rebalance = cfg, rebalance
-        self._steps: deque[tuple[float, float]] = deque(maxlen=cfg.speed_window)
-        """(planned cost, busy seconds) of this rank's last trained steps."""
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=cfg.speed_window)
+        """(planned cost, busy seconds, wall seconds) of this rank's last trained steps."""
         self._best = 0.0
         self.slow: dict[int, tuple[int, float]] = {}
         """Fail-slow ranks: rank -> (the step it was flagged at, its capacity: 1.0 unless rebalanced)."""
+        self._trial: tuple[dict[int, float], float] | None = None
+        """The capacities before the last change and the step time measured with them: kept only if the change
+        made steps no slower."""
+        self._settled = False
+        """A change made steps slower and was undone: the capacities stay until a rank's state changes."""
         self._host = platform.node().encode()[:_HOST_BYTES]
 
-    def add(self, cost: float, busy_s: float) -> None:
-        """One trained step of this rank: its planned cost and its busy seconds."""
+    def add(self, cost: float, busy_s: float, wall_s: float) -> None:
+        """One trained step of this rank: its planned cost, its busy seconds and the step's wall seconds."""
         if busy_s > 0.0 and cost > 0.0:
-            self._steps.append((cost, busy_s))
+            self._steps.append((cost, busy_s, wall_s))
 
     def due(self, done: int) -> bool:
         return done % self.cfg.check_every == 0
 
-    def estimate(self) -> tuple[float, float]:
-        """(median speed, median busy seconds) of the window; NaN until half the window is measured."""
+    def estimate(self) -> tuple[float, float, float]:
+        """(median speed, busy seconds, wall seconds) of the window; NaN until half the window is measured."""
         if len(self._steps) < max(3, self.cfg.speed_window // 2):
-            return float("nan"), float("nan")
+            return float("nan"), float("nan"), float("nan")
         steps = np.array(self._steps, dtype=np.float64)
-        return float(np.median(steps[:, 0] / steps[:, 1])), float(np.median(steps[:, 1]))
+        return float(np.median(steps[:, 0] / steps[:, 1])), float(np.median(steps[:, 1])), float(np.median(steps[:, 2]))
 
     def check(self, done: int) -> SpeedCheck:
         """Collective over the process group: every rank calls it at the same step (``due``)."""
-        speed, busy = self.estimate()
+        speed, busy, wall = self.estimate()
         if speed == speed and not self.slow:
             self._best = max(self._best, speed)
-        speeds, bests, busies, hosts = _gather(speed, self._best, busy, self._host)
+        speeds, bests, busies, walls, hosts = _gather(speed, self._best, busy, wall, self._host)
         known = np.isfinite(speeds) & (speeds > 0) & np.isfinite(busies)
         relative = np.full(speeds.size, np.nan)
         individual = np.full(speeds.size, np.nan)
@@ -133,34 +143,79 @@ class RankSpeed:
         individual[known] = speeds[known] / np.maximum(bests[known], speeds[known])
         healthy = known & ~np.isin(np.arange(speeds.size), list(self.slow))
         reference = healthy if healthy.any() else known
-        share = check.shares = np.where(known, speeds / float(np.median(speeds[reference])), 1.0)
-        pace = float(np.median(busies[reference]))
+        share = check.shares = _shares(speeds, known, reference)
+        before = {rank: capacity for rank, (_, capacity) in self.slow.items()}
+        self._judge(done, known, share, busies, float(np.median(busies[reference])), check)
+        if self.rebalance:
+            self._keep_or_undo(before, float(np.median(walls[known])), check)
+        return check
+
+    def _judge(self, done: int, known: np.ndarray, share: np.ndarray, busies: np.ndarray, pace: float,
+               check: SpeedCheck) -> None:
+        """Flag and recover ranks; with ``rebalance``, correct each slow rank's capacity by the ratio of the
+        healthy ranks' median busy time (``pace``) to its own (the share that makes them meet)."""
         back = self.cfg.slow_threshold + (1.0 - self.cfg.slow_threshold) / 2
         for rank in np.flatnonzero(known).tolist():
             if rank not in self.slow:
                 if share[rank] < self.cfg.slow_threshold:
                     self.slow[rank] = (done, float(share[rank]) if self.rebalance else 1.0)
                     check.flagged.append(rank)
+                    self._settled = False
                 continue
             since, capacity = self.slow[rank]
-            if self.rebalance:  # its busy time against the healthy ranks': the share that makes them meet
-                capacity = float(np.clip(capacity * pace / busies[rank], _MIN_CAPACITY, 1.0))
-                self.slow[rank] = (since, capacity)
-            if (capacity if self.rebalance else share[rank]) >= back:
+            if self.rebalance:
+                corrected = float(np.clip(capacity * pace / busies[rank], _MIN_CAPACITY, 1.0))
+                if not self._settled or corrected > capacity * 1.05:  # settled: only a rank that sped up moves
+                    self._settled = self._settled and corrected <= capacity * 1.05
+                    capacity = corrected
+                    self.slow[rank] = (since, capacity)
+            if (capacity if capacity < 1.0 else share[rank]) >= back:  # planned smaller: judged by its capacity
                 del self.slow[rank]
                 check.recovered.append(rank)
-        if self.rebalance and (check.flagged or check.recovered or self.slow):
+
+    def _keep_or_undo(self, before: dict[int, float], wall: float, check: SpeedCheck) -> None:
+        """Replan when the capacities changed; a change whose steps turned out slower than before it (by more
+        than ``_NOISE``) is undone, and the capacities then stay (``_settled``): planning around a slow rank
+        never makes the job slower than letting it set the pace (a step's time holds more than the busy time
+        measured here: other threads, fixed work per step)."""
+        if self._trial is not None and wall == wall:
+            previous, previous_wall = self._trial
+            self._trial = None
+            if wall > previous_wall * (1.0 + _NOISE) and not check.flagged and not check.recovered:
+                self.slow = {rank: (since, previous.get(rank, 1.0)) for rank, (since, _) in self.slow.items()}
+                self._settled = True
+        after = {rank: capacity for rank, (_, capacity) in self.slow.items()}
+        if after != before or check.flagged or check.recovered:
             check.replan = True
-            check.capacities = {rank: capacity for rank, (_, capacity) in sorted(self.slow.items())} or None
+            check.capacities = {rank: capacity for rank, capacity in sorted(after.items()) if capacity < 1.0} or None
+            if not self._settled and wall == wall:
+                self._trial = (before, wall)
             self._steps.clear()  # what comes next is measured on the new plan
-        return check
 
 
-def _gather(speed: float, best: float, busy: float, host: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
-    """Every rank's (speed, best, busy, host) of the default process group, in rank order."""
-    row = torch.zeros(3 + _HOST_BYTES, dtype=torch.float64)
-    row[0], row[1], row[2] = speed, best, busy
-    row[3:3 + len(host)] = torch.tensor(list(host), dtype=torch.float64)
+def _shares(speeds: np.ndarray, known: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Each rank's speed over the median of the reference ranks' speeds, the rank itself left out (in a group
+    of two the other rank is the reference; past 64 ranks one rank moves the median by nothing that matters)."""
+    if speeds.size > 64:
+        return np.where(known, speeds / float(np.median(speeds[reference])), 1.0)
+    shares = np.ones(speeds.size)
+    for rank in np.flatnonzero(known).tolist():
+        others = reference.copy()
+        others[rank] = False
+        if not others.any():
+            others = known.copy()
+            others[rank] = False
+        if others.any():
+            shares[rank] = speeds[rank] / float(np.median(speeds[others]))
+    return shares
+
+
+def _gather(speed: float, best: float, busy: float, wall: float,
+            host: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """Every rank's (speed, best, busy, wall, host) of the default process group, in rank order."""
+    row = torch.zeros(4 + _HOST_BYTES, dtype=torch.float64)
+    row[0], row[1], row[2], row[3] = speed, best, busy, wall
+    row[4:4 + len(host)] = torch.tensor(list(host), dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         from freescale.distributed import collective_device
 
@@ -170,8 +225,8 @@ def _gather(speed: float, best: float, busy: float, host: bytes) -> tuple[np.nda
         table = torch.stack([r.cpu() for r in rows]).numpy()
     else:
         table = row.numpy()[None, :]
-    hosts = [bytes(int(b) for b in r[3:] if b).decode(errors="replace") for r in table]
-    return table[:, 0], table[:, 1], table[:, 2], hosts
+    hosts = [bytes(int(b) for b in r[4:] if b).decode(errors="replace") for r in table]
+    return table[:, 0], table[:, 1], table[:, 2], table[:, 3], hosts
 
 
 __all__ = ["BalanceConfig", "RankSpeed", "SpeedCheck"]

@@ -151,7 +151,8 @@ def test_a_rank_made_three_times_slower_is_found_and_planned_at_its_speed(
     """Rank 1's compute takes three times as long from step 10 (its own CPU time, in proportion to its work).
     Both runs flag it fail-slow once, within 20 steps, naming rank, host and its share of the median speed,
     and never flag rank 0 (no false flag before the slowdown either); ``report`` keeps planning halves, while
-    ``rebalance`` plans rank 1 about a quarter of each step's cost (speeds 1 and 1/3) from the next window on."""
+    ``rebalance`` plans rank 1 a smaller share from the next step on (a trial: kept if the steps got no slower,
+    else undone; which one depends on this machine's timing and is not asserted)."""
     for policy in ("report", "rebalance"):
         log = read_log(pipeline_runs[("slow", policy)])
         flagged = events(log, "fail_slow")
@@ -162,10 +163,10 @@ def test_a_rank_made_three_times_slower_is_found_and_planned_at_its_speed(
         steps = events(log, "step")
         assert steps[-1]["speed_relative"][0] == 1.0 and steps[-1]["speed_relative"][1] < 0.5, steps[-1]
         commits = {e["step"]: e for e in events(log, "commit")}
-        late = [commits[s]["rank_sizes"] for s in range(event["step"] + 5, 50)]
-        share = sum(sizes[1] for sizes in late) / sum(sum(sizes) for sizes in late)
+        trial = [commits[s]["rank_sizes"] for s in range(event["step"] + 1, event["step"] + 5)]
+        share = sum(sizes[1] for sizes in trial) / sum(sum(sizes) for sizes in trial)
         if policy == "report":
             assert abs(share - 0.5) < 0.1, share
         else:
-            assert share < 0.4, share  # by cost a quarter; by sample count a little more (short histories)
+            assert share < 0.45, share  # planned at its measured share of the median speed (< 0.75) from here
         assert all(sum(commits[s]["rank_sizes"]) == 256 for s in commits)  # the global batch is whole
