@@ -224,7 +224,9 @@ class BalancedLoader:
     def set_capacities(self, capacities: dict[int, float] | None) -> None:
         """Plan with these ranks' speeds (global rank -> speed, 1.0 nominal; None: all alike) from the next
         planning window on: a slow rank gets a share in proportion to its speed.  Every rank that plans the
-        same steps must call it at the same step with the same speeds (``BatchPlanner.set_capacities``)."""
+        same steps must call it at the same step with the same speeds (``BatchPlanner.set_capacities``).
+        A resumed loader plans the window it resumes in as it was planned (the window state carries its
+        speeds) and later windows with none: speeds are measured anew (``freescale.rank_speed``)."""
         self._halt()
         self.planner.set_capacities(capacities, self.epoch, self.step)
 
@@ -271,8 +273,6 @@ class BalancedLoader:
             "cost_model": [self.planner.cost_model.quadratic, self.planner.cost_model.linear,
                            self.planner.cost_model.constant],
             "carry": self.planner.carry_state(self.epoch, self.step),
-            "capacities": ([[r, v] for r, v in sorted(self.planner.capacities.items())]
-                           if self.planner.capacities else None),
             "shape": shape_of(self.planner, self.max_seq_len),
         }
         if self._reshaped_from is not None and self._reshaped_from[0] == self.epoch:
@@ -294,8 +294,6 @@ class BalancedLoader:
         self.planner.clear_remainder()
         if "cost_model" in state:
             self.planner.set_cost_model(CostModel(*state["cost_model"]), 0, 0)
-        saved = state.get("capacities")
-        self.planner.set_capacities({int(r): float(v) for r, v in saved} if saved else None, 0, 0)
         self.source.skipped.update(state.get("skipped", {}))
         if "shape" in state and any(state["shape"].get(k) != mine[k] for k in SHAPE_KEYS):
             self.epoch, self.step = start_remainder(self.planner, state, self.source.lengths, self.source.rg_rows)

@@ -373,7 +373,9 @@ class BatchPlanner:
             if bad:
                 raise ValueError(f"capacities: rank {bad[0][0]} has speed {bad[0][1]}: each must be finite and > 0")
             capacities = {int(r): float(v) for r, v in sorted(capacities.items())}
-        self._capacity_plan.append((self._boundary(epoch, step), capacities))
+        boundary = self._boundary(epoch, step)
+        self._capacity_plan = [entry for entry in self._capacity_plan if entry[0] < boundary] or [((0, 0), None)]
+        self._capacity_plan.append((boundary, capacities))
         self.capacities = capacities
 
     def _boundary(self, epoch: int, step: int) -> tuple[int, int]:

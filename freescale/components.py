@@ -38,6 +38,7 @@ from freescale.parallelize import (
     shard_model,
 )
 from freescale.pipeline import PipelineConfig
+from freescale.rank_console import say
 from freescale.rank_speed import BalanceConfig, RankSpeed
 from freescale.staging import LazySaves, RowTracker
 from freescale.step_engine import PRECISIONS, StepEngine
@@ -125,9 +126,9 @@ def prepare(cfg: TrainerConfig) -> None:
         if cfg.ft.enabled:
             raise ConfigError("balance.slow_policy: 'rebalance' is not built across replica groups (every group must "
                               "plan alike); use 'report'")
-        if cfg.data.partitioner != "lpt" or cfg.data.locality:
+        if cfg.data.partitioner != "lpt" or cfg.data.locality or cfg.data.equal_count:
             raise ConfigError("balance.slow_policy: 'rebalance' plans by rank speed, which needs data.partitioner = "
-                              "'lpt' and data.locality = false; or use 'report'")
+                              "'lpt', data.locality = false and data.equal_count = false; or use 'report'")
     refusal = skip_step_refusal(cfg.ft.enabled, cfg.ft.embedding_sync) if cfg.train.nonfinite == "skip_step" else None
     if refusal:
         raise ConfigError(f"train.nonfinite: {refusal}")
@@ -256,8 +257,13 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
                                   chunk_bytes=chunk, max_inflight=inflight)
         sync = LocalSync(dmp, optimizer, list(dense_named_parameters(dmp).values()), feed, update, grads)
     engine = StepEngine(sync, feed, cfg.pipeline, dmp, ctx.device, cfg.train.precision, hooks=hooks, tracer=tracer)
-    speed = (RankSpeed(cfg.balance, rebalance=cfg.balance.slow_policy == "rebalance")
-             if cfg.balance.slow_policy != "off" and ctx.device.type == "cpu" else None)
+    speed = None
+    if cfg.balance.slow_policy != "off" and ctx.device.type == "cpu":
+        speed = RankSpeed(cfg.balance, rebalance=cfg.balance.slow_policy == "rebalance",
+                          plan_lag=cfg.pipeline.read_ahead + cfg.data.window)
+    elif cfg.balance.slow_policy != "off" and ctx.is_main:
+        say("freescale: balance.slow_policy: ranks' speeds are measured on CPU only (on CUDA busy time must come "
+            "from CUDA events: not built); no fail-slow check in this run")
     return Components(ctx, dataset, dmp, optimizer, loader, feed, engine, replicas, hooks, tracer, group, groups,
                       log_dir, staging, speed)
 

@@ -46,6 +46,8 @@ from freescale.config import require
 
 SLOW_POLICIES = ("rebalance", "report", "off")
 _HOST_BYTES = 64
+_DEAD_BAND = 0.05
+"""A capacity correction smaller than this share is not worth a replan (each drops the prefetched batches)."""
 _NOISE = 0.03
 """A capacity change whose steps are slower than before it by more than this share is undone."""
 _MIN_CAPACITY = 0.02
@@ -98,8 +100,14 @@ class SpeedCheck:
 class RankSpeed:
     """This rank's speed estimate and the group's fail-slow verdicts (module docstring)."""
 
-    def __init__(self, cfg: BalanceConfig, rebalance: bool) -> None:
-        self.cfg, self.rebalance = cfg, rebalance
+    def __init__(self, cfg: BalanceConfig, rebalance: bool, plan_lag: int = 0) -> None:
+        self.cfg, self.rebalance, self.plan_lag = cfg, rebalance, plan_lag
+        """``plan_lag``: steps already planned when capacities change (the pipeline's read-ahead and the
+        planning window): they are trained on the old plan, and not measured as the new one's."""
+        self._from_step = 0
+        """Steps before this one were planned with other capacities: not in the estimate."""
+        self._below: dict[int, int] = {}
+        """Consecutive checks each healthy rank was below the threshold (two flag it: one noisy window does not)."""
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=cfg.speed_window)
         """(planned cost, busy seconds, wall seconds) of this rank's last trained steps."""
         self._best = 0.0
@@ -112,9 +120,9 @@ class RankSpeed:
         """A change made steps slower and was undone: the capacities stay until a rank's state changes."""
         self._host = platform.node().encode()[:_HOST_BYTES]
 
-    def add(self, cost: float, busy_s: float, wall_s: float) -> None:
+    def add(self, step: int, cost: float, busy_s: float, wall_s: float) -> None:
         """One trained step of this rank: its planned cost, its busy seconds and the step's wall seconds."""
-        if busy_s > 0.0 and cost > 0.0:
+        if busy_s > 0.0 and cost > 0.0 and step >= self._from_step:
             self._steps.append((cost, busy_s, wall_s))
 
     def due(self, done: int) -> bool:
@@ -157,8 +165,11 @@ class RankSpeed:
         back = self.cfg.slow_threshold + (1.0 - self.cfg.slow_threshold) / 2
         for rank in np.flatnonzero(known).tolist():
             if rank not in self.slow:
-                if share[rank] < self.cfg.slow_threshold:
-                    self.slow[rank] = (done, float(share[rank]) if self.rebalance else 1.0)
+                self._below[rank] = self._below.get(rank, 0) + 1 if share[rank] < self.cfg.slow_threshold else 0
+                if self._below[rank] >= 2:
+                    capacity = max(float(share[rank]), _MIN_CAPACITY) if self.rebalance else 1.0
+                    self.slow[rank] = (done, capacity)
+                    del self._below[rank]
                     check.flagged.append(rank)
                     self._settled = False
                 continue
@@ -185,12 +196,16 @@ class RankSpeed:
                 self.slow = {rank: (since, previous.get(rank, 1.0)) for rank, (since, _) in self.slow.items()}
                 self._settled = True
         after = {rank: capacity for rank, (_, capacity) in self.slow.items()}
-        if after != before or check.flagged or check.recovered:
+        moved = any(abs(after.get(rank, 1.0) / before.get(rank, 1.0) - 1.0) > _DEAD_BAND for rank in after)
+        if moved or check.flagged or check.recovered or set(after) != set(before):
             check.replan = True
             check.capacities = {rank: capacity for rank, capacity in sorted(after.items()) if capacity < 1.0} or None
             if not self._settled and wall == wall:
                 self._trial = (before, wall)
-            self._steps.clear()  # what comes next is measured on the new plan
+            self._steps.clear()  # what comes next is measured on the new plan, from the first step planned with it
+            self._from_step = check.step + 1 + self.plan_lag
+        else:  # a correction too small to replan for: the plan stays as it is
+            self.slow = {rank: (since, before.get(rank, capacity)) for rank, (since, capacity) in self.slow.items()}
 
 
 def _shares(speeds: np.ndarray, known: np.ndarray, reference: np.ndarray) -> np.ndarray:

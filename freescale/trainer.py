@@ -266,7 +266,7 @@ class Trainer:
             if calibration is not None and outcome.info is not None and not first:
                 calibration.add(outcome.info.row_lengths, outcome.busy_s)  # a first step pays for lazy set-up
             if parts.speed is not None and outcome.info is not None and not first:
-                parts.speed.add(outcome.info.rank_cost, outcome.busy_s, outcome.wall_s)
+                parts.speed.add(commit.step, outcome.info.rank_cost, outcome.busy_s, outcome.wall_s)
             first = False
             if parts.speed is not None and parts.speed.due(done):
                 self._check_speed(parts, log, progress, done)

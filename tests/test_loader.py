@@ -383,10 +383,11 @@ def test_evaluation_reads_every_row_once_and_no_rank_gets_an_empty_batch(tiny_da
         loader.close()
 
 
-def test_capacities_set_at_a_step_plan_a_slow_rank_less_and_travel_in_the_state(tiny_data: Path) -> None:
+def test_capacities_set_at_a_step_plan_a_slow_rank_less_and_are_measured_anew_after_a_resume(tiny_data: Path) -> None:
     """Two ranks' loaders set rank 1 to half speed at step 2: from there rank 1 reads about a third of each
-    global batch, both ranks agree on the plan, and a loader resumed from the state plans the same steps."""
-    loaders = [make(tiny_data, rank=r, prefetch=1) for r in range(2)]
+    global batch and both ranks agree on the plan.  A loader resumed from the state (at a step whose window is
+    not planned yet) plans with no speeds: they are measured anew after a restart."""
+    loaders = [make(tiny_data, rank=r, prefetch=0) for r in range(2)]
     for loader in loaders:
         consume(loader, 2)
         loader.set_capacities({1: 0.5})
@@ -395,10 +396,9 @@ def test_capacities_set_at_a_step_plan_a_slow_rank_less_and_travel_in_the_state(
         assert not set(plans[0][step].tolist()) & set(plans[1][step].tolist())
         assert abs(plans[1][step].size / 64 - 1 / 3) < 0.12  # about a third of the samples (by cost: a third)
     state = json.loads(json.dumps(loaders[1].state_dict()))
-    assert state["capacities"] == [[1, 0.5]]
     resumed = make(tiny_data, rank=1, prefetch=0)
     resumed.load_state_dict(state)
-    assert resumed.planner.capacities == {1: 0.5}
-    assert np.array_equal(np.sort(consume(resumed, 1)[0]), np.sort(consume(loaders[1], 1)[0]))
+    assert resumed.planner.capacities is None and loaders[1].planner.capacities == {1: 0.5}
+    assert abs(consume(resumed, 1)[0].size / 64 - 1 / 2) < 0.12
     for loader in [*loaders, resumed]:
         loader.close()

@@ -68,10 +68,14 @@ def _worker(schedule: str) -> None:
     items: list[dict[str, Any]] = json.loads(Path(schedule).read_text())
     for item in items:
         os.environ["MASTER_PORT"] = str(item["port"])
+        saved = {name: os.environ.get(name) for name in item.get("env", {})}
         os.environ.update(item.get("env", {}))
         Trainer(load_config(TrainerConfig, item["config"], item["overrides"])).fit()
-        for name in item.get("env", {}):
-            del os.environ[name]
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 if __name__ == "__main__":
