@@ -45,7 +45,7 @@ def test_report_flags_a_slow_rank_once_and_its_recovery_once(monkeypatch: pytest
     assert first.relative.tolist() == pytest.approx([1.0, 0.98, 0.4])
     again = check(speed, 15)
     assert not again.flagged and not again.recovered  # said once
-    gathered(monkeypatch, [100.0, 98.0, 85.0], [1.0, 1.0, 1.2], 1.2)
+    gathered(monkeypatch, [100.0, 98.0, 80.0], [1.0, 1.0, 1.2], 1.2)
     assert not check(speed, 20).recovered  # above the threshold, not yet half-way back to the median
     gathered(monkeypatch, [100.0, 98.0, 95.0], [1.0, 1.0, 1.05], 1.05)
     back = check(speed, 25)
