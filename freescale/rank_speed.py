@@ -150,7 +150,8 @@ class RankSpeed:
         if not known.any():
             return check
         relative[known] = speeds[known] / speeds[known].max()
-        individual[known] = speeds[known] / np.maximum(bests[known], speeds[known])
+        measured_best = known & (bests > 0)  # a rank never measured healthy has no best of its own yet: NaN
+        individual[measured_best] = speeds[measured_best] / np.maximum(bests[measured_best], speeds[measured_best])
         healthy = known & ~np.isin(np.arange(speeds.size), list(self.slow))
         reference = healthy if healthy.any() else known
         share = check.shares = _shares(speeds, known, reference)

@@ -21,7 +21,7 @@ from typing import Any
 from freescale.config import ConfigError
 
 SCALAR_EVENTS = ("step", "commit", "eval")
-COUNTED_EVENTS = {"catch_up": "ft/recoveries", "resume": "checkpoint/resumes"}
+COUNTED_EVENTS = {"catch_up": "ft/recoveries", "resume": "checkpoint/resumes", "fail_slow": "balance/fail_slow"}
 
 
 class TensorBoardSink:

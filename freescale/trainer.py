@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -54,6 +55,7 @@ from freescale.ft.commit_record import CommitRecord
 from freescale.ft.config import RUN_ID_ENV
 from freescale.models import cost_model_for
 from freescale.rank_console import quiet_libraries, say
+from freescale.rank_speed import SpeedCheck
 from freescale.resume import Resume, raw_state
 from freescale.run_log import Progress, RunLog
 from freescale.step_stats import Calibration
@@ -409,9 +411,7 @@ class Trainer:
         each way, and with ``rebalance`` the loader planning them at their speed from the next window on."""
         assert parts.speed is not None
         check = parts.speed.check(done)
-        progress.scores = {"speed": [round(float(v), 4) for v in check.speeds],
-                           "speed_relative": [round(float(v), 4) for v in check.relative],
-                           "speed_individual": [round(float(v), 4) for v in check.individual]}
+        progress.scores = _speed_scores(check)
         who = f"replica group {parts.group}, " if parts.groups > 1 else ""
         policy = self.cfg.balance.slow_policy
         for rank in check.flagged:
@@ -455,6 +455,21 @@ class Trainer:
         loader.close()
         return window.compute()
 
+
+
+_SCORED_RANKS = 16
+"""Step records carry every rank's speed scores up to this many ranks; past it, the slowest ranks' only."""
+
+
+def _speed_scores(check: SpeedCheck) -> dict[str, Any]:
+    """The step record's speed fields: per rank (``speed``, ``speed_relative``, ``speed_individual``), or in a
+    large group the ``_SCORED_RANKS`` slowest ranks' as ``[rank, speed, relative, individual]`` rows."""
+    columns = (check.speeds, check.relative, check.individual)
+    if check.speeds.size <= _SCORED_RANKS:
+        return {name: [round(float(v), 4) for v in values]
+                for name, values in zip(("speed", "speed_relative", "speed_individual"), columns)}
+    slowest = np.argsort(np.nan_to_num(check.relative, nan=np.inf), kind="stable")[:_SCORED_RANKS]
+    return {"speed_slowest": [[int(r), *(round(float(values[r]), 4) for values in columns)] for r in slowest]}
 
 
 def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[str, Any]]:
