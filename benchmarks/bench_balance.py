@@ -40,13 +40,13 @@ from balance_peers import load as load_peers
 from balance_window import window_rows
 from common import write_json
 
-from freescale.tables import print_table
-
 from freescale.dataloader import balance_kernels
 from freescale.dataloader.cost import CostModel
+from freescale.dataloader.epoch_order import EpochOrder
 from freescale.dataloader.partition import KK_MAX_CELLS, Parts, granular_lower_bound, imbalance, partition
-from freescale.dataloader.planner import BatchPlanner, EpochOrder
+from freescale.dataloader.planner import BatchPlanner
 from freescale.dataloader.synthetic import sample_lengths
+from freescale.tables import print_table
 
 # A mid-sized HSTU layer stack (GR's public MovieLens/Books configs are near this).
 HSTU_DIMS = dict(embedding_dim=256, num_blocks=4, num_heads=4, attention_dim=64, value_dim=64, head_width=512)

@@ -14,9 +14,10 @@ from freescale.config import require
 from freescale.dataloader import gather
 from freescale.dataloader.balance_kernels import warm_up
 from freescale.dataloader.cost import CostModel
+from freescale.dataloader.epoch_order import EpochOrder
 from freescale.dataloader.loader import SPARSE_FEATURES, BalancedLoader
 from freescale.dataloader.partition import check_size
-from freescale.dataloader.planner import BatchPlanner, EpochOrder
+from freescale.dataloader.planner import BatchPlanner
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
     CANDIDATE_TIMESTAMP,

@@ -52,43 +52,34 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from freescale.dataloader import balance_kernels
 from freescale.dataloader.cost import CostModel
+from freescale.dataloader.epoch_order import EpochOrder
 from freescale.dataloader.local_plan import local_window_owner
 from freescale.dataloader.partition import Parts, load_time_imbalance, partition, time_lower_bound
 
 _WINDOWS_KEPT = 8
+T = TypeVar("T")
 
 
-class EpochOrder:
-    """Deterministic order of the split's rows in each epoch (see module docstring)."""
+class _Schedule(Generic[T]):
+    """A planning input that changes at window boundaries (the cost model, the ranks' speeds): a value from each
+    boundary on; a later setting replaces what it covers."""
 
-    def __init__(self, row_group_rows: np.ndarray, *, seed: int, shuffle: bool, window_row_groups: int) -> None:
-        self.row_group_rows = row_group_rows.astype(np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(self.row_group_rows)]).astype(np.int64)
-        self.num_rows = int(self.starts[-1])
-        self.seed, self.shuffle, self.window = seed, shuffle, max(1, window_row_groups)
-        self._cached: tuple[int, np.ndarray] | None = None
+    def __init__(self, first: T) -> None:
+        self._entries: list[tuple[tuple[int, int], T]] = [((0, 0), first)]
 
-    def __call__(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.num_rows, dtype=np.int64)
-        if self._cached is not None and self._cached[0] == epoch:
-            return self._cached[1]
-        rng = np.random.default_rng([self.seed, epoch])
-        groups = rng.permutation(self.row_group_rows.size)
-        sizes = self.row_group_rows[groups]
-        # Row ids of the permuted row groups, concatenated (vectorized).
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        rows = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1] - self.starts[groups], sizes)
-        for start in range(0, groups.size, self.window):
-            lo, hi = offsets[start], offsets[min(start + self.window, groups.size)]
-            rows[lo:hi] = rows[lo:hi][rng.permutation(hi - lo)]
-        self._cached = (epoch, rows)
-        return rows
+    def set(self, boundary: tuple[int, int], value: T) -> None:
+        self._entries = [entry for entry in self._entries if entry[0] < boundary]
+        self._entries.append((boundary, value))
+
+    def at(self, epoch: int, step: int) -> T:
+        """The value in force at ``(epoch, step)``."""
+        return [value for start, value in self._entries if start <= (epoch, step)][-1]
 
 
 @dataclass
@@ -184,10 +175,10 @@ class BatchPlanner:
         self._table_index = np.where(self.valid, clipped, self._null_index).astype(np.int32)
         self._tables: dict[tuple[float, float, float], np.ndarray] = {}
         self.cost_model = cost_model
-        self._models: list[tuple[tuple[int, int], CostModel]] = [((0, 0), cost_model)]
+        self._models: _Schedule[CostModel] = _Schedule(cost_model)
         self.capacities: dict[int, float] | None = None
         """Speed per global rank (1.0: nominal) the next windows are planned with; None: every rank alike."""
-        self._capacity_plan: list[tuple[tuple[int, int], dict[int, float] | None]] = [((0, 0), None)]
+        self._capacity_plan: _Schedule[dict[int, float] | None] = _Schedule(None)
         self.order = order
         self.partitioner = partitioner
         self.global_batch_size = global_batch_size
@@ -357,7 +348,7 @@ class BatchPlanner:
         rank that calls this at the same step gets the same plans, whatever each had
         prefetched.
         """
-        self._models.append((self._boundary(epoch, step), model))
+        self._models.set(self._boundary(epoch, step), model)
         self.cost_model = model
 
     def set_capacities(self, capacities: dict[int, float] | None, epoch: int, step: int) -> None:
@@ -373,9 +364,7 @@ class BatchPlanner:
             if bad:
                 raise ValueError(f"capacities: rank {bad[0][0]} has speed {bad[0][1]}: each must be finite and > 0")
             capacities = {int(r): float(v) for r, v in sorted(capacities.items())}
-        boundary = self._boundary(epoch, step)
-        self._capacity_plan = [entry for entry in self._capacity_plan if entry[0] < boundary] or [((0, 0), None)]
-        self._capacity_plan.append((boundary, capacities))
+        self._capacity_plan.set(self._boundary(epoch, step), capacities)
         self.capacities = capacities
 
     def _boundary(self, epoch: int, step: int) -> tuple[int, int]:
@@ -386,28 +375,14 @@ class BatchPlanner:
             del self._windows[key]
         return boundary
 
-    def _model_for(self, epoch: int, first_step: int) -> CostModel:
-        chosen = self._models[0][1]
-        for start, model in self._models:
-            if start <= (epoch, first_step):
-                chosen = model
-        return chosen
-
-    def _capacities_for(self, epoch: int, first_step: int) -> dict[int, float] | None:
-        chosen = self._capacity_plan[0][1]
-        for start, capacities in self._capacity_plan:
-            if start <= (epoch, first_step):
-                chosen = capacities
-        return chosen
-
     def _new_window(
         self, epoch: int, index: int, live_ranks: tuple[int, ...], model: CostModel | None = None,
         capacities: dict[int, float] | str | None = "planned",
     ) -> _Window:
         first = index * self.window
-        model = model or self._model_for(epoch, first)
+        model = model or self._models.at(epoch, first)
         if isinstance(capacities, str):
-            capacities = self._capacities_for(epoch, first)
+            capacities = self._capacity_plan.at(epoch, first)
         count = min(self.window, self.steps_in(epoch) - first)
         g = self.global_batch_size
         end = None if self.keep_partial and first + count == self.steps_in(epoch) else (first + count) * g

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from freescale.dataloader.cost import CostModel
-from freescale.dataloader.planner import BatchPlanner, EpochOrder
+from freescale.dataloader.epoch_order import EpochOrder
+from freescale.dataloader.planner import BatchPlanner
 
 SHAPE_KEYS = ("global_batch_size", "window", "partitioner", "equal_count", "locality", "max_seq_len", "seed",
               "shuffle", "shuffle_row_groups")

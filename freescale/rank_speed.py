@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import platform
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +48,8 @@ from freescale.config import require
 
 SLOW_POLICIES = ("rebalance", "report", "off")
 _HOST_BYTES = 64
+_SCORED_RANKS = 16
+"""Step records carry every rank's speed scores up to this many ranks; past it, the slowest ranks' only."""
 _DEAD_BAND = 0.05
 """A capacity correction smaller than this share is not worth a replan (each drops the prefetched batches)."""
 _NOISE = 0.03
@@ -97,6 +101,39 @@ class SpeedCheck:
     every check: its speed is measured anew)."""
     capacities: dict[int, float] | None = None
     """The fail-slow ranks' speeds, as shares of the median rank's (None: every rank alike)."""
+
+    def scores(self) -> dict[str, Any]:
+        """The step record's speed fields: per rank (``speed``, ``speed_relative``, ``speed_individual``), or in
+        a large group the ``_SCORED_RANKS`` slowest ranks' as ``[rank, speed, relative, individual]`` rows; and
+        the capacities planned with, when this check changed them."""
+        columns = (self.speeds, self.relative, self.individual)
+        if self.speeds.size <= _SCORED_RANKS:
+            out: dict[str, Any] = {name: [round(float(v), 4) for v in values]
+                                   for name, values in zip(("speed", "speed_relative", "speed_individual"), columns)}
+        else:
+            slowest = np.argsort(np.nan_to_num(self.relative, nan=np.inf), kind="stable")[:_SCORED_RANKS]
+            out = {"speed_slowest": [[int(r), *(round(float(values[r]), 4) for values in columns)] for r in slowest]}
+        if self.replan:
+            out["capacities"] = {str(r): round(c, 4) for r, c in (self.capacities or {}).items()}
+        return out
+
+    def announce(self, write: Callable[..., None], group: int, policy: str, who: str) -> list[str]:
+        """Write a ``fail_slow`` / ``fail_slow_recovered`` event per rank that changed (``write(event, **fields)``);
+        the console lines that say so."""
+        lines = []
+        for rank in self.flagged:
+            share = float(self.shares[rank]) if self.shares is not None else float("nan")
+            write("fail_slow", step=self.step, rank=rank, group=group, host=self.hosts[rank], share=share,
+                  speed=float(self.speeds[rank]), policy=policy)
+            lines.append(f"freescale: {who}rank {rank} on {self.hosts[rank]} is fail-slow at step {self.step}: "
+                         f"{share:.2f} of the median rank's speed; "
+                         + ("planned at a smaller share from the next window" if policy == "rebalance" else
+                            "reported only (balance.slow_policy = 'report')"))
+        for rank in self.recovered:
+            write("fail_slow_recovered", step=self.step, rank=rank, group=group, host=self.hosts[rank],
+                  speed=float(self.speeds[rank]))
+            lines.append(f"freescale: {who}rank {rank} on {self.hosts[rank]} is back to speed at step {self.step}")
+        return lines
 
 
 class RankSpeed:

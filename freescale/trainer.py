@@ -40,7 +40,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -55,7 +54,6 @@ from freescale.ft.commit_record import CommitRecord
 from freescale.ft.config import RUN_ID_ENV
 from freescale.models import cost_model_for
 from freescale.rank_console import quiet_libraries, say
-from freescale.rank_speed import SpeedCheck
 from freescale.resume import Resume, raw_state
 from freescale.run_log import Progress, RunLog
 from freescale.step_stats import Calibration
@@ -411,26 +409,13 @@ class Trainer:
         each way, and with ``rebalance`` the loader planning them at their speed from the next window on."""
         assert parts.speed is not None
         check = parts.speed.check(done)
-        progress.scores = _speed_scores(check)
+        progress.scores = check.scores()
         who = f"replica group {parts.group}, " if parts.groups > 1 else ""
-        policy = self.cfg.balance.slow_policy
-        for rank in check.flagged:
-            share = float(check.shares[rank]) if check.shares is not None else float("nan")
-            log.write("fail_slow", step=done, rank=rank, group=parts.group, host=check.hosts[rank], share=share,
-                      speed=float(check.speeds[rank]), policy=policy)
+        for line in check.announce(log.write, parts.group, self.cfg.balance.slow_policy, who):
             if parts.ctx.is_main:
-                say(f"freescale: {who}rank {rank} on {check.hosts[rank]} is fail-slow at step {done}: "
-                    f"{share:.2f} of the median rank's speed; "
-                    + ("planned at a smaller share from the next window" if policy == "rebalance" else
-                       "reported only (balance.slow_policy = 'report')"))
-        for rank in check.recovered:
-            log.write("fail_slow_recovered", step=done, rank=rank, group=parts.group, host=check.hosts[rank],
-                      speed=float(check.speeds[rank]))
-            if parts.ctx.is_main:
-                say(f"freescale: {who}rank {rank} on {check.hosts[rank]} is back to speed at step {done}")
+                say(line)
         if check.replan:
             parts.loader.set_capacities(check.capacities)
-            progress.scores["capacities"] = {str(r): round(c, 4) for r, c in (check.capacities or {}).items()}
 
     def _calibrate(self, parts: Components, log: RunLog, calibration: Calibration, done: int) -> None:
         model = calibration.fit_and_share(parts.loader.planner.cost_model)
@@ -455,21 +440,6 @@ class Trainer:
         loader.close()
         return window.compute()
 
-
-
-_SCORED_RANKS = 16
-"""Step records carry every rank's speed scores up to this many ranks; past it, the slowest ranks' only."""
-
-
-def _speed_scores(check: SpeedCheck) -> dict[str, Any]:
-    """The step record's speed fields: per rank (``speed``, ``speed_relative``, ``speed_individual``), or in a
-    large group the ``_SCORED_RANKS`` slowest ranks' as ``[rank, speed, relative, individual]`` rows."""
-    columns = (check.speeds, check.relative, check.individual)
-    if check.speeds.size <= _SCORED_RANKS:
-        return {name: [round(float(v), 4) for v in values]
-                for name, values in zip(("speed", "speed_relative", "speed_individual"), columns)}
-    slowest = np.argsort(np.nan_to_num(check.relative, nan=np.inf), kind="stable")[:_SCORED_RANKS]
-    return {"speed_slowest": [[int(r), *(round(float(values[r]), 4) for values in columns)] for r in slowest]}
 
 
 def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[str, Any]]:

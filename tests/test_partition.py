@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freescale.dataloader.cost import CostModel, calibrate
+from freescale.dataloader.epoch_order import EpochOrder
 from freescale.dataloader.partition import (
     LPT_RESOLUTION,
     PARTITIONERS,
@@ -20,7 +21,7 @@ from freescale.dataloader.partition import (
     time_imbalance,
     time_lower_bound,
 )
-from freescale.dataloader.planner import BatchPlanner, EpochOrder
+from freescale.dataloader.planner import BatchPlanner
 
 costs_st = st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=0, max_size=300).map(np.array)
 

@@ -102,13 +102,12 @@ def test_bad_balance_settings_name_the_key(field: str, value: object, message: s
 
 def test_step_records_carry_every_ranks_scores_in_a_small_group_and_the_slowest_in_a_large_one() -> None:
     from freescale.rank_speed import SpeedCheck
-    from freescale.trainer import _speed_scores
 
     small = SpeedCheck(5, np.array([100.0, 50.0]), np.array([1.0, 0.5]), np.array([1.0, np.nan]), ["a", "b"])
-    assert _speed_scores(small)["speed_relative"] == [1.0, 0.5]
+    assert small.scores()["speed_relative"] == [1.0, 0.5]
     speeds = np.linspace(100.0, 5.0, 40)
     large = SpeedCheck(5, speeds, speeds / 100.0, np.ones(40), ["h"] * 40)
-    rows = _speed_scores(large)["speed_slowest"]
+    rows = large.scores()["speed_slowest"]
     assert len(rows) == 16 and [r[0] for r in rows] == list(range(39, 23, -1))  # the slowest first
 
 
