@@ -447,8 +447,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A lighthouse out of reach may come back; a run whose progress is lost will not.
             report_user_error(str(exc), restartable=isinstance(exc, LighthouseError) and not isinstance(exc, ProgressLost))
             return 2
-        from freescale.rank_console import report_handled
+        from freescale.rank_console import report_handled, say
+        from freescale.rank_speed import FailSlowEvicted
 
+        if isinstance(exc, FailSlowEvicted):  # as a crash: the launcher restarts the group, it catches up
+            if os.environ.get("RANK", "0") == "0":
+                say(f"freescale: {exc}")
+            sys.stderr.flush()
+            os._exit(1)
         if args.command == "train" and report_handled(exc):
             # A peer failed: one line said it, the traceback is in the rank's log; the agent restarts the
             # group.  No interpreter teardown: gloo's destructors can abort and print on the way out.

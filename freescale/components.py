@@ -40,6 +40,7 @@ from freescale.parallelize import (
 from freescale.pipeline import PipelineConfig
 from freescale.rank_console import say
 from freescale.rank_speed import BalanceConfig, RankSpeed
+from freescale.speed_share import SpeedShare
 from freescale.staging import LazySaves, RowTracker
 from freescale.step_engine import PRECISIONS, StepEngine
 from freescale.step_feed import StepFeed
@@ -122,10 +123,10 @@ def prepare(cfg: TrainerConfig) -> None:
         raise ConfigError(f"optim.warmup_steps: {cfg.optim.warmup_steps:,} is more than train.steps "
                           f"({cfg.train.steps:,}): the whole run would train at a fraction of the learning rate; "
                           "lower it")
+    if cfg.balance.slow_policy == "evict" and not cfg.ft.enabled:
+        raise ConfigError("balance.slow_policy: 'evict' restarts a fail-slow replica group, and this run has none "
+                          "(ft.enabled = false); use 'rebalance' or 'report'")
     if cfg.balance.slow_policy == "rebalance":
-        if cfg.ft.enabled:
-            raise ConfigError("balance.slow_policy: 'rebalance' is not built across replica groups (every group must "
-                              "plan alike); use 'report'")
         if cfg.data.partitioner != "lpt" or cfg.data.locality or cfg.data.equal_count:
             raise ConfigError("balance.slow_policy: 'rebalance' plans by rank speed, which needs data.partitioner = "
                               "'lpt', data.locality = false and data.equal_count = false; or use 'report'")
@@ -169,6 +170,8 @@ class Components:
     speed: RankSpeed | None = None
     """The ranks' speeds and fail-slow verdicts (``balance.slow_policy``; None: off, or on CUDA, where busy time
     is not measured with events yet)."""
+    shared_speeds: SpeedShare | None = None
+    """With replica groups: the job-wide speed check, carried across groups with the steps."""
 
     @property
     def features(self) -> list[str]:
@@ -237,8 +240,16 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
     prioritized = cfg.pipeline.kind == "prioritized"
     chunk = cfg.pipeline.chunk_kb * 1024 if prioritized else None
     inflight = cfg.pipeline.max_inflight if prioritized else None
+    speed = None
+    if cfg.balance.slow_policy != "off" and ctx.device.type == "cpu":
+        speed = RankSpeed(cfg.balance, rebalance=cfg.balance.slow_policy == "rebalance",
+                          plan_lag=cfg.pipeline.read_ahead + cfg.data.window)
+    elif cfg.balance.slow_policy != "off" and ctx.is_main:
+        say("freescale: balance.slow_policy: ranks' speeds are measured on CPU only (on CUDA busy time must come "
+            "from CUDA events: not built); no fail-slow check in this run")
     sync: StepSync
     replicas: ReplicaRun | None = None
+    shared: SpeedShare | None = None
     if ft_on:
         from freescale.ft.layer import FaultTolerance
 
@@ -246,6 +257,9 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
                             max_inflight=inflight, nonfinite=cfg.train.nonfinite, device=ctx.device, update=update)
         if tracer is not None and ft.in_group is not None:
             tracer.label(ft.in_group, "dense")
+        if speed is not None:  # every group judges the job's speeds alike (freescale.speed_share)
+            shared = SpeedShare(speed, loader, group, ctx.world_size)
+            ft.carry(shared)
         sync = replicas = ft
     else:
         grads = None
@@ -257,15 +271,8 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
                                   chunk_bytes=chunk, max_inflight=inflight)
         sync = LocalSync(dmp, optimizer, list(dense_named_parameters(dmp).values()), feed, update, grads)
     engine = StepEngine(sync, feed, cfg.pipeline, dmp, ctx.device, cfg.train.precision, hooks=hooks, tracer=tracer)
-    speed = None
-    if cfg.balance.slow_policy != "off" and ctx.device.type == "cpu":
-        speed = RankSpeed(cfg.balance, rebalance=cfg.balance.slow_policy == "rebalance",
-                          plan_lag=cfg.pipeline.read_ahead + cfg.data.window)
-    elif cfg.balance.slow_policy != "off" and ctx.is_main:
-        say("freescale: balance.slow_policy: ranks' speeds are measured on CPU only (on CUDA busy time must come "
-            "from CUDA events: not built); no fail-slow check in this run")
     return Components(ctx, dataset, dmp, optimizer, loader, feed, engine, replicas, hooks, tracer, group, groups,
-                      log_dir, staging, speed)
+                      log_dir, staging, speed, shared)
 
 
 def _tracer(dmp: nn.Module) -> CommTracer:

@@ -25,11 +25,15 @@ host name) and each computes the same verdict from the same numbers:
   would starve the rank step after step).  Every change is a trial: when the steps planned with it are
   slower than before it (the busy time is the training thread's: other threads' work, the loader's and
   the communication's, is not in it), it is undone and the capacities stay.  It recovers when its
-  capacity is back near 1.  ``report`` only says so; ``off`` measures nothing.  Healthy ranks stay at
-  1.0, so their noise never changes a plan.
+  capacity is back near 1.  ``evict`` (replica groups only) hands the group holding a fail-slow rank to
+  restart as a crash would (``FailSlowEvicted``): it catches up from a peer and is judged anew.
+  ``report`` only says so; ``off`` measures nothing.  Healthy ranks stay at 1.0, so their noise never
+  changes a plan.
 
-With replica groups every group must plan the same steps alike, and this check sees one group: there it
-reports only (carrying capacities across groups is not built).
+With replica groups every group must plan the same steps alike: each group gathers its ranks' rows, tells
+the others in the header of the next step's cross-group reduction, and every group judges the whole job's
+table at that step's commit (``freescale.speed_share``): a slow group is a group of slow ranks, planned at
+a smaller share of the global batch.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ import torch.distributed as dist
 
 from freescale.config import require
 
-SLOW_POLICIES = ("rebalance", "report", "off")
-_HOST_BYTES = 64
+SLOW_POLICIES = ("rebalance", "evict", "report", "off")
+HOST_BYTES = 32
 _SCORED_RANKS = 16
 """Step records carry every rank's speed scores up to this many ranks; past it, the slowest ranks' only."""
 _DEAD_BAND = 0.05
@@ -61,7 +65,8 @@ _MIN_CAPACITY = 0.02
 @dataclass
 class BalanceConfig:
     slow_policy: str = "report"
-    """``rebalance``: plan a fail-slow rank at its measured speed; ``report``: only say so; ``off``: no check."""
+    """``rebalance``: plan a fail-slow rank at its measured speed; ``evict`` (replica groups): restart its group
+    as a crash would; ``report``: only say so; ``off``: no check."""
     slow_threshold: float = 0.7
     """A rank whose speed is below this share of the others' median, at two checks in a row, is fail-slow.  0.7:
     on the 2-core VM this project is measured on, a healthy rank's estimate dipped to 0.73 of the other's
@@ -77,6 +82,22 @@ class BalanceConfig:
         require(0.0 < self.slow_threshold < 1.0, "slow_threshold", f"must be in (0, 1), got {self.slow_threshold}")
         require(self.speed_window >= 3, "speed_window", f"must be >= 3, got {self.speed_window}")
         require(self.check_every >= 1, "check_every", f"must be >= 1, got {self.check_every}")
+
+
+class FailSlowEvicted(RuntimeError):
+    """This replica group holds a fail-slow rank and ``balance.slow_policy`` is ``evict``: it stops as a crash would
+    (its launcher restarts it; it catches up from a peer)."""
+
+
+@dataclass
+class SpeedTable:
+    """Every rank's measurement at one check, in rank order (NaN: not measured)."""
+
+    speeds: np.ndarray
+    bests: np.ndarray
+    busies: np.ndarray
+    walls: np.ndarray
+    hosts: list[str]
 
 
 @dataclass
@@ -117,23 +138,33 @@ class SpeedCheck:
             out["capacities"] = {str(r): round(c, 4) for r, c in (self.capacities or {}).items()}
         return out
 
-    def announce(self, write: Callable[..., None], group: int, policy: str, who: str) -> list[str]:
+    def announce(self, write: Callable[..., None], policy: str, group_size: int | None = None) -> list[str]:
         """Write a ``fail_slow`` / ``fail_slow_recovered`` event per rank that changed (``write(event, **fields)``);
-        the console lines that say so."""
+        the console lines that say so.  ``group_size``: the table is the whole job's, rank ``r`` being rank
+        ``r % group_size`` of replica group ``r // group_size``; without it, one group's (group 0)."""
         lines = []
+        size = group_size or self.speeds.size
         for rank in self.flagged:
             share = float(self.shares[rank]) if self.shares is not None else float("nan")
-            write("fail_slow", step=self.step, rank=rank, group=group, host=self.hosts[rank], share=share,
-                  speed=float(self.speeds[rank]), policy=policy)
-            lines.append(f"freescale: {who}rank {rank} on {self.hosts[rank]} is fail-slow at step {self.step}: "
-                         f"{share:.2f} of the median rank's speed; "
-                         + ("planned at a smaller share from the next window" if policy == "rebalance" else
-                            "reported only (balance.slow_policy = 'report')"))
+            where = dict(rank=rank % size, group=rank // size, host=self.hosts[rank])
+            write("fail_slow", step=self.step, **where, share=share, speed=float(self.speeds[rank]), policy=policy)
+            lines.append(f"freescale: {_name(rank, group_size)} on {self.hosts[rank]} is fail-slow at step "
+                         f"{self.step}: {share:.2f} of the median rank's speed; " + _POLICY_SAYS[policy])
         for rank in self.recovered:
-            write("fail_slow_recovered", step=self.step, rank=rank, group=group, host=self.hosts[rank],
+            write("fail_slow_recovered", step=self.step, rank=rank % size, group=rank // size, host=self.hosts[rank],
                   speed=float(self.speeds[rank]))
-            lines.append(f"freescale: {who}rank {rank} on {self.hosts[rank]} is back to speed at step {self.step}")
+            lines.append(f"freescale: {_name(rank, group_size)} on {self.hosts[rank]} is back to speed at step "
+                         f"{self.step}")
         return lines
+
+
+_POLICY_SAYS = {"rebalance": "planned at a smaller share from the next window",
+                "evict": "its replica group is restarted (balance.slow_policy = 'evict')",
+                "report": "reported only (balance.slow_policy = 'report')"}
+
+
+def _name(rank: int, group_size: int | None) -> str:
+    return f"replica group {rank // group_size}, rank {rank % group_size}" if group_size else f"rank {rank}"
 
 
 class RankSpeed:
@@ -141,6 +172,7 @@ class RankSpeed:
 
     def __init__(self, cfg: BalanceConfig, rebalance: bool, plan_lag: int = 0) -> None:
         self.cfg, self.rebalance, self.plan_lag = cfg, rebalance, plan_lag
+        self.evict = cfg.slow_policy == "evict"
         """``plan_lag``: steps already planned when capacities change (the pipeline's read-ahead and the
         planning window): they are trained on the old plan, and not measured as the new one's."""
         self._from_step = 0
@@ -157,7 +189,7 @@ class RankSpeed:
         made steps no slower."""
         self._settled = False
         """A change made steps slower and was undone: the capacities stay until a rank's state changes."""
-        self._host = platform.node().encode()[:_HOST_BYTES]
+        self._host = platform.node().encode()[:HOST_BYTES]
 
     def add(self, step: int, cost: float, busy_s: float, wall_s: float) -> None:
         """One trained step of this rank: its planned cost, its busy seconds and the step's wall seconds."""
@@ -174,12 +206,24 @@ class RankSpeed:
         steps = np.array(self._steps, dtype=np.float64)
         return float(np.median(steps[:, 0] / steps[:, 1])), float(np.median(steps[:, 1])), float(np.median(steps[:, 2]))
 
-    def check(self, done: int) -> SpeedCheck:
-        """Collective over the process group: every rank calls it at the same step (``due``)."""
+    def row(self) -> tuple[float, float, float, float]:
+        """This rank's (speed, best speed so far, busy seconds, wall seconds) for a check (NaN: too few steps)."""
         speed, busy, wall = self.estimate()
         if speed == speed and not self.slow:
             self._best = max(self._best, speed)
-        speeds, bests, busies, walls, hosts = _gather(speed, self._best, busy, wall, self._host)
+        return speed, self._best, busy, wall
+
+    def gather(self) -> SpeedTable:
+        """Every rank's row of the process group (collective: every rank calls it at the same step)."""
+        return SpeedTable(*_gather(*self.row(), self._host))
+
+    def check(self, done: int) -> SpeedCheck:
+        """Collective over the process group: every rank calls it at the same step (``due``)."""
+        return self.judge(done, self.gather())
+
+    def judge(self, done: int, table: SpeedTable) -> SpeedCheck:
+        """The verdict on every rank's measurement (the same on every rank that judges the same table)."""
+        speeds, bests, busies, walls, hosts = table.speeds, table.bests, table.busies, table.walls, table.hosts
         known = np.isfinite(speeds) & (speeds > 0) & np.isfinite(busies)
         relative = np.full(speeds.size, np.nan)
         individual = np.full(speeds.size, np.nan)
@@ -207,10 +251,12 @@ class RankSpeed:
             if rank not in self.slow:
                 self._below[rank] = self._below.get(rank, 0) + 1 if share[rank] < self.cfg.slow_threshold else 0
                 if self._below[rank] >= 2:
-                    capacity = max(float(share[rank]), _MIN_CAPACITY) if self.rebalance else 1.0
-                    self.slow[rank] = (done, capacity)
                     del self._below[rank]
                     check.flagged.append(rank)
+                    if self.evict:
+                        continue  # its group restarts: judged anew when it is back
+                    capacity = max(float(share[rank]), _MIN_CAPACITY) if self.rebalance else 1.0
+                    self.slow[rank] = (done, capacity)
                     self._settled = False
                 continue
             since, capacity = self.slow[rank]
@@ -248,6 +294,22 @@ class RankSpeed:
             self.slow = {rank: (since, before.get(rank, capacity)) for rank, (since, capacity) in self.slow.items()}
 
 
+    def state_dict(self) -> dict[str, Any]:
+        """The verdicts' state (JSON): what every rank that judges the same tables holds alike (a replica group that
+        catches up loads it from a peer's snapshot).  This rank's own measurements are not in it."""
+        trial = None if self._trial is None else [[[r, c] for r, c in self._trial[0].items()], self._trial[1]]
+        return {"slow": [[rank, since, capacity] for rank, (since, capacity) in self.slow.items()],
+                "below": [[rank, n] for rank, n in self._below.items()], "trial": trial, "settled": self._settled}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.slow = {int(rank): (int(since), float(capacity)) for rank, since, capacity in state["slow"]}
+        self._below = {int(rank): int(n) for rank, n in state["below"]}
+        trial = state["trial"]
+        self._trial = None if trial is None else ({int(r): float(c) for r, c in trial[0]}, float(trial[1]))
+        self._settled = bool(state["settled"])
+        self._steps.clear()
+
+
 def _shares(speeds: np.ndarray, known: np.ndarray, reference: np.ndarray) -> np.ndarray:
     """Each rank's speed over the median of the reference ranks' speeds, the rank itself left out (in a group
     of two the other rank is the reference; past 64 ranks one rank moves the median by nothing that matters)."""
@@ -268,7 +330,7 @@ def _shares(speeds: np.ndarray, known: np.ndarray, reference: np.ndarray) -> np.
 def _gather(speed: float, best: float, busy: float, wall: float,
             host: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
     """Every rank's (speed, best, busy, wall, host) of the default process group, in rank order."""
-    row = torch.zeros(4 + _HOST_BYTES, dtype=torch.float64)
+    row = torch.zeros(4 + HOST_BYTES, dtype=torch.float64)
     row[0], row[1], row[2], row[3] = speed, best, busy, wall
     row[4:4 + len(host)] = torch.tensor(list(host), dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -284,4 +346,4 @@ def _gather(speed: float, best: float, busy: float, wall: float,
     return table[:, 0], table[:, 1], table[:, 2], table[:, 3], hosts
 
 
-__all__ = ["BalanceConfig", "RankSpeed", "SpeedCheck"]
+__all__ = ["BalanceConfig", "FailSlowEvicted", "RankSpeed", "SpeedCheck", "SpeedTable"]

@@ -14,6 +14,7 @@ and must start without them.
   step's batch plan and its timings.  The trainer, the log, the report and the audit read only this.
 - ``StepSync`` / ``ReplicaRun``: the sync the engine calls every step, and the run-level points of a
   replica layer (fault tolerance only: one group has no run edges).
+- ``SideChannel``: numbers every replica group tells the others with each step (the job's rank speeds).
 - ``DataState``: the data side a sync drives (``StepFeed``, ``freescale.ft.StepSamples``, a user's own);
   ``DataSide``: one as the fault-tolerance layer calls it, its optional methods found once.
 """
@@ -175,6 +176,25 @@ class DataSide:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.data.load_state_dict(state)
+
+
+class SideChannel(Protocol):
+    """Numbers each replica group tells every other with a step's cross-group reduction (a header beside its
+    sample weight: no collective of its own), read by every group at that step's commit, in the same order
+    on every group and in a catching-up group's replay (``freescale.speed_share``: the job's rank speeds)."""
+
+    name: str
+    """Its state's name in a snapshot."""
+
+    def header(self) -> torch.Tensor:
+        """This group's non-negative int64s for the step about to run (the same length on every group)."""
+
+    def on_commit(self, commit: Commit, headers: dict[int, torch.Tensor]) -> None:
+        """``commit.step`` committed (or was replayed): every participant's header, by group index."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class StepSync(Protocol):

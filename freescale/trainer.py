@@ -54,6 +54,7 @@ from freescale.ft.commit_record import CommitRecord
 from freescale.ft.config import RUN_ID_ENV
 from freescale.models import cost_model_for
 from freescale.rank_console import quiet_libraries, say
+from freescale.rank_speed import SpeedCheck
 from freescale.resume import Resume, raw_state
 from freescale.run_log import Progress, RunLog
 from freescale.step_stats import Calibration
@@ -246,6 +247,9 @@ class Trainer:
             for event in outcome.events:
                 log.write(event["event"], **{k: v for k, v in event.items() if k != "event"})
             commit = outcome.commit
+            if parts.shared_speeds is not None:  # judged at commits (replayed ones too)
+                for check in parts.shared_speeds.take():
+                    self._say_speeds(parts, log, progress, check, commit.ready)
             step = commit.step + 1
             if not commit.applied or commit.restored:
                 first = True  # catching up: the next step this process trains is its first again
@@ -408,14 +412,23 @@ class Trainer:
         """Collective over the group (``freescale.rank_speed``): the ranks' speeds, fail-slow ranks said once
         each way, and with ``rebalance`` the loader planning them at their speed from the next window on."""
         assert parts.speed is not None
+        if parts.shared_speeds is not None:  # judged when the next step commits, by every group alike
+            parts.shared_speeds.gather(done)
+            return
         check = parts.speed.check(done)
-        progress.scores = check.scores()
-        who = f"replica group {parts.group}, " if parts.groups > 1 else ""
-        for line in check.announce(log.write, parts.group, self.cfg.balance.slow_policy, who):
-            if parts.ctx.is_main:
-                say(line)
+        self._say_speeds(parts, log, progress, check, frozenset({0}))
         if check.replan:
             parts.loader.set_capacities(check.capacities)
+
+    def _say_speeds(self, parts: Components, log: RunLog, progress: Progress, check: SpeedCheck,
+                    ready: frozenset[int]) -> None:
+        """A verdict's scores for the step records, its events for the log, its lines on the console (said by
+        rank 0 of the lowest ready group only: every group reached the same verdict)."""
+        progress.scores = check.scores()
+        group_size = parts.ctx.world_size if parts.groups > 1 else None
+        for line in check.announce(log.write, self.cfg.balance.slow_policy, group_size):
+            if parts.ctx.is_main and parts.group == min(ready, default=parts.group):
+                say(line)
 
     def _calibrate(self, parts: Components, log: RunLog, calibration: Calibration, done: int) -> None:
         model = calibration.fit_and_share(parts.loader.planner.cost_model)

@@ -114,6 +114,9 @@ class StepResult:
     failed_at: float | None = None
     """Wall time this rank found an earlier attempt failed (a peer's death: detection), None if none did;
     from then to the commit is the redo."""
+    side_headers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each participant's ``side_header`` of the step (``ReplicaSync.side_header``), by replica id: recorded
+    with the step, so a recovering replica replays what the others read from it."""
 
 
 class _NoValidState(RuntimeError):
@@ -182,6 +185,22 @@ class ReplicaSync:
         layer; called on the training thread as a catch-up starts)."""
         self._fetch: SnapshotFetch | None = None
         self.catch_up_log: dict[str, Any] = {}
+        self.side_header: torch.Tensor | None = None
+        """Non-negative int64s this replica tells every participant with the step's reduction, ahead of the
+        exchange's header (its group's measured speeds: ``freescale.speed_share``).  Set before the step's
+        ``attach``; the same length on every participant at every step."""
+
+    def _header(self, exchange_header: torch.Tensor | None) -> torch.Tensor | None:
+        """The reduction's header: the side header, then the exchange's."""
+        if self.side_header is None:
+            return exchange_header
+        side = self.side_header.reshape(-1).to(torch.int64).cpu()
+        return side if exchange_header is None else torch.cat([side, exchange_header.reshape(-1).to(torch.int64).cpu()])
+
+    def _split_headers(self, headers: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(Each participant's side header, its exchange header) out of the reduction's headers."""
+        k = self.side_header.numel() if self.side_header is not None else 0
+        return [h[:k] for h in headers], [h[k:] for h in headers]
 
     def start_step(self, step: int) -> None:
         """Ask for the step's quorum now; the answer is read when the step needs it."""
@@ -230,7 +249,7 @@ class ReplicaSync:
         except (RuntimeError, dist.DistError):
             return False  # the first attempt meets the same failure, reports it and redoes
         index, size = quorum.index_of(self.client.replica_id), len(quorum.participants)
-        reduction = FlatReduction(grads.layout, weight, index, size, True, header, group.device)
+        reduction = FlatReduction(grads.layout, weight, index, size, True, self._header(header), group.device)
         grads.attach(FTARStage(reduction, group, quorum.quorum_id))
         self._attached = quorum.quorum_id
         return True
@@ -274,7 +293,7 @@ class ReplicaSync:
         attempts = 0
         last_error = ""
         failed_at: float | None = None  # wall time this rank found the step's first attempt failed
-        header = exchange.header() if exchange is not None else None  # local: its errors are not a peer's
+        header = self._header(exchange.header() if exchange is not None else None)  # local: not a peer's error
         while True:
             attempts += 1
             if attempts > self.max_attempts:
@@ -289,6 +308,7 @@ class ReplicaSync:
             seen_behind = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
             reduced: Reduced | None = None
             extra: Any = None
+            side: list[torch.Tensor] = []
             t0 = time.perf_counter()
             try:
                 reduced = self._reduce(quorum, step, tensors, weight, header, grads)
@@ -296,9 +316,9 @@ class ReplicaSync:
                     raise _NoValidState(
                         f"quorum {quorum.quorum_id} at step {step}: no participant holds valid state (all are catching "
                         "up and every group that had the run's progress is gone); restart the run")
+                side, headers = self._split_headers(reduced.headers)
                 if exchange is not None:
-                    extra = exchange(self.group.for_quorum(quorum), quorum, reduced.weights, reduced.headers,
-                                     reduced.ready)
+                    extra = exchange(self.group.for_quorum(quorum), quorum, reduced.weights, headers, reduced.ready)
             except (RuntimeError, dist.DistError) as exc:  # a peer died or hung: redo with the survivors
                 if isinstance(exc, (_NoValidState, GroupFailure)):
                     raise
@@ -319,6 +339,7 @@ class ReplicaSync:
                 result = self._committed(step, quorum, reduced, extra, attempts, seen_behind, start,
                                          quorum_wait, timings)
                 result.prepared, result.finite, result.discarded = prepared, finite, discarded
+                result.side_headers = dict(zip(quorum.replica_ids, side))
                 result.failed_at = failed_at
                 return result
             failed_at = failed_at or time.time()

@@ -77,6 +77,7 @@ from freescale.step_types import (
     DataState,
     JobFinished,
     NonFiniteError,
+    SideChannel,
     SyncResult,
 )
 from freescale.testing import StepHooks
@@ -217,6 +218,13 @@ class FaultTolerance(SnapshotSide):
         """Seconds between this rank's last applied commits (a source's guess at how long a transfer has)."""
         self._weight: float | None = None
         self._loss: torch.Tensor | None = None
+        self._side: SideChannel | None = None
+
+    def carry(self, side: SideChannel) -> None:
+        """Tell every group ``side``'s header with each step; ``side.on_commit`` reads every group's at each
+        applied commit (replays too); its state travels in the snapshot (``freescale.step_types.SideChannel``)."""
+        self._side = side
+        self.register_state(side.name, side.state_dict, side.load_state_dict)
 
     def _group_voice(self) -> str:
         """Where this rank's lighthouse requests go: the lighthouse itself for a group of one rank,
@@ -292,6 +300,7 @@ class FaultTolerance(SnapshotSide):
         self._step, self._weight, self._loss = step, None, None
         self._update.before_tables(step)  # fbgemm takes the rate at the union's lookup, built during the vote
         self._sync.start_step(step)
+        self._sync.side_header = self._side.header() if self._side is not None else None
         self._tables.reset()
 
     def can_train(self, step: int) -> bool:
@@ -439,6 +448,8 @@ class FaultTolerance(SnapshotSide):
         self._tables.after_commit(result, updates)
         if self._data is not None:
             self._accounted = self._data.commit(commit)
+        if self._side is not None:
+            self._side.on_commit(commit, {self._group_of(rid): h for rid, h in result.side_headers.items()})
         for _, _, on_commit in self._user_states.values():
             if on_commit is not None:
                 on_commit(commit)
