@@ -5,10 +5,12 @@ table is given, so each decision is checked on numbers chosen for it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from freescale import rank_speed
 from freescale.config import ConfigError
@@ -91,7 +93,7 @@ def test_an_undone_first_trial_leaves_the_rank_flagged_once_at_full_share(monkey
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("slow_policy", "evict", "slow_policy: must be one of"), ("slow_threshold", 1.0, "slow_threshold: must be in"),
+    ("slow_policy", "fastest", "slow_policy: must be one of"), ("slow_threshold", 1.0, "slow_threshold: must be in"),
     ("speed_window", 2, "speed_window: must be >= 3"), ("check_every", 0, "check_every: must be >= 1")])
 def test_bad_balance_settings_name_the_key(field: str, value: object, message: str) -> None:
     cfg = BalanceConfig()
@@ -117,3 +119,91 @@ def test_a_rank_never_measured_healthy_has_no_individual_score(monkeypatch: pyte
                                                             np.ones(2), np.ones(2), ["a", "b"]))
     result = check(speed, 10)
     assert result.individual[0] == 1.0 and np.isnan(result.individual[1])
+
+
+class _Planned:
+    """The loader's side a ``SpeedShare`` uses: the capacities it plans with."""
+
+    def __init__(self) -> None:
+        self.planner = self
+        self.capacities: dict[int, float] | None = None
+        self.calls: list[dict[int, float] | None] = []
+
+    def set_capacities(self, capacities: dict[int, float] | None) -> None:
+        self.capacities = capacities
+        self.calls.append(capacities)
+
+
+def _group_tables(monkeypatch: pytest.MonkeyPatch, rows: dict[int, list[float]], done: int = 10) -> dict[int, Any]:
+    """Each group's side header for the step after a check at ``done``: groups of two ranks whose speeds are
+    ``rows[group]`` (busy seconds inverse to speed)."""
+    from freescale.speed_share import SpeedShare
+
+    headers = {}
+    for group, speeds in rows.items():
+        monkeypatch.setattr(rank_speed, "_gather", lambda *_, s=speeds, g=group: (
+            np.array(s), np.array(s), 100.0 / np.array(s), np.full(len(s), 1.0), [f"g{g}r{r}" for r in range(len(s))]))
+        share = SpeedShare(measured(RankSpeed(BalanceConfig(), rebalance=False), done), _Planned(), group, 2)  # type: ignore[arg-type]
+        share.gather(done)
+        headers[group] = share.header()
+        assert share.header().tolist() == [0] * share.size  # told once, with the next step
+    return headers
+
+
+def test_every_group_judges_the_whole_jobs_table_from_the_step_headers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replica groups of two ranks: group 2 is slow as a whole (its own ranks are alike, so only the job's table
+    shows it).  Every group decodes the same table from the headers and plans the same capacities; a group
+    that did not gather for this step (catching up) is unknown, not slow; the state a catching-up group loads
+    makes it judge the next check as the others do."""
+    from freescale.speed_share import SpeedShare
+    from freescale.step_types import Commit
+
+    headers = _group_tables(monkeypatch, {0: [100.0, 98.0], 1: [101.0, 99.0], 2: [40.0, 41.0]})
+    headers[3] = torch.zeros_like(headers[0])  # group 3 is catching up: it told nothing
+    cfg = BalanceConfig(slow_policy="rebalance", check_every=10)
+    commit = Commit(10, frozenset({0, 1, 2}), frozenset({0, 1, 2, 3}))
+    verdicts, loaders = [], []
+    for group in range(4):
+        loader = _Planned()
+        share = SpeedShare(RankSpeed(cfg, rebalance=True), loader, group, 2)  # type: ignore[arg-type]
+        share.speed._below = {4: 1, 5: 1}  # (below the threshold at the check before)
+        share.on_commit(Commit(9, commit.trained, commit.ready), headers)  # not a check's step: nothing judged
+        share.on_commit(commit, headers)
+        [check] = share.take()
+        verdicts.append((check.flagged, check.capacities, [round(float(v), 4) for v in np.nan_to_num(check.speeds)]))
+        loaders.append(loader.calls)
+        assert check.hosts[4:6] == ["g2r0", "g2r1"] and np.isnan(check.speeds[6:]).all()
+    assert all(v == verdicts[0] for v in verdicts) and all(calls == loaders[0] for calls in loaders)
+    assert verdicts[0][0] == [4, 5] and verdicts[0][1] == {4: pytest.approx(0.4, abs=0.01), 5: pytest.approx(0.41, abs=0.01)}
+    # A group catching up loads a source's state after step 10 and judges step 20 as the source does.
+    source, joiner = (SpeedShare(RankSpeed(cfg, rebalance=True), _Planned(), g, 2) for g in (0, 3))  # type: ignore[arg-type]
+    source.speed._below = {4: 1, 5: 1}
+    source.on_commit(commit, headers)
+    joiner.load_state_dict(json.loads(json.dumps(source.state_dict())))
+    assert joiner.speed.slow.keys() == {4, 5} and joiner.loader.capacities == verdicts[0][1]  # type: ignore[attr-defined]
+    source.take()
+    later = _group_tables(monkeypatch, {0: [100.0, 98.0], 1: [101.0, 99.0], 2: [80.0, 70.0], 3: [99.0, 98.0]}, 20)
+    judged = []
+    for share in (source, joiner):
+        share.on_commit(Commit(20, commit.ready, commit.ready), later)
+        [check] = share.take()
+        judged.append((check.flagged, check.recovered, check.replan, check.capacities, share.state_dict()))
+    assert judged[0] == judged[1] and judged[0][2]  # the same correction of the slow ranks' capacities
+
+
+def test_evict_stops_only_the_group_holding_the_fail_slow_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from freescale.speed_share import SpeedShare
+    from freescale.step_types import Commit
+
+    headers = _group_tables(monkeypatch, {0: [100.0, 98.0], 1: [101.0, 40.0]})
+    cfg = BalanceConfig(slow_policy="evict", check_every=10)
+    for group in (0, 1):
+        share = SpeedShare(RankSpeed(cfg, rebalance=False), _Planned(), group, 2)  # type: ignore[arg-type]
+        share.speed._below = {3: 1}
+        if group == 1:
+            with pytest.raises(rank_speed.FailSlowEvicted, match="replica group 1 evicted as fail-slow at step 10"):
+                share.on_commit(Commit(10, frozenset({0, 1}), frozenset({0, 1})), headers)
+        else:
+            share.on_commit(Commit(10, frozenset({0, 1}), frozenset({0, 1})), headers)
+            [check] = share.take()
+            assert check.flagged == [3] and not share.speed.slow  # judged anew when it is back
