@@ -14,6 +14,15 @@ run.  Throughput is samples per second of the steps from ``--measure-from`` on (
 - ``detect_steps``: steps from the slowdown to the ``fail_slow`` event.  Target <= 20.
 - ``false_flags``: ``fail_slow`` events of a healthy run (``--false-flag-steps`` steps, with a busy process
   beside the ranks when ``--background``).  Target 0.
+- ``kind``: ``compute`` (the rank's own work stretched) or ``data`` (its data loading: the ``data`` fault
+  stretches reading and assembling its batch, ``--data-factor`` times; the fixed part of a step's loading,
+  its plan, is not stretched).
+
+Replica groups (``groups``: ``--groups`` groups of one rank under fault tolerance, the last one's compute
+``--group-factor`` times slower from ``--slow-from``): the job's throughput (every group's samples per
+second of the measured steps) when the slow group sets the pace (``report``), when every group plans it at
+a smaller share (``rebalance``: its speed table carried in the FTAR header, ``freescale/speed_share.py``),
+and when it is evicted (``evict``, no restart: the survivors train the whole global batch).
 
 Modelled (the balance model: the planner and partitioner alone, no training, the true speeds known, no
 fixed work per step: an upper bound on what planning can recover): at R ranks, a global batch of
@@ -45,12 +54,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def train(data: Path, out: Path, args: argparse.Namespace, policy: str, factor: float, steps: int,
-          background: bool = False) -> dict[str, Any]:
-    """One ``freescale launch`` run; its rank 0 log's measures."""
+          background: bool = False, kind: str = "compute", groups: int = 0) -> dict[str, Any]:
+    """One ``freescale launch`` run (``groups``: that many replica groups of one rank, the last one slowed);
+    its (first group's) log's measures."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FREESCALE_AUDIT": "1"}
     if factor > 1.0:
-        env["FREESCALE_FAULTS"] = f"0:{args.nproc - 1}:{args.slow_from}:compute:{factor}"
-    cmd = [sys.executable, "-m", "freescale.cli", "launch", f"--nproc-per-node={args.nproc}",
+        slowed = f"{groups - 1}:0" if groups else f"0:{args.nproc - 1}"
+        env["FREESCALE_FAULTS"] = f"{slowed}:{args.slow_from}:{kind}:{factor}"
+    shape = [f"--replicas={groups}", "--ranks-per-replica=1", "--max-restarts=0"] if groups else \
+        [f"--nproc-per-node={args.nproc}"]
+    cmd = [sys.executable, "-m", "freescale.cli", "launch", *shape,
            "--config", str(REPO / "configs" / f"tiny_{args.model_kind}.toml"), f"--data.path={data}",
            f"--train.output_dir={out}", f"--train.steps={steps}", f"--data.batch_size={args.batch}",
            "--train.eval=false", "--train.progress=false", "--checkpoint.every=0", "--checkpoint.save_final=false",
@@ -64,27 +77,29 @@ def train(data: Path, out: Path, args: argparse.Namespace, policy: str, factor: 
             hog.wait()
     if proc.returncode != 0:
         raise SystemExit(f"bench_stragglers: a {policy} run failed:\n{proc.stderr[-3000:]}")
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    log = [json.loads(line) for line in (out / ("replica0" if groups else "") / "train_log.jsonl").read_text().splitlines()]
     commits = [e for e in log if e["event"] == "commit" and e["step"] >= args.measure_from]
     flags = [e for e in log if e["event"] == "fail_slow"]  # (rank 0 writes every rank's)
     seconds = sum(e["seconds"] for e in commits)
     late = [e["rank_sizes"] for e in commits]
-    return {"samples_per_s": sum(e["samples"] for e in commits) / seconds if seconds else float("nan"),
+    samples = sum(sum(e["rank_sizes"]) if groups else e["samples"] for e in commits)  # groups: every group's
+    return {"samples_per_s": samples / seconds if seconds else float("nan"),
             "step_ms": 1e3 * seconds / max(len(commits), 1), "flags": flags,
             "slow_rank_share": (sum(s[-1] for s in late) / max(sum(sum(s) for s in late), 1)) if late else float("nan")}
 
 
 def measured(args: argparse.Namespace, data: Path, tmp: Path) -> list[dict[str, Any]]:
     rows = []
+    cases = [("compute", f) for f in args.factors] + [("data", f) for f in args.data_factor]
     for repeat in range(args.repeats):
         healthy = train(data, tmp / f"healthy{repeat}", args, "report", 1.0, args.steps)
-        for factor in args.factors:
-            runs = {policy: train(data, tmp / f"{policy}{factor}-{repeat}", args, policy, factor, args.steps)
-                    for policy in ("report", "rebalance")}
+        for kind, factor in cases:
+            runs = {policy: train(data, tmp / f"{policy}{kind}{factor}-{repeat}", args, policy, factor, args.steps,
+                                  kind=kind) for policy in ("report", "rebalance")}
             report, rebalanced = runs["report"]["samples_per_s"], runs["rebalance"]["samples_per_s"]
             flag = [e for e in runs["rebalance"]["flags"] if e["rank"] == args.nproc - 1]
             rows.append({
-                "part": "measured", "repeat": repeat, "ranks": args.nproc, "factor": factor,
+                "part": "measured", "repeat": repeat, "ranks": args.nproc, "kind": kind, "factor": factor,
                 "healthy_sps": healthy["samples_per_s"], "report_sps": report, "rebalance_sps": rebalanced,
                 "report_vs_healthy": report / healthy["samples_per_s"], "rebalance_vs_report": rebalanced / report,
                 "slow_share_report": runs["report"]["slow_rank_share"],
@@ -93,6 +108,23 @@ def measured(args: argparse.Namespace, data: Path, tmp: Path) -> list[dict[str, 
                 "false_flags": len(healthy["flags"]) + sum(1 for r in runs.values() for e in r["flags"]
                                                            if e["rank"] != args.nproc - 1),
             })
+    return rows
+
+
+def replica_groups(args: argparse.Namespace, data: Path, tmp: Path) -> list[dict[str, Any]]:
+    rows = []
+    for repeat in range(args.repeats):
+        healthy = train(data, tmp / f"g-healthy{repeat}", args, "report", 1.0, args.steps, groups=args.groups)
+        runs = {policy: train(data, tmp / f"g-{policy}{repeat}", args, policy, args.group_factor, args.steps,
+                              groups=args.groups) for policy in ("report", "rebalance", "evict")}
+        flag = [e for e in runs["rebalance"]["flags"] if e["group"] == args.groups - 1]
+        rows.append({"part": "groups", "repeat": repeat, "groups": args.groups, "factor": args.group_factor,
+                     "healthy_sps": healthy["samples_per_s"],
+                     **{f"{policy}_sps": run["samples_per_s"] for policy, run in runs.items()},
+                     **{f"{policy}_vs_report": run["samples_per_s"] / runs["report"]["samples_per_s"]
+                        for policy, run in runs.items() if policy != "report"},
+                     "detect_steps": flag[0]["step"] - args.slow_from if flag else None,
+                     "false_flags": len(healthy["flags"])})
     return rows
 
 
@@ -142,13 +174,17 @@ def main() -> None:
     parser.add_argument("--slow-from", type=int, default=10)
     parser.add_argument("--measure-from", type=int, default=40)
     parser.add_argument("--factors", type=float, nargs="+", default=[1.5, 2.0])
+    parser.add_argument("--data-factor", type=float, nargs="*", default=[20.0],
+                        help="the data fault's factors (the data's part of a step is small: it takes a large one)")
+    parser.add_argument("--groups", type=int, default=3, help="replica groups of the groups part (0: none)")
+    parser.add_argument("--group-factor", type=float, default=2.0)
     parser.add_argument("--false-flag-steps", type=int, default=1000)
     parser.add_argument("--model-ranks", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--json", help="write rows, machine and parameters to this path")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.factors, args.steps, args.measure_from = 1, [2.0], 50, 30
-        args.false_flag_steps, args.model_ranks = 0, [256]
+        args.false_flag_steps, args.model_ranks, args.data_factor, args.groups = 0, [256], [], 0
     rows = modelled(args)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
@@ -156,12 +192,17 @@ def main() -> None:
 
         generate(data, SyntheticSpec(rows=max(40_000, args.batch * args.nproc * 50), eval_rows=1_024, seed=0))
         rows += measured(args, data, Path(tmp))
+        if args.groups:
+            rows += replica_groups(args, data, Path(tmp))
         if args.false_flag_steps:
             rows += false_flags(args, data, Path(tmp))
     for part, columns in (("modelled", ["ranks", "factor", "step_report", "step_rebalance", "recovered", "plan_ms"]),
-                          ("measured", ["repeat", "ranks", "factor", "healthy_sps", "report_sps", "rebalance_sps",
+                          ("measured", ["repeat", "ranks", "kind", "factor", "healthy_sps", "report_sps", "rebalance_sps",
                                         "report_vs_healthy", "rebalance_vs_report", "slow_share_report",
                                         "slow_share_rebalance", "detect_steps", "false_flags"]),
+                          ("groups", ["repeat", "groups", "factor", "healthy_sps", "report_sps", "rebalance_sps",
+                                      "evict_sps", "rebalance_vs_report", "evict_vs_report", "detect_steps",
+                                      "false_flags"]),
                           ("false_flags", ["steps", "background_load", "false_flags", "wall_s"])):
         chosen = [r for r in rows if r["part"] == part]
         if chosen:

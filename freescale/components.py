@@ -236,6 +236,8 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
                     segment_end_of(cfg.checkpoint.every, cfg.train.steps))
     incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     hooks = hooks_from_env(group, ctx.rank, incarnation, log_dir)
+    if hooks.wants("data"):
+        loader.made = hooks.stretch_data
     tracer = _tracer(dmp) if cfg.train.trace_comm else None
     prioritized = cfg.pipeline.kind == "prioritized"
     chunk = cfg.pipeline.chunk_kb * 1024 if prioritized else None

@@ -6,7 +6,7 @@ Each replica group's rank 0 logs every incarnation's events to the same
 did, across every incarnation of every group: steps committed, samples trained (each group's
 contributing share of each step, once), restarts, catch-ups, the stall (time the job made no
 committed step beyond its usual step time) and the eval metrics, with one row per group
-beneath.  Groups print no table of their own under the launcher, so the terminal shows one job.
+beneath, then one line per fail-slow verdict (``freescale.rank_speed``).  Groups print no table of their own under the launcher, so the terminal shows one job.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class JobSummary:
     stall_s: float
     """Sum over the gaps between consecutive committed steps of what exceeds 5x the median step time."""
     groups: list[GroupRow] = field(default_factory=list)
+    fail_slow: list[str] = field(default_factory=list)
+    """The job's fail-slow verdicts and recoveries, one line each (``freescale.rank_speed``)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -50,7 +52,7 @@ class JobSummary:
 
 
 def summarize(root: Path) -> JobSummary:
-    from freescale.report.logs import read_run
+    from freescale.report.logs import fail_slow_line, read_run
 
     run = read_run(root)
     by_step: dict[int, float] = {}
@@ -72,7 +74,8 @@ def summarize(root: Path) -> JobSummary:
     stall = float(np.sum(np.clip(gaps - 5 * usual, 0, None))) if gaps.size else 0.0
     return JobSummary(steps=len(by_step), samples=samples, seconds=float(times[-1] - times[0]) if times.size > 1 else 0.0,
                       restarts=sum(r.incarnations - 1 for r in rows if r.incarnations), catch_ups=sum(r.catch_ups for r in rows),
-                      stall_s=stall, groups=rows)
+                      stall_s=stall, groups=rows,
+                      fail_slow=[f"group {e.get('group', 0)}, {fail_slow_line(e)}" for e in run.fail_slow()])
 
 
 def print_job_summary(summary: JobSummary, title: str) -> None:
@@ -89,4 +92,7 @@ def print_job_summary(summary: JobSummary, title: str) -> None:
                       str(max(0, row.incarnations - 1)), str(row.catch_ups), "",
                       f"{row.eval_auc:.4f}" if row.eval_auc is not None else "")
     table.caption = "group rows: the steps and samples each group trained; stall: time without a committed step"
-    Console(width=None if sys.stdout.isatty() else 100).print(table)
+    console = Console(width=None if sys.stdout.isatty() else 100)
+    console.print(table)
+    for line in summary.fail_slow:
+        console.print(f"fail-slow: {line}", highlight=False)

@@ -1,9 +1,11 @@
 """Each rank's speed, measured online from the step's own timing; fail-slow ranks found and planned around.
 
-A rank's **speed** is the planned cost it trained per second of its own compute: the loader's cost of its
-share (``StepInfo.rank_cost``) over the step's busy time (``StepOutcome.busy_s``: the training thread's CPU
-time on CPU, where time blocked in a collective is not in it; on CUDA the busy time would have to come
-from events: not built, so on CUDA the check is off).  One step's speed is noisy (a cache miss, a page
+A rank's **speed** is the planned cost it trained per second of its own work: the loader's cost of its
+share (``StepInfo.rank_cost``) over the step's busy time: the training thread's CPU time
+(``StepOutcome.busy_s``, where time blocked in a collective is not in it) plus its wait for the step's
+batch (``StepInfo.wait_s``: a rank whose data loading falls behind is slow too, and a smaller share
+reads faster).  On CUDA the busy time would have to come from events: not built, so on CUDA the check
+is off.  One step's speed is noisy (a cache miss, a page
 fault, the first step's lazy set-up); the estimate is the **median** over the last ``speed_window`` steps,
 so one noisy step does not move it.
 

@@ -19,8 +19,9 @@ catching up must reach it too.  The table travels with the steps themselves:
 
 A replica group that catches up loads the verdicts' state and the capacities in force from its
 source's snapshot (``state_dict``) and replays the commits after it, verdicts included, so it plans
-exactly what the others plan.  With ``evict`` the group holding a flagged rank raises ``FailSlowEvicted``
-at that commit (every group reaches the same verdict; only that one stops).
+exactly what the others plan.  With ``evict`` the group holding a flagged rank stops at that commit
+(``evicted``: the trainer raises it once the step is logged; every group reaches the same verdict, only
+that one stops).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class SpeedShare:
         """The group's table gathered after the last committed step (``done``, table), for the next header."""
         self.checks: list[SpeedCheck] = []
         """Verdicts reached since the trainer last took them (a catch-up's replay can reach several)."""
+        self.evicted: FailSlowEvicted | None = None
+        """Set at the commit whose verdict evicts this group: the trainer raises it once the step is logged."""
+        self._flagged: dict[int, dict[str, Any]] = {}
+        """The job's fail-slow ranks (global rank -> what the lighthouse's status shows of it)."""
 
     @property
     def size(self) -> int:
@@ -90,10 +95,26 @@ class SpeedShare:
         if check.replan:
             self.loader.set_capacities(check.capacities)
         self.checks.append(check)
+        self._note(check)
         mine = range(self.group * self.group_size, (self.group + 1) * self.group_size)
         if self.speed.evict and any(rank in mine for rank in check.flagged):
-            raise FailSlowEvicted(f"replica group {self.group} evicted as fail-slow at step {step} (balance.slow_policy "
-                                  "= 'evict'): it stops as a crash would, and restarts while --max-restarts allows")
+            self.evicted = FailSlowEvicted(
+                f"replica group {self.group} evicted as fail-slow at step {step} (balance.slow_policy = 'evict'): it "
+                "stops as a crash would, and restarts while --max-restarts allows")
+
+    def _note(self, check: SpeedCheck) -> None:
+        """Keep the fail-slow ranks for the lighthouse: flagged ones in, recovered ones out (evicted ones stay
+        until the next check: their group is gone, then judged anew)."""
+        for rank in [*check.recovered, *(r for r in self._flagged if r not in self.speed.slow)]:
+            self._flagged.pop(rank, None)
+        for rank in check.flagged:
+            share = float(check.shares[rank]) if check.shares is not None else float("nan")
+            self._flagged[rank] = {"group": rank // self.group_size, "rank": rank % self.group_size, "step": check.step,
+                                   "share": round(share, 4) if share == share else 0.0, "host": check.hosts[rank]}
+
+    def notes(self) -> dict[str, Any]:
+        """``fail_slow``: the job's fail-slow ranks, for the lighthouse's status."""
+        return {"fail_slow": [self._flagged[rank] for rank in sorted(self._flagged)]}
 
     def _table(self, step: int, headers: dict[int, torch.Tensor]) -> SpeedTable:
         """The job's table (global rank = group x group size + rank) from the headers of groups that gathered
@@ -120,7 +141,7 @@ class SpeedShare:
     def state_dict(self) -> dict[str, Any]:
         """The verdicts' state and the capacities in force (a catching-up group plans from them)."""
         capacities = self.loader.planner.capacities
-        return {"verdicts": self.speed.state_dict(),
+        return {"verdicts": self.speed.state_dict(), "flagged": [[r, e] for r, e in sorted(self._flagged.items())],
                 "capacities": None if capacities is None else [[r, c] for r, c in sorted(capacities.items())]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -129,6 +150,7 @@ class SpeedShare:
         capacities = state["capacities"]
         self.loader.set_capacities(None if capacities is None else {int(r): float(c) for r, c in capacities})
         self._pending, self.checks = None, []
+        self._flagged = {int(rank): dict(entry) for rank, entry in state["flagged"]}
 
 
 __all__ = ["SpeedShare"]

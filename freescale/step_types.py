@@ -192,6 +192,9 @@ class SideChannel(Protocol):
     def on_commit(self, commit: Commit, headers: dict[int, torch.Tensor]) -> None:
         """``commit.step`` committed (or was replayed): every participant's header, by group index."""
 
+    def notes(self) -> dict[str, Any]:
+        """What the lighthouse's status shows of it (JSON), sent with this rank's heartbeats."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...

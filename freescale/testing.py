@@ -27,6 +27,9 @@ benchmarks and demos (the same in every process of a run):
       (the 5th field is a factor here, e.g. ``0:1:20:compute:2``): after backward the rank spins for
       ``factor - 1`` times the CPU time its step has taken so far, so the extra time grows with its
       work (a smaller share is slowed less), as on a throttled device, and is the rank's own busy time;
+    - ``data`` is no fault either: from ``step`` on, every incarnation's data loading takes ``<ms>`` times as
+      long (a factor, as for ``compute``): after the loader makes a batch, its thread waits ``factor - 1``
+      times what making it took (slow storage or a starved host: the training thread waits for its batch);
     - ``away`` is no fault either: from ``step`` on, while the last committed step
       had fewer ready replica groups than the run has, every incarnation sleeps
       ``ms`` after backward.  Survivors train slowly only while a group restarts
@@ -51,9 +54,10 @@ from pathlib import Path
 
 FAULTS_ENV = "FREESCALE_FAULTS"
 AUDIT_ENV = "FREESCALE_AUDIT"
-POINTS = ("forward", "reduce", "vote", "catchup", "serve", "slow", "away", "compute")
-_AT_OR_AFTER = ("forward", "catchup", "slow", "serve", "away", "compute")
-_EVERY_INCARNATION = ("slow", "away", "compute")
+POINTS = ("forward", "reduce", "vote", "catchup", "serve", "slow", "away", "compute", "data")
+_AT_OR_AFTER = ("forward", "catchup", "slow", "serve", "away", "compute", "data")
+_EVERY_INCARNATION = ("slow", "away", "compute", "data")
+_FACTORS = ("compute", "data")
 
 
 class StepHooks:
@@ -70,6 +74,9 @@ class StepHooks:
 
     def stretch(self, step: int, busy_s: float) -> None:
         """After a step's backward, ``busy_s`` CPU seconds into it (the ``compute`` fault)."""
+
+    def stretch_data(self, step: int, made_s: float) -> None:
+        """After the loader made step ``step``'s batch in ``made_s`` seconds, on its thread (the ``data`` fault)."""
 
 
 class FaultHooks(StepHooks):
@@ -89,9 +96,9 @@ class FaultHooks(StepHooks):
             inc = incarnation if parts[3] in _EVERY_INCARNATION and not wanted_incarnation else int(wanted_incarnation or 0)
             if (g, r, inc) == (group, rank, incarnation):
                 value = float(parts[4]) if len(parts) > 4 else 0.0
-                if parts[3] == "compute" and not value >= 1.0:
-                    raise ValueError(f"{FAULTS_ENV}: '{item}': a compute fault's factor must be >= 1")
-                self.faults.append((int(parts[2]), parts[3], value if parts[3] == "compute" else value / 1000))
+                if parts[3] in _FACTORS and not value >= 1.0:
+                    raise ValueError(f"{FAULTS_ENV}: '{item}': a {parts[3]} fault's factor must be >= 1")
+                self.faults.append((int(parts[2]), parts[3], value if parts[3] in _FACTORS else value / 1000))
 
     def wants(self, point: str) -> bool:
         return any(kind == point for _, kind, _ in self.faults)
@@ -100,6 +107,8 @@ class FaultHooks(StepHooks):
         for at, kind, delay in self.faults:
             if kind != point or not (step == at or (point in _AT_OR_AFTER and step >= at)):
                 continue
+            if point in _FACTORS:
+                continue  # (stretch, stretch_data)
             if point in _EVERY_INCARNATION:
                 time.sleep(delay)
             elif point == "reduce":
@@ -114,6 +123,11 @@ class FaultHooks(StepHooks):
                 spun = 0
                 while time.thread_time() < until:  # real work, on this rank's own CPU time
                     spun += 1
+
+    def stretch_data(self, step: int, made_s: float) -> None:
+        for at, kind, factor in self.faults:
+            if kind == "data" and step >= at and factor > 1.0:
+                time.sleep((factor - 1.0) * made_s)
 
     def die(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)

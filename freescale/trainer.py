@@ -262,6 +262,8 @@ class Trainer:
             if first and outcome.output is not None:  # the data's rows may all be bad: no silent empty training
                 self._stop_if_nothing_trained(parts, done, _trained_samples(parts, outcome.output))
             self._log_commit(log, outcome)
+            if parts.shared_speeds is not None and parts.shared_speeds.evicted is not None:
+                raise parts.shared_speeds.evicted  # (balance.slow_policy = 'evict': this group is fail-slow)
             if outcome.output is not None:
                 progress.add(outcome.output[1:])
                 trained_since_report += 1
@@ -270,7 +272,8 @@ class Trainer:
             if calibration is not None and outcome.info is not None and not first:
                 calibration.add(outcome.info.row_lengths, outcome.busy_s)  # a first step pays for lazy set-up
             if parts.speed is not None and outcome.info is not None and not first:
-                parts.speed.add(commit.step, outcome.info.rank_cost, outcome.busy_s, outcome.wall_s)
+                # Busy: the step's own CPU time and the wait for its batch (a rank whose data loading falls behind).
+                parts.speed.add(commit.step, outcome.info.rank_cost, outcome.busy_s + outcome.info.wait_s, outcome.wall_s)
             first = False
             if parts.speed is not None and parts.speed.due(done):
                 self._check_speed(parts, log, progress, done)

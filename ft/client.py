@@ -154,6 +154,9 @@ class LighthouseClient:
         self.progress: dict[str, Any] = {}
         """``{quorum_id, step, ready}`` of this rank's last committed step, sent with every heartbeat
         (what a lighthouse restarted without its state file rebuilds the run's facts from)."""
+        self.notes: dict[str, Any] = {}
+        """More this rank tells the lighthouse with every heartbeat, for its ``/v1/status`` (``fail_slow``: the job's
+        fail-slow ranks, ``freescale.speed_share``)."""
         self.waiting_reason = ""
         """Why the lighthouse holds this group back (its last ``waiting`` answer), "" when it does not."""
         self.on_waiting: Callable[[str], None] = lambda why: None
@@ -431,7 +434,7 @@ class LighthouseClient:
         interval = self.heartbeat_interval_s
         while not self._stop.is_set():
             try:
-                reply = self._request("POST", "/v1/heartbeat", self.progress,
+                reply = self._request("POST", "/v1/heartbeat", {**self.progress, **self.notes},
                                       timeout_s=max(0.5, 4 * self.heartbeat_interval_s))
                 current = reply.get("quorum_id")
                 self._lighthouse_quorum = (current if isinstance(current, int) else None,

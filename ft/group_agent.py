@@ -98,6 +98,8 @@ class GroupAgent:
         self.url = ""
         self._beats: dict[int, float] = {}
         self._progress: dict[int, dict[str, Any]] = {}
+        self._fail_slow: Any = None
+        """Member 0's last ``fail_slow`` report (``LighthouseClient.notes``), relayed with the group's heartbeat."""
         self._lost: set[int] = set()
         """Members whose presence connection closed, until the lighthouse acknowledged it."""
         self._beat_reply: Answer = (200, b'{"ok": true, "quorum_id": null, "quorum_lost": false}')
@@ -269,7 +271,8 @@ class GroupAgent:
         if len(self._progress) < self.group_size:
             return {}
         least = min(self._progress.values(), key=lambda p: (p["quorum_id"], p["step"]))
-        return {**least, "ready": all(p["ready"] for p in self._progress.values())}
+        slow = {} if self._fail_slow is None else {"fail_slow": self._fail_slow}  # checked by the lighthouse
+        return {**least, "ready": all(p["ready"] for p in self._progress.values()), **slow}
 
     # ------------------------------------------------------------------ member side
     @web.middleware
@@ -311,6 +314,8 @@ class GroupAgent:
         quorum_id, step = body.get("quorum_id"), body.get("step")
         if isinstance(quorum_id, int) and isinstance(step, int):
             self._progress[member] = {"quorum_id": quorum_id, "step": step, "ready": body.get("ready") is True}
+        if member == 0 and "fail_slow" in body:  # (every member judged alike: the first one speaks for the group)
+            self._fail_slow = body["fail_slow"]
         return _relay(self._beat_reply)
 
     async def _quorum(self, request: web.Request) -> web.Response:

@@ -450,6 +450,7 @@ class FaultTolerance(SnapshotSide):
             self._accounted = self._data.commit(commit)
         if self._side is not None:
             self._side.on_commit(commit, {self._group_of(rid): h for rid, h in result.side_headers.items()})
+            self._client.notes = self._side.notes()
         for _, _, on_commit in self._user_states.values():
             if on_commit is not None:
                 on_commit(commit)

@@ -292,7 +292,8 @@ class LighthouseOps(Membership):
             "quorum": self.quorum,
             "groups": {rid: {"incarnation": g.incarnation, "group_size": g.group_size,
                              "healthy": g.healthy(now, self.cfg.heartbeat_timeout_s),
-                             "since_heartbeat_s": now - g.last_beat()} for rid, g in self.groups.items()},
+                             "since_heartbeat_s": now - g.last_beat(), "fail_slow": g.fail_slow}
+                       for rid, g in self.groups.items()},
             "joining": sorted(self.joins),
             "high_step": self.high_step,
             "holders": self.holders,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from freescale.ft.durable import DurableState
-from freescale.ft.membership_records import _Group, _Join, _Vote, resolve
+from freescale.ft.membership_records import _Group, _Join, _Vote, fail_slow_entries, resolve
 
 log = logging.getLogger("freescale.ft.lighthouse")
 
@@ -162,7 +162,11 @@ class Membership:
 
     def note_progress(self, group: _Group, body: dict[str, Any]) -> None:
         """A heartbeat's report of the rank's last committed quorum and next step (when it holds
-        valid state): rebuilds a forgetful lighthouse's facts (module docstring)."""
+        valid state): rebuilds a forgetful lighthouse's facts (module docstring).  Its ``fail_slow`` list (the
+        job's fail-slow ranks, as the group judged them) is kept for ``/v1/status``."""
+        reported = fail_slow_entries(body.get("fail_slow"))
+        if reported is not None:
+            group.fail_slow = reported
         quorum_id, step = body.get("quorum_id"), body.get("step")
         if not isinstance(quorum_id, int) or isinstance(quorum_id, bool) or body.get("ready") is not True:
             return

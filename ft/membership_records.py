@@ -31,6 +31,28 @@ def resolve(waiters: list[asyncio.Future[Any]], value: Any) -> None:
     waiters.clear()
 
 
+FAIL_SLOW_FIELDS = {"group": int, "rank": int, "step": int, "share": float, "host": str}
+"""What a heartbeat's ``fail_slow`` entries hold (anything else is dropped: a status never shows a malformed one)."""
+
+
+def fail_slow_entries(value: Any) -> list[dict[str, Any]] | None:
+    """A heartbeat's ``fail_slow`` list, checked (at most 64 entries, each with ``FAIL_SLOW_FIELDS``); None if it
+    is absent or malformed (the last good report stays)."""
+    if not isinstance(value, list) or len(value) > 64:
+        return None
+    out = []
+    for entry in value:
+        if not isinstance(entry, dict) or any(not isinstance(entry.get(k), t) or isinstance(entry.get(k), bool)
+                                              for k, t in FAIL_SLOW_FIELDS.items() if t is not float):
+            return None
+        share = entry.get("share")
+        if not isinstance(share, (int, float)) or isinstance(share, bool):
+            return None
+        out.append({"group": entry["group"], "rank": entry["rank"], "step": entry["step"], "share": float(share),
+                    "host": entry["host"][:64]})
+    return out
+
+
 class BadRequest(Exception):
     pass
 
@@ -48,6 +70,9 @@ class _Group:
     _stalest: float | None = None
     agent: bool = False
     """It speaks through a group agent (``freescale.ft.group_agent``): one voice for all its members."""
+    fail_slow: list[dict[str, Any]] = field(default_factory=list)
+    """The job's fail-slow ranks as this group's last heartbeat reported them (``freescale.speed_share``: every
+    group reaches the same verdicts), shown by ``/v1/status``."""
     presence_lost: bool = False
     """A member's presence connection closed (its process is gone: ``/v1/presence``): with no sign of
     life during the suspect grace, the group no longer counts as maybe alive for the majority rule

@@ -506,6 +506,12 @@ def test_a_slow_replica_group_is_planned_smaller_by_every_group_at_one_step_or_e
     assert (group, rank) == (2, 0) and all(flagged[g] == flagged[0] for g in judges), flagged
     assert 9 <= step <= 21, step
     assert proc.stderr.count("replica group 2, rank 0 on ") == 1 and f"is fail-slow at step {step}" in proc.stderr
+    assert "fail-slow: group 2, rank 0 on " in proc.stdout  # the job summary; the report's events likewise:
+    from freescale.report.logs import read_run
+    from freescale.report.page import event_rows
+
+    said = [row for _, row in event_rows(read_run(tmp_path)) if row[2] == "fail-slow"]
+    assert len(said) == 1 and said[0][1] == 2 and f"fail-slow at step {step}" in said[0][3], said
     records = {group: by_step(events) for (group, _), events in runs.items()}
     if policy == "rebalance":
         for s in range(steps):
@@ -519,3 +525,4 @@ def test_a_slow_replica_group_is_planned_smaller_by_every_group_at_one_step_or_e
         assert [e for e in runs[(2, 0)] if "catch_up" in e], "group 2 did not catch up"
         assert records[2][steps - 1]["contributing"] and records[0][steps - 1]["participants"] == [
             "replica0", "replica1", "replica2"]
+        assert records[2][step]["contributing"], "the evicted group's last step is logged before it stops"

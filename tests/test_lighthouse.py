@@ -251,6 +251,13 @@ def test_token_size_limit_and_bad_fields_are_refused() -> None:
     assert requests.post(url, json={**body, "pad": "x" * 4096}, headers=auth, timeout=5).status_code == 413
     bad = requests.post(url, json={**body, "member": "zero"}, headers=auth, timeout=5)
     assert bad.status_code == 400 and "member" in bad.json()["error"]
+    # A group's fail-slow report is shown by the status; a malformed one is dropped (the last good one stays).
+    slow = [{"group": 2, "rank": 0, "step": 25, "share": 0.51, "host": "node7"}]
+    assert requests.post(url, json={**body, "fail_slow": slow}, headers=auth, timeout=5).status_code == 200
+    for malformed in ([{"group": "two"}], "slow", [{**slow[0], "share": True}]):
+        assert requests.post(url, json={**body, "fail_slow": malformed}, headers=auth, timeout=5).status_code == 200
+    status = requests.get(f"{lh.url}/v1/status", headers=auth, timeout=5).json()
+    assert status["groups"]["a"]["fail_slow"] == slow
     lh.stop_thread()
 
 

@@ -48,6 +48,8 @@ FIELDS: dict[str, dict[str, tuple[str, bool]]] = {
     "catch_up.catch_up": {"started": (NUM, False), "group_ready": (NUM, False), "finished": (NUM, False),
                           "bytes": (NUM, False), "bytes_per_s": (NUM, False), "joined_step": (INT_OR_NULL, False),
                           "snapshot_step": (INT_OR_NULL, False), "replayed": (INT_OR_NULL, False)},
+    "fail_slow": {"step": (INT, True), "group": (INT, False), "rank": (INT, True), "share": (NUM, False)},
+    "fail_slow_recovered": {"step": (INT, True), "group": (INT, False), "rank": (INT, True)},
     "checkpoint": {"step": (INT, True)},
     "calibrate": {"step": (INT, True)},
     "eval": {"auc": (NUM_OR_NULL, False)},
@@ -114,12 +116,30 @@ class RunLogs:
     def fault_tolerant(self) -> bool:
         return len(self.groups) > 1 or any("quorum_id" in c for g in self.groups for c in g.commits)
 
+    def fail_slow(self) -> list[dict[str, Any]]:
+        """The run's ``fail_slow`` and ``fail_slow_recovered`` verdicts, once each (every replica group logs the
+        job's verdicts alike), in step order."""
+        seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for g in self.groups:
+            for e in g.of("fail_slow", "fail_slow_recovered"):
+                seen.setdefault((e["event"], e["step"], e.get("group", 0), e["rank"]), e)
+        return sorted(seen.values(), key=lambda e: (e["step"], e["event"]))
+
     @property
     def t0(self) -> float:
         """The earliest event time: the report's time axis starts there."""
         times = [e["time"] for g in self.groups for e in g.events]
         return min(times) if times else 0.0
 
+
+def fail_slow_line(e: dict[str, Any]) -> str:
+    """One verdict in words (the report's event table, the job summary)."""
+    where = f"rank {e['rank']}" + (f" on {e['host']}" if e.get("host") else "")
+    if e["event"] == "fail_slow_recovered":
+        return f"{where} back to speed at step {e['step']}"
+    share = e.get("share")
+    return (f"{where} fail-slow at step {e['step']}" + (f": {share:.2f} of the median rank's speed" if share else "")
+            + (f" (slow_policy {e['policy']})" if e.get("policy") else ""))
 
 # ----- one file ------------------------------------------------------------------------------------
 _TYPES = {NUM: (int, float), NUM_OR_NULL: (int, float, type(None)), INT: (int,), INT_OR_NULL: (int, type(None)),

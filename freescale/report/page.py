@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from freescale.report.figures import catchup_phases, fig_quality, fig_steps, fig_timeline, groups_of, kill_step
-from freescale.report.logs import ReportError, RunLogs, read_run
+from freescale.report.logs import ReportError, RunLogs, fail_slow_line, read_run
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:24px;max-width:1250px;color:#222}
 table{border-collapse:collapse;margin:8px 0 18px}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left}
@@ -94,7 +94,11 @@ def event_rows(run: RunLogs) -> list[tuple[float, list[Any]]]:
                                           f"{html.escape(', '.join(map(str, c.get('participants', []))))}"]))
         for e in g.of("checkpoint", "calibrate"):
             found.append((e["time"], [f"{e['time'] - t0:.2f}", g.group, e["event"], f"step {e.get('step')}"]))
+    for e in run.fail_slow():
+        found.append((e["time"], [f"{e['time'] - t0:.2f}", e.get("group", 0), e["event"].replace("_", "-"),
+                                  html.escape(fail_slow_line(e))]))
     return sorted(found, key=lambda item: item[0])
+
 
 
 FIGURE_NOTES = {
