@@ -1,10 +1,10 @@
-"""What fault tolerance buys at scale: ETTR of four policies at 1K-98K GPUs, by simulation.
+"""What fault tolerance buys at scale: ETTR of three policies at 1K-98K GPUs, by simulation.
 
-``freescale.sim`` simulates one seeded failure trace per GPU count and runs four policies on
+``freescale.sim`` simulates one seeded failure trace per GPU count and runs three policies on
 it: fully synchronous training with checkpoint restart, a torchft-like replica policy (the
-in-flight step discarded on every replica, the heal's source blocking) and this project twice:
-**as built** (no step discarded, non-blocking catch-up; a slow replica sets everyone's pace) and
-**as designed** (also a slow replica kept at a reduced share once detected: not built yet).
+in-flight step discarded on every replica, the heal's source blocking) and this project (no step
+discarded, non-blocking catch-up, a detected slow replica kept at a reduced share of the global
+batch: the detection delay and the share of its cost won back measured by ``bench_stragglers.py``).
 
 1. Validation gates first (``freescale/sim/gates.py``): FT-HSDP's synchronous 44% (and which
    accounting gives it), FT-HSDP's own 80%, torchft's Crusoe run (82.3% of steps committed;
@@ -14,7 +14,8 @@ in-flight step discarded on every replica, the heal's source blocking) and this 
 2. Inputs, each printed with its source: this repository's benchmark results
    (``ft_torchrec_cpu.json``: kill -> next commit, restart -> catch-up, the catch-up's fixed
    cost and rate, the survivors' slowdown during a catch-up, the last three CPU-toy figures;
-   ``ft_cpu.json``: per-step overhead, torchft's kill -> next commit), code defaults (the hang
+   ``ft_cpu.json``: per-step overhead, torchft's kill -> next commit; ``stragglers_cpu.json``: steps to detect
+   a slow replica, the share of its cost won back), code defaults (the hang
    bounds: ``ft/config.py`` ``FTConfig.timeout_s``, torchft's ``Manager`` timeout), and labelled
    assumptions for what a 2-core CPU machine cannot measure (failure rates, node replacement,
    NCCL init at scale, checkpoint cadence).
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                               f"ETTR by simulation ({failures:,} failures per point): measured parameters of this "
                               f"repository + labelled assumptions ({out.name} lists each)")
         tp = plot_throughput(throughput_run(v, SCALES[-1], 24.0, args.seed), out.with_name("ettr_throughput_98k.png"),
-                             f"throughput over 24 h at {SCALES[-1]:,} GPUs, one failure trace, four policies")
+                             f"throughput over 24 h at {SCALES[-1]:,} GPUs, one failure trace, three policies")
         print(f"wrote {png} and {tp}")
         write_json(out, "bench_ettr", {
             "quick": args.quick, "failures_per_point": failures, "seed": args.seed, "scales": list(SCALES),

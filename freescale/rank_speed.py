@@ -24,9 +24,10 @@ host name) and each computes the same verdict from the same numbers:
   the ratio of the healthy ranks' median busy time to its own, so the ranks' busy times meet: a step's
   time holds a part that does not shrink with the share (the rank's fixed work per step), which a speed
   ratio alone would miss, and a speed measured on a smaller share reads lower by it (planning by that
-  would starve the rank step after step).  Every change is a trial: when the steps planned with it are
-  slower than before it (the busy time is the training thread's: other threads' work, the loader's and
-  the communication's, is not in it), it is undone and the capacities stay.  It recovers when its
+  would starve the rank step after step).  Every change is a trial against the fastest plan measured
+  since the flag (at first, letting the slow rank set the pace): when its steps are slower than that
+  plan's (the busy time is the training thread's: other threads' work, the loader's and the
+  communication's, is not in it), that plan comes back and the capacities stay.  It recovers when its
   capacity is back near 1.  ``evict`` (replica groups only) hands the group holding a fail-slow rank to
   restart as a crash would (``FailSlowEvicted``): it catches up from a peer and is judged anew.
   ``report`` only says so; ``off`` measures nothing.  Healthy ranks stay at 1.0, so their noise never
@@ -186,9 +187,10 @@ class RankSpeed:
         self._best = 0.0
         self.slow: dict[int, tuple[int, float]] = {}
         """Fail-slow ranks: rank -> (the step it was flagged at, its capacity: 1.0 unless rebalanced)."""
-        self._trial: tuple[dict[int, float], float] | None = None
-        """The capacities before the last change and the step time measured with them: kept only if the change
-        made steps no slower."""
+        self._baseline: tuple[dict[int, float], float] | None = None
+        """The capacities whose steps were the fastest since a rank's state last changed, and their step time (at a
+        flag: the slow rank setting the pace).  A plan slower than it is replaced by it: corrections that each
+        look no worse than the last never add up to a slower job."""
         self._settled = False
         """A change made steps slower and was undone: the capacities stay until a rank's state changes."""
         self._host = platform.node().encode()[:HOST_BYTES]
@@ -273,41 +275,42 @@ class RankSpeed:
                 check.recovered.append(rank)
 
     def _keep_or_undo(self, before: dict[int, float], wall: float, check: SpeedCheck) -> None:
-        """Replan when the capacities changed; a change whose steps turned out slower than before it (by more
-        than ``_NOISE``) is undone, and the capacities then stay (``_settled``): planning around a slow rank
-        never makes the job slower than letting it set the pace (a step's time holds more than the busy time
-        measured here: other threads, fixed work per step)."""
-        if self._trial is not None and wall == wall:
-            previous, previous_wall = self._trial
-            self._trial = None
-            if wall > previous_wall * (1.0 + _NOISE) and not check.flagged and not check.recovered:
-                self.slow = {rank: (since, previous.get(rank, 1.0)) for rank, (since, _) in self.slow.items()}
+        """Replan when the capacities changed.  ``wall`` was measured on the steps planned with ``before``: the
+        fastest plan since a rank's state last changed is the baseline (at a flag, letting the slow rank set the
+        pace), and a plan slower than it by more than ``_NOISE`` is replaced by it; the capacities then stay
+        (``_settled``).  So planning around a slow rank never makes the job slower than letting it set the pace
+        (a step's time holds more than the busy time measured here: other threads, fixed work per step)."""
+        if check.flagged or check.recovered:
+            self._baseline = None
+        if wall == wall:
+            if self._baseline is None or wall < self._baseline[1]:
+                self._baseline = (dict(before), wall)
+            elif wall > self._baseline[1] * (1.0 + _NOISE) and before != self._baseline[0]:
+                kept = self._baseline[0]
+                self.slow = {rank: (since, kept.get(rank, 1.0)) for rank, (since, _) in self.slow.items()}
                 self._settled = True
         after = {rank: capacity for rank, (_, capacity) in self.slow.items()}
         moved = any(abs(after.get(rank, 1.0) / before.get(rank, 1.0) - 1.0) > _DEAD_BAND for rank in after)
         if moved or check.flagged or check.recovered or set(after) != set(before):
             check.replan = True
             check.capacities = {rank: capacity for rank, capacity in sorted(after.items()) if capacity < 1.0} or None
-            if not self._settled and wall == wall:
-                self._trial = (before, wall)
             self._steps.clear()  # what comes next is measured on the new plan, from the first step planned with it
             self._from_step = check.step + 1 + self.plan_lag
         else:  # a correction too small to replan for: the plan stays as it is
             self.slow = {rank: (since, before.get(rank, capacity)) for rank, (since, capacity) in self.slow.items()}
 
-
     def state_dict(self) -> dict[str, Any]:
         """The verdicts' state (JSON): what every rank that judges the same tables holds alike (a replica group that
         catches up loads it from a peer's snapshot).  This rank's own measurements are not in it."""
-        trial = None if self._trial is None else [[[r, c] for r, c in self._trial[0].items()], self._trial[1]]
+        base = None if self._baseline is None else [[[r, c] for r, c in self._baseline[0].items()], self._baseline[1]]
         return {"slow": [[rank, since, capacity] for rank, (since, capacity) in self.slow.items()],
-                "below": [[rank, n] for rank, n in self._below.items()], "trial": trial, "settled": self._settled}
+                "below": [[rank, n] for rank, n in self._below.items()], "baseline": base, "settled": self._settled}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.slow = {int(rank): (int(since), float(capacity)) for rank, since, capacity in state["slow"]}
         self._below = {int(rank): int(n) for rank, n in state["below"]}
-        trial = state["trial"]
-        self._trial = None if trial is None else ({int(r): float(c) for r, c in trial[0]}, float(trial[1]))
+        base = state["baseline"]
+        self._baseline = None if base is None else ({int(r): float(c) for r, c in base[0]}, float(base[1]))
         self._settled = bool(state["settled"])
         self._steps.clear()
 

@@ -60,7 +60,8 @@ def pipeline_runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         out = runs[("slow", policy)] = tmp / f"dlrm-slow-{policy}"
         items.append((str(REPO / "configs" / "tiny_dlrm.toml"), [
             f"--data.path={tiny_data}", f"--train.output_dir={out}", "--train.steps=50", "--train.log_every=10",
-            "--train.eval=false", "--train.progress=false", "--checkpoint.every=0", f"--balance.slow_policy={policy}"],
+            "--train.eval=false", "--train.progress=false", "--checkpoint.every=0", f"--balance.slow_policy={policy}",
+            f"--train.trace_comm={str(policy == 'report').lower()}"],
             {"FREESCALE_FAULTS": f"0:1:{SLOWED_FROM}:compute:3", "FREESCALE_AUDIT": "1"}))
     run_trainings(items, 2, tmp)
     return runs
@@ -152,7 +153,8 @@ def test_a_rank_made_three_times_slower_is_found_and_planned_at_its_speed(
     Both runs flag it fail-slow once, within 20 steps, naming rank, host and its share of the median speed,
     and never flag rank 0 (no false flag before the slowdown either); ``report`` keeps planning halves, while
     ``rebalance`` plans rank 1 a smaller share from the next step on (a trial: kept if the steps got no slower,
-    else undone; which one depends on this machine's timing and is not asserted)."""
+    else undone; which one depends on this machine's timing and is not asserted).  Both train the same rows at
+    every step, and the same losses."""
     for policy in ("report", "rebalance"):
         log = read_log(pipeline_runs[("slow", policy)])
         flagged = events(log, "fail_slow")
@@ -171,3 +173,17 @@ def test_a_rank_made_three_times_slower_is_found_and_planned_at_its_speed(
         else:
             assert share < 0.45, share  # planned at its measured share of the median speed (< 0.75) from here
         assert all(sum(commits[s]["rank_sizes"]) == 256 for s in commits)  # the global batch is whole
+    # Planning by speed changes who trains what, never what is trained: each step trains the same rows as when the
+    # slow rank sets the pace, and the job's loss is the same to float32 summation order (the ranks' shares differ).
+    logs = {policy: read_log(pipeline_runs[("slow", policy)]) for policy in ("report", "rebalance")}
+    rows = {policy: {e["step"]: sorted(e["rows"]) for e in events(log, "commit")} for policy, log in logs.items()}
+    assert rows["report"] == rows["rebalance"]
+    losses = {policy: [e["loss"] for e in events(log, "step")] for policy, log in logs.items()}
+    assert losses["rebalance"] == pytest.approx(losses["report"], rel=1e-5)
+    # The C4 view of the report run's collective traces: the others waited for rank 1, and the run report says so.
+    from freescale.comm_report import read_traces, waited_for
+    from freescale.report.page import wait_rows
+
+    view = waited_for(read_traces(pipeline_runs[("slow", "report")]))
+    assert view.slowest() == 1 and view.last[1] > view.last.get(0, 0) and not view.unmatched, view
+    assert wait_rows(pipeline_runs[("slow", "report")])[0][0] == 1

@@ -207,3 +207,19 @@ def test_evict_stops_only_the_group_holding_the_fail_slow_rank(monkeypatch: pyte
             assert share.evicted is not None and "replica group 1 evicted as fail-slow at step 10" in str(share.evicted)
         else:
             assert share.evicted is None
+
+
+def test_the_c4_view_names_the_rank_the_others_wait_for() -> None:
+    """Each group's k-th collective matched across the ranks: the rank blocked least arrived last; a group whose
+    ranks traced different collectives is named, not matched wrongly."""
+    from freescale.comm_report import waited_for
+    from freescale.comm_trace import CommEvent
+
+    def trace(blocked: list[float], group: str = "default", op: str = "all_reduce") -> list[CommEvent]:
+        return [CommEvent(op, group, 8, "backward", "", step, 0.0, b) for step, b in enumerate(blocked)]
+
+    view = waited_for({0: trace([0.30, 0.20, 0.00005]) + trace([0.1], "dense"),
+                       1: trace([0.01, 0.02, 0.0]) + trace([0.1, 0.1], "dense"),
+                       2: trace([0.29, 0.21, 0.0])})
+    assert view.slowest() == 1 and view.last == {1: 2} and view.waited_s[1] == pytest.approx(0.29 + 0.19)
+    assert view.collectives == 3 and view.unmatched == ["dense"]

@@ -101,6 +101,21 @@ def event_rows(run: RunLogs) -> list[tuple[float, list[Any]]]:
 
 
 
+def wait_rows(root: Path) -> list[list[Any]]:
+    """The C4 view of the run's comm traces (``freescale.comm_report.waited_for``), one row per rank, the rank
+    waited for longest first; none without traces of two ranks or more (torch is imported only then)."""
+    if len(list(root.glob("comm_trace_rank*.jsonl"))) < 2:
+        return []
+    from freescale.comm_report import read_traces, waited_for
+
+    view = waited_for(read_traces(root))
+    ranks = sorted(view.waited_s, key=lambda r: -view.waited_s[r])
+    rows: list[list[Any]] = [[r, f"{view.last[r]:,} of {view.collectives:,}", f"{view.waited_s[r]:.3f}"] for r in ranks]
+    if view.unmatched:
+        rows.append(["-", f"groups not matched across ranks: {html.escape(', '.join(view.unmatched))}", ""])
+    return rows
+
+
 FIGURE_NOTES = {
     "Per step": "Step time and loader wait: one point per committed step. Planned imbalance and measured bubble: "
                 "one point per log window (every train.log_every steps), not per step.",
@@ -124,6 +139,12 @@ def render(run: RunLogs) -> str:
     if run.notes:
         parts.append("<h2>Reading the logs</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in run.notes)
                      + "</ul>")
+    waits = wait_rows(run.root)
+    if waits:
+        parts.append("<h2>Who the others waited for</h2><p class=note>From the ranks' collective traces "
+                     "(train.trace_comm): each collective matched across the ranks, the rank blocked least in it "
+                     "arrived last, and the others waited for it the difference (the C4 view).</p>"
+                     + _table(waits, ["rank", "collectives it arrived last at", "others waited for it (s)"]))
     events = event_rows(run)
     parts.append("<h2>What happened</h2>" + (_table([row for _, row in events], ["t (s)", "group", "event", "detail"])
                                             if events else "<p class=note>no kill, restart, catch-up or redo</p>"))

@@ -6,8 +6,7 @@
 - ``closed_form``: expected ETTR per policy, and the published accountings
 - ``gates``: validation against published figures, run before any projection
 - ``project``: parameters from this repository's benchmark results, code defaults and labelled
-  assumptions, each with its source; the projection at 1K-98K GPUs (freescale as built and as
-  designed)
+  assumptions, each with its source; the projection at 1K-98K GPUs
 - ``command``: ``freescale simulate`` and the bench's shared steps (inputs and scenarios checked,
   gates, then results)
 - ``plot``: ETTR against GPU count, throughput over time (matplotlib)

@@ -60,13 +60,14 @@ def _checkpoint_kept(lam: float, policy: Policy, rolls_back: bool) -> float:
 
 def _slow_factor(cluster: Cluster, policy: Policy, replicas: int) -> float:
     """Throughput kept under slow episodes: the whole job at the slow pace until detected
-    (``sync``/``torchft``: for the whole episode), then only the slow replica's own share lost."""
+    (``sync``/``torchft``: for the whole episode), then the slow replica's own share lost, and the part of the
+    rest planning does not win back (``1 - slow_recovered``) lost by everyone."""
     lam, v, dur = cluster.rate_per_s("slow"), cluster.slow_speed, cluster.slow_duration_s
     if lam <= 0 or v >= 1:
         return 1.0
     waited = dur if policy.kind != "freescale" else min(policy.detect_s["slow"], dur)
-    shared = dur - waited
-    return 1.0 - (1 - v) * ((1 - math.exp(-lam * waited)) + lam * shared / replicas)
+    shared, kept = dur - waited, policy.slow_recovered
+    return 1.0 - (1 - v) * ((1 - math.exp(-lam * (waited + (1 - kept) * shared))) + lam * kept * shared / replicas)
 
 
 def _torchft_stall(step: float, detect: float, reconfigure: float) -> float:

@@ -11,8 +11,7 @@ Order matters:
    and reuses it (``--fresh-gates`` runs them again); the bench always runs them;
 3. the inputs with their sources, then the results, then notes on how far they can be read:
    rows past ``lambda*stall`` 0.5 (outside what the gates validate) and the FT policies'
-   comparison (a gap within the measured overheads' noise is a tie; freescale as built vs as
-   designed).
+   comparison (a gap within the measured overheads' noise is a tie).
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ from typing import Any
 from freescale.sim.gates import Gate, run_gates
 from freescale.sim.params import SimError
 from freescale.sim.project import (
-    AS_BUILT,
-    AS_DESIGNED,
+    FREESCALE,
     CURVE,
     SCALES,
     VALIDATED_X,
@@ -131,22 +129,19 @@ def print_results(rows: list[dict[str, Any]]) -> None:
 
 
 def ft_comparison(rows: list[dict[str, Any]], v: dict[str, Sourced]) -> list[dict[str, Any]]:
-    """Per GPU count: freescale as built and as designed minus torchft-like, in ETTR points, and
-    whether the gap is a tie: no larger than the gap of the two measured steady-state overheads,
-    single CPU runs within each other's noise (torchft's was measured negative and clipped to 0)."""
+    """Per GPU count: freescale minus torchft-like, in ETTR points, and whether the gap is a tie: no larger than
+    the gap of the two measured steady-state overheads, single CPU runs within each other's noise (torchft's was
+    measured negative and clipped to 0)."""
     tie = max(0.5, 100 * abs(v["overhead"].value - v["torchft_overhead"].value))
     found = []
     for gpus in sorted({r["gpus"] for r in rows}):
         at = {r["policy"]: r["ettr"] for r in rows if r["gpus"] == gpus}
-        if not {"torchft-like", AS_BUILT, AS_DESIGNED} <= set(at):
+        if not {"torchft-like", FREESCALE} <= set(at):
             continue
-        entry: dict[str, Any] = {"gpus": gpus, "torchft_like": at["torchft-like"], "tie_within_pts": round(tie, 2)}
-        for key, name in (("as_built", AS_BUILT), ("as_designed", AS_DESIGNED)):
-            gap = 100 * (at[name] - at["torchft-like"])
-            entry[key] = at[name]
-            entry[f"{key}_minus_torchft_pts"] = round(gap, 2)
-            entry[f"{key}_verdict"] = "tie" if abs(gap) <= tie else ("ahead" if gap > 0 else "behind")
-        found.append(entry)
+        gap = 100 * (at[FREESCALE] - at["torchft-like"])
+        found.append({"gpus": gpus, "torchft_like": at["torchft-like"], "tie_within_pts": round(tie, 2),
+                      "freescale": at[FREESCALE], "minus_torchft_pts": round(gap, 2),
+                      "verdict": "tie" if abs(gap) <= tie else ("ahead" if gap > 0 else "behind")})
     return found
 
 
@@ -156,17 +151,16 @@ def print_comparison(comparison: list[dict[str, Any]]) -> None:
     tie = comparison[0]["tie_within_pts"]
     print(f"\nfreescale vs torchft-like (ETTR points; within +-{tie:g} is a tie: the measured steady-state overheads, "
           "one CPU run each, differ by that much):")
-    table([{"gpus": c["gpus"], "torchft-like": c["torchft_like"],
-            "as built": f"{c['as_built_minus_torchft_pts']:+.2f} ({c['as_built_verdict']})",
-            "as designed": f"{c['as_designed_minus_torchft_pts']:+.2f} ({c['as_designed_verdict']})"}
-           for c in comparison], ["gpus", "torchft-like", "as built", "as designed"])
-    print(f"'{AS_DESIGNED}' keeps a slow replica at a reduced share once detected (slow_detect_s): designed, NOT "
-          f"built; '{AS_BUILT}' (slow_detect_s = inf) is what the code does today. Both keep the embedding tables in "
-          "step the cheaper of the two built ways at each scale: the union update (its step growing with the groups: "
-          "sparse_update_share x union_extra_per_group per group beyond two) or the tables averaged across groups "
-          "(table_gb / average_every all-reduced each step over cross_group_gbps: flat in the groups; model averaging, "
-          "not the one job's step: bench_embedding_sync.py measures what it costs in quality). A lead that only the "
-          "as-designed row has rests on the unbuilt feature. torchft-like carries no embedding cost: torchft has no "
+    table([{"gpus": c["gpus"], "torchft-like": c["torchft_like"], "freescale": c["freescale"],
+            "freescale - torchft-like": f"{c['minus_torchft_pts']:+.2f} ({c['verdict']})"}
+           for c in comparison], ["gpus", "torchft-like", "freescale", "freescale - torchft-like"])
+    print("freescale keeps a detected slow replica at a reduced share (after slow_detect_steps x step_s; winning back "
+          "slow_recovered of its cost, both measured by bench_stragglers.py; --set slow_detect_steps=inf: everyone "
+          "waits, as under torchft). It keeps the embedding tables in step the cheaper of its two ways at each scale: "
+          "the union update (its step growing with the groups: sparse_update_share x union_extra_per_group per group "
+          "beyond two) or the tables averaged across groups (table_gb / average_every all-reduced each step over "
+          "cross_group_gbps: flat in the groups; model averaging, not the one job's step: bench_embedding_sync.py "
+          "measures what it costs in quality). torchft-like carries no embedding cost: torchft has no "
           "sharded-embedding sync (its figure is a dense model's).")
 
 

@@ -134,7 +134,8 @@ class _Run:
         for j, v, detected, until in self.slow:
             if until > t and up[j]:
                 if p.kind == "freescale" and detected <= t:
-                    speed[j] = min(speed[j], v)  # kept at a reduced share
+                    speed[j] = min(speed[j], v)  # kept at a reduced share; what planning does not win back
+                    wait = min(wait, 1.0 - (1.0 - v) * (1.0 - p.slow_recovered))  # still held back, everyone
                 else:
                     wait = min(wait, v)
         eff = np.where(up, np.minimum(speed, wait), 0.0)

@@ -18,9 +18,9 @@ how one way of training reacts.  Three kinds of policy (``Policy.kind``):
                in-flight step is lost); crash found by failure reports, hang by the FT
                all-reduce's timeout (heartbeats run on their own thread: a hung trainer keeps
                beating); non-blocking catch-up (the others keep stepping, at most
-               ``catchup_slowdown`` slower); with a finite ``detect_s["slow"]`` a slow replica,
-               once detected, keeps training at a reduced share instead of setting everyone's
-               pace (designed, not built: ``inf`` is the code as it is).
+               ``catchup_slowdown`` slower); a slow replica, once detected (``detect_s["slow"]``),
+               keeps training at a reduced share instead of setting everyone's pace
+               (``slow_recovered`` of what it cost won back; ``inf``: never detected).
 
 ``recovery`` says how a failure that arrives during a recovery is counted (the three
 accountings of published figures):
@@ -115,6 +115,9 @@ class Policy:
     """Blocking time of one checkpoint save."""
     overhead: float = 0.0
     """Steady-state cost per step as a fraction of the step (e.g. 0.014: 1.4% slower)."""
+    slow_recovered: float = 1.0
+    """``freescale``: the share of a detected slow replica's cost won back, against an ideal proportional split
+    (1: only its own lost speed is lost; 0: everyone still waits for it)."""
     recovery: str = "queue"
 
     def catchup_s(self, cluster: Cluster) -> float:
@@ -131,6 +134,7 @@ class Policy:
         _require(self.catchup_gbps > 0, "catchup_gbps", f"must be > 0, got {self.catchup_gbps}")
         _require(self.catchup_slowdown >= 1, "catchup_slowdown", f"must be >= 1, got {self.catchup_slowdown}")
         _require(0 <= self.overhead < 1, "overhead", f"must be in [0, 1), got {self.overhead}")
+        _require(0 <= self.slow_recovered <= 1, "slow_recovered", f"must be in [0, 1], got {self.slow_recovered}")
 
     def with_recovery(self, recovery: str) -> Policy:
         return replace(self, recovery=recovery)

@@ -9,10 +9,9 @@ from typing import Any
 from freescale.plotting import pyplot
 from freescale.sim.engine import Outcome
 
-COLORS = {"sync + checkpoint restart": "#c0392b", "torchft-like": "#e67e22", "freescale (as built)": "#2471a3",
-          "freescale (as designed)": "#85c1e9"}
-STYLES = {"freescale (as designed)": "--"}
-"""The as-designed row (its slow-replica share is not built) is dashed and pale."""
+COLORS = {"sync + checkpoint restart": "#c0392b", "torchft-like": "#e67e22", "freescale": "#2471a3"}
+STYLES: dict[str, str] = {}
+"""Line styles by policy (solid unless named)."""
 
 
 def _gpus_label(n: int) -> str:

@@ -6,16 +6,15 @@ Every input is a ``Sourced`` value: a figure read from a benchmark result of thi
 torchft's ``Manager``), or an assumption for what cannot be measured on a 2-core CPU machine (a
 GPU cluster's failure rates, the restart time of an 8K-GPU group), each with where its number
 comes from.  ``inputs()`` gathers them, ``check_inputs()`` validates them (errors name the
-``--set`` key); ``scenario()`` turns them into one ``Cluster`` and the four ``Policy`` objects
-at a GPU count; ``project()`` simulates the four on one trace per GPU count.
+``--set`` key); ``scenario()`` turns them into one ``Cluster`` and the three ``Policy`` objects
+at a GPU count; ``project()`` simulates the three on one trace per GPU count.
 
-freescale appears twice: **as built** (a slow replica sets everyone's pace, as under torchft:
-the loader does not plan by speed yet; and the cheaper at each scale of its two built ways of keeping
-the embedding tables in step: the union update, whose step grows with the replica groups
-(``union_overhead``), or the tables averaged ``1/average_every`` a step, whose all-reduce is flat in
-the groups and grows with the table bytes a rank holds (``average_overhead``)) and **as designed**
-(the same, and a slow replica, once detected, kept at a reduced share: docs/design.md "Fail-slow", not
-built).  Any lead that only the second row has rests on the unbuilt feature.
+freescale keeps the embedding tables in step the cheaper at each scale of its two built ways: the union
+update, whose step grows with the replica groups (``union_overhead``), or the tables averaged
+``1/average_every`` a step, whose all-reduce is flat in the groups and grows with the table bytes a rank
+holds (``average_overhead``).  A slow replica, once detected (``slow_detect_steps``, measured), keeps a
+reduced share of the global batch, winning back ``slow_recovered`` of what it costs (measured:
+``benchmarks/bench_stragglers.py``'s replica-group runs; ``freescale/speed_share.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ INF = math.inf
 SCALES = (1_024, 16_384, 98_304)
 CURVE = (1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 98_304)
 """GPU counts; the largest is FT-HSDP's: ~98K GPUs as 12 replica groups of 8,192."""
-AS_BUILT, AS_DESIGNED = "freescale (as built)", "freescale (as designed)"
+FREESCALE = "freescale"
 VALIDATED_X = 0.5
 """The closed forms (and so the gates) hold where lambda * stall <= 0.5: rows past it are marked."""
 RSC1_PER_GPU_HOUR = 6.5 / (1000 * 24 * 8)
@@ -85,7 +84,7 @@ def _row(doc: dict[str, Any], file: Path, measure: str) -> tuple[int, dict[str, 
 
 
 def measured(results: Path) -> dict[str, Sourced]:
-    """The fault-tolerance figures measured here (``bench_ft_torchrec.py``, ``bench_ft.py``)."""
+    """The fault-tolerance figures measured here (``bench_ft_torchrec.py``, ``bench_ft.py``, ``bench_stragglers.py``)."""
     tr_file, ft_file = results / "ft_torchrec_cpu.json", results / "ft_cpu.json"
     tr, ft = _load(tr_file), _load(ft_file)
 
@@ -102,6 +101,7 @@ def measured(results: Path) -> dict[str, Sourced]:
     fixed = (_field(tr, f"{kr}.contributing_s", tr_file) - _field(tr, f"{kr}.kill_to_catch_up_start_s", tr_file)
              - _field(tr, f"{kr}.catch_up.bytes", tr_file) / rate)
     return {
+        **slow_replicas(results / "stragglers_cpu.json"),
         "union_extra_per_group": union_extra_per_group(results / "union_update_cpu.json"),
         "kill_to_commit_s": m(tr_file, tr, f"{kr}.kill_s"),
         "torchft_kill_to_commit_s": m(ft_file, ft, f"rows.{kill_i}.torchft_raw"),
@@ -120,6 +120,30 @@ def measured(results: Path) -> dict[str, Sourced]:
                                     f"{ft_file.name}: rows.{over_i}.torchft_step_ms / ddp_step_ms - 1 (one CPU run; "
                                     "measured negative, clipped to 0)", "measured"),
     }
+
+
+def slow_replicas(file: Path) -> dict[str, Sourced]:
+    """From ``bench_stragglers.py``: the most steps any run took from a slowdown to its ``fail_slow`` verdict, and
+    the least share of a slow replica group's cost that planning by speed won back over its repeats: (rebalance -
+    report) / (ideal - report) throughput, the ideal split giving each of the R groups its speed (the slow one's
+    is report / healthy: while it sets the pace, the job runs at its speed)."""
+    doc = _load(file)
+    rows = doc.get("rows", [])
+    detect = [r["detect_steps"] for r in rows if r.get("part") in ("measured", "groups") and r.get("detect_steps") is not None]
+    won = []
+    for r in (r for r in rows if r.get("part") == "groups"):
+        speed = r["report_sps"] / r["healthy_sps"]
+        ideal = r["healthy_sps"] * (r["groups"] - 1 + speed) / r["groups"]
+        if ideal > r["report_sps"]:
+            won.append(min(1.0, max(0.0, (r["rebalance_sps"] - r["report_sps"]) / (ideal - r["report_sps"]))))
+    if not detect or not won:
+        raise SimError(f"{file}: needs runs with a detection (detect_steps) and replica-group rows (part 'groups'); "
+                       "re-run benchmarks/bench_stragglers.py")
+    return {"slow_detect_steps": Sourced(float(max(detect)), f"{file.name}: the most detect_steps of {len(detect)} runs "
+                                         "(balance.check_every 5, speed_window 10)", "measured"),
+            "slow_recovered": Sourced(min(won), f"{file.name}: the least (rebalance - report) / (ideal - report) "
+                                      f"throughput of {len(won)} replica-group runs (3 groups of one CPU rank sharing 2 "
+                                      "cores)", "measured, CPU toy")}
 
 
 def union_extra_per_group(file: Path) -> Sourced:
@@ -193,9 +217,6 @@ def assumptions() -> dict[str, Sourced]:
         "slow_per_gpu_hour": Sourced(1e-5, "guess (Falcon, arXiv 2410.12588: fail-slow is common, tens of s to hours)", a),
         "slow_speed": Sourced(0.5, "guess: a slow replica at half speed", a),
         "slow_duration_s": Sourced(600.0, "guess: 10 min episodes (Falcon: tens of s to hours)", a),
-        "slow_detect_s": Sourced(30.0, "design, NOT BUILT: a 30-step speed window, then planning by speed "
-                                 "(docs/design.md 'Fail-slow'; the loader does not plan by speed yet); used only by the "
-                                 f"'{AS_DESIGNED}' row ('{AS_BUILT}': never, everyone waits)", a),
         "correlated_fraction": Sourced(0.05, "guess: 1 in 20 failures takes a second group (switch, power)", a),
         "step_s": Sourced(1.0, "guess: a 1 s recommendation-model step", a),
         "sparse_update_share": Sourced(0.1, "guess: a group's own fused embedding update (TBE backward and row-wise "
@@ -235,7 +256,7 @@ def inputs(results: Path) -> dict[str, Sourced]:
     return {**measured(results), **code_defaults(), **assumptions()}
 
 
-_AT_LEAST_0 = ("slow_per_gpu_hour", "slow_duration_s", "slow_detect_s", "state_gb", "node_replacement_s",
+_AT_LEAST_0 = ("slow_per_gpu_hour", "slow_duration_s", "slow_detect_steps", "state_gb", "node_replacement_s",
                "job_restart_fixed_s", "nccl_init_16k_s", "reconfigure_s", "sync_hang_detect_s",
                "torchft_hang_detect_s", "freescale_hang_detect_s", "checkpoint_interval_s", "checkpoint_cost_s",
                "kill_to_commit_s", "torchft_kill_to_commit_s", "restart_to_catchup_s", "catchup_fixed_s")
@@ -245,6 +266,7 @@ RULES: dict[str, tuple[str, Any]] = {
     "hang_fraction": ("in [0, 1]", lambda x: 0 <= x <= 1),
     "correlated_fraction": ("in [0, 1]", lambda x: 0 <= x <= 1),
     "slow_speed": ("in (0, 1]", lambda x: 0 < x <= 1),
+    "slow_recovered": ("in [0, 1]", lambda x: 0 <= x <= 1),
     "step_s": ("> 0", lambda x: x > 0),
     "catchup_gbps": ("> 0", lambda x: x > 0),
     "catchup_slowdown": (">= 1", lambda x: x >= 1),
@@ -254,8 +276,8 @@ RULES: dict[str, tuple[str, Any]] = {
     "average_every": (">= 1", lambda x: x >= 1),
     "cross_group_gbps": ("> 0", lambda x: x > 0),
 }
-MAY_BE_INF = {"slow_detect_s"}
-"""``inf``: never detected (``--set slow_detect_s=inf`` turns the as-designed row into the as-built one)."""
+MAY_BE_INF = {"slow_detect_steps"}
+"""``inf``: never detected (``--set slow_detect_steps=inf``: a slow replica sets everyone's pace, as under torchft)."""
 
 
 def check_inputs(v: dict[str, Sourced]) -> None:
@@ -295,7 +317,7 @@ def check_grouping(gpus: int, replicas: int | None) -> int:
 
 
 def scenario(gpus: int, v: dict[str, Sourced], replicas: int | None = None) -> tuple[Cluster, list[Policy]]:
-    """The cluster and the four policies at ``gpus`` from the sourced inputs ``v``."""
+    """The cluster and the three policies at ``gpus`` from the sourced inputs ``v``."""
     x = {k: s.value for k, s in v.items()}
     groups = check_grouping(gpus, replicas)
     group = gpus // groups
@@ -312,13 +334,12 @@ def scenario(gpus: int, v: dict[str, Sourced], replicas: int | None = None) -> t
                      {"crash": x["torchft_kill_to_commit_s"], "hang": x["torchft_hang_detect_s"], "slow": INF},
                      restart_s=group_restart, reconfigure_s=x["reconfigure_s"], catchup_gbps=x["catchup_gbps"],
                      overhead=x["torchft_overhead"], **ckpt)
-    designed = Policy(AS_DESIGNED, "freescale",
-                      {"crash": x["kill_to_commit_s"], "hang": x["freescale_hang_detect_s"], "slow": x["slow_detect_s"]},
-                      restart_s=group_restart, reconfigure_s=x["reconfigure_s"], catchup_gbps=x["catchup_gbps"],
-                      replay_s=x["catchup_fixed_s"], catchup_slowdown=x["catchup_slowdown"],
-                      overhead=embedding_overhead(x, groups)[0], **ckpt)
-    built = replace(designed, name=AS_BUILT, detect_s={**designed.detect_s, "slow": INF})
-    return cluster, [sync, torchft, built, designed]
+    ours = Policy(FREESCALE, "freescale", {"crash": x["kill_to_commit_s"], "hang": x["freescale_hang_detect_s"],
+                                          "slow": x["slow_detect_steps"] * x["step_s"]},
+                  restart_s=group_restart, reconfigure_s=x["reconfigure_s"], catchup_gbps=x["catchup_gbps"],
+                  replay_s=x["catchup_fixed_s"], catchup_slowdown=x["catchup_slowdown"],
+                  overhead=embedding_overhead(x, groups)[0], slow_recovered=x["slow_recovered"], **ckpt)
+    return cluster, [sync, torchft, ours]
 
 
 def check_scenarios(v: dict[str, Sourced], gpus: int, replicas: int | None, gpu_counts: tuple[int, ...]) -> None:
