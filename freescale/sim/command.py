@@ -26,8 +26,8 @@ from typing import Any
 from freescale.sim.gates import Gate, run_gates
 from freescale.sim.params import SimError
 from freescale.sim.project import (
-    FREESCALE,
     CURVE,
+    FREESCALE,
     SCALES,
     VALIDATED_X,
     Sourced,
