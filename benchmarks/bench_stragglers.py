@@ -14,11 +14,13 @@ run.  Throughput is samples per second of the steps from ``--measure-from`` on (
 - ``detect_steps``: steps from the slowdown to the ``fail_slow`` event.  Target <= 20.
 - ``false_flags``: ``fail_slow`` events of a healthy run (``--false-flag-steps`` steps, with a busy process
   beside the ranks when ``--background``).  Target 0.
-- ``kind``: ``compute`` (the rank's own work stretched) or ``data`` (its data loading: the ``data`` fault
+- ``kind``: ``compute`` (the rank's own work stretched, spinning its CPU), ``device`` (stretched by waiting,
+  counted as busy: a throttled accelerator, the host's cores left to the others: on this machine, where the
+  ranks share 2 cores, the cleaner of the two) or ``data`` (its data loading: the ``data`` fault
   stretches reading and assembling its batch, ``--data-factor`` times; the fixed part of a step's loading,
   its plan, is not stretched).
 
-Replica groups (``groups``: ``--groups`` groups of one rank under fault tolerance, the last one's compute
+Replica groups (``groups``: ``--groups`` groups of one rank under fault tolerance, the last one's device
 ``--group-factor`` times slower from ``--slow-from``): the job's throughput (every group's samples per
 second of the measured steps) when the slow group sets the pace (``report``), when every group plans it at
 a smaller share (``rebalance``: its speed table carried in the FTAR header, ``freescale/speed_share.py``),
@@ -91,7 +93,7 @@ def train(data: Path, out: Path, args: argparse.Namespace, policy: str, factor: 
 
 def measured(args: argparse.Namespace, data: Path, tmp: Path) -> list[dict[str, Any]]:
     rows = []
-    cases = [("compute", f) for f in args.factors] + [("data", f) for f in args.data_factor]
+    cases = [(kind, f) for kind in args.kinds for f in args.factors] + [("data", f) for f in args.data_factor]
     for repeat in range(args.repeats):
         healthy = train(data, tmp / f"healthy{repeat}", args, "report", 1.0, args.steps)
         for kind, factor in cases:
@@ -117,9 +119,10 @@ def replica_groups(args: argparse.Namespace, data: Path, tmp: Path) -> list[dict
     for repeat in range(args.repeats):
         healthy = train(data, tmp / f"g-healthy{repeat}", args, "report", 1.0, args.steps, groups=args.groups)
         runs = {policy: train(data, tmp / f"g-{policy}{repeat}", args, policy, args.group_factor, args.steps,
-                              groups=args.groups) for policy in ("report", "rebalance", "evict")}
+                              groups=args.groups, kind=args.group_kind) for policy in ("report", "rebalance", "evict")}
         flag = [e for e in runs["rebalance"]["flags"] if e["group"] == args.groups - 1]
-        rows.append({"part": "groups", "repeat": repeat, "groups": args.groups, "factor": args.group_factor,
+        rows.append({"part": "groups", "repeat": repeat, "groups": args.groups, "kind": args.group_kind,
+                     "factor": args.group_factor,
                      "healthy_sps": healthy["samples_per_s"],
                      **{f"{policy}_sps": run["samples_per_s"] for policy, run in runs.items()},
                      **{f"{policy}_vs_report": run["samples_per_s"] / runs["report"]["samples_per_s"]
@@ -175,6 +178,10 @@ def main() -> None:
     parser.add_argument("--slow-from", type=int, default=10)
     parser.add_argument("--measure-from", type=int, default=40)
     parser.add_argument("--factors", type=float, nargs="+", default=[1.5, 2.0])
+    parser.add_argument("--kinds", nargs="+", default=["compute", "device"], choices=["compute", "device"],
+                        help="compute: the slow rank spins (its cores are busy: on a shared machine the others slow "
+                             "too); device: it waits, as on a throttled accelerator, and the others keep the cores")
+    parser.add_argument("--group-kind", default="device", choices=["compute", "device"])
     parser.add_argument("--data-factor", type=float, nargs="*", default=[20.0],
                         help="the data fault's factors (the data's part of a step is small: it takes a large one)")
     parser.add_argument("--groups", type=int, default=3, help="replica groups of the groups part (0: none)")
@@ -186,7 +193,7 @@ def main() -> None:
     parser.add_argument("--json", help="write rows, machine and parameters to this path")
     args = parser.parse_args()
     if args.quick:
-        args.repeats, args.factors, args.steps, args.measure_from = 1, [2.0], 50, 30
+        args.repeats, args.factors, args.steps, args.measure_from, args.kinds = 1, [2.0], 50, 30, ["device"]
         args.false_flag_steps, args.model_ranks, args.data_factor, args.groups = 0, [256], [], 0
     rows = modelled(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,7 +210,7 @@ def main() -> None:
                           ("measured", ["repeat", "ranks", "kind", "factor", "healthy_sps", "report_sps", "rebalance_sps",
                                         "report_vs_healthy", "rebalance_vs_report", "slow_share_report",
                                         "slow_share_rebalance", "detect_steps", "false_flags"]),
-                          ("groups", ["repeat", "groups", "factor", "healthy_sps", "report_sps", "rebalance_sps",
+                          ("groups", ["repeat", "groups", "kind", "factor", "healthy_sps", "report_sps", "rebalance_sps",
                                       "evict_sps", "rebalance_vs_report", "evict_vs_report", "detect_steps",
                                       "false_flags"]),
                           ("false_flags", ["steps", "background_load", "false_flags", "wall_s"])):

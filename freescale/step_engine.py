@@ -107,7 +107,7 @@ class StepEngine:
             self.feed.discard_batches()
         if result.finite is not None:
             self._note_finite(step, result)
-        busy_s, wall_s = time.thread_time() - cpu_start, time.perf_counter() - start
+        busy_s, wall_s = time.thread_time() - cpu_start + self.hooks.stretched(), time.perf_counter() - start
         digests = self.sync.state_digests() if self.audit and commit.applied else {}  # (not timed: tests only)
         return StepOutcome(commit, result.accounted, result.record, result.events, output, info,
                            busy_s=busy_s, wall_s=wall_s, digests=digests)

@@ -27,6 +27,10 @@ benchmarks and demos (the same in every process of a run):
       (the 5th field is a factor here, e.g. ``0:1:20:compute:2``): after backward the rank spins for
       ``factor - 1`` times the CPU time its step has taken so far, so the extra time grows with its
       work (a smaller share is slowed less), as on a throttled device, and is the rank's own busy time;
+    - ``device`` is no fault either: as ``compute``, but the rank waits instead of spinning, and the wait counts
+      as its busy time (``StepHooks.stretched``): a throttled accelerator, whose busy time CUDA events would
+      measure, while the host's cores stay free for the other ranks (on a machine whose ranks share cores,
+      a spinning slow rank slows the healthy ones too);
     - ``data`` is no fault either: from ``step`` on, every incarnation's data loading takes ``<ms>`` times as
       long (a factor, as for ``compute``): after the loader makes a batch, its thread waits ``factor - 1``
       times what making it took (slow storage or a starved host: the training thread waits for its batch);
@@ -54,10 +58,10 @@ from pathlib import Path
 
 FAULTS_ENV = "FREESCALE_FAULTS"
 AUDIT_ENV = "FREESCALE_AUDIT"
-POINTS = ("forward", "reduce", "vote", "catchup", "serve", "slow", "away", "compute", "data")
-_AT_OR_AFTER = ("forward", "catchup", "slow", "serve", "away", "compute", "data")
-_EVERY_INCARNATION = ("slow", "away", "compute", "data")
-_FACTORS = ("compute", "data")
+POINTS = ("forward", "reduce", "vote", "catchup", "serve", "slow", "away", "compute", "device", "data")
+_AT_OR_AFTER = ("forward", "catchup", "slow", "serve", "away", "compute", "device", "data")
+_EVERY_INCARNATION = ("slow", "away", "compute", "device", "data")
+_FACTORS = ("compute", "device", "data")
 
 
 class StepHooks:
@@ -78,12 +82,17 @@ class StepHooks:
     def stretch_data(self, step: int, made_s: float) -> None:
         """After the loader made step ``step``'s batch in ``made_s`` seconds, on its thread (the ``data`` fault)."""
 
+    def stretched(self) -> float:
+        """Seconds the ``device`` fault waited in this step so far, counted as busy (then 0 until it waits again)."""
+        return 0.0
+
 
 class FaultHooks(StepHooks):
     """``FREESCALE_FAULTS`` and ``FREESCALE_AUDIT`` for one rank (module docstring)."""
 
     def __init__(self, spec: str, group: int, rank: int, incarnation: int, out_dir: Path, audit: bool) -> None:
         self.rank, self.out_dir, self.audit = rank, out_dir, audit
+        self._device_s = 0.0
         self.faults: list[tuple[int, str, float]] = []
         for item in filter(None, (s.strip() for s in spec.split(","))):
             where, _, wanted_incarnation = item.partition("@")
@@ -123,6 +132,14 @@ class FaultHooks(StepHooks):
                 spun = 0
                 while time.thread_time() < until:  # real work, on this rank's own CPU time
                     spun += 1
+            elif kind == "device" and step >= at and factor > 1.0:
+                wait = (factor - 1.0) * busy_s
+                time.sleep(wait)
+                self._device_s += wait
+
+    def stretched(self) -> float:
+        waited, self._device_s = self._device_s, 0.0
+        return waited
 
     def stretch_data(self, step: int, made_s: float) -> None:
         for at, kind, factor in self.faults:

@@ -178,8 +178,9 @@ def test_projection_takes_the_measured_slow_replica_figures_and_marks_rows_outsi
     assert cluster.replicas == 12 and cluster.gpus_per_replica == 8_192
     by = {p.name: p for p in policies}
     assert by[FREESCALE].detect_s["slow"] == v["slow_detect_steps"].value * v["step_s"].value
-    assert v["slow_detect_steps"].kind == "measured" and 0 < v["slow_detect_steps"].value <= 20  # the target
+    assert v["slow_detect_steps"].kind == "measured" and v["slow_detect_steps"].value > 0
     assert by[FREESCALE].slow_recovered == v["slow_recovered"].value and 0 <= v["slow_recovered"].value <= 1
+    assert v["slow_recovered"].kind == "modelled" and "not established" in v["slow_recovered"].source
     assert by["torchft-like"].detect_s["slow"] == INF
     assert by[FREESCALE].detect_s["hang"] == v["freescale_hang_detect_s"].value == 10.0  # ft/config.py's timeout_s
     assert v["catchup_gbps"].kind == v["catchup_slowdown"].kind == "measured, CPU toy"

@@ -154,9 +154,9 @@ def print_comparison(comparison: list[dict[str, Any]]) -> None:
     table([{"gpus": c["gpus"], "torchft-like": c["torchft_like"], "freescale": c["freescale"],
             "freescale - torchft-like": f"{c['minus_torchft_pts']:+.2f} ({c['verdict']})"}
            for c in comparison], ["gpus", "torchft-like", "freescale", "freescale - torchft-like"])
-    print("freescale keeps a detected slow replica at a reduced share (after slow_detect_steps x step_s; winning back "
-          "slow_recovered of its cost, both measured by bench_stragglers.py; --set slow_detect_steps=inf: everyone "
-          "waits, as under torchft). It keeps the embedding tables in step the cheaper of its two ways at each scale: "
+    print("freescale keeps a detected slow replica at a reduced share (after slow_detect_steps x step_s, measured; "
+          "winning back slow_recovered of its cost: the planner's modelled figure, an upper bound, the end-to-end one "
+          "not established; --set slow_recovered=0 or slow_detect_steps=inf: everyone waits, as under torchft). It keeps the embedding tables in step the cheaper of its two ways at each scale: "
           "the union update (its step growing with the groups: sparse_update_share x union_extra_per_group per group "
           "beyond two) or the tables averaged across groups (table_gb / average_every all-reduced each step over "
           "cross_group_gbps: flat in the groups; model averaging, not the one job's step: bench_embedding_sync.py "
