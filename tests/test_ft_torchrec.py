@@ -485,44 +485,47 @@ FAST_CHECKS = ("--balance.check_every", "3", "--balance.speed_window", "6")
 @pytest.mark.parametrize("policy", ["rebalance", "evict"])
 def test_a_slow_replica_group_is_planned_smaller_by_every_group_at_one_step_or_evicted(
         policy: str, tiny_data: Path, tmp_path: Path) -> None:
-    """Three groups of one rank; group 2's compute takes three times as long from step 6 (``compute`` fault:
-    the slowdown grows with its work).  Each group's speed table rides in the next step's FTAR header, and
+    """Two groups of one rank; group 1's device takes three times as long from step 6 (``device`` fault: the
+    slowdown grows with its work).  Each group's speed table rides in the next step's FTAR header, and
     every group judges the job's table at the same commit: one ``fail_slow`` verdict, at the same step in
-    every group's log, said once on the console.  ``rebalance``: every group plans group 2 at a smaller share
+    every group's log, said once on the console.  ``rebalance``: every group plans group 1 at a smaller share
     of the global batch from the same step (the planned sizes equal in every group's records at every
-    step; the state hashes equal at every step; every sample once).  ``evict``: group 2 stops as a crash
+    step; the state hashes equal at every step; every sample once).  ``evict``: group 1 stops as a crash
     would, the agent restarts it (not slowed in its second incarnation), it catches up and trains again;
-    group 0 and 1 go on alone meanwhile."""
+    group 0 goes on alone meanwhile."""
     steps = 45
-    fault = "2:0:6:compute:3" + ("@0," + AWAY if policy == "evict" else "")  # (away: steps outlast the restart)
-    proc = launch(tmp_path, tiny_data, 3, 1, steps, "dlrm", fault=fault, max_restarts=1,
+    fault = "1:0:6:device:3" + ("@0," + AWAY if policy == "evict" else "")  # (away: steps outlast the restart)
+    proc = launch(tmp_path, tiny_data, 2, 1, steps, "dlrm", fault=fault, max_restarts=1,
                   extra=("--balance.slow_policy", policy, *FAST_CHECKS))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = check_run(tmp_path, tiny_data, "dlrm", 3, 1, steps)  # one state per step, every sample once
+    runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)  # one state per step, every sample once
     flagged = {group: [(e["step"], e["group"], e["rank"]) for e in events if e.get("event") == "fail_slow"]
                for (group, _), events in runs.items()}
-    judges = [0, 1] if policy == "evict" else [0, 1, 2]  # (the evicted group's first incarnation stops at it)
+    judges = [0] if policy == "evict" else [0, 1]  # (the evicted group's first incarnation stops at it)
     [(step, group, rank)] = flagged[0]
-    assert (group, rank) == (2, 0) and all(flagged[g] == flagged[0] for g in judges), flagged
+    assert (group, rank) == (1, 0) and all(flagged[g] == flagged[0] for g in judges), flagged
     assert 9 <= step <= 21, step
-    assert proc.stderr.count("replica group 2, rank 0 on ") == 1 and f"is fail-slow at step {step}" in proc.stderr
-    assert "fail-slow: group 2, rank 0 on " in proc.stdout  # the job summary; the report's events likewise:
+    assert proc.stderr.count("replica group 1, rank 0 on ") == 1 and f"is fail-slow at step {step}" in proc.stderr
+    assert "fail-slow: group 1, rank 0 on " in proc.stdout  # the job summary; the report's events likewise:
     from freescale.report.logs import read_run
     from freescale.report.page import event_rows
 
     said = [row for _, row in event_rows(read_run(tmp_path)) if row[2] == "fail-slow"]
-    assert len(said) == 1 and said[0][1] == 2 and f"fail-slow at step {step}" in said[0][3], said
+    assert len(said) == 1 and said[0][1] == 1 and f"fail-slow at step {step}" in said[0][3], said
     records = {group: by_step(events) for (group, _), events in runs.items()}
     if policy == "rebalance":
         for s in range(steps):
-            assert records[0][s]["rank_sizes"] == records[1][s]["rank_sizes"] == records[2][s]["rank_sizes"], s
-        before, after = records[0][step]["rank_sizes"], records[0][steps - 1]["rank_sizes"]
-        assert before == [32, 32, 32] and after[2] < min(after[:2]) and sum(after) == 96, (before, after)
+            assert records[0][s]["rank_sizes"] == records[1][s]["rank_sizes"], s
+        # Planned smaller from the verdict's window on (a trial: kept while its steps are no slower than letting
+        # group 1 set the pace, else undone; which one depends on this machine's timing and is not asserted).
+        sizes = [records[0][s]["rank_sizes"] for s in range(steps)]
+        assert all(sizes[s] == [32, 32] for s in range(step + 1)), sizes
+        assert any(sizes[s][1] < sizes[s][0] for s in range(step + 1, steps)) and all(sum(x) == 64 for x in sizes)
         assert "Traceback" not in proc.stderr and "restarted" not in proc.stderr
     else:
-        assert f"replica group 2 evicted as fail-slow at step {step}" in proc.stderr, proc.stderr[-3000:]
-        assert "replica group 2 restarted (incarnation 1)" in proc.stderr
-        assert [e for e in runs[(2, 0)] if "catch_up" in e], "group 2 did not catch up"
-        assert records[2][steps - 1]["contributing"] and records[0][steps - 1]["participants"] == [
-            "replica0", "replica1", "replica2"]
-        assert records[2][step]["contributing"], "the evicted group's last step is logged before it stops"
+        assert f"replica group 1 evicted as fail-slow at step {step}" in proc.stderr, proc.stderr[-3000:]
+        assert "replica group 1 restarted (incarnation 1)" in proc.stderr
+        assert [e for e in runs[(1, 0)] if "catch_up" in e], "group 1 did not catch up"
+        assert records[1][steps - 1]["contributing"] and records[0][steps - 1]["participants"] == [
+            "replica0", "replica1"]
+        assert records[1][step]["contributing"], "the evicted group's last step is logged before it stops"
