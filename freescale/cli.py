@@ -453,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, FailSlowEvicted):  # as a crash: the launcher restarts the group, it catches up
             if os.environ.get("RANK", "0") == "0":
                 say(f"freescale: {exc}")
+            sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
         if args.command == "train" and report_handled(exc):

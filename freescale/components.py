@@ -123,9 +123,10 @@ def prepare(cfg: TrainerConfig) -> None:
         raise ConfigError(f"optim.warmup_steps: {cfg.optim.warmup_steps:,} is more than train.steps "
                           f"({cfg.train.steps:,}): the whole run would train at a fraction of the learning rate; "
                           "lower it")
-    if cfg.balance.slow_policy == "evict" and not cfg.ft.enabled:
-        raise ConfigError("balance.slow_policy: 'evict' restarts a fail-slow replica group, and this run has none "
-                          "(ft.enabled = false); use 'rebalance' or 'report'")
+    if cfg.balance.slow_policy == "evict" and (not cfg.ft.enabled or cfg.ft.replicas < 2):
+        raise ConfigError("balance.slow_policy: 'evict' restarts a fail-slow replica group while the others train on, "
+                          f"and this run has {'no replica groups (ft.enabled = false)' if not cfg.ft.enabled else 'one'}"
+                          "; use 'rebalance' or 'report'")
     if cfg.balance.slow_policy == "rebalance":
         if cfg.data.partitioner != "lpt" or cfg.data.locality or cfg.data.equal_count:
             raise ConfigError("balance.slow_policy: 'rebalance' plans by rank speed, which needs data.partitioner = "

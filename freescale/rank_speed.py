@@ -125,6 +125,8 @@ class SpeedCheck:
     every check: its speed is measured anew)."""
     capacities: dict[int, float] | None = None
     """The fail-slow ranks' speeds, as shares of the median rank's (None: every rank alike)."""
+    kept_groups: list[int] = field(default_factory=list)
+    """``evict``: replica groups holding a flagged rank that were not evicted (no other group held valid state)."""
 
     def scores(self) -> dict[str, Any]:
         """The step record's speed fields: per rank (``speed``, ``speed_relative``, ``speed_individual``), or in
@@ -153,6 +155,10 @@ class SpeedCheck:
             write("fail_slow", step=self.step, **where, share=share, speed=float(self.speeds[rank]), policy=policy)
             lines.append(f"freescale: {_name(rank, group_size)} on {self.hosts[rank]} is fail-slow at step "
                          f"{self.step}: {share:.2f} of the median rank's speed; " + _POLICY_SAYS[policy])
+        for group in self.kept_groups:
+            write("fail_slow_kept", step=self.step, group=group)
+            lines.append(f"freescale: replica group {group} is fail-slow but no other group holds the run's state: "
+                         f"kept, not evicted (step {self.step})")
         for rank in self.recovered:
             write("fail_slow_recovered", step=self.step, rank=rank % size, group=rank // size, host=self.hosts[rank],
                   speed=float(self.speeds[rank]))
@@ -298,6 +304,11 @@ class RankSpeed:
             self._from_step = check.step + 1 + self.plan_lag
         else:  # a correction too small to replan for: the plan stays as it is
             self.slow = {rank: (since, before.get(rank, capacity)) for rank, (since, capacity) in self.slow.items()}
+
+    def forget(self, rank: int) -> None:
+        """``rank`` is judged anew: no check below the threshold counts against it, and it is not fail-slow."""
+        self._below.pop(rank, None)
+        self.slow.pop(rank, None)
 
     def state_dict(self) -> dict[str, Any]:
         """The verdicts' state (JSON): what every rank that judges the same tables holds alike (a replica group that

@@ -9,7 +9,9 @@ catching up must reach it too.  The table travels with the steps themselves:
    group all-gathers its ranks' rows in the group (``rank_speed``'s all-gather);
 2. the next step's cross-group reduction carries them: ``header`` is this group's table as
    non-negative integers (float32 bit patterns, host names as bytes), a *side header* beside the
-   sample weight (``freescale.ft.ftar.ReplicaSync.side_header``), so no collective of its own;
+   sample weight (``freescale.ft.ftar.ReplicaSync.side_header``), so no collective of its own.  It
+   holds the ``TOLD_RANKS`` slowest ranks' rows and the median row of the others, so its size does
+   not grow with the group's (in a group that small or smaller, every rank's row);
 3. when that step ``c + 1`` commits, every group reads every participant's header (``on_commit``:
    the fault-tolerance layer calls it after the data side's commit, for replayed steps too) and judges
    the same table: ranks of groups that did not gather at ``c + 1`` (catching up, gone) are unknown.
@@ -21,7 +23,7 @@ A replica group that catches up loads the verdicts' state and the capacities in 
 source's snapshot (``state_dict``) and replays the commits after it, verdicts included, so it plans
 exactly what the others plan.  With ``evict`` the group holding a flagged rank stops at that commit
 (``evicted``: the trainer raises it once the step is logged; every group reaches the same verdict, only
-that one stops).
+that one stops), unless no other group holds valid state (then it is kept, and said so).
 """
 
 from __future__ import annotations
@@ -41,6 +43,22 @@ _NUMBERS = 4
 """Speed, best speed, busy seconds, wall seconds: each rank's row, as float32 bit patterns."""
 _HOST_WORDS = HOST_BYTES // 4
 """A host name's bytes, four to an integer (the header carries integers below 2**40)."""
+_ROW = 1 + _NUMBERS + _HOST_WORDS
+"""A reported rank's words: its rank in the group, its numbers, its host."""
+TOLD_RANKS = 16
+"""A group tells its this many slowest ranks' rows (all of them in a group this small or smaller) and the median
+of the others: the header stays the same size whatever the group's (the slow ranks are what is judged)."""
+NOTED = 64
+"""The lighthouse's status shows at most this many fail-slow ranks (the slowest): a heartbeat stays small."""
+
+
+def _words(values: np.ndarray) -> np.ndarray:
+    """float values -> their float32 bit patterns as non-negative int64 (NaN stays NaN through the trip)."""
+    return values.astype(np.float32).view(np.uint32).astype(np.int64)
+
+
+def _floats(words: np.ndarray) -> np.ndarray:
+    return words.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
 class SpeedShare:
@@ -60,30 +78,42 @@ class SpeedShare:
         """The job's fail-slow ranks (global rank -> what the lighthouse's status shows of it)."""
 
     @property
+    def told(self) -> int:
+        """Ranks whose rows a header carries."""
+        return min(self.group_size, TOLD_RANKS)
+
+    @property
     def size(self) -> int:
-        """The side header's length (the same on every participant: every group has ``group_size`` ranks)."""
-        return 1 + self.group_size * (_NUMBERS + _HOST_WORDS)
+        """The side header's length (the same on every participant): ``done + 1``, the others' median row, the
+        told ranks' rows."""
+        return 1 + _NUMBERS + self.told * _ROW
 
     def gather(self, done: int) -> None:
         """Collective over this group (at ``speed.due(done)``, every rank): its ranks' rows, for the next header."""
         self._pending = (done, self.speed.gather())
 
     def header(self) -> torch.Tensor:
-        """This step's side header: ``done + 1`` of the table gathered for it and the table, or zeros."""
-        out = torch.zeros(self.size, dtype=torch.int64)
+        """This step's side header: ``done + 1`` of the table gathered for it, the median row of the ranks not
+        told, and the slowest ranks' rows (rank in the group, numbers, host); zeros when nothing was gathered."""
+        out = np.zeros(self.size, dtype=np.int64)
         if self._pending is None:
-            return out
+            return torch.from_numpy(out)
         done, table = self._pending
         self._pending = None
-        numbers = np.stack([table.speeds, table.bests, table.busies, table.walls], axis=1).astype(np.float32)
-        hosts = np.zeros((self.group_size, HOST_BYTES), dtype=np.uint8)
-        for r, host in enumerate(table.hosts):
-            raw = host.encode()[:HOST_BYTES]
-            hosts[r, :len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        words = np.concatenate([numbers.view(np.uint32), hosts.view(np.uint32)], axis=1).astype(np.int64)
+        numbers = np.stack([table.speeds, table.bests, table.busies, table.walls], axis=1)
+        order = np.argsort(np.nan_to_num(table.speeds, nan=-np.inf), kind="stable")  # unmeasured first, then slowest
+        told, others = order[:self.told], order[self.told:]
         out[0] = done + 1
-        out[1:] = torch.from_numpy(words.reshape(-1))
-        return out
+        out[1:1 + _NUMBERS] = _words(np.median(numbers[others], axis=0) if others.size else np.full(_NUMBERS, np.nan))
+        rows = out[1 + _NUMBERS:].reshape(self.told, _ROW)
+        rows[:, 0] = told
+        rows[:, 1:1 + _NUMBERS] = _words(numbers[told])
+        for row, rank in zip(rows, told):
+            raw = np.zeros(HOST_BYTES, dtype=np.uint8)
+            host = table.hosts[rank].encode()[:HOST_BYTES]
+            raw[:len(host)] = np.frombuffer(host, dtype=np.uint8)
+            row[1 + _NUMBERS:] = raw.view(np.uint32).astype(np.int64)
+        return torch.from_numpy(out)
 
     def on_commit(self, commit: Commit, headers: dict[int, torch.Tensor]) -> None:
         """``commit.step`` committed (or was replayed) with every participant's side header (group index ->
@@ -96,11 +126,25 @@ class SpeedShare:
             self.loader.set_capacities(check.capacities)
         self.checks.append(check)
         self._note(check)
-        mine = range(self.group * self.group_size, (self.group + 1) * self.group_size)
-        if self.speed.evict and any(rank in mine for rank in check.flagged):
+        if self.speed.evict:
+            self._evict(check, commit)
+
+    def _evict(self, check: SpeedCheck, commit: Commit) -> None:
+        """``evict``: the groups holding a flagged rank stop, unless that would leave no group holding valid state
+        (then they are kept, and said so: ``kept``).  Every group decides alike from the same verdict."""
+        slow_groups = sorted({rank // self.group_size for rank in check.flagged})
+        kept = bool(slow_groups) and not set(commit.ready) - set(slow_groups)
+        check.kept_groups = slow_groups if kept else []
+        for group in slow_groups:
+            for rank in range(group * self.group_size, (group + 1) * self.group_size):
+                if kept and rank in check.flagged:
+                    self.speed.slow[rank] = (check.step, 1.0)  # reported, as with 'report': said once
+                elif not kept:
+                    self.speed.forget(rank)  # judged anew when back: no earlier check counts against it
+        if self.group in slow_groups and not kept:
             self.evicted = FailSlowEvicted(
-                f"replica group {self.group} evicted as fail-slow at step {step} (balance.slow_policy = 'evict'): it "
-                "stops as a crash would, and restarts while --max-restarts allows")
+                f"replica group {self.group} evicted as fail-slow at step {check.step} (balance.slow_policy = 'evict'): "
+                "it stops as a crash would, and restarts while --max-restarts allows")
 
     def _note(self, check: SpeedCheck) -> None:
         """Keep the fail-slow ranks for the lighthouse: flagged ones in, recovered ones out (evicted ones stay
@@ -113,12 +157,14 @@ class SpeedShare:
                                    "share": round(share, 4) if share == share else 0.0, "host": check.hosts[rank]}
 
     def notes(self) -> dict[str, Any]:
-        """``fail_slow``: the job's fail-slow ranks, for the lighthouse's status."""
-        return {"fail_slow": [self._flagged[rank] for rank in sorted(self._flagged)]}
+        """``fail_slow``: the job's fail-slow ranks (the ``NOTED`` slowest), for the lighthouse's status."""
+        slowest = sorted(self._flagged, key=lambda rank: (self._flagged[rank]["share"], rank))[:NOTED]
+        return {"fail_slow": [self._flagged[rank] for rank in sorted(slowest)]}
 
     def _table(self, step: int, headers: dict[int, torch.Tensor]) -> SpeedTable:
         """The job's table (global rank = group x group size + rank) from the headers of groups that gathered
-        for ``step``; NaN rows for the others."""
+        for ``step``: the told ranks' rows, the group's median row for its other ranks; NaN rows for groups that
+        did not gather (catching up, gone)."""
         groups = 1 + max([self.group, *headers])
         numbers = np.full((groups * self.group_size, _NUMBERS), np.nan)
         hosts = [""] * (groups * self.group_size)
@@ -126,11 +172,12 @@ class SpeedShare:
             values = header.numpy()
             if group < 0 or values.size != self.size or int(values[0]) != step + 1:
                 continue
-            words = values[1:].reshape(self.group_size, _NUMBERS + _HOST_WORDS).astype(np.uint32)
-            rows = slice(group * self.group_size, (group + 1) * self.group_size)
-            numbers[rows] = words[:, :_NUMBERS].view(np.float32).astype(np.float64)
-            for r, raw in enumerate(words[:, _NUMBERS:]):
-                hosts[rows.start + r] = raw.tobytes().rstrip(b"\0").decode(errors="replace")
+            first = group * self.group_size
+            numbers[first:first + self.group_size] = _floats(values[1:1 + _NUMBERS])
+            for row in values[1 + _NUMBERS:].reshape(self.told, _ROW):
+                rank = first + int(row[0])
+                numbers[rank] = _floats(row[1:1 + _NUMBERS])
+                hosts[rank] = row[1 + _NUMBERS:].astype(np.uint32).tobytes().rstrip(b"\0").decode(errors="replace")
         return SpeedTable(numbers[:, 0], numbers[:, 1], numbers[:, 2], numbers[:, 3], hosts)
 
     def take(self) -> list[SpeedCheck]:

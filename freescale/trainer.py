@@ -247,9 +247,9 @@ class Trainer:
             for event in outcome.events:
                 log.write(event["event"], **{k: v for k, v in event.items() if k != "event"})
             commit = outcome.commit
-            if parts.shared_speeds is not None:  # judged at commits (replayed ones too)
+            if parts.shared_speeds is not None:  # judged at commits (replayed ones: logged, said by the others already)
                 for check in parts.shared_speeds.take():
-                    self._say_speeds(parts, log, progress, check, commit.ready)
+                    self._say_speeds(parts, log, progress, check, commit.ready, aloud=not commit.restored)
             step = commit.step + 1
             if not commit.applied or commit.restored:
                 first = True  # catching up: the next step this process trains is its first again
@@ -424,13 +424,13 @@ class Trainer:
             parts.loader.set_capacities(check.capacities)
 
     def _say_speeds(self, parts: Components, log: RunLog, progress: Progress, check: SpeedCheck,
-                    ready: frozenset[int]) -> None:
+                    ready: frozenset[int], aloud: bool = True) -> None:
         """A verdict's scores for the step records, its events for the log, its lines on the console (said by
         rank 0 of the lowest ready group only: every group reached the same verdict)."""
         progress.scores = check.scores()
         group_size = parts.ctx.world_size if parts.groups > 1 else None
         for line in check.announce(log.write, self.cfg.balance.slow_policy, group_size):
-            if parts.ctx.is_main and parts.group == min(ready, default=parts.group):
+            if aloud and parts.ctx.is_main and parts.group == min(ready, default=parts.group):
                 say(line)
 
     def _calibrate(self, parts: Components, log: RunLog, calibration: Calibration, done: int) -> None:

@@ -123,6 +123,19 @@ class _NoValidState(RuntimeError):
     """Nobody in the quorum can provide the run's state: not a peer failure, not retried."""
 
 
+def join_headers(side: torch.Tensor | None, exchange: torch.Tensor | None) -> torch.Tensor | None:
+    """A reduction's header: the side header (``ReplicaSync.side_header``), then the exchange's."""
+    if side is None:
+        return exchange
+    flat = side.reshape(-1).to(torch.int64).cpu()
+    return flat if exchange is None else torch.cat([flat, exchange.reshape(-1).to(torch.int64).cpu()])
+
+
+def split_headers(headers: list[torch.Tensor], side: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(Each participant's side header: its first ``side`` integers, its exchange header: the rest)."""
+    return [h[:side] for h in headers], [h[side:] for h in headers]
+
+
 @dataclass
 class CatchUp:
     """A recovering replica's snapshot and the committed steps it sat out after it: load the
@@ -191,16 +204,10 @@ class ReplicaSync:
         ``attach``; the same length on every participant at every step."""
 
     def _header(self, exchange_header: torch.Tensor | None) -> torch.Tensor | None:
-        """The reduction's header: the side header, then the exchange's."""
-        if self.side_header is None:
-            return exchange_header
-        side = self.side_header.reshape(-1).to(torch.int64).cpu()
-        return side if exchange_header is None else torch.cat([side, exchange_header.reshape(-1).to(torch.int64).cpu()])
+        return join_headers(self.side_header, exchange_header)
 
     def _split_headers(self, headers: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(Each participant's side header, its exchange header) out of the reduction's headers."""
-        k = self.side_header.numel() if self.side_header is not None else 0
-        return [h[:k] for h in headers], [h[k:] for h in headers]
+        return split_headers(headers, self.side_header.numel() if self.side_header is not None else 0)
 
     def start_step(self, step: int) -> None:
         """Ask for the step's quorum now; the answer is read when the step needs it."""
@@ -337,9 +344,8 @@ class ReplicaSync:
             reduce_s, prepare_s, vote_s = timings
             if committed and reduced is not None:
                 result = self._committed(step, quorum, reduced, extra, attempts, seen_behind, start,
-                                         quorum_wait, timings)
+                                         quorum_wait, timings, side)
                 result.prepared, result.finite, result.discarded = prepared, finite, discarded
-                result.side_headers = dict(zip(quorum.replica_ids, side))
                 result.failed_at = failed_at
                 return result
             failed_at = failed_at or time.time()
@@ -380,7 +386,7 @@ class ReplicaSync:
 
     def _committed(self, step: int, quorum: Quorum, reduced: Reduced, extra: Any, attempts: int,
                    seen_behind: bool, start: float, quorum_wait: float,
-                   timings: tuple[float, float, float]) -> StepResult:
+                   timings: tuple[float, float, float], side: list[torch.Tensor]) -> StepResult:
         self.quorum = quorum
         self.client.progress = {"quorum_id": quorum.quorum_id, "step": step + 1, "ready": not self.recovering}
         ids = quorum.replica_ids
@@ -389,6 +395,7 @@ class ReplicaSync:
             step, reduced.tensors, quorum, attempts, 0.0, self.recovering, False,
             weights=dict(zip(ids, reduced.weights)), ready=frozenset(r for r, f in zip(ids, reduced.ready) if f),
             extra=extra, quorum_wait_s=quorum_wait, reduce_s=reduce_s, prepare_s=prepare_s, vote_s=vote_s,
+            side_headers=dict(zip(ids, side)),
         )
         if self.recovering:
             # Kept until the snapshot is in, maybe for many steps: on the host (NCCL: not GPU memory).

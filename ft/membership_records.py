@@ -36,12 +36,12 @@ FAIL_SLOW_FIELDS = {"group": int, "rank": int, "step": int, "share": float, "hos
 
 
 def fail_slow_entries(value: Any) -> list[dict[str, Any]] | None:
-    """A heartbeat's ``fail_slow`` list, checked (at most 64 entries, each with ``FAIL_SLOW_FIELDS``); None if it
-    is absent or malformed (the last good report stays)."""
-    if not isinstance(value, list) or len(value) > 64:
+    """A heartbeat's ``fail_slow`` list, checked (each entry with ``FAIL_SLOW_FIELDS``; the first 64 kept); None if
+    it is absent or malformed (the last good report stays)."""
+    if not isinstance(value, list):
         return None
     out = []
-    for entry in value:
+    for entry in value[:64]:
         if not isinstance(entry, dict) or any(not isinstance(entry.get(k), t) or isinstance(entry.get(k), bool)
                                               for k, t in FAIL_SLOW_FIELDS.items() if t is not float):
             return None

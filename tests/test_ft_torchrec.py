@@ -281,7 +281,7 @@ def test_group_evicted_as_fail_slow_then_killed_mid_catch_up(tiny_data: Path, tm
     slices averaged while it was away)."""
     steps = 100
     proc = launch(tmp_path, tiny_data, 2, 1, steps, "dlrm", fault=f"1:0:0:device:3@0,1:0:0:catchup@1,{AWAY}",
-                  max_restarts=2, extra=("--optim.lr_schedule", "warmup_cosine", "--optim.warmup_steps", "10",
+                  max_restarts=3, extra=("--optim.lr_schedule", "warmup_cosine", "--optim.warmup_steps", "10",
                                          "--optim.clip_grad_norm", "0.002", "--ft.embedding_sync", "average",
                                          "--ft.average_every", "3", "--balance.slow_policy", "evict"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -486,10 +486,6 @@ def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tm
 
 
 
-FAST_CHECKS = ("--balance.check_every", "3", "--balance.speed_window", "6")
-"""A verdict every 3 steps on the last 6: a rank slowed from step 6 is flagged at the check of step 15."""
-
-
 def test_a_slow_replica_group_is_planned_smaller_by_every_group_at_one_step(tiny_data: Path, tmp_path: Path) -> None:
     """Two groups of one rank; group 1's device takes three times as long from step 6 (``device`` fault: the
     slowdown grows with its work).  Each group's speed table rides in the next step's FTAR header, and
@@ -498,9 +494,9 @@ def test_a_slow_replica_group_is_planned_smaller_by_every_group_at_one_step(tiny
     ``rebalance`` every group plans group 1 at a smaller share of the global batch from the same step (the
     planned sizes equal in every group's records at every step; the state hashes equal at every step; every
     sample once).  (``evict``: ``test_group_evicted_as_fail_slow_then_killed_mid_catch_up``.)"""
-    steps = 45
+    steps = 50  # (the default checks, whose noise bench_stragglers.py measured: every 5 steps, on the last 10)
     proc = launch(tmp_path, tiny_data, 2, 1, steps, "dlrm", fault="1:0:6:device:3",
-                  extra=("--balance.slow_policy", "rebalance", *FAST_CHECKS))
+                  extra=("--balance.slow_policy", "rebalance"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "restarted" not in proc.stderr
     runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)  # one state per step, every sample once
@@ -508,7 +504,7 @@ def test_a_slow_replica_group_is_planned_smaller_by_every_group_at_one_step(tiny
                for (group, _), events in runs.items()}
     [(step, group, rank)] = flagged[0]
     assert (group, rank) == (1, 0) and flagged[1] == flagged[0], flagged
-    assert 9 <= step <= 21, step
+    assert 6 < step <= 31, step
     assert proc.stderr.count("replica group 1, rank 0 on ") == 1 and f"is fail-slow at step {step}" in proc.stderr
     assert "fail-slow: group 1, rank 0 on " in proc.stdout  # the job summary; the report's events likewise:
     from freescale.report.logs import read_run

@@ -134,7 +134,8 @@ class _Planned:
         self.calls.append(capacities)
 
 
-def _group_tables(monkeypatch: pytest.MonkeyPatch, rows: dict[int, list[float]], done: int = 10) -> dict[int, Any]:
+def _group_tables(monkeypatch: pytest.MonkeyPatch, rows: dict[int, list[float]], done: int = 10,
+                  group_size: int = 2) -> dict[int, Any]:
     """Each group's side header for the step after a check at ``done``: groups of two ranks whose speeds are
     ``rows[group]`` (busy seconds inverse to speed)."""
     from freescale.speed_share import SpeedShare
@@ -143,7 +144,8 @@ def _group_tables(monkeypatch: pytest.MonkeyPatch, rows: dict[int, list[float]],
     for group, speeds in rows.items():
         monkeypatch.setattr(rank_speed, "_gather", lambda *_, s=speeds, g=group: (
             np.array(s), np.array(s), 100.0 / np.array(s), np.full(len(s), 1.0), [f"g{g}r{r}" for r in range(len(s))]))
-        share = SpeedShare(measured(RankSpeed(BalanceConfig(), rebalance=False), done), _Planned(), group, 2)  # type: ignore[arg-type]
+        share = SpeedShare(measured(RankSpeed(BalanceConfig(), rebalance=False), done), _Planned(), group,  # type: ignore[arg-type]
+                           group_size)
         share.gather(done)
         headers[group] = share.header()
         assert share.header().tolist() == [0] * share.size  # told once, with the next step
@@ -200,13 +202,65 @@ def test_evict_stops_only_the_group_holding_the_fail_slow_rank(monkeypatch: pyte
     for group in (0, 1):
         share = SpeedShare(RankSpeed(cfg, rebalance=False), _Planned(), group, 2)  # type: ignore[arg-type]
         share.speed._below = {3: 1}
+        share.speed._below[2] = 1  # (group 1's other rank was below once too)
         share.on_commit(Commit(10, frozenset({0, 1}), frozenset({0, 1})), headers)
         [check] = share.take()
-        assert check.flagged == [3] and not share.speed.slow  # judged anew when it is back
+        assert check.flagged == [3] and not share.speed.slow and 2 not in share.speed._below  # judged anew when back
         if group == 1:
             assert share.evicted is not None and "replica group 1 evicted as fail-slow at step 10" in str(share.evicted)
         else:
             assert share.evicted is None
+    # Group 0 is catching up: group 1 holds the only valid state, so it is kept (and said so), not evicted.
+    share = SpeedShare(RankSpeed(cfg, rebalance=False), _Planned(), 1, 2)  # type: ignore[arg-type]
+    share.speed._below = {3: 1}
+    share.on_commit(Commit(10, frozenset({1}), frozenset({1})), headers)
+    [check] = share.take()
+    assert share.evicted is None and check.kept_groups == [1] and 3 in share.speed.slow
+    lines = check.announce(lambda *_, **__: None, "evict", 2)
+    assert any("replica group 1 is fail-slow but no other group holds the run's state" in line for line in lines)
+
+
+def test_a_large_group_tells_its_slowest_ranks_and_the_median_of_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header's size does not grow with the group: 40 ranks tell their 16 slowest rows and the others'
+    median; the judged table has the slow ranks exact, the others at that median; the lighthouse is told at
+    most 64 fail-slow ranks, the slowest."""
+    from freescale import speed_share
+    from freescale.speed_share import TOLD_RANKS, SpeedShare
+    from freescale.step_types import Commit
+
+    speeds = [100.0 + r for r in range(40)]
+    speeds[7], speeds[31] = 30.0, 40.0
+    headers = _group_tables(monkeypatch, {0: speeds, 1: [101.0] * 40}, group_size=40)
+    share = SpeedShare(RankSpeed(BalanceConfig(check_every=10), rebalance=False), _Planned(), 0, 40)  # type: ignore[arg-type]
+    assert share.size == headers[0].numel() == 1 + 4 + TOLD_RANKS * 13
+    table = share._table(10, headers)
+    assert table.speeds[7] == 30.0 and table.speeds[31] == 40.0 and table.hosts[7] == "g0r7"
+    told = sorted(speeds)[:TOLD_RANKS]
+    assert sorted(table.speeds[:40])[:TOLD_RANKS] == told
+    assert np.isclose(table.speeds[39], np.median(sorted(speeds)[TOLD_RANKS:]), rtol=1e-6) and table.hosts[39] == ""
+    share.speed._below = {7: 1, 31: 1}
+    share.on_commit(Commit(10, frozenset({0, 1}), frozenset({0, 1})), headers)
+    assert [e["rank"] for e in share.notes()["fail_slow"]] == [7, 31]
+    monkeypatch.setattr(speed_share, "NOTED", 1)
+    assert [e["rank"] for e in share.notes()["fail_slow"]] == [7]  # the slowest
+
+
+def test_the_side_header_rides_ahead_of_the_exchange_header_through_the_weighted_reduction() -> None:
+    from freescale.ft.ftar import join_headers, split_headers
+    from freescale.ft.weighted_reduce import FlatReduction
+    from freescale.grad_buckets import BucketLayout
+
+    layout = BucketLayout.single([3])
+    sides = [torch.tensor([5, 2**33 + 1]), torch.tensor([0, 7])]
+    exchanges = [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 2**39])]
+    parts = [FlatReduction(layout, 1.0, i, 2, True, join_headers(sides[i], exchanges[i])) for i in range(2)]
+    for part in parts:
+        part.put(0, torch.ones(3))
+    parts[0].flat.add_(parts[1].flat)  # what the all-reduce sums
+    side, exchange = split_headers(parts[0].result([torch.zeros(3)]).headers, 2)
+    assert [h.tolist() for h in side] == [h.tolist() for h in sides]
+    assert [h.tolist() for h in exchange] == [h.tolist() for h in exchanges]
+    assert join_headers(None, exchanges[0]) is exchanges[0] and split_headers([torch.arange(3)], 0)[0][0].numel() == 0
 
 
 def test_the_c4_view_names_the_rank_the_others_wait_for() -> None:
