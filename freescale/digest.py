@@ -5,6 +5,11 @@ optimizers' state; sorted keys, raw bytes) with SHA-256; the ranks' 32-byte
 digests are all-gathered as a uint8 tensor (no pickling) and hashed again in
 rank order.  Pipelines are compared with it in tests; fault-tolerant replicas
 use it to prove they are identical.
+
+``logical_digest`` fingerprints the same values however they are sharded: every element is mixed with
+its place in the logical tensor (row and column, from the shard's offsets) and the mixes are summed
+modulo 2**64, on each rank and then across the ranks; a replicated tensor counts once (rank 0's).  Two
+runs whose tables are sharded differently (another plan, another world size) compare with it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -58,3 +64,50 @@ def group_digest(local: bytes) -> str:
     gathered = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine.to(device))
     return hashlib.sha256(b"".join(g.cpu().numpy().tobytes() for g in gathered)).hexdigest()
+
+
+_ROW_MIX, _COL_MIX = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F)
+
+
+def _mixed_sum(values: torch.Tensor, row0: int, col0: int) -> int:
+    """Sum (mod 2**64) of a splitmix64 of each element's bits and its logical place (``row0``, ``col0``: the
+    shard's offsets; a 1-D tensor is one column)."""
+    v = values.detach().float().cpu().contiguous().numpy()
+    table = v.reshape(v.shape[0], -1) if v.ndim else v.reshape(1, 1)
+    with np.errstate(over="ignore"):
+        rows = (np.arange(table.shape[0], dtype=np.uint64) + np.uint64(row0))[:, None]
+        cols = (np.arange(table.shape[1], dtype=np.uint64) + np.uint64(col0))[None, :]
+        x = table.view(np.uint32).astype(np.uint64) ^ (rows * _ROW_MIX) ^ (cols * _COL_MIX)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        return int(x.sum(dtype=np.uint64))
+
+
+def _local_sums(value: Any, first: bool) -> int:
+    """This rank's mixed sum of one state entry: a ShardedTensor's local shards at their offsets; a plain
+    tensor (replicated on every rank) on the group's first rank only."""
+    if hasattr(value, "local_shards"):  # ShardedTensor
+        total = 0
+        for shard in value.local_shards():
+            offsets = list(shard.metadata.shard_offsets) + [0, 0]
+            total += _mixed_sum(shard.tensor, offsets[0], offsets[1])
+        return total % 2**64
+    if isinstance(value, torch.Tensor):
+        return _mixed_sum(value.to_local() if hasattr(value, "to_local") else value, 0, 0) if first else 0
+    return 0
+
+
+def logical_digest(state: dict[str, Any], group: Any = None) -> str:
+    """Hex SHA-256 over each entry of ``state`` (a flat ``state_dict``) of its elements' places and values,
+    whatever their sharding (module docstring; a collective over ``group`` when distributed)."""
+    keys = sorted((k for k, v in state.items() if isinstance(v, torch.Tensor)), key=str)
+    distributed = dist.is_initialized()
+    first = not distributed or dist.get_rank(group) == 0
+    sums = torch.tensor([_local_sums(state[k], first) for k in keys], dtype=torch.uint64).view(torch.int64)
+    if distributed:
+        dist.all_reduce(sums, group=group)  # int64 addition wraps as the uint64 sums do
+    h = hashlib.sha256()
+    for key, total in zip(keys, sums.view(torch.uint64).tolist()):
+        h.update(f"{key}={total};".encode())
+    return h.hexdigest()

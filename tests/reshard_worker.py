@@ -183,6 +183,9 @@ def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]], ranks: in
                 dmp.fused_optimizer.load_state_dict(optim)
                 result["notes"] = notes
             result["ranks"] = rank_counts(dmp, group, rank)
+            from freescale.digest import logical_digest
+
+            result["logical_digest"] = logical_digest(dmp.state_dict(), group)  # the tables' weights, any sharding
             weights, momentum, layout = logical(dmp, group)
             if phase["kind"] == "save":  # after the gather: the checks of the save above see the saved state
                 result["lazy"] = lazy_copy(dmp, tracker, rank)

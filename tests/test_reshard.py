@@ -78,6 +78,8 @@ def test_loads_under_another_plan_and_world_size(phases: list[dict[str, Any]], i
                 split.append(table)
     named = sorted({note.split("'")[1] for note in loaded["notes"]})
     assert named == sorted(set(split)), loaded["notes"]
+    # The weights are equal under every plan and world size, and so is their logical digest.
+    assert loaded["logical_digest"] == saved["logical_digest"] and loaded["plan"] != saved["plan"]
     if index == 1:  # a table-wise table split by columns (approximate); column shards merged (exact)
         assert named == ["a_table"], loaded["notes"]
 
@@ -98,3 +100,17 @@ def test_items_outscoring_a_target_are_counted_on_the_shards_as_a_full_sort_woul
             assert torch.equal(ties, (scores == target).sum(1) - 1), (table, phase["plan"][table])
             column_split.append(split)
     assert len(phase["ranks"]) == len(SAVE) and (index == 1 or any(column_split)), phase["plan"]
+
+
+def test_the_logical_digest_sees_every_value_and_its_place() -> None:
+    """In one process (no shards): equal tensors digest alike; one element changed, or the same values in
+    another shape, do not (the sharded case: ``test_loads_under_another_plan_and_world_size``)."""
+    from freescale.digest import logical_digest
+
+    state = {"t.weight": torch.arange(12.0).reshape(3, 4), "t.bias": torch.ones(2)}
+    same = {k: v.clone() for k, v in state.items()}
+    assert logical_digest(state) == logical_digest(same)
+    same["t.weight"][1, 2] += 1e-6
+    assert logical_digest(state) != logical_digest(same)
+    assert logical_digest(state) != logical_digest({**state, "t.weight": torch.arange(12.0).reshape(4, 3)})
+    assert logical_digest(state) != logical_digest({"t.weight": state["t.bias"], "t.bias": state["t.weight"]})
