@@ -90,7 +90,7 @@ def _local_sums(value: Any, first: bool) -> int:
     if hasattr(value, "local_shards"):  # ShardedTensor
         total = 0
         for shard in value.local_shards():
-            offsets = list(shard.metadata.shard_offsets) + [0, 0]
+            offsets = [*shard.metadata.shard_offsets, 0, 0]
             total += _mixed_sum(shard.tensor, offsets[0], offsets[1])
         return total % 2**64
     if isinstance(value, torch.Tensor):
