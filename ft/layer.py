@@ -65,6 +65,7 @@ from freescale.ft.client import LighthouseClient
 from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, replica_index_of, skip_step_refusal
 from freescale.ft.ftar import ReplicaSync, StepResult
 from freescale.ft.layer_snapshot import SnapshotSide, UserState
+from freescale.ft.reduced_parts import reduced_parts
 from freescale.ft.serving import advertised_host
 from freescale.ft.standby import STANDBY_ENV, take_over
 from freescale.grad_buckets import BucketedGrads
@@ -83,40 +84,6 @@ from freescale.step_types import (
 from freescale.testing import StepHooks
 
 __all__ = ["DataState", "FaultTolerance", "JobFinished"]
-
-
-def _reduced_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(The parameters whose gradients this layer reduces, the dense ones among them.)  A torchrec DMP's are
-    everything outside its sharded modules, and first (backward reaches them last) the dense kernels' weights of
-    its ``data_parallel`` tables (torchrec's DDP around their lookups is taken off: reduced here instead)."""
-    if hasattr(model, "fused_optimizer"):  # torchrec DMP: everything outside the sharded modules
-        from freescale.parallelize import dense_named_parameters, replicated_kernel_weights
-
-        ddp = getattr(model, "_dmp_wrapped_module", None)
-        if isinstance(ddp, nn.parallel.DistributedDataParallel):
-            raise ValueError("fault tolerance: the model is wrapped in DDP; shard it with freescale.ft.shard (or "
-                             "DistributedModelParallel(..., data_parallel_wrapper=freescale.parallelize.NoDataParallel())"
-                             "): this layer reduces the dense gradients itself, in the group and across groups")
-        dense = list(dense_named_parameters(model).values())
-        return replicated_kernel_weights(model) + dense, dense
-    dense = [p for p in model.parameters() if p.requires_grad]
-    return dense, dense
-
-
-def _refuse_unstepped_tables(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-    """One line if a ``data_parallel`` table of ``model`` is in none of ``optimizers`` (its gradient would be
-    reduced every step and the table would never move, alike in every group, so no check would see it)."""
-    if not hasattr(model, "fused_optimizer"):
-        return
-    from freescale.parallelize import replicated_table_parameters
-    from freescale.reshard import table_name
-
-    stepped = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
-    missing = sorted(table_name(name) for name, p in replicated_table_parameters(model).items() if id(p) not in stepped)
-    if missing:
-        raise ValueError(f"fault tolerance: the data_parallel table {missing[0]!r} is in no optimizer's parameters "
-                         "(the fused optimizer does not step it): give your dense optimizer model.parameters(), "
-                         "or put the table on a fused kernel")
 
 
 def step_window(step_times: deque[float]) -> float | None:
@@ -153,10 +120,7 @@ class FaultTolerance(SnapshotSide):
             if self._group_size > 1:
                 raise ValueError("fault tolerance: a warm standby (standby_lock) needs a one-rank replica group")
             self._standby_fd, self._incarnation = take_over(standby.format(replica=cfg.replica_id), self._incarnation)
-        self._reduced, clipped = _reduced_parameters(model)
-        fused = getattr(model, "fused_optimizer", None)
-        dense_optimizers = [opt for _, opt in getattr(optimizer, "optimizers", [("", optimizer)]) if opt is not fused]
-        _refuse_unstepped_tables(model, dense_optimizers)
+        self._reduced, clipped, dense_optimizers = reduced_parts(model, optimizer)
         self._update = update if update is not None else DenseUpdate(dense_optimizers, clipped, LRSchedule(),
                                                                     scheduler=scheduler)
         """The committed step's dense update (clip, step, schedule: ``freescale/dense_update.py``), the same
