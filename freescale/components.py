@@ -245,8 +245,7 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
     inflight = cfg.pipeline.max_inflight if prioritized else None
     speed = None
     if cfg.balance.slow_policy != "off" and ctx.device.type == "cpu":
-        speed = RankSpeed(cfg.balance, rebalance=cfg.balance.slow_policy == "rebalance",
-                          plan_lag=cfg.pipeline.read_ahead + cfg.data.window)
+        speed = RankSpeed(cfg.balance, plan_lag=cfg.pipeline.read_ahead + cfg.data.window)
     elif cfg.balance.slow_policy != "off" and ctx.is_main:
         say("freescale: balance.slow_policy: ranks' speeds are measured on CPU only (on CUDA busy time must come "
             "from CUDA events: not built); no fail-slow check in this run")

@@ -6,7 +6,8 @@ Each replica group's rank 0 logs every incarnation's events to the same
 did, across every incarnation of every group: steps committed, samples trained (each group's
 contributing share of each step, once), restarts, catch-ups, the stall (time the job made no
 committed step beyond its usual step time) and the eval metrics, with one row per group
-beneath, then one line per fail-slow verdict (``freescale.rank_speed``).  Groups print no table of their own under the launcher, so the terminal shows one job.
+beneath, then one line per fail-slow verdict (``freescale.rank_speed``).  Groups print no table of
+their own under the launcher, so the terminal shows one job.
 """
 
 from __future__ import annotations

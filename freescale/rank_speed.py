@@ -179,9 +179,9 @@ def _name(rank: int, group_size: int | None) -> str:
 class RankSpeed:
     """This rank's speed estimate and the group's fail-slow verdicts (module docstring)."""
 
-    def __init__(self, cfg: BalanceConfig, rebalance: bool, plan_lag: int = 0) -> None:
-        self.cfg, self.rebalance, self.plan_lag = cfg, rebalance, plan_lag
-        self.evict = cfg.slow_policy == "evict"
+    def __init__(self, cfg: BalanceConfig, plan_lag: int = 0) -> None:
+        self.cfg, self.plan_lag = cfg, plan_lag
+        self.rebalance, self.evict = cfg.slow_policy == "rebalance", cfg.slow_policy == "evict"
         """``plan_lag``: steps already planned when capacities change (the pipeline's read-ahead and the
         planning window): they are trained on the old plan, and not measured as the new one's."""
         self._from_step = 0

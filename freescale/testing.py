@@ -116,8 +116,6 @@ class FaultHooks(StepHooks):
         for at, kind, delay in self.faults:
             if kind != point or not (step == at or (point in _AT_OR_AFTER and step >= at)):
                 continue
-            if point in _FACTORS:
-                continue  # (stretch, stretch_data)
             if point in _EVERY_INCARNATION:
                 time.sleep(delay)
             elif point == "reduce":

@@ -31,25 +31,22 @@ def resolve(waiters: list[asyncio.Future[Any]], value: Any) -> None:
     waiters.clear()
 
 
-FAIL_SLOW_FIELDS = {"group": int, "rank": int, "step": int, "share": float, "host": str}
-"""What a heartbeat's ``fail_slow`` entries hold (anything else is dropped: a status never shows a malformed one)."""
-
-
 def fail_slow_entries(value: Any) -> list[dict[str, Any]] | None:
-    """A heartbeat's ``fail_slow`` list, checked (each entry with ``FAIL_SLOW_FIELDS``; the first 64 kept); None if
-    it is absent or malformed (the last good report stays)."""
+    """A heartbeat's ``fail_slow`` list (the job's fail-slow ranks: ``freescale.speed_share``), checked: each entry
+    an integer ``group``, ``rank`` and ``step``, a number ``share`` and a string ``host``; the first 64 kept.  None
+    if it is absent or malformed (the last good report stays: a status never shows a malformed one)."""
     if not isinstance(value, list):
         return None
     out = []
     for entry in value[:64]:
-        if not isinstance(entry, dict) or any(not isinstance(entry.get(k), t) or isinstance(entry.get(k), bool)
-                                              for k, t in FAIL_SLOW_FIELDS.items() if t is not float):
+        if not isinstance(entry, dict):
             return None
-        share = entry.get("share")
+        ints, share, host = [entry.get(k) for k in ("group", "rank", "step")], entry.get("share"), entry.get("host")
+        if any(type(v) is not int for v in ints) or not isinstance(host, str):
+            return None
         if not isinstance(share, (int, float)) or isinstance(share, bool):
             return None
-        out.append({"group": entry["group"], "rank": entry["rank"], "step": entry["step"], "share": float(share),
-                    "host": entry["host"][:64]})
+        out.append({"group": ints[0], "rank": ints[1], "step": ints[2], "share": float(share), "host": host[:64]})
     return out
 
 

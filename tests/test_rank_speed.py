@@ -37,7 +37,7 @@ def check(speed: RankSpeed, step: int) -> Any:
 
 
 def test_report_flags_a_slow_rank_once_and_its_recovery_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    speed = RankSpeed(BalanceConfig(), rebalance=False)
+    speed = RankSpeed(BalanceConfig())
     gathered(monkeypatch, [100.0, 98.0, 102.0], [1.0, 1.0, 1.0], 1.0)
     assert not check(speed, 5).flagged  # healthy: nothing said
     gathered(monkeypatch, [100.0, 98.0, 40.0], [1.0, 1.0, 2.5], 2.5)
@@ -56,7 +56,7 @@ def test_report_flags_a_slow_rank_once_and_its_recovery_once(monkeypatch: pytest
 
 def test_rebalance_tries_a_smaller_share_and_keeps_it_only_if_steps_got_no_slower(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    speed = RankSpeed(BalanceConfig(slow_policy="rebalance"), rebalance=True)
+    speed = RankSpeed(BalanceConfig(slow_policy="rebalance"))
     gathered(monkeypatch, [100.0, 100.0, 50.0], [1.0, 1.0, 2.0], 2.0)
     check(speed, 5)
     flagged = check(speed, 10)
@@ -79,7 +79,7 @@ def test_rebalance_tries_a_smaller_share_and_keeps_it_only_if_steps_got_no_slowe
 
 
 def test_an_undone_first_trial_leaves_the_rank_flagged_once_at_full_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    speed = RankSpeed(BalanceConfig(slow_policy="rebalance"), rebalance=True)
+    speed = RankSpeed(BalanceConfig(slow_policy="rebalance"))
     gathered(monkeypatch, [100.0, 50.0], [1.0, 2.0], 2.0)
     check(speed, 5)
     assert check(speed, 10).capacities == {1: 0.5}
@@ -114,7 +114,7 @@ def test_step_records_carry_every_ranks_scores_in_a_small_group_and_the_slowest_
 
 
 def test_a_rank_never_measured_healthy_has_no_individual_score(monkeypatch: pytest.MonkeyPatch) -> None:
-    speed = RankSpeed(BalanceConfig(), rebalance=False)
+    speed = RankSpeed(BalanceConfig())
     monkeypatch.setattr(rank_speed, "_gather", lambda *_: (np.array([100.0, 40.0]), np.array([100.0, 0.0]),
                                                             np.ones(2), np.ones(2), ["a", "b"]))
     result = check(speed, 10)
@@ -144,7 +144,7 @@ def _group_tables(monkeypatch: pytest.MonkeyPatch, rows: dict[int, list[float]],
     for group, speeds in rows.items():
         monkeypatch.setattr(rank_speed, "_gather", lambda *_, s=speeds, g=group: (
             np.array(s), np.array(s), 100.0 / np.array(s), np.full(len(s), 1.0), [f"g{g}r{r}" for r in range(len(s))]))
-        share = SpeedShare(measured(RankSpeed(BalanceConfig(), rebalance=False), done), _Planned(), group,  # type: ignore[arg-type]
+        share = SpeedShare(measured(RankSpeed(BalanceConfig()), done), _Planned(), group,  # type: ignore[arg-type]
                            group_size)
         share.gather(done)
         headers[group] = share.header()
@@ -167,7 +167,7 @@ def test_every_group_judges_the_whole_jobs_table_from_the_step_headers(monkeypat
     verdicts, loaders = [], []
     for group in range(4):
         loader = _Planned()
-        share = SpeedShare(RankSpeed(cfg, rebalance=True), loader, group, 2)  # type: ignore[arg-type]
+        share = SpeedShare(RankSpeed(cfg), loader, group, 2)  # type: ignore[arg-type]
         share.speed._below = {4: 1, 5: 1}  # (below the threshold at the check before)
         share.on_commit(Commit(9, commit.trained, commit.ready), headers)  # not a check's step: nothing judged
         share.on_commit(commit, headers)
@@ -178,7 +178,7 @@ def test_every_group_judges_the_whole_jobs_table_from_the_step_headers(monkeypat
     assert all(v == verdicts[0] for v in verdicts) and all(calls == loaders[0] for calls in loaders)
     assert verdicts[0][0] == [4, 5] and verdicts[0][1] == {4: pytest.approx(0.4, abs=0.01), 5: pytest.approx(0.41, abs=0.01)}
     # A group catching up loads a source's state after step 10 and judges step 20 as the source does.
-    source, joiner = (SpeedShare(RankSpeed(cfg, rebalance=True), _Planned(), g, 2) for g in (0, 3))  # type: ignore[arg-type]
+    source, joiner = (SpeedShare(RankSpeed(cfg), _Planned(), g, 2) for g in (0, 3))  # type: ignore[arg-type]
     source.speed._below = {4: 1, 5: 1}
     source.on_commit(commit, headers)
     joiner.load_state_dict(json.loads(json.dumps(source.state_dict())))
@@ -200,7 +200,7 @@ def test_evict_stops_only_the_group_holding_the_fail_slow_rank(monkeypatch: pyte
     headers = _group_tables(monkeypatch, {0: [100.0, 98.0], 1: [101.0, 40.0]})
     cfg = BalanceConfig(slow_policy="evict", check_every=10)
     for group in (0, 1):
-        share = SpeedShare(RankSpeed(cfg, rebalance=False), _Planned(), group, 2)  # type: ignore[arg-type]
+        share = SpeedShare(RankSpeed(cfg), _Planned(), group, 2)  # type: ignore[arg-type]
         share.speed._below = {3: 1}
         share.speed._below[2] = 1  # (group 1's other rank was below once too)
         share.on_commit(Commit(10, frozenset({0, 1}), frozenset({0, 1})), headers)
@@ -211,7 +211,7 @@ def test_evict_stops_only_the_group_holding_the_fail_slow_rank(monkeypatch: pyte
         else:
             assert share.evicted is None
     # Group 0 is catching up: group 1 holds the only valid state, so it is kept (and said so), not evicted.
-    share = SpeedShare(RankSpeed(cfg, rebalance=False), _Planned(), 1, 2)  # type: ignore[arg-type]
+    share = SpeedShare(RankSpeed(cfg), _Planned(), 1, 2)  # type: ignore[arg-type]
     share.speed._below = {3: 1}
     share.on_commit(Commit(10, frozenset({1}), frozenset({1})), headers)
     [check] = share.take()
@@ -231,7 +231,7 @@ def test_a_large_group_tells_its_slowest_ranks_and_the_median_of_the_others(monk
     speeds = [100.0 + r for r in range(40)]
     speeds[7], speeds[31] = 30.0, 40.0
     headers = _group_tables(monkeypatch, {0: speeds, 1: [101.0] * 40}, group_size=40)
-    share = SpeedShare(RankSpeed(BalanceConfig(check_every=10), rebalance=False), _Planned(), 0, 40)  # type: ignore[arg-type]
+    share = SpeedShare(RankSpeed(BalanceConfig(check_every=10)), _Planned(), 0, 40)  # type: ignore[arg-type]
     assert share.size == headers[0].numel() == 1 + 4 + TOLD_RANKS * 13
     table = share._table(10, headers)
     assert table.speeds[7] == 30.0 and table.speeds[31] == 40.0 and table.hosts[7] == "g0r7"

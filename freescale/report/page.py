@@ -100,7 +100,6 @@ def event_rows(run: RunLogs) -> list[tuple[float, list[Any]]]:
     return sorted(found, key=lambda item: item[0])
 
 
-
 def wait_rows(root: Path) -> list[list[Any]]:
     """The C4 view of the run's comm traces (``freescale.comm_report.waited_for``), one row per rank, the rank
     waited for longest first; none without traces of two ranks or more (torch is imported only then)."""
