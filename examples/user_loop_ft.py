@@ -93,7 +93,7 @@ def train(args: argparse.Namespace) -> None:
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     data = ft.StepSamples(per_step=args.batch * ranks * cfg.replicas)  # a dead group's share requeued
     out = Path(args.out)
-    hooks = hooks_from_env(cfg.replica_index, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    hooks = hooks_from_env(cfg.replica_index, rank, ft.incarnation(),
                            out / cfg.replica_id)
     layer = ft.FaultTolerance(dmp, optimizer, cfg, data=data, hooks=hooks)
     log = (out / f"{cfg.replica_id}.jsonl").open("a") if rank == 0 else None

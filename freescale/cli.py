@@ -65,7 +65,9 @@ def _trainer_config_cls() -> type:
 def _load_train_config(config: str | None, overrides: list[str], resume: bool) -> Any:
     cfg: Any = load_config(_trainer_config_cls(), config, overrides)
     # torchrun --max-restarts: a restarted group continues from its latest checkpoint.
-    if resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    from freescale.ft.config import incarnation
+
+    if resume or incarnation() > 0:
         cfg.checkpoint.resume = True
     return cfg
 
@@ -371,6 +373,10 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
             p.add_argument("--lighthouse", default="", help="with --replicas: use this lighthouse URL (a `freescale lighthouse` process) instead of one in the launcher")
             p.add_argument("--replicas", type=_int, default=1, help="fault-tolerant replica groups of --nproc-per-node ranks each, with a lighthouse in this process (freescale.ft; default 1: no fault tolerance)")
             p.add_argument("--max-restarts", type=_int, default=0, help="restart the group this often when a rank fails; it resumes from its latest checkpoint (default 0)")
+            p.add_argument("--on-rank-loss", choices=("restart", "shrink"), default=None,
+                           help="with --replicas: when a rank fails, restart its group (default; `train` reads [ft] on_rank_loss) or shrink it: it continues on the ranks it has left, at a proportional share")
+            p.add_argument("--min-group-ranks", type=_int, default=None,
+                           help="with --on-rank-loss shrink: the fewest ranks a group keeps training on (default 1; `train` reads [ft] min_group_ranks)")
     parser.commands = sub.choices
     return parser
 
@@ -447,9 +453,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A lighthouse out of reach may come back; a run whose progress is lost will not.
             report_user_error(str(exc), restartable=isinstance(exc, LighthouseError) and not isinstance(exc, ProgressLost))
             return 2
+        from freescale.launch import ShrinkRefused
         from freescale.rank_console import report_handled, say
         from freescale.rank_speed import FailSlowEvicted
 
+        if isinstance(exc, ShrinkRefused):  # its agent says why and restarts the group at its size before
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         if isinstance(exc, FailSlowEvicted):  # as a crash: the launcher restarts the group, it catches up
             if os.environ.get("RANK", "0") == "0":
                 say(f"freescale: {exc}")

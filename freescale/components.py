@@ -10,7 +10,6 @@ with or without fault tolerance (only the ``StepSync`` differs, and a replica la
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from freescale.config import ConfigError, require
 from freescale.dataloader.build import DataConfig, Dataset
 from freescale.dataloader.loader import BalancedLoader
 from freescale.distributed import DistConfig, DistContext
-from freescale.ft.config import FTConfig, skip_step_refusal
+from freescale.ft.config import FTConfig, incarnation, skip_step_refusal
 from freescale.grad_buckets import BucketedGrads
 from freescale.models import ModelConfig, build_model, cost_model_for
 from freescale.parallelize import (
@@ -209,6 +208,9 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
     ft_on = cfg.ft.enabled
     group = cfg.ft.replica_index if ft_on else 0
     groups = cfg.ft.replicas if ft_on else 1
+    # Ranks of a whole group: the data is planned over ``groups x group_ranks`` rank slots, of which a group that
+    # lost ranks fills its first ``ctx.world_size`` (``freescale.step_feed``).
+    group_ranks = (cfg.ft.group_ranks or ctx.world_size) if ft_on else ctx.world_size
     log_dir = Path(cfg.train.output_dir) / (cfg.ft.replica_id if ft_on else "")
     dataset = dataset if dataset is not None else Dataset(cfg.data)
     torch.manual_seed(cfg.train.seed)  # every rank (and every group) builds the same initial model
@@ -224,19 +226,18 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
     # Not with the averaged tables: their averages overwrite rows no lookup reported (the save copies at its step).
     lazy = c.async_save and c.every and c.stage_budget and not (ft_on and cfg.ft.embedding_sync == "average")
     staging = LazySaves(RowTracker(dmp), c.stage_budget) if lazy else None
-    optimizer = build_optimizer(dmp, cfg.optim)
+    optimizer = build_optimizer(dmp, cfg.optim, world=group_ranks)  # every group alike, whatever ranks it runs on
     update = dense_update(dmp, optimizer, cfg.optim, cfg.train.steps)
     features: list[str] = list(model.sparse_feature_names)  # type: ignore[arg-type]  # every model declares them
     loader = dataset.loader(
-        "train", rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size,
+        "train", rank=group * group_ranks + ctx.rank, world_size=groups * group_ranks,
         sparse_features=features, derived_cost=cost_model_for(cfg.model, dataset.manifest.dense_dim),
-        seed=cfg.train.seed, training=True, pin_memory=ctx.device.type == "cuda", group_size=ctx.world_size,
+        seed=cfg.train.seed, training=True, pin_memory=ctx.device.type == "cuda", group_size=group_ranks,
         timestamps=bool(getattr(model, "reads_timestamps", False)), sampled_items=getattr(model, "sampled_items", 0),
     )
-    feed = StepFeed(loader, group, ctx.world_size, groups, cfg.pipeline.read_ahead,
+    feed = StepFeed(loader, group, group_ranks, groups, cfg.pipeline.read_ahead,
                     segment_end_of(cfg.checkpoint.every, cfg.train.steps))
-    incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    hooks = hooks_from_env(group, ctx.rank, incarnation, log_dir)
+    hooks = hooks_from_env(group, ctx.rank, incarnation(), log_dir)
     if hooks.wants("data"):
         loader.made = hooks.stretch_data
     tracer = _tracer(dmp) if cfg.train.trace_comm else None
@@ -260,7 +261,7 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
         if tracer is not None and ft.in_group is not None:
             tracer.label(ft.in_group, "dense")
         if speed is not None:  # every group judges the job's speeds alike (freescale.speed_share)
-            shared = SpeedShare(speed, loader, group, ctx.world_size)
+            shared = SpeedShare(speed, loader, group, group_ranks)
             ft.carry(shared)
         sync = replicas = ft
     else:

@@ -10,6 +10,8 @@ use it to prove they are identical.
 its place in the logical tensor (row and column, from the shard's offsets) and the mixes are summed
 modulo 2**64, on each rank and then across the ranks; a replicated tensor counts once (rank 0's).  Two
 runs whose tables are sharded differently (another plan, another world size) compare with it.
+``audit_digest`` is the fault-tolerance audit's: the logical digest of a group's model and optimizer state
+(replica groups of different sizes compare), with a check that the group's ranks agree on what they replicate.
 """
 
 from __future__ import annotations
@@ -111,3 +113,35 @@ def logical_digest(state: dict[str, Any], group: Any = None) -> str:
     for key, total in zip(keys, sums.view(torch.uint64).tolist()):
         h.update(f"{key}={total};".encode())
     return h.hexdigest()
+
+
+def flat_tensors(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a nested state (dicts, lists; an optimizer's ``state_dict``) by dotted path."""
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    return {path: t for key, item in items for path, t in flat_tensors(item, f"{prefix}.{key}" if prefix else str(key)).items()}
+
+
+def _stored_in(value: torch.Tensor, skip: frozenset[int]) -> bool:
+    return any(t.untyped_storage().data_ptr() in skip for t in local_tensors(value))
+
+
+def audit_digest(model: torch.nn.Module, optimizer: Any, skip: frozenset[int] = frozenset(),
+                 group: Any = None) -> str:
+    """The audit's fingerprint of a group's committed state (a collective over ``group``): ``logical_digest`` of
+    its model and optimizer state, equal between groups that hold the same values however many ranks they run
+    on and however their tables are sharded; tensors stored in ``skip`` left out (``state_digest``).  The ranks'
+    SHA-256s of what they each hold whole (dense parameters, replicated tables, their optimizer state) are
+    compared too: ``:ranks-differ`` is appended when they are not all equal (a replica would then count one
+    rank's copy only)."""
+    flat = {k: v for k, v in flat_tensors({"model": model.state_dict(), "optim": optimizer.state_dict()}).items()
+            if not (skip and _stored_in(v, skip))}
+    logical = logical_digest(flat, group)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return logical
+    whole = local_digest({k: v for k, v in flat.items() if not hasattr(v, "local_shards")})
+    mine = torch.frombuffer(bytearray(whole), dtype=torch.uint8)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return logical if all(torch.equal(g, mine) for g in gathered) else f"{logical}:ranks-differ"

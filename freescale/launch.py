@@ -32,9 +32,10 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from freescale import forkserver
+from freescale.ft.config import GROUP_RANKS_ENV, INCARNATION_BASE_ENV, REPLICA_INDEX_ENV, incarnation
 from freescale.lifetime import PARENT_ENV, Stopped, children_die_with_me, die_with_parent, stops_raise
 
 ERROR_DIR_ENV = "FREESCALE_ERROR_DIR"
@@ -65,7 +66,7 @@ def restart_is_futile() -> bool:
     """This is a restarted incarnation under ``launch`` and an earlier one stopped on an error no
     restart can fix: end now (every rank of the group reads the same files, before any collective)."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
-    return bool(error_dir and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return bool(error_dir and incarnation() > 0
                 and any(Path(error_dir).glob(f"rank*{FINAL_SUFFIX}.txt")))
 
 
@@ -89,7 +90,7 @@ def threads_per_rank(local_ranks: int) -> str:
 
 
 def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[str],
-                 command: Sequence[str] = ()) -> int:
+                 command: Sequence[str] = (), on_rank_loss: str = "restart", min_group_ranks: int = 1) -> int:
     """Run ``freescale train TRAIN_ARGS`` (or a user's ``command``, e.g. ``python my_loop.py ...``) on
     ``nproc_per_node`` local ranks; return an exit status.
 
@@ -97,21 +98,124 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
     the agent would otherwise hand every incarnation its one shared store, where a plain
     ``dist.init_process_group`` reads the dead incarnation's gloo addresses and fails to connect).
     ``freescale train``'s ranks are forked from this node's warm server when ``freescale launch`` started
-    one (``freescale.forkserver``)."""
+    one (``freescale.forkserver``).
+
+    ``on_rank_loss``: ``restart`` or ``shrink`` (``GroupSizes``: a replica group's agent only)."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", threads_per_rank(nproc_per_node))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     error_dir = tempfile.mkdtemp(prefix="freescale-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir
     children_die_with_me()  # the ranks' clients: none outlives this agent (``freescale.lifetime``)
+    sizes = GroupSizes(nproc_per_node, max_restarts, on_rank_loss, min_group_ranks)
     try:
-        return _run_agent(nproc_per_node, max_restarts, train_args, command, error_dir)
+        while True:
+            code, lost = _run_agent(sizes.size, sizes.restarts_now(), train_args, command, error_dir)
+            if lost is not None and sizes.after_loss(lost, _take_shrink_refusal(error_dir)):
+                continue
+            if lost is not None:
+                print(f"freescale: error: rank {lost.rank} (pid {lost.pid}) failed with {lost.how}; see its output above",
+                      file=sys.stderr)
+            return code
     finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
         os.environ.pop(PARENT_ENV, None)
 
 
+SHRINK_REFUSED = "shrink_refused.txt"
+"""Written in ``$FREESCALE_ERROR_DIR`` by a rank of a group re-formed on fewer ranks that cannot train at that size
+(``refuse_shrink``): the agent restarts the group at its size before instead."""
+
+
+class ShrinkRefused(RuntimeError):
+    """Raised by a rank of a shrunk group that cannot train at its size, after ``refuse_shrink``: it ends the rank
+    (status 1) and its agent, which says why in one line, restarts the group at its size before."""
+
+
+def refuse_shrink(reason: str) -> None:
+    """Called by a rank of a shrunk group that cannot run at its size: tell the agent (one line, ``reason``)."""
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir:
+        Path(error_dir, SHRINK_REFUSED).write_text(reason)
+
+
+def _take_shrink_refusal(error_dir: str) -> str:
+    path = Path(error_dir, SHRINK_REFUSED)
+    reason = path.read_text() if path.exists() else ""
+    path.unlink(missing_ok=True)
+    return reason
+
+
+class RankLoss(NamedTuple):
+    """How a launch ended: its first failed rank."""
+
+    rank: int
+    how: str
+    pid: int
+
+
+class GroupSizes:
+    """A replica group agent's answer to a rank failure (``[ft] on_rank_loss``).
+
+    ``restart``: torch's agent restarts the whole group at its size, ``--max-restarts`` times.  ``shrink``: while
+    the group has more than ``min_group_ranks`` ranks, a failure re-forms it at once on one rank fewer (a new
+    elastic launch, incarnation counted on: ``FREESCALE_INCARNATION_BASE``); its ranks catch up from a peer group,
+    serve the lost rank's positions in the exchange across groups (``FREESCALE_GROUP_RANKS``: the whole group's
+    ranks) and are planned a share in proportion to their number.  At the minimum, failures restart the group
+    as ``restart`` does.  A shrunk group that cannot train at its size (``refuse_shrink``) restarts at the size
+    before instead, if a restart is left.  Every change is one console line."""
+
+    def __init__(self, ranks: int, max_restarts: int, on_rank_loss: str, min_group_ranks: int) -> None:
+        self.full, self.size, self.restarts_left = ranks, ranks, max_restarts
+        self.shrinks = on_rank_loss == "shrink"
+        self.min_ranks = max(1, min_group_ranks)
+        self._launches = 0
+        self._given = 0
+        os.environ[GROUP_RANKS_ENV] = str(ranks)
+
+    @property
+    def shrinking(self) -> bool:
+        return self.shrinks and self.size > self.min_ranks
+
+    def restarts_now(self) -> int:
+        """Restarts torch's agent may make in the next launch (none while a failure shrinks the group)."""
+        os.environ[INCARNATION_BASE_ENV] = str(self._launches)
+        self._given = 0 if self.shrinking else self.restarts_left
+        return self._given
+
+    def after_loss(self, lost: RankLoss, refusal: str) -> bool:
+        """The launch ended on a rank's failure: whether to launch again (at ``size``), saying why in one line."""
+        self._launches += self._given + 1  # every incarnation of that launch
+        self.restarts_left -= self._given
+        group = f"replica group {os.environ.get(REPLICA_INDEX_ENV, '0')}"
+        if refusal:
+            self.shrinks = False  # it cannot train smaller: no further shrink either
+            if self.restarts_left <= 0:
+                _say(f"{group}: cannot continue on {_ranks(self.size)}: {refusal}; no restart left: the group stops")
+                return False
+            self.size, self.restarts_left = self.size + 1, self.restarts_left - 1
+            _say(f"{group}: cannot continue on {_ranks(self.size - 1)}: {refusal}; restarts on {_ranks(self.size)}")
+            return True
+        if not self.shrinks or self._given or self.size <= self.min_ranks:
+            return False
+        self.size -= 1
+        _say(f"{group}: lost rank {lost.rank} ({lost.how}); continues on {_ranks(self.size)} at "
+             f"{self.size / self.full:.2f} share")
+        return True
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def _say(line: str) -> None:
+    print(f"freescale: {line}", file=sys.stderr, flush=True)
+
+
 def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str], command: Sequence[str],
-               error_dir: str) -> int:
+               error_dir: str) -> tuple[int, RankLoss | None]:
+    """One elastic launch of ``nproc_per_node`` ranks: (exit status, (rank, how) when it ended on a rank's
+    crash rather than a user error)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -135,19 +239,19 @@ def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str]
             entry = "freescale.forkserver" if forkserver.running() else "freescale.cli"
             elastic_launch(config, sys.executable)("-m", entry, "train", *train_args)
         # A restarted incarnation that ended at start-up: the error of the one before stands.
-        return 2 if _user_errors(error_dir, final_only=True) else 0
+        return (2 if _user_errors(error_dir, final_only=True) else 0), None
     except ChildFailedError as failed:
-        if _user_errors(error_dir):
-            return 2
         rank, failure = failed.get_first_failure()
+        if Path(error_dir, SHRINK_REFUSED).exists():  # every rank refused alike: nothing to report as an error
+            for path in Path(error_dir).glob("rank*.txt"):
+                path.unlink()
+            return 1, RankLoss(rank, "it cannot train at this size", failure.pid)
+        if _user_errors(error_dir):
+            return 2, None
         how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        print(f"freescale: error: rank {rank} (pid {failure.pid}) failed with {how}; see its output above",
-              file=sys.stderr)
-        return 1
+        return 1, RankLoss(rank, how, failure.pid)
     except SignalException as stopped:  # the agent passed it to the ranks and waited for them
-        return stopped_by(int(stopped.sigval))
-    finally:
-        shutil.rmtree(error_dir, ignore_errors=True)
+        return stopped_by(int(stopped.sigval)), None
 
 
 def stopped_by(signum: int) -> int:
@@ -159,7 +263,8 @@ def stopped_by(signum: int) -> int:
 
 def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train_args: Sequence[str],
                     heartbeat_timeout_s: float = 3.0, lighthouse_url: str = "", output_dir: str = "",
-                    title: str = "freescale job", command: Sequence[str] = ()) -> int:
+                    title: str = "freescale job", command: Sequence[str] = (), on_rank_loss: str = "restart",
+                    min_group_ranks: int = 1) -> int:
     """Fault-tolerant training on this machine: a lighthouse in this process and ``replicas``
     groups of ``nproc_per_node`` ranks, each its own elastic job (``launch_local`` in a child
     process) that restarts with a new incarnation after a failure and catches up from its peers.
@@ -168,6 +273,7 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     one that outlives this launcher) instead of starting one here.  ``command``: each group's ranks run
     a user's own loop (``freescale.ft.wrap``) instead of ``freescale train TRAIN_ARGS``; its environment
     holds what ``FTConfig.from_env`` reads (``freescale.ft.config.ENVIRONMENT``).
+    ``on_rank_loss`` / ``min_group_ranks``: what a group's agent does when a rank fails (``GroupSizes``).
     Returns 0 when every group finished, else the worst group's exit status.  With ``output_dir``
     the groups print no summary and this prints one for the job (``freescale.job_summary``).
     """
@@ -198,7 +304,8 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
             # The group's own agent (``python -m freescale.launch``): the config was checked here, once,
             # so the group's launcher does not import torchrec to load it again.
             groups.append(subprocess.Popen(
-                [sys.executable, "-m", "freescale.launch", str(nproc_per_node), str(max_restarts), *train_args,
+                [sys.executable, "-m", "freescale.launch", str(nproc_per_node), str(max_restarts), on_rank_loss,
+                 str(min_group_ranks), *train_args,
                  *(["--", *command] if command else [])],
                 env=env))
         with stops_raise():
@@ -267,12 +374,12 @@ def _gpus_per_group(replicas: int, nproc_per_node: int) -> tuple[list[str] | Non
 
 
 def main(argv: Sequence[str]) -> int:
-    """``python -m freescale.launch NPROC MAX_RESTARTS TRAIN_ARGS... [-- COMMAND...]``: one replica
-    group's agent (``launch_replicas`` starts one per group)."""
+    """``python -m freescale.launch NPROC MAX_RESTARTS ON_RANK_LOSS MIN_GROUP_RANKS TRAIN_ARGS... [-- COMMAND...]``:
+    one replica group's agent (``launch_replicas`` starts one per group)."""
     die_with_parent()  # the job's launcher: this agent, and through it its ranks, end with it
-    nproc, restarts, *rest = argv
+    nproc, restarts, on_rank_loss, min_ranks, *rest = argv
     cut = rest.index("--") if "--" in rest else len(rest)
-    return launch_local(int(nproc), int(restarts), rest[:cut], rest[cut + 1:])
+    return launch_local(int(nproc), int(restarts), rest[:cut], rest[cut + 1:], on_rank_loss, int(min_ranks))
 
 
 if __name__ == "__main__":

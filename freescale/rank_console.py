@@ -54,7 +54,9 @@ def install(output_dir: str, replica_id: str | None) -> Path:
     stream: IO[str] = path.open("a", buffering=1)
     _state.update(path=path, stream=stream)
     faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    from freescale.ft.config import incarnation
+
+    restarts = incarnation()
     if restarts and os.environ.get("RANK", "0") == "0":  # what it then starts from, the trainer says once known
         say(f"freescale: {_group()} restarted (incarnation {restarts}) after a failure")
     return path

@@ -103,6 +103,8 @@ class SpeedShare:
         numbers = np.stack([table.speeds, table.bests, table.busies, table.walls], axis=1)
         order = np.argsort(np.nan_to_num(table.speeds, nan=-np.inf), kind="stable")  # unmeasured first, then slowest
         told, others = order[:self.told], order[self.told:]
+        if told.size < self.told:  # a group on fewer ranks than its own: its last told row repeats (same values)
+            told = np.concatenate([told, np.full(self.told - told.size, told[-1])])
         out[0] = done + 1
         out[1:1 + _NUMBERS] = _words(np.median(numbers[others], axis=0) if others.size else np.full(_NUMBERS, np.nan))
         rows = out[1 + _NUMBERS:].reshape(self.told, _ROW)

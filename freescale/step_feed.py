@@ -66,6 +66,9 @@ class StepFeed:
         self.segment_end = segment_end
         self.ready: frozenset[int] = frozenset(range(groups))
         """Groups the next step is planned over: every group at the start, then those ready at each commit."""
+        self.sizes: dict[int, int] = {}
+        """Ranks a group runs on where fewer than ``group_size`` (it lost ranks: ``Commit.sizes``): it is planned
+        its first that many rank slots, a share in proportion to its ranks."""
         self._plans: deque[PlannedStep] = deque()
         self._batches: deque[Batch] = deque()
         self._next = 0
@@ -74,10 +77,11 @@ class StepFeed:
 
     # ------------------------------------------------------------------ groups and ranks
     def ranks_of(self, group: int) -> range:
+        """The group's rank slots (global ranks ``group x group_size ..``); it may run on fewer (``sizes``)."""
         return range(group * self.group_size, (group + 1) * self.group_size)
 
     def _live_ranks(self) -> list[int]:
-        return [r for g in sorted(self.ready) for r in self.ranks_of(g)]
+        return [r for g in sorted(self.ready) for r in self.ranks_of(g)[:self.sizes.get(g, self.group_size)]]
 
     # ------------------------------------------------------------------ planning
     def start(self, step: int, ready: frozenset[int]) -> None:
@@ -163,6 +167,8 @@ class StepFeed:
         if not in_trained.all():
             self.loader.requeue(planned.plan_rows.select(np.flatnonzero(~in_trained)).index)
         self.ready = commit.ready
+        self.sizes.update(commit.sizes)
+        self.sizes = {g: n for g, n in self.sizes.items() if n != self.group_size}
         accounted = Accounted(planned.plan_rows.select(np.flatnonzero(in_trained)).index,
                               planned.samples_of(self.ranks_of(self.group)))
         nxt = commit.step + 1
@@ -174,6 +180,7 @@ class StepFeed:
     def state_dict(self) -> dict[str, Any]:
         """JSON-able: the loader's position (= the next step to plan) and the plans in flight."""
         return {"loader": self.loader.state_dict(), "next": self._next, "ready": sorted(self.ready),
+                "sizes": [[g, n] for g, n in sorted(self.sizes.items())],
                 "plans": [{"step": p.step, "live_ranks": list(p.live_ranks),
                            "rows": [r.tolist() for r in p.plan_rows]} for p in self._plans]}
 
@@ -186,6 +193,7 @@ class StepFeed:
         self.loader.load_state_dict(state["loader"])
         self._next = int(state["next"])
         self.ready = frozenset(int(g) for g in state["ready"])
+        self.sizes = {int(g): int(n) for g, n in state.get("sizes", [])}  # (absent: saved before groups could shrink)
         self._plans = deque(PlannedStep(int(p["step"]), tuple(p["live_ranks"]),
                                         Parts.of_list([np.asarray(r, dtype=np.int64) for r in p["rows"]]))
                             for p in state["plans"])

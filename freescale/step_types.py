@@ -21,7 +21,7 @@ and must start without them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -41,6 +41,9 @@ class Commit:
     """Groups whose samples the committed update holds (weight > 0)."""
     ready: frozenset[int]
     """Groups holding valid state after the step: the next plans are over their ranks."""
+    sizes: Mapping[int, int] = field(default_factory=dict)
+    """Ranks each group of the step's quorum runs on (a group that lost ranks runs on fewer than its own): the
+    next plans give a group that many rank slots.  Groups not named keep the size last known."""
     applied: bool = True
     """The update reached this rank's state (False while catching up: it is recorded, replayed later)."""
     restored: bool = False

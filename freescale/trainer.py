@@ -51,7 +51,7 @@ from freescale.dataloader.schema import DataError
 from freescale.digest import state_digest
 from freescale.distributed import DistContext, init_distributed, shutdown, summed_counts
 from freescale.ft.commit_record import CommitRecord
-from freescale.ft.config import RUN_ID_ENV
+from freescale.ft.config import RUN_ID_ENV, incarnation
 from freescale.models import cost_model_for
 from freescale.rank_console import quiet_libraries, say
 from freescale.rank_speed import SpeedCheck
@@ -164,7 +164,7 @@ class Trainer:
         log.write("start", config=to_dict(cfg), world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device),
                   start_step=start_step, torch=torch.__version__, python=platform.python_version(),
                   host=platform.node(), pid=os.getpid(), group=parts.group, replicas=parts.groups,
-                  incarnation=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                  incarnation=incarnation())
         if parts.replicas is not None:
             self._warm_up(parts, parts.replicas, log)
             parts.replicas.start()
@@ -428,7 +428,7 @@ class Trainer:
         """A verdict's scores for the step records, its events for the log, its lines on the console (said by
         rank 0 of the lowest ready group only: every group reached the same verdict)."""
         progress.scores = check.scores()
-        group_size = parts.ctx.world_size if parts.groups > 1 else None
+        group_size = parts.feed.group_size if parts.groups > 1 else None
         for line in check.announce(log.write, self.cfg.balance.slow_policy, group_size):
             if aloud and parts.ctx.is_main and parts.group == min(ready, default=parts.group):
                 say(line)

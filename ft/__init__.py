@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from freescale.distributed import init_process_group
-    from freescale.ft.config import ENVIRONMENT, FTConfig
+    from freescale.ft.config import ENVIRONMENT, FTConfig, incarnation
     from freescale.ft.layer import FaultTolerance
     from freescale.ft.samples import StepSamples
     from freescale.ft.wrapper import FaultTolerantOptimizer, wrap
@@ -64,7 +64,8 @@ _LAZY = {"FTConfig": "freescale.ft.config", "DataState": "freescale.step_types",
          "Commit": "freescale.step_types", "JobFinished": "freescale.step_types", "NonFiniteError": "freescale.step_types",
          "StepSamples": "freescale.ft.samples", "wrap": "freescale.ft.wrapper",
          "FaultTolerantOptimizer": "freescale.ft.wrapper", "shard": "freescale.parallelize",
-         "init_process_group": "freescale.distributed", "ENVIRONMENT": "freescale.ft.config"}
+         "init_process_group": "freescale.distributed", "ENVIRONMENT": "freescale.ft.config",
+         "incarnation": "freescale.ft.config"}
 _RENAMED = {"shard": "shard_fused"}
 
 
@@ -78,4 +79,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["ENVIRONMENT", "Commit", "DataState", "FTConfig", "FaultTolerance", "FaultTolerantOptimizer", "JobFinished",
-           "NonFiniteError", "StepSamples", "init_process_group", "shard", "wrap"]
+           "NonFiniteError", "StepSamples", "incarnation", "init_process_group", "shard", "wrap"]

@@ -11,12 +11,17 @@ BACKENDS = ("auto", "gloo", "nccl")
 """``[ft] replica_backend`` choices (``freescale.ft.replica_group``)."""
 EMBEDDING_SYNCS = ("union", "average")
 """``[ft] embedding_sync`` choices: how fused embedding tables stay in step across groups."""
+RANK_LOSS_POLICIES = ("restart", "shrink")
+"""``[ft] on_rank_loss`` choices (``freescale launch --on-rank-loss``): what a group's agent does when one of its
+ranks fails (``freescale.launch``)."""
 
 LIGHTHOUSE_ENV = "FREESCALE_LIGHTHOUSE"
 REPLICA_INDEX_ENV = "FREESCALE_REPLICA_INDEX"
 REPLICAS_ENV = "FREESCALE_REPLICAS"
 TOKEN_ENV = "FREESCALE_LIGHTHOUSE_TOKEN"
 RUN_ID_ENV = "FREESCALE_RUN_ID"
+GROUP_RANKS_ENV = "FREESCALE_GROUP_RANKS"
+INCARNATION_BASE_ENV = "FREESCALE_INCARNATION_BASE"
 
 ENVIRONMENT = {
     LIGHTHOUSE_ENV: "the lighthouse's URL, http(s)://host:port (empty or unset: no fault tolerance)",
@@ -24,6 +29,10 @@ ENVIRONMENT = {
     REPLICA_INDEX_ENV: "this group's index, 0 .. replicas - 1 (its replica id is replica<index>)",
     RUN_ID_ENV: "the job's id: the lighthouse refuses a group of another run (optional; launch sets one)",
     TOKEN_ENV: "shared secret the lighthouse and snapshot servers ask for (optional)",
+    GROUP_RANKS_ENV: "ranks of a whole replica group: a group running on fewer (it lost one) serves the missing "
+                     "rank positions too (optional; default: the group's world size)",
+    INCARNATION_BASE_ENV: "incarnations of this group before the current elastic launch (optional; launch sets "
+                          "it when a group re-forms at another size)",
 }
 """What ``freescale launch --replicas`` sets in each group's environment, and a launcher of one's own must."""
 
@@ -80,6 +89,16 @@ class FTConfig:
     average_every: int = 1
     """With ``embedding_sync = "average"``: every table element is averaged once every this many steps (1/N of
     each table a step).  1: tables identical on every group at every committed step."""
+    on_rank_loss: str = "restart"
+    """What ``freescale launch`` does when a rank of a group fails: ``restart`` the whole group at its size (up to
+    ``--max-restarts``), or ``shrink``: the group re-forms at once on the ranks it has left (down to
+    ``min_group_ranks``), catches up from a peer group and trains a share in proportion to its ranks; a failure at
+    the minimum restarts the group as ``restart`` does (``freescale.launch``)."""
+    min_group_ranks: int = 1
+    """With ``on_rank_loss = "shrink"``: the fewest ranks a group keeps training on."""
+    group_ranks: int = 0
+    """Ranks of a whole replica group (``FREESCALE_GROUP_RANKS``; 0: this group's world size).  A group that lost
+    ranks runs on fewer and its ranks serve the missing rank positions of the exchange across groups too."""
 
     @classmethod
     def from_env(cls, **overrides: object) -> FTConfig:
@@ -97,7 +116,8 @@ class FTConfig:
         """Read ``FREESCALE_LIGHTHOUSE``, ``FREESCALE_REPLICAS`` and ``FREESCALE_REPLICA_INDEX`` where set
         (a malformed number is refused naming its variable)."""
         self.lighthouse = os.environ.get(LIGHTHOUSE_ENV, self.lighthouse)
-        for name, field in ((REPLICAS_ENV, "replicas"), (REPLICA_INDEX_ENV, "replica_index")):
+        for name, field in ((REPLICAS_ENV, "replicas"), (REPLICA_INDEX_ENV, "replica_index"),
+                            (GROUP_RANKS_ENV, "group_ranks")):
             text = os.environ.get(name)
             if text is not None:
                 try:
@@ -125,8 +145,19 @@ class FTConfig:
         require(self.embedding_sync in EMBEDDING_SYNCS, "embedding_sync",
                 f"must be one of {', '.join(EMBEDDING_SYNCS)}, got '{self.embedding_sync}'")
         require(self.average_every >= 1, "average_every", f"must be >= 1, got {self.average_every}")
+        require(self.on_rank_loss in RANK_LOSS_POLICIES, "on_rank_loss",
+                f"must be one of {', '.join(RANK_LOSS_POLICIES)}, got '{self.on_rank_loss}'")
+        require(self.min_group_ranks >= 1, "min_group_ranks", f"must be >= 1, got {self.min_group_ranks}")
+        require(self.group_ranks >= 0, "group_ranks", f"must be >= 0, got {self.group_ranks}")
         require(not self.lighthouse or self.lighthouse.startswith(("http://", "https://")), "lighthouse",
                 f"must be an http(s):// URL, got '{self.lighthouse}'")
+
+
+def incarnation() -> int:
+    """This process's incarnation of its replica group: the incarnations of earlier elastic launches of the group
+    (``FREESCALE_INCARNATION_BASE``: a group re-formed at another size is a new launch) plus torch's restart
+    count within this one.  The lighthouse tells a group's incarnations apart by it."""
+    return int(os.environ.get(INCARNATION_BASE_ENV, "0")) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def skip_step_refusal(fault_tolerant: bool, embedding_sync: str) -> str | None:

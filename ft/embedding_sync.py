@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from freescale.digest import group_digest, state_digest
+from freescale.digest import audit_digest, group_digest
 from freescale.ft.ftar import Exchange, StepResult
 from freescale.ft.sparse_average import AveragedSparseSync
 from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
@@ -93,7 +93,7 @@ class UnionTables:
         return {}
 
     def digests(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, str]:
-        return {"digest": state_digest(model, optimizer)}
+        return {"digest": audit_digest(model, optimizer)}
 
 
 class AveragedTables:
@@ -128,8 +128,8 @@ class AveragedTables:
         group right after."""
         every = self.average.every
         if every == 1:
-            return {"digest": state_digest(model, optimizer)}
-        return {"digest": state_digest(model, optimizer, self.average.storages()),
+            return {"digest": audit_digest(model, optimizer)}
+        return {"digest": audit_digest(model, optimizer, self.average.storages()),
                 "slice_digest": group_digest(self.average.slice_digest(step % every))}
 
 
@@ -156,7 +156,7 @@ class ReplicatedTables:
         return {}
 
     def digests(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, str]:
-        return {"digest": state_digest(model, optimizer)}
+        return {"digest": audit_digest(model, optimizer)}
 
 
 def choose(model: nn.Module, embedding_sync: str, average_every: int, fence: Callable[[], None]) -> EmbeddingSync:

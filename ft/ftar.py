@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import LighthouseClient, Quorum
-from freescale.ft.replica_group import FTARGroup, RendezvousStore, ReplicaGroup
+from freescale.ft.replica_group import FTARGroup, RendezvousStore, ReplicaGroup, ServedPositions, serving_member
 from freescale.ft.snapshot_fetch import SnapshotFetch
 from freescale.ft.weighted_reduce import FlatReduction, FTARStage, Reduced, weighted_all_reduce
 from freescale.grad_buckets import BucketedGrads, GroupFailure
@@ -167,12 +167,17 @@ class ReplicaSync:
     def __init__(self, client: LighthouseClient, position: int = 0, timeout_s: float = 5.0,
                  snapshot_server: SnapshotServer | None = None, token: str = "", max_attempts: int = 50,
                  in_group: Any = None, backend: str = "gloo", device: torch.device | None = None,
-                 hooks: StepHooks | None = None, store_host: str = "127.0.0.1") -> None:
+                 hooks: StepHooks | None = None, store_host: str = "127.0.0.1",
+                 positions: Sequence[int] = ()) -> None:
         self.client = client
         self.hooks = hooks or StepHooks()
         self.position = position
+        self.positions = tuple(positions) or (position,)
+        """Rank positions this rank serves across groups: its own, and the lost ranks' in a group that runs on
+        fewer than its ranks (``freescale.ft.replica_group.positions_served``)."""
         self.device = device or torch.device("cpu")
-        self.group = FTARGroup(client.replica_id, position, timeout_s, backend, device, client.quorum_lost)
+        self.group = ServedPositions([FTARGroup(client.replica_id, p, timeout_s, backend, device, client.quorum_lost)
+                                      for p in self.positions])
         self.snapshots = snapshot_server
         if snapshot_server is not None:
             client.address = snapshot_server.address
@@ -450,9 +455,9 @@ class ReplicaSync:
             self._fetch.cancel()  # it may be writing this rank's own tensors
         if self.snapshots is not None:
             self.snapshots.can_serve = False
-        sources = [p.addresses[self.position] for p in quorum.participants
+        sources = [p.addresses[serving_member(self.position, len(p.addresses))] for p in quorum.participants
                    if p.replica_id != self.client.replica_id and p.step == quorum.max_step
-                   and len(p.addresses) > self.position and p.addresses[self.position]]
+                   and p.addresses and p.addresses[serving_member(self.position, len(p.addresses))]]
         if not sources:
             raise RuntimeError(f"replica '{self.client.replica_id}' must catch up to step {quorum.max_step} but no "
                                "participant runs a snapshot server")

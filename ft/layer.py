@@ -62,10 +62,11 @@ from freescale.ft import embedding_sync
 from freescale.ft.agent_process import start_agent
 from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import LighthouseClient
-from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, replica_index_of, skip_step_refusal
+from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, incarnation, replica_index_of, skip_step_refusal
 from freescale.ft.ftar import ReplicaSync, StepResult
 from freescale.ft.layer_snapshot import SnapshotSide, UserState
 from freescale.ft.reduced_parts import reduced_parts
+from freescale.ft.replica_group import positions_served
 from freescale.ft.serving import advertised_host
 from freescale.ft.standby import STANDBY_ENV, take_over
 from freescale.grad_buckets import BucketedGrads
@@ -110,10 +111,15 @@ class FaultTolerance(SnapshotSide):
         self._nonfinite = nonfinite
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._group_size = dist.get_world_size() if dist.is_initialized() else 1
+        self._group_ranks = cfg.group_ranks or self._group_size
+        """The whole group's ranks: more than ``_group_size`` when it lost some (``[ft] on_rank_loss = "shrink"``)."""
+        if self._group_size > self._group_ranks:
+            raise ValueError(f"fault tolerance: group_ranks ({self._group_ranks}) is smaller than the group's "
+                             f"{self._group_size} ranks")
         self._group_index = cfg.replica_index
         self._device = device or next(iter(p.device for p in model.parameters() if p.device.type != "meta"),
                                      torch.device("cpu"))
-        self._incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._incarnation = incarnation()
         standby = cfg.standby_lock or os.environ.get(STANDBY_ENV, "")
         self._standby_fd: int | None = None
         if standby:  # a warm standby waits here, its model built, until the active process dies
@@ -127,7 +133,7 @@ class FaultTolerance(SnapshotSide):
         code and inputs in every group."""
         self._user_states: dict[str, UserState] = {}
         if side is not None:
-            side.bind(self._group_index, cfg.replicas, self._rank, self._group_size)
+            side.bind(self._group_index, cfg.replicas, self._rank, self._group_ranks)
         self.in_group = dist.new_group() if self._group_size > 1 else None
         self._grads = BucketedGrads(self._reduced, self.in_group, cfg.first_bucket_kb * 1024, cfg.bucket_kb * 1024,
                                    chunk_bytes=chunk_bytes, max_inflight=max_inflight)
@@ -136,6 +142,7 @@ class FaultTolerance(SnapshotSide):
         refusal = skip_step_refusal(True, self._tables.name) if nonfinite == "skip_step" else None
         if refusal:
             raise ValueError(f"fault tolerance: nonfinite: {refusal}")
+        self._check_shrunk()
         for name, (get, load) in self._tables.snapshot_states().items():
             self.register_state(name, get, load)
         token = os.environ.get(TOKEN_ENV, "")
@@ -161,7 +168,8 @@ class FaultTolerance(SnapshotSide):
                                                        file=sys.stderr, flush=True)
         self._sync = ReplicaSync(self._client, position=self._rank, timeout_s=cfg.timeout_s, snapshot_server=self._server,
                                 token=token, in_group=self.in_group, backend=cfg.replica_backend, device=self._device,
-                                hooks=self._hooks, store_host=advertise)
+                                hooks=self._hooks, store_host=advertise,
+                                positions=positions_served(self._rank, self._group_size, self._group_ranks))
         self._sync.landing = self._landing
         self._last = SyncResult(Commit(-1, frozenset(), frozenset()), None)
         """The last step's result (``step`` returns its commit; ``record`` reads its log fields)."""
@@ -183,6 +191,22 @@ class FaultTolerance(SnapshotSide):
         self._weight: float | None = None
         self._loss: torch.Tensor | None = None
         self._side: SideChannel | None = None
+
+    def _check_shrunk(self) -> None:
+        """A group re-formed on fewer ranks than its own (``freescale.launch.GroupSizes``) trains only where its
+        ranks can stand in for the lost ones: tables that are not sharded across the group (dense, replicated),
+        which every rank holds whole.  Sharded tables would need the lost ranks' shards re-placed and their
+        updates exchanged by table: not built, so the group says so in one line and its agent restarts it at its
+        size instead (``refuse_shrink``)."""
+        if self._group_size == self._group_ranks or self._tables.name == "replicated":
+            return
+        from freescale.launch import ShrinkRefused, refuse_shrink
+
+        reason = (f"its embedding tables are sharded across its ranks ({self._tables.name} sync), and a group on "
+                  "fewer ranks trains only with tables every rank holds whole (data_parallel)")
+        refuse_shrink(reason)
+        raise ShrinkRefused(f"fault tolerance: replica group {self._group_index} cannot train on {self._group_size} "
+                            f"of its {self._group_ranks} ranks: {reason}")
 
     def carry(self, side: SideChannel) -> None:
         """Tell every group ``side``'s header with each step; ``side.on_commit`` reads every group's at each
@@ -385,7 +409,8 @@ class FaultTolerance(SnapshotSide):
         ``freescale.ft.embedding_sync``), then the data side's accounting.  (The commit; whether the step was
         skipped as non-finite.)"""
         self._fence_staging()
-        commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result))
+        commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result),
+                        {self._group_of(p.replica_id): len(p.addresses) for p in result.quorum.participants if p.addresses})
         updates = sum(result.weights.values()) > 0  # nobody trained this step: no update at all
         loss = self._loss if self._weight else None
         if not self._tables.tables_finite(result, self.agree):

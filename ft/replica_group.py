@@ -239,6 +239,70 @@ class ReplicaGroup:
         self.pg, self._pending = None, []
 
 
+class FanOutGroup(ReplicaGroup):
+    """The process groups of every rank position one rank serves (a group that lost ranks: ``positions_served``),
+    used as one: each collective runs in every one of them with the same input, the first's result kept (the
+    others' are the same bytes, on copies).  Their participants are the same groups in the same order, so the
+    quorum index and the weights are the same in each.  It delegates to those groups (their own ``wait`` and
+    ``retire`` keep their bounded waits and their release off this thread); ``pg`` and ``device`` are the first's."""
+
+    def __init__(self, groups: list[ReplicaGroup]) -> None:
+        first = groups[0]
+        super().__init__(first.pg, first.backend, first.device, first.timeout_s, first.lost)
+        self.groups = groups
+
+    def allreduce(self, tensor: torch.Tensor) -> Any:
+        copies = [tensor.clone() for _ in self.groups[1:]]  # before the first's in-place reduction starts
+        return [self.groups[0].allreduce(tensor), *(g.allreduce(c) for g, c in zip(self.groups[1:], copies))]
+
+    def allgather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> Any:
+        return [self.groups[0].allgather(out, tensor),
+                *(g.allgather([torch.empty_like(o) for o in out], tensor) for g in self.groups[1:])]
+
+    def wait(self, work: Any) -> None:
+        for group, part in zip(self.groups, work):
+            group.wait(part)
+
+    def retire(self) -> None:
+        for group in self.groups:
+            group.retire()
+
+
+def positions_served(rank: int, ranks: int, group_ranks: int) -> range:
+    """The rank positions of the exchange across groups that rank ``rank`` of a group running on ``ranks`` of its
+    ``group_ranks`` ranks serves: its own and, when the group lost ranks, every ``ranks``-th one after it (rank
+    ``p % ranks`` serves position ``p``)."""
+    return range(rank, group_ranks, ranks)
+
+
+def serving_member(position: int, ranks: int) -> int:
+    """The member of a group running on ``ranks`` ranks that serves rank position ``position``."""
+    return position % ranks
+
+
+class ServedPositions:
+    """``FTARGroup`` of each rank position this rank serves (``positions_served``), for one quorum at a time: the
+    one group when it serves its own position only (a whole group), else a ``FanOutGroup`` over them."""
+
+    def __init__(self, groups: list[FTARGroup]) -> None:
+        self.groups = groups
+        self._made: tuple[tuple[int, ...], ReplicaGroup] | None = None
+
+    def for_quorum(self, quorum: Quorum) -> ReplicaGroup:
+        parts = [g.for_quorum(quorum) for g in self.groups]
+        if len(parts) == 1:
+            return parts[0]
+        key = tuple(id(p) for p in parts)
+        if self._made is None or self._made[0] != key:
+            self._made = (key, FanOutGroup(parts))
+        return self._made[1]
+
+    def drop(self) -> None:
+        self._made = None
+        for group in self.groups:
+            group.drop()
+
+
 class RendezvousStore:
     """The ``TCPStore`` that quorums' process groups meet on, hosted by member 0 of each group.
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from freescale.ft.config import FTConfig
+from freescale.ft.config import FTConfig, incarnation
 from freescale.ft.layer import FaultTolerance
 from freescale.step_types import Commit, DataSide, DataState, JobFinished
 
@@ -84,9 +84,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, data: DataState,
         raise ValueError("freescale.ft.wrap: no lighthouse (FREESCALE_LIGHTHOUSE is not set): run the loop under "
                          "`freescale launch --replicas R --ranks-per-replica G -- python ...`, or pass cfg= with "
                          "the lighthouse's URL")
-    incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    hooks = hooks_from_env(cfg.replica_index, rank, incarnation,
+    hooks = hooks_from_env(cfg.replica_index, rank, incarnation(),
                            Path(os.environ.get(FAULTS_DIR_ENV, ".")) / cfg.replica_id)
     # A model or optimizer the layer cannot keep identical, or a state that cannot travel (checked now, not
     # when a peer needs it): a ValueError beginning "fault tolerance:" (under the launcher, one line, exit 2).

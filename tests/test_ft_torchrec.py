@@ -520,3 +520,31 @@ def test_a_slow_replica_group_is_planned_smaller_by_every_group_at_one_step(tiny
     sizes = [records[0][s]["rank_sizes"] for s in range(steps)]
     assert all(sizes[s] == [32, 32] for s in range(step + 1)), sizes
     assert any(sizes[s][1] < sizes[s][0] for s in range(step + 1, steps)) and all(sum(x) == 64 for x in sizes)
+
+
+SHRINK = ("--on-rank-loss", "shrink", "--optim.sharding", "data_parallel", "--optim.sparse_eps", "1e-14")
+"""Groups that shrink when a rank is lost, with every table replicated (what a group on fewer ranks trains)."""
+
+
+def test_a_group_that_loses_a_rank_continues_on_the_ranks_it_has_left(tiny_data: Path, tmp_path: Path) -> None:
+    """Two groups of two ranks, no restarts, ``on_rank_loss = shrink``: rank 1 of group 1 is SIGKILLed at step
+    6.  Its agent re-forms the group at once on one rank (a new incarnation), which catches up from group 0,
+    serves both rank positions of the exchange across groups, and is planned one rank slot of the job's
+    three: a third of the global batch.  Every step's state is the same on both groups (the logical digest:
+    a group of one rank against one of two), every sample is trained once, no step twice."""
+    steps = 40
+    proc = launch(tmp_path, tiny_data, 2, 2, steps, "dlrm", fault=f"1:1:6:reduce,{AWAY}", extra=SHRINK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "replica group 1: lost rank 1 (signal 9); continues on 1 rank at 0.50 share" in proc.stderr, proc.stderr[-3000:]
+    runs = check_run(tmp_path, tiny_data, "dlrm", 2, 2, steps)
+    survivor, shrunk = by_step(runs[(0, 0)]), by_step(runs[(1, 0)])
+    assert sorted(survivor) == list(range(steps))
+    starts = [e for e in runs[(1, 0)] if e.get("event") == "start"]
+    assert [e["world_size"] for e in starts] == [2, 1] and starts[-1]["incarnation"] == 1
+    assert len(catch_ups(runs[(1, 0)])) == 1
+    last = steps - 1
+    assert survivor[last]["participants"] == ["replica0", "replica1"] and shrunk[last]["contributing"]
+    # Planned over three rank slots (group 0's two, group 1's one), by cost: about a third to group 1.
+    assert survivor[last]["weight"] + shrunk[last]["weight"] == 128
+    assert 0.2 < shrunk[last]["weight"] / 128 < 0.45, (shrunk[last]["weight"], survivor[last]["weight"])
