@@ -69,50 +69,63 @@ def group_digest(local: bytes) -> str:
 
 
 _ROW_MIX, _COL_MIX = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F)
+_LANES = (np.uint64(0), np.uint64(0xD6E8FEB86659FD93))
+"""Two independent sums (the second with every element's mix seeded differently): a 128-bit fingerprint."""
 
 
-def _mixed_sum(values: torch.Tensor, row0: int, col0: int) -> int:
-    """Sum (mod 2**64) of a splitmix64 of each element's bits and its logical place (``row0``, ``col0``: the
-    shard's offsets; a 1-D tensor is one column)."""
+def _key_seed(key: str) -> np.uint64:
+    return np.uint64(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little"))
+
+
+def _mixed_sums(values: torch.Tensor, row0: int, col0: int, seed: np.uint64) -> list[int]:
+    """Per lane, the sum (mod 2**64) of a splitmix64 of each element's bits, its logical place (``row0``,
+    ``col0``: the shard's offsets; a 1-D tensor is one column) and its entry (``seed``)."""
     v = values.detach().float().cpu().contiguous().numpy()
     table = v.reshape(v.shape[0], -1) if v.ndim else v.reshape(1, 1)
+    out = []
     with np.errstate(over="ignore"):
         rows = (np.arange(table.shape[0], dtype=np.uint64) + np.uint64(row0))[:, None]
         cols = (np.arange(table.shape[1], dtype=np.uint64) + np.uint64(col0))[None, :]
-        x = table.view(np.uint32).astype(np.uint64) ^ (rows * _ROW_MIX) ^ (cols * _COL_MIX)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
-        return int(x.sum(dtype=np.uint64))
+        placed = table.view(np.uint32).astype(np.uint64) ^ (rows * _ROW_MIX) ^ (cols * _COL_MIX) ^ seed
+        for lane in _LANES:
+            x = placed ^ lane
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            x ^= x >> np.uint64(31)
+            out.append(int(x.sum(dtype=np.uint64)))
+    return out
 
 
-def _local_sums(value: Any, first: bool) -> int:
-    """This rank's mixed sum of one state entry: a ShardedTensor's local shards at their offsets; a plain
+def _local_sums(key: str, value: Any, first: bool) -> list[int]:
+    """This rank's mixed sums of one state entry: a ShardedTensor's local shards at their offsets; a plain
     tensor (replicated on every rank) on the group's first rank only."""
+    seed, total = _key_seed(key), [0] * len(_LANES)
     if hasattr(value, "local_shards"):  # ShardedTensor
-        total = 0
-        for shard in value.local_shards():
-            offsets = [*shard.metadata.shard_offsets, 0, 0]
-            total += _mixed_sum(shard.tensor, offsets[0], offsets[1])
-        return total % 2**64
-    if isinstance(value, torch.Tensor):
-        return _mixed_sum(value.to_local() if hasattr(value, "to_local") else value, 0, 0) if first else 0
-    return 0
+        parts = [(shard.tensor, [*shard.metadata.shard_offsets, 0, 0]) for shard in value.local_shards()]
+    elif isinstance(value, torch.Tensor) and first:
+        parts = [(value.to_local() if hasattr(value, "to_local") else value, [0, 0])]
+    else:
+        parts = []
+    for tensor, offsets in parts:
+        total = [(a + b) % 2**64 for a, b in zip(total, _mixed_sums(tensor, offsets[0], offsets[1], seed))]
+    return total
 
 
 def logical_digest(state: dict[str, Any], group: Any = None) -> str:
-    """Hex SHA-256 over each entry of ``state`` (a flat ``state_dict``) of its elements' places and values,
-    whatever their sharding (module docstring; a collective over ``group`` when distributed)."""
-    keys = sorted((k for k, v in state.items() if isinstance(v, torch.Tensor)), key=str)
+    """Hex SHA-256 of ``state``'s (a flat ``state_dict``) elements, each mixed with its entry's name and its place
+    in the logical tensor, summed over the entries and the ranks (module docstring; a collective over ``group``
+    when distributed).  One fixed-size all-reduce: ranks may hold different entries (a rank without a shard of
+    a table may list no optimizer state for it)."""
     distributed = dist.is_initialized()
     first = not distributed or dist.get_rank(group) == 0
-    sums = torch.tensor([_local_sums(state[k], first) for k in keys], dtype=torch.uint64).view(torch.int64)
+    total = [0] * len(_LANES)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            total = [(a + b) % 2**64 for a, b in zip(total, _local_sums(str(key), value, first))]
+    sums = torch.tensor(total, dtype=torch.uint64).view(torch.int64)
     if distributed:
         dist.all_reduce(sums, group=group)  # int64 addition wraps as the uint64 sums do
-    h = hashlib.sha256()
-    for key, total in zip(keys, sums.view(torch.uint64).tolist()):
-        h.update(f"{key}={total};".encode())
-    return h.hexdigest()
+    return hashlib.sha256(sums.view(torch.uint64).numpy().tobytes()).hexdigest()
 
 
 def flat_tensors(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:

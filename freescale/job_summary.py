@@ -32,6 +32,8 @@ class GroupRow:
     catch_ups: int
     samples: int
     eval_auc: float | None = None
+    sizes: list[tuple[int, int]] = field(default_factory=list)
+    """(ranks, first step committed at that size): the group's size over time (``GroupLog.sizes``)."""
 
 
 @dataclass
@@ -68,7 +70,7 @@ def summarize(root: Path) -> JobSummary:
         samples += group_samples
         evals = g.of("eval")
         rows.append(GroupRow(g.group, len(g.of("start")), len(trained), len(g.catch_ups), group_samples,
-                             evals[-1].get("auc") if evals else None))
+                             evals[-1].get("auc") if evals else None, g.sizes()))
     times = np.array([by_step[s] for s in sorted(by_step)])
     gaps = np.diff(times) if times.size > 1 else np.zeros(0)
     usual = float(np.median(gaps)) if gaps.size else 0.0
@@ -84,16 +86,23 @@ def print_job_summary(summary: JobSummary, title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for name in ("", "steps", "samples", "samples/s", "restarts", "catch-ups", "stall s", "eval AUC"):
+    for name in ("", "ranks", "steps", "samples", "samples/s", "restarts", "catch-ups", "stall s", "eval AUC"):
         table.add_column(name, justify="right", no_wrap=True)
-    table.add_row("job", f"{summary.steps:,}", f"{summary.samples:,}", f"{summary.samples_per_s:,.0f}",
+    table.add_row("job", "", f"{summary.steps:,}", f"{summary.samples:,}", f"{summary.samples_per_s:,.0f}",
                   str(summary.restarts), str(summary.catch_ups), f"{summary.stall_s:.2f}", "")
     for row in summary.groups:
-        table.add_row(f"group {row.group}", f"{row.steps_trained:,}", f"{row.samples:,}", "",
+        table.add_row(f"group {row.group}", sizes_text(row.sizes), f"{row.steps_trained:,}", f"{row.samples:,}", "",
                       str(max(0, row.incarnations - 1)), str(row.catch_ups), "",
                       f"{row.eval_auc:.4f}" if row.eval_auc is not None else "")
-    table.caption = "group rows: the steps and samples each group trained; stall: time without a committed step"
+    table.caption = ("group rows: the ranks each group ran on (from a step, where it changed), the steps and samples it "
+                     "trained; stall: time without a committed step")
     console = Console(width=None if sys.stdout.isatty() else 100)
     console.print(table)
     for line in summary.fail_slow:
         console.print(f"fail-slow: {line}", highlight=False)
+
+
+def sizes_text(sizes: list[tuple[int, int]]) -> str:
+    """``2`` for a group that never changed size; ``2, 1 from 11, 2 from 40`` for one that lost a rank and got it
+    back."""
+    return ", ".join(str(ranks) if i == 0 else f"{ranks} from {step}" for i, (ranks, step) in enumerate(sizes))

@@ -122,6 +122,8 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
         os.environ.pop(PARENT_ENV, None)
 
 
+AFTER_FAILURE_ENV = "FREESCALE_AFTER_FAILURE"
+"""What a rank failure leads to in this launch (``GroupSizes``): a rank that saw a peer fail says it."""
 SHRINK_REFUSED = "shrink_refused.txt"
 """Written in ``$FREESCALE_ERROR_DIR`` by a rank of a group re-formed on fewer ranks that cannot train at that size
 (``refuse_shrink``): the agent restarts the group at its size before instead."""
@@ -157,13 +159,15 @@ class RankLoss(NamedTuple):
 class GroupSizes:
     """A replica group agent's answer to a rank failure (``[ft] on_rank_loss``).
 
-    ``restart``: torch's agent restarts the whole group at its size, ``--max-restarts`` times.  ``shrink``: while
-    the group has more than ``min_group_ranks`` ranks, a failure re-forms it at once on one rank fewer (a new
-    elastic launch, incarnation counted on: ``FREESCALE_INCARNATION_BASE``); its ranks catch up from a peer group,
-    serve the lost rank's positions in the exchange across groups (``FREESCALE_GROUP_RANKS``: the whole group's
-    ranks) and are planned a share in proportion to their number.  At the minimum, failures restart the group
-    as ``restart`` does.  A shrunk group that cannot train at its size (``refuse_shrink``) restarts at the size
-    before instead, if a restart is left.  Every change is one console line."""
+    ``restart``: torch's agent restarts the whole group at its size, ``--max-restarts`` times.  ``shrink``: every
+    failure comes back here (each launch has no restart of torch's own).  While the group has more than
+    ``min_group_ranks`` ranks, it re-forms at once on one rank fewer (a new elastic launch, incarnation counted
+    on: ``FREESCALE_INCARNATION_BASE``); its ranks catch up from a peer group, serve the lost rank's positions in
+    the exchange across groups (``FREESCALE_GROUP_RANKS``: the whole group's ranks) and are planned a share in
+    proportion to their number.  At the minimum, a failure restarts the group at its size while
+    ``--max-restarts`` allows.  A shrunk group that cannot train at its size (``refuse_shrink``) restarts at the
+    size before instead, if a restart is left, and shrinks no more.  Every change is one console line; the ranks
+    read what a failure will lead to from ``AFTER_FAILURE_ENV`` (``freescale.rank_console``)."""
 
     def __init__(self, ranks: int, max_restarts: int, on_rank_loss: str, min_group_ranks: int) -> None:
         self.full, self.size, self.restarts_left = ranks, ranks, max_restarts
@@ -173,14 +177,14 @@ class GroupSizes:
         self._given = 0
         os.environ[GROUP_RANKS_ENV] = str(ranks)
 
-    @property
-    def shrinking(self) -> bool:
-        return self.shrinks and self.size > self.min_ranks
-
     def restarts_now(self) -> int:
-        """Restarts torch's agent may make in the next launch (none while a failure shrinks the group)."""
+        """Restarts torch's agent may make in the next launch (none under ``shrink``: this decides each)."""
         os.environ[INCARNATION_BASE_ENV] = str(self._launches)
-        self._given = 0 if self.shrinking else self.restarts_left
+        self._given = 0 if self.shrinks or self.size < self.full else self.restarts_left
+        shrinks = self.shrinks and self.size > self.min_ranks
+        os.environ[AFTER_FAILURE_ENV] = ("the group continues on the ranks it has left" if shrinks else
+                                         "its group restarts" if self.restarts_left > 0 else
+                                         "no restart left: the group stops")
         return self._given
 
     def after_loss(self, lost: RankLoss, refusal: str) -> bool:
@@ -196,12 +200,18 @@ class GroupSizes:
             self.size, self.restarts_left = self.size + 1, self.restarts_left - 1
             _say(f"{group}: cannot continue on {_ranks(self.size - 1)}: {refusal}; restarts on {_ranks(self.size)}")
             return True
-        if not self.shrinks or self._given or self.size <= self.min_ranks:
+        if self._given:  # torch's agent spent the restarts it was given
             return False
-        self.size -= 1
-        _say(f"{group}: lost rank {lost.rank} ({lost.how}); continues on {_ranks(self.size)} at "
-             f"{self.size / self.full:.2f} share")
-        return True
+        if self.shrinks and self.size > self.min_ranks:
+            self.size -= 1
+            _say(f"{group}: lost rank {lost.rank} ({lost.how}); continues on {_ranks(self.size)} at "
+                 f"{self.size / self.full:.2f} share")
+            return True
+        if self.restarts_left > 0:
+            self.restarts_left -= 1
+            _say(f"{group}: lost rank {lost.rank} ({lost.how}); restarts on {_ranks(self.size)}")
+            return True
+        return False
 
 
 def _ranks(n: int) -> str:

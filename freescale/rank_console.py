@@ -96,8 +96,11 @@ def report_handled(exc: BaseException) -> bool:
     if stopping():  # the job is being stopped and a peer ended first: the launcher says so, once
         return True
     what = " ".join(str(exc).split())[:160] or type(exc).__name__
+    from freescale.launch import AFTER_FAILURE_ENV
+
     left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    then = "its group restarts" if left > 0 else "no restart left: the group stops"
+    then = os.environ.get(AFTER_FAILURE_ENV) if left <= 0 else None
+    then = then or ("its group restarts" if left > 0 else "no restart left: the group stops")
     print(f"freescale: {_group()} rank {os.environ.get('RANK', '0')}: a peer failed ({what}); {then} "
           f"(traceback in {_state['path']})",
           file=sys.stderr, flush=True)

@@ -191,6 +191,8 @@ def test_the_job_changes_shape_plain_to_groups_and_back(tiny_data: Path, tmp_pat
     # the killed group restarts (~6 s; 12 s on a loaded 2-core machine), at full speed once it is back.
     ("plain", "hstu", "reduce", ""),
     # One table replicated (data_parallel: its dense gradient in FT's buckets), the other fused (the union).
+    # With on_rank_loss = shrink: the group re-formed on one rank cannot hold the fused table's shards there
+    # (not built yet), says so, and its agent restarts it on two ranks instead.
     ("torchrec", "dlrm", "vote", "item_dp"),
     ("prioritized", "hstu", "forward", "")])
 def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(
@@ -208,9 +210,13 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     data_parallel table's row-wise Adagrad, stepped on the reduced dense gradient, equals the fused
     kernel's to float32 rounding)."""
     depth, steps = 0 if kind == "plain" else 2, 60
+    shrink = ("--on-rank-loss", "shrink") if tables else ()
     proc = launch(tmp_path, tiny_data, 2, 2, steps, model, fault=f"1:1:6:{phase},{AWAY}",
-                  max_restarts=1, extra=("--pipeline.kind", kind, *(ITEM_DP if tables else ())))
+                  max_restarts=1, extra=("--pipeline.kind", kind, *(ITEM_DP if tables else ()), *shrink))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if shrink:
+        assert ("replica group 1: cannot continue on 1 rank: its embedding tables are sharded across its ranks "
+                "(union sync)") in proc.stderr and "; restarts on 2 ranks" in proc.stderr, proc.stderr[-3000:]
     assert (tmp_path / "replica1" / "rank1.killed").exists()
     # A handled fault: one line each for the quorum change and the restart, no traceback on the terminal
     # (the killed rank's peer in its group is stopped by the agent, or says "a peer failed" in one line).
@@ -548,3 +554,5 @@ def test_a_group_that_loses_a_rank_continues_on_the_ranks_it_has_left(tiny_data:
     # Planned over three rank slots (group 0's two, group 1's one), by cost: about a third to group 1.
     assert survivor[last]["weight"] + shrunk[last]["weight"] == 128
     assert 0.2 < shrunk[last]["weight"] / 128 < 0.45, (shrunk[last]["weight"], survivor[last]["weight"])
+    joined = catch_ups(runs[(1, 0)])[0]["joined_step"]
+    assert f"2, 1 from {joined}" in proc.stdout, proc.stdout  # the job summary: group 1's ranks over time

@@ -99,6 +99,21 @@ class GroupLog:
     def catch_ups(self) -> list[dict[str, Any]]:
         return [e["catch_up"] for e in self.of("catch_up")]
 
+    def sizes(self) -> list[tuple[int, int]]:
+        """The group's size over time: (ranks, the first step it committed at that size) for each incarnation
+        that committed one, in order, changes only (``[ft] on_rank_loss = "shrink"``: a group that lost a rank
+        runs on fewer)."""
+        out: list[tuple[int, int]] = []
+        ranks = None
+        for e in self.events:
+            if e.get("event") == "start":
+                ranks = int(e.get("world_size", 1))
+            elif e.get("event") == "commit" and ranks is not None:
+                if not out or out[-1][0] != ranks:
+                    out.append((ranks, int(e["step"])))
+                ranks = None
+        return out
+
     @property
     def last_time(self) -> float:
         return max((e["time"] for e in self.events), default=float("-inf"))

@@ -78,7 +78,8 @@ def event_rows(run: RunLogs) -> list[tuple[float, list[Any]]]:
         for e in g.of("start"):
             if e.get("incarnation", 0) > 0:
                 found.append((e["time"], [f"{e['time'] - t0:.2f}", g.group, "restart",
-                                          f"incarnation {e['incarnation']} started (pid {e.get('pid')})"]))
+                                          f"incarnation {e['incarnation']} started (pid {e.get('pid')}) on "
+                                          f"{e.get('world_size', 1)} rank(s)"]))
         for caught in g.catch_ups:
             phases = "; ".join(f"{p} {b - a:.2f} s" for p, a, b in catchup_phases(run, g, caught))
             rate = caught.get("bytes_per_s", 0) / 1e9
