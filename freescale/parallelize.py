@@ -120,15 +120,13 @@ def shard_model(
     caller reduces every gradient: the prioritized pipeline, fault tolerance).
     """
     module_sharders = sharders(cfg)
-    topology = Topology(
-        world_size=ctx.world_size, compute_device=ctx.device.type, local_world_size=ctx.local_world_size
-    )
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=_constraints(model, cfg, ctx.device.type))
-    plan = planner.collective_plan(model, module_sharders, dist.GroupMember.WORLD)
+    plan, positions = group_plan(model, module_sharders, _constraints(model, cfg, ctx.device.type), ctx.device.type,
+                                 ctx.local_world_size)
     wrapper = None if data_parallel else NoDataParallel()
     dmp = DistributedModelParallel(
         model, device=ctx.device, plan=plan, sharders=module_sharders, data_parallel_wrapper=wrapper
     )
+    setattr(dmp, "shard_positions", positions)  # noqa: B010  (read by shard_positions)
     if not data_parallel:  # the caller reduces every gradient, data_parallel tables' included (fault tolerance)
         unwrap_replicated_lookups(dmp)
     return dmp
@@ -170,15 +168,45 @@ def _shard(model: nn.Module, device: torch.device | None, fused_params: dict[str
     module_sharders = sharders or [EmbeddingCollectionSharder(fused_params=fused),
                                    EmbeddingBagCollectionSharder(fused_params=fused)]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world, compute_device=device.type, local_world_size=local),
-        constraints=fused_constraints(model, constraints or {}))
-    plan = planner.collective_plan(model, module_sharders, dist.GroupMember.WORLD)
+    plan, positions = group_plan(model, module_sharders, fused_constraints(model, constraints or {}), device.type,
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=module_sharders,
                                    data_parallel_wrapper=NoDataParallel())
+    setattr(dmp, "shard_positions", positions)  # noqa: B010  (read by shard_positions)
     unwrap_replicated_lookups(dmp)  # the layer reduces data_parallel tables' gradients too
     return dmp
+
+
+def group_plan(model: nn.Module, module_sharders: list[ModuleSharder[nn.Module]],
+               constraints: dict[str, ParameterConstraints] | None, device_type: str,
+               local_world: int) -> tuple[Any, dict[tuple[str, tuple[int, ...]], int] | None]:
+    """torchrec's plan over the default group (planned on rank 0, broadcast); for a replica group running on
+    fewer ranks than its own, the whole group's plan with the lost ranks' shards moved to the ranks standing in
+    for them, and each moved shard's rank position (``freescale.shrunk_plan``; one that cannot be is refused:
+    ``freescale.launch.refuse_shrink``, and the group's agent restarts the group at its size)."""
+    from freescale.shrunk_plan import ShrinkUnfit, group_ranks, merge_plan
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    full = group_ranks(world)
+    topology = Topology(world_size=full, compute_device=device_type,
+                        local_world_size=full if local_world == world else local_world)
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    plan = planner.collective_plan(model, module_sharders, dist.GroupMember.WORLD)
+    if full == world:
+        return plan, None
+    try:
+        return merge_plan(plan, world, full, device_type)
+    except ShrinkUnfit as unfit:
+        from freescale.launch import ShrinkRefused, refuse_shrink
+
+        refuse_shrink(str(unfit))
+        raise ShrinkRefused(f"replica group on {world} of its {full} ranks: {unfit}") from None
+
+
+def shard_positions(dmp: nn.Module) -> dict[tuple[str, tuple[int, ...]], int] | None:
+    """Each table shard's rank position in a replica group running on fewer ranks than its own (``group_plan``),
+    by (table, shard offsets); None in a whole group (every shard is at its rank's own position)."""
+    return getattr(dmp, "shard_positions", None)
 
 
 def fused_constraints(model: nn.Module, given: dict[str, ParameterConstraints]) -> dict[str, ParameterConstraints]:

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import LighthouseClient, Quorum
 from freescale.ft.replica_group import FTARGroup, RendezvousStore, ReplicaGroup, ServedPositions, serving_member
-from freescale.ft.snapshot_fetch import SnapshotFetch
+from freescale.ft.snapshot_fetch import PositionsFetch
 from freescale.ft.weighted_reduce import FlatReduction, FTARStage, Reduced, weighted_all_reduce
 from freescale.grad_buckets import BucketedGrads, GroupFailure
 from freescale.step_sync import all_finite
@@ -201,7 +201,7 @@ class ReplicaSync:
         self.landing: Callable[[], dict[str, torch.Tensor]] | None = None
         """This rank's own state by snapshot name, ready for a snapshot to land in place (set by the
         layer; called on the training thread as a catch-up starts)."""
-        self._fetch: SnapshotFetch | None = None
+        self._fetch: PositionsFetch | None = None
         self.catch_up_log: dict[str, Any] = {}
         self.side_header: torch.Tensor | None = None
         """Non-negative int64s this replica tells every participant with the step's reduction, ahead of the
@@ -455,20 +455,25 @@ class ReplicaSync:
             self._fetch.cancel()  # it may be writing this rank's own tensors
         if self.snapshots is not None:
             self.snapshots.can_serve = False
-        sources = [p.addresses[serving_member(self.position, len(p.addresses))] for p in quorum.participants
-                   if p.replica_id != self.client.replica_id and p.step == quorum.max_step
-                   and p.addresses and p.addresses[serving_member(self.position, len(p.addresses))]]
-        if not sources:
+        sources = [self._sources(quorum, position) for position in self.positions]
+        if not all(sources):
             raise RuntimeError(f"replica '{self.client.replica_id}' must catch up to step {quorum.max_step} but no "
                                "participant runs a snapshot server")
-        self.catch_up_log = {"joined_step": quorum.max_step, "own_step": step, "sources": sources,
+        self.catch_up_log = {"joined_step": quorum.max_step, "own_step": step, "sources": sources[0],
                              "started": time.time()}
         # Every committed step from this quorum's on is recorded: the state of the step before it is
         # enough (the sources stage it when the lighthouse tells them, with its vote, that we wait).
         # A fresh download each time: one of an abandoned catch-up may still be waiting on its source.
         own = self.landing() if self.landing is not None else None
         self.catch_up_log["landing_ready"] = time.time()
-        self._fetch = SnapshotFetch(sources, max(quorum.max_step - 1, 0), self.token, self.catch_up_log, own)
+        self._fetch = PositionsFetch(sources, max(quorum.max_step - 1, 0), self.token, self.catch_up_log, own)
+
+    def _sources(self, quorum: Quorum, position: int) -> list[str]:
+        """Each other participant's snapshot server at ``position`` (its member serving it), if it is at the
+        quorum's step."""
+        return [p.addresses[serving_member(position, len(p.addresses))] for p in quorum.participants
+                if p.replica_id != self.client.replica_id and p.step == quorum.max_step
+                and p.addresses and p.addresses[serving_member(position, len(p.addresses))]]
 
     @property
     def snapshot_arrived(self) -> bool:

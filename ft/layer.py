@@ -193,17 +193,18 @@ class FaultTolerance(SnapshotSide):
         self._side: SideChannel | None = None
 
     def _check_shrunk(self) -> None:
-        """A group re-formed on fewer ranks than its own (``freescale.launch.GroupSizes``) trains only where its
-        ranks can stand in for the lost ones: tables that are not sharded across the group (dense, replicated),
-        which every rank holds whole.  Sharded tables would need the lost ranks' shards re-placed and their
-        updates exchanged by table: not built, so the group says so in one line and its agent restarts it at its
-        size instead (``refuse_shrink``)."""
-        if self._group_size == self._group_ranks or self._tables.name == "replicated":
+        """A group re-formed on fewer ranks than its own (``freescale.launch.GroupSizes``) holds the lost ranks'
+        table shards on the ranks standing in for them (``freescale.shrunk_plan``, which refuses a plan that
+        cannot move or fit) and exchanges the union update by table shard (``freescale.ft.table_blocks``).  The
+        averaged tables average slices of each rank's buffers, which differ between a group sharded that way and
+        a whole one: not built, so the group says so in one line and its agent restarts it at its size instead
+        (``refuse_shrink``)."""
+        if self._group_size == self._group_ranks or self._tables.name != "average":
             return
         from freescale.launch import ShrinkRefused, refuse_shrink
 
-        reason = (f"its embedding tables are sharded across its ranks ({self._tables.name} sync), and a group on "
-                  "fewer ranks trains only with tables every rank holds whole (data_parallel)")
+        reason = ("its tables are averaged across groups (embedding_sync = average), by slices of each rank's "
+                  "buffers, which a group on fewer ranks lays out differently")
         refuse_shrink(reason)
         raise ShrinkRefused(f"fault tolerance: replica group {self._group_index} cannot train on {self._group_size} "
                             f"of its {self._group_ranks} ranks: {reason}")

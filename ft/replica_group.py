@@ -246,10 +246,12 @@ class FanOutGroup(ReplicaGroup):
     quorum index and the weights are the same in each.  It delegates to those groups (their own ``wait`` and
     ``retire`` keep their bounded waits and their release off this thread); ``pg`` and ``device`` are the first's."""
 
-    def __init__(self, groups: list[ReplicaGroup]) -> None:
+    def __init__(self, groups: list[ReplicaGroup], positions: list[int]) -> None:
         first = groups[0]
         super().__init__(first.pg, first.backend, first.device, first.timeout_s, first.lost)
-        self.groups = groups
+        self.groups, self.positions = groups, positions
+        """``groups[i]`` is rank position ``positions[i]``'s (an exchange whose payload differs by position, the
+        union update's table shards, runs in each itself: ``freescale.ft.table_blocks.served_groups``)."""
 
     def allreduce(self, tensor: torch.Tensor) -> Any:
         copies = [tensor.clone() for _ in self.groups[1:]]  # before the first's in-place reduction starts
@@ -294,7 +296,7 @@ class ServedPositions:
             return parts[0]
         key = tuple(id(p) for p in parts)
         if self._made is None or self._made[0] != key:
-            self._made = (key, FanOutGroup(parts))
+            self._made = (key, FanOutGroup(parts, [g.position for g in self.groups]))
         return self._made[1]
 
     def drop(self) -> None:

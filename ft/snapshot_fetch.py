@@ -160,3 +160,45 @@ class SnapshotFetch:
             raise self._error
         assert self._result is not None
         return self._result
+
+
+class PositionsFetch:
+    """The snapshots of every rank position a rank serves, as one download (``SnapshotFetch``'s surface).
+
+    A rank of a group running on fewer ranks than its own holds the table shards of several positions
+    (``freescale.shrunk_plan``): it takes its own position's snapshot (landing in place, its data side, RNGs and
+    the rest come from it) and, beside it, each other position's from the peer rank serving that position,
+    whose shards it keeps (the dense state in those is the same, and dropped).  All must be of one step: a
+    source that staged an older one is asked again for the newest (three times at most)."""
+
+    def __init__(self, sources: list[list[str]], min_step: int, token: str, log: dict[str, Any],
+                 own: dict[str, torch.Tensor] | None = None) -> None:
+        self.sources, self.token = sources, token
+        self.fetches = [SnapshotFetch(sources[0], min_step, token, log, own),
+                        *(SnapshotFetch(s, min_step, token, {}) for s in sources[1:])]
+
+    def cancel(self) -> None:
+        for fetch in self.fetches:
+            fetch.cancel()
+
+    @property
+    def arrived(self) -> bool:
+        return all(fetch.arrived for fetch in self.fetches)
+
+    def result(self) -> Fetched:
+        """The positions' snapshots merged (its own position's tensors first); blocks until all are in."""
+        got = [fetch.result() for fetch in self.fetches]
+        for _ in range(3):
+            step = max(g.step for g in got)
+            if all(g.step == step for g in got):
+                break
+            got = [g if g.step == step else SnapshotFetch(s, step, self.token, {}).result()
+                   for g, s in zip(got, self.sources)]
+        else:
+            raise RuntimeError(f"catch-up: the snapshots of the positions this rank serves stay at different steps "
+                               f"{[g.step for g in got]}")
+        own, *others = got
+        tensors = {name: t for other in others for name, t in other.tensors.items()}
+        tensors.update(own.tensors)
+        return Fetched(own.step, tensors, sum(g.nbytes for g in got), max(g.waited_s for g in got),
+                       max(g.transfer_s for g in got), max(g.arrived for g in got), own.in_place)

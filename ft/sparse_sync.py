@@ -57,6 +57,17 @@ from torch import nn
 
 from freescale.ft.client import Quorum
 from freescale.ft.replica_group import ReplicaGroup
+from freescale.ft.table_blocks import (
+    Block,
+    ShardSpec,
+    assemble,
+    empty_blocks,
+    plan_keys,
+    served_groups,
+    shard_specs,
+    split,
+    union_block,
+)
 
 
 @dataclass
@@ -101,6 +112,8 @@ class _Slot:
     features: int
     pooled: bool
     run: Any  # the TBE's own forward (bound method), with its fused backward
+    specs: list[ShardSpec]
+    """Its table shards, in its order (``freescale.ft.table_blocks``)."""
     indices: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     grad: torch.Tensor | None = None
@@ -127,31 +140,52 @@ def check_optimizer(name: str, tbe: nn.Module) -> None:
                          "without counters or global weight decay")
 
 
-def fused_tbes(dmp: nn.Module) -> list[tuple[str, Any]]:
-    """Every fbgemm TBE with a fused optimizer under ``dmp``'s sharded modules, in a fixed order (a
+def fused_kernels(dmp: nn.Module) -> list[tuple[str, Any]]:
+    """Every torchrec kernel with a fused optimizer under ``dmp``'s sharded modules, in a fixed order (a
     ``data_parallel`` table's dense kernel is not one: the layer reduces its gradient like a dense one)."""
     if "torchrec" not in sys.modules:  # no torchrec module can be in the model: a user loop without it starts faster
         return []
     from freescale.parallelize import embedding_kernels
 
-    # fbgemm's TBEs: untyped modules whose attributes are read directly
-    return [(name, kernel.emb_module) for name, kernel, fused in embedding_kernels(dmp) if fused]
+    return [(name, kernel) for name, kernel, fused in embedding_kernels(dmp) if fused]
+
+
+def fused_tbes(dmp: nn.Module) -> list[tuple[str, Any]]:
+    """The fbgemm TBEs of ``fused_kernels`` (untyped modules whose attributes are read directly)."""
+    return [(name, kernel.emb_module) for name, kernel in fused_kernels(dmp)]
 
 
 class UnionSparseUpdate:
     """Defers the fused embedding updates of a sharded model to a union applied by every replica."""
 
     def __init__(self, dmp: nn.Module) -> None:
+        from freescale.parallelize import shard_positions
+        from freescale.shrunk_plan import group_ranks
+
         self._anchor = torch.zeros((), requires_grad=True)
         self._slots: list[_Slot] = []
-        for name, tbe in fused_tbes(dmp):
+        positions, own = shard_positions(dmp), dist.get_rank() if dist.is_initialized() else 0
+        for name, kernel in fused_kernels(dmp):
+            tbe = kernel.emb_module
             check_optimizer(name, tbe)
             pooled = int(tbe.pooling_mode) != 2  # fbgemm PoolingMode.NONE == 2: one row per id
-            slot = _Slot(name, tbe, len(tbe.feature_table_map), pooled, tbe.forward)
+            specs = shard_specs(kernel, positions, own)
+            if sum(spec.features for spec in specs) != len(tbe.feature_table_map):
+                raise ValueError(f"fault tolerance: embedding '{name}': its tables' features do not match its TBE's")
+            slot = _Slot(name, tbe, len(tbe.feature_table_map), pooled, tbe.forward, specs)
             tbe.forward = self._deferring_forward(slot)  # instance attribute: state_dict etc. untouched
             self._slots.append(slot)
         if not self._slots:
             raise ValueError("fault tolerance: the model has no fused embedding tables to keep in sync")
+        self._keys = plan_keys(dmp)
+        """Every table shard of the model, in the order headers list them (the same on every group)."""
+        self._index = {key: i for i, key in enumerate(self._keys)}
+        self._position = {spec.key: spec.position for slot in self._slots for spec in slot.specs}
+        self._group_ranks = group_ranks(dist.get_world_size() if dist.is_initialized() else 1)
+        """A whole group's ranks: a participant running on fewer stands in for the others' positions."""
+        missing = sorted(set(self._position) - set(self._index))
+        if missing:
+            raise ValueError(f"fault tolerance: table shards {missing[:3]} are not in the sharding plan")
 
     @property
     def tables(self) -> list[str]:
@@ -178,20 +212,20 @@ class UnionSparseUpdate:
         return forward
 
     # ------------------------------------------------------------------ one step
-    def local_step(self) -> UnionUpdate:
-        """This replica's lookups and gradients of the step (empty for a replica that sat it out)."""
-        tables = []
+    def local_blocks(self) -> dict[str, Block]:
+        """This replica's lookups and gradients of the step by table shard (empty for a replica that sat it out)."""
+        blocks: dict[str, Block] = {}
         for s in self._slots:
             if s.indices is None or s.offsets is None:
-                tables.append(TBEStep(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-                                      torch.zeros(0, 0)))
-                continue
-            rows = (s.offsets.numel() - 1) // s.features if s.pooled else s.indices.numel()
-            grad = s.grad if s.grad is not None else torch.zeros(rows, 0)
-            if s.grad is None and rows:
-                raise RuntimeError(f"fault tolerance: embedding '{s.name}' got no gradient this step")
-            tables.append(TBEStep(s.indices, s.offsets, grad.reshape(rows, -1)))
-        return UnionUpdate(tables)
+                parts = empty_blocks(s.specs, s.pooled)
+            else:
+                rows = (s.offsets.numel() - 1) // s.features if s.pooled else s.indices.numel()
+                if s.grad is None and rows:
+                    raise RuntimeError(f"fault tolerance: embedding '{s.name}' got no gradient this step")
+                grad = s.grad if s.grad is not None else torch.zeros(rows, 0)
+                parts = split(s.specs, s.indices, s.offsets, grad.reshape(rows, -1), s.pooled)
+            blocks.update((spec.key, block) for spec, block in zip(s.specs, parts))
+        return blocks
 
     def reset(self) -> None:
         for s in self._slots:
@@ -199,93 +233,74 @@ class UnionSparseUpdate:
             s.calls = 0
 
     def header(self) -> torch.Tensor:
-        """Sizes of this replica's step, per TBE ``[ids, offsets, grad rows, grad cols]``: they ride
-        in the dense reduction (``freescale.ft.ftar.Exchange``), so the exchange is one all-gather.
-        Known once the forward ran (the reduction's meta is filled before backward)."""
-        sizes = []
+        """Sizes of this replica's step per table shard of the model, ``[ids, lengths, grad rows, grad cols]``
+        (zeros for shards it does not hold): they ride in the dense reduction (``freescale.ft.ftar.Exchange``),
+        the same length on every participant, so the exchange is one all-gather per rank position.  Known once
+        the forward ran (the reduction's meta is filled before backward)."""
+        sizes = torch.zeros(len(self._keys), 4, dtype=torch.int64)
         for s in self._slots:
             if s.indices is None or s.offsets is None:
-                sizes.append([0, 1, 0, 0])
+                for spec in s.specs:
+                    sizes[self._index[spec.key]] = torch.tensor([0, 0, 0, spec.features * spec.dim if s.pooled else spec.dim])
                 continue
-            rows = (s.offsets.numel() - 1) // s.features if s.pooled else s.indices.numel()
-            cols = s.shape[-1] if rows and s.shape else 0
-            sizes.append([s.indices.numel(), s.offsets.numel(), rows, cols])
-        return torch.tensor(sizes, dtype=torch.int64).reshape(-1)
+            bags = (s.offsets.numel() - 1) // s.features
+            first = 0
+            for spec in s.specs:
+                last = first + spec.features
+                ids = int(s.offsets[last * bags] - s.offsets[first * bags])
+                rows, cols = (bags, spec.features * spec.dim) if s.pooled else (ids, spec.dim)
+                sizes[self._index[spec.key]] = torch.tensor([ids, spec.features * bags, rows, cols])
+                first = last
+        return sizes.reshape(-1)
 
     def __call__(self, group: ReplicaGroup | dist.ProcessGroup, quorum: Quorum, weights: list[float],
                  headers: list[torch.Tensor], ready: list[bool] | None = None) -> GatheredSteps:
-        """All-gather every participant's ``local_step`` (the same on all participants).
+        """All-gather every participant's ``local_blocks`` (the same on all participants): at each rank position
+        this rank serves, the table shards of that position (``table_blocks.served_groups``).
 
-        One float32 all-gather: each participant's ids and offsets (int64, bit-cast to
-        float32 pairs: no arithmetic touches them) then its gradients, padded to the longest.
-        The weighted union is built from it by ``union`` (``prepare`` does, while the vote is
-        in flight).  ``ready`` is not needed: a participant catching up has weight 0."""
-        mine = self.local_step()
-        replica_group = ReplicaGroup.of(group)
-        device = replica_group.device
-        # Gathered on the replica group's device (gloo: the host; NCCL: the GPU, then one copy of the
-        # whole gather to the host, where the union is built; ``apply`` moves it back).
-        ints = torch.cat([torch.cat([t.indices.to(device), t.offsets.to(device)]) for t in mine.tables])
-        floats = torch.cat([t.grad.reshape(-1).float().to(device) for t in mine.tables])
-        mine_flat = torch.cat([ints.view(torch.float32), floats])
-        shapes = [h.view(-1, 4) for h in headers]
-        int_sizes = [int(h[:, :2].sum()) for h in shapes]
-        float_sizes = [int((h[:, 2] * h[:, 3]).sum()) for h in shapes]
-        # Each participant's own bytes (not views of the padded buffers: a recovering replica keeps
-        # them for every step it sits out).
-        gathered = [g.cpu() if g.is_cuda else g.clone()
-                    for g in _all_gather_varlen(replica_group, mine_flat,
-                                                [2 * i + f for i, f in zip(int_sizes, float_sizes)])]
-        return GatheredSteps(gathered, shapes, list(weights))
+        One float32 all-gather per position: each participant's lengths and ids (int64, bit-cast to float32
+        pairs: no arithmetic touches them) then its gradients, padded to the longest.  The weighted union is
+        built from it by ``union`` (``prepare`` does, while the vote is in flight).  ``ready`` is not needed: a
+        participant catching up has weight 0."""
+        mine = self.local_blocks()
+        # A participant on fewer ranks than its own serves several positions with one header (its own
+        # position's peers' headers are all it gets back): then each position's sizes are gathered first.
+        whole = self._group_ranks
+        degraded = any(0 < len(p.addresses) < whole for p in quorum.participants)
+        gathered: dict[str, list[Block]] = {}
+        for position, replica_group in served_groups(ReplicaGroup.of(group)):
+            keys = [k for k in self._keys if k in mine and (position is None or self._position[k] == position)]
+            index = [self._index[k] for k in keys]
+            device = replica_group.device
+            if degraded:
+                rows = torch.tensor([mine[k].sizes() for k in keys], dtype=torch.int64).reshape(-1, 4)
+                sizes = [g.cpu().view(-1, 4) for g in _all_gather(replica_group, rows.to(device), len(headers))]
+            else:
+                sizes = [h.view(-1, 4)[index] for h in headers]
+            # Gathered on the replica group's device (gloo: the host; NCCL: the GPU, then one copy of the whole
+            # gather to the host, where the union is built; ``apply`` moves it back).
+            ints = [t.to(device) for k in keys for t in (mine[k].lengths, mine[k].indices)]
+            floats = [mine[k].grad.reshape(-1).float().to(device) for k in keys]
+            flat = torch.cat([torch.cat(ints or [torch.zeros(0, dtype=torch.int64, device=device)]).view(torch.float32),
+                              *floats])
+            lengths = [2 * int(s[:, :2].sum()) + int((s[:, 2] * s[:, 3]).sum()) for s in sizes]
+            # Each participant's own bytes (not views of the padded buffers: a recovering replica keeps
+            # them for every step it sits out).
+            for flat_of, sizes_of in zip(_all_gather_varlen(replica_group, flat, lengths), sizes):
+                own = flat_of.cpu() if flat_of.is_cuda else flat_of.clone()
+                for key, block in zip(keys, _decode(own, sizes_of)):
+                    gathered.setdefault(key, []).append(block)
+        return GatheredSteps(gathered, list(weights))
 
     def union(self, gathered: GatheredSteps) -> UnionUpdate:
         """The weighted union of every participant's step (same on all; module docstring, step 3)."""
         total = float(sum(gathered.weights))
-        per_participant: list[list[TBEStep]] = []
-        for flat, shape, weight in zip(gathered.flat, gathered.shapes, gathered.weights):
-            n_ints = int(shape[:, :2].sum())
-            all_ints = flat[:2 * n_ints].contiguous().view(torch.int64)
-            all_floats = flat[2 * n_ints:]
-            i_off = f_off = 0
-            steps = []
-            share = torch.tensor(weight / total if total > 0 else 0.0, dtype=torch.float32)
-            for n_idx, n_off, rows, cols in shape.tolist():
-                idx = all_ints[i_off:i_off + n_idx]
-                off = all_ints[i_off + n_idx:i_off + n_idx + n_off]
-                grad = all_floats[f_off:f_off + rows * cols].view(rows, cols)
-                i_off, f_off = i_off + n_idx + n_off, f_off + rows * cols
-                steps.append(TBEStep(idx, off, grad * share))
-            per_participant.append(steps)
-        return UnionUpdate([self._union(slot, [pp[k] for pp in per_participant])
-                            for k, slot in enumerate(self._slots)])
-
-    def _union(self, slot: _Slot, parts: list[TBEStep]) -> TBEStep:
-        """Concatenate participants' batches feature by feature (the TBE's feature-major layout)."""
-        t = slot.features
-        lengths, idx_pieces, grad_pieces = [], [], []
-        width = max((p.grad.shape[1] for p in parts), default=0)
-        for p in parts:
-            if p.offsets.numel() == 0 or (p.indices.numel() == 0 and p.grad.numel() == 0):
-                continue
-            if int(p.offsets[0]) != 0 or int(p.offsets[-1]) != p.indices.numel():
-                raise RuntimeError(f"fault tolerance: embedding '{slot.name}': offsets do not cover the ids")
-            bags = (p.offsets.numel() - 1) // t
-            per_bag = p.offsets.diff().view(t, bags)
-            counts = per_bag.sum(dim=1).tolist()
-            lengths.append(per_bag)
-            idx_pieces.append(torch.split(p.indices, counts))
-            grad_pieces.append(p.grad if slot.pooled else torch.split(p.grad, counts))
-        if not lengths:
-            return TBEStep(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-                           torch.zeros(0, width))
-        union_lengths = torch.cat(lengths, dim=1).reshape(-1)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(union_lengths, 0)])
-        indices = torch.cat([pieces[f] for f in range(t) for pieces in idx_pieces])
-        if slot.pooled:
-            grad = torch.cat(grad_pieces, dim=0)  # type: ignore[arg-type]  # pooled: whole tensors
-        else:
-            grad = torch.cat([pieces[f] for f in range(t) for pieces in grad_pieces])
-        return TBEStep(indices, offsets, grad)
+        shares = [torch.tensor(w / total if total > 0 else 0.0, dtype=torch.float32) for w in gathered.weights]
+        tables = []
+        for slot in self._slots:
+            blocks = [union_block(spec, gathered.blocks[spec.key], shares, slot.pooled) for spec in slot.specs]
+            tables.append(TBEStep(*assemble(blocks, slot.pooled, slot.name)))
+        return UnionUpdate(tables)
 
     def prepare(self, gathered: GatheredSteps | UnionUpdate) -> PreparedUnion:
         """The union built, and each TBE's forward over it, recording its fused backward: the
@@ -329,19 +344,31 @@ class UnionSparseUpdate:
         return update.tables
 
 
+def _decode(flat: torch.Tensor, sizes: torch.Tensor) -> list[Block]:
+    """One participant's gathered blocks (``sizes``: their header rows, in the order they were sent)."""
+    n_ints = int(sizes[:, :2].sum())
+    ints = flat[:2 * n_ints].contiguous().view(torch.int64)
+    floats = flat[2 * n_ints:]
+    blocks, i, f = [], 0, 0
+    for n_ids, n_lengths, rows, cols in sizes.tolist():
+        lengths, ids = ints[i:i + n_lengths], ints[i + n_lengths:i + n_lengths + n_ids]
+        blocks.append(Block(lengths, ids, floats[f:f + rows * cols].view(rows, cols)))
+        i, f = i + n_lengths + n_ids, f + rows * cols
+    return blocks
+
+
 @dataclass
 class GatheredSteps:
-    """Every participant's step as gathered (``flat``: ids and offsets bit-cast, then gradients),
-    in quorum order, with its per-TBE sizes and its weight: what a committed step's union is built
-    from, and what a recovering replica records to replay."""
+    """Every participant's step as gathered, by table shard, with its weight (quorum order): what a committed
+    step's union is built from, and what a recovering replica records to replay."""
 
-    flat: list[torch.Tensor]
-    shapes: list[torch.Tensor]
+    blocks: dict[str, list[Block]]
+    """Each table shard's blocks, one per participant in quorum order."""
     weights: list[float]
 
     def nbytes(self) -> int:
-        """What the all-gather delivered (every participant's step, this replica's own included)."""
-        return sum(f.numel() * f.element_size() for f in self.flat)
+        """What the all-gathers delivered (every participant's step, this replica's own included)."""
+        return sum(b.nbytes() for parts in self.blocks.values() for b in parts)
 
 
 @dataclass

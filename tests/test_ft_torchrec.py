@@ -191,8 +191,8 @@ def test_the_job_changes_shape_plain_to_groups_and_back(tiny_data: Path, tmp_pat
     # the killed group restarts (~6 s; 12 s on a loaded 2-core machine), at full speed once it is back.
     ("plain", "hstu", "reduce", ""),
     # One table replicated (data_parallel: its dense gradient in FT's buckets), the other fused (the union).
-    # With on_rank_loss = shrink: the group re-formed on one rank cannot hold the fused table's shards there
-    # (not built yet), says so, and its agent restarts it on two ranks instead.
+    # With on_rank_loss = shrink and the fused table column-wise: the group re-formed on one rank cannot hold its
+    # column shards there (not built), says so, and its agent restarts it on two ranks instead.
     ("torchrec", "dlrm", "vote", "item_dp"),
     ("prioritized", "hstu", "forward", "")])
 def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(
@@ -210,13 +210,15 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     data_parallel table's row-wise Adagrad, stepped on the reduced dense gradient, equals the fused
     kernel's to float32 rounding)."""
     depth, steps = 0 if kind == "plain" else 2, 60
-    shrink = ("--on-rank-loss", "shrink") if tables else ()
+    shrink = ("--on-rank-loss", "shrink", "--optim.sharding", "item_table=data_parallel,user_table=column_wise") \
+        if tables else ()
     proc = launch(tmp_path, tiny_data, 2, 2, steps, model, fault=f"1:1:6:{phase},{AWAY}",
                   max_restarts=1, extra=("--pipeline.kind", kind, *(ITEM_DP if tables else ()), *shrink))
     assert proc.returncode == 0, proc.stderr[-3000:]
     if shrink:
-        assert ("replica group 1: cannot continue on 1 rank: its embedding tables are sharded across its ranks "
-                "(union sync)") in proc.stderr and "; restarts on 2 ranks" in proc.stderr, proc.stderr[-3000:]
+        assert ("replica group 1: cannot continue on 1 rank: table 'user_table' is column-wise sharded, and only "
+                "table-wise shards move whole") in proc.stderr and "; restarts on 2 ranks" in proc.stderr, \
+            proc.stderr[-3000:]
     assert (tmp_path / "replica1" / "rank1.killed").exists()
     # A handled fault: one line each for the quorum change and the restart, no traceback on the terminal
     # (the killed rank's peer in its group is stopped by the agent, or says "a peer failed" in one line).
@@ -528,16 +530,18 @@ def test_a_slow_replica_group_is_planned_smaller_by_every_group_at_one_step(tiny
     assert any(sizes[s][1] < sizes[s][0] for s in range(step + 1, steps)) and all(sum(x) == 64 for x in sizes)
 
 
-SHRINK = ("--on-rank-loss", "shrink", "--optim.sharding", "data_parallel", "--optim.sparse_eps", "1e-14")
-"""Groups that shrink when a rank is lost, with every table replicated (what a group on fewer ranks trains)."""
+SHRINK = ("--on-rank-loss", "shrink")
+"""Groups that shrink when a rank is lost."""
 
 
 def test_a_group_that_loses_a_rank_continues_on_the_ranks_it_has_left(tiny_data: Path, tmp_path: Path) -> None:
     """Two groups of two ranks, no restarts, ``on_rank_loss = shrink``: rank 1 of group 1 is SIGKILLed at step
-    6.  Its agent re-forms the group at once on one rank (a new incarnation), which catches up from group 0,
-    serves both rank positions of the exchange across groups, and is planned one rank slot of the job's
-    three: a third of the global batch.  Every step's state is the same on both groups (the logical digest:
-    a group of one rank against one of two), every sample is trained once, no step twice."""
+    6.  Its agent re-forms the group at once on one rank (a new incarnation), which holds both table-wise
+    tables (the whole group's plan, rank 1's table moved to rank 0), catches up from both of group 0's ranks
+    (each position's snapshot), serves both rank positions of the exchange across groups (the union update by
+    table shard), and is planned one rank slot of the job's three: a third of the global batch.  Every step's
+    state is the same on both groups (the logical digest: a group of one rank against one of two), every
+    sample is trained once, no step twice."""
     steps = 40
     proc = launch(tmp_path, tiny_data, 2, 2, steps, "dlrm", fault=f"1:1:6:reduce,{AWAY}", extra=SHRINK)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -21,7 +21,7 @@ from freescale.dataloader.build import build_loader
 from freescale.dataloader.schema import DatasetManifest
 from freescale.digest import local_digest
 from freescale.distributed import DistContext, init_distributed
-from freescale.ft.sparse_sync import TBEStep, UnionSparseUpdate, UnionUpdate
+from freescale.ft.sparse_sync import GatheredSteps, UnionSparseUpdate
 from freescale.models import build_model, cost_model_for
 from freescale.parallelize import shard_model
 from freescale.rank_console import quiet_libraries
@@ -103,13 +103,11 @@ def test_union_update_equals_one_model_on_all_samples(kind: str, tiny_data: Path
             assert local_digest(_tables(replica)) == local_digest(_tables(reference_before)), \
                 "the fused update ran inside backward"
             syncs.append(sync)
-            steps.append(sync.local_step())
+            steps.append(sync.local_blocks())
         weights = [float(batch_a.size), float(batch_b.size)]
-        total = sum(weights)
+        gathered = GatheredSteps({key: [step[key] for step in steps] for key in steps[0]}, weights)
         for i, sync in enumerate(syncs):
-            parts = [[TBEStep(t.indices, t.offsets, t.grad * torch.tensor(w / total)) for t in step.tables]
-                     for step, w in zip(steps, weights)]
-            union = UnionUpdate([sync._union(slot, [p[k] for p in parts]) for k, slot in enumerate(sync._slots)])
+            union = sync.union(gathered)
             if i == 0:  # A: built while a vote was in flight, the vote failed, put back; then built again and applied
                 before = _state(replica_a, sync)
                 sync.discard(sync.prepare(union))

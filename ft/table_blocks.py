@@ -1,0 +1,141 @@
+"""The union update's unit across replica groups: one table shard's lookups of a step (``freescale.ft.sparse_sync``).
+
+A fused TBE batches several tables (torchrec groups a rank's table shards by kernel, pooling and type), and
+which shards share a TBE depends on how many ranks the group runs on: a group that lost ranks holds the
+shards of several rank positions on one rank (``freescale.shrunk_plan``).  So the exchange does not ship
+TBEs; it ships *blocks*, one per table shard, in one order every group knows (the plan's shards, sorted):
+
+- ``split``: a TBE's step (feature-major ``offsets``, ids, output gradient) cut into its shards' blocks;
+- ``union_block``: every participant's block of one shard, in quorum order, each gradient scaled by its
+  share of the step's samples (feature by feature: the TBE's layout);
+- ``assemble``: a TBE's union step from its shards' union blocks, in the TBE's order.
+
+A row's gradients reach its TBE's backward in the same order whichever TBE holds the shard (feature, then
+participant, then bag), so every group's fused update of a row is the same bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from freescale.ft.replica_group import FanOutGroup, ReplicaGroup
+
+MODEL_PARALLEL = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One table shard in a TBE: ``features`` features (bags) of ``dim`` columns each."""
+
+    key: str
+    features: int
+    dim: int
+    position: int
+    """Its rank position in a whole group: the position whose exchange carries it."""
+
+
+@dataclass
+class Block:
+    """A table shard's lookups of a step: per-bag ``lengths`` (feature-major: ``features x bags``), the ids, and
+    the output gradient (pooled: ``[bags, features x dim]``; sequence: ``[ids, dim]``)."""
+
+    lengths: torch.Tensor
+    indices: torch.Tensor
+    grad: torch.Tensor
+
+    def nbytes(self) -> int:
+        return (self.lengths.numel() + self.indices.numel()) * 8 + self.grad.numel() * 4
+
+    def sizes(self) -> list[int]:
+        return [self.indices.numel(), self.lengths.numel(), *self.grad.shape]
+
+
+def shard_key(table: str, offsets: Any) -> str:
+    return f"{table}@{','.join(str(int(o)) for o in offsets)}"
+
+
+def plan_keys(dmp: Any) -> list[str]:
+    """Every model-parallel table shard of ``dmp``'s plan, sorted: the same list on every rank of every group
+    (a group on fewer ranks keeps the whole group's shards: ``freescale.shrunk_plan``)."""
+    keys: list[str] = []
+    for tables in getattr(getattr(dmp, "plan", None), "plan", {}).values():
+        for table, sharding in tables.items():
+            if sharding.sharding_type in MODEL_PARALLEL and sharding.sharding_spec is not None:
+                keys.extend(shard_key(table, s.shard_offsets) for s in sharding.sharding_spec.shards)
+    return sorted(keys)
+
+
+def shard_specs(kernel: Any, positions: dict[tuple[str, tuple[int, ...]], int] | None, own: int) -> list[ShardSpec]:
+    """A torchrec kernel's table shards in its TBE's order, each at its rank position (``own`` in a whole group)."""
+    specs = []
+    for table in kernel._config.embedding_tables:
+        offsets = tuple(int(o) for o in table.local_metadata.shard_offsets) if table.local_metadata else (0, 0)
+        position = positions.get((table.name, offsets), own) if positions is not None else own
+        specs.append(ShardSpec(shard_key(table.name, offsets), table.num_features(), table.local_cols, position))
+    return specs
+
+
+def split(specs: list[ShardSpec], indices: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
+          pooled: bool) -> list[Block]:
+    """A TBE's step cut into its shards' blocks (``specs`` in the TBE's order)."""
+    features = sum(s.features for s in specs)
+    bags = (offsets.numel() - 1) // features if features else 0
+    lengths = offsets.diff().view(features, bags)
+    blocks, first, col = [], 0, 0
+    for spec in specs:
+        last = first + spec.features
+        lo, hi = int(offsets[first * bags]), int(offsets[last * bags])
+        width = spec.features * spec.dim
+        part = grad[:, col:col + width] if pooled else grad[lo:hi]
+        blocks.append(Block(lengths[first:last].reshape(-1), indices[lo:hi], part))
+        first, col = last, col + width
+    return blocks
+
+
+def empty_blocks(specs: list[ShardSpec], pooled: bool) -> list[Block]:
+    return [Block(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                  torch.zeros(0, s.features * s.dim if pooled else s.dim)) for s in specs]
+
+
+def union_block(spec: ShardSpec, parts: list[Block], shares: list[torch.Tensor], pooled: bool) -> Block:
+    """Participants' blocks of one shard as one batch, feature by feature, gradients scaled by ``shares``."""
+    lengths, ids, grads = [], [], []
+    for part, share in zip(parts, shares):
+        if part.lengths.numel() == 0:
+            continue
+        if int(part.lengths.sum()) != part.indices.numel():
+            raise RuntimeError(f"fault tolerance: table shard '{spec.key}': lengths do not cover the ids")
+        per_bag = part.lengths.view(spec.features, -1)
+        counts = per_bag.sum(dim=1).tolist()
+        lengths.append(per_bag)
+        ids.append(torch.split(part.indices, counts))
+        grads.append(part.grad * share if pooled else torch.split(part.grad * share, counts))
+    if not lengths:
+        return empty_blocks([spec], pooled)[0]
+    union_ids = torch.cat([pieces[f] for f in range(spec.features) for pieces in ids])
+    if pooled:
+        grad = torch.cat(grads, dim=0)  # type: ignore[arg-type]  # pooled: whole tensors
+    else:
+        grad = torch.cat([pieces[f] for f in range(spec.features) for pieces in grads])
+    return Block(torch.cat(lengths, dim=1).reshape(-1), union_ids, grad)
+
+
+def assemble(blocks: list[Block], pooled: bool, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A TBE's (indices, offsets, output gradient) from its shards' union blocks, in its order."""
+    if pooled and len({b.grad.shape[0] for b in blocks}) > 1:
+        raise RuntimeError(f"fault tolerance: embedding '{name}': its tables' union batches differ in size")
+    lengths = torch.cat([b.lengths for b in blocks])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    grad = torch.cat([b.grad for b in blocks], dim=1 if pooled else 0)
+    return torch.cat([b.indices for b in blocks]), offsets, grad
+
+
+def served_groups(group: ReplicaGroup) -> list[tuple[int | None, ReplicaGroup]]:
+    """The process group of each rank position this rank exchanges at: one per position for a rank standing in
+    for lost ones (``FanOutGroup``), else its own (``None``: every shard it holds)."""
+    if isinstance(group, FanOutGroup):
+        return list(zip(group.positions, group.groups))
+    return [(None, group)]
