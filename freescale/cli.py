@@ -375,6 +375,8 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
             p.add_argument("--max-restarts", type=_int, default=0, help="restart the group this often when a rank fails; it resumes from its latest checkpoint (default 0)")
             p.add_argument("--on-rank-loss", choices=("restart", "shrink"), default=None,
                            help="with --replicas: when a rank fails, restart its group (default; `train` reads [ft] on_rank_loss) or shrink it: it continues on the ranks it has left, at a proportional share")
+            p.add_argument("--grow-back-after", type=float, default=None, metavar="S",
+                           help="with --on-rank-loss shrink: a group on fewer ranks re-forms at its size after S seconds (default 0: never; `train` reads [ft] grow_back_after_s)")
             p.add_argument("--min-group-ranks", type=_int, default=None,
                            help="with --on-rank-loss shrink: the fewest ranks a group keeps training on (default 1; `train` reads [ft] min_group_ranks)")
     parser.commands = sub.choices
@@ -453,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A lighthouse out of reach may come back; a run whose progress is lost will not.
             report_user_error(str(exc), restartable=isinstance(exc, LighthouseError) and not isinstance(exc, ProgressLost))
             return 2
-        from freescale.launch import ShrinkRefused
+        from freescale.group_sizes import ShrinkRefused
         from freescale.rank_console import report_handled, say
         from freescale.rank_speed import FailSlowEvicted
 

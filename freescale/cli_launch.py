@@ -49,28 +49,32 @@ def _launch_ranks(args: argparse.Namespace, overrides: list[str], cfg: Any) -> i
         if cfg.data.calibrate_every:
             raise ConfigError("data.calibrate_every: not supported with replica groups yet (the fitted cost model "
                               "would have to be agreed across groups to keep their plans identical); set it to 0")
-        on_rank_loss, min_ranks = rank_loss_policy(args, cfg.ft.on_rank_loss, cfg.ft.min_group_ranks)
+        policy = rank_loss_policy(args, cfg.ft.on_rank_loss, cfg.ft.min_group_ranks, cfg.ft.grow_back_after_s)
         return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [*train_args, *overrides],
                                lighthouse_url=args.lighthouse, output_dir=cfg.train.output_dir,
                                title=f"freescale: {cfg.model.kind}, {args.replicas} replica group(s) of "
-                                     f"{args.nproc_per_node} rank(s)", on_rank_loss=on_rank_loss,
-                               min_group_ranks=min_ranks)
-    rank_loss_policy(args, cfg.ft.on_rank_loss, cfg.ft.min_group_ranks)
+                                     f"{args.nproc_per_node} rank(s)", **policy)
+    rank_loss_policy(args, cfg.ft.on_rank_loss, cfg.ft.min_group_ranks, cfg.ft.grow_back_after_s)
     return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
 
 
-def rank_loss_policy(args: argparse.Namespace, on_rank_loss: str, min_group_ranks: int) -> tuple[str, int]:
-    """``--on-rank-loss`` / ``--min-group-ranks`` where given, else the config's (``[ft]``); refused where a group
-    that shrinks would have no peer group to catch up from, or could not shrink at all."""
+def rank_loss_policy(args: argparse.Namespace, on_rank_loss: str, min_group_ranks: int,
+                     grow_back_after_s: float) -> dict[str, Any]:
+    """``--on-rank-loss`` / ``--min-group-ranks`` / ``--grow-back-after`` where given, else the config's (``[ft]``),
+    as ``launch_replicas`` takes them; refused where a group that shrinks would have no peer group to catch up
+    from, or could not shrink at all."""
     policy = args.on_rank_loss or on_rank_loss
     min_ranks = args.min_group_ranks if args.min_group_ranks is not None else min_group_ranks
+    grow_back = args.grow_back_after if args.grow_back_after is not None else grow_back_after_s
+    if grow_back < 0:
+        raise ConfigError(f"--grow-back-after: must be >= 0 seconds (0: never), got {grow_back:g}")
     if policy == "shrink" and args.replicas < 2 and not args.lighthouse:
         raise ConfigError("on_rank_loss = shrink: needs --replicas 2 or more (a group that lost a rank catches up "
                           "from a peer group)")
     if policy == "shrink" and not 1 <= min_ranks < args.nproc_per_node:
         raise ConfigError(f"min_group_ranks: must be in 1..{args.nproc_per_node - 1} for a group of "
                           f"{args.nproc_per_node} ranks to shrink, got {min_ranks}")
-    return policy, min_ranks
+    return {"on_rank_loss": policy, "min_group_ranks": min_ranks, "grow_back_after_s": grow_back}
 
 
 def _launch_command(args: argparse.Namespace, overrides: list[str], command: list[str]) -> int:
@@ -84,7 +88,6 @@ def _launch_command(args: argparse.Namespace, overrides: list[str], command: lis
 
     # Always replica groups (one is fine): the command's loop asks the lighthouse for every step.
     with forkserver.started(forkserver.LOOP_MODULES):  # `python my_loop.py` ranks forked warm
-        on_rank_loss, min_ranks = rank_loss_policy(args, "restart", 1)
         return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [],
-                               lighthouse_url=args.lighthouse, command=command, on_rank_loss=on_rank_loss,
-                               min_group_ranks=min_ranks)
+                               lighthouse_url=args.lighthouse, command=command,
+                               **rank_loss_policy(args, "restart", 1, 0.0))

@@ -96,7 +96,7 @@ def print_job_summary(summary: JobSummary, title: str) -> None:
                       f"{row.eval_auc:.4f}" if row.eval_auc is not None else "")
     table.caption = ("group rows: the ranks each group ran on (from a step, where it changed), the steps and samples it "
                      "trained; stall: time without a committed step")
-    console = Console(width=None if sys.stdout.isatty() else 100)
+    console = Console(width=None if sys.stdout.isatty() else 130)
     console.print(table)
     for line in summary.fail_slow:
         console.print(f"fail-slow: {line}", highlight=False)

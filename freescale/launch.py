@@ -32,13 +32,13 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from freescale import forkserver
-from freescale.ft.config import GROUP_RANKS_ENV, INCARNATION_BASE_ENV, REPLICA_INDEX_ENV, incarnation
+from freescale.ft.config import incarnation
+from freescale.group_sizes import ERROR_DIR_ENV, SHRINK_REFUSED, GroupSizes, RankLoss, take_shrink_refusal
 from freescale.lifetime import PARENT_ENV, Stopped, children_die_with_me, die_with_parent, stops_raise
 
-ERROR_DIR_ENV = "FREESCALE_ERROR_DIR"
 GROUP_AGENT_ENV = "FREESCALE_GROUP_AGENT"
 """Set in a replica group's agent (``launch_replicas`` starts it): the job's launcher reports for it."""
 FINAL_SUFFIX = ".final"
@@ -90,7 +90,8 @@ def threads_per_rank(local_ranks: int) -> str:
 
 
 def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[str],
-                 command: Sequence[str] = (), on_rank_loss: str = "restart", min_group_ranks: int = 1) -> int:
+                 command: Sequence[str] = (), on_rank_loss: str = "restart", min_group_ranks: int = 1,
+                 grow_back_after_s: float = 0.0) -> int:
     """Run ``freescale train TRAIN_ARGS`` (or a user's ``command``, e.g. ``python my_loop.py ...``) on
     ``nproc_per_node`` local ranks; return an exit status.
 
@@ -100,18 +101,20 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
     ``freescale train``'s ranks are forked from this node's warm server when ``freescale launch`` started
     one (``freescale.forkserver``).
 
-    ``on_rank_loss``: ``restart`` or ``shrink`` (``GroupSizes``: a replica group's agent only)."""
+    ``on_rank_loss``, ``min_group_ranks``, ``grow_back_after_s``: ``freescale.group_sizes.GroupSizes`` (a replica
+    group's agent only)."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", threads_per_rank(nproc_per_node))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     error_dir = tempfile.mkdtemp(prefix="freescale-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir
     children_die_with_me()  # the ranks' clients: none outlives this agent (``freescale.lifetime``)
-    sizes = GroupSizes(nproc_per_node, max_restarts, on_rank_loss, min_group_ranks)
+    sizes = GroupSizes(nproc_per_node, max_restarts, on_rank_loss, min_group_ranks, grow_back_after_s)
     try:
         while True:
-            code, lost = _run_agent(sizes.size, sizes.restarts_now(), train_args, command, error_dir)
-            if lost is not None and sizes.after_loss(lost, _take_shrink_refusal(error_dir)):
+            with sizes.growing_back():
+                code, lost = _run_agent(sizes.size, sizes.restarts_now(), train_args, command, error_dir)
+            if sizes.grew_back() or (lost is not None and sizes.after_loss(lost, take_shrink_refusal(error_dir))):
                 continue
             if lost is not None:
                 print(f"freescale: error: rank {lost.rank} (pid {lost.pid}) failed with {lost.how}; see its output above",
@@ -120,106 +123,6 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
         os.environ.pop(PARENT_ENV, None)
-
-
-AFTER_FAILURE_ENV = "FREESCALE_AFTER_FAILURE"
-"""What a rank failure leads to in this launch (``GroupSizes``): a rank that saw a peer fail says it."""
-SHRINK_REFUSED = "shrink_refused.txt"
-"""Written in ``$FREESCALE_ERROR_DIR`` by a rank of a group re-formed on fewer ranks that cannot train at that size
-(``refuse_shrink``): the agent restarts the group at its size before instead."""
-
-
-class ShrinkRefused(RuntimeError):
-    """Raised by a rank of a shrunk group that cannot train at its size, after ``refuse_shrink``: it ends the rank
-    (status 1) and its agent, which says why in one line, restarts the group at its size before."""
-
-
-def refuse_shrink(reason: str) -> None:
-    """Called by a rank of a shrunk group that cannot run at its size: tell the agent (one line, ``reason``)."""
-    error_dir = os.environ.get(ERROR_DIR_ENV)
-    if error_dir:
-        Path(error_dir, SHRINK_REFUSED).write_text(reason)
-
-
-def _take_shrink_refusal(error_dir: str) -> str:
-    path = Path(error_dir, SHRINK_REFUSED)
-    reason = path.read_text() if path.exists() else ""
-    path.unlink(missing_ok=True)
-    return reason
-
-
-class RankLoss(NamedTuple):
-    """How a launch ended: its first failed rank."""
-
-    rank: int
-    how: str
-    pid: int
-
-
-class GroupSizes:
-    """A replica group agent's answer to a rank failure (``[ft] on_rank_loss``).
-
-    ``restart``: torch's agent restarts the whole group at its size, ``--max-restarts`` times.  ``shrink``: every
-    failure comes back here (each launch has no restart of torch's own).  While the group has more than
-    ``min_group_ranks`` ranks, it re-forms at once on one rank fewer (a new elastic launch, incarnation counted
-    on: ``FREESCALE_INCARNATION_BASE``); its ranks catch up from a peer group, serve the lost rank's positions in
-    the exchange across groups (``FREESCALE_GROUP_RANKS``: the whole group's ranks) and are planned a share in
-    proportion to their number.  At the minimum, a failure restarts the group at its size while
-    ``--max-restarts`` allows.  A shrunk group that cannot train at its size (``refuse_shrink``) restarts at the
-    size before instead, if a restart is left, and shrinks no more.  Every change is one console line; the ranks
-    read what a failure will lead to from ``AFTER_FAILURE_ENV`` (``freescale.rank_console``)."""
-
-    def __init__(self, ranks: int, max_restarts: int, on_rank_loss: str, min_group_ranks: int) -> None:
-        self.full, self.size, self.restarts_left = ranks, ranks, max_restarts
-        self.shrinks = on_rank_loss == "shrink"
-        self.min_ranks = max(1, min_group_ranks)
-        self._launches = 0
-        self._given = 0
-        os.environ[GROUP_RANKS_ENV] = str(ranks)
-
-    def restarts_now(self) -> int:
-        """Restarts torch's agent may make in the next launch (none under ``shrink``: this decides each)."""
-        os.environ[INCARNATION_BASE_ENV] = str(self._launches)
-        self._given = 0 if self.shrinks or self.size < self.full else self.restarts_left
-        shrinks = self.shrinks and self.size > self.min_ranks
-        os.environ[AFTER_FAILURE_ENV] = ("the group continues on the ranks it has left" if shrinks else
-                                         "its group restarts" if self.restarts_left > 0 else
-                                         "no restart left: the group stops")
-        return self._given
-
-    def after_loss(self, lost: RankLoss, refusal: str) -> bool:
-        """The launch ended on a rank's failure: whether to launch again (at ``size``), saying why in one line."""
-        self._launches += self._given + 1  # every incarnation of that launch
-        self.restarts_left -= self._given
-        group = f"replica group {os.environ.get(REPLICA_INDEX_ENV, '0')}"
-        if refusal:
-            self.shrinks = False  # it cannot train smaller: no further shrink either
-            if self.restarts_left <= 0:
-                _say(f"{group}: cannot continue on {_ranks(self.size)}: {refusal}; no restart left: the group stops")
-                return False
-            self.size, self.restarts_left = self.size + 1, self.restarts_left - 1
-            _say(f"{group}: cannot continue on {_ranks(self.size - 1)}: {refusal}; restarts on {_ranks(self.size)}")
-            return True
-        if self._given:  # torch's agent spent the restarts it was given
-            return False
-        if self.shrinks and self.size > self.min_ranks:
-            self.size -= 1
-            _say(f"{group}: lost rank {lost.rank} ({lost.how}); continues on {_ranks(self.size)} at "
-                 f"{self.size / self.full:.2f} share")
-            return True
-        if self.restarts_left > 0:
-            self.restarts_left -= 1
-            _say(f"{group}: lost rank {lost.rank} ({lost.how}); restarts on {_ranks(self.size)}")
-            return True
-        return False
-
-
-def _ranks(n: int) -> str:
-    return f"{n} rank{'s' if n != 1 else ''}"
-
-
-def _say(line: str) -> None:
-    print(f"freescale: {line}", file=sys.stderr, flush=True)
 
 
 def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str], command: Sequence[str],
@@ -274,7 +177,7 @@ def stopped_by(signum: int) -> int:
 def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train_args: Sequence[str],
                     heartbeat_timeout_s: float = 3.0, lighthouse_url: str = "", output_dir: str = "",
                     title: str = "freescale job", command: Sequence[str] = (), on_rank_loss: str = "restart",
-                    min_group_ranks: int = 1) -> int:
+                    min_group_ranks: int = 1, grow_back_after_s: float = 0.0) -> int:
     """Fault-tolerant training on this machine: a lighthouse in this process and ``replicas``
     groups of ``nproc_per_node`` ranks, each its own elastic job (``launch_local`` in a child
     process) that restarts with a new incarnation after a failure and catches up from its peers.
@@ -283,7 +186,8 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     one that outlives this launcher) instead of starting one here.  ``command``: each group's ranks run
     a user's own loop (``freescale.ft.wrap``) instead of ``freescale train TRAIN_ARGS``; its environment
     holds what ``FTConfig.from_env`` reads (``freescale.ft.config.ENVIRONMENT``).
-    ``on_rank_loss`` / ``min_group_ranks``: what a group's agent does when a rank fails (``GroupSizes``).
+    ``on_rank_loss`` / ``min_group_ranks`` / ``grow_back_after_s``: what a group's agent does when a rank fails
+    and when its slot comes back (``freescale.group_sizes.GroupSizes``).
     Returns 0 when every group finished, else the worst group's exit status.  With ``output_dir``
     the groups print no summary and this prints one for the job (``freescale.job_summary``).
     """
@@ -315,7 +219,7 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
             # so the group's launcher does not import torchrec to load it again.
             groups.append(subprocess.Popen(
                 [sys.executable, "-m", "freescale.launch", str(nproc_per_node), str(max_restarts), on_rank_loss,
-                 str(min_group_ranks), *train_args,
+                 str(min_group_ranks), str(grow_back_after_s), *train_args,
                  *(["--", *command] if command else [])],
                 env=env))
         with stops_raise():
@@ -384,12 +288,13 @@ def _gpus_per_group(replicas: int, nproc_per_node: int) -> tuple[list[str] | Non
 
 
 def main(argv: Sequence[str]) -> int:
-    """``python -m freescale.launch NPROC MAX_RESTARTS ON_RANK_LOSS MIN_GROUP_RANKS TRAIN_ARGS... [-- COMMAND...]``:
-    one replica group's agent (``launch_replicas`` starts one per group)."""
+    """``python -m freescale.launch NPROC MAX_RESTARTS ON_RANK_LOSS MIN_GROUP_RANKS GROW_BACK_AFTER_S TRAIN_ARGS...
+    [-- COMMAND...]``: one replica group's agent (``launch_replicas`` starts one per group)."""
     die_with_parent()  # the job's launcher: this agent, and through it its ranks, end with it
-    nproc, restarts, on_rank_loss, min_ranks, *rest = argv
+    nproc, restarts, on_rank_loss, min_ranks, grow_back, *rest = argv
     cut = rest.index("--") if "--" in rest else len(rest)
-    return launch_local(int(nproc), int(restarts), rest[:cut], rest[cut + 1:], on_rank_loss, int(min_ranks))
+    return launch_local(int(nproc), int(restarts), rest[:cut], rest[cut + 1:], on_rank_loss, int(min_ranks),
+                        float(grow_back))
 
 
 if __name__ == "__main__":

@@ -197,7 +197,7 @@ def group_plan(model: nn.Module, module_sharders: list[ModuleSharder[nn.Module]]
     try:
         return merge_plan(plan, world, full, device_type)
     except ShrinkUnfit as unfit:
-        from freescale.launch import ShrinkRefused, refuse_shrink
+        from freescale.group_sizes import ShrinkRefused, refuse_shrink
 
         refuse_shrink(str(unfit))
         raise ShrinkRefused(f"replica group on {world} of its {full} ranks: {unfit}") from None

@@ -96,7 +96,7 @@ def report_handled(exc: BaseException) -> bool:
     if stopping():  # the job is being stopped and a peer ended first: the launcher says so, once
         return True
     what = " ".join(str(exc).split())[:160] or type(exc).__name__
-    from freescale.launch import AFTER_FAILURE_ENV
+    from freescale.group_sizes import AFTER_FAILURE_ENV
 
     left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     then = os.environ.get(AFTER_FAILURE_ENV) if left <= 0 else None

@@ -96,6 +96,10 @@ class FTConfig:
     the minimum restarts the group as ``restart`` does (``freescale.launch``)."""
     min_group_ranks: int = 1
     """With ``on_rank_loss = "shrink"``: the fewest ranks a group keeps training on."""
+    grow_back_after_s: float = 0.0
+    """With ``on_rank_loss = "shrink"``: a group on fewer ranks than its own re-forms at its size after this long
+    (the lost rank's slot, a repaired host or a spare, is tried again; it catches up from its peers once more);
+    0: it stays smaller until the job ends (``freescale.group_sizes``)."""
     group_ranks: int = 0
     """Ranks of a whole replica group (``FREESCALE_GROUP_RANKS``; 0: this group's world size).  A group that lost
     ranks runs on fewer and its ranks serve the missing rank positions of the exchange across groups too."""
@@ -149,6 +153,7 @@ class FTConfig:
                 f"must be one of {', '.join(RANK_LOSS_POLICIES)}, got '{self.on_rank_loss}'")
         require(self.min_group_ranks >= 1, "min_group_ranks", f"must be >= 1, got {self.min_group_ranks}")
         require(self.group_ranks >= 0, "group_ranks", f"must be >= 0, got {self.group_ranks}")
+        require(self.grow_back_after_s >= 0, "grow_back_after_s", f"must be >= 0 (0: never), got {self.grow_back_after_s}")
         require(not self.lighthouse or self.lighthouse.startswith(("http://", "https://")), "lighthouse",
                 f"must be an http(s):// URL, got '{self.lighthouse}'")
 

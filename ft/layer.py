@@ -201,7 +201,7 @@ class FaultTolerance(SnapshotSide):
         (``refuse_shrink``)."""
         if self._group_size == self._group_ranks or self._tables.name != "average":
             return
-        from freescale.launch import ShrinkRefused, refuse_shrink
+        from freescale.group_sizes import ShrinkRefused, refuse_shrink
 
         reason = ("its tables are averaged across groups (embedding_sync = average), by slices of each rank's "
                   "buffers, which a group on fewer ranks lays out differently")

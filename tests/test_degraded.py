@@ -16,7 +16,7 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSha
 
 from freescale.cli import main
 from freescale.ft.config import GROUP_RANKS_ENV, INCARNATION_BASE_ENV
-from freescale.launch import AFTER_FAILURE_ENV, GroupSizes, RankLoss
+from freescale.group_sizes import AFTER_FAILURE_ENV, GroupSizes, RankLoss
 from freescale.shrunk_plan import ShrinkUnfit, merge_plan
 
 KILLED = RankLoss(1, "signal 9", 123)

@@ -534,29 +534,36 @@ SHRINK = ("--on-rank-loss", "shrink")
 """Groups that shrink when a rank is lost."""
 
 
-def test_a_group_that_loses_a_rank_continues_on_the_ranks_it_has_left(tiny_data: Path, tmp_path: Path) -> None:
+def test_a_group_that_loses_a_rank_continues_on_the_ranks_it_has_left_then_grows_back(
+        tiny_data: Path, tmp_path: Path) -> None:
     """Two groups of two ranks, no restarts, ``on_rank_loss = shrink``: rank 1 of group 1 is SIGKILLed at step
     6.  Its agent re-forms the group at once on one rank (a new incarnation), which holds both table-wise
     tables (the whole group's plan, rank 1's table moved to rank 0), catches up from both of group 0's ranks
     (each position's snapshot), serves both rank positions of the exchange across groups (the union update by
-    table shard), and is planned one rank slot of the job's three: a third of the global batch.  Every step's
-    state is the same on both groups (the logical digest: a group of one rank against one of two), every
-    sample is trained once, no step twice."""
-    steps = 40
-    proc = launch(tmp_path, tiny_data, 2, 2, steps, "dlrm", fault=f"1:1:6:reduce,{AWAY}", extra=SHRINK)
+    table shard), and is planned one rank slot of the job's three: a third of the global batch.  8 s later
+    (``--grow-back-after``) the lost slot is tried again: the group re-forms on two ranks and catches up once
+    more.  Every step's state is the same on both groups (the logical digest: a group of one rank against one
+    of two), every sample is trained once, no step twice.  Steps take 40 ms at least, so the run is still
+    going when the group grows back, however fast the machine."""
+    steps = 200
+    proc = launch(tmp_path, tiny_data, 2, 2, steps, "dlrm", fault=f"1:1:6:reduce,{AWAY},*:*:0:slow:40",
+                  extra=(*SHRINK, "--grow-back-after", "8"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "replica group 1: lost rank 1 (signal 9); continues on 1 rank at 0.50 share" in proc.stderr, proc.stderr[-3000:]
+    assert "replica group 1: back to 2 ranks" in proc.stderr, proc.stderr[-3000:]
     runs = check_run(tmp_path, tiny_data, "dlrm", 2, 2, steps)
-    survivor, shrunk = by_step(runs[(0, 0)]), by_step(runs[(1, 0)])
+    survivor, group1 = by_step(runs[(0, 0)]), by_step(runs[(1, 0)])
     assert sorted(survivor) == list(range(steps))
     starts = [e for e in runs[(1, 0)] if e.get("event") == "start"]
-    assert [e["world_size"] for e in starts] == [2, 1] and starts[-1]["incarnation"] == 1
-    assert len(catch_ups(runs[(1, 0)])) == 1
+    assert [e["world_size"] for e in starts] == [2, 1, 2] and [e["incarnation"] for e in starts] == [0, 1, 2]
+    shrunk, grown = catch_ups(runs[(1, 0)])
+    # On one rank: planned over three rank slots (group 0's two, group 1's one), by cost: about a third.
+    on_one = [s for s in range(shrunk["joined_step"] + 3, grown["joined_step"]) if s in group1 and group1[s]["contributing"]]
+    assert on_one, "group 1 never trained on one rank"
+    for step in on_one:
+        assert survivor[step]["weight"] + group1[step]["weight"] == 128
+        assert 0.2 < group1[step]["weight"] / 128 < 0.45, (step, group1[step]["weight"])
     last = steps - 1
-    assert survivor[last]["participants"] == ["replica0", "replica1"] and shrunk[last]["contributing"]
-    # Planned over three rank slots (group 0's two, group 1's one), by cost: about a third to group 1.
-    assert survivor[last]["weight"] + shrunk[last]["weight"] == 128
-    assert 0.2 < shrunk[last]["weight"] / 128 < 0.45, (shrunk[last]["weight"], survivor[last]["weight"])
-    joined = catch_ups(runs[(1, 0)])[0]["joined_step"]
-    assert f"2, 1 from {joined}" in proc.stdout, proc.stdout  # the job summary: group 1's ranks over time
+    assert survivor[last]["participants"] == ["replica0", "replica1"] and group1[last]["weight"] > 50  # half again
+    assert f"2, 1 from {shrunk['joined_step']}, 2 from {grown['joined_step']}" in proc.stdout, proc.stdout
