@@ -30,9 +30,13 @@ as step 8's exchange begins; the group restarts and catches up from group 0)::
 
     FREESCALE_FAULTS=1:1:8:reduce:0 FREESCALE_FAULTS_DIR=runs/deepfm freescale launch ... -- python examples/deepfm_ft.py
 
+With ``--on-rank-loss shrink`` instead of restarts, group 1 goes on at once on the rank it has left, holding both
+ranks' tables, at a share in proportion (``StepSamples(per_rank=...)`` plans the same steps whatever the sizes).
+
 Each group's rank 0 writes ``<out>/replica<g>.jsonl``, one line per step it trained:
-the participants, the ids trained, the learning rate and a SHA-256 of the group's
-whole state (equal across groups at every step; ``tests/test_examples.py``).
+the participants, the ids trained, the learning rate and a fingerprint of the group's
+whole state (``freescale.digest.audit_digest``: equal across groups at every step, whatever
+ranks each runs on; ``tests/test_examples.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import freescale.ft as ft  # ft
-from freescale.digest import state_digest
+from freescale.digest import audit_digest
 
 USERS, ITEMS, CATEGORIES, TAGS, DIM = 1000, 500, 20, 50, 8
 FEATURES = ("user", "item", "category", "tags")
@@ -101,7 +105,7 @@ def train(args: argparse.Namespace) -> None:
                                   lambda params: torch.optim.Adam(params, lr=1e-2))
     optimizer = CombinedOptimizer([model.fused_optimizer, dense])
     scheduler = torch.optim.lr_scheduler.LambdaLR(dense, lambda step: min(1.0, (step + 1) / 20))
-    samples = ft.StepSamples(per_step=args.batch * dist.get_world_size() * args.replicas)  # ft
+    samples = ft.StepSamples(per_rank=args.batch)  # ft
     optimizer = ft.wrap(model, optimizer, data=samples, scheduler=scheduler)  # ft
     seen = {"samples": 0}  # a counter of the loop's own: samples trained by every group, per committed step
 
@@ -116,7 +120,7 @@ def train(args: argparse.Namespace) -> None:
         loss = nn.functional.binary_cross_entropy_with_logits(model(kjt), labels)
         loss.backward()
         commit = optimizer.step()
-        digest = state_digest(model, optimizer)  # the test's check, not fault tolerance: a collective
+        digest = audit_digest(model, optimizer)  # the test's check (any group size), not fault tolerance: a collective
         if log is not None and commit is not None and commit.applied:  # (not applied: left behind, catching up)
             log.write(json.dumps({"step": commit.step, "participants": optimizer.record["participants"],
                                   "trained": samples.last_trained, "lr": scheduler.get_last_lr()[0],
@@ -140,8 +144,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
-    parser.add_argument("--replicas", type=int, default=int(os.environ.get("FREESCALE_REPLICAS", "1")),
-                        help="replica groups (default: what freescale launch set)")
     parser.add_argument("--out", default="runs/deepfm")
     train(parser.parse_args())
 

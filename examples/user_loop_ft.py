@@ -38,7 +38,6 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -14,11 +14,11 @@ in a whole group (same tables, same row and column ranges), only more of them pe
   rank's memory (torchrec's topology for the device): a plan that does not fit is refused in one line, and
   the group's agent restarts it at its size instead.
 
-Table-wise shards move whole.  Row-wise shards do not: torchrec routes a row-wise table's ids by an even split
-over the world size, which a group of ``G'`` ranks cannot keep for ``G`` shards (re-splitting the rows, and
-exchanging lookups by row range, is not built): refused the same way.  Column-wise shards could move (torchrec
-places several of a table's column shards on one rank), but a rank's snapshot names its shards of a table by
-their order on that rank, which then differs from a whole group's (not built either): refused.
+Table-wise and column-wise shards move whole (torchrec places several column shards of a table on one rank;
+a snapshot names each shard by its offsets, the same on any rank: ``freescale.ft.snapshot_state``).  Row-wise
+shards do not: torchrec routes a row-wise table's ids by an even split over the world size, which a group of
+``G'`` ranks cannot keep for ``G`` shards (re-splitting the rows, and exchanging lookups by row range, is not
+built): refused the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from torchrec.distributed.planner import Topology
 
-MOVABLE = ("table_wise", "data_parallel")
+MOVABLE = ("table_wise", "column_wise", "table_column_wise", "data_parallel")
 """Sharding types whose shards move whole to the rank standing in for their position."""
 
 
@@ -61,7 +61,7 @@ def merge_plan(plan: Any, ranks: int, full: int, device_type: str) -> tuple[Any,
         for table, sharding in tables.items():
             if sharding.sharding_type not in MOVABLE:
                 raise ShrinkUnfit(f"table '{table}' is {sharding.sharding_type.replace('_', '-')} sharded, and only "
-                                  "table-wise shards move whole to the ranks a group has left")
+                                  "table- and column-wise shards move whole to the ranks a group has left")
             if sharding.sharding_type == "data_parallel" or sharding.sharding_spec is None:
                 moved[table] = sharding
                 continue

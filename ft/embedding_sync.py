@@ -29,6 +29,7 @@ from freescale.digest import audit_digest, group_digest
 from freescale.ft.ftar import Exchange, StepResult
 from freescale.ft.sparse_average import AveragedSparseSync
 from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
+from freescale.ft.table_blocks import plan_keys
 
 SnapshotState = tuple[Callable[[], Any], Callable[[Any], None]]
 
@@ -161,10 +162,12 @@ class ReplicatedTables:
 
 def choose(model: nn.Module, embedding_sync: str, average_every: int, fence: Callable[[], None]) -> EmbeddingSync:
     """The strategy for ``model`` (module docstring): ``replicated`` without fused tables, else ``embedding_sync``."""
-    if getattr(model, "fused_optimizer", None) is None or not fused_tbes(model):
+    if getattr(model, "fused_optimizer", None) is None or not (fused_tbes(model) or plan_keys(model)):
         return ReplicatedTables()
     if embedding_sync == "average":
-        return AveragedTables(model, average_every, fence)
+        return AveragedTables(model, average_every, fence) if fused_tbes(model) else ReplicatedTables()
+    # Every rank of a model with sharded tables joins the union, one holding none of them too (it sends nothing):
+    # a rank of a group on fewer ranks stands in for several positions, so each position must exchange alike.
     return UnionTables(model)
 
 

@@ -3,8 +3,9 @@
 The data side of fault tolerance in the common case: a stream of sample ids
 (step ``s`` brings ids ``s * per_step .. (s + 1) * per_step - 1``; with
 ``dataset_size``, ``indices`` maps them onto a dataset, reshuffled every epoch)
-split over the replica groups that held valid state after the previous step,
-and over each group's ranks.  When a step commits without a group's gradients
+split over the replica groups that held valid state after the previous step
+in proportion to the ranks each runs on (a group that lost ranks, ``[ft] on_rank_loss = "shrink"``, runs
+on fewer: ``Commit.sizes``), and over each group's ranks.  When a step commits without a group's gradients
 (it died, or hung and was left out), that group's share is requeued: it opens
 the next step's list, so every id is trained exactly once.
 
@@ -36,14 +37,19 @@ from freescale.step_types import Accounted, Commit
 class StepSamples:
     """Global sample ids per step, split over the ready replica groups and their ranks (module docstring)."""
 
-    def __init__(self, per_step: int, *, dataset_size: int | None = None, seed: int = 0) -> None:
-        if per_step < 1:
-            raise ValueError(f"StepSamples: per_step must be >= 1, got {per_step}")
+    def __init__(self, per_step: int = 0, *, per_rank: int = 0, dataset_size: int | None = None, seed: int = 0) -> None:
+        """``per_step`` ids a step, or ``per_rank`` per rank slot of the job (``bind`` makes it ``per_rank x replicas x
+        ranks``, the whole groups' ranks: a group that lost ranks plans the same steps as the others)."""
+        if (per_step > 0) == (per_rank > 0) or per_step < 0 or per_rank < 0:
+            raise ValueError(f"StepSamples: give one of per_step and per_rank, >= 1 (got per_step={per_step}, "
+                             f"per_rank={per_rank})")
         if dataset_size is not None and dataset_size < 1:
             raise ValueError(f"StepSamples: dataset_size must be >= 1, got {dataset_size}")
-        self.per_step, self.dataset_size, self.seed = per_step, dataset_size, seed
+        self.per_step, self.per_rank, self.dataset_size, self.seed = per_step, per_rank, dataset_size, seed
         self.group, self.replicas, self.rank, self.ranks = 0, 1, 0, 1
         self.ready: list[int] = [0]
+        self.sizes: dict[int, int] = {}
+        """Ranks a group runs on where fewer than ``ranks`` (the last commit's ``sizes``)."""
         self.carry: list[int] = []
         """Ids of groups left out of the last committed step: they open the next step's list."""
         self.last_trained: list[int] = []
@@ -52,24 +58,35 @@ class StepSamples:
         self._epoch: tuple[int, np.ndarray] | None = None
 
     def bind(self, group: int, replicas: int, rank: int, ranks: int) -> None:
-        """This rank's place (``FaultTolerance`` calls it once): every group is ready at step 0."""
+        """This rank's place (``FaultTolerance`` calls it once; ``ranks``: a whole group's): every group is ready at
+        step 0."""
+        if self.per_rank:
+            self.per_step = self.per_rank * replicas * ranks
         if self.per_step < replicas * ranks:
             raise ValueError(f"StepSamples: per_step={self.per_step} is fewer than the {replicas} x {ranks} ranks "
                              "of the run: every rank needs a sample each step")
         self.group, self.replicas, self.rank, self.ranks = group, replicas, rank, ranks
         self.ready = list(range(replicas))
 
+    def _ranks_of(self, group: int) -> int:
+        return self.sizes.get(group, self.ranks)
+
     def plan(self, step: int) -> dict[int, list[int]]:
-        """Group index -> its ids of ``step`` (the carried ids first, then the step's own)."""
+        """Group index -> its ids of ``step`` (the carried ids first, then the step's own): id ``k`` of the list
+        goes to rank slot ``k % slots`` of the ready groups' ranks, so each group's share follows its ranks and
+        its rank ``r`` takes every ``ranks``-th of the group's ids from the ``r``-th."""
         if step not in self._plans:
-            ids = self.carry + list(range(step * self.per_step, (step + 1) * self.per_step))
+            ids = np.asarray(self.carry + list(range(step * self.per_step, (step + 1) * self.per_step)), dtype=np.int64)
             ready = self.ready or list(range(self.replicas))  # (no group ready: nothing commits; keep the ids)
-            self._plans[step] = {g: ids[i::len(ready)] for i, g in enumerate(ready)}
+            slots = np.repeat(np.asarray(ready, dtype=np.int64), [self._ranks_of(g) for g in ready])
+            owner = slots[np.arange(ids.size) % slots.size]
+            self._plans[step] = {g: ids[owner == g].tolist() for g in ready}
         return self._plans[step]
 
     def mine(self, step: int) -> torch.Tensor:
         """This rank's ids of ``step`` (int64; empty when its group is not planned in)."""
-        return torch.tensor(self.plan(step).get(self.group, [])[self.rank::self.ranks], dtype=torch.int64)
+        ranks = self._ranks_of(self.group)
+        return torch.tensor(self.plan(step).get(self.group, [])[self.rank::ranks], dtype=torch.int64)
 
     def indices(self, ids: torch.Tensor) -> torch.Tensor:
         """Dataset positions of ``ids`` (needs ``dataset_size``): epoch ``id // size`` visits the dataset in an
@@ -93,7 +110,7 @@ class StepSamples:
 
     def rank_samples(self, step: int) -> int:
         """Samples this rank trains at ``step`` (the layer scales a per-rank mean loss by it)."""
-        return len(self.plan(step).get(self.group, [])[self.rank::self.ranks])
+        return len(self.plan(step).get(self.group, [])[self.rank::self._ranks_of(self.group)])
 
     def commit(self, commit: Commit) -> Accounted:
         """``commit.step`` is committed: its ids of groups that trained are done, the others carried.  Returns
@@ -104,10 +121,12 @@ class StepSamples:
         self.last_trained = sorted(i for g, ids in plan.items() if g in commit.trained for i in ids)
         self.carry = sorted(i for g, ids in plan.items() if g not in commit.trained for i in ids)
         self.ready = sorted(commit.ready)
+        self.sizes = {g: n for g, n in {**self.sizes, **commit.sizes}.items() if n != self.ranks}
         return Accounted(np.asarray(self.last_trained, dtype=np.int64), len(plan.get(self.group, [])))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ready": self.ready, "carry": self.carry}
+        return {"ready": self.ready, "carry": self.carry, "sizes": [[g, n] for g, n in sorted(self.sizes.items())]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ready, self.carry, self._plans = list(state["ready"]), list(state["carry"]), {}
+        self.sizes = {int(g): int(n) for g, n in state.get("sizes", [])}

@@ -21,7 +21,10 @@ from freescale.digest import local_tensors
 
 
 def named_tensors(value: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
-    """Every tensor in a (nested) state dict, by path; sharded tensors as their local shards."""
+    """Every tensor in a (nested) state dict, by path; sharded tensors as their local shards, each named by its
+    offsets in the whole tensor (``#row,col``: the same name on whichever rank holds it, one of several shards
+    of a table or its only one: a group on fewer ranks holds a lost rank's shards, ``freescale.shrunk_plan``);
+    any other tensor ``#0``."""
     if isinstance(value, dict):
         for key in sorted(value, key=str):
             yield from named_tensors(value[key], f"{prefix}/{key}")
@@ -29,8 +32,12 @@ def named_tensors(value: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]
         for i, item in enumerate(value):
             yield from named_tensors(item, f"{prefix}/{i}")
     elif isinstance(value, torch.Tensor):
-        for i, t in enumerate(local_tensors(value)):
-            yield f"{prefix}#{i}", t
+        if hasattr(value, "local_shards"):  # ShardedTensor
+            for shard in value.local_shards():
+                yield f"{prefix}#{','.join(str(int(o)) for o in shard.metadata.shard_offsets)}", shard.tensor
+        else:
+            for i, t in enumerate(local_tensors(value)):
+                yield f"{prefix}#{i}", t
 
 
 def to_json(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:

@@ -175,9 +175,9 @@ class UnionSparseUpdate:
             slot = _Slot(name, tbe, len(tbe.feature_table_map), pooled, tbe.forward, specs)
             tbe.forward = self._deferring_forward(slot)  # instance attribute: state_dict etc. untouched
             self._slots.append(slot)
-        if not self._slots:
-            raise ValueError("fault tolerance: the model has no fused embedding tables to keep in sync")
         self._keys = plan_keys(dmp)
+        if not self._keys:
+            raise ValueError("fault tolerance: the model has no fused embedding tables to keep in sync")
         """Every table shard of the model, in the order headers list them (the same on every group)."""
         self._index = {key: i for i, key in enumerate(self._keys)}
         self._position = {spec.key: spec.position for slot in self._slots for spec in slot.specs}

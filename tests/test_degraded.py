@@ -86,11 +86,18 @@ def test_a_group_on_fewer_ranks_holds_the_lost_ranks_table_shards_at_their_posit
     assert positions == {("a_table", (0, 0)): 0, ("b_table", (0, 0)): 1, ("c_table", (0, 0)): 2}
 
 
-@pytest.mark.parametrize(("kind", "said"), [("row_wise", "row-wise"), ("column_wise", "column-wise")])
+@pytest.mark.parametrize(("kind", "said"), [("row_wise", "row-wise"), ("table_row_wise", "table-row-wise")])
 def test_shards_that_cannot_move_whole_are_refused_in_one_line(kind: str, said: str) -> None:
     plan = _plan(a_table=(kind, [([0, 0], [50, 8], 0), ([50, 0], [50, 8], 1)]))
-    with pytest.raises(ShrinkUnfit, match=f"table 'a_table' is {said} sharded, and only table-wise shards move"):
+    with pytest.raises(ShrinkUnfit, match=f"table 'a_table' is {said} sharded, and only table- and column-wise"):
         merge_plan(plan, 1, 2, "cpu")
+
+
+def test_column_shards_of_lost_ranks_join_the_shards_already_there() -> None:
+    plan = _plan(a_table=("column_wise", [([0, 0], [50, 8], 0), ([0, 8], [50, 8], 1), ([0, 16], [50, 8], 2)]))
+    merged, positions = merge_plan(plan, 2, 3, "cpu")
+    assert merged.plan["sparse.ebc"]["a_table"].ranks == [0, 1, 0]
+    assert positions == {("a_table", (0, 0)): 0, ("a_table", (0, 8)): 1, ("a_table", (0, 16)): 2}
 
 
 def test_a_plan_over_the_ranks_memory_is_refused_in_one_line() -> None:

@@ -50,11 +50,11 @@ def test_user_loop_survives_a_sigkill_and_catches_up(tmp_path: Path) -> None:
     assert sorted(trained + pending) == list(range(steps * batch * 4)), "a sample was lost or trained twice"
 
 
-def test_deepfm_wrapper_form_under_freescale_launch_survives_a_sigkill(tmp_path: Path) -> None:
+def test_deepfm_wrapper_form_under_freescale_launch_survives_a_sigkill_on_the_rank_it_has_left(tmp_path: Path) -> None:
     steps, per_step = 80, 16 * 2 * 2
     env = {**cli_env(), FAULTS_ENV: "1:1:8:reduce:0,*:*:0:away:300", "FREESCALE_FAULTS_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "freescale.cli", "launch", "--replicas", "2", "--ranks-per-replica",
-                           "2", "--max-restarts", "1", "--", sys.executable, "examples/deepfm_ft.py", "--steps",
+                           "2", "--on-rank-loss", "shrink", "--", sys.executable, "examples/deepfm_ft.py", "--steps",
                            str(steps), "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -67,8 +67,9 @@ def test_deepfm_wrapper_form_under_freescale_launch_survives_a_sigkill(tmp_path:
             for g in (0, 1)}
     steps_of = {g: {e["step"]: e for e in log if "step" in e} for g, log in logs.items()}
     assert sorted(steps_of[0]) == list(range(steps)), "the survivor skipped a step"
+    assert "replica group 1: lost rank 1 (signal 9); continues on 1 rank at 0.50 share" in proc.stderr
     rejoined = sorted(s for s in steps_of[1] if s > 9)
-    assert rejoined and rejoined[-1] == steps - 1, "group 1 did not train again after its restart"
+    assert rejoined and rejoined[-1] == steps - 1, "group 1 did not train again on the rank it has left"
     for step in rejoined:
         mine, theirs = steps_of[1][step], steps_of[0][step]
         assert mine["participants"] == ["replica0", "replica1"]

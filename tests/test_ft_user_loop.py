@@ -7,6 +7,7 @@ The whole wrapper form runs with a real SIGKILL in ``tests/test_examples.py`` (`
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -293,3 +294,19 @@ def test_output_scaling_scales_every_path_once() -> None:
     assert found[0] == 2 and out["parts"][1] == "label"
     (out["total"] + out["parts"][0].sum()).backward()
     assert torch.equal(w.grad, torch.full((3,), 2.0))  # unscaled: 4 per element
+
+
+def test_step_samples_plan_a_group_on_fewer_ranks_a_share_in_proportion() -> None:
+    """Group 1 of two groups of two ranks lost a rank (``Commit.sizes``): of 12 ids it trains 4 on its one
+    rank, group 0 trains 8 on two; every id once, and a snapshot carries the sizes."""
+    ranks = {(g, r): StepSamples(per_step=12) for g in range(2) for r in range(2)}
+    for (g, r), samples in ranks.items():
+        samples.bind(g, 2, rank=r, ranks=2)
+        samples.commit(Commit(0, frozenset({0, 1}), frozenset({0, 1}), {0: 2, 1: 1}))
+    live = [(0, 0), (0, 1), (1, 0)]
+    assert [len(ranks[k].mine(1)) for k in live] == [4, 4, 4] and ranks[(1, 0)].weight(1) == 4
+    assert sorted(i for k in live for i in ranks[k].mine(1).tolist()) == list(range(12, 24))
+    late = StepSamples(per_step=12)
+    late.bind(1, 2, rank=0, ranks=2)
+    late.load_state_dict(ranks[(0, 0)].state_dict())
+    assert late.mine(1).tolist() == ranks[(1, 0)].mine(1).tolist()
