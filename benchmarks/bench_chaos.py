@@ -22,6 +22,10 @@ item_table=data_parallel``).
 
     python benchmarks/bench_chaos.py --quick
     python benchmarks/bench_chaos.py --faults 60 --json benchmarks/results/chaos_cpu.json
+    python benchmarks/bench_chaos.py --quick --ranks 2 --shrink    # a killed rank's group shrinks instead
+
+With ``--shrink`` (``[ft] on_rank_loss = "shrink"``, groups of two ranks or more) a kill re-forms its group on
+the ranks it has left, a kill at one rank restarts it; the same invariants are checked (``freescale.audit``).
 """
 
 from __future__ import annotations
@@ -178,7 +182,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
            "--train.steps", str(steps), "--train.output_dir", str(out), "--train.eval", "false",
            "--train.progress", "false", "--checkpoint.every", "50", "--checkpoint.resume", "true",
            "--ft.wait_for_replicas_s", "5", "--pipeline.kind", args.pipeline,
-           *(["--optim.sharding", args.sharding] if args.sharding else [])]
+           *(["--optim.sharding", args.sharding] if args.sharding else []),
+           *(["--on-rank-loss", "shrink"] if args.shrink else [])]
     faults: list[dict[str, Any]] = []
     done = threading.Event()
     chaos = threading.Thread(target=inject, args=(schedule, out, lighthouse, rng, faults, done), daemon=True)
@@ -213,6 +218,8 @@ def main() -> None:
     parser.add_argument("--sharding", default="",
                         help="--optim.sharding of the job (e.g. item_table=data_parallel: that table's gradient "
                              "in FT's buckets, no union; default the planner's)")
+    parser.add_argument("--shrink", action="store_true",
+                        help="--on-rank-loss shrink: a group that loses a rank goes on without it (needs --ranks >= 2)")
     parser.add_argument("--steps", type=int, default=0, help="default: enough for the schedule at --steps-per-s")
     parser.add_argument("--steps-per-s", type=float, default=12.0)
     parser.add_argument("--slow-ms", type=int, default=40, help="extra 'compute' per step (default 40)")

@@ -16,9 +16,10 @@ Every rank's compute is stretched ``--device-factor`` times by waiting (the ``de
 ``freescale/testing.py``: a step's time in proportion to the rank's samples, the host's cores left free), so
 the job's throughput follows the ranks that train, as on GPUs, rather than the 2 cores the ranks share (a
 lost rank would otherwise hand its core to the others).  Per run: the job's samples per second over the
-steps after the kill (``sps``; ``vs_healthy``: against a run without a kill), the time from the kill to the
-degraded group's first contributing commit (``to_first_commit_s``), the bytes its rank 0 fetched to catch up,
-and the rank slots training the last step (``slots``).
+steps after the kill (``sps``; ``vs_healthy``: against a run without a kill, over the same steps) and over
+the steps after the degraded group's first contributing commit (``sps_after``: the job at its new shape; from
+the kill for ``drop``), the time from the kill to that commit (``to_first_commit_s``), the bytes its rank 0
+fetched to catch up, and the rank slots training the last step (``slots``).
 
     python benchmarks/bench_degraded.py [--quick] [--repeats 3] [--json benchmarks/results/degraded_cpu.json]
 """
@@ -61,22 +62,30 @@ def run(data: Path, out: Path, args: argparse.Namespace, policy: str | None) -> 
         raise SystemExit(f"bench_degraded: a {policy} run failed:\n{proc.stderr[-3000:]}")
     logs = read_run(out)
     first = logs.groups[0].commits  # group 0 never fails: every step, with its time
-    window = [c for c in first if c["step"] > args.kill_at]
-    seconds = window[-1]["time"] - window[0]["time"] if len(window) > 1 else float("nan")
     batch = args.batch * args.groups * args.ranks
-    row: dict[str, Any] = {"sps": batch * (len(window) - 1) / seconds}
+    row: dict[str, Any] = {"sps": _rate([c for c in first if c["step"] > args.kill_at], batch)}
     hit = logs.groups[-1]
     kill = logs.kills[0].time if logs.kills else None
     catch = hit.catch_ups[-1] if hit.catch_ups else None
-    if kill is not None and catch is not None:
-        back = [c for c in hit.commits if c["time"] > kill and c.get("contributing") and c["step"] > catch["joined_step"]]
-        row["to_first_commit_s"] = back[0]["time"] - kill if back else None
+    back = [c for c in hit.commits if kill is not None and c["time"] > kill and c.get("contributing")]
+    if kill is not None and catch is not None and back:
+        row["to_first_commit_s"] = back[0]["time"] - kill
         row["fetched_bytes"] = catch.get("bytes")
+    # Once the degraded group trains again (or, dropped, from the kill on): the job's rate at its new shape.
+    since = back[0]["step"] if back else args.kill_at + 1
+    row["sps_after"] = _rate([c for c in first if c["step"] > since], batch)
     last = first[-1]
     sizes = dict(enumerate([args.ranks] * args.groups))
     sizes.update({g.group: s[-1][0] for g in logs.groups if (s := g.sizes())})
     row["slots"] = sum(sizes[int(rid[len("replica"):])] for rid in last.get("participants", []))
     return row
+
+
+def _rate(commits: list[dict[str, Any]], batch: int) -> float:
+    """Samples per second between the first and the last of ``commits`` (each step trains ``batch``)."""
+    if len(commits) < 2:
+        return float("nan")
+    return batch * (len(commits) - 1) / (commits[-1]["time"] - commits[0]["time"])
 
 
 def main() -> None:
@@ -89,12 +98,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--kill-at", type=int, default=20)
-    parser.add_argument("--device-factor", type=float, default=4.0)
+    parser.add_argument("--device-factor", type=float, default=8.0)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     parser.add_argument("--json", help="write rows, machine and parameters to this path")
     args = parser.parse_args()
     if args.quick:
-        args.repeats, args.groups, args.steps, args.kill_at, args.policies = 1, 2, 40, 8, ["shrink", "drop"]
+        args.repeats, args.groups, args.steps, args.kill_at, args.policies = 1, 2, 60, 5, ["shrink"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
@@ -104,12 +113,14 @@ def main() -> None:
                                      seed=0))
         for repeat in range(args.repeats):
             healthy = run(data, Path(tmp) / f"healthy{repeat}", args, None)
-            rows.append({"repeat": repeat, "policy": "healthy", **healthy, "vs_healthy": 1.0})
+            rows.append({"repeat": repeat, "policy": "healthy", **healthy, "vs_healthy": 1.0, "after_vs_healthy": 1.0})
             for policy in args.policies:
                 got = run(data, Path(tmp) / f"{policy}{repeat}", args, policy)
-                rows.append({"repeat": repeat, "policy": policy, **got, "vs_healthy": got["sps"] / healthy["sps"]})
+                rows.append({"repeat": repeat, "policy": policy, **got, "vs_healthy": got["sps"] / healthy["sps"],
+                             "after_vs_healthy": got["sps_after"] / healthy["sps"]})
     print(f"\n{args.groups} groups x {args.ranks} ranks, rank 1 of group {args.groups - 1} killed at step {args.kill_at}")
-    print_table(rows, ["repeat", "policy", "sps", "vs_healthy", "slots", "to_first_commit_s", "fetched_bytes"])
+    print_table(rows, ["repeat", "policy", "sps", "vs_healthy", "sps_after", "after_vs_healthy", "slots",
+                       "to_first_commit_s", "fetched_bytes"])
     if args.json:
         params = {k: v for k, v in vars(args).items() if k != "json"}
         write_json(args.json, "bench_degraded", params, rows)

@@ -42,7 +42,7 @@ from common import write_json  # noqa: E402
 
 from freescale.config import ConfigError  # noqa: E402
 from freescale.sim.command import (GateFailed, ft_comparison, gates_first, inputs_json, print_comparison,  # noqa: E402
-                                   print_inputs, print_results, throughput_run, writable)
+                                   print_degraded, print_inputs, print_results, throughput_run, writable)
 from freescale.sim.params import SimError  # noqa: E402
 from freescale.sim.project import CURVE, SCALES, check_scenarios, inputs, project  # noqa: E402
 
@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     print_results(rows)
     comparison = ft_comparison(rows, v)
     print_comparison(comparison)
+    degraded = print_degraded(v, failures, args.seed)
     curve = project(v, CURVE, failures, args.seed)
     if out is not None:
         from freescale.sim.plot import plot_projection, plot_throughput
@@ -96,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
             "quick": args.quick, "failures_per_point": failures, "seed": args.seed, "scales": list(SCALES),
             "curve_gpus": list(CURVE), "accounting": "queue (failures arrive in wall-clock time; a failure "
             "during a recovery queues its own)", "gates": [g.row() for g in gates], "inputs": inputs_json(v),
-            "comparison": comparison, "curve": curve, "seconds": round(time.perf_counter() - start, 1)}, rows)
+            "comparison": comparison, "curve": curve, "degraded": degraded,
+            "seconds": round(time.perf_counter() - start, 1)}, rows)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -162,6 +162,24 @@ def test_slow_replica_kept_at_reduced_share() -> None:
     assert ours.breakdown["slow replicas"] < half.breakdown["slow replicas"] < none.breakdown["slow replicas"]
 
 
+def test_groups_that_shrink_keep_what_a_lost_gpu_would_take_down() -> None:
+    """No spare pool (a lost GPU's slot back after 10 h): a group that waits for it loses all of its GPUs meanwhile;
+    one that shrinks loses about one GPU's share (NTP's claim), and every GPU-second is still accounted."""
+    cluster = _cluster(hang_per_gpu_hour=0.0, slow_per_gpu_hour=0.0, correlated_fraction=0.0, crash_per_gpu_hour=0.002,
+                       repair_s=10 * 3600.0)
+    horizon = 400 * 3600.0
+    trace = make_trace(cluster, horizon, seed=3)
+    waits = simulate(cluster, POLICIES[2], trace, horizon)
+    shrinks = simulate(cluster, replace(POLICIES[2], shrink=True, shrink_s=5.0), trace, horizon)
+    spares = simulate(replace(cluster, repair_s=0.0), POLICIES[2], trace, horizon)
+    assert sum(shrinks.breakdown.values()) == pytest.approx(1.0)
+    assert spares.ettr > shrinks.ettr > waits.ettr + 0.05
+    failed = 0.002 * 10  # the fraction of GPUs down on average (rate x repair time)
+    assert shrinks.breakdown["GPUs lost, groups shrunk"] == pytest.approx(failed, rel=0.3)
+    with pytest.raises(SimError, match="shrink: only the freescale policy shrinks"):
+        simulate(cluster, replace(POLICIES[1], shrink=True), trace, horizon)
+
+
 @pytest.mark.parametrize(("field", "value"), [("gpus", 0), ("slow_speed", 1.5), ("correlated_fraction", -0.1),
                                               ("gpus_per_replica", 10_000), ("gpus_per_replica", 7),
                                               ("trace", "bursty")])

@@ -33,6 +33,7 @@ from freescale.sim.project import (
     Sourced,
     check_scenarios,
     compare,
+    degraded,
     inputs,
     policy_rows,
     project,
@@ -208,6 +209,7 @@ def run_simulate(results: Path, gpus: int, replicas: int | None, failures: int, 
         print_results(doc["projection"])
         doc["projection_comparison"] = ft_comparison(doc["projection"], v)
         print_comparison(doc["projection_comparison"])
+        doc["degraded"] = print_degraded(v, failures, seed)
     if plot is not None:
         from freescale.sim.plot import plot_projection
 
@@ -217,6 +219,23 @@ def run_simulate(results: Path, gpus: int, replicas: int | None, failures: int, 
                                      "assumptions (benchmarks/results/ettr.json lists each)")
         print(f"\nwrote {plot}")
     return doc
+
+
+DEGRADED_SCALES = (16_384, 98_304)
+
+
+def print_degraded(v: dict[str, Sourced], failures: int, seed: int) -> list[dict[str, Any]]:
+    """No spare pool (``project.degraded_scenario``): groups that wait for a lost GPU's repair against groups that
+    shrink, beside NTP's published figure for the same failed fraction."""
+    fraction = v["failed_fraction"].value
+    print(f"\nno spare pool: a lost GPU's slot back after {fraction / v['failures_per_gpu_hour'].value:,.1f} h, so "
+          f"{100 * fraction:g}% of GPUs are down on average, at {', '.join(f'{n:,}' for n in DEGRADED_SCALES)} GPUs:")
+    rows = degraded(v, DEGRADED_SCALES, failures, seed)
+    print_results(rows)
+    print(f"NTP (arXiv 2504.06095, its abstract): with {100 * fraction:g}% of GPUs failed, a job of high tensor-parallel "
+          "degree loses nearly 10% of its throughput; a replica under NTP contributes in proportion to its working "
+          f"GPUs (about {100 * fraction:g}% lost; its power-boosted racks: near zero).  Published, not simulated here.")
+    return rows
 
 
 def inputs_json(v: dict[str, Sourced]) -> dict[str, Any]:

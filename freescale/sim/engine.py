@@ -122,6 +122,10 @@ class _Run:
         self.slow_episodes = 0
         self.stalls: list[float] = []
         self.cause = np.full(self.R, -1)  # the failure (index into stalls) each restarting group is out for
+        self.capacity = np.ones(self.R)  # a shrunk group's share of its GPUs still training
+        self.gpus_lost = np.zeros(self.R, dtype=int)
+        self.caught = np.zeros(self.R, dtype=bool)  # a shrink's outage includes its catch-up: none after it
+        self.repairs: list[tuple[float, int]] = []  # (time a lost GPU's slot is back, replica)
         self.bin_s = horizon_s / bins
         self.series = np.zeros(bins)
 
@@ -138,12 +142,15 @@ class _Run:
                     wait = min(wait, 1.0 - (1.0 - v) * (1.0 - p.slow_recovered))  # still held back, everyone
                 else:
                     wait = min(wait, v)
-        eff = np.where(up, np.minimum(speed, wait), 0.0)
+        paced = np.where(up, np.minimum(speed, wait), 0.0)
+        eff = paced * self.capacity
         n_up = int(up.sum())
         rate = float(eff.sum()) / R
         losses = {"replica restarting": float(self.restarting.sum()) / R,
                   "replica catching up": float(self.catching.sum()) / R,
-                  "slow replicas": (n_up - float(eff.sum())) / R}
+                  "slow replicas": (n_up - float(paced.sum())) / R}
+        if (self.capacity < 1).any():
+            losses["GPUs lost, groups shrunk"] = float((paced - eff).sum()) / R
         if p.kind == "freescale":
             step = self.c.step_s * R / max(float(eff.sum()), _EPS)  # the global batch over who is left
         else:
@@ -254,14 +261,18 @@ class _Run:
             times.append(float(self.catch_until[self.catching].min()))
         for _, _, detected, until in self.slow:
             times += [x for x in (detected, until) if x > self.t + _EPS]
+        times += [at for at, _ in self.repairs]
         return min(times)
 
     def transitions(self) -> None:
         """Restarts and catch-ups that end now; slow episodes that are over."""
         t, p = self.t, self.p
+        self._repaired()
         for j in np.flatnonzero(self.restarting & (self.down_until <= t + _EPS)).tolist():
             self.restarting[j] = False
-            if p.kind == "torchft":  # the heal: its source, and so every replica, waits for the transfer
+            if self.caught[j]:  # a shrink: its outage held the catch-up already
+                self.caught[j] = False
+            elif p.kind == "torchft":  # the heal: its source, and so every replica, waits for the transfer
                 heal = p.catchup_s(self.c)
                 if heal > 0:
                     self.stall.append([HEAL, heal])
@@ -273,6 +284,35 @@ class _Run:
             self.cause[j] = -1
         self.catching &= self.catch_until > t + _EPS
         self.slow = [s for s in self.slow if s[3] > t + _EPS]
+
+    def _repaired(self) -> None:
+        """Lost GPUs whose slot is back: a shrunk group with none lost any more grows back (a restart and a
+        catch-up, as any restart)."""
+        due = [(at, j) for at, j in self.repairs if at <= self.t + _EPS]
+        self.repairs = [(at, j) for at, j in self.repairs if at > self.t + _EPS]
+        for _, j in due:
+            self.gpus_lost[j] -= 1
+            if self.p.shrink and self.gpus_lost[j] == 0:
+                self.capacity[j] = 1.0
+                if not self.restarting[j]:
+                    self.restarting[j], self.catching[j] = True, False
+                    self.down_until[j] = self.t + self.p.restart_s
+
+    def _down_for(self, f: Failure, j: int, detect: float) -> float:
+        """How long replica ``j`` is out for a crash of one of its GPUs (``Cluster.repair_s``: a spare is not there
+        at once): shrunk after ``shrink_s``, or waiting for the slot to come back, then restarting."""
+        p, c = self.p, self.c
+        if f.kind != "crash" or c.repair_s <= 0:
+            return detect + p.restart_s
+        self.gpus_lost[j] += 1
+        self.repairs.append((self.t + c.repair_s, j))
+        if not p.shrink:
+            return detect + c.repair_s + p.restart_s
+        self.capacity[j] = max(0.0, 1.0 - self.gpus_lost[j] / c.gpus_per_replica)
+        self.caught[j] = True
+        # The measured outage (a toy's: its catch-up moves kilobytes) plus, at this scale, the catch-up of the rank
+        # standing in for the lost one: its own position's state and the lost position's.
+        return detect + p.shrink_s + 2 * p.catchup_s(c)
 
     def fail(self, f: Failure) -> None:
         if f.kind == "slow":
@@ -316,7 +356,7 @@ class _Run:
             if self.restarting[j] and p.recovery == "queue":
                 self.down_until[j] += p.restart_s  # queued: one more restart after this one
             else:  # restarts now (and a catch-up in progress is lost)
-                self.down_until[j] = t + detect + p.restart_s
+                self.down_until[j] = t + self._down_for(f, j, detect)
             self.restarting[j], self.catching[j] = True, False
         if not contributing:
             return  # a group that was out anyway: no one else notices

@@ -64,6 +64,10 @@ class Cluster:
     """Bytes each rank fetches to catch up (its shard of parameters and optimizer state)."""
     trace: str = "poisson"
     """``poisson`` (exponential gaps, the default) or ``periodic`` (a failure every 1/lambda: injected failures)."""
+    repair_s: float = 0.0
+    """A crashed GPU's slot is back (a spare swapped in, the host repaired) this long after the crash; 0: a spare
+    takes over at once (the restart alone).  Until then a group that lost it waits with nothing to train on, or,
+    under a policy that shrinks, trains on the GPUs it has left."""
 
     @property
     def replicas(self) -> int:
@@ -81,7 +85,8 @@ class Cluster:
                  f"must be in 1..gpus ({self.gpus}), got {self.gpus_per_replica}")
         _require(self.gpus % self.gpus_per_replica == 0, "gpus_per_replica",  # failure rates count every GPU
                  f"must divide gpus ({self.gpus}), got {self.gpus_per_replica}")
-        for name in ("crash_per_gpu_hour", "hang_per_gpu_hour", "slow_per_gpu_hour", "slow_duration_s", "state_gb"):
+        for name in ("crash_per_gpu_hour", "hang_per_gpu_hour", "slow_per_gpu_hour", "slow_duration_s", "state_gb",
+                     "repair_s"):
             _require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         _require(0 < self.slow_speed <= 1, "slow_speed", f"must be in (0, 1], got {self.slow_speed}")
         _require(0 <= self.correlated_fraction <= 1, "correlated_fraction",
@@ -118,6 +123,14 @@ class Policy:
     slow_recovered: float = 1.0
     """``freescale``: the share of a detected slow replica's cost won back, against an ideal proportional split
     (1: only its own lost speed is lost; 0: everyone still waits for it)."""
+    shrink: bool = False
+    """``freescale``: a group that lost a GPU waiting for repair (``Cluster.repair_s``) trains at once on the GPUs it
+    has left (``[ft] on_rank_loss = "shrink"``), at a share in proportion, and grows back (a restart and a catch-up)
+    once the slot is back."""
+    shrink_s: float = 0.0
+    """``freescale`` with ``shrink``: from the loss to the shrunk group's first contributing commit (measured by
+    ``benchmarks/bench_degraded.py`` on a toy, whose catch-up moves kilobytes); the simulator adds the catch-up of
+    two positions' state (``2 x catchup_s``: the rank standing in for the lost one fetches its shards too)."""
     recovery: str = "queue"
 
     def catchup_s(self, cluster: Cluster) -> float:
@@ -129,12 +142,13 @@ class Policy:
         _require(self.recovery in RECOVERY, "recovery", f"must be one of {', '.join(RECOVERY)}, got '{self.recovery}'")
         _require(set(self.detect_s) == set(KINDS), "detect_s", f"needs exactly {', '.join(KINDS)}")
         _require(all(v >= 0 for v in self.detect_s.values()), "detect_s", "must be >= 0")
-        for name in ("restart_s", "reconfigure_s", "replay_s", "checkpoint_interval_s", "checkpoint_cost_s"):
+        for name in ("restart_s", "reconfigure_s", "replay_s", "checkpoint_interval_s", "checkpoint_cost_s", "shrink_s"):
             _require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         _require(self.catchup_gbps > 0, "catchup_gbps", f"must be > 0, got {self.catchup_gbps}")
         _require(self.catchup_slowdown >= 1, "catchup_slowdown", f"must be >= 1, got {self.catchup_slowdown}")
         _require(0 <= self.overhead < 1, "overhead", f"must be in [0, 1), got {self.overhead}")
         _require(0 <= self.slow_recovered <= 1, "slow_recovered", f"must be in [0, 1], got {self.slow_recovered}")
+        _require(not self.shrink or self.kind == "freescale", "shrink", "only the freescale policy shrinks a group")
 
     def with_recovery(self, recovery: str) -> Policy:
         return replace(self, recovery=recovery)

@@ -24,6 +24,7 @@ import ast
 import importlib.util
 import json
 import math
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ SCALES = (1_024, 16_384, 98_304)
 CURVE = (1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 98_304)
 """GPU counts; the largest is FT-HSDP's: ~98K GPUs as 12 replica groups of 8,192."""
 FREESCALE = "freescale"
+SHRINK = "freescale + shrink"
+NTP_FAILED_FRACTION = 0.001
 VALIDATED_X = 0.5
 """The closed forms (and so the gates) hold where lambda * stall <= 0.5: rows past it are marked."""
 RSC1_PER_GPU_HOUR = 6.5 / (1000 * 24 * 8)
@@ -103,6 +106,7 @@ def measured(results: Path) -> dict[str, Sourced]:
     fixed = (_field(tr, f"{kr}.contributing_s", tr_file) - _field(tr, f"{kr}.kill_to_catch_up_start_s", tr_file)
              - _field(tr, f"{kr}.catch_up.bytes", tr_file) / rate)
     return {
+        **shrunk_groups(results / "degraded_cpu.json"),
         **slow_replicas(results / "stragglers_cpu.json"),
         "union_extra_per_group": union_extra_per_group(results / "union_update_cpu.json"),
         "kill_to_commit_s": m(tr_file, tr, f"{kr}.kill_s"),
@@ -122,6 +126,17 @@ def measured(results: Path) -> dict[str, Sourced]:
                                     f"{ft_file.name}: rows.{over_i}.torchft_step_ms / ddp_step_ms - 1 (one CPU run; "
                                     "measured negative, clipped to 0)", "measured"),
     }
+
+
+def shrunk_groups(file: Path) -> dict[str, Sourced]:
+    """``shrink_s``: a rank lost for good to the shrunk group's first contributing commit (``bench_degraded.py``,
+    the median of its shrink runs; the restart of the group's agent, the catch-up and the first step included)."""
+    rows = [r for r in _load(file)["rows"] if r.get("policy") == "shrink" and r.get("to_first_commit_s") is not None]
+    if not rows:
+        raise SimError(f"{file}: no shrink run with to_first_commit_s")
+    return {"shrink_s": Sourced(float(statistics.median(r["to_first_commit_s"] for r in rows)),
+                                f"{file.name}: median to_first_commit_s of {len(rows)} shrink run(s) (kill -> the "
+                                "shrunk group's first contributing commit)", "measured, CPU toy")}
 
 
 def slow_replicas(file: Path) -> dict[str, Sourced]:
@@ -250,6 +265,9 @@ def assumptions() -> dict[str, Sourced]:
                                          "live trainer keeps beating (meta-pytorch/torchft torchft/manager.py)",
                                          "code default"),
         "checkpoint_interval_s": Sourced(1800.0, "guess: a checkpoint every 30 min, every policy", a),
+        "failed_fraction": Sourced(NTP_FAILED_FRACTION, "NTP (arXiv 2504.06095, abstract): 0.1% of GPUs in a failed "
+                                   "state, where a high tensor-parallel degree loses nearly 10% of the throughput; "
+                                   "the degraded scenario's repair time is this over the failure rate", a),
         "checkpoint_cost_s": Sourced(30.0, "guess: 30 s blocking per save", a),
     }
 
@@ -267,7 +285,7 @@ def inputs(results: Path) -> dict[str, Sourced]:
 _AT_LEAST_0 = ("slow_per_gpu_hour", "slow_duration_s", "slow_detect_steps", "state_gb", "node_replacement_s",
                "job_restart_fixed_s", "nccl_init_16k_s", "reconfigure_s", "sync_hang_detect_s",
                "torchft_hang_detect_s", "freescale_hang_detect_s", "checkpoint_interval_s", "checkpoint_cost_s",
-               "kill_to_commit_s", "torchft_kill_to_commit_s", "restart_to_catchup_s", "catchup_fixed_s")
+               "kill_to_commit_s", "torchft_kill_to_commit_s", "restart_to_catchup_s", "catchup_fixed_s", "shrink_s")
 RULES: dict[str, tuple[str, Any]] = {
     **{k: (">= 0", lambda x: x >= 0) for k in _AT_LEAST_0},
     "failures_per_gpu_hour": ("> 0 (the simulation runs until --failures failures)", lambda x: x > 0),
@@ -275,6 +293,7 @@ RULES: dict[str, tuple[str, Any]] = {
     "correlated_fraction": ("in [0, 1]", lambda x: 0 <= x <= 1),
     "slow_speed": ("in (0, 1]", lambda x: 0 < x <= 1),
     "slow_recovered": ("in [0, 1]", lambda x: 0 <= x <= 1),
+    "failed_fraction": ("in (0, 1)", lambda x: 0 < x < 1),
     "step_s": ("> 0", lambda x: x > 0),
     "catchup_gbps": ("> 0", lambda x: x > 0),
     "catchup_slowdown": (">= 1", lambda x: x >= 1),
@@ -348,6 +367,25 @@ def scenario(gpus: int, v: dict[str, Sourced], replicas: int | None = None) -> t
                   replay_s=x["catchup_fixed_s"], catchup_slowdown=x["catchup_slowdown"],
                   overhead=embedding_overhead(x, groups)[0], slow_recovered=x["slow_recovered"], **ckpt)
     return cluster, [sync, torchft, ours]
+
+
+def degraded_scenario(gpus: int, v: dict[str, Sourced]) -> tuple[Cluster, list[Policy]]:
+    """No spare pool: a crashed GPU's slot is back only after ``failed_fraction / failure rate`` (so that fraction
+    of GPUs is down on average, NTP's figure).  The replica policies wait for it, or, ``freescale + shrink``, the
+    group trains on its other GPUs at a share in proportion (after ``shrink_s``) and grows back once it is back."""
+    x = {k: s.value for k, s in v.items()}
+    cluster, (_, torchft, ours) = scenario(gpus, v)
+    cluster = replace(cluster, repair_s=3600 * x["failed_fraction"] / x["failures_per_gpu_hour"])
+    return cluster, [torchft, ours, replace(ours, name=SHRINK, shrink=True, shrink_s=x["shrink_s"])]
+
+
+def degraded(v: dict[str, Sourced], gpu_counts: tuple[int, ...], failures: int, seed: int) -> list[dict[str, Any]]:
+    """One row per (GPU count, policy) of ``degraded_scenario``, every policy on the same trace at a GPU count."""
+    rows = []
+    for gpus in gpu_counts:
+        cluster, policies = degraded_scenario(gpus, v)
+        rows += policy_rows(gpus, cluster, policies, compare(cluster, policies, failures, seed), v)
+    return rows
 
 
 def check_scenarios(v: dict[str, Sourced], gpus: int, replicas: int | None, gpu_counts: tuple[int, ...]) -> None:
