@@ -4,6 +4,7 @@ lease (``run_lease``) and the ranks' warm fork server (``forkserver``); or a use
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +50,24 @@ def _launch_ranks(args: argparse.Namespace, overrides: list[str], cfg: Any) -> i
         if cfg.data.calibrate_every:
             raise ConfigError("data.calibrate_every: not supported with replica groups yet (the fitted cost model "
                               "would have to be agreed across groups to keep their plans identical); set it to 0")
-        policy = rank_loss_policy(args, cfg.ft.on_rank_loss, cfg.ft.min_group_ranks, cfg.ft.grow_back_after_s)
+        policy = rank_loss_policy(args, cfg.ft.on_rank_loss, cfg.ft.min_group_ranks, cfg.ft.grow_back_after_s,
+                                  args.replicas)
         return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [*train_args, *overrides],
                                lighthouse_url=args.lighthouse, output_dir=cfg.train.output_dir,
                                title=f"freescale: {cfg.model.kind}, {args.replicas} replica group(s) of "
                                      f"{args.nproc_per_node} rank(s)", **policy)
-    rank_loss_policy(args, cfg.ft.on_rank_loss, cfg.ft.min_group_ranks, cfg.ft.grow_back_after_s)
-    return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides])
+    # One group of a job whose groups run under launchers of their own (``--ft.lighthouse``, on other machines).
+    peers = cfg.ft.replicas if (args.lighthouse or cfg.ft.lighthouse) else 1
+    policy = rank_loss_policy(args, cfg.ft.on_rank_loss, cfg.ft.min_group_ranks, cfg.ft.grow_back_after_s, peers)
+    if peers > 1:
+        from freescale.ft.config import REPLICA_INDEX_ENV
+
+        os.environ.setdefault(REPLICA_INDEX_ENV, str(cfg.ft.replica_index))  # (the agent's lines name the group)
+    return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides], **policy)
 
 
 def rank_loss_policy(args: argparse.Namespace, on_rank_loss: str, min_group_ranks: int,
-                     grow_back_after_s: float) -> dict[str, Any]:
+                     grow_back_after_s: float, replicas: int) -> dict[str, Any]:
     """``--on-rank-loss`` / ``--min-group-ranks`` / ``--grow-back-after`` where given, else the config's (``[ft]``),
     as ``launch_replicas`` takes them; refused where a group that shrinks would have no peer group to catch up
     from, or could not shrink at all."""
@@ -68,7 +76,7 @@ def rank_loss_policy(args: argparse.Namespace, on_rank_loss: str, min_group_rank
     grow_back = args.grow_back_after if args.grow_back_after is not None else grow_back_after_s
     if grow_back < 0:
         raise ConfigError(f"--grow-back-after: must be >= 0 seconds (0: never), got {grow_back:g}")
-    if policy == "shrink" and args.replicas < 2 and not args.lighthouse:
+    if policy == "shrink" and replicas < 2:
         raise ConfigError("on_rank_loss = shrink: needs --replicas 2 or more (a group that lost a rank catches up "
                           "from a peer group)")
     if policy == "shrink" and not 1 <= min_ranks < args.nproc_per_node:
@@ -90,4 +98,4 @@ def _launch_command(args: argparse.Namespace, overrides: list[str], command: lis
     with forkserver.started(forkserver.LOOP_MODULES):  # `python my_loop.py` ranks forked warm
         return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [],
                                lighthouse_url=args.lighthouse, command=command,
-                               **rank_loss_policy(args, "restart", 1, 0.0))
+                               **rank_loss_policy(args, "restart", 1, 0.0, args.replicas))

@@ -54,6 +54,8 @@ class RankLoss(NamedTuple):
     rank: int
     how: str
     pid: int
+    lost: bool = True
+    """False for a restartable user error (said already): the rank is not gone, the group restarts if it may."""
 
 
 class GroupSizes:
@@ -88,8 +90,12 @@ class GroupSizes:
         timer = None
         if self.size < self.full and self.grow_back_after_s > 0:
             def grow() -> None:
+                while not _another_holder():  # never take down the only group that holds the run's state
+                    if stop.wait(2.0):
+                        return
                 self._growing.set()
                 os.kill(os.getpid(), signal.SIGTERM)
+            stop = threading.Event()
             timer = threading.Timer(self.grow_back_after_s, grow)
             timer.daemon = True
             timer.start()
@@ -97,6 +103,7 @@ class GroupSizes:
             yield
         finally:
             if timer is not None:
+                stop.set()
                 timer.cancel()
 
     def grew_back(self) -> bool:
@@ -117,7 +124,10 @@ class GroupSizes:
         os.environ[INCARNATION_BASE_ENV] = str(self._launches)
         self._given = 0 if self.shrinks or self.size < self.full else self.restarts_left
         shrinks = self.shrinks and self.size > self.min_ranks
-        os.environ[AFTER_FAILURE_ENV] = ("the group continues on the ranks it has left" if shrinks else
+        # (Read by a rank only once torch's own restarts of this launch are spent: then, with torch's agent
+        # restarting, the group stops.)
+        os.environ[AFTER_FAILURE_ENV] = ("no restart left: the group stops" if self._given else
+                                         "the group continues on the ranks it has left" if shrinks else
                                          "its group restarts" if self.restarts_left > 0 else
                                          "no restart left: the group stops")
         return self._given
@@ -137,14 +147,14 @@ class GroupSizes:
             return True
         if self._given:  # torch's agent spent the restarts it was given
             return False
-        if self.shrinks and self.size > self.min_ranks:
+        if self.shrinks and self.size > self.min_ranks and lost.lost:
             self.size -= 1
             _say(f"{group}: lost rank {lost.rank} ({lost.how}); continues on {_ranks(self.size)} at "
                  f"{self.size / self.full:.2f} share")
             return True
         if self.restarts_left > 0:
             self.restarts_left -= 1
-            _say(f"{group}: lost rank {lost.rank} ({lost.how}); restarts on {_ranks(self.size)}")
+            _say(f"{group}: {'lost ' if lost.lost else ''}rank {lost.rank} ({lost.how}); restarts on {_ranks(self.size)}")
             return True
         return False
 
@@ -157,3 +167,27 @@ def _say(line: str) -> None:
     print(f"freescale: {line}", file=sys.stderr, flush=True)
 
 
+
+
+def _another_holder() -> bool:
+    """The lighthouse (``FREESCALE_LIGHTHOUSE``) names another healthy group among those holding the run's newest
+    state: this group may leave to grow back without the run's progress leaving with it.  False when it cannot
+    be asked (the group stays as it is, and asks again)."""
+    import json
+    import urllib.request
+
+    from freescale.ft.config import LIGHTHOUSE_ENV, TOKEN_ENV
+
+    url, me = os.environ.get(LIGHTHOUSE_ENV, ""), f"replica{os.environ.get(REPLICA_INDEX_ENV, '0')}"
+    if not url:
+        return False
+    token = os.environ.get(TOKEN_ENV, "")
+    request = urllib.request.Request(f"{url.rstrip('/')}/v1/status",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            status = json.loads(reply.read())
+    except (OSError, ValueError):
+        return False
+    groups = status.get("groups") or {}
+    return any(rid != me and (groups.get(rid) or {}).get("healthy") for rid in status.get("holders") or [])

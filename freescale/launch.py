@@ -116,7 +116,7 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
                 code, lost = _run_agent(sizes.size, sizes.restarts_now(), train_args, command, error_dir)
             if sizes.grew_back() or (lost is not None and sizes.after_loss(lost, take_shrink_refusal(error_dir))):
                 continue
-            if lost is not None:
+            if lost is not None and lost.lost:
                 print(f"freescale: error: rank {lost.rank} (pid {lost.pid}) failed with {lost.how}; see its output above",
                       file=sys.stderr)
             return code
@@ -159,8 +159,12 @@ def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str]
             for path in Path(error_dir).glob("rank*.txt"):
                 path.unlink()
             return 1, RankLoss(rank, "it cannot train at this size", failure.pid)
-        if _user_errors(error_dir):
+        if _user_errors(error_dir, final_only=True):
             return 2, None
+        if _user_errors(error_dir):  # restartable (a lighthouse out of reach): the agent may launch again
+            for path in Path(error_dir).glob("rank*.txt"):
+                path.unlink()
+            return 2, RankLoss(rank, "a restartable error", failure.pid, lost=False)
         how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         return 1, RankLoss(rank, how, failure.pid)
     except SignalException as stopped:  # the agent passed it to the ranks and waited for them

@@ -88,8 +88,10 @@ class Resume:
         data = meta["data"]
         if "loader" not in data:  # written before the step feed kept its own state
             return {"loader": data, "next": int(meta["step"]), "ready": [0], "plans": []}
+        # A new run starts with every group whole: sizes saved while a group ran on fewer ranks do not carry over.
+        data = {**data, "sizes": []}
         groups, world = (meta.get("ft") or {}).get("replicas", 1), meta.get("world_size")
-        if (groups, world) == (parts.groups, parts.ctx.world_size):
+        if (groups, world) == (parts.groups, parts.feed.group_size):
             return data
         if data.get("plans"):
             raise checkpoint.CheckpointError(f"{path}: saved with steps in flight; it resumes only as "

@@ -82,10 +82,16 @@ def merge_plan(plan: Any, ranks: int, full: int, device_type: str) -> tuple[Any,
 
 
 def _check_memory(load: list[int], ranks: int, device_type: str) -> None:
-    topology = Topology(world_size=ranks, compute_device=device_type)
+    """Each rank's shards within its device's memory: the GPU's own (CUDA), torchrec's topology's host memory
+    (CPU: its default, 128 GiB).  Tables only: the dense part and activations are left to the margin."""
+    import torch
+
+    if device_type == "cuda" and torch.cuda.is_available():
+        cap, where = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, "its GPU's memory"
+    else:
+        storage = Topology(world_size=ranks, compute_device=device_type).devices[0].storage
+        cap, where = (storage.hbm if device_type == "cuda" else storage.ddr), "its memory (torchrec's topology)"
     for rank, held in enumerate(load):
-        storage = topology.devices[rank].storage
-        cap = storage.hbm if device_type == "cuda" else storage.ddr
         if held > cap:
             raise ShrinkUnfit(f"rank {rank} would hold {held / 2**30:.1f} GiB of tables and their optimizer state, "
-                              f"over the {cap / 2**30:.1f} GiB of its {device_type} memory (torchrec's topology)")
+                              f"over the {cap / 2**30:.1f} GiB of {where}")

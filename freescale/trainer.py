@@ -341,7 +341,7 @@ class Trainer:
             return None
         self._write_lazy(log)  # a save whose tables are still being copied goes first (checkpoints in order)
         start, done, writer = time.perf_counter(), commit.step + 1, self._writer
-        meta = {"data": parts.feed.state_dict(), "world_size": parts.ctx.world_size, "config": to_dict(self.cfg),
+        meta = {"data": parts.feed.state_dict(), "world_size": parts.feed.group_size, "config": to_dict(self.cfg),
                 "ft": {"replicas": parts.groups}, "plan": reshard.plan_summary(parts.dmp)}
         live = raw_state(parts)
         if writer.asynchronous and parts.staging is not None and done < self.cfg.train.steps:

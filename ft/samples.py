@@ -66,6 +66,8 @@ class StepSamples:
             raise ValueError(f"StepSamples: per_step={self.per_step} is fewer than the {replicas} x {ranks} ranks "
                              "of the run: every rank needs a sample each step")
         self.group, self.replicas, self.rank, self.ranks = group, replicas, rank, ranks
+        self.running = torch.distributed.get_world_size() if torch.distributed.is_initialized() else ranks
+        """The ranks this group runs on now (fewer than ``ranks`` after it lost some)."""
         self.ready = list(range(replicas))
 
     def _ranks_of(self, group: int) -> int:
@@ -73,20 +75,26 @@ class StepSamples:
 
     def plan(self, step: int) -> dict[int, list[int]]:
         """Group index -> its ids of ``step`` (the carried ids first, then the step's own): id ``k`` of the list
-        goes to rank slot ``k % slots`` of the ready groups' ranks, so each group's share follows its ranks and
-        its rank ``r`` takes every ``ranks``-th of the group's ids from the ``r``-th."""
+        goes to rank slot ``k % slots`` of the ready groups' ranks (rank-major), so each group's share follows its
+        ranks and its rank ``r`` takes every ``ranks``-th of the group's ids from the ``r``-th."""
         if step not in self._plans:
             ids = np.asarray(self.carry + list(range(step * self.per_step, (step + 1) * self.per_step)), dtype=np.int64)
             ready = self.ready or list(range(self.replicas))  # (no group ready: nothing commits; keep the ids)
-            slots = np.repeat(np.asarray(ready, dtype=np.int64), [self._ranks_of(g) for g in ready])
+            # Rank-major (every group's rank 0, then every group's rank 1, ...): with whole groups, group i of the
+            # ready ones takes ids i, i + R, ... and its rank r every G-th of those from the r-th.
+            slots = np.asarray([g for r in range(max(self._ranks_of(g) for g in ready)) for g in ready
+                                if r < self._ranks_of(g)], dtype=np.int64)
             owner = slots[np.arange(ids.size) % slots.size]
             self._plans[step] = {g: ids[owner == g].tolist() for g in ready}
         return self._plans[step]
 
     def mine(self, step: int) -> torch.Tensor:
         """This rank's ids of ``step`` (int64; empty when its group is not planned in)."""
-        ranks = self._ranks_of(self.group)
-        return torch.tensor(self.plan(step).get(self.group, [])[self.rank::ranks], dtype=torch.int64)
+        ids, ranks = self.plan(step).get(self.group, []), self._ranks_of(self.group)
+        if ids and ranks != getattr(self, "running", ranks):
+            raise RuntimeError(f"StepSamples: step {step} is planned over {ranks} rank(s) of group {self.group}, which "
+                               f"runs on {self.running} (a state saved while it ran on another number of ranks?)")
+        return torch.tensor(ids[self.rank::ranks], dtype=torch.int64)
 
     def indices(self, ids: torch.Tensor) -> torch.Tensor:
         """Dataset positions of ``ids`` (needs ``dataset_size``): epoch ``id // size`` visits the dataset in an

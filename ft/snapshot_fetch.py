@@ -188,15 +188,15 @@ class PositionsFetch:
     def result(self) -> Fetched:
         """The positions' snapshots merged (its own position's tensors first); blocks until all are in."""
         got = [fetch.result() for fetch in self.fetches]
-        for _ in range(3):
+        for attempt in range(4):
             step = max(g.step for g in got)
             if all(g.step == step for g in got):
                 break
+            if attempt == 3:
+                raise RuntimeError(f"catch-up: the snapshots of the positions this rank serves stay at different "
+                                   f"steps {[g.step for g in got]}")
             got = [g if g.step == step else SnapshotFetch(s, step, self.token, {}).result()
                    for g, s in zip(got, self.sources)]
-        else:
-            raise RuntimeError(f"catch-up: the snapshots of the positions this rank serves stay at different steps "
-                               f"{[g.step for g in got]}")
         own, *others = got
         tensors = {name: t for other in others for name, t in other.tensors.items()}
         tensors.update(own.tensors)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,7 @@ from freescale.ft.table_blocks import (
     ShardSpec,
     assemble,
     empty_blocks,
+    id_cuts,
     plan_keys,
     served_groups,
     shard_specs,
@@ -244,13 +245,11 @@ class UnionSparseUpdate:
                     sizes[self._index[spec.key]] = torch.tensor([0, 0, 0, spec.features * spec.dim if s.pooled else spec.dim])
                 continue
             bags = (s.offsets.numel() - 1) // s.features
-            first = 0
-            for spec in s.specs:
-                last = first + spec.features
-                ids = int(s.offsets[last * bags] - s.offsets[first * bags])
+            cuts = id_cuts(s.specs, s.offsets)
+            for spec, lo, hi in zip(s.specs, cuts, cuts[1:]):
+                ids = hi - lo
                 rows, cols = (bags, spec.features * spec.dim) if s.pooled else (ids, spec.dim)
                 sizes[self._index[spec.key]] = torch.tensor([ids, spec.features * bags, rows, cols])
-                first = last
         return sizes.reshape(-1)
 
     def __call__(self, group: ReplicaGroup | dist.ProcessGroup, quorum: Quorum, weights: list[float],
@@ -290,12 +289,18 @@ class UnionSparseUpdate:
                 own = flat_of.cpu() if flat_of.is_cuda else flat_of.clone()
                 for key, block in zip(keys, _decode(own, sizes_of)):
                     gathered.setdefault(key, []).append(block)
-        return GatheredSteps(gathered, list(weights))
+        ranks = [len(p.addresses) or whole for p in quorum.participants]
+        return GatheredSteps(gathered, list(weights), [whole / n for n in ranks])
 
     def union(self, gathered: GatheredSteps) -> UnionUpdate:
-        """The weighted union of every participant's step (same on all; module docstring, step 3)."""
+        """The weighted union of every participant's step (same on all; module docstring, step 3).  A participant's
+        gradient rows are its ranks' mean-loss gradients, each rank's loss scaled to the group's sample mean times
+        the ranks it runs on (``FaultTolerance``: the fused table's sum over ranks): a group on fewer ranks than its
+        own is scaled up by the ratio (``GatheredSteps.rank_scales``), so its samples count as a whole group's."""
         total = float(sum(gathered.weights))
-        shares = [torch.tensor(w / total if total > 0 else 0.0, dtype=torch.float32) for w in gathered.weights]
+        scales = gathered.rank_scales or [1.0] * len(gathered.weights)
+        shares = [torch.tensor(w / total * r if total > 0 else 0.0, dtype=torch.float32)
+                  for w, r in zip(gathered.weights, scales)]
         tables = []
         for slot in self._slots:
             blocks = [union_block(spec, gathered.blocks[spec.key], shares, slot.pooled) for spec in slot.specs]
@@ -365,6 +370,8 @@ class GatheredSteps:
     blocks: dict[str, list[Block]]
     """Each table shard's blocks, one per participant in quorum order."""
     weights: list[float]
+    rank_scales: list[float] = field(default_factory=list)
+    """Per participant, a whole group's ranks over the ranks it ran on (1 for a whole group; empty: all 1)."""
 
     def nbytes(self) -> int:
         """What the all-gathers delivered (every participant's step, this replica's own included)."""

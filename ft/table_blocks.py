@@ -78,16 +78,27 @@ def shard_specs(kernel: Any, positions: dict[tuple[str, tuple[int, ...]], int] |
     return specs
 
 
+def id_cuts(specs: list[ShardSpec], offsets: torch.Tensor) -> list[int]:
+    """Where each shard's ids start in the TBE's ``indices`` (and where the last ends): one read of ``offsets``
+    (a single host sync on a GPU, whatever the number of shards)."""
+    features = sum(s.features for s in specs)
+    bags = (offsets.numel() - 1) // features if features else 0
+    starts = [0]
+    for spec in specs:
+        starts.append(starts[-1] + spec.features)
+    return [int(x) for x in offsets[torch.tensor([f * bags for f in starts], device=offsets.device)].tolist()]
+
+
 def split(specs: list[ShardSpec], indices: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
           pooled: bool) -> list[Block]:
     """A TBE's step cut into its shards' blocks (``specs`` in the TBE's order)."""
     features = sum(s.features for s in specs)
     bags = (offsets.numel() - 1) // features if features else 0
     lengths = offsets.diff().view(features, bags)
+    cuts = id_cuts(specs, offsets)
     blocks, first, col = [], 0, 0
-    for spec in specs:
+    for spec, lo, hi in zip(specs, cuts, cuts[1:]):
         last = first + spec.features
-        lo, hi = int(offsets[first * bags]), int(offsets[last * bags])
         width = spec.features * spec.dim
         part = grad[:, col:col + width] if pooled else grad[lo:hi]
         blocks.append(Block(lengths[first:last].reshape(-1), indices[lo:hi], part))

@@ -65,6 +65,7 @@ def test_a_refused_shrink_restarts_at_the_size_before_and_shrinks_no_more(capsys
 def test_restart_policy_leaves_restarts_to_torchs_agent() -> None:
     sizes = GroupSizes(2, max_restarts=3, on_rank_loss="restart", min_group_ranks=1)
     assert sizes.restarts_now() == 3
+    assert os.environ[AFTER_FAILURE_ENV] == "no restart left: the group stops"  # read once torch's 3 are spent
     assert not sizes.after_loss(KILLED, "")  # torch's agent spent them: the group stops
 
 
@@ -102,7 +103,7 @@ def test_column_shards_of_lost_ranks_join_the_shards_already_there() -> None:
 
 def test_a_plan_over_the_ranks_memory_is_refused_in_one_line() -> None:
     huge = _plan(a_table=("table_wise", [([0, 0], [2**33, 8], 0)]))
-    with pytest.raises(ShrinkUnfit, match=r"rank 0 would hold 288.0 GiB of tables and their optimizer state, over the 128.0 GiB"):
+    with pytest.raises(ShrinkUnfit, match=r"rank 0 would hold 288.0 GiB of tables and their optimizer state, over the 128.0 GiB of its memory"):
         merge_plan(huge, 1, 2, "cpu")
 
 

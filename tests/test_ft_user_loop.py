@@ -302,6 +302,7 @@ def test_step_samples_plan_a_group_on_fewer_ranks_a_share_in_proportion() -> Non
     ranks = {(g, r): StepSamples(per_step=12) for g in range(2) for r in range(2)}
     for (g, r), samples in ranks.items():
         samples.bind(g, 2, rank=r, ranks=2)
+        samples.running = 2 - g  # (what bind reads from the process group in a real rank)
         samples.commit(Commit(0, frozenset({0, 1}), frozenset({0, 1}), {0: 2, 1: 1}))
     live = [(0, 0), (0, 1), (1, 0)]
     assert [len(ranks[k].mine(1)) for k in live] == [4, 4, 4] and ranks[(1, 0)].weight(1) == 4
@@ -309,4 +310,7 @@ def test_step_samples_plan_a_group_on_fewer_ranks_a_share_in_proportion() -> Non
     late = StepSamples(per_step=12)
     late.bind(1, 2, rank=0, ranks=2)
     late.load_state_dict(ranks[(0, 0)].state_dict())
+    with pytest.raises(RuntimeError, match="planned over 1 rank.s. of group 1, which runs on 2"):
+        late.mine(1)  # whole again, with the plan of a group on one rank: refused, never trained twice
+    late.running = 1
     assert late.mine(1).tolist() == ranks[(1, 0)].mine(1).tolist()
