@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+from typing import Any
 
 PARENT_ENV = "FREESCALE_PARENT_PID"
 """The pid of the process that started this one, when that process wants its children gone with it."""
@@ -60,6 +62,8 @@ class Stopped(KeyboardInterrupt):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_FINALIZERS = ("_weakrefset.py", "weakref.py")
+"""Where the collector's callbacks run (``stops_raise`` does not raise inside them)."""
 _stopping: list[int] = []
 
 
@@ -74,7 +78,12 @@ class stops_raise:
     (the launcher, a rank of ``freescale train``): a library leaves its host's signal handlers alone."""
 
     def __enter__(self) -> None:
-        def stop(signum: int, _frame: object) -> None:
+        def stop(signum: int, frame: Any) -> None:
+            if frame is not None and frame.f_code.co_filename.endswith(_FINALIZERS):
+                # A weakref callback the collector runs: an exception there is printed and dropped ("Exception
+                # ignored in ..."), the stop lost.  The same signal again in a moment, outside it.
+                threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+                return
             _stopping.append(signum)
             raise Stopped(signum)
 
