@@ -60,14 +60,13 @@ from freescale.ft.replica_group import ReplicaGroup
 from freescale.ft.table_blocks import (
     Block,
     ShardSpec,
-    assemble,
     empty_blocks,
     id_cuts,
     plan_keys,
     served_groups,
     shard_specs,
     split,
-    union_block,
+    union_step,
 )
 
 
@@ -303,8 +302,8 @@ class UnionSparseUpdate:
                   for w, r in zip(gathered.weights, scales)]
         tables = []
         for slot in self._slots:
-            blocks = [union_block(spec, gathered.blocks[spec.key], shares, slot.pooled) for spec in slot.specs]
-            tables.append(TBEStep(*assemble(blocks, slot.pooled, slot.name)))
+            parts = [gathered.blocks[spec.key] for spec in slot.specs]
+            tables.append(TBEStep(*union_step(slot.specs, parts, shares, slot.pooled, slot.name)))
         return UnionUpdate(tables)
 
     def prepare(self, gathered: GatheredSteps | UnionUpdate) -> PreparedUnion:

@@ -6,9 +6,8 @@ shards of several rank positions on one rank (``freescale.shrunk_plan``).  So th
 TBEs; it ships *blocks*, one per table shard, in one order every group knows (the plan's shards, sorted):
 
 - ``split``: a TBE's step (feature-major ``offsets``, ids, output gradient) cut into its shards' blocks;
-- ``union_block``: every participant's block of one shard, in quorum order, each gradient scaled by its
-  share of the step's samples (feature by feature: the TBE's layout);
-- ``assemble``: a TBE's union step from its shards' union blocks, in the TBE's order.
+- ``union_step``: a TBE's union step from every participant's blocks of its shards, in quorum order, each
+  gradient scaled by its share of the step's samples (feature by feature: the TBE's layout).
 
 A row's gradients reach its TBE's backward in the same order whichever TBE holds the shard (feature, then
 participant, then bag), so every group's fused update of a row is the same bit for bit.
@@ -111,37 +110,46 @@ def empty_blocks(specs: list[ShardSpec], pooled: bool) -> list[Block]:
                   torch.zeros(0, s.features * s.dim if pooled else s.dim)) for s in specs]
 
 
-def union_block(spec: ShardSpec, parts: list[Block], shares: list[torch.Tensor], pooled: bool) -> Block:
-    """Participants' blocks of one shard as one batch, feature by feature, gradients scaled by ``shares``."""
-    lengths, ids, grads = [], [], []
-    for part, share in zip(parts, shares):
-        if part.lengths.numel() == 0:
-            continue
-        if int(part.lengths.sum()) != part.indices.numel():
-            raise RuntimeError(f"fault tolerance: table shard '{spec.key}': lengths do not cover the ids")
-        per_bag = part.lengths.view(spec.features, -1)
+def union_step(specs: list[ShardSpec], parts: list[list[Block]], shares: list[torch.Tensor], pooled: bool,
+               name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A TBE's union step (indices, offsets, output gradient) from every participant's blocks of its shards
+    (``parts[s][p]``: shard ``s`` in the TBE's order, participant ``p`` in quorum order): per feature, the
+    participants' bags in quorum order, each gradient scaled by its ``shares``.  Each participant's blocks are put
+    back into the TBE's own layout first (one concatenation each), so the rest costs what a per-TBE union does."""
+    features = sum(spec.features for spec in specs)
+    lengths: list[torch.Tensor] = []
+    pieces: list[tuple[torch.Tensor, ...]] = []
+    width = sum(spec.features * spec.dim for spec in specs) if pooled else (specs[0].dim if specs else 0)
+    live = []
+    for p, share in enumerate(shares):
+        blocks = [shard[p] for shard in parts]
+        if not any(b.lengths.numel() for b in blocks):
+            continue  # it sat the step out (catching up): no bags
+        per_bag = torch.cat([b.lengths.view(spec.features, -1) for spec, b in zip(specs, blocks)])
+        ids = torch.cat([b.indices for b in blocks])
         counts = per_bag.sum(dim=1).tolist()
+        if sum(counts) != ids.numel():
+            raise RuntimeError(f"fault tolerance: embedding '{name}': lengths do not cover the ids")
         lengths.append(per_bag)
-        ids.append(torch.split(part.indices, counts))
-        grads.append(part.grad * share if pooled else torch.split(part.grad * share, counts))
+        pieces.append(torch.split(ids, counts))
+        live.append((blocks, share, per_bag.shape[1] if pooled else ids.numel()))
     if not lengths:
-        return empty_blocks([spec], pooled)[0]
-    union_ids = torch.cat([pieces[f] for f in range(spec.features) for pieces in ids])
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(0, width)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.cat(lengths, dim=1).reshape(-1), 0)])
+    indices = torch.cat([piece[f] for f in range(features) for piece in pieces])
+    # Each participant's gradient written once into its rows of the union (its shards side by side), then scaled.
+    grad = torch.empty(sum(n for _, _, n in live), width)
+    first = 0
+    for blocks, share, n in live:
+        rows = grad[first:first + n]
+        torch.cat([b.grad for b in blocks], dim=1 if pooled else 0, out=rows)
+        rows.mul_(share)
+        first += n
     if pooled:
-        grad = torch.cat(grads, dim=0)  # type: ignore[arg-type]  # pooled: whole tensors
-    else:
-        grad = torch.cat([pieces[f] for f in range(spec.features) for pieces in grads])
-    return Block(torch.cat(lengths, dim=1).reshape(-1), union_ids, grad)
-
-
-def assemble(blocks: list[Block], pooled: bool, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A TBE's (indices, offsets, output gradient) from its shards' union blocks, in its order."""
-    if pooled and len({b.grad.shape[0] for b in blocks}) > 1:
-        raise RuntimeError(f"fault tolerance: embedding '{name}': its tables' union batches differ in size")
-    lengths = torch.cat([b.lengths for b in blocks])
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
-    grad = torch.cat([b.grad for b in blocks], dim=1 if pooled else 0)
-    return torch.cat([b.indices for b in blocks]), offsets, grad
+        return indices, offsets, grad
+    rows_of = torch.split(grad, [n for _, _, n in live])
+    per_feature = [torch.split(r, [len(x) for x in piece]) for r, piece in zip(rows_of, pieces)]
+    return indices, offsets, torch.cat([row[f] for f in range(features) for row in per_feature])
 
 
 def served_groups(group: ReplicaGroup) -> list[tuple[int | None, ReplicaGroup]]:
