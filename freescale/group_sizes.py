@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from freescale.ft.config import GROUP_RANKS_ENV, INCARNATION_BASE_ENV, REPLICA_INDEX_ENV
 
@@ -34,11 +34,15 @@ class ShrinkRefused(RuntimeError):
     (status 1) and its agent, which says why in one line, restarts the group at its size before."""
 
 
-def refuse_shrink(reason: str) -> None:
-    """Called by a rank of a shrunk group that cannot run at its size: tell the agent (one line, ``reason``)."""
+def refuse_shrink(reason: str, ranks: int, full: int) -> NoReturn:
+    """A rank of a group on ``ranks`` of its ``full`` ranks that cannot train at that size: tell the agent (one
+    line, ``reason``: its plan cannot move or fit, ``freescale.shrunk_plan``; or its tables are averaged across
+    groups by slices of each rank's buffers, laid out differently on fewer ranks) and end (``ShrinkRefused``)."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if error_dir:
         Path(error_dir, SHRINK_REFUSED).write_text(reason)
+    raise ShrinkRefused(f"fault tolerance: replica group {os.environ.get(REPLICA_INDEX_ENV, '0')} cannot train on "
+                        f"{ranks} of its {full} ranks: {reason}")
 
 
 def take_shrink_refusal(error_dir: str) -> str:

@@ -183,7 +183,7 @@ def group_plan(model: nn.Module, module_sharders: list[ModuleSharder[nn.Module]]
     """torchrec's plan over the default group (planned on rank 0, broadcast); for a replica group running on
     fewer ranks than its own, the whole group's plan with the lost ranks' shards moved to the ranks standing in
     for them, and each moved shard's rank position (``freescale.shrunk_plan``; one that cannot be is refused:
-    ``freescale.launch.refuse_shrink``, and the group's agent restarts the group at its size)."""
+    ``freescale.group_sizes.refuse_shrink``, and the group's agent restarts the group at its size)."""
     from freescale.shrunk_plan import ShrinkUnfit, group_ranks, merge_plan
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -197,10 +197,9 @@ def group_plan(model: nn.Module, module_sharders: list[ModuleSharder[nn.Module]]
     try:
         return merge_plan(plan, world, full, device_type)
     except ShrinkUnfit as unfit:
-        from freescale.group_sizes import ShrinkRefused, refuse_shrink
+        from freescale.group_sizes import refuse_shrink
 
-        refuse_shrink(str(unfit))
-        raise ShrinkRefused(f"replica group on {world} of its {full} ranks: {unfit}") from None
+        refuse_shrink(str(unfit), world, full)
 
 
 def shard_positions(dmp: nn.Module) -> dict[tuple[str, tuple[int, ...]], int] | None:

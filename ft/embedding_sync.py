@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from freescale.digest import audit_digest, group_digest
-from freescale.ft.ftar import Exchange, StepResult
 from freescale.ft.sparse_average import AveragedSparseSync
 from freescale.ft.sparse_sync import UnionSparseUpdate, fused_tbes
+from freescale.ft.step_result import Exchange, StepResult
 from freescale.ft.table_blocks import plan_keys
 
 SnapshotState = tuple[Callable[[], Any], Callable[[Any], None]]

@@ -63,12 +63,13 @@ from freescale.ft.agent_process import start_agent
 from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import LighthouseClient
 from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, incarnation, replica_index_of, skip_step_refusal
-from freescale.ft.ftar import ReplicaSync, StepResult
+from freescale.ft.ftar import ReplicaSync
 from freescale.ft.layer_snapshot import SnapshotSide, UserState
 from freescale.ft.reduced_parts import reduced_parts
 from freescale.ft.replica_group import positions_served
 from freescale.ft.serving import advertised_host
 from freescale.ft.standby import STANDBY_ENV, take_over
+from freescale.ft.step_result import StepResult
 from freescale.grad_buckets import BucketedGrads
 from freescale.rank_console import say
 from freescale.step_sync import all_finite, nonfinite_message
@@ -142,7 +143,12 @@ class FaultTolerance(SnapshotSide):
         refusal = skip_step_refusal(True, self._tables.name) if nonfinite == "skip_step" else None
         if refusal:
             raise ValueError(f"fault tolerance: nonfinite: {refusal}")
-        self._check_shrunk()
+        if self._group_size < self._group_ranks and self._tables.name == "average":  # (table_blocks: union only)
+            from freescale.group_sizes import refuse_shrink
+
+            refuse_shrink("its tables are averaged across groups (embedding_sync = average), by slices of each rank's "
+                          "buffers, which a group on fewer ranks lays out differently", self._group_size,
+                          self._group_ranks)
         for name, (get, load) in self._tables.snapshot_states().items():
             self.register_state(name, get, load)
         token = os.environ.get(TOKEN_ENV, "")
@@ -191,23 +197,6 @@ class FaultTolerance(SnapshotSide):
         self._weight: float | None = None
         self._loss: torch.Tensor | None = None
         self._side: SideChannel | None = None
-
-    def _check_shrunk(self) -> None:
-        """A group re-formed on fewer ranks than its own (``freescale.launch.GroupSizes``) holds the lost ranks'
-        table shards on the ranks standing in for them (``freescale.shrunk_plan``, which refuses a plan that
-        cannot move or fit) and exchanges the union update by table shard (``freescale.ft.table_blocks``).  The
-        averaged tables average slices of each rank's buffers, which differ between a group sharded that way and
-        a whole one: not built, so the group says so in one line and its agent restarts it at its size instead
-        (``refuse_shrink``)."""
-        if self._group_size == self._group_ranks or self._tables.name != "average":
-            return
-        from freescale.group_sizes import ShrinkRefused, refuse_shrink
-
-        reason = ("its tables are averaged across groups (embedding_sync = average), by slices of each rank's "
-                  "buffers, which a group on fewer ranks lays out differently")
-        refuse_shrink(reason)
-        raise ShrinkRefused(f"fault tolerance: replica group {self._group_index} cannot train on {self._group_size} "
-                            f"of its {self._group_ranks} ranks: {reason}")
 
     def carry(self, side: SideChannel) -> None:
         """Tell every group ``side``'s header with each step; ``side.on_commit`` reads every group's at each

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from freescale.dense_update import DenseUpdate
-from freescale.ft.ftar import ReplicaSync, StepResult
+from freescale.ft.ftar import ReplicaSync
 from freescale.ft.snapshot_state import (
     from_json,
     load_torch_optimizer,
@@ -32,6 +32,7 @@ from freescale.ft.snapshot_state import (
     set_rng_state,
     to_json,
 )
+from freescale.ft.step_result import StepResult
 from freescale.step_types import Accounted, Commit, DataSide
 
 UserState = tuple[Callable[[], Any], Callable[[Any], None], Callable[[Commit], Any] | None]

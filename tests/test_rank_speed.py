@@ -246,7 +246,7 @@ def test_a_large_group_tells_its_slowest_ranks_and_the_median_of_the_others(monk
 
 
 def test_the_side_header_rides_ahead_of_the_exchange_header_through_the_weighted_reduction() -> None:
-    from freescale.ft.ftar import join_headers, split_headers
+    from freescale.ft.step_result import join_headers, split_headers
     from freescale.ft.weighted_reduce import FlatReduction
     from freescale.grad_buckets import BucketLayout
 

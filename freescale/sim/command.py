@@ -33,7 +33,7 @@ from freescale.sim.project import (
     Sourced,
     check_scenarios,
     compare,
-    degraded,
+    degraded_scenario,
     inputs,
     policy_rows,
     project,
@@ -230,7 +230,7 @@ def print_degraded(v: dict[str, Sourced], failures: int, seed: int) -> list[dict
     fraction = v["failed_fraction"].value
     print(f"\nno spare pool: a lost GPU's slot back after {fraction / v['failures_per_gpu_hour'].value:,.1f} h, so "
           f"{100 * fraction:g}% of GPUs are down on average, at {', '.join(f'{n:,}' for n in DEGRADED_SCALES)} GPUs:")
-    rows = degraded(v, DEGRADED_SCALES, failures, seed)
+    rows = project(v, DEGRADED_SCALES, failures, seed, degraded_scenario)
     print_results(rows)
     print(f"NTP (arXiv 2504.06095, its abstract): with {100 * fraction:g}% of GPUs failed, a job of high tensor-parallel "
           "degree loses nearly 10% of its throughput; a replica under NTP contributes in proportion to its working "

@@ -25,6 +25,7 @@ import importlib.util
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -379,15 +380,6 @@ def degraded_scenario(gpus: int, v: dict[str, Sourced]) -> tuple[Cluster, list[P
     return cluster, [torchft, ours, replace(ours, name=SHRINK, shrink=True, shrink_s=x["shrink_s"])]
 
 
-def degraded(v: dict[str, Sourced], gpu_counts: tuple[int, ...], failures: int, seed: int) -> list[dict[str, Any]]:
-    """One row per (GPU count, policy) of ``degraded_scenario``, every policy on the same trace at a GPU count."""
-    rows = []
-    for gpus in gpu_counts:
-        cluster, policies = degraded_scenario(gpus, v)
-        rows += policy_rows(gpus, cluster, policies, compare(cluster, policies, failures, seed), v)
-    return rows
-
-
 def check_scenarios(v: dict[str, Sourced], gpus: int, replicas: int | None, gpu_counts: tuple[int, ...]) -> None:
     """Build and validate every scenario a command will run, before it runs anything."""
     check_inputs(v)
@@ -421,11 +413,14 @@ def compare(cluster: Cluster, policies: list[Policy], failures: int, seed: int, 
     return [simulate(cluster, p, trace, horizon, bins) for p in policies]
 
 
-def project(v: dict[str, Sourced], gpu_counts: tuple[int, ...], failures: int, seed: int) -> list[dict[str, Any]]:
-    """One row per (GPU count, policy), every policy on the same trace at a GPU count."""
+def project(v: dict[str, Sourced], gpu_counts: tuple[int, ...], failures: int, seed: int,
+            scenario_at: Callable[[int, dict[str, Sourced]], tuple[Cluster, list[Policy]]] | None = None,
+            ) -> list[dict[str, Any]]:
+    """One row per (GPU count, policy) of ``scenario_at`` (default ``scenario``; ``degraded_scenario``: no spare
+    pool), every policy on the same trace at a GPU count."""
     rows = []
     for gpus in gpu_counts:
-        cluster, policies = scenario(gpus, v)
+        cluster, policies = (scenario_at or scenario)(gpus, v)
         rows += policy_rows(gpus, cluster, policies, compare(cluster, policies, failures, seed), v)
     return rows
 
