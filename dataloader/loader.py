@@ -93,6 +93,8 @@ class StepInfo:
     """``len`` of each of ``plan_rows``: the sample count of each rank."""
     row_lengths: np.ndarray
     """History length of each of ``rows`` (cost-model calibration pairs them with measured time)."""
+    loss_scale: float = 1.0
+    """What the batch's summed per-sample loss was multiplied by (``BalancedLoader._loss_scale``)."""
 
 
 class _Failure:
@@ -383,19 +385,27 @@ class BalancedLoader:
         start = time.perf_counter()
         rows, costs = plan.for_rank(self.rank)
         arrays, kept = self.source.read_arrays(rows)
-        batch = self._to_batch(arrays, kept.size, self.planner.costs(plan.model, kept), plan, (epoch, step))
+        batch = self._to_batch(arrays, kept.size, self.planner.costs(plan.model, kept), self._loss_scale(plan),
+                               (epoch, step))
         if self.pin_memory:
             batch = batch.pin_memory()
         plan_rows = Parts(_read_only(plan.rows.index), plan.rows.offsets)
         info = dict(epoch=epoch, step=step, imbalance=plan.imbalance(), bound=plan.bound(),
                     global_size=plan.global_size, rank_size=batch.size, rank_cost=float(costs.sum()), rows=kept,
                     live_ranks=plan.live_ranks, plan_rows=plan_rows, rank_sizes=tuple(plan.rows.sizes.tolist()),
-                    row_lengths=self.planner.lengths[kept])
+                    row_lengths=self.planner.lengths[kept], loss_scale=batch.loss_scale)
         if self.made is not None:
             self.made(epoch * self.steps_per_epoch + step, time.perf_counter() - start)
         return info, batch
 
-    def _to_batch(self, arrays: dict[str, np.ndarray], n: int, costs: np.ndarray, plan: StepPlan,
+    def batch_of(self, rows: np.ndarray, loss_scale: float, when: tuple[int, int] = (0, 0)) -> Batch:
+        """The batch of exactly ``rows`` (global row ids; bad ones dropped as in training), its summed loss
+        scaled by ``loss_scale``: a reference replays a run's steps from the rows its log names
+        (``freescale.audit_reference``).  Sample costs are not computed (zeros)."""
+        arrays, kept = self.source.read_arrays(np.asarray(rows, dtype=np.int64))
+        return self._to_batch(arrays, kept.size, np.zeros(kept.size), loss_scale, when)
+
+    def _to_batch(self, arrays: dict[str, np.ndarray], n: int, costs: np.ndarray, loss_scale: float,
                   when: tuple[int, int]) -> Batch:
         """The source's numpy columns (``read_arrays``) -> KJT, dense and labels, no per-sample loop."""
         lengths: list[np.ndarray] = []
@@ -428,7 +438,7 @@ class BalancedLoader:
             dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
             labels=torch.from_numpy(np.array(labels, dtype=np.float32)),
             costs=torch.from_numpy(costs.astype(np.float32)),
-            loss_scale=self._loss_scale(plan),
+            loss_scale=loss_scale,
             history_timestamps=history_ts, candidate_timestamps=candidate_ts,
         )
 

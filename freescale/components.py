@@ -45,6 +45,7 @@ from freescale.step_engine import PRECISIONS, StepEngine
 from freescale.step_feed import StepFeed
 from freescale.step_sync import NONFINITE, LocalSync
 from freescale.step_types import ReplicaRun, StepSync
+from freescale.table_init import init_tables, table_bounds
 from freescale.tasks import Task, task_of
 from freescale.testing import StepHooks, hooks_from_env
 
@@ -217,7 +218,9 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
     counts = torch.from_numpy(dataset.item_counts()) if cfg.model.task == "retrieval" else None
     model = build_model(cfg.model, dataset.manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"),
                         item_counts=counts)
+    bounds = table_bounds(model)
     dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp(ft_on))
+    init_tables(dmp.state_dict(), bounds, cfg.train.seed)  # the same tables whatever the plan (a shrunk group's too)
     replicated = sorted(replicated_tables(dmp))  # asked for, or chosen by torchrec's planner for a small table
     if replicated:
         refuse_replicated_tables(cfg, replicated)
@@ -226,7 +229,7 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
     # Not with the averaged tables: their averages overwrite rows no lookup reported (the save copies at its step).
     lazy = c.async_save and c.every and c.stage_budget and not (ft_on and cfg.ft.embedding_sync == "average")
     staging = LazySaves(RowTracker(dmp), c.stage_budget) if lazy else None
-    optimizer = build_optimizer(dmp, cfg.optim, world=group_ranks)  # every group alike, whatever ranks it runs on
+    optimizer = build_optimizer(dmp, cfg.optim)
     update = dense_update(dmp, optimizer, cfg.optim, cfg.train.steps)
     features: list[str] = list(model.sparse_feature_names)  # type: ignore[arg-type]  # every model declares them
     loader = dataset.loader(

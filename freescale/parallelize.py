@@ -335,11 +335,10 @@ def embedding_kernels(dmp: nn.Module) -> list[tuple[str, Any, bool]]:
     return found
 
 
-def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig, world: int | None = None) -> CombinedOptimizer:
+def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig) -> CombinedOptimizer:
     """Fused embedding optimizer (already inside ``dmp``) + AdamW over the dense parameters (+ the sparse
     optimizer's math, row-wise Adagrad or SGD at ``sparse_lr``, over ``data_parallel`` tables: the same update
-    their fused kernel would make, applied after DDP's all-reduce).  ``world``: the ranks whose gradients a fused
-    table sums (default the group's size)."""
+    their fused kernel would make, applied after the gradient is reduced)."""
     dense_params = dense_named_parameters(dmp)
     dense = KeyedOptimizerWrapper(
         dense_params,
@@ -348,14 +347,12 @@ def build_optimizer(dmp: DistributedModelParallel, cfg: OptimConfig, world: int 
     optimizers: list[Any] = [dmp.fused_optimizer, dense]
     replicated = replicated_table_parameters(dmp)
     if replicated:
-        # A fused shard receives the sum of the ranks' gradients, a data-parallel table their mean (torchrec's
-        # lookup DDP, or fault tolerance's buckets): the world size W is put back where it matters, SGD's rate
-        # times W, Adagrad's eps over W (its step g / (sqrt(G) + eps) is the fused one on W * g).  Under fault
-        # tolerance W is the group's size: the union update sums the group's ranks too, over the groups' mean.
-        world = world or (dist.get_world_size() if dist.is_initialized() else 1)
+        # Both kernels step on the ranks' mean gradient, whatever the group's size: torchrec divides the gradient
+        # its all-to-all (or reduce-scatter) returns to a fused shard by the group's size, and DDP (or fault
+        # tolerance's buckets) averages a data-parallel table's.  So the same rate and eps serve both.
         optimizers.append(KeyedOptimizerWrapper(replicated, lambda params: (
-            RowWiseAdagrad(params, lr=cfg.sparse_lr, eps=cfg.sparse_eps / world)
-            if cfg.sparse_optimizer == "rowwise_adagrad" else torch.optim.SGD(params, lr=cfg.sparse_lr * world))))
+            RowWiseAdagrad(params, lr=cfg.sparse_lr, eps=cfg.sparse_eps)
+            if cfg.sparse_optimizer == "rowwise_adagrad" else torch.optim.SGD(params, lr=cfg.sparse_lr))))
     return CombinedOptimizer(optimizers)
 
 

@@ -66,6 +66,16 @@ class Resume:
             _say(parts.ctx, f"  {note}")
         return step
 
+    def load_into(self, parts: Components, path: Path) -> dict[str, Any]:
+        """Load the checkpoint at ``path`` into ``parts``' model and optimizer, whatever plan wrote it (no data
+        position, no checks against the run's records); its metadata."""
+        materialize_optimizer_state(parts.optimizer)
+        state, meta = raw_state(parts), checkpoint.read_meta(path)
+        self._load_state(path, meta, state, parts)
+        parts.dmp.load_state_dict(state["model"])
+        parts.optimizer.load_state_dict(state["optim"])
+        return meta
+
     def _no_rollback(self, parts: Components, log: RunLog, start: int) -> bool:
         """Whether the run may start at ``start`` (``ft.commit_record.hold_back_rollback``: held back while the
         groups' records say the job committed beyond it); False once the holders are back (catch up)."""

@@ -66,7 +66,9 @@ class RowTracker:
 
     def _add(self, tbe: Any) -> None:  # fbgemm's TBE (untyped)
         weights = tbe.split_embedding_weights()
-        states = tbe.split_optimizer_states() if hasattr(tbe, "split_optimizer_states") else [[] for _ in weights]
+        # Per table its optimizer's per-row state (row-wise Adagrad: one); SGD's is none at all (an empty list).
+        states = list(tbe.split_optimizer_states()) if hasattr(tbe, "split_optimizer_states") else []
+        states += [[] for _ in range(len(weights) - len(states))]
         starts = [0]
         for weight in weights:
             starts.append(starts[-1] + int(weight.size(0)))

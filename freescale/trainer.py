@@ -315,11 +315,14 @@ class Trainer:
                                   "seconds": outcome.wall_s, "busy_s": outcome.busy_s,
                                   "batch_wait_s": outcome.info.wait_s if outcome.info is not None else 0.0,
                                   **outcome.record}
-        if self._audit:  # (tests) the whole state's hash, the rows the step trained, rank 0's loss
+        if self._audit:  # (tests) the whole state's hash, the rows the step trained, rank 0's rows and loss
+            info = outcome.info
             record.update(outcome.digests)
             record["rows"] = accounted.rows.tolist() if accounted else []
-            record["rank_sizes"] = list(outcome.info.rank_sizes) if outcome.info is not None else []
+            record["rank_sizes"] = list(info.rank_sizes) if info is not None else []
             record["loss"] = float(outcome.output[0]) if outcome.output is not None else None
+            record["rank_rows"] = info.rows.tolist() if info is not None else []
+            record["loss_scale"] = info.loss_scale if info is not None else None
         log.write("commit", **record)
 
     # ------------------------------------------------------------------------------ checkpoints

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -288,18 +288,15 @@ class UnionSparseUpdate:
                 own = flat_of.cpu() if flat_of.is_cuda else flat_of.clone()
                 for key, block in zip(keys, _decode(own, sizes_of)):
                     gathered.setdefault(key, []).append(block)
-        ranks = [len(p.addresses) or whole for p in quorum.participants]
-        return GatheredSteps(gathered, list(weights), [whole / n for n in ranks])
+        return GatheredSteps(gathered, list(weights))
 
     def union(self, gathered: GatheredSteps) -> UnionUpdate:
         """The weighted union of every participant's step (same on all; module docstring, step 3).  A participant's
-        gradient rows are its ranks' mean-loss gradients, each rank's loss scaled to the group's sample mean times
-        the ranks it runs on (``FaultTolerance``: the fused table's sum over ranks): a group on fewer ranks than its
-        own is scaled up by the ratio (``GatheredSteps.rank_scales``), so its samples count as a whole group's."""
+        gradient rows are its group's sample mean whatever ranks it runs on: each rank's loss is scaled to the group's
+        mean times its ranks (the loader's ``loss_scale``) and torchrec divides the gradient its all-to-all returns
+        to a shard by the group's size.  So each is weighted by its share of the step's samples alone."""
         total = float(sum(gathered.weights))
-        scales = gathered.rank_scales or [1.0] * len(gathered.weights)
-        shares = [torch.tensor(w / total * r if total > 0 else 0.0, dtype=torch.float32)
-                  for w, r in zip(gathered.weights, scales)]
+        shares = [torch.tensor(w / total if total > 0 else 0.0, dtype=torch.float32) for w in gathered.weights]
         tables = []
         for slot in self._slots:
             parts = [gathered.blocks[spec.key] for spec in slot.specs]
@@ -369,8 +366,6 @@ class GatheredSteps:
     blocks: dict[str, list[Block]]
     """Each table shard's blocks, one per participant in quorum order."""
     weights: list[float]
-    rank_scales: list[float] = field(default_factory=list)
-    """Per participant, a whole group's ranks over the ranks it ran on (1 for a whole group; empty: all 1)."""
 
     def nbytes(self) -> int:
         """What the all-gathers delivered (every participant's step, this replica's own included)."""

@@ -24,6 +24,7 @@ import pytest
 
 from freescale.audit import audit_run, group_logs
 from freescale.audit import commits_by_step as by_step
+from freescale.audit_reference import reference_run
 from freescale.testing import AUDIT_ENV, FAULTS_ENV
 from tests.conftest import REPO, cli_env
 from tests.trainings import run_trainings
@@ -119,11 +120,10 @@ def test_replicas_stay_identical_and_every_group_lost_resumes_from_checkpoint(ti
 REFERENCE_STEPS = 6
 
 
-ITEM_DP = ("--optim.sharding", "item_table=data_parallel", "--optim.sparse_eps", "1e-14")
-"""The item table replicated.  Row-wise Adagrad's step is g / (sqrt(G) + eps) on the sum of the in-group
-ranks' gradients (fused) or their mean times the group size (``build_optimizer``): 2 ranks' under fault
-tolerance, 4 in the reference job; with eps ~ 0 the two take the same steps (the losses are then equal)."""
-REFERENCES = {"hstu": ("hstu", ()), "dlrm-item_dp": ("dlrm", ITEM_DP)}
+ITEM_DP = ("--optim.sharding", "item_table=data_parallel", "--optim.sparse_optimizer", "sgd")
+"""The item table replicated, the user table fused, both stepped by SGD: the same rate on any number of ranks (both
+kernels step on the ranks' mean gradient), so 2 groups of 2 ranks and one plain group of 4 take the same steps."""
+REFERENCES = {"hstu": ("hstu", ()), "dlrm-item_dp": ("dlrm", (*ITEM_DP, "--checkpoint.every", "1", "--checkpoint.keep", "10"))}
 """Reference runs by name (what a kill test compares with): (model, extra options)."""
 
 
@@ -138,6 +138,23 @@ def reference_runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) ->
         "--train.output_dir", str(tmp / name), "--train.eval", "false", "--train.progress", "false",
         *extra]) for name, (model, extra) in REFERENCES.items()], 4, tmp, env={AUDIT_ENV: "1"})
     return tmp
+
+
+def test_a_plain_run_on_four_ranks_takes_the_steps_of_one_process_on_the_same_rows(
+        reference_runs: Path, tiny_data: Path) -> None:
+    """The reference the degraded-group test compares with (``freescale.audit_reference``), checked on a plain run:
+    one process retrains each step of the 4-rank run (the user table table-wise, the item table replicated, SGD)
+    from each of its checkpoints, and its losses and whole state at the next checkpoint are the run's, to float32
+    summation order (a replicated table stepped at 4x the rate, as it once was, moves rows by ~1e-5 a step)."""
+    run = reference_runs / "dlrm-item_dp"
+    reference = reference_run(run, REPO / "configs" / "tiny_dlrm.toml", [
+        "--data.path", str(tiny_data), "--data.batch_size", "32", "--train.steps", str(REFERENCE_STEPS),
+        "--train.output_dir", str(run / "retrained"), *ITEM_DP])
+    assert [(p.step, p.group) for p in reference.losses] == [(s, 0) for s in range(REFERENCE_STEPS)]
+    for p in reference.losses:
+        assert p.logged == pytest.approx(p.reference, rel=1e-5), p
+    assert [gap.step for gap in reference.gaps] == list(range(1, REFERENCE_STEPS + 1))
+    assert all(gap.max_abs < 1e-6 for gap in reference.gaps), reference.gaps
 
 
 @pytest.fixture(scope="module")
@@ -545,7 +562,7 @@ def test_a_group_that_loses_a_rank_continues_on_the_ranks_it_has_left_then_grows
     going when the group grows back, however fast the machine."""
     steps = 200
     proc = launch(tmp_path, tiny_data, 2, 2, steps, "dlrm", fault=f"1:1:6:reduce,{AWAY},*:*:0:slow:40",
-                  extra=(*SHRINK, "--grow-back-after", "8"))
+                  extra=(*SHRINK, "--grow-back-after", "8", "--checkpoint.every", "10", "--checkpoint.keep", "100"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "replica group 1: lost rank 1 (signal 9); continues on 1 rank at 0.50 share" in proc.stderr, proc.stderr[-3000:]
@@ -565,3 +582,13 @@ def test_a_group_that_loses_a_rank_continues_on_the_ranks_it_has_left_then_grows
     last = steps - 1
     assert survivor[last]["participants"] == ["replica0", "replica1"] and group1[last]["weight"] > 50  # half again
     assert f"2, 1 from {shrunk['joined_step']}, 2 from {grown['joined_step']}" in proc.stdout, proc.stdout
+    # One plain process retrains each committed step's rows from each checkpoint to the next (a reference with the
+    # same per-step shares: step 6's rows retrained in step 7, a third of each step on the shrunk group's rank).
+    reference = reference_run(tmp_path, REPO / "configs" / "tiny_dlrm.toml", [
+        "--data.path", str(tiny_data), "--data.batch_size", "32", "--train.steps", str(steps),
+        "--train.output_dir", str(tmp_path / "reference"), "--train.eval", "false", "--train.progress", "false"])
+    assert {(p.step, p.group) for p in reference.losses} >= {(s, 1) for s in on_one} | {(s, 0) for s in range(steps)}
+    for p in reference.losses:
+        assert p.logged == pytest.approx(p.reference, rel=1e-4), p
+    assert [gap.step for gap in reference.gaps] == list(range(10, steps + 1, 10))
+    assert all(gap.max_abs < 1e-4 for gap in reference.gaps), reference.gaps

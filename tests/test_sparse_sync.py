@@ -106,13 +106,6 @@ def test_union_update_equals_one_model_on_all_samples(kind: str, tiny_data: Path
             steps.append(sync.local_blocks())
         weights = [float(batch_a.size), float(batch_b.size)]
         gathered = GatheredSteps({key: [step[key] for step in steps] for key in steps[0]}, weights)
-        # A participant on half its group's ranks (its rows twice the weight of its samples' share): the same union as
-        # one whose samples count twice, up to the total they are divided by.
-        halved = syncs[0].union(GatheredSteps(gathered.blocks, weights, [1.0, 2.0]))
-        doubled = syncs[0].union(GatheredSteps(gathered.blocks, [weights[0], 2 * weights[1]]))
-        for a_step, b_step in zip(halved.tables, doubled.tables):
-            scale = (weights[0] + 2 * weights[1]) / sum(weights)
-            torch.testing.assert_close(a_step.grad, b_step.grad * scale)
         for i, sync in enumerate(syncs):
             union = sync.union(gathered)
             if i == 0:  # A: built while a vote was in flight, the vote failed, put back; then built again and applied
