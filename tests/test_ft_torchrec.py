@@ -215,7 +215,8 @@ def test_the_job_changes_shape_plain_to_groups_and_back(tiny_data: Path, tmp_pat
 def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(
         kind: str, model: str, phase: str, tables: str, tiny_data: Path, tmp_path: Path,
         references: dict[str, dict[int, float]]) -> None:
-    """Two groups of two ranks, each pipeline: rank 1 of group 1 is SIGKILLed at step 6 (mid-reduce,
+    """Two groups of two ranks, each pipeline (torchrec's under ``on_rank_loss = shrink``, the others restart):
+    rank 1 of group 1 is SIGKILLed at step 6 (mid-reduce,
     before backward, or after the exchange but before its vote: the others' vote then fails as soon
     as the lighthouse sees its process gone (its presence connection closed), and they put back the update they built while waiting for it and redo
     the step).  Group 0 commits step 6 without it (no step discarded), trains group 1's
@@ -551,28 +552,33 @@ SHRINK = ("--on-rank-loss", "shrink")
 
 def test_a_group_that_loses_a_rank_continues_on_the_ranks_it_has_left_then_grows_back(
         tiny_data: Path, tmp_path: Path) -> None:
-    """Two groups of two ranks, no restarts, ``on_rank_loss = shrink``: rank 1 of group 1 is SIGKILLed at step
-    6.  Its agent re-forms the group at once on one rank (a new incarnation), which holds both table-wise
+    """Two groups of two ranks, ``on_rank_loss = shrink`` down to one rank, one restart: rank 1 of group 1 is
+    SIGKILLed at step 6.  Its agent re-forms the group at once on one rank (a new incarnation), which holds both table-wise
     tables (the whole group's plan, rank 1's table moved to rank 0), catches up from both of group 0's ranks
     (each position's snapshot), serves both rank positions of the exchange across groups (the union update by
     table shard), and is planned one rank slot of the job's three: a third of the global batch.  8 s later
     (``--grow-back-after``) the lost slot is tried again: the group re-forms on two ranks and catches up once
-    more.  Every step's state is the same on both groups (the logical digest: a group of one rank against one
+    more.  In between, the one rank left is SIGKILLed too (step 30): at its minimum the group restarts on one
+    rank (its one restart), and catches up.  Every step's state is the same on both groups (the logical digest: a group of one rank against one
     of two), every sample is trained once, no step twice.  Steps take 40 ms at least, so the run is still
     going when the group grows back, however fast the machine."""
     steps = 200
-    proc = launch(tmp_path, tiny_data, 2, 2, steps, "dlrm", fault=f"1:1:6:reduce,{AWAY},*:*:0:slow:40",
-                  extra=(*SHRINK, "--grow-back-after", "8", "--checkpoint.every", "10", "--checkpoint.keep", "100"))
+    proc = launch(tmp_path, tiny_data, 2, 2, steps, "dlrm", max_restarts=1,
+                  fault=f"1:1:6:reduce,1:0:30:forward@1,{AWAY},*:*:0:slow:40",
+                  extra=(*SHRINK, "--min-group-ranks", "1", "--grow-back-after", "8",
+                         "--checkpoint.every", "10", "--checkpoint.keep", "100"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "replica group 1: lost rank 1 (signal 9); continues on 1 rank at 0.50 share" in proc.stderr, proc.stderr[-3000:]
+    assert "replica group 1: lost rank 0 (signal 9); restarts on 1 rank" in proc.stderr, proc.stderr[-3000:]
     assert "replica group 1: back to 2 ranks" in proc.stderr, proc.stderr[-3000:]
     runs = check_run(tmp_path, tiny_data, "dlrm", 2, 2, steps)
     survivor, group1 = by_step(runs[(0, 0)]), by_step(runs[(1, 0)])
     assert sorted(survivor) == list(range(steps))
     starts = [e for e in runs[(1, 0)] if e.get("event") == "start"]
-    assert [e["world_size"] for e in starts] == [2, 1, 2] and [e["incarnation"] for e in starts] == [0, 1, 2]
-    shrunk, grown = catch_ups(runs[(1, 0)])
+    assert [e["world_size"] for e in starts] == [2, 1, 1, 2] and [e["incarnation"] for e in starts] == [0, 1, 2, 3]
+    shrunk, restarted, grown = catch_ups(runs[(1, 0)])
+    assert shrunk["joined_step"] < 30 < restarted["joined_step"] < grown["joined_step"]
     # On one rank: planned over three rank slots (group 0's two, group 1's one), by cost: about a third.
     on_one = [s for s in range(shrunk["joined_step"] + 3, grown["joined_step"]) if s in group1 and group1[s]["contributing"]]
     assert on_one, "group 1 never trained on one rank"
