@@ -29,7 +29,8 @@ blocks the source until the transfer ends):
 
 Wire format: ``GET /v1/snapshot?min_step=k`` answers, once a snapshot of step >= ``k`` is staged,
 a JSON header ``{step, payload_bytes, tensors: [{name, dtype, shape, offset, nbytes}], stream,
-ticket}``; the fetcher connects to ``stream``, sends the one-time ``ticket`` and reads the raw bytes
+ticket}`` (with ``&only=shards``: the sharded tensors' shards alone, laid end to end: what a rank serving a
+lost rank's position takes from that position's peer); the fetcher connects to ``stream``, sends the one-time ``ticket`` and reads the raw bytes
 (``freescale.ft.snapshot_stream``: why not in the HTTP response).  Nothing is unpickled.  A shared
 token, when set, is required as ``Authorization: Bearer``.
 """
@@ -37,7 +38,6 @@ token, when set, is required as ``Authorization: Bearer``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -50,7 +50,8 @@ import torch
 from aiohttp import web
 
 from freescale.ft.serving import LoopThread, token_ok
-from freescale.ft.snapshot_stream import ALIGN, DTYPES, Payload, PayloadStreamer
+from freescale.ft.snapshot_state import is_shard
+from freescale.ft.snapshot_stream import ALIGN, DTYPES, Payload, PayloadStreamer, sub_payload
 
 log = logging.getLogger("freescale.ft.catchup")
 
@@ -64,7 +65,8 @@ stalled fetcher, a state too large for the step) is cut, and that source copies 
 @dataclass(eq=False)
 class _Staged:
     step: int
-    header: bytes
+    entries: list[dict[str, Any]]
+    """The header's tensor entries (name, dtype, shape, offset, nbytes)."""
     payload: Payload
     buffer: torch.Tensor | None
     """The staging buffer the copied tensors are in (host memory, pinned when on a GPU), if any."""
@@ -200,7 +202,6 @@ class SnapshotServer:
         if self._streamer is not None:
             self._streamer.sweep()  # buffers of tickets nobody used become reusable
         entries, total = layout(tensors)
-        header = json.dumps({"step": step, "payload_bytes": total, "tensors": entries}).encode()
         sources = list(tensors.values())
         live, figures = self._wants_live(total, window_s)
         plan = plan_payload(entries, sources, live, total)
@@ -208,7 +209,7 @@ class SnapshotServer:
         on_gpu = any(t.is_cuda for t in sources)
         buffer = self._buffer_for(plan.buffer_bytes, pinned=on_gpu) if plan.buffer_bytes else None
         segments = plan.live + [(offset, buffer[at:at + length]) for offset, length, at in plan.runs if buffer is not None]
-        staged = _Staged(step, header, Payload(sorted(segments, key=lambda s: s[0]), total), buffer, bool(plan.live))
+        staged = _Staged(step, entries, Payload(sorted(segments, key=lambda s: s[0]), total), buffer, bool(plan.live))
         if not plan.copies:
             with self._lock:
                 self._staged = staged
@@ -340,6 +341,9 @@ class SnapshotServer:
         except ValueError:
             return web.json_response({"error": "min_step and wait_s must be numbers"}, status=400)
         copied = request.query.get("copied") == "1"
+        only = request.query.get("only", "")
+        if only not in ("", "shards"):
+            return web.json_response({"error": f"only: 'shards' or nothing, got {only!r}"}, status=400)
         if copied:
             self.live = False  # the training thread's next stage copies (a plain flag: read there)
         deadline = time.monotonic() + wait_s
@@ -351,7 +355,9 @@ class SnapshotServer:
                 if staged is not None and staged.step >= min_step and not (copied and staged.live):
                     if self.wanted_step is not None and self.wanted_step <= staged.step:
                         self.wanted_step = None
-                    ticket = self._hand_out(staged)
+                    entries, payload = sub_payload(staged.payload, [e for e in staged.entries if is_shard(e["name"])]) \
+                        if only else (staged.entries, staged.payload)
+                    ticket = self._hand_out(staged, payload)
                     break
                 wanted = max(min_step, staged.step + 1) if copied and staged is not None and staged.live else min_step
                 self.wanted_step = wanted if self.wanted_step is None else min(self.wanted_step, wanted)
@@ -359,21 +365,22 @@ class SnapshotServer:
                 return web.json_response({"error": f"no snapshot at step >= {min_step} yet"}, status=503)
             await asyncio.sleep(0.005)
         assert self._streamer is not None
-        return web.Response(body=staged.header[:-1] + f', "stream": "{self._streamer.address}", "ticket": "{ticket}"}}'
-                            .encode(), content_type="application/json")
+        return web.json_response({"step": staged.step, "payload_bytes": payload.total, "tensors": entries,
+                                  "stream": self._streamer.address, "ticket": ticket})
 
     def _on_stream(self, step: int) -> None:
         if self.on_stream is not None:
             self.on_stream(step)
 
-    def _hand_out(self, staged: _Staged) -> str:
-        """A ticket for ``staged`` (the caller holds the lock: the fence sees it, or it sees no snapshot)."""
+    def _hand_out(self, staged: _Staged, payload: Payload) -> str:
+        """A ticket for ``payload``, all or part of ``staged``'s (the caller holds the lock: the fence sees it, or it
+        sees no snapshot)."""
         assert self._streamer is not None
         staged.users += 1
         ptr = staged.buffer.data_ptr() if staged.buffer is not None else None
         if ptr is not None:
             self._streams[ptr] = self._streams.get(ptr, 0) + 1  # not reused while streamed
-        return self._streamer.offer(staged.payload, staged.step, lambda: self._stream_done(staged, ptr))
+        return self._streamer.offer(payload, staged.step, lambda: self._stream_done(staged, ptr))
 
     def _stream_done(self, staged: _Staged, ptr: int | None) -> None:
         with self._lock:

@@ -47,7 +47,8 @@ class Fetched:
 
 def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: float = 60.0,
                    own: dict[str, torch.Tensor] | None = None, cancelled: threading.Event | None = None,
-                   sockets: list[socket.socket] | None = None, copied: bool = False) -> Fetched:
+                   sockets: list[socket.socket] | None = None, copied: bool = False, shards_only: bool = False
+                   ) -> Fetched:
     """Download a snapshot of step >= ``min_step`` from ``address``: the header over HTTP, the bytes
     over the source's stream (``freescale.ft.snapshot_stream``).
 
@@ -57,11 +58,13 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
     (on a GPU, not built yet) gets a tensor of its own.  ``sockets`` collects the connections it
     opens (``SnapshotFetch.cancel`` shuts them down: a blocked read returns at once).  ``copied``:
     ask for a copied snapshot (a live one's transfer was cut: this state does not cross within a
-    source's step), which the source stages at its next commit and from then on.
+    source's step), which the source stages at its next commit and from then on.  ``shards_only``: the sharded
+    tensors' shards alone (``only=shards``: a lost position's table shards, without the dense state again).
     """
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     host, _, port = address.rpartition(":")
-    query = urllib.parse.urlencode({"min_step": min_step, "wait_s": timeout_s, **({"copied": 1} if copied else {})})
+    query = urllib.parse.urlencode({"min_step": min_step, "wait_s": timeout_s, **({"copied": 1} if copied else {}),
+                                    **({"only": "shards"} if shards_only else {})})
     start = time.perf_counter()
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s + 5)
     own = own or {}
@@ -104,9 +107,9 @@ class SnapshotFetch:
     ``log`` collects what the catch-up record reports (sources, the one used, failures)."""
 
     def __init__(self, sources: list[str], min_step: int, token: str, log: dict[str, Any],
-                 own: dict[str, torch.Tensor] | None = None) -> None:
+                 own: dict[str, torch.Tensor] | None = None, shards_only: bool = False) -> None:
         self.sources, self.min_step, self.token, self.log = sources, min_step, token, log
-        self.own = own
+        self.own, self.shards_only = own, shards_only
         self._result: Fetched | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
@@ -136,7 +139,8 @@ class SnapshotFetch:
                     try:
                         self._result = fetch_snapshot(address, self.min_step, self.token, own=self.own,
                                                       cancelled=self._cancelled, sockets=self._sockets,
-                                                      copied=bool(errors))  # after a failure: never live
+                                                      copied=bool(errors),  # after a failure: never live
+                                                      shards_only=self.shards_only)
                         self.log.update(source=address, failed_sources=errors)
                         return
                     except (ConnectionError, ValueError) as exc:
@@ -168,14 +172,14 @@ class PositionsFetch:
     A rank of a group running on fewer ranks than its own holds the table shards of several positions
     (``freescale.shrunk_plan``): it takes its own position's snapshot (landing in place, its data side, RNGs and
     the rest come from it) and, beside it, each other position's from the peer rank serving that position,
-    whose shards it keeps (the dense state in those is the same, and dropped).  All must be of one step: a
+    only the shards (``only=shards``: the dense state is its own position's).  All must be of one step: a
     source that staged an older one is asked again for the newest (three times at most)."""
 
     def __init__(self, sources: list[list[str]], min_step: int, token: str, log: dict[str, Any],
                  own: dict[str, torch.Tensor] | None = None) -> None:
         self.sources, self.token = sources, token
         self.fetches = [SnapshotFetch(sources[0], min_step, token, log, own),
-                        *(SnapshotFetch(s, min_step, token, {}) for s in sources[1:])]
+                        *(SnapshotFetch(s, min_step, token, {}, own, shards_only=True) for s in sources[1:])]
 
     def cancel(self) -> None:
         for fetch in self.fetches:
@@ -195,8 +199,8 @@ class PositionsFetch:
             if attempt == 3:
                 raise RuntimeError(f"catch-up: the snapshots of the positions this rank serves stay at different "
                                    f"steps {[g.step for g in got]}")
-            got = [g if g.step == step else SnapshotFetch(s, step, self.token, {}).result()
-                   for g, s in zip(got, self.sources)]
+            got = [g if g.step == step else SnapshotFetch(s, step, self.token, {}, shards_only=i > 0).result()
+                   for i, (g, s) in enumerate(zip(got, self.sources))]
         own, *others = got
         tensors = {name: t for other in others for name, t in other.tensors.items()}
         tensors.update(own.tensors)

@@ -19,12 +19,20 @@ import torch
 
 from freescale.digest import local_tensors
 
+SHARD_MARK = "@"
+"""Between a sharded tensor's path and its shard's offsets in a snapshot name."""
+
+
+def is_shard(name: str) -> bool:
+    """Whether a snapshot tensor is a shard of a sharded tensor (a table's rows or their optimizer state)."""
+    return SHARD_MARK in name.rsplit("/", 1)[-1]
+
 
 def named_tensors(value: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
     """Every tensor in a (nested) state dict, by path; sharded tensors as their local shards, each named by its
-    offsets in the whole tensor (``#row,col``: the same name on whichever rank holds it, one of several shards
-    of a table or its only one: a group on fewer ranks holds a lost rank's shards, ``freescale.shrunk_plan``);
-    any other tensor ``#0``."""
+    offsets in the whole tensor (``@row,col``: the same name on whichever rank holds it, one of several shards
+    of a table or its only one: a group on fewer ranks holds a lost rank's shards, ``freescale.shrunk_plan``;
+    ``is_shard``); any other tensor ``#0``."""
     if isinstance(value, dict):
         for key in sorted(value, key=str):
             yield from named_tensors(value[key], f"{prefix}/{key}")
@@ -34,7 +42,7 @@ def named_tensors(value: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]
     elif isinstance(value, torch.Tensor):
         if hasattr(value, "local_shards"):  # ShardedTensor
             for shard in value.local_shards():
-                yield f"{prefix}#{','.join(str(int(o)) for o in shard.metadata.shard_offsets)}", shard.tensor
+                yield f"{prefix}{SHARD_MARK}{','.join(str(int(o)) for o in shard.metadata.shard_offsets)}", shard.tensor
         else:
             for i, t in enumerate(local_tensors(value)):
                 yield f"{prefix}#{i}", t

@@ -61,11 +61,35 @@ class Payload:
 
     segments: list[tuple[int, torch.Tensor]]
     total: int
+    part_of: Payload | None = None
+    """The payload this one is a part of (``sub_payload``: its segments are views of that one's)."""
+
+    def within(self, payload: Payload) -> bool:
+        """Whether this is ``payload`` or a part of it (revoked and cut with it)."""
+        return self is payload or self.part_of is payload
 
     @classmethod
     def of(cls, buffer: torch.Tensor) -> Payload:
         """One flat uint8 buffer, all of it."""
         return cls([(0, buffer)], buffer.numel())
+
+
+def sub_payload(payload: Payload, entries: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Payload]:
+    """Some of a payload's tensors (``entries``, header entries of it) laid end to end, each aligned: the header
+    entries at their new offsets and the payload, its segments views of ``payload``'s (nothing copied).  A
+    tensor's bytes are always in a segment (only padding lies between segments)."""
+    chosen: list[dict[str, Any]] = []
+    segments: list[tuple[int, torch.Tensor]] = []
+    at = 0
+    for entry in sorted(entries, key=lambda e: e["offset"]):
+        first, last = entry["offset"], entry["offset"] + entry["nbytes"]
+        for offset, segment in payload.segments:
+            lo, hi = max(offset, first), min(offset + segment.numel(), last)
+            if lo < hi:
+                segments.append((at + lo - first, segment[lo - offset:hi - offset]))
+        chosen.append({**entry, "offset": at})
+        at += -(-entry["nbytes"] // ALIGN) * ALIGN
+    return chosen, Payload(segments, at, payload)
 
 
 def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
@@ -110,8 +134,8 @@ class PayloadStreamer:
         self._release(lambda payload, offered: now - offered > TICKET_TTL_S)
 
     def revoke(self, payload: Payload) -> None:
-        """Release the tickets of ``payload`` that no fetcher has used yet (refused if used later)."""
-        self._release(lambda mine, offered: mine is payload)
+        """Release the tickets of ``payload`` (or a part of it) that no fetcher has used yet (refused if used later)."""
+        self._release(lambda mine, offered: mine.within(payload))
 
     def _release(self, which: Callable[[Payload, float], bool]) -> None:
         """Drop the unused tickets ``which(payload, offered_at)`` picks; their ``done`` runs outside the lock."""
@@ -122,11 +146,11 @@ class PayloadStreamer:
             release()
 
     def cut(self, payload: Payload) -> bool:
-        """Shut down every connection streaming ``payload`` (a ``sendall`` blocked on a stalled fetcher
+        """Shut down every connection streaming ``payload`` or a part of it (a ``sendall`` blocked on a stalled fetcher
         returns at once; the fetcher sees a broken stream and tries again, elsewhere or later); True if
         there was one.  Under the lock: a sender leaves ``_sending`` before it closes its socket."""
         with self._lock:
-            streaming = [conn for conn, sent in self._sending.items() if sent is payload]
+            streaming = [conn for conn, sent in self._sending.items() if sent.within(payload)]
             for conn in streaming:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)

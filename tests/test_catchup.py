@@ -261,6 +261,36 @@ def test_a_live_transfer_that_would_be_cut_is_copied_up_front() -> None:
         server.stop()
 
 
+@pytest.mark.parametrize("live", [True, False])
+def test_a_fetcher_asking_for_the_shards_alone_gets_them_and_no_other_byte(live: bool) -> None:
+    """``only=shards``: what a rank standing in for a lost position takes from that position's peer.  The shards
+    (names ``...@row,col``), live or copied, laid end to end; a bad ``only`` is a 400."""
+    server = SnapshotServer(live=live, fence_wait_s=30)
+    server.start()
+    try:
+        g = torch.Generator().manual_seed(2)
+        source = {**state(), "/model/t.weight@0,0": torch.randn(1 << 18, 4, generator=g),
+                  "/model/t.weight@0,4": torch.randn(7, 4, generator=g),
+                  "/optim/state/t/momentum1@0": torch.randn(1 << 18, generator=g)}
+        server.stage(4, source)
+        server.wait_staged() if not live else None
+        fetched = fetch_snapshot(server.address, 4, shards_only=True)
+        shards = {k: v for k, v in source.items() if "@" in k}
+        assert sorted(fetched.tensors) == sorted(shards)
+        for name, t in shards.items():
+            assert torch.equal(fetched.tensors[name], t), name
+        assert fetched.nbytes == sum(-(-t.numel() * 4 // ALIGN) * ALIGN for t in shards.values())
+        host, _, port = server.address.rpartition(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", "/v1/snapshot?min_step=4&only=everything")
+        answer = conn.getresponse()
+        assert answer.status == 400 and "only" in json.loads(answer.read())["error"]
+        conn.close()
+        server.wait_staged()  # the fence: nothing of the part is left in flight
+    finally:
+        server.stop()
+
+
 def test_a_snapshot_that_does_not_come_in_time_is_a_one_line_error(server: SnapshotServer) -> None:
     address = server.address
     with pytest.raises(ConnectionError, match=r"answered 503: .*no snapshot at step >= 4"):
