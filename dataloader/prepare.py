@@ -72,7 +72,10 @@ class PrepareSpec:
     columns: LogColumns
     format: str = "auto"
     split: str = "leave-last-out"
-    """``leave-last-out`` | ``time:<ISO date or epoch seconds>`` | ``time-quantile:<q in (0, 1)>``."""
+    """``leave-last-out`` | ``time:<ISO date or epoch seconds>`` | ``time-quantile:<q in (0, 1)>``: the test part."""
+    validation: str = "last"
+    """The validation part, before the test part: ``last`` (each user's interaction just before it), ``none``, or
+    with a time split an earlier cut, ``time:<...>`` | ``time-quantile:<q>``."""
     min_user_count: int = 5
     min_item_count: int = 1
     memory: str = "4GB"
@@ -98,7 +101,7 @@ class PrepareSpec:
         if self.delimiter is not None and (len(self.delimiter) != 1 or self.delimiter in "\"\r\n"):
             raise DataError(f"--delimiter must be one character (such as {', '.join(map(repr, DELIMITERS))}), "
                             f"got {self.delimiter!r}")
-        parse_split(self.split)
+        parse_validation(self.validation, parse_split(self.split)[0])
 
     def layout(self) -> sql.Layout:
         """The engine's log table as the SQL reads it (``unique_log`` once duplicates are dropped)."""
@@ -121,6 +124,7 @@ class PrepareReport:
     bytes_written: int = 0
     wall_s: float = 0.0
     time_cut: int | None = None
+    valid_cut: int | None = None
 
     def rows(self) -> list[dict[str, Any]]:
         out = [{"what": "interactions read", "count": self.interactions_read}]
@@ -311,14 +315,40 @@ def filter_and_count(engine: Engine, spec: PrepareSpec) -> PrepareReport:
 
 def split_rule(engine: Engine, spec: PrepareSpec, report: PrepareReport) -> SplitRule:
     kind, value = parse_split(spec.split)
+    valid, valid_cut = parse_validation(spec.validation, kind), None
+    if valid.startswith("time"):
+        valid_cut = _cut(engine, spec, *parse_split(spec.validation))
+        report.valid_cut = valid_cut
+        valid = "time"
     if kind == "leave-last-out":
-        return SplitRule("leave-last-out")
+        return SplitRule("leave-last-out", valid=valid, valid_cut=valid_cut)
+    cut = report.time_cut = _cut(engine, spec, kind, value)
+    if valid_cut is not None and valid_cut >= cut:
+        raise DataError(f"--validation {spec.validation} cuts at {valid_cut}, not before the test cut "
+                        f"--split {spec.split} ({cut}): no validation interaction would be left")
+    return SplitRule("time", cut, valid, valid_cut)
+
+
+def _cut(engine: Engine, spec: PrepareSpec, kind: str, value: str) -> int:
+    """A time cut in epoch seconds (``time:`` as given; ``time-quantile:`` from the log's timestamps)."""
     if kind == "time-quantile":
-        cut = int(engine.rows(sql.time_quantile_query(float(value), spec.layout().table))[0][0])
-    else:
-        cut = time_cut(value)
-    report.time_cut = cut
-    return SplitRule("time", cut)
+        return int(engine.rows(sql.time_quantile_query(float(value), spec.layout().table))[0][0])
+    return time_cut(value)
+
+
+def parse_validation(text: str, split_kind: str) -> str:
+    """``--validation`` checked against the split: ``last``, ``none``, or a time cut with a time split."""
+    if text in ("last", "none"):
+        return text
+    kind, _, value = text.partition(":")
+    if kind in ("time", "time-quantile") and value:
+        if split_kind == "leave-last-out":
+            raise DataError(f"--validation {text}: a time cut for validation needs a time split "
+                            "(--split time:... or time-quantile:...); with leave-last-out use --validation last")
+        parse_split(text)
+        return kind
+    raise DataError(f"--validation must be last, none, time:<ISO date or epoch seconds> or time-quantile:<Q>, "
+                    f"got {text!r}")
 
 
 def _write(con: Any, spec: PrepareSpec, fs: pafs.FileSystem, base: str, rule: SplitRule, report: PrepareReport,
@@ -345,7 +375,7 @@ def write_vocab(engine: Engine, fs: pafs.FileSystem, base: str) -> None:
 def finish(fs: pafs.FileSystem, base: str, spec: PrepareSpec, files_read: int | None, report: PrepareReport,
            result: WriteResult, start: float, engine: str = "duckdb") -> None:
     """The report completed from what was written, then the manifest (last: it makes the dataset)."""
-    report.samples = {"train": result.train_samples, "eval": result.eval_samples}
+    report.samples = {"train": result.train_samples, "valid": result.valid_samples, "eval": result.eval_samples}
     report.bytes_written = result.bytes_written
     report.wall_s = time.perf_counter() - start
     params = {k: v for k, v in asdict(spec).items() if k not in ("columns", "overwrite", "work_dir", "threads")}
@@ -357,8 +387,8 @@ def finish(fs: pafs.FileSystem, base: str, spec: PrepareSpec, files_read: int | 
     report_fields = asdict(report)
     manifest = DatasetManifest(
         num_items=report.items, num_users=report.users, dense_dim=len(spec.columns.dense),
-        max_len=result.max_length, splits={"train": list(result.files), "eval": list(result.files)},
-        rows={"train": result.users, "eval": result.users}, format_version=SEQUENCE_FORMAT_VERSION,
+        max_len=result.max_length, splits={split: list(result.files) for split in ("train", "valid", "eval")},
+        rows={split: result.users for split in ("train", "valid", "eval")}, format_version=SEQUENCE_FORMAT_VERSION,
         samples=dict(report.samples), vocab={"user_id": "vocab/user_id.parquet", "item_id": "vocab/item_id.parquet"},
         preparation={"tool": "freescale prepare", **params, "report": report_fields,
                      "written": {"interactions": result.interactions, "row_groups": result.row_groups,

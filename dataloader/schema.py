@@ -41,9 +41,11 @@ O(N) bytes instead of the O(N x L) of format 1.
 |                 | (only when dense_dim > 0)              | (context of the interaction)              |
 | length          | int32                                  | interactions of the user                  |
 | train_end       | int32                                  | positions [1, train_end) are training     |
-|                 |                                        | samples, [max(1, train_end), length) eval |
+|                 |                                        | samples                                   |
+| valid_end       | int32                                  | [max(1, train_end), valid_end) validation,|
+|                 | (absent in older data: = train_end)    | [max(1, valid_end), length) test (eval)   |
 
-The planner reads only ``length`` and ``train_end`` (8 bytes a user); each
+The planner reads only ``length``, ``train_end`` and ``valid_end`` (12 bytes a user); each
 sample's history length is its position, clipped to ``max_seq_len``.
 """
 
@@ -80,6 +82,7 @@ TIMESTAMPS = "timestamps"
 LABELS = "labels"
 LENGTH = "length"
 TRAIN_END = "train_end"
+VALID_END = "valid_end"
 
 
 class DataError(ValueError):
@@ -129,13 +132,18 @@ def sequence_schema(dense_dim: int) -> pa.Schema:
     ]
     if dense_dim > 0:
         fields.append(pa.field(DENSE, pa.list_(pa.list_(pa.float32(), dense_dim)), nullable=False))
-    fields += [pa.field(LENGTH, pa.int32(), nullable=False), pa.field(TRAIN_END, pa.int32(), nullable=False)]
+    fields += [pa.field(LENGTH, pa.int32(), nullable=False), pa.field(TRAIN_END, pa.int32(), nullable=False),
+               pa.field(VALID_END, pa.int32(), nullable=False)]
     return pa.schema(fields)
 
 
 def check_sequence_schema(schema: pa.Schema, dense_dim: int, where: str) -> None:
-    """Raise DataError naming ``where`` and the column if a format-2 file lacks or mistypes one."""
-    _check_columns(schema, sequence_schema(dense_dim), where)
+    """Raise DataError naming ``where`` and the column if a format-2 file lacks or mistypes one (``valid_end``
+    may be absent: data prepared before validation splits, read as having none)."""
+    expected = sequence_schema(dense_dim)
+    if schema.get_field_index(VALID_END) < 0:
+        expected = expected.remove(expected.get_field_index(VALID_END))
+    _check_columns(schema, expected, where)
 
 
 @dataclass

@@ -2,11 +2,12 @@
 
 A split's samples are numbered user by user in storage order: user ``u``
 contributes positions ``first[u] .. first[u] + count[u] - 1`` (training:
-``[1, train_end)``, evaluation: ``[max(1, train_end), length)``), so sample ids
+``[1, train_end)``, validation: ``[max(1, train_end), valid_end)``, evaluation (the test split):
+``[max(1, valid_end), length)``; data without ``valid_end`` has no validation samples), so sample ids
 are contiguous per user and per row group, and the planner sees the same
 things as for format 1: ``lengths`` (each sample's history length: its position; the
 planner clips it to ``max_seq_len``), ``rg_rows`` (samples per row group), ``num_rows``.
-Opening reads only the ``length`` and ``train_end`` columns (8 bytes a user).
+Opening reads only the ``length``, ``train_end`` and ``valid_end`` columns (12 bytes a user).
 
 ``read(samples)`` decodes each row group its samples live in once (LRU cache,
 checked on the way in: ``row_checks.py``), then, per sample, takes the
@@ -15,7 +16,8 @@ at its position as the candidate, label and dense features: numpy gathers over
 the row group's flat value buffers, no per-sample Python.  The result has the
 columns and types of a format-1 table, so the loader turns it into a batch the
 same way.  A bad user row (``on_bad_rows = "skip"``) drops all of its samples (``skipped``
-counts users); a ``train_end`` outside ``[0, length]`` is an error at open in either mode.
+counts users); a ``train_end`` outside ``[0, length]``, or a ``valid_end`` outside ``[train_end, length]``, is an
+error at open in either mode.
 """
 
 from __future__ import annotations
@@ -39,12 +41,16 @@ from freescale.dataloader.schema import (
     TIMESTAMPS,
     TRAIN_END,
     USER_ID,
+    VALID_END,
     DataError,
     DatasetManifest,
     check_sequence_schema,
     sample_schema,
 )
 from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column, row_group_runs
+
+SPLITS = ("train", "valid", "eval")
+"""Format 2's splits, each a range of positions of every user (the module docstring); ``eval`` is the test split."""
 
 
 class SequenceSource(RowGroupFiles):
@@ -53,20 +59,17 @@ class SequenceSource(RowGroupFiles):
         cache_row_groups: int = 32, manifest: DatasetManifest | None = None,
     ) -> None:
         super().__init__(uri, split, on_bad_rows=on_bad_rows, cache_row_groups=cache_row_groups, manifest=manifest)
-        if split not in ("train", "eval"):
-            raise DataError(f"{self.uri}: format 2 has the splits train and eval, not '{split}'")
+        if split not in SPLITS:
+            raise DataError(f"{self.uri}: format 2 has the splits {', '.join(SPLITS)}, not '{split}'")
         self.columns = list(columns)
         self.max_seq_len = max_seq_len
         dense = [DENSE] if self.manifest.dense_dim else []
         self.decode_columns = [USER_ID, ITEM_IDS, TIMESTAMPS, LABELS, *dense, LENGTH]
         self.keep_columns = [USER_ID, ITEM_IDS, TIMESTAMPS, LABELS, *dense]
-        length, train_end = self._read_lengths()
-        if split == "train":
-            self.first = np.ones_like(length)
-            self.count = np.maximum(train_end - 1, 0)
-        else:
-            self.first = np.maximum(train_end, 1)
-            self.count = np.maximum(length - self.first, 0)
+        length, train_end, valid_end = self._read_lengths()
+        first, end = {"train": (np.ones_like(length), train_end), "valid": (np.maximum(train_end, 1), valid_end),
+                      "eval": (np.maximum(valid_end, 1), length)}[split]
+        self.first, self.count = first, np.maximum(end - first, 0)
         self.user_start = np.concatenate([[0], np.cumsum(self.count)]).astype(np.int64)
         self.num_rows = int(self.user_start[-1])
         self.rg_start = self.user_start[self.stored_start]
@@ -78,20 +81,29 @@ class SequenceSource(RowGroupFiles):
     def check_schema(self, schema: pa.Schema, where: str) -> None:
         check_sequence_schema(schema, self.manifest.dense_dim, where)
 
-    def _read_lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        lengths, ends = [], []
-        for table, shown in zip(self.read_column_per_file([LENGTH, TRAIN_END]), self.file_names):
+    def _read_lengths(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each user's ``length``, ``train_end`` and ``valid_end`` (``train_end`` where the data has none)."""
+        lengths, ends, valid_ends = [], [], []
+        for fragment, shown in zip(self.fragments, self.file_names):
+            has_valid = fragment.physical_schema.get_field_index(VALID_END) >= 0
+            table = self._small_columns(fragment, shown, [LENGTH, TRAIN_END, *([VALID_END] if has_valid else [])])
             length = pc.fill_null(table.column(LENGTH), 0).to_numpy().astype(np.int64)
             end = pc.fill_null(table.column(TRAIN_END), 0).to_numpy().astype(np.int64)
-            bad = (length < 0) | (end < 0) | (end > length)
-            if bad.any():
-                row = int(np.flatnonzero(bad)[0])
-                raise DataError(f"{shown}: row {row}: column '{TRAIN_END}': {end[row]} is outside [0, length={length[row]}]")
+            valid = pc.fill_null(table.column(VALID_END), 0).to_numpy().astype(np.int64) if has_valid else end
+            for column, value, low in ((TRAIN_END, end, np.zeros_like(end)), (VALID_END, valid, end)):
+                bad = (length < 0) | (value < low) | (value > length)
+                if bad.any():
+                    row = int(np.flatnonzero(bad)[0])
+                    floor = f"{TRAIN_END}={low[row]}" if column == VALID_END else "0"
+                    raise DataError(f"{shown}: row {row}: column '{column}': {value[row]} is outside "
+                                    f"[{floor}, length={length[row]}]")
             lengths.append(length)
             ends.append(end)
+            valid_ends.append(valid)
         if not lengths:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        return np.concatenate(lengths), np.concatenate(ends)
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        return np.concatenate(lengths), np.concatenate(ends), np.concatenate(valid_ends)
 
     def row_problems(self, table: pa.Table) -> list[rc.Problem]:
         m = self.manifest

@@ -8,10 +8,14 @@ holds ``row_group_interactions`` interactions, which is then written (one
 row group plus one input batch, whatever the log's size.  Files roll over every
 ``file_interactions``.  All of it is numpy on whole arrays; no per-user Python.
 
-The split is decided per user here (``SplitRule``): ``train_end`` is
-``length - 1`` for leave-last-out, or the count of interactions before the time
-cut.  Training samples are positions ``[1, train_end)``, evaluation samples
-``[max(1, train_end), length)``; position 0 has no history and is never a target.
+The split is decided per user here (``SplitRule``): the test part starts at
+``length - 1`` for leave-last-out, or at the count of interactions before the time
+cut; validation (``valid_end`` is where the test part starts) is the interaction
+before it (``last``), those after an earlier time cut (``time``), or none.
+Training samples are positions ``[1, train_end)``, validation samples
+``[max(1, train_end), valid_end)``, test samples ``[max(1, valid_end), length)``;
+position 0 has no history and is never a target.  No held-out interaction is in
+a training sample's history: a sample's history is the positions before it.
 """
 
 from __future__ import annotations
@@ -28,15 +32,27 @@ from freescale.dataloader.schema import sequence_schema
 
 @dataclass(frozen=True)
 class SplitRule:
-    """``leave-last-out`` or a global time cut (seconds: training is ``ts < cut``)."""
+    """The test part: ``leave-last-out`` or a global time cut (seconds: training is ``ts < cut``); the validation
+    part before it: ``last`` (each user's interaction just before the test part, when it has one with a history),
+    ``time`` (interactions at or after ``valid_cut``, before the test part) or ``none``."""
 
     kind: str
     cut: int | None = None
+    valid: str = "last"
+    valid_cut: int | None = None
 
-    def train_end(self, lengths: np.ndarray, starts: np.ndarray, ts: np.ndarray) -> np.ndarray:
-        if self.kind == "leave-last-out":
-            return lengths - 1
-        before = (ts < self.cut).astype(np.int64)
+    def bounds(self, lengths: np.ndarray, starts: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each user's ``train_end`` and ``valid_end``."""
+        test = lengths - 1 if self.kind == "leave-last-out" else self._before(self.cut, starts, ts)
+        if self.valid == "none":
+            return test, test
+        if self.valid == "last":
+            return np.where(test >= 2, test - 1, test), test
+        return np.minimum(self._before(self.valid_cut, starts, ts), test), test
+
+    @staticmethod
+    def _before(cut: int | None, starts: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        before = (ts < cut).astype(np.int64)
         return np.add.reduceat(before, starts) if starts.size else np.zeros(0, dtype=np.int64)
 
 
@@ -47,6 +63,7 @@ class WriteResult:
     interactions: int = 0
     max_length: int = 0
     train_samples: int = 0
+    valid_samples: int = 0
     eval_samples: int = 0
     bytes_written: int = 0
     row_groups: int = 0
@@ -114,7 +131,7 @@ class SequenceWriter:
         user, item, ts, label = cols[:4]
         starts = np.concatenate([[0], np.flatnonzero(np.diff(user)) + 1]).astype(np.int64)
         lengths = np.diff(np.append(starts, user.size)).astype(np.int64)
-        train_end = self.rule.train_end(lengths, starts, ts)
+        train_end, valid_end = self.rule.bounds(lengths, starts, ts)
         offsets = pa.array(np.append(starts, user.size).astype(np.int32))
         arrays = [
             pa.array(user[starts]),
@@ -126,14 +143,16 @@ class SequenceWriter:
             dense = np.stack(cols[4:4 + self.dense_dim], axis=1).astype(np.float32).reshape(-1)
             per_row = pa.FixedSizeListArray.from_arrays(pa.array(dense), self.dense_dim)
             arrays.append(pa.ListArray.from_arrays(offsets, per_row))
-        arrays += [pa.array(lengths.astype(np.int32)), pa.array(train_end.astype(np.int32))]
+        arrays += [pa.array(lengths.astype(np.int32)), pa.array(train_end.astype(np.int32)),
+                   pa.array(valid_end.astype(np.int32))]
         self._write(pa.Table.from_arrays(arrays, schema=self.schema))
         r = self.result
         r.users += int(lengths.size)
         r.interactions += int(user.size)
         r.max_length = max(r.max_length, int(lengths.max(initial=0)))
         r.train_samples += int(np.maximum(train_end - 1, 0).sum())
-        r.eval_samples += int((lengths - np.maximum(train_end, 1)).clip(min=0).sum())
+        r.valid_samples += int((valid_end - np.maximum(train_end, 1)).clip(min=0).sum())
+        r.eval_samples += int((lengths - np.maximum(valid_end, 1)).clip(min=0).sum())
 
     def _write(self, table: pa.Table) -> None:
         if self._writer is None or self._in_file >= self.file_interactions:

@@ -132,13 +132,14 @@ class RowGroupFiles(ABC):
 
     def read_column_per_file(self, columns: list[str]) -> list[pa.Table]:
         """Small columns of every file (lengths for the planner), each file's in one table."""
-        tables = []
-        for fragment, shown in zip(self.fragments, self.file_names):
-            try:
-                tables.append(fragment.to_table(columns=columns))
-            except (pa.ArrowInvalid, OSError) as exc:
-                raise DataError(f"{shown}: corrupt or truncated Parquet data ({exc})") from None
-        return tables
+        return [self._small_columns(fragment, shown, columns) for fragment, shown in zip(self.fragments, self.file_names)]
+
+    @staticmethod
+    def _small_columns(fragment: ds.ParquetFileFragment, shown: str, columns: list[str]) -> pa.Table:
+        try:
+            return fragment.to_table(columns=columns)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"{shown}: corrupt or truncated Parquet data ({exc})") from None
 
     decode_columns: list[str]
     """What a row group's decode reads (the subclass's columns and what its checks need)."""

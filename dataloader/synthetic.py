@@ -36,6 +36,8 @@ LENGTH_DISTRIBUTIONS = (*LOGNORMAL_LENGTHS, "zipf", "uniform")
 class SyntheticSpec:
     rows: int = 40_000
     eval_rows: int = 8_192
+    valid_rows: int = 0
+    """Rows of a ``valid`` split (validation during training), drawn like the others; 0: none."""
     num_items: int = 2_000
     num_users: int = 5_000
     num_categories: int = 16
@@ -53,6 +55,7 @@ class SyntheticSpec:
     def validate(self) -> None:
         require(self.rows > 0, "rows", f"must be positive, got {self.rows}")
         require(self.eval_rows >= 0, "eval_rows", f"must be >= 0, got {self.eval_rows}")
+        require(self.valid_rows >= 0, "valid_rows", f"must be >= 0, got {self.valid_rows}")
         require(self.num_categories >= 2, "num_categories", f"must be >= 2, got {self.num_categories}")
         require(
             self.num_items >= self.num_categories,
@@ -147,7 +150,8 @@ class _World:
 
 
 def generate(out: str | Path, spec: SyntheticSpec) -> DatasetManifest:
-    """Write ``train-*.parquet``, ``eval-*.parquet`` and ``dataset.json`` under ``out``."""
+    """Write ``train-*.parquet``, ``eval-*.parquet`` (``valid-*.parquet`` with ``valid_rows``) and ``dataset.json``
+    under ``out``.  Each split draws from its own generator: adding a validation split changes no other."""
     try:
         spec.validate()
     except ConfigError as exc:
@@ -162,7 +166,8 @@ def generate(out: str | Path, spec: SyntheticSpec) -> DatasetManifest:
         max_len=spec.max_len,
         generator={"name": "freescale.synthetic", **asdict(spec)},
     )
-    for split_index, (split, n_rows) in enumerate((("train", spec.rows), ("eval", spec.eval_rows))):
+    splits = [("train", spec.rows), ("eval", spec.eval_rows), *([("valid", spec.valid_rows)] if spec.valid_rows else [])]
+    for split_index, (split, n_rows) in enumerate(splits):
         rng = np.random.default_rng([spec.seed, 1, split_index])
         names: list[str] = []
         for file_index, start in enumerate(range(0, n_rows, spec.rows_per_file)):

@@ -83,7 +83,7 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     from freescale.dataloader.synthetic import SyntheticSpec, generate
 
     spec = SyntheticSpec(
-        rows=args.rows, eval_rows=args.eval_rows, num_items=args.num_items, num_users=args.num_users,
+        rows=args.rows, eval_rows=args.eval_rows, valid_rows=args.valid_rows, num_items=args.num_items, num_users=args.num_users,
         num_categories=args.num_categories, dense_dim=args.dense_dim, max_len=args.max_len,
         lengths=args.lengths, zipf_alpha=args.zipf_alpha, seed=args.seed, row_group_size=args.row_group_size,
     )
@@ -307,7 +307,9 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     gen = sub.add_parser("gen-data", help="write a synthetic Parquet dataset with a learnable signal")
     gen.add_argument("--out", required=True, help="output directory (dataset.json + Parquet files)")
     gen.add_argument("--rows", type=_int, default=40_000, help="training rows (default 40000)")
-    gen.add_argument("--eval-rows", type=_int, default=8_192, help="evaluation rows (default 8192)")
+    gen.add_argument("--eval-rows", type=_int, default=8_192, help="evaluation (test) rows (default 8192)")
+    gen.add_argument("--valid-rows", type=_int, default=0, help="validation rows, for validation during training "
+                     "(default 0: no validation split)")
     gen.add_argument("--num-items", type=_int, default=2_000, help="item vocabulary (default 2000)")
     gen.add_argument("--num-users", type=_int, default=5_000, help="user vocabulary (default 5000)")
     gen.add_argument("--num-categories", type=_int, default=16, help="hidden item categories (default 16)")

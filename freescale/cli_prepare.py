@@ -29,6 +29,9 @@ def add_parsers(sub: Any, as_int: Any, as_float: Any) -> None:
     prep.add_argument("--dense", default="", help="numeric columns of each interaction, comma separated (dense features)")
     prep.add_argument("--split", default="leave-last-out", help="leave-last-out (default: each user's last interaction "
                       "is held out), time:<ISO date or epoch s> or time-quantile:<Q> (a global time cut)")
+    prep.add_argument("--validation", default="last", help="the validation part, before the test part: last (default: "
+                      "each user's interaction just before it), none, or with a time split an earlier cut "
+                      "time:<ISO date or epoch s> / time-quantile:<Q>")
     prep.add_argument("--min-user-count", type=as_int, default=5, help="drop users with fewer interactions (default 5)")
     prep.add_argument("--min-item-count", type=as_int, default=1, help="drop items seen fewer times, first (default 1)")
     prep.add_argument("--memory", default="4GB", help="the engine's memory bound; it spills to --work-dir beyond it (default 4GB)")
@@ -100,6 +103,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     )
     spec = PrepareSpec(
         input=args.input, out=args.out, columns=columns, format=args.format, split=args.split,
+        validation=args.validation,
         min_user_count=args.min_user_count, min_item_count=args.min_item_count, memory=args.memory,
         threads=args.threads, work_dir=args.work_dir, seed=args.seed,
         row_group_interactions=args.row_group_interactions, overwrite=args.overwrite, dedupe=args.dedupe,
@@ -111,7 +115,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         with _Progress(enabled=not args.no_progress and sys.stderr.isatty()) as progress:
             report = prepare(spec, progress.advance)
     print(f"prepared {args.input} -> {args.out} (format 2: one row per user; label {columns.label_rule}; "
-          f"split {args.split}{'' if report.time_cut is None else f', cut at {report.time_cut} s'})")
+          f"split {args.split}{'' if report.time_cut is None else f', cut at {report.time_cut} s'}; validation "
+          f"{args.validation}{'' if report.valid_cut is None else f', cut at {report.valid_cut} s'})")
     print_table(report.rows(), ["what", "count"], align="left")
     return 0
 

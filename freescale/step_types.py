@@ -189,6 +189,10 @@ class SideChannel(Protocol):
     name: str
     """Its state's name in a snapshot."""
 
+    @property
+    def size(self) -> int:
+        """Its header's length (the same on every group, every step)."""
+
     def header(self) -> torch.Tensor:
         """This group's non-negative int64s for the step about to run (the same length on every group)."""
 

@@ -66,14 +66,15 @@ def test_every_interaction_lands_in_one_sample_or_is_dropped_with_its_reason(tmp
     table = users_table(out)
     rows = table.to_pylist()
     seen: Counter[tuple[object, ...]] = Counter()
-    targets = {"train": 0, "eval": 0}
+    targets = {"train": 0, "valid": 0, "eval": 0}
     for row in rows:
         assert row["timestamps"] == sorted(row["timestamps"]) and row["length"] == len(row["item_ids"])
-        assert row["train_end"] == row["length"] - 1  # leave-last-out: exactly the last one held out
+        # leave-last-out: the last one held out for the test, the one before it for validation
+        assert row["valid_end"] == row["length"] - 1 and row["train_end"] == row["length"] - 2
         for p, (item, ts, label, dense) in enumerate(zip(row["item_ids"], row["timestamps"], row["labels"], row["dense_features"])):
             seen[(users[row["user_id"]], int(items[item]), ts, label, float(np.float32(dense[0])))] += 1
             if p:
-                targets["train" if p < row["train_end"] else "eval"] += 1
+                targets["train" if p < row["train_end"] else "valid" if p < row["valid_end"] else "eval"] += 1
     counts = Counter(log.column("what").to_pylist())
     per_user = Counter(u for u, i in zip(log.column("who").to_pylist(), log.column("what").to_pylist()) if counts[i] >= 2)
     expected: Counter[tuple[object, ...]] = Counter()
@@ -89,9 +90,22 @@ def test_every_interaction_lands_in_one_sample_or_is_dropped_with_its_reason(tmp
     assert rare_items > 0 and rare_users > 0
     dropped = list(report.dropped.values())  # type: ignore[attr-defined]
     assert dropped == [rare_items, rare_users]
-    assert report.samples == targets and targets["eval"] == len(rows)  # type: ignore[attr-defined]
+    assert report.samples == targets and targets["eval"] == targets["valid"] == len(rows)  # type: ignore[attr-defined]
     assert report.interactions_read == log.num_rows  # type: ignore[attr-defined]
-    assert sum(dropped) + len(rows) + targets["train"] + targets["eval"] == log.num_rows  # + history only
+    assert sum(dropped) + len(rows) + sum(targets.values()) == log.num_rows  # + history only
+    # Each split reads its own positions: no sample in two splits, no held-out item in a training history.
+    splits = {split: SequenceSource(str(out), split, ["user_id", "candidate_timestamp", "history_item_ids"], max_seq_len=64)
+              for split in targets}
+    tables = {split: source.read(np.arange(source.num_rows))[0] for split, source in splits.items()}
+    assert {split: t.num_rows for split, t in tables.items()} == targets
+    lengths = {row["user_id"]: row["length"] for row in rows}  # (histories are whole here: max_seq_len 64 > 40)
+    for user, history in zip(tables["train"].column("user_id").to_pylist(),
+                             tables["train"].column("history_item_ids").to_pylist()):
+        assert len(history) <= lengths[user] - 3, "a training history reaches a held-out position"
+    for split, held in (("valid", 2), ("eval", 1)):  # the one position of each user: its history is all before it
+        for user, history in zip(tables[split].column("user_id").to_pylist(),
+                                 tables[split].column("history_item_ids").to_pylist()):
+            assert len(history) == lengths[user] - held
     manifest = DatasetManifest.read(out)
     assert manifest.format_version == 2 and manifest.samples == targets
     assert manifest.num_users == len(users) and manifest.num_items == len(items)
@@ -103,25 +117,28 @@ def test_every_interaction_lands_in_one_sample_or_is_dropped_with_its_reason(tmp
 
 
 def test_a_time_cut_leaks_nothing_from_after_it_into_training(tmp_path: Path) -> None:
-    out, report = run(tmp_path, make_log(seed=1), split="time-quantile:0.7")
-    cut = report.time_cut  # type: ignore[attr-defined]
-    assert cut is not None
+    """The test part after a time cut, the validation part after an earlier one, training before both."""
+    out, report = run(tmp_path, make_log(seed=1), split="time-quantile:0.7", validation="time-quantile:0.5")
+    cut, valid_cut = report.time_cut, report.valid_cut  # type: ignore[attr-defined]
+    assert cut is not None and valid_cut is not None and valid_cut < cut
     for row in users_table(out).to_pylist():
-        ts, end = row["timestamps"], row["train_end"]
-        assert all(t < cut for t in ts[:end]) and all(t >= cut for t in ts[end:])
+        ts, end, test = row["timestamps"], row["train_end"], row["valid_end"]
+        assert all(t < valid_cut for t in ts[:end]) and all(valid_cut <= t < cut for t in ts[end:test])
+        assert all(t >= cut for t in ts[test:])
+    assert report.samples["valid"] > 0  # type: ignore[attr-defined]
     source = SequenceSource(str(out), "train", ["candidate_item_id", "candidate_timestamp", "history_timestamps"],
                             max_seq_len=8)
     table, _ = source.read(np.arange(source.num_rows))
-    assert max(max(h) for h in table.column("history_timestamps").to_pylist()) < cut
+    assert max(max(h) for h in table.column("history_timestamps").to_pylist()) < valid_cut
     # Each sample's own time (what a time-aware model asks for): after its history, before the cut.
     for history, own in zip(table.column("history_timestamps").to_pylist(), table.column("candidate_timestamp").to_pylist()):
-        assert max(history, default=own) <= own < cut
+        assert max(history, default=own) <= own < valid_cut
     cfg = DataConfig(path=str(out), batch_size=64, max_seq_len=8, prefetch=0)
     batch = build_loader(cfg, "train", rank=0, world_size=1, sparse_features=FEATURES, derived_cost=CostModel(1, 1, 1),
                          seed=0, timestamps=True).next_batch()
     lengths = batch.sparse[HISTORY_ITEMS].lengths()
     newest = batch.history_timestamps[torch.cumsum(lengths, 0)[lengths > 0] - 1]
-    assert bool((batch.candidate_timestamps[lengths > 0] >= newest).all()) and int(batch.candidate_timestamps.max()) < cut
+    assert bool((batch.candidate_timestamps[lengths > 0] >= newest).all()) and int(batch.candidate_timestamps.max()) < valid_cut
     evaluation = SequenceSource(str(out), "eval", ["history_timestamps"], max_seq_len=8)
     assert evaluation.num_rows == report.samples["eval"] > 0  # type: ignore[attr-defined]
 
@@ -371,6 +388,11 @@ def test_a_glob_stays_in_its_directory_and_the_split_is_checked_before_reading(t
     assert report.interactions_read == 4
     with pytest.raises(DataError, match=r"^--split time:--5: not an ISO date/time or epoch seconds$"):
         prepare(PrepareSpec(input=str(tmp_path / "nowhere"), out=str(tmp_path / "p"), columns=cols, split="time:--5"))
+    with pytest.raises(DataError, match=r"^--validation time:2020-01-01: a time cut for validation needs a time split"):
+        prepare(PrepareSpec(input=str(tmp_path / "nowhere"), out=str(tmp_path / "p"), columns=cols,
+                            validation="time:2020-01-01"))
+    with pytest.raises(DataError, match=r"^--validation must be last, none, "):
+        prepare(PrepareSpec(input=str(tmp_path / "nowhere"), out=str(tmp_path / "p"), columns=cols, validation="first"))
 
 
 def test_the_generators_own_odds_score_its_log_best() -> None:

@@ -64,10 +64,10 @@ def test_interactions_at_the_same_time_keep_the_order_of_the_log(tmp_path: Path)
     pq.write_table(log.slice(4), tmp_path / "parts" / "b.parquet")
     prep(tmp_path / "parts", tmp_path / "two")
     assert sequences(tmp_path / "two") == sequences(tmp_path / "one")
-    # The last in the log's order is the one held out.
+    # The last in the log's order is the one held out for the test, the one before it for validation.
     manifest = DatasetManifest.read(tmp_path / "one")
     rows = pq.read_table(tmp_path / "one" / manifest.splits["train"][0]).to_pylist()
-    assert all(r["train_end"] == r["length"] - 1 for r in rows)
+    assert all(r["valid_end"] == r["length"] - 1 and r["train_end"] == r["length"] - 2 for r in rows)
 
 
 @pytest.mark.parametrize(("column", "expected"), [

@@ -1,0 +1,277 @@
+"""Training to convergence: the validation split evaluated during training, the best step kept, early stopping.
+
+Every ``eval.every`` committed steps (a step count, or ``"1e"``: once an epoch) the group evaluates the model on
+``eval.split`` (the ``valid`` split ``freescale prepare`` writes: each user's interaction before the test one, or
+an earlier time cut; never the test split, never a position a training sample's history reaches).  The pipeline
+holds no batch in flight then (a validation step ends a read-ahead segment, as a checkpoint does), the model is
+detached from it for the evaluation and picks up where it was; the evaluation reads no random generator the
+training uses (they are forked around it) and changes no parameter, so training is the same with and without it.
+
+``BestTracker`` follows ``eval.metric`` (default: the task's own, ``ndcg@10`` for retrieval, ``auc`` for
+ranking; ``loss`` and ``ne`` are lower-is-better): the best step so far, and with ``train.early_stop = N`` the
+run stops after N evaluations without improvement.  With ``eval.keep_best`` every validated step is also a
+checkpoint, the best one is named in ``best.json`` beside them and never pruned, and the final test evaluation
+runs on it (``train.eval``).
+
+**Replica groups agree.**  Every group evaluates at the same steps (its state is the job's), but a group running
+on fewer ranks sums in another order; a decision made from each group's own number could differ in the last bit.
+So the metric travels with the next step's cross-group reduction (``ValidationShare``, a side header: no
+collective of its own) and every group, a catching-up one in its replay too, decides from the value of the
+lowest-indexed group that evaluated: the same best step, the same stop, at the same commit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from freescale.config import require
+
+if TYPE_CHECKING:
+    from freescale.components import Components
+    from freescale.run_log import RunLog
+    from freescale.step_types import Commit
+
+LOWER_IS_BETTER = ("loss", "ne")
+BEST_NAME = "best.json"
+"""Beside the checkpoints: the best validated step (``{"step", "metric", "value", "path"}``)."""
+
+
+@dataclass
+class EvalConfig:
+    every: str = "0"
+    """Validate every N committed steps (``"500"``) or every N epochs (``"1e"``, ``"0.5e"``); ``"0"``: no validation
+    during training (the final test evaluation alone, ``train.eval``)."""
+    split: str = "valid"
+    """The split validated on (``freescale prepare`` writes ``valid``; ``gen-data --valid-rows``)."""
+    metric: str = ""
+    """What picks the best step and stops early: any metric the evaluation reports (``hr@10``, ``ndcg@10``, ``mrr``;
+    ``auc``, ``ne``, ``loss``); empty: the task's own (retrieval ``ndcg@10``, ranking ``auc``)."""
+    keep_best: bool = True
+    """Checkpoint every validated step, keep the best (``best.json``) past ``checkpoint.keep``, and run the final
+    test evaluation on it."""
+
+    def validate(self) -> None:
+        require(parse_every(self.every) is not None, "every",
+                f"must be a step count (\"500\") or epochs (\"1e\", \"0.5e\"), got {self.every!r}")
+        require(bool(self.split), "split", "must name a split")
+
+
+def parse_every(text: str) -> tuple[float, bool] | None:
+    """``"500"`` -> (500, False); ``"0.5e"`` -> (0.5, True); None when malformed or negative."""
+    body, epochs = (text[:-1], True) if text.endswith("e") else (text, False)
+    try:
+        value = float(body) if epochs else int(body)
+    except ValueError:
+        return None
+    return (value, epochs) if value >= 0 else None
+
+
+def validation_steps(every: str, steps_per_epoch: int) -> int:
+    """``eval.every`` in steps (0: none)."""
+    parsed = parse_every(every)
+    assert parsed is not None  # (validated)
+    value, epochs = parsed
+    return max(1, round(value * steps_per_epoch)) if epochs and value else int(value)
+
+
+def default_metric(task: str) -> str:
+    return "ndcg@10" if task == "retrieval" else "auc"
+
+
+@dataclass
+class BestTracker:
+    """The best validated step so far, and when to stop (``patience`` evaluations without improvement; 0: never)."""
+
+    metric: str
+    patience: int = 0
+    best_step: int = -1
+    best_value: float = math.nan
+    since_best: int = 0
+    stop_at: int | None = None
+    """The validated step after which training stops (set once: the patience ran out there)."""
+    history: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.metric in LOWER_IS_BETTER
+
+    def observe(self, step: int, value: float) -> bool:
+        """Validated ``step`` scored ``value``: whether it is the new best (a NaN never is)."""
+        self.history.append((step, value))
+        better = not math.isnan(value) and (
+            self.best_step < 0 or (value < self.best_value if self.lower_is_better else value > self.best_value))
+        if better:
+            self.best_step, self.best_value, self.since_best = step, value, 0
+        else:
+            self.since_best += 1
+            if self.patience and self.since_best >= self.patience and self.stop_at is None:
+                self.stop_at = step
+        return better
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, [tuple(v) for v in value] if key == "history" else value)
+
+
+class ValidationShare:
+    """The validation metric across replica groups (module docstring; a ``freescale.step_types.SideChannel``).
+    Header: ``[validated step + 1, the metric's float64 bits]``, zeros when this group has nothing new."""
+
+    name = "validation"
+    size = 2
+
+    def __init__(self, tracker: BestTracker) -> None:
+        self.tracker = tracker
+        self._pending: tuple[int, float] | None = None
+        self.decided: list[tuple[int, float, bool]] = []
+        """(step, agreed value, new best) reached since the trainer last took them."""
+
+    def offer(self, step: int, value: float) -> None:
+        """This group validated ``step``: its value rides with the next step's reduction."""
+        self._pending = (step, value)
+
+    def header(self) -> torch.Tensor:
+        out = torch.zeros(self.size, dtype=torch.int64)
+        if self._pending is not None:
+            step, value = self._pending
+            self._pending = None
+            out[0] = step + 1
+            out[1] = int(np.float64(value).view(np.int64))  # a metric is >= 0 (or NaN): non-negative bits
+        return out
+
+    def on_commit(self, commit: Commit, headers: dict[int, torch.Tensor]) -> None:
+        told = sorted((g, h) for g, h in headers.items() if h.numel() >= self.size and int(h[0]) > 0)
+        if not told:
+            return
+        step = int(told[0][1][0]) - 1
+        value = float(np.int64(int(told[0][1][1])).view(np.float64))
+        if self.tracker.history and self.tracker.history[-1][0] >= step:
+            return  # decided already (a replay reaching a step its snapshot had seen)
+        self.decided.append((step, value, self.tracker.observe(step, value)))
+
+    def notes(self) -> dict[str, Any]:
+        t = self.tracker
+        return {"best_step": t.best_step, "best": None if math.isnan(t.best_value) else t.best_value} \
+            if t.best_step >= 0 else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tracker": self.tracker.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tracker.load_state_dict(state["tracker"])
+
+
+def evaluate(parts: Components, model: torch.nn.Module, split: str, seed: int, model_cfg: Any) -> dict[str, float]:
+    """The model's metrics on ``split`` over the group (collective), without touching the training's random
+    generators or its parameters."""
+    from freescale.models import cost_model_for
+
+    ctx = parts.ctx
+    loader = parts.dataset.loader(split, rank=ctx.rank, world_size=ctx.world_size, sparse_features=parts.features,
+                                  derived_cost=cost_model_for(model_cfg, parts.dataset.manifest.dense_dim),
+                                  seed=seed, training=False, pin_memory=ctx.device.type == "cuda",
+                                  timestamps=parts.reads_timestamps, sampled_items=parts.sampled_items)
+    window = parts.task.evaluator(model)
+    devices = [ctx.device] if ctx.device.type == "cuda" else []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            for batch in loader:
+                _, output = model(batch.to(ctx.device, non_blocking=True))
+                window.add(output[1:])
+        return window.compute()
+    finally:
+        model.train(was_training)
+        loader.close()
+
+
+def mark_best(root: Path, step: int, metric: str, value: float) -> None:
+    """Name ``step``'s checkpoint the best in ``root/best.json`` (atomically: written aside, then renamed)."""
+    from freescale.checkpoint import step_dir
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (BEST_NAME + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "metric": metric, "value": value, "path": step_dir(root, step).name}))
+    os.replace(tmp, root / BEST_NAME)
+
+
+def best_step(root: Path) -> int | None:
+    """The step ``best.json`` names, or None."""
+    try:
+        return int(json.loads((root / BEST_NAME).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class Validation:
+    """The trainer's side of it: when to validate, the evaluation and its log record, the decisions."""
+
+    def __init__(self, every: int, split: str, tracker: BestTracker, keep_best: bool, seed: int, model_cfg: Any,
+                 share: ValidationShare | None) -> None:
+        self.every, self.split, self.tracker, self.keep_best, self.seed = every, split, tracker, keep_best, seed
+        self.model_cfg, self.share = model_cfg, share
+        self.seconds = 0.0
+        """Time spent validating, in all."""
+
+    def due(self, done: int) -> bool:
+        return done % self.every == 0
+
+    def after_commit(self, parts: Components, log: RunLog, done: int, owner: bool, root: Path, last: bool) -> bool:
+        """At each applied commit (``done`` steps): validate when due, act on the decisions reached (``owner``: this
+        group writes the checkpoints, and so ``best.json``); whether training stops here."""
+        decided = self.take()
+        if self.due(done):
+            value = self.run(parts, log, done)
+            if self.share is None or last:  # (the last step has no later one to carry it: its own value decides)
+                decided.append((done, value, self.tracker.observe(done, value)))
+            else:
+                self.share.offer(done, value)
+        for step, value, better in decided:
+            t = self.tracker
+            log.write("validation_decision", step=step, metric=t.metric, value=value, best=better,
+                      best_step=t.best_step, best_value=t.best_value, since_best=t.since_best, stop_at=t.stop_at)
+            if better and self.keep_best and owner:
+                mark_best(root, step, t.metric, value)
+            if parts.ctx.is_main:
+                from freescale.rank_console import say
+
+                group = f"group {parts.group}: " if parts.groups > 1 else ""
+                say(f"freescale: {group}validation at step {step}: {t.metric} {value:.4f}"
+                    f"{' (best)' if better else f' (best {t.best_value:.4f} at step {t.best_step})'}"
+                    f"{'; early stop: ' + str(t.patience) + ' validations without improvement' if t.stop_at == step else ''}")
+        return self.tracker.stop_at is not None
+
+    def run(self, parts: Components, log: RunLog, done: int) -> float:
+        """Validate the state after ``done`` steps (collective over the group), log it; the metric's value."""
+        start = time.perf_counter()
+        metrics = evaluate(parts, parts.engine.detach(), self.split, self.seed, self.model_cfg)
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        metric = self.tracker.metric
+        if metric not in metrics:
+            from freescale.config import ConfigError
+
+            raise ConfigError(f"eval.metric: {metric!r} is not one the evaluation reports "
+                              f"({', '.join(k for k in metrics if k != 'samples')})")
+        log.write("validate", step=done, split=self.split, seconds=seconds, **metrics)
+        return float(metrics[metric])
+
+    def take(self) -> list[tuple[int, float, bool]]:
+        """Decisions agreed across groups since the last call (none without replica groups)."""
+        if self.share is None:
+            return []
+        decided, self.share.decided = self.share.decided, []
+        return decided
