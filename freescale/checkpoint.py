@@ -198,9 +198,17 @@ def _commit(root: Path, step: int, meta: dict[str, Any], keep: int, fence: Fence
             _discard(final)
         os.rename(partial, final)
         _fsync_dir(root)
-        for _, old in complete_checkpoints(root)[:-keep]:
-            _discard(old)
+        best = _best_step(root)
+        for old_step, old in complete_checkpoints(root)[:-keep]:
+            if old_step != best:  # the best validated one stays (``freescale.validation``)
+                _discard(old)
     return final
+
+
+def _best_step(root: Path) -> int | None:
+    from freescale.validation import best_step
+
+    return best_step(root)
 
 
 Provided = Callable[[str, "torch.Tensor"], "torch.Tensor | None"]

@@ -174,8 +174,15 @@ def print_summary(summary: Any, who: str = "") -> None:
     if summary.train_auc is not None:
         rows.append(("train AUC", f"{summary.train_auc:.4f}"))
     names = {"auc": "AUC", "ne": "NE", "mrr": "MRR"}
-    rows += [(f"eval {names.get(k, k.upper() if '@' in k else k)}", f"{v:.4f}")
-             for k, v in summary.eval_metrics.items()]
+    v = summary.validation
+    if v:
+        share = v["seconds"] / summary.seconds if summary.seconds else 0.0
+        rows.append(("validation", f"{v['evaluations']} in {v['seconds']:.1f} s ({share:.1%} of training)"))
+        if v["best_step"] >= 0:
+            rows.append((f"best {v['metric']} (valid)", f"{v['best_value']:.4f} at step {v['best_step']:,}"))
+    where = " (best step)" if v and v.get("best_step", -1) >= 0 and v.get("evaluated_best") else ""
+    rows += [(f"eval {names.get(k, k.upper() if '@' in k else k)}{where}", f"{val:.4f}")
+             for k, val in summary.eval_metrics.items()]
     if summary.skipped_rows:
         rows.append(("rows skipped as bad", f"{summary.skipped_rows:,}"))
     if summary.checkpoint:

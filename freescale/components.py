@@ -39,6 +39,7 @@ from freescale.parallelize import (
 from freescale.pipeline import PipelineConfig
 from freescale.rank_console import say
 from freescale.rank_speed import BalanceConfig, RankSpeed
+from freescale.side_channels import SideChannels
 from freescale.speed_share import SpeedShare
 from freescale.staging import LazySaves, RowTracker
 from freescale.step_engine import PRECISIONS, StepEngine
@@ -48,11 +49,17 @@ from freescale.step_types import ReplicaRun, StepSync
 from freescale.table_init import init_tables, table_bounds
 from freescale.tasks import Task, task_of
 from freescale.testing import StepHooks, hooks_from_env
+from freescale.validation import BestTracker, EvalConfig, Validation, ValidationShare, default_metric, validation_steps
 
 
 @dataclass
 class TrainConfig:
     steps: int = 300
+    epochs: int = 0
+    """Passes over the training split; above 0 it sets ``steps`` (the split's samples over the global batch, times
+    this)."""
+    early_stop: int = 0
+    """Stop after this many validations in a row without a better ``eval.metric`` (0: never; needs ``eval.every``)."""
     seed: int = 0
     log_every: int = 20
     output_dir: str = "runs/default"
@@ -75,6 +82,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         require(self.steps > 0, "steps", f"must be positive, got {self.steps}")
+        require(self.epochs >= 0, "epochs", f"must be >= 0, got {self.epochs}")
+        require(self.early_stop >= 0, "early_stop", f"must be >= 0, got {self.early_stop}")
         require(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
         require(bool(self.output_dir), "output_dir", "must not be empty")
         require(self.nonfinite in NONFINITE, "nonfinite", f"must be one of {list(NONFINITE)}, got '{self.nonfinite}'")
@@ -102,6 +111,7 @@ class TrainerConfig:
     ft: FTConfig = field(default_factory=FTConfig)
     log: LogConfig = field(default_factory=LogConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def prepare(cfg: TrainerConfig) -> None:
@@ -134,6 +144,9 @@ def prepare(cfg: TrainerConfig) -> None:
     refusal = skip_step_refusal(cfg.ft.enabled, cfg.ft.embedding_sync) if cfg.train.nonfinite == "skip_step" else None
     if refusal:
         raise ConfigError(f"train.nonfinite: {refusal}")
+    if cfg.train.early_stop and validation_steps(cfg.eval.every, 1) == 0:
+        raise ConfigError("train.early_stop: stops after validations without improvement, and eval.every is 0 (no "
+                          "validation during training); set eval.every (\"500\" steps, \"1e\" an epoch)")
 
 
 def refuse_replicated_tables(cfg: TrainerConfig, tables: list[str]) -> None:
@@ -173,6 +186,8 @@ class Components:
     is not measured with events yet)."""
     shared_speeds: SpeedShare | None = None
     """With replica groups: the job-wide speed check, carried across groups with the steps."""
+    validation: Validation | None = None
+    """Validation during training (``eval.every``; ``freescale.validation``)."""
 
     @property
     def features(self) -> list[str]:
@@ -199,9 +214,11 @@ class Components:
             self.replicas.close()
 
 
-def segment_end_of(every: int, end: int) -> Callable[[int], int]:
-    """Next step at which the pipeline holds no read-ahead batch after ``step``: a checkpoint or the end."""
-    return lambda step: min(end, (step // every + 1) * every) if every else end
+def segment_end_of(every: int, end: int, validate_every: int = 0) -> Callable[[int], int]:
+    """Next step at which the pipeline holds no read-ahead batch after ``step``: a checkpoint, a validation or
+    the end."""
+    periods = [p for p in (every, validate_every) if p]
+    return lambda step: min([end, *((step // p + 1) * p for p in periods)])
 
 
 def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) -> Components:
@@ -238,8 +255,9 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
         seed=cfg.train.seed, training=True, pin_memory=ctx.device.type == "cuda", group_size=group_ranks,
         timestamps=bool(getattr(model, "reads_timestamps", False)), sampled_items=getattr(model, "sampled_items", 0),
     )
+    validation = _validation(cfg, loader.steps_per_epoch, task_of(dmp).name, ft_on)
     feed = StepFeed(loader, group, group_ranks, groups, cfg.pipeline.read_ahead,
-                    segment_end_of(cfg.checkpoint.every, cfg.train.steps))
+                    segment_end_of(cfg.checkpoint.every, cfg.train.steps, validation.every if validation else 0))
     hooks = hooks_from_env(group, ctx.rank, incarnation(), log_dir)
     if hooks.wants("data"):
         loader.made = hooks.stretch_data
@@ -265,7 +283,10 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
             tracer.label(ft.in_group, "dense")
         if speed is not None:  # every group judges the job's speeds alike (freescale.speed_share)
             shared = SpeedShare(speed, loader, group, group_ranks)
-            ft.carry(shared)
+        # Every group judges the job's speeds and its validations alike: their numbers ride with the steps.
+        channels = [c for c in (shared, validation.share if validation is not None else None) if c is not None]
+        if channels:
+            ft.carry(channels[0] if len(channels) == 1 else SideChannels(channels))
         sync = replicas = ft
     else:
         grads = None
@@ -278,7 +299,17 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
         sync = LocalSync(dmp, optimizer, list(dense_named_parameters(dmp).values()), feed, update, grads)
     engine = StepEngine(sync, feed, cfg.pipeline, dmp, ctx.device, cfg.train.precision, hooks=hooks, tracer=tracer)
     return Components(ctx, dataset, dmp, optimizer, loader, feed, engine, replicas, hooks, tracer, group, groups,
-                      log_dir, staging, speed, shared)
+                      log_dir, staging, speed, shared, validation)
+
+
+def _validation(cfg: TrainerConfig, steps_per_epoch: int, task: str, ft_on: bool) -> Validation | None:
+    """Validation during training as configured (``eval``, ``train.early_stop``), or None."""
+    every = validation_steps(cfg.eval.every, steps_per_epoch)
+    if not every:
+        return None
+    tracker = BestTracker(cfg.eval.metric or default_metric(task), cfg.train.early_stop)
+    return Validation(every, cfg.eval.split, tracker, cfg.eval.keep_best, cfg.train.seed, cfg.model,
+                      ValidationShare(tracker) if ft_on else None)
 
 
 def _tracer(dmp: nn.Module) -> CommTracer:

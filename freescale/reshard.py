@@ -222,7 +222,7 @@ module cannot do without them, and the user can do nothing about it."""
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
-def _sharded_tensor_calls(fn: _Fn) -> _Fn:
+def sharded_tensor_calls(fn: _Fn) -> _Fn:
     """``fn`` without torch's ShardedTensor deprecation warning (that message alone, for this call)."""
 
     @functools.wraps(fn)
@@ -234,7 +234,7 @@ def _sharded_tensor_calls(fn: _Fn) -> _Fn:
     return call  # type: ignore[return-value]
 
 
-@_sharded_tensor_calls
+@sharded_tensor_calls
 def to_logical(model: dict[str, Any], optim: dict[str, Any],
                group: Any = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Collective over ``group`` (default: the default group).  The app state DCP writes (``model``;
@@ -330,7 +330,7 @@ class Replicas:
     saved_tables: frozenset[str] = frozenset()
 
 
-@_sharded_tensor_calls
+@sharded_tensor_calls
 def load_logical(load: Any, model: dict[str, Any], optim: dict[str, Any],
                  layouts: dict[str, dict[str, Any]], group: Any = None, replicas: Replicas | None = None) -> list[str]:
     """Fill ``model`` and ``optim`` (this plan's state dicts) from a checkpoint saved by ``to_logical``

@@ -8,6 +8,7 @@ each group's is cut back into its channels' parts at the commit, in the same ord
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,8 +22,8 @@ class SideChannels:
 
     name = "side_channels"
 
-    def __init__(self, channels: list[SideChannel]) -> None:
-        self.channels = channels
+    def __init__(self, channels: Sequence[SideChannel]) -> None:
+        self.channels = list(channels)
 
     @property
     def size(self) -> int:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from freescale.reshard import sharded_tensor_calls
+
 BLOCK_ROWS = 4096
 """Rows drawn from one generator: small enough that a shard's edges cost little, large enough that a table of
 10^8 rows needs ~24k generators."""
@@ -44,6 +46,7 @@ def table_bounds(model: nn.Module) -> dict[str, tuple[float, float]]:
     return bounds
 
 
+@sharded_tensor_calls
 def init_tables(state: dict[str, Any], bounds: dict[str, tuple[float, float]], seed: int) -> None:
     """Overwrite every table weight in ``state`` (a sharded model's ``state_dict``: its local shards are views of
     the tables) with the plan-independent values of the module docstring."""

@@ -52,13 +52,13 @@ from freescale.digest import state_digest
 from freescale.distributed import DistContext, init_distributed, shutdown, summed_counts
 from freescale.ft.commit_record import CommitRecord
 from freescale.ft.config import RUN_ID_ENV, incarnation
-from freescale.models import cost_model_for
 from freescale.rank_console import quiet_libraries, say
 from freescale.rank_speed import SpeedCheck
 from freescale.resume import Resume, raw_state
 from freescale.run_log import Progress, RunLog
 from freescale.step_stats import Calibration
 from freescale.step_types import Commit, JobFinished, NonFiniteError, ReplicaRun, StepOutcome
+from freescale.validation import Validation, epoch_steps, evaluate, load_best
 
 
 @dataclass
@@ -85,6 +85,8 @@ class TrainSummary:
     """SHA-256 over every rank's parameters and optimizer state after training (``freescale.digest``)."""
     finished_elsewhere: bool = False
     """Another replica group finished the run while this one was (re)starting: nothing was left to train."""
+    validation: dict[str, Any] = field(default_factory=dict)
+    """With ``eval.every``: the metric, the best validated step and its value, the validations and their seconds."""
 
 
 __all__ = ["TrainConfig", "TrainSummary", "Trainer", "TrainerConfig"]
@@ -132,6 +134,9 @@ class Trainer:
         dataset = self.open_dataset()
         ctx = init_distributed(cfg.dist)
         try:
+            if cfg.train.epochs:
+                slots = cfg.ft.replicas * (cfg.ft.group_ranks or ctx.world_size) if cfg.ft.enabled else ctx.world_size
+                cfg.train.steps = epoch_steps(cfg.train.epochs, dataset.samples("train"), cfg.data.batch_size, slots)
             parts = build(cfg, ctx, dataset)
             log = RunLog(parts.log_dir / "train_log.jsonl" if ctx.is_main else None, self._sinks(parts))
             try:
@@ -188,11 +193,19 @@ class Trainer:
         )
         summary.state_digest = state_digest(parts.dmp, parts.optimizer)
         summary.finished_elsewhere = finished_elsewhere and committed == 0
+        validation = parts.validation
+        if validation is not None:
+            summary.validation = {"metric": validation.tracker.metric, "best_step": validation.tracker.best_step,
+                                  "best_value": validation.tracker.best_value, "seconds": validation.seconds,
+                                  "evaluations": len(validation.tracker.history)}
         if cfg.train.eval and not summary.finished_elsewhere and parts.dataset.samples("eval") >= ctx.world_size:
-            result = self._evaluate(parts, parts.engine.detach())
+            best = load_best(parts, cfg, self._checkpoint_root, log) \
+                if validation is not None and validation.keep_best else None
+            result = evaluate(parts, parts.engine.detach(), "eval", cfg.train.seed, cfg.model)
             summary.eval_metrics = {k: v for k, v in result.items() if k != "samples"}
             summary.eval_loss, summary.eval_auc, summary.eval_ne = (result.get(k) for k in ("loss", "auc", "ne"))
-            log.write("eval", **result)
+            log.write("eval", **result, **({"best_step": best} if best is not None else {}))
+            summary.validation["evaluated_best"] = best is not None
         log.write("summary", **asdict(summary), skipped=skipped,
                   pending_rows=parts.loader.state_dict().get("carry", []))
         return summary
@@ -212,6 +225,8 @@ class Trainer:
         self._lazy: tuple[int, dict[str, Any]] = (-1, {})
         """The save whose tables are being copied (its ``LazySnapshot`` is the staging's): step, metadata."""
         self._last_ckpt: Path | None = None
+        self.stopped_at: int | None = None
+        """The step after which training stopped early (``train.early_stop``), if it did."""
         try:
             committed, finished_elsewhere = self._train_steps(parts, log, progress, start_step)
         except NonFiniteError:
@@ -230,7 +245,7 @@ class Trainer:
         self._committed(log)
         parts.engine.check_finite()
         if parts.replicas is not None and not finished_elsewhere:
-            parts.replicas.finish(steps - 1)
+            parts.replicas.finish(self.stopped_at if self.stopped_at is not None else steps - 1)
         return committed, self._last_ckpt, finished_elsewhere
 
     def _train_steps(self, parts: Components, log: RunLog, progress: Progress, start_step: int) -> tuple[int, bool]:
@@ -286,12 +301,19 @@ class Trainer:
             progress.bar.update(1)
             if calibration is not None and done % cfg.data.calibrate_every == 0 and done != steps:
                 self._calibrate(parts, log, calibration, done)
-            if self._checkpoint_due(done):
+            stop = parts.validation is not None and parts.validation.after_commit(
+                parts, log, done, parts.replicas is None or parts.replicas.owns_checkpoint(commit),
+                self._checkpoint_root, last=done == steps)
+            if self._checkpoint_due(done, parts.validation) or (stop and self.cfg.checkpoint.save_final):
                 self._save(parts, log, commit)
             if parts.staging is not None and parts.staging.boundary(done, outcome.wall_s):
                 self._write_lazy(log)
             self._writer.poll()
             self._committed(log)
+            if stop:
+                log.write("early_stop", step=done, since_best=parts.validation.tracker.since_best)  # type: ignore[union-attr]
+                self.stopped_at = commit.step
+                break
         return committed, False
 
     def _stop_if_nothing_trained(self, parts: Components, done: int, samples: int) -> None:
@@ -331,9 +353,10 @@ class Trainer:
         c = self.cfg.checkpoint
         return Path(c.dir) if c.dir else Path(self.cfg.train.output_dir) / "checkpoints"
 
-    def _checkpoint_due(self, done: int) -> bool:
+    def _checkpoint_due(self, done: int, validation: Validation | None = None) -> bool:
         c, steps = self.cfg.checkpoint, self.cfg.train.steps
-        return bool((c.every and done % c.every == 0) or (c.save_final and done == steps))
+        kept = validation is not None and validation.keep_best and validation.due(done)  # it may be the best
+        return bool((c.every and done % c.every == 0) or (c.save_final and done == steps) or kept)
 
     def _save(self, parts: Components, log: RunLog, commit: Commit) -> Path | None:
         """Collective over the group.  With fault tolerance one group writes (all hold the same state).  A
@@ -442,23 +465,6 @@ class Trainer:
             parts.loader.set_cost_model(model)
             log.write("calibrate", step=done, quadratic=model.quadratic, linear=model.linear,
                       constant=model.constant)
-
-    def _evaluate(self, parts: Components, model: torch.nn.Module) -> dict[str, float]:
-        cfg, ctx = self.cfg, parts.ctx
-        loader = parts.dataset.loader("eval", rank=ctx.rank, world_size=ctx.world_size, sparse_features=parts.features,
-                                      derived_cost=cost_model_for(cfg.model, parts.dataset.manifest.dense_dim),
-                                      seed=cfg.train.seed, training=False, pin_memory=ctx.device.type == "cuda",
-                                      timestamps=parts.reads_timestamps, sampled_items=parts.sampled_items)
-        window = parts.task.evaluator(model)
-        model.eval()
-        with torch.no_grad():
-            for batch in loader:
-                _, output = model(batch.to(ctx.device, non_blocking=True))
-                window.add(output[1:])
-        model.train()
-        loader.close()
-        return window.compute()
-
 
 
 def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[str, Any]]:

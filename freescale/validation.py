@@ -83,6 +83,18 @@ def validation_steps(every: str, steps_per_epoch: int) -> int:
     return max(1, round(value * steps_per_epoch)) if epochs and value else int(value)
 
 
+def epoch_steps(epochs: int, samples: int, batch_size: int, rank_slots: int) -> int:
+    """``train.epochs`` in steps: ``samples`` of the training split over the global batch (``batch_size`` a rank
+    slot), times ``epochs`` (the loader's epoch: whole global batches)."""
+    per_epoch = samples // max(batch_size * rank_slots, 1)
+    if per_epoch == 0:
+        from freescale.config import ConfigError
+
+        raise ConfigError(f"train.epochs: the training split has {samples:,} samples, fewer than one global batch "
+                          f"({batch_size} x {rank_slots} rank slots)")
+    return epochs * per_epoch
+
+
 def default_metric(task: str) -> str:
     return "ndcg@10" if task == "retrieval" else "auc"
 
@@ -127,10 +139,11 @@ class BestTracker:
 
 class ValidationShare:
     """The validation metric across replica groups (module docstring; a ``freescale.step_types.SideChannel``).
-    Header: ``[validated step + 1, the metric's float64 bits]``, zeros when this group has nothing new."""
+    Header: ``[validated step + 1, the metric's float64 bits as two 32-bit words]`` (a side header carries values
+    below 2**40), zeros when this group has nothing new."""
 
     name = "validation"
-    size = 2
+    size = 3
 
     def __init__(self, tracker: BestTracker) -> None:
         self.tracker = tracker
@@ -147,16 +160,17 @@ class ValidationShare:
         if self._pending is not None:
             step, value = self._pending
             self._pending = None
-            out[0] = step + 1
-            out[1] = int(np.float64(value).view(np.int64))  # a metric is >= 0 (or NaN): non-negative bits
+            bits = int(np.float64(value).view(np.uint64))
+            out[0], out[1], out[2] = step + 1, bits >> 32, bits & 0xFFFFFFFF
         return out
 
     def on_commit(self, commit: Commit, headers: dict[int, torch.Tensor]) -> None:
         told = sorted((g, h) for g, h in headers.items() if h.numel() >= self.size and int(h[0]) > 0)
         if not told:
             return
-        step = int(told[0][1][0]) - 1
-        value = float(np.int64(int(told[0][1][1])).view(np.float64))
+        header = told[0][1]
+        step = int(header[0]) - 1
+        value = float(np.uint64((int(header[1]) << 32) | int(header[2])).view(np.float64))
         if self.tracker.history and self.tracker.history[-1][0] >= step:
             return  # decided already (a replay reaching a step its snapshot had seen)
         self.decided.append((step, value, self.tracker.observe(step, value)))
@@ -214,6 +228,31 @@ def best_step(root: Path) -> int | None:
         return int(json.loads((root / BEST_NAME).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+BEST_WAIT_S = 300.0
+"""How long a group waits for the best checkpoint to be complete (another group, or this one's writer thread, may
+still be writing it) before it gives up and evaluates the state it ends with."""
+
+
+def load_best(parts: Components, cfg: Any, root: Path, log: RunLog) -> int | None:
+    """Load the checkpoint ``best.json`` names into the model and optimizer (collective over the group), for the
+    final test evaluation; its step, or None (no best named, or it never became complete: said in the log)."""
+    from freescale.checkpoint import complete_checkpoints
+    from freescale.resume import Resume
+
+    step = best_step(root)
+    if step is None:
+        return None
+    deadline = time.monotonic() + BEST_WAIT_S
+    while (path := dict(complete_checkpoints(root)).get(step)) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if path is None:
+        log.write("best_missing", step=step, root=str(root))
+        return None
+    Resume(cfg, root, None, "").load_into(parts, path)
+    log.write("best_loaded", step=step, path=str(path))
+    return step
 
 
 class Validation:
