@@ -60,6 +60,8 @@ class Resume:
             _say(parts.ctx, "the run is under way in other replica groups: catching up from them")
             return 0
         parts.feed.load_state_dict(self._data_state(path, meta, parts))
+        if parts.validation is not None and meta.get("validation"):  # the best so far, the validations since it
+            parts.validation.tracker.load_state_dict(meta["validation"])
         log.write("resume", step=step, path=str(path), conversions=notes)
         _say(parts.ctx, f"resumed from {path} at step {step}")
         for note in notes:

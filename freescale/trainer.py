@@ -173,6 +173,8 @@ class Trainer:
         if parts.replicas is not None:
             self._warm_up(parts, parts.replicas, log)
             parts.replicas.start()
+        if parts.validation is not None:
+            parts.validation.resumed(parts, log, start_step, self._checkpoint_root)
         progress = Progress(log, cfg.train.steps, start_step, cfg.model.kind,
                             ctx.is_main and cfg.train.progress, ctx.device.type == "cpu",
                             parts.loader.global_batch_size, label=f"group {parts.group}  " if parts.groups > 1 else "",
@@ -205,7 +207,8 @@ class Trainer:
             summary.eval_metrics = {k: v for k, v in result.items() if k != "samples"}
             summary.eval_loss, summary.eval_auc, summary.eval_ne = (result.get(k) for k in ("loss", "auc", "ne"))
             log.write("eval", **result, **({"best_step": best} if best is not None else {}))
-            summary.validation["evaluated_best"] = best is not None
+            if validation is not None:
+                summary.validation["evaluated_best"] = best is not None
         log.write("summary", **asdict(summary), skipped=skipped,
                   pending_rows=parts.loader.state_dict().get("carry", []))
         return summary
@@ -368,7 +371,8 @@ class Trainer:
         self._write_lazy(log)  # a save whose tables are still being copied goes first (checkpoints in order)
         start, done, writer = time.perf_counter(), commit.step + 1, self._writer
         meta = {"data": parts.feed.state_dict(), "world_size": parts.feed.group_size, "config": to_dict(self.cfg),
-                "ft": {"replicas": parts.groups}, "plan": reshard.plan_summary(parts.dmp)}
+                "ft": {"replicas": parts.groups}, "plan": reshard.plan_summary(parts.dmp),
+                "validation": parts.validation.tracker.state_dict() if parts.validation is not None else None}
         live = raw_state(parts)
         if writer.asynchronous and parts.staging is not None and done < self.cfg.train.steps:
             parts.staging.begin(live, done, lambda steps: _agreed_max(parts.ctx, steps),

@@ -278,6 +278,12 @@ class Validation:
                 decided.append((done, value, self.tracker.observe(done, value)))
             else:
                 self.share.offer(done, value)
+        self._decided(decided, parts, log, owner, root)
+        return self.tracker.stop_at is not None
+
+    def _decided(self, decided: list[tuple[int, float, bool]], parts: Components, log: RunLog, owner: bool,
+                 root: Path) -> None:
+        """Log each decision, name a new best in ``best.json`` (``owner``: this group writes), say it."""
         for step, value, better in decided:
             t = self.tracker
             log.write("validation_decision", step=step, metric=t.metric, value=value, best=better,
@@ -291,7 +297,18 @@ class Validation:
                 say(f"freescale: {group}validation at step {step}: {t.metric} {value:.4f}"
                     f"{' (best)' if better else f' (best {t.best_value:.4f} at step {t.best_step})'}"
                     f"{'; early stop: ' + str(t.patience) + ' validations without improvement' if t.stop_at == step else ''}")
-        return self.tracker.stop_at is not None
+
+    def resumed(self, parts: Components, log: RunLog, start: int, root: Path) -> None:
+        """The run resumed at ``start`` from a checkpoint (its tracker loaded with it): a validation due there
+        whose decision the checkpoint does not hold (with replica groups it comes with the next step) is made
+        again, from the same state."""
+        t = self.tracker
+        if start and self.due(start) and not (t.history and t.history[-1][0] >= start):
+            value = self.run(parts, log, start)
+            if self.share is not None:
+                self.share.offer(start, value)
+            else:
+                self._decided([(start, value, t.observe(start, value))], parts, log, True, root)
 
     def run(self, parts: Components, log: RunLog, done: int) -> float:
         """Validate the state after ``done`` steps (collective over the group), log it; the metric's value."""

@@ -50,9 +50,9 @@ def events(log: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """20k train / 4k eval rows, generated once per session through the library."""
+    """20k train / 4k eval (test) / 2k validation rows, generated once per session through the library."""
     from freescale.dataloader import SyntheticSpec, generate
 
     out = tmp_path_factory.mktemp("data") / "tiny"
-    generate(out, SyntheticSpec(rows=20_000, eval_rows=4_096, row_group_size=4_096, seed=0))
+    generate(out, SyntheticSpec(rows=20_000, eval_rows=4_096, valid_rows=2_048, row_group_size=4_096, seed=0))
     return out

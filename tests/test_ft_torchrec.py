@@ -88,8 +88,10 @@ def test_replicas_stay_identical_and_every_group_lost_resumes_from_checkpoint(ti
     SIGKILLed at step 11 (no restarts: the job fails); a second job with ``checkpoint.resume``
     starts both groups from the latest checkpoint group 0 committed (saves every 3 steps, written in
     the background: the one of step 9 may still be in flight at the kill), and each later step's whole
-    state equals the first job's."""
-    out, every = tmp_path / "lost", ["--checkpoint.every", "3", "--checkpoint.save_final", "false"]
+    state equals the first job's.  Both jobs validate every 3 steps: the groups' metrics are the same to the
+    bit, and the resumed job makes again, from the checkpoint, the decision the first one had made there
+    (the best step so far travels in the checkpoint)."""
+    out, every = tmp_path / "lost", ["--checkpoint.every", "3", "--checkpoint.save_final", "false", "--eval.every", "3"]
     killed = subprocess.run(launch_args(out, tiny_data, 2, 1, 12, "dlrm", 0, *every), cwd=REPO,
                             env=fault_env("*:0:11:forward"), capture_output=True, text=True, timeout=240)
     assert killed.returncode != 0 and (out / "replica0" / "rank0.killed").exists()
@@ -100,6 +102,11 @@ def test_replicas_stay_identical_and_every_group_lost_resumes_from_checkpoint(ti
         assert e["digest"] == first[1][step]["digest"], f"step {step}: the groups differ"
     saved = [e["step"] for e in logs(out)[(0, 0)] if e.get("event") == "checkpoint"]
     assert saved and set(saved) <= {3, 6, 9}, saved
+    checks = {g: {e["step"]: e for e in events if e.get("event") == "validate"} for (g, _), events in logs(out).items()}
+    assert sorted(checks[0]) == sorted(checks[1]) == [3, 6, 9]
+    assert all({k: checks[0][s][k] for k in ("auc", "ne", "loss")} == {k: checks[1][s][k] for k in ("auc", "ne", "loss")}
+               for s in (3, 6, 9)), "the groups' validations differ"
+    decided = {e["step"]: e for e in logs(out)[(0, 0)] if e.get("event") == "validation_decision"}
     resumed = subprocess.run(launch_args(out, tiny_data, 2, 1, 12, "dlrm", 0, *every, "--checkpoint.resume", "true"),
                              cwd=REPO, env=fault_env(""), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -115,6 +122,12 @@ def test_replicas_stay_identical_and_every_group_lost_resumes_from_checkpoint(ti
         for step, e in after.items():
             if step in first[0]:
                 assert e["digest"] == first[0][step]["digest"], f"group {group}, step {step}: differs after the resume"
+        again = {e["step"]: e for e in events[starts[0]:] if e.get("event") == "validation_decision"}
+        assert sorted(again) == list(range(saved[-1], 13, 3)), sorted(again)
+        for key in ("value", "best", "best_step", "since_best"):
+            assert again[saved[-1]][key] == decided[saved[-1]][key], (group, key)
+        best = json.loads((out / "checkpoints" / "best.json").read_text())["step"]
+        assert best == again[12]["best_step"] and (out / "checkpoints" / f"step_{best:09d}").is_dir()
 
 
 REFERENCE_STEPS = 6
