@@ -8,7 +8,8 @@ the event's step:
 - ``step`` (every ``train.log_every`` steps): loss, AUC, NE, samples/s, imbalance, bubble, loader wait;
 - ``commit`` (every step): step time, busy time, batch wait, the LR factor and gradient norm where a
   schedule or clipping is on, and with replica groups the groups that took part and the exchange times;
-- ``eval``: the held-out metrics at the last step;
+- ``validate`` (every ``eval.every`` steps): the validation split's metrics and the seconds they took;
+- ``eval``: the held-out (test) metrics at the end (of the best validated step, with ``eval.keep_best``);
 - ``catch_up`` and ``resume``: ``ft/recoveries`` and ``checkpoint/resumes`` counted up.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 
 from freescale.config import ConfigError
 
-SCALAR_EVENTS = ("step", "commit", "eval")
+SCALAR_EVENTS = ("step", "commit", "validate", "eval")
 COUNTED_EVENTS = {"catch_up": "ft/recoveries", "resume": "checkpoint/resumes", "fail_slow": "balance/fail_slow"}
 
 

@@ -134,7 +134,8 @@ def test_single_process_train_without_torchrun_resumes_under_another_shape_and_i
     monkeypatch.setenv("FREESCALE_AUDIT", "1")  # each commit record holds the rows it trained
     train = ["train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
              f"--train.output_dir={tmp_path}", "--train.eval=false"]
-    code, out, err = run_main(capsys, *train, "--train.steps=5", "--train.log_every=5", "--log.tensorboard=true")
+    code, out, err = run_main(capsys, *train, "--train.steps=5", "--train.log_every=5", "--log.tensorboard=true",
+                              "--eval.every=5")
     assert code == 0, err[-3000:]
     assert "freescale: dlrm on 1 rank(s)" in out
     # The run log's numbers as TensorBoard scalars too, at their steps (the JSONL log is unchanged).
@@ -142,7 +143,8 @@ def test_single_process_train_without_torchrun_resumes_under_another_shape_and_i
 
     board = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     tags = set(board.Tags()["scalars"])
-    assert {"step/loss", "step/auc", "step/imbalance", "commit/seconds", "commit/batch_wait_s"} <= tags, tags
+    assert {"step/loss", "step/auc", "step/imbalance", "commit/seconds", "commit/batch_wait_s", "validate/auc"} <= tags, tags
+    assert [e.step for e in board.Scalars("validate/auc")] == [5]
     assert [e.step for e in board.Scalars("commit/seconds")] == list(range(5))
     assert [e.step for e in board.Scalars("step/loss")] == [5]
     summary = [e for e in read_log(tmp_path) if e["event"] == "summary"][0]

@@ -59,9 +59,15 @@ def test_report_of_a_run_without_fault_tolerance(tmp_path: Path) -> None:
     """A plain run's commits carry no quorum fields: the per-step figures, no timeline."""
     commits = [{"event": "commit", "time": 1.0 + s, "step": s, "samples": 64, "seconds": 0.1, "batch_wait_s": 0.001,
                 "busy_s": 0.05} for s in range(5)]
+    checks = [{"event": "validate", "time": 1.5 + s, "step": s, "auc": 0.7 + 0.01 * s} for s in (2, 4)]
+    checks += [{"event": "validation_decision", "time": 5.5, "step": 4, "best_step": 4}]
+    summary = {"event": "summary", "time": 6.0, "eval_metrics": {"auc": 0.74},
+               "validation": {"best_step": 4, "evaluated_best": True}}
     _write(tmp_path / "train_log.jsonl", [{"event": "start", "time": 0.5, "world_size": 2, "incarnation": 0,
-                                            "config": {"model": {"kind": "dlrm"}}}, *commits])
+                                            "config": {"model": {"kind": "dlrm"}}}, *commits, *checks,
+                                           {"event": "eval", "time": 5.9, "auc": 0.74, "best_step": 4}, summary])
     page = write_report(tmp_path, tmp_path / "new" / "out.html").read_text()  # --out's directory is created
+    assert "AUC 0.7400 (best validated step 4)" in page
     assert page.count("data:image/png;base64,") == 2 and "Fault tolerance timeline" not in page
     assert "no kill, restart, catch-up or redo" in page and "Reading the logs" not in page
 

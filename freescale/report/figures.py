@@ -112,10 +112,19 @@ def fig_quality(run: RunLogs) -> Any:
         for ax, key in ((axes[0], "loss"), (axes[1], quality)):
             x, y = _windows(g, key)
             ax.plot(x, y, "o-", color=color(g.group), label=f"train {key}, group {g.group}")
+        checks = [e for e in g.of("validate") if isinstance(e.get(quality), (int, float))]
+        if checks:
+            axes[1].plot([e["step"] for e in checks], [e[quality] for e in checks], "s--", color=color(g.group),
+                         label=f"validation {shown}, group {g.group}")
+        decisions = g.of("validation_decision")
+        if decisions and decisions[-1].get("best_step", -1) >= 0:
+            axes[1].axvline(decisions[-1]["best_step"], color=color(g.group), ls=":", lw=1)
+            axes[1].annotate("best", (decisions[-1]["best_step"], 0.05), xycoords=("data", "axes fraction"), fontsize=7)
         evals = [e for e in g.of("eval") if isinstance(e.get(quality), (int, float))]
         last = g.commits[-1]["step"] if g.commits else 0
         for e in evals:
-            axes[1].plot([last], [e[quality]], "*", ms=12, color=color(g.group), label=f"eval {shown}, group {g.group}")
+            at = e.get("best_step", last)  # the test evaluation of the best validated step, or of the last
+            axes[1].plot([at], [e[quality]], "*", ms=12, color=color(g.group), label=f"eval {shown}, group {g.group}")
         commits = g.commits
         axes[2].step(*gapped([c["step"] for c in commits], [c.get("weight", c.get("samples", 0)) for c in commits],
                              g.stride), where="post", color=color(g.group), label=f"samples trained by group {g.group}")
@@ -126,8 +135,9 @@ def fig_quality(run: RunLogs) -> Any:
     axes[1].set_ylabel(shown)
     axes[2].set_ylabel("samples / step")
     axes[2].set_xlabel("step")
-    titles = ["training loss per log window", f"training {shown} per log window (stars: eval)" if not retrieval
-              else "eval HR@10 (star; training reports the sampled loss only)",
+    titles = ["training loss per log window", f"training {shown} per log window (squares: validation; stars: the "
+              "test evaluation, at the best validated step when one was kept)" if not retrieval
+              else "validation HR@10 (squares) and test HR@10 (star; training reports the sampled loss only)",
               "capacity: samples each group trained per step (a lost group's rows move to the others); calibrations"]
     return _finish(fig, axes, run, titles, legend_at="best")
 

@@ -53,6 +53,8 @@ FIELDS: dict[str, dict[str, tuple[str, bool]]] = {
     "checkpoint": {"step": (INT, True)},
     "calibrate": {"step": (INT, True)},
     "eval": {"auc": (NUM_OR_NULL, False)},
+    "validate": {"step": (INT, True)},
+    "validation_decision": {"step": (INT, True), "best_step": (INT, False)},
     "summary": {"samples_per_s": (NUM_OR_NULL, False), "train_loss": (NUM_OR_NULL, False),
                 "train_auc": (NUM_OR_NULL, False)},
 }

@@ -57,10 +57,13 @@ def _eval_quality(summary: dict[str, Any]) -> str:
     """The evaluation's headline: AUC of a ranker, HR@10 of a retrieval run."""
     found = summary.get("eval_metrics")
     metrics: dict[str, Any] = found if isinstance(found, dict) else {}
+    validation = summary.get("validation")
+    best = validation.get("best_step", -1) if isinstance(validation, dict) and validation.get("evaluated_best") else -1
     for key, shown in (("auc", "AUC"), ("hr@10", "HR@10")):
         value = metrics.get(key, summary.get("eval_auc") if key == "auc" else None)
         if isinstance(value, (int, float)):
-            return f"{shown} {value:.4f}"
+            return f"{shown} {value:.4f}" + (f" (best validated step {best:,})" if isinstance(best, int) and best >= 0
+                                              else "")
     return "-"
 
 
