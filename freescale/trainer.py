@@ -201,7 +201,7 @@ class Trainer:
                                   "best_value": validation.tracker.best_value, "seconds": validation.seconds,
                                   "evaluations": len(validation.tracker.history)}
         if cfg.train.eval and not summary.finished_elsewhere and parts.dataset.samples("eval") >= ctx.world_size:
-            best = load_best(parts, cfg, self._checkpoint_root, log) \
+            best = load_best(parts, cfg, self._checkpoint_root, log, validation.tracker.best_step) \
                 if validation is not None and validation.keep_best else None
             result = evaluate(parts, parts.engine.detach(), "eval", cfg.train.seed, cfg.model)
             summary.eval_metrics = {k: v for k, v in result.items() if k != "samples"}

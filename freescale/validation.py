@@ -217,7 +217,7 @@ def mark_best(root: Path, step: int, metric: str, value: float) -> None:
     from freescale.checkpoint import step_dir
 
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / (BEST_NAME + ".tmp")
+    tmp = root / f"{BEST_NAME}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"step": step, "metric": metric, "value": value, "path": step_dir(root, step).name}))
     os.replace(tmp, root / BEST_NAME)
 
@@ -235,14 +235,15 @@ BEST_WAIT_S = 300.0
 still be writing it) before it gives up and evaluates the state it ends with."""
 
 
-def load_best(parts: Components, cfg: Any, root: Path, log: RunLog) -> int | None:
-    """Load the checkpoint ``best.json`` names into the model and optimizer (collective over the group), for the
-    final test evaluation; its step, or None (no best named, or it never became complete: said in the log)."""
+def load_best(parts: Components, cfg: Any, root: Path, log: RunLog, step: int) -> int | None:
+    """Load the best validated step's checkpoint (``step``: the tracker's, the same in every group; ``best.json``,
+    which one group writes, may not name it yet when another group gets here) into the model and optimizer
+    (collective over the group), for the final test evaluation; its step, or None (no best, or its checkpoint
+    never became complete: said in the log)."""
     from freescale.checkpoint import complete_checkpoints
     from freescale.resume import Resume
 
-    step = best_step(root)
-    if step is None:
+    if step < 0:
         return None
     deadline = time.monotonic() + BEST_WAIT_S
     while (path := dict(complete_checkpoints(root)).get(step)) is None and time.monotonic() < deadline:
@@ -288,7 +289,7 @@ class Validation:
             t = self.tracker
             log.write("validation_decision", step=step, metric=t.metric, value=value, best=better,
                       best_step=t.best_step, best_value=t.best_value, since_best=t.since_best, stop_at=t.stop_at)
-            if better and self.keep_best and owner:
+            if better and self.keep_best and owner and parts.ctx.is_main:
                 mark_best(root, step, t.metric, value)
             if parts.ctx.is_main:
                 from freescale.rank_console import say
