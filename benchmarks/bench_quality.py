@@ -68,11 +68,12 @@ SHARES = ("share hr@10", "share mrr")
 
 
 def prepare(log: Path, data: Path, user: str = "userId", item: str = "movieId", time: str = "timestamp") -> Path:
-    """``freescale prepare`` of a ratings log (label ``rating >= 4``, leave-last-out), once per path."""
+    """``freescale prepare`` of a ratings log (label ``rating >= 4``, leave-last-out; no validation split: these
+    figures train a fixed number of steps on every interaction before the held-out one), once per path."""
     if not data.exists():
         subprocess.run([sys.executable, "-m", "freescale.cli", "prepare", str(log), "--out", str(data), "--user",
                         user, "--item", item, "--time", time, "--label", "rating", "--rating-threshold", "4",
-                        "--no-progress"], check=True, capture_output=True, cwd=REPO)
+                        "--validation", "none", "--no-progress"], check=True, capture_output=True, cwd=REPO)
     return data
 
 

@@ -194,7 +194,7 @@ def _write_sequences(spark: Any, spec: PrepareSpec, rule: SplitRule, partitions:
         part = WriteResult(**json.loads(row["result"]))
         merged.files += part.files
         merged.max_length = max(merged.max_length, part.max_length)
-        for name in ("users", "interactions", "train_samples", "eval_samples", "bytes_written", "row_groups"):
+        for name in ("users", "interactions", "train_samples", "valid_samples", "eval_samples", "bytes_written", "row_groups"):
             setattr(merged, name, getattr(merged, name) + getattr(part, name))
     return merged
 

@@ -126,6 +126,8 @@ def _train_step(parts: Any, step: int, rows: list[int], shares: dict[int, Share]
         for group, (logged, rank_rows, scale) in sorted(shares.items()):
             got = model(loader.batch_of(np.asarray(rank_rows), scale, (0, step)))[0]
             pairs.append(LossPair(step, group, logged, float(got)))
+    if not rows:  # nothing trained (or the step was skipped as non-finite): no update
+        return pairs
     model.train()
     parts.optimizer.zero_grad(set_to_none=True)
     update.before_tables(step)
@@ -175,7 +177,7 @@ def _committed_steps(out: Path) -> dict[int, tuple[list[int], dict[int, Share]]]
             if "rank_rows" not in e:
                 raise ValueError(f"{out}: group {group}'s step {step} was not audited "
                                  "(run it with FREESCALE_AUDIT=1)")
-            _, shares = steps.setdefault(step, (e["rows"], {}))
+            _, shares = steps.setdefault(step, ([] if e.get("nonfinite_skipped") else e["rows"], {}))
             if e.get("contributing", True) and e["loss"] is not None and e["rank_rows"]:
                 shares[group] = (e["loss"], e["rank_rows"], e["loss_scale"])
     return dict(sorted(steps.items()))

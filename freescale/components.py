@@ -49,7 +49,15 @@ from freescale.step_types import ReplicaRun, StepSync
 from freescale.table_init import init_tables, table_bounds
 from freescale.tasks import Task, task_of
 from freescale.testing import StepHooks, hooks_from_env
-from freescale.validation import BestTracker, EvalConfig, Validation, ValidationShare, default_metric, validation_steps
+from freescale.validation import (
+    BestTracker,
+    EvalConfig,
+    Validation,
+    ValidationShare,
+    check_validation,
+    default_metric,
+    validation_steps,
+)
 
 
 @dataclass
@@ -129,7 +137,7 @@ def prepare(cfg: TrainerConfig) -> None:
         raise ConfigError("log.tensorboard: needs the tensorboard package (pip install 'freescale[tensorboard]')")
     if "data_parallel" in cfg.optim.sharding_types().values():
         refuse_replicated_tables(cfg, ["optim.sharding"])
-    if cfg.optim.warmup_steps > cfg.train.steps:
+    if cfg.optim.warmup_steps > cfg.train.steps and not cfg.train.epochs:  # (with epochs: checked once known)
         raise ConfigError(f"optim.warmup_steps: {cfg.optim.warmup_steps:,} is more than train.steps "
                           f"({cfg.train.steps:,}): the whole run would train at a fraction of the learning rate; "
                           "lower it")
@@ -214,11 +222,20 @@ class Components:
             self.replicas.close()
 
 
-def segment_end_of(every: int, end: int, validate_every: int = 0) -> Callable[[int], int]:
-    """Next step at which the pipeline holds no read-ahead batch after ``step``: a checkpoint, a validation or
-    the end."""
+def segment_end_of(every: int, end: int, validate_every: int = 0, decided_after: int = 0) -> Callable[[int], int]:
+    """Next step at which the pipeline holds no read-ahead batch after ``step``: a checkpoint, a validation (and,
+    ``decided_after`` steps after it, the commit where replica groups learn its decision: an early stop's
+    checkpoint) or the end."""
     periods = [p for p in (every, validate_every) if p]
-    return lambda step: min([end, *((step // p + 1) * p for p in periods)])
+
+    def end_of(step: int) -> int:
+        ends = [(step // p + 1) * p for p in periods]
+        if validate_every and decided_after:  # the next k * validate_every + decided_after after ``step``
+            first = validate_every + decided_after
+            ends.append(max(first, (step - decided_after) // validate_every * validate_every + first))
+        return min([end, *ends])
+
+    return end_of
 
 
 def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) -> Components:
@@ -255,9 +272,10 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
         seed=cfg.train.seed, training=True, pin_memory=ctx.device.type == "cuda", group_size=group_ranks,
         timestamps=bool(getattr(model, "reads_timestamps", False)), sampled_items=getattr(model, "sampled_items", 0),
     )
-    validation = _validation(cfg, loader.steps_per_epoch, task_of(dmp).name, ft_on)
+    validation = _validation(cfg, loader.steps_per_epoch, task_of(dmp).name, ft_on, dataset, ctx.world_size)
     feed = StepFeed(loader, group, group_ranks, groups, cfg.pipeline.read_ahead,
-                    segment_end_of(cfg.checkpoint.every, cfg.train.steps, validation.every if validation else 0))
+                    segment_end_of(cfg.checkpoint.every, cfg.train.steps, validation.every if validation else 0,
+                                   1 if ft_on else 0))
     hooks = hooks_from_env(group, ctx.rank, incarnation(), log_dir)
     if hooks.wants("data"):
         loader.made = hooks.stretch_data
@@ -302,12 +320,16 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
                       log_dir, staging, speed, shared, validation)
 
 
-def _validation(cfg: TrainerConfig, steps_per_epoch: int, task: str, ft_on: bool) -> Validation | None:
-    """Validation during training as configured (``eval``, ``train.early_stop``), or None."""
+def _validation(cfg: TrainerConfig, steps_per_epoch: int, task: str, ft_on: bool, dataset: Dataset,
+                ranks: int) -> Validation | None:
+    """Validation during training as configured (``eval``, ``train.early_stop``), or None; what cannot run is
+    refused here, in one line, before the first step."""
     every = validation_steps(cfg.eval.every, steps_per_epoch)
     if not every:
         return None
-    tracker = BestTracker(cfg.eval.metric or default_metric(task), cfg.train.early_stop)
+    metric = cfg.eval.metric or default_metric(task)
+    check_validation(cfg.eval.split, metric, task, dataset.samples(cfg.eval.split), ranks, cfg.data.path)
+    tracker = BestTracker(metric, cfg.train.early_stop)
     return Validation(every, cfg.eval.split, tracker, cfg.eval.keep_best, cfg.train.seed, cfg.model,
                       ValidationShare(tracker) if ft_on else None)
 

@@ -23,6 +23,8 @@ from torch import nn
 
 from freescale.reshard import sharded_tensor_calls
 
+EMBEDDING_MODULES = ("embedding_bags", "embeddings")
+"""Where torchrec's collections keep their tables (``...embedding_bags.<table>.weight``)."""
 BLOCK_ROWS = 4096
 """Rows drawn from one generator: small enough that a shard's edges cost little, large enough that a table of
 10^8 rows needs ~24k generators."""
@@ -52,7 +54,7 @@ def init_tables(state: dict[str, Any], bounds: dict[str, tuple[float, float]], s
     the tables) with the plan-independent values of the module docstring."""
     for key, value in state.items():
         parts = key.split(".")
-        if len(parts) < 2 or parts[-1] != "weight" or parts[-2] not in bounds:
+        if len(parts) < 3 or parts[-1] != "weight" or parts[-2] not in bounds or parts[-3] not in EMBEDDING_MODULES:
             continue
         table = parts[-2]
         shards = [(s.tensor, *s.metadata.shard_offsets) for s in value.local_shards()] \

@@ -32,6 +32,7 @@ is the same code with or without ``--replicas``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import time
@@ -58,7 +59,7 @@ from freescale.resume import Resume, raw_state
 from freescale.run_log import Progress, RunLog
 from freescale.step_stats import Calibration
 from freescale.step_types import Commit, JobFinished, NonFiniteError, ReplicaRun, StepOutcome
-from freescale.validation import Validation, epoch_steps, evaluate, load_best
+from freescale.validation import Validation, epoch_steps, test_evaluation
 
 
 @dataclass
@@ -135,8 +136,7 @@ class Trainer:
         ctx = init_distributed(cfg.dist)
         try:
             if cfg.train.epochs:
-                slots = cfg.ft.replicas * (cfg.ft.group_ranks or ctx.world_size) if cfg.ft.enabled else ctx.world_size
-                cfg.train.steps = epoch_steps(cfg.train.epochs, dataset.samples("train"), cfg.data.batch_size, slots)
+                cfg.train.steps = epoch_steps(cfg, dataset.samples("train"), ctx.world_size)
             parts = build(cfg, ctx, dataset)
             log = RunLog(parts.log_dir / "train_log.jsonl" if ctx.is_main else None, self._sinks(parts))
             try:
@@ -191,24 +191,13 @@ class Trainer:
             model=cfg.model.kind, world_size=ctx.world_size, start_step=start_step, steps=committed,
             samples=int(run["samples"]), seconds=seconds, samples_per_s=progress.samples_per_s,
             train_loss=run["loss"], train_auc=run.get("auc"), checkpoint=str(last_ckpt) if last_ckpt else None,
-            skipped_rows=sum(skipped.values()), task=parts.task.name,
-        )
-        summary.state_digest = state_digest(parts.dmp, parts.optimizer)
-        summary.finished_elsewhere = finished_elsewhere and committed == 0
-        validation = parts.validation
-        if validation is not None:
-            summary.validation = {"metric": validation.tracker.metric, "best_step": validation.tracker.best_step,
-                                  "best_value": validation.tracker.best_value, "seconds": validation.seconds,
-                                  "evaluations": len(validation.tracker.history)}
+            skipped_rows=sum(skipped.values()), task=parts.task.name, state_digest=state_digest(parts.dmp, parts.optimizer),
+            finished_elsewhere=finished_elsewhere and committed == 0)
         if cfg.train.eval and not summary.finished_elsewhere and parts.dataset.samples("eval") >= ctx.world_size:
-            best = load_best(parts, cfg, self._checkpoint_root, log, validation.tracker.best_step) \
-                if validation is not None and validation.keep_best else None
-            result = evaluate(parts, parts.engine.detach(), "eval", cfg.train.seed, cfg.model)
+            result = test_evaluation(parts, cfg, self._checkpoint_root, log)
             summary.eval_metrics = {k: v for k, v in result.items() if k != "samples"}
             summary.eval_loss, summary.eval_auc, summary.eval_ne = (result.get(k) for k in ("loss", "auc", "ne"))
-            log.write("eval", **result, **({"best_step": best} if best is not None else {}))
-            if validation is not None:
-                summary.validation["evaluated_best"] = best is not None
+        summary.validation = parts.validation.summary() if parts.validation is not None else {}
         log.write("summary", **asdict(summary), skipped=skipped,
                   pending_rows=parts.loader.state_dict().get("carry", []))
         return summary
@@ -254,6 +243,9 @@ class Trainer:
     def _train_steps(self, parts: Components, log: RunLog, progress: Progress, start_step: int) -> tuple[int, bool]:
         """(Steps committed with valid state, whether another replica group finished the run first.)"""
         cfg, steps = self.cfg, self.cfg.train.steps
+        if parts.validation is not None and parts.validation.stopped_before(log, start_step):
+            self.stopped_at = start_step - 1
+            return 0, False
         calibration = Calibration() if cfg.data.calibrate_every else None
         step, committed, first, trained_since_report = start_step, 0, True, 0
         while step < steps:
@@ -305,7 +297,7 @@ class Trainer:
             if calibration is not None and done % cfg.data.calibrate_every == 0 and done != steps:
                 self._calibrate(parts, log, calibration, done)
             stop = parts.validation is not None and parts.validation.after_commit(
-                parts, log, done, parts.replicas is None or parts.replicas.owns_checkpoint(commit),
+                parts, log, commit, functools.partial(self._owns_checkpoint, parts, commit),
                 self._checkpoint_root, last=done == steps)
             if self._checkpoint_due(done, parts.validation) or (stop and self.cfg.checkpoint.save_final):
                 self._save(parts, log, commit)
@@ -351,6 +343,11 @@ class Trainer:
         log.write("commit", **record)
 
     # ------------------------------------------------------------------------------ checkpoints
+    @staticmethod
+    def _owns_checkpoint(parts: Components, commit: Commit) -> bool:
+        """Whether this group writes ``commit``'s checkpoint (with replica groups: collective over the group)."""
+        return parts.replicas is None or parts.replicas.owns_checkpoint(commit)
+
     @property
     def _checkpoint_root(self) -> Path:
         c = self.cfg.checkpoint

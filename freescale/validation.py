@@ -26,6 +26,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,16 +84,47 @@ def validation_steps(every: str, steps_per_epoch: int) -> int:
     return max(1, round(value * steps_per_epoch)) if epochs and value else int(value)
 
 
-def epoch_steps(epochs: int, samples: int, batch_size: int, rank_slots: int) -> int:
-    """``train.epochs`` in steps: ``samples`` of the training split over the global batch (``batch_size`` a rank
-    slot), times ``epochs`` (the loader's epoch: whole global batches)."""
-    per_epoch = samples // max(batch_size * rank_slots, 1)
-    if per_epoch == 0:
-        from freescale.config import ConfigError
+def epoch_steps(cfg: Any, samples: int, world_size: int) -> int:
+    """``train.epochs`` in steps: ``samples`` of the training split over the global batch (``data.batch_size`` a
+    rank slot: every group's whole ranks with replica groups), times the epochs (the loader's epoch: whole global
+    batches).  Refuses a warm-up longer than that (``components.prepare`` could not check it)."""
+    from freescale.config import ConfigError
 
+    epochs, batch_size = cfg.train.epochs, cfg.data.batch_size
+    slots = cfg.ft.replicas * (cfg.ft.group_ranks or world_size) if cfg.ft.enabled else world_size
+    per_epoch = samples // max(batch_size * slots, 1)
+    if per_epoch == 0:
         raise ConfigError(f"train.epochs: the training split has {samples:,} samples, fewer than one global batch "
-                          f"({batch_size} x {rank_slots} rank slots)")
+                          f"({batch_size} x {slots} rank slots)")
+    if cfg.optim.warmup_steps > epochs * per_epoch:
+        raise ConfigError(f"optim.warmup_steps: {cfg.optim.warmup_steps:,} is more than train.epochs = {epochs} "
+                          f"makes ({epochs * per_epoch:,} steps): the whole run would train at a fraction of the rate")
     return epochs * per_epoch
+
+
+def task_metrics(task: str) -> tuple[str, ...]:
+    """What an evaluation of ``task`` reports (``freescale.tasks``)."""
+    if task == "retrieval":
+        from freescale.retrieval import HIT_KS, NDCG_KS
+
+        return (*(f"hr@{k}" for k in HIT_KS), *(f"ndcg@{k}" for k in NDCG_KS), "mrr")
+    return ("loss", "auc", "ne")
+
+
+def check_validation(split: str, metric: str, task: str, samples: int, ranks: int, data: str) -> None:
+    """One line for a validation that cannot run: the test split, an unknown metric, a split too small or absent."""
+    from freescale.config import ConfigError
+
+    if split == "eval":
+        raise ConfigError("eval.split: 'eval' is the test split; the best step must be picked on another one "
+                          "('valid': freescale prepare --validation, gen-data --valid-rows)")
+    if metric not in task_metrics(task):
+        raise ConfigError(f"eval.metric: {metric!r} is not one a {task} evaluation reports "
+                          f"({', '.join(task_metrics(task))})")
+    if samples < ranks:
+        what = "no" if samples == 0 else f"{samples} (fewer than the group's {ranks} ranks)"
+        raise ConfigError(f"eval.every: {data} has {what} samples in its '{split}' split (freescale prepare "
+                          "--validation last writes one; gen-data --valid-rows N); or set eval.every = 0")
 
 
 def default_metric(task: str) -> str:
@@ -185,6 +217,7 @@ class ValidationShare:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tracker.load_state_dict(state["tracker"])
+        self.decided, self._pending = [], None  # (reached on the state just replaced)
 
 
 def evaluate(parts: Components, model: torch.nn.Module, split: str, seed: int, model_cfg: Any) -> dict[str, float]:
@@ -248,12 +281,30 @@ def load_best(parts: Components, cfg: Any, root: Path, log: RunLog, step: int) -
     deadline = time.monotonic() + BEST_WAIT_S
     while (path := dict(complete_checkpoints(root)).get(step)) is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    if path is None:
+    found = torch.tensor([int(path is not None)], dtype=torch.int64, device=parts.ctx.device)
+    if parts.ctx.world_size > 1:  # every rank of the group loads it, or none does (the load is collective)
+        import torch.distributed as dist
+
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    if path is None or not int(found[0]):
         log.write("best_missing", step=step, root=str(root))
         return None
     Resume(cfg, root, None, "").load_into(parts, path)
     log.write("best_loaded", step=step, path=str(path))
     return step
+
+
+def test_evaluation(parts: Components, cfg: Any, root: Path, log: RunLog) -> dict[str, float]:
+    """The final evaluation on the test split (``eval``), of the best validated step when one was kept (loaded
+    from its checkpoint), logged; its metrics."""
+    validation = parts.validation
+    best = load_best(parts, cfg, root, log, validation.tracker.best_step) \
+        if validation is not None and validation.keep_best else None
+    if validation is not None:
+        validation.evaluated_best = best is not None
+    result = evaluate(parts, parts.engine.detach(), "eval", cfg.train.seed, cfg.model)
+    log.write("eval", **result, **({"best_step": best} if best is not None else {}))
+    return result
 
 
 class Validation:
@@ -265,32 +316,55 @@ class Validation:
         self.model_cfg, self.share = model_cfg, share
         self.seconds = 0.0
         """Time spent validating, in all."""
+        self.evaluated_best = False
+        """The final test evaluation ran on the best validated step's checkpoint."""
+
+    def summary(self) -> dict[str, Any]:
+        """What the run's summary says of it."""
+        t = self.tracker
+        return {"metric": t.metric, "best_step": t.best_step, "best_value": t.best_value, "seconds": self.seconds,
+                "evaluations": len(t.history), "evaluated_best": self.evaluated_best}
+
+    def stopped_before(self, log: RunLog, start: int) -> bool:
+        """The run resumed from a checkpoint saved at its early stop: nothing is left to train (said in the log)."""
+        if self.tracker.stop_at is None:
+            return False
+        log.write("early_stop", step=start, since_best=self.tracker.since_best, resumed=True)
+        return True
 
     def due(self, done: int) -> bool:
         return done % self.every == 0
 
-    def after_commit(self, parts: Components, log: RunLog, done: int, owner: bool, root: Path, last: bool) -> bool:
-        """At each applied commit (``done`` steps): validate when due, act on the decisions reached (``owner``: this
-        group writes the checkpoints, and so ``best.json``); whether training stops here."""
+    def after_commit(self, parts: Components, log: RunLog, commit: Commit, owner: Callable[[], bool], root: Path,
+                     last: bool) -> bool:
+        """At each applied commit: validate when due, act on the decisions reached (``owner()``, collective over the
+        group, called only when a new best is to be named: whether this group writes the checkpoints, and so
+        ``best.json``); whether training stops here."""
+        done = commit.step + 1
         decided = self.take()
         if self.due(done):
             value = self.run(parts, log, done)
-            if self.share is None or last:  # (the last step has no later one to carry it: its own value decides)
+            if self.share is None:
+                decided.append((done, value, self.tracker.observe(done, value)))
+            elif not last:
+                self.share.offer(done, value)
+            elif len(set(commit.sizes.values())) <= 1:
+                # No later step carries the last value; groups of one size evaluate alike to the bit, so each decides
+                # from its own (the same on every group: ``commit.sizes`` is).
                 decided.append((done, value, self.tracker.observe(done, value)))
             else:
-                self.share.offer(done, value)
+                log.write("validation_undecided", step=done, reason="the last step, with groups of different sizes")
         self._decided(decided, parts, log, owner, root)
         return self.tracker.stop_at is not None
 
-    def _decided(self, decided: list[tuple[int, float, bool]], parts: Components, log: RunLog, owner: bool,
-                 root: Path) -> None:
-        """Log each decision, name a new best in ``best.json`` (``owner``: this group writes), say it."""
+    def _decided(self, decided: list[tuple[int, float, bool]], parts: Components, log: RunLog,
+                 owner: Callable[[], bool], root: Path) -> None:
+        """Log and say each decision; name the best in ``best.json`` once if any was a new best (several arrive
+        together after a catch-up: only the latest best is named, never an older one in between)."""
+        t = self.tracker
         for step, value, better in decided:
-            t = self.tracker
             log.write("validation_decision", step=step, metric=t.metric, value=value, best=better,
                       best_step=t.best_step, best_value=t.best_value, since_best=t.since_best, stop_at=t.stop_at)
-            if better and self.keep_best and owner and parts.ctx.is_main:
-                mark_best(root, step, t.metric, value)
             if parts.ctx.is_main:
                 from freescale.rank_console import say
 
@@ -298,6 +372,8 @@ class Validation:
                 say(f"freescale: {group}validation at step {step}: {t.metric} {value:.4f}"
                     f"{' (best)' if better else f' (best {t.best_value:.4f} at step {t.best_step})'}"
                     f"{'; early stop: ' + str(t.patience) + ' validations without improvement' if t.stop_at == step else ''}")
+        if self.keep_best and any(better for _, _, better in decided) and owner() and parts.ctx.is_main:
+            mark_best(root, t.best_step, t.metric, t.best_value)
 
     def resumed(self, parts: Components, log: RunLog, start: int, root: Path) -> None:
         """The run resumed at ``start`` from a checkpoint (its tracker loaded with it): a validation due there
@@ -309,7 +385,7 @@ class Validation:
             if self.share is not None:
                 self.share.offer(start, value)
             else:
-                self._decided([(start, value, t.observe(start, value))], parts, log, True, root)
+                self._decided([(start, value, t.observe(start, value))], parts, log, lambda: True, root)
 
     def run(self, parts: Components, log: RunLog, done: int) -> float:
         """Validate the state after ``done`` steps (collective over the group), log it; the metric's value."""
@@ -317,14 +393,8 @@ class Validation:
         metrics = evaluate(parts, parts.engine.detach(), self.split, self.seed, self.model_cfg)
         seconds = time.perf_counter() - start
         self.seconds += seconds
-        metric = self.tracker.metric
-        if metric not in metrics:
-            from freescale.config import ConfigError
-
-            raise ConfigError(f"eval.metric: {metric!r} is not one the evaluation reports "
-                              f"({', '.join(k for k in metrics if k != 'samples')})")
         log.write("validate", step=done, split=self.split, seconds=seconds, **metrics)
-        return float(metrics[metric])
+        return float(metrics[self.tracker.metric])
 
     def take(self) -> list[tuple[int, float, bool]]:
         """Decisions agreed across groups since the last call (none without replica groups)."""

@@ -172,14 +172,17 @@ class PositionsFetch:
     A rank of a group running on fewer ranks than its own holds the table shards of several positions
     (``freescale.shrunk_plan``): it takes its own position's snapshot (landing in place, its data side, RNGs and
     the rest come from it) and, beside it, each other position's from the peer rank serving that position,
-    only the shards (``only=shards``: the dense state is its own position's).  All must be of one step: a
+    only the shards (``only=shards``: the dense state is its own position's), into tensors of their own.  All must be of one step: a
     source that staged an older one is asked again for the newest (three times at most)."""
 
     def __init__(self, sources: list[list[str]], min_step: int, token: str, log: dict[str, Any],
                  own: dict[str, torch.Tensor] | None = None) -> None:
         self.sources, self.token = sources, token
+        # The other positions' shards land in tensors of their own, copied in at the load: a peer group on fewer
+        # ranks serves every position from one rank, so its shards may include this position's, which its own
+        # fetch writes in place; and a stale fetch, redone, must not leave its bytes in the rank's tensors.
         self.fetches = [SnapshotFetch(sources[0], min_step, token, log, own),
-                        *(SnapshotFetch(s, min_step, token, {}, own, shards_only=True) for s in sources[1:])]
+                        *(SnapshotFetch(s, min_step, token, {}, shards_only=True) for s in sources[1:])]
 
     def cancel(self) -> None:
         for fetch in self.fetches:

@@ -21,6 +21,7 @@ fence before it changes tensors that are being sent.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import secrets
@@ -80,10 +81,13 @@ def sub_payload(payload: Payload, entries: list[dict[str, Any]]) -> tuple[list[d
     tensor's bytes are always in a segment (only padding lies between segments)."""
     chosen: list[dict[str, Any]] = []
     segments: list[tuple[int, torch.Tensor]] = []
+    ends = [offset + segment.numel() for offset, segment in payload.segments]  # ascending: segments are in order
     at = 0
     for entry in sorted(entries, key=lambda e: e["offset"]):
         first, last = entry["offset"], entry["offset"] + entry["nbytes"]
-        for offset, segment in payload.segments:
+        for offset, segment in payload.segments[bisect.bisect_right(ends, first):]:  # the first that ends after it
+            if offset >= last:
+                break
             lo, hi = max(offset, first), min(offset + segment.numel(), last)
             if lo < hi:
                 segments.append((at + lo - first, segment[lo - offset:hi - offset]))

@@ -35,7 +35,10 @@ class _Sharded:
 def test_a_table_cut_any_way_holds_the_values_of_the_whole_table(cut: str) -> None:
     rows, width = 2 * BLOCK_ROWS + 123, 8
     whole = torch.zeros(rows, width)
-    init_tables({"ebc.embedding_bags.item_table.weight": whole}, {"item_table": (-0.1, 0.1)}, seed=7)
+    not_a_table = torch.zeros(2, 2)  # a dense layer that happens to share the table's name
+    init_tables({"ebc.embedding_bags.item_table.weight": whole, "mlp.item_table.weight": not_a_table},
+                {"item_table": (-0.1, 0.1)}, seed=7)
+    assert not not_a_table.any()
     assert whole.abs().max() <= 0.1 and whole.std() > 0.05
     row_cuts = [0, 1000, BLOCK_ROWS + 5, rows] if cut != "columns" else [0, rows]
     col_cuts = [0, 3, width] if cut != "rows" else [0, width]
@@ -47,5 +50,5 @@ def test_a_table_cut_any_way_holds_the_values_of_the_whole_table(cut: str) -> No
         r0, c0 = shard.metadata.shard_offsets
         assert torch.equal(shard.tensor, whole[r0:r0 + shard.tensor.size(0), c0:c0 + shard.tensor.size(1)])
     other = torch.zeros(rows, width)
-    init_tables({"x.item_table.weight": other}, {"item_table": (-0.1, 0.1)}, seed=8)
+    init_tables({"x.embedding_bags.item_table.weight": other}, {"item_table": (-0.1, 0.1)}, seed=8)
     assert not torch.equal(other, whole), "the seed should change the values"

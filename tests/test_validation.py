@@ -61,7 +61,7 @@ def _train(tiny_data: Path, out: Path, steps: int, *extra: str) -> list[dict[str
 def test_early_stop_keeps_the_best_step_and_validating_changes_no_step(
         tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run that validates every 10 steps stops 2 validations after its best; the best checkpoint survives
-    ``checkpoint.keep = 1`` and the final test evaluation runs on it.  A run without validation trained to that
+    ``checkpoint.keep = 1`` and the final test evaluation runs on it; resumed, it trains no further.  A run without validation trained to that
     best step took the same steps, bit for bit (the state hash of every step), and scores the same on the test
     split: validating changed nothing, and the kept checkpoint is the best step's state."""
     monkeypatch.setenv(AUDIT_ENV, "1")
@@ -78,6 +78,12 @@ def test_early_stop_keeps_the_best_step_and_validating_changes_no_step(
     assert sorted(p.name for p in root.glob("step_*")) == [f"step_{best:09d}", f"step_{best + 20:09d}"]
     final = [e for e in validated if e["event"] == "eval"]
     assert len(final) == 1 and final[0]["best_step"] == best
+    # Resumed from its last checkpoint (the stop's): it trains nothing more, and tests the best step again.
+    again = _train(tiny_data, tmp_path / "validated", 300, "--eval.every=10", "--train.early_stop=2",
+                   "--optim.dense_lr=0.03", "--checkpoint.resume=true")[len(validated):]
+    assert not [e for e in again if e["event"] == "commit"]
+    assert [e.get("resumed") for e in again if e["event"] == "early_stop"] == [True]
+    assert [e["best_step"] for e in again if e["event"] == "eval"] == [best]
     plain = _train(tiny_data, tmp_path / "plain", best, "--optim.dense_lr=0.03")
     assert not any(e["event"] == "validate" for e in plain)
     ours, theirs = commits_by_step(validated), commits_by_step(plain)
@@ -100,5 +106,10 @@ def test_epochs_set_the_steps_and_a_validation_needs_its_split_and_metric(
     assert "train.early_stop: stops after validations without improvement, and eval.every is 0" in capsys.readouterr().err
     assert main([*base, "--eval.every=10", "--eval.metric=ndcg@10"]) == 2
     err = capsys.readouterr().err
-    assert "eval.metric: 'ndcg@10' is not one the evaluation reports (loss, auc, ne)" in err and "Traceback" not in err
+    assert "eval.metric: 'ndcg@10' is not one a ranking evaluation reports (loss, auc, ne)" in err
+    assert "Traceback" not in err
+    assert main([*base, "--eval.every=10", "--eval.split=eval"]) == 2
+    assert "eval.split: 'eval' is the test split" in capsys.readouterr().err
+    assert main([*base, "--eval.every=10", "--eval.split=holdout"]) == 2
+    assert "has no samples in its 'holdout' split" in capsys.readouterr().err
     torch.manual_seed(0)  # (the in-process runs above reseeded it: leave a known state)
