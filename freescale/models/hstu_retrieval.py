@@ -39,7 +39,7 @@ from freescale.config import require
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS, SAMPLED_ITEMS
 from freescale.models.common import ModelOutput
-from freescale.models.hstu import HSTUConfig, HSTUStack
+from freescale.models.hstu import HSTUStack
 from freescale.retrieval import expected_log_count, sampled_softmax_loss
 from freescale.tasks import Retrieval
 
@@ -97,27 +97,30 @@ class HSTUNextItem(HSTUStack):
         return self.final_norm(self.encode(x_TD, offsets_B1, last_T - token_T, None, query_time_T, key_time_T))
 
 
-class HSTURetrievalModel(nn.Module):
+class RetrievalModel(nn.Module):
     """``forward(batch) -> (loss, (loss, loss_sum, positions, samples))`` in training, ``(0, (0, query_ND,
-    target_ids_N))`` in evaluation (module docstring; ``freescale.tasks`` reads the outputs)."""
+    target_ids_N))`` in evaluation (module docstring; ``freescale.tasks`` reads the outputs).  ``sequence``: the
+    next-item encoder, jagged history ``[T, D]`` in, each position's output ``[T, D]`` out (``HSTUNextItem``;
+    ``freescale.models.sasrec.SASRecNextItem``); ``reads_timestamps``: whether it takes the batch's times."""
 
     item_probs: torch.Tensor
 
-    def __init__(self, cfg: HSTUConfig, retrieval: RetrievalConfig, *, num_items: int, max_seq_len: int,
-                 embedding_device: torch.device, item_counts: torch.Tensor | None = None) -> None:
+    def __init__(self, sequence: nn.Module, embedding_dim: int, retrieval: RetrievalConfig, *, num_items: int,
+                 embedding_device: torch.device, item_counts: torch.Tensor | None = None,
+                 reads_timestamps: bool = False) -> None:
         super().__init__()
         self.retrieval = retrieval
         self.sparse_feature_names = [HISTORY_ITEMS, CANDIDATE_ITEM] + (
             [SAMPLED_ITEMS] if retrieval.uniform_negatives else [])
         self.sampled_items = retrieval.uniform_negatives
-        self.reads_timestamps = "time" in cfg.relative_bias
+        self.reads_timestamps = reads_timestamps
         self.task = Retrieval("item_table")
         self.item_embeddings = EmbeddingCollection(
-            tables=[EmbeddingConfig(name="item_table", embedding_dim=cfg.embedding_dim, num_embeddings=num_items,
+            tables=[EmbeddingConfig(name="item_table", embedding_dim=embedding_dim, num_embeddings=num_items,
                                     feature_names=list(self.sparse_feature_names))],
             device=embedding_device,
         )
-        self.sequence = HSTUNextItem(cfg, max_seq_len)
+        self.sequence = sequence
         # Add-one: an item never counted (seen only in histories, say) still has a finite log count.
         counts = (item_counts.double() if item_counts is not None else torch.zeros(num_items, dtype=torch.float64)) + 1
         self.register_buffer("item_probs", (counts / counts.sum()).float(), persistent=False)
