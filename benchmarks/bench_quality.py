@@ -64,7 +64,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 from common import write_json
-from quality_baselines import baselines, positions, ranked, transitions_knn, users_of
+from quality_baselines import baselines, positions, ranked, training_counts, transitions_knn, users_of
 
 from freescale.dataloader.synthetic_log import LogSpec, like_odds, next_item_odds, write_log
 from freescale.metrics import click_metrics
@@ -129,11 +129,9 @@ def retrieval_baselines(data: Path, num_items: int) -> dict[str, dict[str, float
     u = users_of(data)
     evaluate, train = positions(u)
     items = u["items"]
-    popularity = np.bincount(items[train], minlength=num_items).astype(np.float64)
+    popularity, follows = training_counts(u, train, num_items)
     target = items[evaluate]
     out = {"most popular": ranked(np.tile(popularity, (target.size, 1)), target)}
-    pairs = np.bincount(items[train - 1] * num_items + items[train], minlength=num_items * num_items)
-    follows = pairs.reshape(num_items, num_items).astype(np.float64)
     out["last-item co-occurrence"] = ranked(follows[items[evaluate - 1]] + popularity / (popularity.max() + 1), target)
     out["transitions + history kNN"] = ranked(transitions_knn(u, evaluate, follows, popularity), target)
     return out

@@ -59,8 +59,12 @@ def ranked(scores: np.ndarray, target: np.ndarray) -> dict[str, float]:
     return {k: float(v.mean()) for k, v in metrics.items()}
 
 
-def _counts(keys: np.ndarray, size: int) -> np.ndarray:
-    return np.bincount(keys, minlength=size).astype(np.float64)
+def training_counts(u: dict[str, Any], train: np.ndarray, num_items: int) -> tuple[np.ndarray, np.ndarray]:
+    """How often each item is a training target, and how often each item followed each other ``[from, to]``."""
+    items, n = u["items"], num_items
+    popularity = np.bincount(items[train], minlength=n).astype(np.float64)
+    follows = np.bincount(items[train - 1] * n + items[train], minlength=n * n).astype(np.float64).reshape(n, n)
+    return popularity, follows
 
 
 def baselines(u: dict[str, Any], num_items: int, split: str = "eval") -> dict[str, dict[str, float]]:
@@ -68,8 +72,7 @@ def baselines(u: dict[str, Any], num_items: int, split: str = "eval") -> dict[st
     evaluate, train = positions(u, split)
     items, n = u["items"], num_items
     target, last = items[evaluate], items[evaluate - 1]
-    popularity = _counts(items[train], n)
-    follows = _counts(items[train - 1] * n + items[train], n * n).reshape(n, n)
+    popularity, follows = training_counts(u, train, n)
     prior = (popularity + 1) / (popularity.sum() + n)
     order1 = (follows + prior) / (follows.sum(1, keepdims=True) + 1)  # Dirichlet towards popularity, weight 1
     return {

@@ -137,23 +137,12 @@ def _train_step(parts: Any, step: int, rows: list[int], shares: dict[int, Share]
 
 
 def _state_tensors(parts: Any) -> dict[str, torch.Tensor]:
-    """Every tensor of the model's and optimizer's state, copied, by path (a sharded table: its local shards)."""
+    """Every floating-point tensor of the model's and optimizer's state, copied, by snapshot name (a sharded
+    table: its local shards, named by their offsets)."""
+    from freescale.ft.snapshot_state import named_tensors
     from freescale.resume import raw_state
 
-    found: dict[str, torch.Tensor] = {}
-
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{path}/{key}")
-        elif hasattr(value, "local_shards"):
-            for shard in value.local_shards():
-                found[f"{path}@{list(shard.metadata.shard_offsets)}"] = shard.tensor.detach().clone()
-        elif isinstance(value, torch.Tensor) and value.is_floating_point():
-            found[path] = value.detach().clone()
-
-    walk(raw_state(parts), "")
-    return found
+    return {name: t.detach().clone() for name, t in named_tensors(raw_state(parts), "") if t.is_floating_point()}
 
 
 def _gap(step: int, ours: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> StateGap:
