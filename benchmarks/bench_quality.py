@@ -340,7 +340,7 @@ def main() -> None:
                         help="validated: the most epochs a model trains (the cosine schedule's length; an epoch is "
                              "every training transition once, each supervising its whole history under --positions all)")
     parser.add_argument("--eval-every", default="0.5e", help="validated: eval.every (steps, or epochs with an e)")
-    parser.add_argument("--patience", type=int, default=2,
+    parser.add_argument("--patience", type=int, default=4,
                         help="validated: validations without a better one before a model stops (train.early_stop)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="trainings at once (each its own process on cpu_count // jobs threads; step times are "

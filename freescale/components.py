@@ -330,7 +330,7 @@ def _validation(cfg: TrainerConfig, steps_per_epoch: int, task: str, ft_on: bool
     metric = cfg.eval.metric or default_metric(task)
     check_validation(cfg.eval.split, metric, task, dataset.samples(cfg.eval.split), ranks, cfg.data.path)
     tracker = BestTracker(metric, cfg.train.early_stop)
-    return Validation(every, cfg.eval.split, tracker, cfg.eval.keep_best, cfg.train.seed, cfg.model,
+    return Validation(every, cfg.train.steps, cfg.eval.split, tracker, cfg.eval.keep_best, cfg.train.seed, cfg.model,
                       ValidationShare(tracker) if ft_on else None)
 
 

@@ -49,8 +49,9 @@ BEST_NAME = "best.json"
 @dataclass
 class EvalConfig:
     every: str = "0"
-    """Validate every N committed steps (``"500"``) or every N epochs (``"1e"``, ``"0.5e"``); ``"0"``: no validation
-    during training (the final test evaluation alone, ``train.eval``)."""
+    """Validate every N committed steps (``"500"``) or every N epochs (``"1e"``, ``"0.5e"``), and at the last step
+    (``train.steps``: where a decaying schedule ends, often the best); ``"0"``: no validation during training (the
+    final test evaluation alone, ``train.eval``)."""
     split: str = "valid"
     """The split validated on (``freescale prepare`` writes ``valid``; ``gen-data --valid-rows``)."""
     metric: str = ""
@@ -310,9 +311,10 @@ def test_evaluation(parts: Components, cfg: Any, root: Path, log: RunLog) -> dic
 class Validation:
     """The trainer's side of it: when to validate, the evaluation and its log record, the decisions."""
 
-    def __init__(self, every: int, split: str, tracker: BestTracker, keep_best: bool, seed: int, model_cfg: Any,
-                 share: ValidationShare | None) -> None:
-        self.every, self.split, self.tracker, self.keep_best, self.seed = every, split, tracker, keep_best, seed
+    def __init__(self, every: int, last_step: int, split: str, tracker: BestTracker, keep_best: bool, seed: int,
+                 model_cfg: Any, share: ValidationShare | None) -> None:
+        self.every, self.last_step, self.split, self.tracker = every, last_step, split, tracker
+        self.keep_best, self.seed = keep_best, seed
         self.model_cfg, self.share = model_cfg, share
         self.seconds = 0.0
         """Time spent validating, in all."""
@@ -333,7 +335,8 @@ class Validation:
         return True
 
     def due(self, done: int) -> bool:
-        return done % self.every == 0
+        """Every ``every`` steps and at the run's last step."""
+        return done % self.every == 0 or done == self.last_step
 
     def after_commit(self, parts: Components, log: RunLog, commit: Commit, owner: Callable[[], bool], root: Path,
                      last: bool) -> bool:

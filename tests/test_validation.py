@@ -96,10 +96,10 @@ def test_epochs_set_the_steps_and_a_validation_needs_its_split_and_metric(
         tiny_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from freescale.cli import main
 
-    log = _train(tiny_data, tmp_path / "epochs", 1, "--train.epochs=1", "--eval.every=1e", "--train.eval=false")
+    log = _train(tiny_data, tmp_path / "epochs", 1, "--train.epochs=1", "--eval.every=0.4e", "--train.eval=false")
     start = next(e for e in log if e["event"] == "start")
-    assert start["config"]["train"]["steps"] == 20_000 // 64  # one pass over the training split
-    assert [e["step"] for e in log if e["event"] == "validate"] == [20_000 // 64]
+    assert start["config"]["train"]["steps"] == 20_000 // 64 == 312  # one pass over the training split
+    assert [e["step"] for e in log if e["event"] == "validate"] == [125, 250, 312]  # every 0.4 epoch, and the last
     base = ["train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
             f"--train.output_dir={tmp_path / 'bad'}", "--train.progress=false", "--train.steps=20"]
     assert main([*base, "--train.early_stop=3"]) == 2
