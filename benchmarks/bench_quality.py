@@ -248,10 +248,16 @@ def retrieval_rows(root: Path, seed: int, args: argparse.Namespace, pool: Thread
     if validated:  # the cosine over --epochs; tested at the best validation (``freescale.validation``)
         retrieval += [f"--train.epochs={args.epochs}", f"--eval.every={args.eval_every}",
                       f"--train.early_stop={args.patience}"]
-    models = [("HSTU", ["--model.hstu.relative_bias=position"]),
-              ("HSTU + time", ["--model.hstu.relative_bias=position_time"])]
+    hstu = []
+    if validated:  # held equal with SASRec: the attention as wide as the model, the same dropout
+        dims = args.hstu_dims or args.embedding_dim // 2  # (tiny_hstu's 2 heads)
+        hstu = [f"--model.hstu.attention_dim={dims}", f"--model.hstu.value_dim={dims}",
+                f"--model.hstu.dropout={args.dropout}"]
+    models = [("HSTU", ["--model.hstu.relative_bias=position", *hstu]),
+              ("HSTU + time", ["--model.hstu.relative_bias=position_time", *hstu])]
     if validated:
-        models.append(("SASRec", ["--model.kind=sasrec", f"--model.sasrec.embedding_dim={args.embedding_dim}"]))
+        models.append(("SASRec", ["--model.kind=sasrec", f"--model.sasrec.embedding_dim={args.embedding_dim}",
+                                  f"--model.sasrec.dropout={args.dropout}"]))
     for name, extra in ([] if args.bounds_only else models):
         rows.append(pool.submit(model_row, data, root / f"{seed}-{name.replace(' ', '')}", args, seed, name,
                                 *retrieval, *extra))
@@ -342,6 +348,12 @@ def main() -> None:
     parser.add_argument("--eval-every", default="0.5e", help="validated: eval.every (steps, or epochs with an e)")
     parser.add_argument("--patience", type=int, default=4,
                         help="validated: validations without a better one before a model stops (train.early_stop)")
+    parser.add_argument("--dropout", type=float, default=0.2,
+                        help="validated: every neural model's dropout (model.hstu.dropout, model.sasrec.dropout; "
+                             "SASRec's paper value for MovieLens, fixed before any run)")
+    parser.add_argument("--hstu-dims", type=int, default=0,
+                        help="validated: the HSTU's attention and value width per head (0: --embedding-dim over its 2 "
+                             "heads, as wide as SASRec's attention)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="trainings at once (each its own process on cpu_count // jobs threads; step times are "
                              "then those of a shared machine)")

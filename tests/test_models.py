@@ -191,3 +191,25 @@ def test_sasrec_is_causal_and_each_sample_is_its_own() -> None:
     assert torch.allclose(out[5:], again[5:], atol=1e-6)  # sample 2, beside a changed neighbour
     alone = encoder(JaggedTensor(values=values[5:], lengths=torch.tensor([3])))
     assert torch.allclose(out[5:], alone, atol=1e-6)
+
+
+def test_hstu_dropout_acts_in_training_only_and_at_zero_builds_nothing() -> None:
+    """``model.hstu.dropout``: in training two passes over the same tokens differ, in evaluation they agree (and
+    equal the model's output with dropout left out); at 0 the stack holds no dropout module (a run without it draws
+    nothing from the generator: the same steps as before it existed)."""
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    from freescale.models.hstu import HSTUConfig
+    from freescale.models.hstu_retrieval import HSTUNextItem
+
+    torch.manual_seed(0)
+    cfg = HSTUConfig(embedding_dim=8, num_heads=2, attention_dim=4, value_dim=4, dropout=0.5,
+                     attention_backend="reference", norm_backend="reference")
+    encoder = HSTUNextItem(cfg, max_tokens=16)
+    history = JaggedTensor(values=torch.randn(8, 8), lengths=torch.tensor([5, 3]))
+    assert not torch.equal(encoder(history), encoder(history))
+    encoder.eval()
+    plain = HSTUNextItem(HSTUConfig(**{**cfg.__dict__, "dropout": 0.0}), max_tokens=16).eval()
+    plain.load_state_dict(encoder.state_dict())
+    assert torch.equal(encoder(history), encoder(history)) and torch.equal(encoder(history), plain(history))
+    assert not any(isinstance(m, torch.nn.Dropout) for m in plain.modules())
