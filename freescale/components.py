@@ -315,7 +315,8 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
             grads = BucketedGrads(list(dense_named_parameters(dmp).values()), dense_group, chunk or 1, chunk or 1,
                                   chunk_bytes=chunk, max_inflight=inflight)
         sync = LocalSync(dmp, optimizer, list(dense_named_parameters(dmp).values()), feed, update, grads)
-    engine = StepEngine(sync, feed, cfg.pipeline, dmp, ctx.device, cfg.train.precision, hooks=hooks, tracer=tracer)
+    engine = StepEngine(sync, feed, cfg.pipeline, dmp, ctx.device, cfg.train.precision, seed=cfg.train.seed,
+                        slot=group * group_ranks + ctx.rank, hooks=hooks, tracer=tracer)
     return Components(ctx, dataset, dmp, optimizer, loader, feed, engine, replicas, hooks, tracer, group, groups,
                       log_dir, staging, speed, shared, validation)
 

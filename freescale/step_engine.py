@@ -30,6 +30,7 @@ import contextlib
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -51,13 +52,21 @@ def precision_context(device: torch.device, precision: str) -> contextlib.Abstra
     return contextlib.nullcontext()
 
 
+def step_seed(seed: int, slot: int, step: int) -> int:
+    """The torch generator's seed for one rank slot's step: what the model draws (dropout masks) differs across
+    ranks and steps, and repeats exactly when the step is trained again (a resumed run, a catch-up's replay)."""
+    return int(np.random.SeedSequence([seed, slot, step]).generate_state(1, np.uint64)[0])
+
+
 class StepEngine:
     """Runs the steps of one rank (module docstring)."""
 
     def __init__(self, sync: StepSync, feed: StepFeed, pipeline_cfg: PipelineConfig, model: nn.Module,
-                 device: torch.device, precision: str, *, hooks: StepHooks | None = None,
+                 device: torch.device, precision: str, *, seed: int = 0, slot: int = 0, hooks: StepHooks | None = None,
                  tracer: CommTracer | None = None) -> None:
         self.sync, self.feed, self.device, self.precision = sync, feed, device, precision
+        self.seed, self.slot = seed, slot
+        """``step_seed``'s: the run's seed and this rank's slot (group x group ranks + rank)."""
         self.hooks = hooks or StepHooks()
         self.audit = self.hooks.audit
         self.tracer = tracer
@@ -94,6 +103,7 @@ class StepEngine:
         info = self.feed.head(step).info if trains else None
         output: StepOutput | None = None
         if trains:
+            torch.manual_seed(step_seed(self.seed, self.slot, step))  # the forward of this step's batch draws next
             with precision_context(self.device, self.precision):
                 output = self.pipeline.progress(self.feed.batches())
             result, self._exchanged = self._exchanged, None

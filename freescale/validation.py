@@ -1,6 +1,7 @@
 """Training to convergence: the validation split evaluated during training, the best step kept, early stopping.
 
-Every ``eval.every`` committed steps (a step count, or ``"1e"``: once an epoch) the group evaluates the model on
+Every ``eval.every`` committed steps (a step count, or ``"1e"``: once an epoch) and at the run's last step (where a
+decaying schedule ends) the group evaluates the model on
 ``eval.split`` (the ``valid`` split ``freescale prepare`` writes: each user's interaction before the test one, or
 an earlier time cut; never the test split, never a position a training sample's history reaches).  The pipeline
 holds no batch in flight then (a validation step ends a read-ahead segment, as a checkpoint does), the model is
@@ -17,7 +18,9 @@ runs on it (``train.eval``).
 on fewer ranks sums in another order; a decision made from each group's own number could differ in the last bit.
 So the metric travels with the next step's cross-group reduction (``ValidationShare``, a side header: no
 collective of its own) and every group, a catching-up one in its replay too, decides from the value of the
-lowest-indexed group that evaluated: the same best step, the same stop, at the same commit.
+lowest-indexed group that evaluated: the same best step, the same stop, at the same commit.  The last step has
+no later step: groups of one size decide from their own value (the same to the bit); groups on different ranks
+leave it undecided and do not evaluate it.
 """
 
 from __future__ import annotations
@@ -345,18 +348,17 @@ class Validation:
         ``best.json``); whether training stops here."""
         done = commit.step + 1
         decided = self.take()
-        if self.due(done):
+        if self.due(done) and self.share is not None and last and len(set(commit.sizes.values())) > 1:
+            # No later step carries the last value, and groups on different ranks may differ in its last bit:
+            # nothing to decide from, so nothing is evaluated (the same on every group: ``commit.sizes`` is).
+            log.write("validation_undecided", step=done, reason="the last step, with groups of different sizes")
+        elif self.due(done):
             value = self.run(parts, log, done)
-            if self.share is None:
-                decided.append((done, value, self.tracker.observe(done, value)))
-            elif not last:
-                self.share.offer(done, value)
-            elif len(set(commit.sizes.values())) <= 1:
-                # No later step carries the last value; groups of one size evaluate alike to the bit, so each decides
-                # from its own (the same on every group: ``commit.sizes`` is).
+            if self.share is None or last:
+                # At the last step groups of one size evaluate alike to the bit, so each decides from its own.
                 decided.append((done, value, self.tracker.observe(done, value)))
             else:
-                log.write("validation_undecided", step=done, reason="the last step, with groups of different sizes")
+                self.share.offer(done, value)
         self._decided(decided, parts, log, owner, root)
         return self.tracker.stop_at is not None
 
@@ -383,6 +385,8 @@ class Validation:
         whose decision the checkpoint does not hold (with replica groups it comes with the next step) is made
         again, from the same state."""
         t = self.tracker
+        if start == self.last_step and self.share is not None:
+            return  # decided before the save, or left undecided for good (``after_commit``): no later step carries it
         if start and self.due(start) and not (t.history and t.history[-1][0] >= start):
             value = self.run(parts, log, start)
             if self.share is not None:
