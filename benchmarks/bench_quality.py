@@ -66,7 +66,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -199,7 +199,8 @@ def train(data: Path, out: Path, args: argparse.Namespace, seed: int, steps: int
     """One ``freescale train`` run (its own process, on the cores this process may use over ``--jobs``, two at
     most: the committed figures' threads) and its test metrics, median step time, and under the validated
     protocol its validation curve and wall time to the best."""
-    threads = max(1, min(2, len(os.sched_getaffinity(0)) // args.jobs))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, min(2, cores // args.jobs))
     cmd = [sys.executable, "-m", "freescale.cli", "train", "--config", str(REPO / "configs" / "tiny_hstu.toml"),
            f"--data.path={data}", f"--train.output_dir={out}", f"--train.steps={steps}", "--data.max_seq_len=50",
            f"--model.hstu.embedding_dim={args.embedding_dim}",
@@ -250,6 +251,7 @@ def trained(prepared: list[list[Row | Training]], args: argparse.Namespace) -> l
     with ThreadPoolExecutor(args.jobs) as pool:
         try:
             pending = [[pool.submit(r) if callable(r) else r for r in seed_rows] for seed_rows in prepared]
+            wait([r for rows in pending for r in rows if isinstance(r, Future)], return_when=FIRST_EXCEPTION)
             done = [[r.result() if isinstance(r, Future) else r for r in seed_rows] for seed_rows in pending]
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -359,7 +361,7 @@ def main() -> None:
     parser.add_argument("--bounds-only", action="store_true",
                         help="only the generated logs' bounds and the baselines (no training: seconds)")
     parser.add_argument("--protocol", default="fixed", choices=["fixed", "validated"],
-                        help="fixed: --steps for every model, no validation split (the committed figures); "
+                        help="fixed: --steps for every model, no validation split (the older figures); "
                              "validated: prepare holds out a validation item too, every neural model trains up to "
                              "--epochs with early stopping on validation NDCG@10 and is tested at its best validation, "
                              "beside the five non-neural baselines (quality_baselines.py) and SASRec")
@@ -376,7 +378,7 @@ def main() -> None:
                         help="validated: the HSTU's attention and value width per head (0: --embedding-dim over its 2 "
                              "heads, as wide as SASRec's attention)")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="trainings at once (each its own process on cores // jobs threads; step times are "
+                        help="trainings at once (each its own process on cores // jobs threads, two at most; step times are "
                              "then those of a shared machine)")
     parser.add_argument("--ties", default="input", choices=["input", "random"],
                         help="MovieLens: interactions sharing a timestamp in the file's order, or shuffled")

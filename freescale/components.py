@@ -90,6 +90,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         require(self.steps > 0, "steps", f"must be positive, got {self.steps}")
+        require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         require(self.epochs >= 0, "epochs", f"must be >= 0, got {self.epochs}")
         require(self.early_stop >= 0, "early_stop", f"must be >= 0, got {self.early_stop}")
         require(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
@@ -316,7 +317,7 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
                                   chunk_bytes=chunk, max_inflight=inflight)
         sync = LocalSync(dmp, optimizer, list(dense_named_parameters(dmp).values()), feed, update, grads)
     engine = StepEngine(sync, feed, cfg.pipeline, dmp, ctx.device, cfg.train.precision, seed=cfg.train.seed,
-                        slot=group * group_ranks + ctx.rank, hooks=hooks, tracer=tracer)
+                        slot=loader.rank, hooks=hooks, tracer=tracer)
     return Components(ctx, dataset, dmp, optimizer, loader, feed, engine, replicas, hooks, tracer, group, groups,
                       log_dir, staging, speed, shared, validation)
 

@@ -53,8 +53,10 @@ def precision_context(device: torch.device, precision: str) -> contextlib.Abstra
 
 
 def step_seed(seed: int, slot: int, step: int) -> int:
-    """The torch generator's seed for one rank slot's step: what the model draws (dropout masks) differs across
-    ranks and steps, and repeats exactly when the step is trained again (a resumed run, a catch-up's replay)."""
+    """The torch generator's seed for one rank slot's step (``freescale train`` seeds it before the step's
+    forward): what the model draws (dropout masks) differs across ranks and steps, and repeats exactly when a
+    resumed run trains the step again.  A loop of the user's own seeds nothing: call
+    ``torch.manual_seed(step_seed(seed, slot, step))`` before its forward for the same."""
     return int(np.random.SeedSequence([seed, slot, step]).generate_state(1, np.uint64)[0])
 
 

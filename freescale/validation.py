@@ -385,8 +385,10 @@ class Validation:
         whose decision the checkpoint does not hold (with replica groups it comes with the next step) is made
         again, from the same state."""
         t = self.tracker
-        if start == self.last_step and self.share is not None:
-            return  # decided before the save, or left undecided for good (``after_commit``): no later step carries it
+        if start == self.last_step and self.share is not None:  # no later step carries a value offered now
+            if self.due(start) and not (t.history and t.history[-1][0] >= start):
+                log.write("validation_undecided", step=start, reason="the last step, resumed: no later step")
+            return
         if start and self.due(start) and not (t.history and t.history[-1][0] >= start):
             value = self.run(parts, log, start)
             if self.share is not None:

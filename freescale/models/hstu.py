@@ -81,8 +81,8 @@ class HSTUConfig:
     """On the input tokens (item + recency embedding) and on each block's gated attention output before its
     output layer (where GR's HSTU puts it); 0 builds none.  Small logs want it: every history prefix is a
     training sample, so a pass supervises each transition once per later position (SASRec and GR use 0.2 on
-    MovieLens).  The masks come from the generator the step engine seeds per (seed, rank slot, step)
-    (``step_engine.step_seed``): a resumed step draws the masks the uninterrupted one did."""
+    MovieLens).  Under ``freescale train`` the masks come from the generator the step engine seeds per (seed,
+    rank slot, step) (``step_engine.step_seed``): a resumed step draws the masks the uninterrupted one did."""
     history_cross: bool = True
     """Ranking: the head also reads ``LayerNorm(mean history item embedding) * LayerNorm(candidate item
     embedding)`` (no parameters; both norms without weights, so the product is on the scale of the other
