@@ -268,19 +268,19 @@ def retrieval_rows(root: Path, seed: int, args: argparse.Namespace) -> list[Row 
     rows: list[Row | Training] = [{"seed": seed, "task": "retrieval", "model": name, **m} for name, m in found.items()]
     retrieval = ["--model.task=retrieval", f"--model.retrieval.positions={args.positions}",
                  "--optim.lr_schedule=warmup_cosine", "--optim.warmup_steps=20"]
-    if validated:  # the cosine over --epochs; tested at the best validation (``freescale.validation``)
+    hstu: list[str] = []
+    sasrec: list[tuple[str, list[str]]] = []
+    if validated:  # the cosine over --epochs, tested at the best validation (``freescale.validation``); HSTU held
+        # equal with SASRec: the attention as wide as the model (tiny_hstu's 2 heads), the same dropout
         retrieval += [f"--train.epochs={args.epochs}", f"--eval.every={args.eval_every}",
                       f"--train.early_stop={args.patience}"]
-    hstu = []
-    if validated:  # held equal with SASRec: the attention as wide as the model, the same dropout
-        dims = args.hstu_dims or args.embedding_dim // 2  # (tiny_hstu's 2 heads)
+        dims = args.hstu_dims or args.embedding_dim // 2
         hstu = [f"--model.hstu.attention_dim={dims}", f"--model.hstu.value_dim={dims}",
                 f"--model.hstu.dropout={args.dropout}"]
+        sasrec = [("SASRec", ["--model.kind=sasrec", f"--model.sasrec.embedding_dim={args.embedding_dim}",
+                              f"--model.sasrec.dropout={args.dropout}"])]
     models = [("HSTU", ["--model.hstu.relative_bias=position", *hstu]),
-              ("HSTU + time", ["--model.hstu.relative_bias=position_time", *hstu])]
-    if validated:
-        models.append(("SASRec", ["--model.kind=sasrec", f"--model.sasrec.embedding_dim={args.embedding_dim}",
-                                  f"--model.sasrec.dropout={args.dropout}"]))
+              ("HSTU + time", ["--model.hstu.relative_bias=position_time", *hstu]), *sasrec]
     for name, extra in ([] if args.bounds_only else models):
         rows.append(partial(model_row, data, root / f"{seed}-{name.replace(' ', '')}", args, seed, name,
                             *retrieval, *extra))
