@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from freescale.ft.snapshot_stream import landing, receive_payload
+from freescale.ft.snapshot_stream import landing, receive_payload, register_socket
 
 
 @dataclass
@@ -70,8 +70,8 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
     own = own or {}
     try:
         conn.connect()
-        if sockets is not None and conn.sock is not None:
-            sockets.append(conn.sock)
+        if conn.sock is not None:
+            register_socket(conn.sock, sockets, cancelled, address)
         conn.request("GET", f"/v1/snapshot?{query}", headers=headers)
         response = conn.getresponse()
         body = response.read(64 << 20)

@@ -253,8 +253,7 @@ def receive_payload(address: str, ticket: str, entries: list[dict[str, Any]], to
     host, _, port = address.rpartition(":")
     tensors: dict[str, torch.Tensor] = {}
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
-        if sockets is not None:
-            sockets.append(sock)
+        register_socket(sock, sockets, cancelled, address)
         _kernel_timeout(sock, timeout_s)
         sock.sendall(ticket.encode("ascii"))
         got = 0
@@ -268,6 +267,19 @@ def receive_payload(address: str, ticket: str, entries: list[dict[str, Any]], to
             got = entry["offset"] + entry["nbytes"]
         _recv_exactly(sock, total - got, address)
     return tensors
+
+
+def register_socket(sock: socket.socket, sockets: list[socket.socket] | None, cancelled: threading.Event | None,
+                    address: str) -> None:
+    """Hand a new connection to a canceller (``sockets``), then give up if it already cancelled.
+
+    A canceller sets ``cancelled`` first and then shuts down every socket in ``sockets``; appending
+    first and checking second means one of the two always sees the other, so a connection that opened
+    while the cancel ran is never left to block on a silent source until the read timeout."""
+    if sockets is not None:
+        sockets.append(sock)
+    if cancelled is not None and cancelled.is_set():
+        raise ConnectionError(f"snapshot source {address}: download abandoned (a newer catch-up started)")
 
 
 def _recv_into(sock: socket.socket, view: memoryview, address: str, cancelled: threading.Event | None) -> None:

@@ -317,6 +317,21 @@ def test_cancelling_a_download_from_a_silent_source_returns_at_once() -> None:
     silent.close()
 
 
+def test_a_connection_opened_while_the_cancel_ran_gives_up_at_once() -> None:
+    """The cancel's shutdown can run between the connect and the socket's registration (seen under load
+    on 2 cores: the download then blocked on the silent source for its whole read timeout); a socket
+    registered after the cancel must give up by itself, before its first read."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    cancelled, sockets = threading.Event(), []
+    cancelled.set()
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match="abandoned"):
+        fetch_snapshot(f"127.0.0.1:{silent.getsockname()[1]}", 0, timeout_s=30, cancelled=cancelled,
+                       sockets=sockets)
+    assert time.monotonic() - started < 5 and len(sockets) == 1
+    silent.close()
+
+
 def test_the_stream_refuses_a_wrong_ticket_and_releases_unused_ones_when_closed() -> None:
     released: list[int] = []
     streamer = PayloadStreamer("127.0.0.1", "127.0.0.1")
