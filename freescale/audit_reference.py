@@ -86,10 +86,21 @@ def reference_run(out: Path, config: str | Path, overrides: list[str], checkpoin
         if parts.sampled_items:
             raise ValueError("reference_run: the model samples negatives per rank and step; a reference "
                              "cannot draw the same ones")
+        if any(_drops(m) for m in parts.dmp.modules()):
+            raise ValueError("reference_run: the model applies dropout, whose masks are drawn per rank slot and step "
+                             "(step_engine.step_seed); a reference training the step as one batch cannot draw the "
+                             "same ones: audit with the model's dropout at 0")
         return _segments(parts, cfg, steps, checkpoints or out / "checkpoints")
     finally:
         parts.close()
         shutdown(ctx)
+
+
+def _drops(module: torch.nn.Module) -> bool:
+    """Whether a module draws dropout masks in training."""
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    return isinstance(module, torch.nn.MultiheadAttention) and module.dropout > 0
 
 
 def _segments(parts: Any, cfg: Any, steps: dict[int, tuple[list[int], dict[int, Share]]], root: Path) -> Reference:

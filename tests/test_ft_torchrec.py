@@ -618,3 +618,12 @@ def test_a_group_that_loses_a_rank_continues_on_the_ranks_it_has_left_then_grows
         assert p.logged == pytest.approx(p.reference, rel=1e-4), p
     assert [gap.step for gap in reference.gaps] == list(range(10, steps + 1, 10))
     assert all(gap.max_abs < 1e-4 for gap in reference.gaps), reference.gaps
+
+
+def test_the_reference_refuses_a_model_with_dropout(tmp_path: Path, tiny_data: Path) -> None:
+    """Dropout masks are drawn per rank slot and step (``step_engine.step_seed``): one process training the step as
+    one batch draws others, and would report every step as a mismatch; it says so instead."""
+    (tmp_path / "train_log.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"dropout.*audit with the model's dropout at 0"):
+        reference_run(tmp_path, REPO / "configs" / "tiny_hstu.toml", [
+            "--data.path", str(tiny_data), "--model.hstu.dropout=0.1", "--train.output_dir", str(tmp_path / "ref")])
