@@ -16,6 +16,9 @@ Each stage is linear in the samples (no log factor, few unpredictable branches):
 - ``_lpt_sorted``: longest processing time first, the "lightest part" found in a
   bucket queue of width ``resolution * mean part`` instead of a heap (LPT's
   lightest load only grows, so a queue of buckets is exact up to that width);
+- ``_negligible_last`` and ``_fill_by_count``: samples lighter than the bucket width (a cost of 0, say, where a
+  calibrated cost model has no constant term) cannot change which part is lightest, so LPT would pile them all
+  onto whichever part that is; they are dealt out by count instead, each to a part holding the fewest samples;
 - ``_refine_sorted``: local search that lowers the heaviest part by moving one
   sample to, or swapping one pair with, one of the lightest parts, until no such
   step lowers it: LPT leaves its excess in a few parts holding one long sample
@@ -81,6 +84,84 @@ def _sort_desc(costs: np.ndarray, largest: float) -> tuple[np.ndarray, np.ndarra
         order[j] = i
         ordered[j] = costs[i]
     return order, ordered
+
+
+@numba.njit(**_JIT)
+def _negligible_last(order: np.ndarray, ordered: np.ndarray, start: int, below: float) -> int:
+    """Move the positions ``start:`` of ``order``/``ordered`` whose cost is under ``below`` to the end, each group
+    in its order (stable); returns where they begin."""
+    n, first = ordered.size, start
+    while first < n and not ordered[first] < below:
+        first += 1
+    if first == n:  # none (the common case: one pass, nothing copied)
+        return n
+    kept_order, kept = np.empty(n - start, dtype=np.int64), np.empty(n - start, dtype=np.float64)
+    light_order, light = np.empty(n - start, dtype=np.int64), np.empty(n - start, dtype=np.float64)
+    nk = nl = 0
+    for i in range(start, n):
+        if ordered[i] < below:
+            light_order[nl], light[nl] = order[i], ordered[i]
+            nl += 1
+        else:
+            kept_order[nk], kept[nk] = order[i], ordered[i]
+            nk += 1
+    order[start:start + nk], ordered[start:start + nk] = kept_order[:nk], kept[:nk]
+    order[start + nk:], ordered[start + nk:] = light_order[:nl], light[:nl]
+    return start + nk
+
+
+@numba.njit(**_JIT)
+def _fill_by_count(part_of: np.ndarray, start: int, counts: np.ndarray) -> None:
+    """Deal positions ``start:`` out by count: each to a part holding the fewest samples (the parts ordered by
+    count, stably; equal counts take turns), updating ``counts``."""
+    k, n = counts.size, part_of.size
+    if start >= n:
+        return
+    by_count = np.argsort(counts, kind="mergesort")
+    level, active, i = counts[by_count[0]], 0, start
+    while i < n:
+        while active < k and counts[by_count[active]] == level:
+            active += 1
+        for a in range(active):
+            if i == n:
+                break
+            p = by_count[a]
+            part_of[i] = p
+            counts[p] += 1
+            i += 1
+        level += 1
+
+
+@numba.njit(**_JIT)
+def _count_cap(ordered: np.ndarray, start: int, stop: int, loads: np.ndarray, counts: np.ndarray,
+               speeds: np.ndarray, floor: int, ceiling: int) -> int:
+    """The most samples a part may take, between ``floor`` and ``ceiling``: what LPT will want for the positions
+    ``start:stop`` still to place, with room to spare.  LPT raises the lightest parts together, like water
+    (the level where the parts' room below it holds the samples' cost); the lightest part's count at that level,
+    at the samples' mean cost, with a quarter more.  Where the heavy samples already set the heaviest part above
+    that level (a long history on one rank), the light ones are spread and no part needs many."""
+    k, remaining = loads.size, stop - start
+    if remaining <= 0:
+        return floor
+    total = 0.0
+    for i in range(start, stop):
+        total += ordered[i]
+    if total <= 0.0:
+        return floor
+    by_load = np.argsort(loads, kind="mergesort")
+    level, held, weight = loads[by_load[0]], 0.0, 0.0
+    for j in range(k):  # the level rises past part by_load[j] once the parts below it hold less than ``total``
+        p = by_load[j]
+        held += loads[p] * speeds[p]
+        weight += speeds[p]
+        level = (total + held) / weight
+        if j + 1 == k or level <= loads[by_load[j + 1]]:
+            break
+    needed = 0.0
+    for p in range(k):
+        if level > loads[p]:
+            needed = max(needed, counts[p] + (level - loads[p]) * speeds[p] * remaining / total)
+    return min(ceiling, max(floor, int(1.25 * needed) + 1))
 
 
 @numba.njit(**_JIT)
@@ -385,8 +466,8 @@ def members_of(owner: np.ndarray, num_parts: int) -> tuple[np.ndarray, np.ndarra
 
 @numba.njit(**_JIT)
 def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_steps: int, partners: int,
-                resolution: float, tolerance: float, head_share: float,
-                tail_tolerance: float, max_count: int, speeds: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+                resolution: float, tolerance: float, head_share: float, tail_tolerance: float, max_count: int,
+                count_ceiling: int, speeds: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """LPT with local search over ``costs``: ``(index, offsets, bad)``, the parts as CSR (each
     part's samples heaviest first); ``bad``
     is the first sample whose cost is negative or not finite (then nothing is planned), else -1.
@@ -398,8 +479,11 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     placed by LPT on top, and the whole refined once more, until the heaviest part is within
     ``tail_tolerance`` of the mean (the tail's samples are light: LPT alone leaves the parts within
     about one light sample of each other, and chasing the last few 1e-4 there is what costs time).
-    Without ``equal_count`` no part takes more than ``max_count`` samples (at least ``ceil(n / k)``):
-    samples of (near) zero cost would otherwise all go to whichever part is lightest.
+    Without ``equal_count`` a part takes at most ``max_count`` samples (at least ``ceil(n / k)``) unless the
+    costs ask for more (``_count_cap``, once the head is placed: the tail's light samples filling the parts the
+    head left light), and never more than ``count_ceiling``; the final local search may fill a part up to the
+    ceiling where that lowers the heaviest part.  Samples lighter than LPT's bucket width (cost 0, say) are dealt
+    out by count after the others (``_fill_by_count``: they would otherwise all go to whichever part is lightest).
 
     ``speeds`` (one per part, positive; all 1: every part alike) makes every load a time, cost / speed:
     the parts' times are balanced, so a part twice as fast takes about twice the cost (uniform machines).
@@ -411,6 +495,7 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     order, ordered = _sort_desc(costs, largest)
     mean = total / speeds.sum()
     full, extra = (n // k, n % k) if equal_count else (max(max_count, -(-n // k)), 0)
+    loose = full if equal_count else max(count_ceiling, full)
     part_of = np.empty(n, dtype=np.int64)
     loads, counts = np.zeros(k, dtype=np.float64), np.zeros(k, dtype=np.int64)
     width = resolution * mean
@@ -419,6 +504,7 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     head = 0
     while head < n and ordered[head] >= head_share * (total / k):
         head += 1
+    light = n if equal_count else _negligible_last(order, ordered, head, width)
     extra = _lpt_sorted(ordered, part_of, 0, head, loads, counts, full, extra, width, speeds)
     allow_moves = not equal_count
     if refine_steps > 0 and head > k and loads.max() > mean * (1.0 + tolerance):
@@ -428,13 +514,16 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
         for i in range(head):
             loads[part_of[i]] += ordered[i] / speeds[part_of[i]]
             counts[part_of[i]] += 1
-    _lpt_sorted(ordered, part_of, head, n, loads, counts, full, extra, width, speeds)
+    if not equal_count:
+        full = _count_cap(ordered, head, light, loads, counts, speeds, full, loose)
+    _lpt_sorted(ordered, part_of, head, light, loads, counts, full, extra, width, speeds)
+    _fill_by_count(part_of, light, counts)
     if refine_steps > 0 and n > k and loads.max() > mean * (1.0 + tail_tolerance):
         # The tail's samples are light: moving one to the lightest couple of parts does as well as
         # trying more (swaps, for equal counts, want four).  A step costs ~1-3 us here (heap updates,
         # a search per partner): the tail gets about one step per part, the head more.
         _refine_sorted(ordered, part_of, n, k, allow_moves, min(partners, 2) if allow_moves else min(partners, 4),
-                       min(refine_steps, k + 64), mean * (1.0 + tail_tolerance), full, speeds)
+                       min(refine_steps, k + 64), mean * (1.0 + tail_tolerance), loose, speeds)
     index, offsets = _members(part_of, order, k)
     return index, offsets, -1
 
@@ -481,7 +570,7 @@ def warm_up() -> None:
     training's prefetch thread waits seconds for the compiler."""
     costs = np.array([3.0, 1.0, 2.0, 2.0, 5.0, 0.5])
     for equal_count in (False, True):
-        lpt_refined(costs, 2, equal_count, 8, 2, 1e-5, 1e-3, 0.25, 1e-3, 6, np.ones(2))
+        lpt_refined(costs, 2, equal_count, 8, 2, 1e-5, 1e-3, 0.25, 1e-3, 6, 6, np.ones(2))
     members_of(np.array([1, 0, 1], dtype=np.int64), 2)
     index = np.array([1, 0], dtype=np.int64)
     take(costs, index)

@@ -50,10 +50,13 @@ LPT_TOLERANCE = 1e-4
 """The local search stops once the heaviest part is within this share of the mean part."""
 LPT_HEAD_SHARE = 1 / 16
 """Samples of at least this share of a mean part are placed and refined first."""
-LPT_MAX_COUNT_SHARE = 8
-"""No part takes more than this many times the mean samples per part: a bound on a rank's batch (memory,
-padding) when samples cost (near) nothing, e.g. under a calibrated cost model whose constant is 0.  LPT
-alone never came near it on the benchmark's distributions (at most 3x the mean, bimodal lengths)."""
+LPT_MAX_COUNT_SHARE = 2
+"""A part takes at most this many times the mean samples per part, unless the costs ask for more: a bound on a
+rank's batch (memory, padding) where it costs no balance.  Where the long histories leave some parts light, LPT
+fills them with many short ones (3x the mean on bimodal lengths under the tiny HSTU's cost model); the cap then
+rises to what that takes (``balance_kernels._count_cap``), up to ``LPT_COUNT_CEILING_SHARE``."""
+LPT_COUNT_CEILING_SHARE = 8
+"""No part ever takes more than this many times the mean samples per part."""
 LPT_TAIL_TOLERANCE = 3e-4
 LPT_TAIL_TOLERANCE_FROM_PARTS = 4096
 """Beyond 4,096 parts the search stops at 3e-4 of the mean part once the light samples are placed (below
@@ -192,7 +195,8 @@ def lpt(costs: np.ndarray, num_parts: int, equal_count: bool = False, capacities
     index, offsets, bad = balance_kernels.lpt_refined(
         costs, num_parts, equal_count, 4 * num_parts + 64, LPT_REFINE_PARTNERS, LPT_RESOLUTION, LPT_TOLERANCE,
         LPT_HEAD_SHARE, LPT_TAIL_TOLERANCE if num_parts > LPT_TAIL_TOLERANCE_FROM_PARTS else LPT_TOLERANCE,
-        -(-LPT_MAX_COUNT_SHARE * costs.size // max(num_parts, 1)), speeds)
+        -(-LPT_MAX_COUNT_SHARE * costs.size // max(num_parts, 1)),
+        -(-LPT_COUNT_CEILING_SHARE * costs.size // max(num_parts, 1)), speeds)
     if bad >= 0:
         raise ValueError(f"sample {bad} has cost {float(costs[bad])}: costs must be finite and >= 0, with a "
                          f"finite sum")
