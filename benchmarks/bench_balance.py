@@ -12,7 +12,9 @@ the dimensions below and partitions them.  Reported (docs/design.md "Measures"):
 - gap_ref = imbalance / ref - 1 (target <= 1%), ggap = imbalance / gbound - 1;
 - plan_ms P50/P90: one partition call; ``lpt_plan`` rows time ``BatchPlanner.plan`` (the whole
   step: window, costs, parts) at 32 samples per rank on ml-20m lengths;
-- gil_ms: the longest the main thread waited for the GIL while the call ran on another thread.
+- gil_ms: the longest the main thread waited for the GIL while the call ran on another thread;
+- samples per rank: the most any rank holds over the mean, against LPT with only its 8x ceiling and
+  the equal-count partition's balance, with no free samples and half of them free (``count_rows``).
 
 Distributions: ml-1m / ml-20m (lognormal fits), zipf, uniform, bimodal (~3 long histories per
 rank, 80-100% of max_len, the rest 1-60), longtail (median ~500, up to 16,384) and ties (four
@@ -29,8 +31,10 @@ planned halfway through the current one (the loader's default) and at its first 
 from __future__ import annotations
 
 import argparse
+import itertools
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +47,18 @@ from common import write_json
 from freescale.dataloader import balance_kernels
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.epoch_order import EpochOrder
-from freescale.dataloader.partition import KK_MAX_CELLS, Parts, granular_lower_bound, imbalance, partition
+from freescale.dataloader.partition import (
+    KK_MAX_CELLS,
+    LPT_COUNT_CEILING_SHARE,
+    LPT_HEAD_SHARE,
+    LPT_REFINE_PARTNERS,
+    LPT_RESOLUTION,
+    LPT_TOLERANCE,
+    Parts,
+    granular_lower_bound,
+    imbalance,
+    partition,
+)
 from freescale.dataloader.planner import BatchPlanner
 from freescale.dataloader.synthetic import sample_lengths
 from freescale.tables import print_table
@@ -211,6 +226,36 @@ def real_cost_rows(rng: np.random.Generator, dists: tuple[str, ...], steps: int)
     return rows
 
 
+def count_rows(dists: tuple[str, ...], quick: bool) -> list[dict[str, Any]]:
+    """The per-rank sample count LPT leaves (the most any rank holds, over the mean), beside the equal-count
+    partition's balance and LPT's with its 8x ceiling as the only cap (free samples still dealt out by count; before
+    that, they piled onto the lightest rank up to the cap: 8x in 12 of 28 such cases): under the tiny HSTU's
+    model and one with no constant term (a calibrated fit can find none: an empty history then costs nothing),
+    with no free samples and with half of them free (length 0)."""
+    from freescale.models import ModelConfig, cost_model_for
+
+    models = {"tiny_hstu": cost_model_for(ModelConfig(kind="hstu"), 8), "no_constant": CostModel(1.0, 10.0, 0.0)}
+    rows = []
+    for (name, model), free, dist, (ranks, per_rank) in itertools.product(
+            models.items(), (0.0, 0.5), dists, [(64, 32)] if quick else [(64, 32), (256, 8), (1024, 32)]):
+        rng = np.random.default_rng(zlib.crc32(f"{name}{free}{dist}{ranks}{per_rank}".encode()))
+        lengths = draw(rng, ranks * per_rank, per_rank, dist)
+        lengths[rng.random(lengths.size) < free] = 0
+        costs = np.ascontiguousarray(model(lengths), dtype=np.float64)
+        parts = partition("lpt", costs, lengths, ranks)
+        loose = -(-LPT_COUNT_CEILING_SHARE * costs.size // ranks)
+        index, offsets, _ = balance_kernels.lpt_refined(
+            costs, ranks, False, 4 * ranks + 64, LPT_REFINE_PARTNERS, LPT_RESOLUTION, LPT_TOLERANCE, LPT_HEAD_SHARE,
+            LPT_TOLERANCE, loose, loose, np.ones(ranks))
+        at_8x = Parts(index, offsets)
+        rows.append({"model": name, "free": free, "dist": dist, "ranks": ranks, "per_rank": per_rank,
+                     "max_count_x": float(parts.sizes.max()) / per_rank, "imbalance": imbalance(costs, parts),
+                     "cap_8x_max_count_x": float(at_8x.sizes.max()) / per_rank,
+                     "cap_8x_imbalance": imbalance(costs, at_8x),
+                     "equal_count_imbalance": imbalance(costs, partition("lpt", costs, lengths, ranks, True))})
+    return rows
+
+
 def targets(rows: list[dict[str, Any]], plans: list[dict[str, Any]]) -> dict[str, Any]:
     lpt = [r for r in rows if r["partitioner"] == "lpt" and not r.get("refused")]
     worst = max(lpt, key=lambda r: r["gap_ref"])
@@ -277,11 +322,18 @@ def main() -> None:
     real = real_cost_rows(rng, dists, 3 if args.quick else 10)
     print("\nBatchPlanner.plan per step with the tiny HSTU's own cost model (16,384 ranks x 32; target <= 40 ms):")
     print_table(real, ["dist", "ranks", "samples", "plan_ms_p50", "plan_ms_p90", "imbalance", "max_rank_samples"])
+    counts = count_rows(dists, args.quick)
+    print("\nsamples per rank (the most any holds, x the mean) and balance: LPT's count cap against 8x alone and "
+          "equal counts:")
+    print_table(counts, ["model", "free", "dist", "ranks", "per_rank", "max_count_x", "imbalance", "cap_8x_max_count_x",
+                         "cap_8x_imbalance", "equal_count_imbalance"])
     windows = window_rows(args.data, args.quick)
     print("\nloader wait per step, window 16 at 1,024 simulated ranks (rank 0), 30 ms steps:")
     print_table(windows, ["mode", "ranks", "per_rank", "window", "steps", "wait_ms_p50", "wait_ms_p99", "wait_ms_max",
                           "late_steps", "late_ms_total", "window_plan_ms"])
     summary = targets(rows, plans)
+    summary["lpt_most_samples_on_a_rank_x_mean"] = max(c["max_count_x"] for c in counts)
+    summary["lpt_count_cap_costs_balance_cases"] = sum(c["imbalance"] > c["cap_8x_imbalance"] * (1 + 1e-4) for c in counts)
     print("\ntargets:")
     for key, value in summary.items():
         print(f"  {key}: {value}")
@@ -290,7 +342,8 @@ def main() -> None:
                    {"quick": args.quick, "steps": steps, "hstu_dims": HSTU_DIMS, "cost_model": vars(model),
                     "peers": sorted(peers), "peers_missing": missing},
                    rows + [{"planner": p} for p in plans] + [{"real_cost_planner": r} for r in real]
-                   + [{"window": w} for w in windows] + [{"targets": summary}])
+                   + [{"count_cap": c} for c in counts] + [{"window": w} for w in windows]
+                   + [{"targets": summary}])
 
 
 if __name__ == "__main__":
