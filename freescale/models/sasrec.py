@@ -67,6 +67,10 @@ class PointwiseSelfAttention(nn.Module):
         self.heads, self.max_tokens = cfg.num_heads, max_tokens
         self.qkv = nn.Linear(d, 3 * d)
         self.out = nn.Linear(d, d)
+        # Initialized as torch's MultiheadAttention initializes its projections: the ablation changes the formula only.
+        nn.init.xavier_uniform_(self.qkv.weight)
+        nn.init.zeros_(self.qkv.bias)
+        nn.init.zeros_(self.out.bias)
         self.weight_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, h_BLD: torch.Tensor, causal_LL: torch.Tensor) -> torch.Tensor:
