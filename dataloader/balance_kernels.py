@@ -111,9 +111,10 @@ def _negligible_last(order: np.ndarray, ordered: np.ndarray, start: int, below: 
 
 
 @numba.njit(**_JIT)
-def _fill_by_count(part_of: np.ndarray, start: int, counts: np.ndarray) -> None:
+def _fill_by_count(ordered: np.ndarray, part_of: np.ndarray, start: int, loads: np.ndarray, counts: np.ndarray,
+                   speeds: np.ndarray) -> None:
     """Deal positions ``start:`` out by count: each to a part holding the fewest samples (the parts ordered by
-    count, stably; equal counts take turns), updating ``counts``."""
+    count, stably; equal counts take turns), updating ``counts`` and ``loads``."""
     k, n = counts.size, part_of.size
     if start >= n:
         return
@@ -128,6 +129,7 @@ def _fill_by_count(part_of: np.ndarray, start: int, counts: np.ndarray) -> None:
             p = by_count[a]
             part_of[i] = p
             counts[p] += 1
+            loads[p] += ordered[i] / speeds[p]
             i += 1
         level += 1
 
@@ -479,10 +481,11 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     placed by LPT on top, and the whole refined once more, until the heaviest part is within
     ``tail_tolerance`` of the mean (the tail's samples are light: LPT alone leaves the parts within
     about one light sample of each other, and chasing the last few 1e-4 there is what costs time).
-    Without ``equal_count`` a part takes at most ``max_count`` samples (at least ``ceil(n / k)``) unless the
-    costs ask for more (``_count_cap``, once the head is placed: the tail's light samples filling the parts the
-    head left light), and never more than ``count_ceiling``; the final local search may fill a part up to the
-    ceiling where that lowers the heaviest part.  Samples lighter than LPT's bucket width (cost 0, say) are dealt
+    Without ``equal_count`` no part takes more than ``count_ceiling`` samples, and of the tail a part takes at
+    most ``max_count`` samples in all (at least ``ceil(n / k)``) unless the costs ask for more (``_count_cap``, once
+    the head is placed: the tail's light samples filling the parts the head left light); the final local search
+    may then add up to 4 samples past the fullest part (its member table), within the ceiling, where that lowers
+    the heaviest part.  Samples lighter than LPT's bucket width (cost 0, say) are dealt
     out by count after the others (``_fill_by_count``: they would otherwise all go to whichever part is lightest).
 
     ``speeds`` (one per part, positive; all 1: every part alike) makes every load a time, cost / speed:
@@ -505,10 +508,12 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     while head < n and ordered[head] >= head_share * (total / k):
         head += 1
     light = n if equal_count else _negligible_last(order, ordered, head, width)
-    extra = _lpt_sorted(ordered, part_of, 0, head, loads, counts, full, extra, width, speeds)
+    # The head under the ceiling alone: its samples are heavy (a part needs at most ~1 / head_share of them, a fast
+    # part that times its speed), so a count cap there would only cost balance.
+    extra = _lpt_sorted(ordered, part_of, 0, head, loads, counts, loose, extra, width, speeds)
     allow_moves = not equal_count
     if refine_steps > 0 and head > k and loads.max() > mean * (1.0 + tolerance):
-        _refine_sorted(ordered, part_of, head, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance), full,
+        _refine_sorted(ordered, part_of, head, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance), loose,
                        speeds)
         loads[:], counts[:] = 0.0, 0
         for i in range(head):
@@ -517,7 +522,7 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     if not equal_count:
         full = _count_cap(ordered, head, light, loads, counts, speeds, full, loose)
     _lpt_sorted(ordered, part_of, head, light, loads, counts, full, extra, width, speeds)
-    _fill_by_count(part_of, light, counts)
+    _fill_by_count(ordered, part_of, light, loads, counts, speeds)
     if refine_steps > 0 and n > k and loads.max() > mean * (1.0 + tail_tolerance):
         # The tail's samples are light: moving one to the lightest couple of parts does as well as
         # trying more (swaps, for equal counts, want four).  A step costs ~1-3 us here (heap updates,

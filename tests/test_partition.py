@@ -390,3 +390,17 @@ def test_a_slow_rank_gets_its_share_from_the_step_named_and_the_state_carries_it
         assert np.array_equal(resumed.plan(0, s, ranks).rows.index, plans[s].rows.index)
     total = sum(p.loads() for p in plans)
     assert abs(total[3] / total.sum() - 0.25 / 3.25) < 0.02  # over the window, in proportion
+
+
+def test_the_count_cap_costs_nothing_with_few_samples_per_rank_or_a_fast_rank() -> None:
+    """The head (samples of at least 1/16 of a mean rank) is placed under the 8x ceiling only: with 4 samples per
+    rank a rank may need 13 of the lighter ones, and a rank 5x as fast needs 19 of 40 unit samples over 8 ranks
+    (a cap of 2x the mean count held them to 1.13 and 1.20: found in review)."""
+    rng = np.random.default_rng(0)
+    costs = np.concatenate([np.ones(47), np.full(209, 0.063125)])
+    rng.shuffle(costs)
+    parts = lpt(costs, 64)
+    assert imbalance(costs, parts) == pytest.approx(granular_lower_bound(costs, 64), rel=1e-9)
+    speeds = np.array([5.0, 1, 1, 1, 1, 1, 1, 1])
+    parts = lpt(np.ones(40), 8, capacities=speeds)
+    assert time_imbalance(np.ones(40), parts, speeds) == pytest.approx(1.14, rel=1e-9) and parts.sizes[0] == 19
