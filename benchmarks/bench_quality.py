@@ -402,7 +402,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     validated = args.protocol == "validated"
-    args.models = args.models or ["hstu", "hstu_time", *(["sasrec"] if validated else [])]
+    args.models = list(dict.fromkeys(args.models or ["hstu", "hstu_time", *(["sasrec"] if validated else [])]))
     if set(args.models) - set(RETRIEVAL_MODELS if validated else RETRIEVAL_MODELS[:2]):
         raise SystemExit(f"bench_quality: --models takes {','.join(RETRIEVAL_MODELS if validated else RETRIEVAL_MODELS[:2])}"
                          f" under --protocol {args.protocol}, got {','.join(args.models)}")
