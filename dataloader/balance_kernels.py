@@ -19,6 +19,8 @@ Each stage is linear in the samples (no log factor, few unpredictable branches):
 - ``_negligible_last`` and ``_fill_by_count``: samples lighter than the bucket width (a cost of 0, say, where a
   calibrated cost model has no constant term) cannot change which part is lightest, so LPT would pile them all
   onto whichever part that is; they are dealt out by count instead, each to a part holding the fewest samples;
+- ``_count_cap``: how many samples a part may take of the tail (2x the mean count unless the costs ask for more:
+  the level LPT's water-filling of the parts the head left light reaches; one sort of the parts' loads);
 - ``_refine_sorted``: local search that lowers the heaviest part by moving one
   sample to, or swapping one pair with, one of the lightest parts, until no such
   step lowers it: LPT leaves its excess in a few parts holding one long sample
