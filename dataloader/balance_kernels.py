@@ -16,10 +16,10 @@ Each stage is linear in the samples (no log factor, few unpredictable branches):
 - ``_lpt_sorted``: longest processing time first, the "lightest part" found in a
   bucket queue of width ``resolution * mean part`` instead of a heap (LPT's
   lightest load only grows, so a queue of buckets is exact up to that width);
-- ``_negligible_last`` and ``_fill_by_count``: samples lighter than the bucket width (a cost of 0, say, where a
+- ``lpt_counts``' ``negligible_last`` and ``fill_by_count``: samples lighter than the bucket width (a cost of 0, say, where a
   calibrated cost model has no constant term) cannot change which part is lightest, so LPT would pile them all
   onto whichever part that is; they are dealt out by count instead, each to a part holding the fewest samples;
-- ``_count_cap``: how many samples a part may take of the tail (2x the mean count unless the costs ask for more:
+- ``lpt_counts.count_cap``: how many samples a part may take of the tail (2x the mean count unless the costs ask for more:
   the level LPT's water-filling of the parts the head left light reaches; one sort of the parts' loads);
 - ``_refine_sorted``: local search that lowers the heaviest part by moving one
   sample to, or swapping one pair with, one of the lightest parts, until no such
@@ -40,6 +40,7 @@ import numba
 import numpy as np
 
 from freescale.dataloader.local_plan import local_window_owner
+from freescale.dataloader.lpt_counts import count_cap, fill_by_count, negligible_last
 
 _JIT: dict[str, Any] = {"nogil": True, "cache": True}
 _KEYS = 1 << 16
@@ -86,86 +87,6 @@ def _sort_desc(costs: np.ndarray, largest: float) -> tuple[np.ndarray, np.ndarra
         order[j] = i
         ordered[j] = costs[i]
     return order, ordered
-
-
-@numba.njit(**_JIT)
-def _negligible_last(order: np.ndarray, ordered: np.ndarray, start: int, below: float) -> int:
-    """Move the positions ``start:`` of ``order``/``ordered`` whose cost is under ``below`` to the end, each group
-    in its order (stable); returns where they begin."""
-    n, first = ordered.size, start
-    while first < n and not ordered[first] < below:
-        first += 1
-    if first == n:  # none (the common case: one pass, nothing copied)
-        return n
-    kept_order, kept = np.empty(n - start, dtype=np.int64), np.empty(n - start, dtype=np.float64)
-    light_order, light = np.empty(n - start, dtype=np.int64), np.empty(n - start, dtype=np.float64)
-    nk = nl = 0
-    for i in range(start, n):
-        if ordered[i] < below:
-            light_order[nl], light[nl] = order[i], ordered[i]
-            nl += 1
-        else:
-            kept_order[nk], kept[nk] = order[i], ordered[i]
-            nk += 1
-    order[start:start + nk], ordered[start:start + nk] = kept_order[:nk], kept[:nk]
-    order[start + nk:], ordered[start + nk:] = light_order[:nl], light[:nl]
-    return start + nk
-
-
-@numba.njit(**_JIT)
-def _fill_by_count(ordered: np.ndarray, part_of: np.ndarray, start: int, loads: np.ndarray, counts: np.ndarray,
-                   speeds: np.ndarray) -> None:
-    """Deal positions ``start:`` out by count: each to a part holding the fewest samples (the parts ordered by
-    count, stably; equal counts take turns), updating ``counts`` and ``loads``."""
-    k, n = counts.size, part_of.size
-    if start >= n:
-        return
-    by_count = np.argsort(counts, kind="mergesort")
-    level, active, i = counts[by_count[0]], 0, start
-    while i < n:
-        while active < k and counts[by_count[active]] == level:
-            active += 1
-        for a in range(active):
-            if i == n:
-                break
-            p = by_count[a]
-            part_of[i] = p
-            counts[p] += 1
-            loads[p] += ordered[i] / speeds[p]
-            i += 1
-        level += 1
-
-
-@numba.njit(**_JIT)
-def _count_cap(ordered: np.ndarray, start: int, stop: int, loads: np.ndarray, counts: np.ndarray,
-               speeds: np.ndarray, floor: int, ceiling: int) -> int:
-    """The most samples a part may take, between ``floor`` and ``ceiling``: what LPT will want for the positions
-    ``start:stop`` still to place, with room to spare.  LPT raises the lightest parts together, like water
-    (the level where the parts' room below it holds the samples' cost); the lightest part's count at that level,
-    at the samples' mean cost, with a quarter more.  Where the heavy samples already set the heaviest part above
-    that level (a long history on one rank), the light ones are spread and no part needs many."""
-    k, remaining = loads.size, stop - start
-    if remaining <= 0:
-        return floor
-    total = 0.0
-    for i in range(start, stop):
-        total += ordered[i]
-    if total <= 0.0:
-        return floor
-    by_load = np.argsort(loads, kind="mergesort")
-    level, held, weight = loads[by_load[0]], 0.0, 0.0
-    for j in range(k):  # the level rises past part by_load[j] once the parts below it hold less than ``total``
-        p = by_load[j]
-        held += loads[p] * speeds[p]
-        weight += speeds[p]
-        level = (total + held) / weight
-        if j + 1 == k or level <= loads[by_load[j + 1]]:
-            break
-    needed = 0.0
-    for p in range(k):
-        if level > loads[p]:
-            needed = max(needed, counts[p] + (level - loads[p]) * speeds[p] * remaining / total)
-    return min(ceiling, max(floor, int(1.25 * needed) + 1))
 
 
 @numba.njit(**_JIT)
@@ -484,11 +405,11 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     ``tail_tolerance`` of the mean (the tail's samples are light: LPT alone leaves the parts within
     about one light sample of each other, and chasing the last few 1e-4 there is what costs time).
     Without ``equal_count`` no part takes more than ``count_ceiling`` samples, and of the tail a part takes at
-    most ``max_count`` samples in all (at least ``ceil(n / k)``) unless the costs ask for more (``_count_cap``, once
+    most ``max_count`` samples in all (at least ``ceil(n / k)``) unless the costs ask for more (``count_cap``, once
     the head is placed: the tail's light samples filling the parts the head left light); the final local search
     may then add up to 4 samples past the fullest part (its member table), within the ceiling, where that lowers
     the heaviest part.  Samples lighter than LPT's bucket width (cost 0, say) are dealt
-    out by count after the others (``_fill_by_count``: they would otherwise all go to whichever part is lightest).
+    out by count after the others (``fill_by_count``: they would otherwise all go to whichever part is lightest).
 
     ``speeds`` (one per part, positive; all 1: every part alike) makes every load a time, cost / speed:
     the parts' times are balanced, so a part twice as fast takes about twice the cost (uniform machines).
@@ -509,7 +430,7 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     head = 0
     while head < n and ordered[head] >= head_share * (total / k):
         head += 1
-    light = n if equal_count else _negligible_last(order, ordered, head, width)
+    light = n if equal_count else negligible_last(order, ordered, head, width)
     # The head under the ceiling alone: its samples are heavy (a part needs at most ~1 / head_share of them, a fast
     # part that times its speed), so a count cap there would only cost balance.
     extra = _lpt_sorted(ordered, part_of, 0, head, loads, counts, loose, extra, width, speeds)
@@ -522,9 +443,9 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
             loads[part_of[i]] += ordered[i] / speeds[part_of[i]]
             counts[part_of[i]] += 1
     if not equal_count:
-        full = _count_cap(ordered, head, light, loads, counts, speeds, full, loose)
+        full = count_cap(ordered, head, light, loads, counts, speeds, full, loose)
     _lpt_sorted(ordered, part_of, head, light, loads, counts, full, extra, width, speeds)
-    _fill_by_count(ordered, part_of, light, loads, counts, speeds)
+    fill_by_count(ordered, part_of, light, loads, counts, speeds)
     if refine_steps > 0 and n > k and loads.max() > mean * (1.0 + tail_tolerance):
         # The tail's samples are light: moving one to the lightest couple of parts does as well as
         # trying more (swaps, for equal counts, want four).  A step costs ~1-3 us here (heap updates,

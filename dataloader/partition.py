@@ -54,7 +54,7 @@ LPT_MAX_COUNT_SHARE = 2
 """A part takes at most this many times the mean samples per part, unless the costs ask for more: a bound on a
 rank's batch (memory, padding) where it costs no balance.  Where the long histories leave some parts light, LPT
 fills them with many short ones (3x the mean on bimodal lengths under the tiny HSTU's cost model); the cap then
-rises to what that takes (``balance_kernels._count_cap``), up to ``LPT_COUNT_CEILING_SHARE``."""
+rises to what that takes (``lpt_counts.count_cap``), up to ``LPT_COUNT_CEILING_SHARE``."""
 LPT_COUNT_CEILING_SHARE = 8
 """No part ever takes more than this many times the mean samples per part."""
 LPT_TAIL_TOLERANCE = 3e-4
