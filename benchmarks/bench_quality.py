@@ -39,7 +39,7 @@ baselines are ``quality_baselines.py``'s five, fit on the training positions onl
 shuffles interactions that share a timestamp.  ``--jobs 2`` runs two trainings at once, one thread each (measured
 once, 150 HSTU steps: 139 ms a step each against 122 ms for one alone on two threads, 1.75x the throughput);
 step times and wall times to the best are then those of a shared machine, which pairs differently from run to
-run (the same SASRec training took 310 s and 378 s to its best in two runs): compare them within a run only,
+run (one SASRec training, the same to the last digit in two runs, took 310 s and 378 s to its best): compare them within a run only,
 roughly.  (``--quick --protocol validated``: 60 users, one epoch: about a minute on 2 cores, most of it three
 processes starting.)
 
