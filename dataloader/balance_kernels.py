@@ -21,10 +21,9 @@ Each stage is linear in the samples (no log factor, few unpredictable branches):
   onto whichever part that is; they are dealt out by count instead, each to a part holding the fewest samples;
 - ``lpt_counts.count_cap``: how many samples a part may take of the tail (2x the mean count unless the costs ask for more:
   the level LPT's water-filling of the parts the head left light reaches; one sort of the parts' loads);
-- ``_refine_sorted``: local search that lowers the heaviest part by moving one
-  sample to, or swapping one pair with, one of the lightest parts, until no such
-  step lowers it: LPT leaves its excess in a few parts holding one long sample
-  too many (bimodal lengths), and one swap each fixes them;
+- ``lpt_refine.refine_sorted``: local search that lowers the heaviest part by moving
+  one sample to, or swapping one pair with, one of the lightest parts, until no such
+  step lowers it (its own module: the rows it keeps, the pair sweeps, the heaps);
 - ``_members``: the part of each position -> CSR (members of each part, heaviest first).
 
 Determinism: the same costs give the same parts on every process and machine:
@@ -41,11 +40,11 @@ import numpy as np
 
 from freescale.dataloader.local_plan import local_window_owner
 from freescale.dataloader.lpt_counts import count_cap, fill_by_count, negligible_last
+from freescale.dataloader.lpt_refine import refine_sorted
 
 _JIT: dict[str, Any] = {"nogil": True, "cache": True}
 _KEYS = 1 << 16
-_WIDE_PARTNERS = 32
-_REFINE_MAX_CELLS = 1 << 25  # the local search's member table (16 bytes a cell): 512 MiB at most  # partners tried before the local search gives up on the heaviest part
+_TAIL_SWEEPS = 1  # pair sweeps before the tail's search goes one part at a time (a second costs more than it saves)
 
 
 @numba.njit(**_JIT)
@@ -90,9 +89,10 @@ def _sort_desc(costs: np.ndarray, largest: float) -> tuple[np.ndarray, np.ndarra
 
 
 @numba.njit(**_JIT)
-def _bucket(load: float, base: float, width: float, buckets: int) -> int:
-    """The bucket of ``load``; ``buckets`` (the overflow) when past the last one."""
-    offset = (load - base) / width
+def _bucket(load: float, base: float, per_width: float, buckets: int) -> int:
+    """The bucket of ``load`` (``per_width``: one over the buckets' width); ``buckets`` (the overflow) when past
+    the last one."""
+    offset = (load - base) * per_width
     return int(offset) if offset < buckets else buckets
 
 
@@ -123,15 +123,17 @@ def _lpt_sorted(ordered: np.ndarray, part_of: np.ndarray, start: int, stop: int,
     bucket wait in an overflow list (index ``buckets``), re-bucketed when the buckets run out."""
     k = loads.size
     buckets = 4 * k + 64
-    head = np.full(buckets + 1, -1, dtype=np.int64)
-    tail = np.full(buckets + 1, -1, dtype=np.int64)
-    link = np.full(k, -1, dtype=np.int64)
-    base, current = np.inf, 0
+    head = np.full(buckets + 1, -1, dtype=np.int32)
+    tail = np.full(buckets + 1, -1, dtype=np.int32)
+    link = np.full(k, -1, dtype=np.int32)
+    per_width = 1.0 / width  # the caller keeps it finite
+    base, current, alike = np.inf, 0, True
     for p in range(k):
         base = min(base, loads[p])
+        alike = alike and speeds[p] == 1.0  # then no division per sample (x / 1.0 is x: the same sums)
     for p in range(k):
         if counts[p] < full or (counts[p] == full and extra > 0):
-            _enqueue(head, tail, link, _bucket(loads[p], base, width, buckets), p)
+            _enqueue(head, tail, link, _bucket(loads[p], base, per_width, buckets), p)
     for i in range(start, stop):
         while True:
             while current < buckets and head[current] < 0:
@@ -147,7 +149,7 @@ def _lpt_sorted(ordered: np.ndarray, part_of: np.ndarray, start: int, stop: int,
                     r = link[r]
                 while q >= 0:
                     after = link[q]
-                    _enqueue(head, tail, link, _bucket(loads[q], base, width, buckets), q)
+                    _enqueue(head, tail, link, _bucket(loads[q], base, per_width, buckets), q)
                     q = after
                 continue
             p = head[current]
@@ -156,214 +158,12 @@ def _lpt_sorted(ordered: np.ndarray, part_of: np.ndarray, start: int, stop: int,
                 break  # else: closed since it was queued (the extra slots ran out)
         part_of[i] = p
         counts[p] += 1
-        loads[p] += ordered[i] / speeds[p]
+        loads[p] += ordered[i] if alike else ordered[i] / speeds[p]
         if counts[p] == full + 1:
             extra -= 1
         if counts[p] < full or (counts[p] == full and extra > 0):
-            _enqueue(head, tail, link, _bucket(loads[p], base, width, buckets), p)
+            _enqueue(head, tail, link, _bucket(loads[p], base, per_width, buckets), p)
     return extra
-
-
-@numba.njit(**_JIT)
-def _less(load_a: float, part_a: int, load_b: float, part_b: int) -> bool:
-    return load_a < load_b or (load_a == load_b and part_a < part_b)
-
-
-@numba.njit(**_JIT)
-def _sift_down(loads: np.ndarray, parts: np.ndarray, size: int, i: int) -> None:
-    """Restore the min-heap ``(loads, parts)[:size]`` below position ``i``."""
-    load, part = loads[i], parts[i]
-    while True:
-        child = 2 * i + 1
-        if child >= size:
-            break
-        if child + 1 < size and _less(loads[child + 1], parts[child + 1], loads[child], parts[child]):
-            child += 1
-        if not _less(loads[child], parts[child], load, part):
-            break
-        loads[i], parts[i] = loads[child], parts[child]
-        i = child
-    loads[i], parts[i] = load, part
-
-
-@numba.njit(**_JIT)
-def _push(loads: np.ndarray, parts: np.ndarray, size: int, load: float, part: int) -> int:
-    """Push onto the min-heap ``(loads, parts)[:size]``; returns the new size."""
-    i = size
-    while i > 0:
-        parent = (i - 1) // 2
-        if not _less(load, part, loads[parent], parts[parent]):
-            break
-        loads[i], parts[i] = loads[parent], parts[parent]
-        i = parent
-    loads[i], parts[i] = load, part
-    return size + 1
-
-
-@numba.njit(**_JIT)
-def _pop(loads: np.ndarray, parts: np.ndarray, size: int) -> int:
-    size -= 1
-    loads[0], parts[0] = loads[size], parts[size]
-    _sift_down(loads, parts, size, 0)
-    return size
-
-
-@numba.njit(**_JIT)
-def _heap(keys: np.ndarray, room: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """A min-heap of ``(keys[p], p)`` with ``room`` for pushes (lazy deletion adds entries)."""
-    k = keys.size
-    loads = np.empty(k + room, dtype=np.float64)
-    parts = np.empty(k + room, dtype=np.int64)
-    loads[:k] = keys
-    parts[:k] = np.arange(k)
-    for i in range(k // 2 - 1, -1, -1):
-        _sift_down(loads, parts, k, i)
-    return loads, parts, k
-
-
-@numba.njit(**_JIT)
-def _closest(vals: np.ndarray, count: int, target: float) -> int:
-    """Position in the ascending ``vals[:count]`` of the value nearest ``target`` (-1 if empty)."""
-    j = int(np.searchsorted(vals[:count], target))
-    if j >= count:
-        return count - 1
-    if j > 0 and target - vals[j - 1] <= vals[j] - target:
-        return j - 1
-    return j
-
-
-@numba.njit(**_JIT)
-def _best_exchange(vals: np.ndarray, counts: np.ndarray, h: int, p: int, half: float, limit: float,
-                   allow_moves: bool, swaps: bool, cap: int) -> tuple[float, int, int]:
-    """The move (``y == -1``) of member ``x`` of part ``h`` to the lighter part ``p``, or swap
-    of ``x`` with member ``y`` of ``p``, whose cost shift ``d`` in ``(0, limit)`` (it lowers the pair's
-    maximum) is nearest ``half`` (where the pair's times meet: equal speeds, half the gap).
-    ``(d, x, y)``; ``d = 0``: none."""
-    best_d, best_x, best_y, best_miss = 0.0, -1, -1, np.inf
-    nh, np_ = counts[h], counts[p]
-    if allow_moves and nh > 1 and np_ < cap:
-        x = _closest(vals[h], nh, half)
-        if 0.0 < vals[h, x] < limit:
-            best_d, best_x, best_miss = vals[h, x], x, abs(vals[h, x] - half)
-    for x in range(nh if swaps else 0):
-        y = _closest(vals[p], np_, vals[h, x] - half)
-        if y >= 0:
-            d = vals[h, x] - vals[p, y]
-            if 0.0 < d < limit and abs(d - half) < best_miss:
-                best_d, best_x, best_y, best_miss = d, x, y, abs(d - half)
-    return best_d, best_x, best_y
-
-
-@numba.njit(**_JIT)
-def _insert(ids: np.ndarray, vals: np.ndarray, count: int, sample: int, cost: float) -> None:
-    """Insert into the ascending ``vals[:count]`` (after equal values)."""
-    j = count
-    while j > 0 and vals[j - 1] > cost:
-        ids[j], vals[j] = ids[j - 1], vals[j - 1]
-        j -= 1
-    ids[j], vals[j] = sample, cost
-
-
-@numba.njit(**_JIT)
-def _remove(ids: np.ndarray, vals: np.ndarray, count: int, j: int) -> int:
-    """Remove position ``j`` of ``ids/vals[:count]``; returns the removed id."""
-    sample = ids[j]
-    for i in range(j, count - 1):
-        ids[i], vals[i] = ids[i + 1], vals[i + 1]
-    return sample
-
-
-@numba.njit(**_JIT)
-def _refine_sorted(ordered: np.ndarray, part_of: np.ndarray, stop: int, num_parts: int, allow_moves: bool,
-                   partners: int, max_steps: int, target: float, max_count: int, speeds: np.ndarray) -> None:
-    """Lower the heaviest part by local search, in place on ``part_of[:stop]`` (positions of
-    ``ordered``).  Loads are times (cost / ``speeds[p]``; ``target`` too); members are kept by cost.
-
-    Each step takes the heaviest part H and, among the ``partners`` lightest parts, the one
-    move of a sample of H (``allow_moves``; off for equal counts) or swap of one pair that
-    lowers ``max(H, P)`` the most; a move never fills a part past ``max_count`` samples.  Stops
-    when H is at most ``target``, when no such step lowers H (a local optimum), or after
-    ``max_steps``."""
-    k, n = num_parts, stop
-    counts = np.zeros(k, dtype=np.int64)
-    for i in range(n):
-        counts[part_of[i]] += 1
-    cap = counts.max() + (4 if allow_moves else 0)
-    if k * cap > _REFINE_MAX_CELLS:
-        return  # members are kept dense (k x the largest part): too uneven a partition to search here
-    ids = np.empty((k, cap), dtype=np.int64)
-    vals = np.empty((k, cap), dtype=np.float64)
-    loads = np.zeros(k, dtype=np.float64)
-    counts[:] = 0
-    for i in range(n - 1, -1, -1):  # lightest first: each part's members ascending by cost
-        p = part_of[i]
-        ids[p, counts[p]], vals[p, counts[p]] = i, ordered[i]
-        counts[p] += 1
-        loads[p] += ordered[i]
-    for p in range(k):
-        loads[p] /= speeds[p]
-    if n == 0 or loads.sum() <= 0.0:
-        return
-    heavy_loads, heavy_parts, heavy = _heap(-loads, 2 * max_steps + 64)
-    wide = max(partners, _WIDE_PARTNERS)
-    light_loads, light_parts, light = _heap(loads.copy(), 2 * max_steps + wide + 64)
-    picked = np.empty(wide, dtype=np.int64)
-    picked_at = np.full(k, -1, dtype=np.int64)
-    stamp = 0
-    for _ in range(max_steps):
-        while -heavy_loads[0] != loads[heavy_parts[0]]:
-            heavy = _pop(heavy_loads, heavy_parts, heavy)  # stale entry of a part that changed
-        h = heavy_parts[0]
-        if loads[h] <= target:
-            break
-        best_max, best_x, best_y, best_p = loads[h], -1, -1, -1
-        for want in (partners, wide):  # the few lightest parts; when stuck, once more with more of them
-            stamp += 1
-            found = 0
-            while found < want and light > 0:
-                load, p = light_loads[0], light_parts[0]
-                light = _pop(light_loads, light_parts, light)
-                if load == loads[p] and picked_at[p] != stamp and p != h:
-                    picked_at[p] = stamp
-                    picked[found] = p
-                    found += 1
-            # Moves first (a binary search in H), swaps only when no move helps (one per member of H).
-            for swaps in (not allow_moves, True):
-                for i in range(found):
-                    p = picked[i]
-                    gap = loads[h] - loads[p]
-                    d, x, y = _best_exchange(vals, counts, h, p, gap / (1.0 / speeds[h] + 1.0 / speeds[p]),
-                                             gap * speeds[p], allow_moves, swaps, min(cap, max_count))
-                    shifted = max(loads[h] - d / speeds[h], loads[p] + d / speeds[p])
-                    if d > 0.0 and shifted < best_max:
-                        best_max, best_x, best_y, best_p = shifted, x, y, p
-                if best_p >= 0:
-                    break
-            for i in range(found):
-                light = _push(light_loads, light_parts, light, loads[picked[i]], picked[i])
-            if best_p >= 0 or want == wide:
-                break
-        if best_p < 0:
-            break  # no single move or swap lowers the heaviest part
-        p = best_p
-        moved = _remove(ids[h], vals[h], counts[h], best_x)
-        counts[h] -= 1
-        if best_y >= 0:
-            back = _remove(ids[p], vals[p], counts[p], best_y)
-            counts[p] -= 1
-            _insert(ids[h], vals[h], counts[h], back, ordered[back])
-            counts[h] += 1
-            part_of[back] = h
-        _insert(ids[p], vals[p], counts[p], moved, ordered[moved])
-        counts[p] += 1
-        part_of[moved] = p
-        for q in (h, p):
-            loads[q] = 0.0
-            for j in range(counts[q]):
-                loads[q] += vals[q, j]
-            loads[q] /= speeds[q]
-            heavy = _push(heavy_loads, heavy_parts, heavy, -loads[q], q)
-            light = _push(light_loads, light_parts, light, loads[q], q)
 
 
 @numba.njit(**_JIT)
@@ -425,8 +225,8 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     part_of = np.empty(n, dtype=np.int64)
     loads, counts = np.zeros(k, dtype=np.float64), np.zeros(k, dtype=np.int64)
     width = resolution * mean
-    if not width > 0.0:  # no cost at all, or a mean so small that the width underflows
-        width = mean if mean > 0.0 else 1.0
+    if not (width > 0.0 and 1.0 / width < np.inf):  # no cost at all, or a mean so small the width underflows
+        width = mean if mean > 0.0 and 1.0 / mean < np.inf else 1.0
     head = 0
     while head < n and ordered[head] >= head_share * (total / k):
         head += 1
@@ -436,8 +236,8 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     extra = _lpt_sorted(ordered, part_of, 0, head, loads, counts, loose, extra, width, speeds)
     allow_moves = not equal_count
     if refine_steps > 0 and head > k and loads.max() > mean * (1.0 + tolerance):
-        _refine_sorted(ordered, part_of, head, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance), loose,
-                       speeds)
+        refine_sorted(ordered, part_of, head, k, allow_moves, partners, refine_steps, mean * (1.0 + tolerance), loose,
+                      speeds, 0)
         loads[:], counts[:] = 0.0, 0
         for i in range(head):
             loads[part_of[i]] += ordered[i] / speeds[part_of[i]]
@@ -447,11 +247,11 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     _lpt_sorted(ordered, part_of, head, light, loads, counts, full, extra, width, speeds)
     fill_by_count(ordered, part_of, light, loads, counts, speeds)
     if refine_steps > 0 and n > k and loads.max() > mean * (1.0 + tail_tolerance):
-        # The tail's samples are light: moving one to the lightest couple of parts does as well as
-        # trying more (swaps, for equal counts, want four).  A step costs ~1-3 us here (heap updates,
-        # a search per partner): the tail gets about one step per part, the head more.
-        _refine_sorted(ordered, part_of, n, k, allow_moves, min(partners, 2) if allow_moves else min(partners, 4),
-                       min(refine_steps, k + 64), mean * (1.0 + tail_tolerance), loose, speeds)
+        # The tail's samples are light: moving one to the lightest couple of parts does as well as trying more
+        # (swaps, for equal counts, want four).  A step costs ~1-2 us here (heap updates, a merge per partner):
+        # where thousands of parts are over, pair sweeps first do most of it at a third of that.
+        refine_sorted(ordered, part_of, n, k, allow_moves, min(partners, 2) if allow_moves else min(partners, 4),
+                      min(refine_steps, k + 64), mean * (1.0 + tail_tolerance), loose, speeds, _TAIL_SWEEPS)
     index, offsets = _members(part_of, order, k)
     return index, offsets, -1
 
@@ -467,8 +267,8 @@ def refined_owner(costs: np.ndarray, owner: np.ndarray, num_parts: int, allow_mo
     part_of = np.empty(n, dtype=np.int64)
     for i in range(n):
         part_of[i] = owner[order[i]]
-    _refine_sorted(ordered, part_of, n, num_parts, allow_moves, min(partners, num_parts), max_steps,
-                   total / num_parts, n, np.ones(num_parts))
+    refine_sorted(ordered, part_of, n, num_parts, allow_moves, min(partners, num_parts), max_steps,
+                  total / num_parts, n, np.ones(num_parts), 0)
     out = np.empty(n, dtype=np.int64)
     for i in range(n):
         out[order[i]] = part_of[i]
@@ -504,4 +304,5 @@ def warm_up() -> None:
     take(costs, index)
     take(index, index)
     lookup(costs, np.array([0, 1], dtype=np.int32), index)
+    lookup(costs, np.array([0, 1], dtype=np.uint16), index)
     local_window_owner(np.arange(6, dtype=np.int64), costs, np.array([0, 3, 6], dtype=np.int64), 2, 2)

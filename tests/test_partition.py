@@ -7,11 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from freescale.dataloader import balance_kernels
 from freescale.dataloader.cost import CostModel, calibrate
 from freescale.dataloader.epoch_order import EpochOrder
 from freescale.dataloader.partition import (
     LPT_RESOLUTION,
+    LPT_TAIL_TOLERANCE,
+    LPT_TAIL_TOLERANCE_FROM_PARTS,
     PARTITIONERS,
+    Parts,
     granular_lower_bound,
     imbalance,
     lower_bound,
@@ -114,6 +118,35 @@ def test_the_local_search_repairs_what_lpt_alone_loses() -> None:
     costs = np.array([2.0, 3.0, 2.0, 3.0, 2.0])
     assert imbalance(costs, round_robin(costs, 2)) == 1.0
     assert imbalance(costs, lpt(costs, 2)) == 1.0
+
+
+@pytest.mark.parametrize("parts, per_part", [(2, 10), (100, 10)])
+def test_parts_that_take_many_moves_outgrow_their_rows(parts: int, per_part: int) -> None:
+    """Every sample starts in part 0; the search moves them out one at a time until all parts are level: each
+    other part takes ``per_part`` samples, past its row's room for 4 more (the row moves, once; with 100 parts
+    the flat array grows twice)."""
+    n = parts * per_part
+    owner = balance_kernels.refined_owner(np.ones(n), np.zeros(n, dtype=np.int64), parts, True, 2, 4 * n)
+    assert np.bincount(owner, minlength=parts).tolist() == [per_part] * parts
+
+
+def test_the_tail_search_reaches_its_tolerance_where_most_parts_are_a_light_sample_over() -> None:
+    """A cost model with a large constant term (the tiny HSTU's: the shortest history costs ~0.1% of a part) at
+    more than 4,096 parts: LPT alone leaves thousands of parts a light sample over the mean; the pair sweep and
+    the search bring every one within the tail's tolerance, each sample placed once."""
+    from freescale.models import ModelConfig, cost_model_for
+
+    ranks = LPT_TAIL_TOLERANCE_FROM_PARTS + 100
+    lengths = np.random.default_rng(5).lognormal(4.0, 0.7, ranks * 32).clip(1, 200).astype(np.int64)
+    costs = cost_model_for(ModelConfig(kind="hstu"), 8)(lengths)
+    mean = costs.sum() / ranks
+    loose = 8 * costs.size // ranks
+    alone = Parts(*balance_kernels.lpt_refined(costs, ranks, False, 0, 2, LPT_RESOLUTION, 1e-4, 1 / 16, 1e-4,
+                                               loose, loose, np.ones(ranks))[:2])
+    assert (alone.sums(costs) > mean * (1 + LPT_TAIL_TOLERANCE)).sum() > ranks // 4
+    parts = lpt(costs, ranks)
+    assert np.array_equal(np.sort(parts.index), np.arange(costs.size))
+    assert imbalance(costs, parts) <= 1 + LPT_TAIL_TOLERANCE
 
 
 def bimodal(rng: np.random.Generator, n: int, long_share: float) -> np.ndarray:
