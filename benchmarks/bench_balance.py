@@ -332,6 +332,8 @@ def main() -> None:
     print_table(windows, ["mode", "ranks", "per_rank", "window", "steps", "wait_ms_p50", "wait_ms_p99", "wait_ms_max",
                           "late_steps", "late_ms_total", "window_plan_ms"])
     summary = targets(rows, plans)
+    summary["real_cost_plan_ms_p50_worst"] = max(r["plan_ms_p50"] for r in real)
+    summary["real_cost_plan_within_40ms_every_dist"] = all(r["plan_ms_p50"] <= 40.0 for r in real)
     summary["lpt_most_samples_on_a_rank_x_mean"] = max(c["max_count_x"] for c in counts)
     summary["lpt_count_cap_costs_balance_cases"] = sum(c["imbalance"] > c["cap_8x_imbalance"] * (1 + 1e-4) for c in counts)
     print("\ntargets:")

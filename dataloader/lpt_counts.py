@@ -30,19 +30,20 @@ def negligible_last(order: np.ndarray, ordered: np.ndarray, start: int, below: f
         first += 1
     if first == n:  # none (the common case: one pass, nothing copied)
         return n
-    kept_order, kept = np.empty(n - start, dtype=np.int64), np.empty(n - start, dtype=np.float64)
-    light_order, light = np.empty(n - start, dtype=np.int64), np.empty(n - start, dtype=np.float64)
+    # Everything before ``first`` stays where it is; from there on, the kept ones move up, the light ones after.
+    kept_order, kept = np.empty(n - first, dtype=np.int64), np.empty(n - first, dtype=np.float64)
+    light_order, light = np.empty(n - first, dtype=np.int64), np.empty(n - first, dtype=np.float64)
     nk = nl = 0
-    for i in range(start, n):
+    for i in range(first, n):
         if ordered[i] < below:
             light_order[nl], light[nl] = order[i], ordered[i]
             nl += 1
         else:
             kept_order[nk], kept[nk] = order[i], ordered[i]
             nk += 1
-    order[start:start + nk], ordered[start:start + nk] = kept_order[:nk], kept[:nk]
-    order[start + nk:], ordered[start + nk:] = light_order[:nl], light[:nl]
-    return start + nk
+    order[first:first + nk], ordered[first:first + nk] = kept_order[:nk], kept[:nk]
+    order[first + nk:], ordered[first + nk:] = light_order[:nl], light[:nl]
+    return first + nk
 
 
 @numba.njit(**_JIT)
