@@ -23,7 +23,7 @@ committed), ``manager_step`` (torchft's count of committed steps),
 ``participating`` (false while healing: a zero gradient), ``healed`` (this
 attempt loaded a checkpoint from a peer), ``quorum_id``, ``participants``,
 ``digest``, ``loss``; on the healing attempt also ``heal_fetch_s`` (the
-checkpoint fetch time torchft logs), ``heal_load_s`` (its ``load_state_dict``) and ``heal_bytes`` (model + optimizer
+checkpoint fetch time torchft logs), ``heal_fetch_ended`` (when that log line came: its last byte), ``heal_load_s`` (its ``load_state_dict``) and ``heal_bytes`` (model + optimizer
 state fetched).  ``FREESCALE_FAULTS=<group>:0:20:reduce:0`` (``freescale.testing``; replica
 ``a`` is group 0, ``b`` 1, ...) SIGKILLs the process from a timer started just before step 20's
 all-reduce (the time goes to ``<out>/<replica>/rank0.killed``); ``...:20:forward`` kills it
@@ -55,11 +55,13 @@ class _FetchTimes(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.seconds: list[float] = []
+        self.ended: list[float] = []  # when each fetch's last byte was in (the log record's time)
 
     def emit(self, record: logging.LogRecord) -> None:
         match = re.match(r"fetching checkpoint from .* took ([0-9.e-]+)s$", record.getMessage())
         if match:
             self.seconds.append(float(match.group(1)))
+            self.ended.append(record.created)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -165,7 +167,8 @@ def main() -> None:
         committed = time.time()  # the step's update applied (freescale's replicas time the same point)
         heal: dict[str, Any] = {}
         if healing and fetch_times.seconds:
-            heal = {"heal_fetch_s": fetch_times.seconds[-1], "heal_load_s": load_times[-1] if load_times else None,
+            heal = {"heal_fetch_s": fetch_times.seconds[-1], "heal_fetch_ended": fetch_times.ended[-1],
+                    "heal_load_s": load_times[-1] if load_times else None,
                     "heal_bytes": sum(t.numel() * t.element_size() for t in _tensors(state_dict()))}
         log.write(json.dumps({
             "step": step, "time": time.time(), "committed": committed, "started": started,
