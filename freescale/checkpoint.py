@@ -272,19 +272,20 @@ class CheckpointWriter:
     returns: a thread of the writer's own converts it (``convert``: the plan-independent form,
     ``reshard.to_logical``), has DCP write it and waits for every rank's files, all over ``group`` (a
     gloo group of its own: the training's collectives go on at the same time on theirs, and none of
-    DCP's planning round trips lands on a training step).  ``poll`` at each step commits a finished
-    save (rank 0: metadata, rename, pruning, exactly as ``save``), ``wait`` blocks for it.  One save
-    in flight: ``start`` waits for the previous one first.  A kill at any moment leaves the previous
-    checkpoint complete and this one ``.partial``.  With ``asynchronous=False`` it is ``save``.
+    DCP's planning round trips lands on a training step), then commits it there too (rank 0: metadata,
+    rename, pruning, exactly as ``save``: their fsyncs and deletes never land on a step either).
+    ``poll`` at each step takes note of a committed save, ``wait`` blocks for it.  One save in flight:
+    ``start`` waits for the previous one first.  A kill at any moment leaves the previous checkpoint
+    complete and this one ``.partial``.  With ``asynchronous=False`` it is ``save``.
     """
 
     def __init__(self, asynchronous: bool = True, group: Any = None, fence: Fence | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.asynchronous, self.group, self.fence = asynchronous, group, fence
-        self._pending: tuple[Any, Path, int, dict[str, Any], int, float] | None = None
-        self._entries: dict[str, Any] = {}
-        """What the save in flight's conversion adds to its metadata (filled on the writer's thread)."""
+        self._pending: tuple[Any, Path, int] | None = None
+        self._abandoned = False
+        """Set by ``abandon`` before it drops a save in flight: the writer's thread then commits nothing."""
         self.committed: list[tuple[Path, float]] = []
         """Every save committed since the caller last emptied it: ``(path, seconds since start)``, whichever
         call committed it (``start`` waits for the save before it)."""
@@ -307,28 +308,32 @@ class CheckpointWriter:
                 app_state, extra = convert(app_state, None)
                 meta = {**meta, **extra}
             return save(root, step, app_state, meta, keep, self.fence)
-        entries: dict[str, Any] = {}
         state = app_state if copied or callable(app_state) else host_copy(app_state)
-        future = self._thread.submit(self._write, root, step, state, convert, entries)
-        self._pending = (future, root, step, meta, keep, time.perf_counter())
-        self._entries = entries
+        future = self._thread.submit(self._write, root, step, state, meta, keep, convert, time.perf_counter())
+        self._pending = (future, root, step)
         return None
 
     def _write(self, root: Path, step: int, state: dict[str, Any] | Callable[[], dict[str, Any]],
-               convert: Convert | None, entries: dict[str, Any]) -> None:
-        """On the writer's thread: convert, write every rank's files (DCP ends with a gather to rank 0).  The
-        thread runs at a lower CPU priority (nice 10, Linux: per thread): where the training keeps every
-        core busy it takes a tenth of a core's time from a step's threads rather than an even share, and
-        it still finishes (at nice 19 a busy 2-core host starved it for seconds).  The next save waits
-        for it, so checkpoints never fall more than one behind."""
+               meta: dict[str, Any], keep: int, convert: Convert | None, started: float) -> tuple[Path, float]:
+        """On the writer's thread: convert, write every rank's files (DCP ends with a gather to rank 0: once
+        it returns there, every rank's files are in), commit; ``(path, seconds since start)``.  The thread
+        runs at a lower CPU priority (nice 10, Linux: per thread): where the training keeps every core busy
+        it takes a tenth of a core's time from a step's threads rather than an even share, and it still
+        finishes (at nice 19 a busy 2-core host starved it for seconds).  The next save waits for it, so
+        checkpoints never fall more than one behind."""
+        import time
+
         _lower_priority()
         if callable(state):
             state = state()
         if convert is not None:
             state, extra = convert(state, self.group)
-            entries.update(extra)
+            meta = {**meta, **extra}
         partial = _begin(root, step, self.group, self.fence)
         dcp.save(state, storage_writer=integrity.VerifyingWriter(partial), process_group=self.group)
+        if self._abandoned:
+            raise CheckpointError(f"{step_dir(root, step)}: abandoned (the run stopped) before its commit")
+        return _commit(root, step, meta, keep, self.fence), time.perf_counter() - started
 
     @property
     def writing(self) -> bool:
@@ -336,13 +341,13 @@ class CheckpointWriter:
         return self._pending is not None and not self._pending[0].done()
 
     def poll(self) -> tuple[Path, float] | None:
-        """Commit the save in flight if its files are written: ``(path, seconds since start)``."""
+        """The save in flight if its thread committed it: ``(path, seconds since start)``; None while it runs."""
         if self._pending is None or not self._pending[0].done():
             return None
         return self._finish()
 
     def wait(self) -> tuple[Path, float] | None:
-        """Block until the save in flight is written, and commit it."""
+        """Block until the save in flight is written and committed (its thread's error raised here)."""
         if self._pending is None:
             return None
         return self._finish()
@@ -351,16 +356,18 @@ class CheckpointWriter:
         """The run is being stopped: finish the save in flight or drop it, so a stop leaves only complete
         checkpoints behind.  Every rank waits up to ``wait_s`` for its write (another rank's writer thread
         would otherwise go on writing, even into a directory removed under it: the interpreter joins it at
-        exit); written in time, rank 0 commits it (DCP's last collective is a gather to rank 0, so every
-        rank's files are in); else rank 0 removes the ``.partial``.  What a late writer thread makes again,
+        exit); written in time, its thread has committed it (rank 0, once DCP's last collective, a gather to
+        rank 0, says every rank's files are in); else rank 0 removes the ``.partial`` and a write that ends
+        later commits nothing.  What a late writer thread makes again,
         the launcher removes once every rank has ended, and a killed job's leftovers the next start
         (``remove_stale``)."""
         if self._pending is None:
             return
-        future, root, step, *_ = self._pending
+        future, root, step = self._pending
         try:
             future.result(timeout=wait_s)
         except BaseException:  # not written in time, or failed (a peer stopped first): dropped
+            self._abandoned = True  # a write that ends later commits nothing
             self._pending = None
             if _is_main():
                 shutil.rmtree(Path(str(step_dir(root, step)) + PARTIAL_SUFFIX), ignore_errors=True)
@@ -371,19 +378,17 @@ class CheckpointWriter:
             pass
 
     def _finish(self) -> tuple[Path, float]:
-        import time
-
+        """The save in flight, once its thread is done: committed there, or its error raised here."""
         assert self._pending is not None
-        future, root, step, meta, keep, started = self._pending
+        future, root, step = self._pending
         self._pending = None
         try:
-            future.result()
-            meta = {**meta, **self._entries}
+            committed: tuple[Path, float] = future.result()
         except (Exception, CheckpointException) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"{step_dir(root, step)}: the background save failed: {first}") from exc
-        self.committed.append((_commit(root, step, meta, keep, self.fence), time.perf_counter() - started))
-        return self.committed[-1]
+        self.committed.append(committed)
+        return committed
 
 
 def _lower_priority() -> None:

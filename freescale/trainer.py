@@ -381,7 +381,7 @@ class Trainer:
         self._committed(log)
         if path is not None:  # written in this call (checkpoint.async_save = false)
             self._committed(log, (path, time.perf_counter() - start))
-        else:  # copied; written in the background, committed at a later step's poll
+        else:  # copied; written and committed in the background, noted at a later step's poll
             log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start)
         return path
 

@@ -1,0 +1,130 @@
+"""What each save costs the steps around it, in a real training: every save step reported, not averaged.
+
+``freescale launch`` trains the tiny DLRM on 2 local ranks (gloo, CPU) with tables sized to ``--table-mb`` (the
+item and user tables at ``embedding_dim`` 16 with their row-wise Adagrad state), saving every ``--every`` steps
+(the trainer's default: an asynchronous save whose tables are copied over the steps after it, ``staging.py``),
+and the same run with no saves, interleaved (``--repeats`` of each).  A step's time is the interval between two
+consecutive ``commit`` records of rank 0's log: the step and everything the loop did after the one before
+it (the save, a share of the tables' copy, committing a written save), which is what the training waits for.
+
+For each save (its ``checkpoint_staged`` step ``d``): the step after it (``d + 1``: the save step's work), the
+slowest step while its tables are copied, the step that finishes the copy and starts the write, and the
+slowest step until the next save, each over a normal step (the median step of the runs with no saves).
+Target (issue 47): every save's steps at most 1.2x a normal step, at 136 MB and at 1 GB of tables.
+
+    python benchmarks/bench_saves.py [--quick] [--table-mb 136] [--json benchmarks/results/saves_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import write_json
+
+from freescale.tables import print_table
+
+REPO = Path(__file__).resolve().parents[1]
+DIM = 16
+ROW_BYTES = DIM * 4 + 4  # a row of fp32 weights and its row-wise Adagrad state
+
+
+def run(data: Path, out: Path, steps: int, every: int) -> list[dict[str, Any]]:
+    """One training; rank 0's log records."""
+    cmd = [sys.executable, "-m", "freescale.cli", "launch", "--nproc-per-node=2",
+           "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={data}", f"--train.output_dir={out}",
+           f"--train.steps={steps}", f"--checkpoint.every={every}", "--checkpoint.save_final=false",
+           "--checkpoint.keep=2", "--train.log_every=1000"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_saves: the run failed:\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def intervals(log: list[dict[str, Any]]) -> dict[int, float]:
+    """Step -> seconds since the commit before it (the first step has none)."""
+    commits = [e for e in log if e["event"] == "commit"]
+    return {b["step"]: b["time"] - a["time"] for a, b in zip(commits, commits[1:])}
+
+
+def save_rows(log: list[dict[str, Any]], normal_s: float, every: int, repeat: int) -> list[dict[str, Any]]:
+    """One row per save: its steps over a normal step (module docstring)."""
+    gaps = intervals(log)
+    staged = [e for e in log if e["event"] == "checkpoint_staged"]
+    copied = {e["step"]: e for e in log if e["event"] == "checkpoint_tables_copied"}
+    rows = []
+    for event in staged:
+        saved = event["step"]  # the save holds the state after `saved` steps: steps 0 .. saved - 1
+        due = event.get("tables_due")
+        window = [s for s in range(saved, saved + every) if s in gaps]
+        if not window or due is None:
+            continue
+        copying = [gaps[s] for s in range(saved + 1, due) if s in gaps]
+        finishing = gaps.get(due)
+        taken = copied.get(saved, {})
+        rows.append({
+            "repeat": repeat, "save_after_step": saved, "tables_due_step": due,
+            "save_step_x": gaps[saved] / normal_s,
+            "copying_steps_max_x": max(copying) / normal_s if copying else None,
+            "finishing_step_x": finishing / normal_s if finishing is not None else None,
+            "any_step_until_next_save_max_x": max(gaps[s] for s in window) / normal_s,
+            "staged_ms": 1e3 * event["seconds"], "copy_ms": 1e3 * taken.get("copy_s", float("nan")),
+            "finish_ms": 1e3 * taken.get("finish_s", float("nan")),
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one repeat, 60 steps, 136 MB (< 60 s)")
+    parser.add_argument("--table-mb", type=float, default=136.0, help="MB of tables (weights + row-wise state)")
+    parser.add_argument("--every", type=int, default=10, help="steps between saves (default 10)")
+    parser.add_argument("--steps", type=int, default=0, help="steps per run (default 120; 60 with --quick)")
+    parser.add_argument("--repeats", type=int, default=0, help="runs of each kind, interleaved (default 3; 1 quick)")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    steps = args.steps or (60 if args.quick else 120)
+    repeats = args.repeats or (1 if args.quick else 3)
+    rows_per_table = int(args.table_mb * 1e6 / ROW_BYTES / 2)
+    from freescale.dataloader import SyntheticSpec, generate
+
+    saves: list[dict[str, Any]] = []
+    normal: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        generate(data, SyntheticSpec(rows=40_000, eval_rows=1_024, num_items=rows_per_table, num_users=rows_per_table,
+                                     seed=0))
+        logs = []
+        for r in range(repeats):  # interleaved: a run with saves, then one without
+            logs.append((r, run(data, Path(tmp) / f"saves{r}", steps, args.every)))
+            plain = intervals(run(data, Path(tmp) / f"plain{r}", steps, 0))
+            normal += [s for step, s in plain.items() if step >= 5]
+        normal_s = statistics.median(normal)
+        for r, log in logs:
+            saves += save_rows(log, normal_s, args.every, r)
+    print(f"2 ranks, tiny DLRM, {2 * rows_per_table:,} table rows ({args.table_mb:.0f} MB with their Adagrad state), "
+          f"a save every {args.every} steps; normal step {1e3 * normal_s:.1f} ms (median of the runs without saves)")
+    columns = ["repeat", "save_after_step", "tables_due_step", "save_step_x", "copying_steps_max_x",
+               "finishing_step_x", "any_step_until_next_save_max_x", "staged_ms", "copy_ms", "finish_ms"]
+    print_table(saves, columns)
+    worst = max((r["any_step_until_next_save_max_x"] for r in saves), default=float("nan"))
+    summary = {"normal_step_ms": 1e3 * normal_s, "saves": len(saves), "worst_step_x": worst,
+               "saves_within_1.2x": sum(r["any_step_until_next_save_max_x"] <= 1.2 for r in saves)}
+    print(f"target: every step of every save <= 1.2x a normal step: {summary['saves_within_1.2x']} of {len(saves)} "
+          f"saves (worst {worst:.2f}x)")
+    if args.json:
+        write_json(args.json, "bench_saves", {"quick": args.quick, "table_mb": args.table_mb, "every": args.every,
+                                              "steps": steps, "repeats": repeats, "rows_per_table": rows_per_table,
+                                              "embedding_dim": DIM, "ranks": 2},
+                   saves + [{"summary": summary}])
+
+
+if __name__ == "__main__":
+    main()
