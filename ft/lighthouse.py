@@ -150,6 +150,7 @@ from freescale.ft import durable
 from freescale.ft.lighthouse_ops import LighthouseOps, Reply, error
 from freescale.ft.membership import LighthouseConfig
 from freescale.ft.membership_records import BadRequest
+from freescale.ft.quiet_gc import PYTHON_GC_ENV, QuietCollector
 from freescale.ft.serving import LINK_PING_S, LoopThread, run_loop, token_ok
 
 log = logging.getLogger("freescale.ft.lighthouse")
@@ -184,6 +185,8 @@ class Lighthouse(LighthouseOps):
         self._links: set[web.WebSocketResponse] = set()
         """The group agents' open links (``/v1/agent``)."""
         self._background = LoopThread("freescale-lighthouse")
+        self.collector: QuietCollector | None = None
+        """The process's garbage collector, when the lighthouse has a process of its own (``run_forever``)."""
 
     def _save(self) -> None:
         """Write the durable facts (``freescale.ft.durable``), synchronously: no answer that
@@ -371,6 +374,8 @@ class Lighthouse(LighthouseOps):
                     scanned = now
                     self.scan(now)
                 self._try_form(now)
+                if self.collector is not None:
+                    self.collector.tick(self.quiet())
                 if self.cfg.state_path and self.high_step != self._saved_high_step and now - self._saved_at >= 1.0:
                     self._save()  # the growing high_step, at most once a second (a lower bound)
             except Exception:  # a bug here must not stop every later decision
@@ -402,6 +407,9 @@ def run_forever(cfg: LighthouseConfig) -> None:
     async def main() -> None:
         lighthouse = Lighthouse(cfg)
         url = await lighthouse.start()
+        if os.environ.get(PYTHON_GC_ENV) != "1":
+            lighthouse.collector = QuietCollector()
+            lighthouse.collector.take_over()
         state = (f"state {cfg.state_path}" + (f" (restored: run '{lighthouse.run_id}', quorum {lighthouse.quorum_id}, "
                                               f"step {lighthouse.high_step})" if lighthouse.restored else " (new)")
                  if cfg.state_path else "no state file: a restart forgets the run")

@@ -451,3 +451,38 @@ def test_a_forgetful_lighthouse_forms_no_quorum_before_it_settles() -> None:
     assert q.quorum_id > 7 and lh.holders == {"a": 0} and lh.high_step == 40
     a.close()
     lh.stop_thread()
+
+
+def test_the_lighthouse_process_collects_garbage_only_while_no_answer_waits(lighthouse: Lighthouse) -> None:
+    """``freescale lighthouse`` takes Python's collector over (``ft/quiet_gc.py``): no full collection on its own,
+    one at a quiet moment (no vote undecided, no quorum request waiting), what is left frozen; cyclic garbage
+    made before a quiet collection is gone after it, frozen objects included."""
+    import gc
+
+    from freescale.ft.quiet_gc import QuietCollector
+
+    threshold = gc.get_threshold()
+    collector = QuietCollector(every_s=0.0)
+    try:
+        collector.take_over()
+        assert gc.get_threshold()[2] > 1 << 20 and gc.get_freeze_count() > 0
+        gc.disable()  # (no young collection may free the cycle below before the collector's own)
+        freed = []
+
+        class Cycle:
+            def __init__(self) -> None:
+                self.me = self
+
+            def __del__(self) -> None:
+                freed.append(1)
+
+        Cycle()
+        collector.tick(quiet=False)
+        assert freed == [] and collector.collections == 1  # an answer waits: no pause
+        collector.tick(quiet=True)
+        assert freed == [1] and collector.collections == 2
+        assert lighthouse.quiet()  # nothing open on a lighthouse nobody talks to
+    finally:
+        gc.enable()
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
