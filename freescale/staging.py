@@ -295,14 +295,18 @@ class LazySaves:
         recent = sorted(self._steps[-20:])
         return recent[len(recent) // 2] if recent else 0.0
 
-    def begin(self, live: dict[str, Any], done: int, agree: Callable[[int], int], reuse: bool) -> LazySnapshot:
+    def begin(self, live: dict[str, Any], done: int, agree: Callable[[int], int], reuse: bool,
+              within: int | None = None) -> LazySnapshot:
         """At the save step: the snapshot, and the step it is due at (``agree``: the max over ranks), planned
-        with half the budget for the copy (the other half for the rows kept at lookups).  ``reuse``: no
-        earlier save is still being written from the buffers."""
+        with half the budget for the copy (the other half for the rows kept at lookups), and at most ``within``
+        steps (the steps before the next save: else that save step would finish this copy all at once).
+        ``reuse``: no earlier save is still being written from the buffers."""
         self.snapshot = LazySnapshot(self.tracker, live, self._buffers if reuse else None)
         self._buffers = self.snapshot.table_buffers
         per_step = self.budget * self._step_s() * self.bytes_per_s / 2
         steps = int(self.snapshot.left / per_step) + 1 if per_step > 0 else 1
+        if within is not None:
+            steps = min(steps, max(1, within))
         self.due, self._began, self._kept_s = done + agree(min(steps, 1 << 20)), done, 0.0
         return self.snapshot
 
