@@ -379,14 +379,22 @@ def _with_ratios(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Repeats of one failure run as one: each figure's median, its (min, max) as ``<key>_range``."""
-    out: dict[str, Any] = dict(runs[0])
-    for key in runs[0]:
-        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
-        if values and len(values) == len(runs) and not isinstance(runs[0][key], bool):
-            out[key] = float(np.median(values))
-            if len(values) > 1:
-                out[f"{key}_range"] = (min(values), max(values))
+    """Repeats of one failure run as one: each figure's median over the repeats that have it (finite), its
+    (min, max) as ``<key>_range`` and, where some repeats lack it, how many have it as ``<key>_of``."""
+    import math
+
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for r in runs for k in r):
+        found = [r[key] for r in runs if key in r]
+        values = [v for v in found if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+        if not values:
+            out[key] = found[0]
+            continue
+        out[key] = float(np.median(values))
+        if len(values) > 1:
+            out[f"{key}_range"] = (min(values), max(values))
+        if len(values) < len(runs):
+            out[f"{key}_of"] = f"{len(values)}/{len(runs)}"
     phases = [r["phases"] for r in runs if isinstance(r.get("phases"), dict)]
     if len(phases) == len(runs) > 1:  # each phase's median over the repeats (not the first repeat's)
         out["phases"] = {k: float(np.median([p[k] for p in phases])) for k in phases[0]
@@ -407,6 +415,8 @@ def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[d
                 lo, hi = res[f"{key}_range"]
                 out[name] += f" [{lo:.3g}..{hi:.3g}]"
                 out[f"{name}_range"] = [lo, hi]
+            if not isinstance(res, str) and f"{key}_of" in res:  # not every repeat has this figure
+                out[name] += f" ({res[key + '_of']} runs)"
         return out
 
     def catch_up(r: dict[str, Any]) -> str:

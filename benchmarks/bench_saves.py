@@ -7,9 +7,11 @@ and the same run with no saves, interleaved (``--repeats`` of each).  A step's t
 consecutive ``commit`` records of rank 0's log: the step and everything the loop did after the one before
 it (the save, a share of the tables' copy, committing a written save), which is what the training waits for.
 
-For each save (its ``checkpoint_staged`` step ``d``): the step after it (``d + 1``: the save step's work), the
-slowest step while its tables are copied, the step that finishes the copy and starts the write, and the
-slowest step until the next save, each over a normal step (the median step of the runs with no saves).
+For each save (its ``checkpoint_staged`` step ``d``: the state after steps 0 .. d - 1): step ``d`` (its commit
+interval holds the save's work, done after step ``d - 1``'s commit), the slowest step while its tables are copied,
+the step that finishes the copy and starts the write (at the next save at the latest: a save finishes the copy
+before it), and the slowest step until the next save, each over a normal step (the median step of the runs with
+no saves).
 Target (issue 47): every save's steps at most 1.2x a normal step, at 136 MB and at 1 GB of tables.
 
     python benchmarks/bench_saves.py [--quick] [--table-mb 136] [--json benchmarks/results/saves_cpu.json]
@@ -66,8 +68,9 @@ def save_rows(log: list[dict[str, Any]], normal_s: float, every: int, repeat: in
         window = [s for s in range(saved, saved + every) if s in gaps]
         if not window or due is None:
             continue
-        copying = [gaps[s] for s in range(saved + 1, due) if s in gaps]
-        finishing = gaps.get(due)
+        end = min(due, saved + every)  # the next save finishes this copy first, if it comes before the due step
+        copying = [gaps[s] for s in range(saved + 1, end) if s in gaps]
+        finishing = gaps.get(end)
         taken = copied.get(saved, {})
         rows.append({
             "repeat": repeat, "save_after_step": saved, "tables_due_step": due,

@@ -7,8 +7,9 @@ sample of the others; one swap each fixes them.  The search works on each part's
 
 - ``_rows``: the members as rows of one flat array (a row per part, room for a few more), filled in one pass; a
   row that runs out of room moves once to the end, as wide as any part may grow (``_make_room``; the array grows
-  when it must), so memory stays linear in the samples however uneven the parts (a dense parts x widest table,
-  or spare room reserved up front, cost more in page faults than the whole search on 16,384 parts);
+  when it must), so memory follows the rows that grow, not parts x the widest part (that dense table, or spare
+  room reserved up front, cost more in page faults than the whole search on 16,384 parts; the worst case is
+  still bounded by ``_REFINE_MAX_CELLS``);
 - ``_best_exchange``: the move (a binary search) or swap (one merge of the two rows) whose cost shift lands the
   pair nearest their meeting point;
 - ``_pair_sweep`` (the tail's search only): the parts over the target, heaviest first, each paired with one of the
@@ -185,8 +186,8 @@ def _make_room(start: np.ndarray, room: np.ndarray, counts: np.ndarray, ids: np.
                p: int, free: int, width: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Move row ``p`` to ``width`` cells at ``free`` (once per part: ``width`` is the most it may hold), growing
     the arrays by an eighth (at least 64 such rows) when they are full: ``(ids, vals, free)`` after it."""
-    if free + width > ids.size:
-        size = ids.size + max(ids.size // 8, 64 * width)
+    if free + width > ids.size:  # (never more than a row per part: each moves once)
+        size = ids.size + max(ids.size // 8, min(64, start.size) * width)
         grown_ids, grown_vals = np.empty(size, dtype=ids.dtype), np.empty(size, dtype=vals.dtype)
         grown_ids[:free], grown_vals[:free] = ids[:free], vals[:free]
         ids, vals = grown_ids, grown_vals

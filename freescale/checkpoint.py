@@ -21,8 +21,8 @@ any sharding plan and world size.
 ``CheckpointWriter`` does the same save in the background: the state is copied
 to host memory (``host_copy`` at the step, or the tables over the steps after it:
 ``staging.py``), DCP writes it on a thread of its own
-over a gloo group of its own, and rank 0 commits it (the same metadata and
-rename) at a later step once every rank's files are written.
+over a gloo group of its own, and rank 0 commits it on that thread (the same
+metadata and rename) once every rank's files are written.
 """
 
 from __future__ import annotations
@@ -283,9 +283,16 @@ class CheckpointWriter:
         from concurrent.futures import ThreadPoolExecutor
 
         self.asynchronous, self.group, self.fence = asynchronous, group, fence
+        import threading
+
         self._pending: tuple[Any, Path, int] | None = None
         self._abandoned = False
         """Set by ``abandon`` before it drops a save in flight: the writer's thread then commits nothing."""
+        self._commit_lock = threading.Lock()
+        """Held by the writer's thread from its check of ``_abandoned`` to the end of its commit, and by
+        ``abandon`` to set it: a commit under way finishes before ``abandon`` removes anything."""
+        self._written = threading.Event()
+        """Set once the save in flight's files are written (its host copy is free again)."""
         self.committed: list[tuple[Path, float]] = []
         """Every save committed since the caller last emptied it: ``(path, seconds since start)``, whichever
         call committed it (``start`` waits for the save before it)."""
@@ -309,6 +316,8 @@ class CheckpointWriter:
                 meta = {**meta, **extra}
             return save(root, step, app_state, meta, keep, self.fence)
         state = app_state if copied or callable(app_state) else host_copy(app_state)
+        self._abandoned = False
+        self._written.clear()
         future = self._thread.submit(self._write, root, step, state, meta, keep, convert, time.perf_counter())
         self._pending = (future, root, step)
         return None
@@ -331,14 +340,16 @@ class CheckpointWriter:
             meta = {**meta, **extra}
         partial = _begin(root, step, self.group, self.fence)
         dcp.save(state, storage_writer=integrity.VerifyingWriter(partial), process_group=self.group)
-        if self._abandoned:
-            raise CheckpointError(f"{step_dir(root, step)}: abandoned (the run stopped) before its commit")
-        return _commit(root, step, meta, keep, self.fence), time.perf_counter() - started
+        self._written.set()
+        with self._commit_lock:
+            if self._abandoned:
+                raise CheckpointError(f"{step_dir(root, step)}: abandoned (the run stopped) before its commit")
+            return _commit(root, step, meta, keep, self.fence), time.perf_counter() - started
 
     @property
     def writing(self) -> bool:
-        """A save is in flight on this rank and its files are not all written yet."""
-        return self._pending is not None and not self._pending[0].done()
+        """A save is in flight on this rank and its files are not all written yet (its host copy in use)."""
+        return self._pending is not None and not self._written.is_set() and not self._pending[0].done()
 
     def poll(self) -> tuple[Path, float] | None:
         """The save in flight if its thread committed it: ``(path, seconds since start)``; None while it runs."""
@@ -367,7 +378,8 @@ class CheckpointWriter:
         try:
             future.result(timeout=wait_s)
         except BaseException:  # not written in time, or failed (a peer stopped first): dropped
-            self._abandoned = True  # a write that ends later commits nothing
+            with self._commit_lock:  # a commit under way ends first (then the .partial below is gone already)
+                self._abandoned = True  # a write that ends later commits nothing
             self._pending = None
             if _is_main():
                 shutil.rmtree(Path(str(step_dir(root, step)) + PARTIAL_SUFFIX), ignore_errors=True)

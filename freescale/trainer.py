@@ -372,9 +372,9 @@ class Trainer:
                 "validation": parts.validation.tracker.state_dict() if parts.validation is not None else None}
         live = raw_state(parts)
         if writer.asynchronous and parts.staging is not None and done < self.cfg.train.steps:
-            every = self.cfg.checkpoint.every
+            every = self.cfg.checkpoint.every  # the copy is due before the next periodic save
             parts.staging.begin(live, done, lambda steps: _agreed_max(parts.ctx, steps), reuse=not writer.writing,
-                                within=every - 1 if every else None)
+                                within=every - done % every - 1 if every else None)
             self._lazy = (done, meta)  # written once the tables' copy is done
             log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start, tables_due=parts.staging.due)
             return None

@@ -187,6 +187,8 @@ class Lighthouse(LighthouseOps):
         self._background = LoopThread("freescale-lighthouse")
         self.collector: QuietCollector | None = None
         """The process's garbage collector, when the lighthouse has a process of its own (``run_forever``)."""
+        self.answering = 0
+        """Quorum and commit requests received and not yet answered (on links or over HTTP)."""
 
     def _save(self) -> None:
         """Write the durable facts (``freescale.ft.durable``), synchronously: no answer that
@@ -271,8 +273,12 @@ class Lighthouse(LighthouseOps):
 
     def _route(self, operation: Any) -> Any:
         async def handle(request: web.Request) -> web.Response:
-            reply = operation(await self._body(request))
-            return _response(await reply if asyncio.iscoroutine(reply) else reply)
+            self.answering += 1
+            try:
+                reply = operation(await self._body(request))
+                return _response(await reply if asyncio.iscoroutine(reply) else reply)
+            finally:
+                self.answering -= 1
         return handle
 
     async def _status(self, request: web.Request) -> web.Response:
@@ -351,12 +357,16 @@ class Lighthouse(LighthouseOps):
 
     async def _answer_later(self, link: web.WebSocketResponse, number: int, op: str, body: dict[str, Any],
                             speaking: tuple[str, int] | None) -> None:
+        self.answering += 1
         try:
-            reply = await (self.ask_quorum(body, speaking) if op == "quorum" else self.commit(body, speaking))
-        except BadRequest as exc:
-            reply = error(400, str(exc))
-        if not link.closed:
-            await _answer(link, number, reply)
+            try:
+                reply = await (self.ask_quorum(body, speaking) if op == "quorum" else self.commit(body, speaking))
+            except BadRequest as exc:
+                reply = error(400, str(exc))
+            if not link.closed:
+                await _answer(link, number, reply)
+        finally:
+            self.answering -= 1
 
     # ------------------------------------------------------------------ time
     async def _ticker(self) -> None:
@@ -374,8 +384,8 @@ class Lighthouse(LighthouseOps):
                     scanned = now
                     self.scan(now)
                 self._try_form(now)
-                if self.collector is not None:
-                    self.collector.tick(self.quiet())
+                if self.collector is not None:  # no pause while any request is being answered (a decided
+                    self.collector.tick(self.quiet() and not self.answering)  # vote's answers still going out)
                 if self.cfg.state_path and self.high_step != self._saved_high_step and now - self._saved_at >= 1.0:
                     self._save()  # the growing high_step, at most once a second (a lower bound)
             except Exception:  # a bug here must not stop every later decision

@@ -11,7 +11,9 @@ the lighthouse therefore takes the collector over:
   everything (what it froze the time before included: no cycle outlives the next quiet moment) and freezes what
   is left (``gc.freeze``), so the young collections in between never walk it.
 
-Cyclic garbage waits at most that long; everything else is freed by reference counting at once, as always.
+Cyclic garbage waits that long, or ``FORCE_AFTER`` times that where the lighthouse is never quiet (then it collects
+anyway); everything else is freed by reference counting at once, as always.  From Python 3.14 the collector is
+incremental (no long full collections) and is left alone.
 Where the lighthouse runs inside another process (the trainer's in-process lighthouse) the collector is that
 process's and is left alone.
 """
@@ -19,9 +21,13 @@ process's and is left alone.
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 COLLECT_EVERY_S = 10.0
+FORCE_AFTER = 6
+INCREMENTAL = sys.version_info >= (3, 14)
+"""Python's collector is incremental from 3.14: no pause to keep off the answers."""
 PYTHON_GC_ENV = "FREESCALE_LIGHTHOUSE_PYTHON_GC"
 """Set to 1: the lighthouse process leaves Python's collector as it is (``bench_lighthouse.py --gc both``)."""
 _NEVER = 1 << 30  # full collections only when asked for
@@ -38,12 +44,17 @@ class QuietCollector:
         self._due = 0.0
 
     def take_over(self) -> None:
+        if INCREMENTAL:
+            return
         young, middle, _ = gc.get_threshold()
         gc.set_threshold(young, middle, _NEVER)
         self._collect()
 
     def tick(self, quiet: bool) -> None:
-        if quiet and time.monotonic() >= self._due:
+        if INCREMENTAL or self.collections == 0:
+            return
+        now = time.monotonic()
+        if (quiet and now >= self._due) or now >= self._due + (FORCE_AFTER - 1) * self.every_s:
             self._collect()
 
     def _collect(self) -> None:
@@ -56,4 +67,4 @@ class QuietCollector:
         self._due = time.monotonic() + self.every_s
 
 
-__all__ = ["COLLECT_EVERY_S", "PYTHON_GC_ENV", "QuietCollector"]
+__all__ = ["COLLECT_EVERY_S", "FORCE_AFTER", "PYTHON_GC_ENV", "QuietCollector"]
