@@ -235,13 +235,13 @@ def steady_before(survivor: list[dict[str, Any]], joined: int) -> tuple[float, s
     return step_ms([e for e in survivor if 5 <= e["step"] < 20], skip=0), "steps 5..19, before the kill (3 replicas)"
 
 
-def steady_after(survivor: list[dict[str, Any]], done: int, count: int = 10) -> float | None:
-    """The survivors' step once the restarted replica contributes: steps ``done + 2 .. done + 1 + count`` (the
-    same replicas as during the catch-up, at the machine's load of that moment: the fair baseline for the
-    ratio; ``steady_before``'s window mixes in the machine's drift and, for the big model, a third replica).
-    None when fewer than 3 such steps ran."""
+def steady_after(survivor: list[dict[str, Any]], done: int, count: int = 10) -> dict[str, float]:
+    """``{"after_ms": ...}``: the survivors' step once the restarted replica contributes, steps ``done + 2 ..
+    done + 1 + count`` (the same replicas as during the catch-up, at the machine's load of that moment: the fair
+    baseline for the ratio; ``steady_before``'s window mixes in the machine's drift and, for the big model, a
+    third replica).  Empty when fewer than 3 such steps ran."""
     after = [e for e in survivor if done + 2 <= e["step"] < done + 2 + count]
-    return step_ms(after, skip=0) if len(after) >= 3 else None
+    return {"after_ms": step_ms(after, skip=0)} if len(after) >= 3 else {}
 
 
 def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
@@ -297,7 +297,7 @@ def _failure(out: Path, steps: int, hidden: int, layers: int, standby: bool, ser
         before_ms, before_window = steady_before(a, joined)
         res.update(before_ms=before_ms, before_window=before_window,
                    during_ms=step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0),
-                   **_after(a, done), rate=info["bytes_per_s"], caught_up_s=info["finished"] - restart,
+                   **steady_after(a, done), rate=info["bytes_per_s"], caught_up_s=info["finished"] - restart,
                    catch_up_s=info["caught_up"] - info["started"], bytes=info["bytes"],
                    behind_seen_s=info["started"] - restart,  # start-up, imports, model, first quorum
                    phases={k: info.get(k) for k in ("source_wait_s", "transfer_s", "load_s", "replay_s",
@@ -350,7 +350,7 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
         before_ms, before_window = steady_before(a, joined)
         res.update(before_ms=before_ms, before_window=before_window,
                    during_ms=step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0),
-                   **_after(a, done), contributing_s=contributing[0]["committed"] - restart,
+                   **steady_after(a, done), contributing_s=contributing[0]["committed"] - restart,
                    rate=healed["heal_bytes"] / healed["heal_fetch_s"] if healed else float("nan"),
                    heals=sum(1 for e in c if "heal_fetch_s" in e))
         if healed:  # torchft's source serves its live state in the quorum (no wait): fetch + load
@@ -361,11 +361,6 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
                        bytes=healed["heal_bytes"], phases={"transfer_s": healed["heal_fetch_s"],
                                                             "load_s": healed.get("heal_load_s")})
     return _with_ratios(res)
-
-
-def _after(survivor: list[dict[str, Any]], done: int) -> dict[str, float]:
-    after = steady_after(survivor, done)
-    return {} if after is None else {"after_ms": after}
 
 
 def _with_ratios(res: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,8 @@ import json
 import os
 import re
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,8 +285,6 @@ class CheckpointWriter:
         from concurrent.futures import ThreadPoolExecutor
 
         self.asynchronous, self.group, self.fence = asynchronous, group, fence
-        import threading
-
         self._pending: tuple[Any, Path, int] | None = None
         self._abandoned = False
         """Set by ``abandon`` before it drops a save in flight: the writer's thread then commits nothing."""
@@ -304,8 +304,6 @@ class CheckpointWriter:
         """Collective.  The final path when the save completed here (synchronous), else None.  Asynchronous:
         ``app_state`` is copied to host memory here unless it is a host copy already (``copied``; or a
         function giving one, called on the writer's thread), which the writer keeps until it is written."""
-        import time
-
         self.wait()
         root = Path(root)
         if not self.asynchronous:
@@ -330,8 +328,6 @@ class CheckpointWriter:
         it takes a tenth of a core's time from a step's threads rather than an even share, and it still
         finishes (at nice 19 a busy 2-core host starved it for seconds).  The next save waits for it, so
         checkpoints never fall more than one behind."""
-        import time
-
         _lower_priority()
         if callable(state):
             state = state()
@@ -404,8 +400,6 @@ class CheckpointWriter:
 
 
 def _lower_priority() -> None:
-    import threading
-
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # not Linux, or not allowed: the write just competes evenly

@@ -271,6 +271,11 @@ class Lighthouse(LighthouseOps):
             raise _BodyTimeout(f"the request body did not arrive within {self.cfg.body_timeout_s:g} s") from None
         return _json_object(raw)
 
+    def quiet(self) -> bool:
+        """No request being answered: no ballot waits for its vote, no quorum request for its quorum, no decided
+        vote's answers still going out; a pause now delays no answer."""
+        return not self.answering
+
     def _route(self, operation: Any) -> Any:
         async def handle(request: web.Request) -> web.Response:
             self.answering += 1
@@ -384,8 +389,8 @@ class Lighthouse(LighthouseOps):
                     scanned = now
                     self.scan(now)
                 self._try_form(now)
-                if self.collector is not None:  # no pause while any request is being answered (a decided
-                    self.collector.tick(self.quiet() and not self.answering)  # vote's answers still going out)
+                if self.collector is not None:
+                    self.collector.tick(self.quiet())
                 if self.cfg.state_path and self.high_step != self._saved_high_step and now - self._saved_at >= 1.0:
                     self._save()  # the growing high_step, at most once a second (a lower bound)
             except Exception:  # a bug here must not stop every later decision

@@ -145,11 +145,6 @@ class Membership:
         """Long enough up that every live group has re-registered (``LighthouseConfig.settle_s``)."""
         return now - self.started >= self.cfg.settle_s
 
-    def quiet(self) -> bool:
-        """No vote undecided and no quorum request waiting: a pause here delays no answer."""
-        return all(v.result is not None for v in self.votes.values()) and not any(
-            join.waiters for join in self.joins.values())
-
     def beat_interval(self) -> float:
         """How often each voice (a group's agent, or a rank that speaks for itself) should heartbeat,
         said in every heartbeat reply: 50 ms, or slower once that would exceed ``max_beats_per_s``;
