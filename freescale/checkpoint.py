@@ -68,6 +68,10 @@ class CheckpointConfig:
     async_save: bool = True
     """Stage the state to host memory at the step, write it on a background thread while training goes
     on, and commit (``freescale.json``, rename) once every rank's files are written (``CheckpointWriter``)."""
+    skip_while_busy: bool = True
+    """With ``async_save``: a periodic save that comes due while the previous one is still being copied or
+    written (on any rank) is skipped, the next multiple of ``every`` asks again, instead of that step waiting
+    for the previous write (``freescale.training_saves``).  The last step's save is never skipped."""
     stage_budget: float = 0.05
     """With ``async_save`` and ``every``: the share of each step's time spent copying the embedding tables to
     host memory after a save step (copy-on-write: ``staging.py``), so the save step copies only the dense
@@ -281,10 +285,13 @@ class CheckpointWriter:
     complete and this one ``.partial``.  With ``asynchronous=False`` it is ``save``.
     """
 
-    def __init__(self, asynchronous: bool = True, group: Any = None, fence: Fence | None = None) -> None:
+    def __init__(self, asynchronous: bool = True, group: Any = None, fence: Fence | None = None,
+                 before_write: Callable[[int], None] | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.asynchronous, self.group, self.fence = asynchronous, group, fence
+        self.before_write = before_write
+        """Called on the writer's thread with the save's step before its files are written (tests: slow storage)."""
         self._pending: tuple[Any, Path, int] | None = None
         self._abandoned = False
         """Set by ``abandon`` before it drops a save in flight: the writer's thread then commits nothing."""
@@ -329,6 +336,8 @@ class CheckpointWriter:
         finishes (at nice 19 a busy 2-core host starved it for seconds).  The next save waits for it, so
         checkpoints never fall more than one behind."""
         _lower_priority()
+        if self.before_write is not None:
+            self.before_write(step)
         if callable(state):
             state = state()
         if convert is not None:
@@ -341,6 +350,11 @@ class CheckpointWriter:
             if self._abandoned:
                 raise CheckpointError(f"{step_dir(root, step)}: abandoned (the run stopped) before its commit")
             return _commit(root, step, meta, keep, self.fence), time.perf_counter() - started
+
+    @property
+    def busy(self) -> bool:
+        """A save is in flight on this rank: its files being written, or (rank 0) its commit under way."""
+        return self._pending is not None and not self._pending[0].done()
 
     @property
     def writing(self) -> bool:

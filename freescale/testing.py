@@ -34,6 +34,8 @@ benchmarks and demos (the same in every process of a run):
     - ``data`` is no fault either: from ``step`` on, every incarnation's data loading takes ``<ms>`` times as
       long (a factor, as for ``compute``): after the loader makes a batch, its thread waits ``factor - 1``
       times what making it took (slow storage or a starved host: the training thread waits for its batch);
+    - ``write`` is no fault either: every save of a step at or after ``step`` waits ``ms`` on the writer's
+      thread before its files are written (slow storage: the loop goes on; the next save finds it busy);
     - ``away`` is no fault either: from ``step`` on, while the last committed step
       had fewer ready replica groups than the run has, every incarnation sleeps
       ``ms`` after backward.  Survivors train slowly only while a group restarts
@@ -58,9 +60,9 @@ from pathlib import Path
 
 FAULTS_ENV = "FREESCALE_FAULTS"
 AUDIT_ENV = "FREESCALE_AUDIT"
-POINTS = ("forward", "reduce", "vote", "catchup", "serve", "slow", "away", "compute", "device", "data")
-_AT_OR_AFTER = ("forward", "catchup", "slow", "serve", "away", "compute", "device", "data")
-_EVERY_INCARNATION = ("slow", "away", "compute", "device", "data")
+POINTS = ("forward", "reduce", "vote", "catchup", "serve", "slow", "away", "compute", "device", "data", "write")
+_AT_OR_AFTER = ("forward", "catchup", "slow", "serve", "away", "compute", "device", "data", "write")
+_EVERY_INCARNATION = ("slow", "away", "compute", "device", "data", "write")
 _FACTORS = ("compute", "device", "data")
 
 

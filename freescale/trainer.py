@@ -42,24 +42,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from freescale import checkpoint, reshard, run_lease
+from freescale import checkpoint, run_lease
 from freescale.components import Components, TrainConfig, TrainerConfig, build, prepare
 from freescale.config import to_dict
 from freescale.dataloader.build import Dataset
 from freescale.dataloader.schema import DataError
 from freescale.digest import state_digest
-from freescale.distributed import DistContext, init_distributed, shutdown, summed_counts
+from freescale.distributed import init_distributed, shutdown, summed_counts
 from freescale.ft.commit_record import CommitRecord
 from freescale.ft.config import RUN_ID_ENV, incarnation
 from freescale.rank_console import quiet_libraries, say
 from freescale.rank_speed import SpeedCheck
-from freescale.resume import Resume, raw_state
+from freescale.resume import Resume
 from freescale.run_log import Progress, RunLog
 from freescale.step_stats import Calibration
-from freescale.step_types import Commit, JobFinished, NonFiniteError, ReplicaRun, StepOutcome
-from freescale.validation import Validation, epoch_steps, test_evaluation
+from freescale.step_types import JobFinished, NonFiniteError, ReplicaRun, StepOutcome
+from freescale.training_saves import TrainingSaves
+from freescale.validation import epoch_steps, test_evaluation
 
 
 @dataclass
@@ -209,36 +209,25 @@ class Trainer:
         A save still being written at the end (or at a stop on a non-finite loss, which every rank makes
         together) is waited for: the checkpoint of the last good step is complete."""
         steps = self.cfg.train.steps
-        self._writer = checkpoint.CheckpointWriter(self.cfg.checkpoint.async_save, _checkpoint_group(parts.ctx),
-                                                   self._fence())
-        self._staging = parts.staging
-        if parts.staging is not None:  # the host copy of the tables the saves reuse, made and touched now
-            log.write("checkpoint_buffers", seconds=parts.staging.prepare(raw_state(parts)))
-        self._lazy: tuple[int, dict[str, Any]] = (-1, {})
-        """The save whose tables are being copied (its ``LazySnapshot`` is the staging's): step, metadata."""
-        self._last_ckpt: Path | None = None
+        self._saves = TrainingSaves(self.cfg, parts, log, self._checkpoint_root, self._fence())
         self.stopped_at: int | None = None
         """The step after which training stopped early (``train.early_stop``), if it did."""
         try:
             committed, finished_elsewhere = self._train_steps(parts, log, progress, start_step)
         except NonFiniteError:
             try:
-                self._write_lazy(log)
-                self._writer.wait()
-                self._committed(log)
+                self._saves.complete()
             except checkpoint.CheckpointError as exc:  # the stop's reason stays the one reported
                 log.write("checkpoint_failed", error=str(exc))
             raise
         except BaseException:  # stopped (^C, the CLI's SIGTERM), or a peer's failure: no half-written save left
-            self._writer.abandon()
+            self._saves.abandon()
             raise
-        self._write_lazy(log)
-        self._writer.wait()
-        self._committed(log)
+        self._saves.complete()
         parts.engine.check_finite()
         if parts.replicas is not None and not finished_elsewhere:
             parts.replicas.finish(self.stopped_at if self.stopped_at is not None else steps - 1)
-        return committed, self._last_ckpt, finished_elsewhere
+        return committed, self._saves.last, finished_elsewhere
 
     def _train_steps(self, parts: Components, log: RunLog, progress: Progress, start_step: int) -> tuple[int, bool]:
         """(Steps committed with valid state, whether another replica group finished the run first.)"""
@@ -264,7 +253,7 @@ class Trainer:
             if not commit.applied or commit.restored:
                 first = True  # catching up: the next step this process trains is its first again
             if commit.restored:
-                self._discard_lazy(log)
+                self._saves.restored()
             if not commit.applied:
                 continue
             done = commit.step + 1
@@ -297,14 +286,9 @@ class Trainer:
             if calibration is not None and done % cfg.data.calibrate_every == 0 and done != steps:
                 self._calibrate(parts, log, calibration, done)
             stop = parts.validation is not None and parts.validation.after_commit(
-                parts, log, commit, functools.partial(self._owns_checkpoint, parts, commit),
+                parts, log, commit, functools.partial(TrainingSaves.owns, parts, commit),
                 self._checkpoint_root, last=done == steps)
-            if self._checkpoint_due(done, parts.validation) or (stop and self.cfg.checkpoint.save_final):
-                self._save(parts, log, commit)
-            if parts.staging is not None and parts.staging.boundary(done, outcome.wall_s):
-                self._write_lazy(log)
-            self._writer.poll()
-            self._committed(log)
+            self._saves.after_commit(parts, commit, outcome.wall_s, stop)
             if stop:
                 log.write("early_stop", step=done, since_best=parts.validation.tracker.since_best)  # type: ignore[union-attr]
                 self.stopped_at = commit.step
@@ -343,77 +327,10 @@ class Trainer:
         log.write("commit", **record)
 
     # ------------------------------------------------------------------------------ checkpoints
-    @staticmethod
-    def _owns_checkpoint(parts: Components, commit: Commit) -> bool:
-        """Whether this group writes ``commit``'s checkpoint (with replica groups: collective over the group)."""
-        return parts.replicas is None or parts.replicas.owns_checkpoint(commit)
-
     @property
     def _checkpoint_root(self) -> Path:
         c = self.cfg.checkpoint
         return Path(c.dir) if c.dir else Path(self.cfg.train.output_dir) / "checkpoints"
-
-    def _checkpoint_due(self, done: int, validation: Validation | None = None) -> bool:
-        c, steps = self.cfg.checkpoint, self.cfg.train.steps
-        kept = validation is not None and validation.keep_best and validation.due(done)  # it may be the best
-        return bool((c.every and done % c.every == 0) or (c.save_final and done == steps) or kept)
-
-    def _save(self, parts: Components, log: RunLog, commit: Commit) -> Path | None:
-        """Collective over the group.  With fault tolerance one group writes (all hold the same state).  A
-        background save takes a host copy: of the tables, made over the next steps (``staging.py``) unless
-        this is the last step; of everything else, made here.  The writer's thread does the rest."""
-        parts.engine.check_finite()  # never a checkpoint after a non-finite step
-        if parts.replicas is not None and not parts.replicas.owns_checkpoint(commit):
-            return None
-        self._write_lazy(log)  # a save whose tables are still being copied goes first (checkpoints in order)
-        start, done, writer = time.perf_counter(), commit.step + 1, self._writer
-        meta = {"data": parts.feed.state_dict(), "world_size": parts.feed.group_size, "config": to_dict(self.cfg),
-                "ft": {"replicas": parts.groups}, "plan": reshard.plan_summary(parts.dmp),
-                "validation": parts.validation.tracker.state_dict() if parts.validation is not None else None}
-        live = raw_state(parts)
-        if writer.asynchronous and parts.staging is not None and done < self.cfg.train.steps:
-            every = self.cfg.checkpoint.every  # the copy is due before the next periodic save
-            parts.staging.begin(live, done, lambda steps: _agreed_max(parts.ctx, steps), reuse=not writer.writing,
-                                within=every - done % every - 1 if every else None)
-            self._lazy = (done, meta)  # written once the tables' copy is done
-            log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start, tables_due=parts.staging.due)
-            return None
-        path = writer.start(self._checkpoint_root, done, live, meta, keep=self.cfg.checkpoint.keep, convert=_logical)
-        self._committed(log)
-        if path is not None:  # written in this call (checkpoint.async_save = false)
-            self._committed(log, (path, time.perf_counter() - start))
-        else:  # copied; written and committed in the background, noted at a later step's poll
-            log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start)
-        return path
-
-    def _write_lazy(self, log: RunLog) -> None:
-        """Collective (at the step every rank agreed on, or at the end): the tables' copy of the save in
-        progress is completed, and the writer's thread writes it."""
-        snapshot = self._staging.take() if self._staging is not None else None
-        if snapshot is None:
-            return
-        step, meta = self._lazy
-        taken = snapshot.finish()
-        self._writer.start(self._checkpoint_root, step, snapshot.assemble, meta, keep=self.cfg.checkpoint.keep,
-                           convert=_logical)
-        self._committed(log)  # the save before it, if its write had to be waited for
-        log.write("checkpoint_tables_copied", step=step, **taken)
-
-    def _discard_lazy(self, log: RunLog) -> None:
-        """The whole state was replaced (caught up from a peer): a copy in progress would mix two states."""
-        snapshot = self._staging.take() if self._staging is not None else None
-        if snapshot is not None:
-            snapshot.discard()
-            log.write("checkpoint_discarded", step=self._lazy[0], reason="state restored from a peer")
-
-    def _committed(self, log: RunLog, finished: tuple[Path, float] | None = None) -> None:
-        """Log each save that committed (``finished``, or the writer's), and remember the last."""
-        done = [finished] if finished is not None else []
-        done += self._writer.committed
-        self._writer.committed.clear()
-        for path, seconds in done:
-            log.write("checkpoint", step=int(path.name.rsplit("_", 1)[1]), path=str(path), seconds=seconds)
-            self._last_ckpt = path
 
     def _open_records(self, parts: Components) -> None:
         """Fault tolerance under a run id: the groups' records of the committed steps (``ft.commit_record``),
@@ -469,32 +386,8 @@ class Trainer:
                       constant=model.constant)
 
 
-def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The state a checkpoint holds (``reshard.to_logical``: collective over ``group``) and its layouts."""
-    app, layouts = reshard.to_logical(state["model"], state["optim"], group)
-    return app, {"layouts": layouts}
-
-
 def _trained_samples(parts: Components, output: Any) -> int:
     """Samples the group trained in a step with these outputs (collective over the group)."""
     window = parts.task.window()
     window.add(output[1:])
     return int(window.compute()["samples"])
-
-
-def _agreed_max(ctx: DistContext, value: int) -> int:
-    """The largest ``value`` of the group's ranks."""
-    if ctx.world_size == 1:
-        return value
-    found = torch.tensor([value], dtype=torch.int64, device=ctx.device)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return int(found)
-
-
-def _checkpoint_group(ctx: DistContext) -> Any:
-    """A gloo group for background saves: their collectives run beside the training's, never on its group
-    (and DCP's background save needs a CPU backend, which an NCCL-only default group lacks)."""
-    if dist.is_initialized():
-        return dist.new_group(backend="gloo")
-    return None
-

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from freescale.cli import main
-from tests.conftest import REPO, read_log, run_cli
+from tests.conftest import REPO, events, read_log, run_cli
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -255,6 +255,41 @@ def test_hstu_resumed_under_another_plan_steps_as_if_never_stopped(
     assert sorted(ahead) == sorted(at_step) and any("rowwise" in key for key in ahead)
     for key, tensor in at_step.items():
         assert torch.equal(ahead[key], tensor), key
+
+
+def test_a_save_due_while_the_previous_one_is_written_is_skipped_and_each_holds_its_step_exactly(
+        tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Slow storage (the ``write`` hook: every save's write waits 0.1 s on the writer's thread) and a save every
+    2 steps, in this process: a save that comes due while the one before it is written is skipped (none
+    waits for it), the next multiple of 2 asks again; the last checkpoint holds the state after its own step: a
+    run resumed from it trains the following steps exactly as the uninterrupted run did."""
+    monkeypatch.setenv("FREESCALE_AUDIT", "1")
+    train = ["train", "--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}",
+             "--train.eval=false", "--data.batch_size=64", "--checkpoint.keep=20", "--checkpoint.save_final=false"]
+    through = tmp_path / "through"
+    monkeypatch.setenv("FREESCALE_FAULTS", "*:*:0:write:100")
+    code, _, err = run_main(capsys, *train, f"--train.output_dir={through}", "--train.steps=120",
+                            "--checkpoint.every=2")
+    assert code == 0, err[-3000:]
+    log = read_log(through)
+    staged, skipped = events(log, "checkpoint_staged"), events(log, "checkpoint_skipped")
+    saved = [e["step"] for e in events(log, "checkpoint")]
+    assert len(staged) >= 2 and skipped, (staged, skipped)
+    assert saved == [e["step"] for e in staged], "every save taken was written and committed, in order"
+    assert sorted(saved + [e["step"] for e in skipped]) == list(range(2, 121, 2)), "each due save taken or skipped"
+    for before, later in zip(staged, staged[1:]):  # the next save taken after the one before it was written
+        written = next(e for e in log if e["event"] == "checkpoint" and e["step"] == before["step"])
+        assert written["time"] <= later["time"], (before, later)
+    monkeypatch.delenv("FREESCALE_FAULTS")
+    first = {e["step"]: e for e in events(log, "commit")}
+    last, resumed = saved[-1], tmp_path / "resumed"
+    code, _, err = run_main(capsys, *train, f"--train.output_dir={resumed}", f"--train.steps={last + 3}",
+                            f"--checkpoint.dir={through / 'checkpoints'}", "--resume", "--checkpoint.every=0")
+    assert code == 0, err[-3000:]
+    again = {e["step"]: e for e in events(read_log(resumed), "commit")}
+    assert sorted(again) == [last, last + 1, last + 2]
+    for step in again:
+        assert again[step]["rows"] == first[step]["rows"] and again[step]["digest"] == first[step]["digest"], step
 
 
 def test_next_item_retrieval_on_a_prepared_log_trains_and_ranks_held_out_items(

@@ -1,0 +1,192 @@
+"""The training loop's saves: when each is taken, and the three things that make one.
+
+A save is taken after a committed step when it is due (``checkpoint.every``, the last step, a validation
+that may be the best, an early stop).  Three parts make it, and the loop waits for none of them but the
+first:
+
+- at the save step, the state's host copy begins (``staging.LazySaves``: the dense state at once, the
+  tables over the steps after it, copy-on-write) or, without lazy copying, is made whole;
+- at the step every rank agreed on, the tables' copy is finished and the writer's thread takes it
+  (``checkpoint.CheckpointWriter``: DCP's write and the commit, on a gloo group of its own);
+- the writer's commit is noted at a later step (``poll``) and logged.
+
+A periodic save that comes due while the one before it is still being copied or written, on any rank of
+the group, is skipped (``checkpoint.skip_while_busy``): the next multiple of ``checkpoint.every`` asks again.
+Otherwise that step would wait for the whole of the previous write, and the new save's copy would compete
+with it for the same cores.  Every rank asks at the same steps (one small all-reduce over the group at each
+periodic save) and gets the same answer.  A save is never moved to another step: checkpoints are taken only
+where the pipeline holds no read-ahead batch (``components.segment_end_of``), which is what makes a resumed
+run train exactly as the uninterrupted one did.  The last step's save, a kept-best validation's and an early
+stop's are never skipped: they wait for the previous save instead.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from freescale import checkpoint, reshard
+from freescale.components import Components, TrainerConfig
+from freescale.config import to_dict
+from freescale.distributed import DistContext
+from freescale.resume import raw_state
+from freescale.run_log import RunLog
+from freescale.step_types import Commit
+
+
+class TrainingSaves:
+    """The saves of one training run (module docstring).  Every method that may save is collective over the
+    group, called by every rank at the same step."""
+
+    def __init__(self, cfg: TrainerConfig, parts: Components, log: RunLog, root: Path,
+                 fence: checkpoint.Fence | None) -> None:
+        self.cfg, self.root, self.log = cfg, root, log
+        slow = parts.hooks.wants("write")
+        self.writer = checkpoint.CheckpointWriter(cfg.checkpoint.async_save, _checkpoint_group(parts.ctx), fence,
+                                                  before_write=(lambda step: parts.hooks.at("write", step)) if slow
+                                                  else None)
+        self.staging = parts.staging
+        if self.staging is not None:  # the host copy of the tables the saves reuse, made and touched now
+            log.write("checkpoint_buffers", seconds=self.staging.prepare(raw_state(parts)))
+        self._lazy: tuple[int, dict[str, Any]] = (-1, {})
+        """The save whose tables are being copied (its ``LazySnapshot`` is the staging's): step, metadata."""
+        self.last: Path | None = None
+        """The newest checkpoint this run committed."""
+
+    # ------------------------------------------------------------------ at each committed step
+    def after_commit(self, parts: Components, commit: Commit, step_s: float, stop: bool) -> None:
+        """After step ``commit.step`` committed (``stop``: the run stops after it): save if due, copy this
+        step's share of the tables, hand a finished copy to the writer, note a committed save."""
+        done = commit.step + 1
+        urgent = self._urgent(done, parts, stop)
+        if urgent or self._periodic(done):
+            self._save_unless_busy(parts, commit, may_skip=not urgent)
+        if self.staging is not None and self.staging.boundary(done, step_s):
+            self.write_copied()
+        self.writer.poll()
+        self.note_committed()
+
+    def _periodic(self, done: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return bool(every and done % every == 0)
+
+    def _urgent(self, done: int, parts: Components, stop: bool) -> bool:
+        """A save that cannot wait: the last step's, a validation's that may be the best, an early stop's."""
+        c = self.cfg.checkpoint
+        kept = parts.validation is not None and parts.validation.keep_best and parts.validation.due(done)
+        return bool((c.save_final and (done == self.cfg.train.steps or stop)) or kept)
+
+    def _save_unless_busy(self, parts: Components, commit: Commit, may_skip: bool) -> None:
+        if not self.owns(parts, commit):
+            return
+        if may_skip and self.cfg.checkpoint.skip_while_busy and _agreed_max(parts.ctx, int(self._busy())):
+            self.log.write("checkpoint_skipped", step=commit.step + 1,
+                           reason="the previous save is still being copied or written")
+            return
+        self.save(parts, commit)
+
+    def _busy(self) -> bool:
+        """This rank still copies or writes a save (its next one would wait for it)."""
+        return self.writer.busy or (self.staging is not None and self.staging.snapshot is not None)
+
+    @staticmethod
+    def owns(parts: Components, commit: Commit) -> bool:
+        """Whether this group writes ``commit``'s checkpoint (with replica groups: collective over the group)."""
+        return parts.replicas is None or parts.replicas.owns_checkpoint(commit)
+
+    # ------------------------------------------------------------------ one save
+    def save(self, parts: Components, commit: Commit) -> None:
+        """Collective over the group, which owns ``commit``'s checkpoint.  A background save takes a host copy:
+        of the tables, made over the next steps (``staging.py``) unless this is the last step; of everything
+        else, made here.  The writer's thread does the rest."""
+        parts.engine.check_finite()  # never a checkpoint after a non-finite step
+        self.write_copied()  # a save whose tables are still being copied goes first (checkpoints in order)
+        self.writer.poll()  # the one before it, if written: logged before this one is staged
+        self.note_committed()
+        start, done, writer = time.perf_counter(), commit.step + 1, self.writer
+        meta = {"data": parts.feed.state_dict(), "world_size": parts.feed.group_size, "config": to_dict(self.cfg),
+                "ft": {"replicas": parts.groups}, "plan": reshard.plan_summary(parts.dmp),
+                "validation": parts.validation.tracker.state_dict() if parts.validation is not None else None}
+        live = raw_state(parts)
+        if writer.asynchronous and self.staging is not None and done < self.cfg.train.steps:
+            every = self.cfg.checkpoint.every  # (not skipping: the copy is due before the next periodic save)
+            within = every - done % every - 1 if every and not self.cfg.checkpoint.skip_while_busy else None
+            self.staging.begin(live, done, lambda steps: _agreed_max(parts.ctx, steps), reuse=not writer.writing,
+                               within=within)
+            self._lazy = (done, meta)  # written once the tables' copy is done
+            self.log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start,
+                           tables_due=self.staging.due)
+            return
+        path = writer.start(self.root, done, live, meta, keep=self.cfg.checkpoint.keep, convert=_logical)
+        self.note_committed()
+        if path is not None:  # written in this call (checkpoint.async_save = false)
+            self.note_committed((path, time.perf_counter() - start))
+        else:  # copied; written and committed in the background, noted at a later step's poll
+            self.log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start)
+
+    def write_copied(self) -> None:
+        """Collective (at the step every rank agreed on, or at the end): the tables' copy of the save in
+        progress is completed, and the writer's thread writes it."""
+        snapshot = self.staging.take() if self.staging is not None else None
+        if snapshot is None:
+            return
+        step, meta = self._lazy
+        taken = snapshot.finish()
+        self.writer.start(self.root, step, snapshot.assemble, meta, keep=self.cfg.checkpoint.keep, convert=_logical)
+        self.note_committed()  # the save before it, if its write had to be waited for
+        self.log.write("checkpoint_tables_copied", step=step, **taken)
+
+    def restored(self) -> None:
+        """The whole state was replaced (caught up from a peer): a copy in progress would mix two states."""
+        snapshot = self.staging.take() if self.staging is not None else None
+        if snapshot is not None:
+            snapshot.discard()
+            self.log.write("checkpoint_discarded", step=self._lazy[0], reason="state restored from a peer")
+
+    def note_committed(self, finished: tuple[Path, float] | None = None) -> None:
+        """Log each save that committed (``finished``, or the writer's), and remember the last."""
+        done = [finished] if finished is not None else []
+        done += self.writer.committed
+        self.writer.committed.clear()
+        for path, seconds in done:
+            self.log.write("checkpoint", step=int(path.name.rsplit("_", 1)[1]), path=str(path), seconds=seconds)
+            self.last = path
+
+    # ------------------------------------------------------------------ at the end
+    def complete(self) -> None:
+        """Collective: the save in progress copied, written and committed (the end of training, or a stop
+        every rank makes together)."""
+        self.write_copied()
+        self.writer.wait()
+        self.note_committed()
+
+    def abandon(self) -> None:
+        """Stopped (^C, the CLI's SIGTERM, a peer's failure): no half-written save left behind."""
+        self.writer.abandon()
+
+
+def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The state a checkpoint holds (``reshard.to_logical``: collective over ``group``) and its layouts."""
+    app, layouts = reshard.to_logical(state["model"], state["optim"], group)
+    return app, {"layouts": layouts}
+
+
+def _agreed_max(ctx: DistContext, value: int) -> int:
+    """The largest ``value`` of the group's ranks."""
+    if ctx.world_size == 1:
+        return value
+    found = torch.tensor([value], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return int(found)
+
+
+def _checkpoint_group(ctx: DistContext) -> Any:
+    """A gloo group for background saves: their collectives run beside the training's, never on its group
+    (and DCP's background save needs a CPU backend, which an NCCL-only default group lacks)."""
+    if dist.is_initialized():
+        return dist.new_group(backend="gloo")
+    return None
