@@ -27,13 +27,15 @@ metadata and rename) once every rank's files are written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -331,20 +333,20 @@ class CheckpointWriter:
                meta: dict[str, Any], keep: int, convert: Convert | None, started: float) -> tuple[Path, float]:
         """On the writer's thread: convert, write every rank's files (DCP ends with a gather to rank 0: once
         it returns there, every rank's files are in), commit; ``(path, seconds since start)``.  The thread
-        runs at a lower CPU priority (nice 10, Linux: per thread): where the training keeps every core busy
-        it takes a tenth of a core's time from a step's threads rather than an even share, and it still
-        finishes (at nice 19 a busy 2-core host starved it for seconds).  The next save waits for it, so
-        checkpoints never fall more than one behind."""
+        runs at a lower CPU priority (``_lower_priority``) and with the GIL handed back sooner
+        (``_light_write``).  Where every core is busy it may take long: the next periodic save is skipped
+        while it runs (``training_saves``), a save that cannot be skipped waits for it."""
         _lower_priority()
         if self.before_write is not None:
             self.before_write(step)
-        if callable(state):
-            state = state()
-        if convert is not None:
-            state, extra = convert(state, self.group)
-            meta = {**meta, **extra}
-        partial = _begin(root, step, self.group, self.fence)
-        dcp.save(state, storage_writer=integrity.VerifyingWriter(partial), process_group=self.group)
+        with _light_write():
+            if callable(state):
+                state = state()
+            if convert is not None:
+                state, extra = convert(state, self.group)
+                meta = {**meta, **extra}
+            partial = _begin(root, step, self.group, self.fence)
+            dcp.save(state, storage_writer=integrity.VerifyingWriter(partial), process_group=self.group)
         self._written.set()
         with self._commit_lock:
             if self._abandoned:
@@ -413,10 +415,40 @@ class CheckpointWriter:
         return committed
 
 
+_SHORT_GIL_TURN_S = 0.0005
+
+
+@contextlib.contextmanager
+def _light_write() -> Iterator[None]:
+    """While a write runs, two process-wide settings, put back after it:
+
+    - Python's switch interval at 0.5 ms (from 5).  The writer's Python (DCP's planning, its pickled
+      collectives, the layout conversion) holds the GIL in stretches; a training thread that wants it back
+      (after every torch op and collective, which release it) waits up to one interval each time.  At 5 ms the
+      steps while a save was written took 1.5-2x as long on a busy 2-core host, at 0.5 ms 1.2-1.5x
+      (``benchmarks/bench_saves.py``).
+    - No CRC-32 in ``torch.save``'s zip records (DCP writes each tensor with it): the integrity side files
+      hash every item already (``checkpoint_integrity``), and the CRC cost 14 ms of CPU per 34 MB.  A
+      ``torch.save`` on another thread meanwhile also writes none; ``torch.load`` does not need it."""
+    from torch.utils.serialization import config as serialization
+
+    previous, crc = sys.getswitchinterval(), serialization.save.compute_crc32
+    sys.setswitchinterval(min(previous, _SHORT_GIL_TURN_S))
+    serialization.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+        serialization.save.compute_crc32 = crc
+
+
 def _lower_priority() -> None:
+    """Nice 10 for this thread (Linux: per thread).  Not ``SCHED_IDLE``: no faster steps while it wrote
+    (``benchmarks/bench_saves.py``, 2 ranks on 2 cores), and where the training's threads keep every core busy
+    (intra-op threads) it starved the write for seconds."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):  # not Linux, or not allowed: the write just competes evenly
+    except (AttributeError, OSError):  # not allowed: the write just competes evenly
         pass
 
 

@@ -382,6 +382,8 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
             p.add_argument("--lighthouse", default="", help="with --replicas: use this lighthouse URL (a `freescale lighthouse` process) instead of one in the launcher")
             p.add_argument("--replicas", type=_int, default=1, help="fault-tolerant replica groups of --nproc-per-node ranks each, with a lighthouse in this process (freescale.ft; default 1: no fault tolerance)")
             p.add_argument("--max-restarts", type=_int, default=0, help="restart the group this often when a rank fails; it resumes from its latest checkpoint (default 0)")
+            p.add_argument("--standby", action="store_true",
+                           help="with --replicas and --nproc-per-node 1: a warm standby beside each group's rank (imported, its model built) takes over the moment the rank dies; --max-restarts counts the standbys started after one took over")
             p.add_argument("--on-rank-loss", choices=("restart", "shrink"), default=None,
                            help="with --replicas: when a rank fails, restart its group (default; `train` reads [ft] on_rank_loss) or shrink it: it continues on the ranks it has left, at a proportional share")
             p.add_argument("--grow-back-after", type=float, default=None, metavar="S",

@@ -55,7 +55,8 @@ def _launch_ranks(args: argparse.Namespace, overrides: list[str], cfg: Any) -> i
         return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [*train_args, *overrides],
                                lighthouse_url=args.lighthouse, output_dir=cfg.train.output_dir,
                                title=f"freescale: {cfg.model.kind}, {args.replicas} replica group(s) of "
-                                     f"{args.nproc_per_node} rank(s)", **policy)
+                                     f"{args.nproc_per_node} rank(s)", standby=standby_wanted(args), **policy)
+    standby_wanted(args)
     # One group of a job whose groups run under launchers of their own (``--ft.lighthouse``, on other machines).
     peers = cfg.ft.replicas if (args.lighthouse or cfg.ft.lighthouse) else 1
     policy = rank_loss_policy(args, cfg.ft.on_rank_loss, cfg.ft.min_group_ranks, cfg.ft.grow_back_after_s, peers)
@@ -64,6 +65,19 @@ def _launch_ranks(args: argparse.Namespace, overrides: list[str], cfg: Any) -> i
 
         os.environ.setdefault(REPLICA_INDEX_ENV, str(cfg.ft.replica_index))  # (the agent's lines name the group)
     return launch_local(args.nproc_per_node, args.max_restarts, [*train_args, *overrides], **policy)
+
+
+def standby_wanted(args: argparse.Namespace) -> bool:
+    """``--standby``, refused in one line where a standby could not take over: groups of several ranks (it
+    cannot join their process group), or a job without peer groups to catch up from."""
+    if not args.standby:
+        return False
+    if args.nproc_per_node != 1:
+        raise ConfigError(f"--standby: warm standbys are for one-rank replica groups (--nproc-per-node 1); got "
+                          f"{args.nproc_per_node} ranks per group (a standby cannot join a group's process group)")
+    if args.replicas < 2:
+        raise ConfigError("--standby: a standby catches up from the other replica groups; needs --replicas 2 or more")
+    return True
 
 
 def rank_loss_policy(args: argparse.Namespace, on_rank_loss: str, min_group_ranks: int,
@@ -97,5 +111,5 @@ def _launch_command(args: argparse.Namespace, overrides: list[str], command: lis
     # Always replica groups (one is fine): the command's loop asks the lighthouse for every step.
     with forkserver.started(forkserver.LOOP_MODULES):  # `python my_loop.py` ranks forked warm
         return launch_replicas(args.replicas, args.nproc_per_node, args.max_restarts, [],
-                               lighthouse_url=args.lighthouse, command=command,
+                               lighthouse_url=args.lighthouse, command=command, standby=standby_wanted(args),
                                **rank_loss_policy(args, "restart", 1, 0.0, args.replicas))

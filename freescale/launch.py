@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from freescale import forkserver
+from freescale import forkserver, standby_pair
 from freescale.ft.config import incarnation
 from freescale.group_sizes import ERROR_DIR_ENV, SHRINK_REFUSED, GroupSizes, RankLoss, take_shrink_refusal
 from freescale.lifetime import PARENT_ENV, Stopped, children_die_with_me, die_with_parent, stops_raise
@@ -109,6 +109,11 @@ def launch_local(nproc_per_node: int, max_restarts: int, train_args: Sequence[st
     error_dir = tempfile.mkdtemp(prefix="freescale-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir
     children_die_with_me()  # the ranks' clients: none outlives this agent (``freescale.lifetime``)
+    if standby_pair.wanted():  # a one-rank group as an active process and a warm standby (``--standby``)
+        try:
+            return standby_pair.run_pair(max_restarts, train_args, command, error_dir)
+        finally:
+            shutil.rmtree(error_dir, ignore_errors=True)
     sizes = GroupSizes(nproc_per_node, max_restarts, on_rank_loss, min_group_ranks, grow_back_after_s)
     try:
         while True:
@@ -181,7 +186,7 @@ def stopped_by(signum: int) -> int:
 def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train_args: Sequence[str],
                     heartbeat_timeout_s: float = 3.0, lighthouse_url: str = "", output_dir: str = "",
                     title: str = "freescale job", command: Sequence[str] = (), on_rank_loss: str = "restart",
-                    min_group_ranks: int = 1, grow_back_after_s: float = 0.0) -> int:
+                    min_group_ranks: int = 1, grow_back_after_s: float = 0.0, standby: bool = False) -> int:
     """Fault-tolerant training on this machine: a lighthouse in this process and ``replicas``
     groups of ``nproc_per_node`` ranks, each its own elastic job (``launch_local`` in a child
     process) that restarts with a new incarnation after a failure and catches up from its peers.
@@ -191,7 +196,8 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     a user's own loop (``freescale.ft.wrap``) instead of ``freescale train TRAIN_ARGS``; its environment
     holds what ``FTConfig.from_env`` reads (``freescale.ft.config.ENVIRONMENT``).
     ``on_rank_loss`` / ``min_group_ranks`` / ``grow_back_after_s``: what a group's agent does when a rank fails
-    and when its slot comes back (``freescale.group_sizes.GroupSizes``).
+    and when its slot comes back (``freescale.group_sizes.GroupSizes``).  ``standby``: each (one-rank) group
+    runs a warm standby beside its rank (``freescale.standby_pair``), their locks in a folder of this launch's.
     Returns 0 when every group finished, else the worst group's exit status.  With ``output_dir``
     the groups print no summary and this prints one for the job (``freescale.job_summary``).
     """
@@ -200,6 +206,7 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     from freescale.ft.config import LIGHTHOUSE_ENV, REPLICA_INDEX_ENV, REPLICAS_ENV, RUN_ID_ENV
     from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
     from freescale.ft.replica_group import SHARED_GPUS_ENV
+    from freescale.ft.standby import STANDBY_ENV
     from freescale.job_summary import SUMMARY_ENV
 
     lighthouse = None if lighthouse_url else Lighthouse(LighthouseConfig(min_replicas=1,
@@ -209,11 +216,13 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
     groups = []
     devices, shared_gpus = _gpus_per_group(replicas, nproc_per_node)
     run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16]
+    locks = tempfile.mkdtemp(prefix="freescale-standby-") if standby else ""  # local: flock is unsafe over NFS
+    pair = {standby_pair.STANDBY_PAIR_ENV: "1", STANDBY_ENV: str(Path(locks) / "{replica}.lock")} if standby else {}
     try:
         for index in range(replicas):
             env = {"OMP_NUM_THREADS": threads_per_rank(replicas * nproc_per_node), **os.environ, LIGHTHOUSE_ENV: url,
                    REPLICAS_ENV: str(replicas), REPLICA_INDEX_ENV: str(index), RUN_ID_ENV: run_id,
-                   GROUP_AGENT_ENV: "1", **({SUMMARY_ENV: "1"} if output_dir else {})}
+                   GROUP_AGENT_ENV: "1", **({SUMMARY_ENV: "1"} if output_dir else {}), **pair}
             children_die_with_me(env)
             if devices is not None:  # each group its own GPUs (every group numbers its ranks 0..G-1)
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[index * nproc_per_node:(index + 1) * nproc_per_node])
@@ -237,6 +246,8 @@ def launch_replicas(replicas: int, nproc_per_node: int, max_restarts: int, train
                 group.kill()
         if lighthouse is not None:
             lighthouse.stop_thread()
+        if locks:
+            shutil.rmtree(locks, ignore_errors=True)
     for index, code in enumerate(codes):
         if code:
             print(f"freescale: error: replica group {index} exited with status {code}", file=sys.stderr)

@@ -50,16 +50,30 @@ def install(output_dir: str, replica_id: str | None) -> Path:
     directory = Path(output_dir) / (replica_id or "")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"rank{os.environ.get('RANK', '0')}.log"
-    (directory / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
+    pid_file = directory / f"rank{os.environ.get('RANK', '0')}.pid"
     stream: IO[str] = path.open("a", buffering=1)
-    _state.update(path=path, stream=stream)
+    _state.update(path=path, stream=stream, pid_file=pid_file)
     faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
     from freescale.ft.config import incarnation
+    from freescale.ft.standby import STANDBY_ENV
 
+    if os.environ.get(STANDBY_ENV):  # active or a warm standby: the lock decides (``took_over``)
+        return path
+    pid_file.write_text(str(os.getpid()))
     restarts = incarnation()
     if restarts and os.environ.get("RANK", "0") == "0":  # what it then starts from, the trainer says once known
         say(f"freescale: {_group()} restarted (incarnation {restarts}) after a failure")
     return path
+
+
+def took_over(incarnation: int) -> None:
+    """This process holds its group's standby lock (``freescale.ft.standby``): it is the rank now; its pid in
+    ``rank<r>.pid``, and a standby that took over a failed process says so."""
+    pid_file = _state.get("pid_file")
+    if pid_file is not None:
+        pid_file.write_text(str(os.getpid()))
+    if incarnation:
+        say(f"freescale: {_group()}'s warm standby took over (incarnation {incarnation}) after a failure")
 
 
 def rank_pid(output_dir: str | Path, replica_id: str | None, rank: int) -> int | None:

@@ -295,19 +295,23 @@ class LazySaves:
         recent = sorted(self._steps[-20:])
         return recent[len(recent) // 2] if recent else 0.0
 
-    def begin(self, live: dict[str, Any], done: int, agree: Callable[[int], int], reuse: bool,
-              within: int | None = None) -> LazySnapshot:
-        """At the save step: the snapshot, and the step it is due at (``agree``: the max over ranks), planned
-        with half the budget for the copy (the other half for the rows kept at lookups), and at most ``within``
-        steps (the steps before the next save: else that save step would finish this copy all at once).
-        ``reuse``: no earlier save is still being written from the buffers."""
-        self.snapshot = LazySnapshot(self.tracker, live, self._buffers if reuse else None)
-        self._buffers = self.snapshot.table_buffers
+    def steps_needed(self, within: int | None = None) -> int:
+        """The steps the next snapshot's copy is planned over (before it exists: from the tables' size): half the
+        budget for the copy (the other half for the rows kept at lookups), and at most ``within`` steps (the
+        steps before the next save, where that save would otherwise finish this copy all at once)."""
         per_step = self.budget * self._step_s() * self.bytes_per_s / 2
-        steps = int(self.snapshot.left / per_step) + 1 if per_step > 0 else 1
+        table_bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
+        steps = int(table_bytes / per_step) + 1 if per_step > 0 else 1
         if within is not None:
             steps = min(steps, max(1, within))
-        self.due, self._began, self._kept_s = done + agree(min(steps, 1 << 20)), done, 0.0
+        return min(steps, 1 << 20)
+
+    def begin(self, live: dict[str, Any], done: int, steps: int, reuse: bool) -> LazySnapshot:
+        """At the save step: the snapshot, due ``steps`` steps later (every rank's ``steps_needed``, agreed: the
+        largest).  ``reuse``: no earlier save is still being written from the buffers."""
+        self.snapshot = LazySnapshot(self.tracker, live, self._buffers if reuse else None)
+        self._buffers = self.snapshot.table_buffers
+        self.due, self._began, self._kept_s = done + steps, done, 0.0
         return self.snapshot
 
     def boundary(self, done: int, step_s: float) -> bool:

@@ -45,6 +45,8 @@ class TrainingSaves:
     def __init__(self, cfg: TrainerConfig, parts: Components, log: RunLog, root: Path,
                  fence: checkpoint.Fence | None) -> None:
         self.cfg, self.root, self.log = cfg, root, log
+        self._config = to_dict(cfg)
+        """The configuration each save's metadata holds (fixed once training starts)."""
         slow = parts.hooks.wants("write")
         self.writer = checkpoint.CheckpointWriter(cfg.checkpoint.async_save, _checkpoint_group(parts.ctx), fence,
                                                   before_write=(lambda step: parts.hooks.at("write", step)) if slow
@@ -81,13 +83,23 @@ class TrainingSaves:
         return bool((c.save_final and (done == self.cfg.train.steps or stop)) or kept)
 
     def _save_unless_busy(self, parts: Components, commit: Commit, may_skip: bool) -> None:
+        """One all-reduce over the group agrees on both: whether any rank is still busy with the previous
+        save, and the step the new save's tables are copied by (the slowest rank's estimate)."""
         if not self.owns(parts, commit):
             return
-        if may_skip and self.cfg.checkpoint.skip_while_busy and _agreed_max(parts.ctx, int(self._busy())):
-            self.log.write("checkpoint_skipped", step=commit.step + 1,
-                           reason="the previous save is still being copied or written")
+        skips = may_skip and self.cfg.checkpoint.skip_while_busy
+        lazy = self.writer.asynchronous and self.staging is not None and commit.step + 1 < self.cfg.train.steps
+        if not skips and not lazy:
+            self.save(parts, commit)
             return
-        self.save(parts, commit)
+        c, done = self.cfg.checkpoint, commit.step + 1
+        within = c.every - done % c.every - 1 if c.every and not c.skip_while_busy else None
+        needed = self.staging.steps_needed(within) if lazy and self.staging is not None else 0
+        busy, steps = _agreed_max(parts.ctx, [int(skips and self._busy()), needed])
+        if busy:
+            self.log.write("checkpoint_skipped", step=done, reason="the previous save is still being copied or written")
+            return
+        self.save(parts, commit, copy_steps=steps if lazy else None)
 
     def _busy(self) -> bool:
         """This rank still copies or writes a save (its next one would wait for it)."""
@@ -99,24 +111,21 @@ class TrainingSaves:
         return parts.replicas is None or parts.replicas.owns_checkpoint(commit)
 
     # ------------------------------------------------------------------ one save
-    def save(self, parts: Components, commit: Commit) -> None:
+    def save(self, parts: Components, commit: Commit, copy_steps: int | None = None) -> None:
         """Collective over the group, which owns ``commit``'s checkpoint.  A background save takes a host copy:
-        of the tables, made over the next steps (``staging.py``) unless this is the last step; of everything
+        of the tables, made over the next ``copy_steps`` steps (``staging.py``; None: at once); of everything
         else, made here.  The writer's thread does the rest."""
         parts.engine.check_finite()  # never a checkpoint after a non-finite step
         self.write_copied()  # a save whose tables are still being copied goes first (checkpoints in order)
         self.writer.poll()  # the one before it, if written: logged before this one is staged
         self.note_committed()
         start, done, writer = time.perf_counter(), commit.step + 1, self.writer
-        meta = {"data": parts.feed.state_dict(), "world_size": parts.feed.group_size, "config": to_dict(self.cfg),
+        meta = {"data": parts.feed.state_dict(), "world_size": parts.feed.group_size, "config": self._config,
                 "ft": {"replicas": parts.groups}, "plan": reshard.plan_summary(parts.dmp),
                 "validation": parts.validation.tracker.state_dict() if parts.validation is not None else None}
         live = raw_state(parts)
-        if writer.asynchronous and self.staging is not None and done < self.cfg.train.steps:
-            every = self.cfg.checkpoint.every  # (not skipping: the copy is due before the next periodic save)
-            within = every - done % every - 1 if every and not self.cfg.checkpoint.skip_while_busy else None
-            self.staging.begin(live, done, lambda steps: _agreed_max(parts.ctx, steps), reuse=not writer.writing,
-                               within=within)
+        if copy_steps is not None and self.staging is not None:
+            self.staging.begin(live, done, copy_steps, reuse=not writer.writing)
             self._lazy = (done, meta)  # written once the tables' copy is done
             self.log.write("checkpoint_staged", step=done, seconds=time.perf_counter() - start,
                            tables_due=self.staging.due)
@@ -175,13 +184,13 @@ def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[st
     return app, {"layouts": layouts}
 
 
-def _agreed_max(ctx: DistContext, value: int) -> int:
-    """The largest ``value`` of the group's ranks."""
+def _agreed_max(ctx: DistContext, values: list[int]) -> list[int]:
+    """The largest of each of ``values`` over the group's ranks."""
     if ctx.world_size == 1:
-        return value
-    found = torch.tensor([value], dtype=torch.int64, device=ctx.device)
+        return values
+    found = torch.tensor(values, dtype=torch.int64, device=ctx.device)
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return int(found)
+    return [int(v) for v in found.tolist()]
 
 
 def _checkpoint_group(ctx: DistContext) -> Any:

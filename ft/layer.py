@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from freescale import rank_console
 from freescale.dense_update import DenseUpdate, LRSchedule
 from freescale.distributed import collective_device
 from freescale.ft import embedding_sync
@@ -127,6 +128,7 @@ class FaultTolerance(SnapshotSide):
             if self._group_size > 1:
                 raise ValueError("fault tolerance: a warm standby (standby_lock) needs a one-rank replica group")
             self._standby_fd, self._incarnation = take_over(standby.format(replica=cfg.replica_id), self._incarnation)
+            rank_console.took_over(self._incarnation)
         self._reduced, clipped, dense_optimizers = reduced_parts(model, optimizer)
         self._update = update if update is not None else DenseUpdate(dense_optimizers, clipped, LRSchedule(),
                                                                     scheduler=scheduler)

@@ -268,7 +268,7 @@ def test_a_save_due_while_the_previous_one_is_written_is_skipped_and_each_holds_
              "--train.eval=false", "--data.batch_size=64", "--checkpoint.keep=20", "--checkpoint.save_final=false"]
     through = tmp_path / "through"
     monkeypatch.setenv("FREESCALE_FAULTS", "*:*:0:write:100")
-    code, _, err = run_main(capsys, *train, f"--train.output_dir={through}", "--train.steps=120",
+    code, _, err = run_main(capsys, *train, f"--train.output_dir={through}", "--train.steps=300",
                             "--checkpoint.every=2")
     assert code == 0, err[-3000:]
     log = read_log(through)
@@ -276,7 +276,7 @@ def test_a_save_due_while_the_previous_one_is_written_is_skipped_and_each_holds_
     saved = [e["step"] for e in events(log, "checkpoint")]
     assert len(staged) >= 2 and skipped, (staged, skipped)
     assert saved == [e["step"] for e in staged], "every save taken was written and committed, in order"
-    assert sorted(saved + [e["step"] for e in skipped]) == list(range(2, 121, 2)), "each due save taken or skipped"
+    assert sorted(saved + [e["step"] for e in skipped]) == list(range(2, 301, 2)), "each due save taken or skipped"
     for before, later in zip(staged, staged[1:]):  # the next save taken after the one before it was written
         written = next(e for e in log if e["event"] == "checkpoint" and e["step"] == before["step"])
         assert written["time"] <= later["time"], (before, later)
@@ -402,3 +402,12 @@ def test_bad_launcher_option_value_is_one_line(capsys: pytest.CaptureFixture[str
         code, _, err = run_main(capsys, "launch", *args)
         assert code == 2, err
         assert err.strip().splitlines() == [f"freescale: error: {line}"], args
+
+
+def test_a_standby_where_it_could_not_take_over_is_refused_in_one_line(
+        tiny_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = ["--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}"]
+    for args, line in ((["--replicas", "2", "--nproc-per-node", "2"], "for one-rank replica groups (--nproc-per-node 1)"),
+                       (["--nproc-per-node", "1"], "needs --replicas 2 or more")):
+        code, _, err = run_main(capsys, "launch", "--standby", *args, *config)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and line in err, err

@@ -6,6 +6,7 @@ Real launches and real signals (SIGKILL of the launcher's process group, of the 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 from freescale import checkpoint, run_lease
 from freescale.forkserver import alive
+from freescale.rank_console import rank_pid
 from freescale.testing import FAULTS_ENV
 from tests.conftest import REPO, cli_env
 from tests.procs import descendants, wait_for
@@ -38,6 +40,13 @@ def _saved(run: Path) -> int:
 
 def _names(run: Path) -> set[str]:
     return {p.name for p in (run / "checkpoints").iterdir()} if (run / "checkpoints").is_dir() else set()
+
+
+def _commits_after_takeover(group_dir: Path) -> int:
+    """Steps the group committed as incarnation 1 or later (its log's records after such a ``start``)."""
+    records = [json.loads(line) for line in (group_dir / "train_log.jsonl").read_text().splitlines() if line.strip()]
+    later = [i for i, r in enumerate(records) if r["event"] == "start" and r.get("incarnation", 0) >= 1]
+    return sum(r["event"] == "commit" for r in records[later[0]:]) if later else 0
 
 
 def _all_gone(pids: list[int], within_s: float) -> list[int]:
@@ -63,9 +72,10 @@ def test_a_stop_leaves_no_partial_and_a_killed_launcher_no_writer(
         tiny_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A 2-rank job; a second launch and a ``freescale train`` on its directory are refused in one line naming
     it; SIGTERM: one line, status 143, every process gone, no ``.partial`` left.  Then the job resumed as two
-    replica groups (what a killed save left is removed at its start) and SIGKILL of its launcher alone, not
-    its process group: the lighthouse in it, the group agents, the clients and the ranks are all gone within
-    2 s (each dies with its parent), and nothing is written after."""
+    replica groups with warm standbys (what a killed save left is removed at its start); SIGKILL of group 1's
+    rank: its standby takes over and commits; then SIGKILL of the launcher alone, not its process group: the
+    lighthouse in it, the group agents, the clients, the ranks and the standbys are all gone within 2 s (each
+    dies with its parent), and nothing is written after."""
     from tests.test_cli import run_main
 
     run = tmp_path / "run"
@@ -93,13 +103,22 @@ def test_a_stop_leaves_no_partial_and_a_killed_launcher_no_writer(
     assert not [n for n in _names(run) if not (n.startswith("step_") and n[5:].isdigit()) and n != "commits"]
 
     (run / "checkpoints" / "step_000000999.partial").mkdir()  # as a kill mid-save leaves one
-    resumed = _launch(tiny_data, run, "--nproc-per-node=1", "--replicas=2", "--resume", env=SLOW)
+    resumed = _launch(tiny_data, run, "--nproc-per-node=1", "--replicas=2", "--resume", "--standby",
+                      "--max-restarts=1", env=SLOW)
     try:
         newest = checkpoint.complete_checkpoints(run / "checkpoints")[-1][0]
         assert wait_for(lambda: checkpoint.complete_checkpoints(run / "checkpoints")[-1][0] > newest, timeout=180)
         assert "step_000000999.partial" not in _names(run)
+        # Group 1's rank SIGKILLed: its warm standby (imported, model built, waiting on the group's lock) goes on as
+        # incarnation 1 and commits; the group's agent starts the next standby.
+        active = rank_pid(run, "replica1", 0)
+        assert active is not None
+        os.kill(active, signal.SIGKILL)
+        assert wait_for(lambda: _commits_after_takeover(run / "replica1") > 0, timeout=120), resumed.stderr.read() \
+            if resumed.poll() is not None else "no commit by the standby"
+        assert rank_pid(run, "replica1", 0) not in (None, active)
         tree = descendants(resumed.pid)
-        assert len(tree) >= 5, tree  # the fork server, two agents, their clients, the ranks
+        assert len(tree) >= 9, tree  # the fork server, two agents, two clients and ranks each, a new standby
         resumed.kill()
         left = _all_gone(tree, within_s=2.0)
         assert not left, left
