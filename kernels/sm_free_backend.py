@@ -1,0 +1,258 @@
+"""The SM-free all-to-all as a ``torch.distributed`` backend: torchrec's sharded modules use it by being given its
+process group, unchanged.
+
+``register()`` adds the backend ``freescale_sm_free``; ``dist.new_group(backend="freescale_sm_free")`` makes a
+``SmFreeProcessGroup``: a Python ``ProcessGroup`` whose ``alltoall_base`` (what ``dist.all_to_all_single``
+calls: torchrec's input dist, output dist and their backward) moves the bytes itself, and which hands every
+other collective to a gloo group built from the same store.  The transport on CPU is shared memory between
+the ranks of one host (``kernels/shm_channels.py``): each rank writes its chunk for a peer straight into that
+peer's inbox, a memcpy, and the peer copies it out into the output tensor.  (On CUDA the same role is the copy
+engines' (``kernels/copy_engine.py``), not wired in here yet.)
+
+What overlaps what: ``all_to_all_single(..., async_op=True)`` queues the transfer and returns at once; one
+progress thread per group moves the queued transfers' bytes, piece by piece (at most ``chunk_bytes`` each), the
+most urgent transfer first (``priority``: lower first, then the order issued), so a later urgent exchange
+overtakes a long one at the next piece instead of waiting behind it; its copies release the GIL.  Pieces
+carry their transfer's number and place, so every rank may order its sends by its own queue: numbering follows
+the order the collectives were issued, the same on every rank, as c10d requires.  A transfer completes on a
+rank when its pieces to every peer are written and every peer's pieces for it have arrived; its ``Work``
+then completes (``wait``, ``get_future``).  No transfer waits for a barrier: the rings' counters are the only
+synchronization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from freescale.kernels.shm_channels import Inboxes
+
+BACKEND = "freescale_sm_free"
+RING_BYTES = 8 << 20
+CHUNK_BYTES = 1 << 20
+_priority = threading.local()
+
+
+@contextlib.contextmanager
+def priority(level: int) -> Iterator[None]:
+    """The all-to-alls issued on this thread inside are moved at ``level`` (lower first; default 0)."""
+    previous = getattr(_priority, "level", 0)
+    _priority.level = level
+    try:
+        yield
+    finally:
+        _priority.level = previous
+
+
+class _Work(dist.Work):
+    """One transfer's handle: done when this rank's share of the exchange is."""
+
+    def __init__(self, output: torch.Tensor, timeout: timedelta, what: str) -> None:
+        super().__init__()
+        self._event, self._output = threading.Event(), output
+        self._error: BaseException | None = None
+        self._future: Future[list[torch.Tensor]] = Future()
+        self._timeout, self._what = timeout, what
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._event.set()
+        if error is None:
+            self._future.set_result([self._output])
+        else:
+            self._future.set_exception(error)  # type: ignore[arg-type]  # (torch's stub types it as the result)
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        limit = (timeout if timeout and timeout.total_seconds() > 0 else self._timeout).total_seconds()
+        if not self._event.wait(limit):
+            raise RuntimeError(f"SM-free all-to-all: {self._what} not done within {limit:g} s (a peer gone or stuck)")
+        if self._error is not None:
+            raise RuntimeError(f"SM-free all-to-all: {self._what} failed: {self._error}") from self._error
+        return True
+
+    def get_future(self) -> Future[list[torch.Tensor]]:
+        return self._future
+
+
+@dataclass(order=True)
+class _Transfer:
+    priority: int
+    sequence: int
+    send: list[torch.Tensor] = field(compare=False)
+    """Per peer: this rank's bytes for it (contiguous uint8 views)."""
+    receive: list[torch.Tensor] = field(compare=False)
+    """Per peer: where its bytes go in the output (uint8 views)."""
+    work: _Work = field(compare=False)
+    sent: list[int] = field(compare=False, default_factory=list)
+    received: list[int] = field(compare=False, default_factory=list)
+    unpack: tuple[torch.Tensor, torch.Tensor] | None = field(compare=False, default=None)
+    """(The output, the contiguous copy the bytes land in) where the output is not contiguous."""
+
+
+class SmFreeProcessGroup(dist.ProcessGroup):
+    """The backend's process group (module docstring)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # (the Python constructor c10d documents)
+        self._inner: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+        self._inboxes = Inboxes(dist.PrefixStore("shm", store), rank, size, RING_BYTES, timeout)
+        self._timeout, self._sequence = timeout, 0
+        self._queue: list[_Transfer] = []
+        self._early: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+        """Pieces of transfers this rank has not issued yet: sequence -> (peer, offset, bytes)."""
+        self._lock = threading.Condition()
+        self.completed: list[int] = []
+        """The transfers' numbers in the order they completed on this rank (the last 1,000)."""
+        self._thread = threading.Thread(target=self._progress, name="freescale-sm-free", daemon=True)
+        self._thread.start()
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    # ------------------------------------------------------------------ the all-to-all
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts: Any = None) -> dist.Work:
+        world, sequence = self.size(), self._sequence
+        self._sequence += 1
+        source = input.contiguous()
+        target = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+        send = _pieces(source, input_split_sizes, world, "input")
+        receive = _pieces(target, output_split_sizes, world, "output")
+        work = _Work(output, self._timeout, f"all-to-all #{sequence}")
+        transfer = _Transfer(getattr(_priority, "level", 0), sequence, send, receive, work,
+                             [0] * world, [0] * world, (output, target) if target is not output else None)
+        me = self.rank()
+        receive[me].copy_(send[me])  # this rank's own chunk
+        transfer.sent[me], transfer.received[me] = len(send[me]), len(receive[me])
+        with self._lock:
+            for peer, offset, piece in self._early.pop(sequence, []):
+                receive[peer][offset:offset + len(piece)].copy_(piece)
+                transfer.received[peer] += len(piece)
+            self._queue.append(transfer)
+            self._queue.sort()
+            self._lock.notify()
+        return work
+
+    def _progress(self) -> None:
+        """The progress thread: send the queued transfers' next pieces (most urgent first), take in what
+        arrived, complete what is done; sleep briefly when nothing moved."""
+        peers = [(self.rank() + k) % self.size() for k in range(1, self.size())]
+        while True:
+            with self._lock:
+                while not self._queue:
+                    self._lock.wait()
+                queue = list(self._queue)
+            try:
+                moved = self._send(queue, peers) | self._take(queue, peers)
+            except BaseException as exc:  # a damaged ring or a bug: every waiting transfer fails with it
+                with self._lock:
+                    for transfer in self._queue:
+                        transfer.work.finish(exc)
+                    self._queue.clear()
+                continue
+            with self._lock:
+                for transfer in [t for t in self._queue if _done(t)]:
+                    self._queue.remove(transfer)
+                    if transfer.unpack is not None:
+                        transfer.unpack[0].copy_(transfer.unpack[1])
+                    self.completed = [*self.completed[-999:], transfer.sequence]
+                    transfer.work.finish()
+            if not moved:
+                time.sleep(0.00005)
+
+    def _send(self, queue: list[_Transfer], peers: list[int]) -> bool:
+        moved = False
+        for transfer in queue:  # most urgent first: one piece per peer per pass, then the order is looked at again
+            for peer in peers:
+                left = len(transfer.send[peer]) - transfer.sent[peer]
+                if left > 0:
+                    at = transfer.sent[peer]
+                    n = self._inboxes.send(peer, transfer.sequence, at,
+                                           transfer.send[peer][at:at + min(left, CHUNK_BYTES)])
+                    transfer.sent[peer] += n
+                    moved |= n > 0
+        return moved
+
+    def _take(self, queue: list[_Transfer], peers: list[int]) -> bool:
+        moved = False
+        by_sequence = {t.sequence: t for t in queue}
+        for peer in peers:
+            while (record := self._inboxes.peek(peer)) is not None:
+                transfer = by_sequence.get(record.sequence)
+                if transfer is not None:
+                    transfer.receive[peer][record.offset:record.offset + record.length].copy_(record.payload)
+                    transfer.received[peer] += record.length
+                else:
+                    with self._lock:  # issued here later (or just now: checked under the lock)
+                        issued = next((t for t in self._queue if t.sequence == record.sequence), None)
+                        if issued is None:
+                            self._early.setdefault(record.sequence, []).append(
+                                (peer, record.offset, record.payload.clone()))
+                    if issued is not None:
+                        issued.receive[peer][record.offset:record.offset + record.length].copy_(record.payload)
+                        issued.received[peer] += record.length
+                self._inboxes.release(peer)
+                moved = True
+        return moved
+
+
+_DELEGATED = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_into_tensor_coalesced",
+              "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall", "broadcast",
+              "barrier", "gather", "scatter", "reduce", "send", "recv")
+"""Every other collective c10d may call on the group: gloo's, through the group's own gloo process group."""
+
+
+def _delegate(name: str) -> Any:
+    def call(self: SmFreeProcessGroup, *args: Any) -> Any:
+        return getattr(self._inner, name)(*args)
+    call.__name__ = name
+    return call
+
+
+for _name in _DELEGATED:
+    setattr(SmFreeProcessGroup, _name, _delegate(_name))
+
+
+def _done(transfer: _Transfer) -> bool:
+    return (all(s == len(p) for s, p in zip(transfer.sent, transfer.send))
+            and all(r == len(p) for r, p in zip(transfer.received, transfer.receive)))
+
+
+def _pieces(tensor: torch.Tensor, splits: list[int], world: int, what: str) -> list[torch.Tensor]:
+    """``tensor``'s bytes cut by ``splits`` (rows of dim 0; none: equal parts), one uint8 view per rank."""
+    rows = tensor.size(0) if tensor.dim() else 1
+    if not splits:
+        if rows % world:
+            raise ValueError(f"SM-free all-to-all: {what} of {rows} rows does not split evenly over {world} ranks")
+        splits = [rows // world] * world
+    if len(splits) != world or sum(splits) != rows:
+        raise ValueError(f"SM-free all-to-all: {what} splits {list(splits)} do not cut {rows} rows into {world} parts")
+    flat = tensor.view(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+    row_bytes = len(flat) // rows if rows else 0
+    pieces, at = [], 0
+    for n in splits:
+        pieces.append(flat[at:at + n * row_bytes])
+        at += n * row_bytes
+    return pieces
+
+
+def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> SmFreeProcessGroup:
+    return SmFreeProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Make ``dist.new_group(backend="freescale_sm_free")`` build a ``SmFreeProcessGroup`` (once per process)."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
