@@ -11,7 +11,8 @@ takes the same steps; each group's logged loss equals the reference model's loss
 **Segments, not one long replay.**  Two float32 trainings that differ only in summation order drift apart
 (this tiny DLRM: 1e-6 after a step, ~10x every 20 steps), so a replay of hundreds of steps from step 0 proves
 little.  The reference restarts from each of the run's checkpoints (every ``checkpoint.every`` steps, any plan:
-``Resume.load_into``), replays the steps up to the next one, comparing losses on the way, then compares its whole
+``Resume.load_into``; a run that must have every one sets ``checkpoint.skip_while_busy = false``, else a save due
+while the previous one is written is skipped and the segment is longer), replays the steps up to the next one, comparing losses on the way, then compares its whole
 state with that next checkpoint: a step that weighted a group wrongly moves the tables by a share of a learning
 rate, float order by ~1e-6.  The first segment starts from the initial model (the same whatever the plan:
 ``freescale.table_init``).

@@ -239,6 +239,16 @@ def segment_end_of(every: int, end: int, validate_every: int = 0, decided_after:
     return end_of
 
 
+def _comm_group(cfg: TrainerConfig, ctx: DistContext) -> dist.ProcessGroup | None:
+    """The process group of torchrec's embedding all-to-alls: the SM-free backend's with ``pipeline.comm =
+    "copy_engine"`` on CPU (collective), else None (the default group; on CUDA the pipeline refuses it)."""
+    if cfg.pipeline.comm != "copy_engine" or ctx.device.type != "cpu":
+        return None
+    from freescale.kernels import sm_free_backend
+
+    return sm_free_backend.new_group()
+
+
 def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) -> Components:
     """The rank's components (``dataset``: ``cfg.data`` opened already; else opened here)."""
     ft_on = cfg.ft.enabled
@@ -254,7 +264,9 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
     model = build_model(cfg.model, dataset.manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"),
                         item_counts=counts)
     bounds = table_bounds(model)
-    dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp(ft_on))
+    comm = _comm_group(cfg, ctx)
+    dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp(ft_on), group=comm)
+    setattr(dmp, "embedding_comm", "freescale_sm_free" if comm is not None else ctx.backend)  # noqa: B010  (the log's)
     init_tables(dmp.state_dict(), bounds, cfg.train.seed)  # the same tables whatever the plan (a shrunk group's too)
     replicated = sorted(replicated_tables(dmp))  # asked for, or chosen by torchrec's planner for a small table
     if replicated:

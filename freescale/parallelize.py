@@ -112,9 +112,11 @@ class NoDataParallel(DataParallelWrapper):
 
 
 def shard_model(
-    model: nn.Module, ctx: DistContext, cfg: OptimConfig, data_parallel: bool = True
+    model: nn.Module, ctx: DistContext, cfg: OptimConfig, data_parallel: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> DistributedModelParallel:
-    """Plan and shard ``model`` (embedding tables built on the meta device) over the default group.
+    """Plan and shard ``model`` (embedding tables built on the meta device) over the default group (planned
+    there; ``group``: the process group torchrec's sharded modules communicate over, default that one too).
 
     ``data_parallel=False``: no DDP around the dense part nor around ``data_parallel`` tables' lookups (the
     caller reduces every gradient: the prioritized pipeline, fault tolerance).
@@ -124,7 +126,8 @@ def shard_model(
                                  ctx.local_world_size)
     wrapper = None if data_parallel else NoDataParallel()
     dmp = DistributedModelParallel(
-        model, device=ctx.device, plan=plan, sharders=module_sharders, data_parallel_wrapper=wrapper
+        model, device=ctx.device, plan=plan, sharders=module_sharders, data_parallel_wrapper=wrapper,
+        env=ShardingEnv.from_process_group(group) if group is not None else None,
     )
     setattr(dmp, "shard_positions", positions)  # noqa: B010  (read by shard_positions)
     if not data_parallel:  # the caller reduces every gradient, data_parallel tables' included (fault tolerance)

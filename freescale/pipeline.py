@@ -27,9 +27,12 @@ batches in flight and streams, plus priority inside the step:
   ahead of the embedding-gradient all-to-all (the fused embedding update
   waits on it), cut into chunks with a bounded number in flight, issued as
   backward produces them;
-- on CUDA ``comm = "copy_engine"`` selects the SM-free path, which is not
-  wired in yet (``freescale.kernels.copy_engine`` holds the primitive; the
-  option says so).
+- ``comm = "copy_engine"`` gives torchrec's sharded modules the SM-free
+  backend's process group (``freescale.kernels.sm_free_backend``): every
+  embedding all-to-all then moves through it, in the order issued, most
+  urgent first where several are in flight.  On CPU its transport is shared
+  memory between the host's ranks; on CUDA the copy-engine transport is not
+  wired in yet (the option says so).
 
 No pipeline reduces gradients or steps an optimizer itself: at the points
 where torchrec's pipelines call ``optimizer.zero_grad()``, ``backward`` and
@@ -93,7 +96,9 @@ class PipelineConfig:
     kind: str = "plain"
     """``plain`` | ``torchrec`` | ``prioritized`` (see ``freescale.pipeline``)."""
     comm: str = "nccl"
-    """GPU transport for the embedding exchange: ``nccl`` or ``copy_engine`` (SM-free, CUDA only)."""
+    """Transport of the embedding all-to-alls: ``nccl`` (the group's backend: NCCL on CUDA, gloo on CPU) or
+    ``copy_engine`` (SM-free: torchrec's sharded modules get a ``freescale_sm_free`` process group,
+    ``freescale.kernels.sm_free_backend``; on CPU shared memory between the host's ranks; on CUDA not wired in yet)."""
     chunk_kb: int = 256
     """prioritized: dense gradients are all-reduced in chunks of at most this size."""
     max_inflight: int = 2
@@ -194,15 +199,11 @@ class TorchrecPipeline(StepPipeline):
 def build_pipeline(cfg: PipelineConfig, dmp: nn.Module, calls: StepCalls, device: torch.device) -> StepPipeline:
     """The configured pipeline over an already sharded model (DDP around its dense part exactly
     when ``cfg.uses_ddp(...)``), calling the step engine where an optimizer would be."""
-    if cfg.comm == "copy_engine":
-        if device.type != "cuda":
-            raise RuntimeError(
-                "pipeline.comm = 'copy_engine' moves bytes with CUDA copy engines and needs a GPU; "
-                "on CPU use 'nccl' (gloo carries it)"
-            )
+    if cfg.comm == "copy_engine" and device.type == "cuda":
         raise NotImplementedError(
-            "pipeline.comm = 'copy_engine': the SM-free all-to-all exists (freescale.kernels.copy_engine) but is "
-            "not yet wired into torchrec's output dist, and has not run on a GPU; use 'nccl'"
+            "pipeline.comm = 'copy_engine' on CUDA: the SM-free backend's copy-engine transport is not wired in yet "
+            "(freescale.kernels.copy_engine has the primitive; the backend moves bytes through host shared memory, "
+            "on CPU); use 'nccl'"
         )
     pipeline = PlainPipeline(dmp, calls, device) if cfg.kind == "plain" else TorchrecPipeline(dmp, calls, device)
     assert pipeline.read_ahead == cfg.read_ahead

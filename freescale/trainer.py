@@ -169,7 +169,7 @@ class Trainer:
         log.write("start", config=to_dict(cfg), world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device),
                   start_step=start_step, torch=torch.__version__, python=platform.python_version(),
                   host=platform.node(), pid=os.getpid(), group=parts.group, replicas=parts.groups,
-                  incarnation=incarnation())
+                  incarnation=incarnation(), embedding_comm=getattr(parts.dmp, "embedding_comm", ctx.backend))
         if parts.replicas is not None:
             self._warm_up(parts, parts.replicas, log)
             parts.replicas.start()

@@ -33,6 +33,7 @@ from freescale import checkpoint, reshard
 from freescale.components import Components, TrainerConfig
 from freescale.config import to_dict
 from freescale.distributed import DistContext
+from freescale.rank_console import say
 from freescale.resume import raw_state
 from freescale.run_log import RunLog
 from freescale.step_types import Commit
@@ -56,6 +57,7 @@ class TrainingSaves:
             log.write("checkpoint_buffers", seconds=self.staging.prepare(raw_state(parts)))
         self._lazy: tuple[int, dict[str, Any]] = (-1, {})
         """The save whose tables are being copied (its ``LazySnapshot`` is the staging's): step, metadata."""
+        self._said_skipped = False
         self.last: Path | None = None
         """The newest checkpoint this run committed."""
 
@@ -98,6 +100,11 @@ class TrainingSaves:
         busy, steps = _agreed_max(parts.ctx, [int(skips and self._busy()), needed])
         if busy:
             self.log.write("checkpoint_skipped", step=done, reason="the previous save is still being copied or written")
+            if not self._said_skipped and parts.ctx.is_main and parts.group == 0:
+                say(f"freescale: the save due at step {done} is skipped: the previous one is still being copied or "
+                    f"written (checkpoint.every = {c.every} is shorter than a save takes here; the next multiple "
+                    "asks again; checkpoint.skip_while_busy = false waits for it instead)")
+            self._said_skipped = True
             return
         self.save(parts, commit, copy_steps=steps if lazy else None)
 

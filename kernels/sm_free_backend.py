@@ -252,6 +252,14 @@ def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> SmFr
     return SmFreeProcessGroup(store, rank, size, timeout)
 
 
+def new_group() -> SmFreeProcessGroup:
+    """Collective over the default group: a ``SmFreeProcessGroup`` of all its ranks."""
+    register()
+    group = dist.new_group(backend=BACKEND)
+    assert isinstance(group, SmFreeProcessGroup)
+    return group
+
+
 def register() -> None:
     """Make ``dist.new_group(backend="freescale_sm_free")`` build a ``SmFreeProcessGroup`` (once per process)."""
     if BACKEND.upper() not in dist.Backend._plugins:

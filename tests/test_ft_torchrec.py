@@ -136,7 +136,8 @@ REFERENCE_STEPS = 6
 ITEM_DP = ("--optim.sharding", "item_table=data_parallel", "--optim.sparse_optimizer", "sgd")
 """The item table replicated, the user table fused, both stepped by SGD: the same rate on any number of ranks (both
 kernels step on the ranks' mean gradient), so 2 groups of 2 ranks and one plain group of 4 take the same steps."""
-REFERENCES = {"hstu": ("hstu", ()), "dlrm-item_dp": ("dlrm", (*ITEM_DP, "--checkpoint.every", "1", "--checkpoint.keep", "10"))}
+REFERENCES = {"hstu": ("hstu", ()), "dlrm-item_dp": ("dlrm", (*ITEM_DP, "--checkpoint.every", "1", "--checkpoint.keep", "10",
+                                                          "--checkpoint.skip_while_busy", "false"))}
 """Reference runs by name (what a kill test compares with): (model, extra options)."""
 
 
@@ -586,7 +587,7 @@ def test_a_group_that_loses_a_rank_continues_on_the_ranks_it_has_left_then_grows
     proc = launch(tmp_path, tiny_data, 2, 2, steps, "dlrm", max_restarts=1,
                   fault=f"1:1:6:reduce,1:0:30:forward@1,{AWAY},*:*:0:slow:40",
                   extra=(*SHRINK, "--min-group-ranks", "1", "--grow-back-after", "8",
-                         "--checkpoint.every", "10", "--checkpoint.keep", "100"))
+                         "--checkpoint.every", "10", "--checkpoint.keep", "100", "--checkpoint.skip_while_busy", "false"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "replica group 1: lost rank 1 (signal 9); continues on 1 rank at 0.50 share" in proc.stderr, proc.stderr[-3000:]

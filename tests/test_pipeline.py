@@ -33,12 +33,12 @@ def pipeline_runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     tmp = tmp_path_factory.mktemp("pipelines")
     runs, items = {}, []
     for model in ("hstu", "dlrm"):
-        for kind in PIPELINES:
-            out = tmp / f"{model}-{kind}"
-            runs[(model, kind)] = out
+        for kind, comm in [(k, c) for k in PIPELINES for c in ("nccl", "copy_engine")]:
+            out = tmp / f"{model}-{kind}-{comm}"
+            runs[(model, kind if comm == "nccl" else f"{kind}-sm-free")] = out
             items.append((str(REPO / "configs" / f"tiny_{model}.toml"), [
                 f"--data.path={tiny_data}", f"--train.output_dir={out}", "--train.steps=12", "--train.log_every=1",
-                "--train.eval=false", "--train.progress=false", f"--pipeline.kind={kind}",
+                "--train.eval=false", "--train.progress=false", f"--pipeline.kind={kind}", f"--pipeline.comm={comm}",
                 "--checkpoint.every=0" if kind == "plain" else "--checkpoint.every=5",
                 *(["--model.hstu.relative_bias=position_time"] if model == "hstu" else [])]))
     for kind in ("plain", "prioritized"):  # next-item retrieval, its item table cut by columns, evaluated
@@ -70,12 +70,16 @@ def pipeline_runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])
 def test_pipelines_match_the_plain_loop_bit_for_bit(model: str, pipeline_runs: dict[tuple[str, str], Path]) -> None:
-    """Losses of every step and the final state (parameters, both optimizers) are identical."""
-    results = {kind: losses_and_digest(pipeline_runs[(model, kind)]) for kind in PIPELINES}
+    """Losses of every step and the final state (parameters, both optimizers) are identical, with the embedding
+    all-to-alls on gloo and on the SM-free backend's shared-memory transport (``pipeline.comm = "copy_engine"``)."""
+    kinds = [*PIPELINES, *(f"{kind}-sm-free" for kind in PIPELINES)]
+    results = {kind: losses_and_digest(pipeline_runs[(model, kind)]) for kind in kinds}
     plain_losses, plain_digest = results["plain"]
     assert sorted(plain_losses) == list(range(1, 13))
     assert len(plain_digest) == 64
-    for kind in ("torchrec", "prioritized"):
+    for kind in kinds[1:]:
+        (start,) = events(read_log(pipeline_runs[(model, kind)]), "start")
+        assert start["embedding_comm"] == ("freescale_sm_free" if kind.endswith("sm-free") else "gloo"), kind
         losses, digest = results[kind]
         assert losses == plain_losses, kind
         assert digest == plain_digest, kind
@@ -115,9 +119,9 @@ def test_config_errors_name_the_key() -> None:
         PipelineConfig(kind="fast").validate()
     with pytest.raises(Exception, match="comm"):
         PipelineConfig(comm="rdma").validate()
-    with pytest.raises(RuntimeError, match="copy_engine.*needs a GPU"):
+    with pytest.raises(NotImplementedError, match="copy_engine' on CUDA"):
         build_pipeline(PipelineConfig(kind="prioritized", comm="copy_engine"), torch.nn.Linear(1, 1),
-                       torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), torch.device("cpu"))
+                       torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), torch.device("cuda"))
 
 
 @pytest.mark.multiprocess

@@ -147,7 +147,8 @@ def test_nonfinite_loss_stops_at_that_step_naming_the_ranks(tiny_data: Path, tmp
     No restart is spent on it (every incarnation would stop there again)."""
     run = tmp_path / "run"
     proc = run_cli(*launch_args("tiny_dlrm.toml", tiny_data, run, "--optim.dense_lr=1e25", "--train.steps=30",
-                                "--checkpoint.every=1", "--train.eval=false", "--max-restarts=2"))
+                                "--checkpoint.every=1", "--checkpoint.skip_while_busy=false", "--train.eval=false",
+                                "--max-restarts=2"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(events(read_log(run), "start")) == 1, "the group was restarted after a non-finite loss"
     lines = [line for line in proc.stderr.splitlines() if line.startswith("freescale: error")]
