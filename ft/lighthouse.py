@@ -428,11 +428,11 @@ def run_forever(cfg: LighthouseConfig) -> None:
         state = (f"state {cfg.state_path}" + (f" (restored: run '{lighthouse.run_id}', quorum {lighthouse.quorum_id}, "
                                               f"step {lighthouse.high_step})" if lighthouse.restored else " (new)")
                  if cfg.state_path else "no state file: a restart forgets the run")
-        print(f"lighthouse: serving {url} (min_replicas={cfg.min_replicas}; {state})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM):  # before it says it serves: a stop from then on is handled
             loop.add_signal_handler(sig, stop.set)
+        print(f"lighthouse: serving {url} (min_replicas={cfg.min_replicas}; {state})", flush=True)
         await stop.wait()
         await lighthouse.stop()
 

@@ -225,6 +225,7 @@ def test_the_job_changes_shape_plain_to_groups_and_back(tiny_data: Path, tmp_pat
     # With on_rank_loss = shrink and the fused table column-wise: the group goes on, with torchrec's pipeline, on
     # the rank it has left, which holds both column shards of the fused table.
     ("torchrec", "dlrm", "vote", "item_dp"),
+    # With the embedding all-to-alls on the SM-free backend's shared-memory transport (``pipeline.comm``).
     ("prioritized", "hstu", "forward", "")])
 def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lost(
         kind: str, model: str, phase: str, tables: str, tiny_data: Path, tmp_path: Path,
@@ -236,7 +237,8 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     the step).  Group 0 commits step 6 without it (no step discarded), trains group 1's
     rows of step 6 in the first step planned after it (step 7; with torchrec's two batches in
     flight, step 9), keeps going; the agent restarts group 1, which joins with weight 0, catches
-    up from group 0's snapshot, replays, and contributes again, bit-identical.  Before the kill,
+    up from group 0's snapshot, replays, and contributes again, bit-identical (the prioritized pipeline's
+    embedding all-to-alls through the SM-free backend, its restarted incarnation's too).  Before the kill,
     the losses equal those of one 4-rank group without fault tolerance (the same global batches;
     equal up to float32 summation order: the exchange averages in-group, then across groups; a
     data_parallel table's row-wise Adagrad, stepped on the reduced dense gradient, equals the fused
@@ -244,8 +246,9 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     depth, steps = 0 if kind == "plain" else 2, 60
     shrink = ("--on-rank-loss", "shrink", "--optim.sharding", "item_table=data_parallel,user_table=column_wise",
               "--eval.every", "20") if tables else ()
+    sm_free = ("--pipeline.comm", "copy_engine") if kind == "prioritized" else ()
     proc = launch(tmp_path, tiny_data, 2, 2, steps, model, fault=f"1:1:6:{phase},{AWAY}",
-                  max_restarts=1, extra=("--pipeline.kind", kind, *(ITEM_DP if tables else ()), *shrink))
+                  max_restarts=1, extra=("--pipeline.kind", kind, *(ITEM_DP if tables else ()), *shrink, *sm_free))
     assert proc.returncode == 0, proc.stderr[-3000:]
     if shrink:
         assert "replica group 1: lost rank 1 (signal 9); continues on 1 rank" in proc.stderr, proc.stderr[-3000:]
@@ -263,6 +266,8 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     assert "freescale: step 6 committed by replica0 (left: replica1)" in proc.stderr, proc.stderr[-3000:]
     assert "replica group 1 restarted (incarnation 1)" in proc.stderr
     runs = check_run(tmp_path, tiny_data, model, 2, 2, steps)
+    assert {e["embedding_comm"] for e in runs[(1, 0)] if e.get("event") == "start"} == (
+        {"freescale_sm_free"} if sm_free else {"gloo"})
     survivor = by_step(runs[(0, 0)])
     assert sorted(survivor) == list(range(steps)), "the survivor skipped or discarded a step"
     assert survivor[6]["participants"] == ["replica0"], "step 6 should commit with the survivor alone"
