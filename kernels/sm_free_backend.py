@@ -23,6 +23,7 @@ synchronization.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -38,7 +39,12 @@ from freescale.kernels.shm_channels import Inboxes
 
 BACKEND = "freescale_sm_free"
 RING_BYTES = 8 << 20
+"""Each ring's size (one per ordered pair of ranks: the group holds world^2 of them), at most; less for large
+groups (``_ring_bytes``)."""
 CHUNK_BYTES = 1 << 20
+_YIELDS = 200
+"""Passes with nothing moved that only yield the core before the progress thread sleeps between passes (a sleep
+costs 60-100 us of latency on Linux; a yield on an idle core costs nothing)."""
 _priority = threading.local()
 
 
@@ -56,8 +62,9 @@ def priority(level: int) -> Iterator[None]:
 class _Work(dist.Work):
     """One transfer's handle: done when this rank's share of the exchange is."""
 
-    def __init__(self, output: torch.Tensor, timeout: timedelta, what: str) -> None:
+    def __init__(self, group: SmFreeProcessGroup, output: torch.Tensor, timeout: timedelta, what: str) -> None:
         super().__init__()
+        self._group = group
         self._event, self._output = threading.Event(), output
         self._error: BaseException | None = None
         self._future: Future[list[torch.Tensor]] = Future()
@@ -75,9 +82,22 @@ class _Work(dist.Work):
         return self._event.is_set()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Until done: making the group's passes itself while the progress thread is not (``step``)."""
         limit = (timeout if timeout and timeout.total_seconds() > 0 else self._timeout).total_seconds()
-        if not self._event.wait(limit):
-            raise RuntimeError(f"SM-free all-to-all: {self._what} not done within {limit:g} s (a peer gone or stuck)")
+        deadline = time.monotonic() + limit
+        while not self._event.is_set():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SM-free all-to-all: {self._what} not done within {limit:g} s (a peer gone or "
+                                   "stuck)")
+            if self._group._stepping.acquire(blocking=False):
+                try:
+                    moved = self._group.step()
+                finally:
+                    self._group._stepping.release()
+                if not moved and not self._event.is_set():
+                    os.sched_yield()
+            else:
+                self._event.wait(0.0002)
         if self._error is not None:
             raise RuntimeError(f"SM-free all-to-all: {self._what} failed: {self._error}") from self._error
         return True
@@ -107,7 +127,7 @@ class SmFreeProcessGroup(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # (the Python constructor c10d documents)
         self._inner: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
-        self._inboxes = Inboxes(dist.PrefixStore("shm", store), rank, size, RING_BYTES, timeout)
+        self._inboxes = Inboxes(dist.PrefixStore("shm", store), rank, size, _ring_bytes(size), timeout)
         self._timeout, self._sequence = timeout, 0
         self._queue: list[_Transfer] = []
         self._early: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
@@ -115,6 +135,9 @@ class SmFreeProcessGroup(dist.ProcessGroup):
         self._lock = threading.Condition()
         self.completed: list[int] = []
         """The transfers' numbers in the order they completed on this rank (the last 1,000)."""
+        self._peers = [(rank + k) % size for k in range(1, size)]
+        self._stepping = threading.Lock()
+        """Held by whoever makes a pass: the progress thread, or a waiter helping."""
         self._thread = threading.Thread(target=self._progress, name="freescale-sm-free", daemon=True)
         self._thread.start()
 
@@ -130,7 +153,7 @@ class SmFreeProcessGroup(dist.ProcessGroup):
         target = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
         send = _pieces(source, input_split_sizes, world, "input")
         receive = _pieces(target, output_split_sizes, world, "output")
-        work = _Work(output, self._timeout, f"all-to-all #{sequence}")
+        work = _Work(self, output, self._timeout, f"all-to-all #{sequence}")
         transfer = _Transfer(getattr(_priority, "level", 0), sequence, send, receive, work,
                              [0] * world, [0] * world, (output, target) if target is not output else None)
         me = self.rank()
@@ -146,31 +169,48 @@ class SmFreeProcessGroup(dist.ProcessGroup):
         return work
 
     def _progress(self) -> None:
-        """The progress thread: send the queued transfers' next pieces (most urgent first), take in what
-        arrived, complete what is done; sleep briefly when nothing moved."""
-        peers = [(self.rank() + k) % self.size() for k in range(1, self.size())]
+        """The progress thread: passes (``step``) while transfers are queued; between passes with nothing moved
+        it yields its core, then sleeps briefly."""
+        idle = 0
         while True:
             with self._lock:
                 while not self._queue:
                     self._lock.wait()
-                queue = list(self._queue)
-            try:
-                moved = self._send(queue, peers) | self._take(queue, peers)
-            except BaseException as exc:  # a damaged ring or a bug: every waiting transfer fails with it
-                with self._lock:
-                    for transfer in self._queue:
-                        transfer.work.finish(exc)
-                    self._queue.clear()
-                continue
-            with self._lock:
-                for transfer in [t for t in self._queue if _done(t)]:
-                    self._queue.remove(transfer)
-                    if transfer.unpack is not None:
-                        transfer.unpack[0].copy_(transfer.unpack[1])
-                    self.completed = [*self.completed[-999:], transfer.sequence]
-                    transfer.work.finish()
-            if not moved:
+            if not self._stepping.acquire(blocking=False):  # a waiter is making the pass
                 time.sleep(0.00005)
+                continue
+            try:
+                moved = self.step()
+            finally:
+                self._stepping.release()
+            idle = 0 if moved else idle + 1
+            if idle > _YIELDS:  # a while with nothing arriving: sleep between looks
+                time.sleep(0.00005)
+            elif idle:  # a peer's piece is likely on its way: give the core away, look again at once
+                os.sched_yield()
+
+    def step(self) -> bool:
+        """One pass (under ``_stepping``, by the progress thread or by a thread waiting for a transfer, which
+        saves two thread hand-offs on a short exchange): send the queued transfers' next pieces (most urgent
+        first), take in what arrived, complete what is done.  Whether anything moved."""
+        with self._lock:
+            queue = list(self._queue)
+        try:
+            moved = self._send(queue, self._peers) | self._take(queue, self._peers)
+        except BaseException as exc:  # a damaged ring or a bug: every waiting transfer fails with it
+            with self._lock:
+                for transfer in self._queue:
+                    transfer.work.finish(exc)
+                self._queue.clear()
+            return True
+        with self._lock:
+            for transfer in [t for t in self._queue if _done(t)]:
+                self._queue.remove(transfer)
+                if transfer.unpack is not None:
+                    transfer.unpack[0].copy_(transfer.unpack[1])
+                self.completed = [*self.completed[-999:], transfer.sequence]
+                transfer.work.finish()
+        return moved
 
     def _send(self, queue: list[_Transfer], peers: list[int]) -> bool:
         moved = False
@@ -223,6 +263,11 @@ def _delegate(name: str) -> Any:
 
 for _name in _DELEGATED:
     setattr(SmFreeProcessGroup, _name, _delegate(_name))
+
+
+def _ring_bytes(world: int) -> int:
+    """8 MiB rings up to 5 ranks; above that, 256 MiB of rings in all for the host (at least 1 MiB each)."""
+    return max(1 << 20, min(RING_BYTES, (256 << 20) // (world * world)))
 
 
 def _done(transfer: _Transfer) -> bool:
