@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import IO, Any
 
 _PEER_FAILURE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
-                 "timed out", "socket closed", "replica group:")
-"""Words of the errors a collective raises when a peer died or hung (gloo, NCCL, the store, and
-``freescale.ft.replica_group`` giving up on a lost quorum)."""
+                 "timed out", "socket closed", "replica group:", "of the group are gone")
+"""Words of the errors a collective raises when a peer died or hung (gloo, NCCL, the store,
+``freescale.ft.replica_group`` giving up on a lost quorum, the SM-free backend: ``kernels/sm_free_backend.py``)."""
 
 _state: dict[str, Any] = {}
 

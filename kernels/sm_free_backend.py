@@ -45,6 +45,8 @@ CHUNK_BYTES = 1 << 20
 _YIELDS = 200
 """Passes with nothing moved that only yield the core before the progress thread sleeps between passes (a sleep
 costs 60-100 us of latency on Linux; a yield on an idle core costs nothing)."""
+_LIVENESS_S = 0.5
+"""A waiter looks this often whether a peer's process has ended (then its transfer cannot end)."""
 _priority = threading.local()
 
 
@@ -66,11 +68,11 @@ class _Work(dist.Work):
         super().__init__()
         self._group = group
         self._event, self._output = threading.Event(), output
-        self._error: BaseException | None = None
+        self._error: Exception | None = None
         self._future: Future[list[torch.Tensor]] = Future()
         self._timeout, self._what = timeout, what
 
-    def finish(self, error: BaseException | None = None) -> None:
+    def finish(self, error: Exception | None = None) -> None:
         self._error = error
         self._event.set()
         if error is None:
@@ -85,10 +87,17 @@ class _Work(dist.Work):
         """Until done: making the group's passes itself while the progress thread is not (``step``)."""
         limit = (timeout if timeout and timeout.total_seconds() > 0 else self._timeout).total_seconds()
         deadline = time.monotonic() + limit
+        checked = time.monotonic()
         while not self._event.is_set():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"SM-free all-to-all: {self._what} not done within {limit:g} s (a peer gone or "
-                                   "stuck)")
+            now = time.monotonic()
+            if now > deadline:
+                raise RuntimeError(f"SM-free all-to-all: {self._what} timed out after {limit:g} s (a peer stuck)")
+            if now - checked > _LIVENESS_S:
+                checked = now
+                gone = self._group.peers_gone()
+                if gone:  # as gloo's closed connection would say it: the peer's failure, in one line
+                    raise RuntimeError(f"SM-free all-to-all: {self._what}: rank(s) {gone} of the group are gone "
+                                       "(their process ended)")
             if self._group._stepping.acquire(blocking=False):
                 try:
                     moved = self._group.step()
@@ -140,6 +149,10 @@ class SmFreeProcessGroup(dist.ProcessGroup):
         """Held by whoever makes a pass: the progress thread, or a waiter helping."""
         self._thread = threading.Thread(target=self._progress, name="freescale-sm-free", daemon=True)
         self._thread.start()
+
+    def peers_gone(self) -> list[int]:
+        """The group's ranks whose process has ended (``shm_channels.Inboxes.gone``)."""
+        return self._inboxes.gone()
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -197,7 +210,8 @@ class SmFreeProcessGroup(dist.ProcessGroup):
             queue = list(self._queue)
         try:
             moved = self._send(queue, self._peers) | self._take(queue, self._peers)
-        except BaseException as exc:  # a damaged ring or a bug: every waiting transfer fails with it
+        except Exception as exc:  # a damaged ring or a bug: every waiting transfer fails with it (a stop signal on
+            # a waiting thread, Stopped or KeyboardInterrupt, goes up as it is: the process is ending)
             with self._lock:
                 for transfer in self._queue:
                     transfer.work.finish(exc)
