@@ -1,7 +1,7 @@
 """The SM-free all-to-all on CPU: the copy-engine module's fallback (same bytes as ``all_to_all_single``, issued in
 priority order) and the ``freescale_sm_free`` backend's shared-memory transport (bit for bit gloo's
 ``all_to_all_single``: even and uneven splits, empty chunks, several in flight, priorities, a non-contiguous
-output, other collectives handed to gloo).
+output, other collectives handed to gloo, a peer whose process ended said in one line).
 
 Three real processes (spawn, gloo on loopback), one run for both.  The CUDA copy-engine path has no test
 yet: it needs two GPUs in one node.
@@ -10,6 +10,8 @@ yet: it needs two GPUs in one node.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -113,7 +115,7 @@ def _backend(rank: int) -> dict[str, object]:
     assert total.item() == sum(range(WORLD))
     work = dist.all_to_all_single(torch.empty(6, 16), cases[0][0], group=group, async_op=True)
     assert torch.equal(work.get_future().wait()[0], wanted[0])
-    return {"completed_last_two": order}
+    return {"completed_last_two": order, "group": group}
 
 
 def _rank(rank: int, port: int, result_path: str) -> None:
@@ -122,8 +124,16 @@ def _rank(rank: int, port: int, result_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         result = {"issued_bytes": _copy_engine_fallback(rank), **_backend(rank)}
-        Path(result_path).write_text(json.dumps(result))
+        group = result.pop("group")
         dist.barrier()
+        if rank == WORLD - 1:  # a peer whose process ends: the others' next exchange says so, not a 300 s wait
+            os._exit(0)
+        start = time.monotonic()
+        try:
+            dist.all_to_all_single(torch.empty(WORLD), torch.zeros(WORLD), group=group)
+        except RuntimeError as exc:
+            result["gone"] = [str(exc), time.monotonic() - start]
+        Path(result_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
@@ -137,8 +147,10 @@ def test_sm_free_all_to_all_on_cpu_equals_gloo_and_runs_the_most_urgent_first(tm
     for p in procs:
         p.join(timeout=180)
     assert [p.exitcode for p in procs] == [0] * WORLD
-    for r in range(WORLD):
+    for r in range(WORLD - 1):
         result = json.loads((tmp_path / f"r{r}.json").read_text())
+        message, seconds = result["gone"]
+        assert f"rank(s) [{WORLD - 1}] of the group are gone" in message and seconds < 10, result["gone"]
         rows_sent = sum(r + 1 + p for p in range(WORLD))
         assert result["issued_bytes"] == [rows_sent * width * 4 for width in (1, 2, 3)]  # priority 0, then 1, then 2
         long_one = len(_cases(r)) + 2  # its number: after the cases, the even one and the strided one
