@@ -123,6 +123,8 @@ def _attention_source(case: Case) -> Any:
             types[n] = data
         elif n in ("seq_offsets", "num_targets", "QTime", "KTime"):
             types[n] = "*i64"
+        elif n == "Work":  # the work list (``_work_lists``)
+            types[n] = "*i64"
         elif n in ("PosW", "TimeW", "dPosW", "dTimeW"):
             types[n] = "*fp32" if case.bias or n.startswith("d") else "*i64"
         elif n in ("alpha", "inv_n"):

@@ -420,16 +420,13 @@ _SHORT_GIL_TURN_S = 0.0005
 
 @contextlib.contextmanager
 def _light_write() -> Iterator[None]:
-    """While a write runs, two process-wide settings, put back after it:
-
-    - Python's switch interval at 0.5 ms (from 5).  The writer's Python (DCP's planning, its pickled
-      collectives, the layout conversion) holds the GIL in stretches; a training thread that wants it back
-      (after every torch op and collective, which release it) waits up to one interval each time.  At 5 ms the
-      steps while a save was written took 1.5-2x as long on a busy 2-core host, at 0.5 ms 1.2-1.5x
-      (``benchmarks/bench_saves.py``).
-    - No CRC-32 in ``torch.save``'s zip records (DCP writes each tensor with it): the integrity side files
-      hash every item already (``checkpoint_integrity``), and the CRC cost 14 ms of CPU per 34 MB.  A
-      ``torch.save`` on another thread meanwhile also writes none; ``torch.load`` does not need it."""
+    """While a write runs, two process-wide settings, put back after it.  Python's switch interval at 0.5 ms (from
+    5): the writer's Python (DCP's planning, its pickled collectives, the layout conversion) holds the GIL in
+    stretches, and a training thread that wants it back (after every torch op, which releases it) waits up to one
+    interval each time (the steps while a save was written: 1.5-2x a step at 5 ms, 1.2-1.5x at 0.5 ms on a busy
+    2-core host, ``benchmarks/bench_saves.py``).  No CRC-32 in ``torch.save``'s zip records (DCP writes each tensor
+    with it; 14 ms of CPU per 34 MB): ``checkpoint_integrity`` hashes every item already.  A ``torch.save`` on
+    another thread meanwhile writes none either; ``torch.load`` does not need it."""
     from torch.utils.serialization import config as serialization
 
     previous, crc = sys.getswitchinterval(), serialization.save.compute_crc32

@@ -264,9 +264,7 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
     model = build_model(cfg.model, dataset.manifest, max_seq_len=cfg.data.max_seq_len, embedding_device=torch.device("meta"),
                         item_counts=counts)
     bounds = table_bounds(model)
-    comm = _comm_group(cfg, ctx)
-    dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp(ft_on), group=comm)
-    setattr(dmp, "embedding_comm", "freescale_sm_free" if comm is not None else ctx.backend)  # noqa: B010  (the log's)
+    dmp = shard_model(model, ctx, cfg.optim, data_parallel=cfg.pipeline.uses_ddp(ft_on), group=_comm_group(cfg, ctx))
     init_tables(dmp.state_dict(), bounds, cfg.train.seed)  # the same tables whatever the plan (a shrunk group's too)
     replicated = sorted(replicated_tables(dmp))  # asked for, or chosen by torchrec's planner for a small table
     if replicated:

@@ -130,6 +130,8 @@ def shard_model(
         env=ShardingEnv.from_process_group(group) if group is not None else None,
     )
     setattr(dmp, "shard_positions", positions)  # noqa: B010  (read by shard_positions)
+    comm = group._get_backend_name() if group is not None else ctx.backend  # (the run log's start says it)
+    setattr(dmp, "embedding_comm", comm)  # noqa: B010
     if not data_parallel:  # the caller reduces every gradient, data_parallel tables' included (fault tolerance)
         unwrap_replicated_lookups(dmp)
     return dmp

@@ -52,7 +52,7 @@ def run_pair(max_restarts: int, train_args: Sequence[str], command: Sequence[str
 
     argv = _rank_argv(train_args, command)
     slots: list[subprocess.Popen[bytes] | None] = []
-    started, failed, last_failure = 0, 0, ""
+    started, failed, last_failure, finished = 0, 0, "", False
     try:
         with stops_raise():
             first = _start(argv, 0)
@@ -66,7 +66,8 @@ def run_pair(max_restarts: int, train_args: Sequence[str], command: Sequence[str
                     if proc is None or proc.poll() is None:
                         continue
                     code, slots[i] = proc.returncode, None
-                    if code == 0:
+                    if code == 0:  # the run finished (a standby then takes the lock and is told so)
+                        finished = True
                         continue
                     if any(Path(error_dir).glob(f"rank*{FINAL_SUFFIX}.txt")):
                         _stop(slots, signal.SIGTERM)
@@ -80,7 +81,7 @@ def run_pair(max_restarts: int, train_args: Sequence[str], command: Sequence[str
     except Stopped as stopped:
         _stop(slots, stopped.signum)
         return stopped_by(stopped.signum)
-    if failed > max_restarts:
+    if failed > max_restarts and not finished:
         if _user_errors(error_dir):
             return 2
         print(f"freescale: error: rank 0 failed with {last_failure} ({failed} times, --max-restarts "

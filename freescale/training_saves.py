@@ -87,9 +87,10 @@ class TrainingSaves:
     def _save_unless_busy(self, parts: Components, commit: Commit, may_skip: bool) -> None:
         """One all-reduce over the group agrees on both: whether any rank is still busy with the previous
         save, and the step the new save's tables are copied by (the slowest rank's estimate)."""
+        parts.engine.check_finite()  # every group, owner or not: never a step past a non-finite one unseen
         if not self.owns(parts, commit):
             return
-        skips = may_skip and self.cfg.checkpoint.skip_while_busy
+        skips = may_skip and self.cfg.checkpoint.skip_while_busy and self.writer.asynchronous
         lazy = self.writer.asynchronous and self.staging is not None and commit.step + 1 < self.cfg.train.steps
         if not skips and not lazy:
             self.save(parts, commit)
@@ -100,10 +101,11 @@ class TrainingSaves:
         busy, steps = _agreed_max(parts.ctx, [int(skips and self._busy()), needed])
         if busy:
             self.log.write("checkpoint_skipped", step=done, reason="the previous save is still being copied or written")
-            if not self._said_skipped and parts.ctx.is_main and parts.group == 0:
+            if not self._said_skipped and parts.ctx.is_main:  # (the owning group's rank 0)
                 say(f"freescale: the save due at step {done} is skipped: the previous one is still being copied or "
-                    f"written (checkpoint.every = {c.every} is shorter than a save takes here; the next multiple "
-                    "asks again; checkpoint.skip_while_busy = false waits for it instead)")
+                    f"written (checkpoint.every = {c.every} is shorter than a save takes here: its tables are copied "
+                    "within checkpoint.stage_budget of each step, then written; the next multiple asks again; "
+                    "checkpoint.skip_while_busy = false waits for it instead)")
             self._said_skipped = True
             return
         self.save(parts, commit, copy_steps=steps if lazy else None)

@@ -69,7 +69,7 @@ from freescale.ft.layer_snapshot import SnapshotSide, UserState
 from freescale.ft.reduced_parts import reduced_parts
 from freescale.ft.replica_group import positions_served
 from freescale.ft.serving import advertised_host
-from freescale.ft.standby import STANDBY_ENV, take_over
+from freescale.ft.standby import STANDBY_ENV, hand_back, take_over
 from freescale.ft.step_result import StepResult
 from freescale.grad_buckets import BucketedGrads
 from freescale.rank_console import say
@@ -190,6 +190,7 @@ class FaultTolerance(SnapshotSide):
         self.events: deque[dict[str, Any]] = deque(maxlen=1024)
         """A loop calling ``step``: the events since it last took them (``exchange`` hands them on instead)."""
         self._finished_elsewhere = False
+        self._run_finished = False
         self._members: set[str] | None = None
         """The groups of the last committed quorum (for the console line when they change)."""
         self._step, self._first_step = -1, True
@@ -258,6 +259,7 @@ class FaultTolerance(SnapshotSide):
         return self.agree(bool(commit.ready) and min(commit.ready) == self._group_index)
 
     def finish(self, last_step: int) -> None:
+        self._run_finished = True
         if not self._finished_elsewhere:
             self._client.finish(last_step)
 
@@ -267,8 +269,8 @@ class FaultTolerance(SnapshotSide):
             self._agent.stop()
         if self._server is not None:
             self._server.stop()
-        if self._standby_fd is not None:
-            os.close(self._standby_fd)  # a standby waiting on it takes over (and finds the run finished)
+        if self._standby_fd is not None:  # a standby waiting on it takes over, or ends where the run finished
+            hand_back(self._standby_fd, finished=self._run_finished or self._finished_elsewhere)
             self._standby_fd = None
 
     # ------------------------------------------------------------------ one step

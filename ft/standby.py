@@ -25,13 +25,29 @@ STANDBY_ENV = "FREESCALE_STANDBY_LOCK"
 reliable over NFS): hold this lock while active; wait for it as a standby."""
 
 
+_ENDED = "ended"
+
+
+def hand_back(fd: int, finished: bool) -> None:
+    """The active process lets go of the lock (its end; the kernel does the same when it dies): where the run
+    finished, it says so in the lock file first, and a standby that takes the lock then ends at once, status 0,
+    instead of starting as the next incarnation only to hear the run is over."""
+    if finished:
+        os.pwrite(fd, f"{_ENDED:<20s}".encode("ascii"), 0)
+    os.close(fd)
+
+
 def take_over(path: str, incarnation: int) -> tuple[int, int]:
     """Block until this process holds the lock at ``path`` (at once when nobody holds it); then it is the
     active one for its life.  Returns (the lock's file descriptor, kept open; the incarnation to run as:
-    ``incarnation``, or one past the last holder's when that is higher)."""
+    ``incarnation``, or one past the last holder's when that is higher).  Where the last holder finished the
+    run (``hand_back``), ``SystemExit(0)``: this process has nothing to do."""
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     previous = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip()
+    if previous == _ENDED:  # the active one finished the run: nothing to take over
+        os.close(fd)
+        raise SystemExit(0)
     if previous.isdigit():
         incarnation = max(incarnation, int(previous) + 1)
     os.pwrite(fd, f"{incarnation:<20d}".encode("ascii"), 0)  # one fixed-width write: never a torn or empty file

@@ -15,14 +15,17 @@ writes the head (after copying the bytes out).  Each write is a plain store thro
 keeps stores in order and loads in order (total store order), which is what this relies on.  Not yet run
 on a weaker memory model (ARM), where the counters would need acquire/release fences.
 
-The files are created, mapped by every rank, then unlinked (after a barrier on the store): nothing is left
-behind whatever way the processes end.
+The files are created, mapped by every rank, then unlinked (after a barrier on the store): once every rank
+has mapped them nothing is left behind whatever way the processes end (a rank killed while the group is
+being made leaves its ``freescale-a2a-*`` file).  Linux and x86-64 only (the ordering above): refused in one
+line elsewhere.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import platform
 import socket
 import tempfile
 import time
@@ -64,13 +67,16 @@ class Inboxes:
 
     def __init__(self, store: dist.Store, rank: int, world: int, ring_bytes: int,
                  timeout: timedelta = timedelta(seconds=300)) -> None:
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            raise RuntimeError(f"SM-free all-to-all: the shared-memory channels rely on x86-64's store order; this host "
+                               f"is {platform.machine()} (not yet supported: use pipeline.comm = 'nccl')")
         self.rank, self.world, self.ring_bytes = rank, world, _padded(ring_bytes)
         self._control = world * 2 * _LINE * 8
         size = self._control + world * self.ring_bytes
         name = str(Path(_folder(world * size)) / f"freescale-a2a-{uuid.uuid4().hex}")
         fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # the pages now: a full tmpfs says ENOSPC here, not SIGBUS at a write
             own = mmap.mmap(fd, size)
         finally:
             os.close(fd)

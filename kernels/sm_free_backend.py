@@ -227,16 +227,18 @@ class SmFreeProcessGroup(dist.ProcessGroup):
         return moved
 
     def _send(self, queue: list[_Transfer], peers: list[int]) -> bool:
+        """To each peer, the next piece of the most urgent transfer with bytes left for it (lowest priority level,
+        then the first issued): one piece per peer per pass, then the queue is looked at again, so a transfer
+        issued later at a more urgent level goes ahead of the rest of a long one."""
         moved = False
-        for transfer in queue:  # most urgent first: one piece per peer per pass, then the order is looked at again
-            for peer in peers:
-                left = len(transfer.send[peer]) - transfer.sent[peer]
-                if left > 0:
-                    at = transfer.sent[peer]
-                    n = self._inboxes.send(peer, transfer.sequence, at,
-                                           transfer.send[peer][at:at + min(left, CHUNK_BYTES)])
-                    transfer.sent[peer] += n
-                    moved |= n > 0
+        for peer in peers:
+            transfer = next((t for t in queue if t.sent[peer] < len(t.send[peer])), None)
+            if transfer is not None:
+                at = transfer.sent[peer]
+                n = self._inboxes.send(peer, transfer.sequence, at,
+                                       transfer.send[peer][at:at + min(len(transfer.send[peer]) - at, CHUNK_BYTES)])
+                transfer.sent[peer] += n
+                moved |= n > 0
         return moved
 
     def _take(self, queue: list[_Transfer], peers: list[int]) -> bool:
@@ -262,21 +264,24 @@ class SmFreeProcessGroup(dist.ProcessGroup):
         return moved
 
 
-_DELEGATED = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_into_tensor_coalesced",
-              "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall", "broadcast",
-              "barrier", "gather", "scatter", "reduce", "send", "recv")
-"""Every other collective c10d may call on the group: gloo's, through the group's own gloo process group."""
+_DELEGATED = {name: name for name in (
+    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
+    "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+    "alltoall", "broadcast", "barrier", "monitored_barrier", "gather", "scatter", "reduce", "send", "recv",
+    "recv_anysource")} | {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base"}
+"""Every other collective c10d may call on the group (its name there: gloo's backend's), through the group's own
+gloo process group (``all_gather_into_tensor`` and ``reduce_scatter_tensor`` reach a group as ``*_single``)."""
 
 
-def _delegate(name: str) -> Any:
-    def call(self: SmFreeProcessGroup, *args: Any) -> Any:
-        return getattr(self._inner, name)(*args)
+def _delegate(name: str, inner: str) -> Any:
+    def call(self: SmFreeProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._inner, inner)(*args, **kwargs)
     call.__name__ = name
     return call
 
 
-for _name in _DELEGATED:
-    setattr(SmFreeProcessGroup, _name, _delegate(_name))
+for _name, _inner in _DELEGATED.items():
+    setattr(SmFreeProcessGroup, _name, _delegate(_name, _inner))
 
 
 def _ring_bytes(world: int) -> int:

@@ -113,6 +113,10 @@ def _backend(rank: int) -> dict[str, object]:
     total = torch.tensor([float(rank)])
     dist.all_reduce(total, group=group)
     assert total.item() == sum(range(WORLD))
+    gathered = torch.empty(WORLD)
+    dist.all_gather_into_tensor(gathered, torch.tensor([float(rank)]), group=group)  # reaches it as all_gather_single
+    dist.barrier(group=group)  # (called with keyword options)
+    assert gathered.tolist() == [float(r) for r in range(WORLD)]
     work = dist.all_to_all_single(torch.empty(6, 16), cases[0][0], group=group, async_op=True)
     assert torch.equal(work.get_future().wait()[0], wanted[0])
     return {"completed_last_two": order, "group": group}

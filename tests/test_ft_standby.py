@@ -6,7 +6,9 @@ import os
 import threading
 from pathlib import Path
 
-from freescale.ft.standby import take_over
+import pytest
+
+from freescale.ft.standby import hand_back, take_over
 
 
 def test_standby_waits_for_the_active_one_and_takes_the_next_incarnation(tmp_path: Path) -> None:
@@ -24,4 +26,7 @@ def test_standby_waits_for_the_active_one_and_takes_the_next_incarnation(tmp_pat
     os.close(result["fd"])
     fd, incarnation = take_over(lock, 0)  # the next one after that
     assert incarnation == 2
-    os.close(fd)
+    hand_back(fd, finished=True)  # it finished the run: a standby that takes the lock now has nothing to do
+    with pytest.raises(SystemExit) as ended:
+        take_over(lock, 0)
+    assert ended.value.code == 0

@@ -78,7 +78,8 @@ def test_forward_and_gradients_match_reference(lengths: list[int], heads: int, t
     check(lengths, heads, attn=8, value=12, targets=targets, window=window, seed=seed)
 
 
-@pytest.mark.parametrize("lengths", [[0], [1], [1, 0, 1], [16], [17, 33]])
+@pytest.mark.parametrize("lengths", [[0], [1], [1, 0, 1], [16], [17, 33], [0, 0],
+                                     [0, 3, 40, 0, 1, 16, 17, 0, 5, 33, 0]])  # the work list's search over many
 def test_edge_lengths(lengths: list[int]) -> None:
     check(lengths, heads=2, attn=16, value=16, targets=False, window=0, seed=0)
 
@@ -106,3 +107,21 @@ def test_selector_uses_triton_only_on_cuda() -> None:
     a = jagged_hstu_attention(q, k, v, offsets, 8, 1.0, backend="triton")
     b = jagged_hstu_attention(q, k, v, offsets, 8, 1.0, backend="reference")
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_work_list_holds_each_live_block_once_for_every_block_size() -> None:
+    """``_work_lists`` (built on the device, no host sync) against a plain enumeration: row BLOCK // 32 lists every
+    (sequence, block) that holds tokens, in order, then -1; the launch bound ``cdiv(T, BLOCK) + B`` covers it."""
+    from freescale.kernels.triton_hstu_attention import WORK_BLOCKS, _work_lists
+
+    lengths = [0, 3, 40, 0, 1, 16, 17, 0, 5, 33, 0, 129, 256]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    total = sum(lengths)
+    work = _work_lists(offsets, total)
+    for block in WORK_BLOCKS:
+        want = [(b, k) for b, n in enumerate(lengths) for k in range(-(-n // block))]
+        row = work[block // 32].tolist()
+        got = [(v >> 32, v & 0xFFFFFFFF) for v in row if v >= 0]
+        assert got == want and all(v == -1 for v in row[len(want):]), block
+        assert len(want) <= -(-total // block) + len(lengths)
+
