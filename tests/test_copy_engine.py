@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -138,6 +139,7 @@ def _rank(rank: int, port: int, result_path: str) -> None:
         except RuntimeError as exc:
             result["gone"] = [str(exc), time.monotonic() - start]
         Path(result_path).write_text(json.dumps(result))
+        os._exit(0)  # gloo's group has a dead member now: its teardown may abort the process (SIGABRT), so none
     finally:
         dist.destroy_process_group()
 
@@ -154,7 +156,8 @@ def test_sm_free_all_to_all_on_cpu_equals_gloo_and_runs_the_most_urgent_first(tm
     for r in range(WORLD - 1):
         result = json.loads((tmp_path / f"r{r}.json").read_text())
         message, seconds = result["gone"]
-        assert f"rank(s) [{WORLD - 1}] of the group are gone" in message and seconds < 10, result["gone"]
+        named = re.search(r"rank\(s\) \[([\d, ]+)\] of the group are gone", message)  # (the other survivor may be
+        assert named and WORLD - 1 in json.loads(f"[{named.group(1)}]") and seconds < 10, result["gone"]  # gone too)
         rows_sent = sum(r + 1 + p for p in range(WORLD))
         assert result["issued_bytes"] == [rows_sent * width * 4 for width in (1, 2, 3)]  # priority 0, then 1, then 2
         long_one = len(_cases(r)) + 2  # its number: after the cases, the even one and the strided one
