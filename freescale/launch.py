@@ -148,14 +148,8 @@ def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str]
     try:
         if command:
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-            forked = forkserver.client_command(list(command)) if forkserver.running() else None
-            if forked is not None:  # python my_loop.py ...: forked from the warm server too
-                elastic_launch(config, sys.executable)("-m", "freescale.forkserver", *forked)
-            else:
-                elastic_launch(config, command[0])(*command[1:])
-        else:  # each rank forked from the node's warm server (``freescale.forkserver``) unless it is off
-            entry = "freescale.forkserver" if forkserver.running() else "freescale.cli"
-            elastic_launch(config, sys.executable)("-m", entry, "train", *train_args)
+        argv = rank_argv(train_args, command)
+        elastic_launch(config, argv[0])(*argv[1:])
         # A restarted incarnation that ended at start-up: the error of the one before stands.
         return (2 if _user_errors(error_dir, final_only=True) else 0), None
     except ChildFailedError as failed:
@@ -174,6 +168,16 @@ def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str]
         return 1, RankLoss(rank, how, failure.pid)
     except SignalException as stopped:  # the agent passed it to the ranks and waited for them
         return stopped_by(int(stopped.sigval)), None
+
+
+def rank_argv(train_args: Sequence[str], command: Sequence[str]) -> list[str]:
+    """A rank's command line: ``freescale train TRAIN_ARGS`` (or the user's ``command``), forked from the node's
+    warm server where one runs (``freescale.forkserver``: ``python my_loop.py ...`` too), else started plain."""
+    if command:
+        forked = forkserver.client_command(list(command)) if forkserver.running() else None
+        return [sys.executable, "-m", "freescale.forkserver", *forked] if forked is not None else list(command)
+    entry = "freescale.forkserver" if forkserver.running() else "freescale.cli"
+    return [sys.executable, "-m", entry, "train", *train_args]
 
 
 def stopped_by(signum: int) -> int:

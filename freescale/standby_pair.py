@@ -32,7 +32,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from freescale import forkserver
 from freescale.ft.standby import STANDBY_ENV
 from freescale.lifetime import Stopped, stops_raise
 
@@ -48,9 +47,9 @@ def wanted() -> bool:
 def run_pair(max_restarts: int, train_args: Sequence[str], command: Sequence[str], error_dir: str) -> int:
     """The group's rank as an active process and a warm standby (module docstring); an exit status as
     ``launch.launch_local``'s."""
-    from freescale.launch import FINAL_SUFFIX, _user_errors, stopped_by
+    from freescale.launch import FINAL_SUFFIX, _user_errors, rank_argv, stopped_by
 
-    argv = _rank_argv(train_args, command)
+    argv = rank_argv(train_args, command)
     slots: list[subprocess.Popen[bytes] | None] = []
     started, failed, last_failure, finished = 0, 0, "", False
     try:
@@ -103,16 +102,6 @@ def _wait_until_held(lock: Path, proc: subprocess.Popen[bytes]) -> None:
             if lock.read_text().strip():
                 return
         time.sleep(0.05)
-
-
-def _rank_argv(train_args: Sequence[str], command: Sequence[str]) -> list[str]:
-    """The rank's command line: ``freescale train`` (or the user's command), forked from the node's warm
-    server where one runs (``freescale.forkserver``), as ``launch._run_agent`` starts it."""
-    if command:
-        forked = forkserver.client_command(list(command)) if forkserver.running() else None
-        return [sys.executable, "-m", "freescale.forkserver", *forked] if forked is not None else list(command)
-    entry = "freescale.forkserver" if forkserver.running() else "freescale.cli"
-    return [sys.executable, "-m", entry, "train", *train_args]
 
 
 _WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
