@@ -93,6 +93,7 @@ def save_rows(log: list[dict[str, Any]], normal_s: float, repeat: int) -> list[d
             "any_step_until_next_save_max_x": max(gaps[s] for s in range(saved, following) if s in gaps) / normal_s,
             "staged_ms": 1e3 * event["seconds"], "copy_ms": 1e3 * taken.get("copy_s", float("nan")),
             "keep_ms": 1e3 * taken.get("keep_s", float("nan")), "write_s": written[saved]["seconds"],
+            "write_cpu_s": written[saved].get("write_cpu_s"), "paced_s": written[saved].get("paced_s"),
         })
     return rows
 
@@ -105,7 +106,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps per run (default 400; 150 with --quick)")
     parser.add_argument("--skip-while-busy", choices=("true", "false"), default="true",
                         help="checkpoint.skip_while_busy (false: every due save is taken, waiting for the one before)")
+    parser.add_argument("--write-share", type=float, default=None,
+                        help="checkpoint.write_share (the writer's share of a core; default: the config's)")
     parser.add_argument("--repeats", type=int, default=0, help="runs of each kind, interleaved (default 3; 1 quick)")
+    parser.add_argument("--dir", help="where the runs write (default: the temp folder; e.g. /dev/shm: no disk)")
     parser.add_argument("--json")
     args = parser.parse_args()
     steps = args.steps or (150 if args.quick else 400)
@@ -115,14 +119,15 @@ def main() -> None:
 
     saves: list[dict[str, Any]] = []
     normal: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         data = Path(tmp) / "data"
         generate(data, SyntheticSpec(rows=40_000, eval_rows=1_024, num_items=rows_per_table, num_users=rows_per_table,
                                      seed=0))
         logs = []
         for r in range(repeats):  # interleaved: a run with saves, then one without
+            share = [] if args.write_share is None else [f"--checkpoint.write_share={args.write_share}"]
             logs.append((r, run(data, Path(tmp) / f"saves{r}", steps, args.every,
-                                f"--checkpoint.skip_while_busy={args.skip_while_busy}")))
+                                f"--checkpoint.skip_while_busy={args.skip_while_busy}", *share)))
             plain = intervals(run(data, Path(tmp) / f"plain{r}", steps, 0))
             normal += [s for step, s in plain.items() if step >= 5]
         normal_s = statistics.median(normal)
@@ -132,7 +137,7 @@ def main() -> None:
           f"a save every {args.every} steps; normal step {1e3 * normal_s:.1f} ms (median of the runs without saves)")
     columns = ["repeat", "save_after_step", "tables_due_step", "written_by_step", "skipped_after", "save_step_x",
                "copying_median_x", "copying_max_x", "finishing_step_x", "writing_median_x", "writing_max_x",
-               "any_step_until_next_save_max_x", "staged_ms", "copy_ms", "keep_ms", "write_s"]
+               "any_step_until_next_save_max_x", "staged_ms", "copy_ms", "keep_ms", "write_s", "write_cpu_s", "paced_s"]
     print_table(saves, columns)
     ratios = sorted(x / normal_s for x in normal)
     noise = {"p90_x": ratios[int(0.9 * (len(ratios) - 1))], "p99_x": ratios[int(0.99 * (len(ratios) - 1))],
@@ -151,7 +156,8 @@ def main() -> None:
           f"{summary['skipped']} due saves skipped while one was busy)")
     if args.json:
         write_json(args.json, "bench_saves", {"quick": args.quick, "table_mb": args.table_mb, "every": args.every,
-                                              "steps": steps, "repeats": repeats, "rows_per_table": rows_per_table,
+                                              "steps": steps, "repeats": repeats, "write_share": args.write_share,
+                                              "dir": args.dir, "rows_per_table": rows_per_table,
                                               "embedding_dim": DIM, "ranks": 2},
                    saves + [{"summary": summary}])
 

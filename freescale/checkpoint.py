@@ -27,15 +27,13 @@ metadata and rename) once every rank's files are written.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from freescale import checkpoint_integrity as integrity
 from freescale.checkpoint_integrity import CheckpointDamaged, CheckpointError
 from freescale.checkpoint_integrity import is_verified as is_verified  # re-exported: callers ask checkpoint
 from freescale.config import require
+from freescale.write_pacing import PacedSavePlanner, Pacer, light_write, lower_priority
 
 META_NAME = "freescale.json"
 PARTIAL_SUFFIX = ".partial"
@@ -78,11 +77,16 @@ class CheckpointConfig:
     """With ``async_save`` and ``every``: the share of each step's time spent copying the embedding tables to
     host memory after a save step (copy-on-write: ``staging.py``), so the save step copies only the dense
     state.  0 copies everything at the save step."""
+    write_share: float = 0.1
+    """With ``async_save``: the share of one core a save's write may use while training goes on (the writer
+    thread's CPU time over the wall time, ``write_pacing``): the write is spread over more steps, each slowed
+    less.  Unpaced once the training waits for it (the last save, a stop).  0 writes at full speed."""
 
     def validate(self) -> None:
         require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
         require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
         require(0 <= self.stage_budget < 1, "stage_budget", f"must be in [0, 1), got {self.stage_budget}")
+        require(0 <= self.write_share <= 1, "write_share", f"must be in [0, 1], got {self.write_share}")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -288,10 +292,12 @@ class CheckpointWriter:
     """
 
     def __init__(self, asynchronous: bool = True, group: Any = None, fence: Fence | None = None,
-                 before_write: Callable[[int], None] | None = None) -> None:
+                 before_write: Callable[[int], None] | None = None, write_share: float = 0.0) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.asynchronous, self.group, self.fence = asynchronous, group, fence
+        self.pacer = Pacer(write_share)
+        """The writer thread's CPU share while the training goes on (``write_pacing``); released by ``wait``."""
         self.before_write = before_write
         """Called on the writer's thread with the save's step before its files are written (tests: slow storage)."""
         self._pending: tuple[Any, Path, int] | None = None
@@ -333,20 +339,25 @@ class CheckpointWriter:
                meta: dict[str, Any], keep: int, convert: Convert | None, started: float) -> tuple[Path, float]:
         """On the writer's thread: convert, write every rank's files (DCP ends with a gather to rank 0: once
         it returns there, every rank's files are in), commit; ``(path, seconds since start)``.  The thread
-        runs at a lower CPU priority (``_lower_priority``) and with the GIL handed back sooner
-        (``_light_write``).  Where every core is busy it may take long: the next periodic save is skipped
+        runs at a lower CPU priority (``write_pacing.lower_priority``) and with the GIL handed back sooner
+        (``write_pacing.light_write``).  Where every core is busy it may take long: the next periodic save is skipped
         while it runs (``training_saves``), a save that cannot be skipped waits for it."""
-        _lower_priority()
+        lower_priority()
+        self.pacer.begin()
         if self.before_write is not None:
             self.before_write(step)
-        with _light_write():
+        with light_write():
             if callable(state):
                 state = state()
+                self.pacer.pause()
             if convert is not None:
                 state, extra = convert(state, self.group)
                 meta = {**meta, **extra}
+                self.pacer.pause()
             partial = _begin(root, step, self.group, self.fence)
-            dcp.save(state, storage_writer=integrity.VerifyingWriter(partial), process_group=self.group)
+            dcp.save(state, storage_writer=integrity.VerifyingWriter(partial, self.pacer),
+                     planner=PacedSavePlanner(self.pacer), process_group=self.group)
+        self.pacer.end()
         self._written.set()
         with self._commit_lock:
             if self._abandoned:
@@ -370,9 +381,11 @@ class CheckpointWriter:
         return self._finish()
 
     def wait(self) -> tuple[Path, float] | None:
-        """Block until the save in flight is written and committed (its thread's error raised here)."""
+        """Block until the save in flight is written and committed (its thread's error raised here); it is
+        written at full speed from now on."""
         if self._pending is None:
             return None
+        self.pacer.release()
         return self._finish()
 
     def abandon(self, wait_s: float = 15.0) -> None:
@@ -387,6 +400,7 @@ class CheckpointWriter:
         if self._pending is None:
             return
         future, root, step = self._pending
+        self.pacer.release()
         try:
             future.result(timeout=wait_s)
         except BaseException:  # not written in time, or failed (a peer stopped first): dropped
@@ -413,40 +427,6 @@ class CheckpointWriter:
             raise CheckpointError(f"{step_dir(root, step)}: the background save failed: {first}") from exc
         self.committed.append(committed)
         return committed
-
-
-_SHORT_GIL_TURN_S = 0.0005
-
-
-@contextlib.contextmanager
-def _light_write() -> Iterator[None]:
-    """While a write runs, two process-wide settings, put back after it.  Python's switch interval at 0.5 ms (from
-    5): the writer's Python (DCP's planning, its pickled collectives, the layout conversion) holds the GIL in
-    stretches, and a training thread that wants it back (after every torch op, which releases it) waits up to one
-    interval each time (the steps while a save was written: 1.5-2x a step at 5 ms, 1.2-1.5x at 0.5 ms on a busy
-    2-core host, ``benchmarks/bench_saves.py``).  No CRC-32 in ``torch.save``'s zip records (DCP writes each tensor
-    with it; 14 ms of CPU per 34 MB): ``checkpoint_integrity`` hashes every item already.  A ``torch.save`` on
-    another thread meanwhile writes none either; ``torch.load`` does not need it."""
-    from torch.utils.serialization import config as serialization
-
-    previous, crc = sys.getswitchinterval(), serialization.save.compute_crc32
-    sys.setswitchinterval(min(previous, _SHORT_GIL_TURN_S))
-    serialization.save.compute_crc32 = False
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
-        serialization.save.compute_crc32 = crc
-
-
-def _lower_priority() -> None:
-    """Nice 10 for this thread (Linux: per thread).  Not ``SCHED_IDLE``: no faster steps while it wrote
-    (``benchmarks/bench_saves.py``, 2 ranks on 2 cores), and where the training's threads keep every core busy
-    (intra-op threads) it starved the write for seconds."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):  # not allowed: the write just competes evenly
-        pass
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

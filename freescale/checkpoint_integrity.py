@@ -38,6 +38,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.futures import Future
 
+from freescale.write_pacing import PIECE, PacedFileSystem, Pacer
+
 ALGORITHM = "xxh3_64"
 MANIFEST = "checksums.json"
 METADATA = ".metadata"
@@ -65,13 +67,18 @@ def file_digest(path: Path, offset: int = 0, length: int | None = None) -> tuple
         return _range_digest(fh, offset, length)
 
 
-def _range_digest(fh: IO[bytes], offset: int, length: int | None) -> tuple[str, int]:
-    """``file_digest`` on a file already open (a file's items hashed through one open)."""
+def _range_digest(fh: IO[bytes], offset: int, length: int | None,
+                  pacer: Pacer | None = None) -> tuple[str, int]:
+    """``file_digest`` on a file already open (a file's items hashed through one open); with ``pacer``, read
+    and hashed in small pieces with a pause after each (``write_pacing``)."""
     hasher, read = xxhash.xxh3_64(), 0
     fh.seek(offset)
     left = length
+    piece = PIECE if pacer is not None and pacer.active else _CHUNK
     while left is None or left > 0:
-        chunk = fh.read(_CHUNK if left is None else min(_CHUNK, left))
+        if pacer is not None:
+            pacer.pause()
+        chunk = fh.read(piece if left is None else min(piece, left))
         if not chunk:
             break
         hasher.update(chunk)
@@ -89,7 +96,14 @@ def _fsync_write(path: Path, text: str) -> None:
 
 
 class VerifyingWriter(FileSystemWriter):
-    """DCP's file writer, plus a side file of this rank's item hashes (see the module docstring)."""
+    """DCP's file writer, plus a side file of this rank's item hashes (see the module docstring).  With
+    ``pacer``, its files are written and hashed at the pacer's share of a core (``write_pacing``)."""
+
+    def __init__(self, path: Path, pacer: Pacer | None = None) -> None:
+        super().__init__(path)
+        self.pacer = pacer
+        if pacer is not None:
+            self.fs = PacedFileSystem(pacer)
 
     def write_data(self, plan: Any, planner: Any) -> Future[Any]:
         future = super().write_data(plan, planner)
@@ -102,7 +116,7 @@ class VerifyingWriter(FileSystemWriter):
         for name, ranges in items.items():
             with (root / name).open("rb") as fh:
                 for entry in ranges:
-                    entry.append(_range_digest(fh, entry[0], entry[1])[0])
+                    entry.append(_range_digest(fh, entry[0], entry[1], self.pacer)[0])
         prefix = plan.storage_data.prefix
         _fsync_write(root / f"{prefix}{SIDE_SUFFIX}", json.dumps({"algorithm": ALGORITHM, "items": items}))
         return future

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from freescale import row_copy
 from freescale.parallelize import embedding_kernels
 
 
@@ -158,9 +159,16 @@ class _Table:
                 host.index_copy_(0, saved, kept)
         self.cursor = end
 
-    def keep(self, rows: torch.Tensor) -> int:
+    def keep(self, flat_rows: torch.Tensor) -> int:
         """Before rows (of this table, not yet copied) are updated: their values now, to host memory.  The
-        row copies made (a row looked up twice in the step is copied twice, with the same values)."""
+        row copies made (on CPU each row once, ``row_copy``; elsewhere a row looked up twice in the step is
+        copied twice, with the same values)."""
+        if row_copy.usable(flat_rows, self.saved, *self.live, *self.host):
+            fresh = row_copy.fresh_rows(flat_rows, self.first, self.cursor, self.rows, self.saved)
+            for live, host in zip(self.live, self.host):
+                row_copy.copy_rows(fresh, live, host)
+            return int(fresh.size)
+        rows = flat_rows - self.first
         rows = rows[(rows >= self.cursor) & (rows < self.rows)]
         rows = rows[~self.saved[rows]]
         if rows.numel():
@@ -238,7 +246,7 @@ class LazySnapshot:
             return
         started = time.perf_counter()
         for t in tables:  # no dedup (a sort costs more than copying a repeated row twice: the same values)
-            self.rows_kept += t.keep(flat_rows - t.first)
+            self.rows_kept += t.keep(flat_rows)
         self.keeping_s += time.perf_counter() - started
 
     def advance(self, nbytes: int) -> int:
@@ -284,6 +292,7 @@ class LazySaves:
     def prepare(self, live: dict[str, Any]) -> float:
         """Make and touch the host buffers of the tables in ``live``; the seconds it took."""
         started = time.perf_counter()
+        row_copy.warm_up()
         snapshot = LazySnapshot(self.tracker, live)
         snapshot.discard()
         self._buffers = snapshot.table_buffers

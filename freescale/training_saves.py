@@ -51,13 +51,14 @@ class TrainingSaves:
         slow = parts.hooks.wants("write")
         self.writer = checkpoint.CheckpointWriter(cfg.checkpoint.async_save, _checkpoint_group(parts.ctx), fence,
                                                   before_write=(lambda step: parts.hooks.at("write", step)) if slow
-                                                  else None)
+                                                  else None, write_share=cfg.checkpoint.write_share)
         self.staging = parts.staging
         if self.staging is not None:  # the host copy of the tables the saves reuse, made and touched now
             log.write("checkpoint_buffers", seconds=self.staging.prepare(raw_state(parts)))
         self._lazy: tuple[int, dict[str, Any]] = (-1, {})
         """The save whose tables are being copied (its ``LazySnapshot`` is the staging's): step, metadata."""
         self._said_skipped = False
+        self._poll = _BusyPoll(parts.ctx)
         self.last: Path | None = None
         """The newest checkpoint this run committed."""
 
@@ -67,12 +68,15 @@ class TrainingSaves:
         step's share of the tables, hand a finished copy to the writer, note a committed save."""
         done = commit.step + 1
         urgent = self._urgent(done, parts, stop)
+        answer = self._poll.answer(done) if self._periodic(done) else None
         if urgent or self._periodic(done):
-            self._save_unless_busy(parts, commit, may_skip=not urgent)
+            self._save_unless_busy(parts, commit, may_skip=not urgent, answer=answer)
         if self.staging is not None and self.staging.boundary(done, step_s):
             self.write_copied()
         self.writer.poll()
         self.note_committed()
+        if self._periodic(done + 1) and any(self._skips_or_lazy(done + 1)):
+            self._poll.ask(done + 1, [int(self._busy()), self._copy_steps(done + 1)])
 
     def _periodic(self, done: int) -> bool:
         every = self.cfg.checkpoint.every
@@ -84,21 +88,39 @@ class TrainingSaves:
         kept = parts.validation is not None and parts.validation.keep_best and parts.validation.due(done)
         return bool((c.save_final and (done == self.cfg.train.steps or stop)) or kept)
 
-    def _save_unless_busy(self, parts: Components, commit: Commit, may_skip: bool) -> None:
-        """One all-reduce over the group agrees on both: whether any rank is still busy with the previous
-        save, and the step the new save's tables are copied by (the slowest rank's estimate)."""
+    def _skips_or_lazy(self, done: int, may_skip: bool = True) -> tuple[bool, bool]:
+        """Whether a save after ``done`` steps may be skipped while one is busy, and copies its tables lazily:
+        either needs the group's agreement first (``_BusyPoll``)."""
+        skips = may_skip and self.cfg.checkpoint.skip_while_busy and self.writer.asynchronous
+        lazy = self.writer.asynchronous and self.staging is not None and done < self.cfg.train.steps
+        return skips, lazy
+
+    def _copy_steps(self, done: int) -> int:
+        """This rank's estimate of the steps a save after ``done`` steps copies its tables over."""
+        c = self.cfg.checkpoint
+        if not self._skips_or_lazy(done)[1] or self.staging is None:
+            return 0
+        within = c.every - done % c.every - 1 if c.every and not c.skip_while_busy else None
+        return self.staging.steps_needed(within)
+
+    def _save_unless_busy(self, parts: Components, commit: Commit, may_skip: bool,
+                          answer: list[int] | None = None) -> None:
+        """The group agrees on both (``answer``, asked a step before; else one all-reduce now): whether any
+        rank is still busy with the previous save, and the step the new save's tables are copied by (the
+        slowest rank's estimate)."""
         parts.engine.check_finite()  # every group, owner or not: never a step past a non-finite one unseen
         if not self.owns(parts, commit):
             return
-        skips = may_skip and self.cfg.checkpoint.skip_while_busy and self.writer.asynchronous
-        lazy = self.writer.asynchronous and self.staging is not None and commit.step + 1 < self.cfg.train.steps
+        done = commit.step + 1
+        skips, lazy = self._skips_or_lazy(done, may_skip)
         if not skips and not lazy:
             self.save(parts, commit)
             return
-        c, done = self.cfg.checkpoint, commit.step + 1
-        within = c.every - done % c.every - 1 if c.every and not c.skip_while_busy else None
-        needed = self.staging.steps_needed(within) if lazy and self.staging is not None else 0
-        busy, steps = _agreed_max(parts.ctx, [int(skips and self._busy()), needed])
+        c = self.cfg.checkpoint
+        if answer is None:
+            answer = _agreed_max(parts.ctx, [int(self._busy()), self._copy_steps(done)])
+        busy, steps = answer
+        busy = int(skips and busy)
         if busy:
             self.log.write("checkpoint_skipped", step=done, reason="the previous save is still being copied or written")
             if not self._said_skipped and parts.ctx.is_main:  # (the owning group's rank 0)
@@ -170,8 +192,10 @@ class TrainingSaves:
         done = [finished] if finished is not None else []
         done += self.writer.committed
         self.writer.committed.clear()
+        pacer = self.writer.pacer  # (one save in flight: the last write's figures are this one's)
         for path, seconds in done:
-            self.log.write("checkpoint", step=int(path.name.rsplit("_", 1)[1]), path=str(path), seconds=seconds)
+            self.log.write("checkpoint", step=int(path.name.rsplit("_", 1)[1]), path=str(path), seconds=seconds,
+                           write_cpu_s=pacer.cpu_s, paced_s=pacer.slept_s)
             self.last = path
 
     # ------------------------------------------------------------------ at the end
@@ -191,6 +215,37 @@ def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[st
     """The state a checkpoint holds (``reshard.to_logical``: collective over ``group``) and its layouts."""
     app, layouts = reshard.to_logical(state["model"], state["optim"], group)
     return app, {"layouts": layouts}
+
+
+class _BusyPoll:
+    """The group's answer to "is any rank still copying or writing the previous save, and over how many steps
+    would each copy the next one", asked one step before each periodic save (an asynchronous all-reduce on a
+    gloo group of its own, beside the training's collectives and the writer's) and read at the save step: by
+    then it is in, so the save step waits for no round trip.  (Asked at the save step, the all-reduce also
+    waited for the slowest rank to reach it: 0.6-8.6 ms, ``benchmarks/bench_saves.py``.)  The answer is a step
+    old: it is asked after everything the step before the save did (a save begun then counts as busy), and a
+    save that finishes during the save's own step is noticed at the next periodic save instead."""
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and ctx.world_size > 1 else None
+        self._asked: tuple[int, torch.Tensor, Any] | None = None
+
+    def ask(self, done: int, values: list[int]) -> None:
+        """After step ``done - 1`` committed: the save after ``done`` steps' question (collective, async)."""
+        found = torch.tensor(values, dtype=torch.int64)
+        work = dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group, async_op=True) if self.group else None
+        self._asked = (done, found, work)
+
+    def answer(self, done: int) -> list[int] | None:
+        """The answer asked for ``done`` (collective: every rank asked, at the same step), or None if not asked."""
+        asked, self._asked = self._asked, None
+        if asked is None or asked[0] != done:
+            return None
+        _, found, work = asked
+        if work is not None:
+            work.wait()
+        return [int(v) for v in found.tolist()]
 
 
 def _agreed_max(ctx: DistContext, values: list[int]) -> list[int]:

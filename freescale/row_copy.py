@@ -1,0 +1,74 @@
+"""The copy-on-write keep of ``staging.LazySnapshot`` on CPU tables, one pass per tensor (numba, no GIL).
+
+At each lookup while a save's tables are copied, the rows about to be read (then updated) whose save-step
+values are not on the host yet are copied there first.  In torch that is five passes over the rows (range
+mask, saved mask, filter, ``index_select``, ``index_copy_``: 0.9 ms for 16,384 rows of a 16-float table on
+one core); the step after a save keeps every row it reads, on the training's critical path.  Here one pass
+marks and collects the new rows (``fresh_rows``: a row read twice is kept once) and one pass per tensor
+copies them as whole words (``copy_rows``: any dtype).  The kernels are compiled when the job starts
+(``warm_up``), not at the first save.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+
+_JIT: dict[str, Any] = {"nogil": True, "cache": True}
+
+
+@numba.njit(**_JIT)
+def _fresh(rows: np.ndarray, first: int, cursor: int, limit: int, saved: np.ndarray) -> np.ndarray:
+    out = np.empty(rows.size, np.int64)
+    n = 0
+    for flat in rows:
+        r = flat - first
+        if cursor <= r < limit and not saved[r]:
+            saved[r] = True
+            out[n] = r
+            n += 1
+    return out[:n]
+
+
+@numba.njit(**_JIT)
+def _copy(rows: np.ndarray, source: np.ndarray, target: np.ndarray) -> None:
+    width = source.shape[1]
+    for r in rows:
+        for j in range(width):
+            target[r, j] = source[r, j]
+
+
+def fresh_rows(flat_rows: torch.Tensor, first: int, cursor: int, limit: int, saved: torch.Tensor) -> np.ndarray:
+    """The rows of a table (``flat_rows - first`` within ``cursor .. limit``) not ``saved`` yet, each once;
+    marks them saved.  CPU tensors: ``flat_rows`` int64, ``saved`` bool."""
+    return _fresh(flat_rows.numpy(), first, cursor, limit, saved.numpy())
+
+
+def copy_rows(rows: np.ndarray, source: torch.Tensor, target: torch.Tensor) -> None:
+    """``target[rows] = source[rows]`` for two contiguous CPU tensors of one shape and dtype."""
+    _copy(rows, _as_words(source), _as_words(target))
+
+
+def _as_words(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor as rows of its widest whole words (numpy has no bfloat16)."""
+    rows = tensor.detach().reshape(tensor.shape[0], -1).view(torch.uint8)
+    for word in (torch.int64, torch.int32, torch.int16):
+        if rows.shape[1] % word.itemsize == 0:
+            return rows.view(word).numpy()
+    return rows.numpy()
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """The kernels apply: every tensor on the CPU, contiguous, with rows."""
+    return all(t.device.type == "cpu" and t.is_contiguous() and t.dim() >= 1 for t in tensors)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) both kernels now."""
+    saved = torch.zeros(4, dtype=torch.bool)
+    rows = fresh_rows(torch.tensor([1, 2, 2], dtype=torch.int64), 0, 0, 4, saved)
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.int8):  # each word width's copy
+        copy_rows(rows, torch.ones(4, 1, dtype=dtype), torch.zeros(4, 1, dtype=dtype))
