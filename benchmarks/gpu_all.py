@@ -14,7 +14,9 @@ its share of the budget, cannot take the others down), rows merged into one JSON
 3. ``sm_free``: ``bench_sm_free.py`` (victim slowdown beside copy-engine vs SM copies).
 4. ``copy_engine``: ``freescale.kernels.copy_engine`` on a one-rank NCCL group (symmetric memory,
    prioritized chunks): exact against the input, GB/s beside ``all_to_all_single``.
-5. ``training``: the tiny DLRM and HSTU on CUDA through ``freescale launch`` (NCCL, bf16), when
+5. ``sm_free_backend``: ``gpu_sm_free_backend.py``, the SM-free backend's CUDA transport (CUDA IPC) with two
+   ranks on the one GPU: exact against a local reference, GB/s at 1-256 MiB, a matmul's slowdown beside it.
+6. ``training``: the tiny DLRM and HSTU on CUDA through ``freescale launch`` (NCCL, bf16), when
    torchrec's CUDA stack (torchrec + fbgemm-gpu) is installed; else one line saying so.
 
 Without a CUDA GPU it prints one line and exits 0 (nothing ran, nothing failed).  Exit status:
@@ -39,7 +41,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CHECK_SHARDS = 9
-SECTIONS = ["kernel_tests", "kernel_checks", "kernels", "sm_free", "copy_engine", "training"]
+SECTIONS = ["kernel_tests", "kernel_checks", "kernels", "sm_free", "copy_engine", "sm_free_backend", "training"]
 KERNEL_TESTS = ["tests/test_triton_attention.py", "tests/test_layer_norm_mul.py", "tests/test_attention.py"]
 
 
@@ -128,14 +130,17 @@ def run_sections(args: argparse.Namespace, work: Path, write: Callable[[list[dic
     results += [r.wait() for r in first]
     write(results)
     # Shares of the budget, from the H100 runs: the compile-bound phase 88-144 s, kernels 52-83 s,
-    # sm_free 13 s, copy_engine 7 s; training (two CLI runs of 100 steps) gets the last quarter.
+    # sm_free 13 s, copy_engine 7 s; sm_free_backend (two ranks started, never run yet) is guessed at 30 s and
+    # bounds itself (--timeout-s); training (two CLI runs of 100 steps) gets the rest, at least 18%.
     timed_sections = [
         ("kernels", [py, str(HERE / "bench_kernels.py"), *(["--quick"] if args.quick else [])], 0.62),
         ("sm_free", [py, str(HERE / "bench_sm_free.py"), *(["--quick"] if args.quick else [])], 0.7),
         ("copy_engine", [py, str(Path(__file__)), "--section", "copy_engine"], 0.75),
+        ("sm_free_backend", [py, str(HERE / "gpu_sm_free_backend.py"), "--timeout-s", "120",
+                             *(["--quick"] if args.quick else [])], 0.82),
         ("training", [py, str(Path(__file__)), "--section", "training"], 1.0),
     ]
-    for name, argv, fraction in [s for s in timed_sections if s[0] in wanted]:  # 2.-5. alone on the GPU
+    for name, argv, fraction in [s for s in timed_sections if s[0] in wanted]:  # 2.-6. alone on the GPU
         out = work / f"{name}.json"
         results.append(Run(name, [*argv, "--json", str(out)], out, share(fraction)).wait())
         write(results)

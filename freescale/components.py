@@ -36,7 +36,7 @@ from freescale.parallelize import (
     replicated_tables,
     shard_model,
 )
-from freescale.pipeline import PipelineConfig
+from freescale.pipeline import PipelineConfig, check_comm
 from freescale.rank_console import say
 from freescale.rank_speed import BalanceConfig, RankSpeed
 from freescale.side_channels import SideChannels
@@ -241,12 +241,14 @@ def segment_end_of(every: int, end: int, validate_every: int = 0, decided_after:
 
 def _comm_group(cfg: TrainerConfig, ctx: DistContext) -> dist.ProcessGroup | None:
     """The process group of torchrec's embedding all-to-alls: the SM-free backend's with ``pipeline.comm =
-    "copy_engine"`` on CPU (collective), else None (the default group; on CUDA the pipeline refuses it)."""
-    if cfg.pipeline.comm != "copy_engine" or ctx.device.type != "cpu":
+    "copy_engine"`` (collective; on the rank's device: shared memory on CPU, CUDA IPC on CUDA, where a group across
+    nodes is refused: ``pipeline.check_comm``), else None (the default group)."""
+    if cfg.pipeline.comm != "copy_engine":
         return None
     from freescale.kernels import sm_free_backend
 
-    return sm_free_backend.new_group()
+    check_comm(cfg.pipeline, ctx.device, ctx.world_size, ctx.local_world_size)
+    return sm_free_backend.new_group(ctx.device)
 
 
 def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) -> Components:

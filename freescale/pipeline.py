@@ -31,8 +31,9 @@ batches in flight and streams, plus priority inside the step:
   backend's process group (``freescale.kernels.sm_free_backend``): every
   embedding all-to-all then moves through it, in the order issued, most
   urgent first where several are in flight.  On CPU its transport is shared
-  memory between the host's ranks; on CUDA the copy-engine transport is not
-  wired in yet (the option says so).
+  memory between the host's ranks; on CUDA, CUDA IPC between the GPUs of one
+  node, the bytes moved by copy engines (not yet run on a GPU; a group across
+  nodes is refused: ``check_comm``).
 
 No pipeline reduces gradients or steps an optimizer itself: at the points
 where torchrec's pipelines call ``optimizer.zero_grad()``, ``backward`` and
@@ -98,7 +99,8 @@ class PipelineConfig:
     comm: str = "nccl"
     """Transport of the embedding all-to-alls: ``nccl`` (the group's backend: NCCL on CUDA, gloo on CPU) or
     ``copy_engine`` (SM-free: torchrec's sharded modules get a ``freescale_sm_free`` process group,
-    ``freescale.kernels.sm_free_backend``; on CPU shared memory between the host's ranks; on CUDA not wired in yet)."""
+    ``freescale.kernels.sm_free_backend``; on CPU shared memory between the host's ranks; on CUDA, CUDA IPC between the
+    GPUs of one node, not yet run on a GPU)."""
     chunk_kb: int = 256
     """prioritized: dense gradients are all-reduced in chunks of at most this size."""
     max_inflight: int = 2
@@ -196,15 +198,19 @@ class TorchrecPipeline(StepPipeline):
         return self.pipeline.detach()
 
 
+def check_comm(cfg: PipelineConfig, device: torch.device, world_size: int, local_world_size: int) -> None:
+    """Refuse, in one line, an embedding transport the group cannot have: ``copy_engine`` on CUDA joins the GPUs of
+    one node (CUDA IPC and host shared memory), so a group across nodes is refused before it is built."""
+    if cfg.comm == "copy_engine" and device.type == "cuda" and local_world_size != world_size:
+        raise NotImplementedError(
+            f"pipeline.comm = 'copy_engine' on CUDA across nodes ({world_size} ranks, {local_world_size} per node): "
+            "the SM-free backend's CUDA transport joins the GPUs of one node only (CUDA IPC); use 'nccl'"
+        )
+
+
 def build_pipeline(cfg: PipelineConfig, dmp: nn.Module, calls: StepCalls, device: torch.device) -> StepPipeline:
     """The configured pipeline over an already sharded model (DDP around its dense part exactly
     when ``cfg.uses_ddp(...)``), calling the step engine where an optimizer would be."""
-    if cfg.comm == "copy_engine" and device.type == "cuda":
-        raise NotImplementedError(
-            "pipeline.comm = 'copy_engine' on CUDA: the SM-free backend's copy-engine transport is not wired in yet "
-            "(freescale.kernels.copy_engine has the primitive; the backend moves bytes through host shared memory, "
-            "on CPU); use 'nccl'"
-        )
     pipeline = PlainPipeline(dmp, calls, device) if cfg.kind == "plain" else TorchrecPipeline(dmp, calls, device)
     assert pipeline.read_ahead == cfg.read_ahead
     return pipeline

@@ -18,7 +18,8 @@ on a weaker memory model (ARM), where the counters would need acquire/release fe
 The files are created, mapped by every rank, then unlinked (after a barrier on the store): once every rank
 has mapped them nothing is left behind whatever way the processes end (a rank killed while the group is
 being made leaves its ``freescale-a2a-*`` file).  Linux and x86-64 only (the ordering above): refused in one
-line elsewhere.
+line elsewhere.  The CUDA transport (``cuda_ipc_channels``) maps its header files the same way
+(``map_group_files``).
 """
 
 from __future__ import annotations
@@ -67,40 +68,12 @@ class Inboxes:
 
     def __init__(self, store: dist.Store, rank: int, world: int, ring_bytes: int,
                  timeout: timedelta = timedelta(seconds=300)) -> None:
-        if platform.machine().lower() not in ("x86_64", "amd64"):
-            raise RuntimeError(f"SM-free all-to-all: the shared-memory channels rely on x86-64's store order; this host "
-                               f"is {platform.machine()} (not yet supported: use pipeline.comm = 'nccl')")
+        require_store_order()
         self.rank, self.world, self.ring_bytes = rank, world, _padded(ring_bytes)
         self._control = world * 2 * _LINE * 8
         size = self._control + world * self.ring_bytes
-        name = str(Path(_folder(world * size)) / f"freescale-a2a-{uuid.uuid4().hex}")
-        fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)  # the pages now: a full tmpfs says ENOSPC here, not SIGBUS at a write
-            own = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        store.set(f"inbox/{rank}", f"{socket.gethostname()}\n{os.getpid()}\n{name}")
-        self._maps: list[mmap.mmap] = []
-        self.pids: list[int] = []
-        """Each rank's process id (all on this host: ``gone`` checks them)."""
-        try:
-            store.wait([f"inbox/{r}" for r in range(world)], timeout)
-            for r in range(world):
-                host, pid, path = store.get(f"inbox/{r}").decode().split("\n", 2)
-                self.pids.append(int(pid))
-                if host != socket.gethostname():
-                    raise RuntimeError(f"SM-free all-to-all: rank {r} is on host {host}, not {socket.gethostname()}: "
-                                       "shared-memory channels join the ranks of one host only")
-                self._maps.append(own if r == rank else _map(path, size))
-            store.add("inbox/mapped", 1)
-            deadline = time.monotonic() + timeout.total_seconds()
-            while store.add("inbox/mapped", 0) < world:  # every rank mapped every file: the names can go
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"SM-free all-to-all: the group's {world} ranks did not all map their inboxes")
-                time.sleep(0.001)
-        finally:
-            os.unlink(name)
+        self._maps, self.pids = map_group_files(store, rank, world, size, timeout)
+        """Every rank's inbox mapped; each rank's process id (all on this host: ``gone`` checks them)."""
         self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._raw = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
         """The same bytes through numpy: a counter's or a header's read or write costs ~0.2 us there, ~5 in torch."""
@@ -109,9 +82,7 @@ class Inboxes:
 
     def gone(self) -> list[int]:
         """The ranks whose process has ended (a peer that dies never writes again: its transfers cannot end)."""
-        from freescale.forkserver import alive  # (a zombie, ended but not reaped, is gone too)
-
-        return [r for r, pid in enumerate(self.pids) if not alive(pid)]
+        return ended(self.pids)
 
     # ------------------------------------------------------------------ counters of the ring src -> owner
     def _tail(self, owner: int, src: int) -> int:
@@ -182,6 +153,56 @@ class Inboxes:
         """The record ``peek(src)`` gave is consumed: its room goes back to the sender."""
         record = self._peeked.pop(src)
         self._counters[self.rank][(2 * src + 1) * _LINE] = self._head(self.rank, src) + record.size
+
+
+def require_store_order() -> None:
+    """Refuse, in one line, a host whose stores may be seen out of order (the counters' protocol relies on x86-64's
+    total store order: module docstring)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"SM-free all-to-all: the shared-memory channels rely on x86-64's store order; this host "
+                           f"is {platform.machine()} (not yet supported: use pipeline.comm = 'nccl')")
+
+
+def map_group_files(store: dist.Store, rank: int, world: int, size: int,
+                    timeout: timedelta) -> tuple[list[mmap.mmap], list[int]]:
+    """Collective (every rank of the group, through ``store``): this rank's file of ``size`` bytes created, every
+    rank's mapped (all must be on this host), and the names unlinked once every rank mapped every file (module
+    docstring).  Every rank's map and process id, by rank."""
+    name = str(Path(_folder(world * size)) / f"freescale-a2a-{uuid.uuid4().hex}")
+    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)  # the pages now: a full tmpfs says ENOSPC here, not SIGBUS at a write
+        own = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    store.set(f"inbox/{rank}", f"{socket.gethostname()}\n{os.getpid()}\n{name}")
+    maps: list[mmap.mmap] = []
+    pids: list[int] = []
+    try:
+        store.wait([f"inbox/{r}" for r in range(world)], timeout)
+        for r in range(world):
+            host, pid, path = store.get(f"inbox/{r}").decode().split("\n", 2)
+            pids.append(int(pid))
+            if host != socket.gethostname():
+                raise RuntimeError(f"SM-free all-to-all: rank {r} is on host {host}, not {socket.gethostname()}: "
+                                   "shared-memory channels join the ranks of one host only")
+            maps.append(own if r == rank else _map(path, size))
+        store.add("inbox/mapped", 1)
+        deadline = time.monotonic() + timeout.total_seconds()
+        while store.add("inbox/mapped", 0) < world:  # every rank mapped every file: the names can go
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SM-free all-to-all: the group's {world} ranks did not all map their inboxes")
+            time.sleep(0.001)
+    finally:
+        os.unlink(name)
+    return maps, pids
+
+
+def ended(pids: list[int]) -> list[int]:
+    """The ranks (indexes into ``pids``) whose process has ended (a zombie, ended but not reaped, too)."""
+    from freescale.forkserver import alive
+
+    return [r for r, pid in enumerate(pids) if not alive(pid)]
 
 
 def _header(ring: np.ndarray, at: int, sequence: int, offset: int, length: int) -> None:

@@ -17,7 +17,7 @@ for p in dataloader ft kernels; do ln -s "$repo/$p" "$tree/freescale/$p"; done
 cd "$tree"
 "$py" -m mypy --config-file "$repo/pyproject.toml" --cache-dir "$repo/.mypy_cache" --no-error-summary -p freescale
 # The GPU-only scripts too (they never run on a CPU machine, so only the type check sees their code).
-gpu_scripts=(gpu_all gpu_checks compile_kernels bench_kernels bench_sm_free)
+gpu_scripts=(gpu_all gpu_checks gpu_sm_free_backend compile_kernels bench_kernels bench_sm_free)
 MYPYPATH="$repo/benchmarks" "$py" -m mypy --config-file "$repo/pyproject.toml" --cache-dir "$repo/.mypy_cache" \
   --no-error-summary $(printf "$repo/benchmarks/%s.py " "${gpu_scripts[@]}")
 echo "static checks: ruff and mypy clean"

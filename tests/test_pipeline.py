@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from freescale.pipeline import PipelineConfig, build_pipeline
+from freescale.pipeline import PipelineConfig, check_comm
 from tests.conftest import REPO, events, read_log
 from tests.trainings import run_trainings
 
@@ -119,9 +119,11 @@ def test_config_errors_name_the_key() -> None:
         PipelineConfig(kind="fast").validate()
     with pytest.raises(Exception, match="comm"):
         PipelineConfig(comm="rdma").validate()
-    with pytest.raises(NotImplementedError, match="copy_engine' on CUDA"):
-        build_pipeline(PipelineConfig(kind="prioritized", comm="copy_engine"), torch.nn.Linear(1, 1),
-                       torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), torch.device("cuda"))
+    sm_free = PipelineConfig(kind="prioritized", comm="copy_engine")
+    with pytest.raises(NotImplementedError, match="copy_engine' on CUDA across nodes"):
+        check_comm(sm_free, torch.device("cuda", 0), world_size=16, local_world_size=8)
+    check_comm(sm_free, torch.device("cuda", 0), world_size=8, local_world_size=8)  # one node: CUDA IPC
+    check_comm(sm_free, torch.device("cpu"), world_size=16, local_world_size=8)  # (CPU: the backend says so itself)
 
 
 @pytest.mark.multiprocess
