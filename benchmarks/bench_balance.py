@@ -67,6 +67,8 @@ from freescale.tables import print_table
 HSTU_DIMS = dict(embedding_dim=256, num_blocks=4, num_heads=4, attention_dim=64, value_dim=64, head_width=512)
 VERL_MAX_CELLS = 1 << 19  # verl's KK is pure Python (one k-list per sample): slower than minutes beyond this
 MAX_LEN = {"longtail": 16_384}
+PLAN_SHAPES = [(16_384, 32), (4_096, 128)]
+"""Ranks x samples per rank of the planning-time rows with the model's own costs: 524,288 samples each."""
 
 
 def draw(rng: np.random.Generator, n: int, per_rank: int, dist: str) -> np.ndarray:
@@ -78,6 +80,10 @@ def draw(rng: np.random.Generator, n: int, per_rank: int, dist: str) -> np.ndarr
         return np.clip(np.rint(rng.lognormal(np.log(500), 1.2, n)), 1, max_len).astype(np.int64)
     if dist == "ties":
         return rng.choice(np.array([16, 64, 256, max_len]), size=n, p=[0.55, 0.3, 0.12, 0.03])
+    if dist == "loguniform":  # every scale equally likely: 1 .. max_len
+        return np.clip(np.rint(np.exp(rng.uniform(0.0, np.log(max_len), n))), 1, max_len).astype(np.int64)
+    if dist == "outlier":  # short histories, one in a thousand at the longest
+        return np.where(rng.random(n) < 1e-3, max_len, rng.integers(1, 101, n))
     return sample_lengths(rng, n, dist, max_len, zipf_alpha=1.1)
 
 
@@ -200,15 +206,16 @@ def planner_rows(rng: np.random.Generator, model: CostModel, ranks_list: list[in
 
 
 def real_cost_rows(rng: np.random.Generator, dists: tuple[str, ...], steps: int) -> list[dict[str, Any]]:
-    """``BatchPlanner.plan`` at 16,384 ranks x 32 with the tiny HSTU's own cost model (``configs/tiny_hstu.toml``'s
-    dimensions, quadratic term included), every distribution: the planner's cost where a user trains."""
+    """``BatchPlanner.plan`` at 524,288 samples (16,384 ranks x 32 and 4,096 x 128) with the tiny HSTU's own cost
+    model (``configs/tiny_hstu.toml``'s dimensions, quadratic term included), every distribution: the planner's
+    cost where a user trains."""
     from freescale.models import ModelConfig, cost_model_for
 
     model = cost_model_for(ModelConfig(kind="hstu"), 8)
-    ranks, rows = 16_384, []
-    g = ranks * 32
-    for dist in dists:
-        lengths = draw(rng, g * (steps + 1), 32, dist)
+    rows = []
+    for (ranks, per_rank), dist in itertools.product(PLAN_SHAPES, dists):
+        g = ranks * per_rank
+        lengths = draw(rng, g * (steps + 1), per_rank, dist)
         order = EpochOrder(np.full(steps + 1, g), seed=0, shuffle=True, window_row_groups=steps + 1)
         planner = BatchPlanner(lengths, order, cost_model=model, partitioner="lpt", global_batch_size=g)
         live = tuple(range(ranks))
@@ -220,7 +227,8 @@ def real_cost_rows(rng: np.random.Generator, dists: tuple[str, ...], steps: int)
             times.append(1e3 * (time.perf_counter() - start))
             imbalances.append(plan.imbalance())
             counts.append(int(plan.rows.sizes.max()))
-        rows.append({"dist": dist, "ranks": ranks, "samples": g, "plan_ms_p50": float(np.median(times)),
+        rows.append({"dist": dist, "ranks": ranks, "per_rank": per_rank, "samples": g,
+                     "plan_ms_p50": float(np.median(times)),
                      "plan_ms_p90": float(np.percentile(times, 90)), "imbalance": float(np.mean(imbalances)),
                      "max_rank_samples": max(counts)})
     return rows
@@ -319,9 +327,9 @@ def main() -> None:
     plans = planner_rows(rng, model, plan_ranks, 5 if args.quick else 10)
     print("\nBatchPlanner.plan per step (lpt, ml-20m, 32 samples per rank):")
     print_table(plans, ["ranks", "samples", "plan_ms_p50", "plan_ms_p90", "gil_ms"])
-    real = real_cost_rows(rng, dists, 3 if args.quick else 10)
-    print("\nBatchPlanner.plan per step with the tiny HSTU's own cost model (16,384 ranks x 32; target <= 40 ms):")
-    print_table(real, ["dist", "ranks", "samples", "plan_ms_p50", "plan_ms_p90", "imbalance", "max_rank_samples"])
+    real = real_cost_rows(rng, (*dists, "loguniform", "outlier"), 3 if args.quick else 10)
+    print("\nBatchPlanner.plan per step with the tiny HSTU's own cost model (524,288 samples; target <= 40 ms):")
+    print_table(real, ["dist", "ranks", "per_rank", "samples", "plan_ms_p50", "plan_ms_p90", "imbalance", "max_rank_samples"])
     counts = count_rows(dists, args.quick)
     print("\nsamples per rank (the most any holds, x the mean) and balance: LPT's count cap against 8x alone and "
           "equal counts:")

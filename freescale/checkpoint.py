@@ -308,9 +308,9 @@ class CheckpointWriter:
         ``abandon`` to set it: a commit under way finishes before ``abandon`` removes anything."""
         self._written = threading.Event()
         """Set once the save in flight's files are written (its host copy is free again)."""
-        self.committed: list[tuple[Path, float]] = []
-        """Every save committed since the caller last emptied it: ``(path, seconds since start)``, whichever
-        call committed it (``start`` waits for the save before it)."""
+        self.committed: list[tuple[Path, float, float, float]] = []
+        """Every save committed since the caller last emptied it: ``(path, seconds since start, its write's CPU
+        seconds, seconds the pacing slept)``, whichever call committed it (``start`` waits for the save before it)."""
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-checkpoint")
 
     def start(self, root: str | Path, step: int, app_state: dict[str, Any] | Callable[[], dict[str, Any]],
@@ -331,12 +331,14 @@ class CheckpointWriter:
         state = app_state if copied or callable(app_state) else host_copy(app_state)
         self._abandoned = False
         self._written.clear()
+        self.pacer.arm()
         future = self._thread.submit(self._write, root, step, state, meta, keep, convert, time.perf_counter())
         self._pending = (future, root, step)
         return None
 
     def _write(self, root: Path, step: int, state: dict[str, Any] | Callable[[], dict[str, Any]],
-               meta: dict[str, Any], keep: int, convert: Convert | None, started: float) -> tuple[Path, float]:
+               meta: dict[str, Any], keep: int, convert: Convert | None,
+               started: float) -> tuple[Path, float, float, float]:
         """On the writer's thread: convert, write every rank's files (DCP ends with a gather to rank 0: once
         it returns there, every rank's files are in), commit; ``(path, seconds since start)``.  The thread
         runs at a lower CPU priority (``write_pacing.lower_priority``) and with the GIL handed back sooner
@@ -362,7 +364,8 @@ class CheckpointWriter:
         with self._commit_lock:
             if self._abandoned:
                 raise CheckpointError(f"{step_dir(root, step)}: abandoned (the run stopped) before its commit")
-            return _commit(root, step, meta, keep, self.fence), time.perf_counter() - started
+            path = _commit(root, step, meta, keep, self.fence)
+            return path, time.perf_counter() - started, self.pacer.cpu_s, self.pacer.slept_s
 
     @property
     def busy(self) -> bool:
@@ -421,12 +424,12 @@ class CheckpointWriter:
         future, root, step = self._pending
         self._pending = None
         try:
-            committed: tuple[Path, float] = future.result()
+            committed: tuple[Path, float, float, float] = future.result()
         except (Exception, CheckpointException) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"{step_dir(root, step)}: the background save failed: {first}") from exc
         self.committed.append(committed)
-        return committed
+        return committed[0], committed[1]
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 At each lookup while a save's tables are copied, the rows about to be read (then updated) whose save-step
 values are not on the host yet are copied there first.  In torch that is five passes over the rows (range
-mask, saved mask, filter, ``index_select``, ``index_copy_``: 0.9 ms for 16,384 rows of a 16-float table on
-one core); the step after a save keeps every row it reads, on the training's critical path.  Here one pass
+mask, saved mask, filter, ``index_select``, ``index_copy_``); the step after a save keeps every row it reads, on
+the training's critical path.  Here one pass
 marks and collects the new rows (``fresh_rows``: a row read twice is kept once) and one pass per tensor
 copies them as whole words (``copy_rows``: any dtype).  The kernels are compiled when the job starts
 (``warm_up``), not at the first save.
@@ -61,9 +61,12 @@ def _as_words(tensor: torch.Tensor) -> np.ndarray:
     return rows.numpy()
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """The kernels apply: every tensor on the CPU, contiguous, with rows."""
-    return all(t.device.type == "cpu" and t.is_contiguous() and t.dim() >= 1 for t in tensors)
+def usable(flat_rows: torch.Tensor, saved: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """The kernels apply (as compiled by ``warm_up``): int64 rows, a bool mask, every tensor on the CPU,
+    contiguous, with rows."""
+    return (flat_rows.dtype == torch.int64 and saved.dtype == torch.bool
+            and all(t.device.type == "cpu" and t.is_contiguous() and t.dim() >= 1
+                    for t in (flat_rows, saved, *tensors)))
 
 
 def warm_up() -> None:

@@ -13,8 +13,8 @@ first:
 A periodic save that comes due while the one before it is still being copied or written, on any rank of
 the group, is skipped (``checkpoint.skip_while_busy``): the next multiple of ``checkpoint.every`` asks again.
 Otherwise that step would wait for the whole of the previous write, and the new save's copy would compete
-with it for the same cores.  Every rank asks at the same steps (one small all-reduce over the group at each
-periodic save) and gets the same answer.  A save is never moved to another step: checkpoints are taken only
+with it for the same cores.  Every rank asks at the same steps (one small asynchronous all-reduce, a step before
+each periodic save: ``_BusyPoll``) and gets the same answer.  A save is never moved to another step: checkpoints are taken only
 where the pipeline holds no read-ahead batch (``components.segment_end_of``), which is what makes a resumed
 run train exactly as the uninterrupted one did.  The last step's save, a kept-best validation's and an early
 stop's are never skipped: they wait for the previous save instead.
@@ -75,8 +75,9 @@ class TrainingSaves:
             self.write_copied()
         self.writer.poll()
         self.note_committed()
-        if self._periodic(done + 1) and any(self._skips_or_lazy(done + 1)):
-            self._poll.ask(done + 1, [int(self._busy()), self._copy_steps(done + 1)])
+        ahead = done + 1
+        if not stop and ahead <= self.cfg.train.steps and self._periodic(ahead) and any(self._skips_or_lazy(ahead)):
+            self._poll.ask(ahead, [int(self._busy()), self._copy_steps(ahead)])
 
     def _periodic(self, done: int) -> bool:
         every = self.cfg.checkpoint.every
@@ -189,13 +190,13 @@ class TrainingSaves:
 
     def note_committed(self, finished: tuple[Path, float] | None = None) -> None:
         """Log each save that committed (``finished``, or the writer's), and remember the last."""
-        done = [finished] if finished is not None else []
+        done: list[tuple[Any, ...]] = [finished] if finished is not None else []
         done += self.writer.committed
         self.writer.committed.clear()
-        pacer = self.writer.pacer  # (one save in flight: the last write's figures are this one's)
-        for path, seconds in done:
+        for path, seconds, *paced in done:  # (the writer's: its thread's CPU seconds and seconds slept)
+            figures = dict(zip(("write_cpu_s", "paced_s"), paced, strict=False))
             self.log.write("checkpoint", step=int(path.name.rsplit("_", 1)[1]), path=str(path), seconds=seconds,
-                           write_cpu_s=pacer.cpu_s, paced_s=pacer.slept_s)
+                           **figures)
             self.last = path
 
     # ------------------------------------------------------------------ at the end
@@ -224,7 +225,8 @@ class _BusyPoll:
     then it is in, so the save step waits for no round trip.  (Asked at the save step, the all-reduce also
     waited for the slowest rank to reach it: 0.6-8.6 ms, ``benchmarks/bench_saves.py``.)  The answer is a step
     old: it is asked after everything the step before the save did (a save begun then counts as busy), and a
-    save that finishes during the save's own step is noticed at the next periodic save instead."""
+    save that finishes during the save's own step is noticed at the next periodic save instead.  The group
+    costs what the writer's does: a gloo connection between every two ranks."""
 
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = ctx

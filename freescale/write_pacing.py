@@ -36,12 +36,14 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 PIECE = 256 << 10
 """Bytes written or hashed between two pause points (about 0.05-0.1 ms of a core)."""
 _LONGEST_SLEEP_S = 0.5
+_CREDIT_S = 0.02
+"""Wall time unused by the writer (it waited) that it may catch up on at full speed."""
 
 
 class Pacer:
     """Keeps the calling thread's CPU time under ``share`` of the wall time since ``begin`` (module docstring).
-    ``share`` 0 or >= 1 never sleeps.  ``begin`` and ``pause`` are called on the writer's thread; ``release``
-    from any thread."""
+    ``share`` 0 or >= 1 never sleeps.  ``arm`` before a write is handed over and ``release`` from any thread;
+    ``begin``, ``pause`` and ``end`` on the writer's thread."""
 
     def __init__(self, share: float) -> None:
         self.share = share
@@ -54,16 +56,24 @@ class Pacer:
     def active(self) -> bool:
         return 0 < self.share < 1 and not self._released.is_set()
 
-    def begin(self) -> None:
-        """A write starts on this thread: paced from now on, until ``release``."""
+    def arm(self) -> None:
+        """A write is handed to the writer's thread (called before it is): paced until ``release``."""
         self._released.clear()
+
+    def begin(self) -> None:
+        """The write starts on this thread: its CPU time and wall time count from now (a ``release`` made since
+        ``arm`` holds: the training may be waiting for this write already)."""
         self._cpu0, self._wall0, self.slept_s, self.cpu_s = time.thread_time(), time.perf_counter(), 0.0, 0.0
 
     def pause(self) -> None:
-        """Sleep until this thread's CPU time since ``begin`` is at most ``share`` of the wall time."""
+        """Sleep until this thread's CPU time since ``begin`` is at most ``share`` of the wall time.  Time the
+        thread spent waiting (DCP's collectives, a slower rank) earns at most ``_CREDIT_S`` of it: a long wait
+        is no licence for a burst after it."""
         if not self.active:
             return
-        behind = (time.thread_time() - self._cpu0) / self.share - (time.perf_counter() - self._wall0)
+        now, used = time.perf_counter(), (time.thread_time() - self._cpu0) / self.share
+        self._wall0 = max(self._wall0, now - used - _CREDIT_S)
+        behind = used - (now - self._wall0)
         if behind > 0:
             start = time.perf_counter()
             self._released.wait(min(behind, _LONGEST_SLEEP_S))

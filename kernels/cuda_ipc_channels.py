@@ -7,8 +7,9 @@ The same role as ``shm_channels.Inboxes`` (``send`` / ``peek`` / ``release`` / `
 memory and only the headers in host memory:
 
 - each rank (the *owner*) allocates one landing buffer on its GPU, ``world x ring_bytes``: one ring per sender.  Its
-  CUDA IPC handle (the fields of ``UntypedStorage._share_cuda_``, encoded as JSON with the bytes in hex: no
-  pickle) goes through the group's store, and every peer opens it (``UntypedStorage._new_shared_cuda``), so a
+  CUDA IPC handle (the fields of ``UntypedStorage._share_cuda_``, one share per peer since each counts one user
+  in torch's shared reference counter, encoded as JSON with the bytes in hex: no pickle) goes through the
+  group's store, and every peer opens it (``UntypedStorage._new_shared_cuda``), so a
   sender holds a tensor over its ring in every peer's buffer.  Within one GPU across processes this is allowed
   too: two ranks on one device is what the GPU check runs;
 - each owner also has a host control file (``shm_channels.map_group_files``: ``/dev/shm``, mapped by every rank,
@@ -266,9 +267,11 @@ def connect(store: dist.Store, rank: int, world: int, device: torch.device, ring
     maps, pids = map_group_files(store, rank, world, control_words(world, slots) * 8, timeout)
     controls = [np.frombuffer(m, dtype=np.int64) for m in maps]
     own = torch.zeros(world * ring_bytes, dtype=torch.uint8, device=device)
-    store.set(f"ipc/{rank}", encode_handle(own.untyped_storage()._share_cuda_()))
-    store.wait([f"ipc/{r}" for r in range(world)], timeout)
-    rings = [own if r == rank else _open(decode_handle(store.get(f"ipc/{r}").decode()), world * ring_bytes, r)
+    for peer in range(world):  # a share per peer: each share counts one user in torch's shared ref counter
+        if peer != rank:
+            store.set(f"ipc/{rank}/{peer}", encode_handle(own.untyped_storage()._share_cuda_()))
+    store.wait([f"ipc/{r}/{rank}" for r in range(world) if r != rank], timeout)
+    rings = [own if r == rank else _open(decode_handle(store.get(f"ipc/{r}/{rank}").decode()), world * ring_bytes, r)
              for r in range(world)]
     torch.cuda.synchronize(device)  # the zeros written, the peers' share-time events waited for
     return CudaChannels(rank, world, controls, rings, ring_bytes, slots, torch.cuda.Stream(device=device), pids)
