@@ -181,7 +181,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
            "--config", f"configs/tiny_{args.model}.toml", "--data.path", str(data), "--data.batch_size", "32",
            "--train.steps", str(steps), "--train.output_dir", str(out), "--train.eval", "false",
            "--train.progress", "false", "--checkpoint.every", "50", "--checkpoint.resume", "true",
-           "--ft.wait_for_replicas_s", "5", "--pipeline.kind", args.pipeline,
+           "--ft.wait_for_replicas_s", "5", "--pipeline.kind", args.pipeline, "--pipeline.comm", args.comm,
            *(["--optim.sharding", args.sharding] if args.sharding else []),
            *(["--on-rank-loss", "shrink"] if args.shrink else [])]
     faults: list[dict[str, Any]] = []
@@ -215,6 +215,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1, help="ranks per replica group (default 1)")
     parser.add_argument("--model", default="dlrm", choices=("dlrm", "hstu"))
     parser.add_argument("--pipeline", default="plain", choices=("plain", "torchrec", "prioritized"))
+    parser.add_argument("--comm", default="nccl", choices=("nccl", "copy_engine"),
+                        help="pipeline.comm: the embedding all-to-alls on gloo, or on the SM-free backend (copy_engine)")
     parser.add_argument("--sharding", default="",
                         help="--optim.sharding of the job (e.g. item_table=data_parallel: that table's gradient "
                              "in FT's buckets, no union; default the planner's)")
