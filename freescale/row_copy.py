@@ -69,9 +69,12 @@ def usable(flat_rows: torch.Tensor, saved: torch.Tensor, *tensors: torch.Tensor)
                     for t in (flat_rows, saved, *tensors)))
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's cache) both kernels now."""
+def warm_up(tensors: list[torch.Tensor]) -> None:
+    """Compile (or load from numba's cache) the kernels ``tensors`` need now: the row pass, and the copy for each
+    word width among them (a compile takes about a second; at a lookup it would stall that step)."""
     saved = torch.zeros(4, dtype=torch.bool)
     rows = fresh_rows(torch.tensor([1, 2, 2], dtype=torch.int64), 0, 0, 4, saved)
-    for dtype in (torch.int64, torch.int32, torch.int16, torch.int8):  # each word width's copy
-        copy_rows(rows, torch.ones(4, 1, dtype=dtype), torch.zeros(4, 1, dtype=dtype))
+    widths = {_as_words(t[:1]).dtype for t in tensors if t.device.type == "cpu" and t.dim() >= 1 and len(t)}
+    for width in sorted(widths, key=str):
+        words = torch.from_numpy(np.ones((4, 1), dtype=width))
+        copy_rows(rows, words, torch.zeros_like(words))

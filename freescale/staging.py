@@ -292,10 +292,10 @@ class LazySaves:
     def prepare(self, live: dict[str, Any]) -> float:
         """Make and touch the host buffers of the tables in ``live``; the seconds it took."""
         started = time.perf_counter()
-        row_copy.warm_up()
         snapshot = LazySnapshot(self.tracker, live)
         snapshot.discard()
         self._buffers = snapshot.table_buffers
+        row_copy.warm_up(list(self._buffers.values()))
         for buffer in self._buffers.values():
             buffer.zero_()
         return time.perf_counter() - started
