@@ -340,7 +340,8 @@ class CheckpointWriter:
                meta: dict[str, Any], keep: int, convert: Convert | None,
                started: float) -> tuple[Path, float, float, float]:
         """On the writer's thread: convert, write every rank's files (DCP ends with a gather to rank 0: once
-        it returns there, every rank's files are in), commit; ``(path, seconds since start)``.  The thread
+        it returns there, every rank's files are in), commit; ``(path, seconds since start, the thread's CPU
+        seconds, seconds the pacing slept)``.  The thread
         runs at a lower CPU priority (``write_pacing.lower_priority``) and with the GIL handed back sooner
         (``write_pacing.light_write``).  Where every core is busy it may take long: the next periodic save is skipped
         while it runs (``training_saves``), a save that cannot be skipped waits for it."""

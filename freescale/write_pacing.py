@@ -84,7 +84,7 @@ class Pacer:
         self.cpu_s = time.thread_time() - self._cpu0
 
     def release(self) -> None:
-        """The training waits for the write: no more sleeping (until the next ``begin``)."""
+        """The training waits for the write: no more sleeping (until the next ``arm``)."""
         self._released.set()
 
 

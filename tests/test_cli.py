@@ -283,11 +283,12 @@ def test_a_save_due_while_the_previous_one_is_written_is_skipped_and_each_holds_
     monkeypatch.delenv("FREESCALE_FAULTS")
     first = {e["step"]: e for e in events(log, "commit")}
     last, resumed = saved[-1], tmp_path / "resumed"
-    code, _, err = run_main(capsys, *train, f"--train.output_dir={resumed}", f"--train.steps={last + 3}",
+    end = min(last + 3, 300)  # (the last save may be at step 298: the uninterrupted run has steps up to 299)
+    code, _, err = run_main(capsys, *train, f"--train.output_dir={resumed}", f"--train.steps={end}",
                             f"--checkpoint.dir={through / 'checkpoints'}", "--resume", "--checkpoint.every=0")
     assert code == 0, err[-3000:]
     again = {e["step"]: e for e in events(read_log(resumed), "commit")}
-    assert sorted(again) == [last, last + 1, last + 2]
+    assert sorted(again) == list(range(last, end)) and len(again) >= 2
     for step in again:
         assert again[step]["rows"] == first[step]["rows"] and again[step]["digest"] == first[step]["digest"], step
 
