@@ -119,7 +119,7 @@ class TrainingSaves:
             return
         c = self.cfg.checkpoint
         if answer is None:
-            answer = _agreed_max(parts.ctx, [int(self._busy()), self._copy_steps(done)])
+            answer = self._poll.agree([int(self._busy()), self._copy_steps(done)])
         busy, steps = answer
         busy = int(skips and busy)
         if busy:
@@ -229,7 +229,6 @@ class _BusyPoll:
     costs what the writer's does: a gloo connection between every two ranks."""
 
     def __init__(self, ctx: DistContext) -> None:
-        self.ctx = ctx
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() and ctx.world_size > 1 else None
         self._asked: tuple[int, torch.Tensor, Any] | None = None
 
@@ -249,14 +248,12 @@ class _BusyPoll:
             work.wait()
         return [int(v) for v in found.tolist()]
 
-
-def _agreed_max(ctx: DistContext, values: list[int]) -> list[int]:
-    """The largest of each of ``values`` over the group's ranks."""
-    if ctx.world_size == 1:
-        return values
-    found = torch.tensor(values, dtype=torch.int64, device=ctx.device)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return [int(v) for v in found.tolist()]
+    def agree(self, values: list[int]) -> list[int]:
+        """The largest of each of ``values`` over the group's ranks, now (a save nobody asked about ahead)."""
+        self.ask(-1, values)
+        answer = self.answer(-1)
+        assert answer is not None
+        return answer
 
 
 def _checkpoint_group(ctx: DistContext) -> Any:
