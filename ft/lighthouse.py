@@ -147,9 +147,9 @@ from typing import Any
 from aiohttp import ClientPayloadError, WSMsgType, web
 
 from freescale.ft import durable
-from freescale.ft.lighthouse_ops import LighthouseOps, Reply, error
+from freescale.ft.lighthouse_ops import LighthouseOps, Pending, Reply, error
 from freescale.ft.membership import LighthouseConfig
-from freescale.ft.membership_records import BadRequest
+from freescale.ft.membership_records import BadRequest, _Vote
 from freescale.ft.quiet_gc import PYTHON_GC_ENV, QuietCollector
 from freescale.ft.serving import LINK_PING_S, LoopThread, run_loop, token_ok
 
@@ -189,6 +189,8 @@ class Lighthouse(LighthouseOps):
         """The process's garbage collector, when the lighthouse has a process of its own (``run_forever``)."""
         self.answering = 0
         """Quorum and commit requests received and not yet answered (on links or over HTTP)."""
+        self._answering_links: set[asyncio.Task[None]] = set()
+        """One per open vote with ballots from agent links (``_answer_links``)."""
 
     def _save(self) -> None:
         """Write the durable facts (``freescale.ft.durable``), synchronously: no answer that
@@ -233,6 +235,8 @@ class Lighthouse(LighthouseOps):
             await link.close(code=1001, message=b"lighthouse stopping")
         if self._tick_task is not None:
             self._tick_task.cancel()
+        for task in list(self._answering_links):
+            task.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
         if self.cfg.state_path and self.high_step != self._saved_high_step:
@@ -339,12 +343,16 @@ class Lighthouse(LighthouseOps):
                         identity, speaking = {**body, "agent": True}, (group.replica_id, group.incarnation)
                         await _answer(link, number, (200, '{"ok": true}'))
                         continue
-                    body = {**body, **identity}
+                    body.update(identity)
                     if op == "heartbeat":
                         await _answer(link, number, self.heartbeat(body, speaking))
-                    elif op in ("quorum", "commit"):
+                    elif op == "commit":
+                        answer = self._ballot(link, number, body, speaking)
+                        if answer is not None:
+                            await _answer(link, number, answer)
+                    elif op == "quorum":
                         task = asyncio.get_running_loop().create_task(
-                            self._answer_later(link, number, op, body, speaking))
+                            self._answer_later(link, number, body, speaking))
                         pending.add(task)
                         task.add_done_callback(pending.discard)
                     else:
@@ -360,18 +368,54 @@ class Lighthouse(LighthouseOps):
                 self.connection_lost(*speaking)
         return link
 
-    async def _answer_later(self, link: web.WebSocketResponse, number: int, op: str, body: dict[str, Any],
+    async def _answer_later(self, link: web.WebSocketResponse, number: int, body: dict[str, Any],
                             speaking: tuple[str, int] | None) -> None:
+        """A quorum request on a link: answered once its quorum forms (or cannot)."""
         self.answering += 1
         try:
             try:
-                reply = await (self.ask_quorum(body, speaking) if op == "quorum" else self.commit(body, speaking))
+                reply = await self.ask_quorum(body, speaking)
             except BadRequest as exc:
                 reply = error(400, str(exc))
             if not link.closed:
                 await _answer(link, number, reply)
         finally:
             self.answering -= 1
+
+    def _ballot(self, link: web.WebSocketResponse, number: int, body: dict[str, Any],
+                speaking: tuple[str, int] | None) -> Reply | None:
+        """A commit ballot on a link: its answer now, or None: the vote waits for others, and the ballot joins
+        the vote's listeners, answered with every other link's ballot by one task when the vote is decided.
+        At 512 groups the ballots arrive in one burst; a task per ballot (its creation, its wake-up when the
+        vote is decided) was most of the lighthouse's cost of a step and delayed the last ballot's count."""
+        cast = self.cast_ballot(body, speaking)
+        if not isinstance(cast, Pending):
+            return cast
+        vote = cast.vote
+        if not vote.listeners:
+            decided: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            vote.waiters.append(decided)
+            task = asyncio.get_running_loop().create_task(self._answer_links(vote, decided))
+            self._answering_links.add(task)
+            task.add_done_callback(self._answering_links.discard)
+        vote.listeners.append((link, number, cast.group))
+        self.answering += 1
+        return None
+
+    async def _answer_links(self, vote: _Vote, decided: asyncio.Future[bool]) -> None:
+        """Every link ballot of ``vote``, answered in one pass once it is decided.  An answer is a few dozen
+        bytes, one per ballot its agent sent: writing it never waits for a link's buffer to drain unless that
+        agent stopped reading thousands of answers ago."""
+        answered = 0
+        try:
+            await decided
+            for link, number, group in vote.listeners:
+                if not link.closed:
+                    await _answer(link, number, self.vote_answer(vote, group))
+                answered += 1
+                self.answering -= 1
+        finally:
+            self.answering -= len(vote.listeners) - answered  # (stopped: none of the rest is answered)
 
     # ------------------------------------------------------------------ time
     async def _ticker(self) -> None:
@@ -440,3 +484,4 @@ def run_forever(cfg: LighthouseConfig) -> None:
 
 
 __all__ = ["Lighthouse", "LighthouseConfig", "run_forever"]
+

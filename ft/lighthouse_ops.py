@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from freescale.ft.durable import DurableState
 from freescale.ft.membership import LighthouseConfig, Membership
@@ -31,6 +31,12 @@ def error(status: int, message: str) -> Reply:
 
 
 OK: Reply = (200, '{"ok": true}')
+
+
+class Pending(NamedTuple):
+    """A ballot counted in a vote not decided yet (``LighthouseOps.cast_ballot``)."""
+    vote: _Vote
+    group: _Group
 
 
 class LighthouseOps(Membership):
@@ -98,7 +104,7 @@ class LighthouseOps(Membership):
         self.run_id = run_id
         self.groups.clear()
         self.joins.clear()
-        self.votes.clear()
+        self._drop_votes(list(self.votes))
         self.steady_steps.clear()
         self.quorum = None
         self.high_step = -1
@@ -110,6 +116,8 @@ class LighthouseOps(Membership):
     def _member_indices(body: dict[str, Any], name: str, group: _Group) -> list[int]:
         """A group agent's list of member indices (``members`` of a ballot, ``members_lost``)."""
         value = body[name]
+        if value == group.members:  # a ballot for the whole group, as agents send it: nothing else to check
+            return group.members
         if not isinstance(value, list) or not value or not all(
                 isinstance(m, int) and not isinstance(m, bool) and 0 <= m < group.group_size for m in value):
             raise BadRequest(f"field '{name}' must list member indices below {group.group_size}")
@@ -198,7 +206,10 @@ class LighthouseOps(Membership):
             join.store = store
         return join
 
-    async def commit(self, body: dict[str, Any], known: tuple[str, int] | None = None) -> Reply:
+    def cast_ballot(self, body: dict[str, Any], known: tuple[str, int] | None = None) -> Reply | Pending:
+        """A commit ballot's own part, synchronous: checked, counted, the vote settled if it can be.  The answer
+        now (the vote was decided, or the ballot is refused), or ``Pending``: the vote still waits for others,
+        and ``vote_answer`` answers this ballot once ``vote.result`` is set."""
         quorum_id, step = _field(body, "quorum_id", int), _field(body, "step", int)
         ok = _field(body, "ok", bool)
         group, member, why = self.caller(body, known)
@@ -208,34 +219,52 @@ class LighthouseOps(Membership):
         if vote is None:
             if self.quorum is None or self.quorum["quorum_id"] != quorum_id:
                 return 200, '{"commit": false, "reason": "quorum superseded"}'
-            vote = _Vote(quorum_id, {p["replica_id"]: (p["incarnation"], self.groups[p["replica_id"]].group_size)
-                          for p in self.quorum["participants"] if p["replica_id"] in self.groups})
+            vote = _Vote(quorum_id, step, {p["replica_id"]: (p["incarnation"], self.groups[p["replica_id"]].group_size)
+                                           for p in self.quorum["participants"] if p["replica_id"] in self.groups})
             self.votes[(quorum_id, step)] = vote
-            for key in [k for k in self.votes if k[1] < step - 8]:  # keep the table small
-                del self.votes[key]
+            self._drop_votes([k for k in self.votes if k[1] < step - 8])  # keep the table small
         if vote.result is None:
             expected = vote.participants.get(group.replica_id)
             if expected is None or expected[0] != group.incarnation:
                 return 200, '{"commit": false, "reason": "not a participant of this quorum"}'
             ready = body.get("ready", True) is True
-            for m in self._member_indices(body, "members", group) if "members" in body else [member]:
-                vote.cast(group.replica_id, m, ok, ready)
+            vote.cast(group.replica_id, self._member_indices(body, "members", group) if "members" in body else [member],
+                      ok, ready)
             self._settle(vote, time.monotonic(), scan=False)
-        if vote.result is None:
-            waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            vote.waiters.append(waiter)
-            await waiter
+        return Pending(vote, group) if vote.result is None else self.vote_answer(vote, group)
+
+    def _drop_votes(self, keys: list[tuple[int, int]]) -> None:
+        """Forget these votes; one still open is decided no first, so that no ballot waits for it forever."""
+        for key in keys:
+            vote = self.votes.pop(key)
+            if vote.result is None:
+                vote.result = False
+                resolve(vote.waiters, False)
+
+    def vote_answer(self, vote: _Vote, group: _Group) -> Reply:
+        """A decided vote's answer to ``group``'s ballot: no; yes, stage the step for a joiner; or yes with the
+        next step's quorum when its participants stay the same (the voter then asks for no quorum)."""
         if not vote.result:
             return 200, '{"commit": false}'
-        if self.joiner_waiting(step):  # the sources stage this step now: the joiner asks for it at once
+        if self.joiner_waiting(vote.step):  # the sources stage this step now: the joiner asks for it at once
             return 200, '{"commit": true, "stage": true}'
         if self.cfg.quorum_in_vote and self.finished_step is None:
-            following = self._steady_answer(group, step + 1)
+            following = self._steady_answer(group, vote.step + 1)
             if following is not None:  # the same participants: the voter has them (tens of KB at 512 groups)
                 return 200, (f'{{"commit": true, "next": {{"quorum_id": {following["quorum_id"]}, '
                              f'"max_step": {following["max_step"]}, "high_step": {following["high_step"]}, '
                              '"same_participants": true}}')
         return 200, '{"commit": true}'
+
+    async def commit(self, body: dict[str, Any], known: tuple[str, int] | None = None) -> Reply:
+        """A commit ballot over HTTP: cast, then answered once every participant voted or one cannot."""
+        cast = self.cast_ballot(body, known)
+        if not isinstance(cast, Pending):
+            return cast
+        decided: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        cast.vote.waiters.append(decided)
+        await decided
+        return self.vote_answer(cast.vote, cast.group)
 
     def _quorum_text(self, quorum: dict[str, Any]) -> str:
         """``quorum`` as JSON, encoded once for all the participants it answers (at 512 groups the
@@ -312,3 +341,4 @@ class LighthouseOps(Membership):
             self.lost_at_scan = (self.quorum["quorum_id"], self._lost(self.quorum, now))
         for vote in list(self.votes.values()):
             self._settle(vote, now)
+

@@ -75,6 +75,12 @@ class _Group:
     life during the suspect grace, the group no longer counts as maybe alive for the majority rule
     (a two-group job goes on without the heartbeat timeout)."""
 
+    members: list[int] = field(init=False)
+    """Every member index, in order (a ballot for the whole group lists exactly these); never changed."""
+
+    def __post_init__(self) -> None:
+        self.members = list(range(self.group_size))
+
     def gone(self, now: float, grace: float) -> bool:
         """Its presence connection closed and it stayed silent through the suspect grace since."""
         return self.presence_lost and self.silent_since_report() and now - self.suspect_since >= grace  # type: ignore[operator]
@@ -121,6 +127,7 @@ class _Join:
 @dataclass
 class _Vote:
     quorum_id: int
+    step: int
     participants: dict[str, tuple[int, int]]
     """replica_id -> (incarnation, group_size)."""
     ballots: dict[tuple[str, int], bool] = field(default_factory=dict)
@@ -130,15 +137,21 @@ class _Vote:
     """Ballots per group cast holding valid state (not catching up)."""
     said_no: bool = False
     waiters: list[asyncio.Future[bool]] = field(default_factory=list)
+    listeners: list[Any] = field(default_factory=list)
+    """Ballots whose carrier answers them itself once the vote is decided (the lighthouse's agent links:
+    one task answers them all, ``Lighthouse._answer_links``), each with the one waiter in ``waiters``."""
     result: bool | None = None
 
-    def cast(self, replica_id: str, member: int, ok: bool, ready: bool) -> None:
-        if (replica_id, member) in self.ballots:
-            return  # a retried vote: counted once
-        self.ballots[(replica_id, member)] = ok
-        self.voted[replica_id] = self.voted.get(replica_id, 0) + 1
-        self.ready[replica_id] = self.ready.get(replica_id, 0) + int(ready)
-        self.said_no = self.said_no or not ok
+    def cast(self, replica_id: str, members: list[int], ok: bool, ready: bool) -> None:
+        """One ballot for each of ``members`` of group ``replica_id``; a retried one counts once."""
+        counted = 0
+        for member in members:
+            if (replica_id, member) not in self.ballots:
+                self.ballots[(replica_id, member)] = ok
+                counted += 1
+        self.voted[replica_id] = self.voted.get(replica_id, 0) + counted
+        self.ready[replica_id] = self.ready.get(replica_id, 0) + counted * int(ready)
+        self.said_no = self.said_no or (counted > 0 and not ok)
 
     expected: int = 0
     """Ballots that make it unanimous (every member of every participant), counted once."""

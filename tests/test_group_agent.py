@@ -26,9 +26,9 @@ class _Counted(Lighthouse):
         super().__init__(cfg)
         self.callers: list[tuple[str, int, bool]] = []
 
-    async def commit(self, body, known=None):  # type: ignore[no-untyped-def]
+    def cast_ballot(self, body, known=None):  # type: ignore[no-untyped-def]
         self.callers.append((str(body.get("replica_id")), int(body.get("member", -1)), body.get("agent") is True))
-        return await super().commit(body, known)
+        return super().cast_ballot(body, known)
 
 
 @pytest.fixture
@@ -178,3 +178,80 @@ def test_a_stopping_agent_serves_the_other_members_until_they_close(lighthouse: 
     stopping.join(timeout=5)
     assert not stopping.is_alive() and time.monotonic() - closed < 2.0
     assert agent.proc.poll() is not None
+
+
+def test_ballots_on_agent_links_are_answered_together_and_none_is_left_waiting(lighthouse: _Counted) -> None:
+    """The lighthouse holds each agent link's ballot on its vote and answers them all in one pass once the vote
+    is decided (``Lighthouse._answer_links``): every link gets its own answer by id; a link that closes while
+    its counted ballot waits is skipped; nothing is left counted as waiting."""
+    import asyncio
+
+    import aiohttp
+
+    class Link:  # an agent's link without its members: heartbeats, and answers matched to requests by id
+        def __init__(self, link: aiohttp.ClientWebSocketResponse) -> None:
+            self.link, self.made, self.calls = link, 0, {}  # type: ignore[var-annotated]
+            self.tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._beat())]
+
+        async def _read(self) -> None:
+            async for message in self.link:
+                header, _, answer = message.data.partition("\n")
+                head = json.loads(header)
+                self.calls.pop(head["id"]).set_result((head["status"], json.loads(answer)))
+
+        async def _beat(self) -> None:
+            while True:
+                await self.ask("heartbeat", {"member_ages_s": [0.0, 0.0]})
+                await asyncio.sleep(0.05)
+
+        async def ask(self, op: str, body: dict) -> dict:  # type: ignore[type-arg]
+            self.made += 1
+            self.calls[self.made] = answer = asyncio.get_running_loop().create_future()
+            await self.link.send_str(json.dumps({"id": self.made, "op": op, "body": body}))
+            status, payload = await asyncio.wait_for(answer, 5)
+            assert status == 200, payload
+            return payload  # type: ignore[no-any-return]
+
+        async def close(self) -> None:
+            for task in self.tasks:
+                task.cancel()
+            await self.link.close()
+
+    def ballot(step: int, quorum_id: int) -> dict:  # type: ignore[type-arg]
+        return {"quorum_id": quorum_id, "step": step, "ok": True, "members": [0, 1]}
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            links = []
+            for g in range(3):
+                raw = await session.ws_connect(f"{lighthouse.url}/v1/agent")
+                await raw.send_str(json.dumps({"id": 0, "op": "hello", "body": {
+                    "replica_id": f"g{g}", "incarnation": 0, "member": 0, "group_size": 2, "agent": True}}))
+                assert (await raw.receive_str()).startswith('{"id": 0, "status": 200}')
+                links.append(Link(raw))
+            asks = [{"step": 0, "members": [{"step": 0, "address": f"h{g}:{m}"} for m in range(2)]} for g in range(3)]
+            quorum = await asyncio.gather(*(link.ask("quorum", a) for link, a in zip(links, asks)))
+            assert len(quorum[0]["participants"]) == 3
+            answers = await asyncio.gather(*(link.ask("commit", ballot(0, quorum[0]["quorum_id"])) for link in links))
+            assert [a["commit"] for a in answers] == [True] * 3
+            asks = [{**a, "step": 1, "members": [{**m, "step": 1} for m in a["members"]]} for a in asks]
+            quorum = await asyncio.gather(*(link.ask("quorum", a) for link, a in zip(links, asks)))
+            waiting = [asyncio.ensure_future(link.ask("commit", ballot(1, quorum[0]["quorum_id"])))
+                       for link in links[:2]]
+            deadline = time.monotonic() + 5
+            while lighthouse.answering < 2:  # both ballots held on the open vote
+                assert time.monotonic() < deadline, "the ballots never reached the lighthouse"
+                await asyncio.sleep(0.01)
+            assert not any(w.done() for w in waiting)
+            waiting[1].cancel()
+            await links[1].close()  # g1's agent is gone after its ballot was counted: that ballot is not answered
+            last = await links[2].ask("commit", ballot(1, quorum[0]["quorum_id"]))
+            assert last["commit"] is True and (await waiting[0])["commit"] is True
+            while lighthouse.answering:
+                assert time.monotonic() < deadline, f"{lighthouse.answering} answers still counted as waiting"
+                await asyncio.sleep(0.01)
+            for link in (links[0], links[2]):
+                await link.close()
+
+    asyncio.run(asyncio.wait_for(run(), 20))
+    assert lighthouse.quiet() and not lighthouse._answering_links
