@@ -24,6 +24,8 @@ Each stage is linear in the samples (no log factor, few unpredictable branches):
 - ``lpt_refine.refine_sorted``: local search that lowers the heaviest part by moving
   one sample to, or swapping one pair with, one of the lightest parts, until no such
   step lowers it (its own module: the rows it keeps, the pair sweeps, the heaps);
+- ``lpt_counts.trim_counts``: the parts still past 2x the mean count after all that give their lightest samples
+  to the lightest parts under it, as long as none of those passes the heaviest part (balance unchanged);
 - ``_members``: the part of each position -> CSR (members of each part, heaviest first).
 
 Determinism: the same costs give the same parts on every process and machine:
@@ -39,7 +41,7 @@ import numba
 import numpy as np
 
 from freescale.dataloader.local_plan import local_window_owner
-from freescale.dataloader.lpt_counts import count_cap, fill_by_count, negligible_last
+from freescale.dataloader.lpt_counts import count_cap, fill_by_count, negligible_last, trim_counts
 from freescale.dataloader.lpt_refine import refine_sorted
 
 _JIT: dict[str, Any] = {"nogil": True, "cache": True}
@@ -252,6 +254,8 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
         # where thousands of parts are over, pair sweeps first do most of it at a third of that.
         refine_sorted(ordered, part_of, n, k, allow_moves, min(partners, 2) if allow_moves else min(partners, 4),
                       min(refine_steps, k + 64), mean * (1.0 + tail_tolerance), loose, speeds, _TAIL_SWEEPS)
+    if not equal_count:
+        trim_counts(ordered, part_of, speeds, max(max_count, -(-n // k)))
     index, offsets = _members(part_of, order, k)
     return index, offsets, -1
 

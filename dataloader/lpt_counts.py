@@ -6,7 +6,9 @@ that costs no balance:
 
 - ``negligible_last`` and ``fill_by_count``: samples lighter than LPT's bucket width cannot change which part is
   lightest, so they are set apart and dealt out by count, each to a part holding the fewest samples;
-- ``count_cap``: the most samples a part may take of the tail, 2x the mean count unless the costs ask for more.
+- ``count_cap``: the most samples a part may take of the tail, 2x the mean count unless the costs ask for more;
+- ``trim_counts``: once everything is placed, the parts still past 2x the mean count are brought down to it
+  wherever that leaves the heaviest part as it is.
 
 Deterministic as ``balance_kernels`` is: fixed-order arithmetic, stable sorts.
 """
@@ -100,3 +102,76 @@ def count_cap(ordered: np.ndarray, start: int, stop: int, loads: np.ndarray, cou
         if level > loads[p]:
             needed = max(needed, counts[p] + (level - loads[p]) * speeds[p] * remaining / total)
     return min(ceiling, max(floor, int(1.25 * needed) + 1))
+
+
+@numba.njit(**_JIT)
+def _sift_down(keys: np.ndarray, parts: np.ndarray, size: int, at: int) -> None:
+    while True:
+        low, left, right = at, 2 * at + 1, 2 * at + 2
+        if left < size and (keys[left] < keys[low] or (keys[left] == keys[low] and parts[left] < parts[low])):
+            low = left
+        if right < size and (keys[right] < keys[low] or (keys[right] == keys[low] and parts[right] < parts[low])):
+            low = right
+        if low == at:
+            return
+        keys[at], keys[low] = keys[low], keys[at]
+        parts[at], parts[low] = parts[low], parts[at]
+        at = low
+
+
+@numba.njit(**_JIT)
+def trim_counts(ordered: np.ndarray, part_of: np.ndarray, speeds: np.ndarray, cap: int) -> int:
+    """Bring every part down to ``cap`` samples where that costs no balance; returns how many samples moved.
+
+    LPT's count cap (``count_cap``) lets a part take what the costs seem to ask for, judged before the tail is
+    placed; the finished partition often needs far less (the parts a long history left light end up no heavier
+    than the heaviest part, which is set by the long histories).  Each sample past ``cap`` on a part, its
+    lightest first, moves to the lightest part still under ``cap`` if it lands there without that part's time
+    passing the heaviest part's: the heaviest part never grows, so the plan's balance is unchanged, and the
+    trim stops at the first sample that cannot move so.  ``ordered`` lists the costs lightest last (as
+    ``lpt_refined`` leaves them), ``part_of`` each one's part (updated)."""
+    n, k = part_of.size, speeds.size
+    counts = np.zeros(k, dtype=np.int64)
+    for i in range(n):
+        counts[part_of[i]] += 1
+    over = 0
+    for p in range(k):
+        over += max(0, counts[p] - cap)
+    if over == 0:
+        return 0
+    loads = np.zeros(k, dtype=np.float64)
+    for i in range(n):
+        loads[part_of[i]] += ordered[i] / speeds[part_of[i]]
+    limit = loads.max()
+    keys, parts, size = np.empty(k, dtype=np.float64), np.empty(k, dtype=np.int64), 0
+    for p in range(k):  # the parts that may take more, lightest on top
+        if counts[p] < cap:
+            keys[size], parts[size] = loads[p], p
+            size += 1
+    for at in range(size // 2 - 1, -1, -1):
+        _sift_down(keys, parts, size, at)
+    moved = 0
+    for i in range(n - 1, -1, -1):
+        if over == 0 or size == 0:
+            break
+        p = part_of[i]
+        if counts[p] <= cap:
+            continue
+        q = parts[0]
+        time_there = ordered[i] / speeds[q]
+        if loads[q] + time_there > limit:
+            break  # the lightest part would pass the heaviest: from here on the cap costs balance
+        part_of[i] = q
+        counts[p] -= 1
+        counts[q] += 1
+        loads[p] -= ordered[i] / speeds[p]
+        loads[q] += time_there
+        over -= 1
+        moved += 1
+        if counts[q] < cap:
+            keys[0] = loads[q]
+        else:
+            size -= 1
+            keys[0], parts[0] = keys[size], parts[size]
+        _sift_down(keys, parts, size, 0)
+    return moved

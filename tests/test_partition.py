@@ -11,9 +11,12 @@ from freescale.dataloader import balance_kernels
 from freescale.dataloader.cost import CostModel, calibrate
 from freescale.dataloader.epoch_order import EpochOrder
 from freescale.dataloader.partition import (
+    LPT_HEAD_SHARE,
+    LPT_REFINE_PARTNERS,
     LPT_RESOLUTION,
     LPT_TAIL_TOLERANCE,
     LPT_TAIL_TOLERANCE_FROM_PARTS,
+    LPT_TOLERANCE,
     PARTITIONERS,
     Parts,
     granular_lower_bound,
@@ -360,6 +363,33 @@ def test_the_count_cap_rises_where_the_costs_need_it() -> None:
     parts = partition("lpt", costs, None, 256)
     assert 2 * 32 < parts.sizes.max() <= 8 * 32
     assert imbalance(costs, parts) < 1.0002
+
+
+@pytest.mark.parametrize("slow_rank", [1.0, 0.5])
+def test_ranks_past_twice_the_mean_count_are_trimmed_where_the_heaviest_rank_stays_as_it_is(slow_rank: float) -> None:
+    """Bimodal lengths under a model with no constant, 256 ranks of 8: LPT's count cap, judged before the short
+    histories are placed, let the ranks without a long one take 8x the mean count, although the heaviest rank (set
+    by the long ones) comes out the same with far fewer.  The trim (``lpt_counts.trim_counts``) brings every rank
+    to 2x the mean, the heaviest rank's time exactly as it was; so with one rank at half speed."""
+    rng = np.random.default_rng(1)
+    n, k = 256 * 8, 256
+    long = rng.random(n) < 3 / 8
+    costs = np.ascontiguousarray(CostModel(1.0, 10.0, 0.0)(np.where(long, rng.integers(820, 1025, n),
+                                                                    rng.integers(1, 61, n))), dtype=np.float64)
+    speeds = np.r_[np.ones(k - 1), slow_rank]
+    speeds /= speeds.mean()
+
+    def planned(count_share: int) -> tuple[int, float]:
+        index, offsets, _ = balance_kernels.lpt_refined(
+            costs, k, False, 4 * k + 64, LPT_REFINE_PARTNERS, LPT_RESOLUTION, LPT_TOLERANCE, LPT_HEAD_SHARE,
+            LPT_TOLERANCE, count_share * n // k, 8 * n // k, speeds)
+        assert np.array_equal(np.sort(index), np.arange(n))  # every sample once
+        times = [costs[index[offsets[p]:offsets[p + 1]]].sum() / speeds[p] for p in range(k)]
+        return int(np.diff(offsets).max()), max(times)
+
+    untrimmed, trimmed = planned(8), planned(2)  # (a cap of 8x the mean count trims nothing)
+    assert untrimmed[0] == 8 * 8 and trimmed[0] == 2 * 8
+    assert trimmed[1] == untrimmed[1]
 
 
 @settings(max_examples=25, deadline=None)
