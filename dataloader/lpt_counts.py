@@ -128,7 +128,8 @@ def trim_counts(ordered: np.ndarray, part_of: np.ndarray, speeds: np.ndarray, ca
     than the heaviest part, which is set by the long histories).  Each sample past ``cap`` on a part, its
     lightest first, moves to the lightest part still under ``cap`` if it lands there without that part's time
     passing the heaviest part's: the heaviest part never grows, so the plan's balance is unchanged, and the
-    trim stops at the first sample that cannot move so.  ``ordered`` lists the costs lightest last (as
+    trim stops at the first sample that cannot move so (``ordered`` is sorted to within 2**-16 of the largest
+    cost: "lightest first" to that grain).  ``ordered`` lists the costs lightest last (as
     ``lpt_refined`` leaves them), ``part_of`` each one's part (updated)."""
     n, k = part_of.size, speeds.size
     counts = np.zeros(k, dtype=np.int64)
@@ -160,7 +161,8 @@ def trim_counts(ordered: np.ndarray, part_of: np.ndarray, speeds: np.ndarray, ca
         q = parts[0]
         time_there = ordered[i] / speeds[q]
         if loads[q] + time_there > limit:
-            break  # the lightest part would pass the heaviest: from here on the cap costs balance
+            break  # the lightest part would pass the heaviest: the samples left are heavier (with unequal speeds
+            # a faster part further down might still take one: left as it is, the trim only does less)
         part_of[i] = q
         counts[p] -= 1
         counts[q] += 1

@@ -315,9 +315,10 @@ class Lighthouse(LighthouseOps):
 
     # ------------------------------------------------------------------ group agents
     async def _agent_link(self, request: web.Request) -> web.WebSocketResponse:
-        """A group agent's link (module docstring): a hello, then operations answered by id, each
-        quorum request and ballot on a task of its own (they wait for the others); the link's
-        end is the group's presence ending."""
+        """A group agent's link (module docstring): a hello, then operations answered by id, a quorum request
+        on a task of its own and a ballot held on its vote (both wait for the others: ``_ballot``); the link's
+        end is the group's presence ending.  A request the lighthouse fails on (a bug) is answered 500 and
+        the link stays: the group is not taken for gone."""
         link = web.WebSocketResponse(max_msg_size=self.cfg.max_request_bytes, heartbeat=LINK_PING_S)
         await link.prepare(request)
         self._links.add(link)
@@ -328,9 +329,10 @@ class Lighthouse(LighthouseOps):
             async for message in link:
                 if message.type != WSMsgType.TEXT:
                     break
+                call: Any = None
                 try:
                     call = _json_object(message.data)
-                    number, op, body = int(call.get("id", -1)), call.get("op"), call.get("body")
+                    number, op, body = _call_id(call), call.get("op"), call.get("body")
                     if not isinstance(body, dict):
                         raise BadRequest("each message needs a JSON object 'body'")
                     if identity is None:
@@ -358,8 +360,10 @@ class Lighthouse(LighthouseOps):
                     else:
                         raise BadRequest(f"unknown op {op!r} (heartbeat, quorum, commit)")
                 except BadRequest as exc:
-                    await _answer(link, int(call.get("id", -1)) if isinstance(call, dict) else -1,
-                                  error(400, str(exc)))
+                    await _answer(link, _call_id(call), error(400, str(exc)))
+                except Exception:
+                    log.exception("lighthouse: a request on %s's link failed", speaking[0] if speaking else "an agent")
+                    await _answer(link, _call_id(call), error(500, "the lighthouse failed on this request"))
         finally:
             self._links.discard(link)
             for task in pending:
@@ -387,7 +391,9 @@ class Lighthouse(LighthouseOps):
         """A commit ballot on a link: its answer now, or None: the vote waits for others, and the ballot joins
         the vote's listeners, answered with every other link's ballot by one task when the vote is decided.
         At 512 groups the ballots arrive in one burst; a task per ballot (its creation, its wake-up when the
-        vote is decided) was most of the lighthouse's cost of a step and delayed the last ballot's count."""
+        vote is decided) was most of the lighthouse's cost of a step and delayed the last ballot's count.
+        A held ballot counts in ``answering`` until its vote's answers are all out, also where its link
+        closed meanwhile (the vote is then decided within the suspect grace, or by the others' ballots)."""
         cast = self.cast_ballot(body, speaking)
         if not isinstance(cast, Pending):
             return cast
@@ -397,25 +403,37 @@ class Lighthouse(LighthouseOps):
             vote.waiters.append(decided)
             task = asyncio.get_running_loop().create_task(self._answer_links(vote, decided))
             self._answering_links.add(task)
+            task.add_done_callback(lambda _, held=vote: self._answered(held))  # (also if cancelled unstarted)
             task.add_done_callback(self._answering_links.discard)
         vote.listeners.append((link, number, cast.group))
         self.answering += 1
         return None
 
     async def _answer_links(self, vote: _Vote, decided: asyncio.Future[bool]) -> None:
-        """Every link ballot of ``vote``, answered in one pass once it is decided.  An answer is a few dozen
-        bytes, one per ballot its agent sent: writing it never waits for a link's buffer to drain unless that
-        agent stopped reading thousands of answers ago."""
-        answered = 0
-        try:
-            await decided
-            for link, number, group in vote.listeners:
-                if not link.closed:
-                    await _answer(link, number, self.vote_answer(vote, group))
-                answered += 1
-                self.answering -= 1
-        finally:
-            self.answering -= len(vote.listeners) - answered  # (stopped: none of the rest is answered)
+        """Every link ballot of ``vote``, answered in one pass once it is decided: every answer computed first
+        (from one state of the lighthouse: a quorum or a joiner changing while they go out cannot make two
+        groups' answers differ), then written.  An answer is a few dozen bytes, one per ballot its agent sent:
+        writing never waits for a link's buffer to drain unless that agent stopped reading thousands of
+        answers ago.  One answer failing (a bug) costs that answer a 500, never the others."""
+        await decided
+        replies = []
+        for link, number, group in vote.listeners:
+            try:
+                replies.append((link, number, self.vote_answer(vote, group)))
+            except Exception:
+                log.exception("lighthouse: answering %s's ballot failed", group.replica_id)
+                replies.append((link, number, error(500, "the lighthouse failed to answer this ballot")))
+        for link, number, reply in replies:
+            if not link.closed:
+                try:
+                    await _answer(link, number, reply)
+                except Exception:
+                    log.exception("lighthouse: writing a vote's answer failed")
+
+    def _answered(self, vote: _Vote) -> None:
+        """``vote``'s held ballots are answered (or the lighthouse stops): no longer waiting."""
+        self.answering -= len(vote.listeners)
+        vote.listeners = []
 
     # ------------------------------------------------------------------ time
     async def _ticker(self) -> None:
@@ -449,6 +467,12 @@ def _json_object(raw: bytes | str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
     return body
+
+
+def _call_id(call: Any) -> int:
+    """The id of a message on an agent's link, to answer it by; -1 where it has none that is an integer."""
+    number = call.get("id") if isinstance(call, dict) else None
+    return number if isinstance(number, int) and not isinstance(number, bool) else -1
 
 
 async def _answer(link: web.WebSocketResponse, number: int, reply: Reply) -> None:

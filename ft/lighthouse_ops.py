@@ -116,8 +116,8 @@ class LighthouseOps(Membership):
     def _member_indices(body: dict[str, Any], name: str, group: _Group) -> list[int]:
         """A group agent's list of member indices (``members`` of a ballot, ``members_lost``)."""
         value = body[name]
-        if value == group.members:  # a ballot for the whole group, as agents send it: nothing else to check
-            return group.members
+        if value == group.members:  # a ballot for the whole group, as agents send it: nothing else to check (a
+            return group.members    # list of bools or floats equal to it counts as it: its own list is used)
         if not isinstance(value, list) or not value or not all(
                 isinstance(m, int) and not isinstance(m, bool) and 0 <= m < group.group_size for m in value):
             raise BadRequest(f"field '{name}' must list member indices below {group.group_size}")
@@ -239,6 +239,8 @@ class LighthouseOps(Membership):
             vote = self.votes.pop(key)
             if vote.result is None:
                 vote.result = False
+                if self.quorum is not None and self.quorum["quorum_id"] == vote.quorum_id:
+                    self.quorum["broken"] = True  # as any vote that fails (``Membership._settle``)
                 resolve(vote.waiters, False)
 
     def vote_answer(self, vote: _Vote, group: _Group) -> Reply:
