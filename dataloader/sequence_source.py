@@ -9,11 +9,13 @@ things as for format 1: ``lengths`` (each sample's history length: its position;
 planner clips it to ``max_seq_len``), ``rg_rows`` (samples per row group), ``num_rows``.
 Opening reads only the ``length``, ``train_end`` and ``valid_end`` columns (12 bytes a user).
 
-``read(samples)`` decodes each row group its samples live in once (LRU cache,
-checked on the way in: ``row_checks.py``), then, per sample, takes the
+``read(samples)`` decodes each row group its samples live in once (checked on
+the way in: ``row_checks.py``) into a slot of one buffer per column
+(``user_slots.py``: an LRU over row groups), then, per sample, takes the
 ``max_seq_len`` interactions before its position as the history and the one
-at its position as the candidate, label and dense features: numpy gathers over
-the row group's flat value buffers, no per-sample Python.  The result has the
+at its position as the candidate, label and dense features: one numpy gather
+per column over those buffers for the whole read, whatever row groups it
+draws from, no per-sample Python.  The result has the
 columns and types of a format-1 table, so the loader turns it into a batch the
 same way.  A bad user row (``on_bad_rows = "skip"``) drops all of its samples (``skipped``
 counts users); a ``train_end`` outside ``[0, length]``, or a ``valid_end`` outside ``[train_end, length]``, is an
@@ -47,7 +49,8 @@ from freescale.dataloader.schema import (
     check_sequence_schema,
     sample_schema,
 )
-from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column, row_group_runs
+from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column
+from freescale.dataloader.user_slots import LoadedRowGroup, UserSlots
 
 SPLITS = ("train", "valid", "eval")
 """Format 2's splits, each a range of positions of every user (the module docstring); ``eval`` is the test split."""
@@ -64,6 +67,7 @@ class SequenceSource(RowGroupFiles):
         self.columns = list(columns)
         self.max_seq_len = max_seq_len
         dense = [DENSE] if self.manifest.dense_dim else []
+        self._lists = [ITEM_IDS, TIMESTAMPS, LABELS, *dense]
         self.decode_columns = [USER_ID, ITEM_IDS, TIMESTAMPS, LABELS, *dense, LENGTH]
         self.keep_columns = [USER_ID, ITEM_IDS, TIMESTAMPS, LABELS, *dense]
         length, train_end, valid_end = self._read_lengths()
@@ -76,6 +80,10 @@ class SequenceSource(RowGroupFiles):
         self.rg_rows = np.diff(self.rg_start)
         owner = np.repeat(np.arange(self.count.size), self.count)
         self.lengths = (np.arange(self.num_rows, dtype=np.int64) - self.user_start[owner] + self.first[owner])
+        per_group = np.add.reduceat(length, self.stored_start[:-1]) if length.size else np.zeros(0, dtype=np.int64)
+        per_group[self.stored_rows == 0] = 0  # (reduceat gives an empty group its next user's length)
+        self._slots = UserSlots(cache_row_groups, self.stored_rows.size, int(self.stored_rows.max(initial=1)),
+                                int(per_group.max(initial=1)), self._lists, USER_ID)
         self._output_schema = sample_schema(self.manifest.dense_dim).append(pa.field(CANDIDATE_TIMESTAMP, pa.int64()))
 
     def check_schema(self, schema: pa.Schema, where: str) -> None:
@@ -149,54 +157,65 @@ class SequenceSource(RowGroupFiles):
         return pa.table({c: arrow_column(arrays, c, self._output_schema.field(c).type) for c in self.columns}), kept
 
     def read_arrays(self, samples: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """What ``read`` returns, as numpy (the loader's path; keys as ``ParquetSource.read_arrays``)."""
+        """What ``read`` returns, as numpy (the loader's path; keys as ``ParquetSource.read_arrays``): the row
+        groups the samples live in held in the slots (``user_slots``), then one gather per column for all of
+        them (in parts of at most as many row groups as there are slots)."""
         samples = np.sort(np.asarray(samples, dtype=np.int64))
         user = np.searchsorted(self.user_start, samples, side="right") - 1
-        position = samples - self.user_start[user] + self.first[user]
         group = np.searchsorted(self.stored_start, user, side="right") - 1
-        pieces: list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]] = []
-        kept = []
-        for a, b in row_group_runs(group):  # samples are sorted: each row group's are one run
-            rg = int(group[a])
-            entry = self._row_group(rg)
-            local, where = user[a:b] - self.stored_start[rg], position[a:b]
-            mine = samples[a:b]
-            if entry.bad is not None:
-                ok = ~entry.bad[local]
-                local, where, mine = local[ok], where[ok], mine[ok]
-            pieces.append((entry.arrays, local, where))
-            kept.append(mine)
-        if not pieces:
-            return {}, samples[:0]
-        return self._gather(pieces), np.concatenate(kept)
+        needed = np.unique(group)
+        if needed.size <= self._slots.count:
+            return self._read_held(samples, user, group, needed)
+        parts = []
+        for first in range(0, needed.size, self._slots.count):  # samples are sorted: each part's are one run
+            block = needed[first:first + self._slots.count]
+            a, b = int(np.searchsorted(group, block[0], "left")), int(np.searchsorted(group, block[-1], "right"))
+            parts.append(self._read_held(samples[a:b], user[a:b], group[a:b], block))
+        filled = [arrays for arrays, kept in parts if kept.size]
+        kept = np.concatenate([kept for _, kept in parts])
+        if not filled:
+            return {}, kept
+        return {key: np.concatenate([arrays[key] for arrays in filled]) for key in filled[0]}, kept
 
-    def _gather(self, pieces: list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
-        """Samples ``(users[i], positions[i])`` of each piece's row group: in each list, the sample's own
-        interaction (at ``target``) and its history (the ``max_seq_len`` before it, ``gather_tails``)."""
-        history = [np.minimum(positions, self.max_seq_len) for _, _, positions in pieces]
+    def _read_held(self, samples: np.ndarray, user: np.ndarray, group: np.ndarray,
+                   needed: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        slots = self._slots
+        slot = slots.ensure(needed, self._load)[np.searchsorted(needed, group)]
+        row = slot * slots.users + (user - self.stored_start[group])
+        position = samples - self.user_start[user] + self.first[user]
+        if self.on_bad_rows == "skip":
+            ok = ~slots.bad[row]
+            if not ok.all():
+                samples, row, position = samples[ok], row[ok], position[ok]
+        if not samples.size:
+            return {}, samples
+        return self._gather(row, position), samples
 
-        def target(name: str) -> list[np.ndarray]:
-            return [arrays[name + "@"][users] + positions for arrays, users, positions in pieces]
+    def _load(self, rg: int) -> LoadedRowGroup:
+        entry = self._decode(rg)
+        return entry.arrays, entry.bad
 
-        def at_target(name: str) -> np.ndarray:
-            return np.concatenate([arrays[name][t] for (arrays, _, _), t in zip(pieces, target(name))])
-
-        def window(name: str) -> np.ndarray:
-            return gather_tails([(arrays[name], t, h) for (arrays, _, _), t, h in zip(pieces, target(name), history)])
-
-        lengths = np.concatenate(history)
+    def _gather(self, row: np.ndarray, position: np.ndarray) -> dict[str, np.ndarray]:
+        """Samples ``(row, position)`` (a user's row in the slots, a position in its sequence): in each list,
+        the sample's own interaction (at its target) and its history (the ``max_seq_len`` before it,
+        ``gather_tails``)."""
+        slots = self._slots
+        history = np.minimum(position, self.max_seq_len)
+        target = {name: slots.starts[name][row] + position for name in self._lists}
+        items = slots.flat(ITEM_IDS)
         out = {
-            USER_ID: np.concatenate([arrays[USER_ID][users] for arrays, users, _ in pieces]),
-            HISTORY_ITEMS: window(ITEM_IDS), HISTORY_ITEMS + "@": lengths,
-            CANDIDATE_ITEM: at_target(ITEM_IDS), LABEL: at_target(LABELS),
+            USER_ID: slots.user_ids[row],
+            HISTORY_ITEMS: gather_tails([(items, target[ITEM_IDS], history)]), HISTORY_ITEMS + "@": history,
+            CANDIDATE_ITEM: items[target[ITEM_IDS]], LABEL: slots.flat(LABELS)[target[LABELS]],
         }
         if HISTORY_TIMESTAMPS in self.columns:
-            out[HISTORY_TIMESTAMPS], out[HISTORY_TIMESTAMPS + "@"] = window(TIMESTAMPS), lengths
+            out[HISTORY_TIMESTAMPS] = gather_tails([(slots.flat(TIMESTAMPS), target[TIMESTAMPS], history)])
+            out[HISTORY_TIMESTAMPS + "@"] = history
         if CANDIDATE_TIMESTAMP in self.columns:
-            out[CANDIDATE_TIMESTAMP] = at_target(TIMESTAMPS)
+            out[CANDIDATE_TIMESTAMP] = slots.flat(TIMESTAMPS)[target[TIMESTAMPS]]
         if DENSE in self.columns:
-            out[DENSE] = (at_target(DENSE) if self.manifest.dense_dim
-                          else np.zeros((lengths.size, 0), dtype=np.float32))
+            out[DENSE] = (slots.flat(DENSE)[target[DENSE]] if self.manifest.dense_dim
+                          else np.zeros((history.size, 0), dtype=np.float32))
         return out
 
 

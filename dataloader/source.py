@@ -152,6 +152,14 @@ class RowGroupFiles(ABC):
         if entry is not None:
             self._cache.move_to_end(rg)
             return entry
+        entry = self._decode(rg)
+        self._cache[rg] = entry
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return entry
+
+    def _decode(self, rg: int) -> _RowGroup:
+        """Row group ``rg`` (global index), decoded and checked (``decoded_bytes`` counts it)."""
         file_index, rg_id = int(self.rg_file[rg]), int(self.rg_id[rg])
         shown = self.file_names[file_index]
         try:
@@ -160,11 +168,7 @@ class RowGroupFiles(ABC):
             raise DataError(f"{shown}: row group {rg_id}: corrupt or truncated Parquet data ({exc})") from None
         self.decoded_bytes += table.nbytes
         bad = self._validate(table, f"{shown}: row group {rg_id}")
-        entry = _RowGroup(arrays=self.arrays_of(table.select(self.keep_columns)), bad=bad)
-        self._cache[rg] = entry
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return entry
+        return _RowGroup(arrays=self.arrays_of(table.select(self.keep_columns)), bad=bad)
 
     def _validate(self, table: pa.Table, where: str) -> np.ndarray | None:
         """Per-row problems; raise on the first (error mode) or return the bad-row mask (skip)."""

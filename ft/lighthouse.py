@@ -138,6 +138,7 @@ and a client that goes away mid-request is one log line.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -403,7 +404,7 @@ class Lighthouse(LighthouseOps):
             vote.waiters.append(decided)
             task = asyncio.get_running_loop().create_task(self._answer_links(vote, decided))
             self._answering_links.add(task)
-            task.add_done_callback(lambda _, held=vote: self._answered(held))  # (also if cancelled unstarted)
+            task.add_done_callback(functools.partial(self._answered, vote))  # (also if cancelled unstarted)
             task.add_done_callback(self._answering_links.discard)
         vote.listeners.append((link, number, cast.group))
         self.answering += 1
@@ -430,7 +431,7 @@ class Lighthouse(LighthouseOps):
                 except Exception:
                     log.exception("lighthouse: writing a vote's answer failed")
 
-    def _answered(self, vote: _Vote) -> None:
+    def _answered(self, vote: _Vote, _: asyncio.Task[None]) -> None:
         """``vote``'s held ballots are answered (or the lighthouse stops): no longer waiting."""
         self.answering -= len(vote.listeners)
         vote.listeners = []

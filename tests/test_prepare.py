@@ -341,8 +341,12 @@ def test_engine_spark_without_pyspark_is_one_line(tmp_path: Path, capsys: pytest
         "freescale: error: --engine spark needs pyspark: pip install 'freescale[spark]'"]
 
 
-def test_a_skipped_user_with_lists_of_other_lengths_shifts_no_other_users_values(tmp_path: Path) -> None:
-    bad_labels = pa.array([[1, 0, 1], [1], [0, 1, 0, 1], [1, 0]], pa.list_(pa.float32()))  # user 1's is short
+@pytest.mark.parametrize("user_1_labels", [[1], [1, 0, 1, 1, 0, 1]])
+def test_a_skipped_user_with_lists_of_other_lengths_shifts_no_other_users_values(tmp_path: Path,
+                                                                                 user_1_labels: list[int]) -> None:
+    """User 1's labels are shorter or longer than its items: skipped whole.  The longer one takes the row group
+    past the values its slot was sized for (from the declared lengths): the slots grow, nothing shifts."""
+    bad_labels = pa.array([[1, 0, 1], user_1_labels, [0, 1, 0, 1], [1, 0]], pa.list_(pa.float32()))
     data = write_v2(tmp_path / "d", labels=bad_labels)
     pq.write_table(pq.read_table(data / "users-00000.parquet"), data / "users-00000.parquet", row_group_size=4)
     source = SequenceSource(str(data), "train", ["user_id", "candidate_item_id", "label"], max_seq_len=4,
