@@ -67,11 +67,22 @@ def _scan(costs: np.ndarray) -> tuple[int, float, float]:
 def _sort_desc(costs: np.ndarray, largest: float) -> tuple[np.ndarray, np.ndarray]:
     """``(order, costs[order])``, ``order`` descending by cost up to ``largest / 2**16`` (a
     counting sort on the costs quantized to 16 bits; stable).  LPT's choices move by at most
-    that much per sample, a few millionths of a part: one pass instead of a full sort."""
+    that much per sample, a few millionths of a part: one pass instead of a full sort.  Under 4,096
+    costs the 65,536 keys' pass costs more than sorting (key, index) pairs, which gives the same order."""
     n = costs.size
     scale = (_KEYS - 1) / largest if largest > 0.0 else 0.0
     if not scale < np.inf:
         scale = 0.0  # a tiny largest cost: one key for all, index order
+    if n < _KEYS // 16:  # few costs: a sort of (key, index) beats a pass over every key (the same order)
+        combined = np.empty(n, dtype=np.int64)
+        for i in range(n):
+            combined[i] = ((_KEYS - 1) - min(int(costs[i] * scale), _KEYS - 1)) * n + i
+        combined.sort()
+        order = combined % n
+        ordered = np.empty(n, dtype=np.float64)
+        for j in range(n):
+            ordered[j] = costs[order[j]]
+        return order, ordered
     keys = np.empty(n, dtype=np.int32)
     starts = np.zeros(_KEYS + 1, dtype=np.int64)
     for i in range(n):
