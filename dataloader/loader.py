@@ -160,6 +160,9 @@ class BalancedLoader:
         self.last: StepInfo | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._planning = threading.Lock()
+        """Held while the producer thread plans: a read of the planner's windows waits for that, not for the
+        producer to stop (``state_dict`` at every save)."""
         self._queue: queue.Queue[Any] = queue.Queue()
         self.made: Callable[[int, float], None] | None = None
         """Called after each batch is made, on the thread that made it, with its step (counted from the
@@ -319,8 +322,13 @@ class BalancedLoader:
         self.planner.load_carry_state(state.get("carry") or [])
 
     def _window_state_for_position(self) -> dict[str, Any]:
-        self._halt()  # the producer thread plans too; stop it before reading the planner
-        return self.planner.window_state(self.epoch, self.step)
+        """How the window at the position was planned.  The producer thread plans ahead meanwhile, under
+        ``_planning``; it never drops the position's window (``windows_kept`` covers the steps it may be
+        ahead) nor re-plans it (live ranks change only with the producer stopped), so reading between two of
+        its plans is enough: the batches it prefetched stay (stopping it, as this did, cost a save's next step
+        the wait for its batch)."""
+        with self._planning:
+            return self.planner.window_state(self.epoch, self.step)
 
     def close(self) -> None:
         self._halt()
@@ -360,7 +368,8 @@ class BalancedLoader:
                     except queue.Full:
                         continue
                 if not stop.is_set():  # a halt waits for this thread: never for a plan no one needs
-                    self._plan_next_window(epoch, step, live)
+                    with self._planning:
+                        self._plan_next_window(epoch, step, live)
                 epoch, step = self._advance(epoch, step)
         except BaseException as exc:  # handed to the consumer, raised there
             out.put(_Failure(exc))
@@ -381,7 +390,8 @@ class BalancedLoader:
             self.planner.plan_window(nxt[0], nxt[1], live)
 
     def _make(self, epoch: int, step: int, live: tuple[int, ...]) -> tuple[dict[str, Any], Batch]:
-        plan = self.planner.plan(epoch, step, live)
+        with self._planning:
+            plan = self.planner.plan(epoch, step, live)
         start = time.perf_counter()
         rows, costs = plan.for_rank(self.rank)
         arrays, kept = self.source.read_arrays(rows)

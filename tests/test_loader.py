@@ -303,6 +303,31 @@ def test_state_with_pending_carry_resumes_identically(tiny_data: Path, window: i
         loader.close()
 
 
+@pytest.mark.parametrize("window", [1, 4])
+def test_state_dict_keeps_the_prefetched_batches_and_the_state_resumes_identically(tiny_data: Path,
+                                                                                     window: int) -> None:
+    """A save reads the loader's state while its producer thread plans ahead: the prefetched batches stay (no
+    stop, no re-read: a save's next step does not wait for its batch), the batches after it are those of a
+    loader asked nothing, and the state resumes exactly there."""
+    asked, plain = make(tiny_data, prefetch=3, window=window), make(tiny_data, prefetch=3, window=window)
+    consume(asked, 5)
+    consume(plain, 5)
+    deadline = time.monotonic() + 30
+    while asked._queue.qsize() < 3 and time.monotonic() < deadline:  # the next steps are prefetched
+        time.sleep(0.01)
+    producer = asked._thread
+    state = json.loads(json.dumps(asked.state_dict()))
+    assert asked._thread is producer and producer is not None and producer.is_alive() and asked._queue.qsize() == 3
+    after, expected = _batches(asked, 6), _batches(plain, 6)
+    resumed = make(tiny_data, prefetch=1, window=window)
+    resumed.load_state_dict(state)
+    again = _batches(resumed, 6)
+    for got in (after, again):
+        assert all(len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b)) for a, b in zip(got, expected))
+    for loader in (asked, plain, resumed):
+        loader.close()
+
+
 def test_requeue_drops_batches_prefetched_without_the_carry(tiny_data: Path) -> None:
     loader = make(tiny_data, prefetch=3, window=4)
     consume(loader, 2)
