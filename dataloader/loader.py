@@ -134,10 +134,11 @@ class BalancedLoader:
         if source.max_seq_len != max_seq_len:
             raise ValueError(f"the source cuts histories at {source.max_seq_len}, the loader was asked for {max_seq_len}")
         self.source, self.planner = source, planner
-        # The producer may run ``prefetch`` steps ahead and plan one more window ahead of that; the
-        # window of the consumed position (and its re-plan history) must still be there when it is
-        # saved or re-planned: evicting it would re-plan it afresh on this rank alone.
-        planner.windows_kept = max(planner.windows_kept, prefetch // planner.window + 3)
+        # The producer may run ``prefetch`` steps ahead and plan one more window ahead of that (with the
+        # consumer's, prefetch // window + 3 windows); the window of the consumed position (and its re-plan
+        # history) must still be there when it is saved (read beside the producer: one window's margin) or
+        # re-planned: evicting it would re-plan it afresh on this rank alone.
+        planner.windows_kept = max(planner.windows_kept, prefetch // planner.window + 4)
         self.rank = rank
         self.sparse_features = list(sparse_features)
         self.max_seq_len = max_seq_len
@@ -304,6 +305,7 @@ class BalancedLoader:
         self.planner.clear_remainder()
         if "cost_model" in state:
             self.planner.set_cost_model(CostModel(*state["cost_model"]), 0, 0)
+        self.source.skipped.clear()  # the run's count as of the state (not added to what this process decoded)
         self.source.skipped.update(state.get("skipped", {}))
         if "shape" in state and any(state["shape"].get(k) != mine[k] for k in SHAPE_KEYS):
             self.epoch, self.step = start_remainder(self.planner, state, self.source.lengths, self.source.rg_rows)

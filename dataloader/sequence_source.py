@@ -80,8 +80,7 @@ class SequenceSource(RowGroupFiles):
         self.rg_rows = np.diff(self.rg_start)
         owner = np.repeat(np.arange(self.count.size), self.count)
         self.lengths = (np.arange(self.num_rows, dtype=np.int64) - self.user_start[owner] + self.first[owner])
-        per_group = np.add.reduceat(length, self.stored_start[:-1]) if length.size else np.zeros(0, dtype=np.int64)
-        per_group[self.stored_rows == 0] = 0  # (reduceat gives an empty group its next user's length)
+        per_group = np.diff(np.concatenate([[0], np.cumsum(length)])[self.stored_start])  # declared interactions
         self._slots = UserSlots(cache_row_groups, self.stored_rows.size, int(self.stored_rows.max(initial=1)),
                                 int(per_group.max(initial=1)), self._lists, USER_ID)
         self._output_schema = sample_schema(self.manifest.dense_dim).append(pa.field(CANDIDATE_TIMESTAMP, pa.int64()))

@@ -8,10 +8,12 @@ buffer per column (values; each user's start in them, shifted by the slot's base
 any set of samples, from any row groups held, is read by one gather per column in one call.
 
 The slots are an LRU over row groups like the cache they replace (``RowGroupFiles``: each row group decoded at
-most once while held).  A slot holds up to ``users`` users and, per column, up to a capacity of values sized from
-the users' declared lengths; a row group past a capacity (a bad row's list under ``on_bad_rows = "skip"``) grows
-that column's buffer for every slot.  ``ensure`` never evicts a row group the same call needs: the caller asks for
-at most ``count`` row groups at a time.
+most once while held).  A slot holds up to ``users`` users (the largest row group's) and, per list column, the
+largest row group's declared interactions (its users' ``length``): a good user's lists hold exactly its declared
+length (the row checks make any other a bad row), and a bad user's lists, of any length, are not copied (its
+samples are never read).  Memory: ``count`` times the largest row group, where the cache held its row groups at
+their own sizes (the buffers are zeros until written: a slot commits the pages its occupants filled).  ``ensure``
+never evicts a row group the same call needs: the caller asks for at most ``count`` row groups at a time.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from collections.abc import Callable
 
 import numpy as np
 
+from freescale.dataloader.gather import gather_tails
+
 LoadedRowGroup = tuple[dict[str, np.ndarray], np.ndarray | None]
 """A decoded row group's numpy buffers (``SequenceSource.arrays_of``: a list column's values and its offsets as
 ``name@``; the user ids) and its bad-row mask (None: every row good)."""
 
 
 class UserSlots:
-    """``count`` slots of ``users`` users each; list columns ``lists`` with an initial capacity of values per slot."""
+    """``count`` slots of ``users`` users each; list columns ``lists`` of up to ``capacity`` values per slot."""
 
     def __init__(self, count: int, row_groups: int, users: int, capacity: int, lists: list[str], user_column: str) -> None:
         self.count, self.users, self.lists, self.user_column = max(1, count), max(1, users), lists, user_column
@@ -37,7 +41,8 @@ class UserSlots:
         self._used = np.zeros(self.count, dtype=np.int64)
         self._tick = 0
         self.values: dict[str, np.ndarray] = {}
-        """Per list column, (slots x capacity[, width]) values (allocated at the first row group, its dtype)."""
+        """Per list column, (slots x capacity[, width]) values (made at the first row group, in its dtype: the
+        files' schemas are checked alike)."""
         self.starts = {name: np.zeros(self.count * self.users, dtype=np.int64) for name in lists}
         """Per list column, each (slot, user)'s first value, as a flat index into ``values[name]``."""
         self.user_ids = np.zeros(0, dtype=np.int64)
@@ -55,6 +60,7 @@ class UserSlots:
             slot = int(np.argmin(self._used))  # (free slots have 0; this call's have the current tick)
             if self._held[slot] >= 0:
                 self.slot_of[self._held[slot]] = -1
+                self._held[slot] = -1  # (a load that fails leaves the slot free)
             arrays, bad = load(group)
             self._put(slot, arrays, bad)
             self._held[slot], self.slot_of[group], self._used[slot] = group, slot, self._tick
@@ -66,36 +72,31 @@ class UserSlots:
         return values.reshape(-1, *values.shape[2:])
 
     def _put(self, slot: int, arrays: dict[str, np.ndarray], bad: np.ndarray | None) -> None:
+        """Row group ``arrays`` into ``slot``: its good users' lists back to back (a bad user's lists, of any
+        length, are left out: its samples are never read), each user's start, its ids and its bad-row mask."""
         ids = arrays[self.user_column]
         n = ids.size
         if n > self.users:
             raise ValueError(f"a row group of {n} users, slots of {self.users}")
         first = slot * self.users
-        if self.user_ids.dtype != ids.dtype or not self.user_ids.size:
+        if not self.user_ids.size:
             self.user_ids = np.zeros(self.count * self.users, dtype=ids.dtype)
         self.user_ids[first:first + n] = ids
         self.bad[first:first + n] = False if bad is None else bad
+        skipping = bad is not None and bool(bad.any())
         for name in self.lists:
             values, offsets = arrays[name], arrays[name + "@"]
-            self._fit(name, values)
-            base = slot * self.capacity[name]
+            if skipping:
+                assert bad is not None
+                lengths = np.where(bad, 0, np.diff(offsets))
+                values = gather_tails([(values, offsets[1:], lengths)])
+                offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            if values.shape[0] > self.capacity[name]:
+                raise ValueError(f"row group of {values.shape[0]} '{name}' values, slots of {self.capacity[name]}")
+            if name not in self.values:
+                self.values[name] = np.zeros((self.count, self.capacity[name], *values.shape[1:]), dtype=values.dtype)
             self.values[name][slot, :values.shape[0]] = values
-            self.starts[name][first:first + n] = offsets[:-1] + base
-
-    def _fit(self, name: str, values: np.ndarray) -> None:
-        """Column ``name``'s buffer, made at the first row group and grown where one has more values than a slot
-        holds (the slots' contents kept, each user's start moved with its slot)."""
-        old = self.values.get(name)
-        need = values.shape[0]
-        if old is not None and need <= self.capacity[name] and old.dtype == values.dtype:
-            return
-        capacity = max(self.capacity[name], need + need // 4) if old is not None else max(self.capacity[name], need)
-        grown = np.zeros((self.count, capacity, *values.shape[1:]), dtype=values.dtype)
-        if old is not None:
-            grown[:, :old.shape[1]] = old
-            starts = self.starts[name].reshape(self.count, self.users)
-            starts += (np.arange(self.count, dtype=np.int64) * (capacity - old.shape[1]))[:, None]
-        self.values[name], self.capacity[name] = grown, capacity
+            self.starts[name][first:first + n] = offsets[:-1] + slot * self.capacity[name]
 
 
 __all__ = ["LoadedRowGroup", "UserSlots"]

@@ -358,6 +358,20 @@ def test_a_skipped_user_with_lists_of_other_lengths_shifts_no_other_users_values
     assert got == [(0, 2, 0.0), (0, 3, 1.0), (2, 6, 1.0), (2, 7, 0.0), (2, 8, 1.0), (3, 9, 0.0)]
 
 
+def test_a_split_ending_in_an_empty_file_opens_and_reads_every_sample(tmp_path: Path) -> None:
+    """Another tool's empty Parquet file (one row group of no rows) as the split's last file: every row group's
+    declared interactions are still counted right, and every sample reads."""
+    data = write_v2(tmp_path / "d")
+    table = pq.read_table(data / "users-00000.parquet")
+    pq.write_table(table.slice(0, 0), data / "users-00001.parquet")
+    DatasetManifest(num_items=10, num_users=4, dense_dim=0, max_len=4, format_version=2,
+                    splits={"train": ["users-00000.parquet", "users-00001.parquet"]}).write(data)
+    source = SequenceSource(str(data), "train", ["user_id", "candidate_item_id"], max_seq_len=4)
+    assert source.stored_rows[-1] == 0
+    got, kept = source.read(np.arange(source.num_rows))
+    assert kept.tolist() == list(range(7)) and got.column("candidate_item_id").to_pylist() == [2, 3, 4, 6, 7, 8, 9]
+
+
 def test_times_in_any_unit_and_iso_text_keep_their_order_within_a_second(tmp_path: Path) -> None:
     ns = 1_700_000_000_000_000_000
     log = pa.table({"who": [1, 1, 1, 2, 2], "what": [5, 4, 3, 1, 2],
