@@ -139,7 +139,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import time
@@ -148,7 +147,7 @@ from typing import Any
 from aiohttp import ClientPayloadError, WSMsgType, web
 
 from freescale.ft import durable
-from freescale.ft.lighthouse_ops import LighthouseOps, Pending, Reply, error
+from freescale.ft.lighthouse_ops import LighthouseOps, Pending, Reply, call_id, error, json_object
 from freescale.ft.membership import LighthouseConfig
 from freescale.ft.membership_records import BadRequest, _Vote
 from freescale.ft.quiet_gc import PYTHON_GC_ENV, QuietCollector
@@ -274,7 +273,7 @@ class Lighthouse(LighthouseOps):
                          asyncio.wait_for(request.read(), self.cfg.body_timeout_s))
         except TimeoutError:
             raise _BodyTimeout(f"the request body did not arrive within {self.cfg.body_timeout_s:g} s") from None
-        return _json_object(raw)
+        return json_object(raw)
 
     def quiet(self) -> bool:
         """No request being answered: no ballot waits for its vote, no quorum request for its quorum, no decided
@@ -332,8 +331,8 @@ class Lighthouse(LighthouseOps):
                     break
                 call: Any = None
                 try:
-                    call = _json_object(message.data)
-                    number, op, body = _call_id(call), call.get("op"), call.get("body")
+                    call = json_object(message.data)
+                    number, op, body = call_id(call), call.get("op"), call.get("body")
                     if not isinstance(body, dict):
                         raise BadRequest("each message needs a JSON object 'body'")
                     if identity is None:
@@ -361,10 +360,10 @@ class Lighthouse(LighthouseOps):
                     else:
                         raise BadRequest(f"unknown op {op!r} (heartbeat, quorum, commit)")
                 except BadRequest as exc:
-                    await _answer(link, _call_id(call), error(400, str(exc)))
+                    await _answer(link, call_id(call), error(400, str(exc)))
                 except Exception:
                     log.exception("lighthouse: a request on %s's link failed", speaking[0] if speaking else "an agent")
-                    await _answer(link, _call_id(call), error(500, "the lighthouse failed on this request"))
+                    await _answer(link, call_id(call), error(500, "the lighthouse failed on this request"))
         finally:
             self._links.discard(link)
             for task in pending:
@@ -458,22 +457,6 @@ class Lighthouse(LighthouseOps):
                     self._save()  # the growing high_step, at most once a second (a lower bound)
             except Exception:  # a bug here must not stop every later decision
                 log.exception("lighthouse: tick failed")
-
-
-def _json_object(raw: bytes | str) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise BadRequest(f"body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
-    return body
-
-
-def _call_id(call: Any) -> int:
-    """The id of a message on an agent's link, to answer it by; -1 where it has none that is an integer."""
-    number = call.get("id") if isinstance(call, dict) else None
-    return number if isinstance(number, int) and not isinstance(number, bool) else -1
 
 
 async def _answer(link: web.WebSocketResponse, number: int, reply: Reply) -> None:

@@ -33,6 +33,23 @@ def error(status: int, message: str) -> Reply:
 OK: Reply = (200, '{"ok": true}')
 
 
+def json_object(raw: bytes | str) -> dict[str, Any]:
+    """A request's body (an HTTP request's, a link message's): a JSON object, or ``BadRequest`` saying why not."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
+
+
+def call_id(call: Any) -> int:
+    """The id of a message on an agent's link, to answer it by; -1 where it has none that is an integer."""
+    number = call.get("id") if isinstance(call, dict) else None
+    return number if isinstance(number, int) and not isinstance(number, bool) else -1
+
+
 class Pending(NamedTuple):
     """A ballot counted in a vote not decided yet (``LighthouseOps.cast_ballot``)."""
     vote: _Vote
