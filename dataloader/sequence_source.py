@@ -24,6 +24,8 @@ error at open in either mode.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -81,6 +83,7 @@ class SequenceSource(RowGroupFiles):
         owner = np.repeat(np.arange(self.count.size), self.count)
         self.lengths = (np.arange(self.num_rows, dtype=np.int64) - self.user_start[owner] + self.first[owner])
         per_group = np.diff(np.concatenate([[0], np.cumsum(length)])[self.stored_start])  # declared interactions
+        self._reading = threading.Lock()
         self._slots = UserSlots(cache_row_groups, self.stored_rows.size, int(self.stored_rows.max(initial=1)),
                                 int(per_group.max(initial=1)), self._lists, USER_ID)
         self._output_schema = sample_schema(self.manifest.dense_dim).append(pa.field(CANDIDATE_TIMESTAMP, pa.int64()))
@@ -159,7 +162,10 @@ class SequenceSource(RowGroupFiles):
         """What ``read`` returns, as numpy (the loader's path; keys as ``ParquetSource.read_arrays``): the row
         groups the samples live in held in the slots (``user_slots``), then one gather per column for all of
         them (in parts of at most as many row groups as there are slots)."""
-        samples = np.sort(np.asarray(samples, dtype=np.int64))
+        with self._reading:  # (the slots are shared state: the prefetch thread and a caller's reads take turns)
+            return self._read_sorted(np.sort(np.asarray(samples, dtype=np.int64)))
+
+    def _read_sorted(self, samples: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         user = np.searchsorted(self.user_start, samples, side="right") - 1
         group = np.searchsorted(self.stored_start, user, side="right") - 1
         needed = np.unique(group)
