@@ -83,12 +83,11 @@ class UserSlots:
             self.user_ids = np.zeros(self.count * self.users, dtype=ids.dtype)
         self.user_ids[first:first + n] = ids
         self.bad[first:first + n] = False if bad is None else bad
-        skipping = bad is not None and bool(bad.any())
+        dropped = bad if bad is not None and bad.any() else None
         for name in self.lists:
             values, offsets = arrays[name], arrays[name + "@"]
-            if skipping:
-                assert bad is not None
-                lengths = np.where(bad, 0, np.diff(offsets))
+            if dropped is not None:
+                lengths = np.where(dropped, 0, np.diff(offsets))
                 values = gather_tails([(values, offsets[1:], lengths)])
                 offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
             if values.shape[0] > self.capacity[name]:

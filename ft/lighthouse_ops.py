@@ -256,9 +256,7 @@ class LighthouseOps(Membership):
             vote = self.votes.pop(key)
             if vote.result is None:
                 vote.result = False
-                if self.quorum is not None and self.quorum["quorum_id"] == vote.quorum_id:
-                    self.quorum["broken"] = True  # as any vote that fails (``Membership._settle``)
-                resolve(vote.waiters, False)
+                self._decided(vote)
 
     def vote_answer(self, vote: _Vote, group: _Group) -> Reply:
         """A decided vote's answer to ``group``'s ballot: no; yes, stage the step for a joiner; or yes with the
@@ -360,4 +358,3 @@ class LighthouseOps(Membership):
             self.lost_at_scan = (self.quorum["quorum_id"], self._lost(self.quorum, now))
         for vote in list(self.votes.values()):
             self._settle(vote, now)
-

@@ -414,11 +414,15 @@ class Membership:
                                                             or not group.healthy(now, self.cfg.heartbeat_timeout_s)):
                     vote.result = False
                     break
+        if vote.result is not None:
+            self._decided(vote)
+
+    def _decided(self, vote: _Vote) -> None:
+        """``vote.result`` is set: a yes makes its holders; a no breaks its quorum; its ballots are answered."""
         if vote.result:
             self._commit_holders(vote)
-        if vote.result is not None:
-            if not vote.result and self.quorum is not None and self.quorum["quorum_id"] == vote.quorum_id:
-                # Everyone drops the quorum's process groups: the next one gets a new id (and store
-                # prefix), even with the same members, so no rendezvous reads this one's keys.
-                self.quorum["broken"] = True
-            resolve(vote.waiters, vote.result)
+        elif self.quorum is not None and self.quorum["quorum_id"] == vote.quorum_id:
+            # Everyone drops the quorum's process groups: the next one gets a new id (and store
+            # prefix), even with the same members, so no rendezvous reads this one's keys.
+            self.quorum["broken"] = True
+        resolve(vote.waiters, vote.result)
