@@ -154,6 +154,9 @@ def _run_agent(nproc_per_node: int, max_restarts: int, train_args: Sequence[str]
         return (2 if _user_errors(error_dir, final_only=True) else 0), None
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
+        killed = [(r, f) for r, f in sorted(failed.failures.items()) if f.exitcode < 0]
+        if killed and failure.exitcode >= 0:  # a rank a signal killed, not its peer that exited on seeing it
+            rank, failure = killed[0]
         if Path(error_dir, SHRINK_REFUSED).exists():  # every rank refused alike: nothing to report as an error
             for path in Path(error_dir).glob("rank*.txt"):
                 path.unlink()
