@@ -232,6 +232,10 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     if bad >= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(k + 1, dtype=np.int64), bad
     order, ordered = _sort_desc(costs, largest)
+    if k == 1:  # one part holds every sample, heaviest first: nothing to place or refine (a one-rank run)
+        offsets = np.zeros(2, dtype=np.int64)
+        offsets[1] = n
+        return order, offsets, -1
     mean = total / speeds.sum()
     full, extra = (n // k, n % k) if equal_count else (max(max_count, -(-n // k)), 0)
     loose = full if equal_count else max(count_ceiling, full)

@@ -12,10 +12,11 @@ import pyarrow.compute as pc
 
 from freescale.config import require
 from freescale.dataloader import gather
+from freescale.dataloader.assemble import SPARSE_FEATURES
 from freescale.dataloader.balance_kernels import warm_up
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.epoch_order import EpochOrder
-from freescale.dataloader.loader import SPARSE_FEATURES, BalancedLoader
+from freescale.dataloader.loader import BalancedLoader
 from freescale.dataloader.partition import check_size
 from freescale.dataloader.planner import BatchPlanner
 from freescale.dataloader.schema import (

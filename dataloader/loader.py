@@ -3,15 +3,17 @@
 Per step, on every rank, with no exchange of samples::
 
     planner.plan(epoch, step, live_ranks)   same answer on every rank (planner.py)
-    source.read_arrays(my rows)             row-group reads of just these rows, as numpy (source.py,
+    source.read_runs(my rows of each step)  row-group reads of just these rows, as numpy (source.py,
                                             sequence_source.py: histories cut at read time)
-    to_batch(...)                           numpy lengths/values -> KJT, no per-sample loop
+    assembler.batches(...)                  numpy lengths/values -> KJT, no per-sample loop (assemble.py)
 
-A background thread runs those three for the next ``prefetch`` steps, so the
-training loop only waits when reading is slower than a step (``wait_s`` in
-``last`` says how long it waited).  Planning, Parquet decoding and the numpy
-work release the GIL for most of their time, so the thread overlaps the
-model's compute even on CPU.  ``prefetch = 0`` does it all inline.
+A background thread runs those three ahead of the training loop, up to ``prefetch`` batches ready, so
+the loop only waits when reading is slower than a step (``wait_s`` in ``last`` says how long it waited).
+Once running it reads ``READ_STEPS`` steps at a time (each planned as alone; their rows in one read,
+their batches built in one pass): at a few hundred samples a step the fixed costs of a read and of
+building tensors outweigh the bytes.  Planning, Parquet decoding and the numpy work release the GIL for
+most of their time, so the thread overlaps the model's compute even on CPU.  ``prefetch = 0`` does it all
+inline, one step at a time.
 
 Position and resumption: ``state_dict`` holds the next (epoch, step) to be
 *consumed* (prefetched batches do not count) and the current planning window's
@@ -39,35 +41,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from freescale.dataloader.assemble import SPARSE_FEATURES, BatchAssembler, StepRows
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.partition import Parts
 from freescale.dataloader.planner import BatchPlanner, StepPlan
 from freescale.dataloader.reshape import SHAPE_KEYS, remainder, shape_of, start_remainder
 from freescale.dataloader.schema import (
-    CANDIDATE_ITEM,
-    CANDIDATE_TIMESTAMP,
-    DENSE,
-    HISTORY_ITEMS,
-    HISTORY_TIMESTAMPS,
-    LABEL,
-    SAMPLED_ITEMS,
-    USER_ID,
     DataError,
 )
 from freescale.dataloader.sequence_source import SequenceSource
 from freescale.dataloader.source import ParquetSource
-
-# Sparse feature name -> (column, is a list column); no column: the loader makes it.
-SPARSE_FEATURES: dict[str, tuple[str, bool]] = {
-    HISTORY_ITEMS: (HISTORY_ITEMS, True),
-    CANDIDATE_ITEM: (CANDIDATE_ITEM, False),
-    USER_ID: (USER_ID, False),
-    SAMPLED_ITEMS: ("", True),
-}
 
 
 @dataclass
@@ -103,6 +88,8 @@ class _Failure:
 
 
 _END = object()
+READ_STEPS = 8
+"""Steps the prefetching producer reads at once (their rows in one read: ``source.read_runs``), once running."""
 
 
 class BalancedLoader:
@@ -134,11 +121,12 @@ class BalancedLoader:
         if source.max_seq_len != max_seq_len:
             raise ValueError(f"the source cuts histories at {source.max_seq_len}, the loader was asked for {max_seq_len}")
         self.source, self.planner = source, planner
-        # The producer may run ``prefetch`` steps ahead and plan one more window ahead of that (with the
-        # consumer's, prefetch // window + 3 windows); the window of the consumed position (and its re-plan
-        # history) must still be there when it is saved (read beside the producer: one window's margin) or
-        # re-planned: evicting it would re-plan it afresh on this rank alone.
-        planner.windows_kept = max(planner.windows_kept, prefetch // planner.window + 4)
+        # The producer may run ``prefetch`` steps ahead, with up to ``READ_STEPS`` more made in one read, and plan
+        # one more window ahead of that (with the consumer's, (prefetch + READ_STEPS) // window + 3 windows); the
+        # window of the consumed position (and its re-plan history) must still be there when it is saved (read
+        # beside the producer: one window's margin) or re-planned: evicting it would re-plan it afresh on this
+        # rank alone.
+        planner.windows_kept = max(planner.windows_kept, (prefetch + READ_STEPS) // planner.window + 4)
         self.rank = rank
         self.sparse_features = list(sparse_features)
         self.max_seq_len = max_seq_len
@@ -154,6 +142,9 @@ class BalancedLoader:
         """Ranks whose gradients are averaged together first (one replica group; without fault
         tolerance every rank): ``loss_scale`` makes that average the mean over their samples."""
         self.dense_dim = source.manifest.dense_dim
+        self._in_group: dict[tuple[int, ...], np.ndarray] = {}
+        self.assembler = BatchAssembler(self.sparse_features, self.dense_dim, rank, timestamps, sampled_items,
+                                        source.manifest.num_items, seed)
         self._live = self._check_ranks(live_ranks)
         self.epoch, self.step = 0, 0
         self._reshaped_from: tuple[int, dict[str, Any]] | None = None
@@ -166,9 +157,10 @@ class BalancedLoader:
         producer to stop (``state_dict`` at every save)."""
         self._queue: queue.Queue[Any] = queue.Queue()
         self.made: Callable[[int, float], None] | None = None
-        """Called after each batch is made, on the thread that made it, with its step (counted from the
-        first epoch's start) and the seconds its rows took to read and assemble (the plan not included: it
-        does not grow with the rank's share; tests: ``freescale.testing``'s slow data loading)."""
+        """Called for each batch made, on the thread that made it, just before it is handed out, with its step
+        (counted from the first epoch's start) and the seconds its rows took to read and assemble (its share of
+        a read of several steps; the plan not included: it does not grow with the rank's share; tests:
+        ``freescale.testing``'s slow data loading)."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -200,7 +192,10 @@ class BalancedLoader:
             raise StopIteration
         start = time.perf_counter()
         if self.prefetch == 0:
-            item = self._make(self.epoch, self.step, self._live)
+            info, batch, seconds = self._make(self.epoch, self.step, self._live, 1)[0]
+            if self.made is not None:
+                self.made(self.epoch * self.steps_per_epoch + self.step, seconds)
+            item = (info, batch)
         else:
             if self._thread is None:
                 self._start()
@@ -360,19 +355,28 @@ class BalancedLoader:
             self._thread = None
 
     def _produce(self, epoch: int, step: int, live: tuple[int, ...], stop: threading.Event, out: queue.Queue[Any]) -> None:
+        """Make batches from ``(epoch, step)`` on into ``out`` until stopped: 1, 2, 4 .. ``READ_STEPS`` steps
+        a read (the first batch after a (re)start comes as soon as one step's read allows), each handed out
+        on its own (``made`` called just before, so a slowed loader is slow step by step)."""
         try:
+            count = 1
             while not stop.is_set() and (self.epochs is None or epoch < self.epochs):
-                item = self._make(epoch, step, live)
-                while not stop.is_set():
-                    try:
-                        out.put(item, timeout=0.05)
-                        break
-                    except queue.Full:
-                        continue
-                if not stop.is_set():  # a halt waits for this thread: never for a plan no one needs
+                count = min(count, self.planner.steps_in(epoch) - step)
+                for info, batch, seconds in self._make(epoch, step, live, count):
+                    if self.made is not None:
+                        self.made(epoch * self.steps_per_epoch + step, seconds)
+                    while not stop.is_set():
+                        try:
+                            out.put((info, batch), timeout=0.05)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():  # a halt waits for this thread: never for a plan no one needs
+                        return
                     with self._planning:
                         self._plan_next_window(epoch, step, live)
-                epoch, step = self._advance(epoch, step)
+                    epoch, step = self._advance(epoch, step)
+                count = min(2 * count, READ_STEPS)
         except BaseException as exc:  # handed to the consumer, raised there
             out.put(_Failure(exc))
 
@@ -391,74 +395,54 @@ class BalancedLoader:
         if self.epochs is None or nxt[0] < self.epochs:
             self.planner.plan_window(nxt[0], nxt[1], live)
 
-    def _make(self, epoch: int, step: int, live: tuple[int, ...]) -> tuple[dict[str, Any], Batch]:
+    def _make(self, epoch: int, first: int, live: tuple[int, ...], count: int) -> list[tuple[dict[str, Any], Batch, float]]:
+        """Steps ``first .. first + count - 1`` of ``epoch`` (all in it): each one's info, batch and the seconds its
+        rows took to read and assemble (a share of the whole: the read is one).  The steps are planned one by one
+        (the same plans as one at a time), their rows read together (``read_runs``: one gather for them all) and
+        their batches built together (``assemble``)."""
         with self._planning:
-            plan = self.planner.plan(epoch, step, live)
+            plans = [self.planner.plan(epoch, step, live) for step in range(first, first + count)]
         start = time.perf_counter()
-        rows, costs = plan.for_rank(self.rank)
-        arrays, kept = self.source.read_arrays(rows)
-        batch = self._to_batch(arrays, kept.size, self.planner.costs(plan.model, kept), self._loss_scale(plan),
-                               (epoch, step))
+        mine = [plan.live_ranks.index(self.rank) for plan in plans]
+        arrays, kept, sizes = self.source.read_runs([plan.rows[i] for plan, i in zip(plans, mine)])
+        cuts = np.concatenate([[0], np.cumsum(sizes)])
+        if all(plan.model == plans[0].model for plan in plans):
+            costs = self.planner.costs(plans[0].model, kept)
+        else:  # (a new cost model from a window inside these steps)
+            costs = np.concatenate([self.planner.costs(plan.model, kept[cuts[j]:cuts[j + 1]]) for j, plan in enumerate(plans)])
+        scales = [self._loss_scale(plan) for plan in plans]
+        batches = self.assembler.batches(arrays, StepRows(sizes, costs, scales, [(epoch, plan.step) for plan in plans]))
         if self.pin_memory:
-            batch = batch.pin_memory()
-        plan_rows = Parts(_read_only(plan.rows.index), plan.rows.offsets)
-        info = dict(epoch=epoch, step=step, imbalance=plan.imbalance(), bound=plan.bound(),
-                    global_size=plan.global_size, rank_size=batch.size, rank_cost=float(costs.sum()), rows=kept,
-                    live_ranks=plan.live_ranks, plan_rows=plan_rows, rank_sizes=tuple(plan.rows.sizes.tolist()),
-                    row_lengths=self.planner.lengths[kept], loss_scale=batch.loss_scale)
-        if self.made is not None:
-            self.made(epoch * self.steps_per_epoch + step, time.perf_counter() - start)
-        return info, batch
+            batches = [batch.pin_memory() for batch in batches]
+        lengths = self.planner.lengths[kept]
+        made = []
+        for j, (plan, i, batch) in enumerate(zip(plans, mine, batches)):
+            info = dict(epoch=epoch, step=plan.step, imbalance=plan.imbalance(), bound=plan.bound(),
+                        global_size=plan.global_size, rank_size=batch.size, rank_cost=float(plan.costs[i].sum()),
+                        rows=kept[cuts[j]:cuts[j + 1]], live_ranks=plan.live_ranks,
+                        plan_rows=Parts(_read_only(plan.rows.index), plan.rows.offsets),
+                        rank_sizes=tuple(plan.rows.sizes.tolist()), row_lengths=lengths[cuts[j]:cuts[j + 1]],
+                        loss_scale=batch.loss_scale)
+            made.append((info, batch))
+        share = (time.perf_counter() - start) / count
+        return [(info, batch, share) for info, batch in made]
 
     def batch_of(self, rows: np.ndarray, loss_scale: float, when: tuple[int, int] = (0, 0)) -> Batch:
         """The batch of exactly ``rows`` (global row ids; bad ones dropped as in training), its summed loss
         scaled by ``loss_scale``: a reference replays a run's steps from the rows its log names
         (``freescale.audit_reference``).  Sample costs are not computed (zeros)."""
         arrays, kept = self.source.read_arrays(np.asarray(rows, dtype=np.int64))
-        return self._to_batch(arrays, kept.size, np.zeros(kept.size), loss_scale, when)
-
-    def _to_batch(self, arrays: dict[str, np.ndarray], n: int, costs: np.ndarray, loss_scale: float,
-                  when: tuple[int, int]) -> Batch:
-        """The source's numpy columns (``read_arrays``) -> KJT, dense and labels, no per-sample loop."""
-        lengths: list[np.ndarray] = []
-        values: list[np.ndarray] = []
-        for feature in self.sparse_features:
-            column, is_list = SPARSE_FEATURES[feature]
-            if n == 0:
-                flat, lens = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-            elif feature == SAMPLED_ITEMS:  # all of them under the rank's first sample
-                rng = np.random.default_rng([self.seed, *when, self.rank])
-                flat = rng.integers(0, self.source.manifest.num_items, self.sampled_items, dtype=np.int64)
-                lens = np.zeros(n, dtype=np.int64)
-                lens[0] = flat.size
-            elif is_list:  # the source cut it to the most recent max_seq_len (gather.py)
-                flat, lens = arrays[column], arrays[column + "@"].astype(np.int64, copy=False)
-            else:
-                flat, lens = arrays[column], np.ones(n, dtype=np.int64)
-            values.append(flat.astype(np.int64, copy=False))
-            lengths.append(lens)
-        sparse = KeyedJaggedTensor(
-            keys=self.sparse_features,
-            values=torch.from_numpy(np.concatenate(values)),
-            lengths=torch.from_numpy(np.concatenate(lengths)),
-        )
-        dense = arrays[DENSE].reshape(n, self.dense_dim) if n else np.zeros((0, self.dense_dim), dtype=np.float32)
-        labels = arrays[LABEL] if n else np.zeros(0, dtype=np.float32)
-        history_ts, candidate_ts = _timestamps(arrays, n) if self.timestamps else (None, None)
-        return Batch(
-            sparse=sparse,
-            dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
-            labels=torch.from_numpy(np.array(labels, dtype=np.float32)),
-            costs=torch.from_numpy(costs.astype(np.float32)),
-            loss_scale=loss_scale,
-            history_timestamps=history_ts, candidate_timestamps=candidate_ts,
-        )
+        steps = StepRows(np.array([kept.size]), np.zeros(kept.size), [loss_scale], [when])
+        return self.assembler.batches(arrays, steps)[0]
 
     def _loss_scale(self, plan: StepPlan) -> float:
         """Sum of per-sample losses x (ranks / samples) of this rank's group: the in-group mean over
         ranks (DDP's, or the bucketed reducer's) then is the exact mean over the group's samples,
         whatever each rank holds; fault tolerance weights each group's mean by its samples."""
-        in_group = np.asarray(plan.live_ranks) // self.group_size == self.rank // self.group_size
+        in_group = self._in_group.get(plan.live_ranks)
+        if in_group is None:
+            in_group = np.asarray(plan.live_ranks) // self.group_size == self.rank // self.group_size
+            self._in_group = {plan.live_ranks: in_group}  # (one set of live ranks at a time, as a rule)
         return int(in_group.sum()) / max(int(plan.rows.sizes[in_group].sum()), 1)
 
 
@@ -476,17 +460,3 @@ def _next_position(epoch: int, step: int, steps_in_epoch: int) -> tuple[int, int
 
 __all__ = ["BalancedLoader", "StepInfo"]
 
-
-def _timestamps(arrays: dict[str, np.ndarray], n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The history's timestamps (cut like its items) and each candidate's: the source's own where it
-    has one (format 2), else the newest history timestamp (0 for an empty history)."""
-    if n == 0:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-    history = arrays[HISTORY_TIMESTAMPS].astype(np.int64, copy=False)
-    if CANDIDATE_TIMESTAMP in arrays:
-        candidate = arrays[CANDIDATE_TIMESTAMP].astype(np.int64, copy=False)
-    else:
-        lengths = arrays[HISTORY_TIMESTAMPS + "@"]
-        last = np.cumsum(lengths) - 1
-        candidate = np.where(lengths > 0, history[np.clip(last, 0, None)] if history.size else 0, 0)
-    return torch.from_numpy(np.ascontiguousarray(history)), torch.from_numpy(np.array(candidate, dtype=np.int64))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -99,9 +100,12 @@ class Parts:
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[p] for p in range(len(self)))
 
-    @property
+    @cached_property
     def sizes(self) -> np.ndarray:
-        return np.diff(self.offsets)
+        """Members per part (read-only: computed once, shared by every caller)."""
+        sizes = np.diff(self.offsets)
+        sizes.flags.writeable = False
+        return sizes
 
     def owner(self) -> np.ndarray:
         """Part of each entry of ``index``."""

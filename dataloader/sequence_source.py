@@ -51,7 +51,7 @@ from freescale.dataloader.schema import (
     check_sequence_schema,
     sample_schema,
 )
-from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column
+from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column, concatenated
 from freescale.dataloader.user_slots import LoadedRowGroup, UserSlots
 
 SPLITS = ("train", "valid", "eval")
@@ -135,6 +135,48 @@ class SequenceSource(RowGroupFiles):
             problems += rc.non_finite(table, DENSE)
         return problems
 
+    def passes_checks(self, table: pa.Table) -> bool:
+        """True when no row of ``table`` fails any of ``row_problems``, decided without building their masks:
+        the same checks on the flat numpy buffers, a dozen numpy calls for the row group where the masks take
+        ~60 Arrow and numpy calls (most of a small row group's decode).  A row group with a null anywhere, or
+        failing any check, goes to ``row_problems`` for its bad rows and messages."""
+        if any(column.null_count for column in table.columns):
+            return False
+        m = self.manifest
+        lists = {name: table.column(name).combine_chunks() for name in self._lists}
+        offsets = {name: array.offsets.to_numpy() for name, array in lists.items()}
+        items = offsets[ITEM_IDS]
+        if any(array.values.null_count for array in lists.values()) or (
+                m.dense_dim and lists[DENSE].values.values.null_count):
+            return False
+        if any(not np.array_equal(o - o[0], items - items[0]) for o in offsets.values()):
+            return False
+        lengths = np.diff(items)
+        if not np.array_equal(table.column(LENGTH).to_numpy(), lengths):
+            return False
+        users = table.column(USER_ID).to_numpy()
+        if users.size and (users.min() < 0 or users.max() >= m.num_users):
+            return False
+        flat = {name: array.values.to_numpy()[offsets[name][0]:offsets[name][-1]] for name, array in lists.items()
+                if name != DENSE}
+        ids, times, labels = flat[ITEM_IDS], flat[TIMESTAMPS], flat[LABELS]
+        if ids.size and (ids.min() < 0 or ids.max() >= m.num_items):
+            return False
+        if ((labels != 0.0) & (labels != 1.0)).any():
+            return False
+        back = np.flatnonzero(np.diff(times) < 0) + 1  # a step back in time is a problem inside a user's list only
+        if back.size:
+            starts = items - items[0]
+            if not np.array_equal(starts[np.minimum(np.searchsorted(starts, back), starts.size - 1)], back):
+                return False
+        if m.dense_dim:
+            dense = lists[DENSE].values
+            values = dense.values.to_numpy()[dense.offset * m.dense_dim:(dense.offset + len(dense)) * m.dense_dim]
+            dense_rows = offsets[DENSE]
+            if not np.isfinite(values[dense_rows[0] * m.dense_dim:dense_rows[-1] * m.dense_dim]).all():
+                return False
+        return True
+
     def arrays_of(self, table: pa.Table) -> dict[str, np.ndarray]:
         """The row group's flat buffers, once: every read of it gathers from these.  Each list keeps
         its own offsets (``name@``): a bad row masked in ``skip`` mode may have lists of other
@@ -165,36 +207,54 @@ class SequenceSource(RowGroupFiles):
         with self._reading:  # (the slots are shared state: the prefetch thread and a caller's reads take turns)
             return self._read_sorted(np.sort(np.asarray(samples, dtype=np.int64)))
 
+    def read_runs(self, runs: list[np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """``read_arrays`` of each of ``runs`` (several steps' samples) back to back, as ``RowGroupFiles.read_runs``:
+        one gather per column for them all when their row groups fit in the slots together (consecutive steps
+        share their shuffle window's row groups), else run by run."""
+        sorted_runs = [np.sort(np.asarray(run, dtype=np.int64)) for run in runs]
+        samples = np.concatenate(sorted_runs) if sorted_runs else np.zeros(0, dtype=np.int64)
+        with self._reading:
+            user = np.searchsorted(self.user_start, samples, side="right") - 1
+            group = np.searchsorted(self.stored_start, user, side="right") - 1
+            needed = np.unique(group)
+            if needed.size > self._slots.count:
+                return concatenated([self._read_sorted(run) for run in sorted_runs])
+            arrays, kept, ok = self._read_held(samples, user, group, needed)
+        run_of = np.repeat(np.arange(len(runs)), [run.size for run in runs])
+        return arrays, kept, np.bincount(run_of if ok is None else run_of[ok], minlength=len(runs)).astype(np.int64)
+
     def _read_sorted(self, samples: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         user = np.searchsorted(self.user_start, samples, side="right") - 1
         group = np.searchsorted(self.stored_start, user, side="right") - 1
         needed = np.unique(group)
         if needed.size <= self._slots.count:
-            return self._read_held(samples, user, group, needed)
+            return self._read_held(samples, user, group, needed)[:2]
         parts = []
         for first in range(0, needed.size, self._slots.count):  # samples are sorted: each part's are one run
             block = needed[first:first + self._slots.count]
             a, b = int(np.searchsorted(group, block[0], "left")), int(np.searchsorted(group, block[-1], "right"))
-            parts.append(self._read_held(samples[a:b], user[a:b], group[a:b], block))
-        filled = [arrays for arrays, kept in parts if kept.size]
-        kept = np.concatenate([kept for _, kept in parts])
-        if not filled:
-            return {}, kept
-        return {key: np.concatenate([arrays[key] for arrays in filled]) for key in filled[0]}, kept
+            parts.append(self._read_held(samples[a:b], user[a:b], group[a:b], block)[:2])
+        arrays, kept, _ = concatenated(parts)
+        return arrays, kept
 
     def _read_held(self, samples: np.ndarray, user: np.ndarray, group: np.ndarray,
-                   needed: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+                   needed: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray | None]:
+        """``samples`` (any order), their row groups ``needed`` at most as many as the slots: their columns, the
+        samples kept (in the same order) and which were (None: all)."""
         slots = self._slots
         slot = slots.ensure(needed, self._load)[np.searchsorted(needed, group)]
         row = slot * slots.users + (user - self.stored_start[group])
         position = samples - self.user_start[user] + self.first[user]
+        ok = None
         if self.on_bad_rows == "skip":
             ok = ~slots.bad[row]
-            if not ok.all():
+            if ok.all():
+                ok = None
+            else:
                 samples, row, position = samples[ok], row[ok], position[ok]
         if not samples.size:
-            return {}, samples
-        return self._gather(row, position), samples
+            return {}, samples, ok
+        return self._gather(row, position), samples, ok
 
     def _load(self, rg: int) -> LoadedRowGroup:
         entry = self._decode(rg)

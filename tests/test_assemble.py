@@ -1,0 +1,104 @@
+"""Several steps read and built at once give the batches one step at a time gives, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import torch
+
+from freescale.dataloader.assemble import BatchAssembler, StepRows
+from freescale.dataloader.batch import Batch
+from freescale.dataloader.build import DataConfig, build_loader
+from freescale.dataloader.cost import CostModel
+from freescale.dataloader.loader import READ_STEPS
+from freescale.dataloader.log_input import LogColumns
+from freescale.dataloader.prepare import PrepareSpec, prepare
+from freescale.dataloader.schema import (
+    CANDIDATE_ITEM,
+    CANDIDATE_TIMESTAMP,
+    DENSE,
+    HISTORY_ITEMS,
+    HISTORY_TIMESTAMPS,
+    LABEL,
+    SAMPLED_ITEMS,
+    USER_ID,
+)
+
+
+def same(a: Batch, b: Batch) -> bool:
+    tensors = [(a.sparse.values(), b.sparse.values()), (a.sparse.lengths(), b.sparse.lengths()), (a.dense, b.dense),
+               (a.labels, b.labels), (a.costs, b.costs), (a.history_timestamps, b.history_timestamps),
+               (a.candidate_timestamps, b.candidate_timestamps)]
+    return (a.sparse.keys() == b.sparse.keys() and a.loss_scale == b.loss_scale
+            and all(x is None and y is None or (x is not None and y is not None and x.dtype == y.dtype
+                                                and torch.equal(x, y)) for x, y in tensors))
+
+
+def test_steps_built_together_equal_each_built_alone() -> None:
+    rng = np.random.default_rng(0)
+    sizes = np.array([5, 0, 3, 1, 7])  # an empty step among them
+    n = int(sizes.sum())
+    history = rng.integers(0, 6, n)
+    arrays = {
+        HISTORY_ITEMS: rng.integers(0, 50, int(history.sum())), HISTORY_ITEMS + "@": history,
+        HISTORY_TIMESTAMPS: rng.integers(0, 10**9, int(history.sum())), HISTORY_TIMESTAMPS + "@": history,
+        CANDIDATE_ITEM: rng.integers(0, 50, n).astype(np.int32), USER_ID: rng.integers(0, 9, n),
+        CANDIDATE_TIMESTAMP: rng.integers(0, 10**9, n), DENSE: rng.normal(size=(n, 3)).astype(np.float64),
+        LABEL: rng.integers(0, 2, n).astype(np.float32),
+    }
+    costs = rng.random(n)
+    when = [(1, s) for s in range(sizes.size)]
+    scales = [0.5, 1.0, 0.25, 2.0, 1.5]
+    assembler = BatchAssembler([HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID, SAMPLED_ITEMS], dense_dim=3, rank=1,
+                               timestamps=True, sampled_items=4, num_items=50, seed=3)
+    together = assembler.batches(arrays, StepRows(sizes, costs, scales, when))
+    cuts = np.concatenate([[0], np.cumsum(sizes)])
+    value_cuts = np.concatenate([[0], np.cumsum(history)])[cuts]
+    for j, batch in enumerate(together):
+        a, b, va, vb = cuts[j], cuts[j + 1], value_cuts[j], value_cuts[j + 1]
+        alone = {key: values[va:vb] if key in (HISTORY_ITEMS, HISTORY_TIMESTAMPS) else values[a:b]
+                 for key, values in arrays.items()}
+        expected = assembler.batches(alone, StepRows(sizes[j:j + 1], costs[a:b], scales[j:j + 1], when[j:j + 1]))[0]
+        assert same(batch, expected) and batch.size == sizes[j]
+        if sizes[j]:
+            assert batch.sparse[SAMPLED_ITEMS].lengths().tolist() == [4] + [0] * (int(sizes[j]) - 1)
+            assert torch.equal(batch.sparse[HISTORY_ITEMS].values(), torch.from_numpy(arrays[HISTORY_ITEMS][va:vb]))
+    assert not together[1].sparse.values().numel() and together[1].dense.shape == (0, 3)
+
+
+def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_batches_of_one_at_a_time(
+        tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    n = 4_000
+    log = pa.table({"who": rng.integers(0, 150, n), "what": rng.integers(0, 80, n),
+                    "when": rng.integers(0, 10**6, n), "stars": rng.integers(1, 6, n).astype(np.float64)})
+    pacsv.write_csv(log, tmp_path / "log.csv")
+    prepare(PrepareSpec(input=str(tmp_path / "log.csv"), out=str(tmp_path / "d"), row_group_interactions=200,
+                        columns=LogColumns(user="who", item="what", time="when", label="stars", rating_threshold=4.0)))
+    features = [HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID]
+    runs = []
+    for prefetch in (0, 3):
+        cfg = DataConfig(path=str(tmp_path / "d"), batch_size=16, max_seq_len=10, prefetch=prefetch, shuffle_row_groups=3)
+        loaders = [build_loader(cfg, "train", rank=r, world_size=2, sparse_features=features,
+                                derived_cost=CostModel(1.0, 2.0, 8.0), seed=7) for r in (0, 1)]
+        reads: list[int] = []
+        for loader in loaders:
+            read_runs = loader.source.read_runs
+            loader.source.read_runs = lambda runs, read_runs=read_runs: reads.append(len(runs)) or read_runs(runs)  # type: ignore[method-assign]
+        steps = []
+        for _ in range(2 * loaders[0].steps_per_epoch):  # two epochs: a read never crosses into the next
+            for loader in loaders:
+                batch = loader.next_batch()
+                info = loader.last
+                assert info is not None
+                steps.append((batch, info.rows.tolist(), info.rank_cost, info.row_lengths.tolist(), info.imbalance))
+        for loader in loaders:
+            loader.close()
+        assert max(reads) == (1 if prefetch == 0 else READ_STEPS)
+        runs.append(steps)
+    assert len(runs[0]) == len(runs[1]) > 40
+    for (a, *info_a), (b, *info_b) in zip(*runs):
+        assert same(a, b) and info_a == info_b
