@@ -156,3 +156,56 @@ def equal_lengths(table: pa.Table, name: str, expected: np.ndarray, against: str
     """Rows of list column ``name`` whose length differs from ``expected`` (named ``against``)."""
     bad = list_lengths(table.column(name)) != expected
     return [Problem(name, f"length differs from {against}", bad)] if bad.any() else []
+
+
+# ----- the screen: whether a row group passes every check, without building the masks -----------------------
+# A source's ``passes_checks`` runs these over a decoded row group's buffers (a dozen numpy calls where the masks
+# take dozens of Arrow and numpy calls per column); only a row group that fails goes through the checks above,
+# for its bad rows and messages.  Each answers True only where the corresponding check finds nothing.
+
+
+def without_nulls(table: pa.Table, lists: list[str]) -> bool:
+    """No null in any column nor at any nesting level of the list columns ``lists`` (a slot no row references
+    counts too: then False, and the checks decide)."""
+    if any(column.null_count for column in table.columns):
+        return False
+    for name in lists:
+        array = table.column(name).combine_chunks()
+        while pa.types.is_list(array.type) or pa.types.is_fixed_size_list(array.type):
+            array = array.values
+            if array.null_count:
+                return False
+    return True
+
+
+def held(array: pa.Array) -> np.ndarray:
+    """The scalars the rows of list column ``array`` hold, nested lists flattened (after ``without_nulls``)."""
+    while pa.types.is_list(array.type) or pa.types.is_fixed_size_list(array.type):
+        array = array.flatten()
+    return array.to_numpy(zero_copy_only=False)
+
+
+def list_starts(array: pa.Array) -> np.ndarray:
+    """Where each row of list column ``array`` starts in ``held(array)``, and its end (rows + 1 entries)."""
+    offsets = array.offsets.to_numpy()
+    return offsets - offsets[0]
+
+
+def in_range(values: np.ndarray, limit: int) -> bool:
+    return not values.size or bool(values.min() >= 0 and values.max() < limit)
+
+
+def binary(values: np.ndarray) -> bool:
+    return not bool(((values != 0.0) & (values != 1.0)).any())
+
+
+def finite(values: np.ndarray) -> bool:
+    return bool(np.isfinite(values).all())
+
+
+def ordered_within(values: np.ndarray, starts: np.ndarray) -> bool:
+    """``values`` non-decreasing inside each list (``starts``: ``list_starts``); across two lists anything goes."""
+    back = np.flatnonzero(np.diff(values) < 0) + 1
+    if not back.size:
+        return True
+    return bool(np.array_equal(starts[np.minimum(np.searchsorted(starts, back), starts.size - 1)], back))

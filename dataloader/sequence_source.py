@@ -136,46 +136,21 @@ class SequenceSource(RowGroupFiles):
         return problems
 
     def passes_checks(self, table: pa.Table) -> bool:
-        """True when no row of ``table`` fails any of ``row_problems``, decided without building their masks:
-        the same checks on the flat numpy buffers, a dozen numpy calls for the row group where the masks take
-        ~60 Arrow and numpy calls (most of a small row group's decode).  A row group with a null anywhere, or
-        failing any check, goes to ``row_problems`` for its bad rows and messages."""
-        if any(column.null_count for column in table.columns):
+        """True when no row of ``table`` fails any of ``row_problems``, decided on the flat buffers without
+        building their masks (``row_checks``' screen)."""
+        if not rc.without_nulls(table, self._lists):
             return False
         m = self.manifest
         lists = {name: table.column(name).combine_chunks() for name in self._lists}
-        offsets = {name: array.offsets.to_numpy() for name, array in lists.items()}
-        items = offsets[ITEM_IDS]
-        if any(array.values.null_count for array in lists.values()) or (
-                m.dense_dim and lists[DENSE].values.values.null_count):
+        starts = rc.list_starts(lists[ITEM_IDS])
+        if any(not np.array_equal(rc.list_starts(array), starts) for array in lists.values()):
             return False
-        if any(not np.array_equal(o - o[0], items - items[0]) for o in offsets.values()):
+        if not np.array_equal(table.column(LENGTH).to_numpy(), np.diff(starts)):
             return False
-        lengths = np.diff(items)
-        if not np.array_equal(table.column(LENGTH).to_numpy(), lengths):
-            return False
-        users = table.column(USER_ID).to_numpy()
-        if users.size and (users.min() < 0 or users.max() >= m.num_users):
-            return False
-        flat = {name: array.values.to_numpy()[offsets[name][0]:offsets[name][-1]] for name, array in lists.items()
-                if name != DENSE}
-        ids, times, labels = flat[ITEM_IDS], flat[TIMESTAMPS], flat[LABELS]
-        if ids.size and (ids.min() < 0 or ids.max() >= m.num_items):
-            return False
-        if ((labels != 0.0) & (labels != 1.0)).any():
-            return False
-        back = np.flatnonzero(np.diff(times) < 0) + 1  # a step back in time is a problem inside a user's list only
-        if back.size:
-            starts = items - items[0]
-            if not np.array_equal(starts[np.minimum(np.searchsorted(starts, back), starts.size - 1)], back):
-                return False
-        if m.dense_dim:
-            dense = lists[DENSE].values
-            values = dense.values.to_numpy()[dense.offset * m.dense_dim:(dense.offset + len(dense)) * m.dense_dim]
-            dense_rows = offsets[DENSE]
-            if not np.isfinite(values[dense_rows[0] * m.dense_dim:dense_rows[-1] * m.dense_dim]).all():
-                return False
-        return True
+        return (rc.in_range(table.column(USER_ID).to_numpy(), m.num_users)
+                and rc.in_range(rc.held(lists[ITEM_IDS]), m.num_items) and rc.binary(rc.held(lists[LABELS]))
+                and rc.ordered_within(rc.held(lists[TIMESTAMPS]), starts)
+                and (not m.dense_dim or rc.finite(rc.held(lists[DENSE]))))
 
     def arrays_of(self, table: pa.Table) -> dict[str, np.ndarray]:
         """The row group's flat buffers, once: every read of it gathers from these.  Each list keeps

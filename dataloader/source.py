@@ -253,6 +253,23 @@ class ParquetSource(RowGroupFiles):
     def row_problems(self, table: pa.Table) -> list[rc.Problem]:
         return _row_checks(table, self.manifest)
 
+    def passes_checks(self, table: pa.Table) -> bool:
+        """True when no row of ``table`` fails any of ``row_problems``, decided on the flat buffers without
+        building their masks (``row_checks``' screen)."""
+        if not rc.without_nulls(table, [HISTORY_ITEMS, HISTORY_TIMESTAMPS, DENSE]):
+            return False
+        m = self.manifest
+        history, times = table.column(HISTORY_ITEMS).combine_chunks(), table.column(HISTORY_TIMESTAMPS).combine_chunks()
+        starts = rc.list_starts(history)
+        lengths = np.diff(starts)
+        if not lengths.all() or not np.array_equal(rc.list_starts(times), starts):  # (an empty history is bad)
+            return False
+        if HISTORY_LENGTH in table.column_names and not np.array_equal(table.column(HISTORY_LENGTH).to_numpy(), lengths):
+            return False
+        return (rc.in_range(rc.held(history), m.num_items) and rc.in_range(table.column(CANDIDATE_ITEM).to_numpy(), m.num_items)
+                and rc.in_range(table.column(USER_ID).to_numpy(), m.num_users) and rc.ordered_within(rc.held(times), starts)
+                and rc.binary(table.column(LABEL).to_numpy()) and rc.finite(rc.held(table.column(DENSE).combine_chunks())))
+
     # ----- lengths (for planning) ---------------------------------------------------------
     def _read_lengths(self) -> np.ndarray:
         """int64 per row; -1 where the history is null (planned at cost 0, rejected on read)."""

@@ -1,4 +1,4 @@
-"""Format 2's cheap screen (``SequenceSource.passes_checks``) against the row checks it stands in for: on clean row
+"""The sources' cheap screen (``passes_checks``, both layouts) against the row checks it stands in for: on clean row
 groups and on every kind of bad one, it passes exactly the row groups in which ``row_problems`` finds nothing."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from freescale.dataloader.schema import DatasetManifest, sequence_schema
+from freescale.dataloader.schema import HISTORY_LENGTH, DatasetManifest, sample_schema, sequence_schema
 from freescale.dataloader.sequence_source import SequenceSource
+from freescale.dataloader.source import ParquetSource
 
 NUM_USERS, NUM_ITEMS, DENSE_DIM = 50, 100, 2
 
@@ -91,3 +92,80 @@ def test_the_screen_passes_exactly_the_row_groups_without_a_problem(tmp_path: Pa
     faults = {kind for kind, clean in seen if not clean}
     assert faults >= {"user_null", "user_range", "item_range", "item_negative", "item_null", "label", "label_null",
                       "time_back", "length", "short_list", "dense_nan", "dense_inf", "dense_null", "list_null"}
+
+
+def sample_rows(rng: np.random.Generator, rows: int, with_length: bool) -> dict[str, list[object]]:
+    """Format 1: one sample a row, every history non-empty and oldest first."""
+    lengths = rng.integers(1, 6, rows)
+    out: dict[str, list[object]] = {
+        "user_id": rng.integers(0, NUM_USERS, rows).tolist(),
+        "history_item_ids": [rng.integers(0, NUM_ITEMS, n).tolist() for n in lengths],
+        "history_timestamps": [np.sort(rng.integers(0, 1_000, n)).tolist() for n in lengths],
+        "candidate_item_id": rng.integers(0, NUM_ITEMS, rows).tolist(),
+        "dense_features": rng.normal(size=(rows, DENSE_DIM)).tolist(),
+        "label": rng.integers(0, 2, rows).astype(float).tolist(),
+    }
+    if with_length:
+        out["history_length"] = lengths.tolist()
+    return out
+
+
+def spoil_sample(rows: dict[str, list[object]], rng: np.random.Generator) -> str:
+    """One fault (or none) in a random row of format 1; what it was."""
+    r = int(rng.integers(len(rows["user_id"])))
+    history, times = rows["history_item_ids"][r], rows["history_timestamps"][r]
+    kind = str(rng.choice(["null", "empty", "item_range", "item_null", "candidate_range", "user_range", "label",
+                           "time_back", "time_short", "time_null", "dense_nan", "dense_null", "length", "none"]))
+    if kind == "null":
+        rows[str(rng.choice(list(rows)))][r] = None
+    elif kind == "empty":
+        rows["history_item_ids"][r], rows["history_timestamps"][r] = [], []
+        if "history_length" in rows:
+            rows["history_length"][r] = 0
+    elif kind in ("item_range", "item_null"):
+        history[int(rng.integers(len(history)))] = NUM_ITEMS if kind == "item_range" else None  # type: ignore[index,arg-type]
+    elif kind == "candidate_range":
+        rows["candidate_item_id"][r] = -1
+    elif kind == "user_range":
+        rows["user_id"][r] = NUM_USERS
+    elif kind == "label":
+        rows["label"][r] = 2.0
+    elif kind == "time_back" and len(times) > 1:  # type: ignore[arg-type]
+        times[1] = times[0] - 1  # type: ignore[index,operator]
+    elif kind == "time_short":
+        rows["history_timestamps"][r] = list(times)[:-1]  # type: ignore[call-overload]
+    elif kind == "time_null":
+        times[0] = None  # type: ignore[index]
+    elif kind in ("dense_nan", "dense_null"):
+        rows["dense_features"][r] = [float("nan") if kind == "dense_nan" else None] * DENSE_DIM
+    elif kind == "length" and "history_length" in rows:
+        rows["history_length"][r] = len(history) + 1  # type: ignore[arg-type]
+    else:
+        return "none"
+    return kind
+
+
+def test_the_screen_of_format_1_passes_exactly_the_row_groups_without_a_problem(tmp_path: Path) -> None:
+    schema = sample_schema(DENSE_DIM)
+    rng = np.random.default_rng(1)
+    directory = tmp_path / "d"
+    directory.mkdir()
+    pq.write_table(pa.table(sample_rows(rng, 8, False), schema=schema), directory / "train-00000.parquet")
+    DatasetManifest(num_items=NUM_ITEMS, num_users=NUM_USERS, dense_dim=DENSE_DIM, max_len=8,
+                    splits={"train": ["train-00000.parquet"]}).write(directory)
+    source = ParquetSource(str(directory), "train", ["user_id", "history_item_ids"])
+    seen: dict[tuple[str, bool], int] = {}
+    for _ in range(600):
+        with_length = bool(rng.random() < 0.5)
+        rows = sample_rows(rng, int(rng.integers(1, 12)), with_length)
+        kind = spoil_sample(rows, rng) if rng.random() < 0.7 else "none"
+        table = pa.table(rows, schema=schema.append(pa.field(HISTORY_LENGTH, pa.int32())) if with_length else schema)
+        if rng.random() < 0.3 and table.num_rows > 2:
+            table = table.slice(1, table.num_rows - 2)
+        clean = not source.row_problems(table)
+        assert source.passes_checks(table) == clean, (kind, table.to_pylist())
+        seen[(kind, clean)] = seen.get((kind, clean), 0) + 1
+    assert seen[("none", True)] > 100
+    assert {kind for kind, clean in seen if not clean} >= {
+        "null", "empty", "item_range", "item_null", "candidate_range", "user_range", "label", "time_back", "time_short",
+        "time_null", "dense_nan", "dense_null", "length"}
