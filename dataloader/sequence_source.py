@@ -24,8 +24,6 @@ error at open in either mode.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -83,7 +81,6 @@ class SequenceSource(RowGroupFiles):
         owner = np.repeat(np.arange(self.count.size), self.count)
         self.lengths = (np.arange(self.num_rows, dtype=np.int64) - self.user_start[owner] + self.first[owner])
         per_group = np.diff(np.concatenate([[0], np.cumsum(length)])[self.stored_start])  # declared interactions
-        self._reading = threading.Lock()
         self._slots = UserSlots(cache_row_groups, self.stored_rows.size, int(self.stored_rows.max(initial=1)),
                                 int(per_group.max(initial=1)), self._lists, USER_ID)
         self._output_schema = sample_schema(self.manifest.dense_dim).append(pa.field(CANDIDATE_TIMESTAMP, pa.int64()))

@@ -57,7 +57,8 @@ from freescale.dataloader.schema import (
 
 BadRows = Literal["error", "skip"]
 _OPEN_FILES = 16
-"""Parquet files a source keeps open for row-group reads (the least recently read is closed past this)."""
+"""Parquet files a source keeps open for row-group reads (past this the least recently read is let go: it closes
+once no read holds it)."""
 
 
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -123,6 +124,9 @@ class RowGroupFiles(ABC):
         self._cache_size = max(1, cache_row_groups)
         self._readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
         self._readers_lock = threading.Lock()
+        self._reading = threading.Lock()
+        """Held by a read: the decoded row groups (a cache, or format 2's slots) and the open files are shared
+        state, and the prefetch thread's reads may meet a caller's (``BalancedLoader.batch_of``)."""
 
     @abstractmethod
     def check_schema(self, schema: pa.Schema, where: str) -> None:
@@ -185,6 +189,11 @@ class RowGroupFiles(ABC):
         self.decoded_bytes += table.nbytes
         bad = self._validate(table, f"{shown}: row group {rg_id}")
         return _RowGroup(arrays=self.arrays_of(table.select(self.keep_columns)), bad=bad)
+
+    def close(self) -> None:
+        """Let go of the files held open (a later read opens them again)."""
+        with self._readers_lock:
+            self._readers.clear()
 
     def _reader(self, file_index: int) -> pq.ParquetFile:
         """File ``file_index`` held open (its footer as read at open), the ``_OPEN_FILES`` most recently used.
@@ -307,7 +316,10 @@ class ParquetSource(RowGroupFiles):
         column its values (a fixed-size list as a 2-D array), and for a list column ``name@``
         its lengths, each list cut to its ``max_seq_len`` most recent values when the source has
         one.  Gathered from each row group's cached buffers."""
-        rows = np.sort(rows)
+        with self._reading:
+            return self._read_sorted(np.sort(rows))
+
+    def _read_sorted(self, rows: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         groups = np.searchsorted(self.rg_start, rows, side="right") - 1
         pieces: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
         kept = []

@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
 import torch
 
 from freescale.dataloader.assemble import BatchAssembler, StepRows
@@ -25,6 +27,8 @@ from freescale.dataloader.schema import (
     LABEL,
     SAMPLED_ITEMS,
     USER_ID,
+    DataError,
+    DatasetManifest,
 )
 
 
@@ -33,7 +37,7 @@ def same(a: Batch, b: Batch) -> bool:
                (a.labels, b.labels), (a.costs, b.costs), (a.history_timestamps, b.history_timestamps),
                (a.candidate_timestamps, b.candidate_timestamps)]
     return (a.sparse.keys() == b.sparse.keys() and a.loss_scale == b.loss_scale
-            and all(x is None and y is None or (x is not None and y is not None and x.dtype == y.dtype
+            and all((x is None and y is None) or (x is not None and y is not None and x.dtype == y.dtype
                                                 and torch.equal(x, y)) for x, y in tensors))
 
 
@@ -87,7 +91,8 @@ def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_ba
         reads: list[int] = []
         for loader in loaders:
             read_runs = loader.source.read_runs
-            loader.source.read_runs = lambda runs, read_runs=read_runs: reads.append(len(runs)) or read_runs(runs)  # type: ignore[method-assign]
+            loader.source.read_runs = lambda runs, read_runs=read_runs, reads=reads: (  # type: ignore[method-assign]
+                reads.append(len(runs)) or read_runs(runs))
         steps = []
         for _ in range(2 * loaders[0].steps_per_epoch):  # two epochs: a read never crosses into the next
             for loader in loaders:
@@ -102,3 +107,33 @@ def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_ba
     assert len(runs[0]) == len(runs[1]) > 40
     for (a, *info_a), (b, *info_b) in zip(*runs):
         assert same(a, b) and info_a == info_b
+
+
+def test_a_bad_row_in_a_read_of_several_steps_is_raised_at_its_own_step_after_the_steps_before_it(
+        tmp_path: Path) -> None:
+    users = 24
+    items = [[1 + (u + j) % 9 for j in range(4)] for u in range(users)]
+    labels = [[1.0] * 4 for _ in range(users)]
+    labels[20][2] = 0.5  # user 20's samples sit in the 11th step of 2 samples, unshuffled
+    directory = tmp_path / "d"
+    directory.mkdir()
+    pq.write_table(pa.table({
+        "user_id": pa.array(range(users), pa.int64()), "item_ids": pa.array(items, pa.list_(pa.int64())),
+        "timestamps": pa.array([[10, 20, 30, 40]] * users, pa.list_(pa.int64())),
+        "labels": pa.array(labels, pa.list_(pa.float32())), "length": pa.array([4] * users, pa.int32()),
+        "train_end": pa.array([3] * users, pa.int32())}), directory / "users-00000.parquet", row_group_size=1)
+    DatasetManifest(num_items=10, num_users=users, dense_dim=0, max_len=4, format_version=2,
+                    splits={"train": ["users-00000.parquet"]}).write(directory)
+    handed_out = []
+    for prefetch in (0, 2):
+        cfg = DataConfig(path=str(directory), batch_size=4, shuffle=False, partitioner="round_robin", prefetch=prefetch)
+        loader = build_loader(cfg, "train", rank=0, world_size=1, sparse_features=[HISTORY_ITEMS],
+                              derived_cost=CostModel(1.0, 1.0, 1.0), seed=0)
+        steps = 0
+        with pytest.raises(DataError, match="row group 20: row 0: column 'labels'"):
+            while True:
+                loader.next_batch()
+                steps += 1
+        loader.close()
+        handed_out.append(steps)
+    assert handed_out == [10, 10]  # steps 0-9 (users 0-19), then user 20's step fails, with or without prefetch
