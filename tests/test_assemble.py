@@ -101,7 +101,9 @@ def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_ba
                 assert info is not None
                 steps.append((batch, info.rows.tolist(), info.rank_cost, info.row_lengths.tolist(), info.imbalance))
         for loader in loaders:
-            loader.close()
+            loader.close()  # (lets go of its open files: a later read opens them again)
+        again = loaders[1].batch_of(np.asarray(steps[-1][1]), steps[-1][0].loss_scale or 1.0, (1, 0))
+        assert torch.equal(again.sparse.values(), steps[-1][0].sparse.values())
         assert max(reads) == (1 if prefetch == 0 else READ_STEPS)
         runs.append(steps)
     assert len(runs[0]) == len(runs[1]) > 40
