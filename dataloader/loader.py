@@ -33,6 +33,7 @@ epoch's step 0.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -88,6 +89,7 @@ class _Failure:
 
 
 _END = object()
+log = logging.getLogger("freescale.dataloader")
 READ_STEPS = 8
 """Steps the prefetching producer reads at once (their rows in one read: ``source.read_runs``), once running.  A
 halt (a change of live ranks, a requeue, a new cost model) waits for the read in flight: up to this many steps'
@@ -159,10 +161,10 @@ class BalancedLoader:
         producer to stop (``state_dict`` at every save)."""
         self._queue: queue.Queue[Any] = queue.Queue()
         self.made: Callable[[int, float], None] | None = None
-        """Called for each batch made, on the thread that made it, just before it is handed out, with its step
-        (counted from the first epoch's start) and the seconds its rows took to read and assemble (its share of
-        a read of several steps; the plan not included: it does not grow with the rank's share; tests:
-        ``freescale.testing``'s slow data loading)."""
+        """Called for each batch made, on the thread that made it, before it is queued (a halt may still drop
+        it), with its step (counted from the first epoch's start) and the seconds its rows took to read and
+        assemble (its share of a read of several steps; the plan not included: it does not grow with the rank's
+        share; tests: ``freescale.testing``'s slow data loading)."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -361,19 +363,24 @@ class BalancedLoader:
     def _produce(self, epoch: int, step: int, live: tuple[int, ...], stop: threading.Event, out: queue.Queue[Any]) -> None:
         """Make batches from ``(epoch, step)`` on into ``out`` until stopped: 1, 2, 4 .. ``READ_STEPS`` steps
         a read (the first batch after a (re)start comes as soon as one step's read allows), each handed out
-        on its own (``made`` called just before, so a slowed loader is slow step by step).  A read of several
-        steps that fails is made again from one step a read: the steps before the one at fault are handed out
-        and its error is raised at its own step, as when reading step by step."""
+        on its own (``made`` called before each is queued, so a slowed loader is slow step by step).  A read of
+        several steps that fails is made again one step a read up to its end: the steps before the one at fault
+        are handed out and its error is raised at its own step, as when reading step by step (and where no step
+        fails alone, a warning says so and the reads grow again)."""
         try:
-            ramp = 1
+            ramp, failed = 1, None  # failed: a read of several steps that failed, (where it ended, its error)
             while not stop.is_set() and (self.epochs is None or epoch < self.epochs):
-                count = min(ramp, self.planner.steps_in(epoch) - step)
+                if failed is not None and (epoch, step) >= failed[0]:  # each step of it read alone without a fault:
+                    log.warning("a read of several steps failed where each step alone did not (%r); reading on",
+                                failed[1])
+                    failed = None
+                count = 1 if failed is not None else min(ramp, self.planner.steps_in(epoch) - step)
                 try:
                     made = self._make(epoch, step, live, count)
-                except Exception:
-                    if count == 1:
+                except Exception as exc:
+                    if count <= 1:
                         raise
-                    ramp = 1
+                    failed, ramp = ((epoch, step + count), exc), 1
                     continue
                 for info, batch, seconds in made:
                     if stop.is_set():  # a halt waits for this thread: never for a plan no one needs

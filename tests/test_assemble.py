@@ -102,8 +102,8 @@ def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_ba
                 steps.append((batch, info.rows.tolist(), info.rank_cost, info.row_lengths.tolist(), info.imbalance))
         for loader in loaders:
             loader.close()  # (lets go of its open files: a later read opens them again)
-        again = loaders[1].batch_of(np.asarray(steps[-1][1]), steps[-1][0].loss_scale or 1.0, (1, 0))
-        assert torch.equal(again.sparse.values(), steps[-1][0].sparse.values())
+        again = loaders[1].batch_of(np.asarray(steps[1][1]), steps[1][0].loss_scale or 1.0, (0, 0))
+        assert torch.equal(again.sparse.values(), steps[1][0].sparse.values()) and loaders[1].source._readers
         assert max(reads) == (1 if prefetch == 0 else READ_STEPS)
         runs.append(steps)
     assert len(runs[0]) == len(runs[1]) > 40
@@ -116,7 +116,7 @@ def test_a_bad_row_in_a_read_of_several_steps_is_raised_at_its_own_step_after_th
     users = 24
     items = [[1 + (u + j) % 9 for j in range(4)] for u in range(users)]
     labels = [[1.0] * 4 for _ in range(users)]
-    labels[20][2] = 0.5  # user 20's samples sit in the 11th step of 2 samples, unshuffled
+    labels[20][2] = 0.5  # user 20 sits in the 11th step of 2 users (4 samples), unshuffled
     directory = tmp_path / "d"
     directory.mkdir()
     pq.write_table(pa.table({
