@@ -88,7 +88,6 @@ class _Failure:
         self.exc = exc
 
 
-_END = object()
 log = logging.getLogger("freescale.dataloader")
 READ_STEPS = 8
 """Steps the prefetching producer reads at once (their rows in one read: ``source.read_runs``), once running.  A
