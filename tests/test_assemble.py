@@ -139,3 +139,33 @@ def test_a_bad_row_in_a_read_of_several_steps_is_raised_at_its_own_step_after_th
         loader.close()
         handed_out.append(steps)
     assert handed_out == [10, 10]  # steps 0-9 (users 0-19), then user 20's step fails, with or without prefetch
+
+
+def test_a_failure_only_reads_of_several_steps_meet_is_logged_and_every_step_still_handed_out(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    rng = np.random.default_rng(2)
+    n = 2_000
+    log = pa.table({"who": rng.integers(0, 80, n), "what": rng.integers(0, 50, n),
+                    "when": rng.integers(0, 10**6, n), "stars": rng.integers(1, 6, n).astype(np.float64)})
+    pacsv.write_csv(log, tmp_path / "log.csv")
+    prepare(PrepareSpec(input=str(tmp_path / "log.csv"), out=str(tmp_path / "d"), row_group_interactions=200,
+                        columns=LogColumns(user="who", item="what", time="when", label="stars", rating_threshold=4.0)))
+    batches = []
+    for prefetch in (0, 2):
+        cfg = DataConfig(path=str(tmp_path / "d"), batch_size=16, max_seq_len=10, prefetch=prefetch)
+        loader = build_loader(cfg, "train", rank=0, world_size=1, sparse_features=[HISTORY_ITEMS],
+                              derived_cost=CostModel(1.0, 2.0, 8.0), seed=3)
+        read_runs = loader.source.read_runs
+
+        def only_one_step(runs: list[np.ndarray], read_runs=read_runs) -> object:  # type: ignore[no-untyped-def]
+            if len(runs) > 1:
+                raise MemoryError("a read of several steps")
+            return read_runs(runs)
+
+        loader.source.read_runs = only_one_step  # type: ignore[method-assign]
+        with caplog.at_level("WARNING", logger="freescale.dataloader"):
+            batches.append([loader.next_batch().sparse.values() for _ in range(loader.steps_per_epoch)])
+        loader.close()
+    assert len(batches[1]) == len(batches[0]) > 10
+    assert all(torch.equal(a, b) for a, b in zip(*batches))
+    assert any("a read of several steps failed where each step alone did not" in r.message for r in caplog.records)
