@@ -89,7 +89,7 @@ class StepPlan:
 
     ``rows``/``costs`` include the step's carried (requeued) rows; ``carried`` counts
     them over all ranks.  Within a rank, rows are in the partitioner's order (ascending
-    when the step carries rows); ``for_rank`` gives them ascending (the order the source reads).
+    when the step carries rows); the source reads them in ascending order.
     """
 
     epoch: int
@@ -115,13 +115,6 @@ class StepPlan:
 
     def bound(self) -> float:
         return time_lower_bound(self.costs.index, len(self.live_ranks), self.capacities)
-
-    def for_rank(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """``rank``'s rows, ascending, and their costs."""
-        i = self.live_ranks.index(rank)
-        rows, costs = self.rows[i], self.costs[i]
-        order = np.argsort(rows, kind="stable")
-        return rows[order], costs[order]
 
 
 @dataclass

@@ -61,7 +61,7 @@ class SequenceSource(RowGroupFiles):
         self, uri: str, split: str, columns: list[str], *, max_seq_len: int, on_bad_rows: BadRows = "error",
         cache_row_groups: int = 32, manifest: DatasetManifest | None = None,
     ) -> None:
-        super().__init__(uri, split, on_bad_rows=on_bad_rows, cache_row_groups=cache_row_groups, manifest=manifest)
+        super().__init__(uri, split, on_bad_rows=on_bad_rows, manifest=manifest)
         if split not in SPLITS:
             raise DataError(f"{self.uri}: format 2 has the splits {', '.join(SPLITS)}, not '{split}'")
         self.columns = list(columns)
@@ -186,19 +186,21 @@ class SequenceSource(RowGroupFiles):
         sorted_runs = [np.sort(np.asarray(run, dtype=np.int64)) for run in runs]
         samples = np.concatenate(sorted_runs) if sorted_runs else np.zeros(0, dtype=np.int64)
         with self._reading:
-            user = np.searchsorted(self.user_start, samples, side="right") - 1
-            group = np.searchsorted(self.stored_start, user, side="right") - 1
-            needed = np.unique(group)
+            user, group, needed = self._located(samples)
             if needed.size > self._slots.count:
                 return concatenated([self._read_sorted(run) for run in sorted_runs])
             arrays, kept, ok = self._read_held(samples, user, group, needed)
         run_of = np.repeat(np.arange(len(runs)), [run.size for run in runs])
         return arrays, kept, np.bincount(run_of if ok is None else run_of[ok], minlength=len(runs)).astype(np.int64)
 
-    def _read_sorted(self, samples: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def _located(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each sample's user and row group, and the distinct row groups."""
         user = np.searchsorted(self.user_start, samples, side="right") - 1
         group = np.searchsorted(self.stored_start, user, side="right") - 1
-        needed = np.unique(group)
+        return user, group, np.unique(group)
+
+    def _read_sorted(self, samples: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        user, group, needed = self._located(samples)
         if needed.size <= self._slots.count:
             return self._read_held(samples, user, group, needed)[:2]
         parts = []

@@ -83,12 +83,12 @@ class RowGroupFiles(ABC):
     Opens the manifest and every file of the split (``check_schema(schema, where)`` per file),
     numbers the row groups globally (``rg_file``, ``rg_id``; ``stored_rows``/``stored_start``: the
     Parquet rows of each, which are samples in format 1 and users in format 2), and
-    decodes a row group at most once while it stays in a small LRU cache, checked by
-    ``row_problems(table)`` on the way in (error: raise; skip: a bad-row mask, counted).
+    decodes a row group (``_decode``) through its file held open, checked by ``row_problems(table)`` on
+    the way in (error: raise; skip: a bad-row mask, counted); each layout keeps the decoded row groups
+    its own way (format 1: a small LRU cache; format 2: ``user_slots``).
     """
 
-    def __init__(self, uri: str, split: str, *, on_bad_rows: BadRows, cache_row_groups: int,
-                 manifest: DatasetManifest | None = None) -> None:
+    def __init__(self, uri: str, split: str, *, on_bad_rows: BadRows, manifest: DatasetManifest | None = None) -> None:
         self.uri = uri.rstrip("/")
         self.fs, base = resolve(self.uri)
         self.manifest = manifest if manifest is not None else DatasetManifest.read_from(self.fs, base, self.uri)
@@ -120,13 +120,10 @@ class RowGroupFiles(ABC):
         self.skipped: Counter[str] = Counter()
         self.decoded_bytes = 0
         """Arrow bytes of every row group decoded so far (cache misses only): the read's real cost."""
-        self._cache: OrderedDict[int, _RowGroup] = OrderedDict()
-        self._cache_size = max(1, cache_row_groups)
         self._readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
-        self._readers_lock = threading.Lock()
         self._reading = threading.Lock()
-        """Held by a read: the decoded row groups (a cache, or format 2's slots) and the open files are shared
-        state, and the prefetch thread's reads may meet a caller's (``BalancedLoader.batch_of``)."""
+        """Held by a read (and by ``close``): the decoded row groups (a cache, or format 2's slots) and the open
+        files are shared state, and the prefetch thread's reads may meet a caller's (``BalancedLoader.batch_of``)."""
 
     @abstractmethod
     def check_schema(self, schema: pa.Schema, where: str) -> None:
@@ -166,18 +163,6 @@ class RowGroupFiles(ABC):
     keep_columns: list[str]
     """What the cache keeps of it."""
 
-    def _row_group(self, rg: int) -> _RowGroup:
-        """Row group ``rg`` (global index), decoded, checked and cached."""
-        entry = self._cache.get(rg)
-        if entry is not None:
-            self._cache.move_to_end(rg)
-            return entry
-        entry = self._decode(rg)
-        self._cache[rg] = entry
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return entry
-
     def _decode(self, rg: int) -> _RowGroup:
         """Row group ``rg`` (global index), decoded and checked (``decoded_bytes`` counts it)."""
         file_index, rg_id = int(self.rg_file[rg]), int(self.rg_id[rg])
@@ -192,7 +177,7 @@ class RowGroupFiles(ABC):
 
     def close(self) -> None:
         """Let go of the files held open (a later read opens them again)."""
-        with self._readers_lock:
+        with self._reading:
             self._readers.clear()
 
     def _reader(self, file_index: int) -> pq.ParquetFile:
@@ -200,18 +185,18 @@ class RowGroupFiles(ABC):
 
         A row group read this way costs about a third of the dataset scanner's (``fragment.to_table``: its
         scan machinery per call, ~0.5 ms, dominates a row group of a few thousand interactions), single
-        threaded (a row group's few columns leave a second thread nothing to do but hand-offs)."""
-        with self._readers_lock:
-            reader = self._readers.get(file_index)
-            if reader is not None:
-                self._readers.move_to_end(file_index)
-                return reader
-            fragment = self.fragments[file_index]
-            reader = pq.ParquetFile(self.fs.open_input_file(fragment.path), metadata=fragment.metadata)
-            self._readers[file_index] = reader
-            if len(self._readers) > _OPEN_FILES:  # (not closed here: a read in another thread may hold it; the
-                self._readers.popitem(last=False)  # file closes with its last reference)
+        threaded (a row group's few columns leave a second thread nothing to do but hand-offs).  Called within
+        a read (``_reading`` held)."""
+        reader = self._readers.get(file_index)
+        if reader is not None:
+            self._readers.move_to_end(file_index)
             return reader
+        fragment = self.fragments[file_index]
+        reader = pq.ParquetFile(self.fs.open_input_file(fragment.path), metadata=fragment.metadata)
+        self._readers[file_index] = reader
+        if len(self._readers) > _OPEN_FILES:
+            self._readers.popitem(last=False)  # (the file closes with its last reference)
+        return reader
 
     def passes_checks(self, table: pa.Table) -> bool:
         """True when ``row_problems(table)`` is certainly empty, decided cheaper than it (False: not known)."""
@@ -246,7 +231,9 @@ class ParquetSource(RowGroupFiles):
         self, uri: str, split: str, columns: list[str], *, on_bad_rows: BadRows = "error", cache_row_groups: int = 32,
         max_seq_len: int | None = None, manifest: DatasetManifest | None = None,
     ) -> None:
-        super().__init__(uri, split, on_bad_rows=on_bad_rows, cache_row_groups=cache_row_groups, manifest=manifest)
+        super().__init__(uri, split, on_bad_rows=on_bad_rows, manifest=manifest)
+        self._cache: OrderedDict[int, _RowGroup] = OrderedDict()
+        self._cache_size = max(1, cache_row_groups)
         self.columns = self.keep_columns = list(columns)
         self.max_seq_len = max_seq_len
         """Values kept of each list column, the most recent (None: all)."""
@@ -304,6 +291,18 @@ class ParquetSource(RowGroupFiles):
             else:
                 arrays[name] = _flat_values(column)
         return arrays
+
+    def _row_group(self, rg: int) -> _RowGroup:
+        """Row group ``rg`` (global index), decoded, checked and cached (an LRU of ``cache_row_groups``)."""
+        entry = self._cache.get(rg)
+        if entry is not None:
+            self._cache.move_to_end(rg)
+            return entry
+        entry = self._decode(rg)
+        self._cache[rg] = entry
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return entry
 
     def read(self, rows: np.ndarray) -> tuple[pa.Table, np.ndarray]:
         """The projected columns of ``rows`` (global row ids, any order) in ascending row

@@ -41,6 +41,17 @@ def same(a: Batch, b: Batch) -> bool:
                                                 and torch.equal(x, y)) for x, y in tensors))
 
 
+def prepared(tmp_path: Path, seed: int, interactions: int, users: int, items: int) -> None:
+    """A random log through ``freescale prepare`` into ``tmp_path / "d"`` (format 2, row groups of 200 interactions)."""
+    rng = np.random.default_rng(seed)
+    n = interactions
+    log = pa.table({"who": rng.integers(0, users, n), "what": rng.integers(0, items, n),
+                    "when": rng.integers(0, 10**6, n), "stars": rng.integers(1, 6, n).astype(np.float64)})
+    pacsv.write_csv(log, tmp_path / "log.csv")
+    prepare(PrepareSpec(input=str(tmp_path / "log.csv"), out=str(tmp_path / "d"), row_group_interactions=200,
+                        columns=LogColumns(user="who", item="what", time="when", label="stars", rating_threshold=4.0)))
+
+
 def test_steps_built_together_equal_each_built_alone() -> None:
     rng = np.random.default_rng(0)
     sizes = np.array([5, 0, 3, 1, 7])  # an empty step among them
@@ -75,13 +86,7 @@ def test_steps_built_together_equal_each_built_alone() -> None:
 
 def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_batches_of_one_at_a_time(
         tmp_path: Path) -> None:
-    rng = np.random.default_rng(1)
-    n = 4_000
-    log = pa.table({"who": rng.integers(0, 150, n), "what": rng.integers(0, 80, n),
-                    "when": rng.integers(0, 10**6, n), "stars": rng.integers(1, 6, n).astype(np.float64)})
-    pacsv.write_csv(log, tmp_path / "log.csv")
-    prepare(PrepareSpec(input=str(tmp_path / "log.csv"), out=str(tmp_path / "d"), row_group_interactions=200,
-                        columns=LogColumns(user="who", item="what", time="when", label="stars", rating_threshold=4.0)))
+    prepared(tmp_path, seed=1, interactions=4_000, users=150, items=80)
     features = [HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID]
     runs = []
     for prefetch in (0, 3):
@@ -143,13 +148,7 @@ def test_a_bad_row_in_a_read_of_several_steps_is_raised_at_its_own_step_after_th
 
 def test_a_failure_only_reads_of_several_steps_meet_is_logged_and_every_step_still_handed_out(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    rng = np.random.default_rng(2)
-    n = 2_000
-    log = pa.table({"who": rng.integers(0, 80, n), "what": rng.integers(0, 50, n),
-                    "when": rng.integers(0, 10**6, n), "stars": rng.integers(1, 6, n).astype(np.float64)})
-    pacsv.write_csv(log, tmp_path / "log.csv")
-    prepare(PrepareSpec(input=str(tmp_path / "log.csv"), out=str(tmp_path / "d"), row_group_interactions=200,
-                        columns=LogColumns(user="who", item="what", time="when", label="stars", rating_threshold=4.0)))
+    prepared(tmp_path, seed=2, interactions=2_000, users=80, items=50)
     batches = []
     for prefetch in (0, 2):
         cfg = DataConfig(path=str(tmp_path / "d"), batch_size=16, max_seq_len=10, prefetch=prefetch)
