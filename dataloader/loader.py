@@ -7,11 +7,13 @@ Per step, on every rank, with no exchange of samples::
                                             sequence_source.py: histories cut at read time)
     assembler.batches(...)                  numpy lengths/values -> KJT, no per-sample loop (assemble.py)
 
-A background thread runs those three ahead of the training loop, up to ``prefetch`` batches ready, so
-the loop only waits when reading is slower than a step (``wait_s`` in ``last`` says how long it waited).
-Once running it reads ``READ_STEPS`` steps at a time (each planned as alone; their rows in one read,
-their batches built in one pass): at a few hundred samples a step the fixed costs of a read and of
-building tensors outweigh the bytes.  Planning, Parquet decoding and the numpy work release the GIL for
+A background thread runs those three ahead of the training loop, so the loop only waits when reading is
+slower than a step (``wait_s`` in ``last`` says how long it waited).  Once running it reads ``READ_STEPS``
+steps at a time (each planned as alone; their rows in one read, their batches built in one pass): at a few
+hundred samples a step the fixed costs of a read and of building tensors outweigh the bytes.  Up to
+``prefetch + READ_STEPS`` batches wait ready: a read's batches are handed over together, not one per
+wake-up of the consumer (a queue of ``prefetch`` made the thread and the consumer take turns at every batch of
+a read, each turn a hand-over of the GIL: 20% of the loader's throughput, ``benchmarks/bench_loader.py``).  Planning, Parquet decoding and the numpy work release the GIL for
 most of their time, so the thread overlaps the model's compute even on CPU.  ``prefetch = 0`` does it all
 inline, one step at a time.
 
@@ -124,12 +126,13 @@ class BalancedLoader:
         if source.max_seq_len != max_seq_len:
             raise ValueError(f"the source cuts histories at {source.max_seq_len}, the loader was asked for {max_seq_len}")
         self.source, self.planner = source, planner
-        # The producer may run ``prefetch`` steps ahead, with up to ``READ_STEPS`` more made in one read, and plan
-        # one more window ahead of that (with the consumer's, (prefetch + READ_STEPS) // window + 3 windows); the
+        # The producer may run ``prefetch + READ_STEPS`` steps ahead (its queue), with up to ``READ_STEPS`` more made
+        # in one read, and plan one more window ahead of that (with the consumer's, (prefetch + 2 READ_STEPS) //
+        # window + 3 windows); the
         # window of the consumed position (and its re-plan history) must still be there when it is saved (read
         # beside the producer: one window's margin) or re-planned: evicting it would re-plan it afresh on this
         # rank alone.
-        planner.windows_kept = max(planner.windows_kept, (prefetch + READ_STEPS) // planner.window + 4)
+        planner.windows_kept = max(planner.windows_kept, (prefetch + 2 * READ_STEPS) // planner.window + 4)
         self.rank = rank
         self.sparse_features = list(sparse_features)
         self.max_seq_len = max_seq_len
@@ -342,7 +345,7 @@ class BalancedLoader:
     # ----- producing ---------------------------------------------------------------------------
     def _start(self) -> None:
         self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._queue = queue.Queue(maxsize=self.prefetch + READ_STEPS)
         self._thread = threading.Thread(
             target=self._produce, args=(self.epoch, self.step, self._live, self._stop, self._queue),
             name="freescale-loader", daemon=True,

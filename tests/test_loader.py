@@ -315,9 +315,10 @@ def test_state_dict_keeps_the_prefetched_batches_and_the_state_resumes_identical
     deadline = time.monotonic() + 30
     while asked._queue.qsize() < 3 and time.monotonic() < deadline:  # the next steps are prefetched
         time.sleep(0.01)
-    producer = asked._thread
+    producer, ready = asked._thread, asked._queue.qsize()
     state = json.loads(json.dumps(asked.state_dict()))
-    assert asked._thread is producer and producer is not None and producer.is_alive() and asked._queue.qsize() == 3
+    assert asked._thread is producer and producer is not None and producer.is_alive()
+    assert asked._queue.qsize() >= ready >= 3  # nothing dropped (the producer may have handed over more)
     after, expected = _batches(asked, 6), _batches(plain, 6)
     resumed = make(tiny_data, prefetch=1, window=window)
     resumed.load_state_dict(state)
