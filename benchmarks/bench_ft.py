@@ -20,7 +20,10 @@ through failure reports, not the timeout).  Runs:
   replicas at the same moment's load; the target's ratio) and vs before the restart
   (the old baseline, which mixes in the machine's drift), its
   restart-to-contributing time, and the snapshot transfer rate; repeated with a
-  ~60M-parameter model (``--big-hidden``) so the transfer is not all latency.
+  ~60M-parameter model (``--big-hidden``) so the transfer is not all latency;
+- the job's side of both: the throughput it keeps from the kill to the run's end (contributions committed per
+  second, over the same before the kill: ``throughput_kept``), where each design's choices meet (survivors that
+  wait for a healing replica and contribute it sooner, against survivors that never wait for it).
 
 torchft runs side by side, on the same machine and model: ``benchmarks/torchft_replica.py``
 (a ``torchft.Manager`` with async quorum, ``min_replica_size=1``, a reconfigurable
@@ -48,6 +51,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +137,22 @@ def steady_after(survivor: list[dict[str, Any]], done: int, count: int = 10) -> 
     return {"after_ms": step_ms(after, skip=0)} if len(after) >= 3 else {}
 
 
+def throughput_kept(logs: list[list[dict[str, Any]]], reference: list[dict[str, Any]], killed: float,
+                    contributing: Callable[[dict[str, Any]], bool]) -> dict[str, float]:
+    """The job's side of a failure, for both systems alike: the contributions (a replica's committed step that
+    carries its gradient: one batch of samples) the job commits from the kill to the end of the run (the same
+    number of steps for every system), per second, over the same rate before the kill (from ``reference``'s
+    sixth commit: all 3 replicas).  It weighs what each design trades: the survivors' stall at the kill and
+    during a heal, the steps discarded, and how soon the restarted replica contributes again.  ``logs``: every
+    replica's log, both incarnations of the killed one."""
+    commits = [e["committed"] for e in reference]
+    start, end = commits[5], commits[-1]
+    done = [e["committed"] for log in logs for e in log if contributing(e)]
+    rate_before = sum(start < t <= killed for t in done) / (killed - start)
+    rate_after = sum(killed < t <= end for t in done) / (end - killed)
+    return {"kept": rate_after / rate_before, "kept_window_s": end - killed}
+
+
 def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
                       standby: bool = False, forked: bool = False) -> dict[str, Any]:
     """Kill replica c at step 20 and restart it (``standby``: a warm standby started beside it takes over;
@@ -178,6 +198,8 @@ def _failure(out: Path, steps: int, hidden: int, layers: int, standby: bool, ser
     a = max(logs.values(), key=len)
     after = min((e for e in a if e["committed"] > killed), key=lambda e: e["committed"])
     res: dict[str, Any] = {"kill_s": after["committed"] - killed, "discarded": discarded}
+    res.update(throughput_kept([*logs.values(), read(out, "c_first"), c], a, killed,
+                               lambda e: bool(e.get("contributing", True))))
     if after.get("failed_at"):  # the kill's two parts: the survivor finds the attempt failed, then redoes it
         res.update(detect_s=after["failed_at"] - killed, redo_s=after["committed"] - after["failed_at"])
     if c:
@@ -229,6 +251,8 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
     res: dict[str, Any] = {"kill_s": min(e["committed"] for e in a if e["committed"] > killed) - killed,
                            "discarded": discarded}
     c = committed(read(out, "c"))
+    res.update(throughput_kept([*map(committed, logs.values()), committed(read(out, "c_first")), c], a, killed,
+                               lambda e: bool(e.get("participating", True))))
     contributing = [e for e in c if e["participating"]]
     # The restarted replica's own data steps restart from 0: match steps through quorum ids and torchft's
     # committed-step count.  (Had it joined only after the survivors finished, it would have trained alone.)
@@ -313,6 +337,8 @@ def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[d
          "target": "<= 0.3 s"},
         {"measure": f"steps discarded per failure ({label})", **cells("discarded", lambda r: str(r["discarded"])),
          "target": "0"},
+        {"measure": f"job throughput kept, kill -> the run's end, over before the kill ({label})",
+         **cells("kept", lambda r: f"{r['kept']:.2f} (over {r['kept_window_s']:.1f} s)"), "target": "-"},
         {"measure": f"survivor step during catch-up / after it ({label})",
          **cells("after_ratio", lambda r: f"{r['after_ratio']:.2f} ({r['during_ms']:.1f} vs "
                                           f"{r['after_ms']:.1f} ms)"), "target": "<= 1.05"},
@@ -331,7 +357,7 @@ def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[d
         {"measure": f"  sub-figure: payload transfer rate ({label})",
          **cells("rate", lambda r: f"{r['rate'] / 1e9:.3f} GB/s"), "target": "-"},
     ]
-    before, catch_up_row, contributing = rows[3], rows[4], rows[7]
+    before, catch_up_row, contributing = rows[4], rows[5], rows[8]
     for name, res in columns.items():
         if not isinstance(res, str):
             before[f"{name}_before_window"] = res.get("before_window")

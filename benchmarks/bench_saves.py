@@ -11,7 +11,10 @@ For each save taken (its ``checkpoint_staged`` step ``d``: the state after steps
 commit interval holds the save's work, done after step ``d - 1``'s commit), the steps while its tables are copied
 (median, slowest), the step that finishes the copy and hands it to the writer, the steps while it is written
 (median, slowest), and the slowest step until the next save, each over a normal step (the median step of the
-runs with no saves), and how many due saves were skipped meanwhile (``checkpoint.skip_while_busy``).  The runs
+runs with no saves), and how many due saves were skipped meanwhile (``checkpoint.skip_while_busy``).  Beside the
+save step: the save's own work on the training thread over a normal step, and the same step of the run without
+saves of that repeat; over all the saves, the median of each (a single step's ratio is mostly this machine's
+spread: the median over the saves against the same steps without a save is what a save costs its step).  The runs
 without saves' own spread (P90, P99, max over their median) is printed beside: a single step of this machine
 reaches 1.2x with no save at all.  The steps that write the run's periodic log record (``LOG_EVERY``) are left out
 of every figure and reported apart, with saves and without (they reduce the last 1,000 steps' metrics).
@@ -67,9 +70,12 @@ def intervals(log: list[dict[str, Any]], log_steps: bool = False) -> dict[int, f
             if (b["step"] % LOG_EVERY == 0) == log_steps}
 
 
-def save_rows(log: list[dict[str, Any]], normal_s: float, repeat: int) -> list[dict[str, Any]]:
-    """One row per save taken: its steps over a normal step (module docstring)."""
-    gaps = intervals(log)
+def save_rows(log: list[dict[str, Any]], plain_log: list[dict[str, Any]], normal_s: float,
+              repeat: int) -> list[dict[str, Any]]:
+    """One row per save taken: its steps over a normal step (module docstring), and beside its save step the
+    save's own work on the training thread (its ``checkpoint_staged`` seconds) and the same step of the run
+    without saves of the same repeat (what a single step of this machine does with no save at all)."""
+    gaps, plain_gaps = intervals(log), intervals(plain_log)
     commits = [e for e in log if e["event"] == "commit"]
     staged = [e for e in log if e["event"] == "checkpoint_staged"]
     copied = {e["step"]: e for e in log if e["event"] == "checkpoint_tables_copied"}
@@ -94,6 +100,8 @@ def save_rows(log: list[dict[str, Any]], normal_s: float, repeat: int) -> list[d
             "ended_by_the_run": due > last_step,  # the run's end finished its copy: not a whole save's steps
             "skipped_after": sum(saved < s < following for s in skipped),
             "on_log_step": on_log_step, "save_step_x": None if on_log_step else gaps[saved] / normal_s,
+            "save_work_x": event["seconds"] / normal_s,
+            "same_step_no_save_x": plain_gaps[saved] / normal_s if saved in plain_gaps else None,
             "copying_median_x": statistics.median(copying) if copying else None,
             "copying_max_x": max(copying) if copying else None,
             "finishing_step_x": gaps[end] / normal_s if end in gaps else None,
@@ -134,22 +142,23 @@ def main() -> None:
         data = Path(tmp) / "data"
         generate(data, SyntheticSpec(rows=40_000, eval_rows=1_024, num_items=rows_per_table, num_users=rows_per_table,
                                      seed=0))
-        logs = []
+        logs, plain_logs = [], []
         for r in range(repeats):  # interleaved: a run with saves, then one without
             share = [] if args.write_share is None else [f"--checkpoint.write_share={args.write_share}"]
             logs.append((r, run(data, Path(tmp) / f"saves{r}", steps, args.every,
                                 f"--checkpoint.skip_while_busy={args.skip_while_busy}", *share)))
             plain_log = run(data, Path(tmp) / f"plain{r}", steps, 0)
+            plain_logs.append(plain_log)
             normal += [s for step, s in intervals(plain_log).items() if step >= 5]
             log_steps[1].extend(intervals(plain_log, log_steps=True).values())
             log_steps[0].extend(intervals(logs[-1][1], log_steps=True).values())
         normal_s = statistics.median(normal)
         for r, log in logs:
-            saves += save_rows(log, normal_s, r)
+            saves += save_rows(log, plain_logs[r], normal_s, r)
     print(f"2 ranks, tiny DLRM, {2 * rows_per_table:,} table rows ({args.table_mb:.0f} MB with their Adagrad state), "
           f"a save every {args.every} steps; normal step {1e3 * normal_s:.1f} ms (median of the runs without saves)")
     columns = ["repeat", "save_after_step", "tables_due_step", "written_by_step", "skipped_after", "save_step_x",
-               "copying_median_x", "copying_max_x", "finishing_step_x", "writing_median_x", "writing_max_x",
+               "save_work_x", "same_step_no_save_x", "copying_median_x", "copying_max_x", "finishing_step_x", "writing_median_x", "writing_max_x",
                "any_step_until_next_save_max_x", "staged_ms", "copy_ms", "keep_ms", "write_s", "write_cpu_s", "paced_s"]
     print_table(saves, columns)
     ratios = sorted(x / normal_s for x in normal)
@@ -166,7 +175,17 @@ def main() -> None:
     met = [r for r in whole if r["save_step_x"] <= 1.2 and (r["finishing_step_x"] or 0) <= 1.2
            and all((r[k] or 0) <= 1.2 for k in ("copying_median_x", "writing_median_x"))]
     worst = max((r["save_step_x"] for r in saves if r["save_step_x"] is not None), default=float("nan"))
-    summary = {"normal_step_ms": 1e3 * normal_s, "saves": len(whole), "worst_save_step_x": worst,
+    measured = [r for r in saves if r["save_step_x"] is not None]
+    paired = [r for r in measured if r["same_step_no_save_x"] is not None]
+    typical = {"median_save_step_x": statistics.median(r["save_step_x"] for r in measured) if measured else None,
+               "median_same_step_no_save_x": statistics.median(r["same_step_no_save_x"] for r in paired)
+               if paired else None,
+               "median_save_work_x": statistics.median(r["save_work_x"] for r in saves) if saves else None}
+    if measured and paired:
+        print(f"over the {len(measured)} saves: the save step {typical['median_save_step_x']:.2f}x at the median, the "
+              f"same steps of the runs without saves {typical['median_same_step_no_save_x']:.2f}x; the save's own work "
+              f"on the training thread {typical['median_save_work_x']:.3f}x")
+    summary = {"normal_step_ms": 1e3 * normal_s, "saves": len(whole), "worst_save_step_x": worst, **typical,
                "worst_step_x": max((r["any_step_until_next_save_max_x"] for r in saves), default=float("nan")),
                "skipped": sum(r["skipped_after"] for r in saves), "saves_within_1.2x": len(met),
                "saves_on_a_log_step": sum(r["on_log_step"] for r in saves), **noise}
