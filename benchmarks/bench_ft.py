@@ -138,19 +138,28 @@ def steady_after(survivor: list[dict[str, Any]], done: int, count: int = 10) -> 
 
 
 def throughput_kept(logs: list[list[dict[str, Any]]], reference: list[dict[str, Any]], killed: float,
-                    contributing: Callable[[dict[str, Any]], bool]) -> dict[str, float]:
+                    contributing: Callable[[dict[str, Any]], bool],
+                    step_of: Callable[[dict[str, Any]], int]) -> dict[str, float]:
     """The job's side of a failure, for both systems alike: the contributions (a replica's committed step that
-    carries its gradient: one batch of samples) the job commits from the kill to the end of the run (the same
-    number of steps for every system), per second, over the same rate before the kill (from ``reference``'s
-    sixth commit: all 3 replicas).  It weighs what each design trades: the survivors' stall at the kill and
-    during a heal, the steps discarded, and how soon the restarted replica contributes again.  ``logs``: every
-    replica's log, both incarnations of the killed one."""
-    commits = [e["committed"] for e in reference]
-    start, end = commits[5], commits[-1]
-    done = [e["committed"] for log in logs for e in log if contributing(e)]
-    rate_before = sum(start < t <= killed for t in done) / (killed - start)
-    rate_after = sum(killed < t <= end for t in done) / (end - killed)
-    return {"kept": rate_after / rate_before, "kept_window_s": end - killed}
+    carries its gradient: one batch of samples) to the steps from the kill to the run's end (the same number of
+    steps for every system), per second of those steps, over the same for the steps before the kill (after
+    ``reference``'s sixth: all 3 replicas).  Counted by step (``step_of``: the step every replica numbers alike),
+    timed by ``reference``'s commits of whole steps: the replicas commit one step ~0.1-0.3 s apart, so one
+    replica's clock would cut a step's contributions at either end.  It weighs what each design trades: the
+    survivors' stall at the kill and during a heal, the steps discarded, how soon the restarted replica
+    contributes again; over this run's length (the kill at step 20 of ``--big-steps``: a longer run pulls every
+    system towards 1).  ``logs``: every replica's log, both incarnations of the killed one."""
+    first = reference[5]
+    last_before = max((e for e in reference if e["committed"] <= killed), key=lambda e: e["committed"])
+    last = reference[-1]
+    s0, s1, s2 = step_of(first), step_of(last_before), step_of(last)
+    counted = [step_of(e) for log in logs for e in log if contributing(e)]
+    before, after = sum(s0 < s <= s1 for s in counted), sum(s1 < s <= s2 for s in counted)
+    span_before, span_after = last_before["committed"] - first["committed"], last["committed"] - last_before["committed"]
+    if not (before and span_before > 0 and span_after > 0):
+        return {}
+    return {"kept": (after / span_after) / (before / span_before), "kept_before": before, "kept_after": after,
+            "kept_window_s": span_after}
 
 
 def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
@@ -199,7 +208,7 @@ def _failure(out: Path, steps: int, hidden: int, layers: int, standby: bool, ser
     after = min((e for e in a if e["committed"] > killed), key=lambda e: e["committed"])
     res: dict[str, Any] = {"kill_s": after["committed"] - killed, "discarded": discarded}
     res.update(throughput_kept([*logs.values(), read(out, "c_first"), c], a, killed,
-                               lambda e: bool(e.get("contributing", True))))
+                               lambda e: bool(e.get("contributing", True)), lambda e: int(e["step"])))
     if after.get("failed_at"):  # the kill's two parts: the survivor finds the attempt failed, then redoes it
         res.update(detect_s=after["failed_at"] - killed, redo_s=after["committed"] - after["failed_at"])
     if c:
@@ -251,8 +260,10 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
     res: dict[str, Any] = {"kill_s": min(e["committed"] for e in a if e["committed"] > killed) - killed,
                            "discarded": discarded}
     c = committed(read(out, "c"))
+    # torchft's restarted replica numbers its data steps from 0: its manager's committed-step count is the
+    # step every replica numbers alike.
     res.update(throughput_kept([*map(committed, logs.values()), committed(read(out, "c_first")), c], a, killed,
-                               lambda e: bool(e.get("participating", True))))
+                               lambda e: bool(e.get("participating", True)), lambda e: int(e["manager_step"])))
     contributing = [e for e in c if e["participating"]]
     # The restarted replica's own data steps restart from 0: match steps through quorum ids and torchft's
     # committed-step count.  (Had it joined only after the survivors finished, it would have trained alone.)
@@ -357,9 +368,11 @@ def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[d
         {"measure": f"  sub-figure: payload transfer rate ({label})",
          **cells("rate", lambda r: f"{r['rate'] / 1e9:.3f} GB/s"), "target": "-"},
     ]
-    before, catch_up_row, contributing = rows[4], rows[5], rows[8]
+    kept, before, catch_up_row, contributing = rows[2], rows[4], rows[5], rows[8]
     for name, res in columns.items():
         if not isinstance(res, str):
+            kept[f"{name}_runs"] = [{k: run.get(k) for k in ("kept", "kept_before", "kept_after", "kept_window_s")}
+                                    for run in res.get("runs", [res])]
             before[f"{name}_before_window"] = res.get("before_window")
             catch_up_row[f"{name}_phases"] = res.get("phases")
             contributing[f"{name}_caught_up_s"] = res.get("caught_up_s")  # restart -> catch-up finished

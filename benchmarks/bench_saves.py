@@ -175,14 +175,13 @@ def main() -> None:
     met = [r for r in whole if r["save_step_x"] <= 1.2 and (r["finishing_step_x"] or 0) <= 1.2
            and all((r[k] or 0) <= 1.2 for k in ("copying_median_x", "writing_median_x"))]
     worst = max((r["save_step_x"] for r in saves if r["save_step_x"] is not None), default=float("nan"))
-    measured = [r for r in saves if r["save_step_x"] is not None]
-    paired = [r for r in measured if r["same_step_no_save_x"] is not None]
-    typical = {"median_save_step_x": statistics.median(r["save_step_x"] for r in measured) if measured else None,
+    paired = [r for r in whole if r["same_step_no_save_x"] is not None]
+    typical = {"median_save_step_x": statistics.median(r["save_step_x"] for r in whole) if whole else None,
                "median_same_step_no_save_x": statistics.median(r["same_step_no_save_x"] for r in paired)
                if paired else None,
-               "median_save_work_x": statistics.median(r["save_work_x"] for r in saves) if saves else None}
-    if measured and paired:
-        print(f"over the {len(measured)} saves: the save step {typical['median_save_step_x']:.2f}x at the median, the "
+               "median_save_work_x": statistics.median(r["save_work_x"] for r in whole) if whole else None}
+    if whole and paired:  # (the saves whose copy the run's end cut left out, as in the target's count)
+        print(f"over the {len(whole)} saves: the save step {typical['median_save_step_x']:.2f}x at the median, the "
               f"same steps of the runs without saves {typical['median_same_step_no_save_x']:.2f}x; the save's own work "
               f"on the training thread {typical['median_save_work_x']:.3f}x")
     summary = {"normal_step_ms": 1e3 * normal_s, "saves": len(whole), "worst_save_step_x": worst, **typical,

@@ -13,7 +13,8 @@ steps at a time (each planned as alone; their rows in one read, their batches bu
 hundred samples a step the fixed costs of a read and of building tensors outweigh the bytes.  Up to
 ``prefetch + READ_STEPS`` batches wait ready: a read's batches are handed over together, not one per
 wake-up of the consumer (a queue of ``prefetch`` made the thread and the consumer take turns at every batch of
-a read, each turn a hand-over of the GIL: 20% of the loader's throughput, ``benchmarks/bench_loader.py``).  Planning, Parquet decoding and the numpy work release the GIL for
+a read, each turn a hand-over of the GIL: the larger queue measured 1.13x the samples/s in
+``benchmarks/bench_loader.py``, within this machine's spread in a paired probe).  Planning, Parquet decoding and the numpy work release the GIL for
 most of their time, so the thread overlaps the model's compute even on CPU.  ``prefetch = 0`` does it all
 inline, one step at a time.
 
@@ -126,12 +127,11 @@ class BalancedLoader:
         if source.max_seq_len != max_seq_len:
             raise ValueError(f"the source cuts histories at {source.max_seq_len}, the loader was asked for {max_seq_len}")
         self.source, self.planner = source, planner
-        # The producer may run ``prefetch + READ_STEPS`` steps ahead (its queue), with up to ``READ_STEPS`` more made
-        # in one read, and plan one more window ahead of that (with the consumer's, (prefetch + 2 READ_STEPS) //
-        # window + 3 windows); the
-        # window of the consumed position (and its re-plan history) must still be there when it is saved (read
-        # beside the producer: one window's margin) or re-planned: evicting it would re-plan it afresh on this
-        # rank alone.
+        # The producer may run ``prefetch + READ_STEPS`` steps ahead (its queue), with up to ``READ_STEPS`` more
+        # made in one read, and plan one more window ahead of that (with the consumer's, (prefetch + 2 READ_STEPS)
+        # // window + 3 windows); the window of the consumed position (and its re-plan history) must still be
+        # there when it is saved (read beside the producer: one window's margin) or re-planned: evicting it would
+        # re-plan it afresh on this rank alone.
         planner.windows_kept = max(planner.windows_kept, (prefetch + 2 * READ_STEPS) // planner.window + 4)
         self.rank = rank
         self.sparse_features = list(sparse_features)
