@@ -147,17 +147,19 @@ def throughput_kept(logs: list[list[dict[str, Any]]], reference: list[dict[str, 
     timed by ``reference``'s commits of whole steps: the replicas commit one step ~0.1-0.3 s apart, so one
     replica's clock would cut a step's contributions at either end.  It weighs what each design trades: the
     survivors' stall at the kill and during a heal, the steps discarded, how soon the restarted replica
-    contributes again; over this run's length (the kill at step 20 of ``--big-steps``: a longer run pulls every
-    system towards 1).  ``logs``: every replica's log, both incarnations of the killed one."""
-    first = reference[5]
-    last_before = max((e for e in reference if e["committed"] <= killed), key=lambda e: e["committed"])
-    last = reference[-1]
+    contributes again; over this run's length (the kill at step 20: a longer run pulls every system towards 1).
+    ``logs``: every replica's log, both incarnations of the killed one.  Not measured (``kept_why`` says why)
+    when the reference has fewer than 6 commits or none before the kill."""
+    before_kill = [e for e in reference if e["committed"] <= killed]
+    if len(reference) < 6 or len(before_kill) < 7:
+        return {"kept_why": f"{len(reference)} commits, {len(before_kill)} before the kill: too few to compare"}
+    first, last_before, last = reference[5], max(before_kill, key=lambda e: e["committed"]), reference[-1]
     s0, s1, s2 = step_of(first), step_of(last_before), step_of(last)
     counted = [step_of(e) for log in logs for e in log if contributing(e)]
     before, after = sum(s0 < s <= s1 for s in counted), sum(s1 < s <= s2 for s in counted)
     span_before, span_after = last_before["committed"] - first["committed"], last["committed"] - last_before["committed"]
     if not (before and span_before > 0 and span_after > 0):
-        return {}
+        return {"kept_why": "no contribution before the kill, or no time between the steps compared"}
     return {"kept": (after / span_after) / (before / span_before), "kept_before": before, "kept_after": after,
             "kept_window_s": span_after}
 
@@ -325,10 +327,10 @@ def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[dict[str, Any]]:
     """One row per measure; a column's cell is its figure, or why it has none (a string)."""
-    def cells(key: str, fmt: Any) -> dict[str, Any]:
+    def cells(key: str, fmt: Any, missing: str = "never caught up") -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name, res in columns.items():
-            out[name] = res if isinstance(res, str) else fmt(res) if key in res else "never caught up"
+            out[name] = res if isinstance(res, str) else fmt(res) if key in res else res.get(f"{key}_why", missing)
             out[f"{name}_raw"] = None if isinstance(res, str) else res.get(key)
             if not isinstance(res, str) and f"{key}_range" in res:  # medians, with the spread over the repeats
                 lo, hi = res[f"{key}_range"]

@@ -13,8 +13,8 @@ steps at a time (each planned as alone; their rows in one read, their batches bu
 hundred samples a step the fixed costs of a read and of building tensors outweigh the bytes.  Up to
 ``prefetch + READ_STEPS`` batches wait ready: a read's batches are handed over together, not one per
 wake-up of the consumer (a queue of ``prefetch`` made the thread and the consumer take turns at every batch of
-a read, each turn a hand-over of the GIL: the larger queue measured 1.13x the samples/s in
-``benchmarks/bench_loader.py``, within this machine's spread in a paired probe).  Planning, Parquet decoding and the numpy work release the GIL for
+a read, each turn a hand-over of the GIL: paired with the old queue over 5 epochs each, 0.95-1.52x the
+samples/s, median 1.06x, within this machine's spread; ``benchmarks/bench_loader.py``: 1.13x the run before).  Planning, Parquet decoding and the numpy work release the GIL for
 most of their time, so the thread overlaps the model's compute even on CPU.  ``prefetch = 0`` does it all
 inline, one step at a time.
 
