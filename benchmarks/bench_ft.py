@@ -327,10 +327,11 @@ def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[dict[str, Any]]:
     """One row per measure; a column's cell is its figure, or why it has none (a string)."""
-    def cells(key: str, fmt: Any, missing: str = "never caught up") -> dict[str, Any]:
+    def cells(key: str, fmt: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for name, res in columns.items():
-            out[name] = res if isinstance(res, str) else fmt(res) if key in res else res.get(f"{key}_why", missing)
+        for name, res in columns.items():  # (a figure not measured: its ``<key>_why``, else the catch-up's absence)
+            out[name] = res if isinstance(res, str) else fmt(res) if key in res else res.get(f"{key}_why",
+                                                                                              "never caught up")
             out[f"{name}_raw"] = None if isinstance(res, str) else res.get(key)
             if not isinstance(res, str) and f"{key}_range" in res:  # medians, with the spread over the repeats
                 lo, hi = res[f"{key}_range"]

@@ -11,12 +11,11 @@ A background thread runs those three ahead of the training loop, so the loop onl
 slower than a step (``wait_s`` in ``last`` says how long it waited).  Once running it reads ``READ_STEPS``
 steps at a time (each planned as alone; their rows in one read, their batches built in one pass): at a few
 hundred samples a step the fixed costs of a read and of building tensors outweigh the bytes.  Up to
-``prefetch + READ_STEPS`` batches wait ready: a read's batches are handed over together, not one per
-wake-up of the consumer (a queue of ``prefetch`` made the thread and the consumer take turns at every batch of
-a read, each turn a hand-over of the GIL: paired with the old queue over 5 epochs each, 0.95-1.52x the
-samples/s, median 1.06x, within this machine's spread; ``benchmarks/bench_loader.py``: 1.13x the run before).  Planning, Parquet decoding and the numpy work release the GIL for
-most of their time, so the thread overlaps the model's compute even on CPU.  ``prefetch = 0`` does it all
-inline, one step at a time.
+``prefetch + READ_STEPS`` batches wait ready: a read's batches are handed over together (a queue of
+``prefetch`` made the thread and the consumer take turns at every batch of a read, each turn a hand-over of
+the GIL; what the larger queue measured: docs/data.md).  Planning, Parquet decoding and the numpy work release
+the GIL for most of their time, so the thread overlaps the model's compute even on CPU.  ``prefetch = 0`` does
+it all inline, one step at a time.
 
 Position and resumption: ``state_dict`` holds the next (epoch, step) to be
 *consumed* (prefetched batches do not count) and the current planning window's
