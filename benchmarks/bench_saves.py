@@ -159,7 +159,8 @@ def main() -> None:
           f"a save every {args.every} steps; normal step {1e3 * normal_s:.1f} ms (median of the runs without saves)")
     columns = ["repeat", "save_after_step", "tables_due_step", "written_by_step", "skipped_after", "save_step_x",
                "save_work_x", "same_step_no_save_x", "copying_median_x", "copying_max_x", "finishing_step_x",
-               "writing_median_x", "writing_max_x", "any_step_until_next_save_max_x", "staged_ms", "copy_ms", "keep_ms", "write_s", "write_cpu_s", "paced_s"]
+               "writing_median_x", "writing_max_x", "any_step_until_next_save_max_x", "staged_ms", "copy_ms",
+               "keep_ms", "write_s", "write_cpu_s", "paced_s"]
     print_table(saves, columns)
     ratios = sorted(x / normal_s for x in normal)
     noise = {"p90_x": ratios[int(0.9 * (len(ratios) - 1))], "p99_x": ratios[int(0.99 * (len(ratios) - 1))],
