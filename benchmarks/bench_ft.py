@@ -165,11 +165,12 @@ def throughput_kept(logs: list[list[dict[str, Any]]], reference: list[dict[str, 
 
 
 def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
-                      standby: bool = False, forked: bool = False) -> dict[str, Any]:
+                      standby: bool = False, forked: bool = False, join: str = "record") -> dict[str, Any]:
     """Kill replica c at step 20 and restart it (``standby``: a warm standby started beside it takes over;
     its restart is then the kill; ``forked``: the restart is forked from a warm server that imported torch,
-    torchrec and the layer when the job started, ``freescale.forkserver``, as under ``freescale launch``)."""
-    out = tmp / f"kill-{label}{'-standby' if standby else ''}{'-forked' if forked else ''}"
+    torchrec and the layer when the job started, ``freescale.forkserver``, as under ``freescale launch``;
+    ``join``: ``[ft] join``, ``wait``: the others wait for its gradients in the step it joins)."""
+    out = tmp / f"kill-{label}{'-standby' if standby else ''}{'-forked' if forked else ''}-{join}"
     out.mkdir()
     if forked:
         from freescale.forkserver import LOOP_MODULES, ForkServer
@@ -178,14 +179,14 @@ def freescale_failure(tmp: Path, steps: int, hidden: int, layers: int, label: st
             deadline = time.monotonic() + 120
             while not Path(server.path).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)  # as in a job: the server has long finished importing when a group dies
-            return _failure(out, steps, hidden, layers, False, server)
-    return _failure(out, steps, hidden, layers, standby, None)
+            return _failure(out, steps, hidden, layers, False, server, join)
+    return _failure(out, steps, hidden, layers, standby, None, join)
 
 
-def _failure(out: Path, steps: int, hidden: int, layers: int, standby: bool, server: Any) -> dict[str, Any]:
+def _failure(out: Path, steps: int, hidden: int, layers: int, standby: bool, server: Any, join: str) -> dict[str, Any]:
     lh = lighthouse()
     common = ["--lighthouse", lh.url, "--snapshots", "--hidden", str(hidden), "--layers", str(layers),
-              "--step-sleep", "0.02"]
+              "--step-sleep", "0.02", "--join", join]
     lock = ["--standby-lock", str(out / "c.lock")] if standby else []
     procs = {n: replica(out, n, steps, *common, "--wait-for", "3", *(lock if n == "c" else []),
                         *(["--log-name", "c_first"] if n == "c" else []), kill=n == "c") for n in "abc"}
@@ -225,10 +226,10 @@ def _failure(out: Path, steps: int, hidden: int, layers: int, standby: bool, ser
                    phases={k: info.get(k) for k in ("source_wait_s", "transfer_s", "load_s", "replay_s",
                                                     "stale_at_arrival", "in_place_bytes")})
         # torchft's endpoint, for both: the restarted replica's first committed step that carries its gradient.
-        first = next((e["committed"] for e in c if e.get("contributing") and e["step"] > info["joined_step"]), None)
+        first = next((e["committed"] for e in c if e.get("contributing") and e["step"] >= info["joined_step"]), None)
         # Both endpoints from the first request for state, as for torchft: its last byte, and the first commit
         # that carries its gradient.
-        res["last_byte_s"] = info["arrived"] - info["started"]
+        res["last_byte_s"], res["join"] = info["arrived"] - info["started"], info.get("join", "record")
         if first is not None:
             res["contributing_s"] = first - restart
             res["request_to_contributing_s"] = first - info["started"]
@@ -398,6 +399,9 @@ def main() -> None:
     parser.add_argument("--forked", action="store_true",
                         help="also restart forked from a warm server (freescale.forkserver, what freescale launch "
                              "does): a column of its own")
+    parser.add_argument("--join-wait", action="store_true",
+                        help="also restart with [ft] join = wait (the others wait for the joiner's gradients in the "
+                             "step it joins): a column of its own, and one forked with --forked")
     parser.add_argument("--big-steps", type=int, default=60,
                         help="steps of the big-model failure run (~2 s each on 2 cores; the kill is at step 20)")
     parser.add_argument("--json")
@@ -429,9 +433,11 @@ def main() -> None:
                 if args.standby:
                     repeats_of.setdefault("freescale_standby", []).append(
                         freescale_failure(where, n, hidden, layers, label, standby=True))
-                if args.forked:
-                    repeats_of.setdefault("freescale_forked", []).append(
-                        freescale_failure(where, n, hidden, layers, label, forked=True))
+                for forked, join in ((True, "record"), (False, "wait"), (True, "wait")):
+                    if (forked and not args.forked) or (join == "wait" and not args.join_wait):
+                        continue
+                    repeats_of.setdefault(f"freescale{'_forked' * forked}{'_wait' * (join == 'wait')}", []).append(
+                        freescale_failure(where, n, hidden, layers, label, forked=forked, join=join))
                 for name, sync in (("torchft", False), ("torchft_sync", True)):
                     if not tft or name in failed:
                         continue
@@ -446,8 +452,9 @@ def main() -> None:
             rows += failure_rows(label, columns)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    waits = ["freescale_wait", *(["freescale_forked_wait"] if args.forked else [])] if args.join_wait else []
     print_table(rows, ["measure", "freescale", *(["freescale_standby"] if args.standby else []),
-                       *(["freescale_forked"] if args.forked else []), "torchft", "torchft_sync", "target"])
+                       *(["freescale_forked"] if args.forked else []), *waits, "torchft", "torchft_sync", "target"])
     print("torchft: use_async_quorum=True (its default: heals during the step, contributes from the next); "
           "torchft_sync: use_async_quorum=False (heals before the forward, contributes in the healing step)")
     if args.failures_only:
@@ -471,7 +478,7 @@ def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], tft_version: s
         write_json(args.json, "bench_ft", {
             "quick": args.quick, "replicas": "2 (overhead), 3 (failure)", "big_hidden": args.big_hidden,
             "big_steps": args.big_steps, "failures_only": args.failures_only, "standby": args.standby,
-            "forked": args.forked,
+            "forked": args.forked, "join_wait": args.join_wait,
             "failure_repeats": args.failure_repeats, "small_only": args.small_only, "big_only": args.big_only,
             "model": "MLP 256->1024->1024->1 (1.31M params), AdamW" if not args.big_only
                      else f"MLP {args.big_hidden}x4 (the big-model run only), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,

@@ -126,6 +126,9 @@ def main() -> None:
                         help="cap of the first gradient bucket reduced during backward (the others: 25 MiB)")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
     parser.add_argument("--log-name", default="", help="the log's file name (default: the replica id)")
+    parser.add_argument("--join", choices=["record", "wait"], default="record",
+                        help="how a restarted replica joins ([ft] join): record the step in progress, or wait: the "
+                             "others wait for its gradients in that step")
     parser.add_argument("--standby-lock", default="",
                         help="hold this lock while active; a second process with the same lock and --incarnation 1 is "
                              "a warm standby that takes over when the first dies (ft/standby.py)")
@@ -145,7 +148,7 @@ def run_ftar(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.
     cfg = FTConfig(lighthouse=args.lighthouse, replicas=max(args.wait_for, group + 1), replica_index=group,
                    name=args.replica_id, timeout_s=args.timeout, snapshots=args.snapshots,
                    first_bucket_kb=args.first_bucket_kb, wait_for_replicas_s=60.0 if args.wait_for else 0.0,
-                   standby_lock=args.standby_lock)
+                   standby_lock=args.standby_lock, join=args.join)
     hooks = hooks_from_env(group, 0, args.incarnation, Path(args.out) / args.replica_id)
     ft = FaultTolerance(model, optimizer, cfg, hooks=hooks)  # a standby waits in here for the active one to die
     if args.standby_lock:
@@ -154,7 +157,7 @@ def run_ftar(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.
     ft.start(wait_for=args.wait_for)
     step = 0
     while step < args.steps:
-        ft.begin_step(step)
+        step = ft.begin_step(step)  # a waiting join returns the quorum's step, its snapshot loaded
         loss = None
         if ft.can_train(step):
             x, y = batch(step, args.replica_id, args.batch)

@@ -92,8 +92,9 @@ class LocalSync:
         self._step = -1
         self._loss: torch.Tensor | None = None
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int) -> int:
         self._step, self._loss = step, None
+        return step
 
     def can_train(self, step: int) -> bool:
         return True

@@ -213,7 +213,9 @@ class StepSync(Protocol):
     torchrec's pipelines call ``optimizer.zero_grad()``, ``backward`` and ``optimizer.step()``; the engine
     calls ``exchange`` itself for a step this rank sits out."""
 
-    def begin_step(self, step: int) -> None: ...
+    def begin_step(self, step: int) -> int:
+        """The step to train: ``step`` (fault tolerance's waiting join may return a later one, ``FTConfig.join``;
+        the engine's data side refuses that mode)."""
 
     def can_train(self, step: int) -> bool: ...
 

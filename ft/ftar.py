@@ -143,19 +143,47 @@ class ReplicaSync:
         self._resolved = quorum
         return quorum, time.perf_counter() - start
 
-    def behind(self, step: int) -> bool:
+    def behind(self, step: int, staged_only: bool = False) -> bool:
         """Wait for the step's quorum now and say whether it is ahead of ``step`` (this replica must
         catch up: no use training the step).  A process's first step asks this before its forward:
-        a restarted group would otherwise train a stale step 0 while the others wait for it."""
+        a restarted group would otherwise train a stale step 0 while the others wait for it.  ``staged_only``: a
+        waiting join's catch-up (``await_snapshot``), which takes only a snapshot staged already."""
         try:
             quorum, waited = self._quorum_of(step)
         except Exception:
             return False
         self._early_quorum_wait += waited
         if quorum.max_step > step:
-            self._start_recovery(quorum, step)  # now, before this step's zero contribution joins the new group
+            if not self._recovering_to(quorum.max_step):  # (a waiting join that gave up started it already)
+                self._start_recovery(quorum, step, staged_only)  # now, before this step's zero contribution joins
             return True
         return False
+
+    def await_snapshot(self, budget_s: float) -> int | None:
+        """A waiting join (``[ft] join = "wait"``; ``behind(step, staged_only=True)`` started the catch-up): join the
+        step's group now, so the others' reduction does not stall in its set-up, and wait up to ``budget_s`` for the
+        snapshot of the step before the quorum's.  The quorum's step when it is in (``take_catch_up`` would not
+        block); else None: the step is sat out and recorded as ``record`` does, its snapshot loaded at a later
+        commit.  Only a snapshot staged already is taken: the sources stage one at a commit when the lighthouse
+        said, with its vote, that a group waits to join; a group that asked later finds none, and a staging at
+        this step's commit would wait for this group's gradients, which would wait for it."""
+        quorum = self._resolved
+        if quorum is None or not self.recovering or self._fetch is None:
+            return None
+        try:
+            self.group.for_quorum(quorum)
+        except (RuntimeError, dist.DistError):
+            return None  # its first attempt meets the same failure, reports it and redoes
+        if not self._fetch.wait(budget_s):
+            self.catch_up_log["join"] = f"record (not in within {budget_s:.1f} s)"  # the download goes on
+            return None
+        if self._fetch.nothing_staged:
+            requested = self.catch_up_log.get("requested")
+            self._start_recovery(quorum, self.catch_up_log["own_step"])  # as ``record``: waits for a staging
+            self.catch_up_log.update(join="record (no snapshot staged)", requested=requested or time.time())
+            return None
+        self.catch_up_log["join"] = "wait"
+        return quorum.max_step
 
     def attach(self, step: int, grads: BucketedGrads, weight: float, header: torch.Tensor | None) -> bool:
         """Before backward, after ``grads.begin()``: reduce each bucket across groups as backward
@@ -359,9 +387,10 @@ class ReplicaSync:
         """Already catching up to ``step`` and nothing recorded yet (``behind`` started it this very step)."""
         return self.recovering and not self._recorded and self.catch_up_log.get("joined_step") == step
 
-    def _start_recovery(self, quorum: Quorum, step: int) -> None:
+    def _start_recovery(self, quorum: Quorum, step: int, staged_only: bool = False) -> None:
         """Start catching up to ``quorum.max_step``; again from scratch when already catching up
-        (the quorum moved past steps this replica has not recorded: its replay would miss them)."""
+        (the quorum moved past steps this replica has not recorded: its replay would miss them).
+        ``staged_only``: take only a snapshot its sources staged already (``await_snapshot``)."""
         self.recovering = True
         self._recorded, self._recorded_at = [], []
         if self._fetch is not None:
@@ -379,7 +408,8 @@ class ReplicaSync:
         # A fresh download each time: one of an abandoned catch-up may still be waiting on its source.
         own = self.landing() if self.landing is not None else None
         self.catch_up_log["landing_ready"] = time.time()
-        self._fetch = PositionsFetch(sources, max(quorum.max_step - 1, 0), self.token, self.catch_up_log, own)
+        self._fetch = PositionsFetch(sources, max(quorum.max_step - 1, 0), self.token, self.catch_up_log, own,
+                                     wait_s=0.0 if staged_only else None)
 
     def _sources(self, quorum: Quorum, position: int) -> list[str]:
         """Each other participant's snapshot server at ``position`` (its member serving it), if it is at the

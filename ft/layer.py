@@ -106,7 +106,7 @@ class FaultTolerance(SnapshotSide):
                  chunk_bytes: int | None = None, max_inflight: int | None = None,
                  nonfinite: str = "stop", device: torch.device | None = None,
                  update: DenseUpdate | None = None, scheduler: Any | None = None) -> None:
-        cfg.validate()
+        cfg.validate(with_data=data is not None)
         side = data if isinstance(data, DataSide) or data is None else DataSide(data, "FaultTolerance")
         self._cfg, self._model, self._optimizer, self._data = cfg, model, optimizer, side
         self._hooks = hooks or StepHooks()
@@ -278,12 +278,19 @@ class FaultTolerance(SnapshotSide):
     def recovering(self) -> bool:
         return self._sync.recovering
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int) -> int:
+        """Send the step's quorum request (its answer is read when the step needs it).  Returns the step to
+        train: ``step``, except on a restarted group's first step with ``[ft] join = "wait"`` (``_join_waiting``),
+        where it is the quorum's step, the snapshot of the step before it already loaded."""
+        self._sync.start_step(step)
+        if self._first_step and self._cfg.join == "wait":
+            step = self._join_waiting(step)
         self._step, self._weight, self._loss = step, None, None
         self._update.before_tables(step)  # fbgemm takes the rate at the union's lookup, built during the vote
-        self._sync.start_step(step)
         self._sync.side_header = self._side.header() if self._side is not None else None
         self._tables.reset()
+        return step
+
 
     def can_train(self, step: int) -> bool:
         """Not catching up; on a process's first step, not behind the quorum (a restarted group

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from freescale.dense_update import DenseUpdate
+from freescale.ft.config import FTConfig
 from freescale.ft.ftar import ReplicaSync
 from freescale.ft.snapshot_state import (
     from_json,
@@ -34,6 +35,7 @@ from freescale.ft.snapshot_state import (
 )
 from freescale.ft.step_result import StepResult
 from freescale.step_types import Accounted, Commit, DataSide
+from freescale.testing import StepHooks
 
 UserState = tuple[Callable[[], Any], Callable[[Any], None], Callable[[Commit], Any] | None]
 
@@ -49,6 +51,12 @@ class SnapshotSide(ABC):
     _user_states: dict[str, UserState]
     _sync: ReplicaSync
     _events: list[dict[str, Any]]
+    _cfg: FTConfig
+    _hooks: StepHooks
+
+    @abstractmethod
+    def agree(self, ok: bool) -> bool:
+        """FaultTolerance's agreement within the group (True only if every rank says True)."""
 
     @abstractmethod
     def _apply(self, result: StepResult) -> tuple[Commit, bool]:
@@ -172,6 +180,22 @@ class SnapshotSide(ABC):
             load(from_json(user[name], tensors))
         if meta.get("rng") is not None:
             set_rng_state(meta["rng"], tensors)
+
+    def _join_waiting(self, step: int) -> int:
+        """A restarted group's first step with ``join = "wait"``: when the quorum is ahead of ``step``, download the
+        snapshot of the step before the quorum's (the other groups staged it at that step's commit and serve it while
+        their forward and backward run, then wait for this group's gradients in the reduction), load it and return
+        the quorum's step for the loop to train.  The snapshot not in within ``timeout_s / 2`` on every rank of the
+        group (the others' reduction waits at most ``timeout_s``): ``step``, sat out and recorded as ``record`` does."""
+        if not self.agree(self._sync.behind(step, staged_only=True)):
+            return step
+        arrived = self._sync.await_snapshot(self._cfg.timeout_s / 2)
+        if not self.agree(arrived is not None):
+            return step
+        assert arrived is not None
+        self._hooks.at("catchup", arrived)
+        self._catch_up()  # the snapshot of step arrived - 1: nothing recorded, nothing to replay
+        return arrived
 
     def _catch_up(self) -> bool:
         """Load the snapshot and replay every recorded step after it (the group agreed it is in).  Returns

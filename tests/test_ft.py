@@ -161,16 +161,19 @@ def test_sigstopped_replica_is_evicted_by_timeout(tmp_path: Path) -> None:
     lh.stop_thread()
 
 
-def test_killed_replica_restarts_and_catches_up_without_stalling_the_others(tmp_path: Path) -> None:
+@pytest.mark.parametrize("join", ["record", "wait"])
+def test_killed_replica_restarts_and_catches_up(join: str, tmp_path: Path) -> None:
     """c is SIGKILLed mid-reduce at step 5 and its warm standby (a second process, model built, waiting
-    on c's lock: ``ft/standby.py``) takes over as incarnation 1: it joins with weight 0, copies a peer's
-    snapshot while a and b keep committing, replays the steps it missed, and from then on all three
-    are bit-identical at every step.  (A cold restart: the examples' and the torchrec groups' tests.)"""
+    on c's lock: ``ft/standby.py``) takes over as incarnation 1.  ``record``: it joins with weight 0, copies a
+    peer's snapshot while a and b keep committing, replays the steps it missed.  ``wait``: it loads the
+    snapshot of the step before its first quorum's and trains that step, a and b waiting for its gradients.
+    Either way all three are bit-identical at every step from then on.  (A cold restart: the examples' and
+    the torchrec groups' tests.)"""
     lh = lighthouse(min_replicas=1)
     steps = 40
     # A 64 KiB first bucket: several buckets, so a replica sitting a step out (zeros, weight 0) must
     # reduce in the others' bucket layout, or the collectives mismatch.
-    common = ["--snapshots", "--step-sleep", "0.02", "--hidden", "256", "--first-bucket-kb", "64"]
+    common = ["--snapshots", "--step-sleep", "0.02", "--hidden", "256", "--first-bucket-kb", "64", "--join", join]
     lock = ["--standby-lock", str(tmp_path / "c.lock")]
     procs = {r: start(lh, r, tmp_path, steps, *common, *(lock + ["--log-name", "c_first_life"]) * (r == "c"),
                       fault="5:reduce:0" if r == "c" else "", away_ms=300) for r in ("a", "b", "c")}
@@ -194,6 +197,10 @@ def test_killed_replica_restarts_and_catches_up_without_stalling_the_others(tmp_
     for e in second_life:  # identical to the survivors at every step after the catch-up
         assert e["digest"] == a_by_step[e["step"]]["digest"], e["step"]
         assert e["participants"] == ["a", "b", "c"]
-    # The survivors staged one snapshot each and never waited for the transfer.
+    if join == "wait":  # it trained the step it joined: the snapshot of the one before, nothing replayed
+        assert caught["contributing"] and caught["step"] == info["joined_step"] == info["snapshot_step"] + 1
+        assert info["replayed"] == 0
+        assert a_by_step[caught["step"]]["participants"] == ["a", "b", "c"]
+    # The survivors staged one snapshot each and never waited for the transfer in staging.
     assert sum(1 for e in logs[0] if e["stage_s"] > 0) == 1
     lh.stop_thread()

@@ -133,6 +133,11 @@ def test_ft_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FREESCALE_REPLICAS")
     with pytest.raises(ValueError, match="no field 'timeout'"):
         FTConfig.from_env(timeout=1)
+    FTConfig(join="wait").validate()  # a loop whose groups bring their own batches
+    with pytest.raises(ConfigError, match="^join: 'wait' needs groups that bring their own batches"):
+        FTConfig(join="wait").validate(with_data=True)  # data= plans each step over the groups ready before it
+    with pytest.raises(ConfigError, match="^join: must be one of record, wait, got 'later'"):
+        FTConfig(join="later").validate()
 
 
 def test_shard_constraints_force_fused_kernels_unless_a_table_asks_for_data_parallel_alone() -> None:
