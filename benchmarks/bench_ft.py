@@ -375,7 +375,7 @@ def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[d
     kept, before, catch_up_row, contributing = rows[2], rows[4], rows[5], rows[8]
     for name, res in columns.items():
         if not isinstance(res, str):
-            kept[f"{name}_runs"] = [{k: run.get(k) for k in ("kept", "kept_before", "kept_after", "kept_window_s")}
+            kept[f"{name}_runs"] = [{k: run.get(k) for k in ("kept", "kept_before", "kept_after", "kept_window_s", "join")}
                                     for run in res.get("runs", [res])]
             before[f"{name}_before_window"] = res.get("before_window")
             catch_up_row[f"{name}_phases"] = res.get("phases")

@@ -127,7 +127,10 @@ def prepare(cfg: TrainerConfig) -> None:
     """Resolve what the launcher put in the environment and refuse combinations that cannot run
     (one line each, naming the key), before any process group exists."""
     cfg.ft.resolve_env()
-    cfg.ft.validate()
+    try:
+        cfg.ft.validate(with_data=True)  # freescale's loop plans every step's data over the groups
+    except ConfigError as exc:
+        raise ConfigError(f"ft.{exc}") from None
     if cfg.ft.enabled and cfg.data.calibrate_every:
         raise ConfigError("data.calibrate_every: not supported with replica groups yet (the fitted cost model "
                           "would have to be agreed across groups to keep their plans identical); set it to 0")

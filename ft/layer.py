@@ -8,7 +8,7 @@ where this loop calls ``step``)::
     ft.start()                                    # wait for the peers; joins late as a recovering group
     step = 0
     while step < steps:
-        ft.begin_step(step)                       # quorum request: its round trip overlaps the forward
+        step = ft.begin_step(step)                # quorum request (overlaps the forward); the step to train
         if ft.can_train(step):                    # not catching up (and, with ``data``, planned in)
             loss = dmp(batch)                     # forward: the fused embedding updates are deferred
             ft.backward(loss, weight=len(batch))  # dense buckets reduced in the group, then across
@@ -279,9 +279,8 @@ class FaultTolerance(SnapshotSide):
         return self._sync.recovering
 
     def begin_step(self, step: int) -> int:
-        """Send the step's quorum request (its answer is read when the step needs it).  Returns the step to
-        train: ``step``, except on a restarted group's first step with ``[ft] join = "wait"`` (``_join_waiting``),
-        where it is the quorum's step, the snapshot of the step before it already loaded."""
+        """Send the step's quorum request (its answer is read when needed).  Returns the step to train: ``step``, or
+        with ``[ft] join = "wait"`` on a restarted group's first step, the quorum's (``_join_waiting``)."""
         self._sync.start_step(step)
         if self._first_step and self._cfg.join == "wait":
             step = self._join_waiting(step)

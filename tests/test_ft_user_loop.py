@@ -319,3 +319,12 @@ def test_step_samples_plan_a_group_on_fewer_ranks_a_share_in_proportion() -> Non
         late.mine(1)  # whole again, with the plan of a group on one rank: refused, never trained twice
     late.running = 1
     assert late.mine(1).tolist() == ranks[(1, 0)].mine(1).tolist()
+
+
+def test_freescale_train_refuses_a_waiting_join_in_one_line(tiny_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """freescale's own loop plans each step's data over the groups ready at the last commit: a joining group
+    would have no share of the step it waits in."""
+    code = main(["train", "--config", "configs/tiny_dlrm.toml", f"--data.path={tiny_data}", "--ft.join=wait"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(
+        "freescale: error: ft.join: 'wait' needs groups that bring their own batches"), err
