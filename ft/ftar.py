@@ -116,6 +116,8 @@ class ReplicaSync:
         layer; called on the training thread as a catch-up starts)."""
         self._fetch: PositionsFetch | None = None
         self.catch_up_log: dict[str, Any] = {}
+        self.stage_now: Callable[[int], None] | None = None
+        """Stage committed step N now, mid-step (set by the layer: ``_stage_for_behind``)."""
         self.side_header: torch.Tensor | None = None
         """Non-negative int64s this replica tells every participant with the step's reduction, ahead of the
         exchange's header (its group's measured speeds: ``freescale.speed_share``).  Set before the step's
@@ -143,11 +145,10 @@ class ReplicaSync:
         self._resolved = quorum
         return quorum, time.perf_counter() - start
 
-    def behind(self, step: int, staged_only: bool = False) -> bool:
+    def behind(self, step: int) -> bool:
         """Wait for the step's quorum now and say whether it is ahead of ``step`` (this replica must
         catch up: no use training the step).  A process's first step asks this before its forward:
-        a restarted group would otherwise train a stale step 0 while the others wait for it.  ``staged_only``: a
-        waiting join's catch-up (``await_snapshot``), which takes only a snapshot staged already."""
+        a restarted group would otherwise train a stale step 0 while the others wait for it."""
         try:
             quorum, waited = self._quorum_of(step)
         except Exception:
@@ -155,35 +156,46 @@ class ReplicaSync:
         self._early_quorum_wait += waited
         if quorum.max_step > step:
             if not self._recovering_to(quorum.max_step):  # (a waiting join that gave up started it already)
-                self._start_recovery(quorum, step, staged_only)  # now, before this step's zero contribution joins
+                self._start_recovery(quorum, step)  # now, before this step's zero contribution joins the new group
             return True
         return False
 
     def await_snapshot(self, budget_s: float) -> int | None:
-        """A waiting join (``[ft] join = "wait"``; ``behind(step, staged_only=True)`` started the catch-up): join the
-        step's group now, so the others' reduction does not stall in its set-up, and wait up to ``budget_s`` for the
-        snapshot of the step before the quorum's.  The quorum's step when it is in (``take_catch_up`` would not
-        block); else None: the step is sat out and recorded as ``record`` does, its snapshot loaded at a later
-        commit.  Only a snapshot staged already is taken: the sources stage one at a commit when the lighthouse
-        said, with its vote, that a group waits to join; a group that asked later finds none, and a staging at
-        this step's commit would wait for this group's gradients, which would wait for it."""
+        """A waiting join (``[ft] join = "wait"``; ``behind`` started the catch-up on a restarted group's first step):
+        join the quorum's group now, so the others' reduction does not stall in its set-up, and wait up to
+        ``budget_s`` for the snapshot of the step before the quorum's (staged by the sources at that step's commit,
+        or once they read this quorum: ``_stage_for_behind``).  The quorum's step when it is in (``take_catch_up``
+        would not block), else None: the step is sat out and recorded as ``record`` does, the download goes on."""
         quorum = self._resolved
-        if quorum is None or not self.recovering or self._fetch is None:
+        if quorum is None or self._fetch is None or not self._recovering_to(quorum.max_step):
             return None
         try:
             self.group.for_quorum(quorum)
         except (RuntimeError, dist.DistError):
             return None  # its first attempt meets the same failure, reports it and redoes
-        if not self._fetch.wait(budget_s):
-            self.catch_up_log["join"] = f"record (not in within {budget_s:.1f} s)"  # the download goes on
-            return None
-        if self._fetch.nothing_staged:
-            requested = self.catch_up_log.get("requested")
-            self._start_recovery(quorum, self.catch_up_log["own_step"])  # as ``record``: waits for a staging
-            self.catch_up_log.update(join="record (no snapshot staged)", requested=requested or time.time())
-            return None
-        self.catch_up_log["join"] = "wait"
-        return quorum.max_step
+        arrived = self._fetch.wait(budget_s)
+        self.catch_up_log["join"] = "wait" if arrived else f"record (not in within {budget_s:.1f} s)"
+        return quorum.max_step if arrived else None
+
+    def _others_behind(self, quorum: Quorum) -> bool:
+        """Another participant asked for an older step than the quorum's (it must catch up; this rank, after a
+        waiting join, is one such itself: it needs no snapshot)."""
+        me = self.client.replica_id
+        return any(p.step < quorum.max_step and p.replica_id != me for p in quorum.participants)
+
+    def _stage_for_behind(self, quorum: Quorum, step: int) -> None:
+        """A participant of ``step``'s quorum is behind it and nothing it can use is staged (a group that asked to
+        join after the vote that would have had the sources stage at that commit: one that came up while the others
+        redid a failed step, a standby, a forked rank): stage committed ``step - 1`` now, which this rank still
+        holds (its update comes after this step's commit), through the layer's ``stage_now``.  The joiner then
+        holds the state while this step runs: a waiting join trains it, a recording one replays it at its commit."""
+        if self.stage_now is None or self.snapshots is None or self.recovering or step < 1:
+            return
+        if not self._others_behind(quorum):
+            return
+        staged = self.snapshots.staged_step
+        if staged is None or staged < step - 1:
+            self.stage_now(step - 1)
 
     def attach(self, step: int, grads: BucketedGrads, weight: float, header: torch.Tensor | None) -> bool:
         """Before backward, after ``grads.begin()``: reduce each bucket across groups as backward
@@ -197,6 +209,7 @@ class ReplicaSync:
         self._early_quorum_wait += waited
         if self.recovering or quorum.max_step > step or not grads.active:
             return False
+        self._stage_for_behind(quorum, step)
         try:
             group = self.group.for_quorum(quorum)
         except (RuntimeError, dist.DistError):
@@ -258,7 +271,8 @@ class ReplicaSync:
                     self._start_recovery(quorum, step)
                 step = quorum.max_step
             # A quorum retried after a failure may no longer show who was behind: remember it.
-            seen_behind = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
+            seen_behind = seen_behind or self._others_behind(quorum)
+            self._stage_for_behind(quorum, step)
             reduced: Reduced | None = None
             extra: Any = None
             side: list[torch.Tensor] = []
@@ -362,7 +376,7 @@ class ReplicaSync:
             return False
         if self.client.joiner_waiting or self.snapshots.wants(step):
             return True
-        behind = seen_behind or any(p.step < quorum.max_step for p in quorum.participants)
+        behind = seen_behind or self._others_behind(quorum)
         staged = self.snapshots.staged_step
         return behind and (staged is None or staged < quorum.max_step - 1)
 
@@ -387,10 +401,9 @@ class ReplicaSync:
         """Already catching up to ``step`` and nothing recorded yet (``behind`` started it this very step)."""
         return self.recovering and not self._recorded and self.catch_up_log.get("joined_step") == step
 
-    def _start_recovery(self, quorum: Quorum, step: int, staged_only: bool = False) -> None:
+    def _start_recovery(self, quorum: Quorum, step: int) -> None:
         """Start catching up to ``quorum.max_step``; again from scratch when already catching up
-        (the quorum moved past steps this replica has not recorded: its replay would miss them).
-        ``staged_only``: take only a snapshot its sources staged already (``await_snapshot``)."""
+        (the quorum moved past steps this replica has not recorded: its replay would miss them)."""
         self.recovering = True
         self._recorded, self._recorded_at = [], []
         if self._fetch is not None:
@@ -408,8 +421,7 @@ class ReplicaSync:
         # A fresh download each time: one of an abandoned catch-up may still be waiting on its source.
         own = self.landing() if self.landing is not None else None
         self.catch_up_log["landing_ready"] = time.time()
-        self._fetch = PositionsFetch(sources, max(quorum.max_step - 1, 0), self.token, self.catch_up_log, own,
-                                     wait_s=0.0 if staged_only else None)
+        self._fetch = PositionsFetch(sources, max(quorum.max_step - 1, 0), self.token, self.catch_up_log, own)
 
     def _sources(self, quorum: Quorum, position: int) -> list[str]:
         """Each other participant's snapshot server at ``position`` (its member serving it), if it is at the

@@ -65,7 +65,7 @@ from freescale.ft.catchup import SnapshotServer
 from freescale.ft.client import LighthouseClient
 from freescale.ft.config import RUN_ID_ENV, TOKEN_ENV, FTConfig, incarnation, replica_index_of, skip_step_refusal
 from freescale.ft.ftar import ReplicaSync
-from freescale.ft.layer_snapshot import SnapshotSide, UserState
+from freescale.ft.layer_snapshot import SnapshotSide, UserState, step_window
 from freescale.ft.reduced_parts import reduced_parts
 from freescale.ft.replica_group import positions_served
 from freescale.ft.serving import advertised_host
@@ -87,14 +87,6 @@ from freescale.step_types import (
 from freescale.testing import StepHooks
 
 __all__ = ["DataState", "FaultTolerance", "JobFinished"]
-
-
-def step_window(step_times: deque[float]) -> float | None:
-    """How long a staged snapshot's transfer has before the source's next fence: about one step, the median
-    of the last commit intervals; None (no estimate: served live) before there are 3.  With averaged tables
-    the fence comes at the tables' backward, the last part of the backward: the window is shorter by the
-    exchange and the vote."""
-    return sorted(step_times)[len(step_times) // 2] if len(step_times) >= 3 else None
 
 
 class FaultTolerance(SnapshotSide):
@@ -178,7 +170,7 @@ class FaultTolerance(SnapshotSide):
                                 token=token, in_group=self.in_group, backend=cfg.replica_backend, device=self._device,
                                 hooks=self._hooks, store_host=advertise,
                                 positions=positions_served(self._rank, self._group_size, self._group_ranks))
-        self._sync.landing = self._landing
+        self._sync.landing, self._sync.stage_now = self._landing, self._stage_mid_step
         self._last = SyncResult(Commit(-1, frozenset(), frozenset()), None)
         """The last step's result (``step`` returns its commit; ``record`` reads its log fields)."""
         self._accounted: Accounted | None = None
@@ -395,8 +387,7 @@ class FaultTolerance(SnapshotSide):
             self._step_times.append(now - self._committed_at)
         self._committed_at = now
         if result.stage_snapshot:
-            stage_s = self._sync.stage(result.step, self.snapshot(), step_window(self._step_times))
-            self._events.append({"event": "stage", "step": result.step, "stage_s": stage_s, **self._sync.stage_choice})
+            self._stage(result.step, step_window(self._step_times))
         return self._finish_step(commit, self._accounted, record)
 
     def _finish_step(self, commit: Commit, accounted: Accounted | None, record: dict[str, Any]) -> SyncResult:

@@ -6,8 +6,11 @@ Staging overlaps the source's next forward and backward (``SnapshotServer.stage`
 live, from where they are, and copies the rest on its own thread), fenced before the next update
 changes the state (``_fence_staging``, called by the update: the copy done, no transfer still reading;
 with averaged tables, ``freescale.ft.sparse_average``, also just before their fused backward, which writes them).
-A recovering rank's download lands in its own tensors (``_landing``: the state is invalid until it is
-loaded, so nothing reads it meanwhile); ``load`` then copies only what did not fit, and adopts the rest.
+A source stages at a commit (the lighthouse said a group waits to join) or, for a participant of the step's
+quorum that is behind it and found nothing staged, mid-step (``_stage_mid_step``: the live transfer has the rest
+of the step).  A recovering rank's download lands in its own tensors (``_landing``: the state is invalid until it
+is loaded, so nothing reads it meanwhile); ``load`` then copies only what did not fit, and adopts the rest.  With
+``[ft] join = "wait"`` a restarted group loads it before its first step and trains that step (``_join_waiting``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +44,14 @@ from freescale.testing import StepHooks
 UserState = tuple[Callable[[], Any], Callable[[Any], None], Callable[[Commit], Any] | None]
 
 
+def step_window(step_times: deque[float]) -> float | None:
+    """How long a staged snapshot's transfer has before the source's next fence: about one step, the median
+    of the last commit intervals; None (no estimate: served live) before there are 3.  With averaged tables
+    the fence comes at the tables' backward, the last part of the backward: the window is shorter by the
+    exchange and the vote."""
+    return sorted(step_times)[len(step_times) // 2] if len(step_times) >= 3 else None
+
+
 class SnapshotSide(ABC):
     """Mixed into ``FaultTolerance`` (``freescale/ft/layer.py``), which sets these attributes."""
 
@@ -53,6 +65,8 @@ class SnapshotSide(ABC):
     _events: list[dict[str, Any]]
     _cfg: FTConfig
     _hooks: StepHooks
+    _step_times: deque[float]
+    _committed_at: float | None
 
     @abstractmethod
     def agree(self, ok: bool) -> bool:
@@ -119,6 +133,19 @@ class SnapshotSide(ABC):
         tensors["meta.json"] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
         return tensors
 
+    def _stage(self, step: int, window_s: float | None) -> None:
+        """Stage committed ``step`` for a recovering peer (``window_s``: how long a live transfer has before this
+        rank's next update, its fence)."""
+        stage_s = self._sync.stage(step, self.snapshot(), window_s)
+        self._events.append({"event": "stage", "step": step, "stage_s": stage_s, **self._sync.stage_choice})
+
+    def _stage_mid_step(self, step: int) -> None:
+        """``ReplicaSync.stage_now``: staged mid-step, the live transfer has the rest of the step."""
+        window = step_window(self._step_times)
+        if window is not None and self._committed_at is not None:
+            window = max(window - (time.perf_counter() - self._committed_at), 0.0)
+        self._stage(step, window)
+
     def _fence_staging(self) -> None:
         """Before the state changes: the snapshot copy started at the last staging is done and no transfer
         still reads the live state (the time this thread waited goes to the record as ``stage_wait_s``,
@@ -183,11 +210,12 @@ class SnapshotSide(ABC):
 
     def _join_waiting(self, step: int) -> int:
         """A restarted group's first step with ``join = "wait"``: when the quorum is ahead of ``step``, download the
-        snapshot of the step before the quorum's (the other groups staged it at that step's commit and serve it while
-        their forward and backward run, then wait for this group's gradients in the reduction), load it and return
-        the quorum's step for the loop to train.  The snapshot not in within ``timeout_s / 2`` on every rank of the
-        group (the others' reduction waits at most ``timeout_s``): ``step``, sat out and recorded as ``record`` does."""
-        if not self.agree(self._sync.behind(step, staged_only=True)):
+        snapshot of the step before the quorum's (the other groups stage it at that step's commit, or once they read
+        this quorum, and serve it while their forward and backward run, then wait for this group's gradients in the
+        reduction), load it and return the quorum's step for the loop to train.  Not in within ``timeout_s / 2`` on
+        every rank of the group (the others' reduction waits at most ``timeout_s``): ``step``, sat out and recorded
+        as ``record`` does."""
+        if not self.agree(self._sync.behind(step)):
             return step
         arrived = self._sync.await_snapshot(self._cfg.timeout_s / 2)
         if not self.agree(arrived is not None):

@@ -47,8 +47,8 @@ class Fetched:
 
 def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: float = 60.0,
                    own: dict[str, torch.Tensor] | None = None, cancelled: threading.Event | None = None,
-                   sockets: list[socket.socket] | None = None, copied: bool = False, shards_only: bool = False,
-                   wait_s: float | None = None) -> Fetched:
+                   sockets: list[socket.socket] | None = None, copied: bool = False, shards_only: bool = False
+                   ) -> Fetched:
     """Download a snapshot of step >= ``min_step`` from ``address``: the header over HTTP, the bytes
     over the source's stream (``freescale.ft.snapshot_stream``).
 
@@ -60,12 +60,10 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
     ask for a copied snapshot (a live one's transfer was cut: this state does not cross within a
     source's step), which the source stages at its next commit and from then on.  ``shards_only``: the sharded
     tensors' shards alone (``only=shards``: a lost position's table shards, without the dense state again).
-    ``wait_s``: how long the source may wait for a snapshot of that step to be staged (default ``timeout_s``; 0:
-    only one staged already).
     """
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     host, _, port = address.rpartition(":")
-    query = urllib.parse.urlencode({"min_step": min_step, "wait_s": timeout_s if wait_s is None else wait_s, **({"copied": 1} if copied else {}),
+    query = urllib.parse.urlencode({"min_step": min_step, "wait_s": timeout_s, **({"copied": 1} if copied else {}),
                                     **({"only": "shards"} if shards_only else {})})
     start = time.perf_counter()
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s + 5)
@@ -78,9 +76,8 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
         response = conn.getresponse()
         body = response.read(64 << 20)
         if response.status != 200:
-            error = NothingStaged if response.status == 503 else ConnectionError  # (503: nothing to take yet)
-            raise error(f"snapshot source {address} answered {response.status}: "
-                        f"{body[:200].decode(errors='replace')}")
+            raise ConnectionError(f"snapshot source {address} answered {response.status}: "
+                                  f"{body[:200].decode(errors='replace')}")
         header = json.loads(body)
         total = header.get("payload_bytes") if isinstance(header, dict) else None
         if not isinstance(header, dict) or not isinstance(header.get("step"), int) or not isinstance(
@@ -103,10 +100,6 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
     return Fetched(int(header["step"]), tensors, total, waited, transfer_s, time.time(), in_place)
 
 
-class NothingStaged(ConnectionError):
-    """A source has no snapshot of the step asked for, and was not to wait for one (or is catching up itself)."""
-
-
 class SnapshotFetch:
     """A recovering replica's download of a snapshot of step >= ``min_step``, on a worker thread,
     trying each source in turn (three rounds): a source that dies mid-transfer costs one retry.
@@ -114,10 +107,9 @@ class SnapshotFetch:
     ``log`` collects what the catch-up record reports (sources, the one used, failures)."""
 
     def __init__(self, sources: list[str], min_step: int, token: str, log: dict[str, Any],
-                 own: dict[str, torch.Tensor] | None = None, shards_only: bool = False,
-                 wait_s: float | None = None) -> None:
+                 own: dict[str, torch.Tensor] | None = None, shards_only: bool = False) -> None:
         self.sources, self.min_step, self.token, self.log = sources, min_step, token, log
-        self.own, self.shards_only, self.wait_s = own, shards_only, wait_s
+        self.own, self.shards_only = own, shards_only
         self._result: Fetched | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
@@ -139,29 +131,22 @@ class SnapshotFetch:
             raise RuntimeError("catch-up: an abandoned snapshot download did not stop within 30 s")
 
     def _run(self) -> None:
-        """Three rounds over the sources; ``wait_s`` holds in the first (with ``wait_s`` 0, a first round that
-        found nothing staged anywhere ends the download: ``NothingStaged``), the others wait for a staging."""
         errors: list[str] = []
-        broken = False  # a transfer failed (not merely nothing staged): ask for copies from then on
         try:
-            for round_ in range(3):
+            for _ in range(3):
                 for address in self.sources:
                     self.log.setdefault("requested", time.time())  # the first request
                     try:
                         self._result = fetch_snapshot(address, self.min_step, self.token, own=self.own,
                                                       cancelled=self._cancelled, sockets=self._sockets,
-                                                      copied=broken,  # after a failure: never live
-                                                      shards_only=self.shards_only,
-                                                      wait_s=self.wait_s if round_ == 0 else None)
+                                                      copied=bool(errors),  # after a failure: never live
+                                                      shards_only=self.shards_only)
                         self.log.update(source=address, failed_sources=errors)
                         return
                     except (ConnectionError, ValueError) as exc:
                         errors.append(f"{address}: {exc}")
-                        broken = broken or not isinstance(exc, NothingStaged)
                         if self._cancelled.is_set():
                             raise
-                if round_ == 0 and self.wait_s == 0 and not broken:
-                    raise NothingStaged(f"catch-up: no source has a snapshot of step >= {self.min_step} staged")
             self._error = RuntimeError(f"catch-up: every source failed: {'; '.join(errors[-len(self.sources):])}")
         except BaseException as exc:
             self._error = exc
@@ -175,11 +160,6 @@ class SnapshotFetch:
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the download to end (arrived, or failed); whether it did."""
         return self._done.wait(max(timeout_s, 0.0))
-
-    @property
-    def nothing_staged(self) -> bool:
-        """Ended because no source had the snapshot staged (asked with ``wait_s`` 0)."""
-        return self._done.is_set() and isinstance(self._error, NothingStaged)
 
     def result(self) -> Fetched:
         """The downloaded snapshot; blocks until the download ends."""
@@ -200,13 +180,13 @@ class PositionsFetch:
     source that staged an older one is asked again for the newest (three times at most)."""
 
     def __init__(self, sources: list[list[str]], min_step: int, token: str, log: dict[str, Any],
-                 own: dict[str, torch.Tensor] | None = None, wait_s: float | None = None) -> None:
+                 own: dict[str, torch.Tensor] | None = None) -> None:
         self.sources, self.token = sources, token
         # The other positions' shards land in tensors of their own, copied in at the load: a peer group on fewer
         # ranks serves every position from one rank, so its shards may include this position's, which its own
         # fetch writes in place; and a stale fetch, redone, must not leave its bytes in the rank's tensors.
-        self.fetches = [SnapshotFetch(sources[0], min_step, token, log, own, wait_s=wait_s),
-                        *(SnapshotFetch(s, min_step, token, {}, shards_only=True, wait_s=wait_s) for s in sources[1:])]
+        self.fetches = [SnapshotFetch(sources[0], min_step, token, log, own),
+                        *(SnapshotFetch(s, min_step, token, {}, shards_only=True) for s in sources[1:])]
 
     def cancel(self) -> None:
         for fetch in self.fetches:
@@ -220,11 +200,6 @@ class PositionsFetch:
         """Wait up to ``timeout_s`` for every position's download to end; whether they did."""
         deadline = time.monotonic() + timeout_s
         return all(fetch.wait(deadline - time.monotonic()) for fetch in self.fetches)
-
-    @property
-    def nothing_staged(self) -> bool:
-        """Some position's download ended finding no snapshot staged (``SnapshotFetch.nothing_staged``)."""
-        return any(fetch.nothing_staged for fetch in self.fetches)
 
     def result(self) -> Fetched:
         """The positions' snapshots merged (its own position's tensors first); blocks until all are in."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from freescale.ft.catchup import SnapshotServer, expected_live_cut, layout, plan_payload
-from freescale.ft.snapshot_fetch import NothingStaged, SnapshotFetch, fetch_snapshot
+from freescale.ft.snapshot_fetch import SnapshotFetch, fetch_snapshot
 from freescale.ft.snapshot_stream import ALIGN, Payload, PayloadStreamer, _recv_into
 
 
@@ -222,7 +222,7 @@ def test_a_fetcher_that_asks_for_a_copy_gets_the_next_step_copied() -> None:
 def test_the_transfer_window_is_the_median_of_the_last_step_times_once_there_are_three() -> None:
     from collections import deque
 
-    from freescale.ft.layer import step_window
+    from freescale.ft.layer_snapshot import step_window
 
     times: deque[float] = deque(maxlen=5)
     for t in (0.1, 3.0):
@@ -295,27 +295,6 @@ def test_a_snapshot_that_does_not_come_in_time_is_a_one_line_error(server: Snaps
     address = server.address
     with pytest.raises(ConnectionError, match=r"answered 503: .*no snapshot at step >= 4"):
         fetch_snapshot(address, 4, timeout_s=0.2)
-
-
-def test_a_staged_only_download_ends_at_once_when_nothing_is_staged_and_takes_what_is(server: SnapshotServer) -> None:
-    """A waiting join's download (``wait_s`` 0) must not wait for a staging: the source's next one comes at a commit
-    that waits for the joiner.  Nothing staged anywhere: it ends, saying so; staged: it is an ordinary download."""
-    other = SnapshotServer()
-    other.start()
-    try:
-        started = time.monotonic()
-        fetch = SnapshotFetch([server.address, other.address], 4, "", {}, wait_s=0.0)
-        assert fetch.wait(5.0) and fetch.nothing_staged and time.monotonic() - started < 2.0
-        with pytest.raises(NothingStaged, match="no source has a snapshot of step >= 4 staged"):
-            fetch.result()
-        other.stage(4, state())
-        fetch = SnapshotFetch([server.address, other.address], 4, "", {}, wait_s=0.0)  # the first has none
-        got = fetch.result()
-        assert not fetch.nothing_staged and got.step == 4
-        assert torch.equal(got.tensors["/model/w#0"], state()["/model/w#0"])
-        other.wait_staged()
-    finally:
-        other.stop()
 
 
 def test_cancelling_a_download_from_a_silent_source_returns_at_once() -> None:

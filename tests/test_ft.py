@@ -161,46 +161,50 @@ def test_sigstopped_replica_is_evicted_by_timeout(tmp_path: Path) -> None:
     lh.stop_thread()
 
 
-@pytest.mark.parametrize("join", ["record", "wait"])
-def test_killed_replica_restarts_and_catches_up(join: str, tmp_path: Path) -> None:
-    """c is SIGKILLed mid-reduce at step 5 and its warm standby (a second process, model built, waiting
-    on c's lock: ``ft/standby.py``) takes over as incarnation 1.  ``record``: it joins with weight 0, copies a
-    peer's snapshot while a and b keep committing, replays the steps it missed.  ``wait``: it loads the
-    snapshot of the step before its first quorum's and trains that step, a and b waiting for its gradients.
-    Either way all three are bit-identical at every step from then on.  (A cold restart: the examples' and
-    the torchrec groups' tests.)"""
+def test_killed_replica_restarts_and_catches_up_recording_then_waiting(tmp_path: Path) -> None:
+    """c is SIGKILLed mid-reduce at step 5 and its warm standby (a second process, model built, waiting on c's
+    lock: ``ft/standby.py``) takes over as incarnation 1 with ``join = "record"``: it joins with weight 0, copies a
+    peer's snapshot while a and b keep committing and replays the steps it missed.  It is SIGKILLed at step 25 and
+    a second standby takes over as incarnation 2 with ``join = "wait"``: it loads the snapshot of the step before
+    the one it joined (staged by a and b once they read that step's quorum: it came up during their redo of step
+    25, after the vote that would have had them stage it at its commit) and trains the step it joined, a and b
+    waiting for its gradients, and replays nothing.  All are bit-identical at every step.  (A cold restart: the examples' and the torchrec groups' tests.)"""
     lh = lighthouse(min_replicas=1)
-    steps = 40
+    steps = 60
     # A 64 KiB first bucket: several buckets, so a replica sitting a step out (zeros, weight 0) must
     # reduce in the others' bucket layout, or the collectives mismatch.
-    common = ["--snapshots", "--step-sleep", "0.02", "--hidden", "256", "--first-bucket-kb", "64", "--join", join]
+    common = ["--snapshots", "--step-sleep", "0.02", "--hidden", "256", "--first-bucket-kb", "64"]
     lock = ["--standby-lock", str(tmp_path / "c.lock")]
     procs = {r: start(lh, r, tmp_path, steps, *common, *(lock + ["--log-name", "c_first_life"]) * (r == "c"),
                       fault="5:reduce:0" if r == "c" else "", away_ms=300) for r in ("a", "b", "c")}
     deadline = time.monotonic() + 60
     while not (tmp_path / "c_first_life.jsonl").exists() and time.monotonic() < deadline:
         time.sleep(0.02)  # c holds its lock: the standby may start
-    standby = start(lh, "c", tmp_path, steps, *common, *lock, "--incarnation", "1", group=1, away_ms=300)
+    recording = start(lh, "c", tmp_path, steps, *common, *lock, "--incarnation", "1", "--log-name", "c_second_life",
+                      "--join", "record", group=1, fault="25:reduce:0@1", away_ms=300)
     assert procs["c"].wait(timeout=120) == -signal.SIGKILL
     first_life = [json.loads(line) for line in (tmp_path / "c_first_life.jsonl").read_text().splitlines()]
     assert float((tmp_path / "c.took_over").read_text()) - float((tmp_path / "c" / "rank0.killed").read_text()) < 5
-    procs["c"] = standby
+    waiting = start(lh, "c", tmp_path, steps, *common, *lock, "--incarnation", "2", "--join", "wait", group=1,
+                    away_ms=300)  # the first standby holds the lock now
+    assert recording.wait(timeout=120) == -signal.SIGKILL
+    procs["c"] = waiting
     finish(procs, ["a", "b", "c"])
     logs = assert_identical_every_step(tmp_path, ["a", "b"], steps)
     a_by_step = {e["step"]: e for e in logs[0]}
-    second_life = read(tmp_path, "c")
-    assert second_life, "the restarted replica never caught up"
-    caught = second_life[0]
-    info = caught["catch_up"]
-    assert info["snapshot_step"] >= info["joined_step"] - 1 >= len(first_life)
-    assert [e["step"] for e in second_life] == list(range(caught["step"], steps))
-    for e in second_life:  # identical to the survivors at every step after the catch-up
-        assert e["digest"] == a_by_step[e["step"]]["digest"], e["step"]
-        assert e["participants"] == ["a", "b", "c"]
-    if join == "wait":  # it trained the step it joined: the snapshot of the one before, nothing replayed
-        assert caught["contributing"] and caught["step"] == info["joined_step"] == info["snapshot_step"] + 1
-        assert info["replayed"] == 0
-        assert a_by_step[caught["step"]]["participants"] == ["a", "b", "c"]
-    # The survivors staged one snapshot each and never waited for the transfer in staging.
-    assert sum(1 for e in logs[0] if e["stage_s"] > 0) == 1
+    second_life, third_life = read(tmp_path, "c_second_life"), read(tmp_path, "c")
+    assert second_life and third_life, "a restarted replica never caught up"
+    for life, last in ((second_life, second_life[-1]["step"]), (third_life, steps - 1)):
+        assert [e["step"] for e in life] == list(range(life[0]["step"], last + 1))
+        for e in life:  # identical to the survivors at every step after the catch-up
+            assert e["digest"] == a_by_step[e["step"]]["digest"], e["step"]
+            assert e["participants"] == ["a", "b", "c"]
+    recorded = second_life[0]["catch_up"]
+    assert recorded["snapshot_step"] >= recorded["joined_step"] - 1 >= len(first_life)
+    assert 24 <= second_life[-1]["step"] <= 25 and not second_life[0]["contributing"]
+    caught, info = third_life[0], third_life[0]["catch_up"]  # it trained the step it joined
+    assert caught["contributing"] and info["join"] == "wait" and info["replayed"] == 0
+    assert caught["step"] == info["joined_step"] == info["snapshot_step"] + 1 > second_life[-1]["step"]
+    # The survivors staged one snapshot per catch-up and never waited for the transfer in staging.
+    assert sum(1 for e in logs[0] if e["stage_s"] > 0) == 2
     lh.stop_thread()
