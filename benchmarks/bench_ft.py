@@ -380,6 +380,8 @@ def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[d
             before[f"{name}_before_window"] = res.get("before_window")
             catch_up_row[f"{name}_phases"] = res.get("phases")
             contributing[f"{name}_caught_up_s"] = res.get("caught_up_s")  # restart -> catch-up finished
+            for row, key in ((rows[7], "request_to_contributing_s"), (contributing, "contributing_s")):
+                row[f"{name}_each"] = [run.get(key) for run in res.get("runs", [res])]  # run by run, round order
             contributing[f"{name}_heals"] = res.get("heals")
     return rows
 

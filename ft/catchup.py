@@ -184,6 +184,7 @@ class SnapshotServer:
         """Transfers of live state cut at the fence (each turned this server to copying)."""
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-stage")
         self._copying: Future[float] | None = None
+        self._copying_step = -1
         self._buffers: list[torch.Tensor] = []
         """Staging buffers kept for reuse: the one staged now and a spare (one still being sent is
         dropped from here and freed when its send ends)."""
@@ -234,7 +235,7 @@ class SnapshotServer:
                 self._staged = staged
             return time.perf_counter() - began
 
-        self._copying = self._stager.submit(copy)
+        self._copying, self._copying_step = self._stager.submit(copy), step
         return time.perf_counter() - start
 
     def _wants_live(self, payload_bytes: int, window_s: float | None) -> tuple[bool, dict[str, Any]]:
@@ -302,6 +303,14 @@ class SnapshotServer:
     def staged_step(self) -> int | None:
         with self._lock:
             return self._staged.step if self._staged else None
+
+    @property
+    def staging_step(self) -> int | None:
+        """The step staged, or being copied to be (``staged_step`` shows a copied snapshot once its copy is done)."""
+        copying = self._copying
+        if copying is not None and not copying.done():
+            return self._copying_step
+        return self.staged_step
 
     def start(self) -> str:
         """Serve from a daemon thread; returns ``host:port``."""

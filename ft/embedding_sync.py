@@ -41,6 +41,8 @@ class EmbeddingSync(Protocol):
     updates_at_commit: bool
     """The fused tables' update waits for the commit (their rate is set for it, and ``after_commit`` runs it),
     instead of running inside backward."""
+    updates_in_backward: bool
+    """Some tables take the step's update inside backward (a snapshot of the last commit must be taken before it)."""
     exchange: Exchange | None
     """The collective run in the same attempt as the dense reduction (None: nothing to exchange)."""
 
@@ -66,7 +68,7 @@ class EmbeddingSync(Protocol):
 
 
 class UnionTables:
-    name, updates_at_commit = "union", True
+    name, updates_at_commit, updates_in_backward = "union", True, False
 
     def __init__(self, model: nn.Module) -> None:
         self.update = UnionSparseUpdate(model)
@@ -98,7 +100,7 @@ class UnionTables:
 
 
 class AveragedTables:
-    name, updates_at_commit = "average", False
+    name, updates_at_commit, updates_in_backward = "average", False, True
 
     def __init__(self, model: nn.Module, every: int, fence: Callable[[], None]) -> None:
         self.average = AveragedSparseSync(model, every, fence)
@@ -135,7 +137,7 @@ class AveragedTables:
 
 
 class ReplicatedTables:
-    name, updates_at_commit = "replicated", False
+    name, updates_at_commit, updates_in_backward = "replicated", False, False
     exchange: Exchange | None = None
 
     def start(self) -> None:

@@ -116,7 +116,7 @@ class ReplicaSync:
         layer; called on the training thread as a catch-up starts)."""
         self._fetch: PositionsFetch | None = None
         self.catch_up_log: dict[str, Any] = {}
-        self.stage_now: Callable[[int], None] | None = None
+        self.stage_now: Callable[[int, bool], None] | None = None
         """Stage committed step N now, mid-step (set by the layer: ``_stage_for_behind``)."""
         self.side_header: torch.Tensor | None = None
         """Non-negative int64s this replica tells every participant with the step's reduction, ahead of the
@@ -173,9 +173,7 @@ class ReplicaSync:
             self.group.for_quorum(quorum)
         except (RuntimeError, dist.DistError):
             return None  # its first attempt meets the same failure, reports it and redoes
-        arrived = self._fetch.wait(budget_s)
-        self.catch_up_log["join"] = "wait" if arrived else f"record (not in within {budget_s:.1f} s)"
-        return quorum.max_step if arrived else None
+        return quorum.max_step if self._fetch.wait(budget_s) else None
 
     def _others_behind(self, quorum: Quorum) -> bool:
         """Another participant asked for an older step than the quorum's (it must catch up; this rank, after a
@@ -183,19 +181,20 @@ class ReplicaSync:
         me = self.client.replica_id
         return any(p.step < quorum.max_step and p.replica_id != me for p in quorum.participants)
 
-    def _stage_for_behind(self, quorum: Quorum, step: int) -> None:
+    def _stage_for_behind(self, quorum: Quorum, step: int, after_backward: bool) -> None:
         """A participant of ``step``'s quorum is behind it and nothing it can use is staged (a group that asked to
         join after the vote that would have had the sources stage at that commit: one that came up while the others
         redid a failed step, a standby, a forked rank): stage committed ``step - 1`` now, which this rank still
-        holds (its update comes after this step's commit), through the layer's ``stage_now``.  The joiner then
-        holds the state while this step runs: a waiting join trains it, a recording one replays it at its commit."""
+        holds (its update comes after this step's commit), through the layer's ``stage_now`` (``after_backward``:
+        this step's backward ran, which tables updated in backward make too late).  The joiner then holds the state
+        while this step runs: a waiting join trains it, a recording one replays it at its commit."""
         if self.stage_now is None or self.snapshots is None or self.recovering or step < 1:
             return
         if not self._others_behind(quorum):
             return
-        staged = self.snapshots.staged_step
+        staged = self.snapshots.staging_step  # (a copy in flight counts: staging again would wait for it)
         if staged is None or staged < step - 1:
-            self.stage_now(step - 1)
+            self.stage_now(step - 1, after_backward)
 
     def attach(self, step: int, grads: BucketedGrads, weight: float, header: torch.Tensor | None) -> bool:
         """Before backward, after ``grads.begin()``: reduce each bucket across groups as backward
@@ -209,7 +208,7 @@ class ReplicaSync:
         self._early_quorum_wait += waited
         if self.recovering or quorum.max_step > step or not grads.active:
             return False
-        self._stage_for_behind(quorum, step)
+        self._stage_for_behind(quorum, step, after_backward=False)
         try:
             group = self.group.for_quorum(quorum)
         except (RuntimeError, dist.DistError):
@@ -272,7 +271,7 @@ class ReplicaSync:
                 step = quorum.max_step
             # A quorum retried after a failure may no longer show who was behind: remember it.
             seen_behind = seen_behind or self._others_behind(quorum)
-            self._stage_for_behind(quorum, step)
+            self._stage_for_behind(quorum, step, after_backward=weight > 0)
             reduced: Reduced | None = None
             extra: Any = None
             side: list[torch.Tensor] = []

@@ -28,6 +28,7 @@ from torch import nn
 
 from freescale.dense_update import DenseUpdate
 from freescale.ft.config import FTConfig
+from freescale.ft.embedding_sync import EmbeddingSync
 from freescale.ft.ftar import ReplicaSync
 from freescale.ft.snapshot_state import (
     from_json,
@@ -67,6 +68,7 @@ class SnapshotSide(ABC):
     _hooks: StepHooks
     _step_times: deque[float]
     _committed_at: float | None
+    _tables: EmbeddingSync
 
     @abstractmethod
     def agree(self, ok: bool) -> bool:
@@ -139,8 +141,15 @@ class SnapshotSide(ABC):
         stage_s = self._sync.stage(step, self.snapshot(), window_s)
         self._events.append({"event": "stage", "step": step, "stage_s": stage_s, **self._sync.stage_choice})
 
-    def _stage_mid_step(self, step: int) -> None:
-        """``ReplicaSync.stage_now``: staged mid-step, the live transfer has the rest of the step."""
+    def _stage_mid_step(self, step: int, after_backward: bool) -> None:
+        """``ReplicaSync.stage_now``: committed ``step`` staged mid-step, the live transfer having the rest of the
+        step (estimated from the last commits; with tables updated in backward, none: their backward fences it).
+        Not after a backward that updated tables: they hold this step's update already."""
+        if self._tables.updates_in_backward:
+            if after_backward:
+                return
+            self._stage(step, 0.0)
+            return
         window = step_window(self._step_times)
         if window is not None and self._committed_at is not None:
             window = max(window - (time.perf_counter() - self._committed_at), 0.0)
@@ -217,10 +226,13 @@ class SnapshotSide(ABC):
         as ``record`` does."""
         if not self.agree(self._sync.behind(step)):
             return step
-        arrived = self._sync.await_snapshot(self._cfg.timeout_s / 2)
+        budget = self._cfg.timeout_s / 2
+        arrived = self._sync.await_snapshot(budget)
         if not self.agree(arrived is not None):
+            self._sync.catch_up_log["join"] = f"record (not in within {budget:.1f} s on every rank)"
             return step
         assert arrived is not None
+        self._sync.catch_up_log["join"] = "wait"
         self._hooks.at("catchup", arrived)
         self._catch_up()  # the snapshot of step arrived - 1: nothing recorded, nothing to replay
         return arrived

@@ -76,8 +76,8 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
         response = conn.getresponse()
         body = response.read(64 << 20)
         if response.status != 200:
-            raise ConnectionError(f"snapshot source {address} answered {response.status}: "
-                                  f"{body[:200].decode(errors='replace')}")
+            raise SourceRefused(f"snapshot source {address} answered {response.status}: "
+                                f"{body[:200].decode(errors='replace')}")
         header = json.loads(body)
         total = header.get("payload_bytes") if isinstance(header, dict) else None
         if not isinstance(header, dict) or not isinstance(header.get("step"), int) or not isinstance(
@@ -98,6 +98,10 @@ def fetch_snapshot(address: str, min_step: int, token: str = "", timeout_s: floa
     in_place = sum(t.numel() * t.element_size() for name, t in tensors.items()
                    if name in own and t.data_ptr() == own[name].data_ptr())
     return Fetched(int(header["step"]), tensors, total, waited, transfer_s, time.time(), in_place)
+
+
+class SourceRefused(ConnectionError):
+    """A source answered the request with an error status (catching up itself, no snapshot in time, a bad token)."""
 
 
 class SnapshotFetch:
@@ -132,6 +136,7 @@ class SnapshotFetch:
 
     def _run(self) -> None:
         errors: list[str] = []
+        broken = False  # a transfer broke (not a refusal: a source catching up itself, nothing staged in time)
         try:
             for _ in range(3):
                 for address in self.sources:
@@ -139,12 +144,13 @@ class SnapshotFetch:
                     try:
                         self._result = fetch_snapshot(address, self.min_step, self.token, own=self.own,
                                                       cancelled=self._cancelled, sockets=self._sockets,
-                                                      copied=bool(errors),  # after a failure: never live
+                                                      copied=broken,  # after a broken transfer: never live
                                                       shards_only=self.shards_only)
                         self.log.update(source=address, failed_sources=errors)
                         return
                     except (ConnectionError, ValueError) as exc:
                         errors.append(f"{address}: {exc}")
+                        broken = broken or not isinstance(exc, SourceRefused)
                         if self._cancelled.is_set():
                             raise
             self._error = RuntimeError(f"catch-up: every source failed: {'; '.join(errors[-len(self.sources):])}")
