@@ -128,6 +128,14 @@ def steady_before(survivor: list[dict[str, Any]], joined: int) -> tuple[float, s
     return step_ms([e for e in survivor if 5 <= e["step"] < 20], skip=0), "steps 5..19, before the kill (3 replicas)"
 
 
+def during_ms(survivor: list[dict[str, Any]], joined: int, done: int, redone: int) -> float:
+    """The survivors' step while the restarted replica catches up: the steps ``joined .. done + 1``, less the redo of
+    the step the kill failed (its cost is the kill row's: a replica restarted within it joins that very step); two
+    steps at least."""
+    first = max(joined, redone + 1)
+    return step_ms([e for e in survivor if first - 1 <= e["step"] <= max(done + 1, first + 1)], skip=0)
+
+
 def steady_after(survivor: list[dict[str, Any]], done: int, count: int = 10) -> dict[str, float]:
     """``{"after_ms": ...}``: the survivors' step once the restarted replica contributes, steps ``done + 2 ..
     done + 1 + count`` (the same replicas as during the catch-up, at the machine's load of that moment: the fair
@@ -219,7 +227,7 @@ def _failure(out: Path, steps: int, hidden: int, layers: int, standby: bool, ser
         joined, done = info["joined_step"], c[0]["step"]
         before_ms, before_window = steady_before(a, joined)
         res.update(before_ms=before_ms, before_window=before_window,
-                   during_ms=step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0),
+                   during_ms=during_ms(a, joined, done, after["step"]),
                    **steady_after(a, done), rate=info["bytes_per_s"], caught_up_s=info["finished"] - restart,
                    catch_up_s=info["caught_up"] - info["started"], bytes=info["bytes"],
                    behind_seen_s=info["started"] - restart,  # start-up, imports, model, first quorum
@@ -260,8 +268,8 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
     attempted = max(e["step"] for log in logs.values() for e in log) + 1
     discarded = len(set(range(attempted)) - {e["step"] for log in logs.values() for e in committed(log)})
     a = committed(max(logs.values(), key=len))
-    res: dict[str, Any] = {"kill_s": min(e["committed"] for e in a if e["committed"] > killed) - killed,
-                           "discarded": discarded}
+    after = min((e for e in a if e["committed"] > killed), key=lambda e: e["committed"])
+    res: dict[str, Any] = {"kill_s": after["committed"] - killed, "discarded": discarded}
     c = committed(read(out, "c"))
     # torchft's restarted replica numbers its data steps from 0: its manager's committed-step count is the
     # step every replica numbers alike.
@@ -276,7 +284,7 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
         healed = next((e for e in c if "heal_fetch_s" in e), None)
         before_ms, before_window = steady_before(a, joined)
         res.update(before_ms=before_ms, before_window=before_window,
-                   during_ms=step_ms([e for e in a if joined - 1 <= e["step"] <= done + 1], skip=0),
+                   during_ms=during_ms(a, joined, done, after["step"]),
                    **steady_after(a, done), contributing_s=contributing[0]["committed"] - restart,
                    rate=healed["heal_bytes"] / healed["heal_fetch_s"] if healed else float("nan"),
                    heals=sum(1 for e in c if "heal_fetch_s" in e))
@@ -354,7 +362,7 @@ def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[d
          "target": "0"},
         {"measure": f"job throughput kept, kill -> the run's end, over before the kill ({label})",
          **cells("kept", lambda r: f"{r['kept']:.2f} (over {r['kept_window_s']:.1f} s)"), "target": "-"},
-        {"measure": f"survivor step during catch-up / after it ({label})",
+        {"measure": f"survivor step during catch-up (the failed step's redo left out) / after it ({label})",
          **cells("after_ratio", lambda r: f"{r['after_ratio']:.2f} ({r['during_ms']:.1f} vs "
                                           f"{r['after_ms']:.1f} ms)"), "target": "<= 1.05"},
         {"measure": f"  the same / before the restart (the old baseline: the machine's drift, 3 replicas) ({label})",
