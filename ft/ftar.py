@@ -117,7 +117,7 @@ class ReplicaSync:
         self._fetch: PositionsFetch | None = None
         self.catch_up_log: dict[str, Any] = {}
         self.stage_now: Callable[[int, bool], None] | None = None
-        """Stage committed step N now, mid-step (set by the layer: ``_stage_for_behind``)."""
+        """Stage committed step N now, mid-step (the layer's; ``_stage_for_behind`` calls it; the flag: after backward)."""
         self.side_header: torch.Tensor | None = None
         """Non-negative int64s this replica tells every participant with the step's reduction, ahead of the
         exchange's header (its group's measured speeds: ``freescale.speed_share``).  Set before the step's

@@ -282,7 +282,6 @@ class FaultTolerance(SnapshotSide):
         self._tables.reset()
         return step
 
-
     def can_train(self, step: int) -> bool:
         """Not catching up; on a process's first step, not behind the quorum (a restarted group
         would train a stale step while the others wait for it to join their group: every rank of

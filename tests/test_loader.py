@@ -375,6 +375,9 @@ def test_a_group_restored_from_a_peers_snapshot_knows_the_rows_its_last_step_tra
         def _apply(self, result):  # type: ignore[no-untyped-def, override]
             raise AssertionError("nothing is replayed here")
 
+        def agree(self, ok: bool) -> bool:
+            return ok  # a group of one rank
+
     sources = [Side(StepFeed(make(tiny_data, rank=g), g, 1, 2, 0, lambda step: 10)) for g in range(2)]
     for step in range(3):
         for side in sources:
