@@ -231,6 +231,7 @@ def _failure(out: Path, steps: int, hidden: int, layers: int, standby: bool, ser
                    **steady_after(a, done), rate=info["bytes_per_s"], caught_up_s=info["finished"] - restart,
                    catch_up_s=info["caught_up"] - info["started"], bytes=info["bytes"],
                    behind_seen_s=info["started"] - restart,  # start-up, imports, model, first quorum
+                   boot={k: round(t - restart, 3) for k, t in c[0].get("boot", {}).items()},  # its start-up's parts
                    phases={k: info.get(k) for k in ("source_wait_s", "transfer_s", "load_s", "replay_s",
                                                     "stale_at_arrival", "in_place_bytes")})
         # torchft's endpoint, for both: the restarted replica's first committed step that carries its gradient.
@@ -390,7 +391,7 @@ def failure_rows(label: str, columns: dict[str, dict[str, Any] | str]) -> list[d
             contributing[f"{name}_caught_up_s"] = res.get("caught_up_s")  # restart -> catch-up finished
             for row, key in ((rows[7], "request_to_contributing_s"), (contributing, "contributing_s")):
                 row[f"{name}_each"] = [run.get(key) for run in res.get("runs", [res])]  # run by run, round order
-            contributing[f"{name}_heals"] = res.get("heals")
+            contributing[f"{name}_heals"], contributing[f"{name}_boot"] = res.get("heals"), res.get("boot")
     return rows
 
 
@@ -487,9 +488,9 @@ def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], tft_version: s
     if args.json:
         write_json(args.json, "bench_ft", {
             "quick": args.quick, "replicas": "2 (overhead), 3 (failure)", "big_hidden": args.big_hidden,
-            "big_steps": args.big_steps, "failures_only": args.failures_only, "standby": args.standby,
-            "forked": args.forked, "join_wait": args.join_wait,
-            "failure_repeats": args.failure_repeats, "small_only": args.small_only, "big_only": args.big_only,
+            "big_steps": args.big_steps, "failures_only": args.failures_only, "standby": args.standby, "forked": args.forked,
+            "join_wait": args.join_wait, "failure_repeats": args.failure_repeats, "small_only": args.small_only,
+            "big_only": args.big_only,
             "model": "MLP 256->1024->1024->1 (1.31M params), AdamW" if not args.big_only
                      else f"MLP {args.big_hidden}x4 (the big-model run only), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,
             "join_timeout_s": 0.5, "torchft": tft_version, "torchft_skipped": why or None,

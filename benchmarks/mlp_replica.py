@@ -33,7 +33,11 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import torch
+BOOT = {"process": time.time()}
+"""When this process reached its first line, built its model and optimizer, and had its fault tolerance ready (the
+restarted replica's start-up, in its first log line)."""
+
+import torch  # noqa: E402
 
 from freescale.ft import FaultTolerance, FTConfig
 from freescale.testing import hooks_from_env
@@ -134,8 +138,10 @@ def main() -> None:
                              "a warm standby that takes over when the first dies (ft/standby.py)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    BOOT["imported"] = time.time()
     model = build_model(args.hidden, args.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    BOOT["built"] = time.time()
     if args.mode in ("ddp", "allreduce"):
         run_ddp(args, model, optimizer, open(Path(args.out) / f"{args.replica_id}.jsonl", "a"))
         return
@@ -155,6 +161,7 @@ def run_ftar(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.
         (Path(args.out) / f"{args.replica_id}.took_over").write_text(str(time.time()))
     log = open(Path(args.out) / f"{args.log_name or args.replica_id}.jsonl", "a")
     ft.start(wait_for=args.wait_for)
+    BOOT["ready"] = time.time()
     step = 0
     while step < args.steps:
         step = ft.begin_step(step)  # a waiting join returns the quorum's step, its snapshot loaded
@@ -180,7 +187,7 @@ def run_ftar(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.
                 "prepare_s": record["prepare_s"], "vote_s": record["vote_s"], "failed_at": record["failed_at"],
                 "digest": digest(model), "loss": float(loss.detach()) if loss is not None else float("nan"),
                 "stage_s": events["stage"]["stage_s"] if "stage" in events else 0.0,
-                **({"catch_up": events["catch_up"]["catch_up"]} if "catch_up" in events else {}),
+                **({"catch_up": events["catch_up"]["catch_up"], "boot": BOOT} if "catch_up" in events else {}),
             }) + "\n")
             log.flush()
         step = commit.step + 1
