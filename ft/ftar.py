@@ -181,16 +181,15 @@ class ReplicaSync:
         me = self.client.replica_id
         return any(p.step < quorum.max_step and p.replica_id != me for p in quorum.participants)
 
-    def _stage_for_behind(self, quorum: Quorum, step: int, after_backward: bool) -> None:
-        """A participant of ``step``'s quorum is behind it and nothing it can use is staged (a group that asked to
+    def _stage_for_behind(self, step: int, behind: bool, after_backward: bool) -> None:
+        """``behind``: another participant of ``step``'s quorum is behind it (``_others_behind``).  Nothing it can use
+        is staged (a group that asked to
         join after the vote that would have had the sources stage at that commit: one that came up while the others
         redid a failed step, a standby, a forked rank): stage committed ``step - 1`` now, which this rank still
         holds (its update comes after this step's commit), through the layer's ``stage_now`` (``after_backward``:
         this step's backward ran, which tables updated in backward make too late).  The joiner then holds the state
         while this step runs: a waiting join trains it, a recording one replays it at its commit."""
-        if self.stage_now is None or self.snapshots is None or self.recovering or step < 1:
-            return
-        if not self._others_behind(quorum):
+        if not behind or self.stage_now is None or self.snapshots is None or self.recovering or step < 1:
             return
         staged = self.snapshots.staging_step  # (a copy in flight counts: staging again would wait for it)
         if staged is None or staged < step - 1:
@@ -208,7 +207,7 @@ class ReplicaSync:
         self._early_quorum_wait += waited
         if self.recovering or quorum.max_step > step or not grads.active:
             return False
-        self._stage_for_behind(quorum, step, after_backward=False)
+        self._stage_for_behind(step, self._others_behind(quorum), after_backward=False)
         try:
             group = self.group.for_quorum(quorum)
         except (RuntimeError, dist.DistError):
@@ -270,8 +269,9 @@ class ReplicaSync:
                     self._start_recovery(quorum, step)
                 step = quorum.max_step
             # A quorum retried after a failure may no longer show who was behind: remember it.
-            seen_behind = seen_behind or self._others_behind(quorum)
-            self._stage_for_behind(quorum, step, after_backward=weight > 0)
+            behind = self._others_behind(quorum)
+            seen_behind = seen_behind or behind
+            self._stage_for_behind(step, behind, after_backward=weight > 0)
             reduced: Reduced | None = None
             extra: Any = None
             side: list[torch.Tensor] = []
@@ -375,9 +375,8 @@ class ReplicaSync:
             return False
         if self.client.joiner_waiting or self.snapshots.wants(step):
             return True
-        behind = seen_behind or self._others_behind(quorum)
-        staged = self.snapshots.staged_step
-        return behind and (staged is None or staged < quorum.max_step - 1)
+        staged = self.snapshots.staged_step  # (``seen_behind`` covers this quorum: every attempt's is in it)
+        return seen_behind and (staged is None or staged < quorum.max_step - 1)
 
     def stage(self, step: int, state: dict[str, torch.Tensor], window_s: float | None = None) -> float:
         """Source side: stage committed ``step``'s state for a recovering peer (served live, or copied off this

@@ -146,9 +146,8 @@ class SnapshotSide(ABC):
         step (estimated from the last commits; with tables updated in backward, none: their backward fences it).
         Not after a backward that updated tables: they hold this step's update already."""
         if self._tables.updates_in_backward:
-            if after_backward:
-                return
-            self._stage(step, 0.0)
+            if not after_backward:
+                self._stage(step, 0.0)
             return
         window = step_window(self._step_times)
         if window is not None and self._committed_at is not None:
