@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 from common import write_json
 from ft_processes import (
+    CPUS_OF,
     TORCHFT_INSTALL,
     committed,
     free_port,
@@ -231,7 +232,8 @@ def _failure(out: Path, steps: int, hidden: int, layers: int, standby: bool, ser
                    **steady_after(a, done), rate=info["bytes_per_s"], caught_up_s=info["finished"] - restart,
                    catch_up_s=info["caught_up"] - info["started"], bytes=info["bytes"],
                    behind_seen_s=info["started"] - restart,  # start-up, imports, model, first quorum
-                   boot={k: round(t - restart, 3) for k, t in c[0].get("boot", {}).items()},  # its start-up's parts
+                   boot={**{k: round(t - restart, 3) for k, t in c[0].get("boot", {}).items()},  # its start-up's parts
+                         "requested": round(info["started"] - restart, 3)},
                    phases={k: info.get(k) for k in ("source_wait_s", "transfer_s", "load_s", "replay_s",
                                                     "stale_at_arrival", "in_place_bytes")})
         # torchft's endpoint, for both: the restarted replica's first committed step that carries its gradient.
@@ -271,7 +273,8 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
     a = committed(max(logs.values(), key=len))
     after = min((e for e in a if e["committed"] > killed), key=lambda e: e["committed"])
     res: dict[str, Any] = {"kill_s": after["committed"] - killed, "discarded": discarded}
-    c = committed(read(out, "c"))
+    attempts = read(out, "c")
+    c = committed(attempts)
     # torchft's restarted replica numbers its data steps from 0: its manager's committed-step count is the
     # step every replica numbers alike.
     res.update(throughput_kept([*map(committed, logs.values()), committed(read(out, "c_first")), c], a, killed,
@@ -291,6 +294,8 @@ def torchft_failure(tmp: Path, steps: int, hidden: int, layers: int, label: str,
                    heals=sum(1 for e in c if "heal_fetch_s" in e))
         if healed:  # torchft's source serves its live state in the quorum (no wait): fetch + load
             requested = healed["heal_fetch_ended"] - healed["heal_fetch_s"]  # its first request for state
+            boot = attempts[0].get("boot", {}) if attempts else {}
+            res["boot"] = {**{k: round(t - restart, 3) for k, t in boot.items()}, "requested": round(requested - restart, 3)}
             res.update(last_byte_s=healed["heal_fetch_s"],
                        request_to_contributing_s=contributing[0]["committed"] - requested)
             res.update(catch_up_s=healed["heal_fetch_s"] + (healed.get("heal_load_s") or 0.0),
@@ -413,6 +418,9 @@ def main() -> None:
     parser.add_argument("--join-wait", action="store_true",
                         help="also restart with [ft] join = wait (the others wait for the joiner's gradients in the "
                              "step it joins): a column of its own, and one forked with --forked")
+    parser.add_argument("--own-core", action="store_true",
+                        help="failure runs: replicas a and b pinned to CPU 0, c (its first life and its restart) to CPU 1, "
+                             "as on hosts of their own: the restart does not share a core with the survivors' steps")
     parser.add_argument("--big-steps", type=int, default=60,
                         help="steps of the big-model failure run (~2 s each on 2 cores; the kill is at step 20)")
     parser.add_argument("--json")
@@ -420,6 +428,8 @@ def main() -> None:
     if args.big_only and (args.quick or args.small_only):
         parser.error("--big-only: --quick and --small-only leave out the big-model run (nothing would run)")
     steps, repeats = (60, 1) if args.quick else (300, 3)
+    if args.own_core:
+        CPUS_OF.update(a="0", b="0", c="1")
     tft_version, why = (None, "--no-torchft") if args.no_torchft else torchft_version()
     skip = "" if tft_version is not None else "skipped (--no-torchft)" if args.no_torchft else "skipped (see below)"
     if tft_version is None and not args.no_torchft:
@@ -489,7 +499,7 @@ def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], tft_version: s
         write_json(args.json, "bench_ft", {
             "quick": args.quick, "replicas": "2 (overhead), 3 (failure)", "big_hidden": args.big_hidden,
             "big_steps": args.big_steps, "failures_only": args.failures_only, "standby": args.standby, "forked": args.forked,
-            "join_wait": args.join_wait, "failure_repeats": args.failure_repeats, "small_only": args.small_only,
+            "join_wait": args.join_wait, "own_core": args.own_core, "failure_repeats": args.failure_repeats, "small_only": args.small_only,
             "big_only": args.big_only,
             "model": "MLP 256->1024->1024->1 (1.31M params), AdamW" if not args.big_only
                      else f"MLP {args.big_hidden}x4 (the big-model run only), AdamW", "backend": "gloo", "heartbeat_timeout_s": 1.0,

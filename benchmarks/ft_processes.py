@@ -28,6 +28,8 @@ TORCHFT_INSTALL = ("pip download torchft-nightly --no-deps -d /tmp/tft && pip in
 TORCHFT_REPLICA = Path(__file__).with_name("torchft_replica.py")
 MLP_REPLICA = Path(__file__).with_name("mlp_replica.py")
 TFT_CHILDREN: list[subprocess.Popen[str]] = []
+CPUS_OF: dict[str, str] = {}
+"""Replica name -> the CPUs its processes are pinned to (``BENCH_CPUS``; ``bench_ft --own-core``), both systems."""
 
 
 def torchft_version() -> tuple[str | None, str]:
@@ -58,6 +60,9 @@ def fault_env(name: str, kill: bool) -> dict[str, str]:
     env.pop(FAULTS_ENV, None)
     if kill:
         env[FAULTS_ENV] = f"{group_of(name)}:0:20:reduce:0"
+    env.pop("BENCH_CPUS", None)
+    if name in CPUS_OF:
+        env["BENCH_CPUS"] = CPUS_OF[name]
     return env
 
 

@@ -36,6 +36,8 @@ from typing import Any
 BOOT = {"process": time.time()}
 """When this process reached its first line, built its model and optimizer, and had its fault tolerance ready (the
 restarted replica's start-up, in its first log line)."""
+if os.environ.get("BENCH_CPUS"):  # bench_ft --own-core: this replica's CPUs, set before its imports
+    os.sched_setaffinity(0, {int(c) for c in os.environ["BENCH_CPUS"].split(",")})
 
 import torch  # noqa: E402
 

@@ -42,8 +42,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
+BOOT = {"process": time.time()}
+"""When this process reached its first line, imported torchft, built its model and optimizer, and had its manager
+up (the restarted replica's start-up, in its first attempt's log line; ``mlp_replica.BOOT`` is freescale's)."""
+if os.environ.get("BENCH_CPUS"):  # bench_ft --own-core: this replica's CPUs, set before its imports
+    os.sched_setaffinity(0, {int(c) for c in os.environ["BENCH_CPUS"].split(",")})
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from freescale.testing import hooks_from_env
 from mlp_replica import batch, build_model, digest, group_of
@@ -97,6 +103,8 @@ def main() -> None:
 
     from torchft import Manager, ProcessGroupGloo
 
+    BOOT["imported"] = time.time()
+
     fetch_times = _FetchTimes()
     transport_logger = logging.getLogger("torchft.checkpointing.http_transport")
     transport_logger.setLevel(logging.INFO)
@@ -105,6 +113,7 @@ def main() -> None:
 
     model = build_model(args.hidden, args.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    BOOT["built"] = time.time()
 
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
@@ -127,6 +136,7 @@ def main() -> None:
         timeout=timeout, quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=30),
         init_sync=False,  # every replica builds the same weights (build_model seeds them)
     )
+    BOOT["ready"] = time.time()
     if args.wait_for:
         (out / f"{args.replica_id}.ready").touch()
         deadline = time.monotonic() + 60
@@ -175,7 +185,7 @@ def main() -> None:
             "should_commit": should_commit, "manager_step": manager.current_step(),
             "participating": participating, "healed": healing, "quorum_id": manager._quorum_id,  # noqa: SLF001
             "participants": manager.num_participants(), "digest": digest(model), "loss": float(loss.detach()),
-            **heal,
+            **heal, **({"boot": BOOT} if step == 0 else {}),
         }) + "\n")
         log.flush()
         step += 1
