@@ -18,7 +18,9 @@ and catches up while the others keep training).  Kill one for real::
     FREESCALE_FAULTS=1:1:20:reduce:0 python examples/user_loop_ft.py --replicas 2 --ranks-per-replica 2
 
 (rank 1 of group 1 SIGKILLs itself as step 20's gradient exchange begins;
-``freescale.testing``).  Each group's rank 0 writes ``<out>/replica<g>.jsonl``:
+``freescale.testing``).  ``--join wait`` (``[ft] join``): the restarted group trains
+the step in progress, its share planned in by the commit before, instead of
+sitting it out.  Each group's rank 0 writes ``<out>/replica<g>.jsonl``:
 one line per committed step with the participants, the samples trained and a
 SHA-256 of the group's whole state (equal across groups at every step).
 
@@ -83,7 +85,7 @@ def train(args: argparse.Namespace) -> None:
     """One rank of one replica group (run by torchrun)."""
     ft.init_process_group("gloo")  # dist.init_process_group, safe across torchrun's restarts (its store is reused)
     rank, ranks = dist.get_rank(), dist.get_world_size()
-    cfg = ft.FTConfig.from_env()  # lighthouse URL, replica count and this group's index, from the launcher
+    cfg = ft.FTConfig.from_env(join=args.join)  # lighthouse URL, replica count and group index: the launcher's
     torch.manual_seed(0)  # every group starts from the same weights
     dmp = ft.shard(TwoTower(), torch.device("cpu"), fused_params={  # fused tables, no DDP: the layer reduces
         "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
@@ -99,7 +101,8 @@ def train(args: argparse.Namespace) -> None:
     layer.start()
     step = 0
     while step < args.steps:
-        layer.begin_step(step)                                # 1. the quorum request
+        started = layer.begin_step(step)                      # 1. the quorum request (a waiting join: a later step)
+        joined, step = started != step, started
         if layer.can_train(step):                             # not catching up (and planned in)
             kjt, labels = features(data.mine(step))
             logits = dmp(kjt)
@@ -113,8 +116,8 @@ def train(args: argparse.Namespace) -> None:
             digest = state_digest(dmp, optimizer)
             if log is not None:
                 log.write(json.dumps({"step": commit.step, "participants": layer.record["participants"],
-                                      "trained": data.last_trained, "digest": digest,
-                                      "caught_up": commit.restored}) + "\n")
+                                      "trained": data.last_trained, "digest": digest, "weight": layer.record["weight"],
+                                      "caught_up": commit.restored or joined}) + "\n")
                 log.flush()
         step = commit.step + 1
     layer.finish(args.steps - 1)
@@ -138,7 +141,7 @@ def launch(args: argparse.Namespace) -> int:
     groups = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks_per_replica),
          "--max-restarts", str(args.max_restarts), __file__, "--worker", "--steps", str(args.steps),
-         "--batch", str(args.batch), "--out", args.out],
+         "--batch", str(args.batch), "--out", args.out, "--join", args.join],
         env={**os.environ, LIGHTHOUSE_ENV: url, REPLICAS_ENV: str(args.replicas), REPLICA_INDEX_ENV: str(g),
              RUN_ID_ENV: run_id, "OMP_NUM_THREADS": "1"}) for g in range(args.replicas)]
     codes = [g.wait() for g in groups]
@@ -154,6 +157,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     parser.add_argument("--out", default="runs/user_loop")
+    parser.add_argument("--join", choices=["record", "wait"], default="record",
+                        help="[ft] join: how a restarted group joins (wait: it trains the step in progress)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -128,7 +128,7 @@ def prepare(cfg: TrainerConfig) -> None:
     (one line each, naming the key), before any process group exists."""
     cfg.ft.resolve_env()
     try:
-        cfg.ft.validate(with_data=True)  # freescale's loop plans every step's data over the groups
+        cfg.ft.validate(plans_ahead=True)  # freescale's loop plans its steps ahead of the pipeline
     except ConfigError as exc:
         raise ConfigError(f"ft.{exc}") from None
     if cfg.ft.enabled and cfg.data.calibrate_every:

@@ -169,6 +169,8 @@ class LighthouseClient:
         """(step, quorum) from the last committed vote's reply: that step's quorum, already decided."""
         self.joiner_waiting = False
         """The last committed vote's answer said a group waits to join, behind that step: stage it."""
+        self.joiners: tuple[str, ...] = ()
+        """Those groups (the answer's ``joining``; the same in every answer of the vote)."""
         self._local = threading.local()
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat_loop, name="freescale-heartbeat", daemon=True)
@@ -370,6 +372,8 @@ class LighthouseClient:
     def _took_vote(self, step: int, body: dict[str, Any]) -> bool:
         self._next = None
         self.joiner_waiting = bool(body["commit"]) and body.get("stage") is True
+        joining = body.get("joining") if self.joiner_waiting else None
+        self.joiners = tuple(str(r) for r in joining) if isinstance(joining, list) else ()
         following = body.get("next")
         if body["commit"] and isinstance(following, dict):
             try:

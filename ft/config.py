@@ -74,9 +74,9 @@ class FTConfig:
     ``wait``: on its first step it downloads the snapshot of the step before and trains the step in progress,
     while the other groups wait for its gradients in that step's all-reduce (a transfer's wait on every other
     group, against one step of one group's batch: it pays in jobs of a few groups, below about 1 + step time /
-    transfer time of them).  For loops whose groups bring their own batches (``backward(loss, weight=...)``), not
-    ``data=``, which plans each step over the groups ready at the last commit; the loop trains the step
-    ``begin_step`` returns.  A snapshot not in within ``timeout_s / 2`` falls back to ``record``."""
+    transfer time of them).  The loop trains the step ``begin_step`` returns; with ``data=`` (``StepSamples``) the
+    commit before it plans the joiner in (``Commit.joining``).  Not for ``freescale train``, whose loop plans
+    steps ahead of its pipeline.  A snapshot not in within ``timeout_s / 2`` falls back to ``record``."""
     first_bucket_kb: int = 1024
     """Dense gradients are reduced across groups in buckets during backward: the first (the last
     layers' gradients, ready first) holds at most this many KiB, so a reduction starts early."""
@@ -148,9 +148,9 @@ class FTConfig:
     def replica_id(self) -> str:
         return self.name or f"replica{self.replica_index}"
 
-    def validate(self, with_data: bool = False) -> None:
-        """Refuse a bad field in one line naming it; ``with_data``: the loop passes ``data=`` (``join = "wait"``
-        needs groups that bring their own batches)."""
+    def validate(self, plans_ahead: bool = False) -> None:
+        """Refuse a bad field in one line naming it; ``plans_ahead``: the loop plans its steps' data before the
+        commit before each (freescale's own: ``join = "wait"`` cannot plan a joiner into the step it joins)."""
         require(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
         require(0 <= self.replica_index < self.replicas, "replica_index",
                 f"must be in 0..{self.replicas - 1}, got {self.replica_index}")
@@ -163,10 +163,10 @@ class FTConfig:
                 f"must be one of {', '.join(EMBEDDING_SYNCS)}, got '{self.embedding_sync}'")
         require(self.average_every >= 1, "average_every", f"must be >= 1, got {self.average_every}")
         require(self.join in JOIN_MODES, "join", f"must be one of {', '.join(JOIN_MODES)}, got '{self.join}'")
-        require(not (with_data and self.join == "wait"), "join",
-                "'wait' needs groups that bring their own batches (backward(loss, weight=...)); with data= each step "
-                "is planned over the groups ready at the last commit, so a joining group has no share of the step "
-                "it would wait in: use 'record'")
+        require(not (plans_ahead and self.join == "wait"), "join",
+                "'wait' needs a loop that plans each step after the commit before it (a user's loop with "
+                "StepSamples, or its own batches); freescale train plans steps ahead of its pipeline, so a joining "
+                "group would have no share of the step it waits in: use 'record'")
         require(self.on_rank_loss in RANK_LOSS_POLICIES, "on_rank_loss",
                 f"must be one of {', '.join(RANK_LOSS_POLICIES)}, got '{self.on_rank_loss}'")
         require(self.min_group_ranks >= 1, "min_group_ranks", f"must be >= 1, got {self.min_group_ranks}")

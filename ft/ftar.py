@@ -353,6 +353,7 @@ class ReplicaSync:
         result = StepResult(
             step, reduced.tensors, quorum, attempts, 0.0, self.recovering, False,
             weights=dict(zip(ids, reduced.weights)), ready=frozenset(r for r, f in zip(ids, reduced.ready) if f),
+            joining=self.client.joiners,
             extra=extra, quorum_wait_s=quorum_wait, reduce_s=reduce_s, prepare_s=prepare_s, vote_s=vote_s,
             side_headers=dict(zip(ids, side)),
         )

@@ -98,7 +98,7 @@ class FaultTolerance(SnapshotSide):
                  chunk_bytes: int | None = None, max_inflight: int | None = None,
                  nonfinite: str = "stop", device: torch.device | None = None,
                  update: DenseUpdate | None = None, scheduler: Any | None = None) -> None:
-        cfg.validate(with_data=data is not None)
+        cfg.validate()
         side = data if isinstance(data, DataSide) or data is None else DataSide(data, "FaultTolerance")
         self._cfg, self._model, self._optimizer, self._data = cfg, model, optimizer, side
         self._hooks = hooks or StepHooks()
@@ -375,7 +375,7 @@ class FaultTolerance(SnapshotSide):
             if caught_up and self._catch_up():  # the snapshot and every recorded step up to this one: valid now
                 record["nonfinite_skipped"] = True  # this step, replayed, was skipped
             commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result),
-                            applied=caught_up, restored=caught_up)
+                            applied=caught_up, restored=caught_up, joining=self._joining_groups(result))
             return self._finish_step(commit, self._accounted if caught_up else None, record)
         commit, skipped = self._apply(result)
         if skipped:
@@ -400,7 +400,8 @@ class FaultTolerance(SnapshotSide):
         skipped as non-finite.)"""
         self._fence_staging()
         commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result),
-                        {self._group_of(p.replica_id): len(p.addresses) for p in result.quorum.participants if p.addresses})
+                        {self._group_of(p.replica_id): len(p.addresses) for p in result.quorum.participants if p.addresses},
+                        joining=self._joining_groups(result))
         updates = sum(result.weights.values()) > 0  # nobody trained this step: no update at all
         loss = self._loss if self._weight else None
         if not self._tables.tables_finite(result, self.agree):
@@ -471,6 +472,10 @@ class FaultTolerance(SnapshotSide):
 
     def _ready_groups(self, result: StepResult) -> frozenset[int]:
         return frozenset(self._group_of(rid) for rid in result.ready)
+
+    def _joining_groups(self, result: StepResult) -> frozenset[int]:
+        """With ``join = "wait"``, the groups the vote said wait to join: they train the next step."""
+        return frozenset(self._group_of(rid) for rid in result.joining) if self._cfg.join == "wait" else frozenset()
 
     def state_digests(self) -> dict[str, str]:
         """The audit's fingerprints of the committed state (``freescale.digest``; a collective on the group):

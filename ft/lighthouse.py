@@ -62,7 +62,10 @@ which the agents serve to their members unchanged:
     carries ``next``: the quorum of ``step + 1`` when it is the steady-state
     answer (decided then, as if the first participant had asked for it at that
     moment), so the client does not ask for it; absent otherwise (a group waits
-    to join, someone is unhealthy, ...), and the client asks as usual.  Its
+    to join, someone is unhealthy, ...), and the client asks as usual.  When
+    groups wait to join behind the step, it carries ``stage: true`` (stage
+    this step for them) and ``joining``: those groups, sorted, decided once
+    per vote so that every answer names the same ones.  Its
     participants are those of the quorum voted in, so ``next`` names only
     ``{quorum_id, max_step, high_step, same_participants: true}`` (a quorum of
     512 groups is tens of KB: sent once per membership change, not per step).

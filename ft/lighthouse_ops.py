@@ -263,8 +263,10 @@ class LighthouseOps(Membership):
         next step's quorum when its participants stay the same (the voter then asks for no quorum)."""
         if not vote.result:
             return 200, '{"commit": false}'
-        if self.joiner_waiting(vote.step):  # the sources stage this step now: the joiner asks for it at once
-            return 200, '{"commit": true, "stage": true}'
+        if vote.joining is None:  # decided once per vote: every answer names the same groups
+            vote.joining = self.joiners_waiting(vote.step)
+        if vote.joining:  # the sources stage this step now: the joiners ask for it at once
+            return 200, json.dumps({"commit": True, "stage": True, "joining": list(vote.joining)})
         if self.cfg.quorum_in_vote and self.finished_step is None:
             following = self._steady_answer(group, vote.step + 1)
             if following is not None:  # the same participants: the voter has them (tens of KB at 512 groups)

@@ -109,8 +109,6 @@ class Membership:
         self.cfg = cfg
         self.groups: dict[str, _Group] = {}
         self.joins: dict[str, _Join] = {}
-        self._joiner_hint: tuple[tuple[int, int], bool] = ((-1, -1), False)
-        """((quorum id, step), whether a joiner waits): ``joiner_waiting``'s answer, once per step."""
         self.quorum: dict[str, Any] | None = None
         self.votes: dict[tuple[int, int], _Vote] = {}
         self.steady_steps: dict[tuple[int, int], bool] = {}
@@ -244,20 +242,17 @@ class Membership:
             return None
         return q
 
-    def joiner_waiting(self, step: int) -> bool:
-        """A healthy group outside the current quorum waits to join it, behind ``step``: its first
-        quorum will be the next one, and it will fetch the state of ``step`` from a participant,
-        which stages it when its commit answer says so (``"stage": true``).  Once per step."""
+    def joiners_waiting(self, step: int) -> tuple[str, ...]:
+        """The healthy groups outside the current quorum that wait to join it, behind ``step`` (sorted): their
+        first quorum will be the next one, and they will fetch the state of ``step`` from a participant, which
+        stages it when its commit answer says so (``"stage": true``); with ``[ft] join = "wait"`` the data side
+        plans them into the next step (``"joining"``)."""
         if not self.joins or self.quorum is None:
-            return False
-        key = (self.quorum["quorum_id"], step)
-        if self._joiner_hint[0] != key:
-            members = {p["replica_id"] for p in self.quorum["participants"]}
-            healthy = self._healthy(time.monotonic())
-            waiting = any(rid not in members and rid in healthy and join.steps and min(join.steps.values()) <= step
-                          for rid, join in self.joins.items())
-            self._joiner_hint = (key, waiting)
-        return self._joiner_hint[1]
+            return ()
+        members = {p["replica_id"] for p in self.quorum["participants"]}
+        healthy = self._healthy(time.monotonic())
+        return tuple(sorted(rid for rid, join in self.joins.items() if rid not in members and rid in healthy
+                            and join.steps and min(join.steps.values()) <= step))
 
     def _healthy(self, now: float) -> set[str]:
         return {rid for rid, g in self.groups.items() if g.healthy(now, self.cfg.heartbeat_timeout_s)}

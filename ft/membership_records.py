@@ -136,6 +136,9 @@ class _Vote:
     ready: dict[str, int] = field(default_factory=dict)
     """Ballots per group cast holding valid state (not catching up)."""
     said_no: bool = False
+    joining: tuple[str, ...] | None = None
+    """Groups waiting to join, behind this step, when the vote was first answered committed: every answer of the
+    vote names the same ones (``Membership.joiners_waiting``; the data side plans them into the next step)."""
     waiters: list[asyncio.Future[bool]] = field(default_factory=list)
     listeners: list[Any] = field(default_factory=list)
     """Ballots whose carrier answers them itself once the vote is decided (the lighthouse's agent links:

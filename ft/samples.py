@@ -4,6 +4,7 @@ The data side of fault tolerance in the common case: a stream of sample ids
 (step ``s`` brings ids ``s * per_step .. (s + 1) * per_step - 1``; with
 ``dataset_size``, ``indices`` maps them onto a dataset, reshuffled every epoch)
 split over the replica groups that held valid state after the previous step
+(and, with ``[ft] join = "wait"``, those the previous commit says join: ``Commit.joining``)
 in proportion to the ranks each runs on (a group that lost ranks, ``[ft] on_rank_loss = "shrink"``, runs
 on fewer: ``Commit.sizes``), and over each group's ranks.  When a step commits without a group's gradients
 (it died, or hung and was left out), that group's share is requeued: it opens
@@ -128,7 +129,7 @@ class StepSamples:
             del self._plans[step]
         self.last_trained = sorted(i for g, ids in plan.items() if g in commit.trained for i in ids)
         self.carry = sorted(i for g, ids in plan.items() if g not in commit.trained for i in ids)
-        self.ready = sorted(commit.ready)
+        self.ready = sorted(commit.ready | commit.joining)  # a waiting joiner trains the next step
         self.sizes = {g: n for g, n in {**self.sizes, **commit.sizes}.items() if n != self.ranks}
         return Accounted(np.asarray(self.last_trained, dtype=np.int64), len(plan.get(self.group, [])))
 

@@ -131,7 +131,7 @@ class FaultTolerantOptimizer:
         step, finished = 0, False
         try:
             while step < total and not finished:
-                layer.begin_step(step)
+                step = layer.begin_step(step)  # (a waiting join: the quorum's step, its snapshot loaded)
                 if layer.can_train(step):
                     self._to_arm, self._stepped = step, False
                     yield step

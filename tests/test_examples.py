@@ -24,11 +24,13 @@ from tests.conftest import REPO, cli_env
 pytestmark = pytest.mark.multiprocess
 
 
-def test_user_loop_survives_a_sigkill_and_catches_up(tmp_path: Path) -> None:
+def test_user_loop_survives_a_sigkill_and_joins_the_step_in_progress(tmp_path: Path) -> None:
+    """With ``join = "wait"`` and ``StepSamples``: the restarted group (both ranks, under torchrun) trains its
+    share of the step it joins (planned in by the commit before), in step with group 0."""
     steps, batch = 100, 16
     env = {**cli_env(), FAULTS_ENV: "1:1:8:reduce:0,*:*:0:away:300"}
     proc = subprocess.run([sys.executable, "examples/user_loop_ft.py", "--replicas", "2", "--ranks-per-replica", "2",
-                           "--steps", str(steps), "--batch", str(batch), "--out", str(tmp_path)],
+                           "--steps", str(steps), "--batch", str(batch), "--out", str(tmp_path), "--join", "wait"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "replica1" / "rank1.killed").exists(), "the fault never fired"
@@ -42,6 +44,9 @@ def test_user_loop_survives_a_sigkill_and_catches_up(tmp_path: Path) -> None:
     assert alone and alone[0] in (8, 9), alone[:3]
     caught = [s for s, e in steps_of[1].items() if e["caught_up"]]
     assert len(caught) == 1 and caught[0] > alone[0], "group 1 did not catch up once"
+    first_back = min(s for s in steps_of[1] if s > alone[0])
+    assert first_back == caught[0] and steps_of[1][caught[0]]["weight"] == 2 * batch, (
+        "the restarted group did not train its share of the step it joined")
     assert max(steps_of[1]) == steps - 1 and steps_of[0][steps - 1]["participants"] == ["replica0", "replica1"]
     for step, e in steps_of[1].items():
         assert e["digest"] == steps_of[0][step]["digest"], f"step {step}: the groups differ"

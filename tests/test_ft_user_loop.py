@@ -46,6 +46,16 @@ def test_step_samples_split_over_ready_groups_and_requeue_a_dead_groups_share() 
     late.bind(2, 3, rank=0, ranks=1)
     late.load_state_dict(groups[0].state_dict())
     assert late.plan(1) == step1
+    # join = "wait": step 1's vote names group 2 as joining, so step 2 is planned over it too (in the snapshot it
+    # loads as well); it does not make it in, so its share of step 2 is requeued at that commit
+    for s in groups.values():
+        s.commit(Commit(1, frozenset({0, 1}), frozenset({0, 1}), joining=frozenset({2})))
+    late.load_state_dict(groups[0].state_dict())
+    step2 = late.plan(2)
+    assert set(step2) == {0, 1, 2} and groups[0].plan(2) == step2 and late.weight(2) == 4
+    for s in groups.values():
+        s.commit(Commit(2, frozenset({0, 1}), frozenset({0, 1})))
+    assert groups[0].carry == step2[2] and set(groups[0].plan(3)) == {0, 1}
 
 
 def test_step_samples_split_a_groups_share_over_its_ranks_and_scale_the_mean() -> None:
@@ -133,9 +143,9 @@ def test_ft_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FREESCALE_REPLICAS")
     with pytest.raises(ValueError, match="no field 'timeout'"):
         FTConfig.from_env(timeout=1)
-    FTConfig(join="wait").validate()  # a loop whose groups bring their own batches
-    with pytest.raises(ConfigError, match="^join: 'wait' needs groups that bring their own batches"):
-        FTConfig(join="wait").validate(with_data=True)  # data= plans each step over the groups ready before it
+    FTConfig(join="wait").validate()  # a loop that plans each step when it begins (StepSamples, its own batches)
+    with pytest.raises(ConfigError, match="^join: 'wait' needs a loop that plans each step after the commit"):
+        FTConfig(join="wait").validate(plans_ahead=True)  # freescale train plans ahead of its pipeline
     with pytest.raises(ConfigError, match="^join: must be one of record, wait, got 'later'"):
         FTConfig(join="later").validate()
 
@@ -322,9 +332,9 @@ def test_step_samples_plan_a_group_on_fewer_ranks_a_share_in_proportion() -> Non
 
 
 def test_freescale_train_refuses_a_waiting_join_in_one_line(tiny_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """freescale's own loop plans each step's data over the groups ready at the last commit: a joining group
-    would have no share of the step it waits in."""
+    """freescale's own loop plans its steps ahead of the pipeline: a joining group would have no share of the step
+    it waits in."""
     code = main(["train", "--config", "configs/tiny_dlrm.toml", f"--data.path={tiny_data}", "--ft.join=wait"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(
-        "freescale: error: ft.join: 'wait' needs groups that bring their own batches"), err
+        "freescale: error: ft.join: 'wait' needs a loop that plans each step after the commit"), err

@@ -189,12 +189,12 @@ def test_committed_vote_carries_the_next_quorum_unless_a_group_waits_to_join() -
     q1 = quorums([a, b], 1)[0]
     assert q1.quorum_id == q.quorum_id and q1.max_step == 1
     assert commit_all([a, b], q1.quorum_id, 1) == [True, True]
-    assert a.joiner_waiting and b.joiner_waiting
+    assert a.joiner_waiting and b.joiner_waiting and a.joiners == b.joiners == ("c",)
     q2 = quorums([a, b], 2)
     assert q2[0] == q2[1] == joining.result(timeout=5) and q2[0].replica_ids == ("a", "b", "c")
     assert q2[0].quorum_id > q.quorum_id and q2[0].max_step == 2
     assert commit_all([a, b, c], q2[0].quorum_id, 2) == [True, True, True]
-    assert not a.joiner_waiting  # the joiner is in: nobody waits
+    assert not a.joiner_waiting and a.joiners == ()  # the joiner is in: nobody waits
     # Steady again: step 3's quorum came with the vote; no request is sent (the lighthouse is gone).
     lh.stop_thread()
     q3 = [cl.quorum(3) for cl in (a, b, c)]
