@@ -277,10 +277,11 @@ def repeated(runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"{key}_range"] = (min(values), max(values))
         if len(values) < len(runs):
             out[f"{key}_of"] = f"{len(values)}/{len(runs)}"
-    phases = [r["phases"] for r in runs if isinstance(r.get("phases"), dict)]
-    if len(phases) == len(runs) > 1:  # each phase's median over the repeats (not the first repeat's)
-        out["phases"] = {k: float(np.median([p[k] for p in phases])) for k in phases[0]
-                         if all(isinstance(p.get(k), (int, float)) and not isinstance(p.get(k), bool) for p in phases)}
+    for parts in ("phases", "boot"):  # each part's median over the repeats (not the first repeat's)
+        each = [r[parts] for r in runs if isinstance(r.get(parts), dict)]
+        if len(each) == len(runs) > 1:
+            out[parts] = {k: float(np.median([p[k] for p in each])) for k in each[0]
+                          if all(isinstance(p.get(k), (int, float)) and not isinstance(p.get(k), bool) for p in each)}
     out["repeats"] = len(runs)
     out["runs"] = runs
     return out
