@@ -425,6 +425,23 @@ class BalancedLoader:
         their batches built together (``assemble``)."""
         with self._planning:
             plans = [self.planner.plan(epoch, step, live) for step in range(first, first + count)]
+        return self._read_plans(plans)
+
+    def read_planned(self, epoch: int, step: int, live_ranks: tuple[int, ...], plan_rows: Parts) -> tuple[StepInfo, Batch]:
+        """This rank's batch of a step planned elsewhere (``live_ranks``, ``plan_rows``: a peer's plan in flight,
+        loaded with its snapshot; ``epoch``, ``step``: the position it was planned at), read and built as
+        ``next_batch`` would have had this rank planned it (the same rows, order, sampled negatives and loss
+        scale).  The position does not move."""
+        rows = Parts(np.asarray(plan_rows.index, dtype=np.int64), plan_rows.offsets)
+        model = self.planner.cost_model
+        plan = StepPlan(epoch, step, tuple(live_ranks), rows, Parts(self.planner.costs(model, rows.index), rows.offsets),
+                        model)
+        info, batch, _ = self._read_plans([plan])[0]
+        return StepInfo(**info, wait_s=0.0), batch
+
+    def _read_plans(self, plans: list[StepPlan]) -> list[tuple[dict[str, Any], Batch, float]]:
+        """``_make``'s read and build of planned steps (all of one epoch)."""
+        epoch = plans[0].epoch
         start = time.perf_counter()
         mine = [plan.live_ranks.index(self.rank) for plan in plans]
         arrays, kept, sizes = self.source.read_runs([plan.rows[i] for plan, i in zip(plans, mine)])
@@ -449,7 +466,7 @@ class BalancedLoader:
                         rank_sizes=tuple(plan.rows.sizes.tolist()), row_lengths=lengths[cuts[j]:cuts[j + 1]],
                         loss_scale=batch.loss_scale)
             made.append((info, batch))
-        share = (time.perf_counter() - start) / count
+        share = (time.perf_counter() - start) / len(plans)
         return [(info, batch, share) for info, batch in made]
 
     def batch_of(self, rows: np.ndarray, loss_scale: float, when: tuple[int, int] = (0, 0)) -> Batch:

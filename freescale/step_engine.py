@@ -8,6 +8,8 @@ timings.  Nothing about the step is read anywhere else afterwards.
 Inside a step, in order::
 
     sync.begin_step(step)        fault tolerance: the quorum request, whose round trip overlaps the forward
+                                 (a restarted group's waiting join: a later step, its state and data position
+                                 loaded; feed.read_in_flight then reads its share of that step)
     feed.head(step)              the step's plan (made ahead on the loader's prefetch thread: StepFeed)
     pipeline.progress(batches)   input dist, lookups, output dist, dense forward and backward (the
                                  pipeline calls zero_grad / backward / step here: this object's,
@@ -99,8 +101,14 @@ class StepEngine:
         if self.tracer is not None:
             self.tracer.step = step
         start, cpu_start = time.perf_counter(), time.thread_time()
+        joined = self.sync.begin_step(step)
+        if joined != step:  # ``[ft] join = "wait"``: the snapshot of the step before ``joined`` is loaded
+            self.pipeline.reset()
+            self.feed.read_in_flight()
+            step = joined
+            if self.tracer is not None:
+                self.tracer.step = step
         self._step, self._cpu_start = step, cpu_start
-        self.sync.begin_step(step)
         trains = self.sync.can_train(step) and self.feed.trains(step)
         info = self.feed.head(step).info if trains else None
         output: StepOutput | None = None

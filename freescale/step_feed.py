@@ -51,6 +51,8 @@ class PlannedStep:
     plan_rows: Parts
     info: StepInfo | None = None
     """Set when this rank reads a share of the step (its group is planned in)."""
+    when: tuple[int, int] | None = None
+    """The loader's (epoch, step) the step was planned at (what ``read_in_flight`` reads it as)."""
 
     def samples_of(self, ranks: range) -> int:
         live = np.asarray(self.live_ranks)
@@ -102,11 +104,11 @@ class StepFeed:
                 batch = self.loader.next_batch()
                 info = self.loader.last
                 assert info is not None
-                self._plans.append(PlannedStep(self._next, info.live_ranks, info.plan_rows, info))
+                self._plans.append(PlannedStep(self._next, info.live_ranks, info.plan_rows, info, (info.epoch, info.step)))
                 self._batches.append(batch)  # on the host: the pipeline copies it (torchrec: on its own stream)
             else:
                 plan = self.loader.skip_step(self._live_ranks())
-                self._plans.append(PlannedStep(self._next, plan.live_ranks, plan.rows))
+                self._plans.append(PlannedStep(self._next, plan.live_ranks, plan.rows, when=(plan.epoch, plan.step)))
             self._next += 1
         if fresh_segment:
             self._iter = self._pull()  # a new object: torchrec's pipelines reset "exhausted" on it
@@ -119,6 +121,16 @@ class StepFeed:
         """The pipeline's iterator: this rank's batches of the planned steps, in order; it ends
         where the segment ends (the pipeline must then hold nothing)."""
         return self._iter
+
+    def read_in_flight(self) -> None:
+        """After a waiting join (``[ft] join = "wait"``) loaded a peer's position: read this rank's share of each
+        step in flight that its group is planned into (the commit before planned the joiner in, ``Commit.joining``),
+        as the peers read theirs, so that it trains the step it joined."""
+        for planned in self._plans:
+            if planned.info is None and planned.when is not None and self.loader.rank in planned.live_ranks:
+                planned.info, batch = self.loader.read_planned(*planned.when, planned.live_ranks, planned.plan_rows)
+                self._batches.append(batch)
+        self._iter = self._pull()
 
     def discard_batches(self) -> None:
         """Forget batches read for the pipeline (it was reset: this replica must catch up)."""
@@ -166,7 +178,7 @@ class StepFeed:
         in_trained = np.isin(groups, np.fromiter(commit.trained, dtype=np.int64, count=len(commit.trained)))
         if not in_trained.all():
             self.loader.requeue(planned.plan_rows.select(np.flatnonzero(~in_trained)).index)
-        self.ready = commit.ready
+        self.ready = commit.ready | commit.joining  # (a waiting joiner trains the next step planned)
         self.sizes.update(commit.sizes)
         self.sizes = {g: n for g, n in self.sizes.items() if n != self.group_size}
         accounted = Accounted(planned.plan_rows.select(np.flatnonzero(in_trained)).index,
@@ -181,13 +193,14 @@ class StepFeed:
         """JSON-able: the loader's position (= the next step to plan) and the plans in flight."""
         return {"loader": self.loader.state_dict(), "next": self._next, "ready": sorted(self.ready),
                 "sizes": [[g, n] for g, n in sorted(self.sizes.items())],
-                "plans": [{"step": p.step, "live_ranks": list(p.live_ranks),
-                           "rows": [r.tolist() for r in p.plan_rows]} for p in self._plans]}
+                "plans": [{"step": p.step, "live_ranks": list(p.live_ranks), "rows": [r.tolist() for r in p.plan_rows],
+                           **({"when": list(p.when)} if p.when is not None else {})} for p in self._plans]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a peer's (or a checkpoint's) data position.  Batches of in-flight steps are not read:
         this rank sits those steps out (weight 0; ``trains`` is False for them), and every group
-        requeues whatever share of them a non-training group had, at their commits."""
+        requeues whatever share of them a non-training group had, at their commits; after a waiting
+        join, ``read_in_flight`` reads the shares of those its group is planned into."""
         from freescale.dataloader.partition import Parts
 
         self.loader.load_state_dict(state["loader"])
@@ -195,7 +208,8 @@ class StepFeed:
         self.ready = frozenset(int(g) for g in state["ready"])
         self.sizes = {int(g): int(n) for g, n in state.get("sizes", [])}  # (absent: saved before groups could shrink)
         self._plans = deque(PlannedStep(int(p["step"]), tuple(p["live_ranks"]),
-                                        Parts.of_list([np.asarray(r, dtype=np.int64) for r in p["rows"]]))
+                                        Parts.of_list([np.asarray(r, dtype=np.int64) for r in p["rows"]]),
+                                        when=(int(p["when"][0]), int(p["when"][1])) if "when" in p else None)
                             for p in state["plans"])
         self._batches.clear()
         self._iter = self._pull()

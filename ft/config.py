@@ -75,8 +75,9 @@ class FTConfig:
     while the other groups wait for its gradients in that step's all-reduce (a transfer's wait on every other
     group, against one step of one group's batch: it pays in jobs of a few groups, below about 1 + step time /
     transfer time of them).  The loop trains the step ``begin_step`` returns; with ``data=`` (``StepSamples``) the
-    commit before it plans the joiner in (``Commit.joining``).  Not for ``freescale train``, whose loop plans
-    steps ahead of its pipeline.  A snapshot not in within ``timeout_s / 2`` falls back to ``record``."""
+    commit before it plans the joiner in (``Commit.joining``), as ``freescale train`` does with the plain pipeline;
+    not with torchrec's pipelines, which hold batches planned steps ahead.  A snapshot not in within
+    ``timeout_s / 2`` falls back to ``record``."""
     first_bucket_kb: int = 1024
     """Dense gradients are reduced across groups in buckets during backward: the first (the last
     layers' gradients, ready first) holds at most this many KiB, so a reduction starts early."""
@@ -150,7 +151,8 @@ class FTConfig:
 
     def validate(self, plans_ahead: bool = False) -> None:
         """Refuse a bad field in one line naming it; ``plans_ahead``: the loop plans its steps' data before the
-        commit before each (freescale's own: ``join = "wait"`` cannot plan a joiner into the step it joins)."""
+        commit before each (freescale train with torchrec's pipelines: ``join = "wait"`` cannot plan a joiner into
+        the step it joins)."""
         require(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
         require(0 <= self.replica_index < self.replicas, "replica_index",
                 f"must be in 0..{self.replicas - 1}, got {self.replica_index}")
@@ -164,9 +166,10 @@ class FTConfig:
         require(self.average_every >= 1, "average_every", f"must be >= 1, got {self.average_every}")
         require(self.join in JOIN_MODES, "join", f"must be one of {', '.join(JOIN_MODES)}, got '{self.join}'")
         require(not (plans_ahead and self.join == "wait"), "join",
-                "'wait' needs a loop that plans each step after the commit before it (a user's loop with "
-                "StepSamples, or its own batches); freescale train plans steps ahead of its pipeline, so a joining "
-                "group would have no share of the step it waits in: use 'record'")
+                "'wait' needs a loop that plans each step after the commit before it (freescale train with "
+                "pipeline.kind = 'plain', a user's loop with StepSamples or its own batches); this pipeline holds "
+                "batches planned steps ahead, so a joining group would have no share of the step it waits in: use "
+                "'record'")
         require(self.on_rank_loss in RANK_LOSS_POLICIES, "on_rank_loss",
                 f"must be one of {', '.join(RANK_LOSS_POLICIES)}, got '{self.on_rank_loss}'")
         require(self.min_group_ranks >= 1, "min_group_ranks", f"must be >= 1, got {self.min_group_ranks}")

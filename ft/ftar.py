@@ -173,6 +173,7 @@ class ReplicaSync:
             self.group.for_quorum(quorum)
         except (RuntimeError, dist.DistError):
             return None  # its first attempt meets the same failure, reports it and redoes
+        self.catch_up_log.setdefault("group_ready", time.time())  # joined its first quorum's group
         return quorum.max_step if self._fetch.wait(budget_s) else None
 
     def _others_behind(self, quorum: Quorum) -> bool:

@@ -237,7 +237,8 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     the step).  Group 0 commits step 6 without it (no step discarded), trains group 1's
     rows of step 6 in the first step planned after it (step 7; with torchrec's two batches in
     flight, step 9), keeps going; the agent restarts group 1, which joins with weight 0, catches
-    up from group 0's snapshot, replays, and contributes again, bit-identical (the prioritized pipeline's
+    up from group 0's snapshot, replays, and contributes again, bit-identical (the plain pipeline with
+    ``ft.join = "wait"``: it waits for the snapshot and trains its share of the step it joins; the prioritized pipeline's
     embedding all-to-alls through the SM-free backend, its restarted incarnation's too).  Before the kill,
     the losses equal those of one 4-rank group without fault tolerance (the same global batches;
     equal up to float32 summation order: the exchange averages in-group, then across groups; a
@@ -247,8 +248,9 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     shrink = ("--on-rank-loss", "shrink", "--optim.sharding", "item_table=data_parallel,user_table=column_wise",
               "--eval.every", "20") if tables else ()
     sm_free = ("--pipeline.comm", "copy_engine") if kind == "prioritized" else ()
-    proc = launch(tmp_path, tiny_data, 2, 2, steps, model, fault=f"1:1:6:{phase},{AWAY}",
-                  max_restarts=1, extra=("--pipeline.kind", kind, *(ITEM_DP if tables else ()), *shrink, *sm_free))
+    wait = ("--ft.join", "wait") if kind == "plain" else ()  # the plain pipeline plans each step after the last commit
+    proc = launch(tmp_path, tiny_data, 2, 2, steps, model, fault=f"1:1:6:{phase},{AWAY}", max_restarts=1,
+                  extra=("--pipeline.kind", kind, *(ITEM_DP if tables else ()), *shrink, *sm_free, *wait))
     assert proc.returncode == 0, proc.stderr[-3000:]
     if shrink:
         assert "replica group 1: lost rank 1 (signal 9); continues on 1 rank" in proc.stderr, proc.stderr[-3000:]
@@ -287,6 +289,10 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     recovered = by_step(runs[(1, 0)])
     assert any(e["contributing"] for s, e in recovered.items() if s > caught["joined_step"]), \
         "group 1 never contributed again"
+    if wait:  # it trained its share of the step it joined, planned in by the commit before (``Commit.joining``)
+        joined = caught["joined_step"]
+        assert caught["join"] == "wait" and caught["snapshot_step"] == joined - 1 and caught["replayed"] == 0, caught
+        assert recovered[joined]["contributing"] and recovered[joined]["weight"] == survivor[joined]["weight"] == 64
     assert survivor[steps - 1]["participants"] == ["replica0", "replica1"]
     for step, loss in references[f"{model}-{tables}" if tables else model].items():
         assert survivor[step]["loss"] == pytest.approx(loss, rel=1e-5), f"step {step}: loss differs"
