@@ -50,10 +50,10 @@ class Commit:
     """This rank's state was replaced from a peer's snapshot during the step (a catch-up finished):
     batches it had in flight are void."""
     joining: frozenset[int] = frozenset()
-    """With ``[ft] join = "wait"``: groups waiting to join behind this step, which will train the next one (the
-    lighthouse names them with the vote, alike for every group): a data side that plans each step when it begins
-    plans them into the next step too; a joiner that does not make it has its share requeued at that commit, as
-    any group that contributes nothing."""
+    """Groups joining by waiting (``[ft] join = "wait"``) behind this step, which will train the next one (the
+    lighthouse names them, and their ranks in ``sizes``, with the vote, alike for every group): a data side that
+    plans the next step after this commit plans them into it too; a joiner that does not make it has its share
+    requeued at that step's commit, as any group that contributes nothing."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,8 +125,8 @@ class DataState(Protocol):
       for each step it replays after loading a snapshot; not for a step it only recorded,
       ``commit.applied`` False).  ``commit.trained``: the group indices whose gradients the update holds
       (plan their samples as done); ``commit.ready``: the groups holding valid state after it (plan the
-      next step over these: every group computes the same plan from the same commits; with ``[ft] join =
-      "wait"``, over ``commit.joining`` too, if the next step is planned after this commit).  May return an
+      next step over these, and over ``commit.joining``, the groups joining by waiting, if the next step is
+      planned after this commit: every group computes the same plan from the same commits).  May return an
       ``Accounted`` (what the step trained: the engine logs it; anything else is ignored).
     - ``state_dict()``: when a snapshot is staged for a recovering peer (JSON-able values and tensors);
       ``load_state_dict(state)``: when this rank loads a peer's snapshot, before the replayed commits.
@@ -220,8 +220,8 @@ class StepSync(Protocol):
     calls ``exchange`` itself for a step this rank sits out."""
 
     def begin_step(self, step: int) -> int:
-        """The step to train: ``step`` (fault tolerance's waiting join may return a later one, ``FTConfig.join``;
-        the engine's data side refuses that mode)."""
+        """The step to train: ``step``, or after fault tolerance's waiting join (``FTConfig.join``) the quorum's,
+        with this rank's state and data position loaded (the engine then reads its share of that step)."""
 
     def can_train(self, step: int) -> bool: ...
 

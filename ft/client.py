@@ -169,8 +169,11 @@ class LighthouseClient:
         """(step, quorum) from the last committed vote's reply: that step's quorum, already decided."""
         self.joiner_waiting = False
         """The last committed vote's answer said a group waits to join, behind that step: stage it."""
-        self.joiners: tuple[str, ...] = ()
-        """Those groups (the answer's ``joining``; the same in every answer of the vote)."""
+        self.joiners: tuple[tuple[str, int], ...] = ()
+        """The groups among them that join by waiting, with their ranks (the answer's ``joining``; the same in every
+        answer of the vote): the data side plans them into the next step."""
+        self.join_mode = "record"
+        """``[ft] join``: sent with quorum requests as ``"join": "wait"`` (the lighthouse names only such joiners)."""
         self._local = threading.local()
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat_loop, name="freescale-heartbeat", daemon=True)
@@ -295,7 +298,8 @@ class LighthouseClient:
         while True:
             try:
                 answer = self._request("POST", "/v1/quorum", {
-                    "step": step, "last_quorum_id": self.last_quorum_id, "address": self.address, "store": self.store})
+                    "step": step, "last_quorum_id": self.last_quorum_id, "address": self.address, "store": self.store,
+                    **({"join": "wait"} if self.join_mode == "wait" else {})})
             except LighthouseError as exc:
                 if PROGRESS_LOST in str(exc):  # the lighthouse's refusal (``freescale.ft.membership``)
                     raise ProgressLost(str(exc)) from None
@@ -373,7 +377,7 @@ class LighthouseClient:
         self._next = None
         self.joiner_waiting = bool(body["commit"]) and body.get("stage") is True
         joining = body.get("joining") if self.joiner_waiting else None
-        self.joiners = tuple(str(r) for r in joining) if isinstance(joining, list) else ()
+        self.joiners = tuple((str(r), int(n)) for r, n in joining) if isinstance(joining, list) else ()
         following = body.get("next")
         if body["commit"] and isinstance(following, dict):
             try:

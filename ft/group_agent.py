@@ -66,6 +66,8 @@ class _QuorumAsk:
     address: str
     store: str
     last_quorum_id: int
+    waits: bool = False
+    """The member joins by waiting (``[ft] join = "wait"``): relayed as the group's ``"join": "wait"``."""
     waiters: list[asyncio.Future[Answer]] = field(default_factory=list)
 
     def live(self) -> bool:
@@ -322,7 +324,8 @@ class GroupAgent:
         body = await self._body(request)
         member = self._member(body)
         ask = _QuorumAsk(_field(body, "step", int), str(body.get("address", ""))[:300],
-                         str(body.get("store", ""))[:300], int(body.get("last_quorum_id", 0) or 0))
+                         str(body.get("store", ""))[:300], int(body.get("last_quorum_id", 0) or 0),
+                         body.get("join") == "wait")
         waiter: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         if self._asking is not None and member in self._asking:
             self._asking[member].waiters.append(waiter)  # a retry of a request already on its way
@@ -347,7 +350,8 @@ class GroupAgent:
         ordered = [asks[m] for m in range(self.group_size)]
         body = {"step": max(a.step for a in ordered), "last_quorum_id": max(a.last_quorum_id for a in ordered),
                 "address": ordered[0].address, "store": ordered[0].store,
-                "members": [{"step": a.step, "address": a.address} for a in ordered]}
+                "members": [{"step": a.step, "address": a.address} for a in ordered],
+                **({"join": "wait"} if all(a.waits for a in ordered) else {})}
         answer = await self._call("quorum", body, self.request_timeout_s)
         for ask in ordered:
             for waiter in ask.waiters:

@@ -163,6 +163,7 @@ class FaultTolerance(SnapshotSide):
         self._client = LighthouseClient(voice, cfg.replica_id, self._incarnation, member=self._rank,
                                        group_size=self._group_size, token=token,
                                        run_id=os.environ.get(RUN_ID_ENV, "")).start()
+        self._client.join_mode = cfg.join  # said with the first step's quorum requests (then "record": ``begin_step``)
         if self._rank == 0:  # held back so that no step is committed twice: one line, once per reason
             self._client.on_waiting = lambda why: print(f"freescale: replica group {self._group_index}: {why}",
                                                        file=sys.stderr, flush=True)
@@ -273,6 +274,8 @@ class FaultTolerance(SnapshotSide):
     def begin_step(self, step: int) -> int:
         """Send the step's quorum request (its answer is read when needed).  Returns the step to train: ``step``, or
         with ``[ft] join = "wait"`` on a restarted group's first step, the quorum's (``_join_waiting``)."""
+        if not self._first_step:
+            self._client.join_mode = "record"  # a later rejoin (after being left out) records: nobody plans it in
         self._sync.start_step(step)
         if self._first_step and self._cfg.join == "wait":
             step = self._join_waiting(step)
@@ -400,7 +403,8 @@ class FaultTolerance(SnapshotSide):
         skipped as non-finite.)"""
         self._fence_staging()
         commit = Commit(result.step, self._trained_groups(result), self._ready_groups(result),
-                        {self._group_of(p.replica_id): len(p.addresses) for p in result.quorum.participants if p.addresses},
+                        {**{self._group_of(p.replica_id): len(p.addresses) for p in result.quorum.participants
+                            if p.addresses}, **{self._group_of(rid): ranks for rid, ranks in result.joining}},
                         joining=self._joining_groups(result))
         updates = sum(result.weights.values()) > 0  # nobody trained this step: no update at all
         loss = self._loss if self._weight else None
@@ -474,8 +478,9 @@ class FaultTolerance(SnapshotSide):
         return frozenset(self._group_of(rid) for rid in result.ready)
 
     def _joining_groups(self, result: StepResult) -> frozenset[int]:
-        """With ``join = "wait"``, the groups the vote said wait to join: they train the next step."""
-        return frozenset(self._group_of(rid) for rid in result.joining) if self._cfg.join == "wait" else frozenset()
+        """The groups the vote said join by waiting: they train the next step (on every group alike, whatever its
+        own ``join``: the lighthouse names only groups that asked to join so)."""
+        return frozenset(self._group_of(rid) for rid, _ in result.joining)
 
     def state_digests(self) -> dict[str, str]:
         """The audit's fingerprints of the committed state (``freescale.digest``; a collective on the group):

@@ -214,6 +214,7 @@ class LighthouseOps(Membership):
         for name, value in (("address", address), ("store", store)):
             if not isinstance(value, str) or len(value) > 300:
                 raise BadRequest(f"field '{name}' must be a string of at most 300 characters")
+        join.waits = body.get("join") == "wait"
         if "members" in body:
             for m, entry in enumerate(self._member_asks(body, group)):
                 join.steps[m], join.addresses[m] = entry["step"], entry.get("address", "")
@@ -263,10 +264,13 @@ class LighthouseOps(Membership):
         next step's quorum when its participants stay the same (the voter then asks for no quorum)."""
         if not vote.result:
             return 200, '{"commit": false}'
-        if vote.joining is None:  # decided once per vote: every answer names the same groups
-            vote.joining = self.joiners_waiting(vote.step)
-        if vote.joining:  # the sources stage this step now: the joiners ask for it at once
-            return 200, json.dumps({"commit": True, "stage": True, "joining": list(vote.joining)})
+        if vote.hint is None:  # decided once per vote: every answer says the same
+            vote.hint = self.joiners_waiting(vote.step)
+        stage, joining = vote.hint
+        if joining:  # the sources stage this step now; the waiting joiners are planned into the next
+            return 200, json.dumps({"commit": True, "stage": True, "joining": [list(j) for j in joining]})
+        if stage:  # the sources stage this step now: the joiner asks for it at once
+            return 200, '{"commit": true, "stage": true}'
         if self.cfg.quorum_in_vote and self.finished_step is None:
             following = self._steady_answer(group, vote.step + 1)
             if following is not None:  # the same participants: the voter has them (tens of KB at 512 groups)

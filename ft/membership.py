@@ -242,17 +242,20 @@ class Membership:
             return None
         return q
 
-    def joiners_waiting(self, step: int) -> tuple[str, ...]:
-        """The healthy groups outside the current quorum that wait to join it, behind ``step`` (sorted): their
-        first quorum will be the next one, and they will fetch the state of ``step`` from a participant, which
-        stages it when its commit answer says so (``"stage": true``); with ``[ft] join = "wait"`` the data side
-        plans them into the next step (``"joining"``)."""
+    def joiners_waiting(self, step: int) -> tuple[bool, tuple[tuple[str, int], ...]]:
+        """(whether a healthy group of the current incarnation outside the quorum waits to join it behind ``step``,
+        those of them that join by waiting with their ranks, sorted).  Their first quorum will be the next one and
+        they will fetch the state of ``step`` from a participant, which stages it when its commit answer says so
+        (``"stage": true``); the waiting ones train the next step, into which every group's data side plans them
+        (``"joining"``)."""
         if not self.joins or self.quorum is None:
-            return ()
+            return False, ()
         members = {p["replica_id"] for p in self.quorum["participants"]}
         healthy = self._healthy(time.monotonic())
-        return tuple(sorted(rid for rid, join in self.joins.items() if rid not in members and rid in healthy
-                            and join.steps and min(join.steps.values()) <= step))
+        behind = sorted(rid for rid, join in self.joins.items() if rid not in members and rid in healthy
+                        and join.incarnation == self.groups[rid].incarnation and join.steps
+                        and min(join.steps.values()) <= step)
+        return bool(behind), tuple((rid, self.groups[rid].group_size) for rid in behind if self.joins[rid].waits)
 
     def _healthy(self, now: float) -> set[str]:
         return {rid for rid, g in self.groups.items() if g.healthy(now, self.cfg.heartbeat_timeout_s)}

@@ -121,6 +121,8 @@ class _Join:
     addresses: dict[int, str] = field(default_factory=dict)
     store: str = ""
     """Member 0's rendezvous store (``host:port``; ``freescale.ft.replica_group``)."""
+    waits: bool = False
+    """It joins by waiting (``[ft] join = "wait"``, said in its request): the vote before names it as joining."""
     waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
 
 
@@ -136,9 +138,10 @@ class _Vote:
     ready: dict[str, int] = field(default_factory=dict)
     """Ballots per group cast holding valid state (not catching up)."""
     said_no: bool = False
-    joining: tuple[str, ...] | None = None
-    """Groups waiting to join, behind this step, when the vote was first answered committed: every answer of the
-    vote names the same ones (``Membership.joiners_waiting``; the data side plans them into the next step)."""
+    hint: tuple[bool, tuple[tuple[str, int], ...]] | None = None
+    """(a group waits to join behind this step, those of them that join by waiting with their ranks), taken when the
+    vote was first answered committed: every answer of the vote says the same (``Membership.joiners_waiting``;
+    the sources stage the step, the data side plans the waiting ones into the next)."""
     waiters: list[asyncio.Future[bool]] = field(default_factory=list)
     listeners: list[Any] = field(default_factory=list)
     """Ballots whose carrier answers them itself once the vote is decided (the lighthouse's agent links:

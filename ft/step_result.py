@@ -53,8 +53,9 @@ class StepResult:
     """Samples each participant contributed (0 for one that is catching up or idle)."""
     ready: frozenset[str] = frozenset()
     """Participants holding valid state at this step: the next step's data is planned over them."""
-    joining: tuple[str, ...] = ()
-    """Groups waiting to join behind this step, from the vote's answer (the same for every participant)."""
+    joining: tuple[tuple[str, int], ...] = ()
+    """Groups joining by waiting behind this step, with their ranks, from the vote's answer (the same for every
+    participant): they train the next step."""
     extra: Any = None
     """What the step's ``exchange`` returned (every participant's embedding lookups and gradients,
     as gathered: what the update is built from, and what a recovering replica records)."""

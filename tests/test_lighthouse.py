@@ -184,12 +184,13 @@ def test_committed_vote_carries_the_next_quorum_unless_a_group_waits_to_join() -
     # A third group asks to join during step 1: step 1's vote must not hand out a steady step 2, and it
     # tells the participants to stage step 1 (what the joiner will fetch: no wait for a step boundary).
     c = client(lh, "c")
+    c.join_mode = "wait"  # it says so with its quorum request: the vote names it (and its ranks) as joining
     joining = c.quorum_async(0)
     time.sleep(0.1)
     q1 = quorums([a, b], 1)[0]
     assert q1.quorum_id == q.quorum_id and q1.max_step == 1
     assert commit_all([a, b], q1.quorum_id, 1) == [True, True]
-    assert a.joiner_waiting and b.joiner_waiting and a.joiners == b.joiners == ("c",)
+    assert a.joiner_waiting and b.joiner_waiting and a.joiners == b.joiners == (("c", 1),)
     q2 = quorums([a, b], 2)
     assert q2[0] == q2[1] == joining.result(timeout=5) and q2[0].replica_ids == ("a", "b", "c")
     assert q2[0].quorum_id > q.quorum_id and q2[0].max_step == 2
