@@ -63,14 +63,21 @@ def jsonl(path: Path) -> list[dict[str, Any]]:
 
 def committed(path: Path) -> list[dict[str, Any]]:
     """A group's committed steps (``commit`` events of its log), each with the seconds it spent staging a
-    snapshot after that step (``stage`` events), if it staged one, and its catch-up record, if it
-    finished a catch-up at that step (``catch_up`` events)."""
+    snapshot after that step (``stage`` events), if it staged one, and its catch-up record on the step that
+    finished it (a ``catch_up`` event goes with the next commit of the log: the step whose replay ended it, or the
+    step a waiting join trains after loading the snapshot of the one before)."""
     lines = jsonl(path)
     staged = {e["step"]: e["stage_s"] for e in lines if e.get("event") == "stage"}
-    caught = {e["step"]: e["catch_up"] for e in lines if e.get("event") == "catch_up"}
-    return [{**e, **({"stage_s": staged[e["step"]]} if e["step"] in staged else {}),
-             **({"catch_up": caught[e["step"]]} if e["step"] in caught else {})}
-            for e in lines if e.get("event") == "commit"]
+    out: list[dict[str, Any]] = []
+    caught: dict[str, Any] | None = None
+    for e in lines:
+        if e.get("event") == "catch_up":
+            caught = e["catch_up"]
+        elif e.get("event") == "commit":
+            out.append({**e, **({"stage_s": staged[e["step"]]} if e["step"] in staged else {}),
+                        **({"catch_up": caught} if caught is not None else {})})
+            caught = None
+    return out
 
 
 def median(values: list[float]) -> float:
