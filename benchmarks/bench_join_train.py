@@ -13,8 +13,9 @@ begins; torch's elastic agent restarts it and it catches up from a peer:
 
 Per run: first request for state -> first contributing commit (the issue's measure; the restarted group's own
 clock), the steps between the one it joined and the first it contributed to, its weight in the joined step, kill ->
-first contributing commit (agent restart, imports, sharding included), the survivors' step while it catches up
-over their step before the kill (replica 0), and the snapshot's transfer.  Joins interleaved, ``--repeats`` rounds;
+first contributing commit (agent restart, imports, sharding included), the survivors' extra time over the steps
+from the one it joined to its first contributing one, beyond their step before the kill (replica 0; one step for a
+waiting join, three for a recording one: a ratio of step times would compare unlike windows), and the transfer.  Joins interleaved, ``--repeats`` rounds;
 medians with [min..max] and each run's figure in the JSON.  torchft has no torchrec integration: nothing of its runs
 here (``bench_ft.py`` compares the joins with torchft on a model of its own).
 
@@ -41,7 +42,8 @@ MEASURES = (("request_to_contributing_s", "first request -> first contributing c
             ("steps_to_contributing", "steps from the one joined to the first contributed to", ""),
             ("joined_weight", "its samples in the step it joined", ""),
             ("contributing_s", "kill -> first contributing commit", "s"),
-            ("during_over_before", "survivors' step during the catch-up / before the kill", ""),
+            ("survivors_extra_ms", "survivors' extra time over the catch-up's steps (vs their step before the kill)",
+             "ms"),
             ("last_byte_s", "first request -> snapshot's last byte", "s"))
 
 
@@ -61,7 +63,10 @@ def one_run(tmp: Path, data: Path, args: argparse.Namespace, join: str, round_: 
             "request_to_contributing_s": first["time"] - caught["started"],
             "steps_to_contributing": res["first_contributing_step"] - res["joined_step"],
             "joined_weight": joined.get("weight", 0.0), "contributing_s": res["contributing_s"],
-            "during_over_before": res["during_ms"] / res["before_ms"],
+            # over the steps from the one it joined to its first contributing one (one for a waiting join, three
+            # for a recording one): what those steps took beyond the survivors' step before the kill, in all
+            "survivors_extra_ms": (res["during_ms"] - res["before_ms"])
+            * (res["first_contributing_step"] - res["window_first_step"] + 1),
             "last_byte_s": caught["arrived"] - caught["started"], "bytes": caught.get("bytes"),
             "kill_s": res["kill_s"], "discarded": res["discarded"]}
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch.distributed as dist
 
 from freescale.step_types import Accounted, Commit
 
@@ -125,9 +126,15 @@ class StepFeed:
     def read_in_flight(self) -> None:
         """After a waiting join (``[ft] join = "wait"``) loaded a peer's position: read this rank's share of each
         step in flight that its group is planned into (the commit before planned the joiner in, ``Commit.joining``),
-        as the peers read theirs, so that it trains the step it joined."""
+        as the peers read theirs, so that it trains the step it joined.  A step planned over another number of this
+        group's ranks than it runs on (it re-formed smaller or larger since, and no vote named it: it asked in while
+        the others redid a step) is not read: the group sits it out, its share requeued at that commit."""
+        running = dist.get_world_size() if dist.is_initialized() else self.group_size
+        mine = self.ranks_of(self.group)
         for planned in self._plans:
-            if planned.info is None and planned.when is not None and self.loader.rank in planned.live_ranks:
+            slots = sum(1 for r in planned.live_ranks if r in mine)
+            if planned.info is None and planned.when is not None and slots == running and \
+                    self.loader.rank in planned.live_ranks:
                 planned.info, batch = self.loader.read_planned(*planned.when, planned.live_ranks, planned.plan_rows)
                 self._batches.append(batch)
         self._iter = self._pull()

@@ -377,7 +377,10 @@ class LighthouseClient:
         self._next = None
         self.joiner_waiting = bool(body["commit"]) and body.get("stage") is True
         joining = body.get("joining") if self.joiner_waiting else None
-        self.joiners = tuple((str(r), int(n)) for r, n in joining) if isinstance(joining, list) else ()
+        try:
+            self.joiners = tuple((str(r), int(n)) for r, n in joining) if isinstance(joining, list) else ()
+        except (TypeError, ValueError):
+            self.joiners = ()  # not this protocol's form: plan nobody in (every group reads the same answer)
         following = body.get("next")
         if body["commit"] and isinstance(following, dict):
             try:

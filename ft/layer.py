@@ -274,11 +274,10 @@ class FaultTolerance(SnapshotSide):
     def begin_step(self, step: int) -> int:
         """Send the step's quorum request (its answer is read when needed).  Returns the step to train: ``step``, or
         with ``[ft] join = "wait"`` on a restarted group's first step, the quorum's (``_join_waiting``)."""
-        if not self._first_step:
-            self._client.join_mode = "record"  # a later rejoin (after being left out) records: nobody plans it in
         self._sync.start_step(step)
         if self._first_step and self._cfg.join == "wait":
             step = self._join_waiting(step)
+            self._client.join_mode = "record"  # joined or sat out: a redo's requests, or a later rejoin, record
         self._step, self._weight, self._loss = step, None, None
         self._update.before_tables(step)  # fbgemm takes the rate at the union's lookup, built during the vote
         self._sync.side_header = self._side.header() if self._side is not None else None
