@@ -110,7 +110,6 @@ class BalancedLoader:
         self.max_seq_len = max_seq_len
         self.prefetch = prefetch
         self.epochs = epochs
-        self.pin_memory = pin_memory
         self.timestamps = timestamps
         """Batches carry the history's and the candidate's timestamps (the source reads them)."""
         self.sampled_items, self.seed = sampled_items, seed
