@@ -312,6 +312,26 @@ def lookup(table: np.ndarray, keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return out
 
 
+@numba.njit(**_JIT)
+def part_balance(costs: np.ndarray, offsets: np.ndarray) -> tuple[float, float]:
+    """A plan's imbalance and lower bound in one pass over ``costs`` split into parts at ``offsets`` (``Parts``):
+    ``max part / mean part`` and ``max(1, heaviest sample / mean part)``; (1.0, 1.0) when they cost nothing.  The
+    loader asks it of every step it builds (``partition.load_imbalance`` and ``lower_bound`` take a dozen numpy
+    calls for it)."""
+    parts = offsets.size - 1
+    total, heaviest_part, heaviest = 0.0, 0.0, 0.0
+    for p in range(parts):
+        load = 0.0
+        for i in range(offsets[p], offsets[p + 1]):
+            load += costs[i]
+            heaviest = max(heaviest, costs[i])
+        total += load
+        heaviest_part = max(heaviest_part, load)
+    if total <= 0.0:
+        return 1.0, 1.0
+    return heaviest_part / total * parts, max(1.0, heaviest / total * parts)
+
+
 def warm_up() -> None:
     """Compile every entry point, ``local_plan``'s too (or load it from the cache): set-up calls it once, so no
     training's prefetch thread waits seconds for the compiler."""
@@ -322,6 +342,7 @@ def warm_up() -> None:
     index = np.array([1, 0], dtype=np.int64)
     take(costs, index)
     take(index, index)
+    part_balance(costs, np.array([0, 2, 6], dtype=np.int64))
     lookup(costs, np.array([0, 1], dtype=np.int32), index)
     lookup(costs, np.array([0, 1], dtype=np.uint16), index)
     local_window_owner(np.arange(6, dtype=np.int64), costs, np.array([0, 3, 6], dtype=np.int64), 2, 2)

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from freescale.config import require
-from freescale.dataloader import gather
+from freescale.dataloader import gather, row_checks, sequence_source
 from freescale.dataloader.assemble import SPARSE_FEATURES
 from freescale.dataloader.balance_kernels import warm_up
 from freescale.dataloader.cost import CostModel
@@ -127,6 +127,8 @@ class Dataset:
         cfg = self.cfg
         warm_up()  # the planner's and the reads' kernels: loaded from numba's cache, or compiled here, not in the
         gather.warm_up()  # prefetch thread
+        row_checks.warm_up()
+        sequence_source.warm_up()
         if training:
             window = max(cfg.window, 1)
             try:

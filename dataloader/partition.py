@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -100,11 +99,17 @@ class Parts:
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[p] for p in range(len(self)))
 
-    @cached_property
+    _sizes: np.ndarray | None = field(default=None, init=False, repr=False)
+
+    @property
     def sizes(self) -> np.ndarray:
-        """Members per part (read-only: computed once, shared by every caller)."""
-        sizes = np.diff(self.offsets)
-        sizes.flags.writeable = False
+        """Members per part (read-only: computed once, shared by every caller; kept by hand: ``cached_property``
+        takes a lock per access on Python 3.11, a few microseconds the planner paid several times a step)."""
+        sizes = self._sizes
+        if sizes is None:
+            sizes = self.offsets[1:] - self.offsets[:-1]
+            sizes.flags.writeable = False
+            object.__setattr__(self, "_sizes", sizes)
         return sizes
 
     def owner(self) -> np.ndarray:

@@ -111,10 +111,19 @@ class StepPlan:
 
     def imbalance(self) -> float:
         """The slowest rank's time over a split in proportion to the ranks' speeds (their costs, all alike)."""
-        return load_time_imbalance(self.loads(), self.capacities)
+        return self.balance()[0]
 
     def bound(self) -> float:
-        return time_lower_bound(self.costs.index, len(self.live_ranks), self.capacities)
+        """No split of this step's samples over its ranks does better than this imbalance."""
+        return self.balance()[1]
+
+    def balance(self) -> tuple[float, float]:
+        """``(imbalance(), bound())``, in one pass when the ranks are alike."""
+        if self.capacities is None:
+            return balance_kernels.part_balance(np.ascontiguousarray(self.costs.index, dtype=np.float64),
+                                                self.costs.offsets)
+        return (load_time_imbalance(self.loads(), self.capacities),
+                time_lower_bound(self.costs.index, len(self.live_ranks), self.capacities))
 
 
 @dataclass

@@ -57,7 +57,7 @@ class StepReader:
                  rank: int, group_size: int, pin_memory: bool) -> None:
         self.source, self.planner, self.assembler = source, planner, assembler
         self.rank, self.group_size, self.pin_memory = rank, group_size, pin_memory
-        self._in_group: dict[tuple[int, ...], np.ndarray] = {}
+        self._group_span: dict[tuple[int, ...], tuple[int, int]] = {}
 
     def read_planned(self, epoch: int, step: int, live_ranks: tuple[int, ...], plan_rows: Parts) -> tuple[StepInfo, Batch]:
         """This rank's batch of a step planned elsewhere (``live_ranks``, ``plan_rows``: a peer's plan in flight,
@@ -77,14 +77,17 @@ class StepReader:
         epoch = plans[0].epoch
         start = time.perf_counter()
         mine = [plan.live_ranks.index(self.rank) for plan in plans]
-        arrays, kept, sizes = self.source.read_runs([plan.rows[i] for plan, i in zip(plans, mine)])
-        cuts = np.concatenate([[0], np.cumsum(sizes)])
-        if all(plan.model == plans[0].model for plan in plans):
-            costs = self.planner.costs(plans[0].model, kept)
-        else:  # (a new cost model from a window inside these steps)
-            costs = np.concatenate([self.planner.costs(plan.model, kept[cuts[j]:cuts[j + 1]]) for j, plan in enumerate(plans)])
-        scales = [self.loss_scale(plan) for plan in plans]
-        batches = self.assembler.batches(arrays, StepRows(sizes, costs, scales, [(epoch, plan.step) for plan in plans]))
+        with self.source.reading:  # (the histories stay in the source's buffers until the batches are built)
+            arrays, kept, sizes = self.source.read_runs([plan.rows[i] for plan, i in zip(plans, mine)], tails=True)
+            cuts = np.concatenate([[0], np.cumsum(sizes)])
+            if all(plan.model == plans[0].model for plan in plans):
+                costs = self.planner.costs(plans[0].model, kept)
+            else:  # (a new cost model from a window inside these steps)
+                costs = np.concatenate([self.planner.costs(plan.model, kept[cuts[j]:cuts[j + 1]])
+                                        for j, plan in enumerate(plans)])
+            scales = [self.loss_scale(plan) for plan in plans]
+            batches = self.assembler.batches(arrays, StepRows(sizes, costs, scales,
+                                                              [(epoch, plan.step) for plan in plans]))
         if self.pin_memory:
             batches = [batch.pin_memory() for batch in batches]
         lengths = self.planner.lengths[kept]
@@ -92,7 +95,8 @@ class StepReader:
         for j, (plan, i, batch) in enumerate(zip(plans, mine, batches)):
             planned = costs[cuts[j]:cuts[j + 1]] if sizes[j] == plan.rows.sizes[i] else self.planner.costs(
                 plan.model, np.sort(plan.rows[i]))  # (the planned rows' cost, summed in row order, bad ones too)
-            info = dict(epoch=epoch, step=plan.step, imbalance=plan.imbalance(), bound=plan.bound(),
+            imbalance, bound = plan.balance()
+            info = dict(epoch=epoch, step=plan.step, imbalance=imbalance, bound=bound,
                         global_size=plan.global_size, rank_size=batch.size, rank_cost=float(planned.sum()),
                         rows=kept[cuts[j]:cuts[j + 1]], live_ranks=plan.live_ranks,
                         plan_rows=Parts(_read_only(plan.rows.index), plan.rows.offsets),
@@ -114,12 +118,13 @@ class StepReader:
         """Sum of per-sample losses x (ranks / samples) of this rank's group: the in-group mean over
         ranks (DDP's, or the bucketed reducer's) then is the exact mean over the group's samples,
         whatever each rank holds; fault tolerance weights each group's mean by its samples."""
-        in_group = self._in_group.get(plan.live_ranks)
-        if in_group is None:
-            in_group = np.asarray(plan.live_ranks) // self.group_size == self.rank // self.group_size
-            self._in_group = {plan.live_ranks: in_group}  # (one set of live ranks at a time, as a rule)
-        return int(in_group.sum()) / max(int(plan.rows.sizes[in_group].sum()), 1)
-
+        span = self._group_span.get(plan.live_ranks)
+        if span is None:  # the group's ranks, contiguous among the sorted live ranks
+            mine = np.flatnonzero(np.asarray(plan.live_ranks) // self.group_size == self.rank // self.group_size)
+            span = (int(mine[0]), int(mine[-1]) + 1)
+            self._group_span = {plan.live_ranks: span}  # (one set of live ranks at a time, as a rule)
+        first, end = span
+        return (end - first) / max(int(plan.rows.offsets[end] - plan.rows.offsets[first]), 1)
 
 def _read_only(rows: np.ndarray) -> np.ndarray:
     """A read-only view: the arrays are the planner's own, shared with its windows."""
