@@ -17,7 +17,6 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from freescale.dataloader.batch import Batch
-from freescale.dataloader.gather import Columns, Tails, as_array
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
     CANDIDATE_TIMESTAMP,
@@ -62,72 +61,66 @@ class BatchAssembler:
     num_items: int = 0
     seed: int = 0
 
-    def batches(self, arrays: Columns, steps: StepRows) -> list[Batch]:
+    def batches(self, arrays: dict[str, np.ndarray], steps: StepRows) -> list[Batch]:
         """One batch per step of ``steps`` from ``arrays`` (their samples back to back)."""
         cuts = np.concatenate([[0], np.cumsum(steps.sizes)]).astype(np.int64)
         total = int(cuts[-1])
         values, lengths, value_cuts, length_cuts = self._sparse(arrays, cuts, steps.when)
         value_t, length_t = torch.from_numpy(values), torch.from_numpy(lengths)
-        dense = (np.ascontiguousarray(as_array(arrays[DENSE]), dtype=np.float32).reshape(total, self.dense_dim) if total
+        dense = (np.ascontiguousarray(arrays[DENSE], dtype=np.float32).reshape(total, self.dense_dim) if total
                  else np.zeros((0, self.dense_dim), dtype=np.float32))
-        labels = np.array(as_array(arrays[LABEL]), dtype=np.float32) if total else np.zeros(0, dtype=np.float32)
+        labels = np.array(arrays[LABEL], dtype=np.float32) if total else np.zeros(0, dtype=np.float32)
         dense_t, labels_t = torch.from_numpy(dense), torch.from_numpy(labels)
         costs_t = torch.from_numpy(np.ascontiguousarray(steps.costs, dtype=np.float32))
         if self.timestamps:
             history_t, candidate_t = _timestamps(arrays, total)
-            time_cuts = np.concatenate([[0], np.cumsum(as_array(arrays[HISTORY_TIMESTAMPS + "@"]))])[cuts] if total else cuts
-        out = []
-        for j in range(cuts.size - 1):
-            a, b = int(cuts[j]), int(cuts[j + 1])
-            sparse = KeyedJaggedTensor(keys=self.sparse_features, values=value_t[value_cuts[j]:value_cuts[j + 1]],
-                                       lengths=length_t[length_cuts[j]:length_cuts[j + 1]])
-            batch = Batch(sparse=sparse, dense=dense_t[a:b], labels=labels_t[a:b], costs=costs_t[a:b],
-                          loss_scale=steps.loss_scales[j])
-            if self.timestamps:
-                batch.history_timestamps = history_t[int(time_cuts[j]):int(time_cuts[j + 1])]
-                batch.candidate_timestamps = candidate_t[a:b]
-            out.append(batch)
+            time_cuts = np.concatenate([[0], np.cumsum(arrays[HISTORY_TIMESTAMPS + "@"])])[cuts] if total else cuts
+        sizes = np.diff(cuts).tolist()  # each step's tensors: views of the read's, split in one call per tensor
+        by_step = zip(value_t.split_with_sizes(np.diff(value_cuts).tolist()),
+                      length_t.split_with_sizes(np.diff(length_cuts).tolist()), dense_t.split_with_sizes(sizes),
+                      labels_t.split_with_sizes(sizes), costs_t.split_with_sizes(sizes), steps.loss_scales)
+        out = [Batch(sparse=KeyedJaggedTensor(keys=self.sparse_features, values=values, lengths=lengths), dense=dense,
+                     labels=labels, costs=costs, loss_scale=scale)
+               for values, lengths, dense, labels, costs, scale in by_step]
+        if self.timestamps:
+            time_sizes = np.diff(time_cuts).tolist()
+            for batch, history, candidate in zip(out, history_t.split_with_sizes(time_sizes),
+                                                 candidate_t.split_with_sizes(sizes)):
+                batch.history_timestamps, batch.candidate_timestamps = history, candidate
         return out
 
-    def _sparse(self, arrays: Columns, cuts: np.ndarray,
+    def _sparse(self, arrays: dict[str, np.ndarray], cuts: np.ndarray,
                 when: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
         """Every step's KJT values and lengths, back to back (step by step, then feature by feature), int64, and
-        where each step starts in them.  Each feature's values are copied once, straight to their place (a
-        ``Tails`` per feature: a list column as the source left it, in place; a column already cut, as is)."""
+        where each step's start in them: one concatenation of views for all the steps."""
         steps, total = cuts.size - 1, int(cuts[-1])
-        columns = [self._tails(arrays, feature, cuts, when, total) for feature in self.sparse_features]
-        if not columns:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), [0] * (steps + 1), [0] * (steps + 1)
-        counts = np.empty((steps, len(columns)), dtype=np.int64)  # values of each (step, feature)
-        for k, tails in enumerate(columns):
-            counts[:, k] = np.diff(np.concatenate([[0], np.cumsum(tails.lengths)])[cuts])
-        flat_starts = np.concatenate([[0], np.cumsum(counts.ravel())]).astype(np.int64)
-        values = np.empty(int(flat_starts[-1]), dtype=np.int64)
-        starts = flat_starts[:-1].reshape(steps, len(columns))
-        for k, tails in enumerate(columns):
-            tails.place(values, cuts, np.ascontiguousarray(starts[:, k]))
         sample_cuts = cuts.tolist()
-        lengths = np.concatenate([tails.lengths[sample_cuts[j]:sample_cuts[j + 1]] for j in range(steps)
-                                  for tails in columns]) if steps else np.zeros(0, dtype=np.int64)
-        return values, lengths.astype(np.int64, copy=False), flat_starts[::len(columns)].tolist(), \
-            (cuts * len(columns)).tolist()
-
-    def _tails(self, arrays: Columns, feature: str, cuts: np.ndarray,
-               when: list[tuple[int, int]], total: int) -> Tails:
-        """Sparse ``feature``'s values over the read's samples, as ``Tails`` (a sample's values and its length)."""
-        column, is_list = SPARSE_FEATURES[feature]
-        if feature == SAMPLED_ITEMS:  # all of them under the step's first sample
-            drawn = [self._sampled(when[j], int(cuts[j + 1] - cuts[j])) for j in range(cuts.size - 1)]
-            return Tails.of_flat(np.concatenate([v for v, _ in drawn] or [np.zeros(0, dtype=np.int64)]),
-                                 np.concatenate([n for _, n in drawn] or [np.zeros(0, dtype=np.int64)]))
-        if not total:
-            return Tails.of_flat(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-        values = arrays[column]
-        if isinstance(values, Tails):
-            return values
-        if is_list:  # the source cut it to the most recent max_seq_len (gather.py)
-            return Tails.of_flat(values, as_array(arrays[column + "@"]))
-        return Tails(np.ascontiguousarray(values), np.arange(1, total + 1, dtype=np.int64), np.ones(total, dtype=np.int64))
+        value_cuts = np.zeros(steps + 1, dtype=np.int64)
+        pieces: list[tuple[list[np.ndarray], list[np.ndarray]]] = []  # per feature: each step's values, lengths
+        for feature in self.sparse_features:
+            column, is_list = SPARSE_FEATURES[feature]
+            if feature == SAMPLED_ITEMS:  # all of them under the rank's first sample
+                drawn = [self._sampled(when[j], sample_cuts[j + 1] - sample_cuts[j]) for j in range(steps)]
+                pieces.append(([v for v, _ in drawn], [n for _, n in drawn]))
+                value_cuts[1:] += np.cumsum([v.size for v, _ in drawn])
+                continue
+            flat = arrays[column] if total else np.zeros(0, dtype=np.int64)
+            if is_list:  # the source cut it to the most recent max_seq_len (gather.py)
+                per_sample = arrays[column + "@"] if total else np.zeros(0, dtype=np.int64)
+                step_values = np.concatenate([[0], np.cumsum(per_sample)])[cuts].astype(np.int64)
+            else:
+                per_sample, step_values = np.ones(total, dtype=np.int64), cuts
+            value_cuts += step_values
+            at = step_values.tolist()
+            pieces.append(([flat[at[j]:at[j + 1]] for j in range(steps)],
+                           [per_sample[sample_cuts[j]:sample_cuts[j + 1]] for j in range(steps)]))
+        values = [feature_values[j] for j in range(steps) for feature_values, _ in pieces]
+        lengths = [feature_lengths[j] for j in range(steps) for _, feature_lengths in pieces]
+        length_cuts = (cuts * len(self.sparse_features)).tolist()
+        if not values:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), value_cuts.tolist(), length_cuts
+        return (np.concatenate(values, dtype=np.int64, casting="unsafe"),
+                np.concatenate(lengths, dtype=np.int64, casting="unsafe"), value_cuts.tolist(), length_cuts)
 
     def _sampled(self, when: tuple[int, int], samples: int) -> tuple[np.ndarray, np.ndarray]:
         """``sampled_items`` ids drawn from (seed, epoch, step, rank), all under the step's first sample (none for
@@ -140,16 +133,16 @@ class BatchAssembler:
         return rng.integers(0, self.num_items, self.sampled_items, dtype=np.int64), lengths
 
 
-def _timestamps(arrays: Columns, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _timestamps(arrays: dict[str, np.ndarray], n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The history's timestamps (cut like its items) and each candidate's: the source's own where it
     has one (format 2), else the newest history timestamp (0 for an empty history)."""
     if n == 0:
         return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-    history = as_array(arrays[HISTORY_TIMESTAMPS]).astype(np.int64, copy=False)
+    history = arrays[HISTORY_TIMESTAMPS].astype(np.int64, copy=False)
     if CANDIDATE_TIMESTAMP in arrays:
-        candidate = as_array(arrays[CANDIDATE_TIMESTAMP]).astype(np.int64, copy=False)
+        candidate = arrays[CANDIDATE_TIMESTAMP].astype(np.int64, copy=False)
     else:
-        lengths = as_array(arrays[HISTORY_TIMESTAMPS + "@"])
+        lengths = arrays[HISTORY_TIMESTAMPS + "@"]
         last = np.cumsum(lengths) - 1
         candidate = np.where(lengths > 0, history[np.clip(last, 0, None)] if history.size else 0, 0)
     return torch.from_numpy(np.ascontiguousarray(history)), torch.from_numpy(np.array(candidate, dtype=np.int64))

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from freescale.dataloader import row_checks as rc
-from freescale.dataloader.gather import Columns, Tails, gather_tails, materialized
+from freescale.dataloader.gather import gather_tails
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
     CANDIDATE_TIMESTAMP,
@@ -177,21 +177,20 @@ class SequenceSource(RowGroupFiles):
         """What ``read`` returns, as numpy (the loader's path; keys as ``ParquetSource.read_arrays``): the row
         groups the samples live in held in the slots (``user_slots``), then one gather per column for all of
         them (in parts of at most as many row groups as there are slots)."""
-        with self.reading:  # (the slots are shared state: the prefetch thread and a caller's reads take turns)
+        with self._reading:  # (the slots are shared state: the prefetch thread and a caller's reads take turns)
             return self._read_sorted(np.sort(np.asarray(samples, dtype=np.int64)))
 
-    def read_runs(self, runs: list[np.ndarray], tails: bool = False) -> tuple[Columns, np.ndarray, np.ndarray]:
+    def read_runs(self, runs: list[np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """``read_arrays`` of each of ``runs`` (several steps' samples) back to back, as ``RowGroupFiles.read_runs``:
         one gather per column for them all when their row groups fit in the slots together (consecutive steps
-        share their shuffle window's row groups; ``tails``: the histories left in the slots, as ``Tails``), else
-        run by run."""
+        share their shuffle window's row groups), else run by run."""
         sorted_runs = [np.sort(np.asarray(run, dtype=np.int64)) for run in runs]
         samples = np.concatenate(sorted_runs) if sorted_runs else np.zeros(0, dtype=np.int64)
-        with self.reading:
+        with self._reading:
             user, group, needed = self._located(samples)
             if needed.size > self._slots.count:
                 return concatenated([self._read_sorted(run) for run in sorted_runs])
-            arrays, kept, ok = self._read_held(samples, user, group, needed, tails)
+            arrays, kept, ok = self._read_held(samples, user, group, needed)
         run_of = np.repeat(np.arange(len(runs)), [run.size for run in runs])
         return arrays, kept, np.bincount(run_of if ok is None else run_of[ok], minlength=len(runs)).astype(np.int64)
 
@@ -202,21 +201,19 @@ class SequenceSource(RowGroupFiles):
     def _read_sorted(self, samples: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         user, group, needed = self._located(samples)
         if needed.size <= self._slots.count:
-            arrays, kept, _ = self._read_held(samples, user, group, needed)
-            return materialized(arrays), kept
+            return self._read_held(samples, user, group, needed)[:2]
         parts = []
         for first in range(0, needed.size, self._slots.count):  # samples are sorted: each part's are one run
             block = needed[first:first + self._slots.count]
             a, b = int(np.searchsorted(group, block[0], "left")), int(np.searchsorted(group, block[-1], "right"))
-            arrays, kept, _ = self._read_held(samples[a:b], user[a:b], group[a:b], block)
-            parts.append((materialized(arrays), kept))
-        joined, kept, _ = concatenated(parts)
-        return joined, kept
+            parts.append(self._read_held(samples[a:b], user[a:b], group[a:b], block)[:2])
+        arrays, kept, _ = concatenated(parts)
+        return arrays, kept
 
-    def _read_held(self, samples: np.ndarray, user: np.ndarray, group: np.ndarray, needed: np.ndarray,
-                   tails: bool = False) -> tuple[Columns, np.ndarray, np.ndarray | None]:
+    def _read_held(self, samples: np.ndarray, user: np.ndarray, group: np.ndarray,
+                   needed: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray | None]:
         """``samples`` (any order), their row groups ``needed`` at most as many as the slots: their columns, the
-        samples kept (in the same order) and which were (None: all); ``tails``: histories as ``Tails``."""
+        samples kept (in the same order) and which were (None: all)."""
         slots = self._slots
         slot = slots.ensure(needed, self._load)[np.searchsorted(needed, group)]
         row = slot * slots.users + (user - self.stored_start[group])
@@ -230,27 +227,27 @@ class SequenceSource(RowGroupFiles):
                 samples, row, position = samples[ok], row[ok], position[ok]
         if not samples.size:
             return {}, samples, ok
-        return self._gather(row, position, tails), samples, ok
+        return self._gather(row, position), samples, ok
 
     def _load(self, rg: int) -> LoadedRowGroup:
         entry = self._decode(rg)
         return entry.arrays, entry.bad
 
-    def _gather(self, row: np.ndarray, position: np.ndarray, tails: bool = False) -> Columns:
+    def _gather(self, row: np.ndarray, position: np.ndarray) -> dict[str, np.ndarray]:
         """Samples ``(row, position)`` (a user's row in the slots, a position in its sequence): in each list,
         the sample's own interaction (at its target) and its history (the ``max_seq_len`` before it,
-        ``gather_tails``; ``tails``: left in the slots, as ``Tails``)."""
+        ``gather_tails``)."""
         slots = self._slots
         history = np.minimum(position, self.max_seq_len)
         target = {name: slots.starts[name][row] + position for name in self._lists}
         items = slots.flat(ITEM_IDS)
         out = {
             USER_ID: slots.user_ids[row],
-            HISTORY_ITEMS: _cut(items, target[ITEM_IDS], history, tails), HISTORY_ITEMS + "@": history,
+            HISTORY_ITEMS: gather_tails([(items, target[ITEM_IDS], history)]), HISTORY_ITEMS + "@": history,
             CANDIDATE_ITEM: items[target[ITEM_IDS]], LABEL: slots.flat(LABELS)[target[LABELS]],
         }
         if HISTORY_TIMESTAMPS in self.columns:
-            out[HISTORY_TIMESTAMPS] = _cut(slots.flat(TIMESTAMPS), target[TIMESTAMPS], history, tails)
+            out[HISTORY_TIMESTAMPS] = gather_tails([(slots.flat(TIMESTAMPS), target[TIMESTAMPS], history)])
             out[HISTORY_TIMESTAMPS + "@"] = history
         if CANDIDATE_TIMESTAMP in self.columns:
             out[CANDIDATE_TIMESTAMP] = slots.flat(TIMESTAMPS)[target[TIMESTAMPS]]
@@ -282,11 +279,6 @@ def warm_up() -> None:
     """Compile (or load from numba's cache) ``_locate`` before any prefetch thread."""
     starts = np.array([0, 2, 4], dtype=np.int64)
     _locate(np.array([0, 3], dtype=np.int64), starts, starts)
-
-
-def _cut(values: np.ndarray, ends: np.ndarray, lengths: np.ndarray, tails: bool) -> np.ndarray | Tails:
-    """The samples' histories (each the ``lengths[i]`` values before ``ends[i]``): copied, or left in place."""
-    return Tails(values, ends, lengths) if tails else gather_tails([(values, ends, lengths)])
 
 
 def _values(values: pa.Array) -> np.ndarray:

@@ -40,7 +40,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from freescale.dataloader import row_checks as rc
-from freescale.dataloader.gather import Columns, gather_tails
+from freescale.dataloader.gather import gather_tails
 from freescale.dataloader.row_checks import list_lengths
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
@@ -121,10 +121,9 @@ class RowGroupFiles(ABC):
         self.decoded_bytes = 0
         """Arrow bytes of every row group decoded so far (cache misses only): the read's real cost."""
         self._readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
-        self.reading = threading.RLock()
+        self._reading = threading.Lock()
         """Held by a read (and by ``close``): the decoded row groups (a cache, or format 2's slots) and the open
-        files are shared state, and the prefetch thread's reads may meet a caller's (``BalancedLoader.batch_of``).
-        A caller of ``read_runs(..., tails=True)`` holds it until it has copied the ``Tails`` out."""
+        files are shared state, and the prefetch thread's reads may meet a caller's (``BalancedLoader.batch_of``)."""
 
     @abstractmethod
     def check_schema(self, schema: pa.Schema, where: str) -> None:
@@ -143,10 +142,9 @@ class RowGroupFiles(ABC):
         """Rows (global ids, any order) as numpy, ascending: per column its values, a list column ``name``'s
         lengths as ``name@``; and the rows returned (``skip`` mode drops bad ones)."""
 
-    def read_runs(self, runs: list[np.ndarray], tails: bool = False) -> tuple[Columns, np.ndarray, np.ndarray]:
+    def read_runs(self, runs: list[np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """``read_arrays`` of each of ``runs`` (several steps' rows), back to back: the columns, the rows kept
-        and how many of them each run kept (format 2 reads them all in one gather).  ``tails``: list columns may
-        come as ``Tails`` not yet copied (format 2; the caller holds ``reading`` until it copies them out)."""
+        and how many of them each run kept (format 2 reads them all in one gather)."""
         return concatenated([self.read_arrays(run) for run in runs])
 
     def read_column_per_file(self, columns: list[str]) -> list[pa.Table]:
@@ -179,7 +177,7 @@ class RowGroupFiles(ABC):
 
     def close(self) -> None:
         """Let go of the files held open (a later read opens them again)."""
-        with self.reading:
+        with self._reading:
             self._readers.clear()
 
     def _reader(self, file_index: int) -> pq.ParquetFile:
@@ -188,7 +186,7 @@ class RowGroupFiles(ABC):
         A row group read this way costs about a third of the dataset scanner's (``fragment.to_table``: its
         scan machinery per call, ~0.5 ms, dominates a row group of a few thousand interactions), single
         threaded (a row group's few columns leave a second thread nothing to do but hand-offs).  Called within
-        a read (``reading`` held)."""
+        a read (``_reading`` held)."""
         reader = self._readers.get(file_index)
         if reader is not None:
             self._readers.move_to_end(file_index)
@@ -317,7 +315,7 @@ class ParquetSource(RowGroupFiles):
         column its values (a fixed-size list as a 2-D array), and for a list column ``name@``
         its lengths, each list cut to its ``max_seq_len`` most recent values when the source has
         one.  Gathered from each row group's cached buffers."""
-        with self.reading:
+        with self._reading:
             return self._read_sorted(np.sort(rows))
 
     def _read_sorted(self, rows: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:

@@ -96,8 +96,8 @@ def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_ba
         reads: list[int] = []
         for loader in loaders:
             read_runs = loader.source.read_runs
-            loader.source.read_runs = lambda runs, tails=False, read_runs=read_runs, reads=reads: (  # type: ignore[method-assign]
-                reads.append(len(runs)) or read_runs(runs, tails))
+            loader.source.read_runs = lambda runs, read_runs=read_runs, reads=reads: (  # type: ignore[method-assign]
+                reads.append(len(runs)) or read_runs(runs))
         steps = []
         for _ in range(2 * loaders[0].steps_per_epoch):  # two epochs: a read never crosses into the next
             for loader in loaders:
@@ -156,10 +156,10 @@ def test_a_failure_only_reads_of_several_steps_meet_is_logged_and_every_step_sti
                               derived_cost=CostModel(1.0, 2.0, 8.0), seed=3)
         read_runs = loader.source.read_runs
 
-        def only_one_step(runs: list[np.ndarray], tails: bool = False, read_runs=read_runs) -> object:  # type: ignore[no-untyped-def]
+        def only_one_step(runs: list[np.ndarray], read_runs=read_runs) -> object:  # type: ignore[no-untyped-def]
             if len(runs) > 1:
                 raise MemoryError("a read of several steps")
-            return read_runs(runs, tails)
+            return read_runs(runs)
 
         loader.source.read_runs = only_one_step  # type: ignore[method-assign]
         with caplog.at_level("WARNING", logger="freescale.dataloader"):
