@@ -90,12 +90,16 @@ class StepSamples:
         return self._plans[step]
 
     def mine(self, step: int) -> torch.Tensor:
-        """This rank's ids of ``step`` (int64; empty when its group is not planned in)."""
-        ids, ranks = self.plan(step).get(self.group, []), self._ranks_of(self.group)
-        if ids and ranks != getattr(self, "running", ranks):
-            raise RuntimeError(f"StepSamples: step {step} is planned over {ranks} rank(s) of group {self.group}, which "
-                               f"runs on {self.running} (a state saved while it ran on another number of ranks?)")
-        return torch.tensor(ids[self.rank::ranks], dtype=torch.int64)
+        """This rank's ids of ``step`` (int64; empty when its group is not planned in, or sits the step out)."""
+        return torch.tensor(self._share(step)[self.rank::self._ranks_of(self.group)], dtype=torch.int64)
+
+    def _share(self, step: int) -> list[int]:
+        """This group's ids of ``step``; none when the step was planned over another number of its ranks than it runs
+        on (it re-formed smaller or larger, and asked in while the others redid a step, so no vote named it at its
+        new size; or a state saved at another size): every rank of the group sits the step out alike, its weight 0,
+        and its share is requeued at the commit, as that of any group that contributes nothing."""
+        ids = self.plan(step).get(self.group, [])
+        return ids if self._ranks_of(self.group) == getattr(self, "running", self.ranks) else []
 
     def indices(self, ids: torch.Tensor) -> torch.Tensor:
         """Dataset positions of ``ids`` (needs ``dataset_size``): epoch ``id // size`` visits the dataset in an
@@ -115,11 +119,11 @@ class StepSamples:
 
     def weight(self, step: int) -> float:
         """Samples this group trains at ``step`` (the weight of its gradients across groups)."""
-        return float(len(self.plan(step).get(self.group, [])))
+        return float(len(self._share(step)))
 
     def rank_samples(self, step: int) -> int:
         """Samples this rank trains at ``step`` (the layer scales a per-rank mean loss by it)."""
-        return len(self.plan(step).get(self.group, [])[self.rank::self._ranks_of(self.group)])
+        return len(self._share(step)[self.rank::self._ranks_of(self.group)])
 
     def commit(self, commit: Commit) -> Accounted:
         """``commit.step`` is committed: its ids of groups that trained are done, the others carried.  Returns
