@@ -128,7 +128,7 @@ def prepare(cfg: TrainerConfig) -> None:
     (one line each, naming the key), before any process group exists."""
     cfg.ft.resolve_env()
     try:
-        cfg.ft.validate(plans_ahead=cfg.pipeline.read_ahead > 0)  # torchrec's pipelines hold batches ahead
+        cfg.ft.validate()
     except ConfigError as exc:
         raise ConfigError(f"ft.{exc}") from None
     if cfg.ft.enabled and cfg.data.calibrate_every:

@@ -103,7 +103,7 @@ class StepEngine:
         start, cpu_start = time.perf_counter(), time.thread_time()
         joined = self.sync.begin_step(step)
         if joined != step:  # ``[ft] join = "wait"``: the snapshot of the step before ``joined`` is loaded
-            self.feed.read_in_flight()  # (the plain pipeline holds no batch: nothing of its own to forget)
+            self.feed.read_in_flight()  # (the process's first step: its pipeline holds no batch to forget)
             step = joined
             if self.tracer is not None:
                 self.tracer.step = step

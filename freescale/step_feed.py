@@ -125,8 +125,10 @@ class StepFeed:
 
     def read_in_flight(self) -> None:
         """After a waiting join (``[ft] join = "wait"``) loaded a peer's position: read this rank's share of each
-        step in flight that its group is planned into (the commit before planned the joiner in, ``Commit.joining``),
-        as the peers read theirs, so that it trains the step it joined.  A step planned over another number of this
+        step in flight that its group is planned into (the commit before the step it joined planned it in,
+        ``Commit.joining``), as the peers read theirs: the step it joined (``depth`` 0), or the ``depth``-th after it
+        (torchrec's pipelines: the steps between were planned before it was named; it sits them out, as a group
+        does that rejoins by recording, and its pipeline starts at its first batch).  A step planned over another number of this
         group's ranks than it runs on (it re-formed smaller or larger since, and no vote named it: it asked in while
         the others redid a step) is not read: the group sits it out, its share requeued at that commit."""
         running = dist.get_world_size() if dist.is_initialized() else self.group_size

@@ -50,10 +50,11 @@ class Commit:
     """This rank's state was replaced from a peer's snapshot during the step (a catch-up finished):
     batches it had in flight are void."""
     joining: frozenset[int] = frozenset()
-    """Groups joining by waiting (``[ft] join = "wait"``) behind this step, which will train the next one (the
-    lighthouse names them, and their ranks in ``sizes``, with the vote, alike for every group): a data side that
-    plans the next step after this commit plans them into it too; a joiner that does not make it has its share
-    requeued at that step's commit, as any group that contributes nothing."""
+    """Groups joining by waiting (``[ft] join = "wait"``) behind this step, which join the next one (the lighthouse
+    names them, and their ranks in ``sizes``, with the vote, alike for every group): a data side plans them into the
+    step it plans after this commit (the next one; with batches planned ahead, as torchrec's pipelines hold them, a
+    later one); a joiner that does not make it has its share requeued at that step's commit, as any group that
+    contributes nothing."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -149,10 +149,8 @@ class FTConfig:
     def replica_id(self) -> str:
         return self.name or f"replica{self.replica_index}"
 
-    def validate(self, plans_ahead: bool = False) -> None:
-        """Refuse a bad field in one line naming it; ``plans_ahead``: the loop plans its steps' data before the
-        commit before each (freescale train with torchrec's pipelines: ``join = "wait"`` cannot plan a joiner into
-        the step it joins)."""
+    def validate(self) -> None:
+        """Refuse a bad field in one line naming it."""
         require(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
         require(0 <= self.replica_index < self.replicas, "replica_index",
                 f"must be in 0..{self.replicas - 1}, got {self.replica_index}")
@@ -165,11 +163,6 @@ class FTConfig:
                 f"must be one of {', '.join(EMBEDDING_SYNCS)}, got '{self.embedding_sync}'")
         require(self.average_every >= 1, "average_every", f"must be >= 1, got {self.average_every}")
         require(self.join in JOIN_MODES, "join", f"must be one of {', '.join(JOIN_MODES)}, got '{self.join}'")
-        require(not (plans_ahead and self.join == "wait"), "join",
-                "'wait' needs a loop that plans each step after the commit before it (freescale train with "
-                "pipeline.kind = 'plain', a user's loop with StepSamples or its own batches); this pipeline holds "
-                "batches planned steps ahead, so a joining group would have no share of the step it waits in: use "
-                "'record'")
         require(self.on_rank_loss in RANK_LOSS_POLICIES, "on_rank_loss",
                 f"must be one of {', '.join(RANK_LOSS_POLICIES)}, got '{self.on_rank_loss}'")
         require(self.min_group_ranks >= 1, "min_group_ranks", f"must be >= 1, got {self.min_group_ranks}")

@@ -237,9 +237,11 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     the step).  Group 0 commits step 6 without it (no step discarded), trains group 1's
     rows of step 6 in the first step planned after it (step 7; with torchrec's two batches in
     flight, step 9), keeps going; the agent restarts group 1, which joins with weight 0, catches
-    up from group 0's snapshot, replays, and contributes again, bit-identical (the plain pipeline with
-    ``ft.join = "wait"``: it waits for the snapshot and trains its share of the step it joins; the prioritized pipeline's
-    embedding all-to-alls through the SM-free backend, its restarted incarnation's too).  Before the kill,
+    up from group 0's snapshot, replays, and contributes again, bit-identical (the plain and prioritized pipelines
+    with ``ft.join = "wait"``: it waits for the snapshot, and trains its share of the step it joins, or behind the
+    prioritized pipeline's two batches in flight sits out the two steps planned before it was named and trains
+    from the next; the prioritized pipeline's embedding all-to-alls through the SM-free backend, its restarted
+    incarnation's too).  Before the kill,
     the losses equal those of one 4-rank group without fault tolerance (the same global batches;
     equal up to float32 summation order: the exchange averages in-group, then across groups; a
     data_parallel table's row-wise Adagrad, stepped on the reduced dense gradient, equals the fused
@@ -248,7 +250,7 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     shrink = ("--on-rank-loss", "shrink", "--optim.sharding", "item_table=data_parallel,user_table=column_wise",
               "--eval.every", "20") if tables else ()
     sm_free = ("--pipeline.comm", "copy_engine") if kind == "prioritized" else ()
-    wait = ("--ft.join", "wait") if kind == "plain" else ()  # the plain pipeline plans each step after the last commit
+    wait = ("--ft.join", "wait") if kind in ("plain", "prioritized") else ()  # (torchrec's: record, restarted)
     proc = launch(tmp_path, tiny_data, 2, 2, steps, model, fault=f"1:1:6:{phase},{AWAY}", max_restarts=1,
                   extra=("--pipeline.kind", kind, *(ITEM_DP if tables else ()), *shrink, *sm_free, *wait))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -289,10 +291,13 @@ def test_each_pipeline_killed_rank_group_restarts_catches_up_and_no_sample_is_lo
     recovered = by_step(runs[(1, 0)])
     assert any(e["contributing"] for s, e in recovered.items() if s > caught["joined_step"]), \
         "group 1 never contributed again"
-    if wait:  # it trained its share of the step it joined, planned in by the commit before (``Commit.joining``)
+    if wait:  # planned in by the commit before the step it joined (``Commit.joining``): it trains its share of that
+        # step (the plain pipeline), or, behind the two batches a torchrec pipeline holds, of the second one after it
         joined = caught["joined_step"]
         assert caught["join"] == "wait" and caught["snapshot_step"] == joined - 1 and caught["replayed"] == 0, caught
-        assert recovered[joined]["contributing"] and recovered[joined]["weight"] == survivor[joined]["weight"] == 64
+        assert all(recovered[s]["weight"] == 0 for s in range(joined, joined + depth)), caught
+        first = joined + depth
+        assert recovered[first]["contributing"] and recovered[first]["weight"] == survivor[first]["weight"] == 64
     assert survivor[steps - 1]["participants"] == ["replica0", "replica1"]
     for step, loss in references[f"{model}-{tables}" if tables else model].items():
         assert survivor[step]["loss"] == pytest.approx(loss, rel=1e-5), f"step {step}: loss differs"

@@ -143,9 +143,7 @@ def test_ft_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FREESCALE_REPLICAS")
     with pytest.raises(ValueError, match="no field 'timeout'"):
         FTConfig.from_env(timeout=1)
-    FTConfig(join="wait").validate()  # a loop that plans each step when it begins (StepSamples, its own batches)
-    with pytest.raises(ConfigError, match="^join: 'wait' needs a loop that plans each step after the commit"):
-        FTConfig(join="wait").validate(plans_ahead=True)  # torchrec's pipelines hold batches planned ahead
+    FTConfig(join="wait").validate()
     with pytest.raises(ConfigError, match="^join: must be one of record, wait, got 'later'"):
         FTConfig(join="later").validate()
 
@@ -335,13 +333,3 @@ def test_step_samples_plan_a_group_on_fewer_ranks_a_share_in_proportion() -> Non
     assert sorted(i for ids in late.plan(2).values() for i in ids) == sorted(share + list(range(24, 36)))
     # the vote named it at its size: it trains its share of the next step on its two ranks
     assert late.weight(2) == 8 and late.mine(2).tolist() == late.plan(2)[1][0::2]
-
-
-def test_freescale_train_refuses_a_waiting_join_in_one_line(tiny_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """torchrec's pipeline holds batches planned two steps ahead: a joining group would have no share of the step it
-    waits in (the plain pipeline takes it: ``tests/test_ft_torchrec.py``)."""
-    code = main(["train", "--config", "configs/tiny_dlrm.toml", f"--data.path={tiny_data}", "--ft.join=wait",
-                 "--pipeline.kind=torchrec"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].startswith(
-        "freescale: error: ft.join: 'wait' needs a loop that plans each step after the commit"), err
