@@ -1,15 +1,16 @@
 """``freescale train``'s two joins side by side: a killed group restarted, ``[ft] join = "record"`` against ``"wait"``.
 
 Real processes through the real CLI (``freescale launch --replicas 3 --nproc-per-node 1 --max-restarts 1``), CPU
-and gloo, the tiny model of ``configs/tiny_<model>.toml`` on a synthetic dataset, the plain pipeline (the one that
-takes ``wait``: it plans each step at the commit before it).  Group 2's rank SIGKILLs itself as step K's exchange
-begins; torch's elastic agent restarts it and it catches up from a peer:
+and gloo, the tiny model of ``configs/tiny_<model>.toml`` on a synthetic dataset, the pipeline ``--pipeline`` (the
+plain one by default: it plans each step at the commit before it; torchrec's hold two batches planned ahead).
+Group 2's rank SIGKILLs itself as step K's exchange begins; torch's elastic agent restarts it and it catches up
+from a peer:
 
 - ``record`` (the default): it sits the step in progress out with weight 0, records it while its snapshot arrives,
   replays it, and is planned into a step once a commit says it holds valid state;
-- ``wait``: the vote of the step before names it as joining, so that commit plans it into the step it joins; it
-  waits for the snapshot of the step before, reads its share of the step in flight and trains it while the others
-  wait for its gradients.
+- ``wait``: the vote of the step before names it as joining, so that commit plans it into the step it joins (with
+  torchrec's pipelines, the second one after it: the steps between were planned before); it waits for the snapshot
+  of the step before, reads its share of the step planned with it and trains it.
 
 Per run: first request for state -> first contributing commit (the issue's measure; the restarted group's own
 clock), the steps between the one it joined and the first it contributed to, its weight in the joined step, kill ->
@@ -19,7 +20,8 @@ waiting join, three for a recording one: a ratio of step times would compare unl
 medians with [min..max] and each run's figure in the JSON.  torchft has no torchrec integration: nothing of its runs
 here (``bench_ft.py`` compares the joins with torchft on a model of its own).
 
-    python benchmarks/bench_join_train.py [--quick] [--repeats 3] [--model dlrm|hstu] [--json PATH]
+    python benchmarks/bench_join_train.py [--quick] [--repeats 3] [--model dlrm|hstu] [--pipeline plain|torchrec]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def one_run(tmp: Path, data: Path, args: argparse.Namespace, join: str, round_: 
     fault = f"2:0:{args.kill_step}:reduce:0"
     out = tmp / f"{join}-{round_}"
     wall = launch(out, data, args.model, args.batch, args.steps, nproc=1, replicas=3, max_restarts=1, fault=fault,
-                  pipeline="plain", extra=("--ft.join", join))
+                  pipeline=args.pipeline, extra=("--ft.join", join))
     res = analyse_kill(out, args.steps, args.kill_step, fault, wall)
     caught = res.get("catch_up")
     if not caught or "first_contributing_step" not in res:
@@ -63,8 +65,9 @@ def one_run(tmp: Path, data: Path, args: argparse.Namespace, join: str, round_: 
             "request_to_contributing_s": first["time"] - caught["started"],
             "steps_to_contributing": res["first_contributing_step"] - res["joined_step"],
             "joined_weight": joined.get("weight", 0.0), "contributing_s": res["contributing_s"],
-            # over the steps from the one it joined to its first contributing one (one for a waiting join, three
-            # for a recording one): what those steps took beyond the survivors' step before the kill, in all
+            # over the steps from the one it joined to its first contributing one (with the plain pipeline one for a
+            # waiting join, three for a recording one): what those steps took beyond the survivors' step before the
+            # kill, in all
             "survivors_extra_ms": (res["during_ms"] - res["before_ms"])
             * (res["first_contributing_step"] - res["window_first_step"] + 1),
             "last_byte_s": caught["arrived"] - caught["started"], "bytes": caught.get("bytes"),
@@ -97,6 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="steps of each run (default 800, quick 400): the restarted group "
                                                   "must be back before the end")
     parser.add_argument("--kill-step", type=int, default=30)
+    parser.add_argument("--pipeline", choices=["plain", "torchrec", "prioritized"], default="plain")
     parser.add_argument("--json")
     args = parser.parse_args()
     args.steps = args.steps or (400 if args.quick else 800)
@@ -121,7 +125,8 @@ def main() -> None:
         write_json(args.json, "bench_join_train", {
             "quick": args.quick, "repeats": repeats, "model": args.model, "config": f"configs/tiny_{args.model}.toml",
             "batch_per_rank": args.batch, "num_items": args.num_items, "steps": args.steps, "kill_step": args.kill_step,
-            "launch": "launch --replicas 3 --nproc-per-node 1 --max-restarts 1, pipeline.kind = plain",
+            "launch": f"launch --replicas 3 --nproc-per-node 1 --max-restarts 1, pipeline.kind = {args.pipeline}",
+            "pipeline": args.pipeline,
             "runs": runs}, rows)
 
 
