@@ -15,8 +15,9 @@ from a peer:
 Per run: first request for state -> first contributing commit (the issue's measure; the restarted group's own
 clock), the steps between the one it joined and the first it contributed to, its weight in the joined step, kill ->
 first contributing commit (agent restart, imports, sharding included), the survivors' extra time over the steps
-from the one it joined to its first contributing one, beyond their step before the kill (replica 0; one step for a
-waiting join, three for a recording one: a ratio of step times would compare unlike windows), and the transfer.  Joins interleaved, ``--repeats`` rounds;
+from the one it joined to its first contributing one, beyond their step before the kill (replica 0; with the plain
+pipeline one step for a waiting join, three for a recording one, two more each behind torchrec's pipelines: a ratio
+of step times would compare unlike windows), and the transfer.  Joins interleaved, ``--repeats`` rounds;
 medians with [min..max] and each run's figure in the JSON.  torchft has no torchrec integration: nothing of its runs
 here (``bench_ft.py`` compares the joins with torchft on a model of its own).
 

@@ -103,8 +103,9 @@ class Parts:
 
     @property
     def sizes(self) -> np.ndarray:
-        """Members per part (read-only: computed once, shared by every caller; kept by hand: ``cached_property``
-        takes a lock per access on Python 3.11, a few microseconds the planner paid several times a step)."""
+        """Members per part (read-only: computed once, shared by every caller; kept by hand: on Python 3.11
+        ``cached_property`` takes a lock shared by every instance at each instance's first access, and the
+        planner makes several ``Parts`` a step)."""
         sizes = self._sizes
         if sizes is None:
             sizes = self.offsets[1:] - self.offsets[:-1]

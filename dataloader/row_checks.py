@@ -241,7 +241,9 @@ def warm_up() -> None:
     before any prefetch thread."""
     starts = np.array([0, 1], dtype=np.int64)
     for dtype in (np.int64, np.int32, np.float32, np.float64):
-        values = np.zeros(2, dtype=dtype)
-        _in_range(values, 1)
-        _binary(values)
-        _ordered_within(values, starts)
+        for writeable in (True, False):  # (pyarrow's zero-copy arrays are read-only: another type to numba)
+            values = np.zeros(2, dtype=dtype)
+            values.flags.writeable = writeable
+            _in_range(values, 1)
+            _binary(values)
+            _ordered_within(values, starts)

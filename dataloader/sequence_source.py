@@ -258,7 +258,8 @@ class SequenceSource(RowGroupFiles):
 
 
 @numba.njit(nogil=True, cache=True)
-def _locate(samples: np.ndarray, user_start: np.ndarray, stored_start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _locate(samples: np.ndarray, user_start: np.ndarray,
+            stored_start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``SequenceSource._located``: a binary search per run of samples of one user (a read's samples come in
     ascending runs, a user's ~100 of them side by side), where numpy searched twice per sample and sorted the row
     groups to find the distinct ones."""

@@ -119,6 +119,8 @@ class StepReader:
         if span is None:  # the group's ranks, contiguous among the sorted live ranks
             mine = np.flatnonzero(np.asarray(plan.live_ranks) // self.group_size == self.rank // self.group_size)
             span = (int(mine[0]), int(mine[-1]) + 1)
+            if span[1] - span[0] != mine.size:
+                raise ValueError(f"live ranks {list(plan.live_ranks)} are not in ascending order")
             self._group_span = {plan.live_ranks: span}  # (one set of live ranks at a time, as a rule)
         first, end = span
         return (end - first) / max(int(plan.rows.offsets[end] - plan.rows.offsets[first]), 1)

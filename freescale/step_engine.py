@@ -9,7 +9,7 @@ Inside a step, in order::
 
     sync.begin_step(step)        fault tolerance: the quorum request, whose round trip overlaps the forward
                                  (a restarted group's waiting join: a later step, its state and data position
-                                 loaded; feed.read_in_flight then reads its share of that step)
+                                 loaded; feed.read_in_flight then reads its share of the steps planned with it)
     feed.head(step)              the step's plan (made ahead on the loader's prefetch thread: StepFeed)
     pipeline.progress(batches)   input dist, lookups, output dist, dense forward and backward (the
                                  pipeline calls zero_grad / backward / step here: this object's,

@@ -124,21 +124,28 @@ class StepFeed:
         return self._iter
 
     def read_in_flight(self) -> None:
-        """After a waiting join (``[ft] join = "wait"``) loaded a peer's position: read this rank's share of each
-        step in flight that its group is planned into (the commit before the step it joined planned it in,
-        ``Commit.joining``), as the peers read theirs: the step it joined (``depth`` 0), or the ``depth``-th after it
-        (torchrec's pipelines: the steps between were planned before it was named; it sits them out, as a group
-        does that rejoins by recording, and its pipeline starts at its first batch).  A step planned over another number of this
-        group's ranks than it runs on (it re-formed smaller or larger since, and no vote named it: it asked in while
-        the others redid a step) is not read: the group sits it out, its share requeued at that commit."""
+        """After a waiting join (``[ft] join = "wait"``) loaded a peer's position: read this rank's share of the
+        steps in flight planned with its group (the commit before the step it joined planned it in,
+        ``Commit.joining``), as the peers read theirs: the step it joined (``depth`` 0), or a later one (torchrec's
+        pipelines: the steps between were planned before it was named; it sits them out, as a group does that
+        rejoins by recording, and its pipeline starts at its first batch).  Only the last steps in flight, back to
+        back, are read: a pipeline pulls its batches in step order, one a step, so a step planned with the group
+        before a gap (one planned while it was still in, before it died) is sat out, its share requeued at its
+        commit.  So is a step planned over another number of the group's ranks than it runs on (it re-formed
+        smaller or larger since, and no vote named it: it asked in while the others redid a step)."""
         running = dist.get_world_size() if dist.is_initialized() else self.group_size
         mine = self.ranks_of(self.group)
-        for planned in self._plans:
+        trailing: list[PlannedStep] = []
+        for planned in reversed(self._plans):
             slots = sum(1 for r in planned.live_ranks if r in mine)
-            if planned.info is None and planned.when is not None and slots == running and \
-                    self.loader.rank in planned.live_ranks:
-                planned.info, batch = self.loader.read_planned(*planned.when, planned.live_ranks, planned.plan_rows)
-                self._batches.append(batch)
+            if planned.info is not None or planned.when is None or slots != running or \
+                    self.loader.rank not in planned.live_ranks:
+                break
+            trailing.append(planned)
+        for planned in reversed(trailing):
+            assert planned.when is not None
+            planned.info, batch = self.loader.read_planned(*planned.when, planned.live_ranks, planned.plan_rows)
+            self._batches.append(batch)
         self._iter = self._pull()
 
     def discard_batches(self) -> None:
@@ -191,7 +198,7 @@ class StepFeed:
         self.sizes.update(commit.sizes)
         self.sizes = {g: n for g, n in self.sizes.items() if n != self.group_size}
         accounted = Accounted(planned.plan_rows.select(np.flatnonzero(in_trained)).index,
-                              planned.samples_of(self.ranks_of(self.group)))
+                              planned.samples_of(self.ranks_of(self.group)) if self.group in commit.trained else 0)
         nxt = commit.step + 1
         if self.segment_end(commit.step) > nxt:
             self._top_up(nxt)  # within the segment; the next segment is planned when it starts

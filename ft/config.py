@@ -75,8 +75,9 @@ class FTConfig:
     while the other groups wait for its gradients in that step's all-reduce (a transfer's wait on every other
     group, against one step of one group's batch: it pays in jobs of a few groups, below about 1 + step time /
     transfer time of them).  The loop trains the step ``begin_step`` returns; with ``data=`` (``StepSamples``) the
-    commit before it plans the joiner in (``Commit.joining``), as ``freescale train`` does with the plain pipeline;
-    not with torchrec's pipelines, which hold batches planned steps ahead.  A snapshot not in within
+    commit before it plans the joiner in (``Commit.joining``), as ``freescale train`` does; torchrec's pipelines
+    hold batches planned two steps ahead, so there the joiner sits out (weight 0, replaying nothing) the steps
+    planned before it was named, up to two, and trains from the first planned with it.  A snapshot not in within
     ``timeout_s / 2`` falls back to ``record``."""
     first_bucket_kb: int = 1024
     """Dense gradients are reduced across groups in buckets during backward: the first (the last

@@ -10,7 +10,8 @@ A source stages at a commit (the lighthouse said a group waits to join) or, for 
 quorum that is behind it and found nothing staged, mid-step (``_stage_mid_step``: the live transfer has the rest
 of the step).  A recovering rank's download lands in its own tensors (``_landing``: the state is invalid until it
 is loaded, so nothing reads it meanwhile); ``load`` then copies only what did not fit, and adopts the rest.  With
-``[ft] join = "wait"`` a restarted group loads it before its first step and trains that step (``_join_waiting``).
+``[ft] join = "wait"`` a restarted group loads it before its first step and joins that step (``_join_waiting``): it
+trains it, or, behind batches planned ahead (torchrec's pipelines), sits it out and trains the first step planned with it.
 """
 
 from __future__ import annotations

@@ -48,6 +48,8 @@ class StepSamples:
             raise ValueError(f"StepSamples: dataset_size must be >= 1, got {dataset_size}")
         self.per_step, self.per_rank, self.dataset_size, self.seed = per_step, per_rank, dataset_size, seed
         self.group, self.replicas, self.rank, self.ranks = 0, 1, 0, 1
+        self.running = 1
+        """The ranks this group runs on now (``bind``: fewer than ``ranks`` after it lost some)."""
         self.ready: list[int] = [0]
         self.sizes: dict[int, int] = {}
         """Ranks a group runs on where fewer than ``ranks`` (the last commit's ``sizes``)."""
@@ -68,7 +70,6 @@ class StepSamples:
                              "of the run: every rank needs a sample each step")
         self.group, self.replicas, self.rank, self.ranks = group, replicas, rank, ranks
         self.running = torch.distributed.get_world_size() if torch.distributed.is_initialized() else ranks
-        """The ranks this group runs on now (fewer than ``ranks`` after it lost some)."""
         self.ready = list(range(replicas))
 
     def _ranks_of(self, group: int) -> int:
@@ -99,7 +100,7 @@ class StepSamples:
         new size; or a state saved at another size): every rank of the group sits the step out alike, its weight 0,
         and its share is requeued at the commit, as that of any group that contributes nothing."""
         ids = self.plan(step).get(self.group, [])
-        return ids if self._ranks_of(self.group) == getattr(self, "running", self.ranks) else []
+        return ids if self._ranks_of(self.group) == self.running else []
 
     def indices(self, ids: torch.Tensor) -> torch.Tensor:
         """Dataset positions of ``ids`` (needs ``dataset_size``): epoch ``id // size`` visits the dataset in an
@@ -135,7 +136,8 @@ class StepSamples:
         self.carry = sorted(i for g, ids in plan.items() if g not in commit.trained for i in ids)
         self.ready = sorted(commit.ready | commit.joining)  # a waiting joiner trains the next step
         self.sizes = {g: n for g, n in {**self.sizes, **commit.sizes}.items() if n != self.ranks}
-        return Accounted(np.asarray(self.last_trained, dtype=np.int64), len(plan.get(self.group, [])))
+        return Accounted(np.asarray(self.last_trained, dtype=np.int64),
+                         len(plan.get(self.group, [])) if self.group in commit.trained else 0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"ready": self.ready, "carry": self.carry, "sizes": [[g, n] for g, n in sorted(self.sizes.items())]}

@@ -394,6 +394,33 @@ def test_a_group_restored_from_a_peers_snapshot_knows_the_rows_its_last_step_tra
         side._data.loader.close()  # type: ignore[union-attr]
 
 
+def test_a_waiting_joiner_reads_only_the_last_steps_in_flight_planned_with_it() -> None:
+    """Behind two batches planned ahead, a joiner's snapshot may hold a step planned with its group (before it died),
+    one planned without it, and one planned with it again (once a vote named it as joining): a pipeline pulls one
+    batch a step, in order, so only the last run is read; the step before the gap is sat out, its share requeued at
+    its commit (``StepFeed.commit``), and no later step finds the pipeline's iterator short."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from freescale.dataloader.partition import Parts
+    from freescale.step_feed import PlannedStep, StepFeed
+
+    reads: list[int] = []
+
+    def read_planned(epoch: int, step: int, live: tuple[int, ...], rows: Parts) -> tuple[str, str]:
+        reads.append(step)
+        return f"info {step}", f"batch {step}"
+
+    loader = SimpleNamespace(rank=1, read_planned=read_planned)
+    feed = StepFeed(loader, 1, 1, 2, 2, lambda step: 100)  # type: ignore[arg-type]
+    plans = [(7, (0, 1)), (8, (0,)), (9, (0, 1)), (10, (0, 1))]
+    feed._plans = deque(PlannedStep(step, live, Parts.of_list([np.array([r]) for r in live]), when=(0, step))
+                        for step, live in plans)
+    feed.read_in_flight()
+    assert reads == [9, 10] and list(feed.batches()) == ["batch 9", "batch 10"]
+    assert [p.info for p in feed._plans] == [None, None, "info 9", "info 10"]
+
+
 @pytest.mark.parametrize("batch_size", [100, 1365, 2000])
 def test_evaluation_reads_every_row_once_and_no_rank_gets_an_empty_batch(tiny_data: Path, batch_size: int) -> None:
     """One evaluation pass over 3 ranks yields each of the split's 4,096 rows exactly once, in lockstep: the

@@ -475,3 +475,15 @@ def test_the_count_cap_costs_nothing_with_few_samples_per_rank_or_a_fast_rank() 
     speeds = np.array([5.0, 1, 1, 1, 1, 1, 1, 1])
     parts = lpt(np.ones(40), 8, capacities=speeds)
     assert time_imbalance(np.ones(40), parts, speeds) == pytest.approx(1.14, rel=1e-9) and parts.sizes[0] == 19
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs_st, st.integers(1, 9), st.integers(0, 2**31 - 1))
+def test_a_plans_balance_in_one_pass_equals_the_partition_measures(costs: np.ndarray, parts: int, seed: int) -> None:
+    """``part_balance`` (the loader's per-step imbalance and bound, one compiled pass) gives what ``imbalance``
+    and ``lower_bound`` give, empty parts and costless batches included, to float64 summation order."""
+    owner = np.random.default_rng(seed).integers(0, parts, costs.size)
+    split = Parts.of_owner(owner, parts)
+    ordered = np.ascontiguousarray(costs[split.index], dtype=np.float64)
+    got = balance_kernels.part_balance(ordered, split.offsets)
+    assert got == pytest.approx((imbalance(costs, split), lower_bound(costs, parts)), rel=1e-12)

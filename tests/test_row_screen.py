@@ -8,9 +8,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from freescale.dataloader import row_checks as rc
 from freescale.dataloader.schema import HISTORY_LENGTH, DatasetManifest, sample_schema, sequence_schema
-from freescale.dataloader.sequence_source import SequenceSource
+from freescale.dataloader.sequence_source import SequenceSource, _locate
 from freescale.dataloader.source import ParquetSource
 
 NUM_USERS, NUM_ITEMS, DENSE_DIM = 50, 100, 2
@@ -169,3 +172,42 @@ def test_the_screen_of_format_1_passes_exactly_the_row_groups_without_a_problem(
     assert {kind for kind, clean in seen if not clean} >= {
         "null", "empty", "item_range", "item_null", "candidate_range", "user_range", "label", "time_back", "time_short",
         "time_null", "dense_nan", "dense_null", "length"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-3, 40), max_size=60), st.lists(st.integers(0, 8), max_size=8), st.booleans())
+def test_the_screens_compiled_passes_answer_as_numpy_does(values: list[int], cuts: list[int], readonly: bool) -> None:
+    """``in_range``, ``binary`` and ``ordered_within`` (one compiled pass each, stopping at the first bad value) against
+    the numpy expressions they replace, on read-only arrays too (what pyarrow hands over)."""
+    array = np.asarray(values, dtype=np.int64)
+    array.flags.writeable = not readonly
+    lengths = np.asarray(cuts, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    starts = np.minimum(starts, array.size) if array.size else np.zeros(1, dtype=np.int64)
+    starts = np.append(starts, array.size) if starts[-1] != array.size else starts
+    assert rc.in_range(array, 30) == (not array.size or bool(array.min() >= 0 and array.max() < 30))
+    assert rc.binary(array.astype(np.float32)) == bool(np.isin(array, (0, 1)).all())
+    inside = [bool((np.diff(array[a:b]) >= 0).all()) for a, b in zip(starts[:-1], starts[1:])]
+    assert rc.ordered_within(array, starts) == all(inside)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=12), st.lists(st.integers(1, 4), min_size=1, max_size=6),
+       st.lists(st.lists(st.integers(0, 10**6), max_size=20), max_size=4))
+def test_samples_are_located_as_two_searches_and_a_unique_do(per_user: list[int], users_per_group: list[int],
+                                                            runs: list[list[int]]) -> None:
+    """``_locate`` (one binary search per user's run of samples) against numpy's ``searchsorted`` and ``unique``:
+    users with no samples, runs each ascending but not across each other (``read_runs``), no samples at all."""
+    user_start = np.concatenate([[0], np.cumsum(per_user)]).astype(np.int64)
+    stored_start = np.concatenate([[0], np.cumsum(users_per_group)]).astype(np.int64)
+    stored_start = np.append(stored_start[stored_start < len(per_user)], len(per_user))
+    total = int(user_start[-1])
+    if not total:
+        runs = []
+    samples = np.concatenate([np.sort(np.asarray(run, dtype=np.int64) % total) for run in runs] or
+                             [np.zeros(0, dtype=np.int64)]).astype(np.int64)
+    user, group, needed = _locate(samples, user_start, stored_start)
+    expected_user = np.searchsorted(user_start, samples, side="right") - 1
+    expected_group = np.searchsorted(stored_start, expected_user, side="right") - 1
+    assert np.array_equal(user, expected_user) and np.array_equal(group, expected_group)
+    assert np.array_equal(needed, np.unique(expected_group))
