@@ -17,7 +17,9 @@ Two measures, one table each:
    lighthouse's CPU (utime + stime over the measured window; 100% = one core).  The simulator does no garbage
    collection during the steps (it would land in every latency it measures; each real voice is a process of
    its own); the lighthouse runs with its own quiet collector (``freescale.ft.quiet_gc``), or with ``--gc
-   python``/``both`` with Python's as well, side by side.
+   python``/``both`` with Python's as well, side by side.  ``--cores own`` (or ``both``, side by side) pins the
+   lighthouse to CPU 0 and the simulator to CPU 1, as a lighthouse on a host of its own: the bursts of the
+   simulator's 512 links then cannot land on the lighthouse's core.
 
    ``--speakers group`` (the code: ``freescale.ft.group_agent``): one voice per replica group
    of ``--group-size`` ranks, its agent, speaking for every member (member ages in its
@@ -68,17 +70,19 @@ from freescale.tables import print_table  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start_lighthouse(port: int, state: Path, heartbeat_timeout: float = 3.0,
-                     max_beats_per_s: float = 2000.0, gc_mode: str = "quiet") -> tuple[subprocess.Popen[bytes], float]:
+def start_lighthouse(port: int, state: Path, heartbeat_timeout: float = 3.0, max_beats_per_s: float = 2000.0,
+                     gc_mode: str = "quiet", cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], float]:
     """A ``freescale lighthouse`` process and the seconds from its start to a 200 on /v1/status (``gc_mode``
-    ``python``: Python's own collector, not the lighthouse's quiet one, ``freescale.ft.quiet_gc``)."""
+    ``python``: Python's own collector, not the lighthouse's quiet one, ``freescale.ft.quiet_gc``; ``cpus``: the
+    only CPUs it and its threads run on)."""
     env = {**os.environ, PYTHON_GC_ENV: "1" if gc_mode == "python" else "0"}
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "freescale.cli", "lighthouse", "--bind", f"127.0.0.1:{port}",
                              "--state", str(state), "--heartbeat-timeout", str(heartbeat_timeout),
                              "--join-timeout", "5", "--max-request-bytes", "65536",
                              "--max-beats-per-s", str(max_beats_per_s)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     while True:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/status", timeout=1) as answer:
@@ -312,23 +316,31 @@ async def _simulate(port: int, groups: int, group_size: int, speakers: str, step
 
 
 def bench_load(ranks: int, group_size: int, speakers: str, steps: int, step_ms: float, interval_s: float,
-               max_beats_per_s: float, gc_mode: str = "quiet") -> dict[str, Any]:
+               max_beats_per_s: float, gc_mode: str = "quiet", cores: str = "shared") -> dict[str, Any]:
+    """One load run (module docstring); ``cores``: ``shared`` (both processes on every CPU) or ``own`` (the
+    lighthouse on CPU 0, this simulator on CPU 1)."""
     groups = ranks // group_size
+    everywhere = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        proc, _ = start_lighthouse(port, Path(tmp) / "state.json", max_beats_per_s=max_beats_per_s, gc_mode=gc_mode)
+        proc, _ = start_lighthouse(port, Path(tmp) / "state.json", max_beats_per_s=max_beats_per_s, gc_mode=gc_mode,
+                                   cpus={0} if cores == "own" else None)
+        if cores == "own":
+            os.sched_setaffinity(0, {1})
         try:
             cpu0, t0, own0 = cpu_seconds(proc.pid), time.perf_counter(), time.process_time()
             load = run_loop(_simulate(port, groups, group_size, speakers, steps,
                                          step_ms / 1e3, f"bench-{ranks}-{speakers}", interval_s))
             wall, cpu, own = time.perf_counter() - t0, cpu_seconds(proc.pid) - cpu0, time.process_time() - own0
         finally:
+            os.sched_setaffinity(0, everywhere)
             proc.terminate()
             proc.wait()
     decision = np.array(load.decision_s) * 1e3
     formation = np.array([x for x in load.formation_s if x == x]) * 1e3
     return {
         "measure": "load", "ranks": ranks, "groups": groups, "speakers": speakers, "steps": steps, "gc": gc_mode,
+        "cores": cores,
         "beat_every_s": load.beat_every_s, "max_beats_per_s": max_beats_per_s, "step_ms": step_ms,
         "heartbeat_interval_s": interval_s,
         "requests_per_s": load.requests / wall, "held": load.beats_answered / max(1, load.beats_sent_for),
@@ -364,6 +376,9 @@ def main() -> None:
     parser.add_argument("--gc", choices=["quiet", "python", "both"], default="quiet",
                         help="the lighthouse's garbage collector: its quiet one (default), Python's own, or both "
                              "side by side (interleaved, every size)")
+    parser.add_argument("--cores", choices=["shared", "own", "both"], default="shared",
+                        help="the lighthouse and the simulator on the same CPUs (default), on one each (own: as on "
+                             "hosts of their own), or both side by side (interleaved, every size)")
     parser.add_argument("--repeats", type=int, default=1, help="load runs of each size (and collector), interleaved")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
@@ -374,31 +389,37 @@ def main() -> None:
     print_table([{"kind": r["kind"], "repeats": r["repeats"], "P50 s": f"{r['p50_s']:.3f}", "max s": f"{r['max_s']:.3f}",
                   "met": r["met"]} for r in start_rows], ["kind", "repeats", "P50 s", "max s", "met"])
     load_rows = []
-    modes = ["quiet", "python"] if args.gc == "both" else [args.gc]
+    modes = [(gc_mode, cores) for gc_mode in (["quiet", "python"] if args.gc == "both" else [args.gc])
+             for cores in (["shared", "own"] if args.cores == "both" else [args.cores])]
     for repeat in range(args.repeats):
         for ranks in sizes:
             for speakers in ("rank", "group") if ranks <= args.rank_speakers_up_to else ("group",):
-                for gc_mode in modes:
+                for gc_mode, cores in modes:
                     row = bench_load(ranks, args.group_size, speakers, steps, args.step_ms, args.heartbeat_interval,
-                                     args.max_beats_per_s, gc_mode)
+                                     args.max_beats_per_s, gc_mode, cores)
                     load_rows.append({**row, "repeat": repeat})
-                    print(f"  {ranks} ranks, speakers={speakers}, gc={gc_mode}: {row['requests_per_s']:.0f} req/s, "
-                          f"held {row['held']:.2f}, decision P99 {row['decision_p99_ms']:.1f} ms", flush=True)
-    columns = ["ranks", "groups", "speakers", "gc", "beat s", "req/s", "held", "formation ms", "decision P50 ms",
-               "P99 ms", "lighthouse CPU", "simulator CPU", "errors"]
+                    print(f"  {ranks} ranks, speakers={speakers}, gc={gc_mode}, cores={cores}: "
+                          f"{row['requests_per_s']:.0f} req/s, held {row['held']:.2f}, "
+                          f"decision P99 {row['decision_p99_ms']:.1f} ms", flush=True)
+    columns = ["ranks", "groups", "speakers", "gc", "cores", "beat s", "req/s", "held", "formation ms",
+               "decision P50 ms", "P99 ms", "lighthouse CPU", "simulator CPU", "errors"]
     print("lighthouse under load (simulated voices on loopback, real protocol)")
     print_table([dict(zip(columns, [
-        r["ranks"], r["groups"], r["speakers"], r["gc"], f"{r['beat_every_s']:.3f}", f"{r['requests_per_s']:.0f}",
+        r["ranks"], r["groups"], r["speakers"], r["gc"], r["cores"], f"{r['beat_every_s']:.3f}",
+        f"{r['requests_per_s']:.0f}",
         f"{r['held']:.2f}", f"{r['formation_ms']:.1f}", f"{r['decision_p50_ms']:.1f}", f"{r['decision_p99_ms']:.1f}",
         f"{100 * r['lighthouse_cpu']:.0f}%", f"{100 * r['simulator_cpu']:.0f}%", r["errors"]]))
         for r in load_rows], columns)
     summary = []
-    for (ranks, speakers, gc_mode) in sorted({(r["ranks"], r["speakers"], r["gc"]) for r in load_rows}):
-        p99 = [r["decision_p99_ms"] for r in load_rows if (r["ranks"], r["speakers"], r["gc"]) == (ranks, speakers, gc_mode)]
+    kinds = sorted({(r["ranks"], r["speakers"], r["gc"], r["cores"]) for r in load_rows})
+    for (ranks, speakers, gc_mode, cores) in kinds:
+        p99 = [r["decision_p99_ms"] for r in load_rows if (r["ranks"], r["speakers"], r["gc"], r["cores"]) ==
+               (ranks, speakers, gc_mode, cores)]
         summary.append({"measure": "decision_p99_runs", "ranks": ranks, "speakers": speakers, "gc": gc_mode,
-                        "p99_ms_each_run": p99, "runs_within_50ms": sum(x <= 50 for x in p99), "runs": len(p99)})
+                        "cores": cores, "p99_ms_each_run": p99, "runs_within_50ms": sum(x <= 50 for x in p99),
+                        "runs": len(p99)})
         if ranks == 4096 and speakers == "group":
-            print(f"target: vote P99 <= 50 ms at 4,096 ranks in every run (gc={gc_mode}): "
+            print(f"target: vote P99 <= 50 ms at 4,096 ranks in every run (gc={gc_mode}, cores={cores}): "
                   f"{sum(x <= 50 for x in p99)} of {len(p99)} runs ({', '.join(f'{x:.1f}' for x in p99)} ms)")
     if args.json:
         load_rows = load_rows + summary
@@ -406,6 +427,7 @@ def main() -> None:
                                              "steps": steps, "step_ms": args.step_ms,
                                              "heartbeat_interval_s": args.heartbeat_interval,
                                              "max_beats_per_s": args.max_beats_per_s, "gc": args.gc,
+                                             "cores": args.cores,
                                              "repeats": args.repeats},
                    start_rows + load_rows)
 
