@@ -21,7 +21,7 @@ of step times would compare unlike windows), and the transfer.  Joins interleave
 medians with [min..max] and each run's figure in the JSON.  torchft has no torchrec integration: nothing of its runs
 here (``bench_ft.py`` compares the joins with torchft on a model of its own).
 
-    python benchmarks/bench_join_train.py [--quick] [--repeats 3] [--model dlrm|hstu] [--pipeline plain|torchrec]
+    python benchmarks/bench_join_train.py [--quick] [--repeats 3] [--model dlrm|hstu] [--pipeline plain|torchrec|prioritized]
         [--json PATH]
 """
 
