@@ -407,6 +407,7 @@ class BalancedLoader:
         """The batch of exactly ``rows`` (``StepReader.batch_of``: a reference replays a run's steps from its log)."""
         return self.reader.batch_of(rows, loss_scale, when)
 
+
 def _next_position(epoch: int, step: int, steps_in_epoch: int) -> tuple[int, int]:
     step += 1
     return (epoch + 1, 0) if step >= steps_in_epoch else (epoch, step)

@@ -47,7 +47,7 @@ class StepInfo:
     row_lengths: np.ndarray
     """History length of each of ``rows`` (cost-model calibration pairs them with measured time)."""
     loss_scale: float = 1.0
-    """What the batch's summed per-sample loss was multiplied by (``BalancedLoader._loss_scale``)."""
+    """What the batch's summed per-sample loss was multiplied by (``StepReader.loss_scale``)."""
 
 
 class StepReader:
