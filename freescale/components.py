@@ -24,7 +24,7 @@ from freescale.comm_trace import CommTracer
 from freescale.config import ConfigError, require
 from freescale.dataloader.build import DataConfig, Dataset
 from freescale.dataloader.loader import BalancedLoader
-from freescale.distributed import DistConfig, DistContext
+from freescale.distributed import DistConfig, DistContext, side_group
 from freescale.ft.config import FTConfig, incarnation, skip_step_refusal
 from freescale.grad_buckets import BucketedGrads
 from freescale.models import ModelConfig, build_model, cost_model_for
@@ -200,6 +200,8 @@ class Components:
     """With replica groups: the job-wide speed check, carried across groups with the steps."""
     validation: Validation | None = None
     """Validation during training (``eval.every``; ``freescale.validation``)."""
+    side_group: dist.ProcessGroup | None = None
+    """The training thread's small asynchronous collectives' group (``freescale.distributed.side_group``)."""
 
     @property
     def features(self) -> list[str]:
@@ -299,9 +301,9 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
     prioritized = cfg.pipeline.kind == "prioritized"
     chunk = cfg.pipeline.chunk_kb * 1024 if prioritized else None
     inflight = cfg.pipeline.max_inflight if prioritized else None
-    speed = None
+    speed, side = None, side_group(ctx)
     if cfg.balance.slow_policy != "off" and ctx.device.type == "cpu":
-        speed = RankSpeed(cfg.balance, plan_lag=cfg.pipeline.read_ahead + cfg.data.window)
+        speed = RankSpeed(cfg.balance, plan_lag=cfg.pipeline.read_ahead + cfg.data.window, group=side)
     elif cfg.balance.slow_policy != "off" and ctx.is_main:
         say("freescale: balance.slow_policy: ranks' speeds are measured on CPU only (on CUDA busy time must come "
             "from CUDA events: not built); no fail-slow check in this run")
@@ -334,7 +336,7 @@ def build(cfg: TrainerConfig, ctx: DistContext, dataset: Dataset | None = None) 
     engine = StepEngine(sync, feed, cfg.pipeline, dmp, ctx.device, cfg.train.precision, seed=cfg.train.seed,
                         slot=loader.rank, hooks=hooks, tracer=tracer)
     return Components(ctx, dataset, dmp, optimizer, loader, feed, engine, replicas, hooks, tracer, group, groups,
-                      log_dir, staging, speed, shared, validation)
+                      log_dir, staging, speed, shared, validation, side)
 
 
 def _validation(cfg: TrainerConfig, steps_per_epoch: int, task: str, ft_on: bool, dataset: Dataset,

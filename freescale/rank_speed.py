@@ -10,7 +10,12 @@ fault, the first step's lazy set-up); the estimate is the **median** over the la
 so one noisy step does not move it.
 
 Every ``check_every`` steps the ranks exchange their estimates (one all-gather of a few numbers and the
-host name) and each computes the same verdict from the same numbers:
+host name) and each computes the same verdict from the same numbers.  The all-gather is asked after one
+step's commit and read at the next one's (``ask``, ``answer``: asynchronous, on a gloo group of its own,
+``freescale.distributed.side_group``), so the training thread never waits for it: asked and read at the
+same step, it waited for the slowest rank to reach it and for a round trip, about 12% of that step on the
+2-core CPU machine this project is measured on.  The verdict is a step later for it, which changes nothing
+it is for (a rank slow over ``speed_window`` steps):
 
 - **scores**, in the terms of NVIDIA's resiliency extension (so its users read them the same way): each
   rank's speed relative to the fastest rank (``relative``), and to its own best estimate so far
@@ -179,8 +184,10 @@ def _name(rank: int, group_size: int | None) -> str:
 class RankSpeed:
     """This rank's speed estimate and the group's fail-slow verdicts (module docstring)."""
 
-    def __init__(self, cfg: BalanceConfig, plan_lag: int = 0) -> None:
-        self.cfg, self.plan_lag = cfg, plan_lag
+    def __init__(self, cfg: BalanceConfig, plan_lag: int = 0, group: Any = None) -> None:
+        self.cfg, self.plan_lag, self.group = cfg, plan_lag, group
+        """``group``: the process group's side group the rows are gathered on (None: this rank alone)."""
+        self._asked: tuple[int, _Gathering] | None = None
         self.rebalance, self.evict = cfg.slow_policy == "rebalance", cfg.slow_policy == "evict"
         """``plan_lag``: steps already planned when capacities change (the pipeline's read-ahead and the
         planning window): they are trained on the old plan, and not measured as the new one's."""
@@ -223,13 +230,16 @@ class RankSpeed:
             self._best = max(self._best, speed)
         return speed, self._best, busy, wall
 
-    def gather(self) -> SpeedTable:
-        """Every rank's row of the process group (collective: every rank calls it at the same step)."""
-        return SpeedTable(*_gather(*self.row(), self._host))
+    def ask(self, done: int) -> None:
+        """Collective over the process group, every rank at the same step (``due``): this rank's row to every rank,
+        asynchronously; ``answer`` reads the table (module docstring)."""
+        self._asked = (done, _Gathering(*self.row(), self._host, self.group))
 
-    def check(self, done: int) -> SpeedCheck:
-        """Collective over the process group: every rank calls it at the same step (``due``)."""
-        return self.judge(done, self.gather())
+    def answer(self) -> tuple[int, SpeedTable] | None:
+        """The table asked for by the last ``ask`` and the ``done`` it was asked at, or None if nothing is asked
+        (waits for the all-gather: asked a step before, it is in by now)."""
+        asked, self._asked = self._asked, None
+        return None if asked is None else (asked[0], asked[1].table())
 
     def judge(self, done: int, table: SpeedTable) -> SpeedCheck:
         """The verdict on every rank's measurement (the same on every rank that judges the same table)."""
@@ -343,23 +353,25 @@ def _shares(speeds: np.ndarray, known: np.ndarray, reference: np.ndarray) -> np.
     return shares
 
 
-def _gather(speed: float, best: float, busy: float, wall: float,
-            host: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
-    """Every rank's (speed, best, busy, wall, host) of the default process group, in rank order."""
-    row = torch.zeros(4 + HOST_BYTES, dtype=torch.float64)
-    row[0], row[1], row[2], row[3] = speed, best, busy, wall
-    row[4:4 + len(host)] = torch.tensor(list(host), dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        from freescale.distributed import collective_device
+class _Gathering:
+    """One asynchronous all-gather of every rank's (speed, best, busy, wall, host) on ``group`` (None: this rank
+    alone), read in rank order by ``table``."""
 
-        device = collective_device(None)
-        rows = [torch.zeros_like(row, device=device) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, row.to(device))
-        table = torch.stack([r.cpu() for r in rows]).numpy()
-    else:
-        table = row.numpy()[None, :]
-    hosts = [bytes(int(b) for b in r[4:] if b).decode(errors="replace") for r in table]
-    return table[:, 0], table[:, 1], table[:, 2], table[:, 3], hosts
+    def __init__(self, speed: float, best: float, busy: float, wall: float, host: bytes, group: Any) -> None:
+        row = torch.zeros(4 + HOST_BYTES, dtype=torch.float64)
+        row[0], row[1], row[2], row[3] = speed, best, busy, wall
+        row[4:4 + len(host)] = torch.tensor(list(host), dtype=torch.float64)
+        self.rows, self.work = [row], None
+        if group is not None:
+            self.rows = [torch.zeros_like(row) for _ in range(dist.get_world_size(group))]
+            self.work = dist.all_gather(self.rows, row, group=group, async_op=True)
+
+    def table(self) -> SpeedTable:
+        if self.work is not None:
+            self.work.wait()
+        table = torch.stack(self.rows).numpy()
+        hosts = [bytes(int(b) for b in r[4:] if b).decode(errors="replace") for r in table]
+        return SpeedTable(table[:, 0], table[:, 1], table[:, 2], table[:, 3], hosts)
 
 
 __all__ = ["BalanceConfig", "FailSlowEvicted", "RankSpeed", "SpeedCheck", "SpeedTable"]

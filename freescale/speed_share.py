@@ -5,16 +5,17 @@ every replica group plans every step over every ready group's ranks (``freescale
 verdict that changes a plan must be the same in every group, at the same step, and a group that is
 catching up must reach it too.  The table travels with the steps themselves:
 
-1. at a check (``gather``, after commit ``c``: ``done = c + 1`` is a multiple of ``check_every``) each
-   group all-gathers its ranks' rows in the group (``rank_speed``'s all-gather);
+1. at a check (after commit ``c``: ``done = c + 1`` is a multiple of ``check_every``) each group asks
+   for its ranks' rows in the group (``rank_speed``'s asynchronous all-gather, ``RankSpeed.ask``), and
+   after the next commit ``c + 1`` reads them (``collect``: in by then, so no step waits for them);
 2. the next step's cross-group reduction carries them: ``header`` is this group's table as
    non-negative integers (float32 bit patterns, host names as bytes), a *side header* beside the
    sample weight (``freescale.ft.ftar.ReplicaSync.side_header``), so no collective of its own.  It
    holds the ``TOLD_RANKS`` slowest ranks' rows and the median row of the others, so its size does
    not grow with the group's (in a group that small or smaller, every rank's row);
-3. when that step ``c + 1`` commits, every group reads every participant's header (``on_commit``:
+3. when that step ``c + 2`` commits, every group reads every participant's header (``on_commit``:
    the fault-tolerance layer calls it after the data side's commit, for replayed steps too) and judges
-   the same table: ranks of groups that did not gather at ``c + 1`` (catching up, gone) are unknown.
+   the same table: ranks of groups that did not gather for ``c + 2`` (catching up, gone) are unknown.
    With ``rebalance`` the loader plans the new capacities from the first window after its position,
    which is the same in every group at the same commit (the step feed plans a fixed depth ahead of
    each commit).
@@ -69,7 +70,8 @@ class SpeedShare:
     def __init__(self, speed: RankSpeed, loader: BalancedLoader, group: int, group_size: int) -> None:
         self.speed, self.loader, self.group, self.group_size = speed, loader, group, group_size
         self._pending: tuple[int, SpeedTable] | None = None
-        """The group's table gathered after the last committed step (``done``, table), for the next header."""
+        """The group's table asked at a check (its ``done``, table), read after the next commit, for the next
+        header."""
         self.checks: list[SpeedCheck] = []
         """Verdicts reached since the trainer last took them (a catch-up's replay can reach several)."""
         self.evicted: FailSlowEvicted | None = None
@@ -84,16 +86,19 @@ class SpeedShare:
 
     @property
     def size(self) -> int:
-        """The side header's length (the same on every participant): ``done + 1``, the others' median row, the
+        """The side header's length (the same on every participant): the commit that judges it plus one, the others' median row, the
         told ranks' rows."""
         return 1 + _NUMBERS + self.told * _ROW
 
-    def gather(self, done: int) -> None:
-        """Collective over this group (at ``speed.due(done)``, every rank): its ranks' rows, for the next header."""
-        self._pending = (done, self.speed.gather())
+    def collect(self) -> None:
+        """Collective over this group, after every committed step: the rows asked a step before (``RankSpeed.ask``
+        at a check's ``done``), if any, for the next header."""
+        answered = self.speed.answer()
+        if answered is not None:
+            self._pending = answered
 
     def header(self) -> torch.Tensor:
-        """This step's side header: ``done + 1`` of the table gathered for it, the median row of the ranks not
+        """This step's side header: ``done + 2`` of the table asked at ``done``, the median row of the ranks not
         told, and the slowest ranks' rows (rank in the group, numbers, host); zeros when nothing was gathered."""
         out = np.zeros(self.size, dtype=np.int64)
         if self._pending is None:
@@ -105,7 +110,7 @@ class SpeedShare:
         told, others = order[:self.told], order[self.told:]
         if told.size < self.told:  # a group on fewer ranks than its own: its last told row repeats (same values)
             told = np.concatenate([told, np.full(self.told - told.size, told[-1])])
-        out[0] = done + 1
+        out[0] = done + 2  # the commit that judges it, plus one (never 0: a header with nothing told)
         out[1:1 + _NUMBERS] = _words(np.median(numbers[others], axis=0) if others.size else np.full(_NUMBERS, np.nan))
         rows = out[1 + _NUMBERS:].reshape(self.told, _ROW)
         rows[:, 0] = told
@@ -121,7 +126,7 @@ class SpeedShare:
         """``commit.step`` committed (or was replayed) with every participant's side header (group index ->
         header): at a check's step, judge the job's table; plan with new capacities; evict this group."""
         step = commit.step
-        if step == 0 or step % self.speed.cfg.check_every:
+        if step <= 1 or (step - 1) % self.speed.cfg.check_every:  # (asked at ``done = step - 1``)
             return
         check = self.speed.judge(step, self._table(step, headers))
         if check.replan:

@@ -224,6 +224,8 @@ class Trainer:
             self._saves.abandon()
             raise
         self._saves.complete()
+        if parts.speed is not None:  # a check asked at an early stop, never read: waited for, before the group goes
+            parts.speed.answer()
         parts.engine.check_finite()
         if parts.replicas is not None and not finished_elsewhere:
             parts.replicas.finish(self.stopped_at if self.stopped_at is not None else steps - 1)
@@ -274,7 +276,7 @@ class Trainer:
                 # Busy: the step's own CPU time and the wait for its batch (a rank whose data loading falls behind).
                 parts.speed.add(commit.step, outcome.info.rank_cost, outcome.busy_s + outcome.info.wait_s, outcome.wall_s)
             first = False
-            if parts.speed is not None and parts.speed.due(done):
+            if parts.speed is not None:
                 self._check_speed(parts, log, progress, done)
             if done % cfg.train.log_every == 0 or done == steps:
                 parts.engine.check_finite()
@@ -357,16 +359,23 @@ class Trainer:
         log.write("warm_up", seconds=time.perf_counter() - start)
 
     def _check_speed(self, parts: Components, log: RunLog, progress: Progress, done: int) -> None:
-        """Collective over the group (``freescale.rank_speed``): the ranks' speeds, fail-slow ranks said once
-        each way, and with ``rebalance`` the loader planning them at their speed from the next window on."""
-        assert parts.speed is not None
-        if parts.shared_speeds is not None:  # judged when the next step commits, by every group alike
-            parts.shared_speeds.gather(done)
-            return
-        check = parts.speed.check(done)
-        self._say_speeds(parts, log, progress, check, frozenset({0}))
-        if check.replan:
-            parts.loader.set_capacities(check.capacities)
+        """Collective over the group, after every committed step (``freescale.rank_speed``): the ranks' speeds
+        asked a step before judged (fail-slow ranks said once each way; with ``rebalance`` the loader planning
+        them at their speed from the next window on), and at a check's step the next ones asked; not at the last
+        step (no later step reads them).  With replica groups the table rides the next step's header instead,
+        judged at its commit by every group alike (``freescale.speed_share``)."""
+        speed, shared = parts.speed, parts.shared_speeds
+        assert speed is not None
+        last = self.cfg.train.steps - (1 if shared is not None else 0)
+        if shared is not None:
+            shared.collect()
+        elif (answered := speed.answer()) is not None:
+            check = speed.judge(done, answered[1])
+            self._say_speeds(parts, log, progress, check, frozenset({0}))
+            if check.replan:
+                parts.loader.set_capacities(check.capacities)
+        if speed.due(done) and done < last:
+            speed.ask(done)
 
     def _say_speeds(self, parts: Components, log: RunLog, progress: Progress, check: SpeedCheck,
                     ready: frozenset[int], aloud: bool = True) -> None:

@@ -58,7 +58,7 @@ class TrainingSaves:
         self._lazy: tuple[int, dict[str, Any]] = (-1, {})
         """The save whose tables are being copied (its ``LazySnapshot`` is the staging's): step, metadata."""
         self._said_skipped = False
-        self._poll = _BusyPoll(parts.ctx)
+        self._poll = _BusyPoll(parts.side_group)
         self.last: Path | None = None
         """The newest checkpoint this run committed."""
 
@@ -220,16 +220,16 @@ def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[st
 
 class _BusyPoll:
     """The group's answer to "is any rank still copying or writing the previous save, and over how many steps
-    would each copy the next one", asked one step before each periodic save (an asynchronous all-reduce on a
-    gloo group of its own, beside the training's collectives and the writer's) and read at the save step: by
-    then it is in, so the save step waits for no round trip.  (Asked at the save step, the all-reduce also
+    would each copy the next one", asked one step before each periodic save (an asynchronous all-reduce on the
+    gloo group the speed check shares, beside the training's collectives and the writer's:
+    ``freescale.distributed.side_group``) and read at the save step: by then it is in, so the save step waits
+    for no round trip.  (Asked at the save step, the all-reduce also
     waited for the slowest rank to reach it: 0.6-8.6 ms, ``benchmarks/bench_saves.py``.)  The answer is a step
     old: it is asked after everything the step before the save did (a save begun then counts as busy), and a
-    save that finishes during the save's own step is noticed at the next periodic save instead.  The group
-    costs what the writer's does: a gloo connection between every two ranks."""
+    save that finishes during the save's own step is noticed at the next periodic save instead."""
 
-    def __init__(self, ctx: DistContext) -> None:
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and ctx.world_size > 1 else None
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
         self._asked: tuple[int, torch.Tensor, Any] | None = None
 
     def ask(self, done: int, values: list[int]) -> None:

@@ -6,6 +6,7 @@ table is given, so each decision is checked on numbers chosen for it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,16 +15,29 @@ import torch
 
 from freescale import rank_speed
 from freescale.config import ConfigError
-from freescale.rank_speed import BalanceConfig, RankSpeed
+from freescale.rank_speed import BalanceConfig, RankSpeed, SpeedTable
+
+
+def given(monkeypatch: pytest.MonkeyPatch, table: Callable[[float], SpeedTable]) -> None:
+    """Every ``ask``'s all-gather answers ``table(this rank's speed)``."""
+
+    class Given:
+        def __init__(self, mine: float, *_: Any) -> None:
+            self.mine = mine
+
+        def table(self) -> SpeedTable:
+            return table(self.mine)
+
+    monkeypatch.setattr(rank_speed, "_Gathering", Given)
 
 
 def gathered(monkeypatch: pytest.MonkeyPatch, speeds: list[float], busy: list[float], wall: float) -> None:
-    def table(mine: float, *_: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    def table(mine: float) -> SpeedTable:
         n = len(speeds)  # every rank measured what this one did: none, or enough steps for an estimate
-        given = np.array(speeds) if np.isfinite(mine) else np.full(n, np.nan)
-        return given, given, np.array(busy), np.full(n, wall), [f"host{r}" for r in range(n)]
+        measured = np.array(speeds) if np.isfinite(mine) else np.full(n, np.nan)
+        return SpeedTable(measured, measured, np.array(busy), np.full(n, wall), [f"host{r}" for r in range(n)])
 
-    monkeypatch.setattr(rank_speed, "_gather", table)
+    given(monkeypatch, table)
 
 
 def measured(speed: RankSpeed, step: int) -> RankSpeed:
@@ -33,7 +47,11 @@ def measured(speed: RankSpeed, step: int) -> RankSpeed:
 
 
 def check(speed: RankSpeed, step: int) -> Any:
-    return measured(speed, step).check(step)
+    """The verdict on the table asked at ``step`` (the trainer judges it a step later: the same verdict)."""
+    measured(speed, step).ask(step)
+    answered = speed.answer()
+    assert answered is not None and answered[0] == step and speed.answer() is None  # read once
+    return speed.judge(step, answered[1])
 
 
 def test_report_flags_a_slow_rank_once_and_its_recovery_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,8 +133,8 @@ def test_step_records_carry_every_ranks_scores_in_a_small_group_and_the_slowest_
 
 def test_a_rank_never_measured_healthy_has_no_individual_score(monkeypatch: pytest.MonkeyPatch) -> None:
     speed = RankSpeed(BalanceConfig())
-    monkeypatch.setattr(rank_speed, "_gather", lambda *_: (np.array([100.0, 40.0]), np.array([100.0, 0.0]),
-                                                            np.ones(2), np.ones(2), ["a", "b"]))
+    given(monkeypatch, lambda _: SpeedTable(np.array([100.0, 40.0]), np.array([100.0, 0.0]), np.ones(2), np.ones(2),
+                                            ["a", "b"]))
     result = check(speed, 10)
     assert result.individual[0] == 1.0 and np.isnan(result.individual[1])
 
@@ -136,19 +154,23 @@ class _Planned:
 
 def _group_tables(monkeypatch: pytest.MonkeyPatch, rows: dict[int, list[float]], done: int = 10,
                   group_size: int = 2) -> dict[int, Any]:
-    """Each group's side header for the step after a check at ``done``: groups of two ranks whose speeds are
+    """Each group's side header for the step two after a check at ``done`` (asked after step ``done - 1``'s
+    commit, read after step ``done``'s, told with step ``done + 1``): groups of two ranks whose speeds are
     ``rows[group]`` (busy seconds inverse to speed)."""
     from freescale.speed_share import SpeedShare
 
     headers = {}
     for group, speeds in rows.items():
-        monkeypatch.setattr(rank_speed, "_gather", lambda *_, s=speeds, g=group: (
+        given(monkeypatch, lambda _, s=speeds, g=group: SpeedTable(
             np.array(s), np.array(s), 100.0 / np.array(s), np.full(len(s), 1.0), [f"g{g}r{r}" for r in range(len(s))]))
         share = SpeedShare(measured(RankSpeed(BalanceConfig()), done), _Planned(), group,  # type: ignore[arg-type]
                            group_size)
-        share.gather(done)
+        share.speed.ask(done)
+        assert share.header().tolist() == [0] * share.size  # step ``done``: not read yet
+        share.collect()
         headers[group] = share.header()
-        assert share.header().tolist() == [0] * share.size  # told once, with the next step
+        assert int(headers[group][0]) == done + 2  # judged at step ``done + 1``'s commit
+        assert share.header().tolist() == [0] * share.size  # told once
     return headers
 
 
@@ -163,13 +185,13 @@ def test_every_group_judges_the_whole_jobs_table_from_the_step_headers(monkeypat
     headers = _group_tables(monkeypatch, {0: [100.0, 98.0], 1: [101.0, 99.0], 2: [40.0, 41.0]})
     headers[3] = torch.zeros_like(headers[0])  # group 3 is catching up: it told nothing
     cfg = BalanceConfig(slow_policy="rebalance", check_every=10)
-    commit = Commit(10, frozenset({0, 1, 2}), frozenset({0, 1, 2, 3}))
+    commit = Commit(11, frozenset({0, 1, 2}), frozenset({0, 1, 2, 3}))
     verdicts, loaders = [], []
     for group in range(4):
         loader = _Planned()
         share = SpeedShare(RankSpeed(cfg), loader, group, 2)  # type: ignore[arg-type]
         share.speed._below = {4: 1, 5: 1}  # (below the threshold at the check before)
-        share.on_commit(Commit(9, commit.trained, commit.ready), headers)  # not a check's step: nothing judged
+        share.on_commit(Commit(10, commit.trained, commit.ready), headers)  # not a check's step: nothing judged
         share.on_commit(commit, headers)
         [check] = share.take()
         verdicts.append((check.flagged, check.capacities, [round(float(v), 4) for v in np.nan_to_num(check.speeds)]))
@@ -177,7 +199,7 @@ def test_every_group_judges_the_whole_jobs_table_from_the_step_headers(monkeypat
         assert check.hosts[4:6] == ["g2r0", "g2r1"] and np.isnan(check.speeds[6:]).all()
     assert all(v == verdicts[0] for v in verdicts) and all(calls == loaders[0] for calls in loaders)
     assert verdicts[0][0] == [4, 5] and verdicts[0][1] == {4: pytest.approx(0.4, abs=0.01), 5: pytest.approx(0.41, abs=0.01)}
-    # A group catching up loads a source's state after step 10 and judges step 20 as the source does.
+    # A group catching up loads a source's state after step 11 and judges step 21 as the source does.
     source, joiner = (SpeedShare(RankSpeed(cfg), _Planned(), g, 2) for g in (0, 3))  # type: ignore[arg-type]
     source.speed._below = {4: 1, 5: 1}
     source.on_commit(commit, headers)
@@ -187,7 +209,7 @@ def test_every_group_judges_the_whole_jobs_table_from_the_step_headers(monkeypat
     later = _group_tables(monkeypatch, {0: [100.0, 98.0], 1: [101.0, 99.0], 2: [80.0, 70.0], 3: [99.0, 98.0]}, 20)
     judged = []
     for share in (source, joiner):
-        share.on_commit(Commit(20, commit.ready, commit.ready), later)
+        share.on_commit(Commit(21, commit.ready, commit.ready), later)
         [check] = share.take()
         judged.append((check.flagged, check.recovered, check.replan, check.capacities, share.state_dict()))
     assert judged[0] == judged[1] and judged[0][2]  # the same correction of the slow ranks' capacities
@@ -203,17 +225,17 @@ def test_evict_stops_only_the_group_holding_the_fail_slow_rank(monkeypatch: pyte
         share = SpeedShare(RankSpeed(cfg), _Planned(), group, 2)  # type: ignore[arg-type]
         share.speed._below = {3: 1}
         share.speed._below[2] = 1  # (group 1's other rank was below once too)
-        share.on_commit(Commit(10, frozenset({0, 1}), frozenset({0, 1})), headers)
+        share.on_commit(Commit(11, frozenset({0, 1}), frozenset({0, 1})), headers)
         [check] = share.take()
         assert check.flagged == [3] and not share.speed.slow and 2 not in share.speed._below  # judged anew when back
         if group == 1:
-            assert share.evicted is not None and "replica group 1 evicted as fail-slow at step 10" in str(share.evicted)
+            assert share.evicted is not None and "replica group 1 evicted as fail-slow at step 11" in str(share.evicted)
         else:
             assert share.evicted is None
     # Group 0 is catching up: group 1 holds the only valid state, so it is kept (and said so), not evicted.
     share = SpeedShare(RankSpeed(cfg), _Planned(), 1, 2)  # type: ignore[arg-type]
     share.speed._below = {3: 1}
-    share.on_commit(Commit(10, frozenset({1}), frozenset({1})), headers)
+    share.on_commit(Commit(11, frozenset({1}), frozenset({1})), headers)
     [check] = share.take()
     assert share.evicted is None and check.kept_groups == [1] and 3 in share.speed.slow
     lines = check.announce(lambda *_, **__: None, "evict", 2)
@@ -233,13 +255,13 @@ def test_a_large_group_tells_its_slowest_ranks_and_the_median_of_the_others(monk
     headers = _group_tables(monkeypatch, {0: speeds, 1: [101.0] * 40}, group_size=40)
     share = SpeedShare(RankSpeed(BalanceConfig(check_every=10)), _Planned(), 0, 40)  # type: ignore[arg-type]
     assert share.size == headers[0].numel() == 1 + 4 + TOLD_RANKS * 13
-    table = share._table(10, headers)
+    table = share._table(11, headers)
     assert table.speeds[7] == 30.0 and table.speeds[31] == 40.0 and table.hosts[7] == "g0r7"
     told = sorted(speeds)[:TOLD_RANKS]
     assert sorted(table.speeds[:40])[:TOLD_RANKS] == told
     assert np.isclose(table.speeds[39], np.median(sorted(speeds)[TOLD_RANKS:]), rtol=1e-6) and table.hosts[39] == ""
     share.speed._below = {7: 1, 31: 1}
-    share.on_commit(Commit(10, frozenset({0, 1}), frozenset({0, 1})), headers)
+    share.on_commit(Commit(11, frozenset({0, 1}), frozenset({0, 1})), headers)
     assert [e["rank"] for e in share.notes()["fail_slow"]] == [7, 31]
     monkeypatch.setattr(speed_share, "NOTED", 1)
     assert [e["rank"] for e in share.notes()["fail_slow"]] == [7]  # the slowest
