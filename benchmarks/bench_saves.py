@@ -11,10 +11,13 @@ For each save taken (its ``checkpoint_staged`` step ``d``: the state after steps
 commit interval holds the save's work, done after step ``d - 1``'s commit), the steps while its tables are copied
 (median, slowest), the step that finishes the copy and hands it to the writer, the steps while it is written
 (median, slowest), and the slowest step until the next save, each over a normal step (the median step of the
-runs with no saves), and how many due saves were skipped meanwhile (``checkpoint.skip_while_busy``).  Beside the
+run with no saves of the same repeat, run right after it: this machine drifts by 10% and more between runs a few
+minutes apart, so each repeat is paired with its neighbour), and how many due saves were skipped meanwhile (``checkpoint.skip_while_busy``).  Beside the
 save step: the save's own work on the training thread over a normal step, and the same step of the run without
-saves of that repeat; over all the saves, the median of each (a single step's ratio is mostly this machine's
-spread: the median over the saves against the same steps without a save is what a save costs its step).  The runs
+saves of that repeat, and the save step over its own run's median step (no drift between runs in it, but
+that median is a step with a save's copy or write under way: what the save step costs beyond those); over
+all the saves, the median of each (a single step's ratio is mostly this machine's spread: the median over
+the saves against the same steps without a save is what a save costs its step).  The runs
 without saves' own spread (P90, P99, max over their median) is printed beside: a single step of this machine
 reaches 1.2x with no save at all.  The steps that write the run's periodic log record (``LOG_EVERY``) are left out
 of every figure and reported apart, with saves and without (they reduce the last 1,000 steps' metrics).
@@ -76,6 +79,7 @@ def save_rows(log: list[dict[str, Any]], plain_log: list[dict[str, Any]], normal
     save's own work on the training thread (its ``checkpoint_staged`` seconds) and the same step of the run
     without saves of the same repeat (what a single step of this machine does with no save at all)."""
     gaps, plain_gaps = intervals(log), intervals(plain_log)
+    own_run_s = statistics.median(s for step, s in gaps.items() if step >= 5)
     commits = [e for e in log if e["event"] == "commit"]
     staged = [e for e in log if e["event"] == "checkpoint_staged"]
     copied = {e["step"]: e for e in log if e["event"] == "checkpoint_tables_copied"}
@@ -100,6 +104,7 @@ def save_rows(log: list[dict[str, Any]], plain_log: list[dict[str, Any]], normal
             "ended_by_the_run": due > last_step,  # the run's end finished its copy: not a whole save's steps
             "skipped_after": sum(saved < s < following for s in skipped),
             "on_log_step": on_log_step, "save_step_x": None if on_log_step else gaps[saved] / normal_s,
+            "save_step_in_run_x": None if on_log_step else gaps[saved] / own_run_s,
             "save_work_x": event["seconds"] / normal_s,
             "same_step_no_save_x": plain_gaps[saved] / normal_s if saved in plain_gaps else None,
             "copying_median_x": statistics.median(copying) if copying else None,
@@ -152,13 +157,15 @@ def main() -> None:
             normal += [s for step, s in intervals(plain_log).items() if step >= 5]
             log_steps[1].extend(intervals(plain_log, log_steps=True).values())
             log_steps[0].extend(intervals(logs[-1][1], log_steps=True).values())
-        normal_s = statistics.median(normal)
+        normal_s = statistics.median(normal)  # (pooled: the spread below, the log steps)
         for r, log in logs:
-            saves += save_rows(log, plain_logs[r], normal_s, r)
+            paired_s = statistics.median(s for step, s in intervals(plain_logs[r]).items() if step >= 5)
+            saves += save_rows(log, plain_logs[r], paired_s, r)
     print(f"2 ranks, tiny DLRM, {2 * rows_per_table:,} table rows ({args.table_mb:.0f} MB with their Adagrad state), "
-          f"a save every {args.every} steps; normal step {1e3 * normal_s:.1f} ms (median of the runs without saves)")
+          f"a save every {args.every} steps; normal step {1e3 * normal_s:.1f} ms (median of the runs without saves; each "
+          "repeat's steps are over its own run without saves)")
     columns = ["repeat", "save_after_step", "tables_due_step", "written_by_step", "skipped_after", "save_step_x",
-               "save_work_x", "same_step_no_save_x", "copying_median_x", "copying_max_x", "finishing_step_x",
+               "save_step_in_run_x", "save_work_x", "same_step_no_save_x", "copying_median_x", "copying_max_x", "finishing_step_x",
                "writing_median_x", "writing_max_x", "any_step_until_next_save_max_x", "staged_ms", "copy_ms",
                "keep_ms", "write_s", "write_cpu_s", "paced_s"]
     print_table(saves, columns)
@@ -180,11 +187,13 @@ def main() -> None:
     typical = {"median_save_step_x": statistics.median(r["save_step_x"] for r in whole) if whole else None,
                "median_same_step_no_save_x": statistics.median(r["same_step_no_save_x"] for r in paired)
                if paired else None,
-               "median_save_work_x": statistics.median(r["save_work_x"] for r in whole) if whole else None}
+               "median_save_work_x": statistics.median(r["save_work_x"] for r in whole) if whole else None,
+               "median_save_step_in_run_x": statistics.median(r["save_step_in_run_x"] for r in whole) if whole else None}
     if whole and paired:  # (the saves whose copy the run's end cut left out, as in the target's count)
         print(f"over the {len(whole)} saves: the save step {typical['median_save_step_x']:.2f}x at the median, the "
               f"same steps of the runs without saves {typical['median_same_step_no_save_x']:.2f}x; the save's own work "
-              f"on the training thread {typical['median_save_work_x']:.3f}x")
+              f"on the training thread {typical['median_save_work_x']:.3f}x; the save step over its own run's median step "
+              f"{typical['median_save_step_in_run_x']:.2f}x")
     summary = {"normal_step_ms": 1e3 * normal_s, "saves": len(whole), "worst_save_step_x": worst, **typical,
                "worst_step_x": max((r["any_step_until_next_save_max_x"] for r in saves), default=float("nan")),
                "skipped": sum(r["skipped_after"] for r in saves), "saves_within_1.2x": len(met),

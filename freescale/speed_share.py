@@ -5,7 +5,7 @@ every replica group plans every step over every ready group's ranks (``freescale
 verdict that changes a plan must be the same in every group, at the same step, and a group that is
 catching up must reach it too.  The table travels with the steps themselves:
 
-1. at a check (after commit ``c``: ``done = c + 1`` is a multiple of ``check_every``) each group asks
+1. at a check (after commit ``c``: ``done = c + 1`` is due, ``RankSpeed.due``) each group asks
    for its ranks' rows in the group (``rank_speed``'s asynchronous all-gather, ``RankSpeed.ask``), and
    after the next commit ``c + 1`` reads them (``collect``: in by then, so no step waits for them);
 2. the next step's cross-group reduction carries them: ``header`` is this group's table as
@@ -126,7 +126,7 @@ class SpeedShare:
         """``commit.step`` committed (or was replayed) with every participant's side header (group index ->
         header): at a check's step, judge the job's table; plan with new capacities; evict this group."""
         step = commit.step
-        if step <= 1 or (step - 1) % self.speed.cfg.check_every:  # (asked at ``done = step - 1``)
+        if step < 1 or not self.speed.due(step - 1):  # (asked at ``done = step - 1``)
             return
         check = self.speed.judge(step, self._table(step, headers))
         if check.replan:

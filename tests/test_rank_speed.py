@@ -152,7 +152,7 @@ class _Planned:
         self.calls.append(capacities)
 
 
-def _group_tables(monkeypatch: pytest.MonkeyPatch, rows: dict[int, list[float]], done: int = 10,
+def _group_tables(monkeypatch: pytest.MonkeyPatch, rows: dict[int, list[float]], done: int = 15,
                   group_size: int = 2) -> dict[int, Any]:
     """Each group's side header for the step two after a check at ``done`` (asked after step ``done - 1``'s
     commit, read after step ``done``'s, told with step ``done + 1``): groups of two ranks whose speeds are
@@ -185,13 +185,13 @@ def test_every_group_judges_the_whole_jobs_table_from_the_step_headers(monkeypat
     headers = _group_tables(monkeypatch, {0: [100.0, 98.0], 1: [101.0, 99.0], 2: [40.0, 41.0]})
     headers[3] = torch.zeros_like(headers[0])  # group 3 is catching up: it told nothing
     cfg = BalanceConfig(slow_policy="rebalance", check_every=10)
-    commit = Commit(11, frozenset({0, 1, 2}), frozenset({0, 1, 2, 3}))
+    commit = Commit(16, frozenset({0, 1, 2}), frozenset({0, 1, 2, 3}))
     verdicts, loaders = [], []
     for group in range(4):
         loader = _Planned()
         share = SpeedShare(RankSpeed(cfg), loader, group, 2)  # type: ignore[arg-type]
         share.speed._below = {4: 1, 5: 1}  # (below the threshold at the check before)
-        share.on_commit(Commit(10, commit.trained, commit.ready), headers)  # not a check's step: nothing judged
+        share.on_commit(Commit(15, commit.trained, commit.ready), headers)  # not a check's step: nothing judged
         share.on_commit(commit, headers)
         [check] = share.take()
         verdicts.append((check.flagged, check.capacities, [round(float(v), 4) for v in np.nan_to_num(check.speeds)]))
@@ -199,17 +199,17 @@ def test_every_group_judges_the_whole_jobs_table_from_the_step_headers(monkeypat
         assert check.hosts[4:6] == ["g2r0", "g2r1"] and np.isnan(check.speeds[6:]).all()
     assert all(v == verdicts[0] for v in verdicts) and all(calls == loaders[0] for calls in loaders)
     assert verdicts[0][0] == [4, 5] and verdicts[0][1] == {4: pytest.approx(0.4, abs=0.01), 5: pytest.approx(0.41, abs=0.01)}
-    # A group catching up loads a source's state after step 11 and judges step 21 as the source does.
+    # A group catching up loads a source's state after step 16 and judges step 26 as the source does.
     source, joiner = (SpeedShare(RankSpeed(cfg), _Planned(), g, 2) for g in (0, 3))  # type: ignore[arg-type]
     source.speed._below = {4: 1, 5: 1}
     source.on_commit(commit, headers)
     joiner.load_state_dict(json.loads(json.dumps(source.state_dict())))
     assert joiner.speed.slow.keys() == {4, 5} and joiner.loader.capacities == verdicts[0][1]  # type: ignore[attr-defined]
     source.take()
-    later = _group_tables(monkeypatch, {0: [100.0, 98.0], 1: [101.0, 99.0], 2: [80.0, 70.0], 3: [99.0, 98.0]}, 20)
+    later = _group_tables(monkeypatch, {0: [100.0, 98.0], 1: [101.0, 99.0], 2: [80.0, 70.0], 3: [99.0, 98.0]}, 25)
     judged = []
     for share in (source, joiner):
-        share.on_commit(Commit(21, commit.ready, commit.ready), later)
+        share.on_commit(Commit(26, commit.ready, commit.ready), later)
         [check] = share.take()
         judged.append((check.flagged, check.recovered, check.replan, check.capacities, share.state_dict()))
     assert judged[0] == judged[1] and judged[0][2]  # the same correction of the slow ranks' capacities
@@ -225,17 +225,17 @@ def test_evict_stops_only_the_group_holding_the_fail_slow_rank(monkeypatch: pyte
         share = SpeedShare(RankSpeed(cfg), _Planned(), group, 2)  # type: ignore[arg-type]
         share.speed._below = {3: 1}
         share.speed._below[2] = 1  # (group 1's other rank was below once too)
-        share.on_commit(Commit(11, frozenset({0, 1}), frozenset({0, 1})), headers)
+        share.on_commit(Commit(16, frozenset({0, 1}), frozenset({0, 1})), headers)
         [check] = share.take()
         assert check.flagged == [3] and not share.speed.slow and 2 not in share.speed._below  # judged anew when back
         if group == 1:
-            assert share.evicted is not None and "replica group 1 evicted as fail-slow at step 11" in str(share.evicted)
+            assert share.evicted is not None and "replica group 1 evicted as fail-slow at step 16" in str(share.evicted)
         else:
             assert share.evicted is None
     # Group 0 is catching up: group 1 holds the only valid state, so it is kept (and said so), not evicted.
     share = SpeedShare(RankSpeed(cfg), _Planned(), 1, 2)  # type: ignore[arg-type]
     share.speed._below = {3: 1}
-    share.on_commit(Commit(11, frozenset({1}), frozenset({1})), headers)
+    share.on_commit(Commit(16, frozenset({1}), frozenset({1})), headers)
     [check] = share.take()
     assert share.evicted is None and check.kept_groups == [1] and 3 in share.speed.slow
     lines = check.announce(lambda *_, **__: None, "evict", 2)
@@ -255,13 +255,13 @@ def test_a_large_group_tells_its_slowest_ranks_and_the_median_of_the_others(monk
     headers = _group_tables(monkeypatch, {0: speeds, 1: [101.0] * 40}, group_size=40)
     share = SpeedShare(RankSpeed(BalanceConfig(check_every=10)), _Planned(), 0, 40)  # type: ignore[arg-type]
     assert share.size == headers[0].numel() == 1 + 4 + TOLD_RANKS * 13
-    table = share._table(11, headers)
+    table = share._table(16, headers)
     assert table.speeds[7] == 30.0 and table.speeds[31] == 40.0 and table.hosts[7] == "g0r7"
     told = sorted(speeds)[:TOLD_RANKS]
     assert sorted(table.speeds[:40])[:TOLD_RANKS] == told
     assert np.isclose(table.speeds[39], np.median(sorted(speeds)[TOLD_RANKS:]), rtol=1e-6) and table.hosts[39] == ""
     share.speed._below = {7: 1, 31: 1}
-    share.on_commit(Commit(11, frozenset({0, 1}), frozenset({0, 1})), headers)
+    share.on_commit(Commit(16, frozenset({0, 1}), frozenset({0, 1})), headers)
     assert [e["rank"] for e in share.notes()["fail_slow"]] == [7, 31]
     monkeypatch.setattr(speed_share, "NOTED", 1)
     assert [e["rank"] for e in share.notes()["fail_slow"]] == [7]  # the slowest
@@ -299,3 +299,11 @@ def test_the_c4_view_names_the_rank_the_others_wait_for() -> None:
                        2: trace([0.29, 0.21, 0.0])})
     assert view.slowest() == 1 and view.last == {1: 2} and view.waited_s[1] == pytest.approx(0.29 + 0.19)
     assert view.collectives == 3 and view.unmatched == ["dense"]
+
+
+def test_checks_are_asked_half_a_period_past_the_multiples_where_saves_fall() -> None:
+    """A check's ask costs its step a little: never on a step whose save, validation or log record falls on a
+    multiple of ``check_every``'s multiples; read once, a step later (``check`` above)."""
+    assert [d for d in range(1, 23) if RankSpeed(BalanceConfig()).due(d)] == [2, 7, 12, 17, 22]
+    assert all(RankSpeed(BalanceConfig(check_every=1)).due(d) for d in range(1, 5))
+    assert not any(RankSpeed(BalanceConfig(check_every=c)).due(d) for c in (2, 5, 10) for d in range(0, 2000, 10))
