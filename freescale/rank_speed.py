@@ -11,11 +11,11 @@ so one noisy step does not move it.
 
 Every ``check_every`` steps the ranks exchange their estimates (one all-gather of a few numbers and the
 host name) and each computes the same verdict from the same numbers.  The all-gather is asked after one
-step's commit and read at the next one's (``ask``, ``answer``: asynchronous, on a gloo group of its own,
-``freescale.distributed.side_group``), so the training thread never waits for it: asked and read at the
-same step, it waited for the slowest rank to reach it and for a round trip, about 12% of that step on the
-2-core CPU machine this project is measured on.  The verdict is a step later for it, which changes nothing
-it is for (a rank slow over ``speed_window`` steps):
+step's commit and read at the next one's (``ask``, ``answer``: asynchronous, on a gloo group beside the
+training's that the saves' busy poll shares, ``freescale.distributed.side_group``), so the training thread
+never waits for it: asked and read at the same step, it waited for the slowest rank to reach it and for a
+round trip, about 12% of that step on the 2-core CPU machine this project is measured on.  The verdict is a
+step later for it, which changes nothing it is for (a rank slow over ``speed_window`` steps):
 
 - **scores**, in the terms of NVIDIA's resiliency extension (so its users read them the same way): each
   rank's speed relative to the fastest rank (``relative``), and to its own best estimate so far
@@ -38,10 +38,11 @@ it is for (a rank slow over ``speed_window`` steps):
   ``report`` only says so; ``off`` measures nothing.  Healthy ranks stay at 1.0, so their noise never
   changes a plan.
 
-With replica groups every group must plan the same steps alike: each group gathers its ranks' rows, tells
-the others in the header of the next step's cross-group reduction, and every group judges the whole job's
-table at that step's commit (``freescale.speed_share``): a slow group is a group of slow ranks, planned at
-a smaller share of the global batch.
+With replica groups every group must plan the same steps alike: each group gathers its ranks' rows (asked
+after one commit, read after the next), tells the others in the header of the step after that one's
+cross-group reduction, and every group judges the whole job's table at that step's commit
+(``freescale.speed_share``): a slow group is a group of slow ranks, planned at a smaller share of the global
+batch.
 """
 
 from __future__ import annotations
@@ -216,9 +217,9 @@ class RankSpeed:
 
     def due(self, done: int) -> bool:
         """A check is asked after ``done`` steps: half a period past each multiple of ``check_every``, where the
-        periodic saves, validations and log records of a run fall, so that a step pays for one of them at most
-        (the ask costs its step ~5% on the 2-core CPU machine: the gloo op's launch and its thread beside the
-        training's)."""
+        periodic saves, validations and log records of a run fall: where their periods are multiples of
+        ``check_every`` (5 and 10, 100, 1,000 ...), no step pays for two (the ask costs its step ~5% on the 2-core
+        CPU machine: the gloo op's launch and its thread beside the training's)."""
         return done % self.cfg.check_every == self.cfg.check_every // 2
 
     def estimate(self) -> tuple[float, float, float]:
@@ -236,8 +237,8 @@ class RankSpeed:
         return speed, self._best, busy, wall
 
     def ask(self, done: int) -> None:
-        """Collective over the process group, every rank at the same step (``due``): this rank's row to every rank,
-        asynchronously; ``answer`` reads the table (module docstring)."""
+        """Collective over the process group's ranks (on its side group), every rank at the same step (``due``):
+        this rank's row to every rank, asynchronously; ``answer`` reads the table (module docstring)."""
         self._asked = (done, _Gathering(*self.row(), self._host, self.group))
 
     def answer(self) -> tuple[int, SpeedTable] | None:
@@ -333,6 +334,7 @@ class RankSpeed:
                 "below": [[rank, n] for rank, n in self._below.items()], "baseline": base, "settled": self._settled}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.answer()  # a check asked before the state was replaced (every rank of the group asked it): dropped
         self.slow = {int(rank): (int(since), float(capacity)) for rank, since, capacity in state["slow"]}
         self._below = {int(rank): int(n) for rank, n in state["below"]}
         base = state["baseline"]

@@ -86,13 +86,13 @@ class SpeedShare:
 
     @property
     def size(self) -> int:
-        """The side header's length (the same on every participant): the commit that judges it plus one, the others' median row, the
-        told ranks' rows."""
+        """The side header's length (the same on every participant): the commit that judges it plus one, the
+        others' median row, the told ranks' rows."""
         return 1 + _NUMBERS + self.told * _ROW
 
     def collect(self) -> None:
-        """Collective over this group, after every committed step: the rows asked a step before (``RankSpeed.ask``
-        at a check's ``done``), if any, for the next header."""
+        """After every committed step, on every rank of the group: the rows asked a step before (``RankSpeed.ask``
+        at a check's ``done``; waits for that all-gather), if any, for the next header."""
         answered = self.speed.answer()
         if answered is not None:
             self._pending = answered

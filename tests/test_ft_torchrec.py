@@ -550,7 +550,7 @@ def test_stopped_rank_is_evicted_then_resumes_and_catches_up(tiny_data: Path, tm
 
 def test_a_slow_replica_group_is_planned_smaller_by_every_group_at_one_step(tiny_data: Path, tmp_path: Path) -> None:
     """Two groups of one rank; group 1's device takes three times as long from step 6 (``device`` fault: the
-    slowdown grows with its work).  Each group's speed table rides in the next step's FTAR header, and
+    slowdown grows with its work).  Each group's speed table rides in an FTAR header two steps after the check, and
     every group judges the job's table at the same commit: one ``fail_slow`` verdict, at the same step in
     every group's log, said once on the console, in the job summary and the report's events.  With
     ``rebalance`` every group plans group 1 at a smaller share of the global batch from the same step (the

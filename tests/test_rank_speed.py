@@ -302,8 +302,16 @@ def test_the_c4_view_names_the_rank_the_others_wait_for() -> None:
 
 
 def test_checks_are_asked_half_a_period_past_the_multiples_where_saves_fall() -> None:
-    """A check's ask costs its step a little: never on a step whose save, validation or log record falls on a
-    multiple of ``check_every``'s multiples; read once, a step later (``check`` above)."""
+    """A check's ask costs its step a little: never on a step at a multiple of ``check_every`` (where saves,
+    validations and log records fall when their periods are multiples of it); read once, a step later."""
     assert [d for d in range(1, 23) if RankSpeed(BalanceConfig()).due(d)] == [2, 7, 12, 17, 22]
     assert all(RankSpeed(BalanceConfig(check_every=1)).due(d) for d in range(1, 5))
     assert not any(RankSpeed(BalanceConfig(check_every=c)).due(d) for c in (2, 5, 10) for d in range(0, 2000, 10))
+
+
+def test_a_check_asked_before_a_catch_up_replaced_the_state_is_dropped() -> None:
+    """The rows asked before a group loads a source's verdicts are this group's old ones: never judged after."""
+    speed = measured(RankSpeed(BalanceConfig()), 5)
+    speed.ask(5)
+    speed.load_state_dict(RankSpeed(BalanceConfig()).state_dict())
+    assert speed.answer() is None
