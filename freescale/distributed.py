@@ -94,9 +94,9 @@ def side_group(ctx: DistContext) -> dist.ProcessGroup | None:
     """A gloo group for the training thread's small asynchronous collectives (the speed check's all-gather,
     ``freescale.rank_speed``; the saves' busy poll, ``freescale.training_saves``): each asked after one step's
     commit and read at the next (or, a save nobody asked about ahead, at once), in the same order on every rank,
-    beside the training's collectives rather than
-    queued among them (and a CPU backend for their CPU tensors under NCCL).  None for one rank.  Collective:
-    every rank of the process group creates it at the same point."""
+    beside the training's collectives rather than queued among them (and a CPU backend for their CPU tensors
+    under NCCL).  None for one rank.  Collective: every rank of the process group creates it at the same
+    point."""
     return dist.new_group(backend="gloo") if dist.is_initialized() and ctx.world_size > 1 else None
 
 

@@ -362,8 +362,8 @@ class Trainer:
         """Collective over the group, after every committed step (``freescale.rank_speed``): the ranks' speeds
         asked a step before judged (fail-slow ranks said once each way; with ``rebalance`` the loader planning
         them at their speed from the next window on), and at a check's step the next ones asked; not at the last
-        step (no later step reads them).  With replica groups the table rides the next step's header instead,
-        judged at its commit by every group alike (``freescale.speed_share``)."""
+        step (no later step reads them).  With replica groups the table read here rides the next step's header
+        instead, judged at that step's commit by every group alike (``freescale.speed_share``)."""
         speed, shared = parts.speed, parts.shared_speeds
         assert speed is not None
         last = self.cfg.train.steps - (1 if shared is not None else 0)

@@ -223,9 +223,8 @@ class _BusyPoll:
     would each copy the next one", asked one step before each periodic save (an asynchronous all-reduce on the
     gloo group the speed check shares, beside the training's collectives and the writer's:
     ``freescale.distributed.side_group``) and read at the save step: by then it is in, so the save step waits
-    for no round trip.  (Asked at the save step, the all-reduce also
-    waited for the slowest rank to reach it: 0.6-8.6 ms, ``benchmarks/bench_saves.py``.)  The answer is a step
-    old: it is asked after everything the step before the save did (a save begun then counts as busy), and a
+    for no round trip.  (Asked at the save step, the all-reduce also waited for the slowest rank to reach it:
+    0.6-8.6 ms, ``benchmarks/bench_saves.py``.)  The answer is a step old: it is asked after everything the step before the save did (a save begun then counts as busy), and a
     save that finishes during the save's own step is noticed at the next periodic save instead."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
