@@ -148,20 +148,18 @@ def main() -> None:
         data = Path(tmp) / "data"
         generate(data, SyntheticSpec(rows=40_000, eval_rows=1_024, num_items=rows_per_table, num_users=rows_per_table,
                                      seed=0))
-        logs, plain_logs = [], []
         for r in range(repeats):  # interleaved: a run with saves, then one without
             share = [] if args.write_share is None else [f"--checkpoint.write_share={args.write_share}"]
-            logs.append((r, run(data, Path(tmp) / f"saves{r}", steps, args.every,
-                                f"--checkpoint.skip_while_busy={args.skip_while_busy}", *share)))
+            log = run(data, Path(tmp) / f"saves{r}", steps, args.every,
+                      f"--checkpoint.skip_while_busy={args.skip_while_busy}", *share)
             plain_log = run(data, Path(tmp) / f"plain{r}", steps, 0)
-            plain_logs.append(plain_log)
             own = [s for step, s in intervals(plain_log).items() if step >= 5]
             paired_s = statistics.median(own)  # this repeat's normal step
             normal += own
             spread += [s / paired_s for s in own]
             log_steps[1].extend(s / paired_s for s in intervals(plain_log, log_steps=True).values())
-            log_steps[0].extend(s / paired_s for s in intervals(logs[-1][1], log_steps=True).values())
-            saves += save_rows(logs[-1][1], plain_log, paired_s, r)
+            log_steps[0].extend(s / paired_s for s in intervals(log, log_steps=True).values())
+            saves += save_rows(log, plain_log, paired_s, r)
         normal_s = statistics.median(normal)  # (pooled: only printed)
     print(f"2 ranks, tiny DLRM, {2 * rows_per_table:,} table rows ({args.table_mb:.0f} MB with their Adagrad state), "
           f"a save every {args.every} steps; normal step {1e3 * normal_s:.1f} ms (median of the runs without saves; each "

@@ -186,13 +186,14 @@ def _name(rank: int, group_size: int | None) -> str:
 class RankSpeed:
     """This rank's speed estimate and the group's fail-slow verdicts (module docstring)."""
 
-    def __init__(self, cfg: BalanceConfig, plan_lag: int = 0, group: Any = None) -> None:
-        self.cfg, self.plan_lag, self.group = cfg, plan_lag, group
-        """``group``: the process group's side group the rows are gathered on (None: this rank alone)."""
-        self._asked: tuple[int, _Gathering] | None = None
-        self.rebalance, self.evict = cfg.slow_policy == "rebalance", cfg.slow_policy == "evict"
+    def __init__(self, cfg: BalanceConfig, plan_lag: int = 0, group: dist.ProcessGroup | None = None) -> None:
+        self.cfg, self.plan_lag = cfg, plan_lag
         """``plan_lag``: steps already planned when capacities change (the pipeline's read-ahead and the
         planning window): they are trained on the old plan, and not measured as the new one's."""
+        self.group = group
+        """The process group's side group the rows are gathered on (None: this rank alone)."""
+        self._asked: tuple[int, _Gathering] | None = None
+        self.rebalance, self.evict = cfg.slow_policy == "rebalance", cfg.slow_policy == "evict"
         self._from_step = 0
         """Steps before this one were planned with other capacities: not in the estimate."""
         self._below: dict[int, int] = {}
@@ -208,7 +209,10 @@ class RankSpeed:
         look no worse than the last never add up to a slower job."""
         self._settled = False
         """A change made steps slower and was undone: the capacities stay until a rank's state changes."""
-        self._host = platform.node().encode()[:HOST_BYTES]
+        host = platform.node().encode()[:HOST_BYTES]
+        self._host = torch.zeros(HOST_BYTES, dtype=torch.float64)
+        """This host's name as a row's last numbers (made once: every check sends it)."""
+        self._host[:len(host)] = torch.tensor(list(host), dtype=torch.float64)
 
     def add(self, step: int, cost: float, busy_s: float, wall_s: float) -> None:
         """One trained step of this rank: its planned cost, its busy seconds and the step's wall seconds."""
@@ -364,10 +368,9 @@ class _Gathering:
     """One asynchronous all-gather of every rank's (speed, best, busy, wall, host) on ``group`` (None: this rank
     alone), read in rank order by ``table``."""
 
-    def __init__(self, speed: float, best: float, busy: float, wall: float, host: bytes, group: Any) -> None:
-        row = torch.zeros(4 + HOST_BYTES, dtype=torch.float64)
-        row[0], row[1], row[2], row[3] = speed, best, busy, wall
-        row[4:4 + len(host)] = torch.tensor(list(host), dtype=torch.float64)
+    def __init__(self, speed: float, best: float, busy: float, wall: float, host: torch.Tensor,
+                 group: dist.ProcessGroup | None) -> None:
+        row = torch.cat([torch.tensor([speed, best, busy, wall], dtype=torch.float64), host])
         self.rows, self.work = [row], None
         if group is not None:
             self.rows = [torch.zeros_like(row) for _ in range(dist.get_world_size(group))]
