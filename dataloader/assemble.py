@@ -17,6 +17,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from freescale.dataloader.batch import Batch
+from freescale.dataloader.gather import copy_tails
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
     CANDIDATE_TIMESTAMP,
@@ -92,35 +93,50 @@ class BatchAssembler:
     def _sparse(self, arrays: dict[str, np.ndarray], cuts: np.ndarray,
                 when: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
         """Every step's KJT values and lengths, back to back (step by step, then feature by feature), int64, and
-        where each step's start in them: one concatenation of views for all the steps."""
-        steps, total = cuts.size - 1, int(cuts[-1])
-        sample_cuts = cuts.tolist()
-        value_cuts = np.zeros(steps + 1, dtype=np.int64)
-        pieces: list[tuple[list[np.ndarray], list[np.ndarray]]] = []  # per feature: each step's values, lengths
-        for feature in self.sparse_features:
+        where each step's start in them.  Each value is copied once, straight to its place: a history the source
+        left uncut (``read_runs(uncut=True)``: its buffer and each sample's end in it) is cut into it there
+        (``copy_tails``), where gathering it first and concatenating the steps' pieces after copied it twice."""
+        steps, total, features = cuts.size - 1, int(cuts[-1]), len(self.sparse_features)
+        sizes = np.diff(cuts)
+        counts = np.zeros((steps, features), dtype=np.int64)  # values of each (step, feature)
+        per_sample: list[np.ndarray] = []  # each feature's lengths, every sample's
+        drawn: list[tuple[np.ndarray, np.ndarray]] = []
+        for f, feature in enumerate(self.sparse_features):
             column, is_list = SPARSE_FEATURES[feature]
             if feature == SAMPLED_ITEMS:  # all of them under the rank's first sample
-                drawn = [self._sampled(when[j], sample_cuts[j + 1] - sample_cuts[j]) for j in range(steps)]
-                pieces.append(([v for v, _ in drawn], [n for _, n in drawn]))
-                value_cuts[1:] += np.cumsum([v.size for v, _ in drawn])
-                continue
-            flat = arrays[column] if total else np.zeros(0, dtype=np.int64)
-            if is_list:  # the source cut it to the most recent max_seq_len (gather.py)
-                per_sample = arrays[column + "@"] if total else np.zeros(0, dtype=np.int64)
-                step_values = np.concatenate([[0], np.cumsum(per_sample)])[cuts].astype(np.int64)
+                drawn = [self._sampled(when[j], int(sizes[j])) for j in range(steps)]
+                counts[:, f] = [values.size for values, _ in drawn]
+                per_sample.append(np.concatenate([n for _, n in drawn]) if steps else np.zeros(0, dtype=np.int64))
+            elif is_list:  # the source cut it to the most recent max_seq_len (gather.py), or says where to
+                lengths = arrays[column + "@"] if total else np.zeros(0, dtype=np.int64)
+                counts[:, f] = np.diff(np.concatenate([[0], np.cumsum(lengths)])[cuts])
+                per_sample.append(lengths)
             else:
-                per_sample, step_values = np.ones(total, dtype=np.int64), cuts
-            value_cuts += step_values
-            at = step_values.tolist()
-            pieces.append(([flat[at[j]:at[j + 1]] for j in range(steps)],
-                           [per_sample[sample_cuts[j]:sample_cuts[j + 1]] for j in range(steps)]))
-        values = [feature_values[j] for j in range(steps) for feature_values, _ in pieces]
-        lengths = [feature_lengths[j] for j in range(steps) for _, feature_lengths in pieces]
-        length_cuts = (cuts * len(self.sparse_features)).tolist()
-        if not values:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), value_cuts.tolist(), length_cuts
-        return (np.concatenate(values, dtype=np.int64, casting="unsafe"),
-                np.concatenate(lengths, dtype=np.int64, casting="unsafe"), value_cuts.tolist(), length_cuts)
+                counts[:, f] = sizes
+                per_sample.append(np.ones(total, dtype=np.int64))
+        starts = np.concatenate([[0], np.cumsum(counts.ravel())]).astype(np.int64)
+        values = np.empty(int(starts[-1]), dtype=np.int64)
+        at, bounds = starts.tolist(), cuts.tolist()
+        for f, feature in enumerate(self.sparse_features):
+            column, is_list = SPARSE_FEATURES[feature]
+            if feature == SAMPLED_ITEMS:
+                for j in range(steps):
+                    values[at[j * features + f]:at[j * features + f + 1]] = drawn[j][0]
+            elif is_list and column + "@end" in arrays:
+                src, ends, lengths = arrays[column + "@src"], arrays[column + "@end"], per_sample[f]
+                for j in range(steps):
+                    a, b = bounds[j], bounds[j + 1]
+                    copy_tails(src, ends[a:b], lengths[a:b], values, at[j * features + f])
+            else:
+                flat = arrays[column] if total else np.zeros(0, dtype=np.int64)
+                source_at = np.concatenate([[0], np.cumsum(counts[:, f])]).tolist()
+                for j in range(steps):
+                    values[at[j * features + f]:at[j * features + f + 1]] = flat[source_at[j]:source_at[j + 1]]
+        by_feature = np.stack(per_sample).astype(np.int64, copy=False) if features else np.zeros((0, total), np.int64)
+        step_lengths = [by_feature[:, bounds[j]:bounds[j + 1]].ravel() for j in range(steps)]
+        lengths_out = np.concatenate(step_lengths) if steps else np.zeros(0, dtype=np.int64)
+        value_cuts = starts[::features].tolist() if features else [0] * (steps + 1)
+        return values, lengths_out, value_cuts, (cuts * features).tolist()
 
     def _sampled(self, when: tuple[int, int], samples: int) -> tuple[np.ndarray, np.ndarray]:
         """``sampled_items`` ids drawn from (seed, epoch, step, rank), all under the step's first sample (none for

@@ -9,7 +9,9 @@ sized once: a compiled loop of slice copies (``nogil``, so it overlaps the
 training thread), instead of numpy's index arithmetic (repeat + arange + fancy
 index: three temporaries the size of the output, then a concatenate and a
 second pass to truncate).  That index arithmetic was most of the loader's time
-after Parquet decoding (``benchmarks/bench_loader.py``).
+after Parquet decoding (``benchmarks/bench_loader.py``).  The loader's batches go one
+step further: ``copy_tails`` writes each step's histories straight into the step's
+KJT values (``assemble.py``), from the source's buffers, with no gathered copy between.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 
 
 @numba.njit(nogil=True, cache=True)
-def _copy_tails(src: np.ndarray, ends: np.ndarray, lengths: np.ndarray, out: np.ndarray, start: int) -> int:
+def copy_tails(src: np.ndarray, ends: np.ndarray, lengths: np.ndarray, out: np.ndarray, start: int) -> int:
     """``src[ends[i] - lengths[i] : ends[i]]`` for each i, back to back into ``out`` from ``start``;
     returns where the next run goes."""
     pos = start
@@ -39,7 +41,7 @@ def gather_tails(runs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> n
     out = np.empty(total, dtype=runs[0][0].dtype if runs else np.int64)
     pos = 0
     for src, ends, lengths in runs:
-        pos = _copy_tails(src, ends, lengths, out, pos)
+        pos = copy_tails(src, ends, lengths, out, pos)
     return out
 
 
@@ -48,6 +50,7 @@ def warm_up() -> None:
     index = np.array([2], dtype=np.int64)
     for dtype in (np.int64, np.int32, np.float32, np.float64):
         gather_tails([(np.zeros(2, dtype=dtype), index, index)])
+    copy_tails(np.zeros(2, dtype=np.int32), index, index, np.zeros(2, dtype=np.int64), 0)  # (ids into a batch)
 
 
-__all__ = ["gather_tails", "warm_up"]
+__all__ = ["copy_tails", "gather_tails", "warm_up"]

@@ -180,17 +180,22 @@ class SequenceSource(RowGroupFiles):
         with self._reading:  # (the slots are shared state: the prefetch thread and a caller's reads take turns)
             return self._read_sorted(np.sort(np.asarray(samples, dtype=np.int64)))
 
-    def read_runs(self, runs: list[np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    def read_runs(self, runs: list[np.ndarray], uncut: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """``read_arrays`` of each of ``runs`` (several steps' samples) back to back, as ``RowGroupFiles.read_runs``:
         one gather per column for them all when their row groups fit in the slots together (consecutive steps
-        share their shuffle window's row groups), else run by run."""
+        share their shuffle window's row groups), else run by run.
+
+        ``uncut``: the history items may be left where they are, in the slots (``HISTORY_ITEMS + "@src"``, the
+        buffer, and ``"@end"``, where each sample's history ends in it, instead of ``HISTORY_ITEMS``), for the
+        caller to copy once, straight into its batches (``assemble.py``): hold ``read_lock()`` from the read to
+        that copy (a later read may load other row groups into those slots)."""
         sorted_runs = [np.sort(np.asarray(run, dtype=np.int64)) for run in runs]
         samples = np.concatenate(sorted_runs) if sorted_runs else np.zeros(0, dtype=np.int64)
         with self._reading:
             user, group, needed = self._located(samples)
             if needed.size > self._slots.count:
                 return concatenated([self._read_sorted(run) for run in sorted_runs])
-            arrays, kept, ok = self._read_held(samples, user, group, needed)
+            arrays, kept, ok = self._read_held(samples, user, group, needed, uncut)
         run_of = np.repeat(np.arange(len(runs)), [run.size for run in runs])
         return arrays, kept, np.bincount(run_of if ok is None else run_of[ok], minlength=len(runs)).astype(np.int64)
 
@@ -210,10 +215,10 @@ class SequenceSource(RowGroupFiles):
         arrays, kept, _ = concatenated(parts)
         return arrays, kept
 
-    def _read_held(self, samples: np.ndarray, user: np.ndarray, group: np.ndarray,
-                   needed: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray | None]:
+    def _read_held(self, samples: np.ndarray, user: np.ndarray, group: np.ndarray, needed: np.ndarray,
+                   uncut: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray | None]:
         """``samples`` (any order), their row groups ``needed`` at most as many as the slots: their columns, the
-        samples kept (in the same order) and which were (None: all)."""
+        samples kept (in the same order) and which were (None: all); ``uncut`` as in ``read_runs``."""
         slots = self._slots
         slot = slots.ensure(needed, self._load)[np.searchsorted(needed, group)]
         row = slot * slots.users + (user - self.stored_start[group])
@@ -227,25 +232,28 @@ class SequenceSource(RowGroupFiles):
                 samples, row, position = samples[ok], row[ok], position[ok]
         if not samples.size:
             return {}, samples, ok
-        return self._gather(row, position), samples, ok
+        return self._gather(row, position, uncut), samples, ok
 
     def _load(self, rg: int) -> LoadedRowGroup:
         entry = self._decode(rg)
         return entry.arrays, entry.bad
 
-    def _gather(self, row: np.ndarray, position: np.ndarray) -> dict[str, np.ndarray]:
+    def _gather(self, row: np.ndarray, position: np.ndarray, uncut: bool = False) -> dict[str, np.ndarray]:
         """Samples ``(row, position)`` (a user's row in the slots, a position in its sequence): in each list,
         the sample's own interaction (at its target) and its history (the ``max_seq_len`` before it,
-        ``gather_tails``)."""
+        ``gather_tails``; ``uncut``: where it lies, as in ``read_runs``)."""
         slots = self._slots
         history = np.minimum(position, self.max_seq_len)
         target = {name: slots.starts[name][row] + position for name in self._lists}
         items = slots.flat(ITEM_IDS)
         out = {
-            USER_ID: slots.user_ids[row],
-            HISTORY_ITEMS: gather_tails([(items, target[ITEM_IDS], history)]), HISTORY_ITEMS + "@": history,
+            USER_ID: slots.user_ids[row], HISTORY_ITEMS + "@": history,
             CANDIDATE_ITEM: items[target[ITEM_IDS]], LABEL: slots.flat(LABELS)[target[LABELS]],
         }
+        if uncut:
+            out[HISTORY_ITEMS + "@src"], out[HISTORY_ITEMS + "@end"] = items, target[ITEM_IDS]
+        else:
+            out[HISTORY_ITEMS] = gather_tails([(items, target[ITEM_IDS], history)])
         if HISTORY_TIMESTAMPS in self.columns:
             out[HISTORY_TIMESTAMPS] = gather_tails([(slots.flat(TIMESTAMPS), target[TIMESTAMPS], history)])
             out[HISTORY_TIMESTAMPS + "@"] = history

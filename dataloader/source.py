@@ -121,9 +121,10 @@ class RowGroupFiles(ABC):
         self.decoded_bytes = 0
         """Arrow bytes of every row group decoded so far (cache misses only): the read's real cost."""
         self._readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
-        self._reading = threading.Lock()
+        self._reading = threading.RLock()
         """Held by a read (and by ``close``): the decoded row groups (a cache, or format 2's slots) and the open
-        files are shared state, and the prefetch thread's reads may meet a caller's (``BalancedLoader.batch_of``)."""
+        files are shared state, and the prefetch thread's reads may meet a caller's (``BalancedLoader.batch_of``).
+        Re-entrant: a caller holds it across a read whose answer points into those buffers (``read_lock``)."""
 
     @abstractmethod
     def check_schema(self, schema: pa.Schema, where: str) -> None:
@@ -142,10 +143,16 @@ class RowGroupFiles(ABC):
         """Rows (global ids, any order) as numpy, ascending: per column its values, a list column ``name``'s
         lengths as ``name@``; and the rows returned (``skip`` mode drops bad ones)."""
 
-    def read_runs(self, runs: list[np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    def read_runs(self, runs: list[np.ndarray], uncut: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """``read_arrays`` of each of ``runs`` (several steps' rows), back to back: the columns, the rows kept
-        and how many of them each run kept (format 2 reads them all in one gather)."""
+        and how many of them each run kept (format 2 reads them all in one gather).  ``uncut``: the caller may take
+        the history uncut (format 2's ``read_runs``); format 1's is always cut."""
         return concatenated([self.read_arrays(run) for run in runs])
+
+    def read_lock(self) -> threading.RLock:
+        """The lock every read holds: held across an ``uncut`` read and the use of its answer, no other read (a
+        caller's ``read_arrays`` on another thread) replaces the buffers that answer points into meanwhile."""
+        return self._reading
 
     def read_column_per_file(self, columns: list[str]) -> list[pa.Table]:
         """Small columns of every file (lengths for the planner), each file's in one table."""

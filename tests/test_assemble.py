@@ -82,6 +82,16 @@ def test_steps_built_together_equal_each_built_alone() -> None:
             assert batch.sparse[SAMPLED_ITEMS].lengths().tolist() == [4] + [0] * (int(sizes[j]) - 1)
             assert torch.equal(batch.sparse[HISTORY_ITEMS].values(), torch.from_numpy(arrays[HISTORY_ITEMS][va:vb]))
     assert not together[1].sparse.values().numel() and together[1].dense.shape == (0, 3)
+    # The history left uncut (its buffer, each sample's end in it: read_runs(uncut=True)) gives the same batches.
+    buffer_gap = rng.integers(0, 50, 3 * int(history.sum()) + 10)
+    ends = np.cumsum(history + 2) + 3  # runs apart in a larger buffer, with values between them
+    for i, (end, length) in enumerate(zip(ends.tolist(), history.tolist())):
+        a = int(np.concatenate([[0], np.cumsum(history)])[i])
+        buffer_gap[end - length:end] = arrays[HISTORY_ITEMS][a:a + length]
+    uncut = {key: value for key, value in arrays.items() if key != HISTORY_ITEMS}
+    uncut[HISTORY_ITEMS + "@src"], uncut[HISTORY_ITEMS + "@end"] = buffer_gap.astype(np.int32), ends
+    for batch, expected in zip(assembler.batches(uncut, StepRows(sizes, costs, scales, when)), together):
+        assert same(batch, expected)
 
 
 def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_batches_of_one_at_a_time(
@@ -96,8 +106,8 @@ def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_ba
         reads: list[int] = []
         for loader in loaders:
             read_runs = loader.source.read_runs
-            loader.source.read_runs = lambda runs, read_runs=read_runs, reads=reads: (  # type: ignore[method-assign]
-                reads.append(len(runs)) or read_runs(runs))
+            loader.source.read_runs = lambda runs, uncut=False, read_runs=read_runs, reads=reads: (  # type: ignore[method-assign]
+                reads.append(len(runs)) or read_runs(runs, uncut))
         steps = []
         for _ in range(2 * loaders[0].steps_per_epoch):  # two epochs: a read never crosses into the next
             for loader in loaders:
@@ -156,10 +166,10 @@ def test_a_failure_only_reads_of_several_steps_meet_is_logged_and_every_step_sti
                               derived_cost=CostModel(1.0, 2.0, 8.0), seed=3)
         read_runs = loader.source.read_runs
 
-        def only_one_step(runs: list[np.ndarray], read_runs=read_runs) -> object:  # type: ignore[no-untyped-def]
+        def only_one_step(runs: list[np.ndarray], uncut=False, read_runs=read_runs) -> object:  # type: ignore[no-untyped-def]
             if len(runs) > 1:
                 raise MemoryError("a read of several steps")
-            return read_runs(runs)
+            return read_runs(runs, uncut)
 
         loader.source.read_runs = only_one_step  # type: ignore[method-assign]
         with caplog.at_level("WARNING", logger="freescale.dataloader"):
