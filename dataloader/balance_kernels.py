@@ -197,6 +197,27 @@ def _members(part_of: np.ndarray, order: np.ndarray, num_parts: int) -> tuple[np
 
 
 @numba.njit(**_JIT)
+def lpt_refined_steps(costs: np.ndarray, steps: int, num_parts: int, equal_count: bool, refine_steps: int,
+                      partners: int, resolution: float, tolerance: float, head_share: float, tail_tolerance: float,
+                      max_count: int, count_ceiling: int, speeds: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """``lpt_refined`` of each of ``steps`` equal slices of ``costs`` (one step's samples each), in one call: every
+    step's parts as CSR of positions in its own slice (``index``, back to back) and its offsets (row ``j`` of a
+    ``steps x (num_parts + 1)`` array); ``bad`` the first bad sample (in ``costs``) or -1, as ``lpt_refined``."""
+    n = costs.size // steps
+    index = np.empty(costs.size, dtype=np.int64)
+    offsets = np.zeros((steps, num_parts + 1), dtype=np.int64)
+    for j in range(steps):
+        step_index, step_offsets, bad = lpt_refined(
+            costs[j * n:(j + 1) * n], num_parts, equal_count, refine_steps, partners, resolution, tolerance,
+            head_share, tail_tolerance, max_count, count_ceiling, speeds)
+        if bad >= 0:
+            return index, offsets, j * n + bad
+        index[j * n:(j + 1) * n] = step_index
+        offsets[j] = step_offsets
+    return index, offsets, -1
+
+
+@numba.njit(**_JIT)
 def members_of(owner: np.ndarray, num_parts: int) -> tuple[np.ndarray, np.ndarray]:
     """CSR of an owner-per-sample array, members ascending (see ``_members``)."""
     return _members(owner, np.arange(owner.size), num_parts)
@@ -338,6 +359,7 @@ def warm_up() -> None:
     costs = np.array([3.0, 1.0, 2.0, 2.0, 5.0, 0.5])
     for equal_count in (False, True):
         lpt_refined(costs, 2, equal_count, 8, 2, 1e-5, 1e-3, 0.25, 1e-3, 6, 6, np.ones(2))
+        lpt_refined_steps(costs, 2, 2, equal_count, 8, 2, 1e-5, 1e-3, 0.25, 1e-3, 6, 6, np.ones(2))
     members_of(np.array([1, 0, 1], dtype=np.int64), 2)
     index = np.array([1, 0], dtype=np.int64)
     take(costs, index)

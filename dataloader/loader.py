@@ -48,13 +48,14 @@ from freescale.dataloader.assemble import SPARSE_FEATURES, BatchAssembler
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.partition import Parts
-from freescale.dataloader.planner import BatchPlanner, StepPlan
+from freescale.dataloader.planner import BatchPlanner
 from freescale.dataloader.reshape import SHAPE_KEYS, remainder, shape_of, start_remainder
 from freescale.dataloader.schema import (
     DataError,
 )
 from freescale.dataloader.sequence_source import SequenceSource
 from freescale.dataloader.source import ParquetSource
+from freescale.dataloader.step_plan import StepPlan
 from freescale.dataloader.step_reader import StepInfo, StepReader
 
 
@@ -392,11 +393,11 @@ class BalancedLoader:
 
     def _make(self, epoch: int, first: int, live: tuple[int, ...], count: int) -> list[tuple[dict[str, Any], Batch, float]]:
         """Steps ``first .. first + count - 1`` of ``epoch`` (all in it): each one's info, batch and the seconds its
-        rows took to read and assemble (a share of the whole: the read is one).  The steps are planned one by one
-        (the same plans as one at a time), their rows read together (``read_runs``: one gather for them all) and
+        rows took to read and assemble (a share of the whole: the read is one).  The steps are planned together
+        (``plan_steps``: the same plans as one at a time), their rows read together (``read_runs``: one gather for them all) and
         their batches built together (``assemble``)."""
         with self._planning:
-            plans = [self.planner.plan(epoch, step, live) for step in range(first, first + count)]
+            plans = self.planner.plan_steps(epoch, first, count, live)
         return self.reader.read(plans)
 
     def read_planned(self, epoch: int, step: int, live_ranks: tuple[int, ...], plan_rows: Parts) -> tuple[StepInfo, Batch]:

@@ -202,15 +202,38 @@ def lpt(costs: np.ndarray, num_parts: int, equal_count: bool = False, capacities
     their costs; None: every part alike."""
     costs = np.ascontiguousarray(costs, dtype=np.float64)
     speeds = np.ones(num_parts) if capacities is None else checked_capacities(capacities, num_parts)
-    index, offsets, bad = balance_kernels.lpt_refined(
-        costs, num_parts, equal_count, 4 * num_parts + 64, LPT_REFINE_PARTNERS, LPT_RESOLUTION, LPT_TOLERANCE,
-        LPT_HEAD_SHARE, LPT_TAIL_TOLERANCE if num_parts > LPT_TAIL_TOLERANCE_FROM_PARTS else LPT_TOLERANCE,
-        -(-LPT_MAX_COUNT_SHARE * costs.size // max(num_parts, 1)),
-        -(-LPT_COUNT_CEILING_SHARE * costs.size // max(num_parts, 1)), speeds)
+    index, offsets, bad = balance_kernels.lpt_refined(costs, num_parts, equal_count, *_lpt_settings(costs.size, num_parts),
+                                                      speeds)
+    _raise_if_bad(costs, bad)
+    return Parts(index, offsets)
+
+
+def lpt_steps(costs: np.ndarray, steps: int, num_parts: int, equal_count: bool = False) -> list[Parts]:
+    """``partition("lpt", ...)`` of each of ``steps`` equal slices of ``costs`` (a step's samples each), the same
+    parts, in one compiled call: several steps planned at once pay no Python call a step (``BatchPlanner``)."""
+    costs = np.ascontiguousarray(costs, dtype=np.float64)
+    n = costs.size // steps
+    index, offsets, bad = balance_kernels.lpt_refined_steps(
+        costs, steps, num_parts, equal_count, *_lpt_settings(n, num_parts), np.ones(num_parts))
+    if bad >= 0:  # (named within its step, as a plan of that step alone names it)
+        _raise_if_bad(costs[bad - bad % n:], bad % n)
+    parts = [Parts(index[j * n:(j + 1) * n], offsets[j]) for j in range(steps)]
+    if n >= num_parts and (offsets[:, 1:] > offsets[:, :-1]).all():  # (every part of every step holds a sample)
+        return parts
+    return [fill_empty(costs[j * n:(j + 1) * n], part) for j, part in enumerate(parts)]
+
+
+def _lpt_settings(samples: int, num_parts: int) -> tuple[int, int, float, float, float, float, int, int]:
+    """``lpt_refined``'s arguments between ``equal_count`` and ``speeds`` for ``samples`` over ``num_parts``."""
+    return (4 * num_parts + 64, LPT_REFINE_PARTNERS, LPT_RESOLUTION, LPT_TOLERANCE, LPT_HEAD_SHARE,
+            LPT_TAIL_TOLERANCE if num_parts > LPT_TAIL_TOLERANCE_FROM_PARTS else LPT_TOLERANCE,
+            -(-LPT_MAX_COUNT_SHARE * samples // max(num_parts, 1)), -(-LPT_COUNT_CEILING_SHARE * samples // max(num_parts, 1)))
+
+
+def _raise_if_bad(costs: np.ndarray, bad: int) -> None:
     if bad >= 0:
         raise ValueError(f"sample {bad} has cost {float(costs[bad])}: costs must be finite and >= 0, with a "
                          f"finite sum")
-    return Parts(index, offsets)
 
 
 def checked_capacities(capacities: np.ndarray | list[float], num_parts: int) -> np.ndarray:

@@ -60,7 +60,8 @@ from freescale.dataloader import balance_kernels
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.epoch_order import EpochOrder
 from freescale.dataloader.local_plan import local_window_owner
-from freescale.dataloader.partition import Parts, load_time_imbalance, partition, time_lower_bound
+from freescale.dataloader.partition import Parts, lpt_steps, partition
+from freescale.dataloader.step_plan import StepPlan
 
 _WINDOWS_KEPT = 8
 T = TypeVar("T")
@@ -80,50 +81,6 @@ class _Schedule(Generic[T]):
     def at(self, epoch: int, step: int) -> T:
         """The value in force at ``(epoch, step)``."""
         return [value for start, value in self._entries if start <= (epoch, step)][-1]
-
-
-@dataclass
-class StepPlan:
-    """One step: global row ids and per-sample costs for each live rank (``Parts``: one
-    part per entry of ``live_ranks``, in that order).
-
-    ``rows``/``costs`` include the step's carried (requeued) rows; ``carried`` counts
-    them over all ranks.  Within a rank, rows are in the partitioner's order (ascending
-    when the step carries rows); the source reads them in ascending order.
-    """
-
-    epoch: int
-    step: int
-    live_ranks: tuple[int, ...]
-    rows: Parts
-    costs: Parts
-    model: CostModel
-    carried: int = 0
-    capacities: np.ndarray | None = None
-    """Each live rank's speed the step was planned with (None: all alike)."""
-
-    @property
-    def global_size(self) -> int:
-        return int(self.rows.index.size)
-
-    def loads(self) -> np.ndarray:
-        return self.costs.totals()
-
-    def imbalance(self) -> float:
-        """The slowest rank's time over a split in proportion to the ranks' speeds (their costs, all alike)."""
-        return self.balance()[0]
-
-    def bound(self) -> float:
-        """No split of this step's samples over its ranks does better than this imbalance."""
-        return self.balance()[1]
-
-    def balance(self) -> tuple[float, float]:
-        """``(imbalance(), bound())``, in one pass when the ranks are alike."""
-        if self.capacities is None:
-            return balance_kernels.part_balance(np.ascontiguousarray(self.costs.index, dtype=np.float64),
-                                                self.costs.offsets)
-        return (load_time_imbalance(self.loads(), self.capacities),
-                time_lower_bound(self.costs.index, len(self.live_ranks), self.capacities))
 
 
 @dataclass
@@ -256,6 +213,24 @@ class BatchPlanner:
             costs = Parts(self.costs(win.model, rows.index), rows.offsets)
         return StepPlan(epoch, step, ranks, rows, costs, win.model, 0 if carried is None else int(carried.size),
                         speeds)
+
+    def plan_steps(self, epoch: int, first: int, count: int, live_ranks: tuple[int, ...]) -> list[StepPlan]:
+        """``plan`` of ``count`` steps of ``epoch`` from ``first``: the same plans, the one-step windows among them
+        not planned yet partitioned in one call (``lpt_steps``: no Python call a step) where they plan alike."""
+        ranks = tuple(live_ranks)
+        todo = [step for step in range(first, first + count) if (epoch, step) not in self._windows]
+        if (len(todo) > 1 and self.window == 1 and self.partitioner == "lpt" and not self.locality
+                and not self.keep_partial and todo[-1] - todo[0] == len(todo) - 1
+                and all(self._models.at(epoch, step) == self._models.at(epoch, todo[0])
+                        and _speeds(self._capacity_plan.at(epoch, step), ranks) is None for step in todo)):
+            g, model = self.global_batch_size, self._models.at(epoch, todo[0])
+            samples = self.epoch_rows(epoch)[todo[0] * g:(todo[-1] + 1) * g]
+            costs = self.costs(model, samples)
+            for j, part in enumerate(lpt_steps(costs, len(todo), len(ranks), self.equal_count)):
+                step, rows = todo[j], slice(j * g, (j + 1) * g)
+                self._remember(_Window(epoch, step, step, model, ranks, samples[rows], costs[rows], [(ranks, part)],
+                                       capacities=self._capacity_plan.at(epoch, step)))
+        return [self.plan(epoch, step, ranks) for step in range(first, first + count)]
 
     def plan_window(self, epoch: int, step: int, live_ranks: tuple[int, ...]) -> None:
         """Plan the window holding ``(epoch, step)`` now, if it is not planned yet (planning ahead)."""

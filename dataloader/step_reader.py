@@ -18,9 +18,10 @@ import numpy as np
 from freescale.dataloader.assemble import BatchAssembler, StepRows
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.partition import Parts
-from freescale.dataloader.planner import BatchPlanner, StepPlan
+from freescale.dataloader.planner import BatchPlanner
 from freescale.dataloader.sequence_source import SequenceSource
 from freescale.dataloader.source import ParquetSource
+from freescale.dataloader.step_plan import StepPlan
 
 
 @dataclass

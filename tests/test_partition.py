@@ -23,11 +23,13 @@ from freescale.dataloader.partition import (
     imbalance,
     lower_bound,
     lpt,
+    lpt_steps,
     partition,
     round_robin,
     time_imbalance,
     time_lower_bound,
 )
+from freescale.dataloader import planner as planner_module
 from freescale.dataloader.planner import BatchPlanner
 
 costs_st = st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=0, max_size=300).map(np.array)
@@ -487,3 +489,53 @@ def test_a_plans_balance_in_one_pass_equals_the_partition_measures(costs: np.nda
     ordered = np.ascontiguousarray(costs[split.index], dtype=np.float64)
     got = balance_kernels.part_balance(ordered, split.offsets)
     assert got == pytest.approx((imbalance(costs, split), lower_bound(costs, parts)), rel=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 40), st.integers(1, 9), st.booleans(), st.integers(0, 2**31))
+def test_steps_partitioned_in_one_call_equal_each_partitioned_alone(steps: int, per_step: int, parts: int,
+                                                                    equal: bool, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    costs = np.where(rng.random(steps * per_step) < 0.2, 0.0, rng.lognormal(0, 1.5, steps * per_step))
+    together = lpt_steps(costs, steps, parts, equal)
+    for j, part in enumerate(together):
+        alone = partition("lpt", costs[j * per_step:(j + 1) * per_step], None, parts, equal)
+        assert np.array_equal(part.index, alone.index) and np.array_equal(part.offsets, alone.offsets)
+    costs[(steps - 1) * per_step + per_step // 2] = np.nan  # named within its step, as a step planned alone names it
+    with pytest.raises(ValueError, match=f"sample {per_step // 2} has cost nan"):
+        lpt_steps(costs, steps, parts, equal)
+
+
+@pytest.mark.parametrize("equal_count", [False, True])
+def test_steps_planned_together_equal_steps_planned_one_at_a_time(equal_count: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan_steps`` (the prefetching loader's) against ``plan``: across live-rank changes, a carry, a new cost
+    model and ranks of other speeds from a step on (those windows planned one by one)."""
+    together_calls: list[int] = []
+    monkeypatch.setattr(planner_module, "lpt_steps", lambda costs, steps, *args: together_calls.append(steps) or
+                        lpt_steps(costs, steps, *args))
+    rng = np.random.default_rng(5)
+    lengths = np.clip(np.rint(rng.lognormal(3, 1.2, 3_000)), 1, 300).astype(np.int64)
+    planners = []
+    for _ in range(2):
+        order = EpochOrder(np.full(30, 100), seed=3, shuffle=True, window_row_groups=3)
+        planner = BatchPlanner(lengths, order, cost_model=CostModel(1e-3, 1.0, 1.0), partitioner="lpt",
+                               global_batch_size=48, equal_count=equal_count)
+        planner.windows_kept = 64
+        planner.requeue(0, 9, np.array([5, 17, 230]))
+        planner.set_cost_model(CostModel(2e-3, 1.0, 0.5), 0, 20)
+        planner.set_capacities({1: 2.0}, 0, 40)
+        planners.append(planner)
+    one, together = planners
+    plans = []
+    for first, count, ranks in [(0, 8, (0, 1, 2)), (8, 8, (0, 1, 2)), (16, 8, (0, 2)), (24, 8, (0, 1, 2, 3)),
+                                (32, 8, (0, 1, 2)), (40, 8, (0, 1, 2)), (48, 6, (1, 2))]:
+        plans += together.plan_steps(0, first, count, ranks)
+        for step, plan in zip(range(first, first + count), plans[-count:]):
+            alone = one.plan(0, step, ranks)
+            assert plan.live_ranks == alone.live_ranks and plan.carried == alone.carried and plan.model == alone.model
+            assert np.array_equal(plan.rows.index, alone.rows.index) and np.array_equal(plan.rows.offsets, alone.rows.offsets)
+            assert np.array_equal(plan.costs.index, alone.costs.index)
+    assert together_calls == [8, 8, 8, 8]  # (not 16-23: a new model at 20; not from 40: ranks of other speeds)
+    assert sorted(np.concatenate([p.rows.index for p in plans]).tolist()) == sorted(
+        np.concatenate([one.epoch_rows(0)[:54 * 48], [5, 17, 230]]).tolist())
