@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, init_from_local_shards
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 ROWWISE = "rowwise"
@@ -112,22 +112,30 @@ def is_rowwise_state(state: Any, weight: Any) -> bool:
             and weight.dim() == 2 and state.size(0) % weight.size(0) == 0)
 
 
-def fragments(state: ShardedTensor, weight: ShardedTensor, name: str,
+def fragments(state: ShardedTensor | None, weight: ShardedTensor, name: str, dtype: torch.dtype,
               group: Any = None) -> tuple[ShardedTensor, RowwiseLayout]:
-    """Collective over ``group`` (default: the default group): ``state`` (torchrec's row-wise layout) as the logical
-    ``[rows, S]`` fragments tensor, each local shard a view of the live state (nothing copied)."""
+    """``state`` (torchrec's row-wise layout, of ``dtype``; None on a rank holding no shard of the table) as the
+    logical ``[rows, S]`` fragments tensor, each local shard a view of the live state (nothing copied).  No
+    collective: one fragment per shard of the weight, placed where that shard is (a row-wise state's shards lie
+    with the weight's), declared from the weight's global metadata, which every rank holds alike (building it
+    collectively, ``init_from_local_shards``, cost every save a pickled all-gather per table on the writer's
+    thread, beside the training's steps)."""
     layout = layout_of(weight, name)
+    declared = {(int(m.shard_offsets[0]), int(m.shard_offsets[1])): ShardMetadata(
+        shard_offsets=[int(m.shard_offsets[0]), layout.cuts.index(int(m.shard_offsets[1]))],
+        shard_sizes=[int(m.shard_sizes[0]), 1], placement=m.placement) for m in weight.metadata().shards_metadata}
     where = _optimizer_spans(weight, name)
     local = []
-    for shard in state.local_shards():
+    for shard in state.local_shards() if state is not None else []:
         span = where.get(int(shard.metadata.shard_offsets[0]))
         if span is None:
             raise LayoutError(f"table '{name}': a row-wise state shard at offset {shard.metadata.shard_offsets[0]} "
                               "matches no shard of the table")
-        column = layout.cuts.index(span.c0)
-        local.append(Shard(shard.tensor.view(-1, 1), ShardMetadata(
-            shard_offsets=[span.r0, column], shard_sizes=[span.r1 - span.r0, 1], placement=shard.metadata.placement)))
-    return init_from_local_shards(local, layout.rows, len(layout.cuts) - 1, process_group=group), layout
+        local.append(Shard(shard.tensor.view(-1, 1), declared[(span.r0, span.c0)]))
+    global_meta = ShardedTensorMetadata(
+        shards_metadata=list(declared.values()), size=torch.Size([layout.rows, len(layout.cuts) - 1]),
+        tensor_properties=TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_meta, process_group=group), layout
 
 
 def destination(state: ShardedTensor, weight: ShardedTensor, saved: RowwiseLayout, name: str) -> ShardedTensor:
@@ -240,9 +248,11 @@ def to_logical(model: dict[str, Any], optim: dict[str, Any],
     """Collective over ``group`` (default: the default group).  The app state DCP writes (``model``;
     ``optim`` without its row-wise states, which move to ``ROWWISE`` as fragments) and each row-wise
     state's layout (for the checkpoint's metadata).  ``optim`` is changed in place.  A rank holding no
-    shard of a table has no optimizer state for it, so the ranks first agree on the list."""
+    shard of a table has no optimizer state for it, so the ranks first agree on the list (and each state's dtype):
+    the one collective, whatever the tables (``fragments`` declares each from its weight's metadata)."""
     states = optim.get("state", {})
-    mine = sorted((p, k) for p, entries in states.items() for k, v in entries.items() if is_rowwise_state(v, model.get(p)))
+    mine = sorted((p, k, str(v.dtype).removeprefix("torch.")) for p, entries in states.items()
+                  for k, v in entries.items() if is_rowwise_state(v, model.get(p)))
     everyone: list[Any] = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
     if dist.is_initialized():
         dist.all_gather_object(everyone, mine, group=group)
@@ -250,14 +260,11 @@ def to_logical(model: dict[str, Any], optim: dict[str, Any],
         everyone = [mine]
     pieces: dict[str, ShardedTensor] = {}
     layouts: dict[str, dict[str, Any]] = {}
-    for param_key, state_key in sorted({tuple(k) for keys in everyone for k in keys}):
+    for param_key, state_key, dtype in sorted({tuple(k) for keys in everyone for k in keys}):
         weight, name = model[param_key], table_name(param_key)
         state = states.get(param_key, {}).pop(state_key, None)
         key = f"{param_key}/{state_key}"
-        if state is None:
-            pieces[key], layout = _no_fragments(weight, name, group)
-        else:
-            pieces[key], layout = fragments(state, weight, name, group)
+        pieces[key], layout = fragments(state, weight, name, getattr(torch, dtype), group)
         layouts[key] = layout.to_json()
     return _app_state(model, _without_empty(optim), pieces), layouts
 
@@ -310,12 +317,6 @@ def _merge_back(tree: Any, loaded: Any) -> None:
             _merge_back(tree[k], loaded[k])
         else:
             tree[k] = loaded[k]
-
-
-def _no_fragments(weight: ShardedTensor, name: str, group: Any) -> tuple[ShardedTensor, RowwiseLayout]:
-    """This rank's part of ``fragments`` for a table it holds no shard of."""
-    layout = layout_of(weight, name)
-    return init_from_local_shards([], layout.rows, len(layout.cuts) - 1, process_group=group), layout
 
 
 @dataclass
