@@ -1,11 +1,12 @@
 """A read's numpy columns -> one ``Batch`` per step, several steps in one pass.
 
 The loader reads several steps' rows at once (``source.read_runs``: their samples back to back, step by
-step).  Here the steps' batches are built from that one read without a loop over samples and with one copy
-per kind of tensor for all the steps: the sparse features' values and lengths in one concatenation (step by
-step, feature by feature: each step's KJT is one contiguous stretch), dense features, labels and costs
-converted once; each step's tensors are then views of those (a step's batch keeps its steps' buffers alive:
-a few batches' worth).  Per step, only the KJT and the ``Batch`` are built.
+step).  Here the steps' batches are built from that one read without a loop over samples and with one buffer
+per kind of tensor for all the steps: the sparse features' values and lengths (step by step, feature by
+feature: each step's KJT is one contiguous stretch), every value copied once straight to its place (a
+history format 2 left in its buffers, ``read_runs(uncut=True)``, cut into it there), dense features, labels
+and costs converted once; each step's tensors are then views of those (a step's batch keeps its steps'
+buffers alive: a few batches' worth).  Per step, only the KJT and the ``Batch`` are built.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class StepRows:
 @dataclass
 class BatchAssembler:
     """This rank's batches from a read's columns (``read_arrays``/``read_runs``: a list column ``name`` has its
-    per-sample lengths as ``name@``; histories already cut)."""
+    per-sample lengths as ``name@``; its values cut, or, from ``read_runs(uncut=True)``, its buffer ``name@src``
+    and each sample's end in it ``name@end``, valid while the caller holds the source's ``read_lock``)."""
 
     sparse_features: list[str]
     dense_dim: int

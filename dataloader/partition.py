@@ -213,6 +213,8 @@ def lpt_steps(costs: np.ndarray, steps: int, num_parts: int, equal_count: bool =
     parts, in one compiled call: several steps planned at once pay no Python call a step (``BatchPlanner``)."""
     costs = np.ascontiguousarray(costs, dtype=np.float64)
     n = costs.size // steps
+    if n * steps != costs.size:
+        raise ValueError(f"{costs.size} costs are not {steps} steps of equal size")
     index, offsets, bad = balance_kernels.lpt_refined_steps(
         costs, steps, num_parts, equal_count, *_lpt_settings(n, num_parts), np.ones(num_parts))
     if bad >= 0:  # (named within its step, as a plan of that step alone names it)

@@ -217,6 +217,8 @@ class BatchPlanner:
     def plan_steps(self, epoch: int, first: int, count: int, live_ranks: tuple[int, ...]) -> list[StepPlan]:
         """``plan`` of ``count`` steps of ``epoch`` from ``first``: the same plans, the one-step windows among them
         not planned yet partitioned in one call (``lpt_steps``: no Python call a step) where they plan alike."""
+        if not (0 <= first and count >= 0 and first + count <= self.steps_in(epoch)):
+            raise IndexError(f"steps {first}..{first + count - 1} outside the epoch's {self.steps_in(epoch)} steps")
         ranks = tuple(live_ranks)
         todo = [step for step in range(first, first + count) if (epoch, step) not in self._windows]
         if (len(todo) > 1 and self.window == 1 and self.partitioner == "lpt" and not self.locality

@@ -116,24 +116,41 @@ def fragments(state: ShardedTensor | None, weight: ShardedTensor, name: str, dty
               group: Any = None) -> tuple[ShardedTensor, RowwiseLayout]:
     """``state`` (torchrec's row-wise layout, of ``dtype``; None on a rank holding no shard of the table) as the
     logical ``[rows, S]`` fragments tensor, each local shard a view of the live state (nothing copied).  No
-    collective: one fragment per shard of the weight, placed where that shard is (a row-wise state's shards lie
+    collective: one fragment per non-empty shard of the weight, where that shard is (a row-wise state's shards lie
     with the weight's), declared from the weight's global metadata, which every rank holds alike (building it
     collectively, ``init_from_local_shards``, cost every save a pickled all-gather per table on the writer's
-    thread, beside the training's steps)."""
+    thread, beside the training's steps).  Empty shards (row-wise sharding gives the ranks past the last rows
+    none, all at the same offset) hold nothing to save and are left out."""
     layout = layout_of(weight, name)
-    declared = {(int(m.shard_offsets[0]), int(m.shard_offsets[1])): ShardMetadata(
-        shard_offsets=[int(m.shard_offsets[0]), layout.cuts.index(int(m.shard_offsets[1]))],
-        shard_sizes=[int(m.shard_sizes[0]), 1], placement=m.placement) for m in weight.metadata().shards_metadata}
     where = _optimizer_spans(weight, name)
-    local = []
+    held: dict[tuple[int, int], Shard] = {}  # this rank's state shards by the (row, column) where they start
     for shard in state.local_shards() if state is not None else []:
         span = where.get(int(shard.metadata.shard_offsets[0]))
         if span is None:
             raise LayoutError(f"table '{name}': a row-wise state shard at offset {shard.metadata.shard_offsets[0]} "
                               "matches no shard of the table")
-        local.append(Shard(shard.tensor.view(-1, 1), declared[(span.r0, span.c0)]))
+        if span.r1 > span.r0:
+            held[(span.r0, span.c0)] = shard
+    me = dist.get_rank() if dist.is_initialized() else 0
+    declared, local = [], []
+    for m in weight.metadata().shards_metadata:
+        (r0, c0), rows = (int(m.shard_offsets[0]), int(m.shard_offsets[1])), int(m.shard_sizes[0])
+        if rows == 0:
+            continue
+        ours = held.pop((r0, c0), None) if m.placement is not None and m.placement.rank() == me else None
+        if ours is None and m.placement is not None and m.placement.rank() == me:
+            raise LayoutError(f"table '{name}': this rank holds its rows [{r0}, {r0 + rows}) from column {c0} "
+                              "but no row-wise optimizer state for them")
+        meta = ShardMetadata(shard_offsets=[r0, layout.cuts.index(c0)], shard_sizes=[rows, 1],
+                             placement=m.placement if ours is None else ours.metadata.placement)
+        declared.append(meta)
+        if ours is not None:
+            local.append(Shard(ours.tensor.view(-1, 1), meta))
+    if held:
+        raise LayoutError(f"table '{name}': row-wise state rows from {sorted(held)[0][0]} on this rank, where the "
+                          "table's shard is not")
     global_meta = ShardedTensorMetadata(
-        shards_metadata=list(declared.values()), size=torch.Size([layout.rows, len(layout.cuts) - 1]),
+        shards_metadata=declared, size=torch.Size([layout.rows, len(layout.cuts) - 1]),
         tensor_properties=TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False))
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_meta, process_group=group), layout
 
@@ -260,7 +277,11 @@ def to_logical(model: dict[str, Any], optim: dict[str, Any],
         everyone = [mine]
     pieces: dict[str, ShardedTensor] = {}
     layouts: dict[str, dict[str, Any]] = {}
+    named: dict[tuple[str, str], str] = {}
     for param_key, state_key, dtype in sorted({tuple(k) for keys in everyone for k in keys}):
+        if named.setdefault((param_key, state_key), dtype) != dtype:
+            raise LayoutError(f"table '{table_name(param_key)}': its row-wise state '{state_key}' is "
+                              f"{named[(param_key, state_key)]} on one rank and {dtype} on another")
         weight, name = model[param_key], table_name(param_key)
         state = states.get(param_key, {}).pop(state_key, None)
         key = f"{param_key}/{state_key}"

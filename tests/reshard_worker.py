@@ -153,6 +153,35 @@ def rank_counts(dmp: Any, group: Any, rank: int) -> dict[str, Any]:
     return out
 
 
+def fewer_rows_than_ranks(rank: int, group: Any, world: int) -> list[Any]:
+    """``reshard.fragments`` of a row-wise table of one row over ``world`` ranks, as torchrec shards it (the ranks
+    past its row hold empty shards, all at offset 1), on every rank: ``[rank, local fragments, declared shards,
+    values kept]`` of each (gathered over ``group``)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    from freescale.reshard import fragments
+
+    def sharded(size: list[int], offsets: list[list[int]], sizes: list[list[int]], local: torch.Tensor) -> Any:
+        metas = [ShardMetadata(shard_offsets=o, shard_sizes=z, placement=f"rank:{r}/cpu")
+                 for r, (o, z) in enumerate(zip(offsets, sizes))]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            [Shard(local, metas[rank])], ShardedTensorMetadata(metas, torch.Size(size), TensorProperties(torch.float32)),
+            process_group=group)
+
+    rows = [1] + [0] * (world - 1)
+    starts = [0] + [1] * (world - 1)
+    weight = sharded([1, 4], [[s, 0] for s in starts], [[n, 4] for n in rows], torch.ones(rows[rank], 4))
+    state = sharded([1], [[s] for s in starts], [[n] for n in rows], torch.full((rows[rank],), 7.0))
+    out, _ = fragments(state, weight, "one_row_table", torch.float32, group)
+    mine = [rank, len(out.local_shards()), len(out.metadata().shards_metadata),
+            all(torch.equal(s.tensor, torch.full((1, 1), 7.0)) for s in out.local_shards())]
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine, group=group)
+    return every
+
+
 def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]], ranks: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
@@ -182,6 +211,8 @@ def main(rank: int, port: int, tmp: str, phases: list[dict[str, Any]], ranks: in
                 dmp.load_state_dict(model)
                 dmp.fused_optimizer.load_state_dict(optim)
                 result["notes"] = notes
+                if world > 2:
+                    result["fewer_rows_than_ranks"] = fewer_rows_than_ranks(rank, group, world)
             result["ranks"] = rank_counts(dmp, group, rank)
             from freescale.digest import logical_digest
 

@@ -90,7 +90,7 @@ def test_steps_built_together_equal_each_built_alone() -> None:
         buffer_gap[end - length:end] = arrays[HISTORY_ITEMS][a:a + length]
     uncut = {key: value for key, value in arrays.items() if key != HISTORY_ITEMS}
     uncut[HISTORY_ITEMS + "@src"], uncut[HISTORY_ITEMS + "@end"] = buffer_gap.astype(np.int32), ends
-    for batch, expected in zip(assembler.batches(uncut, StepRows(sizes, costs, scales, when)), together):
+    for batch, expected in zip(assembler.batches(uncut, StepRows(sizes, costs, scales, when)), together, strict=True):
         assert same(batch, expected)
 
 

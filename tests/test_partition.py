@@ -539,3 +539,17 @@ def test_steps_planned_together_equal_steps_planned_one_at_a_time(equal_count: b
     assert together_calls == [8, 8, 8, 8]  # (not 16-23: a new model at 20; not from 40: ranks of other speeds)
     assert sorted(np.concatenate([p.rows.index for p in plans]).tolist()) == sorted(
         np.concatenate([one.epoch_rows(0)[:54 * 48], [5, 17, 230]]).tolist())
+
+
+def test_the_last_steps_of_an_epoch_planned_together_equal_them_planned_alone() -> None:
+    """``plan_steps`` to the epoch's last step, with the planner's own count of windows kept; past it, refused."""
+    lengths = np.clip(np.rint(np.random.default_rng(2).lognormal(3, 1.0, 1_000)), 1, 200).astype(np.int64)
+    one, together = (BatchPlanner(lengths, EpochOrder(np.full(10, 100), seed=1, shuffle=True, window_row_groups=2),
+                                  cost_model=CostModel(1e-3, 1.0, 1.0), partitioner="lpt", global_batch_size=64)
+                     for _ in range(2))
+    last = together.steps_in(0)
+    for plan, step in zip(together.plan_steps(0, last - 6, 6, (0, 1, 2)), range(last - 6, last), strict=True):
+        alone = one.plan(0, step, (0, 1, 2))
+        assert np.array_equal(plan.rows.index, alone.rows.index) and np.array_equal(plan.rows.offsets, alone.rows.offsets)
+    with pytest.raises(IndexError, match="outside the epoch"):
+        together.plan_steps(0, last - 2, 3, (0, 1, 2))
