@@ -1,0 +1,203 @@
+"""The batch planner (``dataloader/planner.py``): the same plan on every rank, through live-rank changes, resumes,
+windows, read locality, rank speeds, and several steps planned at once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freescale.dataloader import planner as planner_module
+from freescale.dataloader.cost import CostModel
+from freescale.dataloader.epoch_order import EpochOrder
+from freescale.dataloader.partition import lpt_steps
+from freescale.dataloader.planner import BatchPlanner
+
+
+def make_planner(lengths: np.ndarray, window: int, seed: int = 0, locality: bool = False,
+                 batch: int = 64) -> BatchPlanner:
+    order = EpochOrder(np.full(lengths.size // 100, 100), seed=seed, shuffle=True, window_row_groups=3)
+    return BatchPlanner(lengths, order, cost_model=CostModel(1e-3, 1.0, 1.0), partitioner="lpt",
+                        global_batch_size=batch, window=window, locality=locality)
+
+
+def test_a_read_local_window_gives_each_rank_one_run_of_storage_at_balanced_cost() -> None:
+    rng = np.random.default_rng(4)
+    lengths = np.clip(np.rint(19.1 + 43.2 * rng.lognormal(0, 1.608, 64 * 160)), 1, 256).astype(np.int64)
+    ranks, window = 8, 16
+    planner = make_planner(lengths, window, locality=True, batch=512)
+    plans = [planner.plan(0, s, tuple(range(ranks))) for s in range(window)]
+    window_rows = np.sort(np.concatenate([np.concatenate(p.rows) for p in plans]))
+    assert window_rows.size == len(set(window_rows.tolist())) == window * 512
+    costs = planner.costs(planner.cost_model, window_rows)
+    per_rank = [np.sort(np.concatenate([p.rows[r] for p in plans])) for r in range(ranks)]
+    groups = [np.unique(np.searchsorted(planner.order.starts, rows, side="right") - 1) for rows in per_rank]
+    present = np.unique(np.searchsorted(planner.order.starts, window_rows, side="right") - 1)
+    for r, mine in enumerate(groups):  # one run of the window's row groups, shared with a neighbour at its ends only
+        lo = int(np.searchsorted(present, mine[0]))
+        assert np.array_equal(mine, present[lo:lo + mine.size])
+        if r:
+            assert groups[r - 1][-1] <= mine[0]
+    totals = np.array([planner.costs(planner.cost_model, rows).sum() for rows in per_rank])
+    assert totals.max() - totals.min() <= 2 * costs.max()  # each cut within half a sample of its share
+    assert max(p.imbalance() for p in plans) < 1.06  # each rank's run split into steps by LPT
+    locality_off = make_planner(lengths, window, batch=512)
+    spread = [np.concatenate([locality_off.plan(0, s, tuple(range(ranks))).rows[0] for s in range(window)])]
+    spread_groups = np.unique(np.searchsorted(planner.order.starts, spread[0], side="right") - 1)
+    assert spread_groups.size > 4 * groups[0].size  # without it, rank 0 draws on the whole window
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_planner_exactly_once_with_live_rank_changes(window: int) -> None:
+    rng = np.random.default_rng(1)
+    lengths = np.clip(rng.zipf(1.2, 2000), 1, 1024)
+    planner = make_planner(lengths, window)
+    live_by_step = {0: (0, 1, 2, 3), 5: (0, 2, 3), 6: (0, 1, 2, 3, 4), 13: (1, 2)}
+    live, seen = (0, 1, 2, 3), []
+    for step in range(planner.steps_per_epoch):
+        live = live_by_step.get(step, live)
+        plan = planner.plan(0, step, live)
+        assert plan.live_ranks == live
+        seen.extend(np.concatenate(plan.rows).tolist())
+    assert len(seen) == len(set(seen)) == planner.steps_per_epoch * 64
+    epoch1 = np.concatenate(planner.plan(1, 0, live).rows)
+    assert not np.array_equal(np.sort(epoch1), np.sort(np.concatenate(make_planner(lengths, window).plan(0, 0, live).rows)))
+
+
+def test_planner_resumes_mid_window_identically() -> None:
+    lengths = np.clip(np.random.default_rng(2).zipf(1.1, 3000), 1, 2048)
+    straight = make_planner(lengths, 8)
+    a = [straight.plan(0, s, (0, 1, 2) if s < 3 else (0, 2)) for s in range(6)]
+    first = make_planner(lengths, 8)
+    for s in range(4):
+        first.plan(0, s, (0, 1, 2) if s < 3 else (0, 2))
+    resumed = make_planner(lengths, 8)
+    resumed.load_window_state(first.window_state(0, 4))
+    for s in (4, 5):
+        got = resumed.plan(0, s, (0, 2))
+        assert all(np.array_equal(x, y) for x, y in zip(got.rows, a[s].rows))
+
+
+def test_window_groups_heavy_samples_and_shortens_the_epoch() -> None:
+    rng = np.random.default_rng(3)
+    lengths = np.clip(np.rint(19.1 + 43.2 * rng.lognormal(0, 1.608, 64 * 200)), 1, 4096).astype(np.int64)
+    total_time = {}
+    for window in (1, 16):
+        planner = make_planner(lengths, window)
+        steps = [planner.plan(0, s, tuple(range(8))) for s in range(planner.steps_per_epoch)]
+        total_time[window] = sum(p.loads().max() for p in steps)  # every step lasts as long as its slowest rank
+        assert sum(p.global_size for p in steps) == planner.steps_per_epoch * 64
+    assert total_time[16] < 0.95 * total_time[1], total_time
+
+
+@settings(max_examples=25, deadline=None)
+@given(window=st.sampled_from([1, 4]), seed=st.integers(0, 2**16),
+       changes=st.lists(st.tuples(st.integers(0, 25), st.integers(0, 4), st.floats(0.1, 4.0)), max_size=6),
+       requeue_at=st.integers(1, 25))
+def test_planner_with_capacities_changing_between_steps_trains_every_sample_once_and_alike(
+        window: int, seed: int, changes: list[tuple[int, int, float]], requeue_at: int) -> None:
+    """Ranks' speeds set at drawn steps (one rank slower or faster each time; live ranks changing and rows
+    requeued too): every sample of the epoch is planned exactly once, and two planners given the same calls
+    plan the same steps."""
+    lengths = np.clip(np.random.default_rng(seed).zipf(1.2, 2000), 1, 1024)
+    planners = [make_planner(lengths, window, seed=seed) for _ in range(2)]
+    live_by_step = {0: (0, 1, 2, 3), 7: (0, 2, 3), 9: (0, 1, 2, 3, 4)}
+    speeds: dict[int, float] = {}
+    live, seen = (0, 1, 2, 3), []
+    for step in range(planners[0].steps_per_epoch):
+        live = live_by_step.get(step, live)
+        for at, rank, speed in changes:
+            if at == step:
+                speeds[rank] = speed
+                for planner in planners:
+                    planner.set_capacities(dict(speeds), 0, step)
+        plans = [planner.plan(0, step, live) for planner in planners]
+        assert np.array_equal(plans[0].rows.index, plans[1].rows.index)
+        assert np.array_equal(plans[0].rows.offsets, plans[1].rows.offsets)
+        assert plans[0].imbalance() >= plans[0].bound() - 1e-9
+        if step == requeue_at and plans[0].rows.index.size > 3:
+            lost = plans[0].rows[0]  # rank 0's share was not trained: carried into the next step
+            for planner in planners:
+                planner.requeue(0, step + 1, lost)
+            seen.extend(np.concatenate([plans[0].rows[i] for i in range(1, len(live))]).tolist())
+        else:
+            seen.extend(plans[0].rows.index.tolist())
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == planners[0].steps_per_epoch * 64
+
+
+def test_a_slow_rank_gets_its_share_from_the_step_named_and_the_state_carries_it() -> None:
+    lengths = np.clip(np.random.default_rng(7).zipf(1.2, 4000), 1, 1024)
+    planner = make_planner(lengths, 1, batch=256)
+    ranks = (0, 1, 2, 3)
+    before = planner.plan(0, 0, ranks)
+    planner.set_capacities({2: 0.5}, 0, 1)
+    after = planner.plan(0, 1, ranks)
+    share = after.loads() / after.loads().sum()
+    assert abs(share[2] - 0.5 / 3.5) < 0.02 and before.capacities is None
+    assert after.capacities is not None and after.imbalance() < 1.05
+    planner.set_capacities({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}, 0, 2)  # all alike again: the plain plan
+    plain = make_planner(lengths, 1, batch=256).plan(0, 2, ranks)
+    assert np.array_equal(planner.plan(0, 2, ranks).rows.index, plain.rows.index)
+    with pytest.raises(ValueError, match="capacities: rank 1 has speed 0.0"):
+        planner.set_capacities({1: 0.0}, 0, 3)
+    window = make_planner(lengths, 4, batch=256)
+    window.set_capacities({3: 0.25}, 0, 0)
+    plans = [window.plan(0, s, ranks) for s in range(4)]
+    state = window.window_state(0, 2)
+    assert state["capacities"] == [[3, 0.25]]
+    resumed = make_planner(lengths, 4, batch=256)
+    resumed.load_window_state(state)
+    for s in (2, 3):
+        assert np.array_equal(resumed.plan(0, s, ranks).rows.index, plans[s].rows.index)
+    total = sum(p.loads() for p in plans)
+    assert abs(total[3] / total.sum() - 0.25 / 3.25) < 0.02  # over the window, in proportion
+
+
+@pytest.mark.parametrize("equal_count", [False, True])
+def test_steps_planned_together_equal_steps_planned_one_at_a_time(equal_count: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan_steps`` (the prefetching loader's) against ``plan``: across live-rank changes, a carry, a new cost
+    model and ranks of other speeds from a step on (those windows planned one by one)."""
+    together_calls: list[int] = []
+    monkeypatch.setattr(planner_module, "lpt_steps", lambda costs, steps, *args: together_calls.append(steps) or
+                        lpt_steps(costs, steps, *args))
+    rng = np.random.default_rng(5)
+    lengths = np.clip(np.rint(rng.lognormal(3, 1.2, 3_000)), 1, 300).astype(np.int64)
+    planners = []
+    for _ in range(2):
+        order = EpochOrder(np.full(30, 100), seed=3, shuffle=True, window_row_groups=3)
+        planner = BatchPlanner(lengths, order, cost_model=CostModel(1e-3, 1.0, 1.0), partitioner="lpt",
+                               global_batch_size=48, equal_count=equal_count)
+        planner.windows_kept = 64
+        planner.requeue(0, 9, np.array([5, 17, 230]))
+        planner.set_cost_model(CostModel(2e-3, 1.0, 0.5), 0, 20)
+        planner.set_capacities({1: 2.0}, 0, 40)
+        planners.append(planner)
+    one, together = planners
+    plans = []
+    for first, count, ranks in [(0, 8, (0, 1, 2)), (8, 8, (0, 1, 2)), (16, 8, (0, 2)), (24, 8, (0, 1, 2, 3)),
+                                (32, 8, (0, 1, 2)), (40, 8, (0, 1, 2)), (48, 6, (1, 2))]:
+        plans += together.plan_steps(0, first, count, ranks)
+        for step, plan in zip(range(first, first + count), plans[-count:]):
+            alone = one.plan(0, step, ranks)
+            assert plan.live_ranks == alone.live_ranks and plan.carried == alone.carried and plan.model == alone.model
+            assert np.array_equal(plan.rows.index, alone.rows.index) and np.array_equal(plan.rows.offsets, alone.rows.offsets)
+            assert np.array_equal(plan.costs.index, alone.costs.index)
+    assert together_calls == [8, 8, 8, 8]  # (not 16-23: a new model at 20; not from 40: ranks of other speeds)
+    assert sorted(np.concatenate([p.rows.index for p in plans]).tolist()) == sorted(
+        np.concatenate([one.epoch_rows(0)[:54 * 48], [5, 17, 230]]).tolist())
+
+
+def test_the_last_steps_of_an_epoch_planned_together_equal_them_planned_alone() -> None:
+    """``plan_steps`` to the epoch's last step, with the planner's own count of windows kept; past it, refused."""
+    lengths = np.clip(np.rint(np.random.default_rng(2).lognormal(3, 1.0, 1_000)), 1, 200).astype(np.int64)
+    one, together = (BatchPlanner(lengths, EpochOrder(np.full(10, 100), seed=1, shuffle=True, window_row_groups=2),
+                                  cost_model=CostModel(1e-3, 1.0, 1.0), partitioner="lpt", global_batch_size=64)
+                     for _ in range(2))
+    last = together.steps_in(0)
+    for plan, step in zip(together.plan_steps(0, last - 6, 6, (0, 1, 2)), range(last - 6, last), strict=True):
+        alone = one.plan(0, step, (0, 1, 2))
+        assert np.array_equal(plan.rows.index, alone.rows.index) and np.array_equal(plan.rows.offsets, alone.rows.offsets)
+    with pytest.raises(IndexError, match="outside the epoch"):
+        together.plan_steps(0, last - 2, 3, (0, 1, 2))
