@@ -250,7 +250,11 @@ def test_bad_user_rows_are_named_or_skipped(tmp_path: Path, changes: dict[str, p
     cfg.on_bad_rows = "skip"
     skipping = build_loader(cfg, "train", rank=0, world_size=1, sparse_features=FEATURES,
                             derived_cost=CostModel(1.0, 1.0, 1.0), seed=0)
-    assert skipping.next_batch().size == 7 - 3 and sum(skipping.source.skipped.values()) == 1  # user 2's 3 dropped
+    batch = skipping.next_batch()
+    assert batch.size == 7 - 3 and sum(skipping.source.skipped.values()) == 1  # user 2's 3 dropped
+    assert skipping.last is not None  # the prefetched batch (histories copied from the slots) is the batch of its rows
+    again = skipping.batch_of(skipping.last.rows, batch.loss_scale or 1.0)
+    assert torch.equal(again.sparse.values(), batch.sparse.values()) and torch.equal(again.labels, batch.labels)
     skipping.close()
 
 
