@@ -50,7 +50,6 @@ def warm_up() -> None:
     index = np.array([2], dtype=np.int64)
     for dtype in (np.int64, np.int32, np.float32, np.float64):
         gather_tails([(np.zeros(2, dtype=dtype), index, index)])
-    copy_tails(np.zeros(2, dtype=np.int32), index, index, np.zeros(2, dtype=np.int64), 0)  # (ids into a batch)
 
 
 __all__ = ["copy_tails", "gather_tails", "warm_up"]

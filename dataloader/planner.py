@@ -221,10 +221,7 @@ class BatchPlanner:
             raise IndexError(f"steps {first}..{first + count - 1} outside the epoch's {self.steps_in(epoch)} steps")
         ranks = tuple(live_ranks)
         todo = [step for step in range(first, first + count) if (epoch, step) not in self._windows]
-        if (len(todo) > 1 and self.window == 1 and self.partitioner == "lpt" and not self.locality
-                and not self.keep_partial and todo[-1] - todo[0] == len(todo) - 1
-                and all(self._models.at(epoch, step) == self._models.at(epoch, todo[0])
-                        and _speeds(self._capacity_plan.at(epoch, step), ranks) is None for step in todo)):
+        if self._plan_alike(epoch, todo, ranks):
             g, model = self.global_batch_size, self._models.at(epoch, todo[0])
             samples = self.epoch_rows(epoch)[todo[0] * g:(todo[-1] + 1) * g]
             costs = self.costs(model, samples)
@@ -233,6 +230,17 @@ class BatchPlanner:
                 self._remember(_Window(epoch, step, step, model, ranks, samples[rows], costs[rows], [(ranks, part)],
                                        capacities=self._capacity_plan.at(epoch, step)))
         return [self.plan(epoch, step, ranks) for step in range(first, first + count)]
+
+    def _plan_alike(self, epoch: int, steps: list[int], ranks: tuple[int, ...]) -> bool:
+        """Whether ``steps`` (not planned yet) can be partitioned in one call: several, consecutive, one-step
+        windows of LPT without read locality or a partial last step, one cost model, the ranks alike."""
+        if len(steps) < 2 or steps[-1] - steps[0] != len(steps) - 1:
+            return False
+        if self.window != 1 or self.partitioner != "lpt" or self.locality or self.keep_partial:
+            return False
+        model = self._models.at(epoch, steps[0])
+        return all(self._models.at(epoch, step) == model and _speeds(self._capacity_plan.at(epoch, step), ranks) is None
+                   for step in steps)
 
     def plan_window(self, epoch: int, step: int, live_ranks: tuple[int, ...]) -> None:
         """Plan the window holding ``(epoch, step)`` now, if it is not planned yet (planning ahead)."""

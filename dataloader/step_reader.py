@@ -78,6 +78,7 @@ class StepReader:
         epoch = plans[0].epoch
         start = time.perf_counter()
         mine = [plan.live_ranks.index(self.rank) for plan in plans]
+        scales = [self.loss_scale(plan) for plan in plans]
         with self.source.read_lock():  # (the histories stay in the source's buffers until the batches are built)
             arrays, kept, sizes = self.source.read_runs([plan.rows[i] for plan, i in zip(plans, mine)], uncut=True)
             cuts = np.concatenate([[0], np.cumsum(sizes)])
@@ -86,7 +87,6 @@ class StepReader:
             else:  # (a new cost model from a window inside these steps)
                 costs = np.concatenate([self.planner.costs(plan.model, kept[cuts[j]:cuts[j + 1]])
                                         for j, plan in enumerate(plans)])
-            scales = [self.loss_scale(plan) for plan in plans]
             batches = self.assembler.batches(arrays, StepRows(sizes, costs, scales, [(epoch, plan.step) for plan in plans]))
         if self.pin_memory:
             batches = [batch.pin_memory() for batch in batches]
