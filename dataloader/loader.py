@@ -14,8 +14,9 @@ hundred samples a step the fixed costs of a read and of building tensors outweig
 ``prefetch + READ_STEPS`` batches wait ready: a read's batches are handed over together (a queue of
 ``prefetch`` made the thread and the consumer take turns at every batch of a read, each turn a hand-over of
 the GIL; what the larger queue measured: docs/data.md).  Planning, Parquet decoding and the numpy work release
-the GIL for most of their time, so the thread overlaps the model's compute even on CPU.  ``prefetch = 0`` does
-it all inline, one step at a time.
+the GIL for most of their time, so the thread overlaps the model's compute even on CPU.  The row groups the coming
+steps may be decoded ahead on a thread of their own (``read_ahead`` of them at most, ``read_ahead.py``; by default
+on a remote filesystem), so the prefetch thread mostly finds them decoded.  ``prefetch = 0`` does it all inline, one step at a time.
 
 Position and resumption: ``state_dict`` holds the next (epoch, step) to be
 *consumed* (prefetched batches do not count) and the current planning window's
@@ -82,6 +83,7 @@ class BalancedLoader:
         sparse_features: list[str],
         max_seq_len: int,
         prefetch: int = 2,
+        read_ahead: int = 0,
         epochs: int | None = None,
         pin_memory: bool = False,
         group_size: int | None = None,
@@ -134,6 +136,10 @@ class BalancedLoader:
         """Held while the producer thread plans: a read of the planner's windows waits for that, not for the
         producer to stop (``state_dict`` at every save)."""
         self._queue: queue.Queue[Any] = queue.Queue()
+        self._ahead = (source.read_ahead(planner.global_batch_size, read_ahead)
+                       if read_ahead > 0 and prefetch > 0 and not planner.locality else None)
+        """Decodes the row groups of the coming steps on a thread of its own (``read_ahead.py``), told where the
+        reads are by each ``_make``."""
         self.made: Callable[[int, float], None] | None = None
         """Called for each batch made, on the thread that made it, before it is queued (a halt may still drop
         it), with its step (counted from the first epoch's start) and the seconds its rows took to read and
@@ -398,6 +404,10 @@ class BalancedLoader:
         their batches built together (``assemble``)."""
         with self._planning:
             plans = self.planner.plan_steps(epoch, first, count, live)
+            if self._ahead is not None:
+                rows, last = self.planner.epoch_rows(epoch), first + count >= self.planner.steps_in(epoch)
+                more = last and (self.epochs is None or epoch + 1 < self.epochs)
+                self._ahead.at(first, rows, self.planner.epoch_rows(epoch + 1) if more else None)
         return self.reader.read(plans)
 
     def read_planned(self, epoch: int, step: int, live_ranks: tuple[int, ...], plan_rows: Parts) -> tuple[StepInfo, Batch]:

@@ -234,6 +234,9 @@ class SequenceSource(RowGroupFiles):
             return {}, samples, ok
         return self._gather(row, position, uncut), samples, ok
 
+    def holds(self, rg: int) -> bool:
+        return bool(self._slots.slot_of[rg] >= 0)
+
     def _load(self, rg: int) -> LoadedRowGroup:
         entry = self._decode(rg)
         return entry.arrays, entry.bad

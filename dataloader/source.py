@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 
 from freescale.dataloader import row_checks as rc
 from freescale.dataloader.gather import gather_tails
+from freescale.dataloader.read_ahead import ReadAhead
 from freescale.dataloader.row_checks import list_lengths
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
@@ -75,6 +76,8 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
 class _RowGroup:
     arrays: dict[str, np.ndarray]  # the kept columns' numpy buffers (``RowGroupFiles.arrays_of``)
     bad: np.ndarray | None  # bool per row when on_bad_rows == "skip"
+    nbytes: int = 0  # Arrow bytes decoded
+    skipped: Counter[str] | None = None  # bad rows per reason (skip mode), counted by the read that uses it
 
 
 class RowGroupFiles(ABC):
@@ -121,6 +124,7 @@ class RowGroupFiles(ABC):
         self.decoded_bytes = 0
         """Arrow bytes of every row group decoded so far (cache misses only): the read's real cost."""
         self._readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        self._ahead: ReadAhead[_RowGroup] | None = None
         self._reading = threading.RLock()
         """Held by a read (and by ``close``): the decoded row groups (a cache, or format 2's slots) and the open
         files are shared state, and the prefetch thread's reads may meet a caller's (``BalancedLoader.batch_of``).
@@ -165,54 +169,86 @@ class RowGroupFiles(ABC):
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{shown}: corrupt or truncated Parquet data ({exc})") from None
 
+    rg_start: np.ndarray
+    """Each row group's first sample id, and the number of samples at the end."""
     decode_columns: list[str]
     """What a row group's decode reads (the subclass's columns and what its checks need)."""
     keep_columns: list[str]
     """What the cache keeps of it."""
 
     def _decode(self, rg: int) -> _RowGroup:
-        """Row group ``rg`` (global index), decoded and checked (``decoded_bytes`` counts it)."""
+        """Row group ``rg`` (global index), decoded and checked, or taken from the read-ahead (``decoded_bytes`` and
+        ``skipped`` count it).  Called within a read (``_reading`` held)."""
+        entry = self._ahead.take(rg) if self._ahead is not None else None
+        if entry is None:
+            entry = self.decode_row_group(rg, self._readers)
+        self.decoded_bytes += entry.nbytes
+        if entry.skipped:
+            self.skipped.update(entry.skipped)
+        return entry
+
+    def decode_row_group(self, rg: int, readers: OrderedDict[int, pq.ParquetFile]) -> _RowGroup:
+        """Row group ``rg`` read through ``readers`` (the caller's open files), decoded and checked (error mode: the
+        first bad row raises), changing nothing of the source: the read-ahead's thread calls it with files of its
+        own."""
         file_index, rg_id = int(self.rg_file[rg]), int(self.rg_id[rg])
         shown = self.file_names[file_index]
         try:
-            table = self._reader(file_index).read_row_group(rg_id, columns=self.decode_columns, use_threads=False)
+            reader = self._open(readers, file_index)
+            table = reader.read_row_group(rg_id, columns=self.decode_columns, use_threads=False)
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{shown}: row group {rg_id}: corrupt or truncated Parquet data ({exc})") from None
-        self.decoded_bytes += table.nbytes
-        bad = self._validate(table, f"{shown}: row group {rg_id}")
-        return _RowGroup(arrays=self.arrays_of(table.select(self.keep_columns)), bad=bad)
+        bad, skipped = self._validate(table, f"{shown}: row group {rg_id}")
+        return _RowGroup(arrays=self.arrays_of(table.select(self.keep_columns)), bad=bad, nbytes=table.nbytes,
+                         skipped=skipped)
+
+    def read_ahead(self, step_rows: int, depth: int) -> ReadAhead[_RowGroup]:
+        """A ``ReadAhead`` that decodes this source's row groups on a thread of its own, its reads taking them from
+        it (``step_rows``: rows a step plans; ``depth``: row groups decoded ahead at most); ``close`` stops it."""
+        readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        self._ahead = ReadAhead(lambda rg: self.decode_row_group(rg, readers), self.rg_start, step_rows, depth,
+                                self.holds)
+        return self._ahead
+
+    @abstractmethod
+    def holds(self, rg: int) -> bool:
+        """Whether row group ``rg`` is held decoded (read without the read lock: an answer may be stale)."""
 
     def close(self) -> None:
-        """Let go of the files held open (a later read opens them again)."""
+        """Let go of the files held open and stop the read-ahead (a later read opens them again)."""
+        if self._ahead is not None:
+            self._ahead.close()
         with self._reading:
             self._readers.clear()
 
-    def _reader(self, file_index: int) -> pq.ParquetFile:
-        """File ``file_index`` held open (its footer as read at open), the ``_OPEN_FILES`` most recently used.
+    def _open(self, readers: OrderedDict[int, pq.ParquetFile], file_index: int) -> pq.ParquetFile:
+        """File ``file_index`` held open in ``readers`` (its footer as read at open), the ``_OPEN_FILES`` most
+        recently used.
 
         A row group read this way costs about a third of the dataset scanner's (``fragment.to_table``: its
         scan machinery per call, ~0.5 ms, dominates a row group of a few thousand interactions), single
-        threaded (a row group's few columns leave a second thread nothing to do but hand-offs).  Called within
-        a read (``_reading`` held)."""
-        reader = self._readers.get(file_index)
+        threaded (a row group's few columns leave a second thread nothing to do but hand-offs)."""
+        reader = readers.get(file_index)
         if reader is not None:
-            self._readers.move_to_end(file_index)
+            readers.move_to_end(file_index)
             return reader
         fragment = self.fragments[file_index]
         reader = pq.ParquetFile(self.fs.open_input_file(fragment.path), metadata=fragment.metadata)
-        self._readers[file_index] = reader
-        if len(self._readers) > _OPEN_FILES:
-            self._readers.popitem(last=False)  # (the file closes with its last reference)
+        readers[file_index] = reader
+        if len(readers) > _OPEN_FILES:
+            readers.popitem(last=False)  # (the file closes with its last reference)
         return reader
 
     def passes_checks(self, table: pa.Table) -> bool:
         """True when ``row_problems(table)`` is certainly empty, decided cheaper than it (False: not known)."""
         return False
 
-    def _validate(self, table: pa.Table, where: str) -> np.ndarray | None:
-        """Per-row problems; raise on the first (error mode) or return the bad-row mask (skip; None: none bad)."""
+    def _validate(self, table: pa.Table, where: str) -> tuple[np.ndarray | None, Counter[str] | None]:
+        """Per-row problems; raise on the first (error mode) or return the bad-row mask (skip; None: none bad) and
+        the bad rows per reason."""
         if self.passes_checks(table):
-            return None
+            return None, None
+        skipped: Counter[str] = Counter()
         bad_any = np.zeros(table.num_rows, dtype=bool)
         for problem in self.row_problems(table):
             if not problem.rows.any():
@@ -220,9 +256,9 @@ class RowGroupFiles(ABC):
             if self.on_bad_rows == "error":
                 row = int(np.flatnonzero(problem.rows)[0])
                 raise DataError(f"{where}: row {row}: column '{problem.column}': {problem.reason}")
-            self.skipped[f"{problem.column}: {problem.reason.split(' (')[0]}"] += int((problem.rows & ~bad_any).sum())
+            skipped[f"{problem.column}: {problem.reason.split(' (')[0]}"] += int((problem.rows & ~bad_any).sum())
             bad_any |= problem.rows
-        return bad_any if self.on_bad_rows == "skip" else None
+        return (bad_any, skipped) if self.on_bad_rows == "skip" else (None, None)
 
 
 class ParquetSource(RowGroupFiles):
@@ -272,6 +308,9 @@ class ParquetSource(RowGroupFiles):
         return (rc.in_range(rc.held(history), m.num_items) and rc.in_range(table.column(CANDIDATE_ITEM).to_numpy(), m.num_items)
                 and rc.in_range(table.column(USER_ID).to_numpy(), m.num_users) and rc.ordered_within(rc.held(times), starts)
                 and rc.binary(table.column(LABEL).to_numpy()) and rc.finite(rc.held(table.column(DENSE).combine_chunks())))
+
+    def holds(self, rg: int) -> bool:
+        return rg in self._cache
 
     # ----- lengths (for planning) ---------------------------------------------------------
     def _read_lengths(self) -> np.ndarray:

@@ -1,0 +1,233 @@
+"""Row groups decoded ahead of the reads, on a thread of their own.
+
+The loader's prefetch thread plans a few steps, reads their rows and builds their batches, one after the other;
+each row group its reads draw on for the first time is decoded right there (Parquet decode and the row checks:
+~30% of a format-2 epoch's time on one core, more on a remote filesystem, where it also waits for the bytes).
+``ReadAhead`` takes that off the prefetch thread's path::
+
+    prefetch thread:  plan(k)  at(k)  read(k): take each row group it needs  build(k)   plan(k+1) ...
+    read-ahead:                   decode the row groups of steps k, k+1, ... in the order they are first needed
+
+Pyarrow's decode and the compiled row checks run without the GIL, so the two threads overlap even while the
+prefetch thread runs Python.  The epoch's rows in planning order (``BatchPlanner.epoch_rows``: global batch ``s``
+is rows ``[s*G, (s+1)*G)``) say which row groups each coming step draws on, whatever rank plans which of its rows,
+so the schedule needs no plan; a rank of many may decode a row group its share of a step happens not to need
+(at a few hundred samples a rank a step, drawn from the shuffle window's row groups, it almost always does).
+
+Nothing the source keeps changes on this thread: the source's ``decode_row_group`` reads through file handles of
+this thread's own and returns what the decode found (bytes, rows skipped); the read that takes the row group
+(``take``, under the source's read lock) counts it, so the counts and every error are what reading without it
+gives, at the same step: a decode's error is kept and raised by the read that needs that row group (never if no
+read does).  At most ``depth`` row groups are decoded and not yet taken (memory: ``depth`` decoded row groups);
+those the schedule no longer reaches (a restart elsewhere, a row group the source already held) are dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import numba
+import numpy as np
+
+Decoded = TypeVar("Decoded")
+
+
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _Schedule:
+    """An epoch's row groups in the order its steps first need them (``groups``), with that step (``first_steps``)."""
+
+    def __init__(self, rows: np.ndarray, starts: np.ndarray, step_rows: int) -> None:
+        self.rows = rows
+        groups, first_rows = _first_needed(np.ascontiguousarray(rows, dtype=np.int64), starts)
+        self.groups: list[int] = groups.tolist()
+        self.first_steps = first_rows // step_rows
+
+    def position(self, step: int) -> int:
+        """The index of the first row group first needed at ``step`` or later."""
+        return int(np.searchsorted(self.first_steps, step, side="left"))
+
+
+class ReadAhead(Generic[Decoded]):
+    """``decode(row_group)`` of the row groups the reads from ``at``'s step on will need, at most ``depth`` past the
+    furthest one the reads reached.
+
+    ``starts``: each row group's first row (and the total at the end); ``step_rows``: rows a step plans (the global
+    batch); ``held(row_group)``: whether the source already holds it decoded (checked without its lock: a wrong
+    answer costs a decode, nothing else)."""
+
+    def __init__(self, decode: Callable[[int], Decoded], starts: np.ndarray, step_rows: int, depth: int,
+                 held: Callable[[int], bool]) -> None:
+        if depth < 1 or step_rows < 1:
+            raise ValueError(f"read-ahead of depth {depth} over steps of {step_rows} rows: both must be >= 1")
+        self._decode, self._held = decode, held
+        self._starts, self._step_rows, self.depth = np.asarray(starts, dtype=np.int64), step_rows, depth
+        self._changed = threading.Condition()
+        self._rows: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+        """This epoch's rows and the next's (once the reads reach this epoch's end), as ``at`` gave them."""
+        self._step = 0
+        self._schedules: list[_Schedule] = []
+        self._order: list[int] = []
+        """The row groups to decode, in order: this epoch's schedule, then the next's."""
+        self._position: dict[int, int] = {}
+        """A row group's place in this epoch's part of ``_order``."""
+        self._next = 0
+        """The place in ``_order`` the thread decodes next."""
+        self._reached = 0
+        """One past the furthest place a read took, or ``at`` said the reads are at."""
+        self._ready: dict[int, Decoded | _Failed] = {}
+        self._in_flight: int | None = None
+        self._taken: set[int] = set()
+        """Row groups a read took (or decoded itself) in this epoch: not decoded ahead again in it."""
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.decoded = 0
+        """Row groups decoded on this thread so far (taken or not)."""
+
+    def at(self, step: int, rows: np.ndarray, next_rows: np.ndarray | None = None) -> None:
+        """Reads now start at step ``step`` of an epoch whose rows, in planning order, are ``rows`` (kept, not copied:
+        an epoch's rows are never changed); ``next_rows``: the next epoch's, once the reads reach this epoch's end.
+        A new epoch's schedule is made here (one compiled pass over its rows); the thread is woken where it may go
+        further."""
+        with self._changed:
+            current, following = self._rows
+            known = self._schedules
+            going_on = rows is current and step >= self._step and (next_rows is None or next_rows is following)
+            if going_on:
+                self._step, reached = step, self._schedules[0].position(step)
+                for group in [g for g in self._ready if self._position.get(g, reached) < reached]:
+                    del self._ready[group]  # (the reads of the steps that first need it did not: not this rank's)
+                self._reach(reached)
+        if not going_on:
+            made = [_has(known, r) or _Schedule(r, self._starts, self._step_rows) for r in (rows, next_rows)
+                    if r is not None]
+            with self._changed:
+                self._rows, self._step = (rows, next_rows), step
+                self._install(made, step)
+                self._changed.notify()
+        if self._thread is None:
+            self._closed = False
+            self._thread = threading.Thread(target=self._run, name="freescale-read-ahead", daemon=True)
+            self._thread.start()
+
+    def take(self, row_group: int) -> Decoded | None:
+        """Row group ``row_group`` if it was decoded ahead (waiting for it while it is being decoded), else None
+        (the caller decodes it); a decode's error is raised here."""
+        with self._changed:
+            while self._in_flight == row_group:
+                self._changed.wait()
+            self._taken.add(row_group)
+            entry = self._ready.pop(row_group, None)
+            position = self._position.get(row_group)
+            if position is not None:
+                self._reach(position + 1)
+        if isinstance(entry, _Failed):
+            raise entry.exc
+        return entry
+
+    def close(self) -> None:
+        """Stop the thread (after the decode in flight) and drop what was decoded (the next ``at`` starts again)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._ready.clear()
+        self._rows, self._schedules, self._order = (None, None), [], []
+
+    def _reach(self, position: int) -> None:
+        """The reads reached ``position``: the thread is woken if that lets it go on (only then: a wake costs the
+        reading thread a hand-over of the GIL)."""
+        if position > self._reached:
+            blocked = self._reached + self.depth <= self._next < len(self._order)
+            self._reached = position
+            if blocked and self._in_flight is None:
+                self._changed.notify()
+
+    # ----- the thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                group = None if self._closed else self._pick()
+                while group is None and not self._closed:
+                    self._changed.wait()
+                    group = self._pick()
+                if group is None or self._closed:
+                    self._in_flight = None
+                    return
+            try:
+                entry: Decoded | _Failed = self._decode(group)
+            except Exception as exc:  # (raised by the read that takes it)
+                entry = _Failed(exc)
+            with self._changed:
+                self._in_flight = None
+                self.decoded += 1
+                if group not in self._taken:  # (a read that came first decoded it itself)
+                    self._ready[group] = entry
+                self._changed.notify_all()
+
+    def _install(self, schedules: list[_Schedule], step: int) -> None:
+        """``schedules`` (this epoch's, the next's) followed from ``step`` on.  With ``_changed`` held."""
+        new_epoch = not self._schedules or schedules[0] is not self._schedules[0]
+        self._schedules = schedules
+        self._order = [group for schedule in schedules for group in schedule.groups]
+        self._position = {group: i for i, group in enumerate(schedules[0].groups)}
+        self._next = self._reached = schedules[0].position(step)
+        if new_epoch:
+            self._taken.clear()
+        soon = set(self._order[self._next:self._next + self.depth])
+        for group in [g for g in self._ready if g not in soon]:  # (the reads moved elsewhere)
+            del self._ready[group]
+
+    def _pick(self) -> int | None:
+        """The next row group of ``_order`` to decode (neither ready, taken in this epoch nor held: a row group taken
+        now is held when the next epoch needs it, as a rule), if within
+        ``depth`` of where the reads reached; marked in flight.  With ``_changed`` held."""
+        while self._next < len(self._order) and self._next < self._reached + self.depth:
+            group = self._order[self._next]
+            self._next += 1
+            if group in self._ready or group in self._taken or self._held(group):
+                continue
+            self._in_flight = group
+            return group
+        return None
+
+
+def _has(schedules: list[_Schedule], rows: np.ndarray) -> _Schedule | None:
+    """The schedule of ``rows`` among ``schedules`` (the same array), if made already."""
+    return next((schedule for schedule in schedules if schedule.rows is rows), None)
+
+
+@numba.njit(nogil=True, cache=True)
+def _first_needed(rows: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The row groups of ``rows`` (``starts``: each row group's first row) in the order they first appear, and where.
+    One pass; a row group is found from the last one's neighbours, else by a binary search."""
+    count = starts.size - 1
+    seen = np.zeros(count, dtype=np.bool_)
+    groups, first = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+    found, group = 0, -1
+    for i in range(rows.size):
+        row = rows[i]
+        if group < 0 or row < starts[group] or row >= starts[group + 1]:
+            group = np.searchsorted(starts, row, side="right") - 1
+        if not seen[group]:
+            seen[group] = True
+            groups[found], first[found] = group, i
+            found += 1
+            if found == count:
+                break
+    return groups[:found], first[:found]
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) ``_first_needed`` before any thread."""
+    _first_needed(np.array([1, 0], dtype=np.int64), np.array([0, 1, 2], dtype=np.int64))
+
+
+__all__ = ["ReadAhead", "warm_up"]

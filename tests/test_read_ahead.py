@@ -1,0 +1,177 @@
+"""Row groups decoded ahead of the reads (``dataloader/read_ahead.py``): what it decodes, in which order, how far ahead,
+errors raised by the read that needs the row group, and the loader's batches the same with it and without."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from freescale.dataloader.build import DataConfig, build_loader
+from freescale.dataloader.cost import CostModel
+from freescale.dataloader.loader import BalancedLoader
+from freescale.dataloader.read_ahead import ReadAhead
+from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS, DataError, DatasetManifest
+from tests.test_data import good_columns
+
+FEATURES = [HISTORY_ITEMS, CANDIDATE_ITEM]
+STARTS = np.array([0, 10, 20, 30, 40, 50], dtype=np.int64)
+"""Five row groups of 10 rows."""
+
+
+def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+class Decodes:
+    """A fake decode that records its calls; a row group in ``failing`` raises."""
+
+    def __init__(self, failing: int = -1) -> None:
+        self.calls: list[int] = []
+        self.failing = failing
+        self.held: set[int] = set()
+
+    def __call__(self, group: int) -> str:
+        self.calls.append(group)
+        if group == self.failing:
+            raise DataError(f"row group {group}: bad")
+        return f"decoded {group}"
+
+
+def test_row_groups_are_decoded_in_the_order_first_needed_within_the_depth_and_taken_once() -> None:
+    # Steps of 10 rows: step 0 reads groups 3 and 1, step 1 group 3 again and 4, step 2 groups 0 and 2.
+    rows = np.array([35, 12] * 5 + [31, 44] * 5 + [5, 25] * 5, dtype=np.int64)
+    decodes = Decodes()
+    ahead: ReadAhead[str] = ReadAhead(decodes, STARTS, 10, 2, decodes.held.__contains__)
+    ahead.at(0, rows)
+    until(lambda: len(decodes.calls) == 2)
+    time.sleep(0.05)  # (nothing taken: it stays within its depth)
+    assert decodes.calls == [3, 1]
+    assert ahead.take(3) == "decoded 3"
+    until(lambda: len(decodes.calls) == 3)
+    assert decodes.calls == [3, 1, 4]
+    decodes.held.add(0)  # (the source holds group 0: not decoded ahead)
+    assert ahead.take(1) == "decoded 1" and ahead.take(4) == "decoded 4"
+    until(lambda: len(decodes.calls) == 4)
+    time.sleep(0.05)
+    assert decodes.calls == [3, 1, 4, 2]
+    assert ahead.take(3) is None  # (taken already: the caller decodes it; nothing is decoded twice ahead)
+    assert ahead.take(2) == "decoded 2" and ahead.take(0) is None
+    ahead.close()
+
+
+def test_a_decode_error_is_raised_by_the_read_that_takes_that_row_group_and_a_restart_follows_the_new_step() -> None:
+    rows = np.arange(50, dtype=np.int64)  # steps of 10 rows: step s reads group s
+    decodes = Decodes(failing=2)
+    ahead: ReadAhead[str] = ReadAhead(decodes, STARTS, 10, 3, decodes.held.__contains__)
+    ahead.at(0, rows)
+    until(lambda: len(decodes.calls) == 3)
+    assert ahead.take(0) == "decoded 0" and ahead.take(1) == "decoded 1"
+    with pytest.raises(DataError, match="row group 2: bad"):
+        ahead.take(2)
+    ahead.at(4, rows)  # (restarted further on: what was ready for steps before it is dropped)
+    until(lambda: 4 in decodes.calls)
+    assert ahead.take(4) == "decoded 4"
+    ahead.close()
+    ahead.at(0, rows, next_rows=rows)  # (started again after a close; this epoch's end reaches into the next)
+    until(lambda: decodes.calls.count(0) == 2)
+    ahead.close()
+    with pytest.raises(ValueError, match="depth 0"):
+        ReadAhead(decodes, STARTS, 10, 0, decodes.held.__contains__)
+
+
+def test_the_reads_go_on_into_the_next_epoch_it_read_ahead() -> None:
+    this, following = np.arange(50, dtype=np.int64), np.arange(50, dtype=np.int64)[::-1].copy()
+    decodes = Decodes()
+    ahead: ReadAhead[str] = ReadAhead(decodes, STARTS, 10, 2, decodes.held.__contains__)
+    ahead.at(4, this, next_rows=following)  # (the last step of this epoch: the next epoch's first groups follow)
+    until(lambda: len(decodes.calls) == 1)
+    assert ahead.take(4) == "decoded 4"
+    until(lambda: len(decodes.calls) == 2)
+    assert decodes.calls == [4, 3]  # (the next epoch's first row groups: 4 taken in this one, 3 is next)
+    decodes.held.add(4)  # (the source holds it now)
+    ahead.at(0, following)  # (its schedule was made already: the reads go on into it)
+    assert ahead.take(3) == "decoded 3"
+    until(lambda: len(decodes.calls) == 4)
+    assert decodes.calls == [4, 3, 2, 1]
+    ahead.close()
+
+
+def prepared(root: Path, users: int) -> Path:
+    """A format-2 dataset of ``users`` users in small row groups (many of them per step)."""
+    from freescale.dataloader.log_input import LogColumns
+    from freescale.dataloader.prepare import PrepareSpec, prepare
+    from freescale.dataloader.synthetic_log import LogSpec, interactions
+
+    pq.write_table(interactions(LogSpec(users=users, items=500, lengths="ml-20m", min_per_user=2, seed=1)),
+                   root / "log.parquet")
+    prepare(PrepareSpec(input=str(root / "log.parquet"), out=str(root / "v2"), columns=LogColumns(
+        user="userId", item="movieId", time="timestamp", label="rating", rating_threshold=4.0), min_user_count=2,
+        row_group_interactions=256))
+    return root / "v2"
+
+
+def loaders(path: Path, rank: int = 0, world_size: int = 1, **cfg: object) -> tuple[BalancedLoader, BalancedLoader]:
+    made = []
+    for ahead in (0, 3):
+        config = DataConfig(path=str(path), batch_size=16, max_seq_len=20, read_ahead=ahead, shuffle_row_groups=4)
+        for key, value in cfg.items():
+            setattr(config, key, value)
+        made.append(build_loader(config, "train", rank=rank, world_size=world_size, sparse_features=FEATURES,
+                                 derived_cost=CostModel(1e-3, 1.0, 1.0), seed=5))
+    assert made[0]._ahead is None and made[1]._ahead is not None
+    return made[0], made[1]
+
+
+@pytest.mark.parametrize("layout", ["format 1", "format 2"])
+def test_batches_are_the_same_with_and_without_read_ahead(tiny_data: Path, tmp_path: Path, layout: str) -> None:
+    path = tiny_data if layout == "format 1" else prepared(tmp_path, 120)
+    for rank in (0, 1):
+        plain, ahead = loaders(path, rank=rank, world_size=2, batch_size=64 if layout == "format 1" else 16)
+        steps = plain.steps_per_epoch + plain.steps_per_epoch // 2  # (into the second epoch)
+        for _ in range(steps):
+            a, b = plain.next_batch(), ahead.next_batch()
+            assert plain.last is not None and ahead.last is not None
+            assert np.array_equal(plain.last.rows, ahead.last.rows)
+            assert torch.equal(a.sparse.values(), b.sparse.values()) and torch.equal(a.sparse.lengths(), b.sparse.lengths())
+            assert torch.equal(a.labels, b.labels) and torch.equal(a.dense, b.dense)
+        assert ahead._ahead is not None and ahead._ahead.decoded > 0
+        assert ahead.source.decoded_bytes == plain.source.decoded_bytes or layout == "format 2"
+        plain.close()
+        ahead.close()
+
+
+def test_bad_rows_are_raised_at_the_same_step_and_skipped_alike_with_read_ahead(tmp_path: Path) -> None:
+    good = pa.table(good_columns())
+    groups = [good] * 3 + [good.set_column(good.schema.get_field_index(CANDIDATE_ITEM), CANDIDATE_ITEM,
+                                           pa.array([1, 2, 30, 4], pa.int64()))] + [good] * 2
+    path = tmp_path / "bad"
+    path.mkdir()
+    with pq.ParquetWriter(path / "train-00000.parquet", good.schema) as writer:
+        for table in groups:
+            writer.write_table(table)
+    DatasetManifest(num_items=10, num_users=10, dense_dim=2, max_len=8, splits={"train": ["train-00000.parquet"]}).write(path)
+    raised = []
+    for loader in loaders(path, batch_size=4, shuffle=False, partitioner="round_robin"):
+        with pytest.raises(DataError) as info:
+            for step in range(8):
+                loader.next_batch()
+        raised.append((step, str(info.value)))
+        loader.close()
+    assert raised[0] == raised[1] and raised[0][0] == 3 and "row 2: column 'candidate_item_id': id 30" in raised[0][1]
+    skipped = []
+    for loader in loaders(path, batch_size=4, shuffle=False, partitioner="round_robin", on_bad_rows="skip"):
+        sizes = [loader.next_batch().size for _ in range(5)]
+        skipped.append((sizes, dict(loader.source.skipped)))
+        loader.close()
+    assert skipped[0] == skipped[1] and skipped[0][0][3] == 3 and sum(skipped[0][1].values()) == 1
