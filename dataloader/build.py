@@ -158,7 +158,8 @@ class Dataset:
         return BalancedLoader(
             source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,
             max_seq_len=cfg.max_seq_len, prefetch=cfg.prefetch,
-            read_ahead=cfg.read_ahead if cfg.read_ahead >= 0 else (8 if "://" in cfg.path else 0),
+            read_ahead=cfg.read_ahead if cfg.read_ahead >= 0 else (0 if "://" not in cfg.path or cfg.path.startswith("file://")
+                                                                  else 8),
             epochs=None if training else 1, pin_memory=pin_memory,
             group_size=group_size, timestamps=timestamps, sampled_items=sampled_items, seed=seed,
         )

@@ -15,8 +15,8 @@ hundred samples a step the fixed costs of a read and of building tensors outweig
 ``prefetch`` made the thread and the consumer take turns at every batch of a read, each turn a hand-over of
 the GIL; what the larger queue measured: docs/data.md).  Planning, Parquet decoding and the numpy work release
 the GIL for most of their time, so the thread overlaps the model's compute even on CPU.  The row groups the coming
-steps may be decoded ahead on a thread of their own (``read_ahead`` of them at most, ``read_ahead.py``; by default
-on a remote filesystem), so the prefetch thread mostly finds them decoded.  ``prefetch = 0`` does it all inline, one step at a time.
+steps may be decoded ahead on a thread of their own (``read_ahead`` of them at most, ``read_ahead.py``; by
+default on a remote filesystem), so the prefetch thread mostly finds them decoded.  ``prefetch = 0`` does it all inline, one step at a time.
 
 Position and resumption: ``state_dict`` holds the next (epoch, step) to be
 *consumed* (prefetched batches do not count) and the current planning window's
@@ -404,10 +404,9 @@ class BalancedLoader:
         their batches built together (``assemble``)."""
         with self._planning:
             plans = self.planner.plan_steps(epoch, first, count, live)
-            if self._ahead is not None:
-                rows, last = self.planner.epoch_rows(epoch), first + count >= self.planner.steps_in(epoch)
-                more = last and (self.epochs is None or epoch + 1 < self.epochs)
-                self._ahead.at(first, rows, self.planner.epoch_rows(epoch + 1) if more else None)
+            if self._ahead is not None:  # (each epoch's rows asked once: the planner caches one epoch's order)
+                last = first + count >= self.planner.steps_in(epoch) and (self.epochs is None or epoch + 1 < self.epochs)
+                self._ahead.at(epoch, first, self.planner.epoch_rows, last)
         return self.reader.read(plans)
 
     def read_planned(self, epoch: int, step: int, live_ranks: tuple[int, ...], plan_rows: Parts) -> tuple[StepInfo, Batch]:

@@ -35,6 +35,8 @@ Decoded = TypeVar("Decoded")
 
 
 class _Failed:
+    """A decode's error, kept for the read that takes its row group."""
+
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
@@ -42,8 +44,8 @@ class _Failed:
 class _Schedule:
     """An epoch's row groups in the order its steps first need them (``groups``), with that step (``first_steps``)."""
 
-    def __init__(self, rows: np.ndarray, starts: np.ndarray, step_rows: int) -> None:
-        self.rows = rows
+    def __init__(self, epoch: int, rows: np.ndarray, starts: np.ndarray, step_rows: int) -> None:
+        self.epoch = epoch
         groups, first_rows = _first_needed(np.ascontiguousarray(rows, dtype=np.int64), starts)
         self.groups: list[int] = groups.tolist()
         self.first_steps = first_rows // step_rows
@@ -54,8 +56,8 @@ class _Schedule:
 
 
 class ReadAhead(Generic[Decoded]):
-    """``decode(row_group)`` of the row groups the reads from ``at``'s step on will need, at most ``depth`` past the
-    furthest one the reads reached.
+    """``decode(row_group)`` of the row groups the reads from ``at``'s step on will need, in that order, while fewer
+    than ``depth`` wait to be taken.
 
     ``starts``: each row group's first row (and the total at the end); ``step_rows``: rows a step plans (the global
     batch); ``held(row_group)``: whether the source already holds it decoded (checked without its lock: a wrong
@@ -68,12 +70,13 @@ class ReadAhead(Generic[Decoded]):
         self._decode, self._held = decode, held
         self._starts, self._step_rows, self.depth = np.asarray(starts, dtype=np.int64), step_rows, depth
         self._changed = threading.Condition()
-        self._rows: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
-        """This epoch's rows and the next's (once the reads reach this epoch's end), as ``at`` gave them."""
         self._step = 0
         self._schedules: list[_Schedule] = []
+        """This epoch's schedule and, once the reads reach its end, the next's."""
         self._order: list[int] = []
         """The row groups to decode, in order: this epoch's schedule, then the next's."""
+        self._this_epoch = 0
+        """How many of ``_order`` are this epoch's."""
         self._position: dict[int, int] = {}
         """A row group's place in this epoch's part of ``_order``."""
         self._next = 0
@@ -84,33 +87,38 @@ class ReadAhead(Generic[Decoded]):
         self._in_flight: int | None = None
         self._taken: set[int] = set()
         """Row groups a read took (or decoded itself) in this epoch: not decoded ahead again in it."""
+        self._waiting = False
+        """The thread waits for room (``depth`` ready) or for a schedule: the one thing that wakes it."""
         self._closed = False
         self._thread: threading.Thread | None = None
         self.decoded = 0
         """Row groups decoded on this thread so far (taken or not)."""
 
-    def at(self, step: int, rows: np.ndarray, next_rows: np.ndarray | None = None) -> None:
-        """Reads now start at step ``step`` of an epoch whose rows, in planning order, are ``rows`` (kept, not copied:
-        an epoch's rows are never changed); ``next_rows``: the next epoch's, once the reads reach this epoch's end.
-        A new epoch's schedule is made here (one compiled pass over its rows); the thread is woken where it may go
-        further."""
+    def at(self, epoch: int, step: int, rows_of: Callable[[int], np.ndarray], last: bool = False) -> None:
+        """Reads now start at step ``step`` of epoch ``epoch``; ``rows_of(epoch)``: an epoch's rows in planning order
+        (asked once an epoch); ``last``: the reads reach this epoch's end, the next epoch's row groups follow.  A new
+        epoch's schedule is made here (one compiled pass over its rows)."""
         with self._changed:
-            current, following = self._rows
             known = self._schedules
-            going_on = rows is current and step >= self._step and (next_rows is None or next_rows is following)
+            epochs = [schedule.epoch for schedule in known]
+            going_on = epochs[:1] == [epoch] and step >= self._step and (not last or epochs == [epoch, epoch + 1])
             if going_on:
                 self._step, reached = step, self._schedules[0].position(step)
-                for group in [g for g in self._ready if self._position.get(g, reached) < reached]:
-                    del self._ready[group]  # (the reads of the steps that first need it did not: not this rank's)
-                self._reach(reached)
+                stale = [g for g in self._ready if self._position.get(g, reached) < reached]
+                for group in stale:  # (the reads of the steps that first need it did not: not this rank's, as a rule)
+                    del self._ready[group]
+                self._reached = max(self._reached, reached)
+                self._next = max(self._next, self._reached)
+                if stale:
+                    self._wake()
         if not going_on:
-            made = [_has(known, r) or _Schedule(r, self._starts, self._step_rows) for r in (rows, next_rows)
-                    if r is not None]
+            made = [_has(known, e) or _Schedule(e, rows_of(e), self._starts, self._step_rows)
+                    for e in ([epoch, epoch + 1] if last else [epoch])]
             with self._changed:
-                self._rows, self._step = (rows, next_rows), step
+                self._step = step
                 self._install(made, step)
-                self._changed.notify()
-        if self._thread is None:
+                self._wake()
+        if self._thread is None or not self._thread.is_alive():
             self._closed = False
             self._thread = threading.Thread(target=self._run, name="freescale-read-ahead", daemon=True)
             self._thread.start()
@@ -125,7 +133,9 @@ class ReadAhead(Generic[Decoded]):
             entry = self._ready.pop(row_group, None)
             position = self._position.get(row_group)
             if position is not None:
-                self._reach(position + 1)
+                self._reached = max(self._reached, position + 1)
+            if entry is not None:
+                self._wake()
         if isinstance(entry, _Failed):
             raise entry.exc
         return entry
@@ -138,38 +148,44 @@ class ReadAhead(Generic[Decoded]):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._ready.clear()
-        self._rows, self._schedules, self._order = (None, None), [], []
+        with self._changed:
+            self._ready.clear()
+            self._schedules, self._order = [], []
 
-    def _reach(self, position: int) -> None:
-        """The reads reached ``position``: the thread is woken if that lets it go on (only then: a wake costs the
-        reading thread a hand-over of the GIL)."""
-        if position > self._reached:
-            blocked = self._reached + self.depth <= self._next < len(self._order)
-            self._reached = position
-            if blocked and self._in_flight is None:
-                self._changed.notify()
+    def _wake(self) -> None:
+        """Wake the thread if it waits (only then: a wake costs the reading thread a hand-over of the GIL)."""
+        if self._waiting:
+            self._changed.notify()
 
     # ----- the thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            with self._changed:
-                group = None if self._closed else self._pick()
-                while group is None and not self._closed:
-                    self._changed.wait()
-                    group = self._pick()
-                if group is None or self._closed:
+        """The thread: the next row group of the schedule decoded while the reading thread builds batches (pyarrow's
+        decode and the compiled checks release the GIL); a read waiting for it in ``take`` is woken when it is done."""
+        try:
+            while True:
+                with self._changed:
+                    group = None if self._closed else self._pick()
+                    while group is None and not self._closed:
+                        self._waiting = True
+                        self._changed.wait()
+                        self._waiting = False
+                        group = self._pick()
+                    if group is None or self._closed:
+                        return
+                    next_epochs = self._next > self._this_epoch
+                try:
+                    entry: Decoded | _Failed = self._decode(group)
+                except Exception as exc:  # (raised by the read that takes it)
+                    entry = _Failed(exc)
+                with self._changed:
                     self._in_flight = None
-                    return
-            try:
-                entry: Decoded | _Failed = self._decode(group)
-            except Exception as exc:  # (raised by the read that takes it)
-                entry = _Failed(exc)
+                    self.decoded += 1
+                    if next_epochs or group not in self._taken:  # (else a read that came first decoded it itself)
+                        self._ready[group] = entry
+                    self._changed.notify_all()
+        finally:  # (however it ends, no read waits for a decode it will not finish: the read decodes it)
             with self._changed:
                 self._in_flight = None
-                self.decoded += 1
-                if group not in self._taken:  # (a read that came first decoded it itself)
-                    self._ready[group] = entry
                 self._changed.notify_all()
 
     def _install(self, schedules: list[_Schedule], step: int) -> None:
@@ -177,31 +193,31 @@ class ReadAhead(Generic[Decoded]):
         new_epoch = not self._schedules or schedules[0] is not self._schedules[0]
         self._schedules = schedules
         self._order = [group for schedule in schedules for group in schedule.groups]
+        self._this_epoch = len(schedules[0].groups)
         self._position = {group: i for i, group in enumerate(schedules[0].groups)}
         self._next = self._reached = schedules[0].position(step)
         if new_epoch:
             self._taken.clear()
-        soon = set(self._order[self._next:self._next + self.depth])
-        for group in [g for g in self._ready if g not in soon]:  # (the reads moved elsewhere)
+        coming = set(self._order[self._next:])
+        for group in [g for g in self._ready if g not in coming]:  # (the reads moved elsewhere)
             del self._ready[group]
 
     def _pick(self) -> int | None:
-        """The next row group of ``_order`` to decode (neither ready, taken in this epoch nor held: a row group taken
-        now is held when the next epoch needs it, as a rule), if within
-        ``depth`` of where the reads reached; marked in flight.  With ``_changed`` held."""
-        while self._next < len(self._order) and self._next < self._reached + self.depth:
+        """The next row group of ``_order`` to decode (neither ready, held, nor taken if this epoch's), while fewer
+        than ``depth`` wait ready; marked in flight.  With ``_changed`` held."""
+        while self._next < len(self._order) and len(self._ready) < self.depth:
             group = self._order[self._next]
             self._next += 1
-            if group in self._ready or group in self._taken or self._held(group):
+            if group in self._ready or (self._next <= self._this_epoch and group in self._taken) or self._held(group):
                 continue
             self._in_flight = group
             return group
         return None
 
 
-def _has(schedules: list[_Schedule], rows: np.ndarray) -> _Schedule | None:
-    """The schedule of ``rows`` among ``schedules`` (the same array), if made already."""
-    return next((schedule for schedule in schedules if schedule.rows is rows), None)
+def _has(schedules: list[_Schedule], epoch: int) -> _Schedule | None:
+    """Epoch ``epoch``'s schedule among ``schedules``, if made already."""
+    return next((schedule for schedule in schedules if schedule.epoch == epoch), None)
 
 
 @numba.njit(nogil=True, cache=True)

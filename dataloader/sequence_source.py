@@ -235,6 +235,7 @@ class SequenceSource(RowGroupFiles):
         return self._gather(row, position, uncut), samples, ok
 
     def holds(self, rg: int) -> bool:
+        """Whether row group ``rg`` is in a slot (read without the read lock: may be stale)."""
         return bool(self._slots.slot_of[rg] >= 0)
 
     def _load(self, rg: int) -> LoadedRowGroup:

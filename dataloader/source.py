@@ -125,6 +125,8 @@ class RowGroupFiles(ABC):
         """Arrow bytes of every row group decoded so far (cache misses only): the read's real cost."""
         self._readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
         self._ahead: ReadAhead[_RowGroup] | None = None
+        self._ahead_readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        """The files the read-ahead's thread reads through (its own: a ``ParquetFile`` is not shared by threads)."""
         self._reading = threading.RLock()
         """Held by a read (and by ``close``): the decoded row groups (a cache, or format 2's slots) and the open
         files are shared state, and the prefetch thread's reads may meet a caller's (``BalancedLoader.batch_of``).
@@ -205,7 +207,9 @@ class RowGroupFiles(ABC):
     def read_ahead(self, step_rows: int, depth: int) -> ReadAhead[_RowGroup]:
         """A ``ReadAhead`` that decodes this source's row groups on a thread of its own, its reads taking them from
         it (``step_rows``: rows a step plans; ``depth``: row groups decoded ahead at most); ``close`` stops it."""
-        readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        if self._ahead is not None:
+            self._ahead.close()
+        readers = self._ahead_readers
         self._ahead = ReadAhead(lambda rg: self.decode_row_group(rg, readers), self.rg_start, step_rows, depth,
                                 self.holds)
         return self._ahead
@@ -217,7 +221,8 @@ class RowGroupFiles(ABC):
     def close(self) -> None:
         """Let go of the files held open and stop the read-ahead (a later read opens them again)."""
         if self._ahead is not None:
-            self._ahead.close()
+            self._ahead.close()  # (its thread joined: its files are let go of too)
+            self._ahead_readers.clear()
         with self._reading:
             self._readers.clear()
 
@@ -310,6 +315,7 @@ class ParquetSource(RowGroupFiles):
                 and rc.binary(table.column(LABEL).to_numpy()) and rc.finite(rc.held(table.column(DENSE).combine_chunks())))
 
     def holds(self, rg: int) -> bool:
+        """Whether row group ``rg`` is in the cache (read without the read lock: may be stale)."""
         return rg in self._cache
 
     # ----- lengths (for planning) ---------------------------------------------------------
