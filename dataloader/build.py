@@ -57,11 +57,10 @@ class DataConfig:
     instead of most of the window's row groups (use with window > 1 at many ranks; planner.py)."""
     prefetch: int = 2
     """Batches prepared ahead on a background thread; 0 prepares them inline."""
-    read_ahead: int = -1
-    """Row groups decoded ahead of the reads, on a thread of their own (with ``prefetch`` > 0 and without
-    ``locality``; 0: none; -1: 8 for a filesystem URI (``s3://`` ...), where a read waits for its bytes, none for
-    a local path, where the decode alone moved to another thread measured no faster and took more CPU).  Memory:
-    this many decoded row groups."""
+    read_ahead: int = 8
+    """Row groups read and decoded to Arrow ahead of the reads, on a thread of their own, while fewer than this wait
+    (with ``prefetch`` > 0 and without ``locality``; 0: none): the decode, and a remote filesystem's wait for bytes,
+    overlap building the batches.  Memory: this many decoded row groups."""
     on_bad_rows: Literal["error", "skip"] = "error"
     cost_quadratic: float = -1.0
     """Cost model ``a*L^2 + b*L + c0``; negative values mean: derive from the model's dimensions."""
@@ -85,7 +84,7 @@ class DataConfig:
         require(not self.locality or self.partitioner == "lpt", "locality",
                 f"plans with its own cut and LPT: set partitioner = 'lpt' (got '{self.partitioner}')")
         require(self.prefetch >= 0, "prefetch", f"must be >= 0, got {self.prefetch}")
-        require(self.read_ahead >= -1, "read_ahead", f"must be >= 0, or -1 (by filesystem), got {self.read_ahead}")
+        require(self.read_ahead >= 0, "read_ahead", f"must be >= 0, got {self.read_ahead}")
         require(self.calibrate_every >= 0, "calibrate_every", f"must be >= 0, got {self.calibrate_every}")
 
     def cost_model(self, derived: CostModel) -> CostModel:
@@ -158,8 +157,7 @@ class Dataset:
         return BalancedLoader(
             source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,
             max_seq_len=cfg.max_seq_len, prefetch=cfg.prefetch,
-            read_ahead=cfg.read_ahead if cfg.read_ahead >= 0 else (0 if "://" not in cfg.path or cfg.path.startswith("file://")
-                                                                  else 8),
+            read_ahead=cfg.read_ahead,
             epochs=None if training else 1, pin_memory=pin_memory,
             group_size=group_size, timestamps=timestamps, sampled_items=sampled_items, seed=seed,
         )

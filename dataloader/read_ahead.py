@@ -1,25 +1,27 @@
-"""Row groups decoded ahead of the reads, on a thread of their own.
+"""Row groups read and decoded ahead of the reads, on a thread of their own.
 
 The loader's prefetch thread plans a few steps, reads their rows and builds their batches, one after the other;
-each row group its reads draw on for the first time is decoded right there (Parquet decode and the row checks:
-~30% of a format-2 epoch's time on one core, more on a remote filesystem, where it also waits for the bytes).
-``ReadAhead`` takes that off the prefetch thread's path::
+each row group its reads draw on for the first time is read and decoded right there (the Parquet decode: ~20% of
+a format-2 epoch's time on one core; on a remote filesystem it also waits for the bytes).  ``ReadAhead`` takes
+that off the prefetch thread's path::
 
-    prefetch thread:  plan(k)  at(k)  read(k): take each row group it needs  build(k)   plan(k+1) ...
-    read-ahead:                   decode the row groups of steps k, k+1, ... in the order they are first needed
+    prefetch thread:  plan(k)  at(k)  read(k): take each row group it needs, check it  build(k)   plan(k+1) ...
+    read-ahead:                   read + decode the row groups of steps k, k+1, ... in the order first needed
 
-Pyarrow's decode and the compiled row checks run without the GIL, so the two threads overlap even while the
-prefetch thread runs Python.  The epoch's rows in planning order (``BatchPlanner.epoch_rows``: global batch ``s``
-is rows ``[s*G, (s+1)*G)``) say which row groups each coming step draws on, whatever rank plans which of its rows,
-so the schedule needs no plan; a rank of many may decode a row group its share of a step happens not to need
-(at a few hundred samples a rank a step, drawn from the shuffle window's row groups, it almost always does).
+The thread makes one call a row group (``RowGroupFiles.read_table``: pyarrow reads and decodes without the GIL),
+so it overlaps the prefetch thread's Python; the row checks and the numpy buffers stay on the prefetch thread (a
+few dozen short calls holding the GIL: on this thread they contended with the prefetch thread's Python for it and
+gained nothing, measured: docs/data.md).  The epoch's rows in planning order (``BatchPlanner.epoch_rows``: global
+batch ``s`` is rows ``[s*G, (s+1)*G)``) say which row groups each coming step draws on, whatever rank plans which
+of its rows, so the schedule needs no plan; a rank of many may decode a row group its share of a step happens not
+to need (at a few hundred samples a rank a step, drawn from the shuffle window's row groups, it almost always does).
 
-Nothing the source keeps changes on this thread: the source's ``decode_row_group`` reads through file handles of
-this thread's own and returns what the decode found (bytes, rows skipped); the read that takes the row group
-(``take``, under the source's read lock) counts it, so the counts and every error are what reading without it
-gives, at the same step: a decode's error is kept and raised by the read that needs that row group (never if no
-read does).  At most ``depth`` row groups are decoded and not yet taken (memory: ``depth`` decoded row groups);
-those the schedule no longer reaches (a restart elsewhere, a row group the source already held) are dropped.
+Nothing the source keeps changes on this thread: it reads through file handles of its own; the read that takes a
+row group (``take``, under the source's read lock) checks and counts it as it would have decoded it, so the counts
+and every error are what reading without it gives, at the same step: a read's error (a corrupt file) is kept and
+raised by the read that needs that row group (never if no read does).  Fewer than ``depth`` row groups wait
+decoded and not yet taken (memory: ``depth`` decoded row groups); those the schedule no longer reaches (a restart
+elsewhere, steps that did not need them) are dropped.
 """
 
 from __future__ import annotations

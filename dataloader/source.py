@@ -124,7 +124,7 @@ class RowGroupFiles(ABC):
         self.decoded_bytes = 0
         """Arrow bytes of every row group decoded so far (cache misses only): the read's real cost."""
         self._readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
-        self._ahead: ReadAhead[_RowGroup] | None = None
+        self._ahead: ReadAhead[pa.Table] | None = None
         self._ahead_readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
         """The files the read-ahead's thread reads through (its own: a ``ParquetFile`` is not shared by threads)."""
         self._reading = threading.RLock()
@@ -179,38 +179,41 @@ class RowGroupFiles(ABC):
     """What the cache keeps of it."""
 
     def _decode(self, rg: int) -> _RowGroup:
-        """Row group ``rg`` (global index), decoded and checked, or taken from the read-ahead (``decoded_bytes`` and
-        ``skipped`` count it).  Called within a read (``_reading`` held)."""
-        entry = self._ahead.take(rg) if self._ahead is not None else None
-        if entry is None:
-            entry = self.decode_row_group(rg, self._readers)
+        """Row group ``rg`` (global index), decoded (or taken from the read-ahead, which decodes it to Arrow on its
+        thread) and checked (``decoded_bytes`` and ``skipped`` count it).  Called within a read (``_reading`` held)."""
+        table = self._ahead.take(rg) if self._ahead is not None else None
+        if table is None:
+            table = self.read_table(rg, self._readers)
+        entry = self._checked(rg, table)
         self.decoded_bytes += entry.nbytes
         if entry.skipped:
             self.skipped.update(entry.skipped)
         return entry
 
-    def decode_row_group(self, rg: int, readers: OrderedDict[int, pq.ParquetFile]) -> _RowGroup:
-        """Row group ``rg`` read through ``readers`` (the caller's open files), decoded and checked (error mode: the
-        first bad row raises), changing nothing of the source: the read-ahead's thread calls it with files of its
-        own."""
+    def read_table(self, rg: int, readers: OrderedDict[int, pq.ParquetFile]) -> pa.Table:
+        """Row group ``rg``'s columns read through ``readers`` (the caller's open files) and decoded to Arrow, in one
+        call that releases the GIL, changing nothing of the source: the read-ahead's thread calls it with files of
+        its own."""
         file_index, rg_id = int(self.rg_file[rg]), int(self.rg_id[rg])
-        shown = self.file_names[file_index]
         try:
-            reader = self._open(readers, file_index)
-            table = reader.read_row_group(rg_id, columns=self.decode_columns, use_threads=False)
+            return self._open(readers, file_index).read_row_group(rg_id, columns=self.decode_columns, use_threads=False)
         except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"{shown}: row group {rg_id}: corrupt or truncated Parquet data ({exc})") from None
-        bad, skipped = self._validate(table, f"{shown}: row group {rg_id}")
+            raise DataError(f"{self.file_names[file_index]}: row group {rg_id}: corrupt or truncated Parquet data "
+                            f"({exc})") from None
+
+    def _checked(self, rg: int, table: pa.Table) -> _RowGroup:
+        """Row group ``rg``'s decoded ``table`` checked (error mode: the first bad row raises) and kept as numpy."""
+        bad, skipped = self._validate(table, f"{self.file_names[int(self.rg_file[rg])]}: row group {int(self.rg_id[rg])}")
         return _RowGroup(arrays=self.arrays_of(table.select(self.keep_columns)), bad=bad, nbytes=table.nbytes,
                          skipped=skipped)
 
-    def read_ahead(self, step_rows: int, depth: int) -> ReadAhead[_RowGroup]:
+    def read_ahead(self, step_rows: int, depth: int) -> ReadAhead[pa.Table]:
         """A ``ReadAhead`` that decodes this source's row groups on a thread of its own, its reads taking them from
         it (``step_rows``: rows a step plans; ``depth``: row groups decoded ahead at most); ``close`` stops it."""
         if self._ahead is not None:
             self._ahead.close()
         readers = self._ahead_readers
-        self._ahead = ReadAhead(lambda rg: self.decode_row_group(rg, readers), self.rg_start, step_rows, depth,
+        self._ahead = ReadAhead(lambda rg: self.read_table(rg, readers), self.rg_start, step_rows, depth,
                                 self.holds)
         return self._ahead
 
