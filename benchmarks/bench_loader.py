@@ -12,8 +12,8 @@ thread, samples per second:
 - ``freescale``: ``BalancedLoader`` for one rank over one epoch as training runs it (planning, row checks,
   row-group reads, the history cut, numpy -> KJT, on its prefetch thread: several steps a read; the consumer
   only takes the batches; the row groups read and decoded to Arrow ahead on a thread of their own,
-  ``read_ahead``), target >= 70% of the bare decode of its layout; and format 2's with ``read_ahead = 0``
-  (every row group decoded on the prefetch thread, one thread at work);
+  ``read_ahead``), target >= 70% of the bare decode of its layout; and with ``read_ahead = 0`` (every row group
+  decoded on the prefetch thread, one thread at work);
 - ``torch DataLoader, batched``: what a user would write: an ``IterableDataset`` over pyarrow row
   groups (shuffled), rows permuted inside each, batches built from Arrow offsets (format 1);
 - ``torch DataLoader, row by row``: ``__getitem__`` per row and a Python collate (for reference).
@@ -212,6 +212,7 @@ def main() -> None:
             (f1, "bare pyarrow decode", lambda: bare_decode(format1, FORMAT1_DECODED, n)),
             (f1, "decode + history cut", lambda: decode_and_cut(format1, FORMAT1_DECODED, n, max_len, False)),
             (f1, "freescale BalancedLoader", lambda: ours(format1, batch, max_len)),
+            (f1, "freescale, read_ahead = 0", lambda: ours(format1, batch, max_len, read_ahead=0)),
             (f1, "torch DataLoader, batched over pyarrow", lambda: torch_batched(format1, batch, max_len)),
             (f1, "torch DataLoader, row by row", lambda: torch_rows(format1, batch, max(5, steps // 30))),
             (f2, "bare pyarrow decode", lambda: bare_decode(format2, FORMAT2_COLUMNS, n)),
