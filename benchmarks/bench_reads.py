@@ -43,7 +43,7 @@ FEATURES = ["history_item_ids", "candidate_item_id", "user_id"]
 
 def run(path: Path, per_rank: int, steps: int, locality: bool) -> dict[str, Any]:
     cfg = DataConfig(path=str(path), batch_size=per_rank, window=WINDOW, prefetch=2, max_seq_len=MAX_LEN,
-                     locality=locality)
+                     locality=locality, read_ahead=0)  # (decoded_bytes counts the row groups the reads use)
     loader = build_loader(cfg, "train", rank=0, world_size=RANKS, sparse_features=FEATURES,
                           derived_cost=cost_model_for(ModelConfig(kind="hstu"), 0), seed=0)
     source = loader.source

@@ -58,9 +58,9 @@ class DataConfig:
     prefetch: int = 2
     """Batches prepared ahead on a background thread; 0 prepares them inline."""
     read_ahead: int = 8
-    """Row groups read and decoded to Arrow ahead of the reads, on a thread of their own, while fewer than this wait
+    """Row groups read and decoded to Arrow ahead of the reads, on a thread of their own, at most this many waiting
     (with ``prefetch`` > 0 and without ``locality``; 0: none): the decode, and a remote filesystem's wait for bytes,
-    overlap building the batches.  Memory: this many decoded row groups."""
+    overlap building the batches.  Memory: this many row groups' Arrow tables (the columns read and checked)."""
     on_bad_rows: Literal["error", "skip"] = "error"
     cost_quadratic: float = -1.0
     """Cost model ``a*L^2 + b*L + c0``; negative values mean: derive from the model's dimensions."""

@@ -40,6 +40,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -138,8 +139,10 @@ class BalancedLoader:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._ahead = (source.read_ahead(planner.global_batch_size, read_ahead)
                        if read_ahead > 0 and prefetch > 0 and not planner.locality else None)
-        """Decodes the row groups of the coming steps on a thread of its own (``read_ahead.py``), told where the
-        reads are by each ``_make``."""
+        """Reads the row groups of the coming steps on a thread of its own (``read_ahead.py``), told where the
+        reads are by each ``_make``; stopped by ``close``, or when this loader is collected unclosed."""
+        if self._ahead is not None:
+            weakref.finalize(self, self._ahead.stop)
         self.made: Callable[[int, float], None] | None = None
         """Called for each batch made, on the thread that made it, before it is queued (a halt may still drop
         it), with its step (counted from the first epoch's start) and the seconds its rows took to read and
@@ -274,6 +277,8 @@ class BalancedLoader:
         window, partitioner ...: ``reshape.py``), the rest of its epoch is trained as this epoch's
         remainder, every sample once."""
         self._halt()
+        if self._ahead is not None:  # (the epoch's rows may change: its schedule is made again)
+            self._ahead.close()
         mine = shape_of(self.planner, self.max_seq_len)
         saved = state.get("shape") or {}
         for key in ("num_rows", "row_groups"):

@@ -19,8 +19,8 @@ to need (at a few hundred samples a rank a step, drawn from the shuffle window's
 Nothing the source keeps changes on this thread: it reads through file handles of its own; the read that takes a
 row group (``take``, under the source's read lock) checks and counts it as it would have decoded it, so the counts
 and every error are what reading without it gives, at the same step: a read's error (a corrupt file) is kept and
-raised by the read that needs that row group (never if no read does).  Fewer than ``depth`` row groups wait
-decoded and not yet taken (memory: ``depth`` decoded row groups); those the schedule no longer reaches (a restart
+raised by the read that needs that row group (never if no read does).  At most ``depth`` row groups wait decoded
+and not yet taken (memory: ``depth`` Arrow tables of the columns the reads and their checks decode); those the schedule no longer reaches (a restart
 elsewhere, steps that did not need them) are dropped.
 """
 
@@ -34,6 +34,10 @@ import numba
 import numpy as np
 
 Decoded = TypeVar("Decoded")
+
+
+CLOSE_WAIT_S = 10.0
+"""How long ``close`` waits for the read in flight."""
 
 
 class _Failed:
@@ -94,7 +98,9 @@ class ReadAhead(Generic[Decoded]):
         self._closed = False
         self._thread: threading.Thread | None = None
         self.decoded = 0
-        """Row groups decoded on this thread so far (taken or not)."""
+        """Row groups read on this thread so far (taken or not)."""
+        self.handed = 0
+        """Row groups a read took from it (read ahead, not by the read itself)."""
 
     def at(self, epoch: int, step: int, rows_of: Callable[[int], np.ndarray], last: bool = False) -> None:
         """Reads now start at step ``step`` of epoch ``epoch``; ``rows_of(epoch)``: an epoch's rows in planning order
@@ -106,7 +112,8 @@ class ReadAhead(Generic[Decoded]):
             going_on = epochs[:1] == [epoch] and step >= self._step and (not last or epochs == [epoch, epoch + 1])
             if going_on:
                 self._step, reached = step, self._schedules[0].position(step)
-                stale = [g for g in self._ready if self._position.get(g, reached) < reached]
+                following = set(self._order[self._this_epoch:])  # (read for the next epoch: kept)
+                stale = [g for g in self._ready if self._position.get(g, reached) < reached and g not in following]
                 for group in stale:  # (the reads of the steps that first need it did not: not this rank's, as a rule)
                     del self._ready[group]
                 self._reached = max(self._reached, reached)
@@ -133,6 +140,7 @@ class ReadAhead(Generic[Decoded]):
                 self._changed.wait()
             self._taken.add(row_group)
             entry = self._ready.pop(row_group, None)
+            self.handed += entry is not None
             position = self._position.get(row_group)
             if position is not None:
                 self._reached = max(self._reached, position + 1)
@@ -143,16 +151,22 @@ class ReadAhead(Generic[Decoded]):
         return entry
 
     def close(self) -> None:
-        """Stop the thread (after the decode in flight) and drop what was decoded (the next ``at`` starts again)."""
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
+        """Stop the thread (after the read in flight, waiting for it up to ``CLOSE_WAIT_S``: a remote read that
+        hangs is left to its daemon thread) and drop what was read (the next ``at`` starts again)."""
+        self.stop()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(CLOSE_WAIT_S)
             self._thread = None
         with self._changed:
             self._ready.clear()
             self._schedules, self._order = [], []
+            self._taken.clear()
+
+    def stop(self) -> None:
+        """Tell the thread to end after the read in flight, without waiting for it (a loader's finalizer)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     def _wake(self) -> None:
         """Wake the thread if it waits (only then: a wake costs the reading thread a hand-over of the GIL)."""
