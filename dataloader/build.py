@@ -156,8 +156,7 @@ class Dataset:
         )
         return BalancedLoader(
             source, planner, rank=rank, live_ranks=list(range(world_size)), sparse_features=sparse_features,
-            max_seq_len=cfg.max_seq_len, prefetch=cfg.prefetch,
-            read_ahead=cfg.read_ahead,
+            max_seq_len=cfg.max_seq_len, prefetch=cfg.prefetch, read_ahead=cfg.read_ahead,
             epochs=None if training else 1, pin_memory=pin_memory,
             group_size=group_size, timestamps=timestamps, sampled_items=sampled_items, seed=seed,
         )

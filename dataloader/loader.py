@@ -15,8 +15,9 @@ hundred samples a step the fixed costs of a read and of building tensors outweig
 ``prefetch`` made the thread and the consumer take turns at every batch of a read, each turn a hand-over of
 the GIL; what the larger queue measured: docs/data.md).  Planning, Parquet decoding and the numpy work release
 the GIL for most of their time, so the thread overlaps the model's compute even on CPU.  The row groups the coming
-steps are read and decoded to Arrow ahead on a thread of their own (``read_ahead`` of them at most,
-``read_ahead.py``), so the prefetch thread mostly finds them decoded and only checks them.  ``prefetch = 0`` does it all inline, one step at a time.
+steps draw on are read and decoded to Arrow ahead, on a thread of their own (``read_ahead`` of them at most,
+``read_ahead.py``), so the prefetch thread mostly finds them decoded and only checks them.  ``prefetch = 0`` does
+it all inline, one step at a time.
 
 Position and resumption: ``state_dict`` holds the next (epoch, step) to be
 *consumed* (prefetched batches do not count) and the current planning window's

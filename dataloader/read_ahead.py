@@ -20,8 +20,8 @@ Nothing the source keeps changes on this thread: it reads through file handles o
 row group (``take``, under the source's read lock) checks and counts it as it would have decoded it, so the counts
 and every error are what reading without it gives, at the same step: a read's error (a corrupt file) is kept and
 raised by the read that needs that row group (never if no read does).  At most ``depth`` row groups wait decoded
-and not yet taken (memory: ``depth`` Arrow tables of the columns the reads and their checks decode); those the schedule no longer reaches (a restart
-elsewhere, steps that did not need them) are dropped.
+and not yet taken (memory: ``depth`` Arrow tables of the columns the reads and their checks decode); those the
+schedule no longer reaches (a restart elsewhere, steps that did not need them) are dropped.
 """
 
 from __future__ import annotations

@@ -208,8 +208,9 @@ class RowGroupFiles(ABC):
                          skipped=skipped)
 
     def read_ahead(self, step_rows: int, depth: int) -> ReadAhead[pa.Table]:
-        """A ``ReadAhead`` that decodes this source's row groups on a thread of its own, its reads taking them from
-        it (``step_rows``: rows a step plans; ``depth``: row groups decoded ahead at most); ``close`` stops it."""
+        """A ``ReadAhead`` that reads and decodes this source's row groups to Arrow on a thread of its own, its reads
+        taking them from it (``step_rows``: rows a step plans; ``depth``: row groups waiting at most); ``close`` stops
+        it (a second call replaces the first)."""
         if self._ahead is not None:
             self._ahead.close()
         readers = self._ahead_readers
