@@ -57,9 +57,26 @@ def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:  # type
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a spawned group's rendezvous)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a spawned group's rendezvous), drawn below the
+    kernel's ephemeral range: a port the kernel handed out (``bind(0)``) may be handed out again, as the local end of
+    some other connection, before the group binds it (a rendezvous then failed with EADDRINUSE now and then)."""
+    import random
     import socket
 
-    with socket.socket() as s:
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    draw = random.Random()
+    for _ in range(200):
+        port = draw.randrange(10_000, max(low, 10_001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (none free below the range: the kernel's choice)
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
