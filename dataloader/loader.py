@@ -411,8 +411,8 @@ class BalancedLoader:
         with self._planning:
             plans = self.planner.plan_steps(epoch, first, count, live)
             if self._ahead is not None:  # (each epoch's rows asked once: the planner caches one epoch's order)
-                last = first + count >= self.planner.steps_in(epoch) and (self.epochs is None or epoch + 1 < self.epochs)
-                self._ahead.at(epoch, first, self.planner.epoch_rows, last)
+                more = self.epochs is None or epoch + 1 < self.epochs
+                self._ahead.at(epoch, first, self.planner.epoch_rows, more and first + count >= self.planner.steps_in(epoch))
         return self.reader.read(plans)
 
     def read_planned(self, epoch: int, step: int, live_ranks: tuple[int, ...], plan_rows: Parts) -> tuple[StepInfo, Batch]:

@@ -175,8 +175,8 @@ class ReadAhead(Generic[Decoded]):
 
     # ----- the thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
-        """The thread: the next row group of the schedule decoded while the reading thread builds batches (pyarrow's
-        decode and the compiled checks release the GIL); a read waiting for it in ``take`` is woken when it is done."""
+        """The thread: the next row group of the schedule read and decoded (one pyarrow call, without the GIL) while
+        the reading thread builds batches; a read waiting for it in ``take`` is woken when it is done."""
         try:
             while True:
                 with self._changed:
@@ -239,7 +239,7 @@ def _has(schedules: list[_Schedule], epoch: int) -> _Schedule | None:
 @numba.njit(nogil=True, cache=True)
 def _first_needed(rows: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The row groups of ``rows`` (``starts``: each row group's first row) in the order they first appear, and where.
-    One pass; a row group is found from the last one's neighbours, else by a binary search."""
+    One pass; a row's group is the last row's when it lies in it, else found by a binary search."""
     count = starts.size - 1
     seen = np.zeros(count, dtype=np.bool_)
     groups, first = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)

@@ -76,8 +76,6 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
 class _RowGroup:
     arrays: dict[str, np.ndarray]  # the kept columns' numpy buffers (``RowGroupFiles.arrays_of``)
     bad: np.ndarray | None  # bool per row when on_bad_rows == "skip"
-    nbytes: int = 0  # Arrow bytes decoded
-    skipped: Counter[str] | None = None  # bad rows per reason (skip mode), counted by the read that uses it
 
 
 class RowGroupFiles(ABC):
@@ -180,15 +178,14 @@ class RowGroupFiles(ABC):
 
     def _decode(self, rg: int) -> _RowGroup:
         """Row group ``rg`` (global index), decoded (or taken from the read-ahead, which decodes it to Arrow on its
-        thread) and checked (``decoded_bytes`` and ``skipped`` count it).  Called within a read (``_reading`` held)."""
+        thread) and checked here (``decoded_bytes`` and ``skipped`` count it).  Called within a read (``_reading``
+        held)."""
         table = self._ahead.take(rg) if self._ahead is not None else None
         if table is None:
             table = self.read_table(rg, self._readers)
-        entry = self._checked(rg, table)
-        self.decoded_bytes += entry.nbytes
-        if entry.skipped:
-            self.skipped.update(entry.skipped)
-        return entry
+        self.decoded_bytes += table.nbytes
+        bad = self._validate(table, f"{self.file_names[int(self.rg_file[rg])]}: row group {int(self.rg_id[rg])}")
+        return _RowGroup(arrays=self.arrays_of(table.select(self.keep_columns)), bad=bad)
 
     def read_table(self, rg: int, readers: OrderedDict[int, pq.ParquetFile]) -> pa.Table:
         """Row group ``rg``'s columns read through ``readers`` (the caller's open files) and decoded to Arrow, in one
@@ -200,12 +197,6 @@ class RowGroupFiles(ABC):
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{self.file_names[file_index]}: row group {rg_id}: corrupt or truncated Parquet data "
                             f"({exc})") from None
-
-    def _checked(self, rg: int, table: pa.Table) -> _RowGroup:
-        """Row group ``rg``'s decoded ``table`` checked (error mode: the first bad row raises) and kept as numpy."""
-        bad, skipped = self._validate(table, f"{self.file_names[int(self.rg_file[rg])]}: row group {int(self.rg_id[rg])}")
-        return _RowGroup(arrays=self.arrays_of(table.select(self.keep_columns)), bad=bad, nbytes=table.nbytes,
-                         skipped=skipped)
 
     def read_ahead(self, step_rows: int, depth: int) -> ReadAhead[pa.Table]:
         """A ``ReadAhead`` that reads and decodes this source's row groups to Arrow on a thread of its own, its reads
@@ -252,12 +243,10 @@ class RowGroupFiles(ABC):
         """True when ``row_problems(table)`` is certainly empty, decided cheaper than it (False: not known)."""
         return False
 
-    def _validate(self, table: pa.Table, where: str) -> tuple[np.ndarray | None, Counter[str] | None]:
-        """Per-row problems; raise on the first (error mode) or return the bad-row mask (skip; None: none bad) and
-        the bad rows per reason."""
+    def _validate(self, table: pa.Table, where: str) -> np.ndarray | None:
+        """Per-row problems; raise on the first (error mode) or return the bad-row mask (skip; None: none bad)."""
         if self.passes_checks(table):
-            return None, None
-        skipped: Counter[str] = Counter()
+            return None
         bad_any = np.zeros(table.num_rows, dtype=bool)
         for problem in self.row_problems(table):
             if not problem.rows.any():
@@ -265,9 +254,9 @@ class RowGroupFiles(ABC):
             if self.on_bad_rows == "error":
                 row = int(np.flatnonzero(problem.rows)[0])
                 raise DataError(f"{where}: row {row}: column '{problem.column}': {problem.reason}")
-            skipped[f"{problem.column}: {problem.reason.split(' (')[0]}"] += int((problem.rows & ~bad_any).sum())
+            self.skipped[f"{problem.column}: {problem.reason.split(' (')[0]}"] += int((problem.rows & ~bad_any).sum())
             bad_any |= problem.rows
-        return (bad_any, skipped) if self.on_bad_rows == "skip" else (None, None)
+        return bad_any if self.on_bad_rows == "skip" else None
 
 
 class ParquetSource(RowGroupFiles):
