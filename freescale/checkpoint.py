@@ -47,7 +47,8 @@ from freescale import checkpoint_integrity as integrity
 from freescale.checkpoint_integrity import CheckpointDamaged, CheckpointError
 from freescale.checkpoint_integrity import is_verified as is_verified  # re-exported: callers ask checkpoint
 from freescale.config import require
-from freescale.write_pacing import PacedSavePlanner, Pacer, light_write, lower_priority
+from freescale.save_plans import PlanCache
+from freescale.write_pacing import Pacer, light_write, lower_priority
 
 META_NAME = "freescale.json"
 PARTIAL_SUFFIX = ".partial"
@@ -297,6 +298,8 @@ class CheckpointWriter:
 
         self.asynchronous, self.group, self.fence = asynchronous, group, fence
         self.pacer = Pacer(write_share)
+        self.plans = PlanCache()
+        """DCP's save plans, made at the first save and reused (``save_plans``)."""
         """The writer thread's CPU share while the training goes on (``write_pacing``); released by ``wait``."""
         self.before_write = before_write
         """Called on the writer's thread with the save's step before its files are written (tests: slow storage)."""
@@ -358,8 +361,12 @@ class CheckpointWriter:
                 meta = {**meta, **extra}
                 self.pacer.pause()
             partial = _begin(root, step, self.group, self.fence)
-            dcp.save(state, storage_writer=integrity.VerifyingWriter(partial, self.pacer),
-                     planner=PacedSavePlanner(self.pacer), process_group=self.group)
+            try:
+                dcp.save(state, storage_writer=integrity.VerifyingWriter(partial, self.pacer),
+                         planner=self.plans.planner(self.pacer), process_group=self.group)
+            except BaseException:
+                self.plans.forget()
+                raise
         self.pacer.end()
         self._written.set()
         with self._commit_lock:
@@ -426,8 +433,9 @@ class CheckpointWriter:
         self._pending = None
         try:
             committed: tuple[Path, float, float, float] = future.result()
-        except (Exception, CheckpointException) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        except (Exception, CheckpointException) as exc:  # DCP's: the first failed rank's own error named
+            first = next((str(f).strip().splitlines()[0] for f in _failures(exc) if str(f).strip()),
+                         type(exc).__name__)
             raise CheckpointError(f"{step_dir(root, step)}: the background save failed: {first}") from exc
         self.committed.append(committed)
         return committed[0], committed[1]

@@ -206,10 +206,12 @@ class TrainingSaves:
         self.write_copied()
         self.writer.wait()
         self.note_committed()
+        self.writer.plans.forget()  # (kept for this run's saves only)
 
     def abandon(self) -> None:
         """Stopped (^C, the CLI's SIGTERM, a peer's failure): no half-written save left behind."""
         self.writer.abandon()
+        self.writer.plans.forget()
 
 
 def _logical(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], dict[str, Any]]:

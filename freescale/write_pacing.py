@@ -142,8 +142,8 @@ class PacedSavePlanner(DefaultSavePlanner):
     """DCP's default save planner with a pause before each of its steps and before each item it hands to the
     writer (``resolve_data``): DCP's planning is Python holding the GIL, a burst at the write's start."""
 
-    def __init__(self, pacer: Pacer) -> None:
-        super().__init__()
+    def __init__(self, pacer: Pacer, enable_plan_caching: bool = False) -> None:
+        super().__init__(enable_plan_caching=enable_plan_caching)
         self.pacer = pacer
 
     def create_local_plan(self) -> Any:
