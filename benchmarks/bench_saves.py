@@ -18,7 +18,11 @@ normal step, the same step of the run without saves of that repeat, and the save
 median step (no drift between runs in it, but that median is a step with a save's copy or write under way:
 what the save step costs beyond those); over all the saves, the median of each (a single step's ratio is
 mostly this machine's spread: the median over the saves against the same steps without a save is what a save
-costs its step).  The runs without saves' own spread (P90, P99, max of a step over its own run's median) is
+costs its step).  Beside them, the writer's start (from the copy handed over until its files began to be
+written: the state's structure, its conversion, DCP's planning, each save's after the first reusing the first's
+plans, ``freescale/save_plans.py``): rank 0's writer CPU over it, its duration, and the steps it overlapped, their
+milliseconds beyond a normal step summed (a burst of Python holding the GIL beside the steps: one figure a save,
+steadier than any single step's ratio).  The runs without saves' own spread (P90, P99, max of a step over its own run's median) is
 printed beside: a single step of this machine reaches 1.5x at P90 with no save at all.  The steps that write the run's periodic log record (``LOG_EVERY``) are left out
 of every figure and reported apart, with saves and without (they reduce the last 1,000 steps' metrics).
 Target (issue 47): the save step and the step finishing its copy at most 1.2x a normal step, and the steps
@@ -99,6 +103,7 @@ def save_rows(log: list[dict[str, Any]], plain_log: list[dict[str, Any]], normal
         copying = [gaps[s] / normal_s for s in range(saved + 1, end) if s in gaps]
         writing = [gaps[s] / normal_s for s in range(end + 1, committed + 1) if s in gaps]
         taken = copied.get(saved, {})
+        start_excess = _start_excess(commits, taken, written[saved], normal_s)
         rows.append({
             "repeat": repeat, "save_after_step": saved, "tables_due_step": due, "written_by_step": committed,
             "ended_by_the_run": due > last_step,  # the run's end finished its copy: not a whole save's steps
@@ -117,8 +122,58 @@ def save_rows(log: list[dict[str, Any]], plain_log: list[dict[str, Any]], normal
             "staged_ms": 1e3 * event["seconds"], "copy_ms": 1e3 * taken.get("copy_s", float("nan")),
             "keep_ms": 1e3 * taken.get("keep_s", float("nan")), "write_s": written[saved]["seconds"],
             "write_cpu_s": written[saved].get("write_cpu_s"), "paced_s": written[saved].get("paced_s"),
+            "start_cpu_ms": 1e3 * written[saved].get("start_cpu_s", float("nan")),
+            "start_ms": 1e3 * written[saved].get("start_s", float("nan")), "start_excess_ms": start_excess,
         })
     return rows
+
+
+def _start_excess(commits: list[dict[str, Any]], copied: dict[str, Any], written: dict[str, Any],
+                  normal_s: float) -> float | None:
+    """The writer's start (from the copy handed over, ``checkpoint_tables_copied``, until its files began to be
+    written, the ``checkpoint`` record's ``start_s``: the state's structure, its conversion, DCP's planning), in
+    the steps it overlapped: their milliseconds beyond a normal step each, summed (log steps aside)."""
+    if "time" not in copied or "start_s" not in written:
+        return None
+    begun, planned = copied["time"], copied["time"] + written["start_s"]
+    overlapped = [b["time"] - a["time"] for a, b in zip(commits, commits[1:])
+                  if b["time"] > begun and a["time"] < planned and b["step"] % LOG_EVERY]
+    return 1e3 * sum(gap - normal_s for gap in overlapped) if overlapped else None
+
+
+def summarize(saves: list[dict[str, Any]], normal_s: float, noise: dict[str, float], label: str) -> dict[str, Any]:
+    """The saves' medians and the target's count, printed (``label``: which variant, where several ran)."""
+    say = (lambda text: print(f"[{label}] {text}")) if label else print
+    whole = [r for r in saves if not r["ended_by_the_run"] and not r["on_log_step"]]
+    met = [r for r in whole if r["save_step_x"] <= 1.2 and (r["finishing_step_x"] or 0) <= 1.2
+           and all((r[k] or 0) <= 1.2 for k in ("copying_median_x", "writing_median_x"))]
+    worst = max((r["save_step_x"] for r in saves if r["save_step_x"] is not None), default=float("nan"))
+    paired = [r for r in whole if r["same_step_no_save_x"] is not None]
+    typical = {"median_save_step_x": statistics.median(r["save_step_x"] for r in whole) if whole else None,
+               "median_same_step_no_save_x": statistics.median(r["same_step_no_save_x"] for r in paired)
+               if paired else None,
+               "median_save_work_x": statistics.median(r["save_work_x"] for r in whole) if whole else None,
+               "median_save_step_in_run_x": statistics.median(r["save_step_in_run_x"] for r in whole) if whole else None}
+    if whole and paired:  # (the saves whose copy the run's end cut left out, as in the target's count)
+        say(f"over the {len(whole)} saves: the save step {typical['median_save_step_x']:.2f}x at the median, the "
+            f"same steps of the runs without saves {typical['median_same_step_no_save_x']:.2f}x; the save's own work "
+            f"on the training thread {typical['median_save_work_x']:.3f}x; the save step over its own run's median "
+            f"step {typical['median_save_step_in_run_x']:.2f}x")
+    started = [r for r in whole if r["start_excess_ms"] is not None]
+    if started:  # the writer's start, over the saves (module docstring)
+        for key in ("start_cpu_ms", "start_ms", "start_excess_ms"):
+            typical[f"median_{key}"] = statistics.median(r[key] for r in started)
+        say(f"the writer's start (until its files began to be written), over {len(started)} saves at the median: "
+            f"{typical['median_start_cpu_ms']:.1f} ms of its CPU over {typical['median_start_ms']:.0f} ms; the steps "
+            f"it overlapped {typical['median_start_excess_ms']:.1f} ms slower in all than normal steps")
+    skipped = sum(r["skipped_after"] for r in saves)
+    say(f"target: the save step and the step finishing its copy <= 1.2x a normal step, and the steps copying "
+        f"and writing it <= 1.2x at their median: {len(met)} of {len(whole)} saves (the copies the runs' ends "
+        f"finished left out) (worst save step {worst:.2f}x; {skipped} due saves skipped while one was busy)")
+    return {"normal_step_ms": 1e3 * normal_s, "saves": len(whole), "worst_save_step_x": worst, **typical,
+            "worst_step_x": max((r["any_step_until_next_save_max_x"] for r in saves), default=float("nan")),
+            "skipped": skipped, "saves_within_1.2x": len(met),
+            "saves_on_a_log_step": sum(r["on_log_step"] for r in saves), **noise}
 
 
 def main() -> None:
@@ -133,6 +188,10 @@ def main() -> None:
                         help="checkpoint.write_share (the writer's share of a core; default: the config's)")
     parser.add_argument("--repeats", type=int, default=0, help="runs of each kind, interleaved (default 3; 1 quick)")
     parser.add_argument("--dir", help="where the runs write (default: the temp folder; e.g. /dev/shm: no disk)")
+    parser.add_argument("--plans", choices=("reused", "afresh", "both"), default="reused",
+                        help="DCP's save plans reused from the first save (checkpoint.reuse_plans, the default), made "
+                             "afresh at every save, or both in each repeat (rows tagged, each against the same run "
+                             "without saves)")
     parser.add_argument("--json")
     args = parser.parse_args()
     steps = args.steps or (150 if args.quick else 400)
@@ -148,26 +207,30 @@ def main() -> None:
         data = Path(tmp) / "data"
         generate(data, SyntheticSpec(rows=40_000, eval_rows=1_024, num_items=rows_per_table, num_users=rows_per_table,
                                      seed=0))
-        for r in range(repeats):  # interleaved: a run with saves, then one without
+        variants = ("reused", "afresh") if args.plans == "both" else (args.plans,)
+        for r in range(repeats):  # interleaved: a run with saves (each variant), then one without
             share = [] if args.write_share is None else [f"--checkpoint.write_share={args.write_share}"]
-            log = run(data, Path(tmp) / f"saves{r}", steps, args.every,
-                      f"--checkpoint.skip_while_busy={args.skip_while_busy}", *share)
+            logs = {plans: run(data, Path(tmp) / f"saves{r}_{plans}", steps, args.every,
+                               f"--checkpoint.skip_while_busy={args.skip_while_busy}",
+                               f"--checkpoint.reuse_plans={str(plans == 'reused').lower()}", *share)
+                    for plans in variants}
             plain_log = run(data, Path(tmp) / f"plain{r}", steps, 0)
             own = [s for step, s in intervals(plain_log).items() if step >= 5]
             paired_s = statistics.median(own)  # this repeat's normal step
             normal += own
             spread += [s / paired_s for s in own]
             log_steps[1].extend(s / paired_s for s in intervals(plain_log, log_steps=True).values())
-            log_steps[0].extend(s / paired_s for s in intervals(log, log_steps=True).values())
-            saves += save_rows(log, plain_log, paired_s, r)
+            for plans, log in logs.items():
+                log_steps[0].extend(s / paired_s for s in intervals(log, log_steps=True).values())
+                saves += [{**row, "plans": plans} for row in save_rows(log, plain_log, paired_s, r)]
         normal_s = statistics.median(normal)  # (pooled: only printed)
     print(f"2 ranks, tiny DLRM, {2 * rows_per_table:,} table rows ({args.table_mb:.0f} MB with their Adagrad state), "
           f"a save every {args.every} steps; normal step {1e3 * normal_s:.1f} ms (median of the runs without saves; each "
           "repeat's steps are over its own run without saves)")
-    columns = ["repeat", "save_after_step", "tables_due_step", "written_by_step", "skipped_after", "save_step_x",
+    columns = ["plans"] * (len(variants) > 1) + ["repeat", "save_after_step", "tables_due_step", "written_by_step", "skipped_after", "save_step_x",
                "save_step_in_run_x", "save_work_x", "same_step_no_save_x", "copying_median_x", "copying_max_x",
                "finishing_step_x", "writing_median_x", "writing_max_x", "any_step_until_next_save_max_x", "staged_ms",
-               "copy_ms", "keep_ms", "write_s", "write_cpu_s", "paced_s"]
+               "copy_ms", "keep_ms", "write_s", "write_cpu_s", "paced_s", "start_cpu_ms", "start_ms", "start_excess_ms"]
     print_table(saves, columns)
     ratios = sorted(spread)
     noise = {"p90_x": ratios[int(0.9 * (len(ratios) - 1))], "p99_x": ratios[int(0.99 * (len(ratios) - 1))],
@@ -179,34 +242,14 @@ def main() -> None:
         noise["log_step_x_without"] = statistics.median(log_steps[1])
         print(f"the steps writing the periodic log record (every {LOG_EVERY}; left out above): "
               f"{noise['log_step_x_with_saves']:.2f}x in the runs with saves, {noise['log_step_x_without']:.2f}x without")
-    whole = [r for r in saves if not r["ended_by_the_run"] and not r["on_log_step"]]
-    met = [r for r in whole if r["save_step_x"] <= 1.2 and (r["finishing_step_x"] or 0) <= 1.2
-           and all((r[k] or 0) <= 1.2 for k in ("copying_median_x", "writing_median_x"))]
-    worst = max((r["save_step_x"] for r in saves if r["save_step_x"] is not None), default=float("nan"))
-    paired = [r for r in whole if r["same_step_no_save_x"] is not None]
-    typical = {"median_save_step_x": statistics.median(r["save_step_x"] for r in whole) if whole else None,
-               "median_same_step_no_save_x": statistics.median(r["same_step_no_save_x"] for r in paired)
-               if paired else None,
-               "median_save_work_x": statistics.median(r["save_work_x"] for r in whole) if whole else None,
-               "median_save_step_in_run_x": statistics.median(r["save_step_in_run_x"] for r in whole) if whole else None}
-    if whole and paired:  # (the saves whose copy the run's end cut left out, as in the target's count)
-        print(f"over the {len(whole)} saves: the save step {typical['median_save_step_x']:.2f}x at the median, the "
-              f"same steps of the runs without saves {typical['median_same_step_no_save_x']:.2f}x; the save's own work "
-              f"on the training thread {typical['median_save_work_x']:.3f}x; the save step over its own run's median step "
-              f"{typical['median_save_step_in_run_x']:.2f}x")
-    summary = {"normal_step_ms": 1e3 * normal_s, "saves": len(whole), "worst_save_step_x": worst, **typical,
-               "worst_step_x": max((r["any_step_until_next_save_max_x"] for r in saves), default=float("nan")),
-               "skipped": sum(r["skipped_after"] for r in saves), "saves_within_1.2x": len(met),
-               "saves_on_a_log_step": sum(r["on_log_step"] for r in saves), **noise}
-    print(f"target: the save step and the step finishing its copy <= 1.2x a normal step, and the steps copying "
-          f"and writing it <= 1.2x at their median: {len(met)} of {len(whole)} saves (the copies the runs' ends finished left out) (worst save step {worst:.2f}x; "
-          f"{summary['skipped']} due saves skipped while one was busy)")
+    summaries = [{"plans": plans, **summarize(saves_of, normal_s, noise, plans if len(variants) > 1 else "")}
+                 for plans in variants for saves_of in [[r for r in saves if r["plans"] == plans]]]
     if args.json:
         write_json(args.json, "bench_saves", {"quick": args.quick, "table_mb": args.table_mb, "every": args.every,
                                               "steps": steps, "repeats": repeats, "write_share": args.write_share,
                                               "dir": args.dir, "rows_per_table": rows_per_table,
                                               "embedding_dim": DIM, "ranks": 2},
-                   saves + [{"summary": summary}])
+                   saves + [{"summary": summary} for summary in summaries])
 
 
 if __name__ == "__main__":

@@ -82,6 +82,10 @@ class CheckpointConfig:
     """With ``async_save``: the share of one core a save's write may use while training goes on (the writer
     thread's CPU time over the wall time, ``write_pacing``): the write is spread over more steps, each slowed
     less.  Unpaced once the training waits for it (the last save, a stop).  0 writes at full speed."""
+    reuse_plans: bool = True
+    """With ``async_save``: DCP's save plans made at the first save and reused by the next ones (their
+    structure is the same), so each save's start beside the training's steps is shorter (``save_plans``).
+    ``false`` plans every save afresh (a state whose structure changes at every save gains nothing from it)."""
 
     def validate(self) -> None:
         require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
@@ -293,12 +297,13 @@ class CheckpointWriter:
     """
 
     def __init__(self, asynchronous: bool = True, group: Any = None, fence: Fence | None = None,
-                 before_write: Callable[[int], None] | None = None, write_share: float = 0.0) -> None:
+                 before_write: Callable[[int], None] | None = None, write_share: float = 0.0,
+                 reuse_plans: bool = True) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.asynchronous, self.group, self.fence = asynchronous, group, fence
         self.pacer = Pacer(write_share)
-        self.plans = PlanCache()
+        self.plans = PlanCache(reuse_plans)
         """DCP's save plans, made at the first save and reused (``save_plans``)."""
         """The writer thread's CPU share while the training goes on (``write_pacing``); released by ``wait``."""
         self.before_write = before_write
@@ -311,9 +316,10 @@ class CheckpointWriter:
         ``abandon`` to set it: a commit under way finishes before ``abandon`` removes anything."""
         self._written = threading.Event()
         """Set once the save in flight's files are written (its host copy is free again)."""
-        self.committed: list[tuple[Path, float, float, float]] = []
+        self.committed: list[tuple[Path, float, float, float, float, float]] = []
         """Every save committed since the caller last emptied it: ``(path, seconds since start, its write's CPU
-        seconds, seconds the pacing slept)``, whichever call committed it (``start`` waits for the save before it)."""
+        seconds, seconds the pacing slept, its start's CPU seconds and seconds: until its files began to be
+        written)``, whichever call committed it (``start`` waits for the save before it)."""
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freescale-checkpoint")
 
     def start(self, root: str | Path, step: int, app_state: dict[str, Any] | Callable[[], dict[str, Any]],
@@ -341,10 +347,10 @@ class CheckpointWriter:
 
     def _write(self, root: Path, step: int, state: dict[str, Any] | Callable[[], dict[str, Any]],
                meta: dict[str, Any], keep: int, convert: Convert | None,
-               started: float) -> tuple[Path, float, float, float]:
+               started: float) -> tuple[Path, float, float, float, float, float]:
         """On the writer's thread: convert, write every rank's files (DCP ends with a gather to rank 0: once
         it returns there, every rank's files are in), commit; ``(path, seconds since start, the thread's CPU
-        seconds, seconds the pacing slept)``.  The thread
+        seconds, seconds the pacing slept, the start's CPU seconds and seconds)`` (``committed``).  The thread
         runs at a lower CPU priority (``write_pacing.lower_priority``) and with the GIL handed back sooner
         (``write_pacing.light_write``).  Where every core is busy it may take long: the next periodic save is skipped
         while it runs (``training_saves``), a save that cannot be skipped waits for it."""
@@ -373,7 +379,8 @@ class CheckpointWriter:
             if self._abandoned:
                 raise CheckpointError(f"{step_dir(root, step)}: abandoned (the run stopped) before its commit")
             path = _commit(root, step, meta, keep, self.fence)
-            return path, time.perf_counter() - started, self.pacer.cpu_s, self.pacer.slept_s
+            pacer = self.pacer
+            return path, time.perf_counter() - started, pacer.cpu_s, pacer.slept_s, pacer.start_cpu_s, pacer.start_s
 
     @property
     def busy(self) -> bool:
@@ -432,7 +439,7 @@ class CheckpointWriter:
         future, root, step = self._pending
         self._pending = None
         try:
-            committed: tuple[Path, float, float, float] = future.result()
+            committed: tuple[Path, float, float, float, float, float] = future.result()
         except (Exception, CheckpointException) as exc:  # DCP's: the first failed rank's own error named
             first = next((str(f).strip().splitlines()[0] for f in _failures(exc) if str(f).strip()),
                          type(exc).__name__)

@@ -33,13 +33,15 @@ _TABLES = ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", 
 
 class PlanCache:
     """One writer's kept save plans (module docstring): ``planner`` for each save, ``forget`` after a failed
-    one (and when the writer is done with them)."""
+    one (and when the writer is done with them).  ``enabled`` False: every save plans afresh
+    (``checkpoint.reuse_plans``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.key = f"freescale-writer-{next(_KEYS)}"
 
-    def planner(self, pacer: Pacer) -> CachingSavePlanner:
-        return CachingSavePlanner(pacer, self.key)
+    def planner(self, pacer: Pacer) -> PacedSavePlanner:
+        return CachingSavePlanner(pacer, self.key) if self.enabled else PacedSavePlanner(pacer)
 
     def forget(self) -> None:
         """Drop the plans kept under this writer's key; the next save plans afresh, under a new key."""

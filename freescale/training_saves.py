@@ -51,7 +51,8 @@ class TrainingSaves:
         slow = parts.hooks.wants("write")
         self.writer = checkpoint.CheckpointWriter(cfg.checkpoint.async_save, _checkpoint_group(parts.ctx), fence,
                                                   before_write=(lambda step: parts.hooks.at("write", step)) if slow
-                                                  else None, write_share=cfg.checkpoint.write_share)
+                                                  else None, write_share=cfg.checkpoint.write_share,
+                                                  reuse_plans=cfg.checkpoint.reuse_plans)
         self.staging = parts.staging
         if self.staging is not None:  # the host copy of the tables the saves reuse, made and touched now
             log.write("checkpoint_buffers", seconds=self.staging.prepare(raw_state(parts)))
@@ -193,8 +194,8 @@ class TrainingSaves:
         done: list[tuple[Any, ...]] = [finished] if finished is not None else []
         done += self.writer.committed
         self.writer.committed.clear()
-        for path, seconds, *paced in done:  # (the writer's: its thread's CPU seconds and seconds slept)
-            figures = dict(zip(("write_cpu_s", "paced_s"), paced, strict=False))
+        for path, seconds, *paced in done:  # (the writer's: its thread's CPU and sleep, its start's CPU and time)
+            figures = dict(zip(("write_cpu_s", "paced_s", "start_cpu_s", "start_s"), paced, strict=False))
             self.log.write("checkpoint", step=int(path.name.rsplit("_", 1)[1]), path=str(path), seconds=seconds,
                            **figures)
             self.last = path

@@ -51,6 +51,9 @@ class Pacer:
         self._cpu0 = self._wall0 = 0.0
         self.slept_s = self.cpu_s = 0.0
         """The last write's seconds slept, and its thread's CPU seconds (``end``; its log record reports them)."""
+        self.start_cpu_s = self.start_s = 0.0
+        """The last write's start, until its files began to be written (``planned``): its thread's CPU seconds
+        (the state's structure, its conversion, DCP's planning) and the seconds it took."""
 
     @property
     def active(self) -> bool:
@@ -64,6 +67,11 @@ class Pacer:
         """The write starts on this thread: its CPU time and wall time count from now (a ``release`` made since
         ``arm`` holds: the training may be waiting for this write already)."""
         self._cpu0, self._wall0, self.slept_s, self.cpu_s = time.thread_time(), time.perf_counter(), 0.0, 0.0
+        self._began, self.start_cpu_s, self.start_s = self._wall0, 0.0, 0.0
+
+    def planned(self) -> None:
+        """The write's files begin to be written (on its thread): its start's CPU and seconds noted."""
+        self.start_cpu_s, self.start_s = time.thread_time() - self._cpu0, time.perf_counter() - self._began
 
     def pause(self) -> None:
         """Sleep until this thread's CPU time since ``begin`` is at most ``share`` of the wall time.  Time the
@@ -156,7 +164,9 @@ class PacedSavePlanner(DefaultSavePlanner):
 
     def finish_plan(self, new_plan: Any) -> Any:
         self.pacer.pause()
-        return super().finish_plan(new_plan)
+        finished = super().finish_plan(new_plan)
+        self.pacer.planned()
+        return finished
 
     def resolve_data(self, write_item: Any) -> Any:
         self.pacer.pause()
