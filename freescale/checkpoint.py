@@ -48,7 +48,7 @@ from freescale.checkpoint_integrity import CheckpointDamaged, CheckpointError
 from freescale.checkpoint_integrity import is_verified as is_verified  # re-exported: callers ask checkpoint
 from freescale.config import require
 from freescale.save_plans import PlanCache
-from freescale.write_pacing import Pacer, light_write, lower_priority, remove_paced
+from freescale.write_pacing import Pacer, light_write, lower_priority
 
 META_NAME = "freescale.json"
 PARTIAL_SUFFIX = ".partial"
@@ -130,16 +130,13 @@ def latest(root: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _discard(path: Path, pacer: Pacer | None = None) -> None:
+def _discard(path: Path) -> None:
     """Remove a checkpoint so that no kill can leave it half-deleted but still offered:
-    rename it out of the ``step_N`` namespace (atomic) first, then delete (at ``pacer``'s share of a core:
-    ``write_pacing.remove_paced``)."""
+    rename it out of the ``step_N`` namespace (atomic) first, then delete."""
     trash = path.with_name(path.name + TRASH_SUFFIX)
     shutil.rmtree(trash, ignore_errors=True)
     os.rename(path, trash)
     _fsync_dir(path.parent)
-    if pacer is not None:
-        remove_paced(trash, pacer)
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -200,11 +197,10 @@ def _fenced(fence: Fence | None, partial: Path) -> None:
         raise
 
 
-def _commit(root: Path, step: int, meta: dict[str, Any], keep: int, fence: Fence | None = None,
-            pacer: Pacer | None = None) -> Path:
+def _commit(root: Path, step: int, meta: dict[str, Any], keep: int, fence: Fence | None = None) -> Path:
     """Rank 0, once every rank's files of ``step`` are written: the fence (this job still holds the run
     directory, else nothing is committed or pruned), the metadata, then the atomic rename, then old
-    checkpoints pruned (their files freed at ``pacer``'s share of a core, a background save's)."""
+    checkpoints pruned."""
     final, partial = step_dir(root, step), Path(str(step_dir(root, step)) + PARTIAL_SUFFIX)
     _fenced(fence, partial)  # on every rank, as in ``_begin``
     if _is_main():
@@ -222,7 +218,7 @@ def _commit(root: Path, step: int, meta: dict[str, Any], keep: int, fence: Fence
         best = _best_step(root)
         for old_step, old in complete_checkpoints(root)[:-keep]:
             if old_step != best:  # the best validated one stays (``freescale.validation``)
-                _discard(old, pacer)
+                _discard(old)
     return final
 
 
@@ -381,7 +377,7 @@ class CheckpointWriter:
         with self._commit_lock:
             if self._abandoned:
                 raise CheckpointError(f"{step_dir(root, step)}: abandoned (the run stopped) before its commit")
-            path = _commit(root, step, meta, keep, self.fence, self.pacer)
+            path = _commit(root, step, meta, keep, self.fence)
         pacer = self.pacer
         pacer.end()
         return path, time.perf_counter() - started, pacer.cpu_s, pacer.slept_s, pacer.start_cpu_s, pacer.start_s

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import shutil
 import sys
 import threading
 import time
@@ -172,32 +171,6 @@ class PacedSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: Any) -> Any:
         self.pacer.pause()
         return super().resolve_data(write_item)
-
-
-REMOVE_PIECE = 4 << 20
-"""Bytes of a file freed between two pause points of a paced removal (``remove_paced``)."""
-
-
-def remove_paced(path: Path, pacer: Pacer) -> None:
-    """Remove the directory ``path`` (a pruned checkpoint, already renamed out of the checkpoints' namespace),
-    each file cut short ``REMOVE_PIECE`` bytes at a time with a pause after each.  Freeing a file's pages is
-    kernel time in one call (an unlink of a checkpoint's 34 MB file just written: ~5 ms of a core, the prune of
-    a 136 MB checkpoint's two ranks' files 10-11 ms on rank 0, a probe): unpaced it lands on one or two steps.
-    Unpaced where the pacer is not active."""
-    if not pacer.active:
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    for file in sorted(path.rglob("*"), reverse=True):  # (files before the directories holding them)
-        try:
-            if file.is_file() and not file.is_symlink():
-                size = file.stat().st_size
-                while size > REMOVE_PIECE:
-                    size -= REMOVE_PIECE
-                    os.truncate(file, size)
-                    pacer.pause()
-        except OSError:  # gone already, or not ours to cut: rmtree below removes what it can
-            pass
-    shutil.rmtree(path, ignore_errors=True)
 
 
 _SHORT_GIL_TURN_S = 0.0005

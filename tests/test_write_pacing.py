@@ -11,7 +11,7 @@ import torch
 from freescale import checkpoint, row_copy
 from freescale import checkpoint_integrity as integrity
 from freescale.staging import _Table
-from freescale.write_pacing import REMOVE_PIECE, Pacer, remove_paced
+from freescale.write_pacing import Pacer
 
 
 def _spin(seconds: float, pacer: Pacer) -> None:
@@ -45,36 +45,6 @@ def test_the_pacer_keeps_a_thread_to_its_share_and_lets_go_when_released() -> No
     unpaced.begin()
     _spin(0.01, unpaced)
     assert unpaced.slept_s == 0.0
-
-
-class _CountingPacer(Pacer):
-    def __init__(self, share: float) -> None:
-        super().__init__(share)
-        self.pauses = 0
-
-    def pause(self) -> None:
-        self.pauses += 1
-        super().pause()
-
-
-def test_a_pruned_checkpoint_is_removed_piece_by_piece_with_pauses_unless_released(tmp_path: Path) -> None:
-    """Each file is cut ``REMOVE_PIECE`` bytes at a time with a pause after each cut, then the directory goes;
-    a released pacer (the training waits) removes it at once."""
-    for paced in (True, False):
-        trash = tmp_path / f"step_000000004.deleting{paced}"
-        (trash / "sub").mkdir(parents=True)
-        for name, size in (("__0_0.distcp", 2 * REMOVE_PIECE + 5), ("sub/__1_0.distcp", REMOVE_PIECE + 1),
-                           (".metadata", 100)):
-            with (trash / name).open("wb") as fh:
-                fh.truncate(size)
-        pacer = _CountingPacer(0.5)
-        pacer.arm()
-        if not paced:
-            pacer.release()
-        pacer.begin()
-        remove_paced(trash, pacer)
-        assert not trash.exists()
-        assert pacer.pauses == (3 if paced else 0)  # 2 cuts of the first file, 1 of the second, none of the small
 
 
 def test_a_paced_background_save_is_the_unpaced_one_and_a_wait_ends_its_pacing(tmp_path: Path) -> None:
