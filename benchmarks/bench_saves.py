@@ -132,7 +132,9 @@ def _start_excess(commits: list[dict[str, Any]], copied: dict[str, Any], written
                   normal_s: float) -> float | None:
     """The writer's start (from the copy handed over, ``checkpoint_tables_copied``, until its files began to be
     written, the ``checkpoint`` record's ``start_s``: the state's structure, its conversion, DCP's planning), in
-    the steps it overlapped: their milliseconds beyond a normal step each, summed (log steps aside)."""
+    the steps it overlapped: their milliseconds beyond a normal step each, summed (log steps aside).  The first
+    of them holds the hand-over too (what is left of the copy, if any, and the writer's thread woken:
+    ``finishing_step_x``'s step; that work on the training thread is a few microseconds)."""
     if "time" not in copied or "start_s" not in written:
         return None
     begun, planned = copied["time"], copied["time"] + written["start_s"]
@@ -176,6 +178,16 @@ def summarize(saves: list[dict[str, Any]], normal_s: float, noise: dict[str, flo
             "saves_on_a_log_step": sum(r["on_log_step"] for r in saves), **noise}
 
 
+def _spread(ratios: list[float]) -> dict[str, float]:
+    """The runs without saves' own spread (each step over its own run's median), printed."""
+    ratios = sorted(ratios)
+    noise = {"p90_x": ratios[int(0.9 * (len(ratios) - 1))], "p99_x": ratios[int(0.99 * (len(ratios) - 1))],
+             "max_x": ratios[-1]}
+    print(f"runs without saves, a step over its own run's median: P90 {noise['p90_x']:.2f}x, P99 {noise['p99_x']:.2f}x, "
+          f"max {noise['max_x']:.2f}x (the machine's own spread)")
+    return noise
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one repeat, 150 steps, 136 MB (< 60 s)")
@@ -202,52 +214,53 @@ def main() -> None:
     saves: list[dict[str, Any]] = []
     normal: list[float] = []  # the runs without saves' steps (seconds)
     spread: list[float] = []  # and each over its own run's median
-    log_steps: tuple[list[float], list[float]] = ([], [])  # the periodic log steps, with saves and without (the same)
+    variants = ("reused", "afresh") if args.plans == "both" else (args.plans,)
+    log_steps: dict[str, list[float]] = {v: [] for v in (*variants, "")}  # the periodic log steps by variant ("": none)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         data = Path(tmp) / "data"
         generate(data, SyntheticSpec(rows=40_000, eval_rows=1_024, num_items=rows_per_table, num_users=rows_per_table,
                                      seed=0))
-        variants = ("reused", "afresh") if args.plans == "both" else (args.plans,)
-        for r in range(repeats):  # interleaved: a run with saves (each variant), then one without
+        for r in range(repeats):  # interleaved: a run with saves (each variant, in turns first), then one without
             share = [] if args.write_share is None else [f"--checkpoint.write_share={args.write_share}"]
             logs = {plans: run(data, Path(tmp) / f"saves{r}_{plans}", steps, args.every,
                                f"--checkpoint.skip_while_busy={args.skip_while_busy}",
                                f"--checkpoint.reuse_plans={str(plans == 'reused').lower()}", *share)
-                    for plans in variants}
+                    for plans in (variants if r % 2 == 0 else variants[::-1])}
             plain_log = run(data, Path(tmp) / f"plain{r}", steps, 0)
             own = [s for step, s in intervals(plain_log).items() if step >= 5]
             paired_s = statistics.median(own)  # this repeat's normal step
             normal += own
             spread += [s / paired_s for s in own]
-            log_steps[1].extend(s / paired_s for s in intervals(plain_log, log_steps=True).values())
-            for plans, log in logs.items():
-                log_steps[0].extend(s / paired_s for s in intervals(log, log_steps=True).values())
-                saves += [{**row, "plans": plans} for row in save_rows(log, plain_log, paired_s, r)]
+            for plans, log in [*logs.items(), ("", plain_log)]:
+                log_steps[plans].extend(s / paired_s for s in intervals(log, log_steps=True).values())
+            for plans in variants:
+                saves += [{**row, "plans": plans} for row in save_rows(logs[plans], plain_log, paired_s, r)]
         normal_s = statistics.median(normal)  # (pooled: only printed)
     print(f"2 ranks, tiny DLRM, {2 * rows_per_table:,} table rows ({args.table_mb:.0f} MB with their Adagrad state), "
           f"a save every {args.every} steps; normal step {1e3 * normal_s:.1f} ms (median of the runs without saves; each "
           "repeat's steps are over its own run without saves)")
-    columns = ["plans"] * (len(variants) > 1) + ["repeat", "save_after_step", "tables_due_step", "written_by_step", "skipped_after", "save_step_x",
+    columns = ["plans"] * (len(variants) > 1) + [
+               "repeat", "save_after_step", "tables_due_step", "written_by_step", "skipped_after", "save_step_x",
                "save_step_in_run_x", "save_work_x", "same_step_no_save_x", "copying_median_x", "copying_max_x",
                "finishing_step_x", "writing_median_x", "writing_max_x", "any_step_until_next_save_max_x", "staged_ms",
                "copy_ms", "keep_ms", "write_s", "write_cpu_s", "paced_s", "start_cpu_ms", "start_ms", "start_excess_ms"]
     print_table(saves, columns)
-    ratios = sorted(spread)
-    noise = {"p90_x": ratios[int(0.9 * (len(ratios) - 1))], "p99_x": ratios[int(0.99 * (len(ratios) - 1))],
-             "max_x": ratios[-1]}
-    print(f"runs without saves, a step over its own run's median: P90 {noise['p90_x']:.2f}x, P99 {noise['p99_x']:.2f}x, "
-          f"max {noise['max_x']:.2f}x (the machine's own spread)")
-    if log_steps[1]:
-        noise["log_step_x_with_saves"] = statistics.median(log_steps[0]) if log_steps[0] else float("nan")
-        noise["log_step_x_without"] = statistics.median(log_steps[1])
+    noise = _spread(spread)
+    if log_steps[""]:
+        noise["log_step_x_without"] = statistics.median(log_steps[""])
         print(f"the steps writing the periodic log record (every {LOG_EVERY}; left out above): "
-              f"{noise['log_step_x_with_saves']:.2f}x in the runs with saves, {noise['log_step_x_without']:.2f}x without")
-    summaries = [{"plans": plans, **summarize(saves_of, normal_s, noise, plans if len(variants) > 1 else "")}
-                 for plans in variants for saves_of in [[r for r in saves if r["plans"] == plans]]]
+              f"{noise['log_step_x_without']:.2f}x in the runs without saves, "
+              + ", ".join(f"{statistics.median(log_steps[v]) if log_steps[v] else float('nan'):.2f}x with saves"
+                          + (f" ({v})" if len(variants) > 1 else "") for v in variants))
+    summaries = [{"plans": plans, **summarize([r for r in saves if r["plans"] == plans], normal_s,
+                                              {**noise, "log_step_x_with_saves": statistics.median(log_steps[plans])
+                                               if log_steps[plans] else float("nan")},
+                                              plans if len(variants) > 1 else "")}
+                 for plans in variants]
     if args.json:
         write_json(args.json, "bench_saves", {"quick": args.quick, "table_mb": args.table_mb, "every": args.every,
                                               "steps": steps, "repeats": repeats, "write_share": args.write_share,
-                                              "dir": args.dir, "rows_per_table": rows_per_table,
+                                              "dir": args.dir, "rows_per_table": rows_per_table, "plans": args.plans,
                                               "embedding_dim": DIM, "ranks": 2},
                    saves + [{"summary": summary} for summary in summaries])
 

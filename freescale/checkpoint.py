@@ -303,9 +303,9 @@ class CheckpointWriter:
 
         self.asynchronous, self.group, self.fence = asynchronous, group, fence
         self.pacer = Pacer(write_share)
+        """The writer thread's CPU share while the training goes on (``write_pacing``); released by ``wait``."""
         self.plans = PlanCache(reuse_plans)
         """DCP's save plans, made at the first save and reused (``save_plans``)."""
-        """The writer thread's CPU share while the training goes on (``write_pacing``); released by ``wait``."""
         self.before_write = before_write
         """Called on the writer's thread with the save's step before its files are written (tests: slow storage)."""
         self._pending: tuple[Any, Path, int] | None = None
@@ -358,21 +358,22 @@ class CheckpointWriter:
         self.pacer.begin()
         if self.before_write is not None:
             self.before_write(step)
-        with light_write():
-            if callable(state):
-                state = state()
-                self.pacer.pause()
-            if convert is not None:
-                state, extra = convert(state, self.group)
-                meta = {**meta, **extra}
-                self.pacer.pause()
-            partial = _begin(root, step, self.group, self.fence)
-            try:
-                dcp.save(state, storage_writer=integrity.VerifyingWriter(partial, self.pacer),
-                         planner=self.plans.planner(self.pacer), process_group=self.group)
-            except BaseException:
-                self.plans.forget()
-                raise
+        planner = self.plans.planner(self.pacer)
+        try:
+            with light_write():
+                if callable(state):
+                    state = state()
+                    self.pacer.pause()
+                if convert is not None:
+                    state, extra = convert(state, self.group)
+                    meta = {**meta, **extra}
+                    self.pacer.pause()
+                partial = _begin(root, step, self.group, self.fence)
+                dcp.save(state, storage_writer=integrity.VerifyingWriter(partial, self.pacer), planner=planner,
+                         process_group=self.group)
+        except BaseException:  # the ranks' kept plans may be out of step now: this one's dropped (``save_plans``)
+            self.plans.forget(getattr(planner, "_cached_plans_key", None))
+            raise
         self._written.set()
         with self._commit_lock:
             if self._abandoned:

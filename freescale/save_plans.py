@@ -3,17 +3,21 @@
 DCP plans every save afresh: each rank lists its items (``create_local_plan``), rank 0 gathers every rank's
 list, pickled, merges and checks them (``create_global_plan``) and scatters each rank its part.  A training's
 saves have the same structure every time (the same tables, the same host buffers), so that work is the same
-every time, and it is Python holding the GIL on the writer's thread while the training's steps run beside it:
-on two busy cores the steps while a save's writer started were ~19 ms slower in all (the median over 21 saves,
-a probe of the tiny DLRM's 136 MB saves), against ~10 ms with the plans reused (22 saves).
+every time, on the writer's thread while the training's steps run beside it.  Reused, the writer's start (until
+its files begin to be written) took 4.3-5.0 ms of its CPU against 6.0-6.9 ms, and the steps beside it lost 13.0-21.6
+ms against 16.7-21.9 ms (medians over ~30 saves a run, three runs of ``benchmarks/bench_saves.py --plans both``,
+136 MB of tables, 2 ranks on 2 busy cores).
 
 DCP keeps reusable plans itself (``DefaultSavePlanner(enable_plan_caching=True)``): a rank whose plan did not
 change sends an empty one, and rank 0 answers from the plans it kept.  It keeps them in class-wide tables under
 a key (the planner's class name by default); ``PlanCache`` gives each writer a key of its own, so two writers
 of one process (a second training in a test, a writer over another group) never take each other's plans, and
-forgets them when a save fails: a rank that kept its plan while rank 0 lost its own would otherwise send an
-empty plan that rank 0 reads as "nothing to write" (``CachingSavePlanner`` refuses that save instead; every rank
-sees the failure, forgets, and the next save plans afresh).
+forgets them when a save fails, on every rank that saw it fail.  Plans out of step fail a save loudly rather than
+write a wrong checkpoint: a rank that sends an empty plan to a rank 0 that keeps none under the key is refused by
+rank 0 (its items would be missing), a rank told to reuse a plan it no longer keeps refuses on its side; every
+rank then sees the failure, forgets, and the next save plans afresh.  DCP's comparison of a plan with the kept one
+looks at each item's name, shape and chunks, not its dtype: ``CachingSavePlanner`` sends the whole plan when a
+dtype changed too, or ``.metadata`` would keep the old one.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
 
 from freescale.write_pacing import PacedSavePlanner, Pacer
 
@@ -41,13 +45,17 @@ class PlanCache:
         self.key = f"freescale-writer-{next(_KEYS)}"
 
     def planner(self, pacer: Pacer) -> PacedSavePlanner:
+        """The planner of one save: reusing this writer's kept plans under its key of the moment."""
         return CachingSavePlanner(pacer, self.key) if self.enabled else PacedSavePlanner(pacer)
 
-    def forget(self) -> None:
-        """Drop the plans kept under this writer's key; the next save plans afresh, under a new key."""
+    def forget(self, key: str | None = None) -> None:
+        """Drop the plans kept under ``key`` (default: the current one); the next save plans afresh, under a new
+        key where the current one was dropped (a late save of an abandoned writer refills only its old key)."""
+        key = self.key if key is None else key
         for table in _TABLES:
-            getattr(SavePlanner, table, {}).pop(self.key, None)
-        self.key = f"freescale-writer-{next(_KEYS)}"
+            getattr(SavePlanner, table, {}).pop(key, None)
+        if key == self.key:
+            self.key = f"freescale-writer-{next(_KEYS)}"
 
 
 class CachingSavePlanner(PacedSavePlanner):
@@ -57,6 +65,17 @@ class CachingSavePlanner(PacedSavePlanner):
         super().__init__(pacer, enable_plan_caching=True)
         self._cached_plans_key = key
 
+    def create_local_plan(self) -> Any:
+        """DCP's, but the whole plan sent where an item's dtype (or other tensor property) changed since the kept
+        plan, which DCP's comparison does not look at."""
+        plan = super().create_local_plan()
+        kept = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+        if plan.usable or kept is None or _properties(self.plan) == _properties(kept):
+            return plan
+        SavePlanner._cached_save_plan.pop(self._cached_plans_key, None)
+        self._pending_local_plan = self.plan  # (kept once the save's plan is made, as DCP does)
+        return self.plan
+
     def create_global_plan(self, all_plans: Any) -> Any:
         """Rank 0: refuse a save where a rank reused its plan and rank 0 kept none under this key (its items
         would be missing from the checkpoint); DCP raises it on every rank."""
@@ -65,3 +84,16 @@ class CachingSavePlanner(PacedSavePlanner):
             raise ValueError("a rank reused a save plan that rank 0 no longer keeps: the save is refused, "
                              "the next one plans afresh")
         return super().create_global_plan(all_plans)
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        """Refuse (on this rank; DCP raises it on every rank) where rank 0 says "as before" and no plan is kept."""
+        if not new_plan.usable and self._cached_plans_key not in SavePlanner._cached_final_save_plan:
+            raise ValueError("rank 0 reused a save plan this rank no longer keeps: the save is refused, "
+                             "the next one plans afresh")
+        return super().finish_plan(new_plan)
+
+
+def _properties(plan: Any) -> list[tuple[str, Any]]:
+    """Each tensor item's name and tensor properties (dtype, layout, ...), in the plan's order."""
+    return [(item.index.fqn, item.tensor_data.properties) for item in plan.items
+            if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None]

@@ -204,10 +204,12 @@ class TrainingSaves:
     def complete(self) -> None:
         """Collective: the save in progress copied, written and committed (the end of training, or a stop
         every rank makes together)."""
-        self.write_copied()
-        self.writer.wait()
-        self.note_committed()
-        self.writer.plans.forget()  # (kept for this run's saves only)
+        try:
+            self.write_copied()
+            self.writer.wait()
+            self.note_committed()
+        finally:
+            self.writer.plans.forget()  # (kept for this run's saves only)
 
     def abandon(self) -> None:
         """Stopped (^C, the CLI's SIGTERM, a peer's failure): no half-written save left behind."""

@@ -43,12 +43,12 @@ _CREDIT_S = 0.02
 class Pacer:
     """Keeps the calling thread's CPU time under ``share`` of the wall time since ``begin`` (module docstring).
     ``share`` 0 or >= 1 never sleeps.  ``arm`` before a write is handed over and ``release`` from any thread;
-    ``begin``, ``pause`` and ``end`` on the writer's thread."""
+    ``begin``, ``pause``, ``planned`` and ``end`` on the writer's thread."""
 
     def __init__(self, share: float) -> None:
         self.share = share
         self._released = threading.Event()
-        self._cpu0 = self._wall0 = 0.0
+        self._cpu0 = self._wall0 = self._began = 0.0
         self.slept_s = self.cpu_s = 0.0
         """The last write's seconds slept, and its thread's CPU seconds (``end``; its log record reports them)."""
         self.start_cpu_s = self.start_s = 0.0
