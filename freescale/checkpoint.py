@@ -372,7 +372,7 @@ class CheckpointWriter:
                 dcp.save(state, storage_writer=integrity.VerifyingWriter(partial, self.pacer), planner=planner,
                          process_group=self.group)
         except BaseException:  # the ranks' kept plans may be out of step now: this one's dropped (``save_plans``)
-            self.plans.forget(getattr(planner, "_cached_plans_key", None))
+            self.plans.forget(planner)
             raise
         self._written.set()
         with self._commit_lock:

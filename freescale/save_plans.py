@@ -48,10 +48,13 @@ class PlanCache:
         """The planner of one save: reusing this writer's kept plans under its key of the moment."""
         return CachingSavePlanner(pacer, self.key) if self.enabled else PacedSavePlanner(pacer)
 
-    def forget(self, key: str | None = None) -> None:
-        """Drop the plans kept under ``key`` (default: the current one); the next save plans afresh, under a new
-        key where the current one was dropped (a late save of an abandoned writer refills only its old key)."""
-        key = self.key if key is None else key
+    def forget(self, planner: PacedSavePlanner | None = None) -> None:
+        """Drop the plans kept under the key ``planner`` used (default: this writer's current key); the next save
+        plans afresh, under a new key where the current one was dropped (a late save of an abandoned writer
+        refills only its old key).  A planner that kept none (``enabled`` False) leaves everything as it is."""
+        key = self.key if planner is None else getattr(planner, "key", None)
+        if key is None:
+            return
         for table in _TABLES:
             getattr(SavePlanner, table, {}).pop(key, None)
         if key == self.key:
@@ -63,7 +66,7 @@ class CachingSavePlanner(PacedSavePlanner):
 
     def __init__(self, pacer: Pacer, key: str) -> None:
         super().__init__(pacer, enable_plan_caching=True)
-        self._cached_plans_key = key
+        self.key = self._cached_plans_key = key
 
     def create_local_plan(self) -> Any:
         """DCP's, but the whole plan sent where an item's dtype (or other tensor property) changed since the kept
