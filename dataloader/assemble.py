@@ -12,6 +12,7 @@ buffers alive: a few batches' worth).  Per step, only the KJT and the ``Batch`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -68,7 +69,7 @@ class BatchAssembler:
         """One batch per step of ``steps`` from ``arrays`` (their samples back to back)."""
         cuts = np.concatenate([[0], np.cumsum(steps.sizes)]).astype(np.int64)
         total = int(cuts[-1])
-        values, lengths, value_cuts, length_cuts = self._sparse(arrays, cuts, steps.when)
+        values, lengths, value_cuts, length_cuts, per_key = self._sparse(arrays, cuts, steps.when)
         value_t, length_t = torch.from_numpy(values), torch.from_numpy(lengths)
         dense = (np.ascontiguousarray(arrays[DENSE], dtype=np.float32).reshape(total, self.dense_dim) if total
                  else np.zeros((0, self.dense_dim), dtype=np.float32))
@@ -81,10 +82,14 @@ class BatchAssembler:
         sizes = np.diff(cuts).tolist()  # each step's tensors: views of the read's, split in one call per tensor
         by_step = zip(value_t.split_with_sizes(np.diff(value_cuts).tolist()),
                       length_t.split_with_sizes(np.diff(length_cuts).tolist()), dense_t.split_with_sizes(sizes),
-                      labels_t.split_with_sizes(sizes), costs_t.split_with_sizes(sizes), steps.loss_scales)
-        out = [Batch(sparse=KeyedJaggedTensor(keys=self.sparse_features, values=values, lengths=lengths), dense=dense,
-                     labels=labels, costs=costs, loss_scale=scale)
-               for values, lengths, dense, labels, costs, scale in by_step]
+                      labels_t.split_with_sizes(sizes), costs_t.split_with_sizes(sizes), steps.loss_scales, sizes,
+                      per_key)
+        # Each KJT carries its stride and values per key, known here: torchrec otherwise sums its lengths for them
+        # (``length_per_key``) when its input dist splits it by table, a device sync on a GPU.
+        out = [Batch(sparse=KeyedJaggedTensor(keys=self.sparse_features, values=values, lengths=lengths, stride=size,
+                                              length_per_key=counts, offset_per_key=[0, *accumulate(counts)]),
+                     dense=dense, labels=labels, costs=costs, loss_scale=scale)
+               for values, lengths, dense, labels, costs, scale, size, counts in by_step]
         if self.timestamps:
             time_sizes = np.diff(time_cuts).tolist()
             for batch, history, candidate in zip(out, history_t.split_with_sizes(time_sizes),
@@ -93,9 +98,9 @@ class BatchAssembler:
         return out
 
     def _sparse(self, arrays: dict[str, np.ndarray], cuts: np.ndarray,
-                when: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
-        """Every step's KJT values and lengths, back to back (step by step, then feature by feature), int64, and
-        where each step's start in them.  Each value is copied once, straight to its place: a history the source
+                when: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list[int], list[int], list[list[int]]]:
+        """Every step's KJT values and lengths, back to back (step by step, then feature by feature), int64,
+        where each step's start in them, and each step's count of values per feature.  Each value is copied once, straight to its place: a history the source
         left uncut (``read_runs(uncut=True)``: its buffer and each sample's end in it) is cut into it there
         (``copy_tails``), where gathering it first and concatenating the steps' pieces after copied it twice."""
         steps, total, features = cuts.size - 1, int(cuts[-1]), len(self.sparse_features)
@@ -138,7 +143,7 @@ class BatchAssembler:
         step_lengths = [by_feature[:, bounds[j]:bounds[j + 1]].ravel() for j in range(steps)]
         lengths_out = np.concatenate(step_lengths) if steps else np.zeros(0, dtype=np.int64)
         value_cuts = starts[::features].tolist() if features else [0] * (steps + 1)
-        return values, lengths_out, value_cuts, (cuts * features).tolist()
+        return values, lengths_out, value_cuts, (cuts * features).tolist(), counts.tolist()
 
     def _sampled(self, when: tuple[int, int], samples: int) -> tuple[np.ndarray, np.ndarray]:
         """``sampled_items`` ids drawn from (seed, epoch, step, rank), all under the step's first sample (none for

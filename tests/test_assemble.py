@@ -10,6 +10,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from freescale.dataloader.assemble import BatchAssembler, StepRows
 from freescale.dataloader.batch import Batch
@@ -78,6 +79,11 @@ def test_steps_built_together_equal_each_built_alone() -> None:
                  for key, values in arrays.items()}
         expected = assembler.batches(alone, StepRows(sizes[j:j + 1], costs[a:b], scales[j:j + 1], when[j:j + 1]))[0]
         assert same(batch, expected) and batch.size == sizes[j]
+        fresh = KeyedJaggedTensor(keys=batch.sparse.keys(), values=batch.sparse.values(), lengths=batch.sparse.lengths())
+        carried = batch.sparse  # (built with its stride and values per key: torchrec need not sum its lengths)
+        assert carried._length_per_key is not None and carried._offset_per_key is not None
+        assert (carried.length_per_key(), carried.offset_per_key(), carried.stride()) == (
+            fresh.length_per_key(), fresh.offset_per_key(), fresh.stride())
         if sizes[j]:
             assert batch.sparse[SAMPLED_ITEMS].lengths().tolist() == [4] + [0] * (int(sizes[j]) - 1)
             assert torch.equal(batch.sparse[HISTORY_ITEMS].values(), torch.from_numpy(arrays[HISTORY_ITEMS][va:vb]))
