@@ -98,7 +98,8 @@ class BatchAssembler:
         return out
 
     def _sparse(self, arrays: dict[str, np.ndarray], cuts: np.ndarray,
-                when: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list[int], list[int], list[list[int]]]:
+                when: list[tuple[int, int]]
+                ) -> tuple[np.ndarray, np.ndarray, list[int], list[int], list[list[int]]]:
         """Every step's KJT values and lengths, back to back (step by step, then feature by feature), int64,
         where each step's start in them, and each step's count of values per feature.  Each value is copied once, straight to its place: a history the source
         left uncut (``read_runs(uncut=True)``: its buffer and each sample's end in it) is cut into it there

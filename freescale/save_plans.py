@@ -52,9 +52,9 @@ class PlanCache:
         """Drop the plans kept under the key ``planner`` used (default: this writer's current key); the next save
         plans afresh, under a new key where the current one was dropped (a late save of an abandoned writer
         refills only its old key).  A planner that kept none (``enabled`` False) leaves everything as it is."""
-        key = self.key if planner is None else getattr(planner, "key", None)
-        if key is None:
+        if planner is not None and not isinstance(planner, CachingSavePlanner):
             return
+        key = self.key if planner is None else planner.key
         for table in _TABLES:
             getattr(SavePlanner, table, {}).pop(key, None)
         if key == self.key:

@@ -42,6 +42,16 @@ def same(a: Batch, b: Batch) -> bool:
                                                 and torch.equal(x, y)) for x, y in tensors))
 
 
+def carries_its_per_key_counts(batch: Batch) -> bool:
+    """The batch's KJT was built with its stride and values per key (torchrec need not sum its lengths for them),
+    and they are what torchrec computes from its lengths."""
+    carried = batch.sparse
+    fresh = KeyedJaggedTensor(keys=carried.keys(), values=carried.values(), lengths=carried.lengths())
+    return (carried._length_per_key is not None and carried._offset_per_key is not None
+            and (carried.length_per_key(), carried.offset_per_key(), carried.stride())
+            == (fresh.length_per_key(), fresh.offset_per_key(), fresh.stride()))
+
+
 def prepared(tmp_path: Path, seed: int, interactions: int, users: int, items: int) -> None:
     """A random log through ``freescale prepare`` into ``tmp_path / "d"`` (format 2, row groups of 200 interactions)."""
     rng = np.random.default_rng(seed)
@@ -78,12 +88,7 @@ def test_steps_built_together_equal_each_built_alone() -> None:
         alone = {key: values[va:vb] if key in (HISTORY_ITEMS, HISTORY_TIMESTAMPS) else values[a:b]
                  for key, values in arrays.items()}
         expected = assembler.batches(alone, StepRows(sizes[j:j + 1], costs[a:b], scales[j:j + 1], when[j:j + 1]))[0]
-        assert same(batch, expected) and batch.size == sizes[j]
-        fresh = KeyedJaggedTensor(keys=batch.sparse.keys(), values=batch.sparse.values(), lengths=batch.sparse.lengths())
-        carried = batch.sparse  # (built with its stride and values per key: torchrec need not sum its lengths)
-        assert carried._length_per_key is not None and carried._offset_per_key is not None
-        assert (carried.length_per_key(), carried.offset_per_key(), carried.stride()) == (
-            fresh.length_per_key(), fresh.offset_per_key(), fresh.stride())
+        assert same(batch, expected) and batch.size == sizes[j] and carries_its_per_key_counts(batch)
         if sizes[j]:
             assert batch.sparse[SAMPLED_ITEMS].lengths().tolist() == [4] + [0] * (int(sizes[j]) - 1)
             assert torch.equal(batch.sparse[HISTORY_ITEMS].values(), torch.from_numpy(arrays[HISTORY_ITEMS][va:vb]))
@@ -97,7 +102,7 @@ def test_steps_built_together_equal_each_built_alone() -> None:
     uncut = {key: value for key, value in arrays.items() if key != HISTORY_ITEMS}
     uncut[HISTORY_ITEMS + "@src"], uncut[HISTORY_ITEMS + "@end"] = buffer_gap.astype(np.int32), ends
     for batch, expected in zip(assembler.batches(uncut, StepRows(sizes, costs, scales, when)), together, strict=True):
-        assert same(batch, expected)
+        assert same(batch, expected) and carries_its_per_key_counts(batch)
 
 
 def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_batches_of_one_at_a_time(
