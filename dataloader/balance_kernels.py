@@ -228,7 +228,7 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
                 resolution: float, tolerance: float, head_share: float, tail_tolerance: float, max_count: int,
                 count_ceiling: int, speeds: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """LPT with local search over ``costs``: ``(index, offsets, bad)``, the parts as CSR (each
-    part's samples heaviest first); ``bad``
+    part's samples heaviest first; one part: in their order); ``bad``
     is the first sample whose cost is negative or not finite (then nothing is planned), else -1.
 
     In two rounds.  The head (samples of at least ``head_share`` of a mean part) is placed by
@@ -252,11 +252,11 @@ def lpt_refined(costs: np.ndarray, num_parts: int, equal_count: bool, refine_ste
     bad, total, largest = _scan(costs)
     if bad >= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(k + 1, dtype=np.int64), bad
-    order, ordered = _sort_desc(costs, largest)
-    if k == 1:  # one part holds every sample, heaviest first: nothing to place or refine (a one-rank run)
+    if k == 1:  # one part holds every sample, in their order: nothing to sort, place or refine (a one-rank run)
         offsets = np.zeros(2, dtype=np.int64)
         offsets[1] = n
-        return order, offsets, -1
+        return np.arange(n), offsets, -1
+    order, ordered = _sort_desc(costs, largest)
     mean = total / speeds.sum()
     full, extra = (n // k, n % k) if equal_count else (max(max_count, -(-n // k)), 0)
     loose = full if equal_count else max(count_ceiling, full)

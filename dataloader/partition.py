@@ -3,7 +3,7 @@
 Every partitioner has the signature ``(costs, num_parts, equal_count) -> parts``:
 ``costs`` is a float64 array with one entry per sample, ``parts`` a ``Parts``
 (CSR: ``num_parts`` int64 index arrays into ``costs`` that together are a
-permutation of ``range(len(costs))``; ``lpt`` lists each part heaviest first,
+permutation of ``range(len(costs))``; ``lpt`` lists each part heaviest first (one part: ascending),
 the others ascending).  Every rank calls the same function
 on the same costs and gets the same answer, so no sample ever crosses the network.
 

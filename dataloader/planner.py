@@ -82,6 +82,11 @@ class _Schedule(Generic[T]):
         """The value in force at ``(epoch, step)``."""
         return [value for start, value in self._entries if start <= (epoch, step)][-1]
 
+    def changes_within(self, epoch: int, first: int, last: int) -> bool:
+        """Whether a value starts at a step after ``first`` up to ``last`` of ``epoch`` (else ``at`` is the same
+        over them)."""
+        return any((epoch, first) < start <= (epoch, last) for start, _ in self._entries)
+
 
 @dataclass
 class _Window:
@@ -216,20 +221,29 @@ class BatchPlanner:
 
     def plan_steps(self, epoch: int, first: int, count: int, live_ranks: tuple[int, ...]) -> list[StepPlan]:
         """``plan`` of ``count`` steps of ``epoch`` from ``first``: the same plans, the one-step windows among them
-        not planned yet partitioned in one call (``lpt_steps``: no Python call a step) where they plan alike."""
+        not planned yet partitioned in one call (``lpt_steps``: no Python call a step) where they plan alike, and
+        their rows and costs taken in one call each."""
         if not (0 <= first and count >= 0 and first + count <= self.steps_in(epoch)):
             raise IndexError(f"steps {first}..{first + count - 1} outside the epoch's {self.steps_in(epoch)} steps")
         ranks = tuple(live_ranks)
         todo = [step for step in range(first, first + count) if (epoch, step) not in self._windows]
+        fresh: dict[int, StepPlan] = {}
         if self._plan_alike(epoch, todo, ranks):
             g, model = self.global_batch_size, self._models.at(epoch, todo[0])
             samples = self.epoch_rows(epoch)[todo[0] * g:(todo[-1] + 1) * g]
             costs = self.costs(model, samples)
-            for j, part in enumerate(lpt_steps(costs, len(todo), len(ranks), self.equal_count)):
-                step, rows = todo[j], slice(j * g, (j + 1) * g)
-                self._remember(_Window(epoch, step, step, model, ranks, samples[rows], costs[rows], [(ranks, part)],
-                                       capacities=self._capacity_plan.at(epoch, step)))
-        return [self.plan(epoch, step, ranks) for step in range(first, first + count)]
+            parts = lpt_steps(costs, len(todo), len(ranks), self.equal_count)
+            taken = np.concatenate([part.index for part in parts]) + np.repeat(np.arange(len(todo)) * g, g)
+            rows_taken, costs_taken = balance_kernels.take(samples, taken), balance_kernels.take(costs, taken)
+            capacities = self._capacity_plan.at(epoch, todo[0])
+            for j, part in enumerate(parts):
+                step, at = todo[j], slice(j * g, (j + 1) * g)
+                self._remember(_Window(epoch, step, step, model, ranks, samples[at], costs[at], [(ranks, part)],
+                                       capacities=capacities))
+                if (epoch, step) not in self._carry:  # (``plan``'s answer, its rows mapped above)
+                    fresh[step] = StepPlan(epoch, step, ranks, Parts(rows_taken[at], part.offsets),
+                                           Parts(costs_taken[at], part.offsets), model)
+        return [fresh.get(step) or self.plan(epoch, step, ranks) for step in range(first, first + count)]
 
     def _plan_alike(self, epoch: int, steps: list[int], ranks: tuple[int, ...]) -> bool:
         """Whether ``steps`` (not planned yet) can be partitioned in one call: several, consecutive, one-step
@@ -238,9 +252,10 @@ class BatchPlanner:
             return False
         if self.window != 1 or self.partitioner != "lpt" or self.locality or self.keep_partial:
             return False
-        model = self._models.at(epoch, steps[0])
-        return all(self._models.at(epoch, step) == model and _speeds(self._capacity_plan.at(epoch, step), ranks) is None
-                   for step in steps)
+        first, last = steps[0], steps[-1]
+        if self._models.changes_within(epoch, first, last) or self._capacity_plan.changes_within(epoch, first, last):
+            return False
+        return _speeds(self._capacity_plan.at(epoch, first), ranks) is None
 
     def plan_window(self, epoch: int, step: int, live_ranks: tuple[int, ...]) -> None:
         """Plan the window holding ``(epoch, step)`` now, if it is not planned yet (planning ahead)."""
