@@ -170,12 +170,15 @@ def without_nulls(table: pa.Table, lists: list[str]) -> bool:
     counts too: then False, and the checks decide)."""
     if any(column.null_count for column in table.columns):
         return False
-    for name in lists:
-        array = table.column(name).combine_chunks()
-        while pa.types.is_list(array.type) or pa.types.is_fixed_size_list(array.type):
-            array = array.values
-            if array.null_count:
-                return False
+    return all(nested_without_nulls(table.column(name).combine_chunks()) for name in lists)
+
+
+def nested_without_nulls(array: pa.Array) -> bool:
+    """No null at any nesting level below list column ``array`` (in one chunk; a slot no row references counts)."""
+    while pa.types.is_list(array.type) or pa.types.is_fixed_size_list(array.type):
+        array = array.values
+        if array.null_count:
+            return False
     return True
 
 
@@ -236,6 +239,41 @@ def _ordered_within(values: np.ndarray, starts: np.ndarray) -> bool:
     return True
 
 
+def sequences_pass(user_ids: np.ndarray, num_users: int, items: np.ndarray, num_items: int, labels: np.ndarray,
+                   timestamps: np.ndarray, offsets: tuple[np.ndarray, np.ndarray, np.ndarray], lengths: np.ndarray) -> bool:
+    """Format 2's screen over one row group's buffers in one compiled pass: every user id in ``[0, num_users)``;
+    the item, label and timestamp lists alike in length (``offsets``: each list's, into its own values) and equal
+    to the declared ``lengths``; every item id in ``[0, num_items)``, every label 0 or 1, each user's timestamps
+    non-decreasing (the values the rows hold, as ``held``)."""
+    item_at, label_at, time_at = offsets
+    if not (item_at.size == label_at.size == time_at.size == lengths.size + 1 == user_ids.size + 1):
+        return False
+    return bool(_sequences_pass(user_ids, num_users, items, num_items, labels, timestamps, item_at, label_at, time_at,
+                                lengths))
+
+
+@numba.njit(nogil=True, cache=True)
+def _sequences_pass(user_ids: np.ndarray, num_users: int, items: np.ndarray, num_items: int, labels: np.ndarray,
+                    timestamps: np.ndarray, item_at: np.ndarray, label_at: np.ndarray, time_at: np.ndarray,
+                    lengths: np.ndarray) -> bool:
+    for row in range(user_ids.size):
+        if user_ids[row] < 0 or user_ids[row] >= num_users:
+            return False
+        size = item_at[row + 1] - item_at[row]
+        if lengths[row] != size or label_at[row + 1] - label_at[row] != size or time_at[row + 1] - time_at[row] != size:
+            return False
+        for i in range(item_at[row], item_at[row + 1]):
+            if items[i] < 0 or items[i] >= num_items:
+                return False
+        for i in range(label_at[row], label_at[row + 1]):
+            if labels[i] != 0 and labels[i] != 1:
+                return False
+        for i in range(time_at[row] + 1, time_at[row + 1]):
+            if timestamps[i] < timestamps[i - 1]:
+                return False
+    return True
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) the screen's passes for the dtypes ids, labels and timestamps come in,
     before any prefetch thread."""
@@ -247,3 +285,12 @@ def warm_up() -> None:
             _in_range(values, 1)
             _binary(values)
             _ordered_within(values, starts)
+    # Format 2's pass, with the buffers as a row group of its schema gives them (values read-only, from Arrow).
+    ids, labels, lengths = _read_only(np.zeros(1, np.int64)), _read_only(np.zeros(1, np.float32)), _read_only(
+        np.ones(1, np.int32))
+    _sequences_pass(ids, 1, ids, 1, labels, ids, starts, starts, starts, lengths)
+
+
+def _read_only(values: np.ndarray) -> np.ndarray:
+    values.flags.writeable = False
+    return values

@@ -134,33 +134,43 @@ class SequenceSource(RowGroupFiles):
         return problems
 
     def passes_checks(self, table: pa.Table) -> bool:
-        """True when no row of ``table`` fails any of ``row_problems``, decided on the flat buffers without
-        building their masks (``row_checks``' screen)."""
-        if not rc.without_nulls(table, self._lists):
-            return False
+        """True when no row of ``table`` fails any of ``row_problems`` (``clean_arrays``' screen)."""
+        return self.clean_arrays(table) is not None
+
+    def clean_arrays(self, table: pa.Table) -> dict[str, np.ndarray] | None:
+        """The row group's buffers (``arrays_of``) when no row of ``table`` fails any of ``row_problems``, decided
+        on those buffers in one compiled pass (``row_checks.sequences_pass``) without building the checks' masks;
+        None: not known (the checks decide)."""
+        if any(column.null_count for column in table.columns):
+            return None
         m = self.manifest
-        lists = {name: table.column(name).combine_chunks() for name in self._lists}
-        starts = rc.list_starts(lists[ITEM_IDS])
-        if any(not np.array_equal(rc.list_starts(array), starts) for array in lists.values()):
-            return False
-        if not np.array_equal(table.column(LENGTH).to_numpy(), np.diff(starts)):
-            return False
-        return (rc.in_range(table.column(USER_ID).to_numpy(), m.num_users)
-                and rc.in_range(rc.held(lists[ITEM_IDS]), m.num_items) and rc.binary(rc.held(lists[LABELS]))
-                and rc.ordered_within(rc.held(lists[TIMESTAMPS]), starts)
-                and (not m.dense_dim or rc.finite(rc.held(lists[DENSE]))))
+        columns = {name: table.column(name).combine_chunks() for name in (USER_ID, *self._lists)}
+        if not all(rc.nested_without_nulls(columns[name]) for name in self._lists):
+            return None
+        if m.dense_dim and not (np.array_equal(rc.list_starts(columns[DENSE]), rc.list_starts(columns[ITEM_IDS]))
+                                and rc.finite(rc.held(columns[DENSE]))):
+            return None
+        arrays = self._arrays(columns)
+        offsets = (arrays[ITEM_IDS + "@"], arrays[LABELS + "@"], arrays[TIMESTAMPS + "@"])
+        if not rc.sequences_pass(arrays[USER_ID], m.num_users, arrays[ITEM_IDS], m.num_items, arrays[LABELS],
+                                 arrays[TIMESTAMPS], offsets, table.column(LENGTH).to_numpy()):
+            return None
+        return arrays
 
     def arrays_of(self, table: pa.Table) -> dict[str, np.ndarray]:
         """The row group's flat buffers, once: every read of it gathers from these.  Each list keeps
         its own offsets (``name@``): a bad row masked in ``skip`` mode may have lists of other
         lengths, and must not shift where the good rows after it are read."""
-        arrays = {USER_ID: _values(table.column(USER_ID).combine_chunks())}
-        for name in (ITEM_IDS, TIMESTAMPS, LABELS, *([DENSE] if self.manifest.dense_dim else [])):
-            column = table.column(name).combine_chunks()
+        return self._arrays({name: table.column(name).combine_chunks() for name in (USER_ID, *self._lists)})
+
+    def _arrays(self, columns: dict[str, pa.Array]) -> dict[str, np.ndarray]:
+        """``arrays_of`` from its columns, each in one chunk."""
+        arrays = {USER_ID: _values(columns[USER_ID])}
+        for name in self._lists:
+            column = columns[name]
             arrays[name + "@"] = column.offsets.to_numpy().astype(np.int64)
             if name == DENSE:
-                width = self.manifest.dense_dim
-                arrays[name] = _values(column.values.values).reshape(-1, width)
+                arrays[name] = _values(column.values.values).reshape(-1, self.manifest.dense_dim)
             else:
                 arrays[name] = _values(column.values)
         return arrays

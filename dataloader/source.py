@@ -184,6 +184,9 @@ class RowGroupFiles(ABC):
         if table is None:
             table = self.read_table(rg, self._readers)
         self.decoded_bytes += table.nbytes
+        arrays = self.clean_arrays(table)
+        if arrays is not None:
+            return _RowGroup(arrays=arrays, bad=None)
         bad = self._validate(table, f"{self.file_names[int(self.rg_file[rg])]}: row group {int(self.rg_id[rg])}")
         return _RowGroup(arrays=self.arrays_of(table.select(self.keep_columns)), bad=bad)
 
@@ -243,10 +246,12 @@ class RowGroupFiles(ABC):
         """True when ``row_problems(table)`` is certainly empty, decided cheaper than it (False: not known)."""
         return False
 
+    def clean_arrays(self, table: pa.Table) -> dict[str, np.ndarray] | None:
+        """The kept columns' buffers (``arrays_of``) when ``passes_checks(table)``, else None (the checks decide)."""
+        return self.arrays_of(table.select(self.keep_columns)) if self.passes_checks(table) else None
+
     def _validate(self, table: pa.Table, where: str) -> np.ndarray | None:
         """Per-row problems; raise on the first (error mode) or return the bad-row mask (skip; None: none bad)."""
-        if self.passes_checks(table):
-            return None
         bad_any = np.zeros(table.num_rows, dtype=bool)
         for problem in self.row_problems(table):
             if not problem.rows.any():
