@@ -11,7 +11,7 @@ buffers alive: a few batches' worth).  Per step, only the KJT and the ``Batch`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
@@ -19,6 +19,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from freescale.dataloader.batch import Batch
+from freescale.dataloader.buffer_pool import BufferPool
 from freescale.dataloader.gather import copy_tails
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
@@ -64,6 +65,8 @@ class BatchAssembler:
     sampled_items: int = 0
     num_items: int = 0
     seed: int = 0
+    pool: BufferPool = field(default_factory=BufferPool)
+    """Where each read's KJT values go (reused once its batches are gone)."""
 
     def batches(self, arrays: dict[str, np.ndarray], steps: StepRows) -> list[Batch]:
         """One batch per step of ``steps`` from ``arrays`` (their samples back to back)."""
@@ -123,7 +126,7 @@ class BatchAssembler:
                 counts[:, f] = sizes
                 per_sample.append(np.ones(total, dtype=np.int64))
         starts = np.concatenate([[0], np.cumsum(counts.ravel())]).astype(np.int64)
-        values = np.empty(int(starts[-1]), dtype=np.int64)
+        values = self.pool.take(int(starts[-1]), np.int64)
         at, bounds = starts.tolist(), cuts.tolist()
         for f, feature in enumerate(self.sparse_features):
             column, is_list = SPARSE_FEATURES[feature]

@@ -11,9 +11,8 @@ A background thread runs those three ahead of the training loop, so the loop onl
 slower than a step (``wait_s`` in ``last`` says how long it waited).  Once running it reads ``READ_STEPS``
 steps at a time (each planned as alone; their rows in one read, their batches built in one pass): at a few
 hundred samples a step the fixed costs of a read and of building tensors outweigh the bytes.  Up to
-``prefetch + READ_STEPS`` batches wait ready: a read's batches are handed over together (a queue of
-``prefetch`` made the thread and the consumer take turns at every batch of a read, each turn a hand-over of
-the GIL; what the larger queue measured: docs/data.md).  Planning, Parquet decoding and the numpy work release
+``prefetch + READ_STEPS`` batches wait ready: a read's batches are handed over together (``handoff.py``: the
+consumer is woken once a read, not at every batch, each a hand-over of the GIL; measured: docs/data.md).  Planning, Parquet decoding and the numpy work release
 the GIL for most of their time, so the thread overlaps the model's compute even on CPU.  The row groups the coming
 steps draw on are read and decoded to Arrow ahead, on a thread of their own (``read_ahead`` of them at most,
 ``read_ahead.py``), so the prefetch thread mostly finds them decoded and only checks them.  ``prefetch = 0`` does
@@ -38,7 +37,6 @@ epoch's step 0.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -50,6 +48,7 @@ import numpy as np
 from freescale.dataloader.assemble import SPARSE_FEATURES, BatchAssembler
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.cost import CostModel
+from freescale.dataloader.handoff import Handoff
 from freescale.dataloader.partition import Parts
 from freescale.dataloader.planner import BatchPlanner
 from freescale.dataloader.reshape import SHAPE_KEYS, remainder, shape_of, start_remainder
@@ -137,7 +136,7 @@ class BalancedLoader:
         self._planning = threading.Lock()
         """Held while the producer thread plans: a read of the planner's windows waits for that, not for the
         producer to stop (``state_dict`` at every save)."""
-        self._queue: queue.Queue[Any] = queue.Queue()
+        self._handoff: Handoff[Any] = Handoff(prefetch + READ_STEPS)
         self._ahead = (source.read_ahead(planner.global_batch_size, read_ahead)
                        if read_ahead > 0 and prefetch > 0 and not planner.locality else None)
         """Reads the row groups of the coming steps on a thread of its own (``read_ahead.py``), told where the
@@ -187,7 +186,7 @@ class BalancedLoader:
         else:
             if self._thread is None:
                 self._start()
-            item = self._queue.get()
+            item = self._handoff.get()
             if isinstance(item, _Failure):
                 self._thread = None
                 raise item.exc
@@ -329,9 +328,9 @@ class BalancedLoader:
     # ----- producing ---------------------------------------------------------------------------
     def _start(self) -> None:
         self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=self.prefetch + READ_STEPS)
+        self._handoff = Handoff(self.prefetch + READ_STEPS)
         self._thread = threading.Thread(
-            target=self._produce, args=(self.epoch, self.step, self._live, self._stop, self._queue),
+            target=self._produce, args=(self.epoch, self.step, self._live, self._stop, self._handoff),
             name="freescale-loader", daemon=True,
         )
         self._thread.start()
@@ -340,16 +339,16 @@ class BalancedLoader:
         if self._thread is not None:
             self._stop.set()
             while self._thread.is_alive():
-                try:
-                    self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    pass
+                self._handoff.clear()
+                self._thread.join(0.05)
+            self._handoff.clear()
             self._thread = None
 
-    def _produce(self, epoch: int, step: int, live: tuple[int, ...], stop: threading.Event, out: queue.Queue[Any]) -> None:
+    def _produce(self, epoch: int, step: int, live: tuple[int, ...], stop: threading.Event, out: Handoff[Any]) -> None:
         """Make batches from ``(epoch, step)`` on into ``out`` until stopped: 1, 2, 4 .. ``READ_STEPS`` steps
-        a read (the first batch after a (re)start comes as soon as one step's read allows), each handed out
-        on its own (``made`` called before each is queued, so a slowed loader is slow step by step).  A read of
+        a read (the first batch after a (re)start comes as soon as one step's read allows), a read's batches handed
+        out together (``handoff.py``: the consumer is woken once a read), or each on its own when ``made`` is set
+        (called before each is handed out, so a slowed loader is slow step by step).  A read of
         several steps that fails is made again one step a read up to its end: the steps before the one at fault
         are handed out and its error is raised at its own step, as when reading step by step (and where no step
         fails alone, a warning says so and the reads grow again)."""
@@ -368,25 +367,24 @@ class BalancedLoader:
                         raise
                     failed, ramp = ((epoch, step + count), exc), 1
                     continue
+                ready: list[tuple[dict[str, Any], Batch]] = []
                 for info, batch, seconds in made:
-                    if stop.is_set():  # a halt waits for this thread: never for a plan no one needs
+                    if stop.is_set():  # (a halt waits for this thread: never for a plan no one needs)
                         return
                     if self.made is not None:
                         self.made(epoch * self.steps_per_epoch + step, seconds)
-                    while not stop.is_set():
-                        try:
-                            out.put((info, batch), timeout=0.05)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
+                        if not out.put_all([(info, batch)], stop.is_set):
+                            return
+                    else:
+                        ready.append((info, batch))
                     with self._planning:
                         self._plan_next_window(epoch, step, live)
                     epoch, step = self._advance(epoch, step)
+                if ready and not out.put_all(ready, stop.is_set):
+                    return
                 ramp = min(2 * ramp, READ_STEPS)
         except BaseException as exc:  # handed to the consumer, raised there
-            out.put(_Failure(exc))
+            out.put_now(_Failure(exc))
 
     def _plan_next_window(self, epoch: int, step: int, live: tuple[int, ...]) -> None:
         """Halfway through a window, plan the next one: a window's plan (``window`` global batches

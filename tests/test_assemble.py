@@ -14,6 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from freescale.dataloader.assemble import BatchAssembler, StepRows
 from freescale.dataloader.batch import Batch
+from freescale.dataloader.buffer_pool import BufferPool
 from freescale.dataloader.build import DataConfig, build_loader
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.loader import READ_STEPS
@@ -103,6 +104,40 @@ def test_steps_built_together_equal_each_built_alone() -> None:
     uncut[HISTORY_ITEMS + "@src"], uncut[HISTORY_ITEMS + "@end"] = buffer_gap.astype(np.int32), ends
     for batch, expected in zip(assembler.batches(uncut, StepRows(sizes, costs, scales, when)), together, strict=True):
         assert same(batch, expected) and carries_its_per_key_counts(batch)
+
+
+def test_a_reads_values_buffer_is_written_again_only_once_no_batch_of_it_is_left() -> None:
+    """The KJT values of a read's steps share one pooled buffer: never overwritten while any tensor of it lives
+    (batches, a KJT kept alone, a values view), reused once none does, the pool bounded."""
+    sizes = np.array([3, 4])
+
+    def read(seed: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        history = rng.integers(1, 6, 7)
+        return {HISTORY_ITEMS: rng.integers(0, 50, int(history.sum())), HISTORY_ITEMS + "@": history,
+                CANDIDATE_ITEM: rng.integers(0, 50, 7), DENSE: np.zeros((7, 0)), LABEL: np.zeros(7, np.float32)}
+
+    def steps() -> StepRows:
+        return StepRows(sizes, np.ones(7), [1.0, 1.0], [(0, 0), (0, 1)])
+
+    assembler = BatchAssembler([HISTORY_ITEMS, CANDIDATE_ITEM], dense_dim=0, rank=0, pool=BufferPool(keep=2))
+    fresh = BatchAssembler([HISTORY_ITEMS, CANDIDATE_ITEM], dense_dim=0, rank=0)
+    first = assembler.batches(read(0), steps())
+    second = assembler.batches(read(1), steps())  # the first read's batches alive: another buffer
+    first_at = first[0].sparse.values().data_ptr()
+    assert second[0].sparse.values().data_ptr() != first_at
+    assert all(same(a, b) for a, b in zip(first, fresh.batches(read(0), steps()), strict=True))
+    kept_kjt, kept_values = second[1].sparse, second[0].sparse.values()[2:]  # pieces of the second read kept alone
+    del first, second
+    third = assembler.batches(read(2), steps())  # the first buffer is free again: written, and right
+    assert third[0].sparse.values().data_ptr() == first_at
+    assert all(same(a, b) for a, b in zip(third, fresh.batches(read(2), steps()), strict=True))
+    fourth = assembler.batches(read(3), steps())  # both kept buffers held: a third one, not kept
+    expected = fresh.batches(read(1), steps())
+    assert torch.equal(kept_kjt.values(), expected[1].sparse.values())
+    assert torch.equal(kept_values, expected[0].sparse.values()[2:])
+    assert all(same(a, b) for a, b in zip(fourth, fresh.batches(read(3), steps()), strict=True))
+    assert assembler.pool.allocated == 3 and len(assembler.pool._buffers) == 2
 
 
 def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_batches_of_one_at_a_time(

@@ -314,12 +314,12 @@ def test_state_dict_keeps_the_prefetched_batches_and_the_state_resumes_identical
     consume(asked, 5)
     consume(plain, 5)
     deadline = time.monotonic() + 30
-    while asked._queue.qsize() < 3 and time.monotonic() < deadline:  # the next steps are prefetched
+    while len(asked._handoff) < 3 and time.monotonic() < deadline:  # the next steps are prefetched
         time.sleep(0.01)
-    producer, ready = asked._thread, asked._queue.qsize()
+    producer, ready = asked._thread, len(asked._handoff)
     state = json.loads(json.dumps(asked.state_dict()))
     assert asked._thread is producer and producer is not None and producer.is_alive()
-    assert asked._queue.qsize() >= ready >= 3  # nothing dropped (the producer may have handed over more)
+    assert len(asked._handoff) >= ready >= 3  # nothing dropped (the producer may have handed over more)
     after, expected = _batches(asked, 6), _batches(plain, 6)
     resumed = make(tiny_data, prefetch=1, window=window)
     resumed.load_state_dict(state)
@@ -334,7 +334,7 @@ def test_requeue_drops_batches_prefetched_without_the_carry(tiny_data: Path) -> 
     loader = make(tiny_data, prefetch=3, window=4)
     consume(loader, 2)
     deadline = time.monotonic() + 30
-    while loader._queue.qsize() < 3 and time.monotonic() < deadline:  # the next steps are prefetched
+    while len(loader._handoff) < 3 and time.monotonic() < deadline:  # the next steps are prefetched
         time.sleep(0.01)
     info = loader.last
     assert info is not None

@@ -1,0 +1,59 @@
+"""``BufferPool``: the batches' largest buffer reused once no batch holds it any more.
+
+Each read of several steps writes every step's KJT values into one buffer (``assemble.py``: a few MB at batch 256,
+histories of 200).  Allocated afresh per read on the prefetch thread and freed on the training thread when its
+batches die, such a buffer cost the thread page faults and the kernel's time at every read (glibc returns the
+freed pages of a thread's arena and faults them in again: format 2's loader spent ~20 us a step in the kernel at
+batch 256 against ~3 inline; docs/data.md).  The pool hands out views of a few buffers it keeps and takes one back
+once the view it handed out is gone: the tensors made from it (``torch.from_numpy`` keeps the view alive while
+any tensor sharing its memory lives) and everything built of them.  A buffer still held (a batch kept by the
+training loop, a pipeline's batches in flight) is never written: the pool allocates another, and keeps at most
+``keep`` of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+
+_GROWTH = 1.25
+"""A new buffer's room over the size asked (the next reads' sizes vary by a few percent)."""
+
+
+class BufferPool:
+    """Reusable flat buffers (module docstring); thread-safe."""
+
+    def __init__(self, keep: int = 6) -> None:
+        self.keep = keep
+        self._buffers: list[tuple[np.ndarray, weakref.ref[np.ndarray] | None]] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+        """Buffers allocated so far (kept or not): how often the pool found none free."""
+
+    def take(self, size: int, dtype: np.dtype | type) -> np.ndarray:
+        """An uninitialised array of ``size`` elements of ``dtype``: a view of a kept buffer no earlier view of which
+        is alive, else of a new one (kept if fewer than ``keep`` are).  Only numpy slices of it made and dropped by
+        the caller, and tensors made from it (``torch.from_numpy``), may outlive the call: a numpy view of it kept
+        past its own life would not hold the buffer."""
+        dtype = np.dtype(dtype)
+        with self._lock:
+            for i, (buffer, handed) in enumerate(self._buffers):
+                if buffer.dtype == dtype and buffer.size >= size and (handed is None or handed() is None):
+                    view = buffer[:size]
+                    self._buffers[i] = (buffer, weakref.ref(view))
+                    return view
+            self.allocated += 1
+            buffer = np.empty(max(int(size * _GROWTH), 1), dtype=dtype)
+            view = buffer[:size]
+            if len(self._buffers) < self.keep:
+                self._buffers.append((buffer, weakref.ref(view)))
+            elif self._buffers:  # (full: the smallest free one makes room for this larger one)
+                free = [i for i, (_, handed) in enumerate(self._buffers) if handed is None or handed() is None]
+                if free:
+                    self._buffers[min(free, key=lambda i: self._buffers[i][0].size)] = (buffer, weakref.ref(view))
+            return view
+
+
+__all__ = ["BufferPool"]
