@@ -56,7 +56,8 @@ class StepRows:
 class BatchAssembler:
     """This rank's batches from a read's columns (``read_arrays``/``read_runs``: a list column ``name`` has its
     per-sample lengths as ``name@``; its values cut, or, from ``read_runs(uncut=True)``, its buffer ``name@src``
-    and each sample's end in it ``name@end``, valid while the caller holds the source's ``read_lock``)."""
+    (or one per piece of the samples from ``name@from`` on) and each sample's end in it ``name@end``, valid while
+    the caller holds the source's ``read_lock``)."""
 
     sparse_features: list[str]
     dense_dim: int
@@ -134,10 +135,18 @@ class BatchAssembler:
                 for j in range(steps):
                     values[at[j * features + f]:at[j * features + f + 1]] = drawn[j][0]
             elif is_list and column + "@end" in arrays:
-                src, ends, lengths = arrays[column + "@src"], arrays[column + "@end"], per_sample[f]
-                for j in range(steps):
-                    a, b = bounds[j], bounds[j + 1]
-                    copy_tails(src, ends[a:b], lengths[a:b], values, at[j * features + f])
+                ends, lengths = arrays[column + "@end"], per_sample[f]
+                pieces = _pieces(arrays, column, total)
+                for j in range(steps):  # (the pieces in sample order: a step's lie from where the last one's ended)
+                    a, b, pos = bounds[j], bounds[j + 1], at[j * features + f]
+                    while a < b:
+                        src, last = pieces[-1]
+                        if last <= a:
+                            pieces.pop()
+                            continue
+                        cut = min(b, last)
+                        pos = copy_tails(src, ends[a:cut], lengths[a:cut], values, pos)
+                        a = cut
             else:
                 flat = arrays[column] if total else np.zeros(0, dtype=np.int64)
                 source_at = np.concatenate([[0], np.cumsum(counts[:, f])]).tolist()
@@ -158,6 +167,16 @@ class BatchAssembler:
         rng = np.random.default_rng([self.seed, *when, self.rank])
         lengths[0] = self.sampled_items
         return rng.integers(0, self.num_items, self.sampled_items, dtype=np.int64), lengths
+
+
+def _pieces(arrays: dict[str, np.ndarray], column: str, total: int) -> list[tuple[np.ndarray, int]]:
+    """A list column left in place (``read_runs(uncut=True)``) as ``(buffer, end sample)`` pieces in sample order,
+    the last first (popped as the samples are copied)."""
+    src = arrays[column + "@src"]
+    if src.dtype != object:
+        return [(src, total)]
+    ends = [*arrays[column + "@from"].tolist()[1:], total]
+    return [(src[k], ends[k]) for k in reversed(range(src.size))]
 
 
 def _timestamps(arrays: dict[str, np.ndarray], n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -147,11 +147,13 @@ class RowGroupFiles(ABC):
         """Rows (global ids, any order) as numpy, ascending: per column its values, a list column ``name``'s
         lengths as ``name@``; and the rows returned (``skip`` mode drops bad ones)."""
 
+    @abstractmethod
     def read_runs(self, runs: list[np.ndarray], uncut: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """``read_arrays`` of each of ``runs`` (several steps' rows), back to back: the columns, the rows kept
-        and how many of them each run kept (format 2 reads them all in one gather).  ``uncut``: the caller may take
-        the history uncut (format 2's ``read_runs``); format 1's is always cut."""
-        return concatenated([self.read_arrays(run) for run in runs])
+        and how many of them each run kept.  ``uncut``: the history items may be left where they lie (``HISTORY_ITEMS
+        + "@src"``: one buffer, or an object array of them, one per piece of the samples from ``"@from"`` on;
+        ``"@end"``: where each sample's history ends in its buffer), for the caller to copy once, straight into its
+        batches, holding ``read_lock()`` until then."""
 
     def read_lock(self) -> threading.RLock:
         """The lock every read holds: held across an ``uncut`` read and the use of its answer, no other read (a
@@ -368,9 +370,31 @@ class ParquetSource(RowGroupFiles):
         with self._reading:
             return self._read_sorted(np.sort(rows))
 
+    def read_runs(self, runs: list[np.ndarray], uncut: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """``read_arrays`` of each of ``runs`` (several steps' rows) back to back, in one gather per column.
+        ``uncut``: the history items are left in their row groups' buffers (``HISTORY_ITEMS + "@src"``, one
+        buffer per piece of rows in one row group, ``"@from"`` the first sample of each piece and ``"@end"``
+        where each sample's history ends in its piece's buffer, instead of ``HISTORY_ITEMS``), for the caller to
+        copy once, straight into its batches (``assemble.py``)."""
+        with self._reading:
+            pieces: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
+            kept = []
+            for run in runs:
+                run_kept = self._pieces(np.sort(np.asarray(run, dtype=np.int64)), pieces)
+                kept.append(run_kept)
+            rows = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+            sizes = np.array([run_kept.size for run_kept in kept], dtype=np.int64)
+            return (self._gather(pieces, uncut) if rows.size else {}), rows, sizes
+
     def _read_sorted(self, rows: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        groups = np.searchsorted(self.rg_start, rows, side="right") - 1
         pieces: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
+        kept = self._pieces(rows, pieces)
+        return (self._gather(pieces) if kept.size else {}), kept
+
+    def _pieces(self, rows: np.ndarray, pieces: list[tuple[dict[str, np.ndarray], np.ndarray]]) -> np.ndarray:
+        """``rows`` (ascending) as pieces of one row group each, appended to ``pieces`` (its buffers, the rows'
+        positions in it; bad rows dropped in ``skip`` mode); the rows kept."""
+        groups = np.searchsorted(self.rg_start, rows, side="right") - 1
         kept = []
         for a, b in row_group_runs(groups):
             rg = int(groups[a])
@@ -378,14 +402,14 @@ class ParquetSource(RowGroupFiles):
             local = rows[a:b] - self.rg_start[rg]
             if entry.bad is not None:
                 local = local[~entry.bad[local]]
-            pieces.append((entry.arrays, local))
-            kept.append(local + self.rg_start[rg])
-        if not pieces:
-            return {}, rows[:0]
-        return self._gather(pieces), np.concatenate(kept)
+            if local.size:
+                pieces.append((entry.arrays, local))
+                kept.append(local + self.rg_start[rg])
+        return np.concatenate(kept) if kept else rows[:0]
 
-    def _gather(self, pieces: list[tuple[dict[str, np.ndarray], np.ndarray]]) -> dict[str, np.ndarray]:
-        """Rows ``local`` of each piece's row group, column by column, into one array per column."""
+    def _gather(self, pieces: list[tuple[dict[str, np.ndarray], np.ndarray]], uncut: bool = False) -> dict[str, np.ndarray]:
+        """Rows ``local`` of each piece's row group, column by column, into one array per column (``uncut``: the
+        history items left in place, as ``read_runs`` says)."""
         out: dict[str, np.ndarray] = {}
         cap = self.max_seq_len if self.max_seq_len is not None else np.iinfo(np.int64).max
         for name in self.columns:
@@ -398,7 +422,13 @@ class ParquetSource(RowGroupFiles):
                 ends = offsets[local + 1]
                 runs.append((arrays[name], ends, np.minimum(ends - offsets[local], cap)))
             out[name + "@"] = np.concatenate([lengths for _, _, lengths in runs])
-            out[name] = gather_tails(runs)
+            if uncut and name == HISTORY_ITEMS:
+                sources = np.empty(len(runs), dtype=object)
+                sources[:] = [values for values, _, _ in runs]
+                out[name + "@src"], out[name + "@end"] = sources, np.concatenate([ends for _, ends, _ in runs])
+                out[name + "@from"] = np.cumsum([0] + [ends.size for _, ends, _ in runs[:-1]], dtype=np.int64)
+            else:
+                out[name] = gather_tails(runs)
         return out
 
     def _table(self, arrays: dict[str, np.ndarray]) -> pa.Table:

@@ -158,6 +158,11 @@ def test_batches_are_the_same_with_and_without_read_ahead(tiny_data: Path, tmp_p
             assert np.array_equal(plain.last.rows, ahead.last.rows)
             assert torch.equal(a.sparse.values(), b.sparse.values()) and torch.equal(a.sparse.lengths(), b.sparse.lengths())
             assert torch.equal(a.labels, b.labels) and torch.equal(a.dense, b.dense)
+            # Each batch, its histories copied straight from the row groups in a read of several steps, is the one
+            # its rows give read alone and cut first (``batch_of``: ``read_arrays``).
+            alone = ahead.batch_of(ahead.last.rows, b.loss_scale or 1.0)
+            assert torch.equal(alone.sparse.values(), b.sparse.values()) and torch.equal(alone.sparse.lengths(),
+                                                                                       b.sparse.lengths())
         assert ahead._ahead is not None and ahead._ahead.handed > 0  # (reads took row groups read ahead)
         if layout == "format 1":  # (its 5 row groups fit in the cache: each read once by either, counted alike)
             assert ahead.source.decoded_bytes == plain.source.decoded_bytes
