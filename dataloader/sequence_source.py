@@ -144,7 +144,7 @@ class SequenceSource(RowGroupFiles):
         if any(column.null_count for column in table.columns):
             return None
         m = self.manifest
-        columns = {name: table.column(name).combine_chunks() for name in (USER_ID, *self._lists)}
+        columns = {name: rc.one_chunk(table.column(name)) for name in (USER_ID, *self._lists)}
         if not all(rc.nested_without_nulls(columns[name]) for name in self._lists):
             return None
         if m.dense_dim and not (np.array_equal(rc.list_starts(columns[DENSE]), rc.list_starts(columns[ITEM_IDS]))
@@ -161,7 +161,7 @@ class SequenceSource(RowGroupFiles):
         """The row group's flat buffers, once: every read of it gathers from these.  Each list keeps
         its own offsets (``name@``): a bad row masked in ``skip`` mode may have lists of other
         lengths, and must not shift where the good rows after it are read."""
-        return self._arrays({name: table.column(name).combine_chunks() for name in (USER_ID, *self._lists)})
+        return self._arrays({name: rc.one_chunk(table.column(name)) for name in (USER_ID, *self._lists)})
 
     def _arrays(self, columns: dict[str, pa.Array]) -> dict[str, np.ndarray]:
         """``arrays_of`` from its columns, each in one chunk."""

@@ -303,7 +303,7 @@ class ParquetSource(RowGroupFiles):
         if not rc.without_nulls(table, [HISTORY_ITEMS, HISTORY_TIMESTAMPS, DENSE]):
             return False
         m = self.manifest
-        history, times = table.column(HISTORY_ITEMS).combine_chunks(), table.column(HISTORY_TIMESTAMPS).combine_chunks()
+        history, times = rc.one_chunk(table.column(HISTORY_ITEMS)), rc.one_chunk(table.column(HISTORY_TIMESTAMPS))
         starts = rc.list_starts(history)
         lengths = np.diff(starts)
         if not lengths.all() or not np.array_equal(rc.list_starts(times), starts):  # (an empty history is bad)
@@ -312,7 +312,7 @@ class ParquetSource(RowGroupFiles):
             return False
         return (rc.in_range(rc.held(history), m.num_items) and rc.in_range(table.column(CANDIDATE_ITEM).to_numpy(), m.num_items)
                 and rc.in_range(table.column(USER_ID).to_numpy(), m.num_users) and rc.ordered_within(rc.held(times), starts)
-                and rc.binary(table.column(LABEL).to_numpy()) and rc.finite(rc.held(table.column(DENSE).combine_chunks())))
+                and rc.binary(table.column(LABEL).to_numpy()) and rc.finite(rc.held(rc.one_chunk(table.column(DENSE)))))
 
     def holds(self, rg: int) -> bool:
         """Whether row group ``rg`` is in the cache (read without the read lock: may be stale)."""
@@ -334,7 +334,7 @@ class ParquetSource(RowGroupFiles):
         """Each kept column's flat numpy buffer (lists: ``name`` values and ``name@`` offsets)."""
         arrays: dict[str, np.ndarray] = {}
         for name in self.columns:
-            column = table.column(name).combine_chunks()
+            column = rc.one_chunk(table.column(name))
             if pa.types.is_list(column.type):
                 arrays[name + "@"] = column.offsets.to_numpy().astype(np.int64)
                 arrays[name] = _flat_values(column.values)
