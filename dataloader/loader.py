@@ -190,8 +190,8 @@ class BalancedLoader:
             if isinstance(item, _Failure):
                 self._thread = None
                 raise item.exc
-        plan_info, batch = item
-        self.last = StepInfo(**plan_info, wait_s=time.perf_counter() - start)
+        self.last, batch = item
+        self.last.wait_s = time.perf_counter() - start
         self.epoch, self.step = self._advance(self.epoch, self.step)
         # Carry of consumed steps is spent; the producer only reads the carry.
         self.planner.forget_carry_before(self.epoch, self.step)
@@ -367,7 +367,7 @@ class BalancedLoader:
                         raise
                     failed, ramp = ((epoch, step + count), exc), 1
                     continue
-                ready: list[tuple[dict[str, Any], Batch]] = []
+                ready: list[tuple[StepInfo, Batch]] = []
                 for info, batch, seconds in made:
                     if stop.is_set():  # (a halt waits for this thread: never for a plan no one needs)
                         return
@@ -401,7 +401,7 @@ class BalancedLoader:
         if self.epochs is None or nxt[0] < self.epochs:
             self.planner.plan_window(nxt[0], nxt[1], live)
 
-    def _make(self, epoch: int, first: int, live: tuple[int, ...], count: int) -> list[tuple[dict[str, Any], Batch, float]]:
+    def _make(self, epoch: int, first: int, live: tuple[int, ...], count: int) -> list[tuple[StepInfo, Batch, float]]:
         """Steps ``first .. first + count - 1`` of ``epoch`` (all in it): each one's info, batch and the seconds its
         rows took to read and assemble (a share of the whole: the read is one).  The steps are planned together
         (``plan_steps``: the same plans as one at a time), their rows read together (``read_runs``: one gather for them all) and

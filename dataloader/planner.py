@@ -235,6 +235,7 @@ class BatchPlanner:
             parts = lpt_steps(costs, len(todo), len(ranks), self.equal_count)
             taken = np.concatenate([part.index for part in parts]) + np.repeat(np.arange(len(todo)) * g, g)
             rows_taken, costs_taken = balance_kernels.take(samples, taken), balance_kernels.take(costs, taken)
+            rows_taken.flags.writeable = False  # (the plans' own: handed out as they are, StepInfo.plan_rows)
             capacities = self._capacity_plan.at(epoch, todo[0])
             for j, part in enumerate(parts):
                 step, at = todo[j], slice(j * g, (j + 1) * g)

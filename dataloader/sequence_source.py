@@ -206,8 +206,11 @@ class SequenceSource(RowGroupFiles):
             if needed.size > self._slots.count:
                 return concatenated([self._read_sorted(run) for run in sorted_runs])
             arrays, kept, ok = self._read_held(samples, user, group, needed, uncut)
-        run_of = np.repeat(np.arange(len(runs)), [run.size for run in runs])
-        return arrays, kept, np.bincount(run_of if ok is None else run_of[ok], minlength=len(runs)).astype(np.int64)
+        sizes = np.array([run.size for run in runs], dtype=np.int64)
+        if ok is None:  # (every sample kept)
+            return arrays, kept, sizes
+        run_of = np.repeat(np.arange(len(runs)), sizes)
+        return arrays, kept, np.bincount(run_of[ok], minlength=len(runs)).astype(np.int64)
 
     def _located(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each sample's user and row group, and the distinct row groups (ascending)."""

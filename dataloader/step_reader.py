@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -35,7 +34,6 @@ class StepInfo:
     global_size: int
     rank_size: int
     rank_cost: float
-    wait_s: float
     rows: np.ndarray
     """Global row ids this rank trained on (after skipping bad rows)."""
     live_ranks: tuple[int, ...]
@@ -49,6 +47,8 @@ class StepInfo:
     """History length of each of ``rows`` (cost-model calibration pairs them with measured time)."""
     loss_scale: float = 1.0
     """What the batch's summed per-sample loss was multiplied by (``StepReader.loss_scale``)."""
+    wait_s: float = 0.0
+    """Seconds the training thread waited for the batch (set as it takes it)."""
 
 
 class StepReader:
@@ -70,9 +70,9 @@ class StepReader:
         plan = StepPlan(epoch, step, tuple(live_ranks), rows, Parts(self.planner.costs(model, rows.index), rows.offsets),
                         model)
         info, batch, _ = self.read([plan])[0]
-        return StepInfo(**info, wait_s=0.0), batch
+        return info, batch
 
-    def read(self, plans: list[StepPlan]) -> list[tuple[dict[str, Any], Batch, float]]:
+    def read(self, plans: list[StepPlan]) -> list[tuple[StepInfo, Batch, float]]:
         """Planned steps (all of one epoch) read and built: each one's info, batch and its share of the seconds the
         read and build took (their rows in one read, ``read_runs``; their batches in one pass, ``assemble``)."""
         epoch = plans[0].epoch
@@ -91,18 +91,19 @@ class StepReader:
         if self.pin_memory:
             batches = [batch.pin_memory() for batch in batches]
         lengths = self.planner.lengths[kept]
+        summed = np.concatenate([[0.0], np.cumsum(costs)])  # (each step's cost: two entries of it)
+        at = cuts.tolist()
         made = []
         for j, (plan, i, batch) in enumerate(zip(plans, mine, batches)):
-            planned = costs[cuts[j]:cuts[j + 1]] if sizes[j] == plan.rows.sizes[i] else self.planner.costs(
-                plan.model, np.sort(plan.rows[i]))  # (the planned rows' cost, summed in row order, bad ones too)
+            a, b = at[j], at[j + 1]
+            rank_sizes = tuple(plan.rows.sizes.tolist())
+            rank_cost = float(summed[b] - summed[a]) if b - a == rank_sizes[i] else float(self.planner.costs(
+                plan.model, np.sort(plan.rows[i])).sum())  # (the planned rows' cost, in row order, bad ones too)
             imbalance, bound = plan.balance()
-            info = dict(epoch=epoch, step=plan.step, imbalance=imbalance, bound=bound,
-                        global_size=plan.global_size, rank_size=batch.size, rank_cost=float(planned.sum()),
-                        rows=kept[cuts[j]:cuts[j + 1]], live_ranks=plan.live_ranks,
-                        plan_rows=Parts(_read_only(plan.rows.index), plan.rows.offsets),
-                        rank_sizes=tuple(plan.rows.sizes.tolist()), row_lengths=lengths[cuts[j]:cuts[j + 1]],
-                        loss_scale=batch.loss_scale)
-            made.append((info, batch))
+            rows = plan.rows if not plan.rows.index.flags.writeable else Parts(_read_only(plan.rows.index),
+                                                                                plan.rows.offsets)
+            made.append((StepInfo(epoch, plan.step, imbalance, bound, plan.global_size, b - a, rank_cost, kept[a:b],
+                                  plan.live_ranks, rows, rank_sizes, lengths[a:b], scales[j]), batch))
         share = (time.perf_counter() - start) / len(plans)
         return [(info, batch, share) for info, batch in made]
 
