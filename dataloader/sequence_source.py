@@ -282,20 +282,36 @@ class SequenceSource(RowGroupFiles):
         return out
 
 
+_WALK = 8
+"""Users ``_locate`` walks on before it searches instead."""
+
+
 @numba.njit(nogil=True, cache=True)
 def _locate(samples: np.ndarray, user_start: np.ndarray,
             stored_start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``SequenceSource._located``: a binary search per run of samples of one user (a read's samples come in
-    ascending runs, a user's ~100 of them side by side), where numpy searched twice per sample and sorted the row
-    groups to find the distinct ones."""
+    """``SequenceSource._located``: a read's samples come in ascending runs (a step's), so each sample's user is
+    the last one's or a few after it (a step's samples spread over its shuffle window's users): found by walking on
+    from it, a binary search only at a run's start or past a few users; numpy searched twice per sample and sorted
+    the row groups to find the distinct ones."""
     user, group = np.empty(samples.size, dtype=np.int64), np.empty(samples.size, dtype=np.int64)
     seen = np.zeros(stored_start.size, dtype=np.bool_)
     u, g = -1, -1
     for i in range(samples.size):
         sample = samples[i]
-        if u < 0 or sample < user_start[u] or sample >= user_start[u + 1]:
+        if u < 0 or sample < user_start[u]:
+            u = -1
+        else:
+            walked = 0
+            while u >= 0 and sample >= user_start[u + 1]:
+                u += 1
+                walked += 1
+                if walked == _WALK:
+                    u = -1
+        if u < 0:
             u = np.searchsorted(user_start, sample, side="right") - 1
             g = np.searchsorted(stored_start, u, side="right") - 1
+        while u >= stored_start[g + 1]:
+            g += 1
         user[i], group[i] = u, g
         seen[g] = True
     return user, group, np.flatnonzero(seen)
