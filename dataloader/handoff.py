@@ -51,7 +51,8 @@ class Handoff(Generic[T]):
             self._changed.notify_all()
 
     def get(self, timeout: float | None = None) -> T:
-        """The oldest item, waiting for one up to ``timeout`` seconds (None: for ever); ``TimeoutError`` if none came."""
+        """The oldest item, waiting for one up to ``timeout`` seconds (None: for ever); ``TimeoutError`` if none
+        came."""
         with self._changed:
             if not self._items and not self._changed.wait_for(lambda: bool(self._items), timeout):
                 raise TimeoutError("no item within the timeout")

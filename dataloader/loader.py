@@ -12,8 +12,9 @@ slower than a step (``wait_s`` in ``last`` says how long it waited).  Once runni
 steps at a time (each planned as alone; their rows in one read, their batches built in one pass): at a few
 hundred samples a step the fixed costs of a read and of building tensors outweigh the bytes.  Up to
 ``prefetch + READ_STEPS`` batches wait ready: a read's batches are handed over together (``handoff.py``: the
-consumer is woken once a read, not at every batch, each a hand-over of the GIL; measured: docs/data.md).  Planning, Parquet decoding and the numpy work release
-the GIL for most of their time, so the thread overlaps the model's compute even on CPU.  The row groups the coming
+consumer is woken once a read, not at every batch, each a hand-over of the GIL; measured: docs/data.md).
+Planning, Parquet decoding and the numpy work release the GIL for most of their time, so the thread overlaps the
+model's compute even on CPU.  The row groups the coming
 steps draw on are read and decoded to Arrow ahead, on a thread of their own (``read_ahead`` of them at most,
 ``read_ahead.py``), so the prefetch thread mostly finds them decoded and only checks them.  ``prefetch = 0`` does
 it all inline, one step at a time.

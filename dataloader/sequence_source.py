@@ -50,7 +50,7 @@ from freescale.dataloader.schema import (
     check_sequence_schema,
     sample_schema,
 )
-from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column, concatenated
+from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column
 from freescale.dataloader.user_slots import LoadedRowGroup, UserSlots
 
 SPLITS = ("train", "valid", "eval")
@@ -280,6 +280,16 @@ class SequenceSource(RowGroupFiles):
             out[DENSE] = (slots.flat(DENSE)[target[DENSE]] if self.manifest.dense_dim
                           else np.zeros((history.size, 0), dtype=np.float32))
         return out
+
+
+def concatenated(reads: list[tuple[dict[str, np.ndarray], np.ndarray]]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """Reads (``read_arrays``' answers) back to back, as ``read_runs`` answers."""
+    sizes = np.array([kept.size for _, kept in reads], dtype=np.int64)
+    kept = np.concatenate([kept for _, kept in reads]) if reads else np.zeros(0, dtype=np.int64)
+    filled = [arrays for arrays, rows in reads if rows.size]
+    if not filled:
+        return {}, kept, sizes
+    return {key: np.concatenate([arrays[key] for arrays in filled]) for key in filled[0]}, kept, sizes
 
 
 _WALK = 8

@@ -457,16 +457,6 @@ def arrow_column(arrays: dict[str, np.ndarray], name: str, kind: pa.DataType) ->
     return pa.array(arrays[name], kind)
 
 
-def concatenated(reads: list[tuple[dict[str, np.ndarray], np.ndarray]]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """Reads (``read_arrays``' answers) back to back, as ``read_runs`` answers."""
-    sizes = np.array([kept.size for _, kept in reads], dtype=np.int64)
-    kept = np.concatenate([kept for _, kept in reads]) if reads else np.zeros(0, dtype=np.int64)
-    filled = [arrays for arrays, rows in reads if rows.size]
-    if not filled:
-        return {}, kept, sizes
-    return {key: np.concatenate([arrays[key] for arrays in filled]) for key in filled[0]}, kept, sizes
-
-
 def row_group_runs(groups: np.ndarray) -> list[tuple[int, int]]:
     """``[a, b)`` of each run of equal values in ``groups`` (a sorted read's row group per row)."""
     if not groups.size:
