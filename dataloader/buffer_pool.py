@@ -2,9 +2,8 @@
 
 Each read of several steps writes every step's KJT values into one buffer (``assemble.py``: a few MB at batch 256,
 histories of 200).  Allocated afresh per read on the prefetch thread and freed on the training thread when its
-batches die, such a buffer cost the thread page faults and the kernel's time at every read (glibc returns the
-freed pages of a thread's arena and faults them in again: format 2's loader spent ~20 us a step in the kernel at
-batch 256 against ~3 inline; docs/data.md).  The pool hands out views of a few buffers it keeps and takes one back
+batches die, such a buffer cost the thread page faults at every read (format 2 at batch 256: 1-6 a step against
+~1 with the pool, 1.08x the pool's time at the median of paired rounds; docs/data.md).  The pool hands out views of a few buffers it keeps and takes one back
 once the view it handed out is gone: the tensors made from it (``torch.from_numpy`` keeps the view alive while
 any tensor sharing its memory lives) and everything built of them.  A buffer still held (a batch kept by the
 training loop, a pipeline's batches in flight) is never written: the pool allocates another, and keeps at most
