@@ -4,9 +4,10 @@ The loader reads several steps' rows at once (``source.read_runs``: their sample
 step).  Here the steps' batches are built from that one read without a loop over samples and with one buffer
 per kind of tensor for all the steps: the sparse features' values and lengths (step by step, feature by
 feature: each step's KJT is one contiguous stretch), every value copied once straight to its place (a
-history format 2 left in its buffers, ``read_runs(uncut=True)``, cut into it there), dense features, labels
-and costs converted once; each step's tensors are then views of those (a step's batch keeps its steps'
-buffers alive: a few batches' worth).  Per step, only the KJT and the ``Batch`` are built.
+history the source left in its buffers, ``read_runs(uncut=True)``: format 2's slots, format 1's row groups piece
+by piece, cut into it there), dense features, labels and costs converted once; each step's tensors are then
+views of those (a step's batch keeps its steps' buffers alive: a few batches' worth; the values' buffer is reused
+once none does, ``buffer_pool.py``).  Per step, only the KJT and the ``Batch`` are built.
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ class BatchAssembler:
                 when: list[tuple[int, int]]
                 ) -> tuple[np.ndarray, np.ndarray, list[int], list[int], list[list[int]]]:
         """Every step's KJT values and lengths, back to back (step by step, then feature by feature), int64,
-        where each step's start in them, and each step's count of values per feature.  Each value is copied once, straight to its place: a history the source
-        left uncut (``read_runs(uncut=True)``: its buffer and each sample's end in it) is cut into it there
-        (``copy_tails``), where gathering it first and concatenating the steps' pieces after copied it twice."""
+        where each step's start in them, and each step's count of values per feature.  Each value is copied once,
+        straight to its place: a history the source left uncut (``read_runs(uncut=True)``: its buffer, or one per
+        piece of the samples, and each sample's end in it) is cut into it there (``copy_tails``), where gathering
+        it first and concatenating the steps' pieces after copied it twice."""
         steps, total, features = cuts.size - 1, int(cuts[-1]), len(self.sparse_features)
         sizes = np.diff(cuts)
         counts = np.zeros((steps, features), dtype=np.int64)  # values of each (step, feature)

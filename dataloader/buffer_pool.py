@@ -3,11 +3,11 @@
 Each read of several steps writes every step's KJT values into one buffer (``assemble.py``: a few MB at batch 256,
 histories of 200).  Allocated afresh per read on the prefetch thread and freed on the training thread when its
 batches die, such a buffer cost the thread page faults at every read (format 2 at batch 256: 1-6 a step against
-~1 with the pool, 1.08x the pool's time at the median of paired rounds; docs/data.md).  The pool hands out views of a few buffers it keeps and takes one back
-once the view it handed out is gone: the tensors made from it (``torch.from_numpy`` keeps the view alive while
-any tensor sharing its memory lives) and everything built of them.  A buffer still held (a batch kept by the
-training loop, a pipeline's batches in flight) is never written: the pool allocates another, and keeps at most
-``keep`` of them.
+~1 with the pool; its time 1.08x the pool's at the median of paired rounds, 0.92-1.20x: within this machine's
+noise; docs/data.md).  The pool hands out views of a few buffers it keeps and takes one back once the view it
+handed out is gone: the tensors made from it (``torch.from_numpy`` keeps the view alive while any tensor sharing
+its memory lives) and everything built of them.  A buffer still held (a batch kept by the training loop, a
+pipeline's batches in flight) is never written: the pool allocates another, and keeps at most ``keep`` of them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class BufferPool:
 
     def __init__(self, keep: int = 6) -> None:
         self.keep = keep
-        self._buffers: list[tuple[np.ndarray, weakref.ref[np.ndarray] | None]] = []
+        self._buffers: list[tuple[np.ndarray, weakref.ref[np.ndarray]]] = []
         self._lock = threading.Lock()
         self.allocated = 0
         """Buffers allocated so far (kept or not): how often the pool found none free."""
@@ -39,7 +39,7 @@ class BufferPool:
         dtype = np.dtype(dtype)
         with self._lock:
             for i, (buffer, handed) in enumerate(self._buffers):
-                if buffer.dtype == dtype and buffer.size >= size and (handed is None or handed() is None):
+                if buffer.dtype == dtype and buffer.size >= size and handed() is None:
                     view = buffer[:size]
                     self._buffers[i] = (buffer, weakref.ref(view))
                     return view
@@ -49,7 +49,7 @@ class BufferPool:
             if len(self._buffers) < self.keep:
                 self._buffers.append((buffer, weakref.ref(view)))
             elif self._buffers:  # (full: the smallest free one makes room for this larger one)
-                free = [i for i, (_, handed) in enumerate(self._buffers) if handed is None or handed() is None]
+                free = [i for i, (_, handed) in enumerate(self._buffers) if handed() is None]
                 if free:
                     self._buffers[min(free, key=lambda i: self._buffers[i][0].size)] = (buffer, weakref.ref(view))
             return view

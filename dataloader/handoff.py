@@ -1,10 +1,10 @@
 """``Handoff``: the prefetch thread's batches to the training thread, a read's several at once.
 
 A ``queue.Queue`` hands items over one at a time: a consumer that takes batches faster than they are made waits
-after each, and each ``put`` wakes it, a hand-over of the GIL and a context switch a batch (~30 us a step on a
-2-core VM, a third of format 2's loader at batch 256: docs/data.md).  Here the producer puts a read's batches
-together (``put_all``) and the consumer takes them one by one from the same buffer without waiting, so it is
-woken once a read.  The buffer holds at most ``capacity`` items, or one put's items when it is empty (a put is
+after each, and each ``put`` wakes it, a hand-over of the GIL and a context switch a batch (format 2 at batch 256
+through the prefetch thread on a 2-core VM: ~100 us a step with a queue, ~85 with this; docs/data.md).  Here the
+producer puts a read's batches together (``put_all``) and the consumer takes them one by one from the same buffer
+without waiting, so it is woken once a read.  The buffer holds at most ``capacity`` items, or one put's items when it is empty (a put is
 never refused for being larger than the buffer), so the producer runs at most that far ahead.
 """
 

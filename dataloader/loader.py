@@ -368,7 +368,8 @@ class BalancedLoader:
                         raise
                     failed, ramp = ((epoch, step + count), exc), 1
                     continue
-                ready: list[tuple[StepInfo, Batch]] = []
+                if self.made is None and not out.put_all([(info, batch) for info, batch, _ in made], stop.is_set):
+                    return  # (the read's batches handed over before the next window is planned: none waits for it)
                 for info, batch, seconds in made:
                     if stop.is_set():  # (a halt waits for this thread: never for a plan no one needs)
                         return
@@ -376,13 +377,9 @@ class BalancedLoader:
                         self.made(epoch * self.steps_per_epoch + step, seconds)
                         if not out.put_all([(info, batch)], stop.is_set):
                             return
-                    else:
-                        ready.append((info, batch))
                     with self._planning:
                         self._plan_next_window(epoch, step, live)
                     epoch, step = self._advance(epoch, step)
-                if ready and not out.put_all(ready, stop.is_set):
-                    return
                 ramp = min(2 * ramp, READ_STEPS)
         except BaseException as exc:  # handed to the consumer, raised there
             out.put_now(_Failure(exc))

@@ -174,9 +174,30 @@ def without_nulls(table: pa.Table, lists: list[str]) -> bool:
 
 
 def one_chunk(column: pa.ChunkedArray) -> pa.Array:
-    """``column`` as one array: its only chunk as it is (``combine_chunks`` copies even a single chunk: ~1 ms for a
-    row group of 8,192 histories), else the chunks combined."""
-    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    """``column`` as one array: its only chunk as it is when nothing in it is sliced (a decoded row group's:
+    ``combine_chunks`` copies even a single chunk, ~1 ms for a row group of 8,192 histories), else the chunks
+    combined (which starts every level at 0: the buffers' readers take a list's ``values`` whole)."""
+    if column.num_chunks == 1 and _unsliced(column.chunk(0)):
+        return column.chunk(0)
+    return column.combine_chunks()
+
+
+def _unsliced(array: pa.Array) -> bool:
+    """Whether every level of ``array`` starts at its buffers' start and its lists' values are exactly the ones
+    its rows hold."""
+    while True:
+        if array.offset:
+            return False
+        if pa.types.is_fixed_size_list(array.type):
+            if len(array.values) != len(array) * array.type.list_size:
+                return False
+        elif pa.types.is_list(array.type):
+            offsets = array.offsets
+            if len(array) and (offsets[0].as_py() != 0 or offsets[len(array)].as_py() != len(array.values)):
+                return False
+        else:
+            return True
+        array = array.values
 
 
 def nested_without_nulls(array: pa.Array) -> bool:

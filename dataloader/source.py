@@ -424,7 +424,8 @@ class ParquetSource(RowGroupFiles):
             out[name + "@"] = np.concatenate([lengths for _, _, lengths in runs])
             if uncut and name == HISTORY_ITEMS:
                 sources = np.empty(len(runs), dtype=object)
-                sources[:] = [values for values, _, _ in runs]
+                for k, (values, _, _) in enumerate(runs):
+                    sources[k] = values  # (one by one: numpy may try to broadcast a list of equal-length arrays)
                 out[name + "@src"], out[name + "@end"] = sources, np.concatenate([ends for _, ends, _ in runs])
                 out[name + "@from"] = np.cumsum([0] + [ends.size for _, ends, _ in runs[:-1]], dtype=np.int64)
             else:

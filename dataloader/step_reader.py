@@ -91,19 +91,20 @@ class StepReader:
         if self.pin_memory:
             batches = [batch.pin_memory() for batch in batches]
         lengths = self.planner.lengths[kept]
-        summed = np.concatenate([[0.0], np.cumsum(costs)])  # (each step's cost: two entries of it)
         at = cuts.tolist()
         made = []
         for j, (plan, i, batch) in enumerate(zip(plans, mine, batches)):
             a, b = at[j], at[j + 1]
             rank_sizes = tuple(plan.rows.sizes.tolist())
-            rank_cost = float(summed[b] - summed[a]) if b - a == rank_sizes[i] else float(self.planner.costs(
-                plan.model, np.sort(plan.rows[i])).sum())  # (the planned rows' cost, in row order, bad ones too)
+            planned = costs[a:b] if b - a == rank_sizes[i] else self.planner.costs(
+                plan.model, np.sort(plan.rows[i]))  # (the planned rows' cost, summed in row order, bad ones too)
             imbalance, bound = plan.balance()
             rows = plan.rows if not plan.rows.index.flags.writeable else Parts(_read_only(plan.rows.index),
                                                                                 plan.rows.offsets)
-            made.append((StepInfo(epoch, plan.step, imbalance, bound, plan.global_size, b - a, rank_cost, kept[a:b],
-                                  plan.live_ranks, rows, rank_sizes, lengths[a:b], scales[j]), batch))
+            made.append((StepInfo(epoch=epoch, step=plan.step, imbalance=imbalance, bound=bound,
+                                  global_size=plan.global_size, rank_size=b - a, rank_cost=float(planned.sum()),
+                                  rows=kept[a:b], live_ranks=plan.live_ranks, plan_rows=rows, rank_sizes=rank_sizes,
+                                  row_lengths=lengths[a:b], loss_scale=scales[j]), batch))
         share = (time.perf_counter() - start) / len(plans)
         return [(info, batch, share) for info, batch in made]
 

@@ -16,8 +16,8 @@ def test_items_come_in_order_a_put_waits_for_room_and_a_stop_drops_it() -> None:
     assert handoff.put_all([], lambda: False) and len(handoff) == 8
     done = threading.Event()
 
-    def produce() -> None:
-        handoff.put_all(list(range(8, 16)), lambda: False)  # 16 > 10: waits until the consumer makes room
+    def produce() -> None:  # 16 > 10: waits until the consumer makes room (woken by it: the poll is 30 s)
+        handoff.put_all(list(range(8, 16)), lambda: False, poll_s=30.0)
         done.set()
 
     producer = threading.Thread(target=produce)
@@ -33,7 +33,14 @@ def test_items_come_in_order_a_put_waits_for_room_and_a_stop_drops_it() -> None:
     assert [handoff.get() for _ in range(10)] == list(range(6, 16))
     with pytest.raises(TimeoutError):
         handoff.get(timeout=0.05)
-    assert handoff.put_all(list(range(20)), lambda: False)  # larger than the buffer: taken when it is empty
+    handoff.put_all([100], lambda: False)
+    large = threading.Thread(target=lambda: handoff.put_all(list(range(20)), lambda: False, poll_s=30.0))
+    large.start()  # larger than the buffer: waits for it to be empty, then goes in whole
+    time.sleep(0.2)
+    assert large.is_alive() and len(handoff) == 1
+    assert handoff.get() == 100
+    large.join(5)
+    assert not large.is_alive() and len(handoff) == 20
     stop = threading.Event()
     stopped = threading.Thread(target=lambda: stop.set() if not handoff.put_all([99], stop.is_set) else None)
     stop_later = threading.Timer(0.1, stop.set)

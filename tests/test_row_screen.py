@@ -192,12 +192,13 @@ def test_the_screens_compiled_passes_answer_as_numpy_does(values: list[int], cut
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 5), min_size=1, max_size=12), st.lists(st.integers(1, 4), min_size=1, max_size=6),
-       st.lists(st.lists(st.integers(0, 10**6), max_size=20), max_size=4))
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.lists(st.integers(0, 4), min_size=1, max_size=12),
+       st.lists(st.lists(st.integers(0, 10**6), max_size=40), max_size=6))
 def test_samples_are_located_as_two_searches_and_a_unique_do(per_user: list[int], users_per_group: list[int],
                                                             runs: list[list[int]]) -> None:
-    """``_locate`` (one binary search per user's run of samples) against numpy's ``searchsorted`` and ``unique``:
-    users with no samples, runs each ascending but not across each other (``read_runs``), no samples at all."""
+    """``_locate`` (walking on from the last sample's user, a binary search at a run's start or past a few users)
+    against numpy's ``searchsorted`` and ``unique``: users with no samples, row groups with no users, runs each
+    ascending but not across each other (``read_runs``), no samples at all."""
     user_start = np.concatenate([[0], np.cumsum(per_user)]).astype(np.int64)
     stored_start = np.concatenate([[0], np.cumsum(users_per_group)]).astype(np.int64)
     stored_start = np.append(stored_start[stored_start < len(per_user)], len(per_user))

@@ -61,27 +61,3 @@ def test_a_bad_users_lists_are_left_out_and_a_failed_load_leaves_the_slot_free()
     slots.ensure(np.array([2]), lambda g: _row_group(2, [1]))
     assert slots.slot_of.tolist() == [-1, -1, 0]
 
-
-def test_a_reads_samples_are_located_as_numpys_searches_locate_them() -> None:
-    """``_locate`` walks on from the last sample's user: every sample's user and row group, and the row groups
-    needed, as two binary searches per sample give them (users without samples among them, runs of a step's
-    samples, a run that starts behind the last, samples far apart)."""
-    from freescale.dataloader.sequence_source import _locate
-
-    rng = np.random.default_rng(0)
-    user_start = np.concatenate([[0], np.cumsum(rng.integers(0, 40, 500))]).astype(np.int64)
-    stored_start = np.concatenate([np.arange(0, 500, 7), [500]]).astype(np.int64)
-    samples_total = int(user_start[-1])
-    for trial in range(60):
-        if trial % 3 == 0:  # samples far apart
-            samples = np.sort(rng.integers(0, samples_total, 50))
-        else:  # runs of a step's samples, each from a window of nearby users
-            runs = []
-            for _ in range(8):
-                low = int(rng.integers(0, samples_total - 600))
-                runs.append(np.sort(rng.choice(np.arange(low, low + int(rng.integers(40, 600))), 32, replace=False)))
-            samples = np.concatenate(runs).astype(np.int64)
-        user = np.searchsorted(user_start, samples, side="right") - 1
-        group = np.searchsorted(stored_start, user, side="right") - 1
-        found = _locate(samples, user_start, stored_start)
-        assert [a.tolist() for a in found] == [user.tolist(), group.tolist(), np.unique(group).tolist()], trial
