@@ -40,9 +40,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from freescale.dataloader import row_checks as rc
-from freescale.dataloader.gather import gather_tails
 from freescale.dataloader.read_ahead import ReadAhead
 from freescale.dataloader.row_checks import list_lengths
+from freescale.dataloader.row_gather import gather_rows
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
     DENSE,
@@ -371,66 +371,29 @@ class ParquetSource(RowGroupFiles):
             return self._read_sorted(np.sort(rows))
 
     def read_runs(self, runs: list[np.ndarray], uncut: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-        """``read_arrays`` of each of ``runs`` (several steps' rows) back to back, in one gather per column.
-        ``uncut``: the history items are left in their row groups' buffers (``HISTORY_ITEMS + "@src"``, one
-        buffer per piece of rows in one row group, ``"@from"`` the first sample of each piece and ``"@end"``
-        where each sample's history ends in its piece's buffer, instead of ``HISTORY_ITEMS``), for the caller to
-        copy once, straight into its batches (``assemble.py``)."""
+        """``read_arrays`` of each of ``runs`` (several steps' rows) back to back, in one gather per column for them
+        all (``row_gather.py``).  ``uncut``: the history items are left in their row groups' buffers (``HISTORY_ITEMS
+        + "@src"``, one buffer per piece of rows of one row group, ``"@from"`` the first sample of each piece and
+        ``"@end"`` where each sample's history ends in its piece's buffer, instead of ``HISTORY_ITEMS``), for the
+        caller to copy once, straight into its batches (``assemble.py``)."""
+        sorted_runs = [np.sort(np.asarray(run, dtype=np.int64)) for run in runs]
+        rows = np.concatenate(sorted_runs) if sorted_runs else np.zeros(0, dtype=np.int64)
         with self._reading:
-            pieces: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
-            kept = []
-            for run in runs:
-                run_kept = self._pieces(np.sort(np.asarray(run, dtype=np.int64)), pieces)
-                kept.append(run_kept)
-            rows = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
-            sizes = np.array([run_kept.size for run_kept in kept], dtype=np.int64)
-            return (self._gather(pieces, uncut) if rows.size else {}), rows, sizes
+            arrays, ok = self._gather_rows(rows, uncut)
+        sizes = np.array([run.size for run in sorted_runs], dtype=np.int64)
+        if ok is None:
+            return arrays, rows, sizes
+        run_of = np.repeat(np.arange(len(runs)), sizes)
+        return arrays, rows[ok], np.bincount(run_of[ok], minlength=len(runs)).astype(np.int64)
 
     def _read_sorted(self, rows: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        pieces: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
-        kept = self._pieces(rows, pieces)
-        return (self._gather(pieces) if kept.size else {}), kept
+        arrays, ok = self._gather_rows(rows)
+        return arrays, rows if ok is None else rows[ok]
 
-    def _pieces(self, rows: np.ndarray, pieces: list[tuple[dict[str, np.ndarray], np.ndarray]]) -> np.ndarray:
-        """``rows`` (ascending) as pieces of one row group each, appended to ``pieces`` (its buffers, the rows'
-        positions in it; bad rows dropped in ``skip`` mode); the rows kept."""
-        groups = np.searchsorted(self.rg_start, rows, side="right") - 1
-        kept = []
-        for a, b in row_group_runs(groups):
-            rg = int(groups[a])
-            entry = self._row_group(rg)
-            local = rows[a:b] - self.rg_start[rg]
-            if entry.bad is not None:
-                local = local[~entry.bad[local]]
-            if local.size:
-                pieces.append((entry.arrays, local))
-                kept.append(local + self.rg_start[rg])
-        return np.concatenate(kept) if kept else rows[:0]
-
-    def _gather(self, pieces: list[tuple[dict[str, np.ndarray], np.ndarray]], uncut: bool = False) -> dict[str, np.ndarray]:
-        """Rows ``local`` of each piece's row group, column by column, into one array per column (``uncut``: the
-        history items left in place, as ``read_runs`` says)."""
-        out: dict[str, np.ndarray] = {}
+    def _gather_rows(self, rows: np.ndarray, uncut: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """``row_gather.gather_rows`` of ``rows`` from this source's cached row groups."""
         cap = self.max_seq_len if self.max_seq_len is not None else np.iinfo(np.int64).max
-        for name in self.columns:
-            if name + "@" not in pieces[0][0]:
-                out[name] = np.concatenate([arrays[name][local] for arrays, local in pieces])
-                continue
-            runs = []
-            for arrays, local in pieces:
-                offsets = arrays[name + "@"]
-                ends = offsets[local + 1]
-                runs.append((arrays[name], ends, np.minimum(ends - offsets[local], cap)))
-            out[name + "@"] = np.concatenate([lengths for _, _, lengths in runs])
-            if uncut and name == HISTORY_ITEMS:
-                sources = np.empty(len(runs), dtype=object)
-                for k, (values, _, _) in enumerate(runs):
-                    sources[k] = values  # (one by one: numpy may try to broadcast a list of equal-length arrays)
-                out[name + "@src"], out[name + "@end"] = sources, np.concatenate([ends for _, ends, _ in runs])
-                out[name + "@from"] = np.cumsum([0] + [ends.size for _, ends, _ in runs[:-1]], dtype=np.int64)
-            else:
-                out[name] = gather_tails(runs)
-        return out
+        return gather_rows(rows, self.rg_start, self._row_group, self.columns, cap, HISTORY_ITEMS if uncut else "")
 
     def _table(self, arrays: dict[str, np.ndarray]) -> pa.Table:
         schema = self.fragments[0].physical_schema
@@ -456,14 +419,6 @@ def arrow_column(arrays: dict[str, np.ndarray], name: str, kind: pa.DataType) ->
             return pa.array([[]] * len(arrays[name]), kind)
         return pa.FixedSizeListArray.from_arrays(pa.array(arrays[name].ravel(), kind.value_type), kind.list_size)
     return pa.array(arrays[name], kind)
-
-
-def row_group_runs(groups: np.ndarray) -> list[tuple[int, int]]:
-    """``[a, b)`` of each run of equal values in ``groups`` (a sorted read's row group per row)."""
-    if not groups.size:
-        return []
-    bounds = (np.flatnonzero(np.diff(groups)) + 1).tolist()
-    return list(zip([0, *bounds], [*bounds, int(groups.size)]))
 
 
 _CHECK_COLUMNS = {USER_ID, HISTORY_ITEMS, HISTORY_TIMESTAMPS, CANDIDATE_ITEM, DENSE, LABEL}
