@@ -16,6 +16,7 @@ import torch
 
 from freescale.dataloader.build import DataConfig, build_loader
 from freescale.dataloader.cost import CostModel
+from freescale.dataloader.gather import gather_tails
 from freescale.dataloader.loader import BalancedLoader
 from freescale.dataloader.read_ahead import ReadAhead
 from freescale.dataloader.schema import CANDIDATE_ITEM, HISTORY_ITEMS, DataError, DatasetManifest
@@ -194,3 +195,17 @@ def test_bad_rows_are_raised_at_the_same_step_and_skipped_alike_with_read_ahead(
         skipped.append((sizes, dict(loader.source.skipped)))
         loader.close()
     assert skipped[0] == skipped[1] and skipped[0][0][3] == 3 and sum(skipped[0][1].values()) == 1
+    # A read of several runs (format 1's one gather for them all, a row group at a time) is each run read alone,
+    # back to back, the bad row (row 14: the fourth row group's third) dropped; the history left in place holds the same values.
+    source = loaders(path, batch_size=4, shuffle=False, partitioner="round_robin", on_bad_rows="skip")[0].source
+    runs = [np.array([21, 14, 2, 9]), np.array([], dtype=np.int64), np.array([13, 12, 15, 0, 23]), np.array([14])]
+    arrays, kept, sizes = source.read_runs(runs)
+    alone = [source.read_arrays(run) for run in runs]
+    assert sizes.tolist() == [3, 0, 5, 0] and 14 not in kept.tolist() and kept.tolist() == [k for _, rows in alone for k in rows.tolist()]
+    for key, values in arrays.items():
+        assert np.array_equal(values, np.concatenate([a[key] for a, rows in alone if rows.size])), key
+    uncut, _, _ = source.read_runs(runs, uncut=True)
+    pieces = [*uncut[HISTORY_ITEMS + "@from"].tolist(), kept.size]
+    assert np.array_equal(arrays[HISTORY_ITEMS], gather_tails([
+        (src, uncut[HISTORY_ITEMS + "@end"][a:b], uncut[HISTORY_ITEMS + "@"][a:b])
+        for src, a, b in zip(uncut[HISTORY_ITEMS + "@src"], pieces[:-1], pieces[1:])]))
