@@ -196,8 +196,12 @@ def test_bad_rows_are_raised_at_the_same_step_and_skipped_alike_with_read_ahead(
         loader.close()
     assert skipped[0] == skipped[1] and skipped[0][0][3] == 3 and sum(skipped[0][1].values()) == 1
     # A read of several runs (format 1's one gather for them all, a row group at a time) is each run read alone,
-    # back to back, the bad row (row 14: the fourth row group's third) dropped; the history left in place holds the same values.
-    source = loaders(path, batch_size=4, shuffle=False, partitioner="round_robin", on_bad_rows="skip")[0].source
+    # back to back, the bad row (row 14: the fourth row group's third) dropped; the history left in place holds
+    # the same values.
+    made = loaders(path, batch_size=4, shuffle=False, partitioner="round_robin", on_bad_rows="skip")
+    for loader in made[1:]:
+        loader.close()
+    source = made[0].source
     runs = [np.array([21, 14, 2, 9]), np.array([], dtype=np.int64), np.array([13, 12, 15, 0, 23]), np.array([14])]
     arrays, kept, sizes = source.read_runs(runs)
     alone = [source.read_arrays(run) for run in runs]
@@ -209,3 +213,4 @@ def test_bad_rows_are_raised_at_the_same_step_and_skipped_alike_with_read_ahead(
     assert np.array_equal(arrays[HISTORY_ITEMS], gather_tails([
         (src, uncut[HISTORY_ITEMS + "@end"][a:b], uncut[HISTORY_ITEMS + "@"][a:b])
         for src, a, b in zip(uncut[HISTORY_ITEMS + "@src"], pieces[:-1], pieces[1:])]))
+    made[0].close()
