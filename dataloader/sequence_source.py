@@ -251,6 +251,10 @@ class SequenceSource(RowGroupFiles):
         """Whether row group ``rg`` is in a slot (read without the read lock: may be stale)."""
         return bool(self._slots.slot_of[rg] >= 0)
 
+    def forget_decoded(self) -> None:
+        with self._reading:
+            self._slots.forget()
+
     def _load(self, rg: int) -> LoadedRowGroup:
         entry = self._decode(rg)
         return entry.arrays, entry.bad

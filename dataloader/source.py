@@ -218,6 +218,10 @@ class RowGroupFiles(ABC):
     def holds(self, rg: int) -> bool:
         """Whether row group ``rg`` is held decoded (read without the read lock: an answer may be stale)."""
 
+    @abstractmethod
+    def forget_decoded(self) -> None:
+        """Hold no decoded row group any more (the next reads decode them again; the buffers stay allocated)."""
+
     def close(self) -> None:
         """Let go of the files held open and stop the read-ahead (a later read opens them again)."""
         if self._ahead is not None:
@@ -317,6 +321,10 @@ class ParquetSource(RowGroupFiles):
     def holds(self, rg: int) -> bool:
         """Whether row group ``rg`` is in the cache (read without the read lock: may be stale)."""
         return rg in self._cache
+
+    def forget_decoded(self) -> None:
+        with self._reading:
+            self._cache.clear()
 
     # ----- lengths (for planning) ---------------------------------------------------------
     def _read_lengths(self) -> np.ndarray:

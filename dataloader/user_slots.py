@@ -66,6 +66,12 @@ class UserSlots:
             self._held[slot], self.slot_of[group], self._used[slot] = group, slot, self._tick
         return self.slot_of[needed]
 
+    def forget(self) -> None:
+        """Every slot free (its buffers kept: the next loads write over them)."""
+        self.slot_of[:] = -1
+        self._held[:] = -1
+        self._used[:] = 0
+
     def flat(self, name: str) -> np.ndarray:
         """Column ``name``'s values, every slot's back to back (a view)."""
         values = self.values[name]

@@ -214,3 +214,21 @@ def test_bad_rows_are_raised_at_the_same_step_and_skipped_alike_with_read_ahead(
         (src, uncut[HISTORY_ITEMS + "@end"][a:b], uncut[HISTORY_ITEMS + "@"][a:b])
         for src, a, b in zip(uncut[HISTORY_ITEMS + "@src"], pieces[:-1], pieces[1:])]))
     made[0].close()
+
+
+@pytest.mark.parametrize("layout", ["format 1", "format 2"])
+def test_a_source_that_forgets_its_decoded_row_groups_decodes_them_again_alike(tiny_data: Path, tmp_path: Path,
+                                                                               layout: str) -> None:
+    made = loaders(tiny_data if layout == "format 1" else prepared(tmp_path, 40))
+    source = made[0].source
+    rows = np.arange(0, source.num_rows, 7)
+    first, kept = source.read_arrays(rows)
+    decoded = source.decoded_bytes
+    assert decoded > 0 and any(source.holds(rg) for rg in range(len(source.rg_rows)))
+    source.forget_decoded()
+    assert not any(source.holds(rg) for rg in range(len(source.rg_rows)))
+    again, kept_again = source.read_arrays(rows)
+    assert source.decoded_bytes == 2 * decoded and np.array_equal(kept, kept_again)
+    assert first.keys() == again.keys() and all(np.array_equal(first[k], again[k]) for k in first)
+    for loader in made:
+        loader.close()
