@@ -209,12 +209,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--repeats", type=int, default=0, help="interleaved rounds, median taken (default 1 quick, 3)")
+    parser.add_argument("--lengths", default="ml-20m", choices=["ml-20m", "ml-1m"],
+                        help="the synthetic log's user lengths (another input than the default's)")
+    parser.add_argument("--samples", type=int, default=0, help="training samples (default 40,000 quick, 300,000)")
     args = parser.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
     samples, steps, batch, max_len = (40_000, 30, 256, 200) if args.quick else (300_000, 300, 256, 200)
+    samples = args.samples or samples
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        format2 = prepared(Path(tmp), samples)
+        format2 = prepared(Path(tmp), samples, lengths=args.lengths)
         format1 = format1_twin(format2, Path(tmp) / "format1", max_len)
         n = DatasetManifest.read(format2).samples["train"]
         f1, f2 = "format 1 (per sample)", "format 2 (per user)"
@@ -253,7 +257,7 @@ def main() -> None:
               f"{wait['loader_wait_ms']:.3f} ms per step ({100 * wait['wait_share']:.2f}% of the step)")
     if args.json:
         write_json(args.json, "bench_loader", {"quick": args.quick, "samples": n, "batch": batch,
-                                               "max_len": max_len, "lengths": "ml-20m",
+                                               "max_len": max_len, "lengths": args.lengths,
                                                "repeats": args.repeats},
                    rows + [{"training": wait}])
 
