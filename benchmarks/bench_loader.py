@@ -116,17 +116,18 @@ def ours(path: Path, batch: int, max_len: int, read_ahead: int = 8, after_one: b
     """One epoch (every row group decoded once, like the bare decode), opening excluded; ``read_ahead`` as
     ``[data] read_ahead`` (8, the default: row groups decoded on a thread of their own).  ``after_one``: the
     loader's second epoch, timed after an untimed first one and everything it held let go of (its threads
-    stopped, its decoded row groups forgotten: the second decodes every one again, as the first): only its memory
-    (the batches' buffers, the row groups' slots) is touched already, as the bare decode's is by the time it runs;
-    a fresh loader's first epoch pays those first touches (~30 ms on this VM)."""
+    stopped, its decoded row groups and what it planned ahead forgotten: the second plans every step and decodes
+    every row group again, as the first): only its memory (the batches' buffers, format 2's slots) is touched
+    already, as the bare decode's is by the time it runs; a fresh loader's first epoch pays those first touches."""
     cfg = DataConfig(path=str(path), batch_size=batch, max_seq_len=max_len, partitioner="lpt", read_ahead=read_ahead)
     loader = build_loader(cfg, "train", rank=0, world_size=1, sparse_features=FEATURES,
                           derived_cost=CostModel(1e-3, 1.0, 1.0), seed=0)
-    if after_one:  # (then everything a first epoch does again: the threads started, every row group decoded)
-        for _ in range(loader.steps_per_epoch):
+    if after_one:  # (then everything a first epoch does: the threads started, every step planned, every row group
+        for _ in range(loader.steps_per_epoch):  # decoded)
             loader.next_batch()
         loader.close()
         loader.source.forget_decoded()
+        loader.planner.forget_planned()
     start = time.perf_counter()
     n = sum(loader.next_batch().size for _ in range(loader.steps_per_epoch))
     elapsed = time.perf_counter() - start

@@ -19,6 +19,10 @@ class EpochOrder:
         self.seed, self.shuffle, self.window = seed, shuffle, max(1, window_row_groups)
         self._cached: tuple[int, np.ndarray] | None = None
 
+    def forget(self) -> None:
+        """Keep no epoch's order (the next asked is made again: the same)."""
+        self._cached = None
+
     def __call__(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self.num_rows, dtype=np.int64)

@@ -83,8 +83,7 @@ class _Schedule(Generic[T]):
         return [value for start, value in self._entries if start <= (epoch, step)][-1]
 
     def changes_within(self, epoch: int, first: int, last: int) -> bool:
-        """Whether a value starts at a step after ``first`` up to ``last`` of ``epoch`` (else ``at`` is the same
-        over them)."""
+        """Whether a value starts after step ``first`` of ``epoch``, up to ``last`` (else ``at`` is one over them)."""
         return any((epoch, first) < start <= (epoch, last) for start, _ in self._entries)
 
 
@@ -456,6 +455,11 @@ class BatchPlanner:
         return win.first_step, win.samples[np.concatenate(done)] if done else np.zeros(0, dtype=np.int64)
 
     # ----- state ------------------------------------------------------------------------------
+    def forget_planned(self) -> None:
+        """Keep no window nor epoch order planned (made again, the same, when asked: a benchmark's second epoch)."""
+        self._windows.clear()
+        self.order.forget()
+
     def window_state(self, epoch: int, step: int) -> dict[str, object]:
         """How the window holding ``(epoch, step)`` was planned: its first live ranks and
         every re-plan; empty when it has not been planned (it will be planned afresh)."""

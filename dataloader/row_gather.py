@@ -22,6 +22,8 @@ from freescale.dataloader.gather import gather_tails
 
 
 class RowGroupBuffers(Protocol):
+    """A decoded row group as the source keeps it (``source._RowGroup``)."""
+
     arrays: dict[str, np.ndarray]
     """Each column's flat buffer (a list column ``name``: its values, and ``name@`` its offsets)."""
     bad: np.ndarray | None
@@ -33,9 +35,10 @@ def gather_rows(rows: np.ndarray, rg_start: np.ndarray, row_group: Callable[[int
     """Columns ``columns`` of ``rows`` (global ids, in the read's order) from their row groups (``row_group(rg)``;
     ``rg_start``: each row group's first row): a list column ``name``'s values cut to the ``cap`` most recent
     (``name@``: the lengths), or, for the list column named ``uncut``, left in place (``name@src``, an object
-    array of one buffer per piece of rows, ``name@from`` each piece's first row in the read, ``name@end`` where
-    each row's values end in its piece's buffer).  Returns the columns of the rows kept and which were (None: all;
-    ``skip`` mode drops a row group's bad rows)."""
+    array of one buffer per piece of rows, ``name@from`` each piece's first row among the rows kept, ``name@end``
+    where each row's values end in its piece's buffer).  Returns the columns of the rows kept and which were (None:
+    all; ``skip`` mode drops a row group's bad rows).  Each row group is asked for once a read, at its first use
+    (a source's LRU then ranks it by that use, not its last in the read)."""
     if not rows.size:
         return {}, None
     groups = np.searchsorted(rg_start, rows, side="right") - 1
@@ -61,8 +64,8 @@ def _gathered(rows: np.ndarray, groups: np.ndarray, rg_start: np.ndarray, entrie
     back[order] = np.arange(rows.size)  # (grouped order -> the read's: take ``back``)
     pieces = np.concatenate([[0], np.flatnonzero(groups[1:] != groups[:-1]) + 1]).tolist()
     out: dict[str, np.ndarray] = {}
+    first_arrays = spans[0][0].arrays
     for name in columns:
-        first_arrays = spans[0][0].arrays
         if name + "@" not in first_arrays:
             like = first_arrays[name]
             column = np.empty((rows.size, *like.shape[1:]), dtype=like.dtype)

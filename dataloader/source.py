@@ -220,7 +220,8 @@ class RowGroupFiles(ABC):
 
     @abstractmethod
     def forget_decoded(self) -> None:
-        """Hold no decoded row group any more (the next reads decode them again; the buffers stay allocated)."""
+        """Hold no decoded row group any more: the next reads decode them again (format 2 keeps its slots' buffers;
+        called after ``close``, the read-ahead decodes them again too, else the reads do)."""
 
     def close(self) -> None:
         """Let go of the files held open and stop the read-ahead (a later read opens them again)."""
@@ -376,7 +377,7 @@ class ParquetSource(RowGroupFiles):
         its lengths, each list cut to its ``max_seq_len`` most recent values when the source has
         one.  Gathered from each row group's cached buffers."""
         with self._reading:
-            return self._read_sorted(np.sort(rows))
+            return self._read_sorted(np.sort(np.asarray(rows, dtype=np.int64)))
 
     def read_runs(self, runs: list[np.ndarray], uncut: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """``read_arrays`` of each of ``runs`` (several steps' rows) back to back, in one gather per column for them

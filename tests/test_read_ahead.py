@@ -195,19 +195,38 @@ def test_bad_rows_are_raised_at_the_same_step_and_skipped_alike_with_read_ahead(
         skipped.append((sizes, dict(loader.source.skipped)))
         loader.close()
     assert skipped[0] == skipped[1] and skipped[0][0][3] == 3 and sum(skipped[0][1].values()) == 1
-    # A read of several runs (format 1's one gather for them all, a row group at a time) is each run read alone,
-    # back to back, the bad row (row 14: the fourth row group's third) dropped; the history left in place holds
-    # the same values.
-    made = loaders(path, batch_size=4, shuffle=False, partitioner="round_robin", on_bad_rows="skip")
+
+
+def test_a_format_1_read_of_several_runs_is_each_run_read_alone_back_to_back(tmp_path: Path) -> None:
+    """Format 1's one gather for a read's runs (a row group at a time, ``row_gather.py``) against each run read alone:
+    rows of distinct values in six row groups (a row taken from a wrong row group would show), a bad row dropped
+    (skip mode), an empty run, histories cut to 2 of up to 4 values; the history left in place holds the same."""
+    rows = np.arange(24)
+    histories = [[10 * r + k for k in range(1 + r % 4)] for r in rows.tolist()]
+    candidates = [3000 if r == 14 else r % 10 for r in rows.tolist()]  # (row 14: an item outside the catalogue)
+    table = pa.table({
+        "user_id": pa.array(rows, pa.int64()), "history_item_ids": pa.array(histories, pa.list_(pa.int64())),
+        "history_timestamps": pa.array(histories, pa.list_(pa.int64())),
+        "candidate_item_id": pa.array(candidates, pa.int64()),
+        "dense_features": pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(rows, 2), pa.float32()), 2),
+        "label": pa.array(rows % 2, pa.float32())})
+    path = tmp_path / "distinct"
+    path.mkdir()
+    pq.write_table(table, path / "train-00000.parquet", row_group_size=4)
+    DatasetManifest(num_items=300, num_users=30, dense_dim=2, max_len=8, splits={"train": ["train-00000.parquet"]}).write(path)
+    made = loaders(path, batch_size=4, shuffle=False, partitioner="round_robin", on_bad_rows="skip", max_seq_len=2)
     for loader in made[1:]:
         loader.close()
     source = made[0].source
-    runs = [np.array([21, 14, 2, 9]), np.array([], dtype=np.int64), np.array([13, 12, 15, 0, 23]), np.array([14])]
+    runs = [np.array([21, 14, 2, 9, 5]), np.array([], dtype=np.int64), np.array([13, 12, 15, 0, 23]), np.array([14])]
     arrays, kept, sizes = source.read_runs(runs)
     alone = [source.read_arrays(run) for run in runs]
-    assert sizes.tolist() == [3, 0, 5, 0] and 14 not in kept.tolist() and kept.tolist() == [k for _, rows in alone for k in rows.tolist()]
+    assert sizes.tolist() == [4, 0, 5, 0] and kept.tolist() == [2, 5, 9, 21, 0, 12, 13, 15, 23]
+    assert kept.tolist() == [k for _, rows_alone in alone for k in rows_alone.tolist()]
     for key, values in arrays.items():
-        assert np.array_equal(values, np.concatenate([a[key] for a, rows in alone if rows.size])), key
+        assert np.array_equal(values, np.concatenate([a[key] for a, rows_alone in alone if rows_alone.size])), key
+    assert arrays["dense_features"][:, 0].tolist() == kept.tolist()  # (each row from its own row group)
+    assert arrays[HISTORY_ITEMS].tolist() == [v for r in kept.tolist() for v in histories[r][-2:]]
     uncut, _, _ = source.read_runs(runs, uncut=True)
     pieces = [*uncut[HISTORY_ITEMS + "@from"].tolist(), kept.size]
     assert np.array_equal(arrays[HISTORY_ITEMS], gather_tails([
@@ -227,8 +246,10 @@ def test_a_source_that_forgets_its_decoded_row_groups_decodes_them_again_alike(t
     assert decoded > 0 and any(source.holds(rg) for rg in range(len(source.rg_rows)))
     source.forget_decoded()
     assert not any(source.holds(rg) for rg in range(len(source.rg_rows)))
+    source.read_arrays(np.arange(source.num_rows - 40, source.num_rows))  # (other row groups first, other slots)
+    between = source.decoded_bytes
     again, kept_again = source.read_arrays(rows)
-    assert source.decoded_bytes == 2 * decoded and np.array_equal(kept, kept_again)
+    assert source.decoded_bytes > between > decoded and np.array_equal(kept, kept_again)
     assert first.keys() == again.keys() and all(np.array_equal(first[k], again[k]) for k in first)
     for loader in made:
         loader.close()
