@@ -165,12 +165,12 @@ def equal_lengths(table: pa.Table, name: str, expected: np.ndarray, against: str
 # for its bad rows and messages.  Each answers True only where the corresponding check finds nothing.
 
 
-def without_nulls(table: pa.Table, lists: list[str]) -> bool:
+def without_nulls(table: pa.Table, lists: list[str], combined: dict[str, pa.Array] | None = None) -> bool:
     """No null in any column nor among the values the rows of the list columns ``lists`` hold, at any nesting
-    level."""
+    level (``combined``: those columns already in one chunk, ``one_chunk``, where the caller has them)."""
     if any(column.null_count for column in table.columns):
         return False
-    return all(nested_without_nulls(one_chunk(table.column(name))) for name in lists)
+    return all(_nested_without_nulls(combined[name] if combined else one_chunk(table.column(name))) for name in lists)
 
 
 def one_chunk(column: pa.ChunkedArray) -> pa.Array:
@@ -200,7 +200,7 @@ def _unsliced(array: pa.Array) -> bool:
         array = array.values
 
 
-def nested_without_nulls(array: pa.Array) -> bool:
+def _nested_without_nulls(array: pa.Array) -> bool:
     """No null among the values the rows of list column ``array`` hold (in one chunk), at any nesting level (a
     value beyond them, in an array sliced from a larger one, is not looked at: ``flatten``)."""
     while pa.types.is_list(array.type) or pa.types.is_fixed_size_list(array.type):

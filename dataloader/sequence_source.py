@@ -50,7 +50,7 @@ from freescale.dataloader.schema import (
     check_sequence_schema,
     sample_schema,
 )
-from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column
+from freescale.dataloader.source import BadRows, RowGroupFiles, arrow_column, kept_per_run
 from freescale.dataloader.user_slots import LoadedRowGroup, UserSlots
 
 SPLITS = ("train", "valid", "eval")
@@ -141,11 +141,9 @@ class SequenceSource(RowGroupFiles):
         """The row group's buffers (``arrays_of``) when no row of ``table`` fails any of ``row_problems``, decided
         on those buffers in one compiled pass (``row_checks.sequences_pass``) without building the checks' masks;
         None: not known (the checks decide)."""
-        if any(column.null_count for column in table.columns):
-            return None
         m = self.manifest
         columns = {name: rc.one_chunk(table.column(name)) for name in (USER_ID, *self._lists)}
-        if not all(rc.nested_without_nulls(columns[name]) for name in self._lists):
+        if not rc.without_nulls(table, self._lists, columns):
             return None
         if m.dense_dim and not (np.array_equal(rc.list_starts(columns[DENSE]), rc.list_starts(columns[ITEM_IDS]))
                                 and rc.finite(rc.held(columns[DENSE]))):
@@ -206,11 +204,7 @@ class SequenceSource(RowGroupFiles):
             if needed.size > self._slots.count:
                 return concatenated([self._read_sorted(run) for run in sorted_runs])
             arrays, kept, ok = self._read_held(samples, user, group, needed, uncut)
-        sizes = np.array([run.size for run in runs], dtype=np.int64)
-        if ok is None:  # (every sample kept)
-            return arrays, kept, sizes
-        run_of = np.repeat(np.arange(len(runs)), sizes)
-        return arrays, kept, np.bincount(run_of[ok], minlength=len(runs)).astype(np.int64)
+        return arrays, kept, kept_per_run(np.array([run.size for run in runs], dtype=np.int64), ok)
 
     def _located(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each sample's user and row group, and the distinct row groups (ascending)."""

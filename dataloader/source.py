@@ -390,10 +390,7 @@ class ParquetSource(RowGroupFiles):
         with self._reading:
             arrays, ok = self._gather_rows(rows, uncut)
         sizes = np.array([run.size for run in sorted_runs], dtype=np.int64)
-        if ok is None:
-            return arrays, rows, sizes
-        run_of = np.repeat(np.arange(len(runs)), sizes)
-        return arrays, rows[ok], np.bincount(run_of[ok], minlength=len(runs)).astype(np.int64)
+        return arrays, rows if ok is None else rows[ok], kept_per_run(sizes, ok)
 
     def _read_sorted(self, rows: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         arrays, ok = self._gather_rows(rows)
@@ -411,6 +408,13 @@ class ParquetSource(RowGroupFiles):
     def _empty(self) -> pa.Table:
         schema = self.fragments[0].physical_schema
         return pa.table({c: pa.array([], type=schema.field(c).type) for c in self.columns})
+
+
+def kept_per_run(sizes: np.ndarray, ok: np.ndarray | None) -> np.ndarray:
+    """Samples each run of a read kept: runs of ``sizes`` back to back, ``ok`` which samples were (None: all)."""
+    if ok is None:
+        return sizes
+    return np.bincount(np.repeat(np.arange(sizes.size), sizes)[ok], minlength=sizes.size).astype(np.int64)
 
 
 def _flat_values(values: pa.Array) -> np.ndarray:
