@@ -6,38 +6,52 @@ enough to mix, local enough that a step touches few row groups.  Seeded by ``(se
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+
+KEPT_EPOCHS = 2
+"""Epochs' orders kept: the one the reads are in and the next (the read-ahead thread makes it before the planner
+reaches it, ``read_ahead.py``)."""
 
 
 class EpochOrder:
-    """Deterministic order of the split's rows in each epoch (module docstring)."""
+    """Deterministic order of the split's rows in each epoch (module docstring).  Asked from two threads (the
+    planner's and the read-ahead's): an epoch's order is made once, by the first to ask, the other waiting for it."""
 
     def __init__(self, row_group_rows: np.ndarray, *, seed: int, shuffle: bool, window_row_groups: int) -> None:
         self.row_group_rows = row_group_rows.astype(np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.row_group_rows)]).astype(np.int64)
         self.num_rows = int(self.starts[-1])
         self.seed, self.shuffle, self.window = seed, shuffle, max(1, window_row_groups)
-        self._cached: tuple[int, np.ndarray] | None = None
+        self._kept: dict[int, np.ndarray] = {}
+        """The last ``KEPT_EPOCHS`` epochs' orders made, oldest first."""
+        self._lock = threading.Lock()
 
     def forget(self) -> None:
         """Keep no epoch's order (the next asked is made again: the same)."""
-        self._cached = None
+        with self._lock:
+            self._kept.clear()
 
     def __call__(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.num_rows, dtype=np.int64)
-        if self._cached is not None and self._cached[0] == epoch:
-            return self._cached[1]
+        with self._lock:
+            rows = self._kept.get(epoch)
+            if rows is None:
+                rows = self._made(epoch) if self.shuffle else np.arange(self.num_rows, dtype=np.int64)
+                self._kept[epoch] = rows
+                while len(self._kept) > KEPT_EPOCHS:
+                    del self._kept[next(iter(self._kept))]
+            return rows
+
+    def _made(self, epoch: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, epoch])
         groups = rng.permutation(self.row_group_rows.size)
         sizes = self.row_group_rows[groups]
         # Row ids of the permuted row groups, concatenated (vectorized).
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         rows = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1] - self.starts[groups], sizes)
-        for start in range(0, groups.size, self.window):
-            lo, hi = offsets[start], offsets[min(start + self.window, groups.size)]
-            rows[lo:hi] = rows[lo:hi][rng.permutation(hi - lo)]
-        self._cached = (epoch, rows)
+        for start in range(0, groups.size, self.window):  # (in place: as indexing by a permutation of the window)
+            rng.shuffle(rows[offsets[start]:offsets[min(start + self.window, groups.size)]])
         return rows
 
 

@@ -406,9 +406,8 @@ class BalancedLoader:
         their batches built together (``assemble``)."""
         with self._planning:
             plans = self.planner.plan_steps(epoch, first, count, live)
-            if self._ahead is not None:  # (each epoch's rows asked once: the planner caches one epoch's order)
-                more = self.epochs is None or epoch + 1 < self.epochs
-                self._ahead.at(epoch, first, self.planner.epoch_rows, more and first + count >= self.planner.steps_in(epoch))
+            if self._ahead is not None:  # (the next epoch's rows made on its thread: the planner keeps two epochs')
+                self._ahead.at(epoch, first, self.planner.epoch_rows, self.epochs is None or epoch + 1 < self.epochs)
         return self.reader.read(plans)
 
     def read_planned(self, epoch: int, step: int, live_ranks: tuple[int, ...], plan_rows: Parts) -> tuple[StepInfo, Batch]:

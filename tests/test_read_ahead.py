@@ -85,39 +85,58 @@ def test_a_decode_error_is_raised_by_the_read_that_takes_that_row_group_and_a_re
     until(lambda: 4 in decodes.calls)
     assert ahead.take(4) == "decoded 4" and ahead.take(3) is None
     ahead.close()
-    ahead.at(0, 0, lambda epoch: rows, last=True)  # (started again after a close, from an epoch's start)
+    ahead.at(0, 0, lambda epoch: rows, more=True)  # (started again after a close, from an epoch's start)
     until(lambda: decodes.calls.count(0) == 2)
     ahead.close()
     with pytest.raises(ValueError, match="depth 0"):
         ReadAhead(decodes, STARTS, 10, 0, decodes.held.__contains__)
 
 
-def test_the_next_epochs_row_groups_follow_the_last_step_and_stay_decoded_into_it() -> None:
+def test_the_next_epochs_schedule_is_made_on_the_thread_and_its_row_groups_follow_and_stay_decoded_into_it() -> None:
     epochs = {0: np.arange(50, dtype=np.int64), 1: np.arange(50, dtype=np.int64)[::-1].copy()}
     decodes = Decodes()
     ahead: ReadAhead[str] = ReadAhead(decodes, STARTS, 10, 2, decodes.held.__contains__)
-    asked: list[int] = []
+    asked: list[tuple[int, str]] = []
 
     def rows_of(epoch: int) -> np.ndarray:
-        asked.append(epoch)
+        asked.append((epoch, threading.current_thread().name))
         return epochs[epoch]
 
     for step in range(4):  # (the source holds the last two row groups a read took)
-        ahead.at(0, step, rows_of)
+        ahead.at(0, step, rows_of, more=True)
         until(lambda: step in decodes.calls)
         assert ahead.take(step) == f"decoded {step}"
         decodes.held.clear()
         decodes.held.update({step - 1, step})
-    ahead.at(0, 4, rows_of, last=True)  # (group 4, then the next epoch's: 4 just decoded, 3 and 2 held, 1 and 0)
-    until(lambda: len(decodes.calls) == 6)
+    until(lambda: len(decodes.calls) == 6)  # (group 4, then the next epoch's: 4 just decoded, 3 and 2 held, 1 and 0)
     assert ahead.take(4) == "decoded 4"
     decodes.held.clear()
     decodes.held.update({3, 4})
     until(lambda: len(decodes.calls) == 7)
+    time.sleep(0.05)  # (two wait decoded for the next epoch: the depth)
     assert decodes.calls == [0, 1, 2, 3, 4, 1, 0]
-    ahead.at(1, 0, rows_of)  # (into the next epoch: its schedule made already, what was decoded for it kept)
+    ahead.at(0, 4, rows_of, more=True)  # (the reads at the last step: what waits for the next epoch is not stale)
+    ahead.at(1, 0, rows_of, more=False)  # (into the next epoch, the last: its schedule made already, its row groups kept)
     assert ahead.take(4) is None and ahead.take(1) == "decoded 1" and ahead.take(0) == "decoded 0"
-    assert asked == [0, 1]  # (each epoch's rows asked once)
+    # Each epoch's rows asked once: this epoch's by the reads, the next's by the thread, as soon as it had nothing to
+    # decode (two row groups ready: the depth).
+    assert asked == [(0, "MainThread"), (1, "freescale-read-ahead")]
+    until(lambda: len(decodes.calls) == 8)  # (2: 4 and 3 held, 1 and 0 taken)
+    time.sleep(0.05)  # (no epoch follows the last: nothing more is decoded)
+    assert decodes.calls == [0, 1, 2, 3, 4, 1, 0, 2] and asked == [(0, "MainThread"), (1, "freescale-read-ahead")]
+    ahead.close()
+
+
+def test_row_groups_the_reads_passed_by_are_dropped_though_the_next_epoch_needs_them_too() -> None:
+    rows = np.arange(50, dtype=np.int64)  # steps of 10 rows: step s reads group s, in both epochs
+    decodes = Decodes()
+    ahead: ReadAhead[str] = ReadAhead(decodes, STARTS, 10, 2, decodes.held.__contains__)
+    ahead.at(0, 0, lambda epoch: rows, more=True)
+    until(lambda: len(ahead._schedules) == 2)  # (the depth reached: the next epoch's schedule made)
+    assert decodes.calls == [0, 1]
+    ahead.at(0, 2, lambda epoch: rows, more=True)  # (steps 0 and 1 were not this rank's: 0 and 1 are stale)
+    until(lambda: len(decodes.calls) == 4)
+    assert decodes.calls == [0, 1, 2, 3] and ahead.take(2) == "decoded 2" and ahead.take(3) == "decoded 3"
     ahead.close()
 
 
