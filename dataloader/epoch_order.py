@@ -17,7 +17,8 @@ reaches it, ``read_ahead.py``)."""
 
 class EpochOrder:
     """Deterministic order of the split's rows in each epoch (module docstring).  Asked from two threads (the
-    planner's and the read-ahead's): an epoch's order is made once, by the first to ask, the other waiting for it."""
+    planner's and the read-ahead's): an epoch's order is made once, by the first to ask, without a lock (the other
+    thread takes another epoch's meanwhile, or waits for this one's)."""
 
     def __init__(self, row_group_rows: np.ndarray, *, seed: int, shuffle: bool, window_row_groups: int) -> None:
         self.row_group_rows = row_group_rows.astype(np.int64)
@@ -26,6 +27,8 @@ class EpochOrder:
         self.seed, self.shuffle, self.window = seed, shuffle, max(1, window_row_groups)
         self._kept: dict[int, np.ndarray] = {}
         """The last ``KEPT_EPOCHS`` epochs' orders made, oldest first."""
+        self._making: dict[int, threading.Event] = {}
+        """Epochs being made, by another thread than the one asking: set once made (or failed)."""
         self._lock = threading.Lock()
 
     def forget(self) -> None:
@@ -34,14 +37,29 @@ class EpochOrder:
             self._kept.clear()
 
     def __call__(self, epoch: int) -> np.ndarray:
-        with self._lock:
-            rows = self._kept.get(epoch)
-            if rows is None:
+        while True:
+            with self._lock:
+                rows = self._kept.get(epoch)
+                if rows is not None:
+                    return rows
+                making = self._making.get(epoch)
+                mine = making is None
+                if making is None:
+                    making = self._making[epoch] = threading.Event()
+            if not mine:  # (another thread makes it: wait for it, then take it, or make it if it failed)
+                making.wait()
+                continue
+            try:
                 rows = self._made(epoch) if self.shuffle else np.arange(self.num_rows, dtype=np.int64)
-                self._kept[epoch] = rows
-                while len(self._kept) > KEPT_EPOCHS:
-                    del self._kept[next(iter(self._kept))]
-            return rows
+                with self._lock:
+                    self._kept[epoch] = rows
+                    while len(self._kept) > KEPT_EPOCHS:
+                        del self._kept[next(iter(self._kept))]
+                return rows
+            finally:
+                with self._lock:
+                    del self._making[epoch]
+                making.set()
 
     def _made(self, epoch: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, epoch])

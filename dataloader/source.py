@@ -185,7 +185,7 @@ class RowGroupFiles(ABC):
         table = self._ahead.take(rg) if self._ahead is not None else None
         if table is None:
             table = self.read_table(rg, self._readers)
-        self.decoded_bytes += table.nbytes
+        self.decoded_bytes += table.get_total_buffer_size()  # (``nbytes`` walks the buffers: 13 against 0.4 us)
         arrays = self.clean_arrays(table)
         if arrays is not None:
             return _RowGroup(arrays=arrays, bad=None)

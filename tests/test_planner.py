@@ -201,3 +201,34 @@ def test_the_last_steps_of_an_epoch_planned_together_equal_them_planned_alone() 
         assert np.array_equal(plan.rows.index, alone.rows.index) and np.array_equal(plan.rows.offsets, alone.rows.offsets)
     with pytest.raises(IndexError, match="outside the epoch"):
         together.plan_steps(0, last - 2, 3, (0, 1, 2))
+
+
+def test_the_epoch_order_is_made_once_per_epoch_and_one_epoch_made_does_not_hold_up_another() -> None:
+    import threading
+
+    made: list[int] = []
+    release = threading.Event()
+
+    class SlowOrder(EpochOrder):
+        def _made(self, epoch: int) -> np.ndarray:
+            made.append(epoch)
+            if epoch == 1:  # (the read-ahead thread making the next epoch's)
+                assert release.wait(10)
+            return super()._made(epoch)
+
+    order = SlowOrder(np.full(12, 50), seed=4, shuffle=True, window_row_groups=3)
+    first = order(0)
+    results: list[np.ndarray] = []
+    makers = [threading.Thread(target=lambda: results.append(order(1))) for _ in range(2)]
+    for thread in makers:
+        thread.start()
+    assert order(0) is first  # (epoch 1 is being made meanwhile: epoch 0's is taken without waiting)
+    release.set()
+    for thread in makers:
+        thread.join(10)
+    assert made == [0, 1] and results[0] is results[1]  # (made once, the second asker waited for it)
+    reference = EpochOrder(np.full(12, 50), seed=4, shuffle=True, window_row_groups=3)
+    assert np.array_equal(results[0], reference(1)) and np.array_equal(first, reference(0))
+    assert sorted(first.tolist()) == list(range(600)) and not np.array_equal(first, results[0])
+    order(2)  # (two epochs kept: the oldest dropped, made again when asked)
+    assert order(0) is not first and np.array_equal(order(0), first)
