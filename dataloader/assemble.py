@@ -21,7 +21,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.buffer_pool import BufferPool
-from freescale.dataloader.gather import copy_tails
+from freescale.dataloader.gather import STEP_COPY_DTYPES, copy_runs, copy_tails, copy_tails_steps, interleave_steps
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
     CANDIDATE_TIMESTAMP,
@@ -133,11 +133,16 @@ class BatchAssembler:
         at, bounds = starts.tolist(), cuts.tolist()
         for f, feature in enumerate(self.sparse_features):
             column, is_list = SPARSE_FEATURES[feature]
+            step_starts = np.ascontiguousarray(starts[f:-1:features])  # (where each step's values of this feature go)
             if feature == SAMPLED_ITEMS:
                 for j in range(steps):
                     values[at[j * features + f]:at[j * features + f + 1]] = drawn[j][0]
             elif is_list and column + "@end" in arrays:
                 ends, lengths = arrays[column + "@end"], per_sample[f]
+                src = arrays[column + "@src"]
+                if src.dtype in STEP_COPY_DTYPES:  # (one buffer, format 2's slots: every step in one call)
+                    copy_tails_steps(src, ends, lengths, values, cuts, step_starts)
+                    continue
                 pieces = _pieces(arrays, column, total)
                 for j in range(steps):  # (the pieces in sample order: a step's lie from where the last one's ended)
                     a, b, pos = bounds[j], bounds[j + 1], at[j * features + f]
@@ -151,12 +156,15 @@ class BatchAssembler:
                         a = cut
             else:
                 flat = arrays[column] if total else np.zeros(0, dtype=np.int64)
-                source_at = np.concatenate([[0], np.cumsum(counts[:, f])]).tolist()
+                source_at = np.concatenate([[0], np.cumsum(counts[:, f])]).astype(np.int64)
+                if flat.dtype in STEP_COPY_DTYPES:
+                    copy_runs(np.ascontiguousarray(flat), source_at, values, step_starts)
+                    continue
+                source_bounds = source_at.tolist()
                 for j in range(steps):
-                    values[at[j * features + f]:at[j * features + f + 1]] = flat[source_at[j]:source_at[j + 1]]
+                    values[at[j * features + f]:at[j * features + f + 1]] = flat[source_bounds[j]:source_bounds[j + 1]]
         by_feature = np.stack(per_sample).astype(np.int64, copy=False) if features else np.zeros((0, total), np.int64)
-        step_lengths = [by_feature[:, bounds[j]:bounds[j + 1]].ravel() for j in range(steps)]
-        lengths_out = np.concatenate(step_lengths) if steps else np.zeros(0, dtype=np.int64)
+        lengths_out = interleave_steps(np.ascontiguousarray(by_feature), cuts)
         value_cuts = starts[::features].tolist() if features else [0] * (steps + 1)
         return values, lengths_out, value_cuts, (cuts * features).tolist(), counts.tolist()
 

@@ -34,6 +34,46 @@ def copy_tails(src: np.ndarray, ends: np.ndarray, lengths: np.ndarray, out: np.n
     return pos
 
 
+@numba.njit(nogil=True, cache=True)
+def copy_tails_steps(src: np.ndarray, ends: np.ndarray, lengths: np.ndarray, out: np.ndarray, bounds: np.ndarray,
+                     starts: np.ndarray) -> None:
+    """``copy_tails`` of several steps' samples in one call: step ``j``'s (``bounds[j]`` to ``bounds[j + 1]``) back
+    to back into ``out`` from ``starts[j]`` (a read's KJT values: each step's features lie one after the other)."""
+    for j in range(bounds.size - 1):
+        pos = starts[j]
+        for i in range(bounds[j], bounds[j + 1]):
+            n, end = lengths[i], ends[i]
+            out[pos:pos + n] = src[end - n:end]
+            pos += n
+
+
+@numba.njit(nogil=True, cache=True)
+def copy_runs(src: np.ndarray, src_at: np.ndarray, out: np.ndarray, starts: np.ndarray) -> None:
+    """``src[src_at[j]:src_at[j + 1]]`` into ``out`` from ``starts[j]``, for each ``j``."""
+    for j in range(starts.size):
+        n = src_at[j + 1] - src_at[j]
+        out[starts[j]:starts[j] + n] = src[src_at[j]:src_at[j + 1]]
+
+
+@numba.njit(nogil=True, cache=True)
+def interleave_steps(by_feature: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Rows of ``by_feature`` (one a feature, a value a sample) laid out step by step, then feature by feature (step
+    ``j``: samples ``bounds[j]`` to ``bounds[j + 1]``): a read's KJT lengths."""
+    features = by_feature.shape[0]
+    out = np.empty(by_feature.size, dtype=np.int64)
+    pos = 0
+    for j in range(bounds.size - 1):
+        for f in range(features):
+            for i in range(bounds[j], bounds[j + 1]):
+                out[pos] = by_feature[f, i]
+                pos += 1
+    return out
+
+
+STEP_COPY_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
+"""The source dtypes ``copy_tails_steps`` and ``copy_runs`` are compiled for (``warm_up``): ids."""
+
+
 def gather_tails(runs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
     """One flat array of every run of ``runs``: ``(src, ends, lengths)`` per row group (int64 ``ends``
     and ``lengths``, ``lengths[i] <= ends[i]``; ``src`` of one dtype across the row groups)."""
@@ -48,8 +88,20 @@ def gather_tails(runs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> n
 def warm_up() -> None:
     """Compile (or load from numba's cache) the copies of the dtypes lists hold, before any prefetch thread."""
     index = np.array([2], dtype=np.int64)
-    for dtype in (np.int64, np.int32, np.float32, np.float64):
-        gather_tails([(np.zeros(2, dtype=dtype), index, index)])
+    for list_dtype in (np.int64, np.int32, np.float32, np.float64):
+        gather_tails([(np.zeros(2, dtype=list_dtype), index, index)])
+    bounds, out = np.array([0, 1], dtype=np.int64), np.zeros(2, dtype=np.int64)
+    for id_dtype in STEP_COPY_DTYPES:
+        for src in (np.zeros(2, dtype=id_dtype), _read_only(np.zeros(2, dtype=id_dtype))):  # (Arrow's buffers: read-only)
+            copy_tails(src, index, index, out, 0)
+            copy_tails_steps(src, index, index, out, bounds, bounds[:1])
+            copy_runs(src, bounds, out, bounds[:1])
+    interleave_steps(np.zeros((2, 1), dtype=np.int64), bounds)
 
 
-__all__ = ["copy_tails", "gather_tails", "warm_up"]
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+__all__ = ["STEP_COPY_DTYPES", "copy_runs", "copy_tails", "copy_tails_steps", "gather_tails", "interleave_steps", "warm_up"]

@@ -93,6 +93,10 @@ def test_steps_built_together_equal_each_built_alone() -> None:
         if sizes[j]:
             assert batch.sparse[SAMPLED_ITEMS].lengths().tolist() == [4] + [0] * (int(sizes[j]) - 1)
             assert torch.equal(batch.sparse[HISTORY_ITEMS].values(), torch.from_numpy(arrays[HISTORY_ITEMS][va:vb]))
+        for key in (CANDIDATE_ITEM, USER_ID):  # (each feature's values where the KJT's layout puts them)
+            assert batch.sparse[key].values().tolist() == arrays[key][a:b].tolist()
+            assert batch.sparse[key].lengths().tolist() == [1] * int(sizes[j])
+        assert batch.sparse[HISTORY_ITEMS].lengths().tolist() == history[a:b].tolist()
     assert not together[1].sparse.values().numel() and together[1].dense.shape == (0, 3)
     # The history left uncut (its buffer, each sample's end in it: read_runs(uncut=True)) gives the same batches.
     buffer_gap = rng.integers(0, 50, 3 * int(history.sum()) + 10)
