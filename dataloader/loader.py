@@ -42,6 +42,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -138,6 +139,9 @@ class BalancedLoader:
         """Held while the producer thread plans: a read of the planner's windows waits for that, not for the
         producer to stop (``state_dict`` at every save)."""
         self._handoff: Handoff[Any] = Handoff(prefetch + READ_STEPS)
+        self._next_plans: tuple[tuple[int, int, int, tuple[int, ...]], list[StepPlan]] | None = None
+        """The next read's plans, made by the producer while a read's histories are copied (``_make``), with their
+        ``(epoch, first, count, live ranks)``; dropped at a halt."""
         self._ahead = (source.read_ahead(planner.global_batch_size, read_ahead)
                        if read_ahead > 0 and prefetch > 0 and not planner.locality else None)
         """Reads the row groups of the coming steps on a thread of its own (``read_ahead.py``), told where the
@@ -318,8 +322,12 @@ class BalancedLoader:
             return self.planner.window_state(self.epoch, self.step)
 
     def close(self) -> None:
-        """Stop the prefetch thread and close the files the source holds open (reopened if read again)."""
+        """Stop the prefetch thread (and its copying thread) and close the files the source holds open (reopened
+        if read again)."""
         self._halt()
+        if self.assembler.copier is not None:
+            self.assembler.copier.shutdown()
+            self.assembler.copier = None
         self.source.close()
 
     def _advance(self, epoch: int, step: int) -> tuple[int, int]:
@@ -328,6 +336,8 @@ class BalancedLoader:
 
     # ----- producing ---------------------------------------------------------------------------
     def _start(self) -> None:
+        if self.assembler.copier is None:  # (a read's histories copied while its batches are built: assemble.py)
+            self.assembler.copier = ThreadPoolExecutor(1, thread_name_prefix="freescale-copy")
         self._stop = threading.Event()
         self._handoff = Handoff(self.prefetch + READ_STEPS)
         self._thread = threading.Thread(
@@ -344,6 +354,7 @@ class BalancedLoader:
                 self._thread.join(0.05)
             self._handoff.clear()
             self._thread = None
+        self._next_plans = None  # (what changes during a halt may change them)
 
     def _produce(self, epoch: int, step: int, live: tuple[int, ...], stop: threading.Event, out: Handoff[Any]) -> None:
         """Make batches from ``(epoch, step)`` on into ``out`` until stopped: 1, 2, 4 .. ``READ_STEPS`` steps
@@ -361,15 +372,24 @@ class BalancedLoader:
                                 failed[1])
                     failed = None
                 count = 1 if failed is not None else min(ramp, self.planner.steps_in(epoch) - step)
+                then = None
+                if failed is None and self.made is None:  # (the next read's position and size, planned meanwhile)
+                    after = _next_position(epoch, step + count - 1, self.planner.steps_in(epoch))
+                    then = (*after, min(2 * ramp, READ_STEPS, self.planner.steps_in(after[0]) - after[1]))
                 try:
-                    made = self._make(epoch, step, live, count)
+                    made = self._make(epoch, step, live, count, then)
                 except Exception as exc:
                     if count <= 1:
                         raise
                     failed, ramp = ((epoch, step + count), exc), 1
                     continue
-                if self.made is None and not out.put_all([(info, batch) for info, batch, _ in made], stop.is_set):
-                    return  # (the read's batches handed over before the next window is planned: none waits for it)
+                ramp = min(2 * ramp, READ_STEPS)
+                if self.made is None:
+                    if not out.put_all([(info, batch) for info, batch, _ in made], stop.is_set):
+                        return  # (the read's batches handed over before the next window is planned: none waits)
+                    if self.planner.window == 1:  # (no window to plan ahead: on to the read's end at once)
+                        epoch, step = _next_position(epoch, step + len(made) - 1, self.planner.steps_in(epoch))
+                        continue
                 for info, batch, seconds in made:
                     if stop.is_set():  # (a halt waits for this thread: never for a plan no one needs)
                         return
@@ -380,7 +400,6 @@ class BalancedLoader:
                     with self._planning:
                         self._plan_next_window(epoch, step, live)
                     epoch, step = self._advance(epoch, step)
-                ramp = min(2 * ramp, READ_STEPS)
         except BaseException as exc:  # handed to the consumer, raised there
             out.put_now(_Failure(exc))
 
@@ -399,16 +418,34 @@ class BalancedLoader:
         if self.epochs is None or nxt[0] < self.epochs:
             self.planner.plan_window(nxt[0], nxt[1], live)
 
-    def _make(self, epoch: int, first: int, live: tuple[int, ...], count: int) -> list[tuple[StepInfo, Batch, float]]:
+    def _make(self, epoch: int, first: int, live: tuple[int, ...], count: int,
+              then: tuple[int, int, int] | None = None) -> list[tuple[StepInfo, Batch, float]]:
         """Steps ``first .. first + count - 1`` of ``epoch`` (all in it): each one's info, batch and the seconds its
         rows took to read and assemble (a share of the whole: the read is one).  The steps are planned together
-        (``plan_steps``: the same plans as one at a time), their rows read together (``read_runs``: one gather for them all) and
-        their batches built together (``assemble``)."""
+        (``plan_steps``: the same plans as one at a time), their rows read together (``read_runs``: one gather for
+        them all) and their batches built together (``assemble``).  ``then``: the next read's ``(epoch, first,
+        count)``, planned while this one's histories are copied (one-step windows only: a larger window's plan may
+        take longer than the copy, and this read's batches would wait for it)."""
         with self._planning:
-            plans = self.planner.plan_steps(epoch, first, count, live)
+            plans = self._planned_ahead(epoch, first, count, live) or self.planner.plan_steps(epoch, first, count, live)
             if self._ahead is not None:  # (the next epoch's rows made on its thread: the planner keeps two epochs')
                 self._ahead.at(epoch, first, self.planner.epoch_rows, self.epochs is None or epoch + 1 < self.epochs)
-        return self.reader.read(plans)
+
+        def plan_next() -> None:
+            assert then is not None
+            with self._planning:
+                try:
+                    self._next_plans = ((*then, live), self.planner.plan_steps(*then, live))
+                except Exception:  # (planned again by its own read, which raises it)
+                    self._next_plans = None
+
+        ahead = then is not None and self.planner.window == 1 and (self.epochs is None or then[0] < self.epochs)
+        return self.reader.read(plans, plan_next if ahead else None)
+
+    def _planned_ahead(self, epoch: int, first: int, count: int, live: tuple[int, ...]) -> list[StepPlan] | None:
+        """The plans of the read ``_make`` planned ahead, if it is this one (and forgotten either way)."""
+        planned, self._next_plans = self._next_plans, None
+        return planned[1] if planned is not None and planned[0] == (epoch, first, count, live) else None
 
     def read_planned(self, epoch: int, step: int, live_ranks: tuple[int, ...], plan_rows: Parts) -> tuple[StepInfo, Batch]:
         """This rank's batch of a step planned elsewhere (``StepReader.read_planned``); the position does not move."""

@@ -15,9 +15,9 @@ gained nothing, measured: docs/data.md).  The epoch's rows in planning order (``
 batch ``s`` is rows ``[s*G, (s+1)*G)``) say which row groups each coming step draws on, whatever rank plans which
 of its rows, so the schedule needs no plan; a rank of many may decode a row group its share of a step happens not
 to need (at a few hundred samples a rank a step, drawn from the shuffle window's row groups, it almost always does).
-The next epoch's schedule (its shuffled rows and the pass over them, ~7 ms for 317k rows: 5 us a step of 256 were
-it made by the prefetch thread at the epoch's end) is made on this thread, the first time it has nothing to decode,
-and its row groups follow this epoch's.
+The next epoch's schedule (its shuffled rows and the pass over them, ~3.5 ms for 317k rows: 3 us a step of 256
+were it made by the prefetch thread at the epoch's end) is made on this thread once the reads are halfway through
+this epoch, when it has nothing to decode, and its row groups follow this epoch's.
 
 Nothing the source keeps changes on this thread: it reads through file handles of its own; the read that takes a
 row group (``take``, under the source's read lock) checks and counts it as it would have decoded it, so the counts
@@ -228,10 +228,11 @@ class ReadAhead(Generic[Decoded]):
                 self._changed.notify_all()
 
     def _to_follow(self) -> int | None:
-        """The epoch whose schedule the thread makes next: the one after this, once the thread has nothing to decode
-        now (this epoch's row groups all taken up, or ``depth`` of them ready) and none follows yet (so it is made
-        early in the epoch, in time).  With ``_changed`` held."""
-        if not self._more or len(self._schedules) != 1 or (
+        """The epoch whose schedule the thread makes next: the one after this, once the reads are halfway through
+        this one (not at its start, where the reads wait for their first row groups: measured, docs/data.md) and the
+        thread has nothing to decode now (this epoch's row groups all taken up, or ``depth`` of them ready), none
+        following yet.  With ``_changed`` held."""
+        if not self._more or len(self._schedules) != 1 or 2 * self._reached < self._this_epoch or (
                 self._next < len(self._order) and len(self._ready) < self.depth):
             return None
         return self._schedules[0].epoch + 1

@@ -10,6 +10,7 @@ run's log).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,9 +73,12 @@ class StepReader:
         info, batch, _ = self.read([plan])[0]
         return info, batch
 
-    def read(self, plans: list[StepPlan]) -> list[tuple[StepInfo, Batch, float]]:
+    def read(self, plans: list[StepPlan], meanwhile: Callable[[], None] | None = None
+             ) -> list[tuple[StepInfo, Batch, float]]:
         """Planned steps (all of one epoch) read and built: each one's info, batch and its share of the seconds the
-        read and build took (their rows in one read, ``read_runs``; their batches in one pass, ``assemble``)."""
+        read and build took (their rows in one read, ``read_runs``; their batches in one pass, ``assemble``).
+        ``meanwhile``: called while the histories are copied on the assembler's ``copier`` (if they are), before the
+        batches are ready (the loader plans its next read there: it must not read the source)."""
         epoch = plans[0].epoch
         start = time.perf_counter()
         mine = [plan.live_ranks.index(self.rank) for plan in plans]
@@ -87,13 +91,27 @@ class StepReader:
             else:  # (a new cost model from a window inside these steps)
                 costs = np.concatenate([self.planner.costs(plan.model, kept[cuts[j]:cuts[j + 1]])
                                         for j, plan in enumerate(plans)])
-            batches = self.assembler.batches(arrays, StepRows(sizes, costs, scales, [(epoch, plan.step) for plan in plans]))
+            batches, copying = self.assembler.start_batches(
+                arrays, StepRows(sizes, costs, scales, [(epoch, plan.step) for plan in plans]))
+            try:  # (while the histories are copied; the source's buffers held until the copy is done, whatever)
+                infos = self._infos(plans, mine, kept, cuts.tolist(), costs, scales)
+                if copying is not None and meanwhile is not None:
+                    meanwhile()
+            finally:
+                if copying is not None:
+                    copying.result()
         if self.pin_memory:
             batches = [batch.pin_memory() for batch in batches]
+        share = (time.perf_counter() - start) / len(plans)
+        return [(info, batch, share) for info, batch in zip(infos, batches, strict=True)]
+
+    def _infos(self, plans: list[StepPlan], mine: list[int], kept: np.ndarray, at: list[int], costs: np.ndarray,
+               scales: list[float]) -> list[StepInfo]:
+        """Each of ``plans``' info: this rank's part ``mine``, its rows ``kept`` (the steps' back to back from
+        ``at``), their ``costs``, the loss scales."""
         lengths = self.planner.lengths[kept]
-        at = cuts.tolist()
-        made = []
-        for j, (plan, i, batch) in enumerate(zip(plans, mine, batches)):
+        infos = []
+        for j, (plan, i) in enumerate(zip(plans, mine)):
             a, b = at[j], at[j + 1]
             rank_sizes = tuple(plan.rows.sizes.tolist())
             planned = costs[a:b] if b - a == rank_sizes[i] else self.planner.costs(
@@ -101,12 +119,11 @@ class StepReader:
             imbalance, bound = plan.balance()
             rows = plan.rows if not plan.rows.index.flags.writeable else Parts(_read_only(plan.rows.index),
                                                                                 plan.rows.offsets)
-            made.append((StepInfo(epoch=epoch, step=plan.step, imbalance=imbalance, bound=bound,
+            infos.append(StepInfo(epoch=plan.epoch, step=plan.step, imbalance=imbalance, bound=bound,
                                   global_size=plan.global_size, rank_size=b - a, rank_cost=float(planned.sum()),
                                   rows=kept[a:b], live_ranks=plan.live_ranks, plan_rows=rows, rank_sizes=rank_sizes,
-                                  row_lengths=lengths[a:b], loss_scale=scales[j]), batch))
-        share = (time.perf_counter() - start) / len(plans)
-        return [(info, batch, share) for info, batch in made]
+                                  row_lengths=lengths[a:b], loss_scale=scales[j]))
+        return infos
 
     def batch_of(self, rows: np.ndarray, loss_scale: float, when: tuple[int, int] = (0, 0)) -> Batch:
         """The batch of exactly ``rows`` (global row ids; bad ones dropped as in training), its summed loss

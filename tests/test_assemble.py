@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -12,6 +15,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from freescale.dataloader import assemble
 from freescale.dataloader.assemble import BatchAssembler, StepRows
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.buffer_pool import BufferPool
@@ -146,20 +150,27 @@ def test_a_reads_values_buffer_is_written_again_only_once_no_batch_of_it_is_left
 
 
 def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_batches_of_one_at_a_time(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prepared(tmp_path, seed=1, interactions=4_000, users=150, items=80)
     features = [HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID]
     runs = []
+    copies: list[int] = []  # (reads whose histories were copied on the copying thread)
+    monkeypatch.setattr(assemble, "_copy_all", lambda jobs, copy_all=assemble._copy_all: copies.append(
+        len(jobs)) or copy_all(jobs))
     for prefetch in (0, 3):
         cfg = DataConfig(path=str(tmp_path / "d"), batch_size=16, max_seq_len=10, prefetch=prefetch, shuffle_row_groups=3)
         loaders = [build_loader(cfg, "train", rank=r, world_size=2, sparse_features=features,
                                 derived_cost=CostModel(1e-3, 0.37, 8.1), seed=7) for r in (0, 1)]  # (fractional
         # costs: each step's cost summed alike whatever the read it came in, bit for bit)
         reads: list[int] = []
+        ahead: list[bool] = []  # (reads planned while the read before them was copied)
         for loader in loaders:
             read_runs = loader.source.read_runs
             loader.source.read_runs = lambda runs, uncut=False, read_runs=read_runs, reads=reads: (  # type: ignore[method-assign]
                 reads.append(len(runs)) or read_runs(runs, uncut))
+            planned_ahead = loader._planned_ahead
+            loader._planned_ahead = lambda *where, planned_ahead=planned_ahead: (  # type: ignore[method-assign]
+                lambda plans: ahead.append(plans is not None) or plans)(planned_ahead(*where))
         steps = []
         for _ in range(2 * loaders[0].steps_per_epoch):  # two epochs: a read never crosses into the next
             for loader in loaders:
@@ -172,6 +183,7 @@ def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_ba
         again = loaders[1].batch_of(np.asarray(steps[1][1]), steps[1][0].loss_scale or 1.0, (0, 0))
         assert torch.equal(again.sparse.values(), steps[1][0].sparse.values()) and loaders[1].source._readers
         assert max(reads) == (1 if prefetch == 0 else READ_STEPS)
+        assert (sum(ahead), len(copies)) == (0, 0) if prefetch == 0 else (sum(ahead) > 4 and len(copies) > 4)
         runs.append(steps)
     assert len(runs[0]) == len(runs[1]) > 40
     for (a, *info_a), (b, *info_b) in zip(*runs):
@@ -230,3 +242,27 @@ def test_a_failure_only_reads_of_several_steps_meet_is_logged_and_every_step_sti
     assert len(batches[1]) == len(batches[0]) > 10
     assert all(torch.equal(a, b) for a, b in zip(*batches))
     assert any("a read of several steps failed where each step alone did not" in r.message for r in caplog.records)
+
+
+def test_a_batch_that_fails_while_its_histories_are_copied_waits_for_the_copy() -> None:
+    class SlowCopier(ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+            def slowly() -> Any:
+                time.sleep(0.3)
+                return fn(*args, **kwargs)
+            self.last = super().submit(slowly)
+            return self.last
+
+    history = np.array([2, 3, 1])
+    arrays = {HISTORY_ITEMS + "@src": np.arange(20), HISTORY_ITEMS + "@end": np.array([5, 9, 12]),
+              HISTORY_ITEMS + "@": history, CANDIDATE_ITEM: np.array([1, 2, 3]), DENSE: np.zeros((3, 0))}
+    copier = SlowCopier(1)
+    assembler = BatchAssembler([HISTORY_ITEMS, CANDIDATE_ITEM], dense_dim=0, rank=0, copier=copier)
+    steps = StepRows(np.array([2, 1]), np.ones(3), [1.0, 1.0], [(0, 0), (0, 1)])
+    with pytest.raises(KeyError):  # (no labels: the batches fail after the copy started)
+        assembler.start_batches(arrays, steps)
+    assert copier.last.done()  # (not left writing into a buffer the pool may hand out again)
+    batches = assembler.batches({**arrays, LABEL: np.ones(3, dtype=np.float32)}, steps)
+    assert batches[0].sparse[HISTORY_ITEMS].values().tolist() == [3, 4, 6, 7, 8]
+    assert batches[1].sparse[HISTORY_ITEMS].values().tolist() == [11] and copier.last.done()
+    copier.shutdown()

@@ -127,16 +127,19 @@ def test_the_next_epochs_schedule_is_made_on_the_thread_and_its_row_groups_follo
     ahead.close()
 
 
-def test_row_groups_the_reads_passed_by_are_dropped_though_the_next_epoch_needs_them_too() -> None:
+def test_the_next_epoch_is_scheduled_halfway_and_row_groups_the_reads_passed_by_are_dropped_though_it_needs_them() -> None:
     rows = np.arange(50, dtype=np.int64)  # steps of 10 rows: step s reads group s, in both epochs
     decodes = Decodes()
     ahead: ReadAhead[str] = ReadAhead(decodes, STARTS, 10, 2, decodes.held.__contains__)
     ahead.at(0, 0, lambda epoch: rows, more=True)
-    until(lambda: len(ahead._schedules) == 2)  # (the depth reached: the next epoch's schedule made)
-    assert decodes.calls == [0, 1]
-    ahead.at(0, 2, lambda epoch: rows, more=True)  # (steps 0 and 1 were not this rank's: 0 and 1 are stale)
-    until(lambda: len(decodes.calls) == 4)
-    assert decodes.calls == [0, 1, 2, 3] and ahead.take(2) == "decoded 2" and ahead.take(3) == "decoded 3"
+    until(lambda: len(decodes.calls) == 2 and ahead._waiting)
+    assert len(ahead._schedules) == 1  # (nothing to decode, but the reads are at the epoch's start: not yet)
+    ahead.at(0, 3, lambda epoch: rows, more=True)  # (halfway: 3 and 4 decoded, then the next epoch scheduled)
+    until(lambda: len(ahead._schedules) == 2)
+    assert decodes.calls == [0, 1, 3, 4]
+    ahead.at(0, 4, lambda epoch: rows, more=True)  # (step 3 was not this rank's: 3 is stale, though epoch 1 needs it)
+    until(lambda: len(decodes.calls) == 5)
+    assert decodes.calls == [0, 1, 3, 4, 0] and 3 not in ahead._ready and ahead.take(4) == "decoded 4"
     ahead.close()
 
 
