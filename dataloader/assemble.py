@@ -12,7 +12,6 @@ once none does, ``buffer_pool.py``).  Per step, only the KJT and the ``Batch`` a
 
 from __future__ import annotations
 
-from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -22,6 +21,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.buffer_pool import BufferPool
+from freescale.dataloader.copy_thread import Copying, CopyThread
 from freescale.dataloader.gather import STEP_COPY_DTYPES, copy_runs, copy_tails, copy_tails_steps, interleave_steps
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
@@ -70,30 +70,30 @@ class BatchAssembler:
     seed: int = 0
     pool: BufferPool = field(default_factory=BufferPool)
     """Where each read's KJT values go (reused once its batches are gone)."""
-    copier: Executor | None = None
+    copier: CopyThread | None = None
     """Where a history left in one buffer (format 2's slots) is copied into the KJT values while the caller builds
-    the batches' tensors and the steps' infos (``start_batches``; the copy releases the GIL: it overlaps that
-    Python, ~14 us a step of 256 at histories of 200); None: on the caller's thread, first."""
+    the batches' tensors and the steps' infos (``start_batches``, ``copy_thread.py``); None: on the caller's thread,
+    first."""
 
     def batches(self, arrays: dict[str, np.ndarray], steps: StepRows) -> list[Batch]:
         """One batch per step of ``steps`` from ``arrays`` (their samples back to back)."""
         batches, copying = self.start_batches(arrays, steps)
         if copying is not None:
-            copying.result()
+            copying.finish()
         return batches
 
-    def start_batches(self, arrays: dict[str, np.ndarray], steps: StepRows) -> tuple[list[Batch], Future[None] | None]:
+    def start_batches(self, arrays: dict[str, np.ndarray], steps: StepRows) -> tuple[list[Batch], Copying | None]:
         """``batches``, and the copy still filling their KJT values (on ``copier``), if any: the batches may be
-        handed out, and ``arrays`` let go of (the source's read lock released), only once it is done."""
+        handed out, and ``arrays`` let go of (the source's read lock released), only once it is ``finish``ed."""
         cuts = np.concatenate([[0], np.cumsum(steps.sizes)]).astype(np.int64)
         deferred: list[tuple[np.ndarray, ...]] = []
         sparse = self._sparse(arrays, cuts, steps.when, deferred)
-        copying = self.copier.submit(_copy_all, deferred) if deferred and self.copier is not None else None
+        copying = self.copier.start(deferred) if self.copier is not None else None
         try:
             return self._built(arrays, steps, cuts, *sparse), copying
         except BaseException:  # (a failure while the copy runs waits for it: its buffer is not handed out meanwhile)
             if copying is not None:
-                copying.result()
+                copying.finish()
             raise
 
     def _built(self, arrays: dict[str, np.ndarray], steps: StepRows, cuts: np.ndarray, values: np.ndarray,
@@ -208,12 +208,6 @@ class BatchAssembler:
         rng = np.random.default_rng([self.seed, *when, self.rank])
         lengths[0] = self.sampled_items
         return rng.integers(0, self.num_items, self.sampled_items, dtype=np.int64), lengths
-
-
-def _copy_all(copies: list[tuple[np.ndarray, ...]]) -> None:
-    """``copy_tails_steps`` of each of ``copies`` (on the ``copier``'s thread)."""
-    for src, ends, lengths, out, bounds, starts in copies:
-        copy_tails_steps(src, ends, lengths, out, bounds, starts)
 
 
 def _pieces(arrays: dict[str, np.ndarray], column: str, total: int) -> list[tuple[np.ndarray, int]]:

@@ -42,13 +42,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from freescale.dataloader.assemble import SPARSE_FEATURES, BatchAssembler
 from freescale.dataloader.batch import Batch
+from freescale.dataloader.copy_thread import CopyThread
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.handoff import Handoff
 from freescale.dataloader.partition import Parts
@@ -326,8 +326,7 @@ class BalancedLoader:
         if read again)."""
         self._halt()
         if self.assembler.copier is not None:
-            self.assembler.copier.shutdown()
-            self.assembler.copier = None
+            self.assembler.copier.close()
         self.source.close()
 
     def _advance(self, epoch: int, step: int) -> tuple[int, int]:
@@ -336,8 +335,8 @@ class BalancedLoader:
 
     # ----- producing ---------------------------------------------------------------------------
     def _start(self) -> None:
-        if self.assembler.copier is None:  # (a read's histories copied while its batches are built: assemble.py)
-            self.assembler.copier = ThreadPoolExecutor(1, thread_name_prefix="freescale-copy")
+        if self.assembler.copier is None:  # (a read's histories copied while its batches are built: copy_thread.py)
+            self.assembler.copier = CopyThread()
         self._stop = threading.Event()
         self._handoff = Handoff(self.prefetch + READ_STEPS)
         self._thread = threading.Thread(

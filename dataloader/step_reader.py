@@ -99,7 +99,7 @@ class StepReader:
                     meanwhile()
             finally:
                 if copying is not None:
-                    copying.result()
+                    copying.finish()
         if self.pin_memory:
             batches = [batch.pin_memory() for batch in batches]
         share = (time.perf_counter() - start) / len(plans)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -15,10 +16,10 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from freescale.dataloader import assemble
 from freescale.dataloader.assemble import BatchAssembler, StepRows
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.buffer_pool import BufferPool
+from freescale.dataloader.copy_thread import INLINE_READS, CopyThread
 from freescale.dataloader.build import DataConfig, build_loader
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.loader import READ_STEPS
@@ -150,13 +151,10 @@ def test_a_reads_values_buffer_is_written_again_only_once_no_batch_of_it_is_left
 
 
 def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_batches_of_one_at_a_time(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     prepared(tmp_path, seed=1, interactions=4_000, users=150, items=80)
     features = [HISTORY_ITEMS, CANDIDATE_ITEM, USER_ID]
     runs = []
-    copies: list[int] = []  # (reads whose histories were copied on the copying thread)
-    monkeypatch.setattr(assemble, "_copy_all", lambda jobs, copy_all=assemble._copy_all: copies.append(
-        len(jobs)) or copy_all(jobs))
     for prefetch in (0, 3):
         cfg = DataConfig(path=str(tmp_path / "d"), batch_size=16, max_seq_len=10, prefetch=prefetch, shuffle_row_groups=3)
         loaders = [build_loader(cfg, "train", rank=r, world_size=2, sparse_features=features,
@@ -183,7 +181,12 @@ def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_ba
         again = loaders[1].batch_of(np.asarray(steps[1][1]), steps[1][0].loss_scale or 1.0, (0, 0))
         assert torch.equal(again.sparse.values(), steps[1][0].sparse.values()) and loaders[1].source._readers
         assert max(reads) == (1 if prefetch == 0 else READ_STEPS)
-        assert (sum(ahead), len(copies)) == (0, 0) if prefetch == 0 else (sum(ahead) > 4 and len(copies) > 4)
+        copier = loaders[0].assembler.copier
+        if prefetch == 0:
+            assert sum(ahead) == 0 and copier is None
+        else:  # (the first read's copy always tried on the copy thread; reads planned while their copy ran)
+            assert copier is not None and copier.started >= 1 and copier.started + copier.inline > 4
+            assert sum(ahead) >= copier.started - 2
         runs.append(steps)
     assert len(runs[0]) == len(runs[1]) > 40
     for (a, *info_a), (b, *info_b) in zip(*runs):
@@ -244,8 +247,9 @@ def test_a_failure_only_reads_of_several_steps_meet_is_logged_and_every_step_sti
     assert any("a read of several steps failed where each step alone did not" in r.message for r in caplog.records)
 
 
-def test_a_batch_that_fails_while_its_histories_are_copied_waits_for_the_copy() -> None:
-    class SlowCopier(ThreadPoolExecutor):
+def test_a_read_copied_on_the_copy_thread_waits_for_it_on_failure_and_the_thread_is_set_aside_when_it_does_not_pay(
+        ) -> None:
+    class SlowExecutor(ThreadPoolExecutor):
         def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
             def slowly() -> Any:
                 time.sleep(0.3)
@@ -256,13 +260,27 @@ def test_a_batch_that_fails_while_its_histories_are_copied_waits_for_the_copy() 
     history = np.array([2, 3, 1])
     arrays = {HISTORY_ITEMS + "@src": np.arange(20), HISTORY_ITEMS + "@end": np.array([5, 9, 12]),
               HISTORY_ITEMS + "@": history, CANDIDATE_ITEM: np.array([1, 2, 3]), DENSE: np.zeros((3, 0))}
-    copier = SlowCopier(1)
+    good = {**arrays, LABEL: np.ones(3, dtype=np.float32)}
+    copier, slow = CopyThread(), SlowExecutor(1)
+    copier._executor = slow
     assembler = BatchAssembler([HISTORY_ITEMS, CANDIDATE_ITEM], dense_dim=0, rank=0, copier=copier)
     steps = StepRows(np.array([2, 1]), np.ones(3), [1.0, 1.0], [(0, 0), (0, 1)])
     with pytest.raises(KeyError):  # (no labels: the batches fail after the copy started)
         assembler.start_batches(arrays, steps)
-    assert copier.last.done()  # (not left writing into a buffer the pool may hand out again)
-    batches = assembler.batches({**arrays, LABEL: np.ones(3, dtype=np.float32)}, steps)
-    assert batches[0].sparse[HISTORY_ITEMS].values().tolist() == [3, 4, 6, 7, 8]
-    assert batches[1].sparse[HISTORY_ITEMS].values().tolist() == [11] and copier.last.done()
-    copier.shutdown()
+    assert slow.last.done()  # (not left writing into a buffer the pool may hand out again)
+    assert (copier.started, copier.inline) == (1, 0)
+    for _ in range(INLINE_READS):  # (it waited longer than the copy took: the next reads copy here)
+        batches = assembler.batches(good, steps)
+        assert batches[0].sparse[HISTORY_ITEMS].values().tolist() == [3, 4, 6, 7, 8]
+        assert batches[1].sparse[HISTORY_ITEMS].values().tolist() == [11]
+    assert (copier.started, copier.inline) == (1, INLINE_READS)
+    copier.close()
+    busy, release = ThreadPoolExecutor(1), threading.Event()
+    busy.submit(release.wait, 10)  # (its one thread taken: the copy never starts there, the caller makes it)
+    copier._executor = busy
+    copier._inline_left = 0
+    batches = assembler.batches(good, steps)
+    assert batches[0].sparse[HISTORY_ITEMS].values().tolist() == [3, 4, 6, 7, 8] and not release.is_set()
+    assert (copier.started, copier._inline_left) == (2, INLINE_READS)
+    release.set()
+    copier.close()
