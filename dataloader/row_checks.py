@@ -201,10 +201,11 @@ def _unsliced(array: pa.Array) -> bool:
 
 
 def _nested_without_nulls(array: pa.Array) -> bool:
-    """No null among the values the rows of list column ``array`` hold (in one chunk), at any nesting level (a
-    value beyond them, in an array sliced from a larger one, is not looked at: ``flatten``)."""
+    """No null among the values the rows of list column ``array`` hold, at any nesting level.  ``array`` is
+    ``one_chunk``'s, unsliced: its ``values`` at every level are exactly the ones its rows hold, so each level's null
+    count is read as it is (``flatten`` would build each level anew: ~3 us a step of format 2's reads)."""
     while pa.types.is_list(array.type) or pa.types.is_fixed_size_list(array.type):
-        array = array.flatten()
+        array = array.values
         if array.null_count:
             return False
     return True
