@@ -19,6 +19,7 @@ one loader alone: 32-34 of 472 reads copied on the prefetch thread, the rest on 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -77,6 +78,11 @@ class CopyThread:
             return None
         self.started += 1
         return Copying(self, jobs)
+
+    def aside(self, job: Callable[[], object]) -> None:
+        """Run ``job`` on the thread, nobody waiting for it (a copy started after it waits for it, or is made on
+        the caller's thread: ``finish``)."""
+        self.executor().submit(job)
 
     def paid(self, paid: bool) -> None:
         """Whether the last copy handed to the thread shortened its read (else the next reads copy here)."""

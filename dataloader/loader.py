@@ -75,6 +75,11 @@ halt (a change of live ranks, a requeue, a new cost model) waits for the read in
 reads (~1.5 ms at 256 samples a step of format 2 on a 2-core VM, ~5 ms of format 1)."""
 
 
+RESERVED_BUFFERS = 3
+"""KJT values' buffers of full reads mapped on the copy thread at a loader's first read: as many as a loader at
+``prefetch`` 2 keeps in use at once (the read being taken, the one handed over, the one being built)."""
+
+
 class BalancedLoader:
     def __init__(
         self,
@@ -139,6 +144,8 @@ class BalancedLoader:
         """Held while the producer thread plans: a read of the planner's windows waits for that, not for the
         producer to stop (``state_dict`` at every save)."""
         self._handoff: Handoff[Any] = Handoff(prefetch + READ_STEPS)
+        self._buffers_due = True
+        """The KJT values' buffers not reserved yet (``BufferPool.reserve``: after the first read)."""
         self._next_plans: tuple[tuple[int, int, int, tuple[int, ...]], list[StepPlan]] | None = None
         """The next read's plans, made by the producer while a read's histories are copied (``_make``), with their
         ``(epoch, first, count, live ranks)``; dropped at a halt."""
@@ -439,7 +446,13 @@ class BalancedLoader:
                     self._next_plans = None
 
         ahead = then is not None and self.planner.window == 1 and (self.epochs is None or then[0] < self.epochs)
-        return self.reader.read(plans, plan_next if ahead else None)
+        made = self.reader.read(plans, plan_next if ahead else None)
+        if self._buffers_due and self.assembler.copier is not None and made:
+            self._buffers_due = False  # (the KJT values' buffers of full reads, sized from this one, mapped aside)
+            per_step = sum(int(batch.sparse.values().numel()) for _, batch, _ in made) / len(made)
+            size, pool = int(1.3 * per_step * READ_STEPS) + 1, self.assembler.pool
+            self.assembler.copier.aside(lambda: pool.reserve(size, np.int64, RESERVED_BUFFERS))
+        return made
 
     def _planned_ahead(self, epoch: int, first: int, count: int, live: tuple[int, ...]) -> list[StepPlan] | None:
         """The plans of the read ``_make`` planned ahead, if it is this one (and forgotten either way)."""

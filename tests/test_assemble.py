@@ -148,6 +148,14 @@ def test_a_reads_values_buffer_is_written_again_only_once_no_batch_of_it_is_left
     assert all(same(a, b) for a, b in zip(fourth, fresh.batches(read(3), steps()), strict=True))
     assert all(same(a, b) for a, b in zip(third, fresh.batches(read(2), steps()), strict=True))  # (not written over)
     assert assembler.pool.allocated == 3 and len(assembler.pool._buffers) == 2
+    # Buffers reserved ahead (mapped on another thread at a loader's start) are taken as any freed one, within keep.
+    pool = BufferPool(keep=3)
+    assert pool.reserve(64, np.int64, 2) == 2 and pool.allocated == 2
+    reserved = {buffer.ctypes.data for buffer, _ in pool._buffers}
+    taken = [pool.take(40, np.int64), pool.take(64, np.int64)]
+    assert {view.ctypes.data for view in taken} == reserved and pool.allocated == 2
+    assert pool.take(65, np.int64).ctypes.data not in reserved and pool.allocated == 3  # (larger: a new one)
+    assert pool.reserve(64, np.int64, 5) == 0  # (the pool keeps 3)
 
 
 def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_batches_of_one_at_a_time(
