@@ -61,7 +61,8 @@ class Copying:
 
 class CopyThread:
     """The copy thread (module docstring), started at the first copy; ``close`` ends it (a later copy starts it
-    again).  Used by one prefetch thread at a time (its reads hold the source's read lock)."""
+    again).  Its copies are started and finished within a read holding the source's read lock (the prefetch
+    thread's, or a caller's ``batch_of``): one at a time."""
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
@@ -70,9 +71,11 @@ class CopyThread:
         """Copies handed to the thread, and copies made on the caller's thread instead (either way: reads)."""
 
     def start(self, jobs: Jobs) -> Copying | None:
-        """``jobs`` started on the thread; None: made here already (the thread does not pay at the moment)."""
-        if self._inline_left > 0 or not jobs:
-            self._inline_left = max(self._inline_left - 1, 0)
+        """``jobs`` started on the thread; None: made here already (none, or the thread does not pay at the moment)."""
+        if not jobs:
+            return None
+        if self._inline_left > 0:
+            self._inline_left -= 1
             copy_all(jobs)
             self.inline += 1
             return None

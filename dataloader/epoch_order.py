@@ -11,8 +11,8 @@ import threading
 import numpy as np
 
 KEPT_EPOCHS = 2
-"""Epochs' orders kept: the one the reads are in and the next (the read-ahead thread makes it before the planner
-reaches it, ``read_ahead.py``)."""
+"""Epochs' orders kept (8 bytes a row each): the one the reads are in and the next (the read-ahead thread makes it
+before the planner reaches it, ``read_ahead.py``)."""
 
 
 class EpochOrder:

@@ -111,11 +111,12 @@ class BalancedLoader:
             raise ValueError(f"the source cuts histories at {source.max_seq_len}, the loader was asked for {max_seq_len}")
         self.source, self.planner = source, planner
         # The producer may run ``prefetch + READ_STEPS`` steps ahead (its queue), with up to ``READ_STEPS`` more
-        # made in one read, and plan one more window ahead of that (with the consumer's, (prefetch + 2 READ_STEPS)
-        # // window + 3 windows); the window of the consumed position (and its re-plan history) must still be
-        # there when it is saved (read beside the producer: one window's margin) or re-planned: evicting it would
-        # re-plan it afresh on this rank alone.
-        planner.windows_kept = max(planner.windows_kept, (prefetch + 2 * READ_STEPS) // planner.window + 4)
+        # made in one read, up to ``READ_STEPS`` more planned while that read is copied (``_make``'s ``then``), and
+        # plan one more window ahead of that (with the consumer's, (prefetch + 3 READ_STEPS) // window + 3
+        # windows); the window of the consumed position (and its re-plan history) must still be there when it is
+        # saved (read beside the producer: one window's margin) or re-planned: evicting it would re-plan it afresh
+        # on this rank alone.
+        planner.windows_kept = max(planner.windows_kept, (prefetch + 3 * READ_STEPS) // planner.window + 4)
         self.rank = rank
         self.sparse_features = list(sparse_features)
         self.max_seq_len = max_seq_len

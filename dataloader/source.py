@@ -120,7 +120,8 @@ class RowGroupFiles(ABC):
         self.stored_start = np.concatenate([[0], np.cumsum(self.stored_rows)]).astype(np.int64)
         self.skipped: Counter[str] = Counter()
         self.decoded_bytes = 0
-        """Arrow bytes of every row group decoded so far (cache misses only): the read's real cost."""
+        """Arrow bytes of every row group decoded so far (cache misses only): the read's real cost (the size of the
+        buffers a decode made, ``get_total_buffer_size``)."""
         self._readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()
         self._ahead: ReadAhead[pa.Table] | None = None
         self._ahead_readers: OrderedDict[int, pq.ParquetFile] = OrderedDict()

@@ -169,14 +169,14 @@ def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_ba
                                 derived_cost=CostModel(1e-3, 0.37, 8.1), seed=7) for r in (0, 1)]  # (fractional
         # costs: each step's cost summed alike whatever the read it came in, bit for bit)
         reads: list[int] = []
-        ahead: list[bool] = []  # (reads planned while the read before them was copied)
-        for loader in loaders:
+        ahead: list[list[bool]] = [[], []]  # (each loader's reads planned while the read before them was copied)
+        for loader, planned in zip(loaders, ahead):
             read_runs = loader.source.read_runs
             loader.source.read_runs = lambda runs, uncut=False, read_runs=read_runs, reads=reads: (  # type: ignore[method-assign]
                 reads.append(len(runs)) or read_runs(runs, uncut))
             planned_ahead = loader._planned_ahead
-            loader._planned_ahead = lambda *where, planned_ahead=planned_ahead: (  # type: ignore[method-assign]
-                lambda plans: ahead.append(plans is not None) or plans)(planned_ahead(*where))
+            loader._planned_ahead = lambda *where, planned_ahead=planned_ahead, planned=planned: (  # type: ignore[method-assign]
+                lambda plans: planned.append(plans is not None) or plans)(planned_ahead(*where))
         steps = []
         for _ in range(2 * loaders[0].steps_per_epoch):  # two epochs: a read never crosses into the next
             for loader in loaders:
@@ -189,12 +189,13 @@ def test_the_prefetching_loader_reads_several_steps_at_once_and_hands_out_the_ba
         again = loaders[1].batch_of(np.asarray(steps[1][1]), steps[1][0].loss_scale or 1.0, (0, 0))
         assert torch.equal(again.sparse.values(), steps[1][0].sparse.values()) and loaders[1].source._readers
         assert max(reads) == (1 if prefetch == 0 else READ_STEPS)
-        copier = loaders[0].assembler.copier
-        if prefetch == 0:
-            assert sum(ahead) == 0 and copier is None
-        else:  # (the first read's copy always tried on the copy thread; reads planned while their copy ran)
-            assert copier is not None and copier.started >= 1 and copier.started + copier.inline > 4
-            assert sum(ahead) >= copier.started - 2
+        for loader, planned in zip(loaders, ahead):
+            copier = loader.assembler.copier
+            if prefetch == 0:
+                assert not any(planned) and copier is None
+            else:  # (the first read's copy always tried on the copy thread; reads planned while their copy ran)
+                assert copier is not None and copier.started >= 1 and copier.started + copier.inline > 4
+                assert sum(planned) >= copier.started - 2
         runs.append(steps)
     assert len(runs[0]) == len(runs[1]) > 40
     for (a, *info_a), (b, *info_b) in zip(*runs):

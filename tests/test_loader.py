@@ -194,6 +194,7 @@ def _train_with_failures(
             assert all(np.array_equal(lost[r], lost[survivors[0]]) for r in survivors)
             for r in survivors:
                 loaders[r].requeue(lost[r])
+                assert loaders[r]._next_plans is None  # (a read planned ahead is planned again: the carry changes it)
                 loaders[r].set_live_ranks(survivors)
             live = survivors
     order = loaders[0].planner.order

@@ -205,6 +205,7 @@ def test_the_last_steps_of_an_epoch_planned_together_equal_them_planned_alone() 
 
 def test_the_epoch_order_is_made_once_per_epoch_and_one_epoch_made_does_not_hold_up_another() -> None:
     import threading
+    import time
 
     made: list[int] = []
     release = threading.Event()
@@ -222,6 +223,10 @@ def test_the_epoch_order_is_made_once_per_epoch_and_one_epoch_made_does_not_hold
     makers = [threading.Thread(target=lambda: results.append(order(1))) for _ in range(2)]
     for thread in makers:
         thread.start()
+    deadline = time.monotonic() + 10
+    while made != [0, 1]:  # (one maker inside epoch 1's order, held there)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
     assert order(0) is first  # (epoch 1 is being made meanwhile: epoch 0's is taken without waiting)
     release.set()
     for thread in makers:
@@ -232,3 +237,14 @@ def test_the_epoch_order_is_made_once_per_epoch_and_one_epoch_made_does_not_hold
     assert sorted(first.tolist()) == list(range(600)) and not np.array_equal(first, results[0])
     order(2)  # (two epochs kept: the oldest dropped, made again when asked)
     assert order(0) is not first and np.array_equal(order(0), first)
+    # The order is the one the earlier code made (windows indexed by a permutation, not shuffled in place): runs
+    # resumed from older saves read the same rows.
+    for epoch in range(3):
+        rng = np.random.default_rng([4, epoch])
+        groups = rng.permutation(12)
+        offsets = np.concatenate([[0], np.cumsum(np.full(12, 50)[groups])])
+        rows = np.arange(600) - np.repeat(offsets[:-1] - groups * 50, 50)
+        for start in range(0, 12, 3):
+            lo, hi = offsets[start], offsets[min(start + 3, 12)]
+            rows[lo:hi] = rows[lo:hi][rng.permutation(hi - lo)]
+        assert np.array_equal(rows, reference(epoch))

@@ -141,6 +141,16 @@ def test_the_next_epoch_is_scheduled_halfway_and_row_groups_the_reads_passed_by_
     until(lambda: len(decodes.calls) == 5)
     assert decodes.calls == [0, 1, 3, 4, 0] and 3 not in ahead._ready and ahead.take(4) == "decoded 4"
     ahead.close()
+    held = Decodes()  # (the source holds every row group: nothing to decode, nothing ready or stale to wake it)
+    held.held.update(range(5))
+    ahead = ReadAhead(held, STARTS, 10, 2, held.held.__contains__)
+    ahead.at(0, 0, lambda epoch: rows, more=True)
+    until(lambda: ahead._waiting)
+    assert len(ahead._schedules) == 1
+    ahead.at(0, 3, lambda epoch: rows, more=True)  # (halfway: the reads wake it to schedule the next epoch)
+    until(lambda: len(ahead._schedules) == 2)
+    assert held.calls == []
+    ahead.close()
 
 
 def prepared(root: Path, users: int) -> Path:
