@@ -21,8 +21,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from freescale.dataloader.batch import Batch
 from freescale.dataloader.buffer_pool import BufferPool
-from freescale.dataloader.copy_thread import Copying, CopyThread
-from freescale.dataloader.gather import STEP_COPY_DTYPES, copy_runs, copy_tails, copy_tails_steps, interleave_steps
+from freescale.dataloader.copy_thread import Copying, CopyThread, copy_all
+from freescale.dataloader.gather import STEP_COPY_DTYPES, copy_runs, copy_tails, interleave_steps
 from freescale.dataloader.schema import (
     CANDIDATE_ITEM,
     CANDIDATE_TIMESTAMP,
@@ -88,7 +88,11 @@ class BatchAssembler:
         cuts = np.concatenate([[0], np.cumsum(steps.sizes)]).astype(np.int64)
         deferred: list[tuple[np.ndarray, ...]] = []
         sparse = self._sparse(arrays, cuts, steps.when, deferred)
-        copying = self.copier.start(deferred) if self.copier is not None else None
+        copying = None
+        if self.copier is not None:
+            copying = self.copier.start(deferred)
+        else:
+            copy_all(deferred)
         try:
             return self._built(arrays, steps, cuts, *sparse), copying
         except BaseException:  # (a failure while the copy runs waits for it: its buffer is not handed out meanwhile)
@@ -137,7 +141,7 @@ class BatchAssembler:
         straight to its place: a history the source left uncut (``read_runs(uncut=True)``: its buffer, or one per
         piece of the samples, and each sample's end in it) is cut into it there (``copy_tails``), where gathering
         it first and concatenating the steps' pieces after copied it twice; from one buffer, that copy's arguments
-        go to ``deferred`` when there is a ``copier``."""
+        go to ``deferred`` (made by the caller, on the ``copier`` or at once)."""
         steps, total, features = cuts.size - 1, int(cuts[-1]), len(self.sparse_features)
         sizes = np.diff(cuts)
         counts = np.zeros((steps, features), dtype=np.int64)  # values of each (step, feature)
@@ -169,10 +173,7 @@ class BatchAssembler:
                 ends, lengths = arrays[column + "@end"], per_sample[f]
                 src = arrays[column + "@src"]
                 if src.dtype in STEP_COPY_DTYPES:  # (one buffer, format 2's slots: every step in one call)
-                    if self.copier is not None:
-                        deferred.append((src, ends, lengths, values, cuts, step_starts))
-                    else:
-                        copy_tails_steps(src, ends, lengths, values, cuts, step_starts)
+                    deferred.append((src, ends, lengths, values, cuts, step_starts))
                     continue
                 pieces = _pieces(arrays, column, total)
                 for j in range(steps):  # (the pieces in sample order: a step's lie from where the last one's ended)

@@ -38,14 +38,14 @@ class Copying:
 
     def __init__(self, owner: CopyThread, jobs: Jobs) -> None:
         self.owner, self.jobs = owner, jobs
-        self.ran: tuple[float, float] | None = None
-        """When the copy thread started and ended it (``perf_counter``)."""
+        self.ran_s: float | None = None
+        """How long the copy took on the copy thread."""
         self.future: Future[None] = owner.executor().submit(self._run)
 
     def _run(self) -> None:
         start = time.perf_counter()
         copy_all(self.jobs)
-        self.ran = (start, time.perf_counter())
+        self.ran_s = time.perf_counter() - start
 
     def finish(self) -> None:
         """Return once the copy is made: waiting for the thread, or making it here if the thread has not started it."""
@@ -55,8 +55,7 @@ class Copying:
             self.owner.paid(False)
             return
         self.future.result()
-        ran = self.ran
-        self.owner.paid(ran is not None and time.perf_counter() - waited_from < 2 * (ran[1] - ran[0]))
+        self.owner.paid(self.ran_s is not None and time.perf_counter() - waited_from < 2 * self.ran_s)
 
 
 class CopyThread:

@@ -449,11 +449,15 @@ class BalancedLoader:
         ahead = then is not None and self.planner.window == 1 and (self.epochs is None or then[0] < self.epochs)
         made = self.reader.read(plans, plan_next if ahead else None)
         if self._buffers_due and self.assembler.copier is not None and made:
-            self._buffers_due = False  # (the KJT values' buffers of full reads, sized from this one, mapped aside)
-            per_step = sum(int(batch.sparse.values().numel()) for _, batch, _ in made) / len(made)
-            size, pool = int(1.3 * per_step * READ_STEPS) + 1, self.assembler.pool
-            self.assembler.copier.aside(lambda: pool.reserve(size, np.int64, RESERVED_BUFFERS))
+            self._reserve_buffers(self.assembler.copier, made)
         return made
+
+    def _reserve_buffers(self, copier: CopyThread, made: list[tuple[StepInfo, Batch, float]]) -> None:
+        """The KJT values' buffers of full reads, sized from ``made`` (the first read), mapped on the copy thread."""
+        self._buffers_due = False
+        per_step = sum(int(batch.sparse.values().numel()) for _, batch, _ in made) / len(made)
+        size, pool = int(1.3 * per_step * READ_STEPS) + 1, self.assembler.pool
+        copier.aside(lambda: pool.reserve(size, np.int64, RESERVED_BUFFERS))
 
     def _planned_ahead(self, epoch: int, first: int, count: int, live: tuple[int, ...]) -> list[StepPlan] | None:
         """The plans of the read ``_make`` planned ahead, if it is this one (and forgotten either way)."""
