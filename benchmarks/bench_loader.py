@@ -19,7 +19,10 @@ thread, samples per second:
   groups (shuffled), rows permuted inside each, batches built from Arrow offsets (format 1);
 - ``torch DataLoader, row by row``: ``__getitem__`` per row and a Python collate (for reference).
 
-Each is run ``--repeats`` times, interleaved, and the median kept.  Then bytes on disk of each layout, and a short 2-rank training run's wait for data per step.
+Each is run ``--repeats`` times, interleaved, and the median kept; beside each freescale row, its wait for its first
+batch (a fresh loader's start-up: the epoch's order, its first row groups, its first read).  Then bytes on disk of each
+layout, an epoch order of 20M rows (its first step's rows against the whole order: what a start or a restart waits for
+at scale), and a short 2-rank training run's wait for data per step.
 
     python benchmarks/bench_loader.py [--quick] [--json benchmarks/results/loader_cpu.json]
 """
@@ -50,6 +53,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from freescale.dataloader.cost import CostModel
 from freescale.dataloader.gather import gather_tails
 from freescale.dataloader.build import DataConfig, build_loader
+from freescale.dataloader.epoch_order import EpochOrder
 from freescale.dataloader.schema import CANDIDATE_ITEM, DENSE, HISTORY_ITEMS, LABEL, DatasetManifest
 from freescale.tables import print_table
 
@@ -112,6 +116,10 @@ def decode_and_cut(path: Path, columns: list[str], samples: int, max_len: int, p
     return samples / (time.perf_counter() - start)
 
 
+FIRST_BATCH_MS: dict[tuple[Path, int, bool], list[float]] = {}
+"""``ours``'s wait for its first batch, by (input, read_ahead, after_one): a fresh loader's start-up."""
+
+
 def ours(path: Path, batch: int, max_len: int, read_ahead: int = 8, after_one: bool = False) -> float:
     """One epoch (every row group decoded once, like the bare decode), opening excluded; ``read_ahead`` as
     ``[data] read_ahead`` (8, the default: row groups decoded on a thread of their own).  ``after_one``: the
@@ -129,10 +137,30 @@ def ours(path: Path, batch: int, max_len: int, read_ahead: int = 8, after_one: b
         loader.source.forget_decoded()
         loader.planner.forget_planned()
     start = time.perf_counter()
-    n = sum(loader.next_batch().size for _ in range(loader.steps_per_epoch))
+    n = loader.next_batch().size
+    FIRST_BATCH_MS.setdefault((path, read_ahead, after_one), []).append(1e3 * (time.perf_counter() - start))
+    n += sum(loader.next_batch().size for _ in range(loader.steps_per_epoch - 1))
     elapsed = time.perf_counter() - start
     loader.close()
     return n / elapsed
+
+
+def order_start(rows: int, repeats: int) -> dict[str, float]:
+    """An epoch order of ``rows`` rows in row groups of 4,096 (windows of 8, the default), made fresh each time:
+    the first step's rows (256) usable, against the whole order made, each the median of ``repeats``: how long a
+    fresh loader (a start, a restart) waits for its epoch's order before its first batch."""
+    groups = np.full(rows // 4096, 4096)
+    first, whole = [], []
+    for repeat in range(repeats):
+        order = EpochOrder(groups, seed=repeat, shuffle=True, window_row_groups=8)
+        start = time.perf_counter()
+        order.rows_until(0, 256)
+        first.append(1e3 * (time.perf_counter() - start))
+        order = EpochOrder(groups, seed=repeat, shuffle=True, window_row_groups=8)
+        start = time.perf_counter()
+        order(0)
+        whole.append(1e3 * (time.perf_counter() - start))
+    return {"rows": float(groups.sum()), "first_step_ms": float(np.median(first)), "whole_ms": float(np.median(whole))}
 
 
 class RowGroupBatches(IterableDataset):  # type: ignore[type-arg]
@@ -243,6 +271,12 @@ def main() -> None:
                 runs[i].append(measure())
         rows = [{"layout": layout, "loader": name, "samples_per_s": float(np.median(r)), "runs": r}
                 for (layout, name, _), r in zip(measures, runs)]
+        starts = {(f1, "freescale BalancedLoader"): (format1, 8, False), (f1, "freescale, its second epoch"): (format1, 8, True),
+                  (f1, "freescale, read_ahead = 0"): (format1, 0, False), (f2, "freescale BalancedLoader"): (format2, 8, False),
+                  (f2, "freescale, its second epoch"): (format2, 8, True), (f2, "freescale, read_ahead = 0"): (format2, 0, False)}
+        for row in rows:
+            key = starts.get((row["layout"], row["loader"]))
+            row["first_batch_ms"] = float(np.median(FIRST_BATCH_MS[key])) if key else float("nan")
         by = {(row["layout"], row["loader"]): row["samples_per_s"] for row in rows}
         for row in rows:
             row["vs_bare_decode"] = row["samples_per_s"] / by[(row["layout"], "bare pyarrow decode")]
@@ -252,7 +286,11 @@ def main() -> None:
         for row in rows:
             row["bytes_on_disk"] = disk[row["layout"]]
         print(f"{n:,} training samples, histories up to {max_len}")
-        print_table(rows, ["layout", "loader", "samples_per_s", "vs_bare_decode", "vs_decode_and_cut", "bytes_on_disk"])
+        print_table(rows, ["layout", "loader", "samples_per_s", "vs_bare_decode", "vs_decode_and_cut", "first_batch_ms",
+                           "bytes_on_disk"])
+        order = order_start(2_000_000 if args.quick else 20_000_000, args.repeats)
+        print(f"\nan epoch order of {order['rows']:,.0f} rows: its first step's rows made in {order['first_step_ms']:.2f} ms, "
+              f"the whole order in {order['whole_ms']:.1f} ms")
         wait = training_wait(format2, Path(tmp) / "run", 40 if args.quick else 100)
         print(f"\n2-rank tiny HSTU training on format 2: step {wait['step_ms']:.1f} ms, waited for data "
               f"{wait['loader_wait_ms']:.3f} ms per step ({100 * wait['wait_share']:.2f}% of the step)")
@@ -260,7 +298,7 @@ def main() -> None:
         write_json(args.json, "bench_loader", {"quick": args.quick, "samples": n, "batch": batch,
                                                "max_len": max_len, "lengths": args.lengths,
                                                "repeats": args.repeats},
-                   rows + [{"training": wait}])
+                   rows + [{"training": wait}, {"epoch_order": order}])
 
 
 if __name__ == "__main__":

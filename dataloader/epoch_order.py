@@ -15,62 +15,142 @@ KEPT_EPOCHS = 2
 before the planner reaches it, ``read_ahead.py``)."""
 
 
+class _Progress:
+    """An epoch's order as it is made: ``rows`` final up to ``made`` (the rest not made yet: never read); the
+    random draws go on where the last window's ended (``rng``), at row group ``next`` of ``groups``."""
+
+    __slots__ = ("groups", "made", "making", "next", "offsets", "rng", "rows", "sizes")
+
+    def __init__(self, order: EpochOrder, epoch: int) -> None:
+        self.rows = np.empty(order.num_rows, dtype=np.int64)
+        self.made, self.making, self.next = 0, False, 0
+        self.rng = np.random.default_rng([order.seed, epoch])
+        self.groups = order.groups(epoch, self.rng)
+        self.sizes = order.row_group_rows[self.groups]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
+
+
 class EpochOrder:
     """Deterministic order of the split's rows in each epoch (module docstring).  Asked from two threads (the
-    planner's and the read-ahead's): an epoch's order is made once, by the first to ask, without a lock (the other
-    thread takes another epoch's meanwhile, or waits for this one's)."""
+    planner's and the read-ahead's): an epoch's order is made once, a window at a time as far as the asker needs
+    (the random draws are sequential: the row groups' shuffle, then each window's rows in turn), the rest by later
+    askers or ``advance``; another epoch's order is taken meanwhile without waiting."""
 
     def __init__(self, row_group_rows: np.ndarray, *, seed: int, shuffle: bool, window_row_groups: int) -> None:
         self.row_group_rows = row_group_rows.astype(np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.row_group_rows)]).astype(np.int64)
         self.num_rows = int(self.starts[-1])
         self.seed, self.shuffle, self.window = seed, shuffle, max(1, window_row_groups)
-        self._kept: dict[int, np.ndarray] = {}
-        """The last ``KEPT_EPOCHS`` epochs' orders made, oldest first."""
-        self._making: dict[int, threading.Event] = {}
-        """Epochs being made, by another thread than the one asking: set once made (or failed)."""
-        self._lock = threading.Lock()
+        self._epochs: dict[int, _Progress] = {}
+        """Epochs made whole (the last ``KEPT_EPOCHS``) or in part, oldest first."""
+        self._changed = threading.Condition()
+
+    def complete(self, epoch: int) -> bool:
+        """Whether epoch ``epoch``'s order is made whole."""
+        with self._changed:
+            progress = self._epochs.get(epoch)
+            return progress is not None and progress.made == self.num_rows
+
+    def groups(self, epoch: int, rng: np.random.Generator | None = None) -> np.ndarray:
+        """Epoch ``epoch``'s row groups in order: the order's first draw (from ``rng``, else a generator of its own)."""
+        if not self.shuffle:
+            return np.arange(self.row_group_rows.size)
+        return (rng or np.random.default_rng([self.seed, epoch])).permutation(self.row_group_rows.size)
+
+    def groups_of_rows(self, epoch: int, first: int, end: int) -> list[int]:
+        """The row groups of the shuffle windows that rows ``[first, end)`` of epoch ``epoch``'s order fall in, and
+        of the window after them, without the order: the row groups' shuffle alone (its first draw, microseconds)
+        says which windows those are; where each row comes in them is the rows' shuffle.  A read-ahead decodes them
+        while the order is made (``ReadAhead.prime``)."""
+        with self._changed:
+            progress = self._epochs.get(epoch)
+        if progress is not None:  # (its row groups' shuffle drawn already: not drawn again at every read)
+            groups, ends = progress.groups, progress.offsets[1:]
+        else:
+            groups = self.groups(epoch)
+            ends = np.cumsum(self.row_group_rows[groups])
+        low = int(np.searchsorted(ends, first, side="right")) // self.window * self.window
+        high = (int(np.searchsorted(ends, max(first, end - 1), side="right")) // self.window + 2) * self.window
+        return groups[low:high].tolist()
 
     def forget(self) -> None:
-        """Keep no epoch's order (the next asked is made again: the same)."""
-        with self._lock:
-            self._kept.clear()
+        """Keep no epoch's order (the next asked is made again: the same); one being made is finished."""
+        with self._changed:
+            for epoch in [e for e, progress in self._epochs.items() if not progress.making]:
+                del self._epochs[epoch]
 
     def __call__(self, epoch: int) -> np.ndarray:
-        while True:
-            with self._lock:
-                rows = self._kept.get(epoch)
-                if rows is not None:
-                    return rows
-                making = self._making.get(epoch)
-                mine = making is None
-                if making is None:
-                    making = self._making[epoch] = threading.Event()
-            if not mine:  # (another thread makes it: wait for it, then take it, or make it if it failed)
-                making.wait()
-                continue
-            try:
-                rows = self._made(epoch) if self.shuffle else np.arange(self.num_rows, dtype=np.int64)
-                with self._lock:
-                    self._kept[epoch] = rows
-                    while len(self._kept) > KEPT_EPOCHS:
-                        del self._kept[next(iter(self._kept))]
-                return rows
-            finally:
-                with self._lock:
-                    del self._making[epoch]
-                making.set()
+        """Epoch ``epoch``'s whole order (what is not made yet made on this thread)."""
+        return self.rows_until(epoch, self.num_rows)
 
-    def _made(self, epoch: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, epoch])
-        groups = rng.permutation(self.row_group_rows.size)
-        sizes = self.row_group_rows[groups]
-        # Row ids of the permuted row groups, concatenated (vectorized).
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        rows = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1] - self.starts[groups], sizes)
-        for start in range(0, groups.size, self.window):  # (in place: as indexing by a permutation of the window)
-            rng.shuffle(rows[offsets[start]:offsets[min(start + self.window, groups.size)]])
-        return rows
+    def rows_until(self, epoch: int, end: int) -> np.ndarray:
+        """Epoch ``epoch``'s order with at least its first ``end`` rows made (read no further: the rest may not
+        be): the windows up to ``end`` not made yet are made on this thread (or waited for while another makes
+        them).  A planner's first steps of an epoch of 317k rows wait ~0.3 ms for their window, not ~4 ms for all."""
+        progress = self._take(epoch, end, wait=True)
+        if progress is not None and progress.made < end:
+            self._make(epoch, progress, end)
+        assert progress is not None
+        return progress.rows
+
+    def advance(self, epoch: int) -> bool:
+        """One more window of epoch ``epoch``'s order made, unless another thread is making it now; whether any is
+        left to make after it (a thread with nothing else to do finishes the order this way, a window at a time,
+        before the reads need it)."""
+        progress = self._take(epoch, self.num_rows, wait=False)
+        if progress is None:
+            return not self.complete(epoch)
+        if progress.made < self.num_rows:
+            self._make(epoch, progress, progress.made + 1)
+        return progress.made < self.num_rows
+
+    def _take(self, epoch: int, end: int, wait: bool) -> _Progress | None:
+        """Epoch ``epoch``'s progress (created if new), marked as being made by this thread unless its first ``end``
+        rows are made; while another thread makes it: waited for (``wait``), else None."""
+        with self._changed:
+            while True:
+                progress = self._epochs.get(epoch)
+                if progress is None:
+                    progress = self._epochs[epoch] = _Progress(self, epoch)
+                if progress.made >= end:
+                    return progress
+                if not progress.making:
+                    progress.making = True
+                    return progress
+                if not wait:
+                    return None
+                self._changed.wait()
+
+    def _make(self, epoch: int, progress: _Progress, end: int) -> None:
+        """``progress``'s windows made until its first ``end`` rows are, in place (the same orders as indexing by a
+        permutation of each window), each published as it is made; this thread's mark then lifted.  On a failure
+        the epoch's progress is dropped (the next asker starts it again and meets the error itself)."""
+        try:
+            groups, sizes, offsets, window = progress.groups, progress.sizes, progress.offsets, self.window
+            firsts = self.starts[groups] - offsets[:-1]  # (a row group's rows: their place in the order + this)
+            while progress.made < end and progress.next < groups.size:
+                start, stop = progress.next, min(progress.next + window, groups.size)
+                low, high = int(offsets[start]), int(offsets[stop])
+                rows = progress.rows[low:high]
+                rows[:] = np.arange(low, high, dtype=np.int64) + np.repeat(firsts[start:stop], sizes[start:stop])
+                if self.shuffle:
+                    progress.rng.shuffle(rows)
+                with self._changed:
+                    progress.made, progress.next = high, stop
+                    self._changed.notify_all()
+        except BaseException:
+            with self._changed:
+                if self._epochs.get(epoch) is progress:
+                    del self._epochs[epoch]
+            raise
+        finally:
+            with self._changed:
+                progress.making = False
+                if progress.made == self.num_rows:
+                    whole = [e for e, p in self._epochs.items() if p.made == self.num_rows and e != epoch]
+                    for old in whole[:max(0, len(whole) + 1 - KEPT_EPOCHS)]:
+                        del self._epochs[old]
+                self._changed.notify_all()
 
 
 __all__ = ["EpochOrder"]

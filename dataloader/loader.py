@@ -37,6 +37,7 @@ epoch's step 0.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -434,9 +435,17 @@ class BalancedLoader:
         count)``, planned while this one's histories are copied (one-step windows only: a larger window's plan may
         take longer than the copy, and this read's batches would wait for it)."""
         with self._planning:
+            # Until the epoch's order is whole (made a window at a time: the plans below make the windows they need,
+            # the read-ahead thread the rest when it has nothing to decode), the read-ahead decodes the row groups
+            # of this read's windows and the next; then it follows the epoch's schedule (and makes the next epoch's
+            # order on its thread: the planner keeps two).
+            read_ahead = self._ahead
+            unordered = self.planner.groups_while_ordering(epoch, first, count) if read_ahead is not None else None
+            if read_ahead is not None and unordered is not None:
+                read_ahead.prime(epoch, first, unordered, functools.partial(self.planner.order.advance, epoch))
             plans = self._planned_ahead(epoch, first, count, live) or self.planner.plan_steps(epoch, first, count, live)
-            if self._ahead is not None:  # (the next epoch's rows made on its thread: the planner keeps two epochs')
-                self._ahead.at(epoch, first, self.planner.epoch_rows, self.epochs is None or epoch + 1 < self.epochs)
+            if read_ahead is not None and unordered is None:
+                read_ahead.at(epoch, first, self.planner.epoch_rows, self.epochs is None or epoch + 1 < self.epochs)
 
         def plan_next() -> None:
             assert then is not None

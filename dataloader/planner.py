@@ -4,13 +4,11 @@ Every rank builds the same ``BatchPlanner`` from the same inputs (the split's
 history lengths, the seed, the cost model) and asks it for the same steps, so
 all ranks agree on the partition without exchanging anything.
 
-Epoch order (``EpochOrder``): row groups are shuffled, then rows are shuffled
-inside windows of ``window_row_groups`` row groups: global enough to mix, local
-enough that a step touches few row groups.  Global batch ``s`` of an epoch is
-rows ``order[s*G : (s+1)*G]`` of that order, ``G`` the global batch size; the
-partial last batch of an epoch is dropped in training (every step holds G samples); for
-evaluation (``keep_partial``) the last step also holds those rows, so one pass scores every
-sample and no rank's share is empty (a sharded table's lookup cannot take an empty batch).
+Global batch ``s`` of an epoch is rows ``order[s*G : (s+1)*G]`` of its order (``EpochOrder``: row groups
+shuffled, then rows within windows of them), ``G`` the global batch size; the partial last batch of an epoch is
+dropped in training (every step holds G samples); for evaluation (``keep_partial``) the last step also holds those
+rows, so one pass scores every sample and no rank's share is empty (a sharded table's lookup cannot take an empty
+batch).
 
 Planning: the samples of ``window`` consecutive global batches are split by
 the partitioner into ``window * R`` parts of equal cost (R = live ranks), the
@@ -144,12 +142,8 @@ class BatchPlanner:
         self.capacities: dict[int, float] | None = None
         """Speed per global rank (1.0: nominal) the next windows are planned with; None: every rank alike."""
         self._capacity_plan: _Schedule[dict[int, float] | None] = _Schedule(None)
-        self.order = order
-        self.partitioner = partitioner
-        self.global_batch_size = global_batch_size
-        self.window = window
-        self.equal_count = equal_count
-        self.keep_partial = keep_partial
+        self.order, self.partitioner, self.global_batch_size = order, partitioner, global_batch_size
+        self.window, self.equal_count, self.keep_partial = window, equal_count, keep_partial
         self.steps_per_epoch = order.num_rows // global_batch_size
         if keep_partial and self.steps_per_epoch == 0 and order.num_rows:
             self.steps_per_epoch = 1  # fewer rows than one batch: one step of all of them
@@ -185,11 +179,19 @@ class BatchPlanner:
             return int(self._remainder[1].size) // self.global_batch_size
         return self.steps_per_epoch
 
-    def epoch_rows(self, epoch: int) -> np.ndarray:
-        """The rows of ``epoch`` in planning order (global batch ``s`` is ``[s*G, (s+1)*G)`` of them)."""
+    def epoch_rows(self, epoch: int, until: int | None = None) -> np.ndarray:
+        """The rows of ``epoch`` in planning order (global batch ``s`` is ``[s*G, (s+1)*G)`` of them); with
+        ``until``, only the first ``until`` are sure to be made (``EpochOrder.rows_until``): read no further."""
         if self._remainder is not None and self._remainder[0] == epoch:
             return self._remainder[1]
-        return self.order(epoch)
+        return self.order(epoch) if until is None else self.order.rows_until(epoch, until)
+
+    def groups_while_ordering(self, epoch: int, first: int, count: int) -> list[int] | None:
+        """The row groups steps ``first .. first + count - 1`` of ``epoch`` draw on while its order is not whole
+        (``EpochOrder.groups_of_rows``: a read-ahead decodes them meanwhile); else None."""
+        if (self._remainder is not None and self._remainder[0] == epoch) or self.order.complete(epoch):
+            return None
+        return self.order.groups_of_rows(epoch, first * self.global_batch_size, (first + count) * self.global_batch_size)
 
     def _remember(self, win: _Window) -> _Window:
         self._windows[(win.epoch, win.index)] = win
@@ -229,7 +231,7 @@ class BatchPlanner:
         fresh: dict[int, StepPlan] = {}
         if self._plan_alike(epoch, todo, ranks):
             g, model = self.global_batch_size, self._models.at(epoch, todo[0])
-            samples = self.epoch_rows(epoch)[todo[0] * g:(todo[-1] + 1) * g]
+            samples = self.epoch_rows(epoch, (todo[-1] + 1) * g)[todo[0] * g:(todo[-1] + 1) * g]
             costs = self.costs(model, samples)
             parts = lpt_steps(costs, len(todo), len(ranks), self.equal_count)
             taken = np.concatenate([part.index for part in parts]) + np.repeat(np.arange(len(todo)) * g, g)
@@ -390,7 +392,7 @@ class BatchPlanner:
         count = min(self.window, self.steps_in(epoch) - first)
         g = self.global_batch_size
         end = None if self.keep_partial and first + count == self.steps_in(epoch) else (first + count) * g
-        samples = self.epoch_rows(epoch)[first * g : end]  # keep_partial: the last step takes the remainder
+        samples = self.epoch_rows(epoch, end)[first * g : end]  # keep_partial: the last step takes the remainder
         ranks = tuple(live_ranks)
         win = _Window(epoch, index, first, model, ranks, samples, self.costs(model, samples), [],
                       capacities=capacities)

@@ -17,7 +17,11 @@ of its rows, so the schedule needs no plan; a rank of many may decode a row grou
 to need (at a few hundred samples a rank a step, drawn from the shuffle window's row groups, it almost always does).
 The next epoch's schedule (its shuffled rows and the pass over them, ~3.5 ms for 317k rows: 3 us a step of 256
 were it made by the prefetch thread at the epoch's end) is made on this thread once the reads are halfway through
-this epoch, when it has nothing to decode, and its row groups follow this epoch's.
+this epoch, when it has nothing to decode, and its row groups follow this epoch's.  An epoch whose order is not whole
+yet (a fresh loader's first: ``EpochOrder`` makes it a window at a time, as far as the plans need it) is primed
+instead (``prime``): each read's shuffle windows' row groups, and the next window's, known from the row groups'
+shuffle alone, decoded while the plans make their windows; with none to decode, this thread makes the rest of the
+order a window at a time, and the first read after it is whole installs the epoch's schedule.
 
 Nothing the source keeps changes on this thread: it reads through file handles of its own; the read that takes a
 row group (``take``, under the source's read lock) checks and counts it as it would have decoded it, so the counts
@@ -58,6 +62,17 @@ class _Schedule:
         groups, first_rows = _first_needed(np.ascontiguousarray(rows, dtype=np.int64), group_of)
         self.groups: list[int] = groups.tolist()
         self.first_steps = first_rows // step_rows
+        self.exact = True
+        """False for ``primed``'s: the row groups a read at ``step`` starts with, before the epoch's order exists."""
+
+    @classmethod
+    def primed(cls, epoch: int, step: int, groups: list[int]) -> _Schedule:
+        """``groups``, all first needed at ``step``: what ``ReadAhead.prime`` decodes until ``at`` brings the
+        epoch's schedule."""
+        schedule = cls.__new__(cls)
+        schedule.epoch, schedule.groups, schedule.exact = epoch, list(groups), False
+        schedule.first_steps = np.full(len(groups), step, dtype=np.int64)
+        return schedule
 
     def position(self, step: int) -> int:
         """The index of the first row group first needed at ``step`` or later."""
@@ -113,6 +128,8 @@ class ReadAhead(Generic[Decoded]):
         """An epoch's rows (``at``'s)."""
         self._more = False
         """An epoch follows the reads' (``at``'s): the thread makes its schedule."""
+        self._advance: Callable[[], bool] | None = None
+        """Makes the next window of a primed epoch's order (``prime``); None once it is whole."""
         self._closed = False
         self._thread: threading.Thread | None = None
         self.decoded = 0
@@ -129,7 +146,7 @@ class ReadAhead(Generic[Decoded]):
         with self._changed:
             known, now_more = self._schedules, more and not self._more
             self._rows_of, self._more = rows_of, more
-            going_on = known[:1] != [] and known[0].epoch == epoch and step >= self._step
+            going_on = known[:1] != [] and known[0].epoch == epoch and known[0].exact and step >= self._step
             if going_on:
                 self._step, reached = step, self._schedules[0].position(step)
                 stale = [g for g in self._ready
@@ -146,10 +163,32 @@ class ReadAhead(Generic[Decoded]):
                 self._step = step
                 self._install(made, step)
                 self._wake()
+        self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._closed = False
             self._thread = threading.Thread(target=self._run, name="freescale-read-ahead", daemon=True)
             self._thread.start()
+
+    def prime(self, epoch: int, step: int, groups: list[int], advance: Callable[[], bool]) -> None:
+        """A read at step ``step`` of epoch ``epoch``, whose order (and so its schedule) is not made whole yet: decode
+        ``groups`` (the row groups of its shuffle windows and the next, ``EpochOrder.groups_of_rows``) on the
+        thread, and when it has none to decode, make the order on, ``advance()`` a window at a time (False once it is
+        whole: the next read's ``at`` then installs the epoch's schedule, keeping what was decoded).  A fresh loader's
+        first read waits for its window's order and its row groups (~0.3 ms, and decodes on both threads), not for
+        the whole epoch's order then its row groups (~4 ms, then ~3).  Nothing if the epoch's schedule is known."""
+        with self._changed:
+            known = self._schedules[:1]
+            self._advance = advance
+            if _has(self._schedules, epoch) is not None or (
+                    known and known[0].epoch == epoch and known[0].groups == groups):
+                self._wake()
+                return
+            self._step = step
+            self._install(_Schedule.primed(epoch, step, groups), step)
+            self._wake()
+        self._ensure_thread()
 
     def take(self, row_group: int) -> Decoded | None:
         """Row group ``row_group`` if it was decoded ahead (waiting for it while it is being decoded), else None
@@ -201,18 +240,22 @@ class ReadAhead(Generic[Decoded]):
         try:
             while True:
                 with self._changed:
-                    group, following = self._pick(), self._to_follow()
-                    while group is None and following is None and not self._closed:
+                    group, following, advance = self._pick(), self._to_follow(), self._ordering()
+                    while group is None and following is None and advance is None and not self._closed:
                         self._waiting = True
                         self._changed.wait()
                         self._waiting = False
-                        group, following = self._pick(), self._to_follow()
+                        group, following, advance = self._pick(), self._to_follow(), self._ordering()
                     if self._closed:
                         return
                     next_epochs, rows_of, installs = self._next > self._this_epoch, self._rows_of, self._installs
-                if group is None:  # (then ``following`` is not)
+                if group is None:  # (then ``following`` or ``advance`` is not)
                     if following is not None:
                         self._follow(following, rows_of)
+                    elif advance is not None and not advance():
+                        with self._changed:
+                            if self._advance is advance:
+                                self._advance = None
                     continue
                 try:
                     entry: Decoded | _Failed = self._decode(group)
@@ -231,12 +274,18 @@ class ReadAhead(Generic[Decoded]):
                 self._in_flight = None
                 self._changed.notify_all()
 
+    def _ordering(self) -> Callable[[], bool] | None:
+        """``prime``'s ``advance`` while the schedule is primed (its epoch's order not whole).  With ``_changed``
+        held."""
+        return self._advance if self._schedules and not self._schedules[0].exact else None
+
     def _to_follow(self) -> int | None:
         """The epoch whose schedule the thread makes next: the one after this, once the reads are halfway through
         this one (not at its start, where the reads wait for their first row groups: measured, docs/data.md) and the
         thread has nothing to decode now (this epoch's row groups all taken up, or ``depth`` of them ready), none
         following yet.  With ``_changed`` held."""
-        if not self._more or len(self._schedules) != 1 or 2 * self._reached < self._this_epoch or (
+        if not self._more or len(self._schedules) != 1 or not self._schedules[0].exact or (
+                2 * self._reached < self._this_epoch) or (
                 self._next < len(self._order) and len(self._ready) < self.depth) or (
                 self._failed_epoch == self._schedules[0].epoch + 1):
             return None
@@ -261,7 +310,7 @@ class ReadAhead(Generic[Decoded]):
 
     def _install(self, schedule: _Schedule, step: int) -> None:
         """``schedule`` (an epoch's) followed from ``step`` on.  With ``_changed`` held."""
-        if not self._schedules or schedule is not self._schedules[0]:
+        if not self._schedules or schedule.epoch != self._schedules[0].epoch:  # (a primed one's taken are kept)
             self._taken.clear()
         self._schedules = [schedule]
         self._order = list(schedule.groups)
@@ -288,8 +337,8 @@ class ReadAhead(Generic[Decoded]):
 
 
 def _has(schedules: list[_Schedule], epoch: int) -> _Schedule | None:
-    """Epoch ``epoch``'s schedule among ``schedules``, if made already."""
-    return next((schedule for schedule in schedules if schedule.epoch == epoch), None)
+    """Epoch ``epoch``'s schedule among ``schedules``, if made already (not merely primed)."""
+    return next((schedule for schedule in schedules if schedule.epoch == epoch and schedule.exact), None)
 
 
 @numba.njit(nogil=True, cache=True)

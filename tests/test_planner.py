@@ -3,6 +3,8 @@ windows, read locality, rank speeds, and several steps planned at once."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -211,11 +213,11 @@ def test_the_epoch_order_is_made_once_per_epoch_and_one_epoch_made_does_not_hold
     release = threading.Event()
 
     class SlowOrder(EpochOrder):
-        def _made(self, epoch: int) -> np.ndarray:
+        def _make(self, epoch: int, progress: Any, end: int) -> None:
             made.append(epoch)
             if epoch == 1:  # (the read-ahead thread making the next epoch's)
                 assert release.wait(10)
-            return super()._made(epoch)
+            super()._make(epoch, progress, end)
 
     order = SlowOrder(np.full(12, 50), seed=4, shuffle=True, window_row_groups=3)
     first = order(0)
@@ -239,6 +241,16 @@ def test_the_epoch_order_is_made_once_per_epoch_and_one_epoch_made_does_not_hold
     assert order(0) is not first and np.array_equal(order(0), first)
     # The order is the one the earlier code made (windows indexed by a permutation, not shuffled in place): runs
     # resumed from older saves read the same rows.
+    # Made a window at a time as far as asked: the first rows usable before the rest is shuffled, the rest made by
+    # ``advance`` (or the next ask), the same order in the end.
+    partial = EpochOrder(np.full(12, 50), seed=4, shuffle=True, window_row_groups=3)
+    head = partial.rows_until(2, 120)
+    assert np.array_equal(head[:150], reference(2)[:150]) and not partial.complete(2)  # (one window: 150 rows)
+    assert partial.groups_of_rows(2, 0, 120) == EpochOrder.groups(partial, 2)[:6].tolist()  # (its window, the next)
+    steps = 0
+    while partial.advance(2):
+        steps += 1
+    assert steps == 2 and partial.complete(2) and partial(2) is head and np.array_equal(head, reference(2))
     for epoch in range(3):
         rng = np.random.default_rng([4, epoch])
         groups = rng.permutation(12)

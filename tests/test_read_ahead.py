@@ -153,6 +153,30 @@ def test_the_next_epoch_is_scheduled_halfway_and_row_groups_the_reads_passed_by_
     ahead.close()
 
 
+def test_a_primed_epoch_decodes_its_first_windows_row_groups_then_makes_its_order_and_the_schedule_keeps_them() -> None:
+    rows = np.array([35, 12] * 5 + [31, 44] * 5 + [5, 25] * 5, dtype=np.int64)  # (the epoch's order, once made)
+    decodes = Decodes()
+    ahead: ReadAhead[str] = ReadAhead(decodes, STARTS, 10, 2, decodes.held.__contains__)
+    windows_left = [3]
+
+    def advance() -> bool:  # (one window of the order made a call; False once it is whole)
+        windows_left[0] -= 1
+        return windows_left[0] > 0
+
+    ahead.prime(0, 0, [1, 3, 4], advance)  # (the first read's shuffle windows, before the order exists)
+    until(lambda: windows_left[0] == 0)  # (two decoded, the depth; then, with nothing to decode, the order made)
+    time.sleep(0.05)
+    assert decodes.calls == [1, 3] and windows_left == [0] and ahead._advance is None
+    ahead.prime(0, 0, [1, 3, 4], advance)  # (asked again by the next read: nothing changes)
+    assert ahead.take(3) == "decoded 3" and windows_left == [0]
+    until(lambda: decodes.calls == [1, 3, 4])  # (room again: the primed groups go on)
+    ahead.at(0, 0, lambda epoch: rows)  # (the order whole: the epoch's schedule, keeping what was decoded)
+    assert ahead.take(1) == "decoded 1" and ahead.take(4) == "decoded 4"
+    until(lambda: decodes.calls == [1, 3, 4, 0, 2])  # (the schedule's others, in the order first needed)
+    assert ahead.handed == 3
+    ahead.close()
+
+
 def prepared(root: Path, users: int) -> Path:
     """A format-2 dataset of ``users`` users in small row groups (many of them per step)."""
     from freescale.dataloader.log_input import LogColumns
