@@ -11,8 +11,13 @@ import threading
 import numpy as np
 
 KEPT_EPOCHS = 2
-"""Epochs' orders kept (8 bytes a row each): the one the reads are in and the next (the read-ahead thread makes it
-before the planner reaches it, ``read_ahead.py``)."""
+"""Whole epochs' orders kept (8 bytes a row each): the one the reads are in and the next (the read-ahead thread makes
+it before the planner reaches it, ``read_ahead.py``); beside them, and any being made, as many made in part (an
+epoch's last windows may hold no step's rows: without a read-ahead to finish it, an order stays partly made)."""
+
+
+ADVANCE_WAIT_S = 1.0
+"""How long ``advance`` waits at most for another thread's next window (a bound: it is woken at each)."""
 
 
 class _Progress:
@@ -42,7 +47,7 @@ class EpochOrder:
         self.num_rows = int(self.starts[-1])
         self.seed, self.shuffle, self.window = seed, shuffle, max(1, window_row_groups)
         self._epochs: dict[int, _Progress] = {}
-        """Epochs made whole (the last ``KEPT_EPOCHS``) or in part, oldest first."""
+        """Epochs made whole or in part (as many as ``KEPT_EPOCHS`` says), oldest first."""
         self._changed = threading.Condition()
 
     def complete(self, epoch: int) -> bool:
@@ -74,7 +79,7 @@ class EpochOrder:
         return groups[low:high].tolist()
 
     def forget(self) -> None:
-        """Keep no epoch's order (the next asked is made again: the same); one being made is finished."""
+        """Keep no epoch's order (the next asked is made again: the same), but one being made (kept)."""
         with self._changed:
             for epoch in [e for e, progress in self._epochs.items() if not progress.making]:
                 del self._epochs[epoch]
@@ -87,26 +92,30 @@ class EpochOrder:
         """Epoch ``epoch``'s order with at least its first ``end`` rows made (read no further: the rest may not
         be): the windows up to ``end`` not made yet are made on this thread (or waited for while another makes
         them).  A planner's first steps of an epoch of 317k rows wait ~0.3 ms for their window, not ~4 ms for all."""
-        progress = self._take(epoch, end, wait=True)
-        if progress is not None and progress.made < end:
+        progress = self._take(epoch, end)
+        if progress.made < end:
             self._make(epoch, progress, end)
-        assert progress is not None
         return progress.rows
 
     def advance(self, epoch: int) -> bool:
-        """One more window of epoch ``epoch``'s order made, unless another thread is making it now; whether any is
+        """One more window of epoch ``epoch``'s order made; while another thread makes it, that thread's next window
+        (or its end) waited for instead, nothing made here (a caller looping on this never spins); whether any is
         left to make after it (a thread with nothing else to do finishes the order this way, a window at a time,
         before the reads need it)."""
-        progress = self._take(epoch, self.num_rows, wait=False)
-        if progress is None:
-            return not self.complete(epoch)
+        with self._changed:
+            other = self._epochs.get(epoch)
+            if other is not None and other.making:
+                made, being_made = other.made, other
+                self._changed.wait_for(lambda: not being_made.making or being_made.made > made, ADVANCE_WAIT_S)
+                return being_made.made < self.num_rows
+        progress = self._take(epoch, self.num_rows)
         if progress.made < self.num_rows:
             self._make(epoch, progress, progress.made + 1)
         return progress.made < self.num_rows
 
-    def _take(self, epoch: int, end: int, wait: bool) -> _Progress | None:
+    def _take(self, epoch: int, end: int) -> _Progress:
         """Epoch ``epoch``'s progress (created if new), marked as being made by this thread unless its first ``end``
-        rows are made; while another thread makes it: waited for (``wait``), else None."""
+        rows are made (waiting while another thread makes it)."""
         with self._changed:
             while True:
                 progress = self._epochs.get(epoch)
@@ -116,10 +125,19 @@ class EpochOrder:
                     return progress
                 if not progress.making:
                     progress.making = True
+                    self._evict(progress)
                     return progress
-                if not wait:
-                    return None
                 self._changed.wait()
+
+    def _evict(self, newest: _Progress) -> None:
+        """The oldest orders beyond ``KEPT_EPOCHS`` whole ones and as many made in part dropped, never ``newest`` nor
+        one being made (a dropped one is made again, the same, if asked).  With ``_changed`` held."""
+        whole = [e for e, p in self._epochs.items() if p.made == self.num_rows and p is not newest]
+        partial = [e for e, p in self._epochs.items() if p.made < self.num_rows and not p.making and p is not newest]
+        if not newest.making:  # (counted, never dropped: the last)
+            (whole if newest.made == self.num_rows else partial).append(-1)
+        for epoch in whole[:max(0, len(whole) - KEPT_EPOCHS)] + partial[:max(0, len(partial) - KEPT_EPOCHS)]:
+            del self._epochs[epoch]
 
     def _make(self, epoch: int, progress: _Progress, end: int) -> None:
         """``progress``'s windows made until its first ``end`` rows are, in place (the same orders as indexing by a
@@ -146,10 +164,8 @@ class EpochOrder:
         finally:
             with self._changed:
                 progress.making = False
-                if progress.made == self.num_rows:
-                    whole = [e for e, p in self._epochs.items() if p.made == self.num_rows and e != epoch]
-                    for old in whole[:max(0, len(whole) + 1 - KEPT_EPOCHS)]:
-                        del self._epochs[old]
+                if self._epochs.get(epoch) is progress:
+                    self._evict(progress)
                 self._changed.notify_all()
 
 

@@ -438,7 +438,7 @@ class BalancedLoader:
             # Until the epoch's order is whole (made a window at a time: the plans below make the windows they need,
             # the read-ahead thread the rest when it has nothing to decode), the read-ahead decodes the row groups
             # of this read's windows and the next; then it follows the epoch's schedule (and makes the next epoch's
-            # order on its thread: the planner keeps two).
+            # order on its thread: ``EpochOrder`` keeps two).
             read_ahead = self._ahead
             unordered = self.planner.groups_while_ordering(epoch, first, count) if read_ahead is not None else None
             if read_ahead is not None and unordered is not None:

@@ -151,10 +151,9 @@ class BatchPlanner:
         # restart of its thread goes back to the window of the consumed position.
         self._windows: OrderedDict[tuple[int, int], _Window] = OrderedDict()
         self.windows_kept = _WINDOWS_KEPT
-        # (epoch, step) -> rows requeued onto that step, ascending.  Separate from the
-        # windows: re-plans only move a window's own rows, carry is added in ``plan``.
-        # Mutated only by the consumer (the loader halts its producer first, or the
-        # producer merely reads it), so a prefetching thread needs no lock.
+        # (epoch, step) -> rows requeued onto that step, ascending.  Separate from the windows: re-plans only move a
+        # window's own rows, carry is added in ``plan``.  Mutated only by the consumer (the loader halts its producer
+        # first, or the producer merely reads it), so a prefetching thread needs no lock.
         self._carry: dict[tuple[int, int], np.ndarray] = {}
         self._remainder: tuple[int, np.ndarray] | None = None
 
@@ -180,8 +179,8 @@ class BatchPlanner:
         return self.steps_per_epoch
 
     def epoch_rows(self, epoch: int, until: int | None = None) -> np.ndarray:
-        """The rows of ``epoch`` in planning order (global batch ``s`` is ``[s*G, (s+1)*G)`` of them); with
-        ``until``, only the first ``until`` are sure to be made (``EpochOrder.rows_until``): read no further."""
+        """The rows of ``epoch`` in planning order (global batch ``s`` is ``[s*G, (s+1)*G)`` of them); with ``until``,
+        only the first ``until`` sure to be made (``EpochOrder.rows_until``): read no further."""
         if self._remainder is not None and self._remainder[0] == epoch:
             return self._remainder[1]
         return self.order(epoch) if until is None else self.order.rows_until(epoch, until)

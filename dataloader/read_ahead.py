@@ -18,7 +18,8 @@ to need (at a few hundred samples a rank a step, drawn from the shuffle window's
 The next epoch's schedule (its shuffled rows and the pass over them, ~3.5 ms for 317k rows: 3 us a step of 256
 were it made by the prefetch thread at the epoch's end) is made on this thread once the reads are halfway through
 this epoch, when it has nothing to decode, and its row groups follow this epoch's.  An epoch whose order is not whole
-yet (a fresh loader's first: ``EpochOrder`` makes it a window at a time, as far as the plans need it) is primed
+at its first read (a fresh or resumed loader's: ``EpochOrder`` makes it a window at a time, as far as the plans need
+it) is primed
 instead (``prime``): each read's shuffle windows' row groups, and the next window's, known from the row groups'
 shuffle alone, decoded while the plans make their windows; with none to decode, this thread makes the rest of the
 order a window at a time, and the first read after it is whole installs the epoch's schedule.
@@ -80,8 +81,9 @@ class _Schedule:
 
 
 class ReadAhead(Generic[Decoded]):
-    """``decode(row_group)`` of the row groups the reads from ``at``'s step on will need, in that order, while fewer
-    than ``depth`` wait to be taken.
+    """``decode(row_group)`` of the row groups the reads from ``at``'s step on will need, in that order (or, while the
+    epoch's order is made, ``prime``'s, and with none to decode the order made on), while fewer than ``depth`` wait
+    to be taken.
 
     ``starts``: each row group's first row (and the total at the end); ``step_rows``: rows a step plans (the global
     batch); ``held(row_group)``: whether the source already holds it decoded (checked without its lock: a wrong
@@ -130,6 +132,8 @@ class ReadAhead(Generic[Decoded]):
         """An epoch follows the reads' (``at``'s): the thread makes its schedule."""
         self._advance: Callable[[], bool] | None = None
         """Makes the next window of a primed epoch's order (``prime``); None once it is whole."""
+        self._advancing: int | None = None
+        """The epoch ``_advance`` was armed for (not armed again for it)."""
         self._closed = False
         self._thread: threading.Thread | None = None
         self.decoded = 0
@@ -180,10 +184,13 @@ class ReadAhead(Generic[Decoded]):
         the whole epoch's order then its row groups (~4 ms, then ~3).  Nothing if the epoch's schedule is known."""
         with self._changed:
             known = self._schedules[:1]
-            self._advance = advance
+            arm = self._advancing != epoch and self._failed_epoch != epoch
+            if arm:
+                self._advance, self._advancing = advance, epoch
             if _has(self._schedules, epoch) is not None or (
                     known and known[0].epoch == epoch and known[0].groups == groups):
-                self._wake()
+                if arm:
+                    self._wake()
                 return
             self._step = step
             self._install(_Schedule.primed(epoch, step, groups), step)
@@ -218,6 +225,7 @@ class ReadAhead(Generic[Decoded]):
         with self._changed:
             self._ready.clear()
             self._for_next.clear()
+            self._advance = self._advancing = None
             self._schedules, self._order = [], []
             self._taken.clear()
 
@@ -235,8 +243,9 @@ class ReadAhead(Generic[Decoded]):
     # ----- the thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
         """The thread: the next row group of the schedule read and decoded (one pyarrow call, without the GIL) while
-        the reading thread builds batches; a read waiting for it in ``take`` is woken when it is done.  The first
-        time it has nothing to decode, the next epoch's schedule is made here (``_follow``)."""
+        the reading thread builds batches; a read waiting for it in ``take`` is woken when it is done.  When it has
+        nothing to decode: a primed epoch's order made on, a window at a time (``_advanced``); the next epoch's
+        schedule made, once (``_follow``)."""
         try:
             while True:
                 with self._changed:
@@ -252,10 +261,8 @@ class ReadAhead(Generic[Decoded]):
                 if group is None:  # (then ``following`` or ``advance`` is not)
                     if following is not None:
                         self._follow(following, rows_of)
-                    elif advance is not None and not advance():
-                        with self._changed:
-                            if self._advance is advance:
-                                self._advance = None
+                    elif advance is not None:
+                        self._advanced(advance)
                     continue
                 try:
                     entry: Decoded | _Failed = self._decode(group)
@@ -274,10 +281,25 @@ class ReadAhead(Generic[Decoded]):
                 self._in_flight = None
                 self._changed.notify_all()
 
+    def _advanced(self, advance: Callable[[], bool]) -> None:
+        """``advance()`` called: once the order is whole, or if making it failed (the plans, making it themselves,
+        meet the error: not tried here again in that epoch), not called again."""
+        try:
+            more = advance()
+        except Exception:
+            more = False
+            with self._changed:
+                self._failed_epoch = self._schedules[0].epoch if self._schedules else None
+        if not more:
+            with self._changed:
+                if self._advance is advance:
+                    self._advance = None
+
     def _ordering(self) -> Callable[[], bool] | None:
         """``prime``'s ``advance`` while the schedule is primed (its epoch's order not whole).  With ``_changed``
         held."""
-        return self._advance if self._schedules and not self._schedules[0].exact else None
+        primed = self._schedules and not self._schedules[0].exact and self._schedules[0].epoch == self._advancing
+        return self._advance if primed else None
 
     def _to_follow(self) -> int | None:
         """The epoch whose schedule the thread makes next: the one after this, once the reads are halfway through

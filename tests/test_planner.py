@@ -239,8 +239,6 @@ def test_the_epoch_order_is_made_once_per_epoch_and_one_epoch_made_does_not_hold
     assert sorted(first.tolist()) == list(range(600)) and not np.array_equal(first, results[0])
     order(2)  # (two epochs kept: the oldest dropped, made again when asked)
     assert order(0) is not first and np.array_equal(order(0), first)
-    # The order is the one the earlier code made (windows indexed by a permutation, not shuffled in place): runs
-    # resumed from older saves read the same rows.
     # Made a window at a time as far as asked: the first rows usable before the rest is shuffled, the rest made by
     # ``advance`` (or the next ask), the same order in the end.
     partial = EpochOrder(np.full(12, 50), seed=4, shuffle=True, window_row_groups=3)
@@ -251,12 +249,98 @@ def test_the_epoch_order_is_made_once_per_epoch_and_one_epoch_made_does_not_hold
     while partial.advance(2):
         steps += 1
     assert steps == 2 and partial.complete(2) and partial(2) is head and np.array_equal(head, reference(2))
+    # The order is the one the earlier code made (windows indexed by a permutation, not shuffled in place): runs
+    # resumed from older saves read the same rows.
     for epoch in range(3):
-        rng = np.random.default_rng([4, epoch])
-        groups = rng.permutation(12)
-        offsets = np.concatenate([[0], np.cumsum(np.full(12, 50)[groups])])
-        rows = np.arange(600) - np.repeat(offsets[:-1] - groups * 50, 50)
-        for start in range(0, 12, 3):
-            lo, hi = offsets[start], offsets[min(start + 3, 12)]
-            rows[lo:hi] = rows[lo:hi][rng.permutation(hi - lo)]
-        assert np.array_equal(rows, reference(epoch))
+        assert np.array_equal(earlier_order([50] * 12, 4, epoch, 3, True), reference(epoch))
+
+
+def earlier_order(sizes: list[int], seed: int, epoch: int, window: int, shuffle: bool) -> np.ndarray:
+    """An epoch's order as the earlier code made it (whole, each window indexed by a permutation)."""
+    rows_of = np.asarray(sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(rows_of)])
+    if not shuffle:
+        return np.arange(starts[-1])
+    rng = np.random.default_rng([seed, epoch])
+    groups = rng.permutation(rows_of.size)
+    offsets = np.concatenate([[0], np.cumsum(rows_of[groups])])
+    rows = np.arange(offsets[-1]) - np.repeat(offsets[:-1] - starts[groups], rows_of[groups])
+    for start in range(0, rows_of.size, window):
+        lo, hi = offsets[start], offsets[min(start + window, rows_of.size)]
+        rows[lo:hi] = rows[lo:hi][rng.permutation(hi - lo)]
+    return rows
+
+
+@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12), window=st.integers(0, 14), shuffle=st.booleans(),
+       ends=st.lists(st.integers(0, 500), max_size=4), seed=st.integers(0, 3))
+@settings(max_examples=60, deadline=None)
+def test_an_order_made_as_far_as_asked_is_the_earlier_codes_and_its_row_groups_are_known_before(
+        sizes: list[int], window: int, shuffle: bool, ends: list[int], seed: int) -> None:
+    order = EpochOrder(np.array(sizes), seed=seed, shuffle=shuffle, window_row_groups=window)
+    reference = earlier_order(sizes, seed, 1, max(1, window), shuffle)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for end in ends:  # (ends anywhere, windows of no rows among them)
+        end = min(end, reference.size)
+        first = end // 2
+        needed = set((np.searchsorted(starts, reference[first:end], side="right") - 1).tolist())
+        assert needed <= set(order.groups_of_rows(1, first, end))  # (before and after the rows are made)
+        assert np.array_equal(order.rows_until(1, end)[:end], reference[:end])
+        assert needed <= set(order.groups_of_rows(1, first, end))
+    while order.advance(1):
+        pass
+    assert order.complete(1) and np.array_equal(order(1), reference)
+
+
+def test_an_order_whose_making_failed_is_made_again_alike_and_orders_made_in_part_are_bounded() -> None:
+    from freescale.dataloader.epoch_order import KEPT_EPOCHS
+
+    class Boom:
+        def shuffle(self, rows: np.ndarray) -> None:
+            raise MemoryError("no room")
+
+    class Failing(EpochOrder):
+        fail = True
+
+        def _make(self, epoch: int, progress: Any, end: int) -> None:
+            if self.fail and progress.made > 0:  # (after its first window)
+                self.fail, progress.rng = False, Boom()
+            super()._make(epoch, progress, end)
+
+    order = Failing(np.full(12, 50), seed=4, shuffle=True, window_row_groups=3)
+    reference = earlier_order([50] * 12, 4, 0, 3, True)
+    assert np.array_equal(order.rows_until(0, 100)[:150], reference[:150])
+    with pytest.raises(MemoryError):
+        order.rows_until(0, 400)
+    assert np.array_equal(order(0), reference) and order.complete(0)  # (made again from its start)
+    for epoch in range(20):  # (each made in part: its last windows hold no step this loop asks for)
+        order.rows_until(epoch + 1, 256)
+    assert sum(not order.complete(e) for e in order._epochs) == KEPT_EPOCHS and sorted(order._epochs) == [0, 19, 20]
+    for epoch in range(5):
+        order(epoch)
+    assert sorted(order._epochs) == [3, 4, 19, 20]  # (two whole, the newest; two in part)
+
+
+def test_advance_waits_for_the_thread_making_the_order_and_forget_keeps_an_order_being_made() -> None:
+    import threading
+    import time
+
+    gate, entered = threading.Event(), threading.Event()
+
+    class Held(EpochOrder):
+        def _make(self, epoch: int, progress: Any, end: int) -> None:
+            if end == self.num_rows and threading.current_thread().name == "maker":
+                entered.set()
+                assert gate.wait(10)
+            super()._make(epoch, progress, end)
+
+    order = Held(np.full(12, 50), seed=4, shuffle=True, window_row_groups=3)
+    maker = threading.Thread(target=order, args=(0,), name="maker")
+    maker.start()
+    assert entered.wait(10)
+    order.forget()  # (the order being made is kept)
+    threading.Timer(0.2, gate.set).start()
+    started = time.monotonic()
+    order.advance(0)  # (waits for the maker's next window, without making one: not a spin)
+    assert time.monotonic() - started >= 0.15
+    maker.join(10)
+    assert order.complete(0) and np.array_equal(order(0), earlier_order([50] * 12, 4, 0, 3, True))

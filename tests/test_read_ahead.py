@@ -160,20 +160,34 @@ def test_a_primed_epoch_decodes_its_first_windows_row_groups_then_makes_its_orde
     windows_left = [3]
 
     def advance() -> bool:  # (one window of the order made a call; False once it is whole)
-        windows_left[0] -= 1
+        windows_left[0] = max(0, windows_left[0] - 1)
         return windows_left[0] > 0
 
     ahead.prime(0, 0, [1, 3, 4], advance)  # (the first read's shuffle windows, before the order exists)
-    until(lambda: windows_left[0] == 0)  # (two decoded, the depth; then, with nothing to decode, the order made)
-    time.sleep(0.05)
-    assert decodes.calls == [1, 3] and windows_left == [0] and ahead._advance is None
+    until(lambda: ahead._advance is None)  # (two decoded, the depth; then, with nothing to decode, the order made)
+    assert decodes.calls == [1, 3] and windows_left == [0]
     ahead.prime(0, 0, [1, 3, 4], advance)  # (asked again by the next read: nothing changes)
-    assert ahead.take(3) == "decoded 3" and windows_left == [0]
+    assert ahead._advance is None and ahead.take(3) == "decoded 3"
     until(lambda: decodes.calls == [1, 3, 4])  # (room again: the primed groups go on)
     ahead.at(0, 0, lambda epoch: rows)  # (the order whole: the epoch's schedule, keeping what was decoded)
     assert ahead.take(1) == "decoded 1" and ahead.take(4) == "decoded 4"
     until(lambda: decodes.calls == [1, 3, 4, 0, 2])  # (the schedule's others, in the order first needed)
     assert ahead.handed == 3
+    ahead.close()
+    failing = Decodes()  # (making the order fails on the thread: its decodes go on, the order is not tried there again)
+    ahead = ReadAhead(failing, STARTS, 10, 2, failing.held.__contains__)
+    tries: list[int] = []
+
+    def broken() -> bool:
+        tries.append(1)
+        raise MemoryError("no room for the order")
+
+    ahead.prime(0, 0, [2, 0, 4], broken)
+    until(lambda: ahead._advance is None and failing.calls == [2, 0])
+    ahead.prime(0, 0, [2, 0, 4], broken)
+    assert ahead.take(2) == "decoded 2"
+    until(lambda: failing.calls == [2, 0, 4])
+    assert tries == [1] and ahead._failed_epoch == 0
     ahead.close()
 
 
