@@ -147,10 +147,13 @@ def ours(path: Path, batch: int, max_len: int, read_ahead: int = 8, after_one: b
 
 def order_start(rows: int, repeats: int) -> dict[str, float]:
     """An epoch order of ``rows`` rows in row groups of 4,096 (windows of 8, the default), made fresh each time:
-    the first step's rows (256) usable, against the whole order made, each the median of ``repeats``: how long a
-    fresh loader (a start, a restart) waits for its epoch's order before its first batch."""
+    the first step's rows (256) usable, against the whole order made, and a step's rows halfway through the epoch
+    for an order resumed there (``EpochOrder.restore``: from its window's saved draws; before, the windows before it
+    were made first: half the whole order), each the median of ``repeats``: how long a fresh loader (a start, a
+    restart, a resume) waits for its epoch's order before its first batch."""
     groups = np.full(rows // 4096, 4096)
-    first, whole = [], []
+    first, whole, resumed = [], [], []
+    middle = int(groups.sum()) // 2
     for repeat in range(repeats):
         order = EpochOrder(groups, seed=repeat, shuffle=True, window_row_groups=8)
         start = time.perf_counter()
@@ -160,7 +163,15 @@ def order_start(rows: int, repeats: int) -> dict[str, float]:
         start = time.perf_counter()
         order(0)
         whole.append(1e3 * (time.perf_counter() - start))
-    return {"rows": float(groups.sum()), "first_step_ms": float(np.median(first)), "whole_ms": float(np.median(whole))}
+        saved = order.state_at(0, middle)  # (a position saved halfway: a loader resumed there)
+        assert saved is not None
+        order = EpochOrder(groups, seed=repeat, shuffle=True, window_row_groups=8)
+        start = time.perf_counter()
+        order.restore(saved)
+        order.rows_until(0, middle + 256, middle)
+        resumed.append(1e3 * (time.perf_counter() - start))
+    return {"rows": float(groups.sum()), "first_step_ms": float(np.median(first)), "whole_ms": float(np.median(whole)),
+            "resumed_halfway_ms": float(np.median(resumed))}
 
 
 class RowGroupBatches(IterableDataset):  # type: ignore[type-arg]
@@ -290,7 +301,8 @@ def main() -> None:
                            "bytes_on_disk"])
         order = order_start(2_000_000 if args.quick else 20_000_000, args.repeats)
         print(f"\nan epoch order of {order['rows']:,.0f} rows: its first step's rows made in {order['first_step_ms']:.2f} ms, "
-              f"the whole order in {order['whole_ms']:.1f} ms")
+              f"the whole order in {order['whole_ms']:.1f} ms; resumed halfway (its saved window's draws), that "
+              f"step's rows in {order['resumed_halfway_ms']:.2f} ms")
         wait = training_wait(format2, Path(tmp) / "run", 40 if args.quick else 100)
         print(f"\n2-rank tiny HSTU training on format 2: step {wait['step_ms']:.1f} ms, waited for data "
               f"{wait['loader_wait_ms']:.3f} ms per step ({100 * wait['wait_share']:.2f}% of the step)")

@@ -7,8 +7,11 @@ enough to mix, local enough that a step touches few row groups.  Seeded by ``(se
 from __future__ import annotations
 
 import threading
+from typing import Any, cast
 
 import numpy as np
+
+from freescale.dataloader.schema import DataError
 
 KEPT_EPOCHS = 2
 """Whole epochs' orders kept (8 bytes a row each): the one the reads are in and the next (the read-ahead thread makes
@@ -20,26 +23,71 @@ ADVANCE_WAIT_S = 1.0
 """How long ``advance`` waits at most for another thread's next window (a bound: it is woken at each)."""
 
 
-class _Progress:
-    """An epoch's order as it is made: ``rows`` final up to ``made`` (the rest not made yet: never read); the
-    random draws go on where the last window's ended (``rng``), at row group ``next`` of ``groups``."""
+class _Cursor:
+    """Where one run of windows is: the random draws go on from ``rng``, at row group ``next`` (of the epoch's
+    ``groups``), rows final below ``made``, up to row group ``stop``."""
 
-    __slots__ = ("groups", "made", "making", "next", "offsets", "rng", "rows", "sizes")
+    __slots__ = ("made", "next", "rng", "stop")
+
+    def __init__(self, rng: np.random.Generator, next_group: int, made: int, stop: int) -> None:
+        self.rng, self.next, self.made, self.stop = rng, next_group, made, stop
+
+
+class _Progress:
+    """An epoch's order as it is made: windows from its start (``low``) and, for an order resumed mid-epoch
+    (``EpochOrder.restore``), windows from the resumed window on (``high``, the draws restored where they were);
+    ``rows`` final where a cursor made them (nothing else is ever read)."""
+
+    __slots__ = ("firsts", "groups", "high", "low", "making", "offsets", "resumed", "rows", "sizes", "states")
 
     def __init__(self, order: EpochOrder, epoch: int) -> None:
         self.rows = np.empty(order.num_rows, dtype=np.int64)
-        self.made, self.making, self.next = 0, False, 0
-        self.rng = np.random.default_rng([order.seed, epoch])
-        self.groups = order.groups(epoch, self.rng)
+        rng = np.random.default_rng([order.seed, epoch])
+        self.groups = order.groups(epoch, rng)
         self.sizes = order.row_group_rows[self.groups]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
+        self.firsts = order.starts[self.groups] - self.offsets[:-1]  # (a row group's rows: their place + this)
+        self.low, self.high = _Cursor(rng, 0, 0, self.groups.size), cast(_Cursor | None, None)
+        self.making = False
+        self.resumed: dict[str, Any] | None = None
+        """The draws' state ``high`` was restored with (the low run's, reaching it, must agree)."""
+        self.states: dict[int, dict[str, Any]] = {}
+        """The draws' state before each window (by its first row group): what a saved position restores."""
+
+    def final(self, first: int, end: int) -> bool:
+        """Whether rows ``[first, end)`` are made."""
+        if end <= self.low.made:
+            return True
+        if self.high is None:
+            return False
+        start = int(self.offsets[self.low.stop])
+        return (first >= start or self.low.made >= start) and end <= self.high.made
+
+    def whole(self) -> bool:
+        return self.low.next >= self.low.stop and (self.high is None or self.high.next >= self.high.stop)
+
+    def made_rows(self) -> tuple[int, int]:
+        """Where each run is (a change says a window was made)."""
+        return self.low.made, self.high.made if self.high is not None else -1
+
+    def cursor_for(self, first: int) -> _Cursor | None:
+        """The cursor whose next window brings rows from ``first`` on closer (the resumed run's first, when
+        ``first`` is past where it began or the run from the start reached it)."""
+        high, low = self.high, self.low
+        if high is not None and high.next < high.stop and (first >= self.offsets[low.stop] or low.next >= low.stop):
+            return high
+        if low.next < low.stop:
+            return low
+        return high if high is not None and high.next < high.stop else None
 
 
 class EpochOrder:
     """Deterministic order of the split's rows in each epoch (module docstring).  Asked from two threads (the
     planner's and the read-ahead's): an epoch's order is made once, a window at a time as far as the asker needs
     (the random draws are sequential: the row groups' shuffle, then each window's rows in turn), the rest by later
-    askers or ``advance``; another epoch's order is taken meanwhile without waiting."""
+    askers or ``advance``; another epoch's order is taken meanwhile without waiting.  A saved position carries the
+    draws' state at its window (``state_at``): a resumed loader makes its order from there (``restore``), not from
+    the epoch's start, and the windows before it after."""
 
     def __init__(self, row_group_rows: np.ndarray, *, seed: int, shuffle: bool, window_row_groups: int) -> None:
         self.row_group_rows = row_group_rows.astype(np.int64)
@@ -54,7 +102,7 @@ class EpochOrder:
         """Whether epoch ``epoch``'s order is made whole."""
         with self._changed:
             progress = self._epochs.get(epoch)
-            return progress is not None and progress.made == self.num_rows
+            return progress is not None and progress.whole()
 
     def groups(self, epoch: int, rng: np.random.Generator | None = None) -> np.ndarray:
         """Epoch ``epoch``'s row groups in order: the order's first draw (from ``rng``, else a generator of its own)."""
@@ -78,6 +126,41 @@ class EpochOrder:
         high = (int(np.searchsorted(ends, max(first, end - 1), side="right")) // self.window + 2) * self.window
         return groups[low:high].tolist()
 
+    def state_at(self, epoch: int, row: int) -> dict[str, Any] | None:
+        """The draws' state before the window holding row ``row`` of epoch ``epoch``'s order, as JSON (a loader's
+        saved position: ``restore`` makes the order from there); None if that window is not made here."""
+        with self._changed:
+            progress = self._epochs.get(epoch)
+            if progress is None or not self.shuffle or not progress.groups.size:
+                return None
+            group = min(int(np.searchsorted(progress.offsets, row, side="right")) - 1, progress.groups.size - 1)
+            state = progress.states.get(group // self.window * self.window)
+        if state is None:
+            return None
+        return {"epoch": epoch, "seed": self.seed, "window_row_groups": self.window,
+                "row_group": group // self.window * self.window, "rng": _encoded(state)}
+
+    def restore(self, saved: dict[str, Any]) -> bool:
+        """Epoch ``saved["epoch"]``'s order made from the saved window on (``state_at``'s), the windows before it
+        after (from the epoch's start, as ever): a resumed loader's first steps wait for their window, not for
+        every window before them.  Whether it was taken (not when the epoch is made here already, or the state is
+        another order's: another seed or window)."""
+        epoch, group = int(saved["epoch"]), int(saved["row_group"])
+        if (not self.shuffle or saved.get("seed") != self.seed or saved.get("window_row_groups") != self.window
+                or group % self.window or not 0 < group < self.row_group_rows.size):
+            return False
+        rng = np.random.default_rng()
+        rng.bit_generator.state = _decoded(saved["rng"])
+        with self._changed:
+            if epoch in self._epochs:
+                return False
+            progress = _Progress(self, epoch)
+            progress.high = _Cursor(rng, group, int(progress.offsets[group]), progress.groups.size)
+            progress.low.stop, progress.resumed = group, rng.bit_generator.state
+            self._epochs[epoch] = progress
+            self._evict(progress)
+        return True
+
     def forget(self) -> None:
         """Keep no epoch's order (the next asked is made again: the same), but one being made (kept)."""
         with self._changed:
@@ -88,13 +171,13 @@ class EpochOrder:
         """Epoch ``epoch``'s whole order (what is not made yet made on this thread)."""
         return self.rows_until(epoch, self.num_rows)
 
-    def rows_until(self, epoch: int, end: int) -> np.ndarray:
-        """Epoch ``epoch``'s order with at least its first ``end`` rows made (read no further: the rest may not
-        be): the windows up to ``end`` not made yet are made on this thread (or waited for while another makes
-        them).  A planner's first steps of an epoch of 317k rows wait ~0.3 ms for their window, not ~4 ms for all."""
-        progress = self._take(epoch, end)
-        if progress.made < end:
-            self._make(epoch, progress, end)
+    def rows_until(self, epoch: int, end: int, first: int = 0) -> np.ndarray:
+        """Epoch ``epoch``'s order with at least its rows ``[first, end)`` made (read no others: they may not be):
+        the windows up to ``end`` not made yet are made on this thread (or waited for while another makes them).  A
+        planner's first steps of an epoch of 317k rows wait ~0.3 ms for their window, not ~4 ms for all."""
+        progress = self._take(epoch, first, end)
+        if not progress.final(first, end):
+            self._make(epoch, progress, first, end)
         return progress.rows
 
     def advance(self, epoch: int) -> bool:
@@ -105,23 +188,23 @@ class EpochOrder:
         with self._changed:
             other = self._epochs.get(epoch)
             if other is not None and other.making:
-                made, being_made = other.made, other
-                self._changed.wait_for(lambda: not being_made.making or being_made.made > made, ADVANCE_WAIT_S)
-                return being_made.made < self.num_rows
-        progress = self._take(epoch, self.num_rows)
-        if progress.made < self.num_rows:
-            self._make(epoch, progress, progress.made + 1)
-        return progress.made < self.num_rows
+                made, being_made = other.made_rows(), other
+                self._changed.wait_for(lambda: not being_made.making or being_made.made_rows() != made, ADVANCE_WAIT_S)
+                return not being_made.whole()
+        progress = self._take(epoch, self.num_rows, self.num_rows + 1)
+        if not progress.whole():
+            self._make(epoch, progress, self.num_rows, self.num_rows + 1, windows=1)
+        return not progress.whole()
 
-    def _take(self, epoch: int, end: int) -> _Progress:
-        """Epoch ``epoch``'s progress (created if new), marked as being made by this thread unless its first ``end``
-        rows are made (waiting while another thread makes it)."""
+    def _take(self, epoch: int, first: int, end: int) -> _Progress:
+        """Epoch ``epoch``'s progress (created if new), marked as being made by this thread unless its rows
+        ``[first, end)`` are made (waiting while another thread makes it)."""
         with self._changed:
             while True:
                 progress = self._epochs.get(epoch)
                 if progress is None:
                     progress = self._epochs[epoch] = _Progress(self, epoch)
-                if progress.made >= end:
+                if progress.final(first, end) or progress.whole():
                     return progress
                 if not progress.making:
                     progress.making = True
@@ -132,30 +215,25 @@ class EpochOrder:
     def _evict(self, newest: _Progress) -> None:
         """The oldest orders beyond ``KEPT_EPOCHS`` whole ones and as many made in part dropped, never ``newest`` nor
         one being made (a dropped one is made again, the same, if asked).  With ``_changed`` held."""
-        whole = [e for e, p in self._epochs.items() if p.made == self.num_rows and p is not newest]
-        partial = [e for e, p in self._epochs.items() if p.made < self.num_rows and not p.making and p is not newest]
+        whole = [e for e, p in self._epochs.items() if p.whole() and p is not newest]
+        partial = [e for e, p in self._epochs.items() if not p.whole() and not p.making and p is not newest]
         if not newest.making:  # (counted, never dropped: the last)
-            (whole if newest.made == self.num_rows else partial).append(-1)
+            (whole if newest.whole() else partial).append(-1)
         for epoch in whole[:max(0, len(whole) - KEPT_EPOCHS)] + partial[:max(0, len(partial) - KEPT_EPOCHS)]:
             del self._epochs[epoch]
 
-    def _make(self, epoch: int, progress: _Progress, end: int) -> None:
-        """``progress``'s windows made until its first ``end`` rows are, in place (the same orders as indexing by a
-        permutation of each window), each published as it is made; this thread's mark then lifted.  On a failure
-        the epoch's progress is dropped (the next asker starts it again and meets the error itself)."""
+    def _make(self, epoch: int, progress: _Progress, first: int, end: int, windows: int | None = None) -> None:
+        """``progress``'s windows made until its rows ``[first, end)`` are (at most ``windows`` of them), each
+        published as it is made; this thread's mark then lifted (it holds it).  On a failure the epoch's progress
+        is dropped (the next asker starts it again and meets the error itself)."""
         try:
-            groups, sizes, offsets, window = progress.groups, progress.sizes, progress.offsets, self.window
-            firsts = self.starts[groups] - offsets[:-1]  # (a row group's rows: their place in the order + this)
-            while progress.made < end and progress.next < groups.size:
-                start, stop = progress.next, min(progress.next + window, groups.size)
-                low, high = int(offsets[start]), int(offsets[stop])
-                rows = progress.rows[low:high]
-                rows[:] = np.arange(low, high, dtype=np.int64) + np.repeat(firsts[start:stop], sizes[start:stop])
-                if self.shuffle:
-                    progress.rng.shuffle(rows)
-                with self._changed:
-                    progress.made, progress.next = high, stop
-                    self._changed.notify_all()
+            made = 0
+            while (windows is None or made < windows) and not progress.final(first, end):
+                cursor = progress.cursor_for(first)
+                if cursor is None:
+                    break
+                self._window(progress, cursor)
+                made += 1
         except BaseException:
             with self._changed:
                 if self._epochs.get(epoch) is progress:
@@ -167,6 +245,39 @@ class EpochOrder:
                 if self._epochs.get(epoch) is progress:
                     self._evict(progress)
                 self._changed.notify_all()
+
+    def _window(self, progress: _Progress, cursor: _Cursor) -> None:
+        """``cursor``'s next window made in place (the same orders as indexing by a permutation of the window) and
+        published.  The run from the epoch's start reaching where a resumed one began must have drawn alike."""
+        start, stop = cursor.next, min(cursor.next + self.window, cursor.stop)
+        low, high = int(progress.offsets[start]), int(progress.offsets[stop])
+        rows = progress.rows[low:high]
+        rows[:] = np.arange(low, high, dtype=np.int64) + np.repeat(progress.firsts[start:stop],
+                                                                     progress.sizes[start:stop])
+        if self.shuffle:
+            progress.states[start] = dict(cursor.rng.bit_generator.state)
+            cursor.rng.shuffle(rows)
+        with self._changed:
+            cursor.made, cursor.next = high, stop
+            self._changed.notify_all()
+        if cursor is progress.low and stop == cursor.stop and progress.resumed is not None:
+            if cursor.rng.bit_generator.state != progress.resumed:
+                raise DataError(f"the epoch's order resumed at row group {stop} of its shuffle is not the one its "
+                                "seed makes (a saved position from another dataset or freescale)")
+
+
+def _encoded(state: dict[str, Any]) -> dict[str, Any]:
+    """A PCG64 state as JSON (its 128-bit numbers as hex)."""
+    inner = state["state"]
+    return {"bit_generator": state["bit_generator"], "state": hex(inner["state"]), "inc": hex(inner["inc"]),
+            "has_uint32": int(state["has_uint32"]), "uinteger": int(state["uinteger"])}
+
+
+def _decoded(saved: dict[str, Any]) -> dict[str, Any]:
+    if saved.get("bit_generator") != "PCG64":
+        raise DataError(f"a saved order's draws come from {saved.get('bit_generator')!r}, not PCG64")
+    return {"bit_generator": "PCG64", "state": {"state": int(saved["state"], 16), "inc": int(saved["inc"], 16)},
+            "has_uint32": int(saved["has_uint32"]), "uinteger": int(saved["uinteger"])}
 
 
 __all__ = ["EpochOrder"]

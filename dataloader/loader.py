@@ -284,6 +284,11 @@ class BalancedLoader:
         }
         if self._reshaped_from is not None and self._reshaped_from[0] == self.epoch:
             state["reshaped_from"] = self._reshaped_from[1]  # this epoch is still the remainder it defined
+        else:  # (the order's draws at the position's window: a resume makes its order from there)
+            window = self.planner.window
+            order = self.planner.order.state_at(self.epoch, self.step // window * window * self.global_batch_size)
+            if order is not None:
+                state["order"] = order
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -318,6 +323,8 @@ class BalancedLoader:
         if state.get("reshaped_from"):
             self._reshaped_from = (self.epoch, state["reshaped_from"])
             self.planner.set_remainder(*remainder(state["reshaped_from"], self.source.lengths, self.source.rg_rows))
+        elif state.get("order") and int(state["order"]["epoch"]) == self.epoch:
+            self.planner.order.restore(state["order"])
         self.planner.load_window_state(state.get("window") or {})
         self.planner.load_carry_state(state.get("carry") or [])
 

@@ -178,12 +178,12 @@ class BatchPlanner:
             return int(self._remainder[1].size) // self.global_batch_size
         return self.steps_per_epoch
 
-    def epoch_rows(self, epoch: int, until: int | None = None) -> np.ndarray:
+    def epoch_rows(self, epoch: int, until: int | None = None, first: int = 0) -> np.ndarray:
         """The rows of ``epoch`` in planning order (global batch ``s`` is ``[s*G, (s+1)*G)`` of them); with ``until``,
-        only the first ``until`` sure to be made (``EpochOrder.rows_until``): read no further."""
+        only rows ``[first, until)`` sure to be made (``EpochOrder.rows_until``): read no others."""
         if self._remainder is not None and self._remainder[0] == epoch:
             return self._remainder[1]
-        return self.order(epoch) if until is None else self.order.rows_until(epoch, until)
+        return self.order(epoch) if until is None else self.order.rows_until(epoch, until, first)
 
     def groups_while_ordering(self, epoch: int, first: int, count: int) -> list[int] | None:
         """The row groups steps ``first .. first + count - 1`` of ``epoch`` draw on while its order is not whole
@@ -230,7 +230,7 @@ class BatchPlanner:
         fresh: dict[int, StepPlan] = {}
         if self._plan_alike(epoch, todo, ranks):
             g, model = self.global_batch_size, self._models.at(epoch, todo[0])
-            samples = self.epoch_rows(epoch, (todo[-1] + 1) * g)[todo[0] * g:(todo[-1] + 1) * g]
+            samples = self.epoch_rows(epoch, (todo[-1] + 1) * g, todo[0] * g)[todo[0] * g:(todo[-1] + 1) * g]
             costs = self.costs(model, samples)
             parts = lpt_steps(costs, len(todo), len(ranks), self.equal_count)
             taken = np.concatenate([part.index for part in parts]) + np.repeat(np.arange(len(todo)) * g, g)
@@ -391,7 +391,7 @@ class BatchPlanner:
         count = min(self.window, self.steps_in(epoch) - first)
         g = self.global_batch_size
         end = None if self.keep_partial and first + count == self.steps_in(epoch) else (first + count) * g
-        samples = self.epoch_rows(epoch, end)[first * g : end]  # keep_partial: the last step takes the remainder
+        samples = self.epoch_rows(epoch, end, first * g)[first * g : end]  # keep_partial: the last step takes the rest
         ranks = tuple(live_ranks)
         win = _Window(epoch, index, first, model, ranks, samples, self.costs(model, samples), [],
                       capacities=capacities)

@@ -3,6 +3,7 @@ windows, read locality, rank speeds, and several steps planned at once."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from freescale.dataloader.cost import CostModel
 from freescale.dataloader.epoch_order import EpochOrder
 from freescale.dataloader.partition import lpt_steps
 from freescale.dataloader.planner import BatchPlanner
+from freescale.dataloader.schema import DataError
 
 
 def make_planner(lengths: np.ndarray, window: int, seed: int = 0, locality: bool = False,
@@ -213,11 +215,11 @@ def test_the_epoch_order_is_made_once_per_epoch_and_one_epoch_made_does_not_hold
     release = threading.Event()
 
     class SlowOrder(EpochOrder):
-        def _make(self, epoch: int, progress: Any, end: int) -> None:
+        def _make(self, epoch: int, progress: Any, first: int, end: int, windows: int | None = None) -> None:
             made.append(epoch)
             if epoch == 1:  # (the read-ahead thread making the next epoch's)
                 assert release.wait(10)
-            super()._make(epoch, progress, end)
+            super()._make(epoch, progress, first, end, windows)
 
     order = SlowOrder(np.full(12, 50), seed=4, shuffle=True, window_row_groups=3)
     first = order(0)
@@ -295,16 +297,18 @@ def test_an_order_whose_making_failed_is_made_again_alike_and_orders_made_in_par
     from freescale.dataloader.epoch_order import KEPT_EPOCHS
 
     class Boom:
+        bit_generator = np.random.default_rng(0).bit_generator
+
         def shuffle(self, rows: np.ndarray) -> None:
             raise MemoryError("no room")
 
     class Failing(EpochOrder):
         fail = True
 
-        def _make(self, epoch: int, progress: Any, end: int) -> None:
-            if self.fail and progress.made > 0:  # (after its first window)
-                self.fail, progress.rng = False, Boom()
-            super()._make(epoch, progress, end)
+        def _make(self, epoch: int, progress: Any, first: int, end: int, windows: int | None = None) -> None:
+            if self.fail and progress.low.made > 0:  # (after its first window)
+                self.fail, progress.low.rng = False, Boom()
+            super()._make(epoch, progress, first, end, windows)
 
     order = Failing(np.full(12, 50), seed=4, shuffle=True, window_row_groups=3)
     reference = earlier_order([50] * 12, 4, 0, 3, True)
@@ -327,11 +331,11 @@ def test_advance_waits_for_the_thread_making_the_order_and_forget_keeps_an_order
     gate, entered = threading.Event(), threading.Event()
 
     class Held(EpochOrder):
-        def _make(self, epoch: int, progress: Any, end: int) -> None:
+        def _make(self, epoch: int, progress: Any, first: int, end: int, windows: int | None = None) -> None:
             if end == self.num_rows and threading.current_thread().name == "maker":
                 entered.set()
                 assert gate.wait(10)
-            super()._make(epoch, progress, end)
+            super()._make(epoch, progress, first, end, windows)
 
     order = Held(np.full(12, 50), seed=4, shuffle=True, window_row_groups=3)
     maker = threading.Thread(target=order, args=(0,), name="maker")
@@ -344,3 +348,32 @@ def test_advance_waits_for_the_thread_making_the_order_and_forget_keeps_an_order
     assert time.monotonic() - started >= 0.15
     maker.join(10)
     assert order.complete(0) and np.array_equal(order(0), earlier_order([50] * 12, 4, 0, 3, True))
+
+
+def test_a_position_saved_with_its_windows_draws_resumes_the_same_order_from_there() -> None:
+    sizes = [50, 0, 30, 50, 70, 50, 10, 50, 50, 40, 50, 50, 20, 50]
+    made = EpochOrder(np.array(sizes), seed=7, shuffle=True, window_row_groups=3)
+    reference = earlier_order(sizes, 7, 2, 3, True)
+    assert np.array_equal(made(2), reference)
+    ends = np.cumsum(np.array(sizes)[made.groups(2)])  # (each row group's end in the order)
+    first_window = made.state_at(2, 5)
+    assert first_window is not None and first_window["row_group"] == 0 and not made.restore(first_window)
+    for row in (160, 400, 529):
+        saved = json.loads(json.dumps(made.state_at(2, row)))  # (as a checkpoint keeps it)
+        window_start = int(ends[saved["row_group"] - 1])  # (the rows of the windows before it)
+        assert window_start <= row and saved["row_group"] % 3 == 0 and saved["row_group"] > 0
+        resumed = EpochOrder(np.array(sizes), seed=7, shuffle=True, window_row_groups=3)
+        assert resumed.restore(saved) and not resumed.restore(saved)  # (once: the epoch is made there then)
+        rows = resumed.rows_until(2, row + 1, window_start)
+        assert np.array_equal(rows[window_start:row + 1], reference[window_start:row + 1])
+        assert resumed._epochs[2].low.made == 0  # (nothing before its window made)
+        while resumed.advance(2):  # (then the rest, and the windows before it from the start, drawn alike)
+            pass
+        assert resumed.complete(2) and np.array_equal(resumed(2), reference)
+    other = EpochOrder(np.array(sizes), seed=8, shuffle=True, window_row_groups=3)
+    assert not other.restore(made.state_at(2, 400) or {})  # (another seed's: made from the start)
+    forged = dict(made.state_at(2, 400) or {}, rng=made.state_at(2, 160)["rng"])  # type: ignore[index]
+    wrong = EpochOrder(np.array(sizes), seed=7, shuffle=True, window_row_groups=3)
+    assert wrong.restore(forged)
+    with pytest.raises(DataError, match="not the one its seed makes"):
+        wrong(2)
