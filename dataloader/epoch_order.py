@@ -7,6 +7,7 @@ enough to mix, local enough that a step touches few row groups.  Seeded by ``(se
 from __future__ import annotations
 
 import threading
+import zlib
 from typing import Any, cast
 
 import numpy as np
@@ -25,7 +26,7 @@ ADVANCE_WAIT_S = 1.0
 
 class _Cursor:
     """Where one run of windows is: the random draws go on from ``rng``, at row group ``next`` (of the epoch's
-    ``groups``), rows final below ``made``, up to row group ``stop``."""
+    ``groups``), up to row group ``stop``; its rows final from where it began up to ``made``."""
 
     __slots__ = ("made", "next", "rng", "stop")
 
@@ -38,7 +39,8 @@ class _Progress:
     (``EpochOrder.restore``), windows from the resumed window on (``high``, the draws restored where they were);
     ``rows`` final where a cursor made them (nothing else is ever read)."""
 
-    __slots__ = ("firsts", "groups", "high", "low", "making", "offsets", "resumed", "rows", "sizes", "states")
+    __slots__ = ("failure", "firsts", "groups", "high", "low", "making", "offsets", "resumed", "rows", "sizes",
+                 "states")
 
     def __init__(self, order: EpochOrder, epoch: int) -> None:
         self.rows = np.empty(order.num_rows, dtype=np.int64)
@@ -53,6 +55,8 @@ class _Progress:
         """The draws' state ``high`` was restored with (the low run's, reaching it, must agree)."""
         self.states: dict[int, dict[str, Any]] = {}
         """The draws' state before each window (by its first row group): what a saved position restores."""
+        self.failure: DataError | None = None
+        """A resumed order found not to be the seed's: raised to every asker of the epoch."""
 
     def final(self, first: int, end: int) -> bool:
         """Whether rows ``[first, end)`` are made."""
@@ -127,27 +131,30 @@ class EpochOrder:
         return groups[low:high].tolist()
 
     def state_at(self, epoch: int, row: int) -> dict[str, Any] | None:
-        """The draws' state before the window holding row ``row`` of epoch ``epoch``'s order, as JSON (a loader's
-        saved position: ``restore`` makes the order from there); None if that window is not made here."""
+        """The draws' state before the window holding row ``row`` of epoch ``epoch``'s order, as JSON, with what
+        identifies the order (its seed, window, row groups' sizes and shuffle, numpy's version): a loader's saved
+        position, from which ``restore`` makes the order.  None for an unshuffled order, or a window whose
+        previous one is not made here."""
         with self._changed:
             progress = self._epochs.get(epoch)
             if progress is None or not self.shuffle or not progress.groups.size:
                 return None
             group = min(int(np.searchsorted(progress.offsets, row, side="right")) - 1, progress.groups.size - 1)
-            state = progress.states.get(group // self.window * self.window)
+            group = group // self.window * self.window
+            state = progress.states.get(group)
         if state is None:
             return None
-        return {"epoch": epoch, "seed": self.seed, "window_row_groups": self.window,
-                "row_group": group // self.window * self.window, "rng": _encoded(state)}
+        return {"epoch": epoch, "row_group": group, "rng": _encoded(state), **self._identity(progress.groups)}
 
     def restore(self, saved: dict[str, Any]) -> bool:
         """Epoch ``saved["epoch"]``'s order made from the saved window on (``state_at``'s), the windows before it
         after (from the epoch's start, as ever): a resumed loader's first steps wait for their window, not for
-        every window before them.  Whether it was taken (not when the epoch is made here already, or the state is
-        another order's: another seed or window)."""
+        every window before them.  Whether it was taken: not when the epoch is made here already, nor for another
+        order's state (another seed, window, row groups, or numpy, whose draws may differ: made from the start)."""
         epoch, group = int(saved["epoch"]), int(saved["row_group"])
-        if (not self.shuffle or saved.get("seed") != self.seed or saved.get("window_row_groups") != self.window
-                or group % self.window or not 0 < group < self.row_group_rows.size):
+        if not self.shuffle or group % self.window or not 0 < group < self.row_group_rows.size:
+            return False
+        if any(saved.get(key) != value for key, value in self._identity(self.groups(epoch)).items()):
             return False
         rng = np.random.default_rng()
         rng.bit_generator.state = _decoded(saved["rng"])
@@ -161,10 +168,17 @@ class EpochOrder:
             self._evict(progress)
         return True
 
+    def _identity(self, groups: np.ndarray) -> dict[str, Any]:
+        """What a saved draws' state belongs to: the seed, the window, the row groups' sizes and their shuffle (a
+        digest each), numpy's version (its shuffle's draws are not promised alike across versions)."""
+        return {"seed": self.seed, "window_row_groups": self.window, "numpy": np.__version__,
+                "sizes_crc": zlib.crc32(self.row_group_rows.tobytes()),
+                "groups_crc": zlib.crc32(np.ascontiguousarray(groups, dtype=np.int64).tobytes())}
+
     def forget(self) -> None:
-        """Keep no epoch's order (the next asked is made again: the same), but one being made (kept)."""
+        """Keep no epoch's order (the next asked is made again: the same), but one being made or failed (kept)."""
         with self._changed:
-            for epoch in [e for e, progress in self._epochs.items() if not progress.making]:
+            for epoch in [e for e, p in self._epochs.items() if not p.making and p.failure is None]:
                 del self._epochs[epoch]
 
     def __call__(self, epoch: int) -> np.ndarray:
@@ -204,6 +218,8 @@ class EpochOrder:
                 progress = self._epochs.get(epoch)
                 if progress is None:
                     progress = self._epochs[epoch] = _Progress(self, epoch)
+                if progress.failure is not None:
+                    raise progress.failure
                 if progress.final(first, end) or progress.whole():
                     return progress
                 if not progress.making:
@@ -215,8 +231,9 @@ class EpochOrder:
     def _evict(self, newest: _Progress) -> None:
         """The oldest orders beyond ``KEPT_EPOCHS`` whole ones and as many made in part dropped, never ``newest`` nor
         one being made (a dropped one is made again, the same, if asked).  With ``_changed`` held."""
-        whole = [e for e, p in self._epochs.items() if p.whole() and p is not newest]
-        partial = [e for e, p in self._epochs.items() if not p.whole() and not p.making and p is not newest]
+        kept = [(e, p) for e, p in self._epochs.items() if p is not newest and p.failure is None]  # (a failed: raised)
+        whole = [e for e, p in kept if p.whole()]
+        partial = [e for e, p in kept if not p.whole() and not p.making]
         if not newest.making:  # (counted, never dropped: the last)
             (whole if newest.whole() else partial).append(-1)
         for epoch in whole[:max(0, len(whole) - KEPT_EPOCHS)] + partial[:max(0, len(partial) - KEPT_EPOCHS)]:
@@ -225,7 +242,8 @@ class EpochOrder:
     def _make(self, epoch: int, progress: _Progress, first: int, end: int, windows: int | None = None) -> None:
         """``progress``'s windows made until its rows ``[first, end)`` are (at most ``windows`` of them), each
         published as it is made; this thread's mark then lifted (it holds it).  On a failure the epoch's progress
-        is dropped (the next asker starts it again and meets the error itself)."""
+        is dropped (the next asker starts it again and meets the error itself), but a resumed order found not to be
+        the seed's, which is kept to raise it to every asker."""
         try:
             made = 0
             while (windows is None or made < windows) and not progress.final(first, end):
@@ -236,7 +254,7 @@ class EpochOrder:
                 made += 1
         except BaseException:
             with self._changed:
-                if self._epochs.get(epoch) is progress:
+                if self._epochs.get(epoch) is progress and progress.failure is None:
                     del self._epochs[epoch]
             raise
         finally:
@@ -255,15 +273,19 @@ class EpochOrder:
         rows[:] = np.arange(low, high, dtype=np.int64) + np.repeat(progress.firsts[start:stop],
                                                                      progress.sizes[start:stop])
         if self.shuffle:
-            progress.states[start] = dict(cursor.rng.bit_generator.state)
+            progress.states.setdefault(start, dict(cursor.rng.bit_generator.state))
             cursor.rng.shuffle(rows)
+            progress.states.setdefault(stop, dict(cursor.rng.bit_generator.state))  # (the next window's, made or not)
+            if cursor is progress.low and stop == cursor.stop and progress.resumed is not None and (
+                    cursor.rng.bit_generator.state != progress.resumed):
+                with self._changed:  # (every asker of this epoch meets it: no order switched mid-epoch)
+                    progress.failure = DataError(
+                        f"the epoch's order resumed at row group {stop} of its shuffle is not the one its seed makes: "
+                        "the saved position's rows were not the ones trained before it; resume from another save")
+                raise progress.failure
         with self._changed:
             cursor.made, cursor.next = high, stop
             self._changed.notify_all()
-        if cursor is progress.low and stop == cursor.stop and progress.resumed is not None:
-            if cursor.rng.bit_generator.state != progress.resumed:
-                raise DataError(f"the epoch's order resumed at row group {stop} of its shuffle is not the one its "
-                                "seed makes (a saved position from another dataset or freescale)")
 
 
 def _encoded(state: dict[str, Any]) -> dict[str, Any]:

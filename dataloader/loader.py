@@ -19,11 +19,11 @@ steps draw on are read and decoded to Arrow ahead, on a thread of their own (``r
 ``read_ahead.py``), so the prefetch thread mostly finds them decoded and only checks them.  ``prefetch = 0`` does
 it all inline, one step at a time.
 
-Position and resumption: ``state_dict`` holds the next (epoch, step) to be
-*consumed* (prefetched batches do not count) and the current planning window's
-history; ``load_state_dict`` restarts there, also with a different set of live
-ranks (the rest of the window is re-planned over them).  ``set_live_ranks``
-changes the set between steps and discards batches prefetched for the old one.
+Position and resumption: ``state_dict`` holds the next (epoch, step) to be *consumed* (prefetched batches do not
+count), the current planning window's history and the order's draws at its window (``EpochOrder.state_at``: the
+order is made from there); ``load_state_dict`` restarts there, also with a different set of live ranks (the rest of
+the window is re-planned over them).  ``set_live_ranks`` changes the set between steps and discards batches
+prefetched for the old one.
 
 Requeue: when a rank dies in the middle of a step, the survivors commit that
 step without its samples and call ``requeue(its rows)`` (``last.plan_rows``

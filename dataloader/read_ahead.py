@@ -34,6 +34,7 @@ schedule no longer reaches (a restart elsewhere, steps that did not need them) a
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -42,6 +43,7 @@ import numba
 import numpy as np
 
 Decoded = TypeVar("Decoded")
+log = logging.getLogger("freescale.dataloader")
 
 
 CLOSE_WAIT_S = 10.0
@@ -287,6 +289,7 @@ class ReadAhead(Generic[Decoded]):
         try:
             more = advance()
         except Exception:
+            log.exception("the read-ahead could not make the epoch's order on (the reads make it themselves)")
             more = False
             with self._changed:
                 self._failed_epoch = self._schedules[0].epoch if self._schedules else None

@@ -57,17 +57,19 @@ def test_resume_mid_epoch_equals_uninterrupted(tiny_data: Path, prefetch: int, w
 def test_a_resume_makes_its_order_from_the_saved_windows_draws_not_from_the_epochs_start(tiny_data: Path,
                                                                                           prefetch: int) -> None:
     cfg = {"prefetch": prefetch, "read_ahead": 3 if prefetch else 0, "shuffle_row_groups": 1, "batch_size": 512}
-    straight = consume(make(tiny_data, **cfg), 17)
+    straight_loader = make(tiny_data, **cfg)
+    straight = consume(straight_loader, 17)
     first = make(tiny_data, **cfg)
     consume(first, 12)
     state = first.state_dict()
     first.close()
-    assert state["order"]["row_group"] >= 2  # (step 12's rows, 12,288 on: the third row group of 4,096 or later)
+    assert state["order"]["row_group"] >= 2  # (step 12's rows, 12,288 on: past the first two row groups of 4,096)
     resumed = make(tiny_data, **cfg)
     resumed.load_state_dict(state)
     assert resumed.planner.order._epochs[0].low.made == 0  # (no window before the saved one made to resume)
     assert all(np.array_equal(a, b) for a, b in zip(consume(resumed, 5), straight[12:]))
     resumed.close()
+    straight_loader.close()
 
 
 def test_batch_fields_and_loss_scale(tiny_data: Path) -> None:

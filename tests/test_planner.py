@@ -370,10 +370,27 @@ def test_a_position_saved_with_its_windows_draws_resumes_the_same_order_from_the
         while resumed.advance(2):  # (then the rest, and the windows before it from the start, drawn alike)
             pass
         assert resumed.complete(2) and np.array_equal(resumed(2), reference)
-    other = EpochOrder(np.array(sizes), seed=8, shuffle=True, window_row_groups=3)
-    assert not other.restore(made.state_at(2, 400) or {})  # (another seed's: made from the start)
-    forged = dict(made.state_at(2, 400) or {}, rng=made.state_at(2, 160)["rng"])  # type: ignore[index]
+    saved = made.state_at(2, 400)
+    assert saved is not None
+    for other, changed in ((EpochOrder(np.array(sizes), seed=8, shuffle=True, window_row_groups=3), saved),
+                           (EpochOrder(np.array(sizes[::-1]), seed=7, shuffle=True, window_row_groups=3), saved),
+                           (EpochOrder(np.array(sizes), seed=7, shuffle=True, window_row_groups=3),
+                            dict(saved, numpy="1.0.0"))):  # (another seed, row groups, numpy: made from the start)
+        assert not other.restore(changed) and not other._epochs
+    fresh = EpochOrder(np.array(sizes), seed=7, shuffle=True, window_row_groups=3)
+    fresh.rows_until(2, 1)  # (its first window only: the next one's draws are known, not yet made)
+    second_window = int(ends[2])  # (its first row)
+    assert fresh.state_at(2, second_window) == made.state_at(2, second_window) is not None
+    assert fresh.state_at(2, second_window)["row_group"] == 3 and fresh.state_at(2, int(ends[5])) is None  # type: ignore[index]
+    # A state that passes every check but is not the seed's (a bug's): once the run from the epoch's start reaches it,
+    # every ask of that epoch fails, the read-ahead's and the plans' alike; the order is never switched mid-epoch.
     wrong = EpochOrder(np.array(sizes), seed=7, shuffle=True, window_row_groups=3)
-    assert wrong.restore(forged)
+    assert wrong.restore(dict(saved, rng=made.state_at(2, 160)["rng"]))  # type: ignore[index]
     with pytest.raises(DataError, match="not the one its seed makes"):
-        wrong(2)
+        while wrong.advance(2):
+            pass
+    for ask in (lambda: wrong.rows_until(2, 600, 500), lambda: wrong(2), lambda: wrong.advance(2)):
+        with pytest.raises(DataError, match="not the one its seed makes"):
+            ask()
+    wrong.forget()
+    assert not wrong.complete(2) and 2 in wrong._epochs
