@@ -16,9 +16,12 @@ from freescale.dataloader.schema import DataError
 
 KEPT_EPOCHS = 2
 """Whole epochs' orders kept (8 bytes a row each): the one the reads are in and the next (the read-ahead thread makes
-it before the planner reaches it, ``read_ahead.py``); beside them, and any being made, as many made in part (an
-epoch's last windows may hold no step's rows: without a read-ahead to finish it, an order stays partly made)."""
+it before the planner reaches it, ``read_ahead.py``); beside them, and any being made or failed, as many made in part
+(an epoch's last windows may hold no step's rows: without a read-ahead to finish it, an order stays partly made)."""
 
+
+ORDER_VERSION = 1
+"""How an epoch's order is drawn (a saved draws' state restores only the same way's)."""
 
 ADVANCE_WAIT_S = 1.0
 """How long ``advance`` waits at most for another thread's next window (a bound: it is woken at each)."""
@@ -133,11 +136,13 @@ class EpochOrder:
     def state_at(self, epoch: int, row: int) -> dict[str, Any] | None:
         """The draws' state before the window holding row ``row`` of epoch ``epoch``'s order, as JSON, with what
         identifies the order (its seed, window, row groups' sizes and shuffle, numpy's version): a loader's saved
-        position, from which ``restore`` makes the order.  None for an unshuffled order, or a window whose
-        previous one is not made here."""
+        position, from which ``restore`` makes the order (after a restore, its window's at once).  None for an
+        unshuffled order, a window whose previous one is not made here, or an order found not to be the seed's."""
         with self._changed:
             progress = self._epochs.get(epoch)
             if progress is None or not self.shuffle or not progress.groups.size:
+                return None
+            if progress.failure is not None:  # (its draws are not the seed's: never passed on)
                 return None
             group = min(int(np.searchsorted(progress.offsets, row, side="right")) - 1, progress.groups.size - 1)
             group = group // self.window * self.window
@@ -158,12 +163,17 @@ class EpochOrder:
             return False
         rng = np.random.default_rng()
         rng.bit_generator.state = _decoded(saved["rng"])
+        if rng.bit_generator.state["state"]["inc"] != np.random.default_rng([self.seed, epoch]).bit_generator.state[
+                "state"]["inc"]:  # (PCG64's stream is fixed by its seed: another epoch's or seed's draws)
+            return False
         with self._changed:
-            if epoch in self._epochs:
+            known = self._epochs.get(epoch)
+            if known is not None and known.failure is None:
                 return False
-            progress = _Progress(self, epoch)
+            progress = _Progress(self, epoch)  # (in place of one that failed: this process meets a good save again)
             progress.high = _Cursor(rng, group, int(progress.offsets[group]), progress.groups.size)
-            progress.low.stop, progress.resumed = group, rng.bit_generator.state
+            progress.low.stop, progress.resumed = group, dict(rng.bit_generator.state)
+            progress.states[group] = dict(progress.resumed)
             self._epochs[epoch] = progress
             self._evict(progress)
         return True
@@ -171,7 +181,7 @@ class EpochOrder:
     def _identity(self, groups: np.ndarray) -> dict[str, Any]:
         """What a saved draws' state belongs to: the seed, the window, the row groups' sizes and their shuffle (a
         digest each), numpy's version (its shuffle's draws are not promised alike across versions)."""
-        return {"seed": self.seed, "window_row_groups": self.window, "numpy": np.__version__,
+        return {"order_version": ORDER_VERSION, "seed": self.seed, "window_row_groups": self.window, "numpy": np.__version__,
                 "sizes_crc": zlib.crc32(self.row_group_rows.tobytes()),
                 "groups_crc": zlib.crc32(np.ascontiguousarray(groups, dtype=np.int64).tobytes())}
 
@@ -198,7 +208,7 @@ class EpochOrder:
         """One more window of epoch ``epoch``'s order made; while another thread makes it, that thread's next window
         (or its end) waited for instead, nothing made here (a caller looping on this never spins); whether any is
         left to make after it (a thread with nothing else to do finishes the order this way, a window at a time,
-        before the reads need it)."""
+        before the reads need it).  A resumed order found not to be the seed's raises its error here too."""
         with self._changed:
             other = self._epochs.get(epoch)
             if other is not None and other.making:
@@ -219,7 +229,7 @@ class EpochOrder:
                 if progress is None:
                     progress = self._epochs[epoch] = _Progress(self, epoch)
                 if progress.failure is not None:
-                    raise progress.failure
+                    raise DataError(*progress.failure.args)  # (a new one each time: no traceback piled up)
                 if progress.final(first, end) or progress.whole():
                     return progress
                 if not progress.making:
@@ -229,8 +239,9 @@ class EpochOrder:
                 self._changed.wait()
 
     def _evict(self, newest: _Progress) -> None:
-        """The oldest orders beyond ``KEPT_EPOCHS`` whole ones and as many made in part dropped, never ``newest`` nor
-        one being made (a dropped one is made again, the same, if asked).  With ``_changed`` held."""
+        """The oldest orders beyond ``KEPT_EPOCHS`` whole ones and as many made in part dropped, never ``newest``, one
+        being made, nor a failed one (not counted: its error is raised to every asker until a good save is restored);
+        a dropped one is made again, the same, if asked.  With ``_changed`` held."""
         kept = [(e, p) for e, p in self._epochs.items() if p is not newest and p.failure is None]  # (a failed: raised)
         whole = [e for e, p in kept if p.whole()]
         partial = [e for e, p in kept if not p.whole() and not p.making]

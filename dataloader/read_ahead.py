@@ -286,13 +286,15 @@ class ReadAhead(Generic[Decoded]):
     def _advanced(self, advance: Callable[[], bool]) -> None:
         """``advance()`` called: once the order is whole, or if making it failed (the plans, making it themselves,
         meet the error: not tried here again in that epoch), not called again."""
+        with self._changed:
+            epoch = self._advancing
         try:
             more = advance()
         except Exception:
-            log.exception("the read-ahead could not make the epoch's order on (the reads make it themselves)")
+            log.exception("the read-ahead could not make epoch %s's order on (the reads meet the error themselves)", epoch)
             more = False
             with self._changed:
-                self._failed_epoch = self._schedules[0].epoch if self._schedules else None
+                self._failed_epoch = epoch
         if not more:
             with self._changed:
                 if self._advance is advance:

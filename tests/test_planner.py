@@ -393,4 +393,11 @@ def test_a_position_saved_with_its_windows_draws_resumes_the_same_order_from_the
         with pytest.raises(DataError, match="not the one its seed makes"):
             ask()
     wrong.forget()
-    assert not wrong.complete(2) and 2 in wrong._epochs
+    assert not wrong.complete(2) and 2 in wrong._epochs and wrong.state_at(2, 400) is None  # (never saved again)
+    assert wrong.restore(saved) and np.array_equal(wrong(2), reference)  # (a good save loaded: that epoch goes on)
+    just_resumed = EpochOrder(np.array(sizes), seed=7, shuffle=True, window_row_groups=3)
+    assert just_resumed.restore(saved) and just_resumed.state_at(2, 400) == saved  # (saved again before any window)
+    refused = EpochOrder(np.array(sizes), seed=7, shuffle=True, window_row_groups=3)
+    earlier = {key: saved[key] for key in ("epoch", "row_group", "rng")}  # (an identity missing: an earlier save)
+    assert not refused.restore(earlier) and not refused.restore(dict(saved, epoch=3))  # (another epoch's stream)
+    assert not refused.restore(dict(saved, row_group=saved["row_group"] + 1)) and not refused._epochs
