@@ -181,7 +181,8 @@ class EpochOrder:
     def _identity(self, groups: np.ndarray) -> dict[str, Any]:
         """What a saved draws' state belongs to: the seed, the window, the row groups' sizes and their shuffle (a
         digest each), numpy's version (its shuffle's draws are not promised alike across versions)."""
-        return {"order_version": ORDER_VERSION, "seed": self.seed, "window_row_groups": self.window, "numpy": np.__version__,
+        return {"order_version": ORDER_VERSION, "seed": self.seed, "window_row_groups": self.window,
+                "numpy": np.__version__,
                 "sizes_crc": zlib.crc32(self.row_group_rows.tobytes()),
                 "groups_crc": zlib.crc32(np.ascontiguousarray(groups, dtype=np.int64).tobytes())}
 

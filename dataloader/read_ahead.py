@@ -291,7 +291,8 @@ class ReadAhead(Generic[Decoded]):
         try:
             more = advance()
         except Exception:
-            log.exception("the read-ahead could not make epoch %s's order on (the reads meet the error themselves)", epoch)
+            log.exception("the read-ahead could not make epoch %s's order on (the reads meet the error themselves)",
+                          epoch)
             more = False
             with self._changed:
                 self._failed_epoch = epoch
