@@ -282,9 +282,10 @@ def main() -> None:
                 runs[i].append(measure())
         rows = [{"layout": layout, "loader": name, "samples_per_s": float(np.median(r)), "runs": r}
                 for (layout, name, _), r in zip(measures, runs)]
-        starts = {(f1, "freescale BalancedLoader"): (format1, 8, False), (f1, "freescale, its second epoch"): (format1, 8, True),
-                  (f1, "freescale, read_ahead = 0"): (format1, 0, False), (f2, "freescale BalancedLoader"): (format2, 8, False),
-                  (f2, "freescale, its second epoch"): (format2, 8, True), (f2, "freescale, read_ahead = 0"): (format2, 0, False)}
+        starts = {(layout, name): (path, ahead, second) for layout, path in ((f1, format1), (f2, format2))
+                  for name, ahead, second in (("freescale BalancedLoader", 8, False),
+                                              ("freescale, its second epoch", 8, True),
+                                              ("freescale, read_ahead = 0", 0, False))}
         for row in rows:
             key = starts.get((row["layout"], row["loader"]))
             row["first_batch_ms"] = float(np.median(FIRST_BATCH_MS[key])) if key else float("nan")

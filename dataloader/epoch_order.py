@@ -56,8 +56,9 @@ class _Progress:
         self.making = False
         self.resumed: dict[str, Any] | None = None
         """The draws' state ``high`` was restored with (the low run's, reaching it, must agree)."""
-        self.states: dict[int, dict[str, Any]] = {}
-        """The draws' state before each window (by its first row group): what a saved position restores."""
+        self.states: dict[int, dict[str, Any]] = {0: dict(rng.bit_generator.state)}
+        """The draws' state before each window (by its first row group; recorded as the window before it is made):
+        what a saved position restores."""
         self.failure: DataError | None = None
         """A resumed order found not to be the seed's: raised to every asker of the epoch."""
 
@@ -101,6 +102,7 @@ class EpochOrder:
         self.starts = np.concatenate([[0], np.cumsum(self.row_group_rows)]).astype(np.int64)
         self.num_rows = int(self.starts[-1])
         self.seed, self.shuffle, self.window = seed, shuffle, max(1, window_row_groups)
+        self._sizes_crc = zlib.crc32(self.row_group_rows.tobytes())
         self._epochs: dict[int, _Progress] = {}
         """Epochs made whole or in part (as many as ``KEPT_EPOCHS`` says), oldest first."""
         self._changed = threading.Condition()
@@ -159,18 +161,17 @@ class EpochOrder:
         epoch, group = int(saved["epoch"]), int(saved["row_group"])
         if not self.shuffle or group % self.window or not 0 < group < self.row_group_rows.size:
             return False
-        if any(saved.get(key) != value for key, value in self._identity(self.groups(epoch)).items()):
+        progress = _Progress(self, epoch)  # (in place of one that failed, below: this process meets a good save again)
+        if any(saved.get(key) != value for key, value in self._identity(progress.groups).items()):
             return False
         rng = np.random.default_rng()
         rng.bit_generator.state = _decoded(saved["rng"])
-        if rng.bit_generator.state["state"]["inc"] != np.random.default_rng([self.seed, epoch]).bit_generator.state[
-                "state"]["inc"]:  # (PCG64's stream is fixed by its seed: another epoch's or seed's draws)
-            return False
+        if rng.bit_generator.state["state"]["inc"] != progress.low.rng.bit_generator.state["state"]["inc"]:
+            return False  # (PCG64's stream is fixed by its seed: another epoch's or seed's draws)
         with self._changed:
             known = self._epochs.get(epoch)
             if known is not None and known.failure is None:
                 return False
-            progress = _Progress(self, epoch)  # (in place of one that failed: this process meets a good save again)
             progress.high = _Cursor(rng, group, int(progress.offsets[group]), progress.groups.size)
             progress.low.stop, progress.resumed = group, dict(rng.bit_generator.state)
             progress.states[group] = dict(progress.resumed)
@@ -183,7 +184,7 @@ class EpochOrder:
         digest each), numpy's version (its shuffle's draws are not promised alike across versions)."""
         return {"order_version": ORDER_VERSION, "seed": self.seed, "window_row_groups": self.window,
                 "numpy": np.__version__,
-                "sizes_crc": zlib.crc32(self.row_group_rows.tobytes()),
+                "sizes_crc": self._sizes_crc,
                 "groups_crc": zlib.crc32(np.ascontiguousarray(groups, dtype=np.int64).tobytes())}
 
     def forget(self) -> None:
@@ -285,7 +286,6 @@ class EpochOrder:
         rows[:] = np.arange(low, high, dtype=np.int64) + np.repeat(progress.firsts[start:stop],
                                                                      progress.sizes[start:stop])
         if self.shuffle:
-            progress.states.setdefault(start, dict(cursor.rng.bit_generator.state))
             cursor.rng.shuffle(rows)
             progress.states.setdefault(stop, dict(cursor.rng.bit_generator.state))  # (the next window's, made or not)
             if cursor is progress.low and stop == cursor.stop and progress.resumed is not None and (

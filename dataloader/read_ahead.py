@@ -19,10 +19,9 @@ The next epoch's schedule (its shuffled rows and the pass over them, ~3.5 ms for
 were it made by the prefetch thread at the epoch's end) is made on this thread once the reads are halfway through
 this epoch, when it has nothing to decode, and its row groups follow this epoch's.  An epoch whose order is not whole
 at its first read (a fresh or resumed loader's: ``EpochOrder`` makes it a window at a time, as far as the plans need
-it) is primed
-instead (``prime``): each read's shuffle windows' row groups, and the next window's, known from the row groups'
-shuffle alone, decoded while the plans make their windows; with none to decode, this thread makes the rest of the
-order a window at a time, and the first read after it is whole installs the epoch's schedule.
+it) is primed instead (``prime``): each read's shuffle windows' row groups, and the next window's, known from the row
+groups' shuffle alone, decoded while the plans make their windows; with none to decode, this thread makes the rest
+of the order a window at a time, and the first read after it is whole installs the epoch's schedule.
 
 Nothing the source keeps changes on this thread: it reads through file handles of its own; the read that takes a
 row group (``take``, under the source's read lock) checks and counts it as it would have decoded it, so the counts
