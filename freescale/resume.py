@@ -5,7 +5,8 @@ complete checkpoint whose bytes verify (a damaged one is named in one line and t
 under fault tolerance only in a fresh run (a group restarted while others train catches up from them
 instead), and never where the groups' records say the job committed beyond it (``ft.commit_record``: held
 back until the holders are back, or ``ft.accept_rollback``).  The trainer (``trainer.py``) asks it once,
-before the first step.
+before the first step.  Without ``checkpoint.resume``, a fresh run whose checkpoint directory holds an earlier
+run's checkpoints is refused in one line: its saves would be pruned against them, and a later resume pick theirs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from freescale.components import Components, TrainerConfig
 from freescale.config import differences, to_dict
 from freescale.distributed import DistContext
 from freescale.ft.commit_record import hold_back_rollback
+from freescale.ft.config import incarnation
 from freescale.parallelize import materialize_optimizer_state
 from freescale.run_log import RunLog
 
@@ -37,6 +39,7 @@ class Resume:
         fault tolerance only in a fresh run (every group was lost): a group restarted while others train
         catches up from them instead.  Every rank of the group decides alike."""
         if not self.cfg.checkpoint.resume and not self.cfg.ft.enabled:
+            self._refuse_an_earlier_run(parts)
             return 0
         found = self._agreed_checkpoints(parts) if self.cfg.checkpoint.resume else []
         path = found[0] if found else None
@@ -44,6 +47,8 @@ class Resume:
         if fresh:  # the lighthouse may have forgotten (restarted without --state): the groups' records say
             fresh = self._no_rollback(parts, log, int(path.name.rsplit("_", 1)[1]) if path is not None else 0)
         if not self.cfg.checkpoint.resume:
+            if fresh:  # (a group started while the run is under way catches up from the others)
+                self._refuse_an_earlier_run(parts)
             return 0
         if path is None or not fresh:
             log.write("no_resume", checkpoint=str(path) if path else None, fresh_run=fresh)
@@ -77,6 +82,20 @@ class Resume:
         parts.dmp.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optim"])
         return meta
+
+    def _refuse_an_earlier_run(self, parts: Components) -> None:
+        """A run started afresh (no ``checkpoint.resume``, its first incarnation) where complete checkpoints lie
+        already: an earlier run's.  Its own saves would be pruned against them (the newest steps are kept: a new
+        run's step 600 went as it was written, beside an earlier run's step 6,552), and a later ``--resume`` or a
+        kept best would pick theirs: refused in one line, before a step.  Collective over the group."""
+        if incarnation() > 0:  # a restarted incarnation of this very run (the launcher resumes it)
+            return
+        found = self._agreed_checkpoints(parts)
+        if found:
+            raise checkpoint.CheckpointError(
+                f"{self.root} holds the checkpoints of an earlier run (newest: {found[0].name}); this run would lose "
+                "its own saves to them: resume that run (--resume), give this one a train.output_dir of its own "
+                "(or checkpoint.dir), or remove them")
 
     def _no_rollback(self, parts: Components, log: RunLog, start: int) -> bool:
         """Whether the run may start at ``start`` (``ft.commit_record.hold_back_rollback``: held back while the

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from freescale import checkpoint
 from freescale.cli import main
 from tests.conftest import REPO, events, read_log, run_cli
 
@@ -163,6 +164,13 @@ def test_single_process_train_without_torchrun_resumes_under_another_shape_and_i
         "freescale: error: log.tensorboard: needs the tensorboard package (pip install 'freescale[tensorboard]')"], err
     monkeypatch.undo()
     monkeypatch.setenv("FREESCALE_AUDIT", "1")
+    # A new run started afresh where this one's checkpoints lie would lose its own saves to them (the newest
+    # steps are kept) and leave a later resume to pick theirs: refused in one line, nothing touched.
+    saved = checkpoint.complete_checkpoints(tmp_path / "checkpoints")
+    code, _, err = run_main(capsys, *train, "--train.steps=3")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "holds the checkpoints of an earlier run (newest: step_000000005)" in err and "--resume" in err, err
+    assert checkpoint.complete_checkpoints(tmp_path / "checkpoints") == saved
     code, out, err = run_main(capsys, *train, "--train.steps=8", "--train.log_every=4", "--resume",
                               "--optim.sharding=column_wise", "--optim.column_shard_min_dim=8",  # tables cut in two
                               "--data.batch_size=96")  # and another global batch (it was 128)
