@@ -13,6 +13,9 @@ from freescale.config import ConfigError
 
 
 def cmd_launch(args: argparse.Namespace, overrides: list[str], command: list[str]) -> int:
+    from freescale.testing import FAULTS_ENV, parse_faults
+
+    parse_faults(os.environ.get(FAULTS_ENV, ""))  # a malformed one: one line here, not a traceback from every rank
     if command:
         return _launch_command(args, overrides, command)
     from freescale import forkserver

@@ -33,6 +33,9 @@ _PEER_FAILURE = ("connection closed by peer", "connection reset by peer", "broke
 """Words of the errors a collective raises when a peer died or hung (gloo, NCCL, the store,
 ``freescale.ft.replica_group`` giving up on a lost quorum, the SM-free backend: ``kernels/sm_free_backend.py``)."""
 
+_SAW_FAILURE = ".saw_failure"
+"""``rank<r>.saw_failure`` beside the rank's log: it ended on a peer's failure, it is not the peer that failed."""
+
 _state: dict[str, Any] = {}
 
 _REFUSALS = ("fault tolerance:", "freescale.ft")
@@ -60,6 +63,8 @@ def install(output_dir: str, replica_id: str | None) -> Path:
     if os.environ.get(STANDBY_ENV):  # active or a warm standby: the lock decides (``took_over``)
         return path
     pid_file.write_text(str(os.getpid()))
+    with contextlib.suppress(OSError):  # (an earlier incarnation's)
+        path.with_name(f"rank{os.environ.get('RANK', '0')}{_SAW_FAILURE}").unlink()
     restarts = incarnation()
     if restarts and os.environ.get("RANK", "0") == "0":  # what it then starts from, the trainer says once known
         say(f"freescale: {_group()} restarted (incarnation {restarts}) after a failure")
@@ -109,16 +114,60 @@ def report_handled(exc: BaseException) -> bool:
 
     if stopping():  # the job is being stopped and a peer ended first: the launcher says so, once
         return True
-    what = " ".join(str(exc).split())[:160] or type(exc).__name__
+    me = os.environ.get("RANK", "0")
+    marker = _state["path"].with_name(f"rank{me}{_SAW_FAILURE}")
+    with contextlib.suppress(OSError):
+        marker.write_text("")  # a peer checking after this rank has exited does not name it as the lost one
+    what = _short(str(exc)) or type(exc).__name__
     from freescale.group_sizes import AFTER_FAILURE_ENV
 
     left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     then = os.environ.get(AFTER_FAILURE_ENV) if left <= 0 else None
     then = then or ("its group restarts" if left > 0 else "no restart left: the group stops")
-    print(f"freescale: {_group()} rank {os.environ.get('RANK', '0')}: a peer failed ({what}); {then} "
-          f"(traceback in {_state['path']})",
-          file=sys.stderr, flush=True)
+    lost = _lost_peers(int(me))
+    found = (f"{_group()}: {lost} (rank {me}'s collective failed: {what})" if lost
+             else f"{_group()} rank {me}: a peer failed ({what})")
+    print(f"freescale: {found}; {then} (traceback in {_state['path']})", file=sys.stderr, flush=True)
     return True
+
+
+def _lost_peers(me: int) -> str:
+    """Which other ranks of this group are gone or stopped (``rank 0 is gone``), read from their pid files and
+    ``/proc``; empty where that cannot be told (ranks on other machines, no ``/proc``, nobody found).  A rank that
+    ended on seeing the failure itself (its ``.saw_failure`` marker) is not named."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world != os.environ.get("LOCAL_WORLD_SIZE", world) or not Path("/proc/self/stat").exists():
+        return ""
+    directory: Path = _state["path"].parent
+    found = []
+    for rank in range(int(world)):
+        if rank == me:
+            continue
+        try:
+            pid = int((directory / f"rank{rank}.pid").read_text())
+        except (OSError, ValueError):
+            continue  # no pid file: nothing to tell
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "X"  # no such process
+        if state in ("Z", "X") and not (directory / f"rank{rank}{_SAW_FAILURE}").exists():
+            found.append(f"rank {rank} is gone")
+        elif state in ("T", "t"):
+            found.append(f"rank {rank} is stopped")
+    return ", ".join(found)
+
+
+def _short(text: str, limit: int = 160) -> str:
+    """A collective's error on one line: the source location gloo puts first dropped; a long one cut after its
+    first sentence (gloo's advice follows it), else at a word."""
+    words = " ".join(text.split())
+    if words.startswith("[") and "] " in words:  # ``[../third_party/gloo/.../pair.cc:553] Connection closed ...``
+        words = words.split("] ", 1)[1]
+    if len(words) <= limit:
+        return words
+    first = words[:limit].find(". ")
+    return words[:first + 1] if first > 0 else words[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def say(line: str) -> None:

@@ -57,6 +57,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 FAULTS_ENV = "FREESCALE_FAULTS"
 AUDIT_ENV = "FREESCALE_AUDIT"
@@ -89,27 +90,53 @@ class StepHooks:
         return 0.0
 
 
+class Fault(NamedTuple):
+    """One item of ``FREESCALE_FAULTS``: where (group, rank: None matches every one; the incarnation: None, every
+    one), when (``step``), what (``point``) and its number (``value``: seconds, or a factor)."""
+
+    group: int | None
+    rank: int | None
+    step: int
+    point: str
+    value: float
+    incarnation: int | None
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """``FREESCALE_FAULTS`` read whole, or ``ConfigError`` in one line naming the item (the launcher asks before
+    any rank starts; each rank reads it again)."""
+    from freescale.config import ConfigError
+
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        where, at_incarnation, wanted = item.partition("@")
+        parts = where.split(":")
+        shape = (f"{FAULTS_ENV}: '{item}' is not <group>:<rank>:<step>:<point>[:<ms>][@<incarnation>] with <point> "
+                 f"one of {', '.join(POINTS)}")
+        if len(parts) not in (4, 5) or parts[3] not in POINTS or (at_incarnation and not wanted.isdigit()):
+            raise ConfigError(shape)
+        try:
+            group, rank = (None if p == "*" else int(p) for p in parts[:2])
+            step, value = int(parts[2]), float(parts[4]) if len(parts) > 4 else 0.0
+        except ValueError:
+            raise ConfigError(shape) from None
+        point = parts[3]
+        if point in _FACTORS and not value >= 1.0:
+            raise ConfigError(f"{FAULTS_ENV}: '{item}': a {point} fault's factor must be >= 1")
+        incarnation = int(wanted) if wanted else (None if point in _EVERY_INCARNATION else 0)
+        faults.append(Fault(group, rank, step, point, value if point in _FACTORS else value / 1000, incarnation))
+    return faults
+
+
 class FaultHooks(StepHooks):
     """``FREESCALE_FAULTS`` and ``FREESCALE_AUDIT`` for one rank (module docstring)."""
 
     def __init__(self, spec: str, group: int, rank: int, incarnation: int, out_dir: Path, audit: bool) -> None:
         self.rank, self.out_dir, self.audit = rank, out_dir, audit
         self._device_s = 0.0
-        self.faults: list[tuple[int, str, float]] = []
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            where, _, wanted_incarnation = item.partition("@")
-            parts = where.split(":")
-            if len(parts) < 4 or parts[3] not in POINTS:
-                raise ValueError(f"{FAULTS_ENV}: '{item}' is not <group>:<rank>:<step>:<point>[:<ms>][@<incarnation>] "
-                                 f"with <point> one of {', '.join(POINTS)}")
-            g = group if parts[0] == "*" else int(parts[0])
-            r = rank if parts[1] == "*" else int(parts[1])
-            inc = incarnation if parts[3] in _EVERY_INCARNATION and not wanted_incarnation else int(wanted_incarnation or 0)
-            if (g, r, inc) == (group, rank, incarnation):
-                value = float(parts[4]) if len(parts) > 4 else 0.0
-                if parts[3] in _FACTORS and not value >= 1.0:
-                    raise ValueError(f"{FAULTS_ENV}: '{item}': a {parts[3]} fault's factor must be >= 1")
-                self.faults.append((int(parts[2]), parts[3], value if parts[3] in _FACTORS else value / 1000))
+        self.faults: list[tuple[int, str, float]] = [
+            (f.step, f.point, f.value) for f in parse_faults(spec)
+            if f.group in (None, group) and f.rank in (None, rank) and f.incarnation in (None, incarnation)]
 
     def wants(self, point: str) -> bool:
         return any(kind == point for _, kind, _ in self.faults)

@@ -416,6 +416,27 @@ def test_bad_launcher_option_value_is_one_line(capsys: pytest.CaptureFixture[str
         assert err.strip().splitlines() == [f"freescale: error: {line}"], args
 
 
+def test_a_malformed_fault_spec_is_one_line_before_any_rank_starts(
+        tiny_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``FREESCALE_FAULTS`` (the README's fault recipes set it) is read by the launcher first: a malformed item is
+    one line naming it, for freescale's loop and a user's own, where every rank used to print a traceback."""
+    from freescale.testing import parse_faults
+
+    assert parse_faults("1:0:200:forward, *:*:0:slow:20,1:1:8:reduce:0@2,0:1:20:compute:2") == [
+        (1, 0, 200, "forward", 0.0, 0), (None, None, 0, "slow", 0.02, None), (1, 1, 8, "reduce", 0.0, 2),
+        (0, 1, 20, "compute", 2.0, None)]
+    for spec, line in (("1:0:forward", "'1:0:forward' is not <group>:<rank>:<step>:<point>"),
+                       ("1:x:5:forward", "'1:x:5:forward' is not"), ("1:0:5:crash", "'1:0:5:crash' is not"),
+                       ("1:0:5:forward@one", "'1:0:5:forward@one' is not"),
+                       ("0:1:20:compute:0.5", "'0:1:20:compute:0.5': a compute fault's factor must be >= 1")):
+        monkeypatch.setenv("FREESCALE_FAULTS", spec)
+        for command in (["--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}"],
+                        ["--", "python", "examples/deepfm_ft.py"]):
+            code, _, err = run_main(capsys, "launch", *command)
+            assert code == 2 and len(err.strip().splitlines()) == 1, err
+            assert err.startswith(f"freescale: error: FREESCALE_FAULTS: {line}"), err
+
+
 def test_a_standby_where_it_could_not_take_over_is_refused_in_one_line(
         tiny_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = ["--config", str(REPO / "configs" / "tiny_dlrm.toml"), f"--data.path={tiny_data}"]
