@@ -36,7 +36,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
@@ -47,6 +49,7 @@ from freescale.dataloader.log_rows import (
     check_column_kind,
     kind_of,
     normalize_batch,
+    row_name,
     schema_for,
 )
 from freescale.dataloader.schema import DataError
@@ -71,6 +74,11 @@ class _File:
     shown: str
     fragment: ds.Fragment
     rows: int | None = None  # known up front for Parquet
+
+    @property
+    def lines(self) -> bool:
+        """A CSV file: its rows are named by line (``log_rows.row_name``)."""
+        return self.rows is None
 
 
 @dataclass
@@ -129,10 +137,15 @@ class InteractionLog:
                     has = ", ".join(schema.names[:12]) + (" ..." if len(schema.names) > 12 else "")
                     raise DataError(f"{f.shown}: no column '{name}' (it has: {has}){_delimiter_hint(schema)}")
                 if pa.types.is_null(schema.field(idx).type):
-                    raise DataError(f"{f.shown}: row 0: column '{name}': empty, as in every row the reader looked "
-                                    "at to tell the column's type")
+                    raise DataError(f"{f.shown}: {row_name(0, f.lines)}: column '{name}': empty, as in every row the "
+                                    "reader looked at to tell the column's type")
                 kind = kind_of(schema.field(idx).type)
-                check_column_kind(name, kind, schema.field(idx).type, self.columns, f.shown)
+                try:
+                    check_column_kind(name, kind, schema.field(idx).type, self.columns, f.shown)
+                except DataError:
+                    if kind == "string" and (name == self.columns.label or name in self.columns.dense):
+                        _name_the_text(f, name)
+                    raise
                 if name in first and first[name][0] != kind:
                     raise DataError(
                         f"{f.shown}: column '{name}' holds {kind} values, {first[name][1]} holds {first[name][0]}"
@@ -155,7 +168,8 @@ class InteractionLog:
                                                 batch_readahead=READ_AHEAD_BATCHES, **_streaming(f.fragment))
                 for batch in scanner:
                     if batch.num_rows:
-                        yield normalize_batch(batch, self.columns, schema, f"{f.shown}", done, position + done)
+                        yield normalize_batch(batch, self.columns, schema, f"{f.shown}", done, position + done,
+                                              lines=f.lines)
                     done += batch.num_rows
                     on_rows(batch.num_rows)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as exc:
@@ -292,6 +306,20 @@ def _read_error(exc: BaseException, f: _File, done: int) -> DataError:
         names = f.fragment.physical_schema.names
         column, line, kind, value = int(found.group(1)), int(found.group(2)), found.group(3), found.group(4)
         name = names[column] if column < len(names) else f"#{column}"
-        return DataError(f"{f.shown}: row {line - 2}: column '{name}': not {kind} like the rows before it ({value})")
-    return DataError(f"{f.shown}: cannot read it past row {done} ({first_line})")
+        return DataError(f"{f.shown}: {row_name(line - 2, True)}: column '{name}': not {kind} like the rows before "
+                         f"it ({value})")
+    return DataError(f"{f.shown}: cannot read it from {row_name(done, f.lines)} on ({first_line})")
+
+
+_NUMBER = r"^\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$"
+
+
+def _name_the_text(f: _File, name: str) -> None:
+    """A label or dense column read as text: the first value that is not a number, named by its row (a CSV's
+    line), as a DataError; nothing when every value reads as one (the caller's message on the type stands)."""
+    column = f.fragment.to_table(columns=[name]).column(name).combine_chunks()
+    text = ~pc.fill_null(pc.match_substring_regex(column, _NUMBER), True).to_numpy(zero_copy_only=False)
+    if text.any():
+        i = int(np.flatnonzero(text)[0])
+        raise DataError(f"{f.shown}: {row_name(i, f.lines)}: column '{name}': not a number ({column[i].as_py()!r})")
 

@@ -110,14 +110,20 @@ def _first_bad(mask: np.ndarray, column: pa.Array) -> tuple[int, str]:
     return i, "null" if value is None else repr(value)
 
 
+def row_name(i: int, lines: bool) -> str:
+    """A row of a file as a user finds it: a CSV's line (the header is line 1), else its row counted from 0."""
+    return f"line {i + 2}" if lines else f"row {i}"
+
+
 def normalize_batch(batch: pa.RecordBatch, cols: LogColumns, schema: pa.Schema, shown: str, offset: int,
-                    position: int = 0) -> pa.RecordBatch:
+                    position: int = 0, lines: bool = False) -> pa.RecordBatch:
     """The batch in the normalized schema, or a DataError naming file, row and column (``offset``: the batch's
-    first row within its file; ``position``: within the log, the row order ties in time keep)."""
+    first row within its file; ``position``: within the log, the row order ties in time keep; ``lines``: a CSV
+    file's, named by line)."""
 
     def fail(name: str, mask: np.ndarray, column: pa.Array, what: str) -> DataError:
         i, value = _first_bad(mask, column)
-        return DataError(f"{shown}: row {offset + i}: column '{name}': {what} ({value})")
+        return DataError(f"{shown}: {row_name(offset + i, lines)}: column '{name}': {what} ({value})")
 
     out: list[pa.Array] = []
     for name, target in ((cols.user, schema.field("user").type), (cols.item, schema.field("item").type)):

@@ -146,15 +146,15 @@ def test_a_delimiter_given_is_used_and_a_wrong_one_is_named(tmp_path: Path) -> N
         prep(tmp_path / "log.parquet", tmp_path / "q", delimiter=",")
 
 
-@pytest.mark.parametrize(("times", "flags", "message"), [
+@pytest.mark.parametrize(("times", "flags", "message"), [  # (a CSV: its rows named by line)
     ([1_500_000_000_000, 1_500_000_000_001], [],
-     "row 0: column 't': as seconds this is after the year 2200; give --time-unit ms (1500000000000)"),
+     "line 2: column 't': as seconds this is after the year 2200; give --time-unit ms (1500000000000)"),
     ([1_500_000_000, 1_500_000_000_000_000], [],
-     "row 1: column 't': as seconds this is after the year 2200; give --time-unit us (1500000000000000)"),
+     "line 3: column 't': as seconds this is after the year 2200; give --time-unit us (1500000000000000)"),
     ([1_500_000_000_000_000, 1_500_000_000_000_000_000], ["--time-unit", "ms"],
-     "row 0: column 't': as milliseconds this is after the year 2200; give --time-unit us (1500000000000000)"),
-    ([1_500_000_000, -3], [], "row 1: column 't': as seconds this is before 1970; a time must fall in 1970..2200 (-3)"),
-    ([1.5e9, 1.5e12], [], "row 1: column 't': as seconds this is after the year 2200; give --time-unit ms (1500000000000.0)"),
+     "line 2: column 't': as milliseconds this is after the year 2200; give --time-unit us (1500000000000000)"),
+    ([1_500_000_000, -3], [], "line 3: column 't': as seconds this is before 1970; a time must fall in 1970..2200 (-3)"),
+    ([1.5e9, 1.5e12], [], "line 3: column 't': as seconds this is after the year 2200; give --time-unit ms (1500000000000.0)"),
 ])
 def test_numeric_times_outside_1970_to_2200_are_refused_naming_the_unit(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], times: list[object], flags: list[str], message: str) -> None:
@@ -188,8 +188,8 @@ def test_a_header_only_csv_has_no_rows(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("bad_row", "message"), [
-    (10, "row 10: column 't': not a number, as the column's first values are ('soon')"),
-    (200_000, "row 200000: column 't': not int64 like the rows before it ('soon')"),  # past the rows types are told by
+    (10, "line 12: column 't': not a number, as the column's first values are ('soon')"),  # (a CSV's line: the
+    (200_000, "line 200002: column 't': not int64 like the rows before it ('soon')"),  # header is line 1)
 ])
 def test_text_in_a_numeric_time_column_names_its_row(tmp_path: Path, bad_row: int, message: str) -> None:
     times = [str(1_500_000_000 + k) for k in range(bad_row + 5)]
@@ -198,6 +198,18 @@ def test_text_in_a_numeric_time_column_names_its_row(tmp_path: Path, bad_row: in
     with pytest.raises(DataError) as caught:
         prep(tmp_path / "log.csv", tmp_path / "o")
     assert str(caught.value) == f"{tmp_path / 'log.csv'}: {message}"
+
+
+def test_text_in_a_label_column_of_a_csv_names_its_line(tmp_path: Path) -> None:
+    """A rating column with one word in it is read as text: the word is named by its line (the header is line 1)."""
+    ratings = ["4"] * 300
+    ratings[99] = "four"  # the 100th data row: line 101
+    pacsv.write_csv(pa.table({"u": [k % 7 for k in range(300)], "i": list(range(300)),
+                              "t": [1_500_000_000 + k for k in range(300)], "r": ratings}), tmp_path / "log.csv")
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path / "log.csv", tmp_path / "o", LogColumns(user="u", item="i", time="t", label="r",
+                                                               rating_threshold=4))
+    assert str(caught.value) == f"{tmp_path / 'log.csv'}: line 101: column 'r': not a number ('four')"
 
 
 def test_a_numeric_time_column_read_as_text_is_taken_as_numbers(tmp_path: Path) -> None:
