@@ -23,6 +23,9 @@ from freescale.ft.config import GROUP_RANKS_ENV, INCARNATION_BASE_ENV, REPLICA_I
 
 ERROR_DIR_ENV = "FREESCALE_ERROR_DIR"
 AFTER_FAILURE_ENV = "FREESCALE_AFTER_FAILURE"
+FORMED_ENV = "FREESCALE_GROUP_FORMED"
+"""Why this launch of the group formed, said by its rank 0 as it starts (``rank_console.install``): re-formed on
+fewer ranks, or grown back; unset, a restart after a failure."""
 """What a rank failure leads to in this launch (``GroupSizes``): a rank that saw a peer fail says it."""
 SHRINK_REFUSED = "shrink_refused.txt"
 """Written in ``$FREESCALE_ERROR_DIR`` by a rank of a group re-formed on fewer ranks that cannot train at that size
@@ -121,6 +124,7 @@ class GroupSizes:
         _say(f"{group}: back to {_ranks(self.full)} (the lost rank's slot is tried again after "
              f"{self.grow_back_after_s:g} s)")
         self.size = self.full
+        os.environ[FORMED_ENV] = f"grown back to {_ranks(self.full)}"
         return True
 
     def restarts_now(self) -> int:
@@ -147,6 +151,7 @@ class GroupSizes:
                 _say(f"{group}: cannot continue on {_ranks(self.size)}: {refusal}; no restart left: the group stops")
                 return False
             self.size, self.restarts_left = self.size + 1, self.restarts_left - 1
+            os.environ.pop(FORMED_ENV, None)
             _say(f"{group}: cannot continue on {_ranks(self.size - 1)}: {refusal}; restarts on {_ranks(self.size)}")
             return True
         if self._given:  # torch's agent spent the restarts it was given
@@ -155,8 +160,10 @@ class GroupSizes:
             self.size -= 1
             _say(f"{group}: lost rank {lost.rank} ({lost.how}); continues on {_ranks(self.size)} at "
                  f"{self.size / self.full:.2f} share")
+            os.environ[FORMED_ENV] = f"re-formed on {_ranks(self.size)}, without the lost one"
             return True
         if self.restarts_left > 0:
+            os.environ.pop(FORMED_ENV, None)
             self.restarts_left -= 1
             _say(f"{group}: {'lost ' if lost.lost else ''}rank {lost.rank} ({lost.how}); restarts on {_ranks(self.size)}")
             return True

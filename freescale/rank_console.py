@@ -67,7 +67,11 @@ def install(output_dir: str, replica_id: str | None) -> Path:
         path.with_name(f"rank{os.environ.get('RANK', '0')}{_SAW_FAILURE}").unlink()
     restarts = incarnation()
     if restarts and os.environ.get("RANK", "0") == "0":  # what it then starts from, the trainer says once known
-        say(f"freescale: {_group()} restarted (incarnation {restarts}) after a failure")
+        from freescale.group_sizes import FORMED_ENV
+
+        formed = os.environ.get(FORMED_ENV) if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
+        say(f"freescale: {_group()} {formed} (incarnation {restarts})" if formed
+            else f"freescale: {_group()} restarted (incarnation {restarts}) after a failure")
     return path
 
 

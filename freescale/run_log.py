@@ -108,6 +108,9 @@ class Progress:
             shown[self.task.headline] = f"{self.last[self.task.headline]:.3f}"
         self.bar.set_postfix(**shown)
         if self.bar.disable and self.show:
+            if not self.last["samples"]:  # (a group that sat the window out: catching up, or not planned in yet)
+                print(f"{self.label}step {done}/{self.total}  nothing trained since the last line", flush=True)
+                return
             print(f"{self.label}step {done}/{self.total}  " + "  ".join(f"{k} {v}" for k, v in shown.items())
                   + f"  {rate:,.0f} samples/s  imbalance {balance['imbalance']:.3f}", flush=True)
 

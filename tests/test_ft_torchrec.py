@@ -610,6 +610,11 @@ def test_a_group_that_loses_a_rank_continues_on_the_ranks_it_has_left_then_grows
     assert "replica group 1: lost rank 1 (signal 9); continues on 1 rank at 0.50 share" in proc.stderr, proc.stderr[-3000:]
     assert "replica group 1: lost rank 0 (signal 9); restarts on 1 rank" in proc.stderr, proc.stderr[-3000:]
     assert "replica group 1: back to 2 ranks" in proc.stderr, proc.stderr[-3000:]
+    # Each new incarnation's first line says why it formed: re-formed smaller, restarted, grown back.
+    assert [line.split(": ", 1)[1] for line in proc.stderr.splitlines() if "(incarnation" in line] == [
+        "replica group 1 re-formed on 1 rank, without the lost one (incarnation 1)",
+        "replica group 1 restarted (incarnation 2) after a failure",
+        "replica group 1 grown back to 2 ranks (incarnation 3)"], proc.stderr[-3000:]
     runs = check_run(tmp_path, tiny_data, "dlrm", 2, 2, steps)
     survivor, group1 = by_step(runs[(0, 0)]), by_step(runs[(1, 0)])
     assert sorted(survivor) == list(range(steps))

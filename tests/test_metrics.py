@@ -207,3 +207,15 @@ def test_two_ranks_equal_click_metrics_of_the_concatenation(tmp_path: Path) -> N
     assert rows0 + rows1 == total
     assert abs(rows0 - total / 2) <= 2 * total / candidates + 1
     assert high0 < low1
+
+
+def test_a_progress_line_of_a_window_with_nothing_trained_says_so(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A group that sat a whole window out (catching up, or not yet planned in) prints that, not ``loss nan``."""
+    from freescale.run_log import Progress, RunLog
+
+    progress = Progress(RunLog(tmp_path / "log.jsonl"), 100, 0, "dlrm", True, True, 64, label="group 1  ")
+    progress.report(25, 0, 0)
+    progress.close()
+    assert capsys.readouterr().out.strip() == "group 1  step 25/100  nothing trained since the last line"
+    assert json.loads((tmp_path / "log.jsonl").read_text())["step"] == 25  # the record is written as ever
