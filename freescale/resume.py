@@ -92,10 +92,7 @@ class Resume:
             return
         found = self._agreed_checkpoints(parts)
         if found:
-            raise checkpoint.CheckpointError(
-                f"{self.root} holds the checkpoints of an earlier run (newest: {found[0].name}); this run would lose "
-                "its own saves to them: resume that run (--resume), give this one a train.output_dir of its own "
-                "(or checkpoint.dir), or remove them")
+            raise checkpoint.CheckpointError(earlier_run(self.root, found[0]))
 
     def _no_rollback(self, parts: Components, log: RunLog, start: int) -> bool:
         """Whether the run may start at ``start`` (``ft.commit_record.hold_back_rollback``: held back while the
@@ -196,6 +193,20 @@ class Resume:
         return [path for _, path in reversed(found)]
 
 
+def earlier_run(root: Path, newest: Path) -> str:
+    """The one line that refuses a fresh run where an earlier run's checkpoints lie (``newest``, under ``root``)."""
+    return (f"{root} holds the checkpoints of an earlier run (newest: {newest.name}); this run would lose its own saves "
+            "to them: resume that run (--resume), give this one a train.output_dir of its own (or checkpoint.dir), or "
+            "remove them")
+
+
+def refuse_an_earlier_run(root: Path) -> None:
+    """The launcher's check before any rank starts (the ranks check again, with the group): ``CheckpointError``."""
+    found = checkpoint.complete_checkpoints(root)
+    if found:
+        raise checkpoint.CheckpointError(earlier_run(root, found[-1][1]))
+
+
 def raw_state(parts: Components) -> dict[str, Any]:
     """The model's and optimizer's state dicts: views of the live tensors (torchrec's tables included)."""
     return {"model": parts.dmp.state_dict(), "optim": parts.optimizer.state_dict()}
@@ -206,4 +217,4 @@ def _say(ctx: DistContext, message: str) -> None:
         print(message, flush=True)
 
 
-__all__ = ["Resume", "raw_state"]
+__all__ = ["Resume", "earlier_run", "raw_state", "refuse_an_earlier_run"]

@@ -416,6 +416,23 @@ def test_bad_launcher_option_value_is_one_line(capsys: pytest.CaptureFixture[str
         assert err.strip().splitlines() == [f"freescale: error: {line}"], args
 
 
+def test_a_launch_where_an_earlier_runs_checkpoints_lie_is_refused_before_any_rank_starts(
+        tiny_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The launcher's own check (the ranks' is in the single-process test above): one line, before the lighthouse,
+    the groups or the job summary of the earlier run."""
+    earlier = tmp_path / "checkpoints" / "step_000000300"
+    earlier.mkdir(parents=True)
+    (earlier / "freescale.json").write_text("{}")
+    for extra in ([], ["--replicas", "2"]):
+        code, out, err = run_main(capsys, "launch", "--config", str(REPO / "configs" / "tiny_dlrm.toml"),
+                                  f"--data.path={tiny_data}", f"--train.output_dir={tmp_path}", *extra)
+        assert code == 2 and not out and err.strip().splitlines() == [
+            f"freescale: error: {tmp_path / 'checkpoints'} holds the checkpoints of an earlier run (newest: "
+            "step_000000300); this run would lose its own saves to them: resume that run (--resume), give this one a "
+            "train.output_dir of its own (or checkpoint.dir), or remove them"], err
+    assert earlier.is_dir()
+
+
 def test_a_malformed_fault_spec_is_one_line_before_any_rank_starts(
         tiny_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """``FREESCALE_FAULTS`` (the README's fault recipes set it) is read by the launcher first: a malformed item is
