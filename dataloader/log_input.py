@@ -74,11 +74,8 @@ class _File:
     shown: str
     fragment: ds.Fragment
     rows: int | None = None  # known up front for Parquet
-
-    @property
-    def lines(self) -> bool:
-        """A CSV file: its rows are named by line (``log_rows.row_name``)."""
-        return self.rows is None
+    lines: bool = False
+    """A CSV file: its rows are named by line (``log_rows.row_name``)."""
 
 
 @dataclass
@@ -238,7 +235,7 @@ def _open_file(fs: pafs.FileSystem, path: str, shown: str, fmt: str, delimiter: 
         csv_format = ds.CsvFileFormat(parse_options=pacsv.ParseOptions(delimiter=sep))
         fragment = csv_format.make_fragment(path, filesystem=fs)
         fragment.physical_schema  # noqa: B018  infer the columns now (reads the first block)
-        return _File(path, shown, fragment)
+        return _File(path, shown, fragment, lines=True)
     except (pa.ArrowInvalid, OSError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if "Empty CSV file" in first_line:
@@ -311,15 +308,26 @@ def _read_error(exc: BaseException, f: _File, done: int) -> DataError:
     return DataError(f"{f.shown}: cannot read it from {row_name(done, f.lines)} on ({first_line})")
 
 
-_NUMBER = r"^\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$"
+_NUMBER = r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$"
+"""What reads as a number (no padding: a value padded with spaces is what made the reader take the column as text)."""
 
 
 def _name_the_text(f: _File, name: str) -> None:
-    """A label or dense column read as text: the first value that is not a number, named by its row (a CSV's
-    line), as a DataError; nothing when every value reads as one (the caller's message on the type stands)."""
-    column = f.fragment.to_table(columns=[name]).column(name).combine_chunks()
-    text = ~pc.fill_null(pc.match_substring_regex(column, _NUMBER), True).to_numpy(zero_copy_only=False)
-    if text.any():
-        i = int(np.flatnonzero(text)[0])
-        raise DataError(f"{f.shown}: {row_name(i, f.lines)}: column '{name}': not a number ({column[i].as_py()!r})")
+    """A label or dense column read as text: the first value that is not a number (an empty one included: it is
+    missing), named by its row (a CSV's line), as a DataError; nothing when every value reads as one or the file
+    cannot be read again (the caller's message on the type stands)."""
+    done = 0
+    try:
+        for batch in f.fragment.to_batches(columns=[name], batch_size=BATCH_ROWS):
+            column = batch.column(0)
+            text = ~pc.fill_null(pc.match_substring_regex(column, _NUMBER), True).to_numpy(zero_copy_only=False)
+            if text.any():
+                i = int(np.flatnonzero(text)[0])
+                break
+            done += batch.num_rows
+        else:
+            return
+    except (pa.ArrowInvalid, OSError):
+        return
+    raise DataError(f"{f.shown}: {row_name(done + i, f.lines)}: column '{name}': not a number ({column[i].as_py()!r})")
 

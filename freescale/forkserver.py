@@ -448,10 +448,16 @@ def _connect(path: str, server_pid: int) -> tuple[socket.socket | None, str]:
 
 def alive(pid: int) -> bool:
     """``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    return process_state(pid) not in ("Z", "X")
+
+
+def process_state(pid: int) -> str:
+    """``pid``'s state letter in ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie ...); ``X`` for no such
+    process (or no ``/proc``)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return "X"
 
 
 def _send(conn: socket.socket, message: dict[str, Any]) -> None:

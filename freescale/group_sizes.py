@@ -23,10 +23,10 @@ from freescale.ft.config import GROUP_RANKS_ENV, INCARNATION_BASE_ENV, REPLICA_I
 
 ERROR_DIR_ENV = "FREESCALE_ERROR_DIR"
 AFTER_FAILURE_ENV = "FREESCALE_AFTER_FAILURE"
+"""What a rank failure leads to in this launch (``GroupSizes``): a rank that saw a peer fail says it."""
 FORMED_ENV = "FREESCALE_GROUP_FORMED"
 """Why this launch of the group formed, said by its rank 0 as it starts (``rank_console.install``): re-formed on
 fewer ranks, or grown back; unset, a restart after a failure."""
-"""What a rank failure leads to in this launch (``GroupSizes``): a rank that saw a peer fail says it."""
 SHRINK_REFUSED = "shrink_refused.txt"
 """Written in ``$FREESCALE_ERROR_DIR`` by a rank of a group re-formed on fewer ranks that cannot train at that size
 (``refuse_shrink``): the agent restarts the group at its size before instead."""

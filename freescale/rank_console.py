@@ -139,6 +139,8 @@ def _lost_peers(me: int) -> str:
     """Which other ranks of this group are gone or stopped (``rank 0 is gone``), read from their pid files and
     ``/proc``; empty where that cannot be told (ranks on other machines, no ``/proc``, nobody found).  A rank that
     ended on seeing the failure itself (its ``.saw_failure`` marker) is not named."""
+    from freescale.forkserver import process_state
+
     world = os.environ.get("WORLD_SIZE", "1")
     if world != os.environ.get("LOCAL_WORLD_SIZE", world) or not Path("/proc/self/stat").exists():
         return ""
@@ -151,10 +153,7 @@ def _lost_peers(me: int) -> str:
             pid = int((directory / f"rank{rank}.pid").read_text())
         except (OSError, ValueError):
             continue  # no pid file: nothing to tell
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            state = "X"  # no such process
+        state = process_state(pid)
         if state in ("Z", "X") and not (directory / f"rank{rank}{_SAW_FAILURE}").exists():
             found.append(f"rank {rank} is gone")
         elif state in ("T", "t"):

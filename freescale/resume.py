@@ -25,6 +25,7 @@ from freescale.ft.commit_record import hold_back_rollback
 from freescale.ft.config import incarnation
 from freescale.parallelize import materialize_optimizer_state
 from freescale.run_log import RunLog
+from freescale.validation import validation_steps
 
 
 class Resume:
@@ -38,8 +39,9 @@ class Resume:
         """With ``checkpoint.resume``: load the latest complete checkpoint; the step to start at.  With
         fault tolerance only in a fresh run (every group was lost): a group restarted while others train
         catches up from them instead.  Every rank of the group decides alike."""
+        earlier = self._newest_earlier(parts)  # listed before the lighthouse is asked: a later one is this run's
         if not self.cfg.checkpoint.resume and not self.cfg.ft.enabled:
-            self._refuse_an_earlier_run(parts)
+            self._refuse_an_earlier_run(parts, earlier)
             return 0
         found = self._agreed_checkpoints(parts) if self.cfg.checkpoint.resume else []
         path = found[0] if found else None
@@ -48,7 +50,7 @@ class Resume:
             fresh = self._no_rollback(parts, log, int(path.name.rsplit("_", 1)[1]) if path is not None else 0)
         if not self.cfg.checkpoint.resume:
             if fresh:  # (a group started while the run is under way catches up from the others)
-                self._refuse_an_earlier_run(parts)
+                self._refuse_an_earlier_run(parts, earlier)
             return 0
         if path is None or not fresh:
             log.write("no_resume", checkpoint=str(path) if path else None, fresh_run=fresh)
@@ -83,16 +85,27 @@ class Resume:
         parts.optimizer.load_state_dict(state["optim"])
         return meta
 
-    def _refuse_an_earlier_run(self, parts: Components) -> None:
-        """A run started afresh (no ``checkpoint.resume``, its first incarnation) where complete checkpoints lie
-        already: an earlier run's.  Its own saves would be pruned against them (the newest steps are kept: a new
-        run's step 600 went as it was written, beside an earlier run's step 6,552), and a later ``--resume`` or a
-        kept best would pick theirs: refused in one line, before a step.  Collective over the group."""
-        if incarnation() > 0:  # a restarted incarnation of this very run (the launcher resumes it)
-            return
-        found = self._agreed_checkpoints(parts)
-        if found:
-            raise checkpoint.CheckpointError(earlier_run(self.root, found[0]))
+    def _newest_earlier(self, parts: Components) -> int:
+        """The newest complete checkpoint's step on this rank's disk, where a fresh run would be refused for it
+        (``_refuse_an_earlier_run``), else -1: resuming, a restarted incarnation of this very run (the CLI resumes
+        it; a ``Trainer`` used directly decides for itself), or a run that writes no checkpoint at all."""
+        if self.cfg.checkpoint.resume or incarnation() > 0 or not writes_checkpoints(self.cfg):
+            return -1
+        found = checkpoint.complete_checkpoints(self.root)
+        return found[-1][0] if found else -1
+
+    def _refuse_an_earlier_run(self, parts: Components, newest: int) -> None:
+        """A run started afresh (no ``checkpoint.resume``, its first incarnation) where complete checkpoints lay
+        already (``newest``: this rank's ``_newest_earlier``): an earlier run's.  Its own saves would be pruned
+        against them (the newest steps are kept: a new run's step 600 went as it was written, beside an earlier
+        run's step 6,552), and a later ``--resume`` or a kept best would pick theirs: refused in one line, before
+        a step, on every rank of the group alike (the newest over the group's ranks: collective)."""
+        if parts.ctx.world_size > 1:
+            newest_t = torch.tensor([newest], dtype=torch.int64, device=parts.ctx.device)
+            dist.all_reduce(newest_t, op=dist.ReduceOp.MAX)
+            newest = int(newest_t)
+        if newest >= 0:
+            raise checkpoint.CheckpointError(earlier_run(self.root, checkpoint.step_dir(self.root, newest)))
 
     def _no_rollback(self, parts: Components, log: RunLog, start: int) -> bool:
         """Whether the run may start at ``start`` (``ft.commit_record.hold_back_rollback``: held back while the
@@ -200,10 +213,17 @@ def earlier_run(root: Path, newest: Path) -> str:
             "remove them")
 
 
-def refuse_an_earlier_run(root: Path) -> None:
-    """The launcher's check before any rank starts (the ranks check again, with the group): ``CheckpointError``."""
+def writes_checkpoints(cfg: TrainerConfig) -> bool:
+    """Whether the run may write a checkpoint: periodic saves, the last step's, or a kept best validation."""
+    c = cfg.checkpoint
+    return c.every > 0 or c.save_final or (cfg.eval.keep_best and validation_steps(cfg.eval.every, 1) > 0)
+
+
+def refuse_an_earlier_run(cfg: TrainerConfig, root: Path) -> None:
+    """The launcher's check before any rank starts (the ranks check again, with the group): ``CheckpointError``
+    for a fresh run that writes checkpoints where an earlier run's lie."""
     found = checkpoint.complete_checkpoints(root)
-    if found:
+    if found and not cfg.checkpoint.resume and writes_checkpoints(cfg):
         raise checkpoint.CheckpointError(earlier_run(root, found[-1][1]))
 
 
@@ -217,4 +237,4 @@ def _say(ctx: DistContext, message: str) -> None:
         print(message, flush=True)
 
 
-__all__ = ["Resume", "earlier_run", "raw_state", "refuse_an_earlier_run"]
+__all__ = ["Resume", "earlier_run", "raw_state", "refuse_an_earlier_run", "writes_checkpoints"]

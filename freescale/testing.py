@@ -113,7 +113,8 @@ def parse_faults(spec: str) -> list[Fault]:
         parts = where.split(":")
         shape = (f"{FAULTS_ENV}: '{item}' is not <group>:<rank>:<step>:<point>[:<ms>][@<incarnation>] with <point> "
                  f"one of {', '.join(POINTS)}")
-        if len(parts) not in (4, 5) or parts[3] not in POINTS or (at_incarnation and not wanted.isdigit()):
+        if len(parts) not in (4, 5) or parts[3] not in POINTS or (
+                at_incarnation and not (wanted.isascii() and wanted.isdecimal())):
             raise ConfigError(shape)
         try:
             group, rank = (None if p == "*" else int(p) for p in parts[:2])
