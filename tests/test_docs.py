@@ -163,11 +163,15 @@ def _python_errors(argv: list[str]) -> list[str]:
 
 
 def _fault_errors(spec: str) -> list[str]:
-    from freescale.testing import POINTS
+    """What the launcher would refuse in a ``FREESCALE_FAULTS`` value (its own parser, ``testing.parse_faults``)."""
+    from freescale.config import ConfigError
+    from freescale.testing import parse_faults
 
-    item = re.compile(rf"^(\*|\d+):(\*|\d+):\d+:({'|'.join(POINTS)})(:\d+(\.\d+)?)?(@\d+)?$")
-    return [f"FREESCALE_FAULTS item {part!r} is not <group>:<rank>:<step>:<point>[:<ms>][@<incarnation>]"
-            for part in spec.split(",") if part and not item.match(part)]
+    try:
+        parse_faults(spec)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
 
 
 def _make_targets() -> set[str]:
