@@ -165,14 +165,17 @@ def print_summary(summary: Any, who: str = "") -> None:
     table = Table(title=f"freescale: {summary.model} on {summary.world_size} rank(s)" + (f", {who}" if who else ""))
     table.add_column("metric")
     table.add_column("value", justify="right")
-    rows = [
-        ("steps", f"{summary.steps:,} (from step {summary.start_step})"),
-        ("samples", f"{summary.samples:,}"),
-        ("samples/s", f"{summary.samples_per_s:,.0f}"),
-        ("train loss", f"{summary.train_loss:.4f}"),
-    ]
-    if summary.train_auc is not None:
-        rows.append(("train AUC", f"{summary.train_auc:.4f}"))
+    if summary.steps:
+        rows = [
+            ("steps", f"{summary.steps:,} (from step {summary.start_step})"),
+            ("samples", f"{summary.samples:,}"),
+            ("samples/s", f"{summary.samples_per_s:,.0f}"),
+            ("train loss", f"{summary.train_loss:.4f}"),
+        ]
+        if summary.train_auc is not None:
+            rows.append(("train AUC", f"{summary.train_auc:.4f}"))
+    else:  # (a run resumed where it had ended, say: no loss or rate to show)
+        rows = [("steps", f"0 (from step {summary.start_step})")]
     names = {"auc": "AUC", "ne": "NE", "mrr": "MRR"}
     v = summary.validation
     if v:

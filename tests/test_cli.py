@@ -182,6 +182,9 @@ def test_single_process_train_without_torchrun_resumes_under_another_shape_and_i
     assert [e["step"] for e in commits] == list(range(8)) and [len(e["rows"]) for e in commits] == [128] * 5 + [96] * 3
     rows = [r for e in commits for r in e["rows"]]
     assert len(rows) == len(set(rows))  # none twice across the change of shape
+    code, out, err = run_main(capsys, *train, "--train.steps=8", "--resume", "--optim.sharding=column_wise",
+                              "--optim.column_shard_min_dim=8", "--data.batch_size=96")  # resumed where it ended
+    assert code == 0 and "0 (from step 8)" in out and "nan" not in out, out + err[-2000:]
 
     root = tmp_path / "checkpoints"
     code, out, _ = run_main(capsys, "checkpoint", "inspect", str(root))
