@@ -37,9 +37,9 @@ def _launch_train(args: argparse.Namespace, overrides: list[str]) -> int:
     # One job per run directory, held until every rank has ended (the ranks' commits check its token); what
     # killed saves left is removed before any rank starts.
     with run_lease.held(run_lease.lease_directories(cfg.train.output_dir, root), stale=root):
-        from freescale.resume import refuse_an_earlier_run
+        from freescale.resume import newest_earlier, refuse_an_earlier_run
 
-        refuse_an_earlier_run(cfg, root)  # once, here, before any rank starts (and before the stale partials go)
+        refuse_an_earlier_run(root, newest_earlier(cfg, root))  # once, before any rank starts (and the stale partials go)
         try:
             return _launch_ranks(args, overrides, cfg)
         finally:  # every rank has ended: what a stop or a crash left half-written goes, no writer can race it

@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from freescale.lifetime import alive
+
 FORKSERVER_ENV = "FREESCALE_FORKSERVER"
 """The server's socket path (``launch`` sets it for the ranks), or ``off``: every rank starts plain."""
 SERVER_PID_ENV = "FREESCALE_FORKSERVER_PID"
@@ -444,20 +446,6 @@ def _connect(path: str, server_pid: int) -> tuple[socket.socket | None, str]:
                 return None, f"the server (pid {server_pid}) is gone"
             time.sleep(0.02)
     return None, f"no server at {path} after {CONNECT_WAIT_S:.0f} s"
-
-
-def alive(pid: int) -> bool:
-    """``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
-    return process_state(pid) not in ("Z", "X")
-
-
-def process_state(pid: int) -> str:
-    """``pid``'s state letter in ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie ...); ``X`` for no such
-    process (or no ``/proc``)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "X"
 
 
 def _send(conn: socket.socket, message: dict[str, Any]) -> None:

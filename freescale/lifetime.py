@@ -13,7 +13,8 @@ rank dies with its client (``forkserver._watch_client``), the fork server with t
 closes).  Each link takes effect at once, so the whole tree is gone within a second or two.
 
 A deliberate stop (SIGTERM, SIGINT, SIGHUP) is not a death: the launcher passes it down, waits for the
-ranks, and says so in one line (``launch``).
+ranks, and says so in one line (``launch``).  ``alive`` / ``process_state``: whether a pid runs, is stopped or is
+gone, from ``/proc`` (the fork server's wait for its ranks, a rank naming the peer that failed).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 PARENT_ENV = "FREESCALE_PARENT_PID"
@@ -94,4 +96,19 @@ class stops_raise:
             signal.signal(sig, handler)
 
 
-__all__ = ["PARENT_ENV", "STOP_SIGNALS", "Stopped", "children_die_with_me", "die_with_parent", "stopping", "stops_raise"]
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    return process_state(pid) not in ("Z", "X")
+
+
+def process_state(pid: int) -> str:
+    """``pid``'s state letter in ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie ...); ``X`` for no such
+    process (or no ``/proc``)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+__all__ = ["PARENT_ENV", "STOP_SIGNALS", "Stopped", "alive", "children_die_with_me", "die_with_parent", "process_state",
+           "stopping", "stops_raise"]

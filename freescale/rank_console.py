@@ -88,7 +88,7 @@ def took_over(incarnation: int) -> None:
 def rank_pid(output_dir: str | Path, replica_id: str | None, rank: int) -> int | None:
     """The pid of ``rank`` (of replica group ``replica_id``) of the run writing to ``output_dir``, while
     that process runs (not a dead incarnation's, not a zombie), else None."""
-    from freescale.forkserver import alive
+    from freescale.lifetime import alive
 
     try:
         pid = int((Path(output_dir) / (replica_id or "") / f"rank{rank}.pid").read_text())
@@ -139,7 +139,7 @@ def _lost_peers(me: int) -> str:
     """Which other ranks of this group are gone or stopped (``rank 0 is gone``), read from their pid files and
     ``/proc``; empty where that cannot be told (ranks on other machines, no ``/proc``, nobody found).  A rank that
     ended on seeing the failure itself (its ``.saw_failure`` marker) is not named."""
-    from freescale.forkserver import process_state
+    from freescale.lifetime import process_state
 
     world = os.environ.get("WORLD_SIZE", "1")
     if world != os.environ.get("LOCAL_WORLD_SIZE", world) or not Path("/proc/self/stat").exists():

@@ -39,7 +39,7 @@ class Resume:
         """With ``checkpoint.resume``: load the latest complete checkpoint; the step to start at.  With
         fault tolerance only in a fresh run (every group was lost): a group restarted while others train
         catches up from them instead.  Every rank of the group decides alike."""
-        earlier = self._newest_earlier(parts)  # listed before the lighthouse is asked: a later one is this run's
+        earlier = newest_earlier(self.cfg, self.root)  # listed before the lighthouse is asked: a later one is this run's
         if not self.cfg.checkpoint.resume and not self.cfg.ft.enabled:
             self._refuse_an_earlier_run(parts, earlier)
             return 0
@@ -85,27 +85,14 @@ class Resume:
         parts.optimizer.load_state_dict(state["optim"])
         return meta
 
-    def _newest_earlier(self, parts: Components) -> int:
-        """The newest complete checkpoint's step on this rank's disk, where a fresh run would be refused for it
-        (``_refuse_an_earlier_run``), else -1: resuming, a restarted incarnation of this very run (the CLI resumes
-        it; a ``Trainer`` used directly decides for itself), or a run that writes no checkpoint at all."""
-        if self.cfg.checkpoint.resume or incarnation() > 0 or not writes_checkpoints(self.cfg):
-            return -1
-        found = checkpoint.complete_checkpoints(self.root)
-        return found[-1][0] if found else -1
-
     def _refuse_an_earlier_run(self, parts: Components, newest: int) -> None:
-        """A run started afresh (no ``checkpoint.resume``, its first incarnation) where complete checkpoints lay
-        already (``newest``: this rank's ``_newest_earlier``): an earlier run's.  Its own saves would be pruned
-        against them (the newest steps are kept: a new run's step 600 went as it was written, beside an earlier
-        run's step 6,552), and a later ``--resume`` or a kept best would pick theirs: refused in one line, before
-        a step, on every rank of the group alike (the newest over the group's ranks: collective)."""
+        """``refuse_an_earlier_run`` on every rank of the group alike, from the newest over the group's ranks of
+        what each listed (``newest_earlier``: before the lighthouse was asked); collective."""
         if parts.ctx.world_size > 1:
             newest_t = torch.tensor([newest], dtype=torch.int64, device=parts.ctx.device)
             dist.all_reduce(newest_t, op=dist.ReduceOp.MAX)
             newest = int(newest_t)
-        if newest >= 0:
-            raise checkpoint.CheckpointError(earlier_run(self.root, checkpoint.step_dir(self.root, newest)))
+        refuse_an_earlier_run(self.root, newest)
 
     def _no_rollback(self, parts: Components, log: RunLog, start: int) -> bool:
         """Whether the run may start at ``start`` (``ft.commit_record.hold_back_rollback``: held back while the
@@ -206,25 +193,33 @@ class Resume:
         return [path for _, path in reversed(found)]
 
 
-def earlier_run(root: Path, newest: Path) -> str:
-    """The one line that refuses a fresh run where an earlier run's checkpoints lie (``newest``, under ``root``)."""
-    return (f"{root} holds the checkpoints of an earlier run (newest: {newest.name}); this run would lose its own saves "
-            "to them: resume that run (--resume), give this one a train.output_dir of its own (or checkpoint.dir), or "
-            "remove them")
-
-
 def writes_checkpoints(cfg: TrainerConfig) -> bool:
     """Whether the run may write a checkpoint: periodic saves, the last step's, or a kept best validation."""
     c = cfg.checkpoint
     return c.every > 0 or c.save_final or (cfg.eval.keep_best and validation_steps(cfg.eval.every, 1) > 0)
 
 
-def refuse_an_earlier_run(cfg: TrainerConfig, root: Path) -> None:
-    """The launcher's check before any rank starts (the ranks check again, with the group): ``CheckpointError``
-    for a fresh run that writes checkpoints where an earlier run's lie."""
+def newest_earlier(cfg: TrainerConfig, root: Path) -> int:
+    """The newest complete checkpoint's step under ``root``, where a fresh run would be refused for it
+    (``refuse_an_earlier_run``), else -1: resuming, a restarted incarnation of this very run (the CLI resumes it; a
+    ``Trainer`` used directly decides for itself), or a run that writes no checkpoint at all."""
+    if cfg.checkpoint.resume or incarnation() > 0 or not writes_checkpoints(cfg):
+        return -1
     found = checkpoint.complete_checkpoints(root)
-    if found and not cfg.checkpoint.resume and writes_checkpoints(cfg):
-        raise checkpoint.CheckpointError(earlier_run(root, found[-1][1]))
+    return found[-1][0] if found else -1
+
+
+def refuse_an_earlier_run(root: Path, newest: int) -> None:
+    """A run started afresh (no ``checkpoint.resume``, its first incarnation) where complete checkpoints lay already
+    (``newest`` >= 0: ``newest_earlier``'s): an earlier run's.  Its own saves would be pruned against them (the
+    newest steps are kept: a new run's step 600 went as it was written, beside an earlier run's step 6,552), and a
+    later ``--resume`` or a kept best would pick theirs: ``CheckpointError`` in one line, before a step (the launcher
+    asks before any rank starts; the ranks again, with their group)."""
+    if newest >= 0:
+        raise checkpoint.CheckpointError(
+            f"{root} holds the checkpoints of an earlier run (newest: {checkpoint.step_dir(root, newest).name}); this "
+            "run would lose its own saves to them: resume that run (--resume), give this one a train.output_dir of "
+            "its own (or checkpoint.dir), or remove them")
 
 
 def raw_state(parts: Components) -> dict[str, Any]:
@@ -237,4 +232,4 @@ def _say(ctx: DistContext, message: str) -> None:
         print(message, flush=True)
 
 
-__all__ = ["Resume", "earlier_run", "raw_state", "refuse_an_earlier_run", "writes_checkpoints"]
+__all__ = ["Resume", "newest_earlier", "raw_state", "refuse_an_earlier_run", "writes_checkpoints"]

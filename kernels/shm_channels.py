@@ -200,7 +200,7 @@ def map_group_files(store: dist.Store, rank: int, world: int, size: int,
 
 def ended(pids: list[int]) -> list[int]:
     """The ranks (indexes into ``pids``) whose process has ended (a zombie, ended but not reaped, too)."""
-    from freescale.forkserver import alive
+    from freescale.lifetime import alive
 
     return [r for r, pid in enumerate(pids) if not alive(pid)]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from freescale import checkpoint, run_lease
-from freescale.forkserver import alive
+from freescale.lifetime import alive
 from freescale.rank_console import rank_pid
 from freescale.testing import FAULTS_ENV
 from tests.conftest import REPO, cli_env
