@@ -330,7 +330,7 @@ def catch_ups(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_group_evicted_as_fail_slow_then_killed_mid_catch_up(tiny_data: Path, tmp_path: Path) -> None:
-    """Group 1's device is three times slower from the start (its first incarnation only) and
+    """Group 1's device is six times slower from the start (its first incarnation only) and
     ``balance.slow_policy = "evict"``: both groups reach the same ``fail_slow`` verdict at the same commit
     and group 1 stops there as a crash would; its restart dies again while downloading its snapshot; the
     third incarnation catches up.  Group 0 never stops; all identical; every sample once.  Two groups: the
@@ -341,17 +341,22 @@ def test_group_evicted_as_fail_slow_then_killed_mid_catch_up(tiny_data: Path, tm
     The tables are averaged across the groups, a third of them a step (``embedding_sync = "average"``, the
     union update's alternative: its header rides beside the speed table's): the state hash leaves them out
     and each step's averaged slice has one hash on both groups, the caught-up one included (it replays the
-    slices averaged while it was away)."""
+    slices averaged while it was away).  The verdict's margins are wide on both sides, since a wrong one restarts a
+    group this test says never stops: the slowed group reads 0.24-0.29 of its peer's speed, and a healthy group read
+    as low as 0.62 with the two cores shared with three busy processes (at the default threshold of 0.7 the healthy
+    survivor was evicted there, and once on the CI machine), so the threshold is 0.45."""
     steps = 100
-    proc = launch(tmp_path, tiny_data, 2, 1, steps, "dlrm", fault=f"1:0:0:device:3@0,1:0:0:catchup@1,{AWAY}",
+    proc = launch(tmp_path, tiny_data, 2, 1, steps, "dlrm", fault=f"1:0:0:device:6@0,1:0:0:catchup@1,{AWAY}",
                   max_restarts=3, extra=("--optim.lr_schedule", "warmup_cosine", "--optim.warmup_steps", "10",
                                          "--optim.clip_grad_norm", "0.002", "--ft.embedding_sync", "average",
-                                         "--ft.average_every", "3", "--balance.slow_policy", "evict"))
+                                         "--ft.average_every", "3", "--balance.slow_policy", "evict",
+                                         "--balance.slow_threshold", "0.45"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     runs = check_run(tmp_path, tiny_data, "dlrm", 2, 1, steps)
     survivor = by_step(runs[(0, 0)])
-    assert sorted(survivor) == list(range(steps))
+    verdicts = [(e["step"], e["group"], round(e["share"], 3)) for e in runs[(0, 0)] if e.get("event") == "fail_slow"]
+    assert sorted(survivor) == list(range(steps)), f"group 0 stopped; fail-slow verdicts (step, group, share): {verdicts}"
     [(evicted, group, rank)] = [(e["step"], e["group"], e["rank"]) for e in runs[(0, 0)] if e.get("event") == "fail_slow"]
     assert (group, rank) == (1, 0) and evicted <= 30, evicted
     assert [e["step"] for e in runs[(1, 0)] if e.get("event") == "fail_slow"] == [evicted]  # judged alike
