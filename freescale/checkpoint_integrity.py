@@ -29,6 +29,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -145,13 +146,53 @@ def stamp(meta: dict[str, Any], manifest_hash: str) -> dict[str, Any]:
 
 
 def check_meta(path: Path, meta: dict[str, Any]) -> None:
-    """``freescale.json``'s own hash (a checkpoint with checksums): damaged if it differs."""
+    """``freescale.json`` as written: its own hash matches (damaged if it differs, or if it is gone from a checkpoint
+    written with checksums, which its ``integrity`` entry or a ``checksums.json`` beside it says: deleting the hash
+    never turns verification off), and the fields freescale reads have the types it wrote (``check_fields``: a
+    checkpoint older than checksums has nothing else to catch a hand edit before it meets the resume)."""
+    where = path / "freescale.json"
     expected = meta.get("meta_hash")
-    if expected is None:
-        return
+    if expected is None and ("integrity" in meta or (path / MANIFEST).exists()):
+        raise CheckpointDamaged(f"{where}: its checksum is gone, though the checkpoint was written with checksums "
+                                "(edited or damaged)")
     body = {k: v for k, v in meta.items() if k != "meta_hash"}
-    if digest(json.dumps(body, sort_keys=True).encode()) != expected:
-        raise CheckpointDamaged(f"{path / 'freescale.json'}: its content does not match its checksum")
+    if expected is not None and digest(json.dumps(body, sort_keys=True).encode()) != expected:
+        raise CheckpointDamaged(f"{where}: its content does not match its checksum")
+    check_fields(path, meta)
+
+
+_OBJECT_FIELDS = {"data": (dict,), "plan": (dict,), "layouts": (dict,), "config": (dict, type(None)),
+                  "ft": (dict, type(None)), "validation": (dict, type(None))}
+"""``freescale.json``'s top-level objects and the types freescale writes them as."""
+
+
+def check_fields(path: Path, meta: dict[str, Any]) -> None:
+    """The fields of ``freescale.json`` that freescale reads, each of the type it wrote: the step (a number, the
+    one its directory is named after), the shape, the data position, each table's plan and layout; else
+    ``CheckpointDamaged`` naming the field."""
+    where = path / "freescale.json"
+
+    def refuse(field: str, value: Any, wanted: str) -> None:
+        raise CheckpointDamaged(f"{where}: field '{field}' is {json.dumps(value)[:40]}, not {wanted}")
+
+    step, named = meta.get("step"), re.fullmatch(r"step_(\d+)", path.name)
+    if type(step) is not int or step < 0:
+        refuse("step", step, "a step number")
+    if named and int(named.group(1)) != step:
+        refuse("step", step, f"the step its directory {path.name} is named after")
+    if "world_size" in meta and (type(meta["world_size"]) is not int or meta["world_size"] < 1):
+        refuse("world_size", meta["world_size"], "a number of ranks")
+    for field, types in _OBJECT_FIELDS.items():
+        if field in meta and not isinstance(meta[field], types):
+            refuse(field, meta[field], "an object" if types == (dict,) else "an object or null")
+    for table, plan in (meta.get("plan") or {}).items():
+        if not isinstance(plan, dict) or not all(isinstance(plan.get(key, []), list) for key in ("ranks", "shards")) \
+                or not all(isinstance(shard, dict) for shard in plan.get("shards", [])):
+            refuse(f"plan.{table}", plan, "a table's plan (its ranks and shards)")
+    for name, layout in (meta.get("layouts") or {}).items():
+        if not isinstance(layout, dict) or not isinstance(layout.get("cuts"), list) \
+                or not all(type(layout.get(key)) is int for key in ("dim", "rows")):
+            refuse(f"layouts.{name}", layout, "a table's layout (its cuts, dim and rows)")
 
 
 def is_verified(meta: dict[str, Any]) -> bool:

@@ -78,8 +78,13 @@ def acquire(directories: list[Path]) -> RunLease:
               "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         for directory in directories:
-            directory.mkdir(parents=True, exist_ok=True)
-            fh = (directory / LEASE_FILE).open("a+")
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                fh = (directory / LEASE_FILE).open("a+")
+            except OSError as exc:  # a file where the directory should be, no permission, a read-only mount
+                why = "a file, not a directory" if directory.is_file() else exc.strerror or type(exc).__name__
+                raise CheckpointError(f"{directory}: this run cannot write there ({why}); give it another "
+                                      "train.output_dir (or checkpoint.dir)") from None
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -3,11 +3,13 @@ checkpoint that ``latest`` offers and that then fails to load or holds mixed ste
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,7 +112,13 @@ DAMAGES = {
     "edited manifest": lambda p: (p / "checksums.json").write_text((p / "checksums.json").read_text().replace("0", "1", 1)),
     "edited freescale.json": lambda p: (p / "freescale.json").write_text(
         (p / "freescale.json").read_text().replace('"step": 2', '"step": 3')),
+    "checksums deleted from freescale.json": lambda p: _edit_meta(p, drop=("integrity", "meta_hash"), step=999),
 }
+
+
+def _edit_meta(path: Path, drop: tuple[str, ...] = (), **fields: Any) -> None:
+    meta = json.loads((path / "freescale.json").read_text())
+    (path / "freescale.json").write_text(json.dumps({**{k: v for k, v in meta.items() if k not in drop}, **fields}))
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
@@ -146,3 +154,17 @@ def test_checkpoint_without_checksums_loads_unverified(tmp_path: Path) -> None:
     state = {"w": torch.zeros(50_000), "b": torch.zeros(7), "extra": {"k": 0}}
     loaded = checkpoint.load(newest, state)
     assert loaded["step"] == 2 and not checkpoint.is_verified(loaded) and torch.all(state["w"] == 2.0)
+
+
+@pytest.mark.parametrize("field, value", [("step", "abc"), ("step", 999), ("step", -1), ("world_size", 0),
+                                          ("data", 7), ("config", [1]), ("plan", {"w_table": {"shards": 3}}),
+                                          ("layouts", {"w": {"cuts": [0, 8], "dim": "8", "rows": 4}})])
+def test_a_hand_edited_field_of_a_checkpoint_without_checksums_is_refused_naming_it(
+        tmp_path: Path, field: str, value: Any) -> None:
+    """Without checksums nothing else catches a hand edit: each field freescale reads is of the type it wrote (the
+    step the one its directory is named after), else one line naming the field, before any byte is loaded."""
+    newest = _two_checkpoints(tmp_path)
+    (newest / "checksums.json").unlink()
+    _edit_meta(newest, drop=("integrity", "meta_hash"), **{field: value})
+    with pytest.raises(checkpoint.CheckpointDamaged, match=f"freescale.json: field '{field.split('.')[0]}"):
+        checkpoint.read_meta(newest)

@@ -65,6 +65,12 @@ def test_lease_refuses_a_second_holder_and_the_fence_sees_a_takeover(tmp_path: P
     with run_lease.acquire(dirs[1:]):  # released with the first; another job takes the checkpoint directory
         with pytest.raises(run_lease.RunDirectoryBusy, match="took this directory over"):
             run_lease.fence(dirs, held.token)
+    (tmp_path / "a_file").write_text("")  # a file where the run's directory should be: one line, nothing written
+    for where, why in ((tmp_path / "a_file", "a file, not a directory"), (tmp_path / "a_file" / "run", "Not a directory")):
+        with pytest.raises(checkpoint.CheckpointError, match=f"^{where}: this run cannot write there \\({why}\\)"):
+            run_lease.acquire([dirs[0], where])
+    with run_lease.acquire(dirs[:1]):  # the lease taken on the first directory was let go
+        pass
 
 
 @pytest.mark.multiprocess
