@@ -86,6 +86,19 @@ def load(path: str | os.PathLike[str]) -> DurableState | None:
     return DurableState.from_json(body, str(p))
 
 
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """Whether ``save`` can write ``path`` (its directory made, a file created there and removed): at start, so a
+    state file the lighthouse cannot write stops it before it serves, not at its first change of state."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OSError(f"lighthouse: cannot write its state file {p} ({exc.strerror or type(exc).__name__})") from None
+
+
 def save(path: str | os.PathLike[str], state: DurableState) -> None:
     """Replace ``path`` with ``state`` atomically and durably (module docstring)."""
     p = Path(path)

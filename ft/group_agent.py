@@ -51,7 +51,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from freescale.ft.membership_records import BadRequest, _field
+from freescale.ft.membership_records import BadRequest, _count, _field
 from freescale.ft.serving import LINK_PING_S, backoff_delays, token_ok
 
 log = logging.getLogger("freescale.ft.group_agent")
@@ -302,7 +302,7 @@ class GroupAgent:
     def _member(self, body: dict[str, Any]) -> int:
         """The calling member's index (a sign of life); a caller from another group is refused."""
         mine = (self.identity["replica_id"], self.identity["incarnation"], self.group_size)
-        theirs = (_field(body, "replica_id", str), _field(body, "incarnation", int), _field(body, "group_size", int))
+        theirs = (_field(body, "replica_id", str), _count(body, "incarnation"), _field(body, "group_size", int))
         member = _field(body, "member", int)
         if theirs != mine or not 0 <= member < self.group_size:
             raise BadRequest(f"this is the group agent of replica '{mine[0]}' incarnation {mine[1]} "
@@ -323,8 +323,8 @@ class GroupAgent:
     async def _quorum(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         member = self._member(body)
-        ask = _QuorumAsk(_field(body, "step", int), str(body.get("address", ""))[:300],
-                         str(body.get("store", ""))[:300], int(body.get("last_quorum_id", 0) or 0),
+        ask = _QuorumAsk(_count(body, "step"), str(body.get("address", ""))[:300],
+                         str(body.get("store", ""))[:300], _count(body, "last_quorum_id", 0),
                          body.get("join") == "wait")
         waiter: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         if self._asking is not None and member in self._asking:
@@ -363,7 +363,7 @@ class GroupAgent:
     async def _commit(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         member = self._member(body)
-        key = (_field(body, "quorum_id", int), _field(body, "step", int))
+        key = (_count(body, "quorum_id"), _count(body, "step"))
         ballots = self._ballots.setdefault(key, _Ballots())
         if ballots.answer is not None:
             return _relay(ballots.answer)

@@ -177,6 +177,7 @@ class Lighthouse(LighthouseOps):
     def __init__(self, cfg: LighthouseConfig) -> None:
         super().__init__(cfg, durable.load(cfg.state_path) if cfg.state_path else None)
         if cfg.state_path:
+            durable.check_writable(cfg.state_path)
             self.on_durable_change = self._save
         self._saved_high_step = self.high_step
         self._saved_at = time.monotonic()

@@ -15,10 +15,13 @@ from typing import Any, NamedTuple
 
 from freescale.ft.durable import DurableState
 from freescale.ft.membership import LighthouseConfig, Membership
-from freescale.ft.membership_records import BadRequest, _field, _Group, _Join, _Vote, resolve
+from freescale.ft.membership_records import BadRequest, _count, _field, _Group, _Join, _Vote, resolve
 
 Reply = tuple[int, str]
 """(HTTP status, JSON text) of one answer."""
+
+_MAX_GROUP_RANKS = 1 << 20
+"""The most ranks a replica group may say it has (the lighthouse keeps a list of its members)."""
 
 
 class Conflict(Exception):
@@ -70,12 +73,14 @@ class LighthouseOps(Membership):
     def member(self, body: dict[str, Any]) -> tuple[_Group | None, int, str]:
         """Record a sign of life from (replica, incarnation, member); returns (group, member, error)."""
         replica_id = _field(body, "replica_id", str)
-        incarnation = _field(body, "incarnation", int)
+        incarnation = _count(body, "incarnation")
         member = _field(body, "member", int)
         group_size = _field(body, "group_size", int)
         if not replica_id or len(replica_id) > 200:
             raise BadRequest("field 'replica_id' must be 1-200 characters")
-        if group_size < 1 or not 0 <= member < group_size:
+        if not 1 <= group_size <= _MAX_GROUP_RANKS:
+            raise BadRequest(f"field 'group_size' must be 1 to {_MAX_GROUP_RANKS} ranks, got {group_size}")
+        if not 0 <= member < group_size:
             raise BadRequest(f"member {member} is outside a group of {group_size}")
         run_id = body.get("run_id", "")
         if not isinstance(run_id, str) or len(run_id) > 100:
@@ -180,8 +185,7 @@ class LighthouseOps(Membership):
             self.connection_lost(group.replica_id, group.incarnation)
 
     async def ask_quorum(self, body: dict[str, Any], known: tuple[str, int] | None = None) -> Reply:
-        step = _field(body, "step", int)
-        last_seen = int(body.get("last_quorum_id", 0) or 0)
+        step, last_seen = _count(body, "step"), _count(body, "last_quorum_id", 0)
         group, member, why = self.caller(body, known)
         if group is None:
             return error(409, why)
@@ -228,7 +232,7 @@ class LighthouseOps(Membership):
         """A commit ballot's own part, synchronous: checked, counted, the vote settled if it can be.  The answer
         now (the vote was decided, or the ballot is refused), or ``Pending``: the vote still waits for others,
         and ``vote_answer`` answers this ballot once ``vote.result`` is set."""
-        quorum_id, step = _field(body, "quorum_id", int), _field(body, "step", int)
+        quorum_id, step = _count(body, "quorum_id"), _count(body, "step")
         ok = _field(body, "ok", bool)
         group, member, why = self.caller(body, known)
         if group is None:
@@ -298,7 +302,7 @@ class LighthouseOps(Membership):
         return self._encoded[1]
 
     def report(self, body: dict[str, Any]) -> Reply:
-        quorum_id = _field(body, "quorum_id", int)
+        quorum_id = _count(body, "quorum_id")
         reporter = _field(body, "replica_id", str)
         now = time.monotonic()
         if self.quorum is not None and self.quorum["quorum_id"] == quorum_id:
@@ -322,7 +326,7 @@ class LighthouseOps(Membership):
         return {"finished": True, "finished_step": self.finished_step}
 
     def finish(self, body: dict[str, Any]) -> Reply:
-        step = _field(body, "step", int)
+        step = _count(body, "step")
         group, _, why = self.member(body)
         if group is None:
             return error(409, why)

@@ -83,8 +83,10 @@ class LighthouseConfig:
         if self.join_timeout_s < 0 or self.heartbeat_timeout_s <= 0:
             raise ValueError("lighthouse: join_timeout_s must be >= 0 and heartbeat_timeout_s > 0")
         host, _, port = self.bind.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"lighthouse: bind must be host:port, got '{self.bind}'")
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"lighthouse: bind must be host:port (a port up to 65535), got '{self.bind}'")
+        if self.body_timeout_s <= 0 or self.max_request_bytes <= 0:
+            raise ValueError("lighthouse: body_timeout_s and max_request_bytes must be > 0")
         if self.settle_s < 0:
             raise ValueError(f"lighthouse: settle_s must be >= 0, got {self.settle_s}")
         if self.max_beats_per_s <= 0:

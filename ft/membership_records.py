@@ -173,3 +173,18 @@ def _field(body: dict[str, Any], name: str, kind: type) -> Any:
     if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
         raise BadRequest(f"field '{name}' must be {kind.__name__}, got {type(value).__name__}")
     return value
+
+
+_COUNTS = 2**53
+"""Steps, quorum ids and incarnations are below this (the integers JSON carries exactly, and an int64's range)."""
+
+
+def _count(body: dict[str, Any], name: str, default: int | None = None) -> int:
+    """A step, quorum id or incarnation: a whole number in ``[0, 2**53)``; ``default`` where it is absent or null
+    (else it is required): ``BadRequest`` naming the field otherwise, never a 500 from deeper down."""
+    if body.get(name) is None and default is not None:
+        return default
+    value: int = _field(body, name, int)
+    if not 0 <= value < _COUNTS:
+        raise BadRequest(f"field '{name}' must be a whole number in [0, 2**53), got {value}")
+    return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -252,6 +253,14 @@ def test_token_size_limit_and_bad_fields_are_refused() -> None:
     assert requests.post(url, json={**body, "pad": "x" * 4096}, headers=auth, timeout=5).status_code == 413
     bad = requests.post(url, json={**body, "member": "zero"}, headers=auth, timeout=5)
     assert bad.status_code == 400 and "member" in bad.json()["error"]
+    # Steps, quorum ids, incarnations and group sizes out of range: 400 naming the field (a 500 once, or a list of
+    # 10**35 members), and the server stays up.
+    quorum = f"{lh.url}/v1/quorum"
+    for path, field, value in ((quorum, "last_quorum_id", "abc"), (quorum, "last_quorum_id", 1e300),
+                               (quorum, "step", -5), (url, "incarnation", 10**35), (url, "group_size", 10**35)):
+        raw = json.dumps({**body, "step": 0, field: value}).replace("1e+300", "1e400")  # JSON's infinity
+        bad = requests.post(path, data=raw, headers={**auth, "Content-Type": "application/json"}, timeout=5)
+        assert bad.status_code == 400 and f"'{field}'" in bad.json()["error"], (field, value, bad.text)
     # A group's fail-slow report is shown by the status; a malformed one is dropped (the last good one stays).
     slow = [{"group": 2, "rank": 0, "step": 25, "share": 0.51, "host": "node7"}]
     assert requests.post(url, json={**body, "fail_slow": slow}, headers=auth, timeout=5).status_code == 200
@@ -260,6 +269,19 @@ def test_token_size_limit_and_bad_fields_are_refused() -> None:
     status = requests.get(f"{lh.url}/v1/status", headers=auth, timeout=5).json()
     assert status["groups"]["a"]["fail_slow"] == slow
     lh.stop_thread()
+
+
+def test_flags_out_of_range_and_an_unwritable_state_file_stop_it_before_it_serves(tmp_path: Path) -> None:
+    """A port past 65535 (it wrapped to another port once), a body timeout or size limit of 0 (every request
+    refused), a state file it cannot write (it served, then stopped at the first change of state): one line each."""
+    for fields, said in (({"bind": "127.0.0.1:99999"}, "a port up to 65535"),
+                         ({"body_timeout_s": 0.0}, "body_timeout_s"), ({"max_request_bytes": -1}, "max_request_bytes")):
+        with pytest.raises(ValueError, match=said):
+            LighthouseConfig(**fields).validate()  # type: ignore[arg-type]
+    with pytest.raises(OSError, match="cannot write its state file /proc/freescale/state.json"):
+        Lighthouse(LighthouseConfig(state_path="/proc/freescale/state.json"))  # (/proc takes no new directory)
+    Lighthouse(LighthouseConfig(state_path=str(tmp_path / "state.json")))  # a writable one: the probe leaves nothing
+    assert not list(tmp_path.iterdir())
 
 
 def test_restarted_lighthouse_keeps_quorum_ids_growing() -> None:
