@@ -271,7 +271,7 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _typed(convert: type, what: str) -> typing.Callable[[str], Any]:
+def _typed(convert: typing.Callable[[str], Any], what: str) -> typing.Callable[[str], Any]:
     """An argparse ``type`` whose error reads ``expected <what>, got '<text>'``."""
 
     def parse(text: str) -> Any:
@@ -283,7 +283,14 @@ def _typed(convert: type, what: str) -> typing.Callable[[str], Any]:
     return parse
 
 
-_int, _float = _typed(int, "an integer"), _typed(float, "a number")
+def _whole(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+_int, _float, _seed = _typed(int, "an integer"), _typed(float, "a number"), _typed(_whole, "a whole number >= 0")
 
 
 def _reject_unknown_options(command: _Parser, rest: list[str], overrides: bool) -> None:
@@ -327,7 +334,7 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     gen.add_argument("--max-len", type=_int, default=64, help="longest history (default 64)")
     gen.add_argument("--lengths", default="ml-20m", help="history lengths: ml-1m, ml-20m, zipf or uniform (default ml-20m)")
     gen.add_argument("--zipf-alpha", type=_float, default=1.1, help="exponent for --lengths zipf (default 1.1)")
-    gen.add_argument("--seed", type=_int, default=0)
+    gen.add_argument("--seed", type=_seed, default=0)
     gen.add_argument("--row-group-size", type=_int, default=8_192)
 
     lh = sub.add_parser("lighthouse", help="serve quorums for fault-tolerant replica groups (freescale.ft)")
@@ -347,7 +354,7 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     sim.add_argument("--gpus", type=_int, default=16_384, help="GPUs of the simulated job (default 16384)")
     sim.add_argument("--replicas", type=_int, default=None, help="replica groups, a divisor of --gpus (default: the divisor nearest 16 up to 16K GPUs, then nearest 8K-GPU groups)")
     sim.add_argument("--failures", type=_int, default=1_000, help="crash/hang failures to simulate (default 1000)")
-    sim.add_argument("--seed", type=_int, default=0)
+    sim.add_argument("--seed", type=_seed, default=0)
     sim.add_argument("--results", default="benchmarks/results", help="measured FT benchmark JSONs (default benchmarks/results: run from the repository root)")
     sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an input (names in the inputs table)")
     sim.add_argument("--project", action="store_true", help="also project at 1K, 16K and 100K GPUs")

@@ -116,6 +116,8 @@ def test_long_runs_are_thinned_for_the_figures_keeping_every_notable_commit(tmp_
     (lambda p: _write(p / "replica0" / "train_log.jsonl", [{"event": "start", "time": 1.0}]), "no committed step"),
     (lambda p: (p / "replica0").mkdir(parents=True) or (p / "replica0" / "train_log.jsonl").write_text(
         '{"event": "start", "time": 1}\n{"event": "commit", "ti\n'), "no committed step"),  # killed writer: tolerated
+    (lambda p: (p / "replica0").mkdir(parents=True) or (p / "replica0" / "train_log.jsonl").write_bytes(
+        b'{"event": "start", "time": 1}\n\x00\xff\xfe\n'), "no committed step"),  # not UTF-8: one garbled line
     (lambda p: p.mkdir() or (p / "train_log.jsonl").write_text("step,loss\n1,0.5\n"),
      "train_log.jsonl:1: not a JSON line (no log event"),
     (lambda p: p.mkdir() or (p / "train_log.jsonl").write_text('{"event": "start", "time": 1}\nx\ny\nz\n'),

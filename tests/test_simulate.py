@@ -273,7 +273,12 @@ def test_simulate_projects_nothing_when_a_gate_fails(monkeypatch: pytest.MonkeyP
     (["--set", "nope=1"], "unknown input 'nope'"),
     (["--set", "step_s"], "--set step_s: expected KEY=NUMBER"),
     (["--results", "/nonexistent"], "run from the repository root"),
-    (["--gpus", "0"], "--gpus must be >= 1"),
+    (["--gpus", "0"], "--gpus must be 1 to 16,777,216, got 0"),
+    (["--gpus", "1000000000000"], "--gpus must be 1 to 16,777,216"),  # (gigabytes before a line, once)
+    (["--seed", "-1"], "--seed: expected a whole number >= 0, got '-1'"),  # (numpy's traceback after the gates, once)
+    (["--plot", "{file}.txt"], ".txt: name a .png, .pdf or .svg file"),  # (matplotlib's, after the simulations)
+    (["--plot", "{file}_no_suffix"], "_no_suffix: name a .png"),  # (it wrote <path>.png and said <path>)
+    (["--plot", "{dir}"], ": a directory; name the image file"),
     (["--failures", "0"], "--failures must be >= 1"),
     (["--gpus", "100", "--replicas", "40"], "--replicas 40 must divide --gpus 100"),
     (["--set", "failures_per_gpu_hour=0"], "--set failures_per_gpu_hour=0"),
@@ -287,7 +292,12 @@ def test_simulate_bad_input_is_one_line_before_any_gate(argv: list[str], message
     (tmp_path / "file").write_text("")
     monkeypatch.setattr(command, "run_gates", lambda quick: pytest.fail("the gates ran before the input was checked"))
     monkeypatch.chdir(REPO)
-    assert cli.main(["simulate", "--fresh-gates", *(a.replace("{file}", str(tmp_path / "file")) for a in argv)]) == 2
+    argv = [a.replace("{file}", str(tmp_path / "file")).replace("{dir}", str(tmp_path)) for a in argv]
+    try:
+        code = cli.main(["simulate", "--fresh-gates", *argv])
+    except SystemExit as exc:  # a flag's own type (argparse)
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("freescale: error:") and message in err and len(err.strip().splitlines()) == 1
 

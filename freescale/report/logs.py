@@ -239,8 +239,8 @@ def read_group(group: int, path: Path) -> GroupLog:
     last_commit: dict[str, Any] | None = None
     last_where = ""
     starts, parsed = 0, 0
-    try:
-        fh = path.open()
+    try:  # bytes that are not UTF-8 (a disk error, a binary write) make their line garbled, like any other garbage
+        fh = path.open(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise ReportError(f"{path}: cannot read ({exc.strerror})") from None
     with fh:

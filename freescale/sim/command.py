@@ -174,6 +174,19 @@ def writable(path: Path) -> Path:
     return path
 
 
+def check_plot_path(path: Path) -> None:
+    """Before the simulations: ``--plot`` names a file of a format matplotlib writes (its suffix: without one it
+    would write ``<path>.png`` and say ``<path>``), its directory made; else one-line ``SimError``."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.is_dir():
+        raise SimError(f"--plot {path}: a directory; name the image file (e.g. {path / 'ettr.png'})")
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise SimError(f"--plot {path}: name a .png, .pdf or .svg file (a format matplotlib writes)")
+    writable(path)
+
+
 def write_text(path: Path, text: str) -> None:
     try:
         writable(path).write_text(text)
@@ -191,7 +204,7 @@ def run_simulate(results: Path, gpus: int, replicas: int | None, failures: int, 
         from freescale.plotting import pyplot
 
         pyplot()  # matplotlib missing: one line now, not after the simulations
-        writable(plot)
+        check_plot_path(plot)
     gates = gates_first(quick, use_cache=not fresh_gates)
     print_inputs(v)
     cluster, policies = scenario(gpus, v, replicas)

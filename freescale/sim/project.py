@@ -332,10 +332,14 @@ def replicas_at(gpus: int) -> int:
     return min(divisors, key=lambda d: (abs(d - target), d))
 
 
+MAX_GPUS = 1 << 24
+"""The largest job simulated (16.7M GPUs ran in under a second; 10**12 took gigabytes before a line was printed)."""
+
+
 def check_grouping(gpus: int, replicas: int | None) -> int:
     """The replica groups of a ``--gpus``/``--replicas`` pair (equal groups: failure rates count every GPU)."""
-    if gpus < 1:
-        raise SimError(f"--gpus must be >= 1, got {gpus}")
+    if not 1 <= gpus <= MAX_GPUS:
+        raise SimError(f"--gpus must be 1 to {MAX_GPUS:,}, got {gpus:,}")
     if replicas is None:
         return replicas_at(gpus)
     if not 1 <= replicas <= gpus or gpus % replicas:
