@@ -29,9 +29,9 @@ def resolve(path: str) -> Path:
         raise CheckpointError(f"{where}: no such checkpoint or directory")
     if (where / ".metadata").exists() or (where / "freescale.json").exists():
         return where
-    found = latest(where)
+    found = latest(where) or latest(where / "checkpoints")  # a checkpoint directory, or a run's output_dir
     if found is None:
-        raise CheckpointError(f"{where}: no complete checkpoint in this directory")
+        raise CheckpointError(f"{where}: no complete checkpoint there (nor in {where / 'checkpoints'})")
     return found
 
 

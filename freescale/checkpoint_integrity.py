@@ -240,7 +240,8 @@ def check_files(path: Path, manifest: Manifest) -> None:
         if not file.is_file():
             raise CheckpointDamaged(f"{file}: missing")
         if file.stat().st_size != size:
-            raise CheckpointDamaged(f"{file}: {file.stat().st_size} bytes, {size} were written (truncated?)")
+            how = "truncated" if file.stat().st_size < size else "grown"
+            raise CheckpointDamaged(f"{file}: {file.stat().st_size} bytes, {size} were written ({how})")
 
 
 class VerifyingReader(FileSystemReader):

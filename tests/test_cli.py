@@ -190,6 +190,8 @@ def test_single_process_train_without_torchrun_resumes_under_another_shape_and_i
     code, out, _ = run_main(capsys, "checkpoint", "inspect", str(root))
     assert code == 0 and "step 8, written by 1 replica group(s) of 1 rank(s); model dlrm" in out, out
     assert "item_table" in out and "column_wise" in out and "user_table" in out
+    code, out, _ = run_main(capsys, "checkpoint", "inspect", str(tmp_path))  # the run's output_dir: its checkpoints
+    assert code == 0 and "step 8, written by 1 replica group(s)" in out, out
     code, out, _ = run_main(capsys, "checkpoint", "inspect", str(root / "step_000000008"), "--json")
     found = json.loads(out)
     assert {t["table"]: t["row-wise ranges"] for t in found["tables"]} == {"item_table": 2, "user_table": 2}

@@ -70,6 +70,7 @@ def test_report_of_a_run_without_fault_tolerance(tmp_path: Path) -> None:
     assert "AUC 0.7400 (best validated step 4)" in page
     assert page.count("data:image/png;base64,") == 2 and "Fault tolerance timeline" not in page
     assert "no kill, restart, catch-up or redo" in page and "Reading the logs" not in page
+    assert write_report(tmp_path / "train_log.jsonl") == tmp_path / "report.html"  # the log named: its run's page
 
 
 def test_report_tolerates_killed_writers_a_reused_directory_and_stale_kill_files(tmp_path: Path) -> None:

@@ -162,7 +162,9 @@ def render(run: RunLogs) -> str:
 
 
 def write_report(root: Path, out: Path | None = None) -> Path:
-    """Read ``root``'s logs and write the page (default ``root/report.html``)."""
+    """Read ``root``'s logs and write the page (default ``root/report.html``); ``root`` may name the log itself."""
+    if root.name == "train_log.jsonl" and root.is_file():
+        root = root.parent
     run = read_run(root)
     page = out or root / "report.html"
     try:
