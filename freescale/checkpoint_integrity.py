@@ -167,9 +167,9 @@ _OBJECT_FIELDS = {"data": (dict,), "plan": (dict,), "layouts": (dict,), "config"
 
 
 def check_fields(path: Path, meta: dict[str, Any]) -> None:
-    """The fields of ``freescale.json`` that freescale reads, each of the type it wrote: the step (a number, the
-    one its directory is named after), the shape, the data position, each table's plan and layout; else
-    ``CheckpointDamaged`` naming the field."""
+    """The fields of ``freescale.json`` that freescale reads, where present, each of the type it wrote: the step
+    (a number, the one its directory is named after), the shape, the data position, each table's plan and layout;
+    else ``CheckpointDamaged`` naming the field."""
     where = path / "freescale.json"
 
     def refuse(field: str, value: Any, wanted: str) -> None:
@@ -185,6 +185,9 @@ def check_fields(path: Path, meta: dict[str, Any]) -> None:
     for field, types in _OBJECT_FIELDS.items():
         if field in meta and not isinstance(meta[field], types):
             refuse(field, meta[field], "an object" if types == (dict,) else "an object or null")
+    groups = (meta.get("ft") or {}).get("replicas", 1)
+    if type(groups) is not int or groups < 1:
+        refuse("ft.replicas", groups, "a number of replica groups")
     for table, plan in (meta.get("plan") or {}).items():
         if not isinstance(plan, dict) or not all(isinstance(plan.get(key, []), list) for key in ("ranks", "shards")) \
                 or not all(isinstance(shard, dict) for shard in plan.get("shards", [])):

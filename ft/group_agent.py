@@ -51,7 +51,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from freescale.ft.membership_records import BadRequest, _count, _field
+from freescale.ft.membership_records import BadRequest, _count, _field, is_count
 from freescale.ft.serving import LINK_PING_S, backoff_delays, token_ok
 
 log = logging.getLogger("freescale.ft.group_agent")
@@ -314,7 +314,7 @@ class GroupAgent:
         body = await self._body(request)
         member = self._member(body)
         quorum_id, step = body.get("quorum_id"), body.get("step")
-        if isinstance(quorum_id, int) and isinstance(step, int):
+        if is_count(quorum_id) and is_count(step):
             self._progress[member] = {"quorum_id": quorum_id, "step": step, "ready": body.get("ready") is True}
         if member == 0 and "fail_slow" in body:  # (every member judged alike: the first one speaks for the group)
             self._fail_slow = body["fail_slow"]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from freescale.ft.durable import DurableState
-from freescale.ft.membership_records import _Group, _Join, _Vote, fail_slow_entries, resolve
+from freescale.ft.membership_records import _Group, _Join, _Vote, fail_slow_entries, is_count, resolve
 
 log = logging.getLogger("freescale.ft.lighthouse")
 
@@ -168,9 +168,9 @@ class Membership:
         if reported is not None:
             group.fail_slow = reported
         quorum_id, step = body.get("quorum_id"), body.get("step")
-        if not isinstance(quorum_id, int) or isinstance(quorum_id, bool) or body.get("ready") is not True:
-            return
-        if isinstance(step, int) and not isinstance(step, bool):
+        if not is_count(quorum_id) or body.get("ready") is not True:
+            return  # (an id out of range would poison every later quorum, and the state file)
+        if is_count(step):
             self.high_step = max(self.high_step, step)
         self.quorum_id = max(self.quorum_id, quorum_id)
         if quorum_id > self.holders_quorum_id:

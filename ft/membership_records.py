@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 IN_FLIGHT_S = 0.05
 """A heartbeat read this soon after a failure report may have been sent before it (by a rank that
@@ -179,12 +179,17 @@ _COUNTS = 2**53
 """Steps, quorum ids and incarnations are below this (the integers JSON carries exactly, and an int64's range)."""
 
 
+def is_count(value: Any) -> TypeGuard[int]:
+    """Whether ``value`` is a step, quorum id or incarnation: a whole number in ``[0, 2**53)``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _COUNTS
+
+
 def _count(body: dict[str, Any], name: str, default: int | None = None) -> int:
     """A step, quorum id or incarnation: a whole number in ``[0, 2**53)``; ``default`` where it is absent or null
     (else it is required): ``BadRequest`` naming the field otherwise, never a 500 from deeper down."""
     if body.get(name) is None and default is not None:
         return default
     value: int = _field(body, name, int)
-    if not 0 <= value < _COUNTS:
+    if not is_count(value):
         raise BadRequest(f"field '{name}' must be a whole number in [0, 2**53), got {value}")
     return value

@@ -141,7 +141,7 @@ class FaultTolerantOptimizer:
                     self.commit = self._commit()
                 finished = self.commit is None
                 step = self.commit.step + 1 if self.commit is not None else step
-            if not finished:
+            if not finished and total > 0:  # (nothing to train: nothing to say finished)
                 layer.finish(total - 1)
         finally:
             layer.close()

@@ -112,7 +112,8 @@ DAMAGES = {
     "edited manifest": lambda p: (p / "checksums.json").write_text((p / "checksums.json").read_text().replace("0", "1", 1)),
     "edited freescale.json": lambda p: (p / "freescale.json").write_text(
         (p / "freescale.json").read_text().replace('"step": 2', '"step": 3')),
-    "checksums deleted from freescale.json": lambda p: _edit_meta(p, drop=("integrity", "meta_hash"), step=999),
+    "checksums deleted from freescale.json": lambda p: _edit_meta(p, drop=("integrity", "meta_hash"),
+                                                                  config={"edited": True}),  # (fields all well-typed)
 }
 
 
@@ -135,6 +136,7 @@ def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path: Path, damage: s
         checkpoint.load(newest, state)
     message = str(raised.value)
     assert "\n" not in message and str(newest) in message, message
+    assert ("its checksum is gone" in message) == (damage == "checksums deleted from freescale.json"), message
     with pytest.raises(CheckpointDamaged):
         verify_all(newest, checkpoint.read_meta(newest))
     older = checkpoint.complete_checkpoints(tmp_path)[0][1]
@@ -157,7 +159,7 @@ def test_checkpoint_without_checksums_loads_unverified(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("field, value", [("step", "abc"), ("step", 999), ("step", -1), ("world_size", 0),
-                                          ("data", 7), ("config", [1]), ("plan", {"w_table": {"shards": 3}}),
+                                          ("data", 7), ("config", [1]), ("ft", {"replicas": "2"}), ("plan", {"w_table": {"shards": 3}}),
                                           ("layouts", {"w": {"cuts": [0, 8], "dim": "8", "rows": 4}})])
 def test_a_hand_edited_field_of_a_checkpoint_without_checksums_is_refused_naming_it(
         tmp_path: Path, field: str, value: Any) -> None:

@@ -357,6 +357,7 @@ def test_group_evicted_as_fail_slow_then_killed_mid_catch_up(tiny_data: Path, tm
     survivor = by_step(runs[(0, 0)])
     verdicts = [(e["step"], e["group"], round(e["share"], 3)) for e in runs[(0, 0)] if e.get("event") == "fail_slow"]
     assert sorted(survivor) == list(range(steps)), f"group 0 stopped; fail-slow verdicts (step, group, share): {verdicts}"
+    assert len(verdicts) == 1, f"fail-slow verdicts (step, group, share): {verdicts}"
     [(evicted, group, rank)] = [(e["step"], e["group"], e["rank"]) for e in runs[(0, 0)] if e.get("event") == "fail_slow"]
     assert (group, rank) == (1, 0) and evicted <= 30, evicted
     assert [e["step"] for e in runs[(1, 0)] if e.get("event") == "fail_slow"] == [evicted]  # judged alike

@@ -261,6 +261,10 @@ def test_token_size_limit_and_bad_fields_are_refused() -> None:
         raw = json.dumps({**body, "step": 0, field: value}).replace("1e+300", "1e400")  # JSON's infinity
         bad = requests.post(path, data=raw, headers={**auth, "Content-Type": "application/json"}, timeout=5)
         assert bad.status_code == 400 and f"'{field}'" in bad.json()["error"], (field, value, bad.text)
+    # A heartbeat's progress out of range is not taken (every later quorum id would have been past 2**53: refused).
+    assert requests.post(url, json={**body, "ready": True, "quorum_id": 10**20, "step": 3}, headers=auth,
+                         timeout=5).status_code == 200
+    assert lh.quorum_id < 2**53 and lh.high_step < 2**53
     # A group's fail-slow report is shown by the status; a malformed one is dropped (the last good one stays).
     slow = [{"group": 2, "rank": 0, "step": 25, "share": 0.51, "host": "node7"}]
     assert requests.post(url, json={**body, "fail_slow": slow}, headers=auth, timeout=5).status_code == 200
@@ -280,8 +284,8 @@ def test_flags_out_of_range_and_an_unwritable_state_file_stop_it_before_it_serve
             LighthouseConfig(**fields).validate()  # type: ignore[arg-type]
     with pytest.raises(OSError, match="cannot write its state file /proc/freescale/state.json"):
         Lighthouse(LighthouseConfig(state_path="/proc/freescale/state.json"))  # (/proc takes no new directory)
-    Lighthouse(LighthouseConfig(state_path=str(tmp_path / "state.json")))  # a writable one: the probe leaves nothing
-    assert not list(tmp_path.iterdir())
+    Lighthouse(LighthouseConfig(state_path=str(tmp_path / "new" / "state.json")))  # its directory made, nothing left
+    assert [p.name for p in tmp_path.rglob("*")] == ["new"]
 
 
 def test_restarted_lighthouse_keeps_quorum_ids_growing() -> None:

@@ -53,6 +53,8 @@ def test_report_names_the_kill_the_restart_the_catch_up_and_the_redo(tmp_path: P
     assert "download 0.15 s" in page and "load + replay, first contributing step 0.20 s" in page
     assert "step 6 committed after 2 attempts" in page and page.count("data:image/png;base64,") == 3
     assert "per log window (every train.log_every steps), not per step" in page
+    root = fake_run(tmp_path / "again")  # one group's log named: the whole run's page, not one group's
+    assert write_report(root / "replica1" / "train_log.jsonl") == root / "report.html"
 
 
 def test_report_of_a_run_without_fault_tolerance(tmp_path: Path) -> None:

@@ -165,6 +165,8 @@ def write_report(root: Path, out: Path | None = None) -> Path:
     """Read ``root``'s logs and write the page (default ``root/report.html``); ``root`` may name the log itself."""
     if root.name == "train_log.jsonl" and root.is_file():
         root = root.parent
+        if root.name.startswith("replica") and root.name[len("replica"):].isdigit():  # one group's: the whole run's
+            root = root.parent
     run = read_run(root)
     page = out or root / "report.html"
     try:
