@@ -4,8 +4,10 @@ From ``freescale.json`` (written last by ``checkpoint.save``): the step, the wor
 groups that wrote it, the data position, each table's plan (``reshard.plan_summary``) and row-wise
 optimizer layout, a digest of the run's config.  From DCP's ``.metadata``: every tensor's logical
 size, bytes by part (model, optimizer, row-wise fragments), and that every file it names is there
-and long enough.  With ``verify``, every byte of every file against the checksums written with it
-(``checkpoint_integrity.verify_all``).  PATH is one checkpoint or a checkpoint directory (its latest complete one).
+and long enough.  What every load checks first, too (the manifest's and ``.metadata``'s hashes, every data file's
+size); with ``verify``, every byte of every file against the checksums written with it
+(``checkpoint_integrity.verify_all``).  PATH is one checkpoint, a checkpoint directory or a run's output_dir (the
+latest complete one).
 Anything unusable is one ``CheckpointError`` line naming the path.
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from freescale.checkpoint import PARTIAL_SUFFIX, CheckpointError, latest, read_meta
-from freescale.checkpoint_integrity import is_verified, verify_all
+from freescale.checkpoint_integrity import check_files, is_verified, read_manifest, verify_all
 
 
 def resolve(path: str) -> Path:
@@ -41,6 +43,8 @@ def inspect(path: str, verify: bool = False) -> dict[str, Any]:
     where = resolve(path)
     meta = read_meta(where)
     verified = verify_all(where, meta) if verify else None
+    if not verify and is_verified(meta):  # what every load checks first, cheap: the manifest, .metadata, file sizes
+        check_files(where, read_manifest(where, meta))
     tensors = _tensors(where)
     config = meta.get("config") or {}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]

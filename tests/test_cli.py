@@ -221,15 +221,22 @@ def test_single_process_train_without_torchrun_resumes_under_another_shape_and_i
     broken = tmp_path / "broken"
     shutil.copytree(root / "step_000000008", broken)
     victim = next(f for f in broken.iterdir() if f.suffix == ".distcp")
+    written = victim.stat().st_size
     victim.write_bytes(victim.read_bytes()[:10])
+    legacy = tmp_path / "legacy"  # the same, as written before checksums: DCP's .metadata names the short file
+    shutil.copytree(broken, legacy)
+    (legacy / "checksums.json").unlink()
+    meta = json.loads((legacy / "freescale.json").read_text())
+    (legacy / "freescale.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("integrity", "meta_hash")}))
     (tmp_path / "step_000000009.partial").mkdir()
-    for path, line in ((broken, f"{broken}: corrupt or partial: {victim.name} holds 10 bytes"),
+    for path, line in ((broken, f"{victim}: 10 bytes, {written} were written (truncated)"),  # without --verify too
+                       (legacy, f"{legacy}: corrupt or partial: {victim.name} holds 10 bytes"),
                        (tmp_path / "step_000000009.partial", "a save in progress, or one killed mid-way"),
                        (tmp_path / "nothing", "no such checkpoint or directory")):
         code, _, err = run_main(capsys, "checkpoint", "inspect", str(path))
         assert code == 2 and len(err.strip().splitlines()) == 1 and line in err, err
-    (broken / ".metadata").write_bytes(b"not a pickle")
-    code, _, err = run_main(capsys, "checkpoint", "inspect", str(broken))
+    (legacy / ".metadata").write_bytes(b"not a pickle")
+    code, _, err = run_main(capsys, "checkpoint", "inspect", str(legacy))
     assert code == 2 and "unreadable checkpoint metadata" in err and len(err.strip().splitlines()) == 1, err
 
 
