@@ -150,7 +150,7 @@ from typing import Any
 from aiohttp import ClientPayloadError, WSMsgType, web
 
 from freescale.ft import durable
-from freescale.ft.lighthouse_ops import LighthouseOps, Pending, Reply, call_id, error, json_object
+from freescale.ft.lighthouse_ops import LighthouseOps, Pending, Reply, call_id, error, json_object, quiet_bad_requests
 from freescale.ft.membership import LighthouseConfig
 from freescale.ft.membership_records import BadRequest, _Vote
 from freescale.ft.quiet_gc import PYTHON_GC_ENV, QuietCollector
@@ -224,6 +224,7 @@ class Lighthouse(LighthouseOps):
         # Handlers are cancelled when their client's connection closes: a ``/v1/presence`` request
         # (or an agent's link) ending that way is the evidence that a rank's process is gone.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        quiet_bad_requests()
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, int(port))
         await site.start()

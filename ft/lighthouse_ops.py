@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any, NamedTuple
+
+from aiohttp.http_exceptions import HttpProcessingError
 
 from freescale.ft.durable import DurableState
 from freescale.ft.membership import LighthouseConfig, Membership
@@ -22,6 +25,26 @@ Reply = tuple[int, str]
 
 _MAX_GROUP_RANKS = 1 << 20
 """The most ranks a replica group may say it has (the lighthouse keeps a list of its members)."""
+
+
+class OneLineBadRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (a malformed header, a garbage request line) with a traceback, after
+    answering it 400: one line instead, so a scanner or a broken client does not fill the server's console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and exc.code == 400:
+            reason = (str(exc.message).strip().splitlines() or ["malformed"])[0]
+            record.msg, record.args = f"{record.getMessage()}: answered 400 ({reason})", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_bad_requests() -> None:
+    """``OneLineBadRequests`` on aiohttp's server log (every freescale server in the process), once."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, OneLineBadRequests) for f in logger.filters):
+        logger.addFilter(OneLineBadRequests())
 
 
 class Conflict(Exception):

@@ -16,6 +16,7 @@ import requests
 
 from freescale.ft.client import LighthouseClient, LighthouseError, Quorum
 from freescale.ft.lighthouse import Lighthouse, LighthouseConfig
+from tests.procs import wait_for
 
 
 @pytest.fixture
@@ -448,7 +449,9 @@ def test_restarted_lighthouse_restores_its_facts_from_the_state_file(tmp_path: P
         Lighthouse(LighthouseConfig(**cfg))
 
 
-def test_a_body_that_never_arrives_is_answered_408_and_the_server_stays_up() -> None:
+def test_a_body_that_never_arrives_is_answered_408_and_the_server_stays_up(caplog: pytest.LogCaptureFixture) -> None:
+    """A body that never arrives: 408 after the body timeout.  A header aiohttp cannot parse: 400, and one line on
+    the server's console (aiohttp's traceback before)."""
     import socket
 
     lh = Lighthouse(LighthouseConfig(body_timeout_s=0.3))
@@ -460,6 +463,12 @@ def test_a_body_that_never_arrives_is_answered_408_and_the_server_stays_up() -> 
         start = time.monotonic()
         answer = sock.recv(4096).decode()
         assert answer.startswith("HTTP/1.1 408") and time.monotonic() - start < 3, answer
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}")
+        assert sock.recv(4096).decode().startswith("HTTP/1.0 400")
+    assert wait_for(lambda: any(r.name == "aiohttp.server" for r in caplog.records), 5), "aiohttp logged nothing"
+    said = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert said and all(r.exc_info is None and "answered 400 (Invalid character" in r.getMessage() for r in said), said
     assert requests.get(f"{lh.url}/v1/status", timeout=5).status_code == 200
     lh.stop_thread()
 
