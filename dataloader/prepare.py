@@ -182,7 +182,7 @@ def prepare(spec: PrepareSpec, progress: Callable[[str, int, int | None], None] 
     start = time.perf_counter()
     report_progress = progress or (lambda phase, n, total: None)
     log = InteractionLog.open(spec.input, spec.columns, spec.format, spec.delimiter)
-    out_fs, out_base = output_dir(spec)
+    out_fs, out_base, old_files = output_dir(spec)
     if spec.work_dir:
         Path(spec.work_dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="freescale-prepare-", dir=spec.work_dir or None))
@@ -200,6 +200,7 @@ def prepare(spec: PrepareSpec, progress: Callable[[str, int, int | None], None] 
         if spec.dedupe:
             engine.run("DROP TABLE log")  # its unique rows are in unique_log now: free the engine's disk
         rule = split_rule(engine, spec, report)
+        clear_output(spec, out_fs, out_base, old_files)
         result = _write(con, spec, out_fs, out_base, rule, report, report_progress)
         write_vocab(engine, out_fs, out_base)
     except duckdb.OutOfMemoryException as exc:
@@ -225,9 +226,9 @@ def _memory(text: str) -> str:
     return text.strip()
 
 
-def output_dir(spec: PrepareSpec) -> tuple[pafs.FileSystem, str]:
-    """The output directory, made; with ``overwrite`` an old dataset's manifest goes first (so a run that
-    fails midway never leaves it pointing at half-new files), then the files it listed."""
+def output_dir(spec: PrepareSpec) -> tuple[pafs.FileSystem, str, list[str]]:
+    """Before the log is read: the output directory's file system and path, and the files of the dataset already
+    there (``overwrite``; without it, a dataset there is refused).  Nothing is removed yet (``clear_output``)."""
     fs, base = resolve(spec.out)
     base = base.rstrip("/") or "/"
     try:
@@ -237,17 +238,26 @@ def output_dir(spec: PrepareSpec) -> tuple[pafs.FileSystem, str]:
                 raise DataError(f"{spec.out}: already holds a dataset ({MANIFEST_NAME}); choose another --out or "
                                 "pass --overwrite")
             old = DatasetManifest.read_from(fs, base, spec.out)
-            old_files = sorted({f for names in old.splits.values() for f in names} | set(old.vocab.values()))
-            fs.delete_file(f"{base}/{MANIFEST_NAME}")
+            old_files = [MANIFEST_NAME, *sorted({f for names in old.splits.values() for f in names}
+                                                | set(old.vocab.values()))]
         if fs.get_file_info(base).type == pafs.FileType.File:
             raise DataError(f"{spec.out}: is a file; --out names a directory")
-        for name in old_files:  # only what the old manifest listed: never a file of the user's
+    except OSError as exc:
+        raise DataError(f"{spec.out}: cannot prepare the output directory ({exc})") from None
+    return fs, base, old_files
+
+
+def clear_output(spec: PrepareSpec, fs: pafs.FileSystem, base: str, old_files: list[str]) -> None:
+    """Once the whole log is read and checked, before the first file is written: the old dataset goes, its
+    manifest first (a run that fails from here never leaves it pointing at half-new files), then the files it
+    listed (never a file of the user's); the directory is made.  A log refused while it is read loses nothing."""
+    try:
+        for name in old_files:
             if fs.get_file_info(f"{base}/{name}").type == pafs.FileType.File:
                 fs.delete_file(f"{base}/{name}")
         fs.create_dir(f"{base}/vocab", recursive=True)
     except OSError as exc:
         raise DataError(f"{spec.out}: cannot prepare the output directory ({exc})") from None
-    return fs, base
 
 
 def _load(con: Any, log: InteractionLog, on_rows: Callable[[int], None]) -> None:

@@ -42,6 +42,7 @@ from freescale.dataloader.log_rows import LogColumns, check_column_kind, kind_of
 from freescale.dataloader.prepare import (
     PrepareReport,
     PrepareSpec,
+    clear_output,
     filter_and_count,
     finish,
     output_dir,
@@ -93,9 +94,10 @@ def prepare_on_spark(spark: Any, spec: PrepareSpec, log: Any = None, partitions:
     engine = SparkEngine(spark)
     try:
         _normalized(frame, spec.columns, spec.input).createOrReplaceTempView("log")
-        fs, base = output_dir(spec)
+        fs, base, old_files = output_dir(spec)
         report = _on_executors(lambda: filter_and_count(engine, spec))
         rule = _on_executors(lambda: split_rule(engine, spec, report))
+        clear_output(spec, fs, base, old_files)
         result = _on_executors(lambda: _write_sequences(spark, spec, rule, partitions))
         write_vocab(engine, fs, base)
         finish(fs, base, spec, None, report, result, start, engine="spark")

@@ -290,7 +290,7 @@ def _whole(text: str) -> int:
     return value
 
 
-_int, _float, _seed = _typed(int, "an integer"), _typed(float, "a number"), _typed(_whole, "a whole number >= 0")
+_int, _float, _natural = _typed(int, "an integer"), _typed(float, "a number"), _typed(_whole, "a whole number >= 0")
 
 
 def _reject_unknown_options(command: _Parser, rest: list[str], overrides: bool) -> None:
@@ -334,7 +334,7 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     gen.add_argument("--max-len", type=_int, default=64, help="longest history (default 64)")
     gen.add_argument("--lengths", default="ml-20m", help="history lengths: ml-1m, ml-20m, zipf or uniform (default ml-20m)")
     gen.add_argument("--zipf-alpha", type=_float, default=1.1, help="exponent for --lengths zipf (default 1.1)")
-    gen.add_argument("--seed", type=_seed, default=0)
+    gen.add_argument("--seed", type=_natural, default=0)
     gen.add_argument("--row-group-size", type=_int, default=8_192)
 
     lh = sub.add_parser("lighthouse", help="serve quorums for fault-tolerant replica groups (freescale.ft)")
@@ -354,7 +354,7 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
     sim.add_argument("--gpus", type=_int, default=16_384, help="GPUs of the simulated job (default 16384)")
     sim.add_argument("--replicas", type=_int, default=None, help="replica groups, a divisor of --gpus (default: the divisor nearest 16 up to 16K GPUs, then nearest 8K-GPU groups)")
     sim.add_argument("--failures", type=_int, default=1_000, help="crash/hang failures to simulate (default 1000)")
-    sim.add_argument("--seed", type=_seed, default=0)
+    sim.add_argument("--seed", type=_natural, default=0)
     sim.add_argument("--results", default="benchmarks/results", help="measured FT benchmark JSONs (default benchmarks/results: run from the repository root)")
     sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an input (names in the inputs table)")
     sim.add_argument("--project", action="store_true", help="also project at 1K, 16K and 100K GPUs")
@@ -391,7 +391,7 @@ def build_parser(with_config_keys: bool = True) -> _Parser:
                            help="local ranks (of each replica group with --replicas; default 2)")
             p.add_argument("--lighthouse", default="", help="with --replicas: use this lighthouse URL (a `freescale lighthouse` process) instead of one in the launcher")
             p.add_argument("--replicas", type=_int, default=1, help="fault-tolerant replica groups of --nproc-per-node ranks each, with a lighthouse in this process (freescale.ft; default 1: no fault tolerance)")
-            p.add_argument("--max-restarts", type=_int, default=0, help="restart the group this often when a rank fails; it resumes from its latest checkpoint (default 0)")
+            p.add_argument("--max-restarts", type=_natural, default=0, help="restart the group this often when a rank fails; it resumes from its latest checkpoint (default 0)")
             p.add_argument("--standby", action="store_true",
                            help="with --replicas and --nproc-per-node 1: a warm standby beside each group's rank (imported, its model built) takes over the moment the rank dies; --max-restarts counts the standbys started after one took over")
             p.add_argument("--on-rank-loss", choices=("restart", "shrink"), default=None,

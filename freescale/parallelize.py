@@ -11,6 +11,7 @@ state dict holds both (sharded tensors for the tables).
 from __future__ import annotations
 
 import copy
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -85,9 +86,10 @@ class OptimConfig:
             require(kind in SHARDING_TYPES, "sharding", f"'{kind}' for {table if table != '*' else 'every table'} "
                     f"is not one of {', '.join(SHARDING_TYPES)}")
         require(self.column_shard_min_dim >= 0, "column_shard_min_dim", "must be >= 0")
-        require(self.dense_lr > 0, "dense_lr", f"must be positive, got {self.dense_lr}")
-        require(self.sparse_lr > 0, "sparse_lr", f"must be positive, got {self.sparse_lr}")
-        require(self.dense_weight_decay >= 0, "dense_weight_decay", "must be >= 0")
+        for name in ("dense_lr", "sparse_lr"):  # (inf passed once, and every step's loss was nan)
+            value = getattr(self, name)
+            require(0 < value < math.inf, name, f"must be positive and finite, got {value}")
+        require(0 <= self.dense_weight_decay < math.inf, "dense_weight_decay", "must be >= 0 and finite")
         require(self.lr_schedule in SCHEDULES, "lr_schedule",
                 f"must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
         require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")

@@ -422,6 +422,7 @@ def test_bad_launcher_option_value_is_one_line(capsys: pytest.CaptureFixture[str
         (["--nproc-per-node", "two"], "--nproc-per-node/--ranks-per-replica: expected an integer, got 'two'"),
         (["--replicas", "1.5", "--data.path", "x"], "--replicas: expected an integer, got '1.5'"),
         (["--data.path", "x", "--max-restarts"], "--max-restarts: expected one argument"),
+        (["--max-restarts", "-1", "--data.path", "x"], "--max-restarts: expected a whole number >= 0, got '-1'"),
     ):
         code, _, err = run_main(capsys, "launch", *args)
         assert code == 2, err

@@ -46,6 +46,7 @@ def test_parse_overrides_accepts_both_spellings() -> None:
         (["--train.steps"], "--train.steps: missing value"),
         (["steps=5"], "unexpected argument 'steps=5'"),
         (["--optim.sharding", "item_table=colum_wise"], "optim.sharding: 'colum_wise' for item_table is not one of"),
+        (["--optim.sparse_lr", "inf"], "optim.sparse_lr: must be positive and finite, got inf"),  # (every loss nan)
     ],
 )
 def test_bad_overrides_name_the_key(overrides: list[str], needle: str) -> None:

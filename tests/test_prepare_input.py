@@ -212,6 +212,26 @@ def test_text_in_a_label_column_of_a_csv_names_its_line(tmp_path: Path) -> None:
     assert str(caught.value) == f"{tmp_path / 'log.csv'}: line 101: column 'r': not a number ('four')"
 
 
+def test_overwrite_keeps_the_old_dataset_when_the_new_log_is_refused(tmp_path: Path) -> None:
+    """``--overwrite`` removes the dataset already there only once the new log is read and checked: a log refused
+    at one of its rows leaves the old dataset whole (it was deleted first, once) and no empty ``vocab/`` litter."""
+    table = {"u": [k % 7 for k in range(300)], "i": list(range(300)), "t": [1_500_000_000 + k for k in range(300)],
+             "r": ["4"] * 300}
+    columns = LogColumns(user="u", item="i", time="t", label="r", rating_threshold=4)
+    pacsv.write_csv(pa.table(table), tmp_path / "good.csv")
+    prep(tmp_path / "good.csv", tmp_path / "o", columns)
+    before = {p.relative_to(tmp_path / "o"): p.read_bytes() for p in (tmp_path / "o").rglob("*") if p.is_file()}
+    table["r"][299] = "four"
+    pacsv.write_csv(pa.table(table), tmp_path / "bad.csv")
+    with pytest.raises(DataError, match="line 301: column 'r': not a number"):
+        prep(tmp_path / "bad.csv", tmp_path / "o", columns, overwrite=True)
+    after = {p.relative_to(tmp_path / "o"): p.read_bytes() for p in (tmp_path / "o").rglob("*") if p.is_file()}
+    assert after == before and sequences(tmp_path / "o")
+    with pytest.raises(DataError, match="line 301"):
+        prep(tmp_path / "bad.csv", tmp_path / "fresh", columns)
+    assert not (tmp_path / "fresh" / "vocab").exists()
+
+
 def test_a_numeric_time_column_read_as_text_is_taken_as_numbers(tmp_path: Path) -> None:
     """A batch of a text column (a file whose first block had some text) whose values are all numbers."""
     (tmp_path / "log.csv").write_text('u,i,t\n1,1,"1500000002"\n1,2," 1500000001"\n1,3,1500000000.5\n')
