@@ -32,7 +32,7 @@ from __future__ import annotations
 import fnmatch
 import posixpath
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,7 +102,8 @@ class InteractionLog:
         shown_base = uri.rstrip("/")
         for p in paths:
             shown = p if p == path else f"{shown_base}/{p[len(path.rstrip('/')) + 1:]}" if p.startswith(path) else p
-            log.files.append(_open_file(fs, p, shown, fmt, delimiter))
+            numbers = [*columns.dense, *([columns.label] if columns.label else [])]
+            log.files.append(_open_file(fs, p, shown, fmt, delimiter, numbers))
         log._drop_header_only()
         log._check_columns()
         return log
@@ -225,16 +226,26 @@ def _format_of(paths: list[str], shown: str) -> str:
     return kinds.pop()
 
 
-def _open_file(fs: pafs.FileSystem, path: str, shown: str, fmt: str, delimiter: str | None = None) -> _File:
+def _open_file(fs: pafs.FileSystem, path: str, shown: str, fmt: str, delimiter: str | None = None,
+               numbers: Sequence[str] = ()) -> _File:
+    """One file of the log.  A CSV's label and dense columns (``numbers``) are read as float64 in every block:
+    the reader would take their type from the first block, and refuse a half-star rating (``4.5``) far down a log
+    whose first block held whole ones."""
     try:
         if fmt == "parquet":
             fragment = ds.ParquetFileFormat().make_fragment(path, filesystem=fs)
             fragment.ensure_complete_metadata()
             return _File(path, shown, fragment, rows=fragment.metadata.num_rows)
         sep = delimiter or sniff_delimiter(fs, path)
-        csv_format = ds.CsvFileFormat(parse_options=pacsv.ParseOptions(delimiter=sep))
+        numeric = pacsv.ConvertOptions(column_types={name: pa.float64() for name in numbers})
+        csv_format = ds.CsvFileFormat(parse_options=pacsv.ParseOptions(delimiter=sep), convert_options=numeric)
         fragment = csv_format.make_fragment(path, filesystem=fs)
-        fragment.physical_schema  # noqa: B018  infer the columns now (reads the first block)
+        try:
+            fragment.physical_schema  # noqa: B018  infer the columns now (reads the first block)
+        except pa.ArrowInvalid as exc:  # a word in a number column within the first block: named by its line
+            names = ds.CsvFileFormat(parse_options=pacsv.ParseOptions(delimiter=sep)).make_fragment(
+                path, filesystem=fs).physical_schema.names
+            raise _conversion_error(str(exc), names, shown) or exc from None
         return _File(path, shown, fragment, lines=True)
     except (pa.ArrowInvalid, OSError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -298,14 +309,22 @@ def _read_error(exc: BaseException, f: _File, done: int) -> DataError:
     first block (a text value in a numeric column, far down) names its row and column: pyarrow's message
     counts lines from 1 with the header, our rows from 0 without."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    found = _CSV_CONVERSION.match(first_line)
-    if found is not None:
-        names = f.fragment.physical_schema.names
-        column, line, kind, value = int(found.group(1)), int(found.group(2)), found.group(3), found.group(4)
-        name = names[column] if column < len(names) else f"#{column}"
-        return DataError(f"{f.shown}: {row_name(line - 2, True)}: column '{name}': not {kind} like the rows before "
-                         f"it ({value})")
-    return DataError(f"{f.shown}: cannot read it from {row_name(done, f.lines)} on ({first_line})")
+    named = _conversion_error(first_line, f.fragment.physical_schema.names, f.shown)
+    return named or DataError(f"{f.shown}: cannot read it from {row_name(done, f.lines)} on ({first_line})")
+
+
+def _conversion_error(message: str, names: list[str], shown: str) -> DataError | None:
+    """pyarrow's message on a CSV value its column's type refuses, as one line naming the line and column (pyarrow
+    counts lines from 1 with the header, our rows from 0 without); None for any other message."""
+    found = _CSV_CONVERSION.search(message)
+    if found is None:
+        return None
+    column, line, kind, value = int(found.group(1)), int(found.group(2)), found.group(3), found.group(4)
+    name = names[column] if column < len(names) else f"#{column}"
+    if kind == "double":  # a label or dense column (read as numbers throughout), or a time inferred as one
+        return DataError(f"{shown}: {row_name(line - 2, True)}: column '{name}': not a number ({value})")
+    return DataError(f"{shown}: {row_name(line - 2, True)}: column '{name}': not {kind} like the rows before it "
+                     f"({value})")
 
 
 _NUMBER = r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$"

@@ -81,8 +81,8 @@ class BalanceConfig:
     on the 2-core VM this project is measured on, a healthy rank's estimate dipped to 0.73 of the other's
     over 1,000 steps (``benchmarks/bench_stragglers.py``), and a rank 1.5 times slower reads about 0.6.  Where the
     ranks share cores with more busy processes than there are cores, lower it: two replica groups of one rank on
-    those 2 cores beside three busy processes read as low as 0.62 of each other for two checks in a row (a freshly
-    started process ran the same steps 1.6 times faster than the long-running one for ~15 steps)."""
+    those 2 cores beside three busy processes read as low as 0.62 of each other for two checks in a row (one process
+    ran the same steps 1.6 times faster than the other for ~15 steps, as the shared cores' speed met each)."""
     speed_window: int = 10
     """Steps in each rank's speed estimate (their median)."""
     check_every: int = 5

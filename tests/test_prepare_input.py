@@ -212,6 +212,25 @@ def test_text_in_a_label_column_of_a_csv_names_its_line(tmp_path: Path) -> None:
     assert str(caught.value) == f"{tmp_path / 'log.csv'}: line 101: column 'r': not a number ('four')"
 
 
+def test_a_half_star_rating_far_down_a_csv_is_a_rating(tmp_path: Path) -> None:
+    """A label read as numbers in every block: ``4.5`` past the reader's first block of whole ratings (MovieLens
+    10M/20M's half stars) was refused as "not int64 like the rows before it"; a word there is named by its line."""
+    rows = 60_000  # past the reader's first block (1 MB)
+    table = {"u": [k % 7 for k in range(rows)], "i": list(range(rows)), "t": [1_500_000_000 + k for k in range(rows)],
+             "r": ["3"] * rows}
+    table["r"][-1] = "4.5"
+    pacsv.write_csv(pa.table(table), tmp_path / "log.csv")
+    assert (tmp_path / "log.csv").stat().st_size > 1 << 20
+    columns = LogColumns(user="u", item="i", time="t", label="r", rating_threshold=4)
+    report = prep(tmp_path / "log.csv", tmp_path / "o", columns)
+    assert report.interactions_kept > 0
+    table["r"][-1] = "four"
+    pacsv.write_csv(pa.table(table), tmp_path / "log.csv")
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path / "log.csv", tmp_path / "o2", columns)
+    assert str(caught.value) == f"{tmp_path / 'log.csv'}: line {rows + 1}: column 'r': not a number ('four')"
+
+
 def test_overwrite_keeps_the_old_dataset_when_the_new_log_is_refused(tmp_path: Path) -> None:
     """``--overwrite`` removes the dataset already there only once the new log is read and checked: a log refused
     at one of its rows leaves the old dataset whole (it was deleted first, once) and no empty ``vocab/`` litter."""
