@@ -190,7 +190,11 @@ class DatasetManifest:
         if fs.get_file_info(f"{base}/{MANIFEST_NAME}").type != pafs.FileType.File:
             if fs.get_file_info(base).type == pafs.FileType.NotFound:
                 raise DataError(f"data path not found: {shown} (create one with `freescale gen-data --out {shown}`)")
-            raise DataError(f"{shown}: no {MANIFEST_NAME}; is this a dataset written by `freescale gen-data`?")
+            if fs.get_file_info(base).type == pafs.FileType.File:  # an interaction log given as the dataset
+                raise DataError(f"{shown}: a file, not a dataset directory; an interaction log (Parquet or CSV) "
+                                f"becomes one with `freescale prepare {shown} --out DIR ...`")
+            raise DataError(f"{shown}: no {MANIFEST_NAME}; is this a dataset written by `freescale gen-data` "
+                            "or `freescale prepare`?")
         try:
             with fs.open_input_stream(f"{base}/{MANIFEST_NAME}") as fh:
                 raw = json.loads(fh.read().decode())

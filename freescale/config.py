@@ -159,7 +159,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+            raise ConfigError(f"config file not found: {path}" + (" (a directory; name a .toml file in it)"
+                                                                  if path.is_dir() else ""))
         try:
             with path.open("rb") as fh:
                 data = tomllib.load(fh)

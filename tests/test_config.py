@@ -72,3 +72,5 @@ def test_bad_toml_names_file_and_key(tmp_path: Path) -> None:
 def test_missing_config_file() -> None:
     with pytest.raises(ConfigError, match="config file not found: nope.toml"):
         load_config(TrainerConfig, "nope.toml")
+    with pytest.raises(ConfigError, match=r"config file not found: configs \(a directory; name a .toml file in it\)"):
+        load_config(TrainerConfig, "configs")

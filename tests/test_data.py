@@ -170,6 +170,9 @@ def test_missing_path_manifest_and_files(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"empty: no dataset.json"):
         loader(tmp_path / "empty")
+    (tmp_path / "ratings.csv").write_text("u,i,t\n1,2,3\n")  # an interaction log given as the dataset
+    with pytest.raises(DataError, match=r"ratings.csv: a file, not a dataset directory; .* `freescale prepare "):
+        loader(tmp_path / "ratings.csv")
     d = write_dataset(tmp_path / "gone", table_with())
     (d / "train-00000.parquet").unlink()
     with pytest.raises(DataError, match=r"train-00000.parquet: listed in dataset.json split 'train' but missing"):
