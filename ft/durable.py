@@ -86,13 +86,18 @@ def load(path: str | os.PathLike[str]) -> DurableState | None:
     return DurableState.from_json(body, str(p))
 
 
+def _temp_beside(p: Path) -> tuple[int, str]:
+    """A new temporary file in ``p``'s directory (made if missing), where ``save`` writes before it replaces ``p``."""
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+
+
 def check_writable(path: str | os.PathLike[str]) -> None:
     """Whether ``save`` can write ``path`` (its directory made, a file created there and removed): at start, so a
     state file the lighthouse cannot write stops it before it serves, not at its first change of state."""
     p = Path(path)
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+        fd, probe = _temp_beside(p)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
@@ -102,8 +107,7 @@ def check_writable(path: str | os.PathLike[str]) -> None:
 def save(path: str | os.PathLike[str], state: DurableState) -> None:
     """Replace ``path`` with ``state`` atomically and durably (module docstring)."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    fd, tmp = _temp_beside(p)
     try:
         with os.fdopen(fd, "w") as out:
             json.dump(state.to_json(), out)

@@ -116,7 +116,7 @@ _state: dict[str, Any] = {}
 
 def _parser() -> Any:
     if "parser" not in _state:
-        from freescale.cli import build_parser
+        from freescale.cli_parser import build_parser
 
         _state["parser"] = build_parser(with_config_keys=False)
     return _state["parser"]
@@ -124,7 +124,7 @@ def _parser() -> Any:
 
 def _freescale_errors(argv: list[str]) -> list[str]:
     """``freescale ARGV`` parsed the way ``freescale.cli.main`` parses it, without running anything."""
-    from freescale.cli import _reject_unknown_options, _trainer_config_cls
+    from freescale.cli_parser import _reject_unknown_options, _trainer_config_cls
     from freescale.config import ConfigError, load_config
 
     command: list[str] = []
